@@ -1,0 +1,60 @@
+"""The root of every error posttrain raises.
+
+Each package defines its own subclasses (named in that package's docstring);
+the tree below lists the ones the interface itself defines.
+
+    PosttrainError                    base of every posttrain error
+    ├── ConfigError (ValueError)      a spec or option is invalid (names the field and value)
+    ├── WireFormatError (ValueError)  a wire payload fails validation (names the field)
+    ├── TransportError                an HTTP peer could not be reached or answered badly
+    │   └── EngineError               an engine answered with an error status or success=false
+    └── WeightSyncError               a weight update did not complete
+        ├── IncompleteUpdateError     missing, unknown or duplicate tensors in an update
+        └── StaleVersionError         a weight version that does not increase
+"""
+
+from __future__ import annotations
+
+
+class PosttrainError(Exception):
+    """Base class of every error raised by a posttrain package."""
+
+
+class ConfigError(PosttrainError, ValueError):
+    """A spec, option or argument is invalid; the message names the field and value."""
+
+
+class WireFormatError(PosttrainError, ValueError):
+    """A wire payload failed validation; ``field`` is the dotted path of the bad field."""
+
+    def __init__(self, message: str, *, field: str | None = None) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+class TransportError(PosttrainError):
+    """An HTTP peer could not be reached, timed out, or answered with a malformed reply."""
+
+    def __init__(self, message: str, *, url: str | None = None) -> None:
+        super().__init__(message)
+        self.url = url
+
+
+class EngineError(TransportError):
+    """An engine answered with an error status or ``success: false``."""
+
+    def __init__(self, message: str, *, url: str | None = None, status: int | None = None) -> None:
+        super().__init__(message, url=url)
+        self.status = status
+
+
+class WeightSyncError(PosttrainError):
+    """A weight update did not complete."""
+
+
+class IncompleteUpdateError(WeightSyncError):
+    """An update's tensors were missing, unknown, duplicated or of the wrong dtype/shape."""
+
+
+class StaleVersionError(WeightSyncError):
+    """A weight version did not increase over the engine's current version."""
