@@ -102,9 +102,7 @@ class Args:
         lines: list[str] = []
         overridden = set(self.user_flag_names())
         for old, new in self._history:
-            lines.append(
-                f"{new.name}: rule {new.source} replaced {_show(old)} (from {old.source})"
-            )
+            lines.append(f"{new.name}: rule {new.source} replaced {_show(old)} (from {old.source})")
         for flag in self._flags:
             note = "  [overridden by user]" if flag.name in overridden else ""
             lines.append(f"{_show(flag)}  <- {flag.source}{note}")

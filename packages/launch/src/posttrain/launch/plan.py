@@ -170,7 +170,9 @@ class Plan:
         for p in self.processes:
             env = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(p.env.items()))
             cmd = shlex.join(p.argv)
-            out.append(f"# {p.name} (node {p.node}, stage {p.stage})\n{env + ' ' if env else ''}{cmd}")
+            out.append(
+                f"# {p.name} (node {p.node}, stage {p.stage})\n{env + ' ' if env else ''}{cmd}"
+            )
         return "\n".join(out) + "\n"
 
 

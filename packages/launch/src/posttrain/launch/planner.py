@@ -79,7 +79,9 @@ def build_plan(cfg: LaunchConfig) -> Plan:
                 node=node,
                 gpus=r.rollout_tp if gpn else 0,
                 stage=0,
-                readiness=Readiness(url=f"http://{{node_ip}}:{port}/health", timeout_s=ENGINE_READY_S),
+                readiness=Readiness(
+                    url=f"http://{{node_ip}}:{port}/health", timeout_s=ENGINE_READY_S
+                ),
                 explain=tuple(explain),
             )
         )
@@ -113,7 +115,9 @@ def build_plan(cfg: LaunchConfig) -> Plan:
                 argv=(PYTHON, "-m", SESSION_ROUTER_MODULE, *args.argv()),
                 node=0,
                 stage=2,
-                readiness=Readiness(url=f"http://{{node_ip}}:{port}/health", timeout_s=SESSION_READY_S),
+                readiness=Readiness(
+                    url=f"http://{{node_ip}}:{port}/health", timeout_s=SESSION_READY_S
+                ),
                 explain=tuple(args.explain()),
             )
         )

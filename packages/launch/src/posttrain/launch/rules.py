@@ -152,7 +152,9 @@ def resolve_config(cfg: LaunchConfig) -> Resolved:
                 f"out of {total} on {cfg.nodes} x {hw.value}"
             )
         if rollout_gpus % tp:
-            raise LaunchConfigError(f"rollout_gpus={rollout_gpus} is not a multiple of rollout_tp={tp}")
+            raise LaunchConfigError(
+                f"rollout_gpus={rollout_gpus} is not a multiple of rollout_tp={tp}"
+            )
         if cfg.nodes > 1 and rollout_gpus % gpn:
             raise LaunchConfigError(
                 f"rollout_gpus={rollout_gpus} must be whole nodes of {gpn} GPUs when nodes > 1"
@@ -220,7 +222,9 @@ def _base_trainer(r: Resolved, a: RoleArgs, src: str) -> None:
     a.trainer.set("--rollout-url", f"http://{{node_ip:0}}:{r.cfg.session_router_port}", source=src)
     a.trainer.set("--backend", r.trainer_backend.value, source=src + " (trainer backend table)")
     if r.trainer_backend is TrainerBackend.MEGATRON:
-        a.trainer.set("--tensor-model-parallel-size", r.trainer_tp, source=src + " (trainer tp table)")
+        a.trainer.set(
+            "--tensor-model-parallel-size", r.trainer_tp, source=src + " (trainer tp table)"
+        )
         a.trainer.set("--num-layers", m.num_layers, source=src)
         if m.is_moe:
             a.trainer.set("--expert-model-parallel-size", r.trainer_ep, source=src)
@@ -243,7 +247,9 @@ def _precision(r: Resolved, a: RoleArgs, src: str) -> None:
         a.engine.set("--quantization", "modelopt_fp4", source=src)
         return
     a.trainer.set("--fp8-format", "e4m3", source=src)
-    a.trainer.set("--fp8-recipe", "blockwise" if p is Precision.FP8_BLOCKWISE else "mxfp8", source=src)
+    a.trainer.set(
+        "--fp8-recipe", "blockwise" if p is Precision.FP8_BLOCKWISE else "mxfp8", source=src
+    )
     if p is Precision.FP8_BLOCKWISE:
         a.trainer_env["NVTE_FP8_BLOCK_SCALING_FP32_SCALES"] = ("1", src)
 

@@ -95,8 +95,8 @@ DEFAULT_PRECISION: dict[ModelFamily, dict[Generation, Precision]] = {
         Generation.CDNA3: Precision.BF16, Generation.CDNA4: Precision.BF16,
         Generation.CPU: Precision.BF16,
     },
-    ModelFamily.GLM4_MOE_LITE: {g: Precision.BF16 for g in Generation},
-    ModelFamily.QWEN3: {g: Precision.BF16 for g in Generation},
+    ModelFamily.GLM4_MOE_LITE: dict.fromkeys(Generation, Precision.BF16),
+    ModelFamily.QWEN3: dict.fromkeys(Generation, Precision.BF16),
 }  # fmt: skip
 
 # Generations each precision may run on (fp4/mxfp8 are Blackwell-only).

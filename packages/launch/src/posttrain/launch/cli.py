@@ -1,0 +1,241 @@
+"""The ``posttrain`` command line: ``plan``, ``up``, ``hardware`` and ``run``.
+
+Output for people goes through rich; machine output (``--json``, the URLs ``up`` prints) is
+plain text on stdout so scripts can read it. Any ``LaunchError`` ends the command with exit
+code 2 and one red line naming the field at fault, never a traceback.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import signal
+import sys
+import warnings
+from pathlib import Path
+from types import FrameType
+from typing import Annotated, NoReturn
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from posttrain.launch._errors import LaunchError
+from posttrain.launch.args import parse_assignments
+from posttrain.launch.catalog import get_model
+from posttrain.launch.hardware import GPUS_PER_NODE, Hardware, detect_hardware, parse_hardware
+from posttrain.launch.plan import Plan
+from posttrain.launch.planner import build_plan
+from posttrain.launch.rules import LaunchConfig
+from posttrain.launch.runners import DryRun, LocalRunner, console_sink
+from posttrain.launch.stack import LocalStackConfig, build_local_stack, default_engine_kind
+from posttrain.launch.tables import EngineKind, Precision
+
+app = typer.Typer(
+    name="posttrain",
+    help="posttrain: hardware-aware launch plans and a local RL rollout stack.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+_out = Console(highlight=False, soft_wrap=True)
+_err = Console(stderr=True, highlight=False, soft_wrap=True)
+
+
+def _fail(exc: Exception) -> NoReturn:
+    _err.print(f"[red]error:[/red] {exc}", markup=True)
+    raise typer.Exit(code=2)
+
+
+def _split(values: list[str] | None) -> tuple[str, ...]:
+    """Each ``--engine-arg`` value may hold several tokens: ``"--mem-fraction-static 0.8"``."""
+    return tuple(tok for v in values or [] for tok in shlex.split(v))
+
+
+@app.command("plan")
+def plan_command(
+    model: Annotated[str, typer.Option("--model", help="model id, e.g. glm-4.7-flash")],
+    hardware: Annotated[str, typer.Option("--hardware", help="h100, h200, b200, ... cpu")],
+    attention_backend: Annotated[
+        str | None,
+        typer.Option(
+            "--attention-backend",
+            help="escape hatch: passed to the engine untouched; switches off backend rules",
+        ),
+    ] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="print the plan as JSON")] = False,
+    nodes: Annotated[int, typer.Option("--nodes", min=1)] = 1,
+    precision: Annotated[str | None, typer.Option("--precision")] = None,
+    rollout_tp: Annotated[int | None, typer.Option("--rollout-tp")] = None,
+    model_path: Annotated[str | None, typer.Option("--model-path")] = None,
+    engine_arg: Annotated[list[str] | None, typer.Option("--engine-arg")] = None,
+    router_arg: Annotated[list[str] | None, typer.Option("--router-arg")] = None,
+    session_router_arg: Annotated[list[str] | None, typer.Option("--session-router-arg")] = None,
+    trainer_arg: Annotated[list[str] | None, typer.Option("--trainer-arg")] = None,
+) -> None:
+    """Print the launch plan for a model on a hardware profile (nothing is started)."""
+    try:
+        cfg = LaunchConfig(
+            model=get_model(model),
+            hardware=parse_hardware(hardware),
+            nodes=nodes,
+            model_path=model_path,
+            attention_backend=attention_backend,
+            precision=_parse_precision(precision),
+            rollout_tp=rollout_tp,
+            engine_args=_split(engine_arg),
+            router_args=_split(router_arg),
+            session_router_args=_split(session_router_arg),
+            trainer_args=_split(trainer_arg),
+        )
+        plan = build_plan(cfg)
+    except LaunchError as exc:
+        _fail(exc)
+    if as_json:
+        sys.stdout.write(plan.to_json())
+    else:
+        DryRun(plan, console=_out).run()
+
+
+def _parse_precision(value: str | None) -> Precision | None:
+    if value is None:
+        return None
+    try:
+        return Precision(value)
+    except ValueError:
+        from posttrain.launch._errors import LaunchConfigError
+
+        allowed = ", ".join(p.value for p in Precision)
+        raise LaunchConfigError(f"precision {value!r} is not one of: {allowed}") from None
+
+
+@app.command("hardware")
+def hardware_command(
+    hardware: Annotated[
+        str | None,
+        typer.Option("--hardware", envvar="POSTTRAIN_HARDWARE", help="the declared hardware"),
+    ] = None,
+    as_json: Annotated[bool, typer.Option("--json")] = False,
+) -> None:
+    """Show the detected GPUs next to the declared hardware, and every profile."""
+    try:
+        declared = parse_hardware(hardware) if hardware else None
+    except LaunchError as exc:
+        _fail(exc)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        detection = detect_hardware(declared)
+    mismatch = [str(w.message) for w in caught]
+    if as_json:
+        payload = {
+            "declared": declared.value if declared else None,
+            "detected": detection.hardware.value if detection.hardware else None,
+            "tool": detection.tool,
+            "gpu_names": list(detection.gpu_names),
+            "warnings": mismatch,
+        }
+        sys.stdout.write(json.dumps(payload, indent=2) + "\n")
+        return
+    _out.print(f"declared: {declared.value if declared else '(none; pass --hardware)'}")
+    detected = detection.hardware.value if detection.hardware else "unknown"
+    via = detection.tool or "no GPU tool answered"
+    _out.print(f"detected: {detected} ({detection.gpu_count} GPU(s), via {via})")
+    for message in mismatch:
+        _err.print(f"[yellow]warning:[/yellow] {message}", markup=True)
+    table = Table(title="hardware profiles")
+    for col in ("hardware", "gpus/node", "generation", "vendor"):
+        table.add_column(col)
+    for hw in Hardware:
+        table.add_row(hw.value, str(GPUS_PER_NODE[hw]), hw.generation.value, hw.vendor.value)
+    _out.print(table)
+
+
+def _raise_interrupt(signum: int, frame: FrameType | None) -> None:
+    raise KeyboardInterrupt
+
+
+@app.command("up")
+def up_command(
+    model_path: Annotated[Path, typer.Option("--model-path", help="checkpoint directory")],
+    engines: Annotated[int, typer.Option("--engines", min=1)] = 2,
+    lora: Annotated[list[str] | None, typer.Option("--lora", help="NAME=PATH")] = None,
+    engine: Annotated[
+        str | None, typer.Option("--engine", help="local-engine or sglang (default: auto)")
+    ] = None,
+    ready_timeout_s: Annotated[float, typer.Option("--ready-timeout-s")] = 300.0,
+    dry_run: Annotated[bool, typer.Option("--dry-run")] = False,
+) -> None:
+    """Start engines, the sgl-router and a session router on loopback; Ctrl-C stops all."""
+    try:
+        kind = EngineKind(engine) if engine else default_engine_kind()
+    except ValueError:
+        _fail(ValueError(f"--engine {engine!r} is not one of local-engine, sglang"))
+    try:
+        plan = build_local_stack(
+            LocalStackConfig(
+                model_path=str(model_path),
+                engines=engines,
+                loras=tuple(parse_assignments(lora or [], "--lora")),
+                engine_kind=kind,
+                ready_timeout_s=ready_timeout_s,
+            )
+        )
+    except LaunchError as exc:
+        _fail(exc)
+    if dry_run:
+        DryRun(plan, console=_out).run()
+        return
+    signal.signal(signal.SIGTERM, _raise_interrupt)
+    runner = LocalRunner(plan, sink=console_sink(_err))
+    try:
+        with runner:
+            runner.start()
+            for name, url in runner.urls.items():
+                sys.stdout.write(f"{name} {url}\n")
+            sys.stdout.write("ready (Ctrl-C stops every process)\n")
+            sys.stdout.flush()
+            runner.wait()
+    except KeyboardInterrupt:
+        _err.print("interrupted; stopped every process")
+    except LaunchError as exc:
+        _fail(exc)
+
+
+@app.command("run")
+def run_command(
+    plan_file: Annotated[Path, typer.Argument(help="a plan written by `posttrain plan --json`")],
+    runner: Annotated[str, typer.Option("--runner", help="dry, local or ray")] = "dry",
+    ray_address: Annotated[str, typer.Option("--ray-address")] = "auto",
+) -> None:
+    """Execute a saved plan with a runner (multi-node plans through Ray)."""
+    try:
+        plan = Plan.from_json(plan_file.read_text())
+    except (OSError, ValueError, KeyError) as exc:
+        _fail(exc)
+    signal.signal(signal.SIGTERM, _raise_interrupt)
+    try:
+        if runner == "dry":
+            DryRun(plan, console=_out).run()
+        elif runner == "local":
+            with LocalRunner(plan, sink=console_sink(_err)) as local:
+                local.start()
+                local.wait()
+        elif runner == "ray":
+            from posttrain.launch.ray_runner import RayRunner
+
+            with RayRunner(plan, address=ray_address, sink=console_sink(_err)) as ray_runner:
+                ray_runner.start()
+                ray_runner.wait()
+        else:
+            _fail(ValueError(f"--runner {runner!r} is not one of dry, local, ray"))
+    except KeyboardInterrupt:
+        _err.print("interrupted; stopped every process")
+    except LaunchError as exc:
+        _fail(exc)
+
+
+def main() -> None:
+    """Console-script entry point (``posttrain``)."""
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    app()

@@ -1,0 +1,149 @@
+"""The local stack ``posttrain up`` starts: N engines, the stock sgl-router, a session router.
+
+Everything binds 127.0.0.1. The engine is ``posttrain.local_engine`` on a CPU machine and
+``sglang.launch_server`` where sglang is importable and a GPU is present. The sibling packages
+are *started as processes* (``python -m ...``), never imported: launch composes them without
+depending on them.
+
+LoRA: every engine loads every ``--lora NAME=PATH`` at startup; the session router injects
+``lora_path`` for the one adapter (rollouts without it would silently be base-model,
+off-policy samples). Several adapters with sessions are rejected, as the design note says.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import socket
+from dataclasses import dataclass
+
+from posttrain.launch._errors import LaunchConfigError
+from posttrain.launch.args import Args
+from posttrain.launch.hardware import Detection, detect_hardware
+from posttrain.launch.plan import PYTHON, Plan, ProcessSpec, Readiness, Role
+from posttrain.launch.planner import ENGINE_MODULES, ROUTER_MODULE, SESSION_ROUTER_MODULE
+from posttrain.launch.tables import EngineKind
+
+LOCAL_HOST = "127.0.0.1"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LocalStackConfig:
+    model_path: str
+    engines: int = 2
+    loras: tuple[tuple[str, str], ...] = ()
+    engine_kind: EngineKind = EngineKind.LOCAL
+    engine_ports: tuple[int, ...] = ()  # empty: pick free ports
+    router_port: int = 0  # 0: pick a free port
+    session_router_port: int = 0
+    ready_timeout_s: float = 300.0
+    engine_args: tuple[str, ...] = ()
+    router_args: tuple[str, ...] = ()
+    session_router_args: tuple[str, ...] = ()
+
+
+def free_port(host: str = LOCAL_HOST) -> int:
+    """A port the OS calls free now (another process may still take it before we bind)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def default_engine_kind(detection: Detection | None = None) -> EngineKind:
+    """SGLang when it is importable and a GPU answers; the embedded local engine otherwise."""
+    if importlib.util.find_spec("sglang") is None:
+        return EngineKind.LOCAL
+    seen = detection if detection is not None else detect_hardware()
+    return EngineKind.SGLANG if seen.gpu_count > 0 else EngineKind.LOCAL
+
+
+def build_local_stack(cfg: LocalStackConfig) -> Plan:
+    """Engines (stage 0), sgl-router (stage 1), session router (stage 2), all on loopback."""
+    if cfg.engines < 1:
+        raise LaunchConfigError(f"engines={cfg.engines} must be >= 1")
+    if cfg.engine_ports and len(cfg.engine_ports) != cfg.engines:
+        raise LaunchConfigError(
+            f"engine_ports has {len(cfg.engine_ports)} ports for engines={cfg.engines}"
+        )
+    names = [name for name, _ in cfg.loras]
+    if len(set(names)) != len(names):
+        raise LaunchConfigError(f"lora names {names} repeat")
+    if len(cfg.loras) > 1:
+        raise LaunchConfigError(
+            f"lora: {len(cfg.loras)} adapters ({', '.join(names)}) given, but the session "
+            "router injects exactly one adapter per rollout; pass one --lora"
+        )
+    ports = cfg.engine_ports or tuple(free_port() for _ in range(cfg.engines))
+    router_port = cfg.router_port or free_port()
+    session_port = cfg.session_router_port or free_port()
+    processes: list[ProcessSpec] = []
+    for i, port in enumerate(ports):
+        args = Args()
+        src = f"local stack ({cfg.engine_kind.value})"
+        args.set("--model-path", cfg.model_path, source=src)
+        args.set("--host", LOCAL_HOST, source=src)
+        args.set("--port", port, source=src)
+        if cfg.loras and cfg.engine_kind is EngineKind.SGLANG:
+            args.set("--enable-lora", source=src)
+        for name, path in cfg.loras:
+            args.add("--lora-paths", f"{name}={path}", source=src + " (--lora)")
+        args.extend_user(cfg.engine_args)
+        processes.append(
+            ProcessSpec(
+                name=f"engine-{i}",
+                role=Role.ENGINE,
+                argv=(PYTHON, "-m", ENGINE_MODULES[cfg.engine_kind], *args.argv()),
+                stage=0,
+                readiness=Readiness(
+                    url=f"http://{LOCAL_HOST}:{port}/health", timeout_s=cfg.ready_timeout_s
+                ),
+                explain=tuple(args.explain()),
+            )
+        )
+    router = Args()
+    router.set("--host", LOCAL_HOST, source="local stack")
+    router.set("--port", router_port, source="local stack")
+    router.set("--policy", "manual", source="local stack (sessions on)")
+    router.set("--assignment-mode", "min_load", source="local stack (sessions on)")
+    router.set("--log-level", "warn", source="local stack")
+    router.set("--health-check-interval-secs", 5, source="local stack")
+    router.set("--worker-urls", *(f"http://{LOCAL_HOST}:{p}" for p in ports), source="local stack")
+    router.extend_user(cfg.router_args)
+    processes.append(
+        ProcessSpec(
+            name="router",
+            role=Role.ROUTER,
+            argv=(PYTHON, "-m", ROUTER_MODULE, *router.argv()),
+            stage=1,
+            readiness=Readiness(
+                url=f"http://{LOCAL_HOST}:{router_port}/readiness", timeout_s=cfg.ready_timeout_s
+            ),
+            explain=tuple(router.explain()),
+        )
+    )
+    session = Args()
+    session.set("--upstream", f"http://{LOCAL_HOST}:{router_port}", source="local stack")
+    session.set("--tokenizer", cfg.model_path, source="local stack")
+    session.set("--host", LOCAL_HOST, source="local stack")
+    session.set("--port", session_port, source="local stack")
+    if cfg.loras:
+        session.set("--lora-adapter", cfg.loras[0][0], source="local stack (--lora)")
+    session.extend_user(cfg.session_router_args)
+    processes.append(
+        ProcessSpec(
+            name="session-router",
+            role=Role.SESSION_ROUTER,
+            argv=(PYTHON, "-m", SESSION_ROUTER_MODULE, *session.argv()),
+            stage=2,
+            readiness=Readiness(
+                url=f"http://{LOCAL_HOST}:{session_port}/health", timeout_s=cfg.ready_timeout_s
+            ),
+            explain=tuple(session.explain()),
+        )
+    )
+    return Plan(
+        name=f"local-stack-{cfg.engines}x{cfg.engine_kind.value}",
+        hardware="local",
+        nodes=1,
+        processes=tuple(processes),
+        notes=(f"model {cfg.model_path}", f"engines: {cfg.engines} x {cfg.engine_kind.value}"),
+    )
