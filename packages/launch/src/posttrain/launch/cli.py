@@ -20,6 +20,7 @@ from typing import Annotated, NoReturn
 import typer
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from posttrain.launch._errors import LaunchError
 from posttrain.launch.args import parse_assignments
@@ -44,7 +45,8 @@ _err = Console(stderr=True, highlight=False, soft_wrap=True)
 
 
 def _fail(exc: Exception) -> NoReturn:
-    _err.print(f"[red]error:[/red] {exc}", markup=True)
+    # Text, not markup: messages hold brackets ("[0]*1+[1]*46") rich would eat as tags.
+    _err.print(Text.assemble(("error: ", "red"), str(exc)))
     raise typer.Exit(code=2)
 
 
@@ -142,7 +144,7 @@ def hardware_command(
     via = detection.tool or "no GPU tool answered"
     _out.print(f"detected: {detected} ({detection.gpu_count} GPU(s), via {via})")
     for message in mismatch:
-        _err.print(f"[yellow]warning:[/yellow] {message}", markup=True)
+        _err.print(Text.assemble(("warning: ", "yellow"), message))
     table = Table(title="hardware profiles")
     for col in ("hardware", "gpus/node", "generation", "vendor"):
         table.add_column(col)
