@@ -35,7 +35,9 @@ def golden_cases() -> dict[str, Plan]:
                 cfg = LaunchConfig(model=get_model(model_id), hardware=hw, nodes=min(nodes))
                 cases[f"{model_id}__{hw.value}"] = build_plan(cfg)
     cases["glm-4.7-flash__b200__attention-fa3"] = build_plan(
-        LaunchConfig(model=get_model("glm-4.7-flash"), hardware=Hardware.B200, attention_backend="fa3")
+        LaunchConfig(
+            model=get_model("glm-4.7-flash"), hardware=Hardware.B200, attention_backend="fa3"
+        )
     )
     cases["qwen3-235b-a22b__h200__4n"] = build_plan(
         LaunchConfig(model=get_model("qwen3-235b-a22b"), hardware=Hardware.H200, nodes=4)

@@ -113,9 +113,10 @@ def test_nvidia_asked_before_rocm() -> None:
 
 def test_parsers_directly() -> None:
     assert parse_nvidia_smi("No devices were found\n") == []
-    assert parse_rocm_smi((DATA / "rocm-smi-mi300x.txt").read_text()) == [
-        "AMD Instinct MI300X OAM"
-    ] * 8
+    assert (
+        parse_rocm_smi((DATA / "rocm-smi-mi300x.txt").read_text())
+        == ["AMD Instinct MI300X OAM"] * 8
+    )
     assert len(parse_rocm_smi((DATA / "rocm-smi-mi355x.json").read_text())) == 8  # "system" skipped
     with pytest.raises(LaunchConfigError, match="rocm-smi JSON"):
         parse_rocm_smi("{not json")

@@ -133,7 +133,8 @@ def test_table_tps_divide_heads_everywhere() -> None:
         heads = MODELS[model_id].num_attention_heads
         for hw, tp in row.items():
             if SUPPORTED_NODES[model_id][hw]:
-                assert tp is not None and heads % tp == 0, (model_id, hw)
+                assert tp is not None, (model_id, hw)
+                assert heads % tp == 0, (model_id, hw)
 
 
 def test_every_supported_pair_builds_a_consistent_plan() -> None:
@@ -144,7 +145,9 @@ def test_every_supported_pair_builds_a_consistent_plan() -> None:
                 plan = plan_for(model_id, hw, nodes=nodes)
                 engines = plan.by_role(Role.ENGINE)
                 trainers = plan.by_role(Role.TRAINER)
-                assert engines and trainers and plan.by_role(Role.ROUTER)
+                assert engines
+                assert trainers
+                assert plan.by_role(Role.ROUTER)
                 for e in engines:
                     tp = flag_value(list(e.argv), "--tp-size")
                     assert tp is None or spec.num_attention_heads % int(tp) == 0
