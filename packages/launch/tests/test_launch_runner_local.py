@@ -102,7 +102,7 @@ def test_process_dying_before_ready_names_it_and_stops_the_rest() -> None:
     plan = Plan(name="t", hardware="local", nodes=1, processes=(server("engine-0", port, 0), dying))
     sink = Sink()
     runner = LocalRunner(plan, sink=sink, poll_s=0.05)
-    with pytest.raises(ProcessFailedError, match="engine-1 .*exited with code 3") as info:
+    with pytest.raises(ProcessFailedError, match=r"engine-1 .*exited with code 3") as info:
         runner.start()
     assert info.value.returncode == 3
     assert all(gone(rp.pid) for rp in runner.running)
@@ -118,7 +118,7 @@ def test_readiness_timeout_names_process_and_url() -> None:
         processes=(server("engine-0", port, 0, "--delay", "60", timeout_s=1.0),),
     )
     runner = LocalRunner(plan, sink=Sink(), poll_s=0.05)
-    with pytest.raises(ReadinessError, match=f"engine-0 .*127.0.0.1:{port}/health.*HTTP 503"):
+    with pytest.raises(ReadinessError, match=rf"engine-0 .*127.0.0.1:{port}/health.*HTTP 503"):
         runner.start()
     assert all(gone(rp.pid) for rp in runner.running)
 

@@ -138,6 +138,29 @@ def build_plan(cfg: LaunchConfig) -> Plan:
     )
 
 
+def torchrun_argv(
+    *, nnodes: int, nproc_per_node: int, rendezvous: str, run_id: str, entry: tuple[str, ...]
+) -> list[str]:
+    """torchrun with c10d rendezvous: every agent gets the same argv; ranks come from the store.
+
+    No ``--node-rank``: c10d assigns agent ranks on arrival, so one argv serves every node.
+    ``--max-restarts 0``: a failed rank fails the job instead of silently restarting.
+    ``--local-addr {node_ip}``: ranks meet at the address the runner knows for this node,
+    not whatever the host name resolves to.
+    """
+    return [
+        PYTHON, "-m", "torch.distributed.run",
+        "--nnodes", str(nnodes),
+        "--nproc-per-node", str(nproc_per_node),
+        "--rdzv-backend", "c10d",
+        "--rdzv-endpoint", rendezvous,
+        "--rdzv-id", run_id,
+        "--max-restarts", "0",
+        "--local-addr", "{node_ip}",
+        *entry,
+    ]  # fmt: skip
+
+
 def _trainer_processes(
     r: Resolved, trainer: Args, trainer_env: dict[str, tuple[str, str]]
 ) -> list[ProcessSpec]:
@@ -153,16 +176,13 @@ def _trainer_processes(
         nodes, per_node, local_first = list(range(first_node, cfg.nodes)), gpn, 0
     out = []
     for rank_node, node in enumerate(nodes):
-        torchrun = [
-            PYTHON, "-m", "torch.distributed.run",
-            "--nnodes", str(len(nodes)),
-            "--nproc-per-node", str(per_node),
-            "--rdzv-backend", "c10d",
-            "--rdzv-endpoint", f"{{node_ip:{first_node}}}:{cfg.rendezvous_port}",
-            "--rdzv-id", f"{cfg.model.id}-{hw.value}-{cfg.nodes}n",
-            "--max-restarts", "0",
-            "-m", cfg.trainer_module,
-        ]  # fmt: skip
+        torchrun = torchrun_argv(
+            nnodes=len(nodes),
+            nproc_per_node=per_node,
+            rendezvous=f"{{node_ip:{first_node}}}:{cfg.rendezvous_port}",
+            run_id=f"{cfg.model.id}-{hw.value}-{cfg.nodes}n",
+            entry=("-m", cfg.trainer_module),
+        )
         env = {k: v for k, (v, _) in trainer_env.items()}
         explain = [
             f"torchrun c10d rendezvous at node {first_node}: {len(nodes)} agent(s) x {per_node}",

@@ -1,14 +1,14 @@
 """Run a ``Plan`` across a Ray cluster: Ray places, we only start argv lists.
 
 One placement-group bundle per plan node (``{"CPU": c, "GPU": g}``, ``g`` = the GPUs the
-node's processes ask for). Each process runs inside a small Ray actor pinned to its node's
-bundle; the actor starts the argv as a subprocess (own session, so stopping reaches its whole
+node's processes ask for) and one small host actor pinned to each bundle; the actor starts
+that node's argv lists as subprocesses (each in its own session, so stopping reaches its whole
 tree) and hands output lines back to the driver, which prints them with ``[name]`` prefixes.
 Placeholders ``{node_ip:K}`` resolve to the address Ray reports for bundle K, which is how
 torchrun agents find their c10d rendezvous host and the router finds its engines.
 
-Departures: Ray assigns GPUs itself, so the plan's ``CUDA_VISIBLE_DEVICES`` /
-``HIP_VISIBLE_DEVICES`` are dropped and the actor's own (set by Ray) is inherited. The default
+Departures: Ray assigns GPUs itself, so the plan's node-local ``CUDA_VISIBLE_DEVICES`` /
+``HIP_VISIBLE_DEVICES`` indices are translated through the GPU ids Ray gave the host actor. The default
 strategy is ``SPREAD`` rather than ``STRICT_SPREAD`` so a one-machine cluster (tests, a single
 big node) can host a multi-node plan; pass ``strategy="STRICT_SPREAD"`` on a real cluster.
 Requires the ``ray`` extra; nothing here imports Ray at module import time.
@@ -29,19 +29,18 @@ from typing import Any, Self
 import httpx
 
 from posttrain.launch._errors import LaunchConfigError, ProcessFailedError, ReadinessError
-from posttrain.launch.plan import Plan, ProcessSpec, resolve_process
+from posttrain.launch.plan import Plan, ProcessSpec, resolve, resolve_process
 from posttrain.launch.runners import LogSink, console_sink
 
-_DROPPED_ENV = ("CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES")
+_VISIBLE_ENV = ("CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES")
 
 
 class ProcessHost:
-    """Runs one argv as a subprocess on whatever node Ray placed this actor on."""
+    """Runs the plan's processes of one node, on whatever machine Ray placed this actor."""
 
     def __init__(self) -> None:
-        self._popen: subprocess.Popen[bytes] | None = None
-        self._lines: deque[str] = deque(maxlen=10_000)
-        self._thread: threading.Thread | None = None
+        self._procs: dict[str, subprocess.Popen[bytes]] = {}
+        self._lines: dict[str, deque[str]] = {}
 
     def node_ip(self) -> str:
         import ray
@@ -51,10 +50,12 @@ class ProcessHost:
     def python(self) -> str:
         return sys.executable
 
-    def start(self, argv: list[str], env: dict[str, str]) -> int:
+    def start(self, name: str, argv: list[str], env: dict[str, str]) -> int:
+        import ray
+
         full_env = dict(os.environ)
-        full_env.update(env)
-        self._popen = subprocess.Popen(
+        full_env.update(_map_visible_devices(env, [str(g) for g in ray.get_gpu_ids()]))
+        popen = subprocess.Popen(
             argv,
             env=full_env,
             stdin=subprocess.DEVNULL,
@@ -62,36 +63,57 @@ class ProcessHost:
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
-        stream = self._popen.stdout
+        lines: deque[str] = deque(maxlen=10_000)
+        self._procs[name], self._lines[name] = popen, lines
+        stream = popen.stdout
         assert stream is not None
 
         def pump() -> None:
             for raw in iter(stream.readline, b""):
-                self._lines.append(raw.decode("utf-8", "replace").rstrip("\r\n"))
+                lines.append(raw.decode("utf-8", "replace").rstrip("\r\n"))
 
-        self._thread = threading.Thread(target=pump, daemon=True)
-        self._thread.start()
-        return self._popen.pid
+        threading.Thread(target=pump, daemon=True).start()
+        return popen.pid
 
-    def poll(self) -> tuple[int | None, list[str]]:
-        """(exit code or None, output lines since the last poll)."""
-        lines = []
-        while self._lines:
-            lines.append(self._lines.popleft())
-        code = None if self._popen is None else self._popen.poll()
-        return code, lines
+    def poll(self, name: str) -> tuple[int | None, list[str]]:
+        """(exit code or None, output lines since the last poll) of process ``name``."""
+        lines = self._lines[name]
+        out = [lines.popleft() for _ in range(len(lines))]
+        return self._procs[name].poll(), out
 
-    def stop(self, timeout_s: float) -> int | None:
-        if self._popen is None:
-            return None
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self._popen.pid, signal.SIGTERM)
-        try:
-            return self._popen.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
+    def stop(self, timeout_s: float) -> dict[str, int | None]:
+        """SIGTERM every process group (reverse start order), SIGKILL after ``timeout_s``."""
+        for popen in reversed(list(self._procs.values())):
             with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(self._popen.pid, signal.SIGKILL)
-            return self._popen.wait(timeout=timeout_s)
+                os.killpg(popen.pid, signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s
+        codes: dict[str, int | None] = {}
+        for name, popen in self._procs.items():
+            try:
+                codes[name] = popen.wait(timeout=max(deadline - time.monotonic(), 0.1))
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(popen.pid, signal.SIGKILL)
+                codes[name] = popen.wait(timeout=timeout_s)
+        return codes
+
+
+def _map_visible_devices(env: dict[str, str], assigned: list[str]) -> dict[str, str]:
+    """Translate the plan's node-local device indices through the GPUs Ray gave this actor."""
+    out = dict(env)
+    for var in _VISIBLE_ENV:
+        if var not in out:
+            continue
+        if not assigned:
+            del out[var]
+            continue
+        try:
+            out[var] = ",".join(assigned[int(i)] for i in out[var].split(","))
+        except (ValueError, IndexError):
+            raise LaunchConfigError(
+                f"{var}={out[var]} names devices beyond the {len(assigned)} Ray assigned"
+            ) from None
+    return out
 
 
 class RayRunner:
@@ -104,7 +126,7 @@ class RayRunner:
         address: str = "auto",
         sink: LogSink | None = None,
         strategy: str = "SPREAD",
-        cpus_per_process: float = 0.25,
+        cpus_per_node: float = 1.0,
         placement_timeout_s: float = 120.0,
         stop_timeout_s: float = 15.0,
         poll_s: float = 0.3,
@@ -114,13 +136,13 @@ class RayRunner:
         self.address = address
         self.sink = sink or console_sink()
         self.strategy = strategy
-        self.cpus_per_process = cpus_per_process
+        self.cpus_per_node = cpus_per_node
         self.placement_timeout_s = placement_timeout_s
         self.stop_timeout_s = stop_timeout_s
         self.poll_s = poll_s
         self._client = httpx.Client(transport=transport, timeout=httpx.Timeout(2.0))
         self._pg: Any = None
-        self._actors: dict[str, Any] = {}
+        self._hosts: dict[int, Any] = {}  # plan node -> ProcessHost actor
         self.pids: dict[str, int] = {}
         self.node_ips: dict[int, str] = {}
         self._owns_ray = False
@@ -133,6 +155,7 @@ class RayRunner:
         self.stop()
 
     def start(self) -> None:
+        """Place one host actor per plan node, then start stage by stage (see module doc)."""
         try:
             self._start()
         except BaseException:
@@ -145,17 +168,14 @@ class RayRunner:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         if not ray.is_initialized():
-            ray.init(address=self.address, log_to_driver=False, include_dashboard=False)
+            ray.init(address=self.address, log_to_driver=False)
             self._owns_ray = True
-        nodes = max(self.plan.nodes, 1)
-        bundles = []
-        for node in range(nodes):
-            procs = [p for p in self.plan.processes if p.node == node]
-            bundle: dict[str, float] = {"CPU": self.cpus_per_process * max(len(procs), 1)}
-            gpus = sum(p.gpus for p in procs)
-            if gpus:
-                bundle["GPU"] = float(gpus)
-            bundles.append(bundle)
+        nodes = range(max(self.plan.nodes, 1))
+        gpus = {n: sum(p.gpus for p in self.plan.processes if p.node == n) for n in nodes}
+        bundles = [
+            {"CPU": self.cpus_per_node, **({"GPU": float(gpus[n])} if gpus[n] else {})}
+            for n in nodes
+        ]
         self._pg = placement_group(bundles, strategy=self.strategy)
         ready, _ = ray.wait([self._pg.ready()], timeout=self.placement_timeout_s)
         if not ready:
@@ -164,55 +184,49 @@ class RayRunner:
                 f"({bundles}, {self.strategy}) within {self.placement_timeout_s:.0f} s"
             )
         host_cls = ray.remote(ProcessHost)
-
-        def make_actor(spec: ProcessSpec, node: int) -> Any:
-            return host_cls.options(
-                num_cpus=self.cpus_per_process,
-                num_gpus=spec.gpus,
+        for n in nodes:
+            self._hosts[n] = host_cls.options(
+                num_cpus=self.cpus_per_node,
+                num_gpus=gpus[n],
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    placement_group=self._pg, placement_group_bundle_index=node
+                    placement_group=self._pg, placement_group_bundle_index=n
                 ),
             ).remote()
-
-        # Learn each bundle's address from an actor placed there (the first process of it).
-        firsts = {}
-        for spec in self.plan.processes:
-            if spec.node not in firsts:
-                firsts[spec.node] = spec
-                self._actors[spec.name] = make_actor(spec, spec.node)
-        for node, spec in firsts.items():
-            self.node_ips[node] = ray.get(self._actors[spec.name].node_ip.remote())
+        ips = ray.get([self._hosts[n].node_ip.remote() for n in nodes])
+        pythons = ray.get([self._hosts[n].python.remote() for n in nodes])
+        self.node_ips = dict(zip(nodes, ips, strict=True))
         for stage in self.plan.stages:
             for spec in stage:
-                actor = self._actors.get(spec.name) or make_actor(spec, spec.node)
-                self._actors[spec.name] = actor
-                python = ray.get(actor.python.remote())
-                argv, env, _ = resolve_process(spec, self.node_ips, python)
-                env = {k: v for k, v in env.items() if k not in _DROPPED_ENV}
-                self.pids[spec.name] = ray.get(actor.start.remote(argv, env))
-                self.sink("launcher", f"started {spec.name} on {self.node_ips[spec.node]}")
+                argv, env, _ = resolve_process(spec, self.node_ips, pythons[spec.node])
+                host = self._hosts[spec.node]
+                self.pids[spec.name] = ray.get(host.start.remote(spec.name, argv, env))
+                self.sink(
+                    "launcher",
+                    f"started {spec.name} pid {self.pids[spec.name]} "
+                    f"on node {spec.node} ({self.node_ips[spec.node]})",
+                )
             for spec in stage:
                 self._await_ready(spec)
 
-    def _drain(self, name: str) -> int | None:
+    def _drain(self, spec: ProcessSpec) -> int | None:
         import ray
 
-        code, lines = ray.get(self._actors[name].poll.remote())
+        code, lines = ray.get(self._hosts[spec.node].poll.remote(spec.name))
         for line in lines:
-            self.sink(name, line)
+            self.sink(spec.name, line)
         return code  # type: ignore[no-any-return]
 
     def _await_ready(self, spec: ProcessSpec) -> None:
         if spec.readiness is None:
             return
-        _, _, url = resolve_process(spec, self.node_ips, "python")
-        assert url is not None
+        url = resolve(spec.readiness.url, spec.node, self.node_ips)
         deadline = time.monotonic() + spec.readiness.timeout_s
         while time.monotonic() < deadline:
-            code = self._drain(spec.name)
+            code = self._drain(spec)
             if code is not None:
                 raise ProcessFailedError(
-                    f"process {spec.name} exited with code {code} before it was ready",
+                    f"process {spec.name} (pid {self.pids[spec.name]}) exited with code {code} "
+                    "before it was ready",
                     process=spec.name,
                     pid=self.pids[spec.name],
                     returncode=code,
@@ -240,12 +254,12 @@ class RayRunner:
             if deadline is not None and time.monotonic() > deadline:
                 break
             for spec in self.plan.processes:
-                code = self._drain(spec.name)
+                code = self._drain(spec)
                 if code is None or spec.name in done:
                     continue
                 if spec.readiness is not None or code != 0:
                     raise ProcessFailedError(
-                        f"process {spec.name} exited with code {code}",
+                        f"process {spec.name} (pid {self.pids[spec.name]}) exited with code {code}",
                         process=spec.name,
                         pid=self.pids[spec.name],
                         returncode=code,
@@ -255,7 +269,7 @@ class RayRunner:
         return done
 
     def stop(self) -> None:
-        """Stop every subprocess (reverse order), kill the actors, remove the placement group."""
+        """Stop every process (reverse node order), kill the actors, remove the placement group."""
         if self._stopped:
             return
         self._stopped = True
@@ -263,12 +277,15 @@ class RayRunner:
 
         if not ray.is_initialized():
             return
-        for name in reversed(list(self._actors)):
+        for node in reversed(list(self._hosts)):
             with contextlib.suppress(Exception):
-                ray.get(self._actors[name].stop.remote(self.stop_timeout_s))
-                self._drain(name)
+                ray.get(self._hosts[node].stop.remote(self.stop_timeout_s))
+            for spec in self.plan.processes:
+                if spec.node == node and spec.name in self.pids:
+                    with contextlib.suppress(Exception):
+                        self._drain(spec)
             with contextlib.suppress(Exception):
-                ray.kill(self._actors[name])
+                ray.kill(self._hosts[node])
         if self._pg is not None:
             from ray.util.placement_group import remove_placement_group
 
@@ -277,4 +294,4 @@ class RayRunner:
         self._client.close()
         if self._owns_ray:
             ray.shutdown()
-        self.sink("launcher", f"stopped {len(self._actors)} process(es) on Ray")
+        self.sink("launcher", f"stopped {len(self.pids)} process(es) on Ray")
