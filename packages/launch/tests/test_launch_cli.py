@@ -1,0 +1,109 @@
+"""The ``posttrain`` CLI, exactly as spelled in the issue: plan, up (dry run), hardware."""
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from posttrain.launch import Plan
+from posttrain.launch.cli import app
+
+GOLDEN = Path(__file__).parent / "golden"
+runner = CliRunner()
+
+
+def test_plan_json_is_the_golden_plan() -> None:
+    result = runner.invoke(
+        app, ["plan", "--model", "glm-4.7-flash", "--hardware", "b200", "--json"]
+    )
+    assert result.exit_code == 0, result.output
+    assert result.stdout == (GOLDEN / "glm-4.7-flash__b200.json").read_text()
+    Plan.from_json(result.stdout)
+
+
+def test_plan_attention_backend_escape_hatch() -> None:
+    result = runner.invoke(
+        app,
+        ["plan", "--model", "glm-4.7-flash", "--hardware", "b200", "--attention-backend", "fa3", "--json"],
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    assert result.stdout == (GOLDEN / "glm-4.7-flash__b200__attention-fa3.json").read_text()
+
+
+def test_plan_text_shows_commands_and_explanation() -> None:
+    result = runner.invoke(
+        app,
+        ["plan", "--model", "qwen3-30b-a3b", "--hardware", "h200",
+         "--engine-arg", "--mem-fraction-static 0.7", "--trainer-arg=--lr=1e-6"],
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    assert "python -m sglang.launch_server" in result.stdout
+    assert "--mem-fraction-static 0.7" in result.stdout
+    assert "--fp8-recipe blockwise  <- precision (fp8-blockwise)" in result.stdout
+    assert "--lr: user adds" in result.stdout
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--model", "glm-4.7-flash", "--hardware", "cpu"], "(cpu, 1 node(s))"),
+        (["--model", "glm-4.7-flash", "--hardware", "h200", "--nodes", "3"], "(h200, 3 node(s))"),
+        (["--model", "gpt-5", "--hardware", "h200"], "model 'gpt-5' is not one of"),
+        (["--model", "qwen3-8b", "--hardware", "a100"], "hardware 'a100' is not one of"),
+        (["--model", "qwen3-8b", "--hardware", "h200", "--precision", "nvfp4"], "precision=nvfp4"),
+        (["--model", "qwen3-8b", "--hardware", "h200", "--precision", "fp3"], "'fp3' is not one"),
+    ],
+)
+def test_plan_errors_exit_2_with_one_line(argv: list[str], message: str) -> None:
+    result = runner.invoke(app, ["plan", *argv])
+    assert result.exit_code == 2
+    assert message in result.stderr
+    assert "Traceback" not in result.output
+
+
+def test_hardware_json_reports_declared_and_detected(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PATH", "/nonexistent")  # no nvidia-smi / rocm-smi: a CPU machine
+    monkeypatch.setenv("POSTTRAIN_HARDWARE", "h200")
+    result = runner.invoke(app, ["hardware", "--json"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert report["declared"] == "h200"
+    assert report["detected"] == "cpu"
+    assert report["gpu_names"] == []
+    assert "declared hardware h200" in report["warnings"][0]
+
+
+def test_hardware_table_lists_every_profile(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PATH", "/nonexistent")
+    monkeypatch.delenv("POSTTRAIN_HARDWARE", raising=False)
+    result = runner.invoke(app, ["hardware"])
+    assert result.exit_code == 0, result.output
+    for name in ("h100", "h200", "b200", "b300", "gb200", "gb300", "mi300x", "mi355x", "cpu"):
+        assert name in result.stdout
+
+
+def test_up_dry_run_shows_the_local_stack() -> None:
+    result = runner.invoke(
+        app,
+        ["up", "--model-path", "/ckpt/tiny", "--engines", "2", "--lora", "policy=/ckpt/a",
+         "--engine", "local-engine", "--dry-run"],
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    out = result.stdout
+    assert out.count("python -m posttrain.local_engine --model-path /ckpt/tiny") == 2
+    assert "--lora-paths policy=/ckpt/a" in out
+    assert "python -m posttrain.launch.sgl_router --host 127.0.0.1" in out
+    assert "--policy manual --assignment-mode min_load" in out
+    assert "python -m posttrain.session_router --upstream http://127.0.0.1:" in out
+    assert "--lora-adapter policy" in out
+
+
+def test_up_rejects_two_adapters_and_bad_assignments() -> None:
+    two = ["up", "--model-path", "/m", "--lora", "a=/x", "--lora", "b=/y", "--dry-run"]
+    result = runner.invoke(app, two)
+    assert result.exit_code == 2
+    assert "2 adapters (a, b)" in result.stderr
+    result = runner.invoke(app, ["up", "--model-path", "/m", "--lora", "nope", "--dry-run"])
+    assert result.exit_code == 2
+    assert "--lora 'nope' must be NAME=VALUE" in result.stderr
