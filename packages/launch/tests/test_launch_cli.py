@@ -97,6 +97,7 @@ def test_up_dry_run_shows_the_local_stack() -> None:
     assert "--policy manual --assignment-mode min_load" in out
     assert "python -m posttrain.session_router --upstream http://127.0.0.1:" in out
     assert "--lora-adapter policy" in out
+    assert out.count("# after stage 1: POST http://127.0.0.1:") == 2
 
 
 def test_up_rejects_two_adapters_and_bad_assignments() -> None:

@@ -1,7 +1,7 @@
 """Golden plans: one JSON file per (model, hardware) plus a few variants.
 
 Regenerate after an intended change with
-``POSTTRAIN_REGEN_GOLDEN=1 uv run pytest packages/launch -k golden`` and review the diff.
+``POSTTRAIN_REGEN_GOLDEN=1 uv run pytest packages/launch -k test_plan_matches_golden`` and review the diff.
 """
 
 import os

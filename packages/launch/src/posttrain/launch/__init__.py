@@ -27,7 +27,7 @@ from posttrain.launch.hardware import (
     parse_nvidia_smi,
     parse_rocm_smi,
 )
-from posttrain.launch.plan import Plan, ProcessSpec, Readiness, Role
+from posttrain.launch.plan import Plan, ProcessSpec, Readiness, Registration, Role
 from posttrain.launch.planner import build_plan
 from posttrain.launch.rules import RULES, LaunchConfig, Rule
 from posttrain.launch.runners import DryRun, LocalRunner
@@ -58,6 +58,7 @@ __all__ = [
     "ProcessSpec",
     "Readiness",
     "ReadinessError",
+    "Registration",
     "Role",
     "Rule",
     "TrainerBackend",

@@ -10,6 +10,8 @@ its JSON. Two departures from "a list of commands":
   both (``resolve``); goldens stay machine-independent.
 * Stages. Processes of one stage are all spawned before any is awaited (engines load in
   parallel); the next stage starts when every process of this one answers its readiness URL.
+* Registrations. Engines join the sgl-router through its worker API after a given stage,
+  not through ``--worker-urls`` at router start (see ``Registration``).
 """
 
 from __future__ import annotations
@@ -42,6 +44,28 @@ class Readiness:
 
     url: str
     timeout_s: float
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Registration:
+    """Once stage ``after_stage`` is ready, register ``worker`` with the sgl-router ``router``.
+
+    The router starts with no workers on purpose: the session router's start-up probe routes
+    through it to a loopback echo worker and must be the only worker then. Engines join after.
+    """
+
+    router: str
+    worker: str
+    after_stage: int
+    timeout_s: float = 120.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "router": self.router,
+            "worker": self.worker,
+            "after_stage": self.after_stage,
+            "timeout_s": self.timeout_s,
+        }
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -101,6 +125,7 @@ class Plan:
     hardware: str
     nodes: int
     processes: tuple[ProcessSpec, ...]
+    registrations: tuple[Registration, ...] = ()
     notes: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
@@ -138,6 +163,7 @@ class Plan:
             "nodes": self.nodes,
             "notes": list(self.notes),
             "processes": [p.to_dict() for p in self.processes],
+            "registrations": [r.to_dict() for r in self.registrations],
         }
 
     def to_json(self) -> str:
@@ -152,6 +178,15 @@ class Plan:
             hardware=str(data["hardware"]),
             nodes=int(data["nodes"]),
             processes=tuple(ProcessSpec.from_dict(p) for p in data["processes"]),
+            registrations=tuple(
+                Registration(
+                    router=str(r["router"]),
+                    worker=str(r["worker"]),
+                    after_stage=int(r["after_stage"]),
+                    timeout_s=float(r["timeout_s"]),
+                )
+                for r in data.get("registrations", ())
+            ),
             notes=tuple(str(n) for n in data.get("notes", ())),
         )
 
@@ -162,6 +197,8 @@ class Plan:
         for p in self.processes:
             lines.append(f"{p.name} [{p.role.value}, node {p.node}, stage {p.stage}]")
             lines.extend(f"    {line}" for line in p.explain)
+        for r in self.registrations:
+            lines.append(f"after stage {r.after_stage}: register {r.worker} with {r.router}")
         return "\n".join(lines) + "\n"
 
     def to_shell(self) -> str:
@@ -173,6 +210,8 @@ class Plan:
             out.append(
                 f"# {p.name} (node {p.node}, stage {p.stage})\n{env + ' ' if env else ''}{cmd}"
             )
+        for r in self.registrations:
+            out.append(f"# after stage {r.after_stage}: POST {r.router}/workers url={r.worker}")
         return "\n".join(out) + "\n"
 
 

@@ -5,14 +5,15 @@ the rest (the other half of a single node, or the remaining whole nodes). Traine
 through torchrun with c10d rendezvous on the first trainer node: one torchrun agent per
 trainer node, ``--nproc-per-node`` ranks each. Router and session routers run on node 0.
 
-Stages: engines (0), router (1, it registers the engines given by ``--worker-urls``),
-session routers (2), trainer (3).
+Stages: engines and the router (0; the router starts with no workers), session routers (1;
+each probes field passthrough through the still-empty router), then the engines are
+registered with the router, then the trainer (2).
 """
 
 from __future__ import annotations
 
 from posttrain.launch.args import Args
-from posttrain.launch.plan import PYTHON, Plan, ProcessSpec, Readiness, Role
+from posttrain.launch.plan import PYTHON, Plan, ProcessSpec, Readiness, Registration, Role
 from posttrain.launch.rules import LaunchConfig, Resolved, apply_rules, resolve_config
 from posttrain.launch.tables import VISIBLE_DEVICES_VAR, EngineKind
 
@@ -87,22 +88,22 @@ def build_plan(cfg: LaunchConfig) -> Plan:
         )
 
     router = _copy_with(role_args.router)
-    router_argv = [PYTHON, "-m", ROUTER_MODULE, *router.argv()]
-    # Worker URLs go before the user's tokens so a user --worker-urls still wins.
-    insert_at = len(router_argv) - len(router.user_tokens)
-    router_argv[insert_at:insert_at] = ["--worker-urls", *worker_urls]
     processes.append(
         ProcessSpec(
             name="router",
             role=Role.ROUTER,
-            argv=tuple(router_argv),
+            argv=(PYTHON, "-m", ROUTER_MODULE, *router.argv()),
             node=0,
-            stage=1,
+            stage=0,
             readiness=Readiness(
-                url=f"http://{{node_ip}}:{cfg.router_port}/readiness", timeout_s=ROUTER_READY_S
+                url=f"http://{{node_ip}}:{cfg.router_port}/health", timeout_s=ROUTER_READY_S
             ),
-            explain=(*router.explain(), "--worker-urls  <- placement (every engine)"),
+            explain=tuple(router.explain()),
         )
+    )
+    router_url = f"http://{{node_ip:0}}:{cfg.router_port}"
+    registrations = tuple(
+        Registration(router=router_url, worker=url, after_stage=1) for url in worker_urls
     )
 
     for i in range(cfg.session_routers):
@@ -134,6 +135,7 @@ def build_plan(cfg: LaunchConfig) -> Plan:
         hardware=hw.value,
         nodes=cfg.nodes,
         processes=tuple(processes),
+        registrations=registrations,
         notes=tuple(notes),
     )
 
@@ -200,7 +202,7 @@ def _trainer_processes(
                 env=env,
                 node=node,
                 gpus=per_node if gpn else 0,
-                stage=3,
+                stage=2,
                 readiness=None,
                 explain=tuple(explain),
             )

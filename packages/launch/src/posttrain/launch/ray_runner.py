@@ -30,7 +30,7 @@ import httpx
 
 from posttrain.launch._errors import LaunchConfigError, ProcessFailedError, ReadinessError
 from posttrain.launch.plan import Plan, ProcessSpec, resolve, resolve_process
-from posttrain.launch.runners import LogSink, console_sink
+from posttrain.launch.runners import LogSink, console_sink, register_worker
 
 _VISIBLE_ENV = ("CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES")
 
@@ -207,6 +207,10 @@ class RayRunner:
                 )
             for spec in stage:
                 self._await_ready(spec)
+            for reg in self.plan.registrations:
+                if reg.after_stage == stage[0].stage:
+                    router, worker = register_worker(self._client, reg, self.node_ips, self.poll_s)
+                    self.sink("launcher", f"registered {worker} with {router}")
 
     def _drain(self, spec: ProcessSpec) -> int | None:
         import ray

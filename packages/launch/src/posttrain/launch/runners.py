@@ -32,7 +32,7 @@ from rich.console import Console
 from rich.text import Text
 
 from posttrain.launch._errors import ProcessFailedError, ReadinessError
-from posttrain.launch.plan import Plan, ProcessSpec, resolve_process
+from posttrain.launch.plan import Plan, ProcessSpec, Registration, resolve, resolve_process
 
 LogSink = Callable[[str, str], None]  # (process name, line without newline)
 
@@ -52,6 +52,45 @@ def console_sink(console: Console | None = None) -> LogSink:
         out.print(Text(f"[{name}] ", style=color) + Text(line), soft_wrap=True)
 
     return sink
+
+
+def register_worker(
+    client: httpx.Client, reg: Registration, node_ips: Mapping[int, str], poll_s: float = 0.2
+) -> tuple[str, str]:
+    """POST the worker to the router and wait until ``GET /workers`` lists it healthy.
+
+    sgl-router answers 202 (queued) and registers in the background, hence the poll.
+    """
+    router = resolve(reg.router, 0, node_ips).rstrip("/")
+    worker = resolve(reg.worker, 0, node_ips).rstrip("/")
+    try:
+        reply = client.post(f"{router}/workers", json={"url": worker, "worker_type": "regular"})
+    except httpx.HTTPError as exc:
+        raise ReadinessError(
+            f"router {router} unreachable registering {worker}: {type(exc).__name__}",
+            process="router",
+            url=f"{router}/workers",
+        ) from exc
+    if reply.status_code not in (200, 201, 202):
+        raise ReadinessError(
+            f"POST {router}/workers for {worker} answered {reply.status_code}: {reply.text[:200]}",
+            process="router",
+            url=f"{router}/workers",
+        )
+    deadline = time.monotonic() + reg.timeout_s
+    while time.monotonic() < deadline:
+        with contextlib.suppress(httpx.HTTPError, ValueError):
+            listed = client.get(f"{router}/workers").json().get("workers", [])
+            for w in listed:
+                url = str(w.get("url", "")).split("@", 1)[0].rstrip("/")
+                if url == worker and w.get("is_healthy", True):
+                    return router, worker
+        time.sleep(poll_s)
+    raise ReadinessError(
+        f"router {router} did not list {worker} as healthy within {reg.timeout_s:.0f} s",
+        process="router",
+        url=f"{router}/workers",
+    )
 
 
 class DryRun:
@@ -141,6 +180,12 @@ class LocalRunner:
                 started = [self._spawn(spec) for spec in stage]
                 for rp in started:
                     self._await_ready(rp)
+                for reg in self.plan.registrations:
+                    if reg.after_stage == stage[0].stage:
+                        router, worker = register_worker(
+                            self._client, reg, self.node_ips, self.poll_s
+                        )
+                        self.sink("launcher", f"registered {worker} with {router}")
         except BaseException:
             self.stop()
             raise

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from posttrain.launch._errors import LaunchConfigError
 from posttrain.launch.args import Args
 from posttrain.launch.hardware import Detection, detect_hardware
-from posttrain.launch.plan import PYTHON, Plan, ProcessSpec, Readiness, Role
+from posttrain.launch.plan import PYTHON, Plan, ProcessSpec, Readiness, Registration, Role
 from posttrain.launch.planner import ENGINE_MODULES, ROUTER_MODULE, SESSION_ROUTER_MODULE
 from posttrain.launch.tables import EngineKind
 
@@ -57,7 +57,11 @@ def default_engine_kind(detection: Detection | None = None) -> EngineKind:
 
 
 def build_local_stack(cfg: LocalStackConfig) -> Plan:
-    """Engines (stage 0), sgl-router (stage 1), session router (stage 2), all on loopback."""
+    """Engines and sgl-router (stage 0), session router (stage 1), then engine registration.
+
+    The router starts empty so the session router's passthrough probe (an echo worker it
+    registers for the probe) is the only worker it can be routed to; engines join after.
+    """
     if cfg.engines < 1:
         raise LaunchConfigError(f"engines={cfg.engines} must be >= 1")
     if cfg.engine_ports and len(cfg.engine_ports) != cfg.engines:
@@ -82,10 +86,12 @@ def build_local_stack(cfg: LocalStackConfig) -> Plan:
         args.set("--model-path", cfg.model_path, source=src)
         args.set("--host", LOCAL_HOST, source=src)
         args.set("--port", port, source=src)
-        if cfg.loras and cfg.engine_kind is EngineKind.SGLANG:
-            args.set("--enable-lora", source=src)
-        for name, path in cfg.loras:
-            args.add("--lora-paths", f"{name}={path}", source=src + " (--lora)")
+        if cfg.loras:
+            # Both engines take SGLang's spelling; --lora-paths is one nargs="+" flag
+            # (repeating it would keep only the last occurrence).
+            args.set("--enable-lora", source=src + " (--lora)")
+            pairs = [f"{name}={path}" for name, path in cfg.loras]
+            args.set("--lora-paths", *pairs, source=src + " (--lora)")
         args.extend_user(cfg.engine_args)
         processes.append(
             ProcessSpec(
@@ -113,9 +119,9 @@ def build_local_stack(cfg: LocalStackConfig) -> Plan:
             name="router",
             role=Role.ROUTER,
             argv=(PYTHON, "-m", ROUTER_MODULE, *router.argv()),
-            stage=1,
+            stage=0,
             readiness=Readiness(
-                url=f"http://{LOCAL_HOST}:{router_port}/readiness", timeout_s=cfg.ready_timeout_s
+                url=f"http://{LOCAL_HOST}:{router_port}/health", timeout_s=cfg.ready_timeout_s
             ),
             explain=tuple(router.explain()),
         )
@@ -133,7 +139,7 @@ def build_local_stack(cfg: LocalStackConfig) -> Plan:
             name="session-router",
             role=Role.SESSION_ROUTER,
             argv=(PYTHON, "-m", SESSION_ROUTER_MODULE, *session.argv()),
-            stage=2,
+            stage=1,
             readiness=Readiness(
                 url=f"http://{LOCAL_HOST}:{session_port}/health", timeout_s=cfg.ready_timeout_s
             ),
@@ -145,5 +151,14 @@ def build_local_stack(cfg: LocalStackConfig) -> Plan:
         hardware="local",
         nodes=1,
         processes=tuple(processes),
+        registrations=tuple(
+            Registration(
+                router=f"http://{LOCAL_HOST}:{router_port}",
+                worker=f"http://{LOCAL_HOST}:{p}",
+                after_stage=1,
+                timeout_s=cfg.ready_timeout_s,
+            )
+            for p in ports
+        ),
         notes=(f"model {cfg.model_path}", f"engines: {cfg.engines} x {cfg.engine_kind.value}"),
     )
