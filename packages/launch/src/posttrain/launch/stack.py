@@ -112,7 +112,6 @@ def build_local_stack(cfg: LocalStackConfig) -> Plan:
     router.set("--assignment-mode", "min_load", source="local stack (sessions on)")
     router.set("--log-level", "warn", source="local stack")
     router.set("--health-check-interval-secs", 5, source="local stack")
-    router.set("--worker-urls", *(f"http://{LOCAL_HOST}:{p}" for p in ports), source="local stack")
     router.extend_user(cfg.router_args)
     processes.append(
         ProcessSpec(
