@@ -34,7 +34,11 @@ LOOPBACK_ENV = {
 }
 
 
-def _stop_tree(root: psutil.Process, timeout_s: float = 15.0) -> list[psutil.Process]:
+def _stop_tree(root: psutil.Process, timeout_s: float = 5.0) -> list[psutil.Process]:
+    """SIGTERM the head's process group, then SIGKILL whatever is left of the tree or group.
+
+    Called before the head is reaped, so its pid (the group id) cannot have been reused.
+    """
     procs = [root]
     with contextlib.suppress(psutil.Error):
         procs += root.children(recursive=True)
@@ -44,6 +48,8 @@ def _stop_tree(root: psutil.Process, timeout_s: float = 15.0) -> list[psutil.Pro
     for proc in alive:
         with contextlib.suppress(psutil.Error):
             proc.kill()
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(root.pid, signal.SIGKILL)
     psutil.wait_procs(alive, timeout=timeout_s)
     return procs
 
@@ -55,7 +61,9 @@ def _gone(proc: psutil.Process) -> bool:
         return True
 
 
-def _start_head(ray_bin: str, temp_dir: Path) -> tuple[subprocess.Popen[str], str, list[str]]:
+def _start_head(
+    ray_bin: str, temp_dir: Path
+) -> tuple[subprocess.Popen[str], psutil.Process, str, list[str]]:
     """``ray start --head --block``; returns once it reports "Ray runtime started" or exits."""
     port = free_port()
     head = subprocess.Popen(
@@ -68,6 +76,7 @@ def _start_head(ray_bin: str, temp_dir: Path) -> tuple[subprocess.Popen[str], st
         text=True,
         start_new_session=True,
     )  # fmt: skip
+    root = psutil.Process(head.pid)  # before anything can reap it
     lines: list[str] = []
     started = threading.Event()
 
@@ -81,7 +90,7 @@ def _start_head(ray_bin: str, temp_dir: Path) -> tuple[subprocess.Popen[str], st
 
     threading.Thread(target=read, daemon=True).start()
     started.wait(timeout=150)
-    return head, f"127.0.0.1:{port}", lines
+    return head, root, f"127.0.0.1:{port}", lines
 
 
 @pytest.fixture(scope="module")
@@ -91,15 +100,14 @@ def ray_head(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyp
     # Ray gives its raylet a fixed 30 s to register with the GCS; on an overloaded machine
     # that can lapse once, so a second head is tried before the test fails.
     for attempt in (1, 2):
-        head, address, lines = _start_head(ray_bin, tmp_path_factory.mktemp(f"ray{attempt}"))
-        up = any("Ray runtime started" in line for line in lines) and head.poll() is None
+        head, root, address, lines = _start_head(ray_bin, tmp_path_factory.mktemp(f"r{attempt}"))
+        up = any("Ray runtime started" in line for line in lines) and not _gone(root)
         if up:
             break
-        procs = _stop_tree(psutil.Process(head.pid)) if head.poll() is None else []
+        procs = _stop_tree(root)
         head.wait(timeout=30)
         assert all(_gone(p) for p in procs)
     assert up, "ray start --head did not come up twice:\n" + "".join(lines[-20:])
-    root = psutil.Process(head.pid)
     try:
         yield address
     finally:
