@@ -108,3 +108,15 @@ def test_up_rejects_two_adapters_and_bad_assignments() -> None:
     result = runner.invoke(app, ["up", "--model-path", "/m", "--lora", "nope", "--dry-run"])
     assert result.exit_code == 2
     assert "--lora 'nope' must be NAME=VALUE" in result.stderr
+
+
+def test_run_dry_prints_a_saved_plan(tmp_path: Path) -> None:
+    path = tmp_path / "plan.json"
+    path.write_text((GOLDEN / "qwen3-235b-a22b__h200__4n.json").read_text())
+    result = runner.invoke(app, ["run", str(path)])
+    assert result.exit_code == 0, result.output
+    assert result.stdout.count("python -m torch.distributed.run --nnodes 2") == 2
+    assert "after stage 1: register http://{node_ip:1}:30001" in result.stdout
+    bad = runner.invoke(app, ["run", str(path), "--runner", "slurm"])
+    assert bad.exit_code == 2
+    assert "'slurm' is not one of dry, local, ray" in bad.stderr

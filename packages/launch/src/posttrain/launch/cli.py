@@ -22,7 +22,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from posttrain.launch._errors import LaunchError
+from posttrain.launch._errors import LaunchConfigError, LaunchError
 from posttrain.launch.args import parse_assignments
 from posttrain.launch.catalog import get_model
 from posttrain.launch.hardware import GPUS_PER_NODE, Hardware, detect_hardware, parse_hardware
@@ -106,8 +106,6 @@ def _parse_precision(value: str | None) -> Precision | None:
     try:
         return Precision(value)
     except ValueError:
-        from posttrain.launch._errors import LaunchConfigError
-
         allowed = ", ".join(p.value for p in Precision)
         raise LaunchConfigError(f"precision {value!r} is not one of: {allowed}") from None
 

@@ -32,7 +32,7 @@ from rich.console import Console
 from rich.text import Text
 
 from posttrain.launch._errors import ProcessFailedError, ReadinessError
-from posttrain.launch.plan import Plan, ProcessSpec, Registration, resolve, resolve_process
+from posttrain.launch.plan import Plan, ProcessSpec, Registration, Role, resolve, resolve_process
 
 LogSink = Callable[[str, str], None]  # (process name, line without newline)
 
@@ -256,7 +256,7 @@ class LocalRunner:
                 code = rp.popen.poll()
                 if code is None:
                     continue
-                if code == 0 and rp.spec.role.value == "trainer":
+                if code == 0 and rp.spec.role is Role.TRAINER:
                     return
                 self._check_alive(rp)
             time.sleep(self.poll_s)
