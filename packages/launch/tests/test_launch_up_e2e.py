@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -84,6 +85,14 @@ def test_up_serves_a_session_chat_and_stops_everything(tmp_path: Path) -> None:
         text=True,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )  # fmt: skip
+    err_lines: list[str] = []
+
+    def drain() -> None:  # logs go to stderr; an unread pipe would stall the launcher
+        assert up.stderr is not None
+        err_lines.extend(up.stderr)
+
+    reader = threading.Thread(target=drain, daemon=True)
+    reader.start()
     urls: dict[str, str] = {}
     children: list[int] = []
     try:
@@ -92,8 +101,10 @@ def test_up_serves_a_session_chat_and_stops_everything(tmp_path: Path) -> None:
         while time.monotonic() < deadline:
             line = up.stdout.readline()
             if not line:
-                _, err = up.communicate(timeout=30)
-                pytest.fail(f"posttrain up exited early ({up.returncode}):\n{err[-4000:]}")
+                up.wait(timeout=30)
+                reader.join(timeout=10)
+                tail = "".join(err_lines)[-4000:]
+                pytest.fail(f"posttrain up exited early ({up.returncode}):\n{tail}")
             if line.startswith("ready"):
                 break
             name, url = line.split()
@@ -118,7 +129,10 @@ def test_up_serves_a_session_chat_and_stops_everything(tmp_path: Path) -> None:
             assert len(json.dumps(workers)) > 0
     finally:
         up.send_signal(signal.SIGINT)
-        _, err = up.communicate(timeout=60)
+        up.wait(timeout=60)
+        reader.join(timeout=10)
+    err = "".join(err_lines)
     assert up.returncode == 0, err[-4000:]
+    assert err.count("registered http://127.0.0.1:") == 2
     assert "stopped every process" in err
     assert all(gone(pid) for pid in children), [p for p in children if not gone(p)]
