@@ -212,3 +212,14 @@ def test_cpu_plan_uses_local_engine_and_fsdp() -> None:
     trainer = list(plan.by_role(Role.TRAINER)[0].argv)
     assert flag_value(trainer, "--backend") == "fsdp"
     assert not plan.by_role(Role.TRAINER)[0].env
+
+
+@pytest.mark.parametrize(
+    "spelling", [("--attention-backend", "trtllm_mla"), ("--attention-backend=trtllm_mla",)]
+)
+def test_backend_given_in_engine_args_also_switches_rules_off(spelling: tuple[str, ...]) -> None:
+    for model in ("glm-4.7-flash", "qwen3-30b-a3b"):
+        argv = engine_argv(plan_for(model, Hardware.B200, engine_args=spelling))
+        assert RAGGED not in argv
+        assert flag_value(argv, "--attention-backend") == "trtllm_mla"
+        assert sum(t.startswith("--attention-backend") for t in argv) == 1  # the user's, untouched

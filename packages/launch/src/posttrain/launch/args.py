@@ -63,6 +63,14 @@ class Args:
         _check_name(name)
         self._flags.append(Flag(name, tuple(str(v) for v in values), source))
 
+    def copy(self) -> Args:
+        """An independent copy (flags, replacement history and user tokens)."""
+        out = Args()
+        out._flags = list(self._flags)
+        out._history = list(self._history)
+        out._user = list(self._user)
+        return out
+
     def remove(self, name: str) -> None:
         self._flags = [f for f in self._flags if f.name != name]
 

@@ -34,13 +34,10 @@ def _env_lines(env: dict[str, tuple[str, str]]) -> list[str]:
 
 
 def _copy_with(args: Args, *extra: tuple[str, object]) -> Args:
-    """A copy of ``args`` with per-process flags set before the user's tokens."""
-    out = Args()
-    for flag in args.flags:
-        out.add(flag.name, *flag.values, source=flag.source)
+    """A copy of ``args`` with per-process flags set (still before the user's tokens)."""
+    out = args.copy()
     for name, value in extra:
         out.set(name, value, source="placement")
-    out.extend_user(args.user_tokens)
     return out
 
 

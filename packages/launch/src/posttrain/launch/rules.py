@@ -61,9 +61,24 @@ class LaunchConfig:
     trainer_args: tuple[str, ...] = ()
 
     @property
+    def explicit_backend(self) -> str | None:
+        """The backend the user chose: ``--attention-backend``, else the last one in
+        ``engine_args`` (either spelling). None when the user chose none."""
+        if self.attention_backend is not None:
+            return self.attention_backend
+        found = None
+        args = self.engine_args
+        for i, tok in enumerate(args):
+            if tok == "--attention-backend" and i + 1 < len(args):
+                found = args[i + 1]
+            elif tok.startswith("--attention-backend="):
+                found = tok.split("=", 1)[1]
+        return found
+
+    @property
     def user_backend(self) -> str | None:
         """The user's attention backend; ``default`` means "SGLang's own", i.e. none given."""
-        b = self.attention_backend
+        b = self.explicit_backend
         return None if b is None or b == "default" else b
 
 
@@ -268,7 +283,7 @@ def _amd_aiter(r: Resolved, a: RoleArgs, src: str) -> None:
 
 
 def _user_attention_backend(r: Resolved, a: RoleArgs, src: str) -> None:
-    a.engine.set("--attention-backend", r.cfg.user_backend or "", source=src)
+    a.engine.set("--attention-backend", r.cfg.attention_backend or "", source=src)
 
 
 def _is_sglang(r: Resolved) -> bool:
@@ -297,14 +312,19 @@ RULES: tuple[Rule, ...] = (
             and r.model.family is ModelFamily.GLM4_MOE_LITE
             and r.model.attention is Attention.MLA
             and r.hardware.is_blackwell
-            and r.cfg.attention_backend in FLASHINFER_MLA_BACKENDS
+            and r.cfg.explicit_backend in FLASHINFER_MLA_BACKENDS
         ),
         _glm_flash_blackwell_mla,
     ),
     Rule("amd_aiter", lambda r: _is_sglang(r) and r.hardware.vendor is Vendor.AMD, _amd_aiter),
     Rule(
         "user --attention-backend (escape hatch)",
-        lambda r: _is_sglang(r) and r.cfg.user_backend is not None,
+        # Only for the dedicated option: a backend inside engine_args is already in the argv.
+        lambda r: (
+            _is_sglang(r)
+            and r.cfg.attention_backend is not None
+            and r.cfg.attention_backend != "default"
+        ),
         _user_attention_backend,
     ),
 )
