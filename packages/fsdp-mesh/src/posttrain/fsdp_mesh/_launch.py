@@ -38,7 +38,13 @@ import torch.multiprocessing as mp
 from posttrain.fsdp_mesh._errors import MeshConfigError, WorkerError, WorkerTimeoutError
 
 StartMethod = Literal["spawn", "forkserver", "fork"]
-DEFAULT_PRELOAD = ("torch", "torch.distributed.fsdp", "torch.distributed.checkpoint", "torch.optim")
+DEFAULT_PRELOAD = (
+    "torch",
+    "torch._dynamo",
+    "torch.distributed.fsdp",
+    "torch.distributed.checkpoint",
+    "torch.optim",
+)
 
 
 def free_port() -> int:
@@ -78,12 +84,47 @@ def _worker(
         )
         try:
             out = fn(rank, world_size, *args)
+        except BaseException:
+            # Report before tearing the group down: the teardown makes peers fail too, and the
+            # parent names the rank whose failure came first.
+            results.put((rank, False, (time.time(), traceback.format_exc())))
+            raise
         finally:
             dist.destroy_process_group()
         results.put((rank, True, pickle.dumps(out)))
     except BaseException:
-        results.put((rank, False, traceback.format_exc()))
+        results.put((rank, False, (time.time(), traceback.format_exc())))
         raise SystemExit(1) from None
+
+
+def _raise_first_failure(
+    results: Any, procs: Sequence[BaseProcess], rank: int, payload: tuple[float, str]
+) -> None:
+    """Collect failures for a moment and raise for the rank that failed first.
+
+    A rank that died without a report (killed, ``os._exit``) is the cause before any rank that
+    raised: the others' errors are then "connection reset by peer" from its death.
+    """
+    failures = {rank: payload}
+    until = time.monotonic() + 2.0
+    while time.monotonic() < until:
+        try:
+            other, ok, data = results.get(timeout=max(until - time.monotonic(), 0.01))
+        except queue.Empty:
+            break
+        if not ok and other not in failures:
+            failures[other] = data
+    for r, p in enumerate(procs):
+        if r not in failures and p.exitcode is not None and p.exitcode != 0:
+            raise WorkerError(
+                f"rank {r} exited with code {p.exitcode} before returning a result "
+                f"(then ranks {sorted(failures)} failed)",
+                rank=r,
+            )
+    first = min(failures, key=lambda r: failures[r][0])
+    others = sorted(r for r in failures if r != first)
+    also = f" (then ranks {others} failed too)" if others else ""
+    raise WorkerError(f"rank {first} raised{also}:\n{failures[first][1]}", rank=first)
 
 
 def _kill(procs: Sequence[BaseProcess]) -> None:
@@ -149,7 +190,7 @@ def launch_workers(
                         ) from None
                 continue
             if not ok:
-                raise WorkerError(f"rank {rank} raised:\n{payload}", rank=rank)
+                _raise_first_failure(results, procs, rank, payload)
             done[rank] = pickle.loads(payload)
         for p in procs:
             p.join(timeout=max(deadline - time.monotonic(), 1.0))
