@@ -3,7 +3,8 @@
 ``count_collectives()`` is a ``TorchDispatchMode`` that sees every c10d collective op
 (``allreduce_``, ``_reduce_scatter_base_``, ``_allgather_base_``, ...) that passes through the
 dispatcher on this thread, whatever Python wrapper issued it, and records the call, the bytes of
-its input tensors and the ranks of its process group. It is how the tests and benchmark show the
+its full buffer (all-reduce: the tensor; all-gather: the gathered output; reduce-scatter: the
+unreduced input, as in nccl-tests) and the ranks of its process group. It is how the tests and benchmark show the
 deferred replicate all-reduce (one per step instead of one per micro-batch).
 
 Departure from ``torch.distributed.tensor.debug.CommDebugMode``: that counts calls per op only;
@@ -43,10 +44,14 @@ _C10D_OPS = frozenset(
     }
 )
 
+_INPUT_IS_FULL = frozenset(
+    {"_reduce_scatter_base_", "reduce_scatter_", "reduce_scatter_tensor_coalesced_"}
+)
+
 
 @dataclass(frozen=True, slots=True)
 class CollectiveCall:
-    """One collective: op name, ranks of its group, bytes of its input tensors on this rank."""
+    """One collective: op name, ranks of its group, bytes of its full (unsharded) buffer."""
 
     op: str
     group_ranks: tuple[int, ...]
@@ -106,8 +111,10 @@ class _Recorder(TorchDispatchMode):  # type: ignore[no-untyped-call]
         if getattr(packet, "_qualified_op_name", "").startswith("c10d::"):
             name = packet.__name__
             if name in _C10D_OPS:
-                first = args[0] if args else None
-                leaves = tree_leaves(first)
+                # The collective's full buffer: the input of a reduce-scatter, the output of an
+                # all-gather, the tensor of an all-reduce (nccl-tests' "size").
+                buffer = args[1] if name in _INPUT_IS_FULL and len(args) > 1 else args[:1]
+                leaves = tree_leaves(buffer)
                 nbytes = sum(
                     t.numel() * t.element_size() for t in leaves if isinstance(t, torch.Tensor)
                 )

@@ -208,6 +208,9 @@ def run_parity(config: ParityConfig) -> ParityReport:
     device = torch.device(cfg.device_type)
     if device.type == "cuda":
         device = torch.device("cuda", torch.cuda.current_device())
+        # The reference is fp32; TF32 matmuls would make it, not the sharding, the error source.
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
 
     torch.manual_seed(cfg.seed)
     reference = ParityModel(cfg.dim, cfg.layers, cfg.out_dim).to(device)
@@ -353,6 +356,12 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds for the whole run")
     parser.add_argument("--checkpoint-dir", default=None, help="shared dir (default: a temp dir)")
     parser.add_argument("--json", default=None, help="also write the rank reports to this file")
+    parser.add_argument(
+        "--start-method",
+        choices=("spawn", "forkserver"),
+        default="spawn",
+        help="how the self-spawning mode starts ranks (ignored under torchrun)",
+    )
     return parser.parse_args(argv)
 
 
@@ -406,6 +415,7 @@ def main(argv: list[str] | None = None) -> int:
             timeout_s=args.timeout,
             backend=args.backend,
             args=(config,),
+            start_method=args.start_method,
         )
     except WorkerError as exc:
         print(f"FAIL r{args.replicate}s{args.shard}: {exc}", file=sys.stderr)
