@@ -25,7 +25,6 @@ import torch.distributed as dist
 
 from posttrain.fsdp_mesh import (
     HsdpConfig,
-    MeshSpec,
     ParityModel,
     accumulate_gradients,
     apply_hsdp,
@@ -34,6 +33,7 @@ from posttrain.fsdp_mesh import (
     gather_full_param,
     launch_workers,
 )
+from posttrain.interface import MeshSpec
 
 
 def _worker(

@@ -84,7 +84,9 @@ def main() -> int:
         return 1
     runs = []
     for r, s in ((1, 2), (2, 1)):
-        runs.append(_run(r, s, backend, [], args.timeout))
+        # Ranks are spawned on GPU (CUDA-safe); the CPU dry run forks them (no torch import each).
+        base = [] if args.device == "cuda" else ["--start-method", "fork"]
+        runs.append(_run(r, s, backend, base, args.timeout))
         if args.device == "cuda":  # step times at a less toy size; skipped in the CPU dry run
             wide = ["--micro-batches", "8", "--dim", "1024", "--steps", "5"]
             runs.append(_run(r, s, backend, wide, args.timeout))

@@ -2,8 +2,10 @@
 
 Worker functions live in ``fsdp_mesh_workers.py`` (an importable module: spawned ranks must
 import the function by name, which pytest's importlib mode does not allow for test modules).
-``run_ranks`` is the single place to switch to ``posttrain.interface.testing.run_workers`` once
-it lands; it uses a fork server that imports torch once, so each group starts in about a second.
+``run_ranks`` runs them with ``posttrain.interface.testing.run_workers``: ranks are forked from
+this warm process (torch, FSDP, DCP and dynamo imported once, here), so a group starts in about a
+second. The fault tests call this package's own ``launch_workers`` (the parity command's
+launcher) instead, since that is what they test.
 
 Gloo start-up and first-use costs dominate, so one W=4 group and one W=2 group run all of
 their checks (``w4_suite``/``w2_suite``) once per session; the tests assert on their results.
@@ -21,14 +23,15 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 
 import fsdp_mesh_workers as workers
+import torch._dynamo  # noqa: F401  (the first optimizer step imports it lazily: warm it once here)
 
-from posttrain.fsdp_mesh import launch_workers
+from posttrain.interface.testing import run_workers
 
 
 def run_ranks(
     fn: Callable[..., Any], world_size: int, *, timeout_s: float, args: tuple[Any, ...] = ()
 ) -> list[Any]:
-    return launch_workers(fn, world_size, timeout_s=timeout_s, args=args, start_method="forkserver")
+    return run_workers(fn, world_size, timeout_s=timeout_s, args=args)
 
 
 @pytest.fixture(scope="session")

@@ -16,7 +16,6 @@ from posttrain.fsdp_mesh import (
     FsdpMesh,
     HsdpConfig,
     MeshBuildError,
-    MeshSpec,
     ParityConfig,
     ParityModel,
     accumulate_gradients,
@@ -32,6 +31,7 @@ from posttrain.fsdp_mesh import (
     run_parity,
     save_checkpoint,
 )
+from posttrain.interface import MeshSpec
 
 FP32 = HsdpConfig(param_dtype=None, reduce_dtype=None)
 
@@ -237,26 +237,38 @@ def live_checks(rank: int, world: int) -> dict[str, Any]:
     return out
 
 
+def _timed(parts: dict[str, Any], seconds: dict[str, float], name: str, fn: Any) -> None:
+    t0 = time.perf_counter()
+    parts[name] = fn()
+    seconds[name] = round(time.perf_counter() - t0, 2)
+
+
 def w4_suite(rank: int, world: int, root: str) -> dict[str, Any]:
     """Everything the W=4 tests check, in one process group."""
     layouts = [(1, "auto"), (2, "auto"), (4, "auto"), (2, "init_device_mesh")]
-    return {
-        "layouts": layouts,
-        "parity": parity_layouts(rank, world, layouts),
-        "deferred": {r: deferred_vs_eager(rank, world, r, 4) for r in (2, 4)},
-        "checkpoint": checkpoint_across_layouts(rank, world, 2, [1, 4, 2], root, None),
-    }
+    out: dict[str, Any] = {"layouts": layouts, "seconds": {}}
+    sec = out["seconds"]
+    _timed(out, sec, "parity", lambda: parity_layouts(rank, world, layouts))
+    _timed(out, sec, "deferred", lambda: {r: deferred_vs_eager(rank, world, r, 4) for r in (2, 4)})
+    _timed(
+        out,
+        sec,
+        "checkpoint",
+        lambda: checkpoint_across_layouts(rank, world, 2, [1, 4, 2], root, None),
+    )
+    return out
 
 
 def w2_suite(rank: int, world: int, root: str) -> dict[str, Any]:
     """Everything the W=2 tests check, in one process group (loads the W=4 checkpoint)."""
     layouts = [(1, "auto"), (2, "auto")]
-    return {
-        "layouts": layouts,
-        "parity": parity_layouts(rank, world, layouts),
-        "deferred": {2: deferred_vs_eager(rank, world, 2, 4)},
-        "checkpoint": checkpoint_across_layouts(
-            rank, world, 0, [1, 2], root, str(Path(root) / "full_reference.pt")
-        ),
-        "live": live_checks(rank, world),
-    }
+    out: dict[str, Any] = {"layouts": layouts, "seconds": {}}
+    sec = out["seconds"]
+    ref = str(Path(root) / "full_reference.pt")
+    _timed(out, sec, "parity", lambda: parity_layouts(rank, world, layouts))
+    _timed(out, sec, "deferred", lambda: {2: deferred_vs_eager(rank, world, 2, 4)})
+    _timed(
+        out, sec, "checkpoint", lambda: checkpoint_across_layouts(rank, world, 0, [1, 2], root, ref)
+    )
+    _timed(out, sec, "live", lambda: live_checks(rank, world))
+    return out

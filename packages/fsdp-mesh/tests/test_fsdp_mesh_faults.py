@@ -6,9 +6,8 @@ from typing import Any
 
 import fsdp_mesh_workers as workers
 import pytest
-from conftest import run_ranks
 
-from posttrain.fsdp_mesh import WorkerError, WorkerTimeoutError
+from posttrain.fsdp_mesh import WorkerError, WorkerTimeoutError, launch_workers
 
 pytestmark = pytest.mark.multiproc
 
@@ -16,13 +15,13 @@ pytestmark = pytest.mark.multiproc
 @pytest.mark.timeout(90)
 def test_hung_rank_fails_within_its_timeout() -> None:
     with pytest.raises(WorkerTimeoutError, match=r"ranks \[0, 1\] of 2 did not finish within 8 s"):
-        run_ranks(workers.hang, 2, timeout_s=8)
+        launch_workers(workers.hang, 2, timeout_s=8, start_method="fork")
 
 
 @pytest.mark.timeout(90)
 def test_raising_rank_is_named_with_its_traceback() -> None:
     with pytest.raises(WorkerError, match="rank 1 raised") as info:
-        run_ranks(workers.crash, 2, timeout_s=60)
+        launch_workers(workers.crash, 2, timeout_s=60, start_method="fork")
     assert info.value.rank == 1
     assert "deliberate failure on rank 1" in str(info.value)
 
@@ -30,7 +29,7 @@ def test_raising_rank_is_named_with_its_traceback() -> None:
 @pytest.mark.timeout(90)
 def test_dying_rank_is_named_with_its_exit_code() -> None:
     with pytest.raises(WorkerError, match=r"rank 1 exited with code 7") as info:
-        run_ranks(workers.hard_exit, 2, timeout_s=60)
+        launch_workers(workers.hard_exit, 2, timeout_s=60, start_method="fork")
     assert info.value.rank == 1
 
 

@@ -1,6 +1,6 @@
 """posttrain.fsdp_mesh: validated (replicate x shard) device meshes and hybrid-sharded FSDP2.
 
-Build a mesh from a ``MeshSpec`` (``build_fsdp_mesh``), shard a model on it (``apply_hsdp``),
+Build a mesh from a ``posttrain.interface.MeshSpec`` (``build_fsdp_mesh``), shard a model on it (``apply_hsdp``),
 accumulate gradients with one replicate all-reduce per step (``accumulate_gradients``), clip on
 the 2-D mesh (``clip_grad_norm``), checkpoint across layouts (``save_checkpoint`` /
 ``load_checkpoint``), export full weights (``iter_full_state_dict``), and check a cluster with
@@ -33,7 +33,6 @@ from posttrain.fsdp_mesh._hsdp import HsdpConfig, apply_hsdp, fsdp_modules
 from posttrain.fsdp_mesh._launch import free_port, launch_workers
 from posttrain.fsdp_mesh._mesh import FsdpMesh, build_fsdp_mesh, check_device_type, check_mesh
 from posttrain.fsdp_mesh._parity import ParityConfig, ParityModel, ParityReport, run_parity
-from posttrain.fsdp_mesh._spec import MeshAxis, MeshSpec
 
 __all__ = [
     "AccumulationError",
@@ -45,10 +44,8 @@ __all__ = [
     "FsdpMeshError",
     "GradientAccumulation",
     "HsdpConfig",
-    "MeshAxis",
     "MeshBuildError",
     "MeshConfigError",
-    "MeshSpec",
     "ParityConfig",
     "ParityError",
     "ParityModel",

@@ -124,7 +124,7 @@ def save_checkpoint(
             step=step,
             world_size=mesh.spec.world_size,
             replicate=mesh.spec.replicate,
-            shard=mesh.spec.shard,
+            shard=mesh.spec.shard_size,
             torch_version=torch.__version__,
             timestamp=time.time(),
             extra=dict(extra or {}),

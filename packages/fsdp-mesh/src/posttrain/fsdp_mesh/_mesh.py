@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from posttrain.fsdp_mesh._errors import MeshBuildError, MeshConfigError
-from posttrain.fsdp_mesh._spec import MeshAxis, MeshSpec
+from posttrain.interface import MeshAxis, MeshSpec
 
 WORLD_AXIS = "dp"
 BuildMethod = Literal["auto", "unflatten", "init_device_mesh"]
@@ -102,7 +102,7 @@ class FsdpMesh:
             "rank": rank,
             "world_size": self.spec.world_size,
             "replicate": self.spec.replicate,
-            "shard": self.spec.shard,
+            "shard": self.spec.shard_size,
             "device_type": self.spec.device_type,
             "method": self.method,
             "coords": list(self.spec.coords(rank)),
@@ -132,7 +132,7 @@ def build_fsdp_mesh(spec: MeshSpec, *, method: BuildMethod = "auto") -> FsdpMesh
         raise MeshBuildError(
             f"spec world_size={spec.world_size} but the process group has {live} ranks"
         )
-    r, s = spec.replicate, spec.shard
+    r, s = spec.replicate, spec.shard_size
     names = (MeshAxis.DP_REPLICATE.value, MeshAxis.DP_SHARD.value)
     world = init_device_mesh(spec.device_type, (spec.world_size,), mesh_dim_names=(WORLD_AXIS,))
     chosen: Literal["unflatten", "init_device_mesh"]
@@ -172,13 +172,13 @@ def check_mesh(mesh: FsdpMesh) -> None:
             f"rank {rank}: mesh coordinate {coords} != spec coordinate {spec.coords(rank)}"
         )
     i, j = spec.coords(rank)
-    got_shard = tuple(dist.get_process_group_ranks(mesh.shard_group))
-    got_rep = tuple(dist.get_process_group_ranks(mesh.replicate_group))
-    if got_shard != spec.shard_group_ranks(i):
+    got_shard = list(dist.get_process_group_ranks(mesh.shard_group))
+    got_rep = list(dist.get_process_group_ranks(mesh.replicate_group))
+    if got_shard != list(spec.shard_group_ranks(i)):
         raise MeshBuildError(
             f"rank {rank}: dp_shard group {got_shard} != spec {spec.shard_group_ranks(i)}"
         )
-    if got_rep != spec.replicate_group_ranks(j):
+    if got_rep != list(spec.replicate_group_ranks(j)):
         raise MeshBuildError(
             f"rank {rank}: dp_replicate group {got_rep} != spec {spec.replicate_group_ranks(j)}"
         )

@@ -51,7 +51,7 @@ from posttrain.fsdp_mesh._gather import gather_full_param
 from posttrain.fsdp_mesh._hsdp import HsdpConfig, apply_hsdp, fsdp_modules
 from posttrain.fsdp_mesh._launch import launch_workers
 from posttrain.fsdp_mesh._mesh import BuildMethod, FsdpMesh, build_fsdp_mesh
-from posttrain.fsdp_mesh._spec import MeshSpec
+from posttrain.interface import ConfigError, MeshSpec
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -77,7 +77,16 @@ class ParityConfig:
     checkpoint_dir: str | None = None
 
     def __post_init__(self) -> None:
-        for name in ("dim", "layers", "out_dim", "batch", "micro_batches", "steps"):
+        for name in (
+            "replicate",
+            "shard",
+            "dim",
+            "layers",
+            "out_dim",
+            "batch",
+            "micro_batches",
+            "steps",
+        ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise MeshConfigError(f"{name} must be a positive int, got {value!r}")
@@ -358,7 +367,7 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--json", default=None, help="also write the rank reports to this file")
     parser.add_argument(
         "--start-method",
-        choices=("spawn", "forkserver"),
+        choices=("spawn", "forkserver", "fork"),
         default="spawn",
         help="how the self-spawning mode starts ranks (ignored under torchrun)",
     )
@@ -390,22 +399,11 @@ def _finish(args: argparse.Namespace, config: ParityConfig, reports: list[dict[s
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``python -m posttrain.fsdp_mesh.parity`` (torchrun or self-spawning)."""
     args = _parse_args(argv)
-    config = ParityConfig(
-        replicate=args.replicate,
-        shard=args.shard,
-        device_type="cuda" if args.backend == "nccl" else "cpu",
-        steps=args.steps,
-        micro_batches=args.micro_batches,
-        dim=args.dim,
-        checkpoint_dir=args.checkpoint_dir,
-    )
-    # Validate the layout before starting any process.
-    MeshSpec(
-        world_size=args.replicate * args.shard,
-        replicate=args.replicate,
-        shard=args.shard,
-        device_type=config.device_type,
-    )
+    try:
+        config = _config(args)
+    except ConfigError as exc:
+        print(f"FAIL r{args.replicate}s{args.shard}: {exc}", file=sys.stderr)
+        return 2
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         return _main_torchrun(args, config)
     try:
@@ -421,6 +419,26 @@ def main(argv: list[str] | None = None) -> int:
         print(f"FAIL r{args.replicate}s{args.shard}: {exc}", file=sys.stderr)
         return 1
     return _finish(args, config, reports)
+
+
+def _config(args: argparse.Namespace) -> ParityConfig:
+    """The run's config; validates the layout before any process starts (ConfigError)."""
+    config = ParityConfig(
+        replicate=args.replicate,
+        shard=args.shard,
+        device_type="cuda" if args.backend == "nccl" else "cpu",
+        steps=args.steps,
+        micro_batches=args.micro_batches,
+        dim=args.dim,
+        checkpoint_dir=args.checkpoint_dir,
+    )
+    MeshSpec(
+        world_size=args.replicate * args.shard,
+        replicate=args.replicate,
+        shard=args.shard,
+        device_type=config.device_type,
+    )
+    return config
 
 
 def _main_torchrun(args: argparse.Namespace, config: ParityConfig) -> int:
