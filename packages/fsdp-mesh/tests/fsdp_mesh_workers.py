@@ -237,6 +237,51 @@ def live_checks(rank: int, world: int) -> dict[str, Any]:
     return out
 
 
+def _train_variant(world: int, replicate: int, config: HsdpConfig) -> dict[str, torch.Tensor]:
+    mesh = build_fsdp_mesh(MeshSpec(world_size=world, replicate=replicate))
+    torch.manual_seed(0)
+    model = ParityModel(30, 2, 3)
+    apply_hsdp(model, mesh, config)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for step in range(2):
+        with accumulate_gradients(model, 2) as acc:
+            for micro in range(2):
+                with acc.micro_batch():
+                    torch.manual_seed(100 * step + 10 * dist.get_rank() + micro)
+                    (model(torch.randn(4, 30)).float().square().mean() / 2).backward()
+        clip_grad_norm(model, 0.05)
+        opt.step()
+        opt.zero_grad()
+    return dict(iter_full_state_dict(model))
+
+
+def config_variants(rank: int, world: int) -> dict[str, float]:
+    """Default bf16/fp32-reduce across layouts, CPU offload, no reshard: max |Δ| of weights."""
+    runs = {
+        "fp32_r1": _train_variant(world, 1, FP32),
+        "bf16_r1": _train_variant(world, 1, HsdpConfig()),
+        "bf16_rW": _train_variant(world, world, HsdpConfig()),
+        "offload_r1": _train_variant(
+            world, 1, HsdpConfig(param_dtype=None, reduce_dtype=None, cpu_offload=True)
+        ),
+        "keep_rW": _train_variant(
+            world,
+            world,
+            HsdpConfig(param_dtype=None, reduce_dtype=None, reshard_after_forward=False),
+        ),
+    }
+
+    def diff(a: str, b: str) -> float:
+        return max(float((runs[a][n] - runs[b][n]).abs().max()) for n in runs[a])
+
+    return {
+        "bf16_r1_vs_rW": diff("bf16_r1", "bf16_rW"),
+        "offload_vs_fp32": diff("offload_r1", "fp32_r1"),
+        "keep_vs_fp32": diff("keep_rW", "fp32_r1"),
+        "bf16_vs_fp32": diff("bf16_r1", "fp32_r1"),
+    }
+
+
 def _timed(parts: dict[str, Any], seconds: dict[str, float], name: str, fn: Any) -> None:
     t0 = time.perf_counter()
     parts[name] = fn()
@@ -271,4 +316,25 @@ def w2_suite(rank: int, world: int, root: str) -> dict[str, Any]:
         out, sec, "checkpoint", lambda: checkpoint_across_layouts(rank, world, 0, [1, 2], root, ref)
     )
     _timed(out, sec, "live", lambda: live_checks(rank, world))
+    _timed(out, sec, "variants", lambda: config_variants(rank, world))
+    return out
+
+
+def torchrun_main(rank: int, world: int, ports: list[int], argvs: list[list[str]]) -> list[Any]:
+    """Call the parity command's main() as torchrun would (RANK/WORLD_SIZE set, no group yet)."""
+    import contextlib
+    import io
+
+    from posttrain.fsdp_mesh import parity
+
+    out: list[Any] = []
+    for port, argv in zip(ports, argvs, strict=True):
+        os.environ["MASTER_PORT"] = str(port)
+        buf = io.StringIO()
+        try:
+            with contextlib.redirect_stdout(buf):
+                code = parity.main(argv)
+            out.append((code, buf.getvalue()))
+        except Exception as exc:
+            out.append((type(exc).__name__, str(exc)))
     return out

@@ -81,3 +81,16 @@ def test_deferred_all_reduce_same_gradients_fewer_calls(
         assert eager["replicate_bytes"] == micro * deferred["replicate_bytes"] > 0
         assert eager["shard_reduce_scatter"] == deferred["shard_reduce_scatter"]
         assert res["max_diff"] <= 1e-6
+
+
+def test_precision_offload_and_reshard_variants(w2: list[dict[str, Any]]) -> None:
+    for rank_out in w2:
+        v = rank_out["variants"]
+        # bf16 compute with fp32 reduction: the same weights whatever the layout.
+        assert v["bf16_r1_vs_rW"] == 0.0
+        # CPU offload (a no-op placement on a CPU mesh) and keeping params unsharded after forward
+        # change nothing numerically.
+        assert v["offload_vs_fp32"] == 0.0
+        assert v["keep_vs_fp32"] <= 1e-6
+        # bf16 compute really ran (differs from fp32) and stays within bf16 precision.
+        assert 0.0 < v["bf16_vs_fp32"] < 0.1

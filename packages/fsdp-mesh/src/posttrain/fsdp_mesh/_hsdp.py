@@ -94,7 +94,10 @@ def apply_hsdp(
     if isinstance(model, FSDPModule):
         raise MeshConfigError(f"{type(model).__name__} is already FSDP-sharded")
     policy = MixedPrecisionPolicy(param_dtype=config.param_dtype, reduce_dtype=config.reduce_dtype)
-    offload: OffloadPolicy = CPUOffloadPolicy() if config.cpu_offload else OffloadPolicy()
+    offload: OffloadPolicy = OffloadPolicy()
+    if config.cpu_offload:
+        # Pinned host memory needs an accelerator; on a CPU mesh offloading is a no-op anyway.
+        offload = CPUOffloadPolicy(pin_memory=mesh.spec.device_type != "cpu")
     sharding_mesh = mesh.sharding_mesh
     blocks = _select_blocks(model, wrap)
     for block in blocks:
