@@ -52,6 +52,7 @@ def _run(
             result |= {k: v for k, v in report.items() if k != "ranks"}
             result["per_rank_median_step_s"] = [r["median_step_s"] for r in report["ranks"]]
             result["failures"] = [f for r in report["ranks"] for f in r["failures"]]
+            result["notes"] = sorted({n for r in report["ranks"] for n in r["notes"]})
             result["checkpoint_exact"] = all(r["checkpoint_exact"] for r in report["ranks"])
             result["replicate_all_reduces_per_step"] = report["ranks"][0][
                 "replicate_all_reduces_per_step"

@@ -6,10 +6,11 @@ import os
 import time
 from pathlib import Path
 from typing import Any
+from unittest.mock import patch
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from posttrain.fsdp_mesh import (
     AccumulationError,
@@ -171,6 +172,14 @@ def live_checks(rank: int, world: int) -> dict[str, Any]:
     )
     out["fallback"] = fallback.report()
     out["unflatten"] = build_fsdp_mesh(MeshSpec(world_size=2, replicate=2, shard=1)).report()
+    # A torch without DeviceMesh._unflatten: "auto" falls back, "unflatten" refuses.
+    with patch.object(DeviceMesh, "_unflatten", None):
+        out["auto_without_unflatten"] = build_fsdp_mesh(
+            MeshSpec(world_size=2, replicate=2)
+        ).report()
+        out["forced_without_unflatten"] = _message(
+            lambda: build_fsdp_mesh(MeshSpec(world_size=2, replicate=2), method="unflatten")
+        )
     # A spec that disagrees with the mesh (what a truncating fallback would produce).
     out["grid_mismatch"] = _message(
         lambda: check_mesh(

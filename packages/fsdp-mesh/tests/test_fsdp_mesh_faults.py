@@ -48,6 +48,11 @@ def test_live_group_errors_fallback_clip_and_export(w2: list[dict[str, Any]]) ->
         assert uf["method"] == "unflatten"
         for key in ("coords", "shard_group", "replicate_group", "sharding_mesh_ndim"):
             assert fb[key] == uf[key]
+        auto = res["auto_without_unflatten"]
+        assert auto["method"] == "init_device_mesh"
+        assert auto["replicate_group"] == [0, 1]
+        assert auto["shard_group"] == [rank]
+        assert "has no DeviceMesh._unflatten; use method='auto'" in res["forced_without_unflatten"]
         assert fb["replicate_group"] == [0, 1]
         assert fb["shard_group"] == [rank]
         assert res["early_exit"] == (

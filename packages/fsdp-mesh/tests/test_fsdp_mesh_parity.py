@@ -21,6 +21,7 @@ def _assert_parity(out: list[dict[str, Any]]) -> None:
             assert rep["rank"] == rank
             assert (rep["replicate"], rep["shard"]) == (r, world // r)
             assert rep["failures"] == [], rep["failures"]
+            assert rep["notes"] == []
             assert rep["passed"] is True
             assert rep["checkpoint_exact"] is True
             assert rep["max_grad_err"] <= 2e-6
