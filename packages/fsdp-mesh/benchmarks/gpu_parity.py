@@ -54,9 +54,7 @@ def _run(
             result["failures"] = [f for r in report["ranks"] for f in r["failures"]]
             result["notes"] = sorted({n for r in report["ranks"] for n in r["notes"]})
             result["checkpoint_exact"] = all(r["checkpoint_exact"] for r in report["ranks"])
-            result["replicate_all_reduces_per_step"] = report["ranks"][0][
-                "replicate_all_reduces_per_step"
-            ]
+            result["replicate_all_reduces"] = report["ranks"][0]["replicate_all_reduces"]
         else:
             result["stderr_tail"] = proc.stderr[-3000:]
         result["last_line"] = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""
