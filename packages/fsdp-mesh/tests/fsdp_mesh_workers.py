@@ -41,7 +41,7 @@ def parity_layouts(rank: int, world: int, layouts: list[tuple[int, str]]) -> lis
     """run_parity for each (replicate, build method) in one process group."""
     out = []
     for r, method in layouts:
-        cfg = ParityConfig(replicate=r, shard=world // r, method=method, steps=2)  # type: ignore[arg-type]
+        cfg = ParityConfig(replicate=r, shard=world // r, method=method, steps=3)  # type: ignore[arg-type]
         out.append(run_parity(cfg).to_json())
     return out
 

@@ -30,8 +30,8 @@ def _assert_parity(out: list[dict[str, Any]]) -> None:
             groups = rep["fsdp_groups"]
             assert groups == 4
             assert rep["replicate_all_reduces"] == (groups if r > 1 else 0)
-            assert len(rep["step_seconds"]) == 1  # step 0 is counted, not timed
-            assert len(rep["grad_norms"]) == 2
+            assert len(rep["step_seconds"]) == 2  # step 0 is counted, not timed
+            assert len(rep["grad_norms"]) == 3
     # The clipped norm is the same float on every rank.
     for i in range(len(layouts)):
         assert len({tuple(rank_out["parity"][i]["grad_norms"]) for rank_out in out}) == 1
@@ -45,6 +45,16 @@ def test_w4_every_layout_matches_single_process_reference(w4: list[dict[str, Any
         (2, "init_device_mesh"),
     ]
     _assert_parity(w4)
+
+
+def test_uneven_shards_are_covered(w4: list[dict[str, Any]]) -> None:
+    # r=1, s=4: 30 rows shard as 8, 8, 8, 6 and the 3-row head as 1, 1, 1, 0.
+    rows = [rank_out["parity"][0]["local_rows"] for rank_out in w4]
+    assert [r["blocks.0.0.weight"] for r in rows] == [8, 8, 8, 6]
+    assert [r["head.weight"] for r in rows] == [1, 1, 1, 0]
+    # r=2, s=2: 15 + 15, and the head 2 + 1, the same in both replicas.
+    rows = [rank_out["parity"][1]["local_rows"] for rank_out in w4]
+    assert [r["head.weight"] for r in rows] == [2, 1, 2, 1]
 
 
 def test_w2_every_layout_matches_single_process_reference(w2: list[dict[str, Any]]) -> None:

@@ -44,6 +44,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from posttrain.fsdp_mesh._accumulate import accumulate_gradients
 from posttrain.fsdp_mesh._checkpoint import load_checkpoint, save_checkpoint
@@ -112,6 +113,7 @@ class ParityReport:
     max_norm_rel_err: float = 0.0
     grad_norms: list[float] = field(default_factory=list)
     replicate_all_reduces: int = 0
+    local_rows: dict[str, int] = field(default_factory=dict)
     fsdp_groups: int = 0
     step_seconds: list[float] = field(default_factory=list)
     checkpoint_exact: bool = False
@@ -250,6 +252,10 @@ def run_parity(config: ParityConfig) -> ParityReport:
     hsdp = HsdpConfig(param_dtype=None, reduce_dtype=None)
     apply_hsdp(model, mesh, hsdp)
     report.fsdp_groups = len(fsdp_modules(model))
+    report.local_rows = {
+        n: int(p.to_local().shape[0]) if isinstance(p, DTensor) else int(p.shape[0])
+        for n, p in model.named_parameters()
+    }
 
     def adamw(m: nn.Module) -> torch.optim.Optimizer:
         return torch.optim.AdamW(m.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
