@@ -165,7 +165,7 @@ def _split(g: WeightGroup, value: Tensor) -> list[Tensor]:
     if g.kind == "copy":
         return [value]
     if g.kind == "cat":
-        return list(value.split([s[0] for s in g.hf_shapes]))
+        return list(torch.split(value, [s[0] for s in g.hf_shapes]))
     if g.kind == "experts":
         return list(value.unbind(0))
     half = value.shape[1] // 2

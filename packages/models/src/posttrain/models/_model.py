@@ -94,6 +94,13 @@ class KVCache:
 class _Layer(nn.Module):
     """Attention parameters shared by dense and MoE layers."""
 
+    attn_norm: nn.Parameter
+    qkv: nn.Parameter
+    q_norm: nn.Parameter
+    k_norm: nn.Parameter
+    proj: nn.Parameter
+    mlp_norm: nn.Parameter
+
     def __init__(self, config: ModelConfig, index: int) -> None:
         super().__init__()
         h, hd = config.hidden_size, config.head_dim
@@ -112,6 +119,9 @@ class _Layer(nn.Module):
 class DenseLayer(_Layer):
     """A layer with a dense SwiGLU MLP: ``fc1 = [gate_proj; up_proj]``, ``fc2 = down_proj``."""
 
+    fc1: nn.Parameter
+    fc2: nn.Parameter
+
     def __init__(self, config: ModelConfig, index: int) -> None:
         super().__init__(config, index)
         h, i, dt = config.hidden_size, config.intermediate_size, config.dtype
@@ -121,6 +131,10 @@ class DenseLayer(_Layer):
 
 class MoeLayer(_Layer):
     """A layer with a routed MoE: ``router[E, H]``, ``experts_fc1[E, 2I, H]``, ``experts_fc2[E, H, I]``."""
+
+    router: nn.Parameter
+    experts_fc1: nn.Parameter
+    experts_fc2: nn.Parameter
 
     def __init__(self, config: ModelConfig, index: int) -> None:
         super().__init__(config, index)
@@ -139,6 +153,8 @@ class DecoderModel(nn.Module):
     """A Qwen3-MoE-layout decoder with strict (bit-identical) and fast numerics."""
 
     output: nn.Parameter | None
+    rope_cos: Tensor
+    rope_sin: Tensor
 
     def __init__(self, config: ModelConfig, *, numerics: Numerics = Numerics.STRICT) -> None:
         super().__init__()
@@ -218,7 +234,9 @@ class DecoderModel(nn.Module):
         token, i.e. of the token that follows it. ``lora`` is one adapter or one per row.
         """
         if len(rows) != len(token_ids) or len(set(rows)) != len(rows):
-            raise CacheError(f"rows {list(rows)} must be distinct and match {len(token_ids)} inputs")
+            raise CacheError(
+                f"rows {list(rows)} must be distinct and match {len(token_ids)} inputs"
+            )
         flat: list[int] = []
         seg: list[int] = []
         pos: list[int] = []
@@ -248,7 +266,7 @@ class DecoderModel(nn.Module):
         sizes = [len(t) for t in token_ids]
         return [
             Step(lg, lp)
-            for lg, lp in zip(logits.split(sizes), logprobs.split(sizes), strict=True)
+            for lg, lp in zip(torch.split(logits, sizes), torch.split(logprobs, sizes), strict=True)
         ]
 
     def prefill(
@@ -258,13 +276,16 @@ class DecoderModel(nn.Module):
         return self.extend(cache, [row], [token_ids], lora=lora)[0]
 
     def decode_step(
-        self, cache: KVCache, rows: Sequence[int], token_ids: Sequence[int], *, lora: AdapterArg = None
+        self,
+        cache: KVCache,
+        rows: Sequence[int],
+        token_ids: Sequence[int],
+        *,
+        lora: AdapterArg = None,
     ) -> Step:
         """Append one token to each row; ``Step`` tensors are ``[len(rows), vocab]``."""
         steps = self.extend(cache, rows, [[t] for t in token_ids], lora=lora)
-        return Step(
-            torch.cat([s.logits for s in steps]), torch.cat([s.logprobs for s in steps])
-        )
+        return Step(torch.cat([s.logits for s in steps]), torch.cat([s.logprobs for s in steps]))
 
     # ------------------------------------------------------------------ weights and files
 
