@@ -171,6 +171,9 @@ class DecoderModel(nn.Module):
             self.register_parameter("output", None)
         else:
             self.output = nn.Parameter(torch.zeros(v, h, dtype=dt))
+        from posttrain.models._convert import lora_targets
+
+        self._lora_targets = lora_targets(config)
         cos, sin = rope_tables(config.head_dim, config.max_position_embeddings, config.rope_theta)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
@@ -187,7 +190,7 @@ class DecoderModel(nn.Module):
     ) -> Tensor:
         """fp32 logits ``[T, vocab]`` for packed segments (positions restart per segment)."""
         ids, seg, pos = self._pack(input_ids, segment_lengths)
-        routing = LoraRouting(lora, seg, len(segment_lengths), self.lora_targets())
+        routing = LoraRouting(lora, seg, len(segment_lengths), self._lora_targets)
         return self._forward(ids, seg, pos, seg, len(segment_lengths), None, routing)
 
     def forward(
@@ -256,7 +259,7 @@ class DecoderModel(nn.Module):
         ids = self._check_ids(torch.tensor(flat, dtype=torch.long))
         seg_t = torch.tensor(seg, dtype=torch.long)
         buf_row = torch.tensor(rows, dtype=torch.long)[seg_t]
-        routing = LoraRouting(lora, seg_t, len(rows), self.lora_targets())
+        routing = LoraRouting(lora, seg_t, len(rows), self._lora_targets)
         logits = self._forward(
             ids, seg_t, torch.tensor(pos, dtype=torch.long), buf_row, 0, cache, routing
         )
@@ -291,9 +294,7 @@ class DecoderModel(nn.Module):
 
     def lora_targets(self) -> dict[str, tuple[int, int]]:
         """PEFT module names a ``LoraAdapter`` may target, with their ``(in, out)`` dims."""
-        from posttrain.models._convert import lora_targets
-
-        return lora_targets(self.config)
+        return dict(self._lora_targets)
 
     def hf_state_dict(self) -> dict[str, Tensor]:
         """The weights under their HF (Qwen3-MoE, per-expert) names."""
