@@ -101,6 +101,15 @@ def test_attention_rows_are_invariant(t: int, cap: int, seed: int) -> None:
             q[i : i + 1], keys[i : i + 1], values[i : i + 1], valid[i : i + 1], 0.5
         )
         assert torch.equal(one[0], full[i])
+        width = 1 << int(pos[i]).bit_length()  # trailing masked slots are exact zeros
+        short = StrictOps.attention(
+            q[i : i + 1],
+            keys[i : i + 1, :width],
+            values[i : i + 1, :width],
+            valid[i : i + 1, :width],
+            0.5,
+        )
+        assert torch.equal(short[0], full[i])
     # masked slots do not matter, whatever they hold
     noise = torch.where(valid[:, :, None, None], keys, torch.randn_like(keys) * 100)
     assert torch.equal(StrictOps.attention(q, noise, values, valid, 0.5), full)

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from posttrain.models._config import ModelConfig
@@ -402,6 +403,10 @@ class DecoderModel(nn.Module):
         cos, sin = self.rope_cos[pos], self.rope_sin[pos]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         cap = cfg.max_position_embeddings
+        if cache is None and self.numerics is Numerics.FAST:
+            o = _causal_sdpa(q, k, v, buf_row, nh // nkv)
+            y = ops.linear(o, layer.proj)
+            return lora.apply(ops, o, y, [(prefix + "self_attn.o_proj", 0, cfg.hidden_size)])
         if cache is None:
             shape = (num_buffers, cap, nkv, hd)
             kbuf = h.new_zeros(shape).index_put((buf_row, pos), k)
@@ -416,9 +421,17 @@ class DecoderModel(nn.Module):
         step = max(1, _ATTN_CHUNK_ELEMENTS // (nh * cap * hd))
         outs = []
         for i in range(0, t, step):
-            rows = buf_row[i : i + step]
-            valid = slots[None, :] <= pos[i : i + step, None]
-            outs.append(ops.attention(qg[i : i + step], kbuf[rows], vbuf[rows], valid, hd**-0.5))
+            rows, p = buf_row[i : i + step], pos[i : i + step]
+            # Reduce over the first W = 2**ceil(log2(max pos + 1)) slots only: slots past the
+            # chunk's last position are masked, contribute exact zeros, and in the pairwise
+            # tree ``x + 0 == x``, so the bits equal those of the full-C reduction.
+            width = min(cap, 1 << int(p.max()).bit_length())
+            valid = slots[None, :width] <= p[:, None]
+            outs.append(
+                ops.attention(
+                    qg[i : i + step], kbuf[rows, :width], vbuf[rows, :width], valid, hd**-0.5
+                )
+            )
         o = torch.cat(outs).reshape(t, nq)
         y = ops.linear(o, layer.proj)
         return lora.apply(ops, o, y, [(prefix + "self_attn.o_proj", 0, cfg.hidden_size)])
@@ -462,6 +475,19 @@ class DecoderModel(nn.Module):
             ye = lora.apply(ops, act, ye, [(ep + "down_proj", 0, hsz)], tok)
             outputs = outputs.index_put((tok, slot), ye)
         return ops.moe_combine(weights, outputs)
+
+
+def _causal_sdpa(q: Tensor, k: Tensor, v: Tensor, seg: Tensor, group: int) -> Tensor:
+    """Fast-mode training attention: torch SDPA per segment (no fixed-capacity buffer)."""
+    outs = []
+    for s in torch.unique_consecutive(seg).tolist():
+        idx = (seg == s).nonzero().flatten()
+        qs = q[idx].transpose(0, 1)[None]  # [1, nh, L, hd]
+        ks = k[idx].repeat_interleave(group, dim=1).transpose(0, 1)[None]
+        vs = v[idx].repeat_interleave(group, dim=1).transpose(0, 1)[None]
+        o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True)
+        outs.append(o[0].transpose(0, 1).reshape(idx.shape[0], -1))
+    return torch.cat(outs)
 
 
 def _segment_starts(lengths: Sequence[int]) -> list[int]:
