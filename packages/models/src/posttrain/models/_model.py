@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 # Elements of the per-chunk attention product tensor; bounds memory, never changes results.
-_ATTN_CHUNK_ELEMENTS = 1 << 21
+_ATTN_CHUNK_ELEMENTS = 1 << 17
 
 
 class Numerics(enum.StrEnum):

@@ -39,7 +39,7 @@ _EXP_COEFFS = tuple(1.0 / math.factorial(n) for n in range(7, -1, -1))  # Taylor
 _LOG_COEFFS = tuple(1.0 / n for n in (11, 9, 7, 5, 3, 1))  # atanh series in z**2
 # Elements per chunk of the [rows, N, K] product tensor in ``linear``: bounds memory only;
 # rows are independent, so chunking never changes a result.
-_CHUNK_ELEMENTS = 1 << 21
+_CHUNK_ELEMENTS = 1 << 17
 
 
 def tree_sum(x: Tensor, dim: int = -1) -> Tensor:
