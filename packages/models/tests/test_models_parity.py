@@ -240,7 +240,7 @@ def _mismatches(a: Tensor, b: Tensor) -> int:
     return int((a != b).sum())
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def control_setup() -> tuple[DecoderModel, list[list[int]], list[int], Tensor]:
     # top-3 routing: with two slots a + b == b + a, so only k >= 3 can expose combine order
     cfg = VARIANTS["tiny"].replace(num_experts_per_tok=3)
