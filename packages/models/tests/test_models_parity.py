@@ -297,6 +297,21 @@ def test_control_changed_expert_combine_order_breaks_parity(
     assert _mismatches(train, roll) > 0
 
 
+def test_control_gate_up_swap_in_sync_breaks_parity(
+    control_setup: tuple[DecoderModel, list[list[int]], list[int], Tensor],
+) -> None:
+    model, segments, prompts, train = control_setup
+    sent = model.hf_state_dict()
+    gate, up = (
+        "model.layers.2.mlp.experts.1.gate_proj.weight",
+        "model.layers.2.mlp.experts.1.up_proj.weight",
+    )
+    sent[gate], sent[up] = sent[up], sent[gate]  # a converter that mixes up the fused halves
+    engine = build_model(model.config, 0)
+    engine.load_hf_state_dict(sent)
+    assert _mismatches(train, engine_logprobs(engine, segments, prompts)) > 0
+
+
 def test_fast_mode_is_close_but_makes_no_bitwise_promise() -> None:
     cfg = VARIANTS["tiny"]
     strict = build_model(cfg, 13)

@@ -6,7 +6,9 @@ packed segments, ``extend``/``prefill``/``decode_step`` over cache rows -- runs 
 ``_forward`` on a flat list of tokens, each with a buffer row and a position. Keys and
 values are written into a per-row buffer of fixed capacity ``C = max_position_embeddings``
 and each query attends over all ``C`` slots with a mask, so in strict mode a token's bits do
-not depend on how many tokens came in the same call (see ``_ops``).
+not depend on how many tokens came in the same call (see ``_ops``). As an optimisation that
+keeps every bit, a chunk of queries reduces over the first ``2**ceil(log2(max pos + 1))``
+slots only: the rest are masked exact zeros, and ``x + 0 == x`` in the pairwise tree.
 
 Departures from HF ``Qwen3MoeForCausalLM``: activations are fp32 whatever the parameter
 dtype; experts are combined in ascending expert id order; top-k ties go to the lower id
