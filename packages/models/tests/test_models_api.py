@@ -72,6 +72,8 @@ def test_forward_input_errors() -> None:
     model = build_model(CFG, 0)
     with pytest.raises(ModelInputError, match=r"input_ids\[2\]=500"):
         model.forward_logprobs(torch.tensor([1, 2, 500]), [3])
+    with pytest.raises(ModelInputError, match="empty"):
+        model.forward_logprobs(torch.tensor([], dtype=torch.long), [])
     with pytest.raises(ModelInputError, match="sum to 4"):
         model.forward_logprobs(torch.tensor([1, 2, 3]), [4])
     with pytest.raises(ModelInputError, match=r"segment_lengths\[0\]=17"):

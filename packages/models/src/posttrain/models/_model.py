@@ -297,6 +297,8 @@ class DecoderModel(nn.Module):
         dev = self.embedding.device
         ids = self._check_ids(input_ids.reshape(-1).long().to(dev))
         cap = self.config.max_position_embeddings
+        if ids.numel() == 0:
+            raise ModelInputError("input_ids is empty: a forward needs at least one token")
         for j, n in enumerate(lengths):
             if not 0 < n <= cap:
                 raise ModelInputError(f"segment_lengths[{j}]={n} is not in [1, {cap}]")
