@@ -14,11 +14,11 @@ from __future__ import annotations
 import hashlib
 import math
 from collections.abc import Iterable, Mapping
+from typing import Literal
 
 import torch
 
-from posttrain.interface import WireFormatError
-from posttrain.local_engine._wire_pending import BucketManifest, TensorEntry
+from posttrain.interface import BucketManifest, TensorEntry, WireFormatError
 
 __all__ = [
     "DTYPES",
@@ -59,7 +59,9 @@ def dtype_name(dtype: torch.dtype) -> str:
     try:
         return _NAMES[dtype]
     except KeyError:
-        raise WireFormatError(f"dtype {dtype} cannot be sent over the wire", field="dtype") from None
+        raise WireFormatError(
+            f"dtype {dtype} cannot be sent over the wire", field="dtype"
+        ) from None
 
 
 def _align(n: int, alignment: int) -> int:
@@ -70,8 +72,8 @@ def pack_bucket(
     tensors: Iterable[tuple[str, torch.Tensor]],
     *,
     update_id: str,
-    weight_version: str,
-    kind: str = "base",
+    weight_version: int,
+    kind: Literal["base", "lora"] = "base",
     bucket_index: int = 0,
     is_last: bool = True,
     alignment: int = 256,
@@ -91,8 +93,8 @@ def pack_bucket(
         entries.append(
             TensorEntry(
                 name=name,
-                dtype=dtype_name(t.dtype),
-                shape=list(t.shape),
+                dtype=dtype_name(t.dtype),  # type: ignore[arg-type]
+                shape=tuple(t.shape),
                 offset=offset,
                 nbytes=nbytes,
             )
@@ -100,18 +102,22 @@ def pack_bucket(
         offset += nbytes
     total = offset
     if out is None:
-        buf = torch.empty(total, dtype=torch.uint8)
+        buf = torch.zeros(total, dtype=torch.uint8)
     else:
         if out.dtype != torch.uint8 or out.dim() != 1 or out.numel() < total:
             raise WireFormatError(
                 f"out: bucket needs {total} bytes, the buffer has {out.numel()}", field="out"
             )
         buf = out[:total]
+        previous_end = 0
+        for e in entries:  # zero the alignment gaps so the digest is reproducible
+            buf[previous_end : e.offset].zero_()
+            previous_end = e.offset + e.nbytes
     for (_, t), e in zip(items, entries, strict=True):
         if e.nbytes:
             src = t.detach().contiguous().reshape(-1).view(torch.uint8)
             buf[e.offset : e.offset + e.nbytes].copy_(src)
-    sha = hashlib.sha256(memoryview(buf.numpy())).hexdigest() if with_sha256 else None
+    sha = hashlib.sha256(buf.numpy().data).hexdigest() if with_sha256 else None
     manifest = BucketManifest(
         update_id=update_id,
         weight_version=weight_version,
@@ -139,7 +145,7 @@ def unpack_bucket(manifest: BucketManifest, buf: torch.Tensor) -> dict[str, torc
             field="manifest.total_bytes",
         )
     if manifest.sha256 is not None:
-        digest = hashlib.sha256(memoryview(buf[: manifest.total_bytes].numpy())).hexdigest()
+        digest = hashlib.sha256(buf[: manifest.total_bytes].numpy().data).hexdigest()
         if digest != manifest.sha256:
             raise WireFormatError(
                 f"manifest.sha256: bucket {manifest.bucket_index} of update "
@@ -171,7 +177,9 @@ def unpack_bucket(manifest: BucketManifest, buf: torch.Tensor) -> dict[str, torc
                 field=f"{field}.offset",
             )
         raw = buf[e.offset : e.offset + e.nbytes]
-        out[e.name] = raw.view(dtype).reshape(e.shape) if numel else torch.empty(e.shape, dtype=dtype)
+        out[e.name] = (
+            raw.view(dtype).reshape(e.shape) if numel else torch.empty(e.shape, dtype=dtype)
+        )
     return out
 
 
@@ -181,5 +189,5 @@ def tensors_sha256(tensors: Mapping[str, torch.Tensor]) -> str:
     for name in sorted(tensors):
         t = tensors[name].detach().contiguous()
         h.update(f"{name}|{dtype_name(t.dtype)}|{list(t.shape)}|".encode())
-        h.update(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
+        h.update(t.reshape(-1).view(torch.uint8).numpy().data)
     return h.hexdigest()

@@ -1,22 +1,22 @@
 """The errors local-engine raises, and the HTTP status each one maps to.
 
-    PosttrainError (interface)
-    ├── WireFormatError (interface, ValueError)   a request field is malformed          -> 400
-    │   └── RequestTooLargeError                  a request exceeds a configured limit  -> 413
-    ├── WeightSyncError (interface)               a weight update failed                -> 400
-    │   ├── IncompleteUpdateError (interface)     missing/unknown/duplicate/wrong-dtype -> 400
-    │   ├── StaleVersionError (interface)         weight version does not increase     -> 409
-    │   └── UpdateSessionError                    no session, wrong update id, bucket out of
-    │                                             order, sha256 mismatch, bad shm slot  -> 400
-    └── LocalEngineError                          base of this package's own errors
-        ├── CheckpointError (ConfigError)         a checkpoint cannot be loaded (names file/tensor)
-        │   └── NVFP4FormatError                  an NVFP4 tensor group is malformed
-        ├── AdapterError                          a LoRA adapter is invalid (names adapter/tensor)
-        │   └── UnknownAdapterError               a request names an adapter not loaded -> 400
-        ├── UnauthorizedError                     missing or wrong bearer token         -> 401
-        ├── OverloadedError                       the request queue is full             -> 503
-        └── UnavailableError                      weights are invalid after a failed update,
-                                                  or generation is paused for an abort  -> 503
+PosttrainError (interface)
+├── WireFormatError (interface, ValueError)   a request field is malformed          -> 400
+│   └── RequestTooLargeError                  a request exceeds a configured limit  -> 413
+├── WeightSyncError (interface)               a weight update failed                -> 400
+│   ├── IncompleteUpdateError (interface)     missing/unknown/duplicate/wrong-dtype -> 400
+│   ├── StaleVersionError (interface)         weight version does not increase     -> 409
+│   └── UpdateSessionError                    no session, wrong update id, bucket out of
+│                                             order, sha256 mismatch, bad shm slot  -> 400
+└── LocalEngineError                          base of this package's own errors
+    ├── CheckpointError (ConfigError)         a checkpoint cannot be loaded (names file/tensor)
+    │   └── NVFP4FormatError                  an NVFP4 tensor group is malformed
+    ├── AdapterError                          a LoRA adapter is invalid (names adapter/tensor)
+    │   └── UnknownAdapterError               a request names an adapter not loaded -> 400
+    ├── UnauthorizedError                     missing or wrong bearer token         -> 401
+    ├── OverloadedError                       the request queue is full             -> 503
+    └── UnavailableError                      weights are invalid after a failed update,
+                                              or generation is paused for an abort  -> 503
 """
 
 from __future__ import annotations

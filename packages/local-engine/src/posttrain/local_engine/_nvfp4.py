@@ -150,7 +150,10 @@ def dequantize_state_dict(
     for key, t in tensors.items():
         if key.endswith(scale_suffixes):
             base = key.rsplit(".", 1)[0]
-            if key.endswith((".weight_scale", ".weight_scale_2")) and base + ".weight" not in tensors:
+            if (
+                key.endswith((".weight_scale", ".weight_scale_2"))
+                and base + ".weight" not in tensors
+            ):
                 raise NVFP4FormatError(f"{key}: scale without codes {base}.weight")
             continue
         if key.endswith(".weight") and key[: -len(".weight")] in prefixes:

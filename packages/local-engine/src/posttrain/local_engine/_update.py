@@ -16,20 +16,22 @@ off-policy samples labelled with a version it never reached.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
-from posttrain.interface import IncompleteUpdateError, StaleVersionError
+from posttrain.interface import (
+    BucketManifest,
+    IncompleteUpdateError,
+    StaleVersionError,
+    WeightUpdateResult,
+)
 from posttrain.local_engine._buckets import dtype_name
 from posttrain.local_engine._errors import UpdateSessionError
-from posttrain.local_engine._wire_pending import BucketManifest, WeightUpdateResult
 
 __all__ = ["TensorSpec", "UpdateSession", "check_version_increases"]
-
-_INT = re.compile(r"^-?\d+$")
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,19 +42,13 @@ class TensorSpec:
     shape: tuple[int, ...]
 
 
-def check_version_increases(current: str | None, new: str) -> None:
+def check_version_increases(current: int | None, new: int) -> None:
     """Raise StaleVersionError unless ``new`` is greater than ``current``.
 
-    Versions compare as integers when both are integers, else as strings; an engine
-    that never received an update (``current`` None or SGLang's ``"default"``) takes any.
+    An engine that never received a versioned update (``current`` None; SGLang
+    reports it as ``"default"``) takes any version.
     """
-    if current is None or current == "default":
-        return
-    if _INT.match(current) and _INT.match(new):
-        stale = int(new) <= int(current)
-    else:
-        stale = new <= current
-    if stale:
+    if current is not None and new <= current:
         raise StaleVersionError(
             f"weight_version {new!r} does not increase over the engine's {current!r}"
         )
@@ -63,10 +59,11 @@ class UpdateSession:
     """One open update. Not thread-safe: the engine serialises calls to it."""
 
     update_id: str
-    weight_version: str
+    weight_version: int
     kind: str
     expected: Mapping[str, TensorSpec]
     lora_name: str | None = None
+    lora_config: dict[str, Any] = field(default_factory=dict)
     staged: dict[str, torch.Tensor] = field(default_factory=dict)
     unexpected: list[str] = field(default_factory=list)
     duplicates: list[str] = field(default_factory=list)
@@ -112,7 +109,9 @@ class UpdateSession:
             name = entry.name
             if name in seen or name in self.staged:
                 self.duplicates.append(name)
-                raise IncompleteUpdateError(f"tensor {name!r} sent twice in update {self.update_id!r}")
+                raise IncompleteUpdateError(
+                    f"tensor {name!r} sent twice in update {self.update_id!r}"
+                )
             seen.add(name)
             spec = self.expected.get(name)
             if spec is None:
