@@ -23,8 +23,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from posttrain.models import DecoderModel
-from posttrain.models import LoraAdapter as ModelLora
 
 from posttrain.interface import (
     BucketManifest,
@@ -35,13 +33,14 @@ from posttrain.interface import (
 from posttrain.local_engine._buckets import tensors_sha256
 from posttrain.local_engine._errors import UnavailableError, UpdateSessionError
 from posttrain.local_engine._lora import (
-    LoraAdapter,
     LoraRegistry,
     adapter_from_tensors,
     expected_lora_tensors,
 )
 from posttrain.local_engine._sampling import SamplingConfig, pick_token, top_logprobs
 from posttrain.local_engine._update import TensorSpec, UpdateSession, check_version_increases
+from posttrain.models import DecoderModel
+from posttrain.models import LoraAdapter as ModelLora
 
 __all__ = ["Engine", "GenResult", "GenTask"]
 
@@ -219,7 +218,9 @@ class Engine:
         ]
         lora_arg = loras if any(x is not None for x in loras) else None
         cache = self.model.new_kv_cache(n)
-        steps = self.model.extend(cache, list(range(n)), [t.input_ids for t in tasks], lora=lora_arg)
+        steps = self.model.extend(
+            cache, list(range(n)), [t.input_ids for t in tasks], lora=lora_arg
+        )
         results: list[GenResult] = []
         rows: dict[int, torch.Tensor] = {}
         gens: list[torch.Generator] = []
@@ -296,7 +297,9 @@ class Engine:
             if res.output_top_logprobs is not None:
                 res.output_top_logprobs.append(top_logprobs(row, task.top_logprobs_num))
             if res.output_token_ids_logprobs is not None:
-                res.output_token_ids_logprobs.append(_ids_logprobs(row, task.token_ids_logprob or []))
+                res.output_token_ids_logprobs.append(
+                    _ids_logprobs(row, task.token_ids_logprob or [])
+                )
         if tok in stops:
             res.finish_reason = {"type": "stop", "matched": tok}
             return None

@@ -27,11 +27,10 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
-from posttrain.models import LoraAdapter as ModelLora
-
 from posttrain.local_engine._buckets import DTYPES
 from posttrain.local_engine._errors import AdapterError, UnknownAdapterError
 from posttrain.local_engine._update import TensorSpec
+from posttrain.models import LoraAdapter as ModelLora
 
 __all__ = [
     "LoraAdapter",
@@ -145,11 +144,11 @@ def adapter_from_tensors(
             raise AdapterError(f"adapter {name!r}: tensor {key!r} has non-float dtype {t.dtype}")
         pairs.setdefault(module, {})[ab] = t.detach().clone()
     weights: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-    for module, ab in sorted(pairs.items()):
-        if set(ab) != {"lora_A", "lora_B"}:
-            lone = next(iter(ab))
+    for module, halves in sorted(pairs.items()):
+        if set(halves) != {"lora_A", "lora_B"}:
+            lone = next(iter(halves))
             raise AdapterError(f"adapter {name!r}: module {module!r} has {lone} without its pair")
-        a, b = ab["lora_A"], ab["lora_B"]
+        a, b = halves["lora_A"], halves["lora_B"]
         n_in, n_out = targets[module]
         if tuple(a.shape) != (r, n_in) or tuple(b.shape) != (n_out, r):
             raise AdapterError(

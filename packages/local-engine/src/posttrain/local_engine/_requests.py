@@ -108,11 +108,8 @@ def tasks_from_generate(
     batch = req.is_batch
     n = req.batch_size
     if req.input_ids is not None:
-        prompts: list[list[int]] = (
-            [list(x) for x in req.input_ids]  # type: ignore[union-attr]
-            if batch
-            else [list(req.input_ids)]  # type: ignore[arg-type]
-        )
+        raw: list[Any] = list(req.input_ids)
+        prompts: list[list[int]] = [list(x) for x in raw] if batch else [[int(x) for x in raw]]
     else:
         if codec is None:
             raise WireFormatError("text: this model has no tokenizer; send input_ids", field="text")

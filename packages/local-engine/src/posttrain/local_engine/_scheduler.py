@@ -28,6 +28,7 @@ __all__ = ["BatchScheduler"]
 
 T = TypeVar("T")
 R = TypeVar("R")
+X = TypeVar("X")
 
 
 @dataclass(slots=True)
@@ -123,7 +124,7 @@ class BatchScheduler(Generic[T, R]):
         self._resumed.set()
         self._wakeup.set()
 
-    async def call_exclusive(self, fn: Callable[[], R]) -> R:
+    async def call_exclusive(self, fn: Callable[[], X]) -> X:
         """Run ``fn`` on the worker thread, between batches (for weight swaps)."""
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._pool, fn)

@@ -61,7 +61,7 @@ def read_safetensors_bucket(body: bytes) -> tuple[BucketManifest, dict[str, torc
         tensors = load_safetensors(body)
     except Exception as e:  # safetensors raises its own SafetensorError
         raise WireFormatError(f"body: not a valid safetensors file ({e})", field="body") from e
-    names = [e.name for e in manifest.tensors]
+    names = [entry.name for entry in manifest.tensors]
     extra = sorted(set(tensors) - set(names))
     absent = sorted(set(names) - set(tensors))
     if extra or absent:
@@ -70,20 +70,20 @@ def read_safetensors_bucket(body: bytes) -> tuple[BucketManifest, dict[str, torc
             "in the body",
             field="manifest.tensors",
         )
-    for i, e in enumerate(manifest.tensors):
-        t = tensors[e.name]
-        if dtype_name(t.dtype) != e.dtype or tuple(t.shape) != tuple(e.shape):
+    for i, entry in enumerate(manifest.tensors):
+        t = tensors[entry.name]
+        if dtype_name(t.dtype) != entry.dtype or tuple(t.shape) != tuple(entry.shape):
             raise WireFormatError(
-                f"manifest.tensors[{i}]: tensor {e.name!r} is {dtype_name(t.dtype)} "
-                f"{list(t.shape)} in the body, {e.dtype} {list(e.shape)} in the manifest",
+                f"manifest.tensors[{i}]: tensor {entry.name!r} is {dtype_name(t.dtype)} "
+                f"{list(t.shape)} in the body, {entry.dtype} {list(entry.shape)} in the manifest",
                 field=f"manifest.tensors[{i}]",
             )
     if manifest.sha256 is not None:
         flat = torch.zeros(manifest.total_bytes, dtype=torch.uint8)
-        for e in manifest.tensors:
-            if e.nbytes:
-                src = tensors[e.name].contiguous().reshape(-1).view(torch.uint8)
-                flat[e.offset : e.offset + e.nbytes].copy_(src)
+        for entry in manifest.tensors:
+            if entry.nbytes:
+                src = tensors[entry.name].contiguous().reshape(-1).view(torch.uint8)
+                flat[entry.offset : entry.end].copy_(src)
         unpack_bucket(manifest, flat)  # checks the digest
     return manifest, tensors
 
