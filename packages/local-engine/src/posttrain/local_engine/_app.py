@@ -66,6 +66,7 @@ from posttrain.local_engine._errors import (
 from posttrain.local_engine._lora import load_peft_adapter
 from posttrain.local_engine._requests import (
     TextCodec,
+    drop_neutral_sglang_keys,
     meta_info,
     sampling_from_params,
     seed_counter,
@@ -313,7 +314,7 @@ def create_app(ctx: ServerContext) -> Starlette:
 
     async def generate(request: Request) -> Response:
         t0 = time.perf_counter()
-        req = GenerateRequest.parse(await json_body(request))
+        req = GenerateRequest.parse(drop_neutral_sglang_keys(await json_body(request)))
         tasks, options = tasks_from_generate(req, codec=ctx.codec, next_seed=next_seed)
         results = await run_tasks(tasks)
         dt = time.perf_counter() - t0

@@ -177,6 +177,8 @@ def unpack_bucket(manifest: BucketManifest, buf: torch.Tensor) -> dict[str, torc
                 field=f"{field}.offset",
             )
         raw = buf[e.offset : e.offset + e.nbytes]
+        if (raw.storage_offset() % itemsize) and numel:
+            raw = raw.clone()  # an alignment below the item size: views need aligned storage
         out[e.name] = (
             raw.view(dtype).reshape(e.shape) if numel else torch.empty(e.shape, dtype=dtype)
         )

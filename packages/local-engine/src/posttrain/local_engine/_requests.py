@@ -19,9 +19,43 @@ from posttrain.interface import GenerateRequest, SamplingParams, WireFormatError
 from posttrain.local_engine._engine import GenResult, GenTask
 from posttrain.local_engine._sampling import SamplingConfig
 
-__all__ = ["TextCodec", "meta_info", "tasks_from_generate"]
+__all__ = ["TextCodec", "drop_neutral_sglang_keys", "meta_info", "tasks_from_generate"]
 
 DEFAULT_MAX_NEW_TOKENS = 128
+
+# Keys of SGLang's GenerateReqInput that sgl-router (0.3.x) fills in when it re-serializes
+# a body, with the values that need nothing from this engine (None: any value is fine).
+_NEUTRAL_KEYS: dict[str, tuple[Any, ...] | None] = {
+    "model": None,
+    "log_metrics": None,
+    "no_logs": None,
+    "background": (False,),
+    "return_hidden_states": (False,),
+    "return_bytes": (False,),
+    "return_entropy": (False,),
+    "return_routed_experts": (False,),
+    "bootstrap_host": (None,),
+    "bootstrap_port": (None,),
+    "bootstrap_room": (None,),
+    "custom_logit_processor": (None,),
+}
+
+
+def drop_neutral_sglang_keys(body: Any) -> Any:
+    """Remove router-added SGLang keys that hold neutral values; others stay and fail validation.
+
+    sgl-router re-serializes ``/generate`` bodies with SGLang's defaults filled in; the
+    interface's request type rejects unknown keys (a misspelt field must not pass), so the
+    neutral ones are taken out here, and a non-neutral one (``return_hidden_states: true``)
+    still gets a 400 naming it.
+    """
+    if not isinstance(body, dict):
+        return body
+    out = dict(body)
+    for key, neutral in _NEUTRAL_KEYS.items():
+        if key in out and (neutral is None or out[key] in neutral):
+            del out[key]
+    return out
 
 
 class TextCodec(Protocol):
