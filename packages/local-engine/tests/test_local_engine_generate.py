@@ -23,14 +23,17 @@ def test_info_routes_have_sglang_shapes(engine, ckpt_dir) -> None:  # type: igno
         assert c.get("/health_generate").status_code == 200
         for path in ("/model_info", "/get_model_info"):
             info = c.get(path).json()
-            assert info["model_path"] == str(ckpt_dir) and info["is_generation"] is True
+            assert info["model_path"] == str(ckpt_dir)
+            assert info["is_generation"] is True
             assert info["weight_version"] == "default"
         for path in ("/server_info", "/get_server_info"):
             s = c.get(path).json()
-            assert s["numerics"] == "strict" and s["quantization"] is None
+            assert s["numerics"] == "strict"
+            assert s["quantization"] is None
             assert s["internal_states"][0]["weight_version"] == "default"
         models = c.get("/v1/models").json()
-        assert models["object"] == "list" and models["data"][0]["id"] == str(ckpt_dir)
+        assert models["object"] == "list"
+        assert models["data"][0]["id"] == str(ckpt_dir)
         assert c.post("/flush_cache").status_code == 200
 
 
@@ -51,9 +54,11 @@ def test_generate_logprobs_equal_training_forward(engine, reference, trainer_lp)
     body = GenerateResponse.parse(r.json()).model_dump()
     meta = r.json()["meta_info"]
     out = r.json()["output_ids"]
-    assert meta["prompt_tokens"] == len(prompt) and meta["completion_tokens"] == len(out)
+    assert meta["prompt_tokens"] == len(prompt)
+    assert meta["completion_tokens"] == len(out)
     assert len(meta["input_token_logprobs"]) == len(prompt)
-    assert meta["input_token_logprobs"][0][0] is None and meta["input_top_logprobs"][0] is None
+    assert meta["input_token_logprobs"][0][0] is None
+    assert meta["input_top_logprobs"][0] is None
     assert [e[1] for e in meta["input_token_logprobs"]] == prompt
     assert [e[1] for e in meta["output_token_logprobs"]] == out
     want = trainer_lp(reference, prompt + out)
@@ -89,7 +94,8 @@ def test_batched_and_text_forms_match_single(engine) -> None:  # type: ignore[no
     assert [b["meta_info"]["output_token_logprobs"] for b in batch] == [
         s["meta_info"]["output_token_logprobs"] for s in single
     ]
-    assert text.status_code == 200 and len(text.json()) == 2
+    assert text.status_code == 200
+    assert len(text.json()) == 2
     assert all(isinstance(t["text"], str) for t in text.json())
 
 
@@ -215,7 +221,8 @@ def test_malformed_requests_get_400_naming_the_field(engine, body, field) -> Non
     err = r.json()["error"]
     if field is not None:  # pydantic may add a union tag in the middle of the path
         first, last = field.split(".")[0], field.split(".")[-1]
-        assert err["field"].startswith(first) and err["field"].endswith(last), err
+        assert err["field"].startswith(first), err
+        assert err["field"].endswith(last), err
     else:
         assert "nope" in err["message"]
 
@@ -226,7 +233,8 @@ def test_malformed_json_and_oversize_bodies(engine) -> None:  # type: ignore[no-
             "/generate", content=b'{"input_ids": [1,', headers={"content-type": "application/json"}
         )
         big = c.post("/generate", json={"input_ids": [1] * 2000})
-    assert bad.status_code == 400 and bad.json()["error"]["field"] == "body"
+    assert bad.status_code == 400
+    assert bad.json()["error"]["field"] == "body"
     assert big.status_code == 413
 
 
@@ -250,7 +258,8 @@ def test_overload_answers_503_and_pause_continue(engine) -> None:  # type: ignor
             assert time.monotonic() < deadline, "requests never queued"
             time.sleep(0.02)
         over = c.post("/generate", json=body)
-        assert over.status_code == 503 and "queue full" in over.json()["error"]["message"]
+        assert over.status_code == 503
+        assert "queue full" in over.json()["error"]["message"]
         assert c.post("/continue_generation").status_code == 200
         for t in threads:
             t.join(timeout=10)

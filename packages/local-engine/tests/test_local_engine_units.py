@@ -101,13 +101,15 @@ def test_nvfp4_stacked_experts_and_state_dict(tmp_path) -> None:  # type: ignore
     packed = torch.full((2, 4, 8), 0x22, dtype=torch.uint8)  # every code 2 -> 1.0
     scales = torch.ones(2, 4, 1).to(torch.float8_e4m3fn)
     got = dequantize_nvfp4("experts", packed, scales, torch.tensor([2.0, 3.0]))
-    assert got[0].unique().tolist() == [2.0] and got[1].unique().tolist() == [3.0]
+    assert got[0].unique().tolist() == [2.0]
+    assert got[1].unique().tolist() == [3.0]
     (tmp_path / "hf_quant_config.json").write_text(
         '{"quantization": {"quant_algo": "NVFP4", "group_size": 16, "exclude_modules": ["lm_head"],'
         ' "kv_cache_quant_algo": "FP8"}}'
     )
     report = read_quant_config(tmp_path)
-    assert report is not None and report.exclude_modules == ["lm_head"]
+    assert report is not None
+    assert report.exclude_modules == ["lm_head"]
     state = {
         "x.weight": packed[0],
         "x.weight_scale": scales[0],
@@ -117,8 +119,9 @@ def test_nvfp4_stacked_experts_and_state_dict(tmp_path) -> None:  # type: ignore
     }
     out = dequantize_state_dict(state, report, {"x.weight": torch.bfloat16})
     assert set(out) == {"x.weight", "norm.weight"}
-    assert out["x.weight"].dtype == torch.bfloat16 and report.dequantized == ["x.weight"]
-    with pytest.raises(NVFP4FormatError, match="x.weight_scale_2"):
+    assert out["x.weight"].dtype == torch.bfloat16
+    assert report.dequantized == ["x.weight"]
+    with pytest.raises(NVFP4FormatError, match=r"x\.weight_scale_2"):
         dequantize_state_dict(
             {k: v for k, v in state.items() if k != "x.weight_scale_2"}, report, {}
         )
@@ -150,7 +153,8 @@ def test_session_complete_and_faults() -> None:
     s = _session()
     s.add_bucket(*_bucket([("a", torch.ones(2, dtype=torch.bfloat16))], 0, True))
     r = s.finish()
-    assert not r.success and r.missing == ["b"]
+    assert not r.success
+    assert r.missing == ["b"]
     # unknown
     s = _session()
     with pytest.raises(IncompleteUpdateError, match="'zz' is not expected"):
@@ -176,7 +180,7 @@ def test_session_complete_and_faults() -> None:
 def test_versions_must_increase() -> None:
     check_version_increases(None, 0)
     check_version_increases(3, 4)
-    with pytest.raises(StaleVersionError, match="'3'|3"):
+    with pytest.raises(StaleVersionError, match="does not increase"):
         check_version_increases(3, 3)
 
 
@@ -190,7 +194,8 @@ def test_sampling_is_seeded_and_respects_top_k_top_p() -> None:
         pick_token(lp, SamplingConfig(temperature=1.0), torch.Generator().manual_seed(s))
         for s in range(200)
     ]
-    assert draws == again and len(set(draws)) >= 3
+    assert draws == again
+    assert len(set(draws)) >= 3
     topk = {
         pick_token(lp, SamplingConfig(top_k=2), torch.Generator().manual_seed(s))
         for s in range(100)
@@ -214,7 +219,8 @@ def test_cli_flags_use_sglang_names() -> None:
             "--numerics", "fast",
         ]
     )  # fmt: skip
-    assert cfg.lora_paths == {"a": "/x", "b": "/y"} and cfg.api_key == "k"
+    assert cfg.lora_paths == {"a": "/x", "b": "/y"}
+    assert cfg.api_key == "k"
     assert (cfg.port, cfg.random_seed, cfg.numerics, cfg.host) == (1234, 7, "fast", "127.0.0.1")
     with pytest.raises(SystemExit):
         parse_args(["--model-path", "m", "--lora-paths", "a=/x"])  # needs --enable-lora
