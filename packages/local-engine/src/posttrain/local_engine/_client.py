@@ -51,12 +51,16 @@ class WeightPushClient:
         api_key: str | None = None,
         timeout_s: float = 120.0,
         transport: httpx.BaseTransport | None = None,
+        http: httpx.Client | None = None,
     ) -> None:
+        """``http`` replaces the whole client (e.g. Starlette's TestClient for in-process apps)."""
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.base_url = base_url.rstrip("/")
-        self._http = httpx.Client(
+        self._http = http or httpx.Client(
             base_url=self.base_url, headers=headers, timeout=timeout_s, transport=transport
         )
+        if http is not None:
+            self._http.headers.update(headers)
 
     def close(self) -> None:
         self._http.close()
