@@ -479,7 +479,7 @@ def create_app(ctx: ServerContext) -> Starlette:
     async def update_from_safetensors(request: Request) -> Response:
         raw = await body_bytes(request, cfg.max_update_bytes)
         manifest, tensors = read_safetensors_bucket(raw)
-        engine.add_bucket(manifest, tensors)
+        engine.add_bucket(manifest, tensors, owned=True)  # decoded from the body: ours to keep
         return await bucket_reply(manifest)
 
     async def update_from_shm(request: Request) -> Response:
@@ -504,7 +504,7 @@ def create_app(ctx: ServerContext) -> Starlette:
         body = await json_body(request)
         update_id = str(body.get("update_id", "")) if isinstance(body, dict) else ""
         result, session = engine.finish_update(update_id)
-        shm.release()
+        shm.release_unlinked()
         if result.success:
             await sched.call_exclusive(lambda: engine.commit(session))
         return JSONResponse(
@@ -516,7 +516,7 @@ def create_app(ctx: ServerContext) -> Starlette:
         body = await json_body(request)
         uid = body.get("update_id") if isinstance(body, dict) else None
         aborted = engine.abort_update(None if uid is None else str(uid))
-        shm.release()
+        shm.release_unlinked()
         return JSONResponse(
             {
                 "success": True,
