@@ -147,6 +147,7 @@ def create_app(ctx: ServerContext) -> Starlette:
         abort_result=engine.abort_result,
         max_queue=cfg.max_queued_requests,
         max_batch=cfg.max_running_requests,
+        max_keys=cfg.max_loras_per_batch,
     )
     shm = ShmMaps(cfg.shm_dir)
     next_seed = seed_counter(cfg.random_seed)
