@@ -12,7 +12,12 @@ Public surface (see the package README for a tour):
 * ``build_tokenizer`` -- a local character-level fast tokenizer with a ChatML template.
 """
 
-from posttrain.models._checkpoint import load_config, load_hf_tensors, load_pretrained, save_pretrained
+from posttrain.models._checkpoint import (
+    load_config,
+    load_hf_tensors,
+    load_pretrained,
+    save_pretrained,
+)
 from posttrain.models._config import ModelConfig
 from posttrain.models._convert import (
     WeightGroup,

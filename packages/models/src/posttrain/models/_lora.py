@@ -75,9 +75,7 @@ class LoraRouting:
         else:
             per_segment = list(adapters)
             if len(per_segment) != num_segments:
-                raise LoraError(
-                    f"got {len(per_segment)} adapters for {num_segments} segments/rows"
-                )
+                raise LoraError(f"got {len(per_segment)} adapters for {num_segments} segments/rows")
         self.adapters: list[LoraAdapter] = []
         index_of: dict[int, int] = {}
         seg_adapter = []

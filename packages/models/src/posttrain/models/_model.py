@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from posttrain.models._config import ModelConfig
@@ -32,7 +33,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 # Elements of the per-chunk attention product tensor; bounds memory, never changes results.
-_ATTN_CHUNK_ELEMENTS = 1 << 21
+_ATTN_CHUNK_ELEMENTS = 1 << 17
 
 
 class Numerics(enum.StrEnum):
@@ -94,6 +95,13 @@ class KVCache:
 class _Layer(nn.Module):
     """Attention parameters shared by dense and MoE layers."""
 
+    attn_norm: nn.Parameter
+    qkv: nn.Parameter
+    q_norm: nn.Parameter
+    k_norm: nn.Parameter
+    proj: nn.Parameter
+    mlp_norm: nn.Parameter
+
     def __init__(self, config: ModelConfig, index: int) -> None:
         super().__init__()
         h, hd = config.hidden_size, config.head_dim
@@ -112,6 +120,9 @@ class _Layer(nn.Module):
 class DenseLayer(_Layer):
     """A layer with a dense SwiGLU MLP: ``fc1 = [gate_proj; up_proj]``, ``fc2 = down_proj``."""
 
+    fc1: nn.Parameter
+    fc2: nn.Parameter
+
     def __init__(self, config: ModelConfig, index: int) -> None:
         super().__init__(config, index)
         h, i, dt = config.hidden_size, config.intermediate_size, config.dtype
@@ -121,6 +132,10 @@ class DenseLayer(_Layer):
 
 class MoeLayer(_Layer):
     """A layer with a routed MoE: ``router[E, H]``, ``experts_fc1[E, 2I, H]``, ``experts_fc2[E, H, I]``."""
+
+    router: nn.Parameter
+    experts_fc1: nn.Parameter
+    experts_fc2: nn.Parameter
 
     def __init__(self, config: ModelConfig, index: int) -> None:
         super().__init__(config, index)
@@ -139,6 +154,8 @@ class DecoderModel(nn.Module):
     """A Qwen3-MoE-layout decoder with strict (bit-identical) and fast numerics."""
 
     output: nn.Parameter | None
+    rope_cos: Tensor
+    rope_sin: Tensor
 
     def __init__(self, config: ModelConfig, *, numerics: Numerics = Numerics.STRICT) -> None:
         super().__init__()
@@ -155,6 +172,9 @@ class DecoderModel(nn.Module):
             self.register_parameter("output", None)
         else:
             self.output = nn.Parameter(torch.zeros(v, h, dtype=dt))
+        from posttrain.models._convert import lora_targets
+
+        self._lora_targets = lora_targets(config)
         cos, sin = rope_tables(config.head_dim, config.max_position_embeddings, config.rope_theta)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
@@ -171,7 +191,7 @@ class DecoderModel(nn.Module):
     ) -> Tensor:
         """fp32 logits ``[T, vocab]`` for packed segments (positions restart per segment)."""
         ids, seg, pos = self._pack(input_ids, segment_lengths)
-        routing = LoraRouting(lora, seg, len(segment_lengths), self.lora_targets())
+        routing = LoraRouting(lora, seg, len(segment_lengths), self._lora_targets)
         return self._forward(ids, seg, pos, seg, len(segment_lengths), None, routing)
 
     def forward(
@@ -218,7 +238,9 @@ class DecoderModel(nn.Module):
         token, i.e. of the token that follows it. ``lora`` is one adapter or one per row.
         """
         if len(rows) != len(token_ids) or len(set(rows)) != len(rows):
-            raise CacheError(f"rows {list(rows)} must be distinct and match {len(token_ids)} inputs")
+            raise CacheError(
+                f"rows {list(rows)} must be distinct and match {len(token_ids)} inputs"
+            )
         flat: list[int] = []
         seg: list[int] = []
         pos: list[int] = []
@@ -238,7 +260,7 @@ class DecoderModel(nn.Module):
         ids = self._check_ids(torch.tensor(flat, dtype=torch.long))
         seg_t = torch.tensor(seg, dtype=torch.long)
         buf_row = torch.tensor(rows, dtype=torch.long)[seg_t]
-        routing = LoraRouting(lora, seg_t, len(rows), self.lora_targets())
+        routing = LoraRouting(lora, seg_t, len(rows), self._lora_targets)
         logits = self._forward(
             ids, seg_t, torch.tensor(pos, dtype=torch.long), buf_row, 0, cache, routing
         )
@@ -248,7 +270,7 @@ class DecoderModel(nn.Module):
         sizes = [len(t) for t in token_ids]
         return [
             Step(lg, lp)
-            for lg, lp in zip(logits.split(sizes), logprobs.split(sizes), strict=True)
+            for lg, lp in zip(torch.split(logits, sizes), torch.split(logprobs, sizes), strict=True)
         ]
 
     def prefill(
@@ -258,21 +280,22 @@ class DecoderModel(nn.Module):
         return self.extend(cache, [row], [token_ids], lora=lora)[0]
 
     def decode_step(
-        self, cache: KVCache, rows: Sequence[int], token_ids: Sequence[int], *, lora: AdapterArg = None
+        self,
+        cache: KVCache,
+        rows: Sequence[int],
+        token_ids: Sequence[int],
+        *,
+        lora: AdapterArg = None,
     ) -> Step:
         """Append one token to each row; ``Step`` tensors are ``[len(rows), vocab]``."""
         steps = self.extend(cache, rows, [[t] for t in token_ids], lora=lora)
-        return Step(
-            torch.cat([s.logits for s in steps]), torch.cat([s.logprobs for s in steps])
-        )
+        return Step(torch.cat([s.logits for s in steps]), torch.cat([s.logprobs for s in steps]))
 
     # ------------------------------------------------------------------ weights and files
 
     def lora_targets(self) -> dict[str, tuple[int, int]]:
         """PEFT module names a ``LoraAdapter`` may target, with their ``(in, out)`` dims."""
-        from posttrain.models._convert import lora_targets
-
-        return lora_targets(self.config)
+        return dict(self._lora_targets)
 
     def hf_state_dict(self) -> dict[str, Tensor]:
         """The weights under their HF (Qwen3-MoE, per-expert) names."""
@@ -380,6 +403,10 @@ class DecoderModel(nn.Module):
         cos, sin = self.rope_cos[pos], self.rope_sin[pos]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         cap = cfg.max_position_embeddings
+        if cache is None and self.numerics is Numerics.FAST:
+            o = _causal_sdpa(q, k, v, buf_row, nh // nkv)
+            y = ops.linear(o, layer.proj)
+            return lora.apply(ops, o, y, [(prefix + "self_attn.o_proj", 0, cfg.hidden_size)])
         if cache is None:
             shape = (num_buffers, cap, nkv, hd)
             kbuf = h.new_zeros(shape).index_put((buf_row, pos), k)
@@ -394,9 +421,17 @@ class DecoderModel(nn.Module):
         step = max(1, _ATTN_CHUNK_ELEMENTS // (nh * cap * hd))
         outs = []
         for i in range(0, t, step):
-            rows = buf_row[i : i + step]
-            valid = slots[None, :] <= pos[i : i + step, None]
-            outs.append(ops.attention(qg[i : i + step], kbuf[rows], vbuf[rows], valid, hd**-0.5))
+            rows, p = buf_row[i : i + step], pos[i : i + step]
+            # Reduce over the first W = 2**ceil(log2(max pos + 1)) slots only: slots past the
+            # chunk's last position are masked, contribute exact zeros, and in the pairwise
+            # tree ``x + 0 == x``, so the bits equal those of the full-C reduction.
+            width = min(cap, 1 << int(p.max()).bit_length())
+            valid = slots[None, :width] <= p[:, None]
+            outs.append(
+                ops.attention(
+                    qg[i : i + step], kbuf[rows, :width], vbuf[rows, :width], valid, hd**-0.5
+                )
+            )
         o = torch.cat(outs).reshape(t, nq)
         y = ops.linear(o, layer.proj)
         return lora.apply(ops, o, y, [(prefix + "self_attn.o_proj", 0, cfg.hidden_size)])
@@ -440,6 +475,19 @@ class DecoderModel(nn.Module):
             ye = lora.apply(ops, act, ye, [(ep + "down_proj", 0, hsz)], tok)
             outputs = outputs.index_put((tok, slot), ye)
         return ops.moe_combine(weights, outputs)
+
+
+def _causal_sdpa(q: Tensor, k: Tensor, v: Tensor, seg: Tensor, group: int) -> Tensor:
+    """Fast-mode training attention: torch SDPA per segment (no fixed-capacity buffer)."""
+    outs = []
+    for s in torch.unique_consecutive(seg).tolist():
+        idx = (seg == s).nonzero().flatten()
+        qs = q[idx].transpose(0, 1)[None]  # [1, nh, L, hd]
+        ks = k[idx].repeat_interleave(group, dim=1).transpose(0, 1)[None]
+        vs = v[idx].repeat_interleave(group, dim=1).transpose(0, 1)[None]
+        o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True)
+        outs.append(o[0].transpose(0, 1).reshape(idx.shape[0], -1))
+    return torch.cat(outs)
 
 
 def _segment_starts(lengths: Sequence[int]) -> list[int]:

@@ -36,7 +36,7 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
     vocab = {tok: i for i, tok in enumerate((*SPECIAL_TOKENS, *CHARACTERS))}
     core = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
     core.decoder = decoders.Fuse()
-    tokenizer = PreTrainedTokenizerFast(
+    return PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]
         tokenizer_object=core,
         bos_token=None,
         eos_token="<|im_end|>",
@@ -46,4 +46,3 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
         chat_template=CHAT_TEMPLATE,
         model_max_length=1 << 20,
     )
-    return tokenizer
