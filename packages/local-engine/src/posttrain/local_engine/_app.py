@@ -152,8 +152,11 @@ def create_app(ctx: ServerContext) -> Starlette:
     shm = ShmMaps(cfg.shm_dir)
     next_seed = seed_counter(cfg.random_seed)
 
-    def token_text(tok: int) -> str | None:
+    def no_text(tok: int) -> str | None:
         return None
+
+    def token_text(tok: int) -> str | None:
+        return _tok_str(ctx.codec, tok)
 
     def guard(handler: Handler, *, state_changing: bool = False) -> Handler:
         async def wrapped(request: Request) -> Response:
@@ -323,7 +326,11 @@ def create_app(ctx: ServerContext) -> Starlette:
             {
                 "text": output_text(r, o["skip_special_tokens"]),
                 "output_ids": r.output_ids,
-                "meta_info": meta_info(r, token_text=token_text, e2e_latency=dt),
+                "meta_info": meta_info(
+                    r,
+                    token_text=token_text if o["return_text_in_logprobs"] else no_text,
+                    e2e_latency=dt,
+                ),
             }
             for r, o in zip(results, options, strict=True)
         ]
@@ -398,7 +405,7 @@ def create_app(ctx: ServerContext) -> Starlette:
             }
         if req.return_meta_info:
             choice["meta_info"] = meta_info(
-                res, token_text=token_text, e2e_latency=time.perf_counter() - t0
+                res, token_text=no_text, e2e_latency=time.perf_counter() - t0
             )
         p, c = res.prompt_tokens, len(res.output_ids)
         return JSONResponse(

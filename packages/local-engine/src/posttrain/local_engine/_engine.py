@@ -182,6 +182,13 @@ class Engine:
                     f"{field_prefix}{name}: token id {bad} outside the vocabulary [0, {v})",
                     field=name,
                 )
+        rows = task.token_ids_logprob_positions
+        if rows is not None and len(rows) != p:
+            raise WireFormatError(
+                f"{field_prefix}token_ids_logprob_positions: {len(rows)} rows for {p} input "
+                "positions",
+                field="token_ids_logprob_positions",
+            )
         if task.top_logprobs_num > v:
             raise WireFormatError(
                 f"{field_prefix}top_logprobs_num: {task.top_logprobs_num} > vocabulary size {v}",
