@@ -19,6 +19,8 @@ import httpx
 import pytest
 
 from posttrain.interface.testing import ServerProcess, free_port
+from posttrain.local_engine import WeightPushClient, push_weights
+from posttrain.local_engine._buckets import tensors_sha256
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.slow, pytest.mark.timeout(150)]
 
@@ -40,9 +42,9 @@ def _served(url: str) -> int:
     return int(httpx.get(f"{url}/server_info").json()["internal_states"][0]["generated_tokens"])
 
 
-def test_router_registers_routes_removes_and_readds_engines(
-    ckpt_dir, reference, trainer_lp
-) -> None:  # type: ignore[no-untyped-def]
+def test_router_registers_routes_removes_and_readds_engines(  # type: ignore[no-untyped-def]
+    ckpt_dir, reference, trainer_lp, other_weights
+) -> None:
     ports = [free_port() for _ in range(2)]
     urls = [f"http://127.0.0.1:{p}" for p in ports]
     rport, prom = free_port(), free_port()
@@ -140,3 +142,14 @@ def test_router_registers_routes_removes_and_readds_engines(
         for s in range(4):
             generate(20 + s)
         assert _served(urls[0]) > frozen
+
+        # weight updates across processes: HTTP to one engine, shared memory to the other
+        for url, transport in zip(urls, ("http", "shm"), strict=True):
+            with WeightPushClient(url) as client:
+                assert push_weights(
+                    client, other_weights, weight_version=1, transport=transport
+                ).success
+            assert httpx.get(f"{url}/weights_checksum").json()["sha256"] == tensors_sha256(
+                other_weights
+            )
+        assert {generate(30 + s)["meta_info"]["weight_version"] for s in range(2)} == {"1"}
