@@ -10,6 +10,8 @@ from contextlib import contextmanager
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import Tensor
 
 from posttrain.models import (
@@ -295,6 +297,21 @@ def test_control_changed_expert_combine_order_breaks_parity(
     assert _mismatches(train, roll) > 0
 
 
+def test_control_gate_up_swap_in_sync_breaks_parity(
+    control_setup: tuple[DecoderModel, list[list[int]], list[int], Tensor],
+) -> None:
+    model, segments, prompts, train = control_setup
+    sent = model.hf_state_dict()
+    gate, up = (
+        "model.layers.2.mlp.experts.1.gate_proj.weight",
+        "model.layers.2.mlp.experts.1.up_proj.weight",
+    )
+    sent[gate], sent[up] = sent[up], sent[gate]  # a converter that mixes up the fused halves
+    engine = build_model(model.config, 0)
+    engine.load_hf_state_dict(sent)
+    assert _mismatches(train, engine_logprobs(engine, segments, prompts)) > 0
+
+
 def test_fast_mode_is_close_but_makes_no_bitwise_promise() -> None:
     cfg = VARIANTS["tiny"]
     strict = build_model(cfg, 13)
@@ -305,3 +322,43 @@ def test_fast_mode_is_close_but_makes_no_bitwise_promise() -> None:
     c = engine_logprobs(fast, segments, prompts)
     assert float((a - b).abs().max()) < 2e-5
     assert float((b - c).abs().max()) < 2e-5
+
+
+def test_mixed_prefill_and_decode_in_one_extend_call() -> None:
+    """Continuous batching: one call prefills a row while others decode; bits do not move."""
+    cfg = VARIANTS["tiny"]
+    model = build_model(cfg, 17)
+    alone = model.new_kv_cache(3)
+    mixed = model.new_kv_cache(3)
+    first = [model.prefill(alone, r, [5 + r, 6, 7]) for r in range(2)]
+    model.extend(mixed, [0, 1], [[5, 6, 7], [6, 6, 7]])
+    ref = [model.extend(alone, [r], [toks])[0] for r, toks in enumerate([[9], [10, 11]])]
+    ref.append(model.prefill(alone, 2, [1, 2, 3, 4]))
+    got = model.extend(mixed, [2, 0, 1], [[1, 2, 3, 4], [9], [10, 11]])
+    assert torch.equal(got[0].logprobs, ref[2].logprobs)
+    assert torch.equal(got[1].logprobs, ref[0].logprobs)
+    assert torch.equal(got[2].logprobs, ref[1].logprobs)
+    assert first[0].logprobs.shape == (3, cfg.vocab_size)
+
+
+SMALL = ModelConfig.tiny(num_hidden_layers=2, max_position_embeddings=16, vocab_size=64)
+
+
+@settings(max_examples=10, deadline=None)
+@given(
+    lens=st.lists(st.integers(2, 16), min_size=1, max_size=4),
+    seed=st.integers(0, 10_000),
+    data=st.data(),
+)
+def test_parity_over_random_lengths_and_prompts(
+    lens: list[int], seed: int, data: st.DataObject
+) -> None:
+    model = build_model(SMALL, seed)
+    gen = torch.Generator().manual_seed(seed)
+    segments = [torch.randint(0, SMALL.vocab_size, (n,), generator=gen).tolist() for n in lens]
+    prompts = [data.draw(st.integers(1, n - 1)) for n in lens]
+    chunked = data.draw(st.booleans())
+    assert torch.equal(
+        train_logprobs(model, segments),
+        engine_logprobs(model, segments, prompts, chunked_prefill=chunked),
+    )

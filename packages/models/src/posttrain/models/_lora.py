@@ -88,7 +88,9 @@ class LoraRouting:
                 index_of[id(adapter)] = len(self.adapters)
                 self.adapters.append(adapter)
             seg_adapter.append(index_of[id(adapter)])
-        self.token_adapter = torch.tensor(seg_adapter, dtype=torch.long)[segment_of_token]
+        self.token_adapter = torch.tensor(
+            seg_adapter, dtype=torch.long, device=segment_of_token.device
+        )[segment_of_token]
 
     @property
     def active(self) -> bool:

@@ -6,7 +6,9 @@ packed segments, ``extend``/``prefill``/``decode_step`` over cache rows -- runs 
 ``_forward`` on a flat list of tokens, each with a buffer row and a position. Keys and
 values are written into a per-row buffer of fixed capacity ``C = max_position_embeddings``
 and each query attends over all ``C`` slots with a mask, so in strict mode a token's bits do
-not depend on how many tokens came in the same call (see ``_ops``).
+not depend on how many tokens came in the same call (see ``_ops``). As an optimisation that
+keeps every bit, a chunk of queries reduces over the first ``2**ceil(log2(max pos + 1))``
+slots only: the rest are masked exact zeros, and ``x + 0 == x`` in the pairwise tree.
 
 Departures from HF ``Qwen3MoeForCausalLM``: activations are fp32 whatever the parameter
 dtype; experts are combined in ascending expert id order; top-k ties go to the lower id
@@ -24,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from posttrain.models._cache import KVCache
 from posttrain.models._config import ModelConfig
 from posttrain.models._errors import CacheError, ModelInputError
 from posttrain.models._lora import AdapterArg, LoraRouting
@@ -48,48 +51,6 @@ class Step(NamedTuple):
 
     logits: Tensor
     logprobs: Tensor
-
-
-class KVCache:
-    """Per-layer fp32 key/value buffers ``[num_rows, C, kv_heads, head_dim]`` and row lengths.
-
-    The capacity ``C`` is the model's ``max_position_embeddings``: strict attention reduces
-    over exactly ``C`` slots on every path, so it is not a free choice.
-    """
-
-    def __init__(self, config: ModelConfig, num_rows: int) -> None:
-        if num_rows <= 0:
-            raise CacheError(f"a KV cache needs at least one row, got num_rows={num_rows}")
-        shape = (
-            num_rows,
-            config.max_position_embeddings,
-            config.num_key_value_heads,
-            config.head_dim,
-        )
-        self.keys = [torch.zeros(shape) for _ in range(config.num_hidden_layers)]
-        self.values = [torch.zeros(shape) for _ in range(config.num_hidden_layers)]
-        self.lengths = [0] * num_rows
-
-    @property
-    def num_rows(self) -> int:
-        """Number of rows (concurrent sequences)."""
-        return len(self.lengths)
-
-    @property
-    def capacity(self) -> int:
-        """Slots per row (positions a sequence can reach)."""
-        return self.keys[0].shape[1]
-
-    def reset(self, row: int) -> None:
-        """Empty ``row`` (zeroes its buffers) so a new sequence can use it."""
-        self._check_row(row)
-        self.lengths[row] = 0
-        for buf in (*self.keys, *self.values):
-            buf[row].zero_()
-
-    def _check_row(self, row: int) -> None:
-        if not 0 <= row < self.num_rows:
-            raise CacheError(f"cache row {row} is out of range [0, {self.num_rows})")
 
 
 class _Layer(nn.Module):
@@ -210,18 +171,18 @@ class DecoderModel(nn.Module):
         """
         logits = self.forward_logits(input_ids, segment_lengths, lora=lora)
         logprobs = self.ops.log_softmax(logits)
-        ids = input_ids.reshape(-1)
-        out = torch.zeros(ids.shape[0], dtype=torch.float32)
+        ids = input_ids.reshape(-1).long().to(logprobs.device)
+        out = torch.zeros(ids.shape[0], dtype=torch.float32, device=logprobs.device)
         if ids.shape[0] > 1:
             picked = logprobs[:-1].gather(1, ids[1:, None])[:, 0]
-            starts = torch.zeros(ids.shape[0], dtype=torch.bool)
+            starts = torch.zeros(ids.shape[0], dtype=torch.bool, device=logprobs.device)
             starts[_segment_starts(segment_lengths)] = True
             out = torch.cat([out[:1], torch.where(starts[1:], 0.0, picked)])
         return out
 
     def new_kv_cache(self, num_rows: int = 1) -> KVCache:
-        """An empty KV cache with ``num_rows`` rows."""
-        return KVCache(self.config, num_rows)
+        """An empty KV cache with ``num_rows`` rows, on the model's device."""
+        return KVCache(self.config, num_rows, device=self.embedding.device)
 
     @torch.no_grad()
     def extend(
@@ -257,12 +218,13 @@ class DecoderModel(nn.Module):
             flat.extend(int(t) for t in toks)
             seg.extend([j] * len(toks))
             pos.extend(range(start, start + len(toks)))
-        ids = self._check_ids(torch.tensor(flat, dtype=torch.long))
-        seg_t = torch.tensor(seg, dtype=torch.long)
-        buf_row = torch.tensor(rows, dtype=torch.long)[seg_t]
+        dev = self.embedding.device
+        ids = self._check_ids(torch.tensor(flat, dtype=torch.long, device=dev))
+        seg_t = torch.tensor(seg, dtype=torch.long, device=dev)
+        buf_row = torch.tensor(rows, dtype=torch.long, device=dev)[seg_t]
         routing = LoraRouting(lora, seg_t, len(rows), self._lora_targets)
         logits = self._forward(
-            ids, seg_t, torch.tensor(pos, dtype=torch.long), buf_row, 0, cache, routing
+            ids, seg_t, torch.tensor(pos, dtype=torch.long, device=dev), buf_row, 0, cache, routing
         )
         logprobs = self.ops.log_softmax(logits)
         for row, toks in zip(rows, token_ids, strict=True):
@@ -332,7 +294,8 @@ class DecoderModel(nn.Module):
         return ids
 
     def _pack(self, input_ids: Tensor, lengths: Sequence[int]) -> tuple[Tensor, Tensor, Tensor]:
-        ids = self._check_ids(input_ids.reshape(-1).long())
+        dev = self.embedding.device
+        ids = self._check_ids(input_ids.reshape(-1).long().to(dev))
         cap = self.config.max_position_embeddings
         for j, n in enumerate(lengths):
             if not 0 < n <= cap:
@@ -342,10 +305,11 @@ class DecoderModel(nn.Module):
                 f"segment_lengths sum to {sum(lengths)} but input_ids has {ids.shape[0]} tokens"
             )
         seg = torch.repeat_interleave(
-            torch.arange(len(lengths)), torch.tensor(list(lengths), dtype=torch.long)
+            torch.arange(len(lengths), device=dev),
+            torch.tensor(list(lengths), dtype=torch.long, device=dev),
         )
-        starts = torch.tensor(_segment_starts(lengths), dtype=torch.long)
-        pos = torch.arange(ids.shape[0]) - starts[seg]
+        starts = torch.tensor(_segment_starts(lengths), dtype=torch.long, device=dev)
+        pos = torch.arange(ids.shape[0], device=dev) - starts[seg]
         return ids, seg, pos
 
     def _forward(
@@ -417,7 +381,7 @@ class DecoderModel(nn.Module):
             vbuf[buf_row, pos] = v
         group = nh // nkv
         qg = q.reshape(t, nkv, group, hd)
-        slots = torch.arange(cap)
+        slots = torch.arange(cap, device=h.device)
         step = max(1, _ATTN_CHUNK_ELEMENTS // (nh * cap * hd))
         outs = []
         for i in range(0, t, step):

@@ -13,8 +13,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from tokenizers import Tokenizer, decoders, models
-
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast
 
@@ -31,6 +29,7 @@ VOCAB_SIZE = len(SPECIAL_TOKENS) + len(CHARACTERS)
 
 def build_tokenizer() -> PreTrainedTokenizerFast:
     """The character-level tokenizer (``VOCAB_SIZE`` = 101 tokens) with a ChatML chat template."""
+    from tokenizers import Tokenizer, decoders, models
     from transformers import PreTrainedTokenizerFast
 
     vocab = {tok: i for i, tok in enumerate((*SPECIAL_TOKENS, *CHARACTERS))}
