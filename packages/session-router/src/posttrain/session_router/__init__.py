@@ -1,0 +1,2 @@
+"""posttrain.session_router."""
+__all__: list[str] = []
