@@ -1,2 +1,3 @@
 """posttrain.session_router."""
+
 __all__: list[str] = []

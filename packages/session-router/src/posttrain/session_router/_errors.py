@@ -1,19 +1,19 @@
 """The errors posttrain.session_router raises, and the HTTP status each maps to.
 
-    PosttrainError                              (posttrain.interface)
-    ├── ConfigError (ValueError)                a bad option: tokenizer dir, policy, port
-    ├── TransportError                          (posttrain.interface; has ``.url``)
-    │   ├── UpstreamReplyError                  502: the engine/router reply lacks what TITO needs
-    │   └── RouterStartError                    sgl-router did not become ready, or a worker did
-    │                                           not register/deregister in time
-    └── SessionRouterError                      base of the package's own errors
-        ├── RouterIncompatible                  the upstream router drops request fields TITO needs
-        │                                       (``.dropped`` names them); raised by the startup probe
-        ├── SessionNotFound                     404: unknown, deleted or expired session id
-        ├── BadChatRequest (ValueError)         400: bad JSON, bad messages, illegal rollback
-        ├── TitoMismatch                        500: the prefix invariant broke (``.index`` is the
-        │                                       first differing token position)
-        └── SampleAssemblyError (ValueError)    422: records cannot be assembled into a sample
+PosttrainError                              (posttrain.interface)
+├── ConfigError (ValueError)                a bad option: tokenizer dir, policy, port
+├── TransportError                          (posttrain.interface; has ``.url``)
+│   ├── UpstreamReplyError                  502: the engine/router reply lacks what TITO needs
+│   └── RouterStartError                    sgl-router did not become ready, or a worker did
+│                                           not register/deregister in time
+└── SessionRouterError                      base of the package's own errors
+    ├── RouterIncompatible                  the upstream router drops request fields TITO needs
+    │                                       (``.dropped`` names them); raised by the startup probe
+    ├── SessionNotFoundError                     404: unknown, deleted or expired session id
+    ├── BadChatRequestError (ValueError)         400: bad JSON, bad messages, illegal rollback
+    ├── TitoMismatchError                        500: the prefix invariant broke (``.index`` is the
+    │                                       first differing token position)
+    └── SampleAssemblyError (ValueError)    422: records cannot be assembled into a sample
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ class SessionRouterError(PosttrainError):
     """Base of the errors defined by posttrain.session_router."""
 
 
-class RouterIncompatible(SessionRouterError):
+class RouterIncompatible(SessionRouterError):  # noqa: N818 (name fixed by the issue)
     """The upstream router re-serializes requests and drops fields this server depends on."""
 
     def __init__(self, message: str, *, dropped: list[str]) -> None:
@@ -33,7 +33,7 @@ class RouterIncompatible(SessionRouterError):
         self.dropped = dropped
 
 
-class SessionNotFound(SessionRouterError, KeyError):
+class SessionNotFoundError(SessionRouterError, KeyError):
     """No live session has this id (never created, deleted, or reclaimed by the TTL)."""
 
     def __init__(self, session_id: str) -> None:
@@ -44,11 +44,11 @@ class SessionNotFound(SessionRouterError, KeyError):
         return str(self.args[0])
 
 
-class BadChatRequest(SessionRouterError, ValueError):
+class BadChatRequestError(SessionRouterError, ValueError):
     """A chat request is malformed or cannot be served against the session's state."""
 
 
-class TitoMismatch(SessionRouterError):
+class TitoMismatchError(SessionRouterError):
     """A new turn's tokens do not extend the session's previous checkpoint."""
 
     def __init__(self, message: str, *, index: int) -> None:

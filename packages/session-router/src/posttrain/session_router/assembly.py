@@ -21,7 +21,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from posttrain.session_router._errors import BadChatRequest
+from posttrain.session_router._errors import BadChatRequestError
 from posttrain.session_router.config import SessionRouterConfig, serves_lora
 
 ROUTING_KEY_HEADER = "X-SMG-Routing-Key"
@@ -107,19 +107,21 @@ class ChatRequest:
 
 
 def parse_chat_body(raw: bytes, defaults: Mapping[str, Any] | None = None) -> ChatRequest:
-    """Parse and validate a chat completion body; every failure is a ``BadChatRequest`` (400)."""
+    """Parse and validate a chat completion body; every failure is a ``BadChatRequestError`` (400)."""
     try:
         body = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise BadChatRequest(f"invalid JSON body: {exc}") from exc
+        raise BadChatRequestError(f"invalid JSON body: {exc}") from exc
     if not isinstance(body, dict):
-        raise BadChatRequest(f"invalid JSON body: expected an object, got {type(body).__name__}")
+        raise BadChatRequestError(
+            f"invalid JSON body: expected an object, got {type(body).__name__}"
+        )
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
-        raise BadChatRequest("messages: must be a non-empty list")
+        raise BadChatRequestError("messages: must be a non-empty list")
     for i, msg in enumerate(messages):
         if not isinstance(msg, dict) or not isinstance(msg.get("role"), str):
-            raise BadChatRequest(f"messages[{i}]: must be an object with a string 'role'")
+            raise BadChatRequestError(f"messages[{i}]: must be an object with a string 'role'")
         content = msg.get("content")
         if content is not None and not isinstance(content, str):
             if isinstance(content, list) and all(
@@ -128,13 +130,13 @@ def parse_chat_body(raw: bytes, defaults: Mapping[str, Any] | None = None) -> Ch
             ):
                 msg["content"] = "".join(p["text"] for p in content)
             else:
-                raise BadChatRequest(f"messages[{i}].content: must be a string or text parts")
+                raise BadChatRequestError(f"messages[{i}].content: must be a string or text parts")
     tools = body.get("tools")
     if tools is not None and not isinstance(tools, list):
-        raise BadChatRequest("tools: must be a list")
+        raise BadChatRequestError("tools: must be a list")
     n = body.get("n", 1)
     if n not in (1, None):
-        raise BadChatRequest(f"n: only 1 choice per turn is supported, got {n!r}")
+        raise BadChatRequestError(f"n: only 1 choice per turn is supported, got {n!r}")
     return ChatRequest(
         body=body,
         messages=messages,
@@ -151,7 +153,7 @@ def merge_template_kwargs(
     if requested is None:
         requested = {}
     if not isinstance(requested, dict):
-        raise BadChatRequest(
+        raise BadChatRequestError(
             f"chat_template_kwargs: must be an object, got {type(requested).__name__}"
         )
     return {**(defaults or {}), **requested}
@@ -163,7 +165,7 @@ def build_generate_body(
     """The ``/generate`` body for one turn (pure; see the module docstring for the rules)."""
     explicit = body.get("sampling_params")
     if explicit is not None and not isinstance(explicit, dict):
-        raise BadChatRequest("sampling_params: must be an object")
+        raise BadChatRequestError("sampling_params: must be an object")
     sampling: dict[str, Any] = {}
     out: dict[str, Any] = {}
     for key, value in body.items():
@@ -187,12 +189,23 @@ def build_generate_body(
         logprob_start_len=-1,
         return_text_in_logprobs=False,
     )
+    return apply_lora(out, cfg)
+
+
+def apply_lora(body: dict[str, Any], cfg: SessionRouterConfig) -> dict[str, Any]:
+    """Set ``lora_path`` to the served adapter, or remove it, as ``serves_lora(cfg)`` says.
+
+    Used by the chat path and by the raw ``/generate`` proxy, so both gate LoRA identically.
+    """
+    body.pop("lora_path", None)
     if serves_lora(cfg):
-        out["lora_path"] = cfg.lora_adapter
-    return out
+        body["lora_path"] = cfg.lora_adapter
+    return body
 
 
-def forward_headers(headers: Mapping[str, str] | Sequence[tuple[str, str]], session_id: str) -> dict[str, str]:
+def forward_headers(
+    headers: Mapping[str, str] | Sequence[tuple[str, str]], session_id: str
+) -> dict[str, str]:
     """Client headers safe to forward upstream, plus the session's routing key."""
     items = headers.items() if isinstance(headers, Mapping) else headers
     out = {

@@ -58,9 +58,7 @@ class SessionRouterConfig:
             raise ConfigError(
                 f"max_rollback_checkpoints must be >= 0, got {self.max_rollback_checkpoints}"
             )
-        if self.lora_adapter is not None and (
-            not self.lora_adapter or "," in self.lora_adapter
-        ):
+        if self.lora_adapter is not None and (not self.lora_adapter or "," in self.lora_adapter):
             # One constant adapter name; per-slot multi-LoRA is not supported with sessions.
             raise ConfigError(
                 f"lora_adapter must be one non-empty adapter name, got {self.lora_adapter!r}"

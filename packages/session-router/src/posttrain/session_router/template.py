@@ -26,7 +26,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
 from posttrain.interface import ConfigError
-from posttrain.session_router._errors import BadChatRequest
+from posttrain.session_router._errors import BadChatRequestError
 
 _SENTINEL = "\u2063posttrain-assistant-content\u2063"
 _DUMMY_SYSTEM = {"role": "system", "content": "posttrain dummy system"}
@@ -96,7 +96,10 @@ class ChatTokenizer:
             if (text := _special_token_text(config.get(key))) is not None
         }
         stop_ids: set[int] = set()
-        if "eos_token" in special and (eos := tokenizer.token_to_id(special["eos_token"])) is not None:
+        if (
+            "eos_token" in special
+            and (eos := tokenizer.token_to_id(special["eos_token"])) is not None
+        ):
             stop_ids.add(eos)
         gen_file = root / "generation_config.json"
         if gen_file.is_file():
@@ -106,7 +109,11 @@ class ChatTokenizer:
             elif isinstance(eos_cfg, list):
                 stop_ids.update(int(i) for i in eos_cfg)
         return cls(
-            tokenizer, template, special_tokens=special, stop_token_ids=sorted(stop_ids), source=str(root)
+            tokenizer,
+            template,
+            special_tokens=special,
+            stop_token_ids=sorted(stop_ids),
+            source=str(root),
         )
 
     def render(
@@ -128,7 +135,9 @@ class ChatTokenizer:
         try:
             return self._template.render(**context)
         except TemplateError as exc:
-            raise BadChatRequest(f"chat template of {self.source} rejected the messages: {exc}") from exc
+            raise BadChatRequestError(
+                f"chat template of {self.source} rejected the messages: {exc}"
+            ) from exc
 
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text``; special tokens written in the text are recognised, none are added."""
@@ -168,15 +177,24 @@ class ChatTokenizer:
             {
                 "role": "assistant",
                 "content": _SENTINEL,
-                **({"tool_calls": last_assistant["tool_calls"]} if last_assistant.get("tool_calls") else {}),
+                **(
+                    {"tool_calls": last_assistant["tool_calls"]}
+                    if last_assistant.get("tool_calls")
+                    else {}
+                ),
             },
         ]
-        base = self.render(anchor, add_generation_prompt=False, tools=tools, template_kwargs=template_kwargs)
+        base = self.render(
+            anchor, add_generation_prompt=False, tools=tools, template_kwargs=template_kwargs
+        )
         full = self.render(
-            [*anchor, *appended], add_generation_prompt=True, tools=tools, template_kwargs=template_kwargs
+            [*anchor, *appended],
+            add_generation_prompt=True,
+            tools=tools,
+            template_kwargs=template_kwargs,
         )
         if not full.startswith(base):
-            raise BadChatRequest(
+            raise BadChatRequestError(
                 f"chat template of {self.source} does not render appended messages as a suffix of "
                 "the history; this template cannot be used token-in/token-out"
             )

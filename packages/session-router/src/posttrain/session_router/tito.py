@@ -24,13 +24,18 @@ a trailing stop token the template does not render (a bare EOS) is trimmed (coun
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from posttrain.session_router._errors import BadChatRequest, TitoMismatch, UpstreamReplyError
+from posttrain.session_router._errors import (
+    BadChatRequestError,
+    TitoMismatchError,
+    UpstreamReplyError,
+)
 from posttrain.session_router.template import ChatTokenizer
 
 APPENDABLE_ROLES = frozenset({"user", "tool", "system"})
@@ -47,10 +52,8 @@ def _tool_calls(msg: Mapping[str, Any], *, parse_args: bool) -> list[Any]:
         item = {k: v for k, v in call.items() if k != "index"}
         fn = item.get("function")
         if parse_args and isinstance(fn, Mapping) and isinstance(fn.get("arguments"), str):
-            try:
+            with contextlib.suppress(json.JSONDecodeError):
                 item["function"] = {**fn, "arguments": json.loads(fn["arguments"])}
-            except json.JSONDecodeError:
-                pass
         out.append(item)
     return out
 
@@ -196,13 +199,15 @@ def prepare_turn(
                 keep = j + 1
         discarded = len(state.checkpoints) - keep
         if discarded > max_rollback_checkpoints:
-            raise BadChatRequest(
+            raise BadChatRequestError(
                 f"messages[{m}]: the request diverges from the session's history at message {m}, "
                 f"which would discard {discarded} turns (at most {max_rollback_checkpoints} may be "
                 "rolled back)"
             )
     if keep == 0:
-        text = tok.render(request, add_generation_prompt=True, tools=tools, template_kwargs=template_kwargs)
+        text = tok.render(
+            request, add_generation_prompt=True, tools=tools, template_kwargs=template_kwargs
+        )
         return PreparedTurn(
             prompt_ids=tok.encode(text),
             keep_checkpoints=0,
@@ -213,12 +218,12 @@ def prepare_turn(
     base_len = state.ckpt_msg_ends[keep - 1]
     appended = request[base_len:]
     if not appended:
-        raise BadChatRequest(
+        raise BadChatRequestError(
             f"messages: the request repeats the session's {base_len} messages and appends none"
         )
     for i, msg in enumerate(appended, start=base_len):
         if msg["role"] not in APPENDABLE_ROLES:
-            raise BadChatRequest(
+            raise BadChatRequestError(
                 f"messages[{i}]: role {msg['role']!r} cannot be appended to a session (allowed: "
                 f"{sorted(APPENDABLE_ROLES)}); assistant turns come only from the engine"
             )
@@ -264,7 +269,9 @@ def parse_generate_reply(reply: Any, *, prompt_len: int, url: str) -> ParsedRepl
         )
     entries = meta.get("output_token_logprobs")
     if not isinstance(entries, list):
-        raise UpstreamReplyError("upstream reply: meta_info.output_token_logprobs is missing", url=url)
+        raise UpstreamReplyError(
+            "upstream reply: meta_info.output_token_logprobs is missing", url=url
+        )
     ids: list[int] = []
     logprobs: list[float] = []
     for i, entry in enumerate(entries):
@@ -322,7 +329,7 @@ def commit_turn(
     *,
     max_trim_tokens: int = 1,
 ) -> bool:
-    """Record the turn unless the session closed or moved on; raise ``TitoMismatch`` on a broken prefix.
+    """Record the turn unless the session closed or moved on; raise ``TitoMismatchError`` on a broken prefix.
 
     Returns whether the turn was committed.
     """
@@ -336,7 +343,7 @@ def commit_turn(
             (i for i in range(min(check, len(new))) if new[i] != prev[i]), min(check, len(new))
         )
         state.mismatch = f"turn {prepared.keep_checkpoints}: tokens differ at index {index}"
-        raise TitoMismatch(
+        raise TitoMismatchError(
             f"TITO prefix mismatch: the new turn's tokens differ from checkpoint "
             f"{prepared.keep_checkpoints - 1} at index {index}",
             index=index,
