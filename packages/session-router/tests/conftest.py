@@ -50,7 +50,9 @@ def build_tokenizer_dir(root: Path) -> Path:
     root.mkdir(parents=True, exist_ok=True)
     tok.save(str(root / "tokenizer.json"))
     (root / "tokenizer_config.json").write_text(
-        json.dumps({"chat_template": CHATML, "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"})
+        json.dumps(
+            {"chat_template": CHATML, "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}
+        )
     )
     eos = [tok.token_to_id("<|im_end|>"), tok.token_to_id("<|endoftext|>")]
     (root / "generation_config.json").write_text(json.dumps({"eos_token_id": eos}))
@@ -83,7 +85,7 @@ def scripted_engine(
         prompt = body["input_ids"]
         max_new = body.get("sampling_params", {}).get("max_new_tokens")
         text = f"reply {len(prompt)} {calls['n']}"
-        ids = tok.encode(text) + [stop_id]
+        ids = [*tok.encode(text), stop_id]
         finish: dict[str, Any] = {"type": "stop", "matched": stop_id}
         if max_new is not None and len(ids) > max_new:
             ids = ids[:max_new]
@@ -96,7 +98,9 @@ def scripted_engine(
                 "id": f"req-{calls['n']}",
                 "prompt_tokens": len(prompt),
                 "completion_tokens": len(ids),
-                "output_token_logprobs": [[lp, t, None] for lp, t in zip(logprobs, ids, strict=True)],
+                "output_token_logprobs": [
+                    [lp, t, None] for lp, t in zip(logprobs, ids, strict=True)
+                ],
                 "finish_reason": finish,
                 "weight_version": weight_version,
             },

@@ -25,7 +25,9 @@ from posttrain.session_router.assembly import CONSUMED_KEYS, SAMPLING_ALIASES
 json_scalars = st.none() | st.booleans() | st.integers(-5, 5) | st.text(max_size=5)
 json_values = st.recursive(
     json_scalars,
-    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=4), inner, max_size=3),
+    lambda inner: (
+        st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=4), inner, max_size=3)
+    ),
     max_leaves=6,
 )
 forced_attempts = st.fixed_dictionaries(
@@ -38,7 +40,9 @@ forced_attempts = st.fixed_dictionaries(
         "stream": st.booleans(),
         "stream_options": st.just({"include_usage": True}),
         "lora_path": st.text(max_size=4),
-        "sampling_params": st.fixed_dictionaries({}, optional={"no_stop_trim": st.booleans(), "temperature": st.floats(0, 2)}),
+        "sampling_params": st.fixed_dictionaries(
+            {}, optional={"no_stop_trim": st.booleans(), "temperature": st.floats(0, 2)}
+        ),
         "max_tokens": st.integers(1, 50),
         "max_completion_tokens": st.integers(1, 50),
         "temperature": st.floats(0, 2),
@@ -46,8 +50,19 @@ forced_attempts = st.fixed_dictionaries(
 )
 other_keys = st.dictionaries(
     st.text(min_size=1, max_size=8).filter(
-        lambda k: k not in CONSUMED_KEYS and k not in SAMPLING_ALIASES and k != "lora_path"
-        and k not in ("input_ids", "return_logprob", "logprob_start_len", "return_text_in_logprobs", "top_logprobs_num")
+        lambda k: (
+            k not in CONSUMED_KEYS
+            and k not in SAMPLING_ALIASES
+            and k != "lora_path"
+            and k
+            not in (
+                "input_ids",
+                "return_logprob",
+                "logprob_start_len",
+                "return_text_in_logprobs",
+                "top_logprobs_num",
+            )
+        )
     ),
     json_values,
     max_size=4,
@@ -56,7 +71,10 @@ other_keys = st.dictionaries(
 
 def _cfg(adapter: str | None, train_only: bool) -> SessionRouterConfig:
     return SessionRouterConfig(
-        upstream_url="http://127.0.0.1:9", tokenizer="unused", lora_adapter=adapter, lora_train_only=train_only
+        upstream_url="http://127.0.0.1:9",
+        tokenizer="unused",
+        lora_adapter=adapter,
+        lora_train_only=train_only,
     )
 
 
@@ -69,7 +87,11 @@ def _cfg(adapter: str | None, train_only: bool) -> SessionRouterConfig:
     train_only=st.booleans(),
 )
 def test_build_generate_body_invariants(
-    forced: dict[str, Any], others: dict[str, Any], prompt: list[int], adapter: str | None, train_only: bool
+    forced: dict[str, Any],
+    others: dict[str, Any],
+    prompt: list[int],
+    adapter: str | None,
+    train_only: bool,
 ) -> None:
     cfg = _cfg(adapter, train_only)
     body = {"messages": [{"role": "user", "content": "hi"}], **others, **forced}
@@ -83,7 +105,9 @@ def test_build_generate_body_invariants(
     assert out["return_text_in_logprobs"] is False
     assert out["sampling_params"]["no_stop_trim"] is False
     # Streaming never goes upstream; messages are rendered here, not forwarded.
-    assert "stream" not in out and "stream_options" not in out and "messages" not in out
+    assert "stream" not in out
+    assert "stream_options" not in out
+    assert "messages" not in out
     # lora_path is present exactly when the adapter is served, and then names it.
     assert ("lora_path" in out) == serves_lora(cfg)
     if serves_lora(cfg):
@@ -99,7 +123,11 @@ def test_build_generate_body_invariants(
 
 
 def test_serves_lora_is_the_predicate_of_both_paths() -> None:
-    for adapter, train_only, expected in [("a", False, True), ("a", True, False), (None, False, False)]:
+    for adapter, train_only, expected in [
+        ("a", False, True),
+        ("a", True, False),
+        (None, False, False),
+    ]:
         cfg = _cfg(adapter, train_only)
         assert serves_lora(cfg) is expected
         assert ("lora_path" in apply_lora({"lora_path": "client"}, cfg)) is expected
@@ -111,7 +139,9 @@ def test_serves_lora_is_the_predicate_of_both_paths() -> None:
     defaults=st.dictionaries(st.text(max_size=4), json_scalars, max_size=3),
     requested=st.dictionaries(st.text(max_size=4), json_scalars, max_size=3),
 )
-def test_template_kwargs_merge_request_over_defaults(defaults: dict[str, Any], requested: dict[str, Any]) -> None:
+def test_template_kwargs_merge_request_over_defaults(
+    defaults: dict[str, Any], requested: dict[str, Any]
+) -> None:
     merged = merge_template_kwargs(requested, defaults)
     assert set(merged) == set(defaults) | set(requested)
     for key, value in requested.items():
@@ -128,7 +158,10 @@ def test_template_kwargs_merge_request_over_defaults(defaults: dict[str, Any], r
         (b'{"messages": []}', "messages: must be a non-empty list"),
         (b'{"messages": [{"content": "x"}]}', "messages[0]"),
         (b'{"messages": [{"role": "user", "content": 3}]}', "messages[0].content"),
-        (b'{"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": [1]}', "chat_template_kwargs"),
+        (
+            b'{"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": [1]}',
+            "chat_template_kwargs",
+        ),
         (b'{"messages": [{"role": "user", "content": "x"}], "n": 2}', "n: only 1"),
         (b'{"messages": [{"role": "user", "content": "x"}], "tools": {}}', "tools"),
     ],
@@ -142,7 +175,12 @@ def test_parse_chat_body_flattens_text_parts_and_reads_stream() -> None:
     req = parse_chat_body(
         json.dumps(
             {
-                "messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}],
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}],
+                    }
+                ],
                 "stream": True,
                 "chat_template_kwargs": {"enable_thinking": False},
             }

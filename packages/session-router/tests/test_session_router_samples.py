@@ -23,7 +23,9 @@ from posttrain.session_router import (
 )
 
 
-def rec(prompt: list[int], output: list[int], finish: str = "stop", lp0: float = -0.5) -> TurnRecord:
+def rec(
+    prompt: list[int], output: list[int], finish: str = "stop", lp0: float = -0.5
+) -> TurnRecord:
     return TurnRecord(
         timestamp=time.time(),
         request_timestamp=time.time(),
@@ -40,7 +42,11 @@ def rec(prompt: list[int], output: list[int], finish: str = "stop", lp0: float =
 
 
 def conversation(
-    prompt0: list[int], outs: list[list[int]], obs: list[list[int]], trims: list[int], finishes: list[str]
+    prompt0: list[int],
+    outs: list[list[int]],
+    obs: list[list[int]],
+    trims: list[int],
+    finishes: list[str],
 ) -> tuple[list[TurnRecord], list[int]]:
     """Records of a conversation in which turn i's last ``trims[i]`` output tokens were replaced."""
     records, prompt = [], list(prompt0)
@@ -52,7 +58,9 @@ def conversation(
 
 
 def test_three_turns_merge_with_observation_masks() -> None:
-    records, acc = conversation([1, 2], [[10, 11, 99], [12, 99], [13]], [[5, 6], [7]], [1, 0, 0], ["stop"] * 3)
+    records, acc = conversation(
+        [1, 2], [[10, 11, 99], [12, 99], [13]], [[5, 6], [7]], [1, 0, 0], ["stop"] * 3
+    )
     result = assemble_samples(records, acc, max_trim_tokens=1, metadata={"k": "v"})
     (s,) = result.samples
     assert s.prompt_ids == [1, 2]
@@ -61,8 +69,10 @@ def test_three_turns_merge_with_observation_masks() -> None:
     assert s.loss_mask == [1, 1, 0, 0, 1, 1, 0, 1]
     assert s.rollout_logprobs == [-0.1, -1.1, 0.0, 0.0, -0.2, -1.2, 0.0, -0.30000000000000004]
     assert s.tokens == acc
-    assert s.status is SampleStatus.COMPLETED and s.weight_version == "3"
-    assert s.metadata["k"] == "v" and s.metadata["num_turns"] == 3
+    assert s.status is SampleStatus.COMPLETED
+    assert s.weight_version == "3"
+    assert s.metadata["k"] == "v"
+    assert s.metadata["num_turns"] == 3
 
 
 def test_trim_limits_and_accumulated_end() -> None:
@@ -80,20 +90,28 @@ def test_truncation_before_merge_and_empty_reasons() -> None:
     records, acc = conversation([1, 2], [[10, 11], [12, 13, 14]], [[5]], [0, 0], ["stop", "stop"])
     # 7 tokens allowed: turn 0 (4 tokens) fits, turn 1 (8 tokens) loses one and is truncated.
     (s,) = assemble_samples(records, acc, max_trim_tokens=1, max_seq_len=7).samples
-    assert s.tokens == acc[:7] and s.status is SampleStatus.TRUNCATED and s.loss_mask == [1, 1, 0, 1, 1]
+    assert s.tokens == acc[:7]
+    assert s.status is SampleStatus.TRUNCATED
+    assert s.loss_mask == [1, 1, 0, 1, 1]
     # 3 tokens: turn 0 keeps one output token, is truncated, and nothing after it is merged.
     (s,) = assemble_samples(records, acc, max_trim_tokens=1, max_seq_len=3).samples
-    assert s.tokens == [1, 2, 10] and s.status is SampleStatus.TRUNCATED
+    assert s.tokens == [1, 2, 10]
+    assert s.status is SampleStatus.TRUNCATED
     empty = assemble_samples(records, acc, max_trim_tokens=1, max_seq_len=2)
-    assert empty.samples == [] and empty.empty_reason == "all_truncated"
+    assert empty.samples == []
+    assert empty.empty_reason == "all_truncated"
     none = assemble_samples([], [], max_trim_tokens=1)
-    assert none.samples == [] and none.empty_reason == "no_records"
+    assert none.samples == []
+    assert none.empty_reason == "no_records"
 
 
 def test_merge_stops_after_a_non_completed_turn() -> None:
-    records, acc = conversation([1], [[10], [11], [12]], [[5], [6]], [0, 0, 0], ["stop", "length", "stop"])
+    records, acc = conversation(
+        [1], [[10], [11], [12]], [[5], [6]], [0, 0, 0], ["stop", "length", "stop"]
+    )
     (s,) = assemble_samples(records, acc, max_trim_tokens=1).samples
-    assert s.response_ids == [10, 5, 11] and s.status is SampleStatus.TRUNCATED
+    assert s.response_ids == [10, 5, 11]
+    assert s.status is SampleStatus.TRUNCATED
     assert s.metadata["merged_turns"] == 2
 
 
@@ -119,19 +137,28 @@ def test_assembly_invariants_and_wire_round_trip(
     for s in result.samples:
         assert s.tokens == acc[: len(s.tokens)]
         assert len(s.loss_mask) == len(s.rollout_logprobs) == s.response_length
-        assert all(lp == 0.0 for lp, m in zip(s.rollout_logprobs, s.loss_mask, strict=True) if m == 0)
+        assert all(
+            lp == 0.0 for lp, m in zip(s.rollout_logprobs, s.loss_mask, strict=True) if m == 0
+        )
         if max_seq_len is not None:
             assert len(s.tokens) <= max_seq_len
         # Trained positions are exactly the engine's outputs, with the engine's logprobs.
-        engine = {(len(r.prompt_ids) + j): (t, lp) for r in records for j, (t, lp) in enumerate(zip(r.output_ids, r.output_logprobs, strict=True))}
+        engine = {
+            (len(r.prompt_ids) + j): (t, lp)
+            for r in records
+            for j, (t, lp) in enumerate(zip(r.output_ids, r.output_logprobs, strict=True))
+        }
         for pos, m in enumerate(s.loss_mask):
             if m:
                 absolute = len(s.prompt_ids) + pos
                 assert engine[absolute] == (s.response_ids[pos], s.rollout_logprobs[pos])
-    data = encode_samples(result.samples, session_metadata={"sid": "x"}, empty_reason=result.empty_reason)
+    data = encode_samples(
+        result.samples, session_metadata={"sid": "x"}, empty_reason=result.empty_reason
+    )
     decoded = decode_samples(data)
     assert decoded.samples == result.samples
-    assert decoded.session_metadata == {"sid": "x"} and decoded.empty_reason == result.empty_reason
+    assert decoded.session_metadata == {"sid": "x"}
+    assert decoded.empty_reason == result.empty_reason
 
 
 def _payload(**tensors: np.ndarray[Any, Any]) -> bytes:
@@ -139,7 +166,13 @@ def _payload(**tensors: np.ndarray[Any, Any]) -> bytes:
 
 
 def test_decode_is_strict() -> None:
-    good = encode_samples([Sample(prompt_ids=[1], response_ids=[2, 3], rollout_logprobs=[-0.5, -1.0], loss_mask=[1, 0])])
+    good = encode_samples(
+        [
+            Sample(
+                prompt_ids=[1], response_ids=[2, 3], rollout_logprobs=[-0.5, -1.0], loss_mask=[1, 0]
+            )
+        ]
+    )
     tensors = dict(st_load(good))
     with pytest.raises(WireFormatError, match=r"tokens\.0: dtype int32") as info:
         decode_samples(_payload(**{**tensors, "tokens.0": tensors["tokens.0"].astype(np.int32)}))
@@ -165,9 +198,27 @@ def test_encode_refuses_value_changing_casts() -> None:
 
 
 def test_decode_overlays_onto_a_copy_of_the_driver_sample() -> None:
-    base = Sample(prompt_ids=[1], response_ids=[], rollout_logprobs=[], loss_mask=[], reward=None, group_index=4, index=2, metadata={"prompt": "p"})
-    wire = Sample(prompt_ids=[1, 7], response_ids=[8], rollout_logprobs=[-0.25], loss_mask=[1], metadata={"num_turns": 1})
+    base = Sample(
+        prompt_ids=[1],
+        response_ids=[],
+        rollout_logprobs=[],
+        loss_mask=[],
+        reward=None,
+        group_index=4,
+        index=2,
+        metadata={"prompt": "p"},
+    )
+    wire = Sample(
+        prompt_ids=[1, 7],
+        response_ids=[8],
+        rollout_logprobs=[-0.25],
+        loss_mask=[1],
+        metadata={"num_turns": 1},
+    )
     (out,) = decode_samples(encode_samples([wire]), base=base).samples
-    assert out is not base and base.response_ids == []
-    assert out.tokens == [1, 7, 8] and out.group_index == 4 and out.index == 2
+    assert out is not base
+    assert base.response_ids == []
+    assert out.tokens == [1, 7, 8]
+    assert out.group_index == 4
+    assert out.index == 2
     assert out.metadata == {"prompt": "p", "num_turns": 1}

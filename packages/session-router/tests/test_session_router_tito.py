@@ -28,7 +28,9 @@ def run_turn(
 ) -> tuple[PreparedTurn, dict[str, Any]]:
     prepared = prepare_turn(state, messages, tok, **kw)
     reply_json = engine({"input_ids": prepared.prompt_ids})
-    reply = parse_generate_reply(reply_json, prompt_len=len(prepared.prompt_ids), url="http://engine")
+    reply = parse_generate_reply(
+        reply_json, prompt_len=len(prepared.prompt_ids), url="http://engine"
+    )
     record = TurnRecord(
         timestamp=time.time(),
         request_timestamp=time.time(),
@@ -47,9 +49,14 @@ def run_turn(
     return prepared, assistant
 
 
-def test_three_turns_extend_checkpoints_and_match_a_full_render(chat_tok: ChatTokenizer, make_engine: Any) -> None:
+def test_three_turns_extend_checkpoints_and_match_a_full_render(
+    chat_tok: ChatTokenizer, make_engine: Any
+) -> None:
     state, engine = SessionState(session_id="s"), make_engine(chat_tok)
-    msgs: list[dict[str, Any]] = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello"}]
+    msgs: list[dict[str, Any]] = [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "hello"},
+    ]
     for turn in range(3):
         prepared, assistant = run_turn(state, msgs, chat_tok, engine)
         if turn == 0:
@@ -61,7 +68,8 @@ def test_three_turns_extend_checkpoints_and_match_a_full_render(chat_tok: ChatTo
     # For a ChatML template whose rendering tokenizes stably, TITO equals a full re-render.
     full = chat_tok.encode(chat_tok.render(state.messages, add_generation_prompt=False))
     assert state.accumulated_token_ids == full[: len(state.accumulated_token_ids)]
-    assert len(state.records) == 3 and state.ckpt_msg_ends == [3, 5, 7]
+    assert len(state.records) == 3
+    assert state.ckpt_msg_ends == [3, 5, 7]
 
 
 def test_first_turn_retry_goes_back_to_empty(chat_tok: ChatTokenizer, make_engine: Any) -> None:
@@ -69,8 +77,10 @@ def test_first_turn_retry_goes_back_to_empty(chat_tok: ChatTokenizer, make_engin
     first = [{"role": "user", "content": "hello"}]
     p1, _ = run_turn(state, first, chat_tok, engine)
     p2, _ = run_turn(state, first, chat_tok, engine)  # the same first turn again
-    assert p2.keep_checkpoints == 0 and p2.prompt_ids == p1.prompt_ids
-    assert len(state.checkpoints) == 1 and state.rollbacks == 1
+    assert p2.keep_checkpoints == 0
+    assert p2.prompt_ids == p1.prompt_ids
+    assert len(state.checkpoints) == 1
+    assert state.rollbacks == 1
 
 
 def test_rollback_is_at_most_one_checkpoint(chat_tok: ChatTokenizer, make_engine: Any) -> None:
@@ -97,14 +107,20 @@ def test_rollback_is_at_most_one_checkpoint(chat_tok: ChatTokenizer, make_engine
 def test_appending_an_assistant_turn_is_refused(chat_tok: ChatTokenizer, make_engine: Any) -> None:
     state, engine = SessionState(session_id="s"), make_engine(chat_tok)
     _, assistant = run_turn(state, [{"role": "user", "content": "a"}], chat_tok, engine)
-    fake = [{"role": "user", "content": "a"}, assistant, {"role": "assistant", "content": "made up"}]
+    fake = [
+        {"role": "user", "content": "a"},
+        assistant,
+        {"role": "assistant", "content": "made up"},
+    ]
     with pytest.raises(BadChatRequestError, match="role 'assistant' cannot be appended"):
         prepare_turn(state, fake, chat_tok)
     with pytest.raises(BadChatRequestError, match="appends none"):
         prepare_turn(state, [{"role": "user", "content": "a"}, assistant], chat_tok)
 
 
-def test_commit_rejects_a_broken_prefix_with_the_index(chat_tok: ChatTokenizer, make_engine: Any) -> None:
+def test_commit_rejects_a_broken_prefix_with_the_index(
+    chat_tok: ChatTokenizer, make_engine: Any
+) -> None:
     state, engine = SessionState(session_id="s"), make_engine(chat_tok)
     _, assistant = run_turn(state, [{"role": "user", "content": "a"}], chat_tok, engine)
     msgs = [{"role": "user", "content": "a"}, assistant, {"role": "user", "content": "b"}]
@@ -112,30 +128,49 @@ def test_commit_rejects_a_broken_prefix_with_the_index(chat_tok: ChatTokenizer, 
     bad_prompt = list(prepared.prompt_ids)
     bad_prompt[4] += 1
     forged = PreparedTurn(
-        prompt_ids=bad_prompt, keep_checkpoints=1, version=state.version, request_messages=msgs, trimmed=0
+        prompt_ids=bad_prompt,
+        keep_checkpoints=1,
+        version=state.version,
+        request_messages=msgs,
+        trimmed=0,
     )
-    reply = parse_generate_reply(engine({"input_ids": bad_prompt}), prompt_len=len(bad_prompt), url="u")
+    reply = parse_generate_reply(
+        engine({"input_ids": bad_prompt}), prompt_len=len(bad_prompt), url="u"
+    )
     record = state.records[0]
     with pytest.raises(TitoMismatchError) as info:
         commit_turn(state, forged, reply, record, {"role": "assistant", "content": reply.text})
     assert info.value.index == 4
-    assert state.mismatch is not None and len(state.checkpoints) == 1
+    assert state.mismatch is not None
+    assert len(state.checkpoints) == 1
 
 
-def test_a_turn_prepared_before_another_commit_is_not_committed(chat_tok: ChatTokenizer, make_engine: Any) -> None:
+def test_a_turn_prepared_before_another_commit_is_not_committed(
+    chat_tok: ChatTokenizer, make_engine: Any
+) -> None:
     state, engine = SessionState(session_id="s"), make_engine(chat_tok)
     msgs = [{"role": "user", "content": "a"}]
     stale = prepare_turn(state, msgs, chat_tok)
     run_turn(state, msgs, chat_tok, engine)
-    reply = parse_generate_reply(engine({"input_ids": stale.prompt_ids}), prompt_len=len(stale.prompt_ids), url="u")
-    assert not commit_turn(state, stale, reply, state.records[0], {"role": "assistant", "content": "x"})
+    reply = parse_generate_reply(
+        engine({"input_ids": stale.prompt_ids}), prompt_len=len(stale.prompt_ids), url="u"
+    )
+    assert not commit_turn(
+        state, stale, reply, state.records[0], {"role": "assistant", "content": "x"}
+    )
     state.closing = True
-    fresh = prepare_turn(state, [*msgs, state.messages[-1], {"role": "user", "content": "b"}], chat_tok)
-    assert not commit_turn(state, fresh, reply, state.records[0], {"role": "assistant", "content": "x"})
+    fresh = prepare_turn(
+        state, [*msgs, state.messages[-1], {"role": "user", "content": "b"}], chat_tok
+    )
+    assert not commit_turn(
+        state, fresh, reply, state.records[0], {"role": "assistant", "content": "x"}
+    )
     assert len(state.records) == 1
 
 
-def test_a_bare_eos_is_trimmed_and_the_template_tail_added(chat_tok: ChatTokenizer, make_engine: Any) -> None:
+def test_a_bare_eos_is_trimmed_and_the_template_tail_added(
+    chat_tok: ChatTokenizer, make_engine: Any
+) -> None:
     state = SessionState(session_id="s")
     eos_engine = make_engine(chat_tok, stop="<|endoftext|>")
     _, assistant = run_turn(state, [{"role": "user", "content": "a"}], chat_tok, eos_engine)
@@ -152,11 +187,46 @@ def test_a_bare_eos_is_trimmed_and_the_template_tail_added(chat_tok: ChatTokeniz
     [
         ({"text": "x"}, "no meta_info"),
         ({"text": "x", "meta_info": {"completion_tokens": 0}}, "output_token_logprobs is missing"),
-        ({"text": "x", "meta_info": {"completion_tokens": 2, "output_token_logprobs": [[-0.1, 5, None]]}}, "completion_tokens=2"),
-        ({"text": None, "meta_info": {"completion_tokens": 1, "output_token_logprobs": [[-0.1, 5, None]]}}, "text is missing"),
-        ({"text": "x", "meta_info": {"completion_tokens": 1, "output_token_logprobs": [["a", 5]]}}, r"output_token_logprobs\[0\]"),
-        ({"text": "x", "output_ids": [6], "meta_info": {"completion_tokens": 1, "output_token_logprobs": [[-0.1, 5]]}}, "output_ids disagree"),
-        ({"text": "x", "meta_info": {"prompt_tokens": 9, "completion_tokens": 0, "output_token_logprobs": []}}, "prompt_tokens=9"),
+        (
+            {
+                "text": "x",
+                "meta_info": {"completion_tokens": 2, "output_token_logprobs": [[-0.1, 5, None]]},
+            },
+            "completion_tokens=2",
+        ),
+        (
+            {
+                "text": None,
+                "meta_info": {"completion_tokens": 1, "output_token_logprobs": [[-0.1, 5, None]]},
+            },
+            "text is missing",
+        ),
+        (
+            {
+                "text": "x",
+                "meta_info": {"completion_tokens": 1, "output_token_logprobs": [["a", 5]]},
+            },
+            r"output_token_logprobs\[0\]",
+        ),
+        (
+            {
+                "text": "x",
+                "output_ids": [6],
+                "meta_info": {"completion_tokens": 1, "output_token_logprobs": [[-0.1, 5]]},
+            },
+            "output_ids disagree",
+        ),
+        (
+            {
+                "text": "x",
+                "meta_info": {
+                    "prompt_tokens": 9,
+                    "completion_tokens": 0,
+                    "output_token_logprobs": [],
+                },
+            },
+            "prompt_tokens=9",
+        ),
     ],
 )
 def test_reply_validation(reply: dict[str, Any], message: str) -> None:
@@ -164,38 +234,56 @@ def test_reply_validation(reply: dict[str, Any], message: str) -> None:
         parse_generate_reply(reply, prompt_len=3, url="http://engine/generate")
 
 
-actions = st.lists(st.sampled_from(["continue", "retry_last", "retry_first", "edit_two_back"]), min_size=1, max_size=6)
+actions = st.lists(
+    st.sampled_from(["continue", "retry_last", "retry_first", "edit_two_back"]),
+    min_size=1,
+    max_size=6,
+)
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(plan=actions, texts=st.lists(st.text(alphabet="abc xyz?!", min_size=1, max_size=12), min_size=6, max_size=6))
-def test_tito_invariants_under_random_retries(chat_tok: ChatTokenizer, make_engine: Any, plan: list[str], texts: list[str]) -> None:
+@settings(
+    max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    plan=actions,
+    texts=st.lists(st.text(alphabet="abc xyz?!", min_size=1, max_size=12), min_size=6, max_size=6),
+)
+def test_tito_invariants_under_random_retries(
+    chat_tok: ChatTokenizer, make_engine: Any, plan: list[str], texts: list[str]
+) -> None:
     state, engine = SessionState(session_id="s"), make_engine(chat_tok)
     requests: list[list[dict[str, Any]]] = []  # the request that produced each checkpoint
     msgs: list[dict[str, Any]] = [{"role": "user", "content": texts[0]}]
     for step, action in enumerate(plan):
         n_before = len(state.checkpoints)
         snapshot = ([list(c) for c in state.checkpoints], list(state.messages), state.version)
+        # Edited contents contain "-", which the drawn texts never do, so edits always diverge.
         if action == "continue" or not requests:
-            req = msgs
+            req, expected_keep = msgs, n_before
         elif action == "retry_last":
-            req = [*requests[-1][:-1], {"role": "user", "content": texts[step % 6] + "!"}]
+            req = [*requests[-1][:-1], {"role": "user", "content": f"retry-{step}"}]
+            expected_keep = n_before - 1
         elif action == "retry_first":
-            req = [{"role": "user", "content": texts[step % 6]}]
+            req, expected_keep = [{"role": "user", "content": f"first-{step}"}], 0
+        elif len(requests) >= 2:
+            req = [*requests[-2][:-1], {"role": "user", "content": f"edit-{step}"}]
+            expected_keep = n_before - 2
         else:
-            req = [*requests[-2][:-1], {"role": "user", "content": "edit"}] if len(requests) >= 2 else msgs
+            req, expected_keep = [{"role": "user", "content": f"edit-{step}"}], 0
         try:
             prepared, assistant = run_turn(state, req, chat_tok, engine)
         except BadChatRequestError:
-            # Refused only when two checkpoints would go, and then nothing changed.
-            assert action == "edit_two_back" and n_before >= 2
+            # Refused exactly when more than one checkpoint would go; then nothing changed.
+            assert n_before - expected_keep > 1
             assert (state.checkpoints, state.messages, state.version) == snapshot
             continue
-        # At most one checkpoint was rolled back.
-        assert n_before - prepared.keep_checkpoints <= 1
-        if prepared.keep_checkpoints == 0:
-            assert prepared.prompt_ids == chat_tok.encode(chat_tok.render(req, add_generation_prompt=True))
-        requests = requests[: prepared.keep_checkpoints] + [req]
+        assert n_before - expected_keep <= 1
+        assert prepared.keep_checkpoints == expected_keep
+        if expected_keep == 0:  # a first-turn retry goes back to the empty checkpoint
+            assert prepared.prompt_ids == chat_tok.encode(
+                chat_tok.render(req, add_generation_prompt=True)
+            )
+        requests = [*requests[: prepared.keep_checkpoints], req]
         msgs = [*req, assistant, {"role": "user", "content": texts[(step + 1) % 6]}]
         # Prefix invariant between consecutive checkpoints (up to max_trim_tokens=1).
         for prev, new in zip(state.checkpoints, state.checkpoints[1:], strict=False):

@@ -12,8 +12,9 @@
 Every route is behind the bearer token when one is configured. Errors are ``{"error": str}``:
 400 bad JSON or messages, 401 missing/wrong token, 404 unknown session, 413 body over
 ``max_body_bytes``, 422 sample assembly failed (text/plain), 500 TITO prefix mismatch, 502
-upstream transport failure or a reply without what TITO needs. Any other upstream non-200 is
-passed through and not recorded.
+upstream transport failure, an upstream 5xx (sgl-router answers 500 when the worker died
+mid-request) or a reply without what TITO needs. An upstream 4xx is passed through. A failed
+turn is never recorded.
 
 The session lock is held while preparing and while committing a turn, never during the upstream
 call, so a worker that dies mid-turn (502) leaves the session unchanged and the turn retryable.
@@ -188,6 +189,10 @@ async def chat(request: Request) -> Response:
     server.metrics.upstream_seconds.observe(time.perf_counter() - started)
     if upstream.status_code != 200:
         server.metrics.turns.labels("upstream_error").inc()
+        if upstream.status_code >= 500:
+            # sgl-router answers 500 (call_upstream_request_error) when the worker died mid-turn
+            # and 503 when none is available: to the agent both are a bad gateway.
+            return _error(502, f"upstream answered {upstream.status_code}: {upstream.text[:500]}")
         return _passthrough(upstream)
     try:
         payload = upstream.json()

@@ -33,7 +33,7 @@ class LoopbackWorker:
         generate: GenerateFn | None = None,
         accept_routing_key: str | None = None,
         dp_size: int = 1,
-        model_path: str = "posttrain-loopback",
+        model_path: str | None = None,
         port: int = 0,
     ) -> None:
         self.generate = generate
@@ -93,7 +93,10 @@ class LoopbackWorker:
         if route in ("/health", "/health_generate", "/readiness", "/liveness"):
             return 200, {"status": "ok"}
         if route == "/v1/models":
-            return 200, {"object": "list", "data": [{"id": self.model_path, "object": "model"}]}
+            return 200, {
+                "object": "list",
+                "data": [{"id": self.model_path or "loopback", "object": "model"}],
+            }
         return 404, {"error": f"loopback worker has no GET {route}"}
 
     def _post_reply(

@@ -9,6 +9,8 @@ group and is stopped by its pid only.
 Worker management follows the router's HTTP API: ``POST /workers`` and ``DELETE /workers/{id}``
 answer 202 and finish in the background, so both poll ``GET /workers``. With ``dp_aware`` the
 router lists one entry per data-parallel rank as ``url@rank``; ``workers()`` strips the rank.
+sglang-router 0.3.2 cannot deregister dp-aware entries (its removal job looks for the prefix
+``url@rank@``); ``remove_worker`` then fails with a ``RouterStartError`` that says so.
 
 Session affinity: with ``policy="manual"`` the router maps each ``X-SMG-Routing-Key`` to one
 worker; ``assignment_mode="min_load"`` (not the wheel's ``random``) assigns new keys to the least
@@ -197,7 +199,9 @@ class RouterHandle:
     def remove_worker(self, url: str, *, timeout_s: float = 30.0) -> None:
         """Deregister every entry of a worker (all dp ranks) and wait until none is listed."""
         url = url.rstrip("/")
-        ids = [str(w["id"]) for w in self.list_workers() if strip_rank(str(w.get("url"))) == url]
+        entries = [w for w in self.list_workers() if strip_rank(str(w.get("url"))) == url]
+        ids = [str(w["id"]) for w in entries]
+        ranked = any(str(w.get("url")) != url for w in entries)
         if not ids:
             raise RouterStartError(f"worker {url} is not registered", url=self.url)
         for worker_id in ids:
@@ -207,7 +211,18 @@ class RouterHandle:
                     f"DELETE /workers/{worker_id} ({url}) answered {reply.status_code}",
                     url=self.url,
                 )
-        self._wait(lambda: url not in self.workers(), f"removing worker {url}", timeout_s)
+        try:
+            self._wait(lambda: url not in self.workers(), f"removing worker {url}", timeout_s)
+        except RouterStartError as exc:
+            if not ranked:
+                raise
+            # sglang-router 0.3.2: the removal job of a dp-aware entry searches for the prefix
+            # "<url>@<rank>@" and finds nothing; there is no removal by base URL.
+            raise RouterStartError(
+                f"{exc}; sgl-router did not remove the dp-aware entries of {url} (its removal "
+                "job looks for '<url>@<rank>@'); restart the router to drop them",
+                url=self.url,
+            ) from exc
 
     def probe_passthrough(
         self, body: Mapping[str, Any] | None = None, *, timeout_s: float = 30.0
