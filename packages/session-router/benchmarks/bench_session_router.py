@@ -42,7 +42,8 @@ CHATML = (
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{%- endif %}"
 )
-WORDS = "the quick brown fox jumps over lazy dogs while agents call tools and read results".split()
+WORDS = ["the", "quick", "brown", "fox", "jumps", "over", "lazy", "dogs", "while", "agents"]
+WORDS += ["call", "tools", "and", "read", "results"]
 
 WORKER = """
 import sys, time
@@ -70,7 +71,9 @@ def build_tokenizer(root: Path) -> Path:
     )
     tok.train_from_iterator([" ".join(WORDS)] * 50, trainer=trainer)
     tok.save(str(root / "tokenizer.json"))
-    (root / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHATML, "eos_token": "<|im_end|>"}))
+    (root / "tokenizer_config.json").write_text(
+        json.dumps({"chat_template": CHATML, "eos_token": "<|im_end|>"})
+    )
     return root
 
 
@@ -80,80 +83,132 @@ def message_of(tok: ChatTokenizer, n_tokens: int) -> tuple[str, list[int]]:
     while True:
         words.extend(WORDS)
         text = " ".join(words)
-        ids = tok.encode(tok.render([{"role": "user", "content": text}], add_generation_prompt=True))
+        ids = tok.encode(
+            tok.render([{"role": "user", "content": text}], add_generation_prompt=True)
+        )
         if len(ids) >= n_tokens:
             break
     lo, hi = 1, len(words)
     while lo < hi:  # shortest prefix of words reaching n_tokens
         mid = (lo + hi) // 2
-        ids = tok.encode(tok.render([{"role": "user", "content": " ".join(words[:mid])}], add_generation_prompt=True))
+        ids = tok.encode(
+            tok.render(
+                [{"role": "user", "content": " ".join(words[:mid])}], add_generation_prompt=True
+            )
+        )
         lo, hi = (mid + 1, hi) if len(ids) < n_tokens else (lo, mid)
     text = " ".join(words[:lo])
-    return text, tok.encode(tok.render([{"role": "user", "content": text}], add_generation_prompt=True))
+    return text, tok.encode(
+        tok.render([{"role": "user", "content": text}], add_generation_prompt=True)
+    )
 
 
 def session_server(upstream: str, tok_dir: Path) -> tuple[ServerProcess, str]:
     port = free_port()
-    argv = [sys.executable, "-m", "posttrain.session_router", "--upstream", upstream, "--tokenizer", str(tok_dir), "--port", str(port)]
-    return ServerProcess(argv, f"http://127.0.0.1:{port}/health", timeout_s=60).start(), f"http://127.0.0.1:{port}"
+    argv = [
+        sys.executable,
+        "-m",
+        "posttrain.session_router",
+        "--upstream",
+        upstream,
+        "--tokenizer",
+        str(tok_dir),
+        "--port",
+        str(port),
+    ]
+    return ServerProcess(
+        argv, f"http://127.0.0.1:{port}/health", timeout_s=60
+    ).start(), f"http://127.0.0.1:{port}"
+
+
+def _pct(xs: list[float], q: float) -> float:
+    return sorted(xs)[int(q * (len(xs) - 1))] * 1e3
+
+
+def measure_size(
+    client: httpx.Client, tok: ChatTokenizer, n: int, rounds: int, urls: dict[str, str]
+) -> dict[str, Any]:
+    """Interleaved rounds over every path for one prompt size; medians and 10th percentiles."""
+    text, ids = message_of(tok, n)
+    gen = {"input_ids": ids, "sampling_params": {"max_new_tokens": 16}, "return_logprob": True}
+    chat = {"messages": [{"role": "user", "content": text}], "max_tokens": 16}
+    proxy_sid = client.post(f"{urls['session_router']}/sessions").json()["session_id"]
+
+    def direct(url: str) -> float:
+        t = time.perf_counter()
+        r = client.post(f"{url}/generate", json=gen, headers={"X-SMG-Routing-Key": "k"})
+        dt = time.perf_counter() - t
+        assert r.status_code == 200, r.text
+        return dt
+
+    def session(url: str) -> float:
+        sid = client.post(f"{url}/sessions").json()["session_id"]
+        t = time.perf_counter()
+        r = client.post(f"{url}/sessions/{sid}/v1/chat/completions", json=chat)
+        dt = time.perf_counter() - t
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["prompt_tokens"] == len(ids)
+        client.delete(f"{url}/sessions/{sid}")
+        return dt
+
+    paths = {
+        "worker": lambda: direct(urls["worker"]),
+        "router": lambda: direct(urls["router"]),
+        "session_router": lambda: session(urls["session_router"]),
+        "session_worker": lambda: session(urls["session_worker"]),
+        # raw proxy (/sessions/{id}/generate): the session server's HTTP hop without TITO work
+        "session_proxy_router": lambda: direct(f"{urls['session_router']}/sessions/{proxy_sid}"),
+    }
+    for fn in paths.values():  # warm-up
+        for _ in range(10):
+            fn()
+    samples: dict[str, list[float]] = {k: [] for k in paths}
+    for _ in range(rounds):
+        for name, fn in paths.items():
+            samples[name].append(fn())
+    med = {k: statistics.median(v) * 1e3 for k, v in samples.items()}
+    p10 = {k: _pct(v, 0.1) for k, v in samples.items()}
+    router_hop = med["router"] - med["worker"]
+    session_hop = med["session_router"] - med["router"]
+    return {
+        "prompt_tokens": len(ids),
+        "median_ms": {k: round(v, 3) for k, v in med.items()},
+        "p10_ms": {k: round(v, 3) for k, v in p10.items()},
+        "router_hop_ms": round(router_hop, 3),
+        "session_hop_ms": round(session_hop, 3),
+        "session_proxy_hop_ms": round(med["session_proxy_router"] - med["router"], 3),
+        "session_hop_over_router_hop": round(session_hop / router_hop, 2)
+        if router_hop > 0
+        else None,
+        "p10_session_hop_over_router_hop": round(
+            (p10["session_router"] - p10["router"]) / (p10["router"] - p10["worker"]), 2
+        )
+        if p10["router"] > p10["worker"]
+        else None,
+    }
 
 
 def bench_turns(rounds: int, sizes: list[int], tok_dir: Path) -> dict[str, Any]:
     tok = ChatTokenizer.from_dir(tok_dir)
     wport = free_port()
     results: dict[str, Any] = {}
-    with ServerProcess([sys.executable, "-c", WORKER, str(wport)], f"http://127.0.0.1:{wport}/health", timeout_s=30):
+    worker_argv = [sys.executable, "-c", WORKER, str(wport)]
+    with ServerProcess(worker_argv, f"http://127.0.0.1:{wport}/health", timeout_s=30):
         worker = f"http://127.0.0.1:{wport}"
         with start_router(RouterSpec(port=free_port())) as router:
             router.add_worker(worker)
             s_router, s_router_url = session_server(router.url, tok_dir)
             s_worker, s_worker_url = session_server(worker, tok_dir)
+            urls = {
+                "worker": worker,
+                "router": router.url,
+                "session_router": s_router_url,
+                "session_worker": s_worker_url,
+            }
             try:
                 with httpx.Client(timeout=30) as client:
                     for n in sizes:
-                        text, ids = message_of(tok, n)
-                        gen = {"input_ids": ids, "sampling_params": {"max_new_tokens": 16}, "return_logprob": True}
-                        chat = {"messages": [{"role": "user", "content": text}], "max_tokens": 16}
-
-                        def direct(url: str, key: str) -> float:
-                            t = time.perf_counter()
-                            r = client.post(f"{url}/generate", json=gen, headers={"X-SMG-Routing-Key": key})
-                            assert r.status_code == 200, r.text
-                            return time.perf_counter() - t
-
-                        def session(url: str) -> float:
-                            sid = client.post(f"{url}/sessions").json()["session_id"]
-                            t = time.perf_counter()
-                            r = client.post(f"{url}/sessions/{sid}/v1/chat/completions", json=chat)
-                            dt = time.perf_counter() - t
-                            assert r.status_code == 200, r.text
-                            assert r.json()["usage"]["prompt_tokens"] == len(ids)
-                            client.delete(f"{url}/sessions/{sid}")
-                            return dt
-
-                        paths = {
-                            "worker": lambda: direct(worker, "k"),
-                            "router": lambda: direct(router.url, "k"),
-                            "session_router": lambda: session(s_router_url),
-                            "session_worker": lambda: session(s_worker_url),
-                        }
-                        for fn in paths.values():  # warm-up
-                            for _ in range(10):
-                                fn()
-                        samples: dict[str, list[float]] = {k: [] for k in paths}
-                        for _ in range(rounds):
-                            for name, fn in paths.items():
-                                samples[name].append(fn())
-                        med = {k: statistics.median(v) * 1e3 for k, v in samples.items()}
-                        router_hop = med["router"] - med["worker"]
-                        session_hop = med["session_router"] - med["router"]
-                        results[f"{len(ids)}_tokens"] = {
-                            "median_ms": {k: round(v, 3) for k, v in med.items()},
-                            "router_hop_ms": round(router_hop, 3),
-                            "session_hop_ms": round(session_hop, 3),
-                            "session_hop_over_router_hop": round(session_hop / router_hop, 2) if router_hop > 0 else None,
-                            "session_to_worker_hop_ms": round(med["session_worker"] - med["worker"], 3),
-                        }
+                        results[f"{n}_tokens"] = measure_size(client, tok, n, rounds, urls)
             finally:
                 s_router.stop()
                 s_worker.stop()
@@ -162,7 +217,9 @@ def bench_turns(rounds: int, sizes: list[int], tok_dir: Path) -> dict[str, Any]:
 
 def time_ready(argv: list[str], url: str, timeout_s: float = 120.0) -> float:
     t = time.perf_counter()
-    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    proc = subprocess.Popen(
+        argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+    )
     try:
         while time.perf_counter() - t < timeout_s:
             try:
@@ -186,7 +243,23 @@ def bench_start(starts: int) -> dict[str, Any]:
         api.append(time.perf_counter() - t)
         handle.stop()
         port = free_port()
-        cli.append(time_ready([smg, "launch", "--host", "127.0.0.1", "--port", str(port), "--prometheus-port", str(free_port()), "--log-level", "warn"], f"http://127.0.0.1:{port}/health"))
+        cli.append(
+            time_ready(
+                [
+                    smg,
+                    "launch",
+                    "--host",
+                    "127.0.0.1",
+                    "--port",
+                    str(port),
+                    "--prometheus-port",
+                    str(free_port()),
+                    "--log-level",
+                    "warn",
+                ],
+                f"http://127.0.0.1:{port}/health",
+            )
+        )
     return {
         "python_api_start_to_ready_s": round(statistics.median(api), 3),
         "smg_launch_start_to_ready_s": round(statistics.median(cli), 3),
@@ -202,8 +275,16 @@ def main() -> None:
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         tok_dir = build_tokenizer(Path(tmp))
-        out = {"turn_latency": bench_turns(args.rounds, args.sizes, tok_dir), "router_start": bench_start(args.starts)}
-    out["config"] = {"rounds": args.rounds, "sizes": args.sizes, "starts": args.starts, "cpus": os.cpu_count()}
+        out = {
+            "turn_latency": bench_turns(args.rounds, args.sizes, tok_dir),
+            "router_start": bench_start(args.starts),
+        }
+    out["config"] = {
+        "rounds": args.rounds,
+        "sizes": args.sizes,
+        "starts": args.starts,
+        "cpus": os.cpu_count(),
+    }
     print(json.dumps(out, indent=2))
 
 

@@ -22,7 +22,9 @@ call, so a worker that dies mid-turn (502) leaves the session unchanged and the 
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import functools
 import hmac
 import json
 import time
@@ -64,6 +66,7 @@ from posttrain.session_router.tito import (
 from posttrain.session_router.wire import encode_samples
 
 Handler = Callable[[Request], Awaitable[Response]]
+_OFFLOAD_BYTES = 16 * 1024
 
 
 def _error(status: int, message: str) -> Response:
@@ -167,7 +170,8 @@ async def chat(request: Request) -> Response:
     async with state.lock:
         if state.closing:
             raise SessionNotFoundError(session_id)
-        prepared = prepare_turn(
+        prepare = functools.partial(
+            prepare_turn,
             state,
             req.messages,
             tok,
@@ -177,6 +181,9 @@ async def chat(request: Request) -> Response:
             max_rollback_checkpoints=cfg.max_rollback_checkpoints,
             max_trim_tokens=cfg.max_trim_tokens,
         )
+        # Rendering and tokenizing a long prompt takes milliseconds: off the event loop then, so
+        # other sessions' turns proceed (prepare_turn only reads the state, and we hold its lock).
+        prepared = await asyncio.to_thread(prepare) if len(raw) > _OFFLOAD_BYTES else prepare()
     body = build_generate_body(req.body, cfg, prepared.prompt_ids)
     request_ts = time.time()
     started = time.perf_counter()
