@@ -17,6 +17,7 @@ from typing import Any
 import httpx
 import pytest
 
+from posttrain.interface import Sample
 from posttrain.interface.testing import ServerProcess, free_port
 from posttrain.session_router import (
     LoopbackWorker,
@@ -24,6 +25,8 @@ from posttrain.session_router import (
     RouterIncompatible,
     RouterSpec,
     RouterStartError,
+    SessionClient,
+    SessionNotFoundError,
     SessionRouterConfig,
     create_app,
     decode_samples,
@@ -251,21 +254,32 @@ def test_cli_probes_the_router_and_serves_with_a_bearer_token(
         with LoopbackWorker(generate=make_engine(chat_tok)) as worker:
             router.add_worker(worker.url)
             try:
-                with httpx.Client(
-                    base_url=base, headers={"authorization": "Bearer k1"}, timeout=10
-                ) as c:
-                    sid = c.post("/sessions").json()["session_id"]
+                client = SessionClient(base, api_key="k1", timeout_s=10)
+                sid = client.create()
+                with httpx.Client(headers={"authorization": "Bearer k1"}, timeout=10) as c:
+                    # What an OpenAI SDK does with base_url: POST {base_url}/chat/completions.
                     r = c.post(
-                        f"/sessions/{sid}/v1/chat/completions",
+                        f"{client.base_url(sid)}/chat/completions",
                         json={"messages": [{"role": "user", "content": "hi"}]},
                     )
-                    assert r.status_code == 200, r.text
-                    assert len(r.headers.get_list("server")) <= 1
-                    headers, body = worker.generate_requests[-1]
-                    assert body["lora_path"] == "miles_lora"
-                    assert headers["x-smg-routing-key"] == sid
-                    assert "return_logprob" in body
-                    assert "input_ids" in body
+                assert r.status_code == 200, r.text
+                assert len(r.headers.get_list("server")) <= 1
+                headers, body = worker.generate_requests[-1]
+                assert body["lora_path"] == "miles_lora"
+                assert headers["x-smg-routing-key"] == sid
+                assert "return_logprob" in body
+                assert body["input_ids"] == client.get(sid)["records"][0]["request"]["input_ids"]
+                driver = Sample(
+                    prompt_ids=[], response_ids=[], rollout_logprobs=[], loss_mask=[], index=5
+                )
+                (sample,) = client.collect(sid, base=driver, metadata={"k": 1}).samples
+                assert sample.index == 5
+                assert sample.metadata["k"] == 1
+                assert sample.response_length > 0
+                client.close(sid)
+                with pytest.raises(SessionNotFoundError):
+                    client.close(sid)
+                client.shutdown()
             finally:
                 router.remove_worker(worker.url)
     finally:

@@ -38,6 +38,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from posttrain.interface import ConfigError, PosttrainError
 from posttrain.session_router._errors import (
     BadChatRequestError,
     SampleAssemblyError,
@@ -113,6 +114,8 @@ def _handled(route: str, fn: Handler) -> Handler:
             response = _error(502, str(exc))
         except httpx.HTTPError as exc:
             response = _transport_error(exc)
+        except PosttrainError as exc:  # anything else we raise is still a JSON error
+            response = _error(500, f"{type(exc).__name__}: {exc}")
         server.metrics.requests.labels(route, str(response.status_code)).inc()
         return response
 
@@ -273,7 +276,7 @@ async def samples(request: Request) -> Response:
             metadata=metadata,
             session_metadata=session_meta,
         )
-    except SampleAssemblyError as exc:
+    except (SampleAssemblyError, ConfigError) as exc:  # ConfigError: Sample validation
         return Response(str(exc), status_code=422, media_type="text/plain")
     data = encode_samples(
         result.samples, session_metadata=result.session_metadata, empty_reason=result.empty_reason

@@ -61,7 +61,8 @@ class LoopbackWorker:
 
     def stop(self) -> None:
         """Stop serving and close the listening socket."""
-        self._server.shutdown()
+        if self._thread.is_alive():
+            self._server.shutdown()
         self._server.server_close()
         self._thread.join(timeout=5)
 

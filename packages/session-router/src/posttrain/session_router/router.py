@@ -343,9 +343,17 @@ def probe_passthrough(
     unchanged, then deregisters the worker. Raises ``RouterIncompatible`` naming every dropped or
     changed field.
     """
-    handle = (
-        router if isinstance(router, RouterHandle) else RouterHandle(router, transport=transport)
-    )
+    if isinstance(router, RouterHandle):
+        _probe(router, body, timeout_s=timeout_s)
+        return
+    handle = RouterHandle(router, transport=transport)
+    try:
+        _probe(handle, body, timeout_s=timeout_s)
+    finally:
+        handle.stop()  # an attached handle owns no process: this only closes its client
+
+
+def _probe(handle: RouterHandle, body: Mapping[str, Any] | None, *, timeout_s: float) -> None:
     sent = dict(body) if body is not None else default_probe_body()
     key = f"posttrain-probe-{uuid.uuid4().hex}"
     with LoopbackWorker(accept_routing_key=key) as echo:
