@@ -14,6 +14,7 @@ import asyncio
 import json
 import sys
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +38,7 @@ safetensors_torch = pytest.importorskip("safetensors.torch")
 pytestmark = [pytest.mark.multiproc, pytest.mark.slow, pytest.mark.timeout(120)]
 ADAPTER = "miles_lora"
 RANK, ALPHA = 4, 8.0
+STOP_IDS = list(range(4, 70))
 
 
 def _write_model(root: Path) -> tuple[Path, Path, dict[str, Any]]:
@@ -90,21 +92,33 @@ def _write_model(root: Path) -> tuple[Path, Path, dict[str, Any]]:
     return model_dir, adapter_dir, tensors
 
 
+def _engine_argv(model_dir: Path, adapter_dir: Path, port: int) -> list[str]:
+    return [
+        sys.executable, "-m", "posttrain.local_engine", "--model-path", str(model_dir),
+        "--port", str(port), "--enable-lora", "--lora-paths", f"{ADAPTER}={adapter_dir}",
+    ]  # fmt: skip
+
+
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     model_dir, adapter_dir, tensors = _write_model(tmp_path_factory.mktemp("e2e"))
-    engines = []
+    ports = [free_port(), free_port()]
+    engines = [
+        ServerProcess(
+            _engine_argv(model_dir, adapter_dir, port),
+            f"http://127.0.0.1:{port}/health",
+            timeout_s=90,
+        )
+        for port in ports
+    ]
     with start_router(RouterSpec(port=free_port())) as router:
+        # Both engines import torch and load the model at the same time.
+        with ThreadPoolExecutor(len(engines)) as pool:
+            started = [pool.submit(engine.start) for engine in engines]
         try:
-            for _ in range(2):
-                port = free_port()
-                argv = [
-                    sys.executable, "-m", "posttrain.local_engine", "--model-path", str(model_dir),
-                    "--port", str(port), "--enable-lora", "--lora-paths", f"{ADAPTER}={adapter_dir}",
-                ]  # fmt: skip
-                engines.append(
-                    ServerProcess(argv, f"http://127.0.0.1:{port}/health", timeout_s=90).start()
-                )
+            for future in started:
+                future.result()
+            for port in ports:
                 router.add_worker(f"http://127.0.0.1:{port}")
             yield {"router": router, "model_dir": model_dir, "tensors": tensors}
         finally:
@@ -133,7 +147,15 @@ def test_three_turn_lora_chat_matches_the_engine_and_the_trainer(stack: dict[str
                 for turn in range(3):
                     r = await c.post(
                         f"/sessions/{sid}/v1/chat/completions",
-                        json={"messages": msgs, "max_tokens": 6, "temperature": 1.0},
+                        json={
+                            "messages": msgs,
+                            "max_tokens": 16,
+                            "temperature": 1.0,
+                            # A random tiny model rarely samples EOS: stop on about half
+                            # the vocabulary so every turn completes (merging stops at a
+                            # truncated turn) within a few tokens.
+                            "stop_token_ids": STOP_IDS,
+                        },
                     )
                     assert r.status_code == 200, r.text
                     msgs = [
@@ -151,6 +173,8 @@ def test_three_turn_lora_chat_matches_the_engine_and_the_trainer(stack: dict[str
     (sample,) = decode_samples(data).samples
     records = info["records"]
     assert len(records) == 3
+    assert [r["response"]["meta_info"]["finish_reason"]["type"] for r in records] == ["stop"] * 3
+    assert sample.metadata["merged_turns"] == 3
     assert sample.tokens == info["metadata"]["accumulated_token_ids"]
     # What the engine generated, position by position (absolute index in the sequence).
     generated: dict[int, tuple[int, float]] = {}
