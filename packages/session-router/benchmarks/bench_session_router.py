@@ -2,8 +2,10 @@
 
 B1: one interleaved run. Each round sends the same prompt (``--tokens`` 512 and 8192) to, in
 turn: the worker directly (``/generate``), through sgl-router (``/generate`` with a routing key),
-through the session server then sgl-router (a first chat turn of a fresh session: the template is
-rendered and tokenized, so this is the most expensive turn), and through the session server
+through the session server then sgl-router (a first chat turn of a fresh session: the whole
+template is rendered and tokenized, so this is the most expensive turn), a second turn of such a
+session (only the appended message is tokenized; the prompt is the first turn's tokens plus it),
+the session server's raw proxy (its HTTP hop without TITO work), and through the session server
 straight to the worker. Every server is its own process on 127.0.0.1 (the worker is a loopback
 SGLang-shaped worker returning 16 tokens, Nagle off). Medians over ``--rounds``.
 
@@ -151,11 +153,32 @@ def measure_size(
         client.delete(f"{url}/sessions/{sid}")
         return dt
 
+    def next_turn(url: str) -> float:
+        """The second turn of a session whose first turn carried the long prompt."""
+        sid = client.post(f"{url}/sessions").json()["session_id"]
+        r = client.post(f"{url}/sessions/{sid}/v1/chat/completions", json=chat)
+        assert r.status_code == 200, r.text
+        follow = {
+            "messages": [
+                *chat["messages"],
+                r.json()["choices"][0]["message"],
+                {"role": "user", "content": "and then?"},
+            ],
+            "max_tokens": 16,
+        }
+        t = time.perf_counter()
+        r = client.post(f"{url}/sessions/{sid}/v1/chat/completions", json=follow)
+        dt = time.perf_counter() - t
+        assert r.status_code == 200, r.text
+        client.delete(f"{url}/sessions/{sid}")
+        return dt
+
     paths = {
         "worker": lambda: direct(urls["worker"]),
         "router": lambda: direct(urls["router"]),
         "session_router": lambda: session(urls["session_router"]),
         "session_worker": lambda: session(urls["session_worker"]),
+        "session_router_next_turn": lambda: next_turn(urls["session_router"]),
         # raw proxy (/sessions/{id}/generate): the session server's HTTP hop without TITO work
         "session_proxy_router": lambda: direct(f"{urls['session_router']}/sessions/{proxy_sid}"),
     }
@@ -177,6 +200,7 @@ def measure_size(
         "router_hop_ms": round(router_hop, 3),
         "session_hop_ms": round(session_hop, 3),
         "session_proxy_hop_ms": round(med["session_proxy_router"] - med["router"], 3),
+        "session_next_turn_hop_ms": round(med["session_router_next_turn"] - med["router"], 3),
         "session_hop_over_router_hop": round(session_hop / router_hop, 2)
         if router_hop > 0
         else None,
