@@ -269,6 +269,17 @@ def test_cli_probes_the_router_and_serves_with_a_bearer_token(
                 assert headers["x-smg-routing-key"] == sid
                 assert "return_logprob" in body
                 assert body["input_ids"] == client.get(sid)["records"][0]["request"]["input_ids"]
+                # The raw proxy drops the worker's Server/Date headers (forwarded by the router):
+                # uvicorn adds its own, and a duplicate Server header breaks some clients.
+                with httpx.Client(headers={"authorization": "Bearer k1"}, timeout=10) as c:
+                    raw = c.post(f"{base}/sessions/{sid}/generate", json={"input_ids": [1, 2]})
+                assert raw.status_code == 200, raw.text
+                assert len(raw.headers.get_list("server")) == 1
+                assert len(raw.headers.get_list("date")) == 1
+                proxied_headers, proxied = worker.generate_requests[-1]
+                assert proxied["input_ids"] == [1, 2]
+                assert proxied["lora_path"] == "miles_lora"
+                assert proxied_headers["x-smg-routing-key"] == sid
                 driver = Sample(
                     prompt_ids=[], response_ids=[], rollout_logprobs=[], loss_mask=[], index=5
                 )
