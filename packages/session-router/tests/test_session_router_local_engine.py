@@ -12,16 +12,17 @@ from __future__ import annotations
 
 import asyncio
 import json
-import sys
+import threading
+import time
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
+import uvicorn
 
-from posttrain.interface.testing import ServerProcess, free_port
+from posttrain.interface.testing import free_port
 from posttrain.session_router import (
     RouterSpec,
     SessionRouterConfig,
@@ -31,7 +32,7 @@ from posttrain.session_router import (
 )
 
 models = pytest.importorskip("posttrain.models")
-pytest.importorskip("posttrain.local_engine")
+local_engine = pytest.importorskip("posttrain.local_engine")
 torch = pytest.importorskip("torch")
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
@@ -92,34 +93,57 @@ def _write_model(root: Path) -> tuple[Path, Path, dict[str, Any]]:
     return model_dir, adapter_dir, tensors
 
 
-def _engine_argv(model_dir: Path, adapter_dir: Path, port: int) -> list[str]:
-    return [
-        sys.executable, "-m", "posttrain.local_engine", "--model-path", str(model_dir),
-        "--port", str(port), "--enable-lora", "--lora-paths", f"{ADAPTER}={adapter_dir}",
-    ]  # fmt: skip
+class _EngineThread:
+    """One local-engine server (its real ASGI app under uvicorn) on 127.0.0.1, in a thread.
+
+    In-process rather than ``python -m posttrain.local_engine`` subprocesses: each subprocess
+    would import torch and transformers again, which dominates this test's time on 2 cores.
+    The router still reaches each engine over real HTTP on its own port.
+    """
+
+    def __init__(self, model_dir: Path, adapter_dir: Path) -> None:
+        self.port = free_port()
+        argv = [
+            "--model-path", str(model_dir), "--port", str(self.port),
+            "--enable-lora", "--lora-paths", f"{ADAPTER}={adapter_dir}",
+        ]  # fmt: skip
+        config = local_engine.parse_args(argv)
+        self.server = uvicorn.Server(
+            uvicorn.Config(
+                local_engine.build_app(config),
+                host="127.0.0.1",
+                port=self.port,
+                log_level="warning",
+            )
+        )
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, timeout_s: float = 60.0) -> None:
+        self.thread.start()
+        deadline = time.monotonic() + timeout_s
+        while not self.server.started:
+            assert self.thread.is_alive(), "local engine exited during startup"
+            assert time.monotonic() < deadline, "local engine did not start"
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
 
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     model_dir, adapter_dir, tensors = _write_model(tmp_path_factory.mktemp("e2e"))
-    ports = [free_port(), free_port()]
-    engines = [
-        ServerProcess(
-            _engine_argv(model_dir, adapter_dir, port),
-            f"http://127.0.0.1:{port}/health",
-            timeout_s=90,
-        )
-        for port in ports
-    ]
+    engines = [_EngineThread(model_dir, adapter_dir) for _ in range(2)]
     with start_router(RouterSpec(port=free_port())) as router:
-        # Both engines import torch and load the model at the same time.
-        with ThreadPoolExecutor(len(engines)) as pool:
-            started = [pool.submit(engine.start) for engine in engines]
         try:
-            for future in started:
-                future.result()
-            for port in ports:
-                router.add_worker(f"http://127.0.0.1:{port}")
+            for engine in engines:
+                engine.start()
+                router.add_worker(engine.url)
             yield {"router": router, "model_dir": model_dir, "tensors": tensors}
         finally:
             for engine in engines:
