@@ -296,3 +296,25 @@ def test_cli_probes_the_router_and_serves_with_a_bearer_token(
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(timeout=10)
+
+
+def test_cli_refuses_a_router_that_drops_fields(
+    router: RouterHandle,
+    tok_dir: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    import posttrain.session_router.__main__ as cli
+
+    # Ask for a field the stock router drops (R3 replay); the real router then fails the probe.
+    original = cli.default_probe_body
+    monkeypatch.setattr(
+        cli, "default_probe_body", lambda cfg: {**original(cfg), "return_routed_experts": True}
+    )
+    code = cli.main(
+        ["--upstream", router.url, "--tokenizer", str(tok_dir), "--port", str(free_port())]
+    )
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "return_routed_experts" in err
+    assert router.workers() == []
