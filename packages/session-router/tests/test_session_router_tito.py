@@ -290,3 +290,39 @@ def test_tito_invariants_under_random_retries(
             assert new[: len(prev) - 1] == prev[: len(prev) - 1]
         assert len(state.checkpoints) == len(state.records) == len(state.ckpt_msg_ends)
         assert state.messages[-1] == assistant
+
+
+def test_a_template_that_rewrites_history_is_refused(
+    chat_tok: ChatTokenizer, make_engine: Any
+) -> None:
+    # A header that depends on the message count changes earlier text when messages are appended.
+    template = "{{ messages | length }}:{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    tok = ChatTokenizer(
+        chat_tok.tokenizer,
+        template,
+        stop_token_ids=sorted(chat_tok.stop_token_ids),
+        source="counting",
+    )
+    state, engine = SessionState(session_id="s"), make_engine(tok)
+    _, assistant = run_turn(state, [{"role": "user", "content": "a"}], tok, engine)
+    with pytest.raises(
+        BadChatRequestError, match="counting does not render appended messages as a suffix"
+    ):
+        prepare_turn(
+            state,
+            [{"role": "user", "content": "a"}, assistant, {"role": "user", "content": "b"}],
+            tok,
+        )
+
+
+def test_template_loading_errors(tmp_path: Any, tok_dir: Any) -> None:
+    from posttrain.interface import ConfigError
+
+    with pytest.raises(ConfigError, match=r"tokenizer\.json does not exist"):
+        ChatTokenizer.from_dir(tmp_path)
+    (tmp_path / "tokenizer.json").write_bytes((tok_dir / "tokenizer.json").read_bytes())
+    with pytest.raises(ConfigError, match="no chat template"):
+        ChatTokenizer.from_dir(tmp_path)
+    (tmp_path / "chat_template.jinja").write_text("{% for m in messages %}{{ m['content'] }")
+    with pytest.raises(ConfigError, match="does not compile"):
+        ChatTokenizer.from_dir(tmp_path)
