@@ -127,8 +127,19 @@ def _pct(xs: list[float], q: float) -> float:
     return sorted(xs)[int(q * (len(xs) - 1))] * 1e3
 
 
+def cpu_seconds(pid: int) -> float:
+    """User+system CPU time a process has used so far (from /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def measure_size(
-    client: httpx.Client, tok: ChatTokenizer, n: int, rounds: int, urls: dict[str, str]
+    client: httpx.Client,
+    tok: ChatTokenizer,
+    n: int,
+    rounds: int,
+    urls: dict[str, str],
+    pids: dict[str, int],
 ) -> dict[str, Any]:
     """Interleaved rounds over every path for one prompt size; medians and 10th percentiles."""
     text, ids = message_of(tok, n)
@@ -189,6 +200,28 @@ def measure_size(
     for _ in range(rounds):
         for name, fn in paths.items():
             samples[name].append(fn())
+    # CPU per request of the router and of the session server: less sensitive than wall time to
+    # other processes competing for the 2 cores (every path runs 100 more times here).
+    spent: dict[str, float] = {}
+    for name, pid_name in [
+        ("router", "router"),
+        ("session_router", "session_router"),
+        ("session_router_next_turn", "session_router"),
+        ("session_proxy_router", "session_router"),
+    ]:
+        before = cpu_seconds(pids[pid_name])
+        for _ in range(100):
+            paths[name]()
+        spent[name] = (cpu_seconds(pids[pid_name]) - before) * 10  # ms per call
+    cpu = {
+        "router_per_generate": round(spent["router"], 2),
+        # a session path call is POST /sessions + the turn(s) + DELETE
+        "session_server_per_first_turn_with_create_delete": round(spent["session_router"], 2),
+        "session_server_per_second_turn": round(
+            spent["session_router_next_turn"] - spent["session_router"], 2
+        ),
+        "session_server_per_raw_proxy": round(spent["session_proxy_router"], 2),
+    }
     med = {k: statistics.median(v) * 1e3 for k, v in samples.items()}
     p10 = {k: _pct(v, 0.1) for k, v in samples.items()}
     router_hop = med["router"] - med["worker"]
@@ -201,6 +234,7 @@ def measure_size(
         "session_hop_ms": round(session_hop, 3),
         "session_proxy_hop_ms": round(med["session_proxy_router"] - med["router"], 3),
         "session_next_turn_hop_ms": round(med["session_router_next_turn"] - med["router"], 3),
+        "cpu_ms_per_request": cpu,
         "session_hop_over_router_hop": round(session_hop / router_hop, 2)
         if router_hop > 0
         else None,
@@ -229,10 +263,12 @@ def bench_turns(rounds: int, sizes: list[int], tok_dir: Path) -> dict[str, Any]:
                 "session_router": s_router_url,
                 "session_worker": s_worker_url,
             }
+            assert router.pid is not None
+            pids = {"router": router.pid, "session_router": s_router.pid}
             try:
                 with httpx.Client(timeout=30) as client:
                     for n in sizes:
-                        results[f"{n}_tokens"] = measure_size(client, tok, n, rounds, urls)
+                        results[f"{n}_tokens"] = measure_size(client, tok, n, rounds, urls, pids)
             finally:
                 s_router.stop()
                 s_worker.stop()
