@@ -131,6 +131,31 @@ def test_flat_and_per_position_scoring_agree(engine, prompt, ids, data) -> None:
         ]
 
 
+def test_text_in_logprobs_and_text_prompt_scoring(engine) -> None:  # type: ignore[no-untyped-def]
+    with engine() as c:
+        r = c.post(
+            "/generate",
+            json={
+                "text": "abc",
+                "sampling_params": {"max_new_tokens": 1},
+                "return_logprob": True,
+                "logprob_start_len": 0,
+                "return_text_in_logprobs": True,
+            },
+        ).json()
+        bad = c.post(
+            "/generate",
+            json={
+                "text": "abc",
+                "token_ids_logprob_positions": [[1]],
+                "sampling_params": {"max_new_tokens": 0},
+            },
+        )
+    assert [e[2] for e in r["meta_info"]["input_token_logprobs"]] == ["a", "b", "c"]
+    assert bad.status_code == 400
+    assert bad.json()["error"]["field"] == "token_ids_logprob_positions"
+
+
 def test_stop_token_ids_and_stop_strings(engine) -> None:  # type: ignore[no-untyped-def]
     with engine() as c:
         free = c.post(

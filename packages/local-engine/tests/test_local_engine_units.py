@@ -224,3 +224,39 @@ def test_cli_flags_use_sglang_names() -> None:
     assert (cfg.port, cfg.random_seed, cfg.numerics, cfg.host) == (1234, 7, "fast", "127.0.0.1")
     with pytest.raises(SystemExit):
         parse_args(["--model-path", "m", "--lora-paths", "a=/x"])  # needs --enable-lora
+
+
+def test_scheduler_batches_within_adapter_limit_and_bounds_queue() -> None:
+    import asyncio
+
+    from posttrain.local_engine import OverloadedError
+    from posttrain.local_engine._scheduler import BatchScheduler
+
+    batches: list[list[str | None]] = []
+
+    def run(items: list[str | None]) -> list[str]:
+        batches.append(list(items))
+        return [f"done:{x}" for x in items]
+
+    async def scenario() -> list[str]:
+        sched: BatchScheduler[str | None, str] = BatchScheduler(
+            run, batch_key=lambda x: x, abort_result=lambda x: "aborted",
+            max_queue=6, max_batch=4, max_keys=2,
+        )  # fmt: skip
+        sched.start()
+        sched.pause(abort_queued=False)
+        task = asyncio.ensure_future(sched.submit(["a", None, "b", "c", None, "a"]))
+        await asyncio.sleep(0.01)
+        with pytest.raises(OverloadedError, match="queue full"):
+            await sched.submit(["d"])
+        sched.resume()
+        out = await asyncio.wait_for(task, timeout=10)
+        await sched.stop()
+        return out
+
+    out = asyncio.run(scenario())
+    assert out == ["done:a", "done:None", "done:b", "done:c", "done:None", "done:a"]
+    # first batch: a, None, b (two adapters), then c is held back; None and a still fit
+    assert batches[0] == ["a", None, "b", None]
+    assert all(len({x for x in b if x is not None}) <= 2 for b in batches)
+    assert sorted(x or "" for b in batches for x in b) == sorted(["a", "", "b", "c", "", "a"])

@@ -27,6 +27,7 @@ from safetensors.torch import save as st_save
 
 from posttrain.interface import (
     BucketManifest,
+    ConfigError,
     EngineError,
     IncompleteUpdateError,
     StaleVersionError,
@@ -156,6 +157,13 @@ class ShmRing:
 
     def __init__(self, slot_bytes: int, *, directory: str = "/dev/shm") -> None:
         self.slot_bytes = _align(slot_bytes)
+        stat = os.statvfs(directory)
+        free = stat.f_bavail * stat.f_frsize
+        if slot_bytes <= 0 or 2 * self.slot_bytes > free:
+            raise ConfigError(
+                f"ShmRing: two slots of {self.slot_bytes} bytes do not fit the {free} bytes free "
+                f"in {directory}"
+            )
         self.path = Path(directory) / f"posttrain-wsync-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         with open(self.path, "wb") as f:
             f.truncate(2 * self.slot_bytes)

@@ -121,6 +121,7 @@ class Engine:
         self._w = _WeightState()
         self._update_lock = threading.Lock()
         self.abort_running = threading.Event()
+        self._staging: dict[str, torch.Tensor] = {}
         self.generated_tokens = 0
 
     # ---- state -------------------------------------------------------------------------
@@ -181,6 +182,13 @@ class Engine:
                     f"{field_prefix}{name}: token id {bad} outside the vocabulary [0, {v})",
                     field=name,
                 )
+        rows = task.token_ids_logprob_positions
+        if rows is not None and len(rows) != p:
+            raise WireFormatError(
+                f"{field_prefix}token_ids_logprob_positions: {len(rows)} rows for {p} input "
+                "positions",
+                field="token_ids_logprob_positions",
+            )
         if task.top_logprobs_num > v:
             raise WireFormatError(
                 f"{field_prefix}top_logprobs_num: {task.top_logprobs_num} > vocabulary size {v}",
@@ -400,6 +408,7 @@ class Engine:
                 expected=exp,
                 lora_name=lora_name,
                 lora_config=dict(lora_config or {}),
+                pool=self._staging if kind == "base" else {},
             )
 
     def _session(self, update_id: str) -> UpdateSession:
@@ -417,12 +426,14 @@ class Engine:
         self._w.unavailable = why
         self._w.history.append(why)
 
-    def add_bucket(self, manifest: BucketManifest, tensors: Mapping[str, torch.Tensor]) -> None:
+    def add_bucket(
+        self, manifest: BucketManifest, tensors: Mapping[str, torch.Tensor], *, owned: bool = False
+    ) -> None:
         """Stage one bucket; any fault fails the whole update (engine unavailable)."""
         with self._update_lock:
             s = self._session(manifest.update_id)
             try:
-                s.add_bucket(manifest, tensors)
+                s.add_bucket(manifest, tensors, owned=owned)
             except Exception as e:
                 self.mark_failed(f"update {s.update_id!r}: {e}")
                 raise
@@ -446,14 +457,18 @@ class Engine:
             return result, s
 
     def commit(self, session: UpdateSession) -> None:
-        """Install a successful session's tensors (worker thread, between batches)."""
-        if session.kind == "lora":
-            assert session.lora_name is not None
-            self.load_adapter_tensors(session.lora_name, session.lora_config, session.staged)
-        else:
-            self.model.load_hf_state_dict(dict(session.staged), partial=True)
-        self._w.version = session.weight_version
-        self._w.unavailable = None
+        """Install a successful session's tensors (worker thread, between batches).
+
+        Holds the update lock: the staging buffers are reused by the next session.
+        """
+        with self._update_lock:
+            if session.kind == "lora":
+                assert session.lora_name is not None
+                self.load_adapter_tensors(session.lora_name, session.lora_config, session.staged)
+            else:
+                self.model.load_hf_state_dict(dict(session.staged), partial=True)
+            self._w.version = session.weight_version
+            self._w.unavailable = None
 
     def abort_update(self, update_id: str | None) -> bool:
         with self._update_lock:

@@ -1,8 +1,9 @@
 """An async front over a synchronous batch runner: bounded queue, batching, pause.
 
 Requests are queued as *items* (one prompt each; a batched /generate submits
-several). One worker coroutine takes the oldest item, gathers every queued item
-with the same batch key (same adapter) up to ``max_batch``, and runs them
+several). One worker coroutine takes the oldest item, gathers queued items in
+order up to ``max_batch`` whose batch keys (adapters) stay within ``max_keys``
+distinct non-None values (SGLang's ``--max-loras-per-batch``), and runs them
 together on a single dedicated thread, so torch never runs two batches at once
 and the event loop stays free for health checks. A submit that would push the
 queue past ``max_queue`` items fails at once with OverloadedError (HTTP 503)
@@ -49,12 +50,14 @@ class BatchScheduler(Generic[T, R]):
         abort_result: Callable[[T], R],
         max_queue: int = 256,
         max_batch: int = 8,
+        max_keys: int = 8,
     ) -> None:
         self._run_batch = run_batch
         self._batch_key = batch_key
         self._abort_result = abort_result
         self.max_queue = max_queue
         self.max_batch = max_batch
+        self.max_keys = max_keys
         self._pending: deque[_Job[T, R]] = deque()
         self._wakeup = asyncio.Event()
         self._resumed = asyncio.Event()
@@ -136,12 +139,18 @@ class BatchScheduler(Generic[T, R]):
             return []
         first = self._pending.popleft()
         batch = [first]
+        keys = {first.key}
         rest: deque[_Job[T, R]] = deque()
         while self._pending and len(batch) < self.max_batch:
             job = self._pending.popleft()
             if job.future.done():
                 continue
-            (batch if job.key == first.key else rest).append(job)
+            # a None key (no adapter) never counts against the limit
+            if job.key in keys or job.key is None or len(keys - {None}) < self.max_keys:
+                keys.add(job.key)
+                batch.append(job)
+            else:
+                rest.append(job)
         rest.extend(self._pending)
         self._pending = rest
         return batch

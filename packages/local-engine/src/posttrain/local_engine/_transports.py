@@ -124,10 +124,11 @@ class ShmMaps:
             )
         return buf[slot * n : (slot + 1) * n]
 
-    def release(self, shm_path: str | None = None) -> None:
-        """Drop mappings (all, or one path); the pages go when the trainer unlinks."""
+    def release_unlinked(self) -> None:
+        """Drop the mappings of files the trainer has unlinked (their pages then go).
+
+        A ring that still exists stays mapped, so the next update reuses warm pages.
+        """
         with self._lock:
-            if shm_path is None:
-                self._maps.clear()
-            else:
-                self._maps.pop(Path(shm_path).resolve(), None)
+            for p in [p for p in self._maps if not p.exists()]:
+                del self._maps[p]

@@ -56,7 +56,13 @@ def check_version_increases(current: int | None, new: int) -> None:
 
 @dataclass(slots=True)
 class UpdateSession:
-    """One open update. Not thread-safe: the engine serialises calls to it."""
+    """One open update. Not thread-safe: the engine serialises calls to it.
+
+    ``pool`` holds staging buffers by name that outlive the session: the engine keeps
+    them so that the next update writes into memory that is already mapped (fresh
+    pages cost more than the copy itself on small CPU machines). The price is one
+    extra copy of the updated tensors held between updates.
+    """
 
     update_id: str
     weight_version: int
@@ -64,6 +70,7 @@ class UpdateSession:
     expected: Mapping[str, TensorSpec]
     lora_name: str | None = None
     lora_config: dict[str, Any] = field(default_factory=dict)
+    pool: dict[str, torch.Tensor] = field(default_factory=dict)
     staged: dict[str, torch.Tensor] = field(default_factory=dict)
     unexpected: list[str] = field(default_factory=list)
     duplicates: list[str] = field(default_factory=list)
@@ -72,19 +79,26 @@ class UpdateSession:
     saw_last: bool = False
     failed: str | None = None
 
-    def add_bucket(self, manifest: BucketManifest, tensors: Mapping[str, torch.Tensor]) -> None:
-        """Check one bucket and stage copies of its tensors; raise on the first fault.
+    def add_bucket(
+        self, manifest: BucketManifest, tensors: Mapping[str, torch.Tensor], *, owned: bool = False
+    ) -> None:
+        """Check one bucket and stage its tensors; raise on the first fault.
+
+        ``owned`` tensors (freshly decoded, not views of a reused buffer) are kept as
+        they are; others are copied into staging.
 
         A fault marks the session failed (its ``finish`` will report failure), so a
         client that ignores one error reply still cannot commit a broken update.
         """
         try:
-            self._add_bucket(manifest, tensors)
+            self._add_bucket(manifest, tensors, owned)
         except (UpdateSessionError, IncompleteUpdateError) as e:
             self.failed = self.failed or str(e)
             raise
 
-    def _add_bucket(self, manifest: BucketManifest, tensors: Mapping[str, torch.Tensor]) -> None:
+    def _add_bucket(
+        self, manifest: BucketManifest, tensors: Mapping[str, torch.Tensor], owned: bool
+    ) -> None:
         if manifest.update_id != self.update_id:
             raise UpdateSessionError(
                 f"manifest.update_id {manifest.update_id!r} is not the open update "
@@ -127,7 +141,14 @@ class UpdateSession:
                     f"holds {dtype_name(spec.dtype)} {list(spec.shape)} (no implicit casts)"
                 )
         for entry in manifest.tensors:
-            self.staged[entry.name] = tensors[entry.name].clone()
+            src = tensors[entry.name]
+            if owned:
+                self.staged[entry.name] = src
+                continue
+            buf = self.pool.get(entry.name)
+            if buf is None or buf.dtype != src.dtype or buf.shape != src.shape:
+                buf = self.pool[entry.name] = torch.empty_like(src)
+            self.staged[entry.name] = buf.copy_(src)
         self.next_bucket += 1
         self.saw_last = manifest.is_last
 

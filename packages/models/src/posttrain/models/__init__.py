@@ -12,7 +12,13 @@ Public surface (see the package README for a tour):
 * ``build_tokenizer`` -- a local character-level fast tokenizer with a ChatML template.
 """
 
-from posttrain.models._checkpoint import load_config, load_hf_tensors, load_pretrained, save_pretrained
+from posttrain.models._cache import KVCache
+from posttrain.models._checkpoint import (
+    load_config,
+    load_hf_tensors,
+    load_pretrained,
+    save_pretrained,
+)
 from posttrain.models._config import ModelConfig
 from posttrain.models._convert import (
     WeightGroup,
@@ -35,7 +41,7 @@ from posttrain.models._errors import (
     UnknownTensorError,
 )
 from posttrain.models._lora import LoraAdapter
-from posttrain.models._model import DecoderModel, KVCache, Numerics, Step, build_model
+from posttrain.models._model import DecoderModel, Numerics, Step, build_model
 from posttrain.models._ops import FastOps, StrictOps
 from posttrain.models._tokenizer import CHAT_TEMPLATE, VOCAB_SIZE, build_tokenizer
 

@@ -5,6 +5,8 @@ A directory written here loads with ``transformers.AutoModelForCausalLM`` (as
 Each file is written atomically (temp name, fsync, rename), weights before
 ``config.json``, so a crash never leaves a directory that looks complete. Loading reads
 ``model.safetensors`` or the shards listed by ``model.safetensors.index.json``.
+
+safetensors is imported on first use, so the model code imports without it.
 """
 
 from __future__ import annotations
@@ -16,8 +18,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-from safetensors import safe_open
-from safetensors.torch import save
 
 from posttrain.models._config import ModelConfig
 from posttrain.models._errors import CheckpointError
@@ -52,9 +52,11 @@ def save_pretrained(
     tokenizer: PreTrainedTokenizerBase | None = None,
 ) -> Path:
     """Write ``model`` (and ``tokenizer``, if given) to directory ``path``; return it."""
+    from safetensors.torch import save
+
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
-    tensors = {k: v.detach().contiguous() for k, v in model.hf_state_dict().items()}
+    tensors = {k: v.detach().cpu().contiguous() for k, v in model.hf_state_dict().items()}
     write_atomic(out / WEIGHTS_NAME, save(tensors, metadata={"format": "pt"}))
     if tokenizer is not None:
         tokenizer.save_pretrained(str(out))
@@ -77,6 +79,8 @@ def load_config(path: str | Path) -> ModelConfig:
 
 def load_hf_tensors(path: str | Path) -> dict[str, torch.Tensor]:
     """All tensors of a model directory under their HF names (single file or shards)."""
+    from safetensors import safe_open
+
     root = Path(path)
     if (root / INDEX_NAME).exists():
         index = json.loads((root / INDEX_NAME).read_text())

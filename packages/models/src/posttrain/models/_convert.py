@@ -19,6 +19,10 @@ match; nothing is cast (G1).
     layers.{i}.experts_fc1          ...mlp.experts.{e}.{gate,up}_proj.weight  (cat, stack)
     layers.{i}.experts_fc2          ...mlp.experts.{e}.down_proj.weight       (stack)
     final_norm / output             model.norm.weight / lm_head.weight (absent when tied)
+
+Expert groups also accept (and can emit) the stacked form that ``transformers`` v5 keeps in
+memory: ``...mlp.experts.gate_up_proj[E, 2I, H]`` and ``...mlp.experts.down_proj[E, H, I]``.
+Checkpoints on disk use the per-expert names, which SGLang and ``quant-convert`` read.
 """
 
 from __future__ import annotations
@@ -50,6 +54,8 @@ class WeightGroup:
     kind: GroupKind
     shape: tuple[int, ...]
     hf_shapes: tuple[tuple[int, ...], ...]
+    stacked_name: str | None = None
+    """For expert groups: the single stacked HF name that may stand for all ``hf_names``."""
 
 
 def weight_groups(config: ModelConfig) -> list[WeightGroup]:
@@ -89,6 +95,7 @@ def weight_groups(config: ModelConfig) -> list[WeightGroup]:
                     kind="experts_cat",
                     shape=(e, 2 * im, h),
                     hf_shapes=((im, h),) * (2 * e),
+                    stacked_name=m + "experts.gate_up_proj",
                 ),
                 WeightGroup(
                     name=p + "experts_fc2",
@@ -96,6 +103,7 @@ def weight_groups(config: ModelConfig) -> list[WeightGroup]:
                     kind="experts",
                     shape=(e, h, im),
                     hf_shapes=((h, im),) * e,
+                    stacked_name=m + "experts.down_proj",
                 ),
             ]
         else:
@@ -142,9 +150,15 @@ def _check(name: str, value: Tensor, shape: tuple[int, ...], dtype: torch.dtype 
 
 
 def to_hf_state_dict(
-    tensors: Mapping[str, Tensor] | Iterable[tuple[str, Tensor]], config: ModelConfig
+    tensors: Mapping[str, Tensor] | Iterable[tuple[str, Tensor]],
+    config: ModelConfig,
+    *,
+    stacked_experts: bool = False,
 ) -> dict[str, Tensor]:
-    """In-memory names -> HF names (split fused blocks, unstack experts); all used once."""
+    """In-memory names -> HF names (split fused blocks, unstack experts); all used once.
+
+    With ``stacked_experts`` the expert groups keep the stacked ``transformers`` v5 form.
+    """
     given = _pairs(tensors)
     groups = weight_groups(config)
     known = {g.name for g in groups}
@@ -157,7 +171,10 @@ def to_hf_state_dict(
             raise MissingTensorError(f"in-memory tensor {g.name!r} is missing")
         value = given[g.name]
         _check(g.name, value, g.shape, None)
-        out.update(zip(g.hf_names, _split(g, value), strict=True))
+        if stacked_experts and g.stacked_name is not None:
+            out[g.stacked_name] = value
+        else:
+            out.update(zip(g.hf_names, _split(g, value), strict=True))
     return out
 
 
@@ -165,7 +182,7 @@ def _split(g: WeightGroup, value: Tensor) -> list[Tensor]:
     if g.kind == "copy":
         return [value]
     if g.kind == "cat":
-        return list(value.split([s[0] for s in g.hf_shapes]))
+        return list(torch.split(value, [s[0] for s in g.hf_shapes]))
     if g.kind == "experts":
         return list(value.unbind(0))
     half = value.shape[1] // 2
@@ -188,6 +205,7 @@ def from_hf_state_dict(
     given = _pairs(tensors)
     groups = weight_groups(config)
     owner = {n: g for g in groups for n in g.hf_names}
+    owner.update({g.stacked_name: g for g in groups if g.stacked_name is not None})
     unknown = sorted(set(given) - set(owner))
     if unknown:
         raise UnknownTensorError(f"unknown HF tensors: {unknown}")
@@ -196,6 +214,15 @@ def from_hf_state_dict(
     out: dict[str, Tensor] = {}
     for g in groups:
         present = [n for n in g.hf_names if n in given]
+        if g.stacked_name is not None and g.stacked_name in given:
+            if present:
+                raise DuplicateTensorError(
+                    f"{g.stacked_name!r} and per-expert tensors {present[:2]}... both given"
+                )
+            used.add(g.stacked_name)
+            _check(g.stacked_name, given[g.stacked_name], g.shape, dtype)
+            out[g.name] = given[g.stacked_name]
+            continue
         if not present and partial:
             continue
         if len(present) != len(g.hf_names):

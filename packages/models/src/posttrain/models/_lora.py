@@ -75,9 +75,7 @@ class LoraRouting:
         else:
             per_segment = list(adapters)
             if len(per_segment) != num_segments:
-                raise LoraError(
-                    f"got {len(per_segment)} adapters for {num_segments} segments/rows"
-                )
+                raise LoraError(f"got {len(per_segment)} adapters for {num_segments} segments/rows")
         self.adapters: list[LoraAdapter] = []
         index_of: dict[int, int] = {}
         seg_adapter = []
@@ -90,7 +88,9 @@ class LoraRouting:
                 index_of[id(adapter)] = len(self.adapters)
                 self.adapters.append(adapter)
             seg_adapter.append(index_of[id(adapter)])
-        self.token_adapter = torch.tensor(seg_adapter, dtype=torch.long)[segment_of_token]
+        self.token_adapter = torch.tensor(
+            seg_adapter, dtype=torch.long, device=segment_of_token.device
+        )[segment_of_token]
 
     @property
     def active(self) -> bool:

@@ -6,7 +6,9 @@ packed segments, ``extend``/``prefill``/``decode_step`` over cache rows -- runs 
 ``_forward`` on a flat list of tokens, each with a buffer row and a position. Keys and
 values are written into a per-row buffer of fixed capacity ``C = max_position_embeddings``
 and each query attends over all ``C`` slots with a mask, so in strict mode a token's bits do
-not depend on how many tokens came in the same call (see ``_ops``).
+not depend on how many tokens came in the same call (see ``_ops``). As an optimisation that
+keeps every bit, a chunk of queries reduces over the first ``2**ceil(log2(max pos + 1))``
+slots only: the rest are masked exact zeros, and ``x + 0 == x`` in the pairwise tree.
 
 Departures from HF ``Qwen3MoeForCausalLM``: activations are fp32 whatever the parameter
 dtype; experts are combined in ascending expert id order; top-k ties go to the lower id
@@ -21,8 +23,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
+from posttrain.models._cache import KVCache
 from posttrain.models._config import ModelConfig
 from posttrain.models._errors import CacheError, ModelInputError
 from posttrain.models._lora import AdapterArg, LoraRouting
@@ -32,7 +36,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 # Elements of the per-chunk attention product tensor; bounds memory, never changes results.
-_ATTN_CHUNK_ELEMENTS = 1 << 21
+_ATTN_CHUNK_ELEMENTS = 1 << 17
 
 
 class Numerics(enum.StrEnum):
@@ -49,50 +53,15 @@ class Step(NamedTuple):
     logprobs: Tensor
 
 
-class KVCache:
-    """Per-layer fp32 key/value buffers ``[num_rows, C, kv_heads, head_dim]`` and row lengths.
-
-    The capacity ``C`` is the model's ``max_position_embeddings``: strict attention reduces
-    over exactly ``C`` slots on every path, so it is not a free choice.
-    """
-
-    def __init__(self, config: ModelConfig, num_rows: int) -> None:
-        if num_rows <= 0:
-            raise CacheError(f"a KV cache needs at least one row, got num_rows={num_rows}")
-        shape = (
-            num_rows,
-            config.max_position_embeddings,
-            config.num_key_value_heads,
-            config.head_dim,
-        )
-        self.keys = [torch.zeros(shape) for _ in range(config.num_hidden_layers)]
-        self.values = [torch.zeros(shape) for _ in range(config.num_hidden_layers)]
-        self.lengths = [0] * num_rows
-
-    @property
-    def num_rows(self) -> int:
-        """Number of rows (concurrent sequences)."""
-        return len(self.lengths)
-
-    @property
-    def capacity(self) -> int:
-        """Slots per row (positions a sequence can reach)."""
-        return self.keys[0].shape[1]
-
-    def reset(self, row: int) -> None:
-        """Empty ``row`` (zeroes its buffers) so a new sequence can use it."""
-        self._check_row(row)
-        self.lengths[row] = 0
-        for buf in (*self.keys, *self.values):
-            buf[row].zero_()
-
-    def _check_row(self, row: int) -> None:
-        if not 0 <= row < self.num_rows:
-            raise CacheError(f"cache row {row} is out of range [0, {self.num_rows})")
-
-
 class _Layer(nn.Module):
     """Attention parameters shared by dense and MoE layers."""
+
+    attn_norm: nn.Parameter
+    qkv: nn.Parameter
+    q_norm: nn.Parameter
+    k_norm: nn.Parameter
+    proj: nn.Parameter
+    mlp_norm: nn.Parameter
 
     def __init__(self, config: ModelConfig, index: int) -> None:
         super().__init__()
@@ -112,6 +81,9 @@ class _Layer(nn.Module):
 class DenseLayer(_Layer):
     """A layer with a dense SwiGLU MLP: ``fc1 = [gate_proj; up_proj]``, ``fc2 = down_proj``."""
 
+    fc1: nn.Parameter
+    fc2: nn.Parameter
+
     def __init__(self, config: ModelConfig, index: int) -> None:
         super().__init__(config, index)
         h, i, dt = config.hidden_size, config.intermediate_size, config.dtype
@@ -121,6 +93,10 @@ class DenseLayer(_Layer):
 
 class MoeLayer(_Layer):
     """A layer with a routed MoE: ``router[E, H]``, ``experts_fc1[E, 2I, H]``, ``experts_fc2[E, H, I]``."""
+
+    router: nn.Parameter
+    experts_fc1: nn.Parameter
+    experts_fc2: nn.Parameter
 
     def __init__(self, config: ModelConfig, index: int) -> None:
         super().__init__(config, index)
@@ -139,6 +115,8 @@ class DecoderModel(nn.Module):
     """A Qwen3-MoE-layout decoder with strict (bit-identical) and fast numerics."""
 
     output: nn.Parameter | None
+    rope_cos: Tensor
+    rope_sin: Tensor
 
     def __init__(self, config: ModelConfig, *, numerics: Numerics = Numerics.STRICT) -> None:
         super().__init__()
@@ -155,6 +133,9 @@ class DecoderModel(nn.Module):
             self.register_parameter("output", None)
         else:
             self.output = nn.Parameter(torch.zeros(v, h, dtype=dt))
+        from posttrain.models._convert import lora_targets
+
+        self._lora_targets = lora_targets(config)
         cos, sin = rope_tables(config.head_dim, config.max_position_embeddings, config.rope_theta)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
@@ -171,7 +152,7 @@ class DecoderModel(nn.Module):
     ) -> Tensor:
         """fp32 logits ``[T, vocab]`` for packed segments (positions restart per segment)."""
         ids, seg, pos = self._pack(input_ids, segment_lengths)
-        routing = LoraRouting(lora, seg, len(segment_lengths), self.lora_targets())
+        routing = LoraRouting(lora, seg, len(segment_lengths), self._lora_targets)
         return self._forward(ids, seg, pos, seg, len(segment_lengths), None, routing)
 
     def forward(
@@ -190,18 +171,18 @@ class DecoderModel(nn.Module):
         """
         logits = self.forward_logits(input_ids, segment_lengths, lora=lora)
         logprobs = self.ops.log_softmax(logits)
-        ids = input_ids.reshape(-1)
-        out = torch.zeros(ids.shape[0], dtype=torch.float32)
+        ids = input_ids.reshape(-1).long().to(logprobs.device)
+        out = torch.zeros(ids.shape[0], dtype=torch.float32, device=logprobs.device)
         if ids.shape[0] > 1:
             picked = logprobs[:-1].gather(1, ids[1:, None])[:, 0]
-            starts = torch.zeros(ids.shape[0], dtype=torch.bool)
+            starts = torch.zeros(ids.shape[0], dtype=torch.bool, device=logprobs.device)
             starts[_segment_starts(segment_lengths)] = True
             out = torch.cat([out[:1], torch.where(starts[1:], 0.0, picked)])
         return out
 
     def new_kv_cache(self, num_rows: int = 1) -> KVCache:
-        """An empty KV cache with ``num_rows`` rows."""
-        return KVCache(self.config, num_rows)
+        """An empty KV cache with ``num_rows`` rows, on the model's device."""
+        return KVCache(self.config, num_rows, device=self.embedding.device)
 
     @torch.no_grad()
     def extend(
@@ -218,7 +199,9 @@ class DecoderModel(nn.Module):
         token, i.e. of the token that follows it. ``lora`` is one adapter or one per row.
         """
         if len(rows) != len(token_ids) or len(set(rows)) != len(rows):
-            raise CacheError(f"rows {list(rows)} must be distinct and match {len(token_ids)} inputs")
+            raise CacheError(
+                f"rows {list(rows)} must be distinct and match {len(token_ids)} inputs"
+            )
         flat: list[int] = []
         seg: list[int] = []
         pos: list[int] = []
@@ -235,12 +218,13 @@ class DecoderModel(nn.Module):
             flat.extend(int(t) for t in toks)
             seg.extend([j] * len(toks))
             pos.extend(range(start, start + len(toks)))
-        ids = self._check_ids(torch.tensor(flat, dtype=torch.long))
-        seg_t = torch.tensor(seg, dtype=torch.long)
-        buf_row = torch.tensor(rows, dtype=torch.long)[seg_t]
-        routing = LoraRouting(lora, seg_t, len(rows), self.lora_targets())
+        dev = self.embedding.device
+        ids = self._check_ids(torch.tensor(flat, dtype=torch.long, device=dev))
+        seg_t = torch.tensor(seg, dtype=torch.long, device=dev)
+        buf_row = torch.tensor(rows, dtype=torch.long, device=dev)[seg_t]
+        routing = LoraRouting(lora, seg_t, len(rows), self._lora_targets)
         logits = self._forward(
-            ids, seg_t, torch.tensor(pos, dtype=torch.long), buf_row, 0, cache, routing
+            ids, seg_t, torch.tensor(pos, dtype=torch.long, device=dev), buf_row, 0, cache, routing
         )
         logprobs = self.ops.log_softmax(logits)
         for row, toks in zip(rows, token_ids, strict=True):
@@ -248,7 +232,7 @@ class DecoderModel(nn.Module):
         sizes = [len(t) for t in token_ids]
         return [
             Step(lg, lp)
-            for lg, lp in zip(logits.split(sizes), logprobs.split(sizes), strict=True)
+            for lg, lp in zip(torch.split(logits, sizes), torch.split(logprobs, sizes), strict=True)
         ]
 
     def prefill(
@@ -258,21 +242,22 @@ class DecoderModel(nn.Module):
         return self.extend(cache, [row], [token_ids], lora=lora)[0]
 
     def decode_step(
-        self, cache: KVCache, rows: Sequence[int], token_ids: Sequence[int], *, lora: AdapterArg = None
+        self,
+        cache: KVCache,
+        rows: Sequence[int],
+        token_ids: Sequence[int],
+        *,
+        lora: AdapterArg = None,
     ) -> Step:
         """Append one token to each row; ``Step`` tensors are ``[len(rows), vocab]``."""
         steps = self.extend(cache, rows, [[t] for t in token_ids], lora=lora)
-        return Step(
-            torch.cat([s.logits for s in steps]), torch.cat([s.logprobs for s in steps])
-        )
+        return Step(torch.cat([s.logits for s in steps]), torch.cat([s.logprobs for s in steps]))
 
     # ------------------------------------------------------------------ weights and files
 
     def lora_targets(self) -> dict[str, tuple[int, int]]:
         """PEFT module names a ``LoraAdapter`` may target, with their ``(in, out)`` dims."""
-        from posttrain.models._convert import lora_targets
-
-        return lora_targets(self.config)
+        return dict(self._lora_targets)
 
     def hf_state_dict(self) -> dict[str, Tensor]:
         """The weights under their HF (Qwen3-MoE, per-expert) names."""
@@ -309,8 +294,11 @@ class DecoderModel(nn.Module):
         return ids
 
     def _pack(self, input_ids: Tensor, lengths: Sequence[int]) -> tuple[Tensor, Tensor, Tensor]:
-        ids = self._check_ids(input_ids.reshape(-1).long())
+        dev = self.embedding.device
+        ids = self._check_ids(input_ids.reshape(-1).long().to(dev))
         cap = self.config.max_position_embeddings
+        if ids.numel() == 0:
+            raise ModelInputError("input_ids is empty: a forward needs at least one token")
         for j, n in enumerate(lengths):
             if not 0 < n <= cap:
                 raise ModelInputError(f"segment_lengths[{j}]={n} is not in [1, {cap}]")
@@ -319,10 +307,11 @@ class DecoderModel(nn.Module):
                 f"segment_lengths sum to {sum(lengths)} but input_ids has {ids.shape[0]} tokens"
             )
         seg = torch.repeat_interleave(
-            torch.arange(len(lengths)), torch.tensor(list(lengths), dtype=torch.long)
+            torch.arange(len(lengths), device=dev),
+            torch.tensor(list(lengths), dtype=torch.long, device=dev),
         )
-        starts = torch.tensor(_segment_starts(lengths), dtype=torch.long)
-        pos = torch.arange(ids.shape[0]) - starts[seg]
+        starts = torch.tensor(_segment_starts(lengths), dtype=torch.long, device=dev)
+        pos = torch.arange(ids.shape[0], device=dev) - starts[seg]
         return ids, seg, pos
 
     def _forward(
@@ -380,6 +369,10 @@ class DecoderModel(nn.Module):
         cos, sin = self.rope_cos[pos], self.rope_sin[pos]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         cap = cfg.max_position_embeddings
+        if cache is None and self.numerics is Numerics.FAST:
+            o = _causal_sdpa(q, k, v, buf_row, nh // nkv)
+            y = ops.linear(o, layer.proj)
+            return lora.apply(ops, o, y, [(prefix + "self_attn.o_proj", 0, cfg.hidden_size)])
         if cache is None:
             shape = (num_buffers, cap, nkv, hd)
             kbuf = h.new_zeros(shape).index_put((buf_row, pos), k)
@@ -390,13 +383,21 @@ class DecoderModel(nn.Module):
             vbuf[buf_row, pos] = v
         group = nh // nkv
         qg = q.reshape(t, nkv, group, hd)
-        slots = torch.arange(cap)
+        slots = torch.arange(cap, device=h.device)
         step = max(1, _ATTN_CHUNK_ELEMENTS // (nh * cap * hd))
         outs = []
         for i in range(0, t, step):
-            rows = buf_row[i : i + step]
-            valid = slots[None, :] <= pos[i : i + step, None]
-            outs.append(ops.attention(qg[i : i + step], kbuf[rows], vbuf[rows], valid, hd**-0.5))
+            rows, p = buf_row[i : i + step], pos[i : i + step]
+            # Reduce over the first W = 2**ceil(log2(max pos + 1)) slots only: slots past the
+            # chunk's last position are masked, contribute exact zeros, and in the pairwise
+            # tree ``x + 0 == x``, so the bits equal those of the full-C reduction.
+            width = min(cap, 1 << int(p.max()).bit_length())
+            valid = slots[None, :width] <= p[:, None]
+            outs.append(
+                ops.attention(
+                    qg[i : i + step], kbuf[rows, :width], vbuf[rows, :width], valid, hd**-0.5
+                )
+            )
         o = torch.cat(outs).reshape(t, nq)
         y = ops.linear(o, layer.proj)
         return lora.apply(ops, o, y, [(prefix + "self_attn.o_proj", 0, cfg.hidden_size)])
@@ -440,6 +441,19 @@ class DecoderModel(nn.Module):
             ye = lora.apply(ops, act, ye, [(ep + "down_proj", 0, hsz)], tok)
             outputs = outputs.index_put((tok, slot), ye)
         return ops.moe_combine(weights, outputs)
+
+
+def _causal_sdpa(q: Tensor, k: Tensor, v: Tensor, seg: Tensor, group: int) -> Tensor:
+    """Fast-mode training attention: torch SDPA per segment (no fixed-capacity buffer)."""
+    outs = []
+    for s in torch.unique_consecutive(seg).tolist():
+        idx = (seg == s).nonzero().flatten()
+        qs = q[idx].transpose(0, 1)[None]  # [1, nh, L, hd]
+        ks = k[idx].repeat_interleave(group, dim=1).transpose(0, 1)[None]
+        vs = v[idx].repeat_interleave(group, dim=1).transpose(0, 1)[None]
+        o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True)
+        outs.append(o[0].transpose(0, 1).reshape(idx.shape[0], -1))
+    return torch.cat(outs)
 
 
 def _segment_starts(lengths: Sequence[int]) -> list[int]:

@@ -39,19 +39,26 @@ _EXP_COEFFS = tuple(1.0 / math.factorial(n) for n in range(7, -1, -1))  # Taylor
 _LOG_COEFFS = tuple(1.0 / n for n in (11, 9, 7, 5, 3, 1))  # atanh series in z**2
 # Elements per chunk of the [rows, N, K] product tensor in ``linear``: bounds memory only;
 # rows are independent, so chunking never changes a result.
-_CHUNK_ELEMENTS = 1 << 21
+_CHUNK_ELEMENTS = 1 << 17
 
 
-def tree_sum(x: Tensor) -> Tensor:
-    """Sum over the last dim by a pairwise tree of elementwise adds (zero-padded to 2**k)."""
-    n = x.shape[-1]
+def tree_sum(x: Tensor, dim: int = -1) -> Tensor:
+    """Sum over ``dim`` by a pairwise tree of elementwise adds (zero-padded to 2**k).
+
+    Level by level, element ``i`` is added to element ``i + half``. The reduced dim is moved
+    to the front first so each level adds two contiguous blocks (vectorised, no strides);
+    the pairing, and so every bit of the result, is the same for any ``dim`` layout.
+    """
+    if dim not in (0, -x.ndim):
+        x = x.movedim(dim, 0).contiguous()
+    n = x.shape[0]
     width = 1 << max(n - 1, 0).bit_length()
     if width != n:
-        x = F.pad(x, (0, width - n))
-    while x.shape[-1] > 1:
-        half = x.shape[-1] // 2
-        x = x[..., :half] + x[..., half:]
-    return x[..., 0]
+        x = torch.cat([x, x.new_zeros((width - n, *x.shape[1:]))])
+    while x.shape[0] > 1:
+        half = x.shape[0] // 2
+        x = x[:half] + x[half:]
+    return x[0]
 
 
 def _pow2(k: Tensor) -> Tensor:
@@ -143,13 +150,15 @@ class StrictOps(FastOps):
     @staticmethod
     def linear(x: Tensor, weight: Tensor) -> Tensor:
         """``x @ weight.T`` as products plus ``tree_sum`` over K; each row computed alone."""
-        w = weight.float()
+        w_t = weight.float().t().contiguous()[:, None, :]  # [K, 1, N]
         lead = x.shape[:-1]
         rows = x.reshape(-1, x.shape[-1])
-        n, k = w.shape
+        k, n = w_t.shape[0], w_t.shape[2]
         step = max(1, _CHUNK_ELEMENTS // max(1, n * k))
         parts = [
-            tree_sum(rows[i : i + step, None, :] * w[None, :, :])
+            tree_sum(
+                rows[i : i + step].t().contiguous()[:, :, None] * w_t, dim=0
+            )  # products [K, rows, N]
             for i in range(0, rows.shape[0], step)
         ]
         out = torch.cat(parts) if parts else rows.new_zeros((0, n))
@@ -187,14 +196,19 @@ class StrictOps(FastOps):
     @staticmethod
     def attention(q: Tensor, keys: Tensor, values: Tensor, valid: Tensor, scale: float) -> Tensor:
         """Attention over the full capacity ``C``: scores ``[C]``, masked softmax, ``tree_sum`` over C."""
-        k_t = keys.permute(0, 2, 1, 3)[:, :, None]  # [T, nkv, 1, C, hd]
-        scores = tree_sum(q[:, :, :, None, :] * k_t) * scale  # [T, nkv, g, C]
+        # products laid out [hd, T, nkv, g, C]: the reduced dim leads
+        k_t = keys.permute(3, 0, 2, 1).contiguous()[:, :, :, None, :]  # [hd, T, nkv, 1, C]
+        scores = (
+            tree_sum(q.permute(3, 0, 1, 2).contiguous()[..., None] * k_t, dim=0) * scale
+        )  # [T, nkv, g, C]
         mask = valid[:, None, None, :]
         z = scores - scores.masked_fill(~mask, float("-inf")).detach().amax(-1, keepdim=True)
         e = torch.where(mask, exp_strict(z.masked_fill(~mask, 0.0)), 0.0)
         probs = e / tree_sum(e)[..., None]
-        v_t = values.permute(0, 2, 3, 1)[:, :, None]  # [T, nkv, 1, hd, C]
-        return tree_sum(probs[:, :, :, None, :] * v_t)  # [T, nkv, g, hd]
+        v_t = values.permute(1, 0, 2, 3).contiguous()[:, :, :, None, :]  # [C, T, nkv, 1, hd]
+        return tree_sum(
+            probs.permute(3, 0, 1, 2).contiguous()[..., None] * v_t, dim=0
+        )  # [T, nkv, g, hd]
 
     @staticmethod
     def moe_combine(weights: Tensor, outputs: Tensor) -> Tensor:

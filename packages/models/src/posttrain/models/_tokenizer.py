@@ -13,8 +13,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from tokenizers import Tokenizer, decoders, models
-
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast
 
@@ -31,12 +29,13 @@ VOCAB_SIZE = len(SPECIAL_TOKENS) + len(CHARACTERS)
 
 def build_tokenizer() -> PreTrainedTokenizerFast:
     """The character-level tokenizer (``VOCAB_SIZE`` = 101 tokens) with a ChatML chat template."""
+    from tokenizers import Tokenizer, decoders, models
     from transformers import PreTrainedTokenizerFast
 
     vocab = {tok: i for i, tok in enumerate((*SPECIAL_TOKENS, *CHARACTERS))}
     core = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
     core.decoder = decoders.Fuse()
-    tokenizer = PreTrainedTokenizerFast(
+    return PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]
         tokenizer_object=core,
         bos_token=None,
         eos_token="<|im_end|>",
@@ -46,4 +45,3 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
         chat_template=CHAT_TEMPLATE,
         model_max_length=1 << 20,
     )
-    return tokenizer
