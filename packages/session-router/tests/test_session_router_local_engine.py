@@ -5,7 +5,8 @@ packages; this test is the integration point the issue asks for), and is skipped
 The sample's tokens, logprobs and loss mask must match what the engine generated, and its
 logprobs must equal the trainer's recomputation (``models``' training forward with the same
 adapter) bit for bit; without the adapter they must differ, so ``lora_path`` really reached
-the engine.
+the engine. The two engines are local-engine's real ASGI app under uvicorn, each on its own
+port, served from threads of this process (see ``_EngineThread``).
 """
 
 from __future__ import annotations
