@@ -56,7 +56,9 @@ def test_sglang_stack_uses_sglang_spelling() -> None:
             model_path="/m", engines=1, engine_kind=EngineKind.SGLANG, loras=(("a", "/x"),)
         )
     )
-    argv = plan.by_role(Role.ENGINE)[0].argv
+    engine = plan.by_role(Role.ENGINE)[0]
+    argv = engine.argv
+    assert engine.env == {"CUDA_VISIBLE_DEVICES": "0"}
     assert argv[:3] == ("python", "-m", "sglang.launch_server")
     assert argv[argv.index("--lora-paths") + 1] == "a=/x"
     assert "--enable-lora" in argv

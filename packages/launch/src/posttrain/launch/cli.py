@@ -207,6 +207,9 @@ def run_command(
     plan_file: Annotated[Path, typer.Argument(help="a plan written by `posttrain plan --json`")],
     runner: Annotated[str, typer.Option("--runner", help="dry, local or ray")] = "dry",
     ray_address: Annotated[str, typer.Option("--ray-address")] = "auto",
+    ray_strategy: Annotated[
+        str, typer.Option("--ray-strategy", help="placement: SPREAD, STRICT_SPREAD, PACK")
+    ] = "SPREAD",
 ) -> None:
     """Execute a saved plan with a runner (multi-node plans through Ray)."""
     try:
@@ -224,7 +227,9 @@ def run_command(
         elif runner == "ray":
             from posttrain.launch.ray_runner import RayRunner
 
-            with RayRunner(plan, address=ray_address, sink=console_sink(_err)) as ray_runner:
+            with RayRunner(
+                plan, address=ray_address, strategy=ray_strategy, sink=console_sink(_err)
+            ) as ray_runner:
                 ray_runner.start()
                 ray_runner.wait()
         else:

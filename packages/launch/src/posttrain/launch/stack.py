@@ -98,6 +98,10 @@ def build_local_stack(cfg: LocalStackConfig) -> Plan:
                 name=f"engine-{i}",
                 role=Role.ENGINE,
                 argv=(PYTHON, "-m", ENGINE_MODULES[cfg.engine_kind], *args.argv()),
+                # One GPU per SGLang engine (engine i on GPU i); the CPU engine needs none.
+                env={"CUDA_VISIBLE_DEVICES": str(i)}
+                if cfg.engine_kind is EngineKind.SGLANG
+                else {},
                 stage=0,
                 readiness=Readiness(
                     url=f"http://{LOCAL_HOST}:{port}/health", timeout_s=cfg.ready_timeout_s
