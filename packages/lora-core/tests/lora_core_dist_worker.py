@@ -1,0 +1,299 @@
+"""Rank program for the gloo tests (run as a script: ``python this.py SUITE RANK WORLD PORT OUT``).
+
+One process group per test module runs every check of a suite and writes ``rank<N>.json``; the
+test files assert on those numbers. Kept out of pytest collection (no ``test_`` prefix).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import tempfile
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+import posttrain.lora.layers as lora_layers
+from posttrain.lora import (
+    ColumnShardedLinear,
+    LoraConfig,
+    LoraGroups,
+    LoraHandle,
+    RowShardedLinear,
+    Target,
+    attach_lora,
+    export_adapter,
+    load_peft,
+    lora_grad_norm,
+    reduce_lora_grads,
+    save_peft,
+)
+from posttrain.lora.attach import fused_local_parts, fused_local_rows
+
+H, FF, V_PAD, V, T, R = 16, 12, 12, 10, 8, 4
+CFG = LoraConfig(r=R, alpha=8.0, b_init="normal", seed=7, export_dtype=torch.float32)
+
+
+def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
+
+
+class Block(nn.Module):
+    """Attention-shaped pair (fused interleaved q/k/v column, row out) then a gate/up MLP."""
+
+    def __init__(self, qkv: nn.Module, o: nn.Module, gate_up: nn.Module, down: nn.Module) -> None:
+        super().__init__()
+        self.qkv, self.o, self.gate_up, self.down = qkv, o, gate_up, down
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.o(torch.tanh(self.qkv(x)))
+        g, u = self.gate_up(x).chunk(2, dim=-1)
+        return x + self.down(F.silu(g) * u)
+
+
+class Net(nn.Module):
+    def __init__(self, blocks: list[Block], head: nn.Module | None) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(blocks)
+        self.head = head
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for b in self.blocks:
+            x = b(x)
+        return x if self.head is None else self.head(x)
+
+
+def full_linears(seed: int) -> dict[str, nn.Linear]:
+    torch.manual_seed(seed)
+    mods: dict[str, nn.Linear] = {}
+    for i in range(2):
+        mods[f"{i}.qkv"] = nn.Linear(H, 2 * H)
+        mods[f"{i}.o"] = nn.Linear(2 * H, H)
+        mods[f"{i}.gate_up"] = nn.Linear(H, 2 * FF)
+        mods[f"{i}.down"] = nn.Linear(FF, H)
+    mods["head"] = nn.Linear(H, V_PAD, bias=False)
+    return mods
+
+
+def targets(layers: list[int], local_index: bool, with_head: bool) -> dict[str, Target]:
+    out: dict[str, Target] = {}
+    for j, i in enumerate(layers):
+        k = j if local_index else i
+        out[f"blocks.{k}.qkv"] = Target(
+            parts=((f"model.layers.{i}.self_attn.q_proj", H),
+                   (f"model.layers.{i}.self_attn.k_proj", H // 2),
+                   (f"model.layers.{i}.self_attn.v_proj", H // 2)),
+            groups=2,
+        )
+        out[f"blocks.{k}.o"] = Target(hf_name=f"model.layers.{i}.self_attn.o_proj")
+        out[f"blocks.{k}.gate_up"] = Target(
+            parts=((f"model.layers.{i}.mlp.gate_proj", FF), (f"model.layers.{i}.mlp.up_proj", FF))
+        )
+        out[f"blocks.{k}.down"] = Target(hf_name=f"model.layers.{i}.mlp.down_proj")
+    if with_head:
+        out["head"] = Target(hf_name="lm_head", unpadded_out=V)
+    return out
+
+
+def build_ref(layers: list[int] = [0, 1], with_head: bool = True) -> tuple[Net, LoraHandle]:  # noqa: B006
+    full = full_linears(0)
+    net = Net(
+        [Block(full[f"{i}.qkv"], full[f"{i}.o"], full[f"{i}.gate_up"], full[f"{i}.down"]) for i in layers],
+        full["head"] if with_head else None,
+    )
+    return net, attach_lora(net, CFG, targets(layers, True, with_head))
+
+
+def build_tp(groups: LoraGroups, sp: bool, layers: list[int] = [0, 1], with_head: bool = True) -> tuple[Net, LoraHandle]:  # noqa: B006
+    full = full_linears(0)
+    tp = groups.tp
+
+    def col(m: nn.Linear, split: list[int] | None = None) -> ColumnShardedLinear:
+        return ColumnShardedLinear.from_full(m, tp_group=tp, sequence_parallel=sp, split_sizes=split)
+
+    def row(m: nn.Linear) -> RowShardedLinear:
+        return RowShardedLinear.from_full(m, tp_group=tp, sequence_parallel=sp)
+
+    blocks = [
+        Block(col(full[f"{i}.qkv"]), row(full[f"{i}.o"]), col(full[f"{i}.gate_up"], [FF, FF]),
+              row(full[f"{i}.down"]))
+        for i in layers
+    ]
+    net = Net(blocks, col(full["head"]) if with_head else None)
+    return net, attach_lora(net, CFG, targets(layers, True, with_head), groups)
+
+
+def to_local(ref: torch.Tensor, site: lora_layers.LoraLinear, factor: str, rank: int, tp: int) -> torch.Tensor:
+    info = site.site
+    if factor == "A":
+        return ref.chunk(tp, dim=1)[rank] if info.layout == "row" else ref
+    if info.layout != "column":
+        return ref
+    sizes = [s for _, s in info.parts]
+    return fused_local_rows(fused_local_parts(ref, sizes, info.groups, 1), info.groups, rank, tp)
+
+
+def loss_weights() -> torch.Tensor:
+    w = torch.randn(T, V_PAD, generator=torch.Generator().manual_seed(5))
+    w[:, V:] = 0.0
+    return w
+
+
+def batch(d: int) -> torch.Tensor:
+    return torch.randn(T, H, generator=torch.Generator().manual_seed(100 + d))
+
+
+def reference_step() -> dict[str, Any]:
+    net, handle = build_ref()
+    w = loss_weights()
+    xs = [batch(d).requires_grad_(True) for d in range(2)]
+    outs = [net(x) for x in xs]
+    loss = sum((o * w).sum() for o in outs) / 2
+    loss.backward()
+    return {"net": net, "handle": handle, "xs": xs, "outs": outs}
+
+
+def tp_dp_mode(rank: int, sp: bool, groups: LoraGroups, ref: dict[str, Any]) -> dict[str, Any]:
+    tp_rank, dp_rank, tp = rank % 2, rank // 2, 2
+    net, handle = build_tp(groups, sp)
+    res: dict[str, Any] = {}
+    init_tp = export_adapter(handle)
+    init_ref = export_adapter(build_ref()[1])
+    res["init_bitwise"] = init_tp.keys() == init_ref.keys() and all(
+        torch.equal(init_tp[k], init_ref[k]) for k in init_ref)
+    x_full = batch(dp_rank).requires_grad_(True)
+    x = x_full.chunk(tp)[tp_rank].detach().requires_grad_(True) if sp else x_full
+    out = net(x)
+    w_loc = loss_weights().chunk(tp, dim=1)[tp_rank]
+    (out * w_loc).sum().backward()
+    reduce_lora_grads(handle)
+    ref_out = ref["outs"][dp_rank].chunk(tp, dim=1)[tp_rank]
+    res["fwd_rel"] = rel_l2(out.detach(), ref_out.detach())
+    ref_dx = ref["xs"][dp_rank].grad * 2  # the reference loss is the DP mean
+    if sp:
+        ref_dx = ref_dx.chunk(tp)[tp_rank]
+    res["dx_rel"] = rel_l2(x.grad, ref_dx)
+    errs = {}
+    for path, site in handle.sites.items():
+        rsite = ref["handle"].sites[path]
+        for f in ("A", "B"):
+            mine = getattr(site, f"lora_{f}").grad
+            theirs = to_local(getattr(rsite, f"lora_{f}").grad, site, f, tp_rank, tp)
+            errs[f"{path}.{f}"] = rel_l2(mine, theirs)
+    res["grad_rel"] = errs
+    res["grad_norm"] = lora_grad_norm(handle)
+    ref_sq = sum(float(p.grad.double().pow(2).sum()) for p in ref["handle"].parameters())
+    res["ref_grad_norm"] = ref_sq**0.5
+    # replicated factors (and their grads) must be bitwise equal on all 4 ranks
+    mismatched = []
+    for name, p in handle.named_parameters():
+        for label, t in (("value", p.detach()), ("grad", p.grad)):
+            peers = [torch.empty_like(t) for _ in range(4)]
+            dist.all_gather(peers, t.contiguous())
+            group = range(4) if p.lora_tag.shard_axis is None else [r for r in range(4) if r % 2 == tp_rank]
+            if not all(torch.equal(peers[r], t) for r in group):
+                mismatched.append(f"{name}.{label}")
+    res["replica_mismatch"] = mismatched
+    return res
+
+
+def negative_control(rank: int, groups: LoraGroups, ref: dict[str, Any]) -> dict[str, Any]:
+    """Drop the rank-r reduction of the column branch (non-SP): must break grads and replicas."""
+    saved = lora_layers.copy_to_group
+    lora_layers.copy_to_group = lambda h, group: h  # type: ignore[assignment]
+    try:
+        res = tp_dp_mode(rank, False, groups, ref)
+    finally:
+        lora_layers.copy_to_group = saved
+    return {"dx_rel": res["dx_rel"], "max_grad_rel": max(res["grad_rel"].values()),
+            "replica_mismatch": res["replica_mismatch"]}
+
+
+def perturbed_ref_adapter() -> tuple[LoraHandle, dict[str, torch.Tensor]]:
+    _, handle = build_ref()
+    gen = torch.Generator().manual_seed(11)
+    with torch.no_grad():
+        for site in handle.sites.values():
+            site.lora_A.add_(torch.randn(site.lora_A.shape, generator=gen))
+            b = torch.randn(site.lora_B.shape, generator=gen)
+            if site.site.unpadded_out:
+                b[site.site.unpadded_out:] = 0
+            site.lora_B.add_(b)
+    return handle, export_adapter(handle)
+
+
+def import_export(rank: int, groups: LoraGroups) -> dict[str, Any]:
+    res: dict[str, Any] = {}
+    ref_handle, ref_adapter = perturbed_ref_adapter()
+    with tempfile.TemporaryDirectory() as tmp:
+        save_peft(Path(tmp) / "ref", ref_adapter, CFG)
+        _, tp_handle = build_tp(groups, sp=False)
+        load_peft(tp_handle, Path(tmp) / "ref")
+        tp_adapter = export_adapter(tp_handle)
+        res["tp1_to_tp2_bitwise"] = tp_adapter.keys() == ref_adapter.keys() and all(
+            torch.equal(tp_adapter[k], ref_adapter[k]) for k in ref_adapter)
+        res["lm_head_rows"] = list(tp_adapter["base_model.model.lm_head.lora_B.weight"].shape)
+        save_peft(Path(tmp) / "tp", tp_adapter, CFG)
+        _, back = build_ref()
+        load_peft(back, Path(tmp) / "tp")
+        back_adapter = export_adapter(back)
+        res["tp2_to_tp1_bitwise"] = all(torch.equal(back_adapter[k], ref_adapter[k]) for k in ref_adapter)
+        res["bf16_export_dtypes"] = sorted({str(t.dtype) for t in export_adapter(tp_handle, dtype=torch.bfloat16).values()})
+    return res
+
+
+def pipeline_export(rank: int, tp_group: Any, pp_group: Any) -> dict[str, Any]:
+    """PP=2 x TP=2: stage s holds layer s (and the head on the last stage)."""
+    stage = rank // 2
+    groups = LoraGroups(tp=tp_group, pp=pp_group)
+    ref_handle, ref_adapter = perturbed_ref_adapter()
+    with tempfile.TemporaryDirectory() as tmp:
+        save_peft(Path(tmp) / "ref", ref_adapter, CFG)
+        _, handle = build_tp(groups, sp=True, layers=[stage], with_head=stage == 1)
+        loaded = load_peft(handle, Path(tmp) / "ref")
+        full = export_adapter(handle)
+    return {
+        "pp_bitwise": full.keys() == ref_adapter.keys() and all(torch.equal(full[k], ref_adapter[k]) for k in ref_adapter),
+        "pp_sorted": list(full) == sorted(full),
+        "stage_loaded": len(loaded),
+    }
+
+
+def suite_tp(rank: int, world: int) -> dict[str, Any]:
+    assert world == 4
+    tp_groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    dp_groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    groups = LoraGroups(tp=tp_groups[rank // 2], dp=dp_groups[rank % 2])
+    ref = reference_step()
+    return {
+        "nosp": tp_dp_mode(rank, False, groups, ref),
+        "sp": tp_dp_mode(rank, True, groups, ref),
+        "negative": negative_control(rank, groups, ref),
+        "io": import_export(rank, groups),
+        "pp": pipeline_export(rank, tp_groups[rank // 2], dp_groups[rank % 2]),
+    }
+
+
+SUITES = {"tp": suite_tp}
+
+
+def main() -> None:
+    suite, rank, world, port, out = sys.argv[1], *map(int, sys.argv[2:5]), sys.argv[5]
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world, timeout=timedelta(seconds=90))
+    try:
+        result = SUITES[suite](rank, world)
+        Path(out, f"rank{rank}.json").write_text(json.dumps(result))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
