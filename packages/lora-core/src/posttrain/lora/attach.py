@@ -83,7 +83,10 @@ class LoraHandle:
             site.enabled = enabled
 
 
-def _megatron_classes() -> tuple[type[nn.Module], type[nn.Module]] | None:
+def _megatron_classes(module: nn.Module) -> tuple[type[nn.Module], type[nn.Module]] | None:
+    # Importing megatron-core costs ~20 s: only do it for modules that come from it.
+    if not type(module).__module__.startswith("megatron."):
+        return None
     try:
         from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
     except ImportError:  # the megatron extra is not installed
@@ -97,7 +100,7 @@ def _classify(path: str, module: nn.Module, tp: int) -> tuple[Layout, bool, int,
         return "column", module.sequence_parallel, module.in_features, module.out_features
     if isinstance(module, RowShardedLinear):
         return "row", module.sequence_parallel, module.in_features, module.out_features
-    mcls = _megatron_classes()
+    mcls = _megatron_classes(module)
     if mcls is not None and isinstance(module, mcls[0]):
         if getattr(module, "gather_output", False):
             raise LayoutError(f"{path}: ColumnParallelLinear with gather_output=True is not supported")
