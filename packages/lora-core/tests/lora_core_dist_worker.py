@@ -85,9 +85,11 @@ def targets(layers: list[int], local_index: bool, with_head: bool) -> dict[str, 
     for j, i in enumerate(layers):
         k = j if local_index else i
         out[f"blocks.{k}.qkv"] = Target(
-            parts=((f"model.layers.{i}.self_attn.q_proj", H),
-                   (f"model.layers.{i}.self_attn.k_proj", H // 2),
-                   (f"model.layers.{i}.self_attn.v_proj", H // 2)),
+            parts=(
+                (f"model.layers.{i}.self_attn.q_proj", H),
+                (f"model.layers.{i}.self_attn.k_proj", H // 2),
+                (f"model.layers.{i}.self_attn.v_proj", H // 2),
+            ),
             groups=2,
         )
         out[f"blocks.{k}.o"] = Target(hf_name=f"model.layers.{i}.self_attn.o_proj")
@@ -103,32 +105,47 @@ def targets(layers: list[int], local_index: bool, with_head: bool) -> dict[str, 
 def build_ref(layers: list[int] = [0, 1], with_head: bool = True) -> tuple[Net, LoraHandle]:  # noqa: B006
     full = full_linears(0)
     net = Net(
-        [Block(full[f"{i}.qkv"], full[f"{i}.o"], full[f"{i}.gate_up"], full[f"{i}.down"]) for i in layers],
+        [
+            Block(full[f"{i}.qkv"], full[f"{i}.o"], full[f"{i}.gate_up"], full[f"{i}.down"])
+            for i in layers
+        ],
         full["head"] if with_head else None,
     )
     return net, attach_lora(net, CFG, targets(layers, True, with_head))
 
 
-def build_tp(groups: LoraGroups, sp: bool, layers: list[int] = [0, 1], with_head: bool = True) -> tuple[Net, LoraHandle]:  # noqa: B006
+def build_tp(
+    groups: LoraGroups, sp: bool, layers: list[int] | None = None, with_head: bool = True
+) -> tuple[Net, LoraHandle]:
+    if layers is None:
+        layers = [0, 1]
     full = full_linears(0)
     tp = groups.tp
 
     def col(m: nn.Linear, split: list[int] | None = None) -> ColumnShardedLinear:
-        return ColumnShardedLinear.from_full(m, tp_group=tp, sequence_parallel=sp, split_sizes=split)
+        return ColumnShardedLinear.from_full(
+            m, tp_group=tp, sequence_parallel=sp, split_sizes=split
+        )
 
     def row(m: nn.Linear) -> RowShardedLinear:
         return RowShardedLinear.from_full(m, tp_group=tp, sequence_parallel=sp)
 
     blocks = [
-        Block(col(full[f"{i}.qkv"]), row(full[f"{i}.o"]), col(full[f"{i}.gate_up"], [FF, FF]),
-              row(full[f"{i}.down"]))
+        Block(
+            col(full[f"{i}.qkv"]),
+            row(full[f"{i}.o"]),
+            col(full[f"{i}.gate_up"], [FF, FF]),
+            row(full[f"{i}.down"]),
+        )
         for i in layers
     ]
     net = Net(blocks, col(full["head"]) if with_head else None)
     return net, attach_lora(net, CFG, targets(layers, True, with_head), groups)
 
 
-def to_local(ref: torch.Tensor, site: lora_layers.LoraLinear, factor: str, rank: int, tp: int) -> torch.Tensor:
+def to_local(
+    ref: torch.Tensor, site: lora_layers.LoraLinear, factor: str, rank: int, tp: int
+) -> torch.Tensor:
     info = site.site
     if factor == "A":
         return ref.chunk(tp, dim=1)[rank] if info.layout == "row" else ref
@@ -165,7 +182,8 @@ def tp_dp_mode(rank: int, sp: bool, groups: LoraGroups, ref: dict[str, Any]) -> 
     init_tp = export_adapter(handle)
     init_ref = export_adapter(build_ref()[1])
     res["init_bitwise"] = init_tp.keys() == init_ref.keys() and all(
-        torch.equal(init_tp[k], init_ref[k]) for k in init_ref)
+        torch.equal(init_tp[k], init_ref[k]) for k in init_ref
+    )
     x_full = batch(dp_rank).requires_grad_(True)
     x = x_full.chunk(tp)[tp_rank].detach().requires_grad_(True) if sp else x_full
     out = net(x)
@@ -195,7 +213,11 @@ def tp_dp_mode(rank: int, sp: bool, groups: LoraGroups, ref: dict[str, Any]) -> 
         for label, t in (("value", p.detach()), ("grad", p.grad)):
             peers = [torch.empty_like(t) for _ in range(4)]
             dist.all_gather(peers, t.contiguous())
-            group = range(4) if p.lora_tag.shard_axis is None else [r for r in range(4) if r % 2 == tp_rank]
+            group = (
+                range(4)
+                if p.lora_tag.shard_axis is None
+                else [r for r in range(4) if r % 2 == tp_rank]
+            )
             if not all(torch.equal(peers[r], t) for r in group):
                 mismatched.append(f"{name}.{label}")
     res["replica_mismatch"] = mismatched
@@ -210,8 +232,11 @@ def negative_control(rank: int, groups: LoraGroups, ref: dict[str, Any]) -> dict
         res = tp_dp_mode(rank, False, groups, ref)
     finally:
         lora_layers.copy_to_group = saved
-    return {"dx_rel": res["dx_rel"], "max_grad_rel": max(res["grad_rel"].values()),
-            "replica_mismatch": res["replica_mismatch"]}
+    return {
+        "dx_rel": res["dx_rel"],
+        "max_grad_rel": max(res["grad_rel"].values()),
+        "replica_mismatch": res["replica_mismatch"],
+    }
 
 
 def perturbed_ref_adapter() -> tuple[LoraHandle, dict[str, torch.Tensor]]:
@@ -222,28 +247,33 @@ def perturbed_ref_adapter() -> tuple[LoraHandle, dict[str, torch.Tensor]]:
             site.lora_A.add_(torch.randn(site.lora_A.shape, generator=gen))
             b = torch.randn(site.lora_B.shape, generator=gen)
             if site.site.unpadded_out:
-                b[site.site.unpadded_out:] = 0
+                b[site.site.unpadded_out :] = 0
             site.lora_B.add_(b)
     return handle, export_adapter(handle)
 
 
 def import_export(rank: int, groups: LoraGroups) -> dict[str, Any]:
     res: dict[str, Any] = {}
-    ref_handle, ref_adapter = perturbed_ref_adapter()
+    _ref_handle, ref_adapter = perturbed_ref_adapter()
     with tempfile.TemporaryDirectory() as tmp:
         save_peft(Path(tmp) / "ref", ref_adapter, CFG)
         _, tp_handle = build_tp(groups, sp=False)
         load_peft(tp_handle, Path(tmp) / "ref")
         tp_adapter = export_adapter(tp_handle)
         res["tp1_to_tp2_bitwise"] = tp_adapter.keys() == ref_adapter.keys() and all(
-            torch.equal(tp_adapter[k], ref_adapter[k]) for k in ref_adapter)
+            torch.equal(tp_adapter[k], ref_adapter[k]) for k in ref_adapter
+        )
         res["lm_head_rows"] = list(tp_adapter["base_model.model.lm_head.lora_B.weight"].shape)
         save_peft(Path(tmp) / "tp", tp_adapter, CFG)
         _, back = build_ref()
         load_peft(back, Path(tmp) / "tp")
         back_adapter = export_adapter(back)
-        res["tp2_to_tp1_bitwise"] = all(torch.equal(back_adapter[k], ref_adapter[k]) for k in ref_adapter)
-        res["bf16_export_dtypes"] = sorted({str(t.dtype) for t in export_adapter(tp_handle, dtype=torch.bfloat16).values()})
+        res["tp2_to_tp1_bitwise"] = all(
+            torch.equal(back_adapter[k], ref_adapter[k]) for k in ref_adapter
+        )
+        res["bf16_export_dtypes"] = sorted(
+            {str(t.dtype) for t in export_adapter(tp_handle, dtype=torch.bfloat16).values()}
+        )
     return res
 
 
@@ -251,14 +281,15 @@ def pipeline_export(rank: int, tp_group: Any, pp_group: Any) -> dict[str, Any]:
     """PP=2 x TP=2: stage s holds layer s (and the head on the last stage)."""
     stage = rank // 2
     groups = LoraGroups(tp=tp_group, pp=pp_group)
-    ref_handle, ref_adapter = perturbed_ref_adapter()
+    _ref_handle, ref_adapter = perturbed_ref_adapter()
     with tempfile.TemporaryDirectory() as tmp:
         save_peft(Path(tmp) / "ref", ref_adapter, CFG)
         _, handle = build_tp(groups, sp=True, layers=[stage], with_head=stage == 1)
         loaded = load_peft(handle, Path(tmp) / "ref")
         full = export_adapter(handle)
     return {
-        "pp_bitwise": full.keys() == ref_adapter.keys() and all(torch.equal(full[k], ref_adapter[k]) for k in ref_adapter),
+        "pp_bitwise": full.keys() == ref_adapter.keys()
+        and all(torch.equal(full[k], ref_adapter[k]) for k in ref_adapter),
         "pp_sorted": list(full) == sorted(full),
         "stage_loaded": len(loaded),
     }
@@ -285,8 +316,13 @@ SUITES = {"tp": suite_tp}
 def main() -> None:
     suite, rank, world, port, out = sys.argv[1], *map(int, sys.argv[2:5]), sys.argv[5]
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world, timeout=timedelta(seconds=90))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=90),
+    )
     try:
         result = SUITES[suite](rank, world)
         Path(out, f"rank{rank}.json").write_text(json.dumps(result))

@@ -25,14 +25,19 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def run_ranks(suite: str, world: int, *, timeout_s: float, extra_env: dict[str, str] | None = None) -> list[dict[str, Any]]:
+def run_ranks(
+    suite: str, world: int, *, timeout_s: float, extra_env: dict[str, str] | None = None
+) -> list[dict[str, Any]]:
     port = free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1", **(extra_env or {})}
     with tempfile.TemporaryDirectory() as out:
         procs = [
             subprocess.Popen(
                 [sys.executable, str(WORKER), suite, str(r), str(world), str(port), out],
-                env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
             )
             for r in range(world)
         ]
@@ -44,7 +49,9 @@ def run_ranks(suite: str, world: int, *, timeout_s: float, extra_env: dict[str, 
                 try:
                     logs.append(p.communicate(timeout=left)[0])
                 except subprocess.TimeoutExpired as exc:
-                    raise AssertionError(f"suite {suite}: rank {procs.index(p)} hung past {timeout_s}s") from exc
+                    raise AssertionError(
+                        f"suite {suite}: rank {procs.index(p)} hung past {timeout_s}s"
+                    ) from exc
         finally:
             for p in procs:
                 if p.poll() is None:
@@ -52,5 +59,7 @@ def run_ranks(suite: str, world: int, *, timeout_s: float, extra_env: dict[str, 
                     p.wait()
         for r, p in enumerate(procs):
             if p.returncode != 0:
-                raise AssertionError(f"suite {suite}: rank {r} exited {p.returncode}:\n{logs[r][-4000:] if r < len(logs) else ''}")
+                raise AssertionError(
+                    f"suite {suite}: rank {r} exited {p.returncode}:\n{logs[r][-4000:] if r < len(logs) else ''}"
+                )
         return [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(world)]

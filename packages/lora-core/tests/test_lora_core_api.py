@@ -27,15 +27,32 @@ from posttrain.lora.attach import fused_local_parts, fused_local_rows
 
 def test_all_is_exactly_the_public_surface() -> None:
     public = {n for n in dir(lora) if not n.startswith("_")}
-    submodules = {"attach", "client", "config", "errors", "export", "grads", "ipc", "layers",
-                  "parallel", "peft_io"}
+    submodules = {
+        "attach",
+        "client",
+        "config",
+        "errors",
+        "export",
+        "grads",
+        "ipc",
+        "layers",
+        "parallel",
+        "peft_io",
+    }
     assert set(lora.__all__) == public - submodules
     assert len(lora.__all__) == len(set(lora.__all__))
 
 
 def test_error_tree_is_rooted_in_interface() -> None:
-    for name in ("LoraConfigError", "LayoutError", "ReplicaMismatchError", "ExportError",
-                 "AdapterFormatError", "AdapterPushError", "ChecksumMismatchError"):
+    for name in (
+        "LoraConfigError",
+        "LayoutError",
+        "ReplicaMismatchError",
+        "ExportError",
+        "AdapterFormatError",
+        "AdapterPushError",
+        "ChecksumMismatchError",
+    ):
         assert issubclass(getattr(lora, name), lora.LoraError)
     assert issubclass(lora.LoraError, PosttrainError)
     assert issubclass(LoraConfigError, ConfigError)
@@ -67,12 +84,13 @@ def test_from_spec_uses_the_spec_fields() -> None:
 
 def test_attach_freezes_base_and_tags_factors() -> None:
     model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4))
-    handle = attach_lora(model, LoraConfig(r=2, alpha=4), {"0": lora.Target(), "2": lora.Target()})
+    attach_lora(model, LoraConfig(r=2, alpha=4), {"0": lora.Target(), "2": lora.Target()})
     assert isinstance(model[0], LoraLinear)
     trainable = [n for n, p in model.named_parameters() if p.requires_grad]
     assert trainable == ["0.lora_A", "0.lora_B", "2.lora_A", "2.lora_B"]
     a = model[0].lora_A
-    assert a.tensor_model_parallel is False and a.allreduce is True
+    assert a.tensor_model_parallel is False
+    assert a.allreduce is True
     assert torch.count_nonzero(model[0].lora_B) == 0  # b_init zero: starts as the base model
     with pytest.raises(LayoutError, match="already attached"):
         attach_lora(model, LoraConfig(r=2, alpha=4), {"0": lora.Target()})
@@ -109,8 +127,11 @@ def test_single_process_reduce_is_identity_and_norm_is_l2() -> None:
 
 
 @settings(max_examples=25, deadline=None)
-@given(tp=st.sampled_from([1, 2, 4]), groups=st.sampled_from([None, 4, 8]),
-       sizes=st.lists(st.integers(1, 3), min_size=1, max_size=3))
+@given(
+    tp=st.sampled_from([1, 2, 4]),
+    groups=st.sampled_from([None, 4, 8]),
+    sizes=st.lists(st.integers(1, 3), min_size=1, max_size=3),
+)
 def test_fused_rows_round_trip(tp: int, groups: int | None, sizes: list[int]) -> None:
     g = groups or tp
     if g % tp:
@@ -123,9 +144,15 @@ def test_fused_rows_round_trip(tp: int, groups: int | None, sizes: list[int]) ->
 
 
 @settings(max_examples=25, deadline=None)
-@given(shapes=st.lists(st.tuples(st.integers(1, 5), st.integers(1, 7)), min_size=1, max_size=6),
-       dtypes=st.lists(st.sampled_from([torch.float32, torch.bfloat16, torch.float16]), min_size=6, max_size=6))
-def test_repack_one_storage_per_dtype(shapes: list[tuple[int, int]], dtypes: list[torch.dtype]) -> None:
+@given(
+    shapes=st.lists(st.tuples(st.integers(1, 5), st.integers(1, 7)), min_size=1, max_size=6),
+    dtypes=st.lists(
+        st.sampled_from([torch.float32, torch.bfloat16, torch.float16]), min_size=6, max_size=6
+    ),
+)
+def test_repack_one_storage_per_dtype(
+    shapes: list[tuple[int, int]], dtypes: list[torch.dtype]
+) -> None:
     tensors = {f"t{i}": torch.randn(s).to(dtypes[i]) for i, s in enumerate(shapes)}
     tensors["view"] = torch.randn(7, 5).T  # a non-contiguous view
     packed = repack_for_ipc(tensors)
@@ -133,6 +160,7 @@ def test_repack_one_storage_per_dtype(shapes: list[tuple[int, int]], dtypes: lis
     storages = {(t.dtype, t.untyped_storage().data_ptr()) for t in packed.values()}
     assert len(storages) == len({t.dtype for t in tensors.values()})
     for k, t in tensors.items():
-        assert torch.equal(packed[k], t) and packed[k].is_contiguous()
+        assert torch.equal(packed[k], t)
+        assert packed[k].is_contiguous()
         assert (packed[k].data_ptr() - packed[k].untyped_storage().data_ptr()) % 256 == 0
         assert packed[k].untyped_storage().data_ptr() != t.untyped_storage().data_ptr()

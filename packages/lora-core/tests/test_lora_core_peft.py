@@ -34,8 +34,14 @@ CFG = LoraConfig(r=4, alpha=8.0, b_init="normal", seed=3, export_dtype=torch.flo
 def tiny_llama() -> LlamaForCausalLM:
     torch.manual_seed(0)
     config = LlamaConfig(
-        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
-        num_attention_heads=2, num_key_value_heads=1, head_dim=8, max_position_embeddings=32,
+        vocab_size=64,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=8,
+        max_position_embeddings=32,
     )
     return LlamaForCausalLM(config).eval()
 
@@ -88,14 +94,18 @@ def test_strict_load_rejects_missing_unknown_and_misshaped(tmp_path: Path) -> No
         d = tmp_path / name
         d.mkdir()
         save_file(tensors, str(d / "adapter_model.safetensors"))
-        (d / "adapter_config.json").write_text((tmp_path / "good" / "adapter_config.json").read_text())
+        (d / "adapter_config.json").write_text(
+            (tmp_path / "good" / "adapter_config.json").read_text()
+        )
         return d
 
     missing = variant("missing", {k: v for k, v in adapter.items() if k != key})
     with pytest.raises(AdapterFormatError, match="missing"):
         load_peft(handle, missing)
     assert load_peft(handle, missing, strict=False)  # non-strict keeps the other sites
-    unknown = variant("unknown", {**adapter, "base_model.model.extra.lora_A.weight": torch.zeros(4, 16)})
+    unknown = variant(
+        "unknown", {**adapter, "base_model.model.extra.lora_A.weight": torch.zeros(4, 16)}
+    )
     with pytest.raises(AdapterFormatError, match=r"unknown .*extra"):
         load_peft(handle, unknown)
     bad = variant("bad", {**adapter, key: torch.zeros(4, 15)})

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from lora_core_harness import run_ranks  # noqa: E402
+from lora_core_harness import run_ranks
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(420)]
 TOL = 1e-5

@@ -8,7 +8,13 @@ adapters to SGLang-compatible engines (``AdapterClient``).
 """
 
 from posttrain.lora.attach import LoraGroups, LoraHandle, Target, attach_lora
-from posttrain.lora.client import AdapterCapabilities, AdapterClient, LoraServing, request_fields, serves_lora
+from posttrain.lora.client import (
+    AdapterCapabilities,
+    AdapterClient,
+    LoraServing,
+    request_fields,
+    serves_lora,
+)
 from posttrain.lora.config import LoraConfig
 from posttrain.lora.errors import (
     AdapterFormatError,

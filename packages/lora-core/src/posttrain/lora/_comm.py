@@ -105,7 +105,7 @@ def copy_to_group(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
     """Identity forward, all-reduce SUM backward (input of a column-parallel op)."""
     if group_size(group) == 1:
         return x
-    out: torch.Tensor = _CopyToGroup.apply(x, group)
+    out: torch.Tensor = _CopyToGroup.apply(x, group)  # type: ignore[no-untyped-call]
     return out
 
 
@@ -113,7 +113,7 @@ def reduce_from_group(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tens
     """All-reduce SUM forward, identity backward (output of a row-parallel op)."""
     if group_size(group) == 1:
         return x
-    out: torch.Tensor = _ReduceFromGroup.apply(x, group)
+    out: torch.Tensor = _ReduceFromGroup.apply(x, group)  # type: ignore[no-untyped-call]
     return out
 
 
@@ -121,7 +121,7 @@ def gather_from_seq(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor
     """All-gather along dim 0 forward, reduce-scatter backward (SP input of a column op)."""
     if group_size(group) == 1:
         return x
-    out: torch.Tensor = _GatherFromSeq.apply(x, group)
+    out: torch.Tensor = _GatherFromSeq.apply(x, group)  # type: ignore[no-untyped-call]
     return out
 
 
@@ -129,5 +129,5 @@ def scatter_to_seq(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
     """Reduce-scatter along dim 0 forward, all-gather backward (SP output of a row op)."""
     if group_size(group) == 1:
         return x
-    out: torch.Tensor = _ScatterToSeq.apply(x, group)
+    out: torch.Tensor = _ScatterToSeq.apply(x, group)  # type: ignore[no-untyped-call]
     return out

@@ -94,6 +94,11 @@ def _megatron_classes(module: nn.Module) -> tuple[type[nn.Module], type[nn.Modul
     return ColumnParallelLinear, RowParallelLinear
 
 
+def _int_attr(module: nn.Module, name: str) -> int:
+    value: int = getattr(module, name)
+    return int(value)
+
+
 def _classify(path: str, module: nn.Module, tp: int) -> tuple[Layout, bool, int, int]:
     """(layout, sequence_parallel, full in, full out) of a supported base module."""
     if isinstance(module, ColumnShardedLinear):
@@ -103,12 +108,24 @@ def _classify(path: str, module: nn.Module, tp: int) -> tuple[Layout, bool, int,
     mcls = _megatron_classes(module)
     if mcls is not None and isinstance(module, mcls[0]):
         if getattr(module, "gather_output", False):
-            raise LayoutError(f"{path}: ColumnParallelLinear with gather_output=True is not supported")
-        return "column", bool(module.sequence_parallel), module.input_size, module.output_size
+            raise LayoutError(
+                f"{path}: ColumnParallelLinear with gather_output=True is not supported"
+            )
+        return (
+            "column",
+            bool(module.sequence_parallel),
+            _int_attr(module, "input_size"),
+            _int_attr(module, "output_size"),
+        )
     if mcls is not None and isinstance(module, mcls[1]):
         if not getattr(module, "input_is_parallel", True):
             raise LayoutError(f"{path}: RowParallelLinear needs input_is_parallel=True")
-        return "row", bool(module.sequence_parallel), module.input_size, module.output_size
+        return (
+            "row",
+            bool(module.sequence_parallel),
+            _int_attr(module, "input_size"),
+            _int_attr(module, "output_size"),
+        )
     if isinstance(module, nn.Linear):
         return "replicated", False, module.in_features, module.out_features
     raise LayoutError(f"{path}: cannot attach LoRA to {type(module).__name__}")
@@ -137,11 +154,13 @@ def fused_local_parts(
     g = groups or tp
     per = g // tp
     block = [s // g for s in sizes]
-    chunks = local.split([b for _ in range(per) for b in block], dim=0)
+    chunks = torch.split(local, [b for _ in range(per) for b in block], dim=0)
     return [torch.cat(chunks[j :: len(sizes)]) for j in range(len(sizes))]
 
 
-def _site_info(path: str, target: Target, layout: Layout, sp: bool, fin: int, fout: int) -> SiteInfo:
+def _site_info(
+    path: str, target: Target, layout: Layout, sp: bool, fin: int, fout: int
+) -> SiteInfo:
     hf = target.hf_name or path
     parts = target.parts or ((hf, fout),)
     if sum(s for _, s in parts) != fout:
@@ -184,13 +203,17 @@ def _tags(info: SiteInfo) -> tuple[LoraParamTag, LoraParamTag]:
     sp = info.sequence_parallel
     if info.layout == "column":
         return (
-            LoraParamTag(site=info.path, factor="A", shard_axis=None, shard_dim=None, tp_partial=sp),
+            LoraParamTag(
+                site=info.path, factor="A", shard_axis=None, shard_dim=None, tp_partial=sp
+            ),
             LoraParamTag(site=info.path, factor="B", shard_axis="tp", shard_dim=0),
         )
     if info.layout == "row":
         return (
             LoraParamTag(site=info.path, factor="A", shard_axis="tp", shard_dim=1),
-            LoraParamTag(site=info.path, factor="B", shard_axis=None, shard_dim=None, tp_partial=sp),
+            LoraParamTag(
+                site=info.path, factor="B", shard_axis=None, shard_dim=None, tp_partial=sp
+            ),
         )
     return (
         LoraParamTag(site=info.path, factor="A", shard_axis=None, shard_dim=None),
@@ -253,7 +276,12 @@ def attach_lora(
                 f"with TP={tp} (expected {(expect_b, expect_a)}); wrong tp group?"
             )
         site = LoraLinear(
-            base, site=info, config=config, lora_a=a.to(device), lora_b=b.to(device), tp_group=groups.tp
+            base,
+            site=info,
+            config=config,
+            lora_a=a.to(device),
+            lora_b=b.to(device),
+            tp_group=groups.tp,
         )
         tag_a, tag_b = _tags(info)
         tag_parameter(site.lora_A, tag_a)

@@ -47,7 +47,9 @@ class LoraConfig:
         if not isinstance(self.r, int) or self.r <= 0:
             raise LoraConfigError(f"LoraConfig.r must be a positive int, got {self.r!r}")
         if not math.isfinite(self.alpha) or self.alpha <= 0:
-            raise LoraConfigError(f"LoraConfig.alpha must be positive and finite, got {self.alpha!r}")
+            raise LoraConfigError(
+                f"LoraConfig.alpha must be positive and finite, got {self.alpha!r}"
+            )
         if not 0.0 <= self.dropout < 1.0:
             raise LoraConfigError(f"LoraConfig.dropout must be in [0, 1), got {self.dropout!r}")
         if self.dropout > 0.0 and not self.allow_dropout:
@@ -62,7 +64,9 @@ class LoraConfig:
         for field in ("param_dtype", "export_dtype"):
             value = getattr(self, field)
             if not isinstance(value, torch.dtype) or not value.is_floating_point:
-                raise LoraConfigError(f"LoraConfig.{field} must be a floating torch.dtype, got {value!r}")
+                raise LoraConfigError(
+                    f"LoraConfig.{field} must be a floating torch.dtype, got {value!r}"
+                )
 
     @property
     def scaling(self) -> float:

@@ -61,7 +61,7 @@ def _gather_batch(
         per_rank = (flat,)
     result: dict[str, torch.Tensor] = {}
     sizes = [p.local.numel() for p in batch]
-    split = [chunk.split(sizes) for chunk in per_rank]
+    split = [torch.split(chunk, sizes) for chunk in per_rank]
     for i, p in enumerate(batch):
         full = torch.cat([split[r][i].view_as(p.local) for r in range(n)], dim=p.dim)
         result[p.name] = full[: p.keep_rows] if p.keep_rows is not None else full
@@ -97,7 +97,9 @@ def _local_adapter(handle: LoraHandle) -> dict[str, torch.Tensor]:
 def _broadcast_stages(local: dict[str, torch.Tensor], pp: ProcessGroup) -> dict[str, torch.Tensor]:
     n = dist.get_world_size(pp)
     me = dist.get_rank(pp)
-    meta = [(k, tuple(v.shape), str(v.dtype).removeprefix("torch.")) for k, v in sorted(local.items())]
+    meta = [
+        (k, tuple(v.shape), str(v.dtype).removeprefix("torch.")) for k, v in sorted(local.items())
+    ]
     everyone: list[list[tuple[str, tuple[int, ...], str]] | None] = [None] * n
     dist.all_gather_object(everyone, meta, group=pp)
     device = next(iter(local.values())).device if local else torch.device("cpu")
@@ -113,14 +115,16 @@ def _broadcast_stages(local: dict[str, torch.Tensor], pp: ProcessGroup) -> dict[
             else:
                 buf = torch.empty(sum(numels), dtype=dtype, device=device)
             dist.broadcast(buf, src=dist.get_global_rank(pp, stage), group=pp)
-            for (k, s), piece in zip(chosen, buf.split(numels), strict=True):
+            for (k, s), piece in zip(chosen, torch.split(buf, numels), strict=True):
                 if k in full:
                     raise ExportError(f"export: tensor {k} comes from two pipeline stages")
                 full[k] = piece.view(s) if stage != me else local[k]
     return full
 
 
-def export_adapter(handle: LoraHandle, *, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+def export_adapter(
+    handle: LoraHandle, *, dtype: torch.dtype | None = None
+) -> dict[str, torch.Tensor]:
     """The full adapter, PEFT-named, on every rank (collective over ``tp`` and ``pp``).
 
     ``dtype`` defaults to the config's ``export_dtype``. Tensors are fresh, contiguous, and

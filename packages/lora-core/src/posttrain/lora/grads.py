@@ -42,7 +42,9 @@ def _tag(p: nn.Parameter) -> LoraParamTag:
     return tag
 
 
-def _coalesced_all_reduce(grads: list[torch.Tensor], group: ProcessGroup | None, scale: float) -> None:
+def _coalesced_all_reduce(
+    grads: list[torch.Tensor], group: ProcessGroup | None, scale: float
+) -> None:
     if not grads:
         return
     flat = torch.cat([g.detach().reshape(-1).to(torch.float32) for g in grads])
@@ -97,11 +99,13 @@ def _shard_group(tag: LoraParamTag, groups: LoraGroups) -> ProcessGroup | None:
 def lora_grad_norm_sq(handle: LoraHandle) -> float:
     """Squared L2 norm of all LoRA grads of the whole model (collective over tp, ep, pp)."""
     g = handle.groups
-    buckets: dict[str | None, torch.Tensor] = defaultdict(lambda: torch.zeros((), dtype=torch.float64))
+    buckets: dict[str | None, torch.Tensor] = defaultdict(
+        lambda: torch.zeros((), dtype=torch.float64)
+    )
     device = None
     for p, gr in _grads(handle.parameters()):
         device = gr.device
-        axis = _tag(p).shard_axis
+        axis: str | None = _tag(p).shard_axis
         buckets[axis] = buckets[axis] + gr.detach().to(torch.float64).pow(2).sum().cpu()
     axes: list[str | None] = [None, "tp", "ep"]
     vec = torch.stack([buckets[a] for a in axes]).to(device or "cpu")

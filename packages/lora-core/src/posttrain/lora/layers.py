@@ -138,6 +138,7 @@ class LoraLinear(nn.Module):
         if self.merged:
             return
         weight = self.base.weight
+        assert isinstance(weight, torch.Tensor)
         with torch.no_grad():
             delta = (self.lora_B.float() @ self.lora_A.float()) * self.scaling
             weight.copy_((weight.float() + delta).to(weight.dtype))

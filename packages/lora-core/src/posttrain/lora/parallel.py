@@ -81,10 +81,10 @@ class ColumnShardedLinear(nn.Module):
         if sum(sizes) != linear.out_features:
             raise LayoutError(f"split_sizes {sizes} do not add up to {linear.out_features}")
         with torch.no_grad():
-            w_parts = linear.weight.split(sizes, dim=0)
+            w_parts = torch.split(linear.weight, sizes, dim=0)
             mod.weight.copy_(torch.cat([_shard(p, 0, rank, tp, "weight") for p in w_parts]))
             if linear.bias is not None and mod.bias is not None:
-                b_parts = linear.bias.split(sizes, dim=0)
+                b_parts = torch.split(linear.bias, sizes, dim=0)
                 mod.bias.copy_(torch.cat([_shard(p, 0, rank, tp, "bias") for p in b_parts]))
         return mod
 
@@ -144,7 +144,9 @@ class RowShardedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = x @ self.weight.T
-        y = scatter_to_seq(y, self.tp_group) if self.sequence_parallel else reduce_from_group(
-            y, self.tp_group
+        y = (
+            scatter_to_seq(y, self.tp_group)
+            if self.sequence_parallel
+            else reduce_from_group(y, self.tp_group)
         )
         return y if self.bias is None else y + self.bias

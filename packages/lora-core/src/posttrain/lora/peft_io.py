@@ -63,13 +63,19 @@ def save_peft(
     if not tensors:
         raise AdapterFormatError(f"save_peft: no tensors to write to {target}")
     for key in tensors:
-        if not key.startswith(PEFT_PREFIX) or not key.endswith((".lora_A.weight", ".lora_B.weight")):
+        if not key.startswith(PEFT_PREFIX) or not key.endswith(
+            (".lora_A.weight", ".lora_B.weight")
+        ):
             raise AdapterFormatError(f"save_peft: {key!r} is not a PEFT LoRA key")
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
     try:
-        cfg = config.peft_config(target_modules or _default_targets(tensors), base_model_name_or_path)
-        save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, tmp / ADAPTER_FILE)
+        cfg = config.peft_config(
+            target_modules or _default_targets(tensors), base_model_name_or_path
+        )
+        save_file(
+            {k: v.detach().contiguous().cpu() for k, v in tensors.items()}, tmp / ADAPTER_FILE
+        )
         (tmp / CONFIG_FILE).write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
         for name in (ADAPTER_FILE, CONFIG_FILE):
             with open(tmp / name, "rb") as fh:
@@ -98,15 +104,23 @@ def read_peft(directory: str | os.PathLike[str]) -> tuple[dict[str, Any], dict[s
     except (OSError, ValueError) as exc:
         raise AdapterFormatError(f"load_peft: cannot read adapter in {path}: {exc}") from exc
     # PEFT inserts the adapter name in memory (".lora_A.default.weight"); drop it if present.
-    tensors = {k.replace(".lora_A.default.", ".lora_A.").replace(".lora_B.default.", ".lora_B."): v
-               for k, v in raw.items()}
+    tensors = {
+        k.replace(".lora_A.default.", ".lora_A.").replace(".lora_B.default.", ".lora_B."): v
+        for k, v in raw.items()
+    }
     return cfg, tensors
 
 
 def _check_config(cfg: dict[str, Any], config: LoraConfig, where: Path) -> None:
     if cfg.get("peft_type", "LORA") != "LORA":
-        raise AdapterFormatError(f"load_peft: {where}: peft_type {cfg.get('peft_type')!r} is not LORA")
-    for field, ours in (("r", config.r), ("lora_alpha", config.alpha), ("use_rslora", config.use_rslora)):
+        raise AdapterFormatError(
+            f"load_peft: {where}: peft_type {cfg.get('peft_type')!r} is not LORA"
+        )
+    for field, ours in (
+        ("r", config.r),
+        ("lora_alpha", config.alpha),
+        ("use_rslora", config.use_rslora),
+    ):
         theirs = cfg.get(field, False if field == "use_rslora" else None)
         if theirs != ours:
             raise AdapterFormatError(
@@ -147,9 +161,13 @@ def load_peft(
         missing = sorted(set(shapes) - set(tensors))
         unknown = sorted(set(tensors) - known)
         if missing:
-            raise AdapterFormatError(f"load_peft: {where}: missing {len(missing)} keys, e.g. {missing[0]}")
+            raise AdapterFormatError(
+                f"load_peft: {where}: missing {len(missing)} keys, e.g. {missing[0]}"
+            )
         if unknown:
-            raise AdapterFormatError(f"load_peft: {where}: unknown {len(unknown)} keys, e.g. {unknown[0]}")
+            raise AdapterFormatError(
+                f"load_peft: {where}: unknown {len(unknown)} keys, e.g. {unknown[0]}"
+            )
     for key, shape in shapes.items():
         if key in tensors and tuple(tensors[key].shape) != shape:
             raise AdapterFormatError(
