@@ -310,7 +310,108 @@ def suite_tp(rank: int, world: int) -> dict[str, Any]:
     }
 
 
-SUITES = {"tp": suite_tp}
+def suite_megatron(rank: int, world: int) -> dict[str, Any]:
+    """The same TP=2 x DP=2 checks through megatron-core's real parallel linears.
+
+    megatron-core's sequence-parallel all-gather takes its buffer from a global memory buffer
+    allocated on ``torch.cuda.current_device()``; on a CPU machine we patch that function to
+    return ``"cpu"`` (the only patch; no CUDA is touched otherwise).
+    """
+    torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment]
+    from megatron.core import ModelParallelConfig
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+
+    tp_groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    dp_groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    tp_group, dp_group = tp_groups[rank // 2], dp_groups[rank % 2]
+    tp_rank, dp_rank, tp = rank % 2, rank // 2, 2
+
+    def full() -> dict[str, nn.Linear]:
+        torch.manual_seed(1)
+        return {f"{i}.{n}": nn.Linear(*dims) for i in range(2)
+                for n, dims in (("fc1", (H, 2 * FF)), ("fc2", (2 * FF, H)))}
+
+    class MBlock(nn.Module):
+        def __init__(self, fc1: nn.Module, fc2: nn.Module, megatron: bool) -> None:
+            super().__init__()
+            self.fc1, self.fc2, self.megatron = fc1, fc2, megatron
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h = self.fc1(x)
+            h = F.gelu(h[0] if self.megatron else h)
+            y = self.fc2(h)
+            return x + (y[0] if self.megatron else y)
+
+    def tgt() -> dict[str, Target]:
+        return {f"{i}.{n}": Target(hf_name=f"model.layers.{i}.mlp.{hf}") for i in range(2)
+                for n, hf in (("fc1", "up_proj"), ("fc2", "down_proj"))}
+
+    cfg = LoraConfig(r=R, alpha=8.0, b_init="normal", seed=9, export_dtype=torch.float32)
+    ref_mods = full()
+    ref = nn.ModuleDict({str(i): MBlock(ref_mods[f"{i}.fc1"], ref_mods[f"{i}.fc2"], False) for i in range(2)})
+    ref_handle = attach_lora(ref, cfg, tgt())
+    xs = [torch.randn(T, 1, H, generator=torch.Generator().manual_seed(200 + d)).requires_grad_(True) for d in range(2)]
+    w = torch.randn(T, 1, H, generator=torch.Generator().manual_seed(3))
+    ref_outs = []
+    for x in xs:
+        h = x
+        for i in range(2):
+            h = ref[str(i)](h)
+        ref_outs.append(h)
+    (sum((o * w).sum() for o in ref_outs) / 2).backward()
+
+    results: dict[str, Any] = {}
+    for sp in (False, True):
+        mcfg = ModelParallelConfig(tensor_model_parallel_size=2, sequence_parallel=sp,
+                                   use_cpu_initialization=True, params_dtype=torch.float32)
+        mods = full()
+        blocks = nn.ModuleDict()
+        for i in range(2):
+            fc1 = ColumnParallelLinear(H, 2 * FF, config=mcfg, init_method=nn.init.zeros_, bias=True,
+                                       gather_output=False, tp_group=tp_group)
+            fc2 = RowParallelLinear(2 * FF, H, config=mcfg, init_method=nn.init.zeros_, bias=True,
+                                    input_is_parallel=True, skip_bias_add=False, tp_group=tp_group)
+            with torch.no_grad():
+                fc1.weight.copy_(mods[f"{i}.fc1"].weight.chunk(tp)[tp_rank])
+                fc1.bias.copy_(mods[f"{i}.fc1"].bias.chunk(tp)[tp_rank])
+                fc2.weight.copy_(mods[f"{i}.fc2"].weight.chunk(tp, dim=1)[tp_rank])
+                fc2.bias.copy_(mods[f"{i}.fc2"].bias)
+            blocks[str(i)] = MBlock(fc1, fc2, True)
+        groups = LoraGroups(tp=tp_group, dp=dp_group)
+        handle = attach_lora(blocks, cfg, tgt(), groups)
+        init_same = all(torch.equal(a, b) for a, b in zip(
+            export_adapter(handle).values(), export_adapter(attach_lora(
+                nn.ModuleDict({str(i): MBlock(full()[f"{i}.fc1"], full()[f"{i}.fc2"], False) for i in range(2)}),
+                cfg, tgt())).values(), strict=True))
+        x_full = xs[dp_rank].detach().clone()
+        x = (x_full.chunk(tp)[tp_rank] if sp else x_full).clone().requires_grad_(True)
+        h = x
+        for i in range(2):
+            h = blocks[str(i)](h)
+        w_loc = w.chunk(tp)[tp_rank] if sp else w / tp  # non-SP: every TP rank holds the full output
+        (h * w_loc).sum().backward()
+        reduce_lora_grads(handle)
+        ref_out = ref_outs[dp_rank].chunk(tp)[tp_rank] if sp else ref_outs[dp_rank]
+        ref_dx = xs[dp_rank].grad * 2
+        ref_dx = ref_dx.chunk(tp)[tp_rank] if sp else ref_dx
+        errs = {}
+        for path, site in handle.sites.items():
+            rsite = ref_handle.sites[path]
+            for f in ("A", "B"):
+                errs[f"{path}.{f}"] = rel_l2(getattr(site, f"lora_{f}").grad,
+                                            to_local(getattr(rsite, f"lora_{f}").grad, site, f, tp_rank, tp))
+        ref_norm = sum(float(p.grad.double().pow(2).sum()) for p in ref_handle.parameters()) ** 0.5
+        tags = {n: (p.tensor_model_parallel, p.partition_dim, p.sequence_parallel)
+                for n, p in handle.named_parameters() if n.startswith("0.")}
+        results["sp" if sp else "nosp"] = {
+            "init_bitwise": init_same, "fwd_rel": rel_l2(h.detach(), ref_out.detach()),
+            "dx_rel": rel_l2(x.grad, ref_dx), "grad_rel": errs,
+            "grad_norm": lora_grad_norm(handle), "ref_grad_norm": ref_norm, "tags": tags,
+        }
+    return results
+
+
+SUITES = {"tp": suite_tp, "megatron": suite_megatron}
 
 
 def main() -> None:
