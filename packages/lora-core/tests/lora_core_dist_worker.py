@@ -307,6 +307,10 @@ def suite_tp(rank: int, world: int) -> dict[str, Any]:
         "negative": negative_control(rank, groups, ref),
         "io": import_export(rank, groups),
         "pp": pipeline_export(rank, tp_groups[rank // 2], dp_groups[rank % 2]),
+        "ep": suite_ep(
+            rank,
+            LoraGroups(ep=tp_groups[rank // 2], expert_dp=dp_groups[rank % 2], dp=dist.group.WORLD),
+        ),
     }
 
 
@@ -328,8 +332,11 @@ def suite_megatron(rank: int, world: int) -> dict[str, Any]:
 
     def full() -> dict[str, nn.Linear]:
         torch.manual_seed(1)
-        return {f"{i}.{n}": nn.Linear(*dims) for i in range(2)
-                for n, dims in (("fc1", (H, 2 * FF)), ("fc2", (2 * FF, H)))}
+        return {
+            f"{i}.{n}": nn.Linear(*dims)
+            for i in range(2)
+            for n, dims in (("fc1", (H, 2 * FF)), ("fc2", (2 * FF, H)))
+        }
 
     class MBlock(nn.Module):
         def __init__(self, fc1: nn.Module, fc2: nn.Module, megatron: bool) -> None:
@@ -343,14 +350,22 @@ def suite_megatron(rank: int, world: int) -> dict[str, Any]:
             return x + (y[0] if self.megatron else y)
 
     def tgt() -> dict[str, Target]:
-        return {f"{i}.{n}": Target(hf_name=f"model.layers.{i}.mlp.{hf}") for i in range(2)
-                for n, hf in (("fc1", "up_proj"), ("fc2", "down_proj"))}
+        return {
+            f"{i}.{n}": Target(hf_name=f"model.layers.{i}.mlp.{hf}")
+            for i in range(2)
+            for n, hf in (("fc1", "up_proj"), ("fc2", "down_proj"))
+        }
 
     cfg = LoraConfig(r=R, alpha=8.0, b_init="normal", seed=9, export_dtype=torch.float32)
     ref_mods = full()
-    ref = nn.ModuleDict({str(i): MBlock(ref_mods[f"{i}.fc1"], ref_mods[f"{i}.fc2"], False) for i in range(2)})
+    ref = nn.ModuleDict(
+        {str(i): MBlock(ref_mods[f"{i}.fc1"], ref_mods[f"{i}.fc2"], False) for i in range(2)}
+    )
     ref_handle = attach_lora(ref, cfg, tgt())
-    xs = [torch.randn(T, 1, H, generator=torch.Generator().manual_seed(200 + d)).requires_grad_(True) for d in range(2)]
+    xs = [
+        torch.randn(T, 1, H, generator=torch.Generator().manual_seed(200 + d)).requires_grad_(True)
+        for d in range(2)
+    ]
     w = torch.randn(T, 1, H, generator=torch.Generator().manual_seed(3))
     ref_outs = []
     for x in xs:
@@ -362,15 +377,34 @@ def suite_megatron(rank: int, world: int) -> dict[str, Any]:
 
     results: dict[str, Any] = {}
     for sp in (False, True):
-        mcfg = ModelParallelConfig(tensor_model_parallel_size=2, sequence_parallel=sp,
-                                   use_cpu_initialization=True, params_dtype=torch.float32)
+        mcfg = ModelParallelConfig(
+            tensor_model_parallel_size=2,
+            sequence_parallel=sp,
+            use_cpu_initialization=True,
+            params_dtype=torch.float32,
+        )
         mods = full()
         blocks = nn.ModuleDict()
         for i in range(2):
-            fc1 = ColumnParallelLinear(H, 2 * FF, config=mcfg, init_method=nn.init.zeros_, bias=True,
-                                       gather_output=False, tp_group=tp_group)
-            fc2 = RowParallelLinear(2 * FF, H, config=mcfg, init_method=nn.init.zeros_, bias=True,
-                                    input_is_parallel=True, skip_bias_add=False, tp_group=tp_group)
+            fc1 = ColumnParallelLinear(
+                H,
+                2 * FF,
+                config=mcfg,
+                init_method=nn.init.zeros_,
+                bias=True,
+                gather_output=False,
+                tp_group=tp_group,
+            )
+            fc2 = RowParallelLinear(
+                2 * FF,
+                H,
+                config=mcfg,
+                init_method=nn.init.zeros_,
+                bias=True,
+                input_is_parallel=True,
+                skip_bias_add=False,
+                tp_group=tp_group,
+            )
             with torch.no_grad():
                 fc1.weight.copy_(mods[f"{i}.fc1"].weight.chunk(tp)[tp_rank])
                 fc1.bias.copy_(mods[f"{i}.fc1"].bias.chunk(tp)[tp_rank])
@@ -379,16 +413,33 @@ def suite_megatron(rank: int, world: int) -> dict[str, Any]:
             blocks[str(i)] = MBlock(fc1, fc2, True)
         groups = LoraGroups(tp=tp_group, dp=dp_group)
         handle = attach_lora(blocks, cfg, tgt(), groups)
-        init_same = all(torch.equal(a, b) for a, b in zip(
-            export_adapter(handle).values(), export_adapter(attach_lora(
-                nn.ModuleDict({str(i): MBlock(full()[f"{i}.fc1"], full()[f"{i}.fc2"], False) for i in range(2)}),
-                cfg, tgt())).values(), strict=True))
+        init_same = all(
+            torch.equal(a, b)
+            for a, b in zip(
+                export_adapter(handle).values(),
+                export_adapter(
+                    attach_lora(
+                        nn.ModuleDict(
+                            {
+                                str(i): MBlock(full()[f"{i}.fc1"], full()[f"{i}.fc2"], False)
+                                for i in range(2)
+                            }
+                        ),
+                        cfg,
+                        tgt(),
+                    )
+                ).values(),
+                strict=True,
+            )
+        )
         x_full = xs[dp_rank].detach().clone()
         x = (x_full.chunk(tp)[tp_rank] if sp else x_full).clone().requires_grad_(True)
         h = x
         for i in range(2):
             h = blocks[str(i)](h)
-        w_loc = w.chunk(tp)[tp_rank] if sp else w / tp  # non-SP: every TP rank holds the full output
+        w_loc = (
+            w.chunk(tp)[tp_rank] if sp else w / tp
+        )  # non-SP: every TP rank holds the full output
         (h * w_loc).sum().backward()
         reduce_lora_grads(handle)
         ref_out = ref_outs[dp_rank].chunk(tp)[tp_rank] if sp else ref_outs[dp_rank]
@@ -398,17 +449,184 @@ def suite_megatron(rank: int, world: int) -> dict[str, Any]:
         for path, site in handle.sites.items():
             rsite = ref_handle.sites[path]
             for f in ("A", "B"):
-                errs[f"{path}.{f}"] = rel_l2(getattr(site, f"lora_{f}").grad,
-                                            to_local(getattr(rsite, f"lora_{f}").grad, site, f, tp_rank, tp))
+                errs[f"{path}.{f}"] = rel_l2(
+                    getattr(site, f"lora_{f}").grad,
+                    to_local(getattr(rsite, f"lora_{f}").grad, site, f, tp_rank, tp),
+                )
         ref_norm = sum(float(p.grad.double().pow(2).sum()) for p in ref_handle.parameters()) ** 0.5
-        tags = {n: (p.tensor_model_parallel, p.partition_dim, p.sequence_parallel)
-                for n, p in handle.named_parameters() if n.startswith("0.")}
+        tags = {
+            n: (p.tensor_model_parallel, p.partition_dim, p.sequence_parallel)
+            for n, p in handle.named_parameters()
+            if n.startswith("0.")
+        }
         results["sp" if sp else "nosp"] = {
-            "init_bitwise": init_same, "fwd_rel": rel_l2(h.detach(), ref_out.detach()),
-            "dx_rel": rel_l2(x.grad, ref_dx), "grad_rel": errs,
-            "grad_norm": lora_grad_norm(handle), "ref_grad_norm": ref_norm, "tags": tags,
+            "init_bitwise": init_same,
+            "fwd_rel": rel_l2(h.detach(), ref_out.detach()),
+            "dx_rel": rel_l2(x.grad, ref_dx),
+            "grad_rel": errs,
+            "grad_norm": lora_grad_norm(handle),
+            "ref_grad_norm": ref_norm,
+            "tags": tags,
         }
     return results
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx: Any, x: torch.Tensor, out_splits: list[int], in_splits: list[int], group: Any
+    ) -> torch.Tensor:
+        ctx.splits, ctx.group = (out_splits, in_splits), group
+        out = x.new_empty(sum(out_splits), *x.shape[1:])
+        dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> Any:
+        out_splits, in_splits = ctx.splits
+        gi = g.new_empty(sum(in_splits), *g.shape[1:])
+        dist.all_to_all_single(gi, g.contiguous(), in_splits, out_splits, group=ctx.group)
+        return gi, None, None, None
+
+
+N_EXP, EP = 4, 2
+
+
+def moe(
+    x: torch.Tensor, expert: torch.Tensor, fc1: nn.Module, fc2: nn.Module, ep_group: Any
+) -> torch.Tensor:
+    """Top-1 hard routing; a hand-written all-to-all dispatcher when ``ep_group`` is given."""
+    ep = 1 if ep_group is None else dist.get_world_size(ep_group)
+    n_loc = N_EXP // ep
+    order = torch.argsort(expert, stable=True)
+    counts = torch.bincount(expert, minlength=N_EXP)
+    xs = x[order]
+    if ep == 1:
+        h = F.gelu(fc1(xs, counts.tolist()))
+        ys = fc2(h, counts.tolist())
+    else:
+        recv = torch.empty_like(counts)
+        dist.all_to_all_single(recv, counts, group=ep_group)  # [src, local expert]
+        send_splits = counts.view(ep, n_loc).sum(1).tolist()
+        recv_splits = recv.view(ep, n_loc).sum(1).tolist()
+        got = _AllToAll.apply(xs, recv_splits, send_splits, ep_group)
+        blocks = recv.view(ep, n_loc)
+        idx = torch.arange(got.shape[0])
+        pieces = list(torch.split(idx, blocks.reshape(-1).tolist()))  # (src, e) blocks
+        perm = torch.cat([pieces[s * n_loc + e] for e in range(n_loc) for s in range(ep)])
+        tpe = blocks.sum(0).tolist()
+        h = F.gelu(fc1(got[perm], tpe))
+        y_local = fc2(h, tpe)
+        back = torch.empty_like(y_local)
+        back = back.index_copy(0, perm, y_local)
+        ys = _AllToAll.apply(back, send_splits, recv_splits, ep_group)
+    out = torch.empty_like(ys).index_copy(0, order, ys)
+    return x + out
+
+
+def moe_targets(shared: bool) -> dict[str, Target]:
+    if shared:
+        return {
+            "fc1": Target(hf_name="model.layers.0.mlp.experts.w1", shared="A"),
+            "fc2": Target(hf_name="model.layers.0.mlp.experts.w2", shared="B"),
+        }
+    return {
+        "fc1": Target(hf_name="model.layers.0.mlp.experts.{expert}.up_proj"),
+        "fc2": Target(hf_name="model.layers.0.mlp.experts.{expert}.down_proj"),
+    }
+
+
+def build_moe(
+    ep_group: Any, ep_rank: int, shared: bool, groups: LoraGroups | None
+) -> tuple[nn.ModuleDict, LoraHandle]:
+    from posttrain.lora.experts import ExpertLinear
+
+    torch.manual_seed(4)
+    w1, w2 = torch.randn(N_EXP, FF, H) * 0.3, torch.randn(N_EXP, H, FF) * 0.3
+    ep = 1 if ep_group is None else dist.get_world_size(ep_group)
+    fc1 = ExpertLinear(N_EXP, H, FF, ep_group=ep_group)
+    fc2 = ExpertLinear(N_EXP, FF, H, ep_group=ep_group)
+    with torch.no_grad():
+        fc1.weight.copy_(w1.chunk(ep)[ep_rank])
+        fc2.weight.copy_(w2.chunk(ep)[ep_rank])
+    mods = nn.ModuleDict({"fc1": fc1, "fc2": fc2})
+    cfg = LoraConfig(r=R, alpha=8.0, b_init="normal", seed=5, export_dtype=torch.float32)
+    return mods, attach_lora(mods, cfg, moe_targets(shared), groups)
+
+
+def moe_batch(d: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(300 + d)
+    return torch.randn(T, H, generator=gen), torch.randint(0, N_EXP, (T,), generator=gen)
+
+
+def ep_mode(rank: int, shared: bool, groups: LoraGroups) -> dict[str, Any]:
+    """EP=2 x expert-DP=2 in a world of 4 (dense DP=4), vs one process holding every expert."""
+    ep_rank = rank % 2
+    ref_mods, ref_handle = build_moe(None, 0, shared, None)
+    w = torch.randn(T, H, generator=torch.Generator().manual_seed(8))
+    xs = []
+    ref_loss = 0.0
+    for d in range(4):
+        x, e = moe_batch(d)
+        x.requires_grad_(True)
+        xs.append(x)
+        ref_loss = ref_loss + (moe(x, e, ref_mods["fc1"], ref_mods["fc2"], None) * w).sum() / 4
+    ref_loss.backward()  # type: ignore[union-attr]
+    mods, handle = build_moe(groups.ep, ep_rank, shared, groups)
+    init_same = all(
+        torch.equal(a, b)
+        for a, b in zip(
+            export_adapter(handle).values(),
+            export_adapter(build_moe(None, 0, shared, None)[1]).values(),
+            strict=True,
+        )
+    )
+    x, e = moe_batch(rank)
+    x.requires_grad_(True)
+    out = moe(x, e, mods["fc1"], mods["fc2"], groups.ep)
+    ref_out = moe(xs[rank].detach(), e, ref_mods["fc1"], ref_mods["fc2"], None)
+    (out * w).sum().backward()
+    reduce_lora_grads(handle)
+    errs = {}
+    for path, site in handle.sites.items():
+        rsite = ref_handle.sites[path]
+        for f in ("A", "B"):
+            ref_g = getattr(rsite, f"lora_{f}").grad
+            if site.shared != f:
+                ref_g = ref_g.chunk(2)[ep_rank]
+            errs[f"{path}.{f}"] = rel_l2(getattr(site, f"lora_{f}").grad, ref_g)
+    ref_norm = sum(float(p.grad.double().pow(2).sum()) for p in ref_handle.parameters()) ** 0.5
+    _, ref_adapter = perturbed_moe_adapter(shared)
+    with tempfile.TemporaryDirectory() as tmp:
+        save_peft(Path(tmp) / "a", ref_adapter, handle.config)
+        load_peft(handle, Path(tmp) / "a")
+    round_trip = export_adapter(handle)
+    return {
+        "init_bitwise": init_same,
+        "fwd_rel": rel_l2(out.detach(), ref_out.detach()),
+        "dx_rel": rel_l2(x.grad, xs[rank].grad * 4),
+        "grad_rel": errs,
+        "grad_norm": lora_grad_norm(handle),
+        "ref_grad_norm": ref_norm,
+        "import_export_bitwise": round_trip.keys() == ref_adapter.keys()
+        and all(torch.equal(round_trip[k], ref_adapter[k]) for k in ref_adapter),
+        "keys": {
+            k: list(v.shape) for k, v in ref_adapter.items() if ".0." in k or "w1" in k or "w2" in k
+        },
+    }
+
+
+def perturbed_moe_adapter(shared: bool) -> tuple[LoraHandle, dict[str, torch.Tensor]]:
+    _, handle = build_moe(None, 0, shared, None)
+    gen = torch.Generator().manual_seed(12)
+    with torch.no_grad():
+        for p in handle.parameters():
+            p.add_(torch.randn(p.shape, generator=gen))
+    return handle, export_adapter(handle)
+
+
+def suite_ep(rank: int, groups: LoraGroups) -> dict[str, Any]:
+    return {"per_expert": ep_mode(rank, False, groups), "shared_outer": ep_mode(rank, True, groups)}
 
 
 SUITES = {"tp": suite_tp, "megatron": suite_megatron}

@@ -74,3 +74,32 @@ def test_pipeline_export_gives_full_adapter_on_every_rank(ranks: list[dict[str, 
         assert res["pp"]["pp_sorted"] is True
     # stage 0: 4 sites, 7 PEFT modules (q,k,v,o,gate,up,down) x 2 factors; stage 1 adds lm_head
     assert [r["pp"]["stage_loaded"] for r in ranks] == [14, 14, 16, 16]
+
+
+@pytest.mark.parametrize("layout", ["per_expert", "shared_outer"])
+def test_expert_parallel_matches_single_process(ranks: list[dict[str, Any]], layout: str) -> None:
+    """EP=2 x expert-DP=2 (dense DP=4) with a hand-written all-to-all dispatcher."""
+    for rank, res in enumerate(ranks):
+        r = res["ep"][layout]
+        assert r["init_bitwise"] is True
+        assert r["fwd_rel"] <= TOL, (rank, r["fwd_rel"])
+        assert r["dx_rel"] <= TOL, (rank, r["dx_rel"])
+        assert max(r["grad_rel"].values()) <= TOL, (rank, r["grad_rel"])
+        # a shared factor replicated over EP is counted once in the norm, not EP times
+        assert r["grad_norm"] == pytest.approx(r["ref_grad_norm"], rel=1e-6)
+        assert r["import_export_bitwise"] is True
+
+
+def test_expert_export_names_and_shapes(ranks: list[dict[str, Any]]) -> None:
+    prefix = "base_model.model.model.layers.0.mlp.experts."
+    shared = ranks[0]["ep"]["shared_outer"]["keys"]
+    assert shared == {
+        f"{prefix}w1.lora_A.weight": [1, 4, 16],
+        f"{prefix}w1.lora_B.weight": [4, 12, 4],
+        f"{prefix}w2.lora_A.weight": [4, 4, 12],
+        f"{prefix}w2.lora_B.weight": [1, 16, 4],
+    }
+    per = ranks[0]["ep"]["per_expert"]["keys"]
+    assert per[f"{prefix}3.up_proj.lora_B.weight"] == [12, 4]
+    assert per[f"{prefix}0.down_proj.lora_A.weight"] == [4, 12]
+    assert len(per) == 4 * 2 * 2

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
 from torch import nn
@@ -22,6 +23,7 @@ from torch.distributed import ProcessGroup
 from posttrain.lora._comm import group_rank, group_size
 from posttrain.lora.config import LoraConfig, init_full_factor
 from posttrain.lora.errors import LayoutError, LoraConfigError
+from posttrain.lora.experts import ExpertLinear, LoraExpertLinear
 from posttrain.lora.layers import Layout, LoraLinear, LoraParamTag, SiteInfo, tag_parameter
 from posttrain.lora.parallel import ColumnShardedLinear, RowShardedLinear
 
@@ -48,12 +50,15 @@ class Target:
     fused column output, ``(PEFT module path, full output rows)`` in storage order; ``groups``:
     their interleave group count (Megatron QKV: the number of query groups; ``None``: each part
     sharded alone, as gate/up). ``unpadded_out``: rows past it are padding (vocab-parallel head).
+    ``shared``: for an ``ExpertLinear``, the factor shared by all experts (shared-outer layout;
+    ``None``: per-expert adapters, and ``hf_name`` must contain ``{expert}``).
     """
 
     hf_name: str | None = None
     parts: tuple[tuple[str, int], ...] = ()
     groups: int | None = None
     unpadded_out: int | None = None
+    shared: Literal["A", "B"] | None = None
 
 
 @dataclass(kw_only=True, slots=True)
@@ -63,7 +68,7 @@ class LoraHandle:
     model: nn.Module
     config: LoraConfig
     groups: LoraGroups
-    sites: dict[str, LoraLinear] = field(default_factory=dict)
+    sites: dict[str, LoraLinear | LoraExpertLinear] = field(default_factory=dict)
 
     def parameters(self) -> Iterator[nn.Parameter]:
         """Every LoRA factor (A then B per site, in site order)."""
@@ -259,8 +264,13 @@ def attach_lora(
         parent_path, _, leaf = path.rpartition(".")
         parent = model.get_submodule(parent_path) if parent_path else model
         base = getattr(parent, leaf)
-        if isinstance(base, LoraLinear):
+        if isinstance(base, LoraLinear | LoraExpertLinear):
             raise LayoutError(f"{path}: LoRA is already attached")
+        if isinstance(base, ExpertLinear):
+            expert_site = _attach_experts(path, base, target, config, groups)
+            setattr(parent, leaf, expert_site)
+            handle.sites[path] = expert_site
+            continue
         layout, sp, fin, fout = _classify(path, base, tp)
         info = _site_info(path, target, layout, sp, fin, fout)
         a, b = _initial_factors(info, config, rank, tp)
@@ -291,3 +301,53 @@ def attach_lora(
     if not handle.sites:
         raise LoraConfigError("attach_lora: no target modules given")
     return handle
+
+
+def _attach_experts(
+    path: str, base: ExpertLinear, target: Target, config: LoraConfig, groups: LoraGroups
+) -> LoraExpertLinear:
+    ep_rank, ep = group_rank(groups.ep), group_size(groups.ep)
+    if base.ep_group is not groups.ep and group_size(base.ep_group) != ep:
+        raise LayoutError(
+            f"{path}: ExpertLinear EP size {group_size(base.ep_group)} != groups.ep {ep}"
+        )
+    hf = target.hf_name or (path if target.shared else f"{path}.{{expert}}")
+    if target.shared is None and "{expert}" not in hf:
+        raise LoraConfigError(f"{path}: per-expert Target.hf_name {hf!r} needs an {{expert}} field")
+    n, r, fin, fout = base.num_experts, config.r, base.in_features, base.out_features
+    a_shape = (r, fin) if target.shared == "A" else (n, r, fin)
+    b_shape = (fout, r) if target.shared == "B" else (n, fout, r)
+    a = init_full_factor(config, hf, "A", a_shape)
+    b = init_full_factor(config, hf, "B", b_shape)
+    if target.shared != "A":
+        a = a.chunk(ep)[ep_rank].clone()
+    if target.shared != "B":
+        b = b.chunk(ep)[ep_rank].clone()
+    device = base.weight.device
+    site = LoraExpertLinear(
+        base,
+        path=path,
+        hf_name=hf,
+        shared=target.shared,
+        config=config,
+        lora_a=a.to(device),
+        lora_b=b.to(device),
+    )
+    factors: tuple[tuple[Literal["A", "B"], nn.Parameter], ...] = (
+        ("A", site.lora_A),
+        ("B", site.lora_B),
+    )
+    for factor, param in factors:
+        if target.shared == factor:
+            tag = LoraParamTag(
+                site=path,
+                factor=factor,
+                shard_axis=None,
+                shard_dim=None,
+                ep_partial=ep > 1,
+                expert=True,
+            )
+        else:
+            tag = LoraParamTag(site=path, factor=factor, shard_axis="ep", shard_dim=0, expert=True)
+        tag_parameter(param, tag)
+    return site

@@ -23,6 +23,7 @@ from torch.distributed import ProcessGroup
 from posttrain.lora._comm import group_rank, group_size
 from posttrain.lora.attach import LoraHandle, fused_local_parts
 from posttrain.lora.errors import ExportError
+from posttrain.lora.experts import LoraExpertLinear
 
 PEFT_PREFIX = "base_model.model."
 
@@ -72,7 +73,20 @@ def _local_adapter(handle: LoraHandle) -> dict[str, torch.Tensor]:
     tp = group_size(handle.groups.tp)
     ready: dict[str, torch.Tensor] = {}
     pending: list[_Pending] = []
+    expert_pending: list[_Pending] = []
+    per_expert: list[LoraExpertLinear] = []
     for site in handle.sites.values():
+        if isinstance(site, LoraExpertLinear):
+            a, b = site.lora_A.detach(), site.lora_B.detach()
+            for factor, t in (("A", a), ("B", b)):
+                key = peft_key(site.hf_name, factor)
+                if site.shared == factor:
+                    ready[key] = t.unsqueeze(0).clone()
+                else:
+                    expert_pending.append(_Pending(key, t, 0, None))
+            if site.shared is None:
+                per_expert.append(site)
+            continue
         info = site.site
         a, b = site.lora_A.detach(), site.lora_B.detach()
         names = [name for name, _ in info.parts]
@@ -91,6 +105,12 @@ def _local_adapter(handle: LoraHandle) -> dict[str, torch.Tensor]:
                 ready[peft_key(name, "B")] = (part[:keep] if keep else part).clone()
                 ready[peft_key(name, "A")] = a.clone()
     ready.update(_gather_batch(pending, handle.groups.tp, "tensor-parallel"))
+    ready.update(_gather_batch(expert_pending, handle.groups.ep, "expert-parallel"))
+    for site in per_expert:  # explode stacked [E, ...] into one PEFT module per expert
+        for factor in ("A", "B"):
+            stacked = ready.pop(peft_key(site.hf_name, factor))
+            for e in range(stacked.shape[0]):
+                ready[peft_key(site.hf_name.format(expert=e), factor)] = stacked[e].clone()
     return ready
 
 

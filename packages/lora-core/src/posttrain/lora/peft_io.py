@@ -28,7 +28,9 @@ from posttrain.lora._comm import group_rank, group_size
 from posttrain.lora.attach import LoraHandle, fused_local_rows
 from posttrain.lora.config import LoraConfig
 from posttrain.lora.errors import AdapterFormatError
+from posttrain.lora.experts import LoraExpertLinear
 from posttrain.lora.export import PEFT_PREFIX, peft_key
+from posttrain.lora.layers import LoraLinear
 
 ADAPTER_FILE = "adapter_model.safetensors"
 CONFIG_FILE = "adapter_config.json"
@@ -128,15 +130,73 @@ def _check_config(cfg: dict[str, Any], config: LoraConfig, where: Path) -> None:
             )
 
 
+def _expert_keys(site: LoraExpertLinear, r: int) -> dict[str, tuple[int, ...]]:
+    n, fin, fout = site.base.num_experts, site.base.in_features, site.base.out_features
+    if site.shared is None:
+        shapes: dict[str, tuple[int, ...]] = {}
+        for e in range(n):
+            shapes[peft_key(site.hf_name.format(expert=e), "A")] = (r, fin)
+            shapes[peft_key(site.hf_name.format(expert=e), "B")] = (fout, r)
+        return shapes
+    return {
+        peft_key(site.hf_name, "A"): (1 if site.shared == "A" else n, r, fin),
+        peft_key(site.hf_name, "B"): (1 if site.shared == "B" else n, fout, r),
+    }
+
+
 def _expected_shapes(handle: LoraHandle) -> dict[str, tuple[int, ...]]:
     r = handle.config.r
     shapes: dict[str, tuple[int, ...]] = {}
     for site in handle.sites.values():
+        if isinstance(site, LoraExpertLinear):
+            shapes.update(_expert_keys(site, r))
+            continue
         info = site.site
         for name, size in info.parts:
             shapes[peft_key(name, "A")] = (r, info.in_features)
             shapes[peft_key(name, "B")] = (info.unpadded_out or size, r)
     return shapes
+
+
+def _expert_local(
+    site: LoraExpertLinear, tensors: dict[str, torch.Tensor], ep_rank: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    n_loc = site.base.weight.shape[0]
+    local = range(ep_rank * n_loc, (ep_rank + 1) * n_loc)
+    if site.shared is None:
+        a = torch.stack([tensors[peft_key(site.hf_name.format(expert=e), "A")] for e in local])
+        b = torch.stack([tensors[peft_key(site.hf_name.format(expert=e), "B")] for e in local])
+        return a, b
+    a, b = tensors[peft_key(site.hf_name, "A")], tensors[peft_key(site.hf_name, "B")]
+    a = a[0] if site.shared == "A" else a[local.start : local.stop]
+    b = b[0] if site.shared == "B" else b[local.start : local.stop]
+    return a, b
+
+
+def _dense_local(
+    site: LoraLinear, tensors: dict[str, torch.Tensor], rank: int, tp: int, where: Path
+) -> tuple[torch.Tensor, torch.Tensor]:
+    info = site.site
+    a_keys = [peft_key(n, "A") for n, _ in info.parts]
+    b_keys = [peft_key(n, "B") for n, _ in info.parts]
+    a_full = tensors[a_keys[0]].float()
+    for k in a_keys[1:]:
+        if not torch.equal(tensors[k].float(), a_full):
+            raise AdapterFormatError(
+                f"load_peft: {where}: {k} differs from {a_keys[0]}, but {info.path} is a fused "
+                "site with one shared A"
+            )
+    b_parts = []
+    for k, (_, size) in zip(b_keys, info.parts, strict=True):
+        b = tensors[k].float()
+        if b.shape[0] < size:
+            b = torch.cat([b, b.new_zeros(size - b.shape[0], b.shape[1])])
+        b_parts.append(b)
+    if info.layout == "column":
+        return a_full, fused_local_rows(b_parts, info.groups, rank, tp)
+    if info.layout == "row":
+        return a_full.chunk(tp, dim=1)[rank], torch.cat(b_parts)
+    return a_full, fused_local_rows(b_parts, info.groups, 0, 1)
 
 
 def load_peft(
@@ -175,35 +235,22 @@ def load_peft(
             )
     rank, tp = group_rank(handle.groups.tp), group_size(handle.groups.tp)
     loaded: list[str] = []
+    r = handle.config.r
     for site in handle.sites.values():
-        info = site.site
-        a_keys = [peft_key(n, "A") for n, _ in info.parts]
-        b_keys = [peft_key(n, "B") for n, _ in info.parts]
-        if not all(k in tensors for k in a_keys + b_keys):
-            continue  # non-strict: leave a partially given site untouched
-        a_full = tensors[a_keys[0]].float()
-        for k in a_keys[1:]:
-            if not torch.equal(tensors[k].float(), a_full):
-                raise AdapterFormatError(
-                    f"load_peft: {where}: {k} differs from {a_keys[0]}, but {info.path} is a fused "
-                    "site with one shared A"
-                )
-        b_parts = []
-        for k, (_, size) in zip(b_keys, info.parts, strict=True):
-            b = tensors[k].float()
-            if b.shape[0] < size:
-                b = torch.cat([b, b.new_zeros(size - b.shape[0], b.shape[1])])
-            b_parts.append(b)
-        if info.layout == "column":
-            a_loc, b_loc = a_full, fused_local_rows(b_parts, info.groups, rank, tp)
-        elif info.layout == "row":
-            a_loc, b_loc = a_full.chunk(tp, dim=1)[rank], torch.cat(b_parts)
+        if isinstance(site, LoraExpertLinear):
+            keys = list(_expert_keys(site, r))
         else:
-            a_loc, b_loc = a_full, fused_local_rows(b_parts, info.groups, 0, 1)
+            keys = [peft_key(n, f) for n, _ in site.site.parts for f in ("A", "B")]
+        if not all(k in tensors for k in keys):
+            continue  # non-strict: leave a partially given site untouched
+        if isinstance(site, LoraExpertLinear):
+            a_loc, b_loc = _expert_local(site, tensors, group_rank(handle.groups.ep))
+        else:
+            a_loc, b_loc = _dense_local(site, tensors, rank, tp, where)
         with torch.no_grad():
             site.lora_A.copy_(a_loc)
             site.lora_B.copy_(b_loc)
-        loaded.extend(a_keys + b_keys)
+        loaded.extend(keys)
     return loaded
 
 
