@@ -6,7 +6,9 @@ test files assert on those numbers. Kept out of pytest collection (no ``test_`` 
 
 from __future__ import annotations
 
+import faulthandler
 import json
+import signal
 import sys
 import tempfile
 from datetime import timedelta
@@ -315,7 +317,7 @@ def suite_tp(rank: int, world: int) -> dict[str, Any]:
 
 
 def suite_megatron(rank: int, world: int) -> dict[str, Any]:
-    """The same TP=2 x DP=2 checks through megatron-core's real parallel linears.
+    """The TP=2 x DP=world/2 checks through megatron-core's real parallel linears.
 
     megatron-core's sequence-parallel all-gather takes its buffer from a global memory buffer
     allocated on ``torch.cuda.current_device()``; on a CPU machine we patch that function to
@@ -325,8 +327,11 @@ def suite_megatron(rank: int, world: int) -> dict[str, Any]:
     from megatron.core import ModelParallelConfig
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
-    tp_groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
-    dp_groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    ndp = world // 2  # TP=2 x DP=world/2
+    tp_groups = [dist.new_group([2 * d, 2 * d + 1]) for d in range(ndp)]
+    dp_groups = (
+        [dist.new_group(list(range(t, world, 2))) for t in range(2)] if ndp > 1 else [None, None]
+    )
     tp_group, dp_group = tp_groups[rank // 2], dp_groups[rank % 2]
     tp_rank, dp_rank, tp = rank % 2, rank // 2, 2
 
@@ -364,7 +369,7 @@ def suite_megatron(rank: int, world: int) -> dict[str, Any]:
     ref_handle = attach_lora(ref, cfg, tgt())
     xs = [
         torch.randn(T, 1, H, generator=torch.Generator().manual_seed(200 + d)).requires_grad_(True)
-        for d in range(2)
+        for d in range(ndp)
     ]
     w = torch.randn(T, 1, H, generator=torch.Generator().manual_seed(3))
     ref_outs = []
@@ -373,7 +378,7 @@ def suite_megatron(rank: int, world: int) -> dict[str, Any]:
         for i in range(2):
             h = ref[str(i)](h)
         ref_outs.append(h)
-    (sum((o * w).sum() for o in ref_outs) / 2).backward()
+    (sum((o * w).sum() for o in ref_outs) / ndp).backward()
 
     results: dict[str, Any] = {}
     for sp in (False, True):
@@ -437,13 +442,12 @@ def suite_megatron(rank: int, world: int) -> dict[str, Any]:
         h = x
         for i in range(2):
             h = blocks[str(i)](h)
-        w_loc = (
-            w.chunk(tp)[tp_rank] if sp else w / tp
-        )  # non-SP: every TP rank holds the full output
+        # non-SP: the output is replicated and every TP rank computes the same full loss
+        w_loc = w.chunk(tp)[tp_rank] if sp else w
         (h * w_loc).sum().backward()
         reduce_lora_grads(handle)
         ref_out = ref_outs[dp_rank].chunk(tp)[tp_rank] if sp else ref_outs[dp_rank]
-        ref_dx = xs[dp_rank].grad * 2
+        ref_dx = xs[dp_rank].grad * ndp
         ref_dx = ref_dx.chunk(tp)[tp_rank] if sp else ref_dx
         errs = {}
         for path, site in handle.sites.items():
@@ -633,6 +637,7 @@ SUITES = {"tp": suite_tp, "megatron": suite_megatron}
 
 
 def main() -> None:
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     suite, rank, world, port, out = sys.argv[1], *map(int, sys.argv[2:5]), sys.argv[5]
     torch.set_num_threads(1)
     dist.init_process_group(

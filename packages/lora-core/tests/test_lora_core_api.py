@@ -32,6 +32,7 @@ def test_all_is_exactly_the_public_surface() -> None:
         "client",
         "config",
         "errors",
+        "experts",
         "export",
         "grads",
         "ipc",

@@ -1,4 +1,4 @@
-"""TP=2 x DP=2 through megatron-core's real ``ColumnParallelLinear`` / ``RowParallelLinear`` on gloo.
+"""TP=2 through megatron-core's real ``ColumnParallelLinear`` / ``RowParallelLinear`` on gloo.
 
 ``use_cpu_initialization=True``; for sequence parallelism the worker patches
 ``torch.cuda.current_device`` to return ``"cpu"`` (megatron-core allocates its all-gather buffer
@@ -7,13 +7,15 @@ on that device). Our own groups are passed to megatron (``tp_group=``) and to ``
 
 from __future__ import annotations
 
+import importlib.util
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-pytest.importorskip("megatron.core")
+if importlib.util.find_spec("megatron") is None:  # only the ranks import it (~20 s each)
+    pytest.skip("megatron-core (extra 'megatron') is not installed", allow_module_level=True)
 sys.path.insert(0, str(Path(__file__).parent))
 from lora_core_harness import run_ranks
 
@@ -23,7 +25,9 @@ TOL = 1e-5
 
 @pytest.fixture(scope="module")
 def ranks() -> list[dict[str, Any]]:
-    return run_ranks("megatron", 4, timeout_s=400)
+    # TP=2 only: DP is the same code as the plain-torch suite, and megatron-core costs ~12 s
+    # of CPU per rank to import.
+    return run_ranks("megatron", 2, timeout_s=400)
 
 
 @pytest.mark.parametrize("mode", ["nosp", "sp"])

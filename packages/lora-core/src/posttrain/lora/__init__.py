@@ -26,6 +26,7 @@ from posttrain.lora.errors import (
     LoraError,
     ReplicaMismatchError,
 )
+from posttrain.lora.experts import ExpertLinear, LoraExpertLinear
 from posttrain.lora.export import export_adapter, peft_key
 from posttrain.lora.grads import lora_grad_norm, reduce_lora_grads
 from posttrain.lora.ipc import repack_for_ipc
@@ -40,11 +41,13 @@ __all__ = [
     "AdapterPushError",
     "ChecksumMismatchError",
     "ColumnShardedLinear",
+    "ExpertLinear",
     "ExportError",
     "LayoutError",
     "LoraConfig",
     "LoraConfigError",
     "LoraError",
+    "LoraExpertLinear",
     "LoraGroups",
     "LoraHandle",
     "LoraLinear",
