@@ -1,7 +1,8 @@
-"""Rank program for the gloo tests (run as a script: ``python this.py SUITE RANK WORLD PORT OUT``).
+"""Rank programs for the gloo tests, run by ``posttrain.interface.testing.run_workers``.
 
-One process group per test module runs every check of a suite and writes ``rank<N>.json``; the
-test files assert on those numbers. Kept out of pytest collection (no ``test_`` prefix).
+One process group per test module runs every check of a suite (``suite_tp``, ``suite_megatron``)
+and returns plain numbers; the test files assert on them. Kept out of pytest collection (no
+``test_`` prefix). Also runnable as a script (``python this.py SUITE RANK WORLD PORT OUT``).
 """
 
 from __future__ import annotations
@@ -324,6 +325,9 @@ def suite_megatron(rank: int, world: int) -> dict[str, Any]:
     return ``"cpu"`` (the only patch; no CUDA is touched otherwise).
     """
     torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment]
+    import torch._dynamo as dynamo
+
+    dynamo.config.disable = True  # megatron-core calls torch.compile at import: skip it
     from megatron.core import ModelParallelConfig
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 

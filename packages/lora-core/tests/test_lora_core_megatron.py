@@ -17,7 +17,9 @@ import pytest
 if importlib.util.find_spec("megatron") is None:  # only the ranks import it (~20 s each)
     pytest.skip("megatron-core (extra 'megatron') is not installed", allow_module_level=True)
 sys.path.insert(0, str(Path(__file__).parent))
-from lora_core_harness import run_ranks
+import lora_core_dist_worker as worker
+
+from posttrain.interface.testing import run_workers
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(420)]
 TOL = 1e-5
@@ -27,7 +29,7 @@ TOL = 1e-5
 def ranks() -> list[dict[str, Any]]:
     # TP=2 only: DP is the same code as the plain-torch suite, and megatron-core costs ~12 s
     # of CPU per rank to import.
-    return run_ranks("megatron", 2, timeout_s=400)
+    return run_workers(worker.suite_megatron, 2, timeout_s=400)
 
 
 @pytest.mark.parametrize("mode", ["nosp", "sp"])
@@ -47,8 +49,8 @@ def test_megatron_param_tags(ranks: list[dict[str, Any]], mode: str) -> None:
     sp = mode == "sp"
     # (tensor_model_parallel, partition_dim, sequence_parallel)
     assert ranks[0][mode]["tags"] == {
-        "0.fc1.lora_A": [False, -1, sp],
-        "0.fc1.lora_B": [True, 0, False],
-        "0.fc2.lora_A": [True, 1, False],
-        "0.fc2.lora_B": [False, -1, sp],
+        "0.fc1.lora_A": (False, -1, sp),
+        "0.fc1.lora_B": (True, 0, False),
+        "0.fc2.lora_A": (True, 1, False),
+        "0.fc2.lora_B": (False, -1, sp),
     }

@@ -15,7 +15,9 @@ from typing import Any
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from lora_core_harness import run_ranks
+import lora_core_dist_worker as worker
+
+from posttrain.interface.testing import run_workers
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(420)]
 TOL = 1e-5
@@ -23,7 +25,7 @@ TOL = 1e-5
 
 @pytest.fixture(scope="module")
 def ranks() -> list[dict[str, Any]]:
-    return run_ranks("tp", 4, timeout_s=400)
+    return run_workers(worker.suite_tp, 4, timeout_s=400)
 
 
 @pytest.mark.parametrize("mode", ["nosp", "sp"])
