@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import posttrain.lora as lora
-from posttrain.interface import ConfigError, EngineError, PosttrainError
+from posttrain.interface import ConfigError, EngineError, LoraSpec, PosttrainError
 from posttrain.lora import (
     LayoutError,
     LoraConfig,
@@ -26,22 +26,21 @@ from posttrain.lora.attach import fused_local_parts, fused_local_rows
 
 
 def test_all_is_exactly_the_public_surface() -> None:
-    public = {n for n in dir(lora) if not n.startswith("_")}
-    submodules = {
-        "attach",
-        "client",
-        "config",
-        "errors",
-        "experts",
-        "export",
-        "grads",
-        "ipc",
-        "layers",
-        "parallel",
-        "peft_io",
-    }
-    assert set(lora.__all__) == public - submodules
+    import inspect
+
+    # everything posttrain.lora defines at top level (eager or lazy) that is public ...
+    defined = {
+        n
+        for n, v in vars(lora).items()
+        if not n.startswith("_")
+        and (inspect.isclass(v) or inspect.isfunction(v))
+        and v.__module__.startswith("posttrain.lora")
+    } | set(lora._LAZY)
+    assert set(lora.__all__) == defined
     assert len(lora.__all__) == len(set(lora.__all__))
+    assert dir(lora) == sorted(lora.__all__)
+    for name in lora.__all__:  # ... and every listed name resolves
+        assert getattr(lora, name) is not None
 
 
 def test_error_tree_is_rooted_in_interface() -> None:
@@ -74,13 +73,13 @@ def test_config_validation_names_the_field() -> None:
     assert LoraConfig(r=16, alpha=32, use_rslora=True).scaling == 8.0
 
 
-def test_from_spec_uses_the_spec_fields() -> None:
-    class Spec:
-        r, alpha, dropout, use_rslora = 8, 16, 0.0, True
-
-    cfg = LoraConfig.from_spec(Spec(), export_dtype=torch.float32)
+def test_from_spec_uses_the_interface_spec() -> None:
+    spec = LoraSpec(r=8, alpha=16, target_modules=("q_proj", "v_proj"), use_rslora=True)
+    cfg = LoraConfig.from_spec(spec, export_dtype=torch.float32)
     assert (cfg.r, cfg.alpha, cfg.use_rslora, cfg.export_dtype) == (8, 16.0, True, torch.float32)
-    assert cfg.scaling == pytest.approx(16 / math.sqrt(8))
+    assert cfg.scaling == pytest.approx(spec.scaling)
+    with pytest.raises(LoraConfigError, match="allow_dropout"):
+        LoraConfig.from_spec(LoraSpec(r=4, alpha=4, target_modules=("q_proj",), dropout=0.1))
 
 
 def test_attach_freezes_base_and_tags_factors() -> None:

@@ -7,14 +7,12 @@ true global grad norm (``lora_grad_norm``), assemble the full PEFT adapter on ev
 adapters to SGLang-compatible engines (``AdapterClient``).
 """
 
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from posttrain.lora.attach import LoraGroups, LoraHandle, Target, attach_lora
-from posttrain.lora.client import (
-    AdapterCapabilities,
-    AdapterClient,
-    LoraServing,
-    request_fields,
-    serves_lora,
-)
 from posttrain.lora.config import LoraConfig
 from posttrain.lora.errors import (
     AdapterFormatError,
@@ -32,7 +30,39 @@ from posttrain.lora.grads import lora_grad_norm, reduce_lora_grads
 from posttrain.lora.ipc import repack_for_ipc
 from posttrain.lora.layers import LoraLinear, LoraParamTag
 from posttrain.lora.parallel import ColumnShardedLinear, RowShardedLinear
-from posttrain.lora.peft_io import load_peft, merge_into_base, read_peft, save_peft
+
+if TYPE_CHECKING:
+    from posttrain.lora.client import (
+        AdapterCapabilities,
+        AdapterClient,
+        LoraServing,
+        request_fields,
+        serves_lora,
+    )
+    from posttrain.lora.peft_io import load_peft, merge_into_base, read_peft, save_peft
+
+# The engine client (httpx) and the PEFT file io (safetensors) load on first use, so the
+# torch-only core imports on a GPU box that has nothing but torch.
+_LAZY = {
+    **dict.fromkeys(
+        ["AdapterCapabilities", "AdapterClient", "LoraServing", "request_fields", "serves_lora"],
+        "posttrain.lora.client",
+    ),
+    **dict.fromkeys(
+        ["load_peft", "merge_into_base", "read_peft", "save_peft"], "posttrain.lora.peft_io"
+    ),
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'posttrain.lora' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)
+
 
 __all__ = [
     "AdapterCapabilities",

@@ -22,6 +22,7 @@ from typing import Any, Literal
 
 import torch
 
+from posttrain.interface import LoraSpec
 from posttrain.lora.errors import LoraConfigError
 
 AInit = Literal["xavier", "kaiming", "normal", "zero"]
@@ -74,13 +75,15 @@ class LoraConfig:
         return self.alpha / (math.sqrt(self.r) if self.use_rslora else self.r)
 
     @classmethod
-    def from_spec(cls, spec: Any, **overrides: Any) -> LoraConfig:
-        """Build from an interface ``LoraSpec`` (fields r, alpha, dropout, use_rslora)."""
+    def from_spec(cls, spec: LoraSpec, **overrides: Any) -> LoraConfig:
+        """Build from the interface's ``LoraSpec`` (r, alpha, dropout, use_rslora); its
+        ``target_modules`` go to ``attach_lora``. A non-zero dropout still needs
+        ``allow_dropout=True`` in ``overrides``."""
         kwargs: dict[str, Any] = {
             "r": spec.r,
             "alpha": float(spec.alpha),
-            "dropout": float(getattr(spec, "dropout", 0.0)),
-            "use_rslora": bool(getattr(spec, "use_rslora", False)),
+            "dropout": float(spec.dropout),
+            "use_rslora": bool(spec.use_rslora),
         }
         kwargs.update(overrides)
         return cls(**kwargs)
