@@ -37,7 +37,7 @@ from posttrain.lora import (
     export_adapter,
     reduce_lora_grads,
 )
-from posttrain.lora._comm import gather_from_seq
+from posttrain.lora._comm import all_gather_flat, gather_from_seq
 
 COUNTER: dict[str, int] = {"bytes": 0, "calls": 0}
 
@@ -141,7 +141,7 @@ def _run(rank: int, world: int, port: int, args: argparse.Namespace, q: Any) -> 
     for site in handle.sites.values():  # the per-tensor way: one all-gather per sharded factor
         t = site.lora_B if site.site.layout == "column" else site.lora_A
         buf = torch.empty(world * t.numel())
-        dist.all_gather_into_tensor(buf, t.detach().reshape(-1).contiguous(), group=tp)
+        all_gather_flat(buf, t.detach().reshape(-1).contiguous(), tp)
     per_tensor = {"collectives": COUNTER["calls"], "seconds": time.perf_counter() - t0}
     out["export"] = {"layers": args.layers, "coalesced": coalesced, "per_tensor": per_tensor}
     if rank == 0:

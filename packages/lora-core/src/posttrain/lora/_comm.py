@@ -34,6 +34,23 @@ def group_rank(group: ProcessGroup | None) -> int:
     return 0 if group is None else dist.get_rank(group)
 
 
+def all_gather_flat(out: torch.Tensor, x: torch.Tensor, group: ProcessGroup | None) -> None:
+    """All-gather ``x`` into ``out`` along dim 0 (``all_gather_single`` where torch has it;
+    torch 2.13 deprecates ``all_gather_into_tensor``)."""
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    fn(out, x, group=group)
+
+
+def reduce_scatter_flat(out: torch.Tensor, x: torch.Tensor, group: ProcessGroup) -> None:
+    """Reduce-scatter (SUM) ``x`` into ``out`` along dim 0 (``reduce_scatter_single`` where
+    torch has it)."""
+    fn = getattr(dist, "reduce_scatter_single", None)
+    if fn is not None:
+        fn(out, x, op=dist.ReduceOp.SUM, group=group)
+    else:
+        dist.reduce_scatter_tensor(out, x, op=dist.ReduceOp.SUM, group=group)
+
+
 def _all_reduce(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     out = x.contiguous().clone()
     dist.all_reduce(out, op=dist.ReduceOp.SUM, group=group)
@@ -44,7 +61,7 @@ def _all_gather(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     n = dist.get_world_size(group)
     x = x.contiguous()
     out = torch.empty((n * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
-    dist.all_gather_into_tensor(out, x, group=group)
+    all_gather_flat(out, x, group)
     return out
 
 
@@ -54,7 +71,7 @@ def _reduce_scatter(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
         raise ValueError(f"reduce-scatter: dim 0 of size {x.shape[0]} not divisible by {n}")
     x = x.contiguous()
     out = torch.empty((x.shape[0] // n, *x.shape[1:]), dtype=x.dtype, device=x.device)
-    dist.reduce_scatter_tensor(out, x, op=dist.ReduceOp.SUM, group=group)
+    reduce_scatter_flat(out, x, group)
     return out
 
 

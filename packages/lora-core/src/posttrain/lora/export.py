@@ -4,7 +4,7 @@
    dim (fused outputs are split into their parts first: gate and up, or q/k/v, are gathered
    separately, so the full gate is ``[g0; g1]``, never ``[g0; u0; g1; u1]``).
 2. Flush: all queued shards of a group are flattened into one buffer (one dtype, else
-   ``ExportError``), one ``all_gather_into_tensor``, then split and concatenated. Collectives are
+   ``ExportError``), one flat all-gather, then split and concatenated. Collectives are
    O(groups), not O(tensors).
 3. Padded vocab rows are dropped; a shared A is cloned per part (safetensors refuses aliases).
 4. Pipeline stages: ``all_gather_object`` of (name, shape, dtype) over ``pp``, then one flat
@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from posttrain.lora._comm import group_rank, group_size
+from posttrain.lora._comm import all_gather_flat, group_rank, group_size
 from posttrain.lora.attach import LoraHandle, fused_local_parts
 from posttrain.lora.errors import ExportError
 from posttrain.lora.experts import LoraExpertLinear
@@ -56,7 +56,7 @@ def _gather_batch(
     flat = torch.cat([p.local.detach().reshape(-1) for p in batch])
     if n > 1:
         out = torch.empty(n * flat.numel(), dtype=flat.dtype, device=flat.device)
-        dist.all_gather_into_tensor(out, flat, group=group)
+        all_gather_flat(out, flat, group)
         per_rank = out.chunk(n)
     else:
         per_rank = (flat,)
