@@ -35,8 +35,10 @@ from posttrain.lora import (
     lora_grad_norm,
     reduce_lora_grads,
     save_peft,
+    verify_replicas,
 )
 from posttrain.lora.attach import fused_local_parts, fused_local_rows
+from posttrain.lora.errors import ReplicaMismatchError
 
 H, FF, V_PAD, V, T, R = 16, 12, 12, 10, 8, 4
 CFG = LoraConfig(r=R, alpha=8.0, b_init="normal", seed=7, export_dtype=torch.float32)
@@ -224,6 +226,12 @@ def tp_dp_mode(rank: int, sp: bool, groups: LoraGroups, ref: dict[str, Any]) -> 
             if not all(torch.equal(peers[r], t) for r in group):
                 mismatched.append(f"{name}.{label}")
     res["replica_mismatch"] = mismatched
+    try:
+        verify_replicas(handle)
+        verify_replicas(handle, grads=True)
+        res["verify_replicas"] = "ok"
+    except ReplicaMismatchError as exc:
+        res["verify_replicas"] = str(exc)
     return res
 
 
@@ -236,6 +244,7 @@ def negative_control(rank: int, groups: LoraGroups, ref: dict[str, Any]) -> dict
     finally:
         lora_layers.copy_to_group = saved
     return {
+        "verify_replicas": res["verify_replicas"],
         "dx_rel": res["dx_rel"],
         "max_grad_rel": max(res["grad_rel"].values()),
         "replica_mismatch": res["replica_mismatch"],

@@ -164,3 +164,14 @@ def test_repack_one_storage_per_dtype(
         assert packed[k].is_contiguous()
         assert (packed[k].data_ptr() - packed[k].untyped_storage().data_ptr()) % 256 == 0
         assert packed[k].untyped_storage().data_ptr() != t.untyped_storage().data_ptr()
+
+
+def test_export_errors_name_the_problem() -> None:
+    model = nn.Sequential(
+        lora.ColumnShardedLinear(4, 6, tp_group=None), lora.ColumnShardedLinear(6, 2, tp_group=None)
+    )
+    handle = attach_lora(model, LoraConfig(r=2, alpha=2), ["0", "1"])
+    model[1].lora_B.data = model[1].lora_B.data.to(torch.bfloat16)
+    with pytest.raises(lora.ExportError, match=r"mixed dtypes .* e\.g\. base_model\.model\.0"):
+        lora.export_adapter(handle)
+    lora.verify_replicas(handle)  # single process: nothing to compare, must not raise

@@ -8,6 +8,7 @@ export; and a negative control (rank-r reduction removed) that must break grads 
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -43,6 +44,7 @@ def test_forward_and_grads_match_single_process(ranks: list[dict[str, Any]], mod
 def test_replicas_bitwise_and_init_invariant(ranks: list[dict[str, Any]], mode: str) -> None:
     for res in ranks:
         assert res[mode]["replica_mismatch"] == []
+        assert res[mode]["verify_replicas"] == "ok"
         assert res[mode]["init_bitwise"] is True
 
 
@@ -59,6 +61,8 @@ def test_negative_control_without_rank_r_reduction_fails(ranks: list[dict[str, A
         assert neg["dx_rel"] > 1e-2
         assert neg["max_grad_rel"] > 1e-2
         assert any(name.endswith("lora_A.grad") for name in neg["replica_mismatch"])
+        # verify_replicas names the tensor and the ranks
+        assert re.search(r"\.grad differs between tp ranks [01] and [01]", neg["verify_replicas"])
 
 
 def test_import_export_across_tp_layouts_bitwise(ranks: list[dict[str, Any]]) -> None:

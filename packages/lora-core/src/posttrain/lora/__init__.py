@@ -26,7 +26,7 @@ from posttrain.lora.errors import (
 )
 from posttrain.lora.experts import ExpertLinear, LoraExpertLinear
 from posttrain.lora.export import export_adapter, peft_key
-from posttrain.lora.grads import lora_grad_norm, reduce_lora_grads
+from posttrain.lora.grads import lora_grad_norm, reduce_lora_grads, verify_replicas
 from posttrain.lora.ipc import repack_for_ipc
 from posttrain.lora.layers import LoraLinear, LoraParamTag
 from posttrain.lora.parallel import ColumnShardedLinear, RowShardedLinear
@@ -98,4 +98,5 @@ __all__ = [
     "request_fields",
     "save_peft",
     "serves_lora",
+    "verify_replicas",
 ]

@@ -16,6 +16,9 @@ With ``after_dp_finish=True`` (a framework's DDP already ran step 3, and Megatro
 runs. Running step 1 before an *overlapped* DP reduce-scatter is a race (the reduce-scatter may
 start on the partial grad): ``overlap_grad_reduce=True`` without ``after_dp_finish`` raises.
 
+``verify_replicas`` checks that replicated factors (or grads) are bitwise equal across their
+groups and names the first tensor and rank that is not.
+
 ``lora_grad_norm`` counts each factor once: sharded factors sum squares over their group,
 replicated ones are counted on one copy, stages add up over ``pp``.
 """
@@ -31,9 +34,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
 
-from posttrain.lora._comm import group_size
+from posttrain.lora._comm import all_gather_flat, group_size
 from posttrain.lora.attach import LoraGroups, LoraHandle
-from posttrain.lora.errors import LoraConfigError
+from posttrain.lora.errors import LoraConfigError, ReplicaMismatchError
 from posttrain.lora.layers import LoraParamTag
 
 
@@ -86,6 +89,55 @@ def reduce_lora_grads(
     _coalesced_all_reduce([gr for p, gr in pairs if not _tag(p).expert], g.dp, 1.0 / dp)
     expert_dp = g.expert_dp if g.ep is not None else g.dp
     _coalesced_all_reduce([gr for p, gr in pairs if _tag(p).expert], expert_dp, 1.0 / dp)
+
+
+def _check_group(
+    named: list[tuple[str, torch.Tensor]], group: ProcessGroup | None, axis: str
+) -> None:
+    n = group_size(group)
+    if n == 1 or not named:
+        return
+    flat = torch.cat([t.detach().reshape(-1).to(torch.float32) for _, t in named])
+    peers = torch.empty(n * flat.numel(), dtype=flat.dtype, device=flat.device)
+    all_gather_flat(peers, flat, group)
+    me = dist.get_rank(group)
+    for r, chunk in enumerate(peers.chunk(n)):
+        if r == me or torch.equal(chunk, flat):
+            continue
+        offset = 0
+        for name, t in named:
+            if not torch.equal(
+                chunk[offset : offset + t.numel()], flat[offset : offset + t.numel()]
+            ):
+                raise ReplicaMismatchError(
+                    f"{name} differs between {axis} ranks {me} and {r} (global rank "
+                    f"{dist.get_rank()}); it must be identical across its {axis} group"
+                )
+            offset += t.numel()
+
+
+def verify_replicas(handle: LoraHandle, *, grads: bool = False) -> None:
+    """Raise ``ReplicaMismatchError`` unless every replicated factor (or its grad) is bitwise
+    equal across the groups it is replicated over (collective over tp, dp, ep, expert_dp)."""
+    g = handle.groups
+    expert_dp = g.expert_dp if g.ep is not None else g.dp
+    buckets: dict[str, list[tuple[str, torch.Tensor]]] = defaultdict(list)
+    for name, p in handle.named_parameters():
+        t = p.grad if grads else p.detach()
+        if t is None:
+            continue
+        label = f"{name}.grad" if grads else name
+        tag = _tag(p)
+        if tag.expert:
+            buckets["expert_dp"].append((label, t))
+            if tag.shard_axis is None:
+                buckets["ep"].append((label, t))
+        else:
+            buckets["dp"].append((label, t))
+            if tag.shard_axis is None:
+                buckets["tp"].append((label, t))
+    for axis, group in (("tp", g.tp), ("dp", g.dp), ("ep", g.ep), ("expert_dp", expert_dp)):
+        _check_group(buckets[axis], group, axis)
 
 
 def _shard_group(tag: LoraParamTag, groups: LoraGroups) -> ProcessGroup | None:
