@@ -172,6 +172,8 @@ def test_export_errors_name_the_problem() -> None:
     )
     handle = attach_lora(model, LoraConfig(r=2, alpha=2), ["0", "1"])
     model[1].lora_B.data = model[1].lora_B.data.to(torch.bfloat16)
-    with pytest.raises(lora.ExportError, match=r"mixed dtypes .* e\.g\. base_model\.model\.0"):
+    with pytest.raises(
+        lora.ExportError, match=r"mixed dtypes .*bfloat16 \(base_model\.model\.1\.lora_B\.weight\)"
+    ):
         lora.export_adapter(handle)
     lora.verify_replicas(handle)  # single process: nothing to compare, must not raise

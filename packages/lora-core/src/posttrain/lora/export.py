@@ -47,11 +47,16 @@ def _gather_batch(
     if not batch:
         return {}
     n = group_size(group)
-    dtypes = {p.local.dtype for p in batch}
-    if len(dtypes) > 1:
+    first_of: dict[torch.dtype, str] = {}
+    for p in batch:
+        first_of.setdefault(p.local.dtype, p.name)
+    if len(first_of) > 1:
+        seen = ", ".join(
+            f"{str(d).removeprefix('torch.')} ({name})" for d, name in first_of.items()
+        )
         raise ExportError(
-            f"export: mixed dtypes {sorted(map(str, dtypes))} in one {what} gather batch "
-            f"(e.g. {batch[0].name}); give all LoRA factors one param_dtype"
+            f"export: mixed dtypes in one {what} gather batch: {seen}; "
+            "give all LoRA factors one param_dtype"
         )
     flat = torch.cat([p.local.detach().reshape(-1) for p in batch])
     if n > 1:
