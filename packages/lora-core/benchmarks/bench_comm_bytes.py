@@ -79,10 +79,13 @@ def _run(rank: int, world: int, port: int, args: argparse.Namespace, q: Any) -> 
     )
     for name, pick in (
         ("all_gather_into_tensor", 0),
+        ("all_gather_single", 0),
         ("reduce_scatter_tensor", 1),
+        ("reduce_scatter_single", 1),
         ("all_reduce", 0),
     ):
-        _wrap(name, pick)
+        if hasattr(dist, name):
+            _wrap(name, pick)
     tp = dist.group.WORLD
     tokens, hidden, r = args.tokens, args.hidden, args.rank
     cfg = LoraConfig(r=r, alpha=2.0 * r, b_init="normal")
