@@ -194,7 +194,9 @@ def tp_dp_mode(rank: int, sp: bool, groups: LoraGroups, ref: dict[str, Any]) -> 
     out = net(x)
     w_loc = loss_weights().chunk(tp, dim=1)[tp_rank]
     (out * w_loc).sum().backward()
+    raw = [p.grad.clone() for p in handle.parameters()]
     reduce_lora_grads(handle)
+    res["framework"] = framework_style_check(handle, groups, raw)
     ref_out = ref["outs"][dp_rank].chunk(tp, dim=1)[tp_rank]
     res["fwd_rel"] = rel_l2(out.detach(), ref_out.detach())
     ref_dx = ref["xs"][dp_rank].grad * 2  # the reference loss is the DP mean
@@ -233,6 +235,39 @@ def tp_dp_mode(rank: int, sp: bool, groups: LoraGroups, ref: dict[str, Any]) -> 
     except ReplicaMismatchError as exc:
         res["verify_replicas"] = str(exc)
     return res
+
+
+def framework_style_check(
+    handle: LoraHandle, groups: LoraGroups, raw: list[torch.Tensor]
+) -> dict[str, Any]:
+    """Reduce and norm the way Megatron does, reading only the Megatron attributes we set.
+
+    finalize_model_grads SUMs ``sequence_parallel`` params over TP, DDP averages over DP, then
+    ``reduce_lora_grads(after_dp_finish=True)`` must add nothing; the grad norm counts a param
+    on every TP rank if ``tensor_model_parallel`` else only on TP rank 0 (the duplicate filter).
+    """
+    ours = [p.grad.clone() for p in handle.parameters()]
+    tp_rank = dist.get_rank(groups.tp)
+    for p, g in zip(handle.parameters(), raw, strict=True):
+        p.grad = g.clone()
+        if p.sequence_parallel:
+            dist.all_reduce(p.grad, group=groups.tp)
+        if p.allreduce:
+            dist.all_reduce(p.grad, group=groups.dp)
+            p.grad /= dist.get_world_size(groups.dp)
+    reduce_lora_grads(handle, after_dp_finish=True, overlap_grad_reduce=True)
+    same = all(
+        torch.allclose(p.grad, o, rtol=1e-6, atol=0)
+        for p, o in zip(handle.parameters(), ours, strict=True)
+    )
+    sq = torch.zeros((), dtype=torch.float64)
+    for p in handle.parameters():
+        if p.tensor_model_parallel or tp_rank == 0:
+            sq += p.grad.double().pow(2).sum()
+    dist.all_reduce(sq, group=groups.tp)
+    for p, o in zip(handle.parameters(), ours, strict=True):
+        p.grad = o
+    return {"grads_match": same, "megatron_norm": float(sq.sqrt())}
 
 
 def negative_control(rank: int, groups: LoraGroups, ref: dict[str, Any]) -> dict[str, Any]:

@@ -1,4 +1,4 @@
-"""TP=2 through megatron-core's real ``ColumnParallelLinear`` / ``RowParallelLinear`` on gloo.
+"""TP=2 x DP=2 through megatron-core's real ``ColumnParallelLinear`` / ``RowParallelLinear`` on gloo.
 
 ``use_cpu_initialization=True``; for sequence parallelism the worker patches
 ``torch.cuda.current_device`` to return ``"cpu"`` (megatron-core allocates its all-gather buffer
@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import sys
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -27,9 +28,19 @@ TOL = 1e-5
 
 @pytest.fixture(scope="module")
 def ranks() -> list[dict[str, Any]]:
-    # TP=2 only: DP is the same code as the plain-torch suite, and megatron-core costs ~12 s
-    # of CPU per rank to import.
-    return run_workers(worker.suite_megatron, 2, timeout_s=400)
+    # Import megatron-core once here, so the forked ranks inherit it instead of paying ~20 s of
+    # CPU each. It calls torch.compile at import: dynamo is off only for that import.
+    import torch._dynamo as dynamo
+
+    saved = dynamo.config.disable
+    dynamo.config.disable = True
+    try:
+        with warnings.catch_warnings():  # "Transformer Engine and Apex are not installed" x N
+            warnings.simplefilter("ignore")
+            import megatron.core.tensor_parallel  # noqa: F401
+    finally:
+        dynamo.config.disable = saved
+    return run_workers(worker.suite_megatron, 4, timeout_s=400)
 
 
 @pytest.mark.parametrize("mode", ["nosp", "sp"])

@@ -53,6 +53,9 @@ def test_grad_norm_equals_single_process(ranks: list[dict[str, Any]], mode: str)
     for res in ranks:
         r = res[mode]
         assert r["grad_norm"] == pytest.approx(r["ref_grad_norm"], rel=1e-6)
+        # a framework that reads only the Megatron attributes we set gets the same grads/norm
+        assert r["framework"]["grads_match"] is True
+        assert r["framework"]["megatron_norm"] == pytest.approx(r["ref_grad_norm"], rel=1e-6)
 
 
 def test_negative_control_without_rank_r_reduction_fails(ranks: list[dict[str, Any]]) -> None:
