@@ -270,14 +270,38 @@ def framework_style_check(
     return {"grads_match": same, "megatron_norm": float(sq.sqrt())}
 
 
-def negative_control(rank: int, groups: LoraGroups, ref: dict[str, Any]) -> dict[str, Any]:
-    """Drop the rank-r reduction of the column branch (non-SP): must break grads and replicas."""
-    saved = lora_layers.copy_to_group
-    lora_layers.copy_to_group = lambda h, group: h  # type: ignore[assignment]
+class _GatherNoReduce(torch.autograd.Function):
+    """All-gather forward, but backward keeps only this rank's slice (no reduce-scatter)."""
+
+    @staticmethod
+    def forward(ctx: Any, h: torch.Tensor, group: Any) -> torch.Tensor:
+        ctx.group = group
+        parts = [torch.empty_like(h) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, h.contiguous(), group=group)
+        return torch.cat(parts)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> Any:
+        n, r = dist.get_world_size(ctx.group), dist.get_rank(ctx.group)
+        return g.chunk(n)[r].contiguous(), None
+
+
+def negative_control(
+    rank: int, groups: LoraGroups, ref: dict[str, Any], sp: bool
+) -> dict[str, Any]:
+    """Drop the rank-r reduction of the column branch: must break grads and replicas.
+
+    Without SP: the identity-forward / all-reduce-backward op becomes a plain identity. With SP:
+    the all-gather keeps its forward but loses its reduce-scatter backward.
+    """
+    name = "gather_from_seq" if sp else "copy_to_group"
+    saved = getattr(lora_layers, name)
+    broken = _GatherNoReduce.apply if sp else (lambda h, group: h)
+    setattr(lora_layers, name, broken)
     try:
-        res = tp_dp_mode(rank, False, groups, ref)
+        res = tp_dp_mode(rank, sp, groups, ref)
     finally:
-        lora_layers.copy_to_group = saved
+        setattr(lora_layers, name, saved)
     return {
         "verify_replicas": res["verify_replicas"],
         "dx_rel": res["dx_rel"],
@@ -351,7 +375,8 @@ def suite_tp(rank: int, world: int) -> dict[str, Any]:
     return {
         "nosp": tp_dp_mode(rank, False, groups, ref),
         "sp": tp_dp_mode(rank, True, groups, ref),
-        "negative": negative_control(rank, groups, ref),
+        "negative": negative_control(rank, groups, ref, sp=False),
+        "negative_sp": negative_control(rank, groups, ref, sp=True),
         "io": import_export(rank, groups),
         "pp": pipeline_export(rank, tp_groups[rank // 2], dp_groups[rank % 2]),
         "ep": suite_ep(
