@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import copy
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -177,3 +179,20 @@ def test_export_errors_name_the_problem() -> None:
     ):
         lora.export_adapter(handle)
     lora.verify_replicas(handle)  # single process: nothing to compare, must not raise
+
+
+def test_fold_scaling_serves_rslora_without_rslora(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Linear(8, 6))
+    train = LoraConfig(r=4, alpha=8.0, use_rslora=True, b_init="normal", export_dtype=torch.float32)
+    serve = LoraConfig(r=4, alpha=4.0, export_dtype=torch.float32)  # scaling 1.0, no rsLoRA
+    ours = copy.deepcopy(base)
+    handle = attach_lora(ours, train, ["0"])
+    folded = lora.export_adapter(handle, fold_scaling_to=serve.scaling)
+    lora.save_peft(tmp_path / "a", folded, serve)
+    served = copy.deepcopy(base)
+    lora.load_peft(attach_lora(served, serve, ["0"]), tmp_path / "a")
+    x = torch.randn(3, 8)
+    assert torch.allclose(served(x), ours(x), rtol=1e-6, atol=1e-6)
+    with pytest.raises(lora.ExportError, match="fold_scaling_to"):
+        lora.export_adapter(handle, fold_scaling_to=0.0)

@@ -148,12 +148,18 @@ def _broadcast_stages(local: dict[str, torch.Tensor], pp: ProcessGroup) -> dict[
 
 
 def export_adapter(
-    handle: LoraHandle, *, dtype: torch.dtype | None = None
+    handle: LoraHandle,
+    *,
+    dtype: torch.dtype | None = None,
+    fold_scaling_to: float | None = None,
 ) -> dict[str, torch.Tensor]:
-    """The full adapter, PEFT-named, on every rank (collective over ``tp`` and ``pp``).
+    """The full adapter, PEFT-named, on every rank (collective over ``tp``, ``ep`` and ``pp``).
 
     ``dtype`` defaults to the config's ``export_dtype``. Tensors are fresh, contiguous, and
-    sorted by name.
+    sorted by name. ``fold_scaling_to``: for an engine that cannot express the training scale
+    (e.g. rsLoRA), every B is multiplied by ``scaling / fold_scaling_to`` (in fp32, before the
+    cast) so that serving with scale ``fold_scaling_to`` gives the same outputs; describe it to
+    the engine as ``alpha = fold_scaling_to * r`` without rsLoRA, and checksum after folding.
     """
     local = _local_adapter(handle)
     pp = handle.groups.pp
@@ -162,4 +168,11 @@ def export_adapter(
         where = f"pipeline rank {group_rank(pp)}" if pp is not None else "this rank"
         raise ExportError(f"export: the adapter is empty on {where}")
     out_dtype = dtype or handle.config.export_dtype
+    if fold_scaling_to is not None:
+        if not fold_scaling_to > 0:
+            raise ExportError(f"export: fold_scaling_to must be > 0, got {fold_scaling_to!r}")
+        factor = handle.config.scaling / fold_scaling_to
+        full = {
+            k: v.float() * factor if k.endswith(".lora_B.weight") else v for k, v in full.items()
+        }
     return {k: full[k].to(out_dtype).contiguous().clone() for k in sorted(full)}
