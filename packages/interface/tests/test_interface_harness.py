@@ -37,6 +37,17 @@ def test_gloo_ranks_all_reduce() -> None:
     assert results == [[12.0], [12.0], [12.0]]
 
 
+def _return_tensor(rank: int, world_size: int) -> object:
+    import torch
+
+    return torch.full((2,), float(rank))
+
+
+def test_ranks_may_return_tensors() -> None:
+    results = run_workers(_return_tensor, 2, timeout_s=60, backend=None)
+    assert [r.tolist() for r in results] == [[0.0, 0.0], [1.0, 1.0]]
+
+
 def test_spawned_ranks_work_too() -> None:
     # Spawned ranks unpickle ``fn`` by module name, so it must live in an importable module.
     results = run_workers(_sum_of_ranks, 2, timeout_s=90, start_method="spawn")

@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import multiprocessing
 import os
+import pickle
 import queue as queue_module
 import signal
 import socket
@@ -114,7 +115,9 @@ def _worker_main(
         finally:
             if backend is not None and dist.is_initialized():
                 dist.destroy_process_group()
-        results.put((rank, True, value))
+        # Pickle by value here: torch would otherwise pass tensors through shared memory
+        # that vanishes when this rank exits.
+        results.put((rank, True, pickle.dumps(value)))
     except BaseException:
         results.put((rank, False, traceback.format_exc()))
         results.close()
@@ -218,7 +221,7 @@ def run_workers(
                 continue
             if not ok:
                 raise WorkerFailedError(f"rank {rank} of {world_size} raised:\n{payload}")
-            collected[rank] = payload
+            collected[rank] = pickle.loads(payload)
     finally:
         if len(collected) < world_size:
             _kill_all(processes)

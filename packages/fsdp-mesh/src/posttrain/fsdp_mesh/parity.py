@@ -1,0 +1,14 @@
+"""``python -m posttrain.fsdp_mesh.parity``: the gradient-parity command (see ``_parity``).
+
+Kept apart from the implementation so that running it with ``-m`` does not import the module
+twice (the package ``__init__`` imports ``_parity``, never this file).
+"""
+
+from __future__ import annotations
+
+from posttrain.fsdp_mesh._parity import main
+
+__all__ = ["main"]
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,72 @@
+"""The parity command: self-spawning mode, torchrun mode, and its layout errors."""
+
+from __future__ import annotations
+
+import json
+
+import fsdp_mesh_workers as workers
+import pytest
+
+from posttrain.fsdp_mesh import parity
+from posttrain.interface.testing import free_port, run_workers
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(200)
+def test_self_spawning_command_passes(capsys: pytest.CaptureFixture[str]) -> None:
+    code = parity.main(
+        ["--replicate", "1", "--shard", "2", "--steps", "1", "--start-method", "fork"]
+    )
+    out = capsys.readouterr().out
+    assert code == 0
+    assert out.rstrip().endswith("PASS r1s2")
+    report = json.loads(out[: out.rindex("}") + 1])
+    assert report["passed"] is True
+    assert report["layout"] == "r1s2"
+    assert report["tolerance"] == {"rtol": 2e-5, "atol": 2e-6}
+    assert [r["rank"] for r in report["ranks"]] == [0, 1]
+    assert all(r["checkpoint_exact"] for r in report["ranks"])
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(200)
+def test_torchrun_mode_uses_the_launched_ranks() -> None:
+    argvs = [
+        ["--replicate", "2", "--shard", "2"],
+        ["--replicate", "2", "--shard", "1", "--steps", "1"],
+    ]
+    out = run_workers(
+        workers.torchrun_main,
+        2,
+        timeout_s=150,
+        backend=None,
+        args=([free_port(), free_port()], argvs),
+    )
+    for rank, (mismatch, run) in enumerate(out):
+        assert mismatch == (
+            "MeshConfigError",
+            "torchrun started 2 ranks but --replicate 2 x --shard 2 = 4",
+        )
+        assert run[0] == 0
+        if rank == 0:
+            assert run[1].rstrip().endswith("PASS r2s1")
+        else:
+            assert run[1] == ""
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--replicate", "0", "--shard", "2"], "replicate must be a positive int, got 0"),
+        (["--replicate", "2", "--shard", "-1"], "shard must be a positive int, got -1"),
+        (
+            ["--replicate", "1", "--shard", "2", "--steps", "0"],
+            "steps must be a positive int, got 0",
+        ),
+    ],
+)
+def test_bad_layout_fails_before_any_process(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert parity.main(argv) == 2
+    assert message in capsys.readouterr().err

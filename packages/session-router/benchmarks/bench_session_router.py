@@ -1,0 +1,352 @@
+"""Per-turn latency added by sgl-router and by the session server, and router start-to-ready.
+
+B1: one interleaved run. Each round sends the same prompt (``--tokens`` 512 and 8192) to, in
+turn: the worker directly (``/generate``), through sgl-router (``/generate`` with a routing key),
+through the session server then sgl-router (a first chat turn of a fresh session: the whole
+template is rendered and tokenized, so this is the most expensive turn), a second turn of such a
+session (only the appended message is tokenized; the prompt is the first turn's tokens plus it),
+the session server's raw proxy (its HTTP hop without TITO work), and through the session server
+straight to the worker. Every server is its own process on 127.0.0.1 (the worker is a loopback
+SGLang-shaped worker returning 16 tokens, Nagle off). Medians over ``--rounds``.
+
+B2: router start-to-ready: ``start_router`` (the wheel's Python API in a child process) versus
+``smg launch`` (the wheel's CLI), each until ``/health`` answers 200. Medians over ``--starts``.
+
+    uv run python packages/session-router/benchmarks/bench_session_router.py [--rounds 300]
+
+Prints JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from posttrain.interface.testing import ServerProcess, free_port
+from posttrain.session_router import ChatTokenizer, RouterSpec, start_router
+
+CHATML = (
+    "{%- for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+WORDS = ["the", "quick", "brown", "fox", "jumps", "over", "lazy", "dogs", "while", "agents"]
+WORDS += ["call", "tools", "and", "read", "results"]
+
+WORKER = """
+import sys, time
+from posttrain.session_router import LoopbackWorker
+OUT = list(range(100, 115)) + [2]
+def generate(body):
+    n = len(body["input_ids"])
+    return {"text": "x" * 15, "output_ids": OUT, "meta_info": {
+        "prompt_tokens": n, "completion_tokens": len(OUT), "finish_reason": {"type": "stop"},
+        "output_token_logprobs": [[-0.25, t, None] for t in OUT]}}
+LoopbackWorker(generate=generate, port=int(sys.argv[1])).start()
+time.sleep(3600)
+"""
+
+
+def build_tokenizer(root: Path) -> Path:
+    tok = Tokenizer(models.BPE(unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=400,
+        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator([" ".join(WORDS)] * 50, trainer=trainer)
+    tok.save(str(root / "tokenizer.json"))
+    (root / "tokenizer_config.json").write_text(
+        json.dumps({"chat_template": CHATML, "eos_token": "<|im_end|>"})
+    )
+    return root
+
+
+def message_of(tok: ChatTokenizer, n_tokens: int) -> tuple[str, list[int]]:
+    """A user message whose rendered first-turn prompt has about ``n_tokens`` tokens."""
+    words: list[str] = []
+    while True:
+        words.extend(WORDS)
+        text = " ".join(words)
+        ids = tok.encode(
+            tok.render([{"role": "user", "content": text}], add_generation_prompt=True)
+        )
+        if len(ids) >= n_tokens:
+            break
+    lo, hi = 1, len(words)
+    while lo < hi:  # shortest prefix of words reaching n_tokens
+        mid = (lo + hi) // 2
+        ids = tok.encode(
+            tok.render(
+                [{"role": "user", "content": " ".join(words[:mid])}], add_generation_prompt=True
+            )
+        )
+        lo, hi = (mid + 1, hi) if len(ids) < n_tokens else (lo, mid)
+    text = " ".join(words[:lo])
+    return text, tok.encode(
+        tok.render([{"role": "user", "content": text}], add_generation_prompt=True)
+    )
+
+
+def session_server(upstream: str, tok_dir: Path) -> tuple[ServerProcess, str]:
+    port = free_port()
+    argv = [
+        sys.executable,
+        "-m",
+        "posttrain.session_router",
+        "--upstream",
+        upstream,
+        "--tokenizer",
+        str(tok_dir),
+        "--port",
+        str(port),
+    ]
+    return ServerProcess(
+        argv, f"http://127.0.0.1:{port}/health", timeout_s=60
+    ).start(), f"http://127.0.0.1:{port}"
+
+
+def _pct(xs: list[float], q: float) -> float:
+    return sorted(xs)[int(q * (len(xs) - 1))] * 1e3
+
+
+def cpu_seconds(pid: int) -> float:
+    """User+system CPU time a process has used so far (from /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def measure_size(
+    client: httpx.Client,
+    tok: ChatTokenizer,
+    n: int,
+    rounds: int,
+    urls: dict[str, str],
+    pids: dict[str, int],
+) -> dict[str, Any]:
+    """Interleaved rounds over every path for one prompt size; medians and 10th percentiles."""
+    text, ids = message_of(tok, n)
+    gen = {"input_ids": ids, "sampling_params": {"max_new_tokens": 16}, "return_logprob": True}
+    chat = {"messages": [{"role": "user", "content": text}], "max_tokens": 16}
+    proxy_sid = client.post(f"{urls['session_router']}/sessions").json()["session_id"]
+
+    def direct(url: str) -> float:
+        t = time.perf_counter()
+        r = client.post(f"{url}/generate", json=gen, headers={"X-SMG-Routing-Key": "k"})
+        dt = time.perf_counter() - t
+        assert r.status_code == 200, r.text
+        return dt
+
+    def session(url: str) -> float:
+        sid = client.post(f"{url}/sessions").json()["session_id"]
+        t = time.perf_counter()
+        r = client.post(f"{url}/sessions/{sid}/v1/chat/completions", json=chat)
+        dt = time.perf_counter() - t
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["prompt_tokens"] == len(ids)
+        client.delete(f"{url}/sessions/{sid}")
+        return dt
+
+    def next_turn(url: str) -> float:
+        """The second turn of a session whose first turn carried the long prompt."""
+        sid = client.post(f"{url}/sessions").json()["session_id"]
+        r = client.post(f"{url}/sessions/{sid}/v1/chat/completions", json=chat)
+        assert r.status_code == 200, r.text
+        follow = {
+            "messages": [
+                *chat["messages"],
+                r.json()["choices"][0]["message"],
+                {"role": "user", "content": "and then?"},
+            ],
+            "max_tokens": 16,
+        }
+        t = time.perf_counter()
+        r = client.post(f"{url}/sessions/{sid}/v1/chat/completions", json=follow)
+        dt = time.perf_counter() - t
+        assert r.status_code == 200, r.text
+        client.delete(f"{url}/sessions/{sid}")
+        return dt
+
+    paths = {
+        "worker": lambda: direct(urls["worker"]),
+        "router": lambda: direct(urls["router"]),
+        "session_router": lambda: session(urls["session_router"]),
+        "session_worker": lambda: session(urls["session_worker"]),
+        "session_router_next_turn": lambda: next_turn(urls["session_router"]),
+        # raw proxy (/sessions/{id}/generate): the session server's HTTP hop without TITO work
+        "session_proxy_router": lambda: direct(f"{urls['session_router']}/sessions/{proxy_sid}"),
+    }
+    for fn in paths.values():  # warm-up
+        for _ in range(10):
+            fn()
+    samples: dict[str, list[float]] = {k: [] for k in paths}
+    for _ in range(rounds):
+        for name, fn in paths.items():
+            samples[name].append(fn())
+    # CPU per request of the router and of the session server: less sensitive than wall time to
+    # other processes competing for the 2 cores (every path runs 100 more times here).
+    spent: dict[str, float] = {}
+    for name, pid_name in [
+        ("router", "router"),
+        ("session_router", "session_router"),
+        ("session_router_next_turn", "session_router"),
+        ("session_proxy_router", "session_router"),
+    ]:
+        before = cpu_seconds(pids[pid_name])
+        for _ in range(100):
+            paths[name]()
+        spent[name] = (cpu_seconds(pids[pid_name]) - before) * 10  # ms per call
+    cpu = {
+        "router_per_generate": round(spent["router"], 2),
+        # a session path call is POST /sessions + the turn(s) + DELETE
+        "session_server_per_first_turn_with_create_delete": round(spent["session_router"], 2),
+        "session_server_per_second_turn": round(
+            spent["session_router_next_turn"] - spent["session_router"], 2
+        ),
+        "session_server_per_raw_proxy": round(spent["session_proxy_router"], 2),
+    }
+    med = {k: statistics.median(v) * 1e3 for k, v in samples.items()}
+    p10 = {k: _pct(v, 0.1) for k, v in samples.items()}
+    router_hop = med["router"] - med["worker"]
+    session_hop = med["session_router"] - med["router"]
+    return {
+        "prompt_tokens": len(ids),
+        "median_ms": {k: round(v, 3) for k, v in med.items()},
+        "p10_ms": {k: round(v, 3) for k, v in p10.items()},
+        "router_hop_ms": round(router_hop, 3),
+        "session_hop_ms": round(session_hop, 3),
+        "session_proxy_hop_ms": round(med["session_proxy_router"] - med["router"], 3),
+        "session_next_turn_hop_ms": round(med["session_router_next_turn"] - med["router"], 3),
+        "cpu_ms_per_request": cpu,
+        "session_hop_over_router_hop": round(session_hop / router_hop, 2)
+        if router_hop > 0
+        else None,
+        "p10_session_hop_over_router_hop": round(
+            (p10["session_router"] - p10["router"]) / (p10["router"] - p10["worker"]), 2
+        )
+        if p10["router"] > p10["worker"]
+        else None,
+    }
+
+
+def bench_turns(rounds: int, sizes: list[int], tok_dir: Path) -> dict[str, Any]:
+    tok = ChatTokenizer.from_dir(tok_dir)
+    wport = free_port()
+    results: dict[str, Any] = {}
+    worker_argv = [sys.executable, "-c", WORKER, str(wport)]
+    with ServerProcess(worker_argv, f"http://127.0.0.1:{wport}/health", timeout_s=30):
+        worker = f"http://127.0.0.1:{wport}"
+        with start_router(RouterSpec(port=free_port())) as router:
+            router.add_worker(worker)
+            s_router, s_router_url = session_server(router.url, tok_dir)
+            s_worker, s_worker_url = session_server(worker, tok_dir)
+            urls = {
+                "worker": worker,
+                "router": router.url,
+                "session_router": s_router_url,
+                "session_worker": s_worker_url,
+            }
+            assert router.pid is not None
+            pids = {"router": router.pid, "session_router": s_router.pid}
+            try:
+                with httpx.Client(timeout=30) as client:
+                    for n in sizes:
+                        results[f"{n}_tokens"] = measure_size(client, tok, n, rounds, urls, pids)
+            finally:
+                s_router.stop()
+                s_worker.stop()
+    return results
+
+
+def time_ready(argv: list[str], url: str, timeout_s: float = 120.0) -> float:
+    t = time.perf_counter()
+    proc = subprocess.Popen(
+        argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+    )
+    try:
+        while time.perf_counter() - t < timeout_s:
+            try:
+                if httpx.get(url, timeout=1).status_code == 200:
+                    return time.perf_counter() - t
+            except httpx.TransportError:
+                pass
+            time.sleep(0.01)
+        raise RuntimeError(f"{argv[:3]} not ready within {timeout_s} s")
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=10)
+
+
+def bench_start(starts: int) -> dict[str, Any]:
+    api, cli = [], []
+    smg = shutil.which("smg") or str(Path(sys.executable).with_name("smg"))
+    for _ in range(starts):
+        t = time.perf_counter()
+        handle = start_router(RouterSpec(port=free_port()))
+        api.append(time.perf_counter() - t)
+        handle.stop()
+        port = free_port()
+        cli.append(
+            time_ready(
+                [
+                    smg,
+                    "launch",
+                    "--host",
+                    "127.0.0.1",
+                    "--port",
+                    str(port),
+                    "--prometheus-port",
+                    str(free_port()),
+                    "--log-level",
+                    "warn",
+                ],
+                f"http://127.0.0.1:{port}/health",
+            )
+        )
+    return {
+        "python_api_start_to_ready_s": round(statistics.median(api), 3),
+        "smg_launch_start_to_ready_s": round(statistics.median(cli), 3),
+        "ratio_smg_over_api": round(statistics.median(cli) / statistics.median(api), 2),
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--rounds", type=int, default=300)
+    p.add_argument("--sizes", type=int, nargs="+", default=[512, 8192])
+    p.add_argument("--starts", type=int, default=5)
+    args = p.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        tok_dir = build_tokenizer(Path(tmp))
+        out = {
+            "turn_latency": bench_turns(args.rounds, args.sizes, tok_dir),
+            "router_start": bench_start(args.starts),
+        }
+    out["config"] = {
+        "rounds": args.rounds,
+        "sizes": args.sizes,
+        "starts": args.starts,
+        "cpus": os.cpu_count(),
+    }
+    print(json.dumps(out, indent=2))
+
+
+if __name__ == "__main__":
+    main()

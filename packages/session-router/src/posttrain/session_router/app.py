@@ -1,0 +1,348 @@
+"""The session server's routes: an ASGI (starlette) app in front of sgl-router's ``/generate``.
+
+    GET    /health                                 instance id, stable per process
+    GET    /metrics                                Prometheus text
+    POST   /sessions                               -> {"session_id"}
+    GET    /sessions/{id}                          records and TITO metadata
+    DELETE /sessions/{id}                          204; waits for an in-flight prepare/commit
+    POST   /sessions/{id}/v1/chat/completions      one TITO turn (OpenAI compatible)
+    POST   /sessions/{id}/samples                  assembled samples (safetensors, see wire.py)
+    ANY    /sessions/{id}/{path}                   raw proxy with the routing key, not recorded
+
+Every route is behind the bearer token when one is configured. Errors are ``{"error": str}``:
+400 bad JSON or messages, 401 missing/wrong token, 404 unknown session, 413 body over
+``max_body_bytes``, 422 sample assembly failed (text/plain), 500 TITO prefix mismatch, 502
+upstream transport failure, an upstream 5xx (sgl-router answers 500 when the worker died
+mid-request) or a reply without what TITO needs. An upstream 4xx is passed through. A failed
+turn is never recorded.
+
+The session lock is held while preparing and while committing a turn, never during the upstream
+call, so a worker that dies mid-turn (502) leaves the session unchanged and the turn retryable.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import hmac
+import json
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import httpx
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from posttrain.interface import ConfigError, PosttrainError
+from posttrain.session_router._errors import (
+    BadChatRequestError,
+    SampleAssemblyError,
+    SessionNotFoundError,
+    TitoMismatchError,
+    UpstreamReplyError,
+)
+from posttrain.session_router.assembly import (
+    REPLY_DROP_HEADERS,
+    apply_lora,
+    build_generate_body,
+    forward_headers,
+    parse_chat_body,
+)
+from posttrain.session_router.config import SessionRouterConfig
+from posttrain.session_router.openai_reply import SSE_HEADERS, chat_completion, dumps, fake_stream
+from posttrain.session_router.samples import assemble_samples
+from posttrain.session_router.server import BodyTooLargeError, SessionServer
+from posttrain.session_router.template import ChatTokenizer
+from posttrain.session_router.tito import (
+    TurnRecord,
+    commit_turn,
+    parse_generate_reply,
+    prepare_turn,
+)
+from posttrain.session_router.wire import encode_samples
+
+Handler = Callable[[Request], Awaitable[Response]]
+_OFFLOAD_BYTES = 16 * 1024
+
+
+def _error(status: int, message: str) -> Response:
+    return Response(dumps({"error": message}), status_code=status, media_type="application/json")
+
+
+def _json(obj: Any, status: int = 200) -> Response:
+    return Response(dumps(obj), status_code=status, media_type="application/json")
+
+
+def _server(request: Request) -> SessionServer:
+    server: SessionServer = request.app.state.server
+    return server
+
+
+def _transport_error(exc: Exception) -> Response:
+    return _error(502, f"backend transport error: {type(exc).__name__}: {exc}")
+
+
+def _handled(route: str, fn: Handler) -> Handler:
+    """Auth, error mapping and request metrics around one route."""
+
+    async def wrapper(request: Request) -> Response:
+        server = _server(request)
+        server.start_reaper()
+        key = server.cfg.api_key
+        if key is not None:
+            given = request.headers.get("authorization", "")
+            if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
+                response = _error(401, "missing or wrong bearer token")
+                server.metrics.requests.labels(route, "401").inc()
+                return response
+        try:
+            response = await fn(request)
+        except SessionNotFoundError as exc:
+            response = _error(404, str(exc))
+        except BodyTooLargeError:
+            response = _error(413, f"request body exceeds {server.cfg.max_body_bytes} bytes")
+        except BadChatRequestError as exc:
+            response = _error(400, str(exc))
+        except TitoMismatchError as exc:
+            response = _error(500, str(exc))
+        except UpstreamReplyError as exc:
+            response = _error(502, str(exc))
+        except httpx.HTTPError as exc:
+            response = _transport_error(exc)
+        except PosttrainError as exc:  # anything else we raise is still a JSON error
+            response = _error(500, f"{type(exc).__name__}: {exc}")
+        server.metrics.requests.labels(route, str(response.status_code)).inc()
+        return response
+
+    return wrapper
+
+
+async def health(request: Request) -> Response:
+    return _json({"status": "ok", "session_server_instance_id": _server(request).instance_id})
+
+
+async def metrics(request: Request) -> Response:
+    return Response(
+        generate_latest(_server(request).metrics.registry), media_type=CONTENT_TYPE_LATEST
+    )
+
+
+async def create_session(request: Request) -> Response:
+    return _json({"session_id": _server(request).create().session_id})
+
+
+async def get_session(request: Request) -> Response:
+    server = _server(request)
+    state = server.get(request.path_params["session_id"])
+    meta: dict[str, Any] = {
+        "accumulated_token_ids": state.accumulated_token_ids,
+        "max_trim_tokens": server.cfg.max_trim_tokens,
+        "rollbacks": state.rollbacks,
+    }
+    if state.mismatch is not None:
+        meta["tito_session_mismatch"] = state.mismatch
+    return _json(
+        {
+            "session_id": state.session_id,
+            "records": [r.to_json() for r in state.records],
+            "metadata": meta,
+        }
+    )
+
+
+async def delete_session(request: Request) -> Response:
+    server = _server(request)
+    state = server.get(request.path_params["session_id"])
+    state.closing = True
+    async with state.lock:  # an in-flight prepare/commit finishes first
+        server.drop(state.session_id)
+    return Response(status_code=204)
+
+
+async def chat(request: Request) -> Response:
+    server, cfg, tok = _server(request), _server(request).cfg, _server(request).tok
+    session_id = request.path_params["session_id"]
+    state = server.get(session_id)
+    raw = await server.read_body(request)
+    req = parse_chat_body(raw, cfg.chat_template_kwargs)
+    async with state.lock:
+        if state.closing:
+            raise SessionNotFoundError(session_id)
+        prepare = functools.partial(
+            prepare_turn,
+            state,
+            req.messages,
+            tok,
+            tools=req.tools,
+            template_kwargs=req.template_kwargs,
+            matcher=cfg.matcher,
+            max_rollback_checkpoints=cfg.max_rollback_checkpoints,
+            max_trim_tokens=cfg.max_trim_tokens,
+        )
+        # Rendering and tokenizing a long prompt takes milliseconds: off the event loop then, so
+        # other sessions' turns proceed (prepare_turn only reads the state, and we hold its lock).
+        prepared = await asyncio.to_thread(prepare) if len(raw) > _OFFLOAD_BYTES else prepare()
+    body = build_generate_body(req.body, cfg, prepared.prompt_ids)
+    request_ts = time.time()
+    started = time.perf_counter()
+    upstream = await server.client.post(
+        "/generate",
+        content=dumps(body),
+        headers=forward_headers(request.headers.items(), session_id)
+        | {"content-type": "application/json"},
+    )
+    server.metrics.upstream_seconds.observe(time.perf_counter() - started)
+    if upstream.status_code != 200:
+        server.metrics.turns.labels("upstream_error").inc()
+        if upstream.status_code >= 500:
+            # sgl-router answers 500 (call_upstream_request_error) when the worker died mid-turn
+            # and 503 when none is available: to the agent both are a bad gateway.
+            return _error(502, f"upstream answered {upstream.status_code}: {upstream.text[:500]}")
+        return _passthrough(upstream)
+    try:
+        payload = upstream.json()
+    except json.JSONDecodeError as exc:
+        raise UpstreamReplyError(
+            f"upstream reply is not JSON: {exc}", url=str(upstream.url)
+        ) from exc
+    reply = parse_generate_reply(
+        payload, prompt_len=len(prepared.prompt_ids), url=str(upstream.url)
+    )
+    completion = chat_completion(
+        reply, body=req.body, prompt_tokens=len(prepared.prompt_ids), tok=tok
+    )
+    record = TurnRecord(
+        timestamp=time.time(),
+        request_timestamp=request_ts,
+        method="POST",
+        path="/generate",
+        request=body,
+        response=payload if isinstance(payload, dict) else {"reply": payload},
+        status_code=upstream.status_code,
+        prompt_ids=prepared.prompt_ids,
+        output_ids=reply.output_ids,
+        output_logprobs=reply.output_logprobs,
+        finish_reason=reply.finish_reason,
+    )
+    async with state.lock:
+        committed = commit_turn(
+            state,
+            prepared,
+            reply,
+            record,
+            dict(completion["choices"][0]["message"]),
+            max_trim_tokens=cfg.max_trim_tokens,
+        )
+    server.metrics.turns.labels("committed" if committed else "not_committed").inc()
+    if req.stream:
+        return Response(
+            fake_stream(completion), media_type="text/event-stream", headers=SSE_HEADERS
+        )
+    return _json(completion)
+
+
+async def samples(request: Request) -> Response:
+    server = _server(request)
+    state = server.get(request.path_params["session_id"])
+    raw = await server.read_body(request)
+    try:
+        body = json.loads(raw) if raw.strip() else {}
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise BadChatRequestError(f"invalid JSON body: {exc}") from exc
+    if not isinstance(body, dict):
+        raise BadChatRequestError("invalid JSON body: expected an object")
+    max_seq_len = body.get("max_seq_len")
+    metadata = body.get("metadata") or {}
+    if max_seq_len is not None and (
+        isinstance(max_seq_len, bool) or not isinstance(max_seq_len, int)
+    ):
+        raise BadChatRequestError(f"max_seq_len: must be an int or null, got {max_seq_len!r}")
+    if not isinstance(metadata, dict):
+        raise BadChatRequestError("metadata: must be an object")
+    async with state.lock:
+        records, accumulated = list(state.records), state.accumulated_token_ids
+        session_meta = {"session_id": state.session_id, "rollbacks": state.rollbacks}
+    try:
+        result = assemble_samples(
+            records,
+            accumulated,
+            max_trim_tokens=server.cfg.max_trim_tokens,
+            max_seq_len=max_seq_len,
+            metadata=metadata,
+            session_metadata=session_meta,
+        )
+    except (SampleAssemblyError, ConfigError) as exc:  # ConfigError: Sample validation
+        return Response(str(exc), status_code=422, media_type="text/plain")
+    data = encode_samples(
+        result.samples, session_metadata=result.session_metadata, empty_reason=result.empty_reason
+    )
+    return Response(data, media_type="application/octet-stream")
+
+
+async def proxy(request: Request) -> Response:
+    server = _server(request)
+    session_id = request.path_params["session_id"]
+    server.get(session_id)
+    path = request.path_params["path"]
+    raw = await server.read_body(request)
+    if path == "generate" and raw:
+        # Same predicate as the chat path: lora_path present exactly when the adapter is served.
+        with contextlib.suppress(json.JSONDecodeError, UnicodeDecodeError, AttributeError):
+            body = json.loads(raw)
+            if isinstance(body, dict):
+                raw = dumps(apply_lora(body, server.cfg))
+    upstream = await server.client.request(
+        request.method,
+        "/" + path,
+        params=str(request.query_params),
+        content=raw,
+        headers=forward_headers(request.headers.items(), session_id),
+    )
+    return _passthrough(upstream)
+
+
+def _passthrough(upstream: httpx.Response) -> Response:
+    headers = {k: v for k, v in upstream.headers.items() if k.lower() not in REPLY_DROP_HEADERS}
+    return Response(upstream.content, status_code=upstream.status_code, headers=headers)
+
+
+def create_app(
+    cfg: SessionRouterConfig,
+    *,
+    tokenizer: ChatTokenizer | None = None,
+    transport: httpx.AsyncBaseTransport | None = None,
+) -> Starlette:
+    """The session server as an ASGI app; ``transport`` replaces the upstream HTTP transport."""
+    server = SessionServer(cfg, tokenizer or ChatTokenizer.from_dir(cfg.tokenizer), transport)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        server.start_reaper()
+        try:
+            yield
+        finally:
+            await server.aclose()
+
+    sid = "/sessions/{session_id}"
+    routes = [
+        Route("/health", _handled("health", health), methods=["GET"]),
+        Route("/metrics", _handled("metrics", metrics), methods=["GET"]),
+        Route("/sessions", _handled("create", create_session), methods=["POST"]),
+        Route(sid, _handled("get", get_session), methods=["GET"]),
+        Route(sid, _handled("delete", delete_session), methods=["DELETE"]),
+        Route(f"{sid}/v1/chat/completions", _handled("chat", chat), methods=["POST"]),
+        Route(f"{sid}/samples", _handled("samples", samples), methods=["POST"]),
+        Route(
+            f"{sid}/{{path:path}}",
+            _handled("proxy", proxy),
+            methods=["GET", "POST", "PUT", "PATCH", "DELETE"],
+        ),
+    ]
+    app = Starlette(routes=routes, lifespan=lifespan)
+    app.state.server = server
+    return app

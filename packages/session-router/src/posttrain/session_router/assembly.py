@@ -1,0 +1,217 @@
+"""Pure request assembly: an OpenAI chat body becomes an SGLang ``/generate`` body.
+
+The stock sgl-router re-serializes chat requests and drops ``input_ids`` and ``return_meta_info``,
+so the session server renders the template itself and calls ``/generate`` with token ids, which
+the router passes through. These functions hold no state and do no I/O (hypothesis tests them):
+
+* ``parse_chat_body`` validates the JSON body (400 on anything malformed);
+* ``merge_template_kwargs`` merges per-request ``chat_template_kwargs`` over the launch defaults;
+* ``build_generate_body`` maps OpenAI sampling fields into ``sampling_params``, keeps unknown keys,
+  and then forces the fields TITO needs, so a client can never switch them off: ``input_ids`` (the
+  TITO prompt), ``return_logprob``, ``logprob_start_len=-1``, ``return_text_in_logprobs=False``,
+  ``sampling_params.no_stop_trim=False``, and ``lora_path`` exactly when ``serves_lora(cfg)``.
+  ``stream``/``stream_options`` never go upstream (TITO needs the whole reply);
+* ``forward_headers`` drops hop-by-hop headers and the client's credentials and adds the routing key.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from posttrain.session_router._errors import BadChatRequestError
+from posttrain.session_router.config import SessionRouterConfig, serves_lora
+
+ROUTING_KEY_HEADER = "X-SMG-Routing-Key"
+
+# OpenAI (or SGLang-native) top-level name -> SGLang sampling_params name.
+SAMPLING_ALIASES: Mapping[str, str] = {
+    "max_tokens": "max_new_tokens",
+    "max_completion_tokens": "max_new_tokens",
+    "max_new_tokens": "max_new_tokens",
+    "min_tokens": "min_new_tokens",
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "frequency_penalty": "frequency_penalty",
+    "presence_penalty": "presence_penalty",
+    "repetition_penalty": "repetition_penalty",
+    "stop": "stop",
+    "stop_token_ids": "stop_token_ids",
+    "ignore_eos": "ignore_eos",
+    "skip_special_tokens": "skip_special_tokens",
+    "seed": "sampling_seed",
+    "regex": "regex",
+    "json_schema": "json_schema",
+    "ebnf": "ebnf",
+}
+# Read by the session server itself (template rendering, reply shape); never forwarded.
+CONSUMED_KEYS = frozenset(
+    {
+        "messages",
+        "model",
+        "tools",
+        "tool_choice",
+        "parallel_tool_calls",
+        "stream",
+        "stream_options",
+        "logprobs",
+        "top_logprobs",
+        "chat_template_kwargs",
+        "n",
+        "user",
+        "text",
+        "return_meta_info",
+        "sampling_params",
+    }
+)
+FORCED_TOP_LEVEL = ("input_ids", "return_logprob", "logprob_start_len", "return_text_in_logprobs")
+FORCED_SAMPLING = {"no_stop_trim": False}
+HOP_BY_HOP_HEADERS = frozenset(
+    {
+        "connection",
+        "keep-alive",
+        "proxy-authenticate",
+        "proxy-authorization",
+        "te",
+        "trailer",
+        "trailers",
+        "transfer-encoding",
+        "upgrade",
+        "content-length",
+        "content-encoding",
+        "host",
+        "authorization",
+        "accept-encoding",
+    }
+)
+# Dropped from upstream replies before they go back to the client (a duplicate ``Server``
+# header breaks some HTTP clients; lengths and encodings are recomputed by our server).
+REPLY_DROP_HEADERS = frozenset(
+    {"content-length", "transfer-encoding", "content-encoding", "server", "date", "connection"}
+)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ChatRequest:
+    """A validated chat request: what the template needs and the body for ``build_generate_body``."""
+
+    body: dict[str, Any]
+    messages: list[dict[str, Any]]
+    tools: list[Any] | None
+    stream: bool
+    template_kwargs: dict[str, Any]
+
+
+def parse_chat_body(raw: bytes, defaults: Mapping[str, Any] | None = None) -> ChatRequest:
+    """Parse and validate a chat completion body; every failure is a ``BadChatRequestError`` (400)."""
+    try:
+        body = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise BadChatRequestError(f"invalid JSON body: {exc}") from exc
+    if not isinstance(body, dict):
+        raise BadChatRequestError(
+            f"invalid JSON body: expected an object, got {type(body).__name__}"
+        )
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise BadChatRequestError("messages: must be a non-empty list")
+    for i, msg in enumerate(messages):
+        if not isinstance(msg, dict) or not isinstance(msg.get("role"), str):
+            raise BadChatRequestError(f"messages[{i}]: must be an object with a string 'role'")
+        content = msg.get("content")
+        if content is not None and not isinstance(content, str):
+            if isinstance(content, list) and all(
+                isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                for p in content
+            ):
+                msg["content"] = "".join(p["text"] for p in content)
+            else:
+                raise BadChatRequestError(f"messages[{i}].content: must be a string or text parts")
+    tools = body.get("tools")
+    if tools is not None and not isinstance(tools, list):
+        raise BadChatRequestError("tools: must be a list")
+    n = body.get("n", 1)
+    if n not in (1, None):
+        raise BadChatRequestError(f"n: only 1 choice per turn is supported, got {n!r}")
+    return ChatRequest(
+        body=body,
+        messages=messages,
+        tools=tools,
+        stream=bool(body.get("stream", False)),
+        template_kwargs=merge_template_kwargs(body.get("chat_template_kwargs"), defaults),
+    )
+
+
+def merge_template_kwargs(
+    requested: Any, defaults: Mapping[str, Any] | None = None
+) -> dict[str, Any]:
+    """Per-request ``chat_template_kwargs`` merged over launch defaults (the request wins)."""
+    if requested is None:
+        requested = {}
+    if not isinstance(requested, dict):
+        raise BadChatRequestError(
+            f"chat_template_kwargs: must be an object, got {type(requested).__name__}"
+        )
+    return {**(defaults or {}), **requested}
+
+
+def build_generate_body(
+    body: Mapping[str, Any], cfg: SessionRouterConfig, prompt_ids: Sequence[int]
+) -> dict[str, Any]:
+    """The ``/generate`` body for one turn (pure; see the module docstring for the rules)."""
+    explicit = body.get("sampling_params")
+    if explicit is not None and not isinstance(explicit, dict):
+        raise BadChatRequestError("sampling_params: must be an object")
+    sampling: dict[str, Any] = {}
+    out: dict[str, Any] = {}
+    for key, value in body.items():
+        if key in SAMPLING_ALIASES:
+            if value is not None:
+                sampling[SAMPLING_ALIASES[key]] = value
+        elif key not in CONSUMED_KEYS and key != "lora_path":
+            out[key] = value
+    # max_completion_tokens is the newer OpenAI name; it wins over max_tokens when both are sent.
+    if body.get("max_completion_tokens") is not None:
+        sampling["max_new_tokens"] = body["max_completion_tokens"]
+    sampling.update(explicit or {})
+    sampling.update(FORCED_SAMPLING)
+    top_logprobs = body.get("top_logprobs")
+    if isinstance(top_logprobs, int) and top_logprobs > 0:
+        out["top_logprobs_num"] = top_logprobs
+    out.update(
+        input_ids=list(prompt_ids),
+        sampling_params=sampling,
+        return_logprob=True,
+        logprob_start_len=-1,
+        return_text_in_logprobs=False,
+    )
+    return apply_lora(out, cfg)
+
+
+def apply_lora(body: dict[str, Any], cfg: SessionRouterConfig) -> dict[str, Any]:
+    """Set ``lora_path`` to the served adapter, or remove it, as ``serves_lora(cfg)`` says.
+
+    Used by the chat path and by the raw ``/generate`` proxy, so both gate LoRA identically.
+    """
+    body.pop("lora_path", None)
+    if serves_lora(cfg):
+        body["lora_path"] = cfg.lora_adapter
+    return body
+
+
+def forward_headers(
+    headers: Mapping[str, str] | Sequence[tuple[str, str]], session_id: str
+) -> dict[str, str]:
+    """Client headers safe to forward upstream, plus the session's routing key."""
+    items = headers.items() if isinstance(headers, Mapping) else headers
+    out = {
+        name: value
+        for name, value in items
+        if name.lower() not in HOP_BY_HOP_HEADERS and name.lower() != ROUTING_KEY_HEADER.lower()
+    }
+    out[ROUTING_KEY_HEADER] = session_id
+    return out

@@ -1,0 +1,72 @@
+"""Typed configuration of the session server, and the one LoRA predicate every path uses.
+
+``serves_lora`` is the single answer to "does this rollout generate with the trained adapter?".
+Both the chat path (which renders the template and calls ``/generate``) and the raw ``/generate``
+proxy consult it, so they cannot disagree (an earlier system gated the two paths differently and
+silently generated LoRA trajectories with base weights).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from posttrain.interface import ConfigError
+
+DEFAULT_MAX_BODY_BYTES = 64 * 1024 * 1024
+# How stored and requested messages are compared when finding the common history (tito.py).
+MATCHER_NAMES = ("strict", "loose_tool_call", "role_content_only")
+
+
+@dataclass(kw_only=True, slots=True)
+class SessionRouterConfig:
+    """What a session server needs to know; validated on construction.
+
+    ``upstream_timeout_s`` may be ``math.inf`` only when passed explicitly.
+    ``max_trim_tokens`` bounds how many trailing tokens of a turn the next turn may replace
+    (a stop token the chat template renders differently).
+    """
+
+    upstream_url: str
+    tokenizer: str
+    lora_adapter: str | None = None
+    lora_train_only: bool = False
+    api_key: str | None = None
+    session_ttl_s: float = 3600.0
+    upstream_timeout_s: float = 600.0
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    max_connections: int = 1024
+    max_trim_tokens: int = 1
+    max_rollback_checkpoints: int = 1
+    matcher: str = "strict"
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not self.upstream_url.startswith(("http://", "https://")):
+            raise ConfigError(f"upstream_url must be an http(s) URL, got {self.upstream_url!r}")
+        self.upstream_url = self.upstream_url.rstrip("/")
+        for name in ("session_ttl_s", "upstream_timeout_s"):
+            value = getattr(self, name)
+            if not value > 0 or math.isnan(value):
+                raise ConfigError(f"{name} must be > 0, got {value!r}")
+        if self.max_body_bytes <= 0:
+            raise ConfigError(f"max_body_bytes must be > 0, got {self.max_body_bytes}")
+        if self.max_trim_tokens < 0:
+            raise ConfigError(f"max_trim_tokens must be >= 0, got {self.max_trim_tokens}")
+        if self.max_rollback_checkpoints < 0:
+            raise ConfigError(
+                f"max_rollback_checkpoints must be >= 0, got {self.max_rollback_checkpoints}"
+            )
+        if self.lora_adapter is not None and (not self.lora_adapter or "," in self.lora_adapter):
+            # One constant adapter name; per-slot multi-LoRA is not supported with sessions.
+            raise ConfigError(
+                f"lora_adapter must be one non-empty adapter name, got {self.lora_adapter!r}"
+            )
+        if self.matcher not in MATCHER_NAMES:
+            raise ConfigError(f"matcher must be one of {MATCHER_NAMES}, got {self.matcher!r}")
+
+
+def serves_lora(cfg: SessionRouterConfig) -> bool:
+    """Whether requests must carry ``lora_path``: an adapter is named and it is served, not only trained."""
+    return cfg.lora_adapter is not None and not cfg.lora_train_only

@@ -1,0 +1,189 @@
+"""Training samples from a session's committed turns: trim, truncate, merge.
+
+Per turn i with prompt P, output O and logprobs L, against the conversation's accumulated ids A:
+the output tokens that A does not continue with are trimmed (a stop token the next turn's
+template replaced); only ``max_trim_tokens`` may be trimmed, none from the last turn. Each turn
+becomes a ``Sample(prompt=P, response=O', logprobs=L', loss_mask=1s)``.
+
+Truncation comes before merging: turns are kept while ``len(tokens) <= max_seq_len``; the first
+turn that overflows loses its overshoot and is marked truncated if any output remains, or is
+dropped, and nothing after it is kept.
+
+Merging goes left to right and stops after a turn that did not complete. Between two turns the
+tokens the engine did not generate (tool output, user text, template glue) are observation tokens:
+they enter the response with loss mask 0 and logprob 0.0, so one sample carries the whole
+trajectory and the trainer recomputes logprobs over exactly the engine's tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from posttrain.interface import Sample, SampleStatus
+from posttrain.session_router._errors import SampleAssemblyError
+from posttrain.session_router.tito import TurnRecord
+
+_STATUS = {
+    "stop": SampleStatus.COMPLETED,
+    "tool_calls": SampleStatus.COMPLETED,
+    "length": SampleStatus.TRUNCATED,
+    "abort": SampleStatus.ABORTED,
+}
+
+
+def status_of(finish_reason: str) -> SampleStatus:
+    """The sample status of an engine finish reason (unknown reasons count as aborted)."""
+    return _STATUS.get(finish_reason, SampleStatus.ABORTED)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class AssembledSamples:
+    """The result of ``assemble_samples``: 0 or 1 sample, and why it is empty when it is."""
+
+    samples: list[Sample]
+    empty_reason: str | None
+    session_metadata: dict[str, Any]
+
+
+def _weight_version(record: TurnRecord) -> str | None:
+    meta = record.response.get("meta_info")
+    value = meta.get("weight_version") if isinstance(meta, dict) else None
+    return None if value is None else str(value)
+
+
+def trim_turns(
+    records: Sequence[TurnRecord], accumulated: Sequence[int], *, max_trim_tokens: int
+) -> list[Sample]:
+    """One sample per turn with the tokens the conversation did not keep trimmed off (422 on misuse)."""
+    turns: list[Sample] = []
+    cursor = 0
+    for i, rec in enumerate(records):
+        prompt, output = rec.prompt_ids, rec.output_ids
+        if list(accumulated[: len(prompt)]) != list(prompt):
+            raise SampleAssemblyError(
+                f"records[{i}]: prompt_ids are not a prefix of the accumulated token ids"
+            )
+        cursor = len(prompt)
+        matched = 0
+        while (
+            matched < len(output)
+            and cursor + matched < len(accumulated)
+            and output[matched] == accumulated[cursor + matched]
+        ):
+            matched += 1
+        trim = len(output) - matched
+        allowed = 0 if i == len(records) - 1 else max_trim_tokens
+        if trim > allowed:
+            raise SampleAssemblyError(
+                f"records[{i}]: {trim} output tokens are not in the accumulated ids "
+                f"(at most {allowed} may be trimmed from this turn)"
+            )
+        cursor += matched
+        turns.append(
+            Sample(
+                prompt_ids=list(prompt),
+                response_ids=list(output[:matched]),
+                rollout_logprobs=list(rec.output_logprobs[:matched]),
+                loss_mask=[1] * matched,
+                status=status_of(rec.finish_reason),
+                weight_version=_weight_version(rec),
+            )
+        )
+    if records and cursor != len(accumulated):
+        raise SampleAssemblyError(
+            f"records end at token {cursor} but the session accumulated {len(accumulated)} tokens"
+        )
+    return turns
+
+
+def truncate_turns(turns: Sequence[Sample], max_seq_len: int | None) -> list[Sample]:
+    """Keep turns while they fit ``max_seq_len``; cut the first overflowing one (or drop it) and stop."""
+    if max_seq_len is None:
+        return list(turns)
+    kept: list[Sample] = []
+    for turn in turns:
+        overshoot = len(turn.tokens) - max_seq_len
+        if overshoot <= 0:
+            kept.append(turn)
+            continue
+        keep = turn.response_length - overshoot
+        if keep > 0:
+            kept.append(
+                Sample(
+                    prompt_ids=turn.prompt_ids,
+                    response_ids=turn.response_ids[:keep],
+                    rollout_logprobs=turn.rollout_logprobs[:keep],
+                    loss_mask=turn.loss_mask[:keep],
+                    status=SampleStatus.TRUNCATED,
+                    weight_version=turn.weight_version,
+                )
+            )
+        break
+    return kept
+
+
+def merge_turns(turns: Sequence[Sample]) -> tuple[Sample | None, int]:
+    """Merge turns left to right into one trajectory; stop after the first non-completed turn.
+
+    Returns the merged sample and how many turns went into it.
+    """
+    if not turns:
+        return None, 0
+    merged = turns[0]
+    used = 1
+    for i, nxt in enumerate(turns[1:], start=1):
+        if merged.status is not SampleStatus.COMPLETED:
+            break
+        a_tokens, b_tokens = merged.tokens, nxt.tokens
+        obs = len(b_tokens) - len(a_tokens) - nxt.response_length
+        if obs <= 0 or b_tokens[: len(a_tokens)] != a_tokens:
+            raise SampleAssemblyError(
+                f"turns[{i}]: the previous turns' tokens are not a strict prefix of its prompt "
+                f"(observation length {obs})"
+            )
+        merged = Sample(
+            prompt_ids=merged.prompt_ids,
+            response_ids=merged.response_ids + b_tokens[len(a_tokens) :],
+            rollout_logprobs=merged.rollout_logprobs + [0.0] * obs + nxt.rollout_logprobs,
+            loss_mask=merged.loss_mask + [0] * obs + nxt.loss_mask,
+            status=nxt.status,
+            weight_version=nxt.weight_version,
+        )
+        used += 1
+    return merged, used
+
+
+def assemble_samples(
+    records: Sequence[TurnRecord],
+    accumulated: Sequence[int],
+    *,
+    max_trim_tokens: int,
+    max_seq_len: int | None = None,
+    metadata: Mapping[str, Any] | None = None,
+    session_metadata: Mapping[str, Any] | None = None,
+) -> AssembledSamples:
+    """Assemble a session's records into 0 or 1 training sample (see the module docstring)."""
+    if max_seq_len is not None and max_seq_len <= 0:
+        raise SampleAssemblyError(f"max_seq_len must be positive or null, got {max_seq_len}")
+    session_meta = dict(session_metadata or {})
+    if not records:
+        return AssembledSamples(
+            samples=[], empty_reason="no_records", session_metadata=session_meta
+        )
+    turns = truncate_turns(
+        trim_turns(records, accumulated, max_trim_tokens=max_trim_tokens), max_seq_len
+    )
+    merged, used = merge_turns(turns)
+    if merged is None:
+        return AssembledSamples(
+            samples=[], empty_reason="all_truncated", session_metadata=session_meta
+        )
+    merged.metadata = {
+        **dict(metadata or {}),
+        "num_turns": len(records),
+        "merged_turns": used,
+        "weight_versions": [_weight_version(r) for r in records],
+    }
+    return AssembledSamples(samples=[merged], empty_reason=None, session_metadata=session_meta)

@@ -1,0 +1,217 @@
+"""A local tokenizer plus its chat template, loaded from a model directory without transformers.
+
+The session server renders the chat template itself and sends token ids to ``/generate``, so it
+never needs the router to understand chat requests. It reads what ``save_pretrained`` of a
+transformers fast tokenizer writes (``tokenizer.json``, ``tokenizer_config.json`` and optionally
+``chat_template.jinja`` / ``generation_config.json``) with the ``tokenizers`` library and renders
+the template in a jinja2 sandbox configured the way transformers configures it (trim_blocks,
+lstrip_blocks, loop controls, ``tojson`` without ASCII escaping, ``raise_exception``).
+
+Departure from the obvious: later turns are never rendered from the full history. ``render_delta``
+renders only the appended messages behind a fixed dummy system+assistant pair and takes the text
+after that pair, so earlier tokens (the engine's own output) are never re-tokenized.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from jinja2 import TemplateError
+from jinja2.ext import loopcontrols
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer
+
+from posttrain.interface import ConfigError
+from posttrain.session_router._errors import BadChatRequestError
+
+_SENTINEL = "\u2063posttrain-assistant-content\u2063"
+_DUMMY_SYSTEM = {"role": "system", "content": "posttrain dummy system"}
+
+
+def _raise_exception(message: str) -> None:
+    raise TemplateError(message)
+
+
+def _tojson(value: Any, indent: int | None = None) -> str:
+    return json.dumps(value, ensure_ascii=False, indent=indent)
+
+
+def _special_token_text(value: Any) -> str | None:
+    if isinstance(value, str):
+        return value
+    if isinstance(value, Mapping) and isinstance(value.get("content"), str):
+        return str(value["content"])
+    return None
+
+
+class ChatTokenizer:
+    """A ``tokenizers`` tokenizer with a jinja chat template and the model's stop token ids."""
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        chat_template: str,
+        *,
+        special_tokens: Mapping[str, str] | None = None,
+        stop_token_ids: Sequence[int] = (),
+        source: str = "<memory>",
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.source = source
+        self.special_tokens = dict(special_tokens or {})
+        env = ImmutableSandboxedEnvironment(
+            trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols]
+        )
+        env.filters["tojson"] = _tojson
+        env.globals["raise_exception"] = _raise_exception
+        env.globals["strftime_now"] = lambda fmt: datetime.now(UTC).strftime(fmt)
+        try:
+            self._template = env.from_string(chat_template)
+        except TemplateError as exc:
+            raise ConfigError(f"chat template of {source} does not compile: {exc}") from exc
+        self.stop_token_ids = frozenset(int(i) for i in stop_token_ids)
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> ChatTokenizer:
+        """Load ``tokenizer.json`` and the chat template from a model or tokenizer directory."""
+        root = Path(path)
+        if root.is_file():
+            root = root.parent
+        tok_file = root / "tokenizer.json"
+        if not tok_file.is_file():
+            raise ConfigError(f"tokenizer: {tok_file} does not exist")
+        tokenizer = Tokenizer.from_file(str(tok_file))
+        config: dict[str, Any] = {}
+        config_file = root / "tokenizer_config.json"
+        if config_file.is_file():
+            config = json.loads(config_file.read_text(encoding="utf-8"))
+        template = _read_chat_template(root, config)
+        special = {
+            key: text
+            for key in ("bos_token", "eos_token", "pad_token", "unk_token")
+            if (text := _special_token_text(config.get(key))) is not None
+        }
+        stop_ids: set[int] = set()
+        if (
+            "eos_token" in special
+            and (eos := tokenizer.token_to_id(special["eos_token"])) is not None
+        ):
+            stop_ids.add(eos)
+        gen_file = root / "generation_config.json"
+        if gen_file.is_file():
+            eos_cfg = json.loads(gen_file.read_text(encoding="utf-8")).get("eos_token_id")
+            if isinstance(eos_cfg, int):
+                stop_ids.add(eos_cfg)
+            elif isinstance(eos_cfg, list):
+                stop_ids.update(int(i) for i in eos_cfg)
+        return cls(
+            tokenizer,
+            template,
+            special_tokens=special,
+            stop_token_ids=sorted(stop_ids),
+            source=str(root),
+        )
+
+    def render(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        add_generation_prompt: bool,
+        tools: Sequence[Any] | None = None,
+        template_kwargs: Mapping[str, Any] | None = None,
+    ) -> str:
+        """Render messages with the chat template; a template error is a 400 naming the source."""
+        context: dict[str, Any] = dict(self.special_tokens)
+        context.update(template_kwargs or {})
+        context.update(
+            messages=[dict(m) for m in messages],
+            tools=list(tools) if tools else None,
+            add_generation_prompt=add_generation_prompt,
+        )
+        try:
+            return self._template.render(**context)
+        except TemplateError as exc:
+            raise BadChatRequestError(
+                f"chat template of {self.source} rejected the messages: {exc}"
+            ) from exc
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of ``text``; special tokens written in the text are recognised, none are added."""
+        return list(self.tokenizer.encode(text, add_special_tokens=False).ids)
+
+    def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
+        """Text of ``ids``."""
+        return str(self.tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens))
+
+    def token_text(self, token_id: int) -> str:
+        """The vocabulary string of one token (used for OpenAI ``logprobs.content[].token``)."""
+        return str(self.tokenizer.id_to_token(token_id) or "")
+
+    def assistant_tail_ids(self, template_kwargs: Mapping[str, Any] | None = None) -> list[int]:
+        """Tokens the template renders right after an assistant message's content (e.g. ``<|im_end|>\\n``)."""
+        text = self.render(
+            [_DUMMY_SYSTEM, {"role": "assistant", "content": _SENTINEL}],
+            add_generation_prompt=False,
+            template_kwargs=template_kwargs,
+        )
+        at = text.rfind(_SENTINEL)
+        if at < 0:
+            raise ConfigError(f"chat template of {self.source} does not render assistant content")
+        return self.encode(text[at + len(_SENTINEL) :])
+
+    def render_delta(
+        self,
+        appended: Sequence[Mapping[str, Any]],
+        *,
+        last_assistant: Mapping[str, Any],
+        tools: Sequence[Any] | None = None,
+        template_kwargs: Mapping[str, Any] | None = None,
+    ) -> str:
+        """Text the template adds for ``appended`` messages after an assistant turn, with the generation prompt."""
+        anchor = [
+            _DUMMY_SYSTEM,
+            {
+                "role": "assistant",
+                "content": _SENTINEL,
+                **(
+                    {"tool_calls": last_assistant["tool_calls"]}
+                    if last_assistant.get("tool_calls")
+                    else {}
+                ),
+            },
+        ]
+        base = self.render(
+            anchor, add_generation_prompt=False, tools=tools, template_kwargs=template_kwargs
+        )
+        full = self.render(
+            [*anchor, *appended],
+            add_generation_prompt=True,
+            tools=tools,
+            template_kwargs=template_kwargs,
+        )
+        if not full.startswith(base):
+            raise BadChatRequestError(
+                f"chat template of {self.source} does not render appended messages as a suffix of "
+                "the history; this template cannot be used token-in/token-out"
+            )
+        return full[len(base) :]
+
+
+def _read_chat_template(root: Path, config: Mapping[str, Any]) -> str:
+    jinja_file = root / "chat_template.jinja"
+    if jinja_file.is_file():
+        return jinja_file.read_text(encoding="utf-8")
+    template = config.get("chat_template")
+    if isinstance(template, list):
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, Mapping)}
+        template = named.get("default")
+    if not isinstance(template, str):
+        raise ConfigError(
+            f"tokenizer: no chat template in {root} (neither chat_template.jinja nor "
+            "tokenizer_config.json's chat_template)"
+        )
+    return template

@@ -1,0 +1,319 @@
+"""The ASGI session server against an ``httpx.MockTransport`` upstream: routes, faults, limits."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from posttrain.session_router import ChatTokenizer, SessionRouterConfig, create_app, decode_samples
+
+Upstream = Callable[[httpx.Request], Awaitable[httpx.Response]]
+
+
+def _cfg(tok_dir: Path, **kw: Any) -> SessionRouterConfig:
+    return SessionRouterConfig(upstream_url="http://router.test", tokenizer=str(tok_dir), **kw)
+
+
+def run_app(
+    cfg: SessionRouterConfig,
+    tok: ChatTokenizer,
+    upstream: Upstream,
+    scenario: Callable[[httpx.AsyncClient], Awaitable[None]],
+) -> None:
+    async def main() -> None:
+        app = create_app(cfg, tokenizer=tok, transport=httpx.MockTransport(upstream))
+        try:
+            async with httpx.AsyncClient(
+                transport=httpx.ASGITransport(app=app), base_url="http://sr"
+            ) as client:
+                await scenario(client)
+        finally:
+            await app.state.server.aclose()
+
+    asyncio.run(asyncio.wait_for(main(), timeout=30))
+
+
+def engine_upstream(
+    engine: Callable[[dict[str, Any]], dict[str, Any]], seen: list[httpx.Request]
+) -> Upstream:
+    async def handle(request: httpx.Request) -> httpx.Response:
+        seen.append(request)
+        assert request.url.path == "/generate"
+        return httpx.Response(
+            200, json=engine(json.loads(request.content)), headers={"server": "upstream"}
+        )
+
+    return handle
+
+
+def user(text: str) -> dict[str, str]:
+    return {"role": "user", "content": text}
+
+
+def test_three_turns_then_samples(tok_dir: Path, chat_tok: ChatTokenizer, make_engine: Any) -> None:
+    seen: list[httpx.Request] = []
+    engine = make_engine(chat_tok)
+
+    async def scenario(c: httpx.AsyncClient) -> None:
+        assert (await c.get("/health")).json()["status"] == "ok"
+        sid = (await c.post("/sessions")).json()["session_id"]
+        msgs: list[dict[str, Any]] = [user("hello")]
+        for turn in range(3):
+            r = await c.post(
+                f"/sessions/{sid}/v1/chat/completions",
+                json={"model": "m", "messages": msgs, "max_tokens": 32, "logprobs": True},
+            )
+            assert r.status_code == 200, r.text
+            body = r.json()
+            choice = body["choices"][0]
+            assert choice["finish_reason"] == "stop"
+            assert choice["message"]["content"].startswith("reply")
+            assert len(choice["logprobs"]["content"]) == body["usage"]["completion_tokens"]
+            assert "server" not in r.headers
+            msgs = [*msgs, choice["message"], user(f"more {turn}")]
+        for req in seen:
+            sent = json.loads(req.content)
+            assert req.headers["x-smg-routing-key"] == sid
+            assert sent["lora_path"] == "miles_lora"
+            assert sent["return_logprob"] is True
+        info = (await c.get(f"/sessions/{sid}")).json()
+        assert len(info["records"]) == 3
+        assert info["metadata"]["max_trim_tokens"] == 1
+        acc = info["metadata"]["accumulated_token_ids"]
+        r = await c.post(
+            f"/sessions/{sid}/samples", json={"max_seq_len": None, "metadata": {"run": 1}}
+        )
+        assert r.headers["content-type"] == "application/octet-stream"
+        (sample,) = decode_samples(r.content).samples
+        assert sample.tokens == acc
+        assert sample.metadata["run"] == 1
+        # Every trained token carries exactly the logprob the engine reported for it.
+        engine_lp = {}
+        for record in info["records"]:
+            prompt = record["request"]["input_ids"]
+            for j, (lp, tid, _) in enumerate(
+                record["response"]["meta_info"]["output_token_logprobs"]
+            ):
+                engine_lp[len(prompt) + j] = (tid, lp)
+        for pos, m in enumerate(sample.loss_mask):
+            if m:
+                assert engine_lp[len(sample.prompt_ids) + pos] == (
+                    sample.response_ids[pos],
+                    sample.rollout_logprobs[pos],
+                )
+        assert sum(sample.loss_mask) == sum(
+            len(r["response"]["output_ids"]) for r in info["records"]
+        )
+        assert (await c.delete(f"/sessions/{sid}")).status_code == 204
+        assert (await c.delete(f"/sessions/{sid}")).status_code == 404
+        metrics = (await c.get("/metrics")).text
+        assert 'session_router_turns_total{outcome="committed"} 3.0' in metrics
+
+    run_app(
+        _cfg(tok_dir, lora_adapter="miles_lora"), chat_tok, engine_upstream(engine, seen), scenario
+    )
+
+
+def test_stream_is_one_sse_chunk_then_done(
+    tok_dir: Path, chat_tok: ChatTokenizer, make_engine: Any
+) -> None:
+    seen: list[httpx.Request] = []
+
+    async def scenario(c: httpx.AsyncClient) -> None:
+        sid = (await c.post("/sessions")).json()["session_id"]
+        r = await c.post(
+            f"/sessions/{sid}/v1/chat/completions", json={"messages": [user("hi")], "stream": True}
+        )
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        assert r.headers["cache-control"] == "no-cache"
+        assert r.headers["x-accel-buffering"] == "no"
+        events = [e for e in r.text.split("\n\n") if e]
+        assert len(events) == 2
+        assert events[1] == "data: [DONE]"
+        chunk = json.loads(events[0].removeprefix("data: "))
+        assert chunk["object"] == "chat.completion.chunk"
+        assert chunk["choices"][0]["delta"]["role"] == "assistant"
+        assert chunk["choices"][0]["finish_reason"] == "stop"
+        assert chunk["usage"]["completion_tokens"] > 0
+        assert "stream" not in json.loads(seen[0].content)
+        assert "lora_path" not in json.loads(seen[0].content)
+
+    run_app(_cfg(tok_dir), chat_tok, engine_upstream(make_engine(chat_tok), seen), scenario)
+
+
+def test_client_errors(tok_dir: Path, chat_tok: ChatTokenizer, make_engine: Any) -> None:
+    async def scenario(c: httpx.AsyncClient) -> None:
+        assert (await c.get("/sessions/nope")).status_code == 404
+        r = await c.post("/sessions/nope/v1/chat/completions", json={"messages": [user("x")]})
+        assert r.status_code == 404
+        assert "nope" in r.json()["error"]
+        sid = (await c.post("/sessions")).json()["session_id"]
+        r = await c.post(f"/sessions/{sid}/v1/chat/completions", content=b"{oops")
+        assert r.status_code == 400
+        assert r.json()["error"].startswith("invalid JSON body")
+        r = await c.post(f"/sessions/{sid}/v1/chat/completions", content=b"x" * 5000)
+        assert r.status_code == 413
+        r = await c.post(f"/sessions/{sid}/samples", json={"max_seq_len": "big"})
+        assert r.status_code == 400
+        empty = decode_samples((await c.post(f"/sessions/{sid}/samples", json={})).content)
+        assert empty.samples == []
+        assert empty.empty_reason == "no_records"
+
+    run_app(
+        _cfg(tok_dir, max_body_bytes=4096),
+        chat_tok,
+        engine_upstream(make_engine(chat_tok), []),
+        scenario,
+    )
+
+
+def test_bearer_token_guards_every_route(
+    tok_dir: Path, chat_tok: ChatTokenizer, make_engine: Any
+) -> None:
+    async def scenario(c: httpx.AsyncClient) -> None:
+        for method, path in [
+            ("GET", "/health"),
+            ("GET", "/metrics"),
+            ("POST", "/sessions"),
+            ("GET", "/sessions/x"),
+            ("POST", "/sessions/x/v1/chat/completions"),
+        ]:
+            assert (await c.request(method, path)).status_code == 401
+            assert (
+                await c.request(method, path, headers={"authorization": "Bearer wrong"})
+            ).status_code == 401
+        ok = {"authorization": "Bearer s3cret"}
+        assert (await c.get("/health", headers=ok)).status_code == 200
+        assert (await c.post("/sessions", headers=ok)).status_code == 200
+
+    run_app(
+        _cfg(tok_dir, api_key="s3cret"),
+        chat_tok,
+        engine_upstream(make_engine(chat_tok), []),
+        scenario,
+    )
+
+
+def test_transport_failure_is_502_and_the_turn_is_retryable(
+    tok_dir: Path, chat_tok: ChatTokenizer, make_engine: Any
+) -> None:
+    engine = make_engine(chat_tok)
+    state = {"fail": 1, "bad": 1, "status": 2}
+
+    async def upstream(request: httpx.Request) -> httpx.Response:
+        if state["fail"]:
+            state["fail"] -= 1
+            raise httpx.ConnectError("worker went away", request=request)
+        if state["bad"]:
+            state["bad"] -= 1
+            return httpx.Response(200, json={"text": "x"})
+        if state["status"]:
+            state["status"] -= 1
+            return httpx.Response(503 if state["status"] else 400, json={"error": "too long"})
+        return httpx.Response(200, json=engine(json.loads(request.content)))
+
+    async def scenario(c: httpx.AsyncClient) -> None:
+        sid = (await c.post("/sessions")).json()["session_id"]
+        url = f"/sessions/{sid}/v1/chat/completions"
+        body = {"messages": [user("hi")]}
+        r = await c.post(url, json=body)
+        assert r.status_code == 502
+        assert r.json()["error"] == "backend transport error: ConnectError: worker went away"
+        r = await c.post(url, json=body)
+        assert r.status_code == 502
+        assert "meta_info" in r.json()["error"]
+        r = await c.post(url, json=body)
+        assert r.status_code == 502
+        assert r.json()["error"].startswith("upstream answered 503")
+        r = await c.post(url, json=body)
+        assert r.status_code == 400
+        assert r.json() == {"error": "too long"}
+        assert (await c.get(f"/sessions/{sid}")).json()["records"] == []
+        r = await c.post(url, json=body)
+        assert r.status_code == 200
+        assert len((await c.get(f"/sessions/{sid}")).json()["records"]) == 1
+
+    run_app(_cfg(tok_dir), chat_tok, upstream, scenario)
+
+
+def test_delete_racing_a_chat(tok_dir: Path, chat_tok: ChatTokenizer, make_engine: Any) -> None:
+    engine = make_engine(chat_tok)
+    entered, release = asyncio.Event(), asyncio.Event()
+
+    async def upstream(request: httpx.Request) -> httpx.Response:
+        entered.set()
+        await release.wait()
+        return httpx.Response(200, json=engine(json.loads(request.content)))
+
+    async def scenario(c: httpx.AsyncClient) -> None:
+        sid = (await c.post("/sessions")).json()["session_id"]
+        chat = asyncio.create_task(
+            c.post(f"/sessions/{sid}/v1/chat/completions", json={"messages": [user("hi")]})
+        )
+        await asyncio.wait_for(entered.wait(), 5)
+        # The lock is not held across the upstream call, so DELETE does not wait for the engine.
+        assert (await asyncio.wait_for(c.delete(f"/sessions/{sid}"), 5)).status_code == 204
+        release.set()
+        reply = await asyncio.wait_for(chat, 5)
+        assert reply.status_code == 200  # the agent gets its answer; nothing is recorded
+        assert (await c.get(f"/sessions/{sid}")).status_code == 404
+        assert 'outcome="not_committed"' in (await c.get("/metrics")).text
+
+    run_app(_cfg(tok_dir), chat_tok, upstream, scenario)
+
+
+def test_ttl_reclaims_abandoned_sessions(
+    tok_dir: Path, chat_tok: ChatTokenizer, make_engine: Any
+) -> None:
+    async def scenario(c: httpx.AsyncClient) -> None:
+        a = (await c.post("/sessions")).json()["session_id"]
+        b = (await c.post("/sessions")).json()["session_id"]
+        for _ in range(4):  # keep b alive, let a expire
+            await asyncio.sleep(0.1)
+            assert (await c.get(f"/sessions/{b}")).status_code == 200
+        assert (await c.get(f"/sessions/{a}")).status_code == 404
+        await asyncio.sleep(0.6)  # the reaper reclaims b without any access
+        assert b not in c._transport.app.state.server.sessions  # type: ignore[attr-defined]
+        assert "session_router_sessions_expired_total 2.0" in (await c.get("/metrics")).text
+
+    run_app(
+        _cfg(tok_dir, session_ttl_s=0.25),
+        chat_tok,
+        engine_upstream(make_engine(chat_tok), []),
+        scenario,
+    )
+
+
+def test_raw_proxy_adds_routing_key_and_gates_lora(tok_dir: Path, chat_tok: ChatTokenizer) -> None:
+    seen: list[httpx.Request] = []
+
+    async def upstream(request: httpx.Request) -> httpx.Response:
+        seen.append(request)
+        return httpx.Response(
+            200, json={"ok": True}, headers={"server": "upstream", "x-extra": "1"}
+        )
+
+    async def scenario(c: httpx.AsyncClient) -> None:
+        sid = (await c.post("/sessions")).json()["session_id"]
+        r = await c.post(
+            f"/sessions/{sid}/generate?x=1", json={"input_ids": [1], "lora_path": "other"}
+        )
+        assert r.status_code == 200
+        assert r.headers["x-extra"] == "1"
+        assert "server" not in r.headers
+        r = await c.get(f"/sessions/{sid}/get_model_info")
+        assert r.status_code == 200
+        assert seen[0].url.path == "/generate"
+        assert seen[0].url.query == b"x=1"
+        assert json.loads(seen[0].content)["lora_path"] == "miles_lora"
+        assert seen[0].headers["x-smg-routing-key"] == sid
+        assert seen[1].url.path == "/get_model_info"
+        assert (await c.get(f"/sessions/{sid}")).json()["records"] == []
+
+    run_app(_cfg(tok_dir, lora_adapter="miles_lora"), chat_tok, upstream, scenario)

@@ -1,0 +1,229 @@
+"""End to end: two local-engine workers behind the real sgl-router, a 3-turn LoRA chat.
+
+Runs when ``posttrain.local_engine`` and ``posttrain.models`` are importable (they are sibling
+packages; this test is the integration point the issue asks for), and is skipped otherwise.
+The sample's tokens, logprobs and loss mask must match what the engine generated, and its
+logprobs must equal the trainer's recomputation (``models``' training forward with the same
+adapter) bit for bit; without the adapter they must differ, so ``lora_path`` really reached
+the engine. The two engines are local-engine's real ASGI app under uvicorn, each on its own
+port, served from threads of this process (see ``_EngineThread``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import uvicorn
+
+from posttrain.interface.testing import free_port
+from posttrain.session_router import (
+    RouterSpec,
+    SessionRouterConfig,
+    create_app,
+    decode_samples,
+    start_router,
+)
+
+models = pytest.importorskip("posttrain.models")
+local_engine = pytest.importorskip("posttrain.local_engine")
+torch = pytest.importorskip("torch")
+safetensors_torch = pytest.importorskip("safetensors.torch")
+
+pytestmark = [pytest.mark.multiproc, pytest.mark.slow, pytest.mark.timeout(120)]
+ADAPTER = "miles_lora"
+RANK, ALPHA = 4, 8.0
+STOP_IDS = list(range(4, 70))
+
+
+def _write_model(root: Path) -> tuple[Path, Path, dict[str, Any]]:
+    cfg = models.ModelConfig(
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        moe_intermediate_size=32,
+        num_experts=2,
+        num_experts_per_tok=1,
+        mlp_only_layers=(0, 1),
+        max_position_embeddings=1024,
+        eos_token_id=3,
+    )
+    model_dir = models.save_pretrained(
+        models.build_model(cfg, seed=0), root / "model", tokenizer=models.build_tokenizer()
+    )
+    gen = torch.Generator().manual_seed(1)
+    targets = {
+        name: shape
+        for name, shape in models.lora_targets(cfg).items()
+        if name.endswith(("q_proj", "v_proj", "lm_head"))
+    }
+    tensors = {}
+    for name, (fan_in, fan_out) in targets.items():
+        tensors[f"base_model.model.{name}.lora_A.weight"] = (
+            torch.randn(RANK, fan_in, generator=gen) * 0.3
+        )
+        tensors[f"base_model.model.{name}.lora_B.weight"] = (
+            torch.randn(fan_out, RANK, generator=gen) * 0.3
+        )
+    adapter_dir = root / "adapter"
+    adapter_dir.mkdir()
+    safetensors_torch.save_file(tensors, str(adapter_dir / "adapter_model.safetensors"))
+    (adapter_dir / "adapter_config.json").write_text(
+        json.dumps(
+            {
+                "peft_type": "LORA",
+                "r": RANK,
+                "lora_alpha": ALPHA,
+                "target_modules": sorted({n.rsplit(".", 1)[-1] for n in targets}),
+                "lora_dropout": 0.0,
+                "bias": "none",
+            }
+        )
+    )
+    return model_dir, adapter_dir, tensors
+
+
+class _EngineThread:
+    """One local-engine server (its real ASGI app under uvicorn) on 127.0.0.1, in a thread.
+
+    In-process rather than ``python -m posttrain.local_engine`` subprocesses: each subprocess
+    would import torch and transformers again, which dominates this test's time on 2 cores.
+    The router still reaches each engine over real HTTP on its own port.
+    """
+
+    def __init__(self, model_dir: Path, adapter_dir: Path) -> None:
+        self.port = free_port()
+        argv = [
+            "--model-path", str(model_dir), "--port", str(self.port),
+            "--enable-lora", "--lora-paths", f"{ADAPTER}={adapter_dir}",
+        ]  # fmt: skip
+        config = local_engine.parse_args(argv)
+        self.server = uvicorn.Server(
+            uvicorn.Config(
+                local_engine.build_app(config),
+                host="127.0.0.1",
+                port=self.port,
+                log_level="warning",
+            )
+        )
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, timeout_s: float = 60.0) -> None:
+        self.thread.start()
+        deadline = time.monotonic() + timeout_s
+        while not self.server.started:
+            assert self.thread.is_alive(), "local engine exited during startup"
+            assert time.monotonic() < deadline, "local engine did not start"
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+    model_dir, adapter_dir, tensors = _write_model(tmp_path_factory.mktemp("e2e"))
+    engines = [_EngineThread(model_dir, adapter_dir) for _ in range(2)]
+    with start_router(RouterSpec(port=free_port())) as router:
+        try:
+            for engine in engines:
+                engine.start()
+                router.add_worker(engine.url)
+            yield {"router": router, "model_dir": model_dir, "tensors": tensors}
+        finally:
+            for engine in engines:
+                engine.stop()
+
+
+def test_three_turn_lora_chat_matches_the_engine_and_the_trainer(stack: dict[str, Any]) -> None:
+    router, model_dir = stack["router"], stack["model_dir"]
+    cfg = SessionRouterConfig(
+        upstream_url=router.url,
+        tokenizer=str(model_dir),
+        lora_adapter=ADAPTER,
+        upstream_timeout_s=60,
+    )
+
+    async def chat() -> tuple[dict[str, Any], bytes]:
+        app = create_app(cfg)
+        try:
+            transport = httpx.ASGITransport(app=app)
+            async with httpx.AsyncClient(
+                transport=transport, base_url="http://sr", timeout=60
+            ) as c:
+                sid = (await c.post("/sessions")).json()["session_id"]
+                msgs: list[dict[str, Any]] = [{"role": "user", "content": "Say hi."}]
+                for turn in range(3):
+                    r = await c.post(
+                        f"/sessions/{sid}/v1/chat/completions",
+                        json={
+                            "messages": msgs,
+                            "max_tokens": 16,
+                            "temperature": 1.0,
+                            # A random tiny model rarely samples EOS: stop on about half
+                            # the vocabulary so every turn completes (merging stops at a
+                            # truncated turn) within a few tokens.
+                            "stop_token_ids": STOP_IDS,
+                        },
+                    )
+                    assert r.status_code == 200, r.text
+                    msgs = [
+                        *msgs,
+                        r.json()["choices"][0]["message"],
+                        {"role": "user", "content": f"Again {turn}."},
+                    ]
+                info = (await c.get(f"/sessions/{sid}")).json()
+                data = (await c.post(f"/sessions/{sid}/samples", json={})).content
+                return info, data
+        finally:
+            await app.state.server.aclose()
+
+    info, data = asyncio.run(asyncio.wait_for(chat(), timeout=100))
+    (sample,) = decode_samples(data).samples
+    records = info["records"]
+    assert len(records) == 3
+    assert [r["response"]["meta_info"]["finish_reason"]["type"] for r in records] == ["stop"] * 3
+    assert sample.metadata["merged_turns"] == 3
+    assert sample.tokens == info["metadata"]["accumulated_token_ids"]
+    # What the engine generated, position by position (absolute index in the sequence).
+    generated: dict[int, tuple[int, float]] = {}
+    for record in records:
+        assert record["request"]["lora_path"] == ADAPTER
+        prompt = record["request"]["input_ids"]
+        for j, (lp, tid, _) in enumerate(record["response"]["meta_info"]["output_token_logprobs"]):
+            generated[len(prompt) + j] = (tid, lp)
+    trained = [len(sample.prompt_ids) + j for j, m in enumerate(sample.loss_mask) if m]
+    assert trained
+    assert set(trained) <= set(generated)
+    for pos in trained:
+        j = pos - len(sample.prompt_ids)
+        assert (sample.response_ids[j], sample.rollout_logprobs[j]) == generated[pos]
+    # The trainer's recomputation with the same adapter equals the engine's logprobs.
+    model = models.load_pretrained(model_dir)
+    lora = models.LoraAdapter.from_peft_state_dict(
+        stack["tensors"], scaling=ALPHA / RANK, name=ADAPTER
+    )
+    ids = torch.tensor(sample.tokens)
+    with torch.no_grad():
+        with_lora = model.forward_logprobs(ids, [len(sample.tokens)], lora=lora)
+        base = model.forward_logprobs(ids, [len(sample.tokens)])
+    recomputed = [float(with_lora[pos]) for pos in trained]
+    engine = [sample.rollout_logprobs[pos - len(sample.prompt_ids)] for pos in trained]
+    assert recomputed == engine
+    assert [float(base[pos]) for pos in trained] != engine

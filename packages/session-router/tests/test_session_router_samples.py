@@ -1,0 +1,224 @@
+"""Sample assembly (trim, truncate, merge) and the safetensors wire format round trip."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from safetensors.numpy import load as st_load
+from safetensors.numpy import save as st_save
+
+from posttrain.interface import Sample, SampleStatus, WireFormatError
+from posttrain.session_router import (
+    SampleAssemblyError,
+    TurnRecord,
+    assemble_samples,
+    decode_samples,
+    encode_samples,
+)
+
+
+def rec(
+    prompt: list[int], output: list[int], finish: str = "stop", lp0: float = -0.5
+) -> TurnRecord:
+    return TurnRecord(
+        timestamp=time.time(),
+        request_timestamp=time.time(),
+        method="POST",
+        path="/generate",
+        request={"input_ids": prompt},
+        response={"meta_info": {"weight_version": "3"}},
+        status_code=200,
+        prompt_ids=prompt,
+        output_ids=output,
+        output_logprobs=[lp0 - i for i in range(len(output))],
+        finish_reason=finish,
+    )
+
+
+def conversation(
+    prompt0: list[int],
+    outs: list[list[int]],
+    obs: list[list[int]],
+    trims: list[int],
+    finishes: list[str],
+) -> tuple[list[TurnRecord], list[int]]:
+    """Records of a conversation in which turn i's last ``trims[i]`` output tokens were replaced."""
+    records, prompt = [], list(prompt0)
+    for i, out in enumerate(outs):
+        records.append(rec(list(prompt), out, finishes[i], lp0=-0.1 * (i + 1)))
+        kept = out[: len(out) - trims[i]] if i < len(outs) - 1 else out
+        prompt = prompt + kept + (obs[i] if i < len(outs) - 1 else [])
+    return records, prompt
+
+
+def test_three_turns_merge_with_observation_masks() -> None:
+    records, acc = conversation(
+        [1, 2], [[10, 11, 99], [12, 99], [13]], [[5, 6], [7]], [1, 0, 0], ["stop"] * 3
+    )
+    result = assemble_samples(records, acc, max_trim_tokens=1, metadata={"k": "v"})
+    (s,) = result.samples
+    assert s.prompt_ids == [1, 2]
+    # turn 0 lost its trailing stop token 99 (replaced by the template), then obs 5,6 ...
+    assert s.response_ids == [10, 11, 5, 6, 12, 99, 7, 13]
+    assert s.loss_mask == [1, 1, 0, 0, 1, 1, 0, 1]
+    assert s.rollout_logprobs == [-0.1, -1.1, 0.0, 0.0, -0.2, -1.2, 0.0, -0.30000000000000004]
+    assert s.tokens == acc
+    assert s.status is SampleStatus.COMPLETED
+    assert s.weight_version == "3"
+    assert s.metadata["k"] == "v"
+    assert s.metadata["num_turns"] == 3
+
+
+def test_trim_limits_and_accumulated_end() -> None:
+    records, acc = conversation([1], [[10, 98, 99], [12]], [[5]], [2], ["stop", "stop"])
+    with pytest.raises(SampleAssemblyError, match=r"records\[0\]: 2 output tokens"):
+        assemble_samples(records, acc, max_trim_tokens=1)
+    records, acc = conversation([1], [[10, 99]], [], [0], ["stop"])
+    with pytest.raises(SampleAssemblyError, match="accumulated"):
+        assemble_samples(records, [*acc, 4], max_trim_tokens=1)
+    with pytest.raises(SampleAssemblyError, match=r"records\[0\]: 1 output tokens"):
+        assemble_samples(records, acc[:-1], max_trim_tokens=1)  # never trim the last turn
+
+
+def test_truncation_before_merge_and_empty_reasons() -> None:
+    records, acc = conversation([1, 2], [[10, 11], [12, 13, 14]], [[5]], [0, 0], ["stop", "stop"])
+    # 7 tokens allowed: turn 0 (4 tokens) fits, turn 1 (8 tokens) loses one and is truncated.
+    (s,) = assemble_samples(records, acc, max_trim_tokens=1, max_seq_len=7).samples
+    assert s.tokens == acc[:7]
+    assert s.status is SampleStatus.TRUNCATED
+    assert s.loss_mask == [1, 1, 0, 1, 1]
+    # 3 tokens: turn 0 keeps one output token, is truncated, and nothing after it is merged.
+    (s,) = assemble_samples(records, acc, max_trim_tokens=1, max_seq_len=3).samples
+    assert s.tokens == [1, 2, 10]
+    assert s.status is SampleStatus.TRUNCATED
+    empty = assemble_samples(records, acc, max_trim_tokens=1, max_seq_len=2)
+    assert empty.samples == []
+    assert empty.empty_reason == "all_truncated"
+    none = assemble_samples([], [], max_trim_tokens=1)
+    assert none.samples == []
+    assert none.empty_reason == "no_records"
+
+
+def test_merge_stops_after_a_non_completed_turn() -> None:
+    records, acc = conversation(
+        [1], [[10], [11], [12]], [[5], [6]], [0, 0, 0], ["stop", "length", "stop"]
+    )
+    (s,) = assemble_samples(records, acc, max_trim_tokens=1).samples
+    assert s.response_ids == [10, 5, 11]
+    assert s.status is SampleStatus.TRUNCATED
+    assert s.metadata["merged_turns"] == 2
+
+
+turn_lists = st.lists(st.lists(st.integers(0, 500), min_size=1, max_size=6), min_size=1, max_size=4)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    prompt0=st.lists(st.integers(0, 500), min_size=1, max_size=5),
+    outs=turn_lists,
+    obs_len=st.integers(1, 3),
+    trim=st.booleans(),
+    max_seq_len=st.none() | st.integers(1, 40),
+)
+def test_assembly_invariants_and_wire_round_trip(
+    prompt0: list[int], outs: list[list[int]], obs_len: int, trim: bool, max_seq_len: int | None
+) -> None:
+    n = len(outs)
+    trims = [1 if trim and len(o) > 1 and i < n - 1 else 0 for i, o in enumerate(outs)]
+    obs = [[600 + j for j in range(obs_len)] for _ in range(n)]
+    records, acc = conversation(prompt0, outs, obs, trims, ["stop"] * n)
+    result = assemble_samples(records, acc, max_trim_tokens=1, max_seq_len=max_seq_len)
+    for s in result.samples:
+        assert s.tokens == acc[: len(s.tokens)]
+        assert len(s.loss_mask) == len(s.rollout_logprobs) == s.response_length
+        assert all(
+            lp == 0.0 for lp, m in zip(s.rollout_logprobs, s.loss_mask, strict=True) if m == 0
+        )
+        if max_seq_len is not None:
+            assert len(s.tokens) <= max_seq_len
+        # Trained positions are exactly the engine's outputs, with the engine's logprobs.
+        engine = {
+            (len(r.prompt_ids) + j): (t, lp)
+            for r in records
+            for j, (t, lp) in enumerate(zip(r.output_ids, r.output_logprobs, strict=True))
+        }
+        for pos, m in enumerate(s.loss_mask):
+            if m:
+                absolute = len(s.prompt_ids) + pos
+                assert engine[absolute] == (s.response_ids[pos], s.rollout_logprobs[pos])
+    data = encode_samples(
+        result.samples, session_metadata={"sid": "x"}, empty_reason=result.empty_reason
+    )
+    decoded = decode_samples(data)
+    assert decoded.samples == result.samples
+    assert decoded.session_metadata == {"sid": "x"}
+    assert decoded.empty_reason == result.empty_reason
+
+
+def _payload(**tensors: np.ndarray[Any, Any]) -> bytes:
+    return bytes(st_save(tensors))
+
+
+def test_decode_is_strict() -> None:
+    good = encode_samples(
+        [
+            Sample(
+                prompt_ids=[1], response_ids=[2, 3], rollout_logprobs=[-0.5, -1.0], loss_mask=[1, 0]
+            )
+        ]
+    )
+    tensors = dict(st_load(good))
+    with pytest.raises(WireFormatError, match=r"tokens\.0: dtype int32") as info:
+        decode_samples(_payload(**{**tensors, "tokens.0": tensors["tokens.0"].astype(np.int32)}))
+    assert info.value.field == "tokens.0"
+    with pytest.raises(WireFormatError, match="unexpected tensors"):
+        decode_samples(_payload(**tensors, **{"extra.0": np.zeros(2, dtype=np.int64)}))
+    with pytest.raises(WireFormatError, match=r"loss_mask\.0: tensor missing"):
+        decode_samples(_payload(**{k: v for k, v in tensors.items() if k != "loss_mask.0"}))
+    meta = json.loads(tensors["_samples_meta"].tobytes())
+    meta["samples"][0]["response_length"] = 9
+    bad = np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8).copy()
+    with pytest.raises(WireFormatError, match="response_length"):
+        decode_samples(_payload(**{**tensors, "_samples_meta": bad}))
+    with pytest.raises(WireFormatError, match="not a safetensors payload"):
+        decode_samples(b"garbage")
+
+
+def test_encode_refuses_value_changing_casts() -> None:
+    s = Sample(prompt_ids=[1], response_ids=[2], rollout_logprobs=[-0.5], loss_mask=[1])
+    s.loss_mask = [300]  # bypasses validation on purpose: uint8 cannot hold it
+    with pytest.raises(WireFormatError, match=r"loss_mask\.0"):
+        encode_samples([s])
+
+
+def test_decode_overlays_onto_a_copy_of_the_driver_sample() -> None:
+    base = Sample(
+        prompt_ids=[1],
+        response_ids=[],
+        rollout_logprobs=[],
+        loss_mask=[],
+        reward=None,
+        group_index=4,
+        index=2,
+        metadata={"prompt": "p"},
+    )
+    wire = Sample(
+        prompt_ids=[1, 7],
+        response_ids=[8],
+        rollout_logprobs=[-0.25],
+        loss_mask=[1],
+        metadata={"num_turns": 1},
+    )
+    (out,) = decode_samples(encode_samples([wire]), base=base).samples
+    assert out is not base
+    assert base.response_ids == []
+    assert out.tokens == [1, 7, 8]
+    assert out.group_index == 4
+    assert out.index == 2
+    assert out.metadata == {"prompt": "p", "num_turns": 1}
