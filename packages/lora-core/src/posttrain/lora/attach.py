@@ -104,7 +104,7 @@ def _int_attr(module: nn.Module, name: str) -> int:
     return int(value)
 
 
-def _classify(path: str, module: nn.Module, tp: int) -> tuple[Layout, bool, int, int]:
+def _classify(path: str, module: nn.Module) -> tuple[Layout, bool, int, int]:
     """(layout, sequence_parallel, full in, full out) of a supported base module."""
     if isinstance(module, ColumnShardedLinear):
         return "column", module.sequence_parallel, module.in_features, module.out_features
@@ -250,7 +250,7 @@ def attach_lora(
     targets: Sequence[str] | Mapping[str, Target],
     groups: LoraGroups | None = None,
 ) -> LoraHandle:
-    """Wrap each target module in a ``LoraLinear`` in place; freeze nothing else.
+    """Wrap each target module in a ``LoraLinear`` in place and freeze every base parameter.
 
     ``targets``: module-name suffixes (PEFT style, exported under their own paths) or a mapping
     from exact module path to ``Target``. Only the LoRA factors are trainable afterwards.
@@ -271,7 +271,7 @@ def attach_lora(
             setattr(parent, leaf, expert_site)
             handle.sites[path] = expert_site
             continue
-        layout, sp, fin, fout = _classify(path, base, tp)
+        layout, sp, fin, fout = _classify(path, base)
         info = _site_info(path, target, layout, sp, fin, fout)
         a, b = _initial_factors(info, config, rank, tp)
         weight = base.weight
