@@ -13,6 +13,7 @@ from posttrain.opd.client import (
     ScoreStats,
     ScoringSample,
     TeacherScorer,
+    student_top_rows,
 )
 from posttrain.opd.config import (
     OPDConfig,
@@ -87,6 +88,7 @@ __all__ = [
     "sampled_reverse_kl",
     "select_ids",
     "slice_response_for_cp",
+    "student_top_rows",
     "summarize_batch",
     "summarize_response",
     "topk_reverse_kl",

@@ -33,6 +33,7 @@ from typing import Any, Literal, cast, overload
 import httpx
 import torch
 
+from posttrain.interface import PositionScores, Sample, TeacherScores
 from posttrain.opd.config import OPDConfig, RetryPolicy, TeacherRouter, Timeouts, validate_url
 from posttrain.opd.errors import (
     CapabilityError,
@@ -59,6 +60,7 @@ __all__ = [
     "ScoreStats",
     "ScoringSample",
     "TeacherScorer",
+    "student_top_rows",
 ]
 
 log = logging.getLogger("posttrain.opd")
@@ -72,18 +74,62 @@ _RETRYABLE = (
 )
 
 
+STUDENT_TOP_KEY = "opd_student_top_logprobs"
+
+
 @dataclass(kw_only=True, slots=True, frozen=True)
 class ScoringSample:
     """What scoring needs of a rollout sample: ``tokens`` = prompt + response ids.
 
     ``student_top`` holds R rows of the student's top-k ``{id: logprob}`` from the
     rollout (``meta_info.output_top_logprobs``); needed unless top_k = 0 or only-teacher.
+    An interface :class:`~posttrain.interface.Sample` converts with :meth:`from_sample`.
     """
 
     tokens: Sequence[int]
     response_length: int
     metadata: Mapping[str, object] = field(default_factory=dict)
     student_top: Sequence[Mapping[int, float]] | None = None
+
+    @classmethod
+    def from_sample(cls, sample: Sample, *, key: str = STUDENT_TOP_KEY) -> ScoringSample:
+        """Take tokens, metadata and ``metadata[key]`` (student top-k rows) from a Sample."""
+        raw = sample.metadata.get(key)
+        return cls(
+            tokens=sample.tokens,
+            response_length=sample.response_length,
+            metadata=sample.metadata,
+            student_top=None if raw is None else student_top_rows(raw, field=key),
+        )
+
+
+def student_top_rows(raw: object, *, field: str = STUDENT_TOP_KEY) -> list[dict[int, float]]:
+    """Normalise stored student top-k rows to ``[{id: logprob}]``.
+
+    Accepts SGLang's ``output_top_logprobs`` rows (``[[logprob, id, text|null], ...]``,
+    ``null`` or ``[]`` for observation tokens), ``{id: logprob}`` maps (keys may be
+    strings after a JSON round trip) and :class:`~posttrain.interface.PositionScores`.
+    """
+    if not isinstance(raw, list | tuple):
+        raise StudentTopLogprobsError(f"{field} is {type(raw).__name__}, expected a list of rows")
+    rows: list[dict[int, float]] = []
+    for t, row in enumerate(raw):
+        try:
+            if row is None:
+                rows.append({})
+            elif isinstance(row, PositionScores):
+                rows.append(row.as_dict())
+            elif isinstance(row, Mapping):
+                rows.append({int(k): float(v) for k, v in row.items()})
+            else:
+                rows.append({int(e[1]): float(e[0]) for e in row})
+        except (TypeError, ValueError, IndexError) as e:
+            raise StudentTopLogprobsError(
+                f"{field}[{t}] is malformed ({e}): {row!r:.200}"
+            ) from None
+        if not all(math.isfinite(v) for v in rows[-1].values()):
+            raise StudentTopLogprobsError(f"{field}[{t}] holds a non-finite logprob")
+    return rows
 
 
 @dataclass(kw_only=True, slots=True)
@@ -97,14 +143,26 @@ class ScoreStats:
     attempts: int = 0
 
 
-@dataclass(kw_only=True, slots=True)
-class OPDSignals:
-    """Per-sample result: R-long float32 detached tensors (``reverse_kl`` None when top_k = 0)."""
+@dataclass(kw_only=True, slots=True, frozen=True, eq=False)
+class OPDSignals(TeacherScores):
+    """A sample's teacher scores (the interface view) plus the OPD signal and wire stats.
 
-    teacher_log_probs: torch.Tensor | None
-    reverse_kl: torch.Tensor | None
-    teacher_name: str
-    stats: ScoreStats
+    ``sampled_logprobs``: the teacher's logprob of each sampled response token;
+    ``positions[t]``: the teacher's logprobs on the ids it was asked about at t
+    (its top-k, then the student's ids; empty when top_k = 0); ``reverse_kl``:
+    float32[R], detached, None when top_k = 0 (the sampled signal needs the
+    trainer's old logprobs: :func:`~posttrain.opd.apply_opd`).
+    """
+
+    reverse_kl: torch.Tensor | None = None
+    stats: ScoreStats = field(default_factory=ScoreStats)
+
+    @property
+    def teacher_log_probs(self) -> torch.Tensor | None:
+        """``sampled_logprobs`` as a float32[R] tensor."""
+        if self.sampled_logprobs is None:
+            return None
+        return torch.tensor(self.sampled_logprobs, dtype=torch.float32)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -404,8 +462,10 @@ class TeacherScorer:
 
     # -- one sample ----------------------------------------------------------------------------
     async def _score(
-        self, sample: ScoringSample, index: int | None, per_position: bool
+        self, sample: ScoringSample | Sample, index: int | None, per_position: bool
     ) -> OPDSignals:
+        if isinstance(sample, Sample):
+            sample = ScoringSample.from_sample(sample)
         cfg = self.cfg
         name, url = self.router.resolve(sample.metadata)
         tokens = list(sample.tokens)
@@ -465,27 +525,40 @@ class TeacherScorer:
                 cfg.weight_mode,
             )
         stats.latency_s = time.monotonic() - t0
+        positions: tuple[PositionScores, ...] = ()
+        if view.top is not None or view.ids is not None:
+            merged = [
+                {**(view.top[t] if view.top else {}), **(view.ids[t] if view.ids else {})}
+                for t in range(r)
+            ]
+            positions = tuple(
+                PositionScores(token_ids=tuple(m), logprobs=tuple(m.values())) for m in merged
+            )
         return OPDSignals(
-            teacher_log_probs=torch.tensor(view.token_logprobs, dtype=torch.float32),
-            reverse_kl=rkl,
             teacher_name=name,
+            sampled_logprobs=tuple(view.token_logprobs),
+            positions=positions,
+            reverse_kl=rkl,
             stats=stats,
         )
 
-    async def score(self, sample: ScoringSample, index: int | None = None) -> OPDSignals:
+    async def score(self, sample: ScoringSample | Sample, index: int | None = None) -> OPDSignals:
         """Score one sample (``index`` only names it in errors)."""
         return await self._score(sample, index, self.cfg.per_position)
 
     @overload
     async def score_batch(
-        self, samples: Sequence[ScoringSample], *, return_exceptions: Literal[False] = False
+        self,
+        samples: Sequence[ScoringSample | Sample],
+        *,
+        return_exceptions: Literal[False] = False,
     ) -> list[OPDSignals]: ...
     @overload
     async def score_batch(
-        self, samples: Sequence[ScoringSample], *, return_exceptions: Literal[True]
+        self, samples: Sequence[ScoringSample | Sample], *, return_exceptions: Literal[True]
     ) -> list[OPDSignals | BaseException]: ...
     async def score_batch(
-        self, samples: Sequence[ScoringSample], *, return_exceptions: bool = False
+        self, samples: Sequence[ScoringSample | Sample], *, return_exceptions: bool = False
     ) -> list[OPDSignals] | list[OPDSignals | BaseException]:
         """Score all samples concurrently; results in input order.
 
@@ -495,7 +568,7 @@ class TeacherScorer:
         return await self._batch(samples, self.cfg.per_position, return_exceptions)
 
     async def _batch(
-        self, samples: Sequence[ScoringSample], per_position: bool, return_exceptions: bool
+        self, samples: Sequence[ScoringSample | Sample], per_position: bool, return_exceptions: bool
     ) -> list[OPDSignals | BaseException]:
         tasks = [
             asyncio.create_task(self._score(s, i, per_position)) for i, s in enumerate(samples)
@@ -574,7 +647,7 @@ class TeacherScorer:
         return out
 
     async def equivalence_check(
-        self, samples: Sequence[ScoringSample], atol: float = 1e-6
+        self, samples: Sequence[ScoringSample | Sample], atol: float = 1e-6
     ) -> EquivalenceReport:
         """Score ``samples`` flat and per-position and compare the signals, before switching modes."""
         flat = cast(list[OPDSignals], await self._batch(samples, False, False))
