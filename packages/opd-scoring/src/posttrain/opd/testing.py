@@ -30,7 +30,7 @@ from typing import Any
 import torch
 import uvicorn
 from starlette.applications import Starlette
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
@@ -120,6 +120,7 @@ class TeacherState:
         self.total_inflight = 0
         self.max_total_inflight = 0
         self.bodies: collections.deque[dict[str, Any]] = collections.deque(maxlen=16)
+        self.peers: set[tuple[str, int]] = set()
 
     def reset_counters(self) -> None:
         """Zero the request and in-flight maxima (not the in-flight counts)."""
@@ -127,6 +128,7 @@ class TeacherState:
         self.max_inflight.clear()
         self.max_total_inflight = 0
         self.bodies.clear()
+        self.peers.clear()
 
 
 def _bad(msg: str, status: int = 400) -> Response:
@@ -165,6 +167,8 @@ def build_app(state: TeacherState) -> Starlette:
         if teacher is None:
             return _bad(f"no teacher {name!r}", 404)
         state.requests[name] += 1
+        if request.client is not None:
+            state.peers.add((request.client.host, request.client.port))
         state.inflight[name] += 1
         state.total_inflight += 1
         state.max_inflight[name] = max(state.max_inflight[name], state.inflight[name])
@@ -187,6 +191,8 @@ def build_app(state: TeacherState) -> Starlette:
             return _bad(f"injected status {code}", code)
         try:
             req = json.loads(await request.body())
+        except ClientDisconnect:  # the client gave up (deadline tests): nobody to answer
+            return Response(status_code=499)
         except json.JSONDecodeError as e:
             return _bad(f"bad JSON: {e}")
         state.bodies.append({k: v for k, v in req.items() if k != "input_ids"})
@@ -264,7 +270,11 @@ class LoopbackTeacher:
         self.port: int = self._sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
         config = uvicorn.Config(
-            build_app(self.state), log_level="warning", access_log=False, lifespan="off"
+            build_app(self.state),
+            log_level="warning",
+            access_log=False,
+            lifespan="off",
+            timeout_graceful_shutdown=2,
         )
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(
