@@ -44,9 +44,11 @@ def test_payload_carries_exactly_one_id_key() -> None:
     assert flat["sampling_params"] == {
         "temperature": 0, "max_new_tokens": 0, "skip_special_tokens": False,
     }  # fmt: skip
-    assert flat["return_logprob"] is True and flat["logprob_start_len"] == 0
+    assert flat["return_logprob"] is True
+    assert flat["logprob_start_len"] == 0
     pp = build_score_payload(ids, positions=per_position_ids([[5], [7, 9]], 3))
-    assert "token_ids_logprob" not in pp and "top_logprobs_num" not in pp
+    assert "token_ids_logprob" not in pp
+    assert "top_logprobs_num" not in pp
     assert pp["token_ids_logprob_positions"] == [[], [], [], [5], [7, 9]]
     assert "token_ids_logprob" not in build_score_payload(ids, token_ids=[])
     with pytest.raises(ScoringInputError, match="exclusive"):
@@ -105,7 +107,8 @@ def test_flat_and_per_position_parse_to_equal_views(
         for t in want:
             assert views[0].ids[r][t] == float(lp[prompt + r - 1, t])
         assert views[0].token_logprobs[r] == float(lp[prompt + r - 1, tokens[prompt + r]])
-    assert views[0].top is not None and all(len(m) == k for m in views[0].top)
+    assert views[0].top is not None
+    assert all(len(m) == k for m in views[0].top)
 
 
 TOKENS = [3, 1, 4, 1, 5, 9, 2]
@@ -186,8 +189,10 @@ def test_malformed_replies_raise_named_errors(case: str) -> None:
     obj = _mutate(fn)
     with pytest.raises(TeacherResponseError, match=message) as info:
         _parse(obj)
-    assert info.value.url == "http://t:1" and info.value.sample_index == 4
-    assert "http://t:1" in str(info.value) and "sample 4" in str(info.value)
+    assert info.value.url == "http://t:1"
+    assert info.value.sample_index == 4
+    assert "http://t:1" in str(info.value)
+    assert "sample 4" in str(info.value)
 
 
 def test_non_object_reply_and_tolerated_shapes() -> None:
@@ -199,7 +204,8 @@ def test_non_object_reply_and_tolerated_shapes() -> None:
     obj["meta_info"]["unknown"] = 1
     obj["extra"] = {"x": 1}
     view = _parse(obj)
-    assert view.ids is not None and view.ids[2] == {}
+    assert view.ids is not None
+    assert view.ids[2] == {}
     flat_view = _parse(_good(per_position=False))
     assert flat_view == view
 
@@ -214,8 +220,10 @@ def test_summary_is_compact() -> None:
     obj["text"] = "x" * 2000
     obj["meta_info"].update(weight_version="v3", prompt_tokens=len(TOKENS))
     s = summarize_response(obj)
-    assert s["text"] == "x" * 512 and s["text_len"] == 2000
-    assert s["weight_version"] == "v3" and s["prompt_tokens"] == len(TOKENS)
+    assert s["text"] == "x" * 512
+    assert s["text_len"] == 2000
+    assert s["weight_version"] == "v3"
+    assert s["prompt_tokens"] == len(TOKENS)
     assert s["lists"]["input_token_ids_logprobs"] == {"type": "list", "len": len(TOKENS)}
     assert s["keys"] == ["meta_info", "text"]
     assert len(json.dumps(s)) < 1500

@@ -154,14 +154,18 @@ def test_stop_gradient_advantages_carry_no_graph_and_grad_is_advantage() -> None
     teacher_logp = teacher_src - 0.1  # has a graph
     adv_in = base * 2.0  # advantages computed with a graph by mistake
     new_adv, rkl = apply_opd([adv_in], coef=0.7, old_logp=[old_logp], teacher_logp=[teacher_logp])
-    assert not new_adv[0].requires_grad and new_adv[0].grad_fn is None
-    assert not rkl[0].requires_grad and rkl[0].grad_fn is None
+    assert not new_adv[0].requires_grad
+    assert new_adv[0].grad_fn is None
+    assert not rkl[0].requires_grad
+    assert rkl[0].grad_fn is None
     torch.testing.assert_close(rkl[0], (old_logp - teacher_logp).detach())
     torch.testing.assert_close(new_adv[0], (adv_in - 0.7 * (old_logp - teacher_logp)).detach())
     logp_new = torch.randn(r, requires_grad=True)
     (new_adv[0] * logp_new).sum().backward()
     torch.testing.assert_close(logp_new.grad, new_adv[0])
-    assert base.grad is None and old_src.grad is None and teacher_src.grad is None
+    assert base.grad is None
+    assert old_src.grad is None
+    assert teacher_src.grad is None
 
 
 def test_apply_opd_precomputed_wins_never_in_place_and_names_sample() -> None:
