@@ -16,7 +16,12 @@ from typing import Literal
 
 import pydantic
 
-from posttrain.interface._wire_base import WireModel
+from posttrain.interface._wire_base import (
+    NonNegativeInt,
+    PositiveInt,
+    StrictBool,
+    WireModel,
+)
 
 WIRE_DTYPES: dict[str, int] = {
     "bfloat16": 2,
@@ -53,7 +58,7 @@ class ExpectedTensor(WireModel):
 
     name: str = pydantic.Field(min_length=1)
     dtype: WireDtype
-    shape: tuple[pydantic.NonNegativeInt, ...]
+    shape: tuple[NonNegativeInt, ...]
 
 
 class TensorEntry(WireModel):
@@ -61,9 +66,9 @@ class TensorEntry(WireModel):
 
     name: str = pydantic.Field(min_length=1)
     dtype: WireDtype
-    shape: tuple[pydantic.NonNegativeInt, ...]
-    offset: pydantic.NonNegativeInt
-    nbytes: pydantic.NonNegativeInt
+    shape: tuple[NonNegativeInt, ...]
+    offset: NonNegativeInt
+    nbytes: NonNegativeInt
 
     @pydantic.model_validator(mode="after")
     def _check_size(self) -> TensorEntry:
@@ -85,12 +90,12 @@ class BucketManifest(WireModel):
 
     protocol: Literal["wsync/1"] = "wsync/1"
     update_id: str = pydantic.Field(min_length=1)
-    weight_version: pydantic.NonNegativeInt
+    weight_version: NonNegativeInt
     kind: Literal["base", "lora"]
-    bucket_index: pydantic.NonNegativeInt
-    is_last: bool
-    alignment: pydantic.PositiveInt = BUCKET_ALIGNMENT
-    total_bytes: pydantic.NonNegativeInt
+    bucket_index: NonNegativeInt
+    is_last: StrictBool
+    alignment: PositiveInt = BUCKET_ALIGNMENT
+    total_bytes: NonNegativeInt
     tensors: list[TensorEntry]
     sha256: str | None = pydantic.Field(default=None, pattern=r"^[0-9a-f]{64}$")
 
@@ -127,7 +132,7 @@ class WeightUpdateBegin(WireModel):
 
     protocol: Literal["wsync/1"] = "wsync/1"
     update_id: str = pydantic.Field(min_length=1)
-    weight_version: pydantic.NonNegativeInt
+    weight_version: NonNegativeInt
     kind: Literal["base", "lora"]
     expected: list[ExpectedTensor]
     lora_name: str | None = None
@@ -147,8 +152,8 @@ class WeightUpdateBegin(WireModel):
 class WeightUpdateResult(WireModel):
     """How an update ended; ``success`` only if every expected tensor arrived exactly once."""
 
-    success: bool
-    weight_version: pydantic.NonNegativeInt | None = None
+    success: StrictBool
+    weight_version: NonNegativeInt | None = None
     missing: list[str] = pydantic.Field(default_factory=list)
     unexpected: list[str] = pydantic.Field(default_factory=list)
     duplicates: list[str] = pydantic.Field(default_factory=list)

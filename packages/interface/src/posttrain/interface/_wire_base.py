@@ -8,16 +8,32 @@ cannot carry them, so an exact round trip could not hold), and
 
 from __future__ import annotations
 
-from typing import Any, Self
+from typing import Annotated, Any, Self
 
 import pydantic
 
 from posttrain.interface._errors import WireFormatError
 
+StrictBool = pydantic.StrictBool
+NonNegativeInt = Annotated[int, pydantic.Strict(), pydantic.Field(ge=0)]
+PositiveInt = Annotated[int, pydantic.Strict(), pydantic.Field(ge=1)]
+NonNegativeFloat = Annotated[float, pydantic.Field(ge=0.0)]
+"""Strict scalars: JSON ``true`` is not 1 and ``"5"`` is not a token id."""
+
+
+_TYPE_TAGS = frozenset({"int", "str", "float", "bool", "none", "list", "dict", "tuple"})
+
+
+def _is_type_tag(part: str) -> bool:
+    """pydantic puts the tried union member ("SamplingParams", "list[int]") into error paths."""
+    return "[" in part or "-" in part or part[:1].isupper() or part in _TYPE_TAGS
+
 
 def _dotted(location: tuple[int | str, ...]) -> str:
     out = ""
     for part in location:
+        if isinstance(part, str) and _is_type_tag(part):
+            continue
         if isinstance(part, int):
             out += f"[{part}]"
         else:

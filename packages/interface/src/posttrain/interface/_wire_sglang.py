@@ -16,9 +16,13 @@ from typing import Any, Literal
 
 import pydantic
 
-from posttrain.interface._wire_base import WireModel
-
-NonNegativeInt = pydantic.NonNegativeInt
+from posttrain.interface._wire_base import (
+    NonNegativeFloat,
+    NonNegativeInt,
+    PositiveInt,
+    StrictBool,
+    WireModel,
+)
 
 # One logprob entry as SGLang sends it: [logprob or null, token id] or [logprob, id, text or null].
 LogprobEntry = tuple[float | None, NonNegativeInt] | tuple[float | None, NonNegativeInt, str | None]
@@ -31,7 +35,7 @@ class SamplingParams(WireModel):
     model_config = pydantic.ConfigDict(extra="allow")
 
     max_new_tokens: NonNegativeInt | None = None
-    temperature: pydantic.NonNegativeFloat | None = None
+    temperature: NonNegativeFloat | None = None
     top_p: float | None = pydantic.Field(default=None, gt=0.0, le=1.0)
     top_k: int | None = pydantic.Field(default=None, ge=-1)
     min_p: float | None = pydantic.Field(default=None, ge=0.0, le=1.0)
@@ -39,10 +43,10 @@ class SamplingParams(WireModel):
     stop_token_ids: list[NonNegativeInt] | None = None
     seed: int | None = None
     sampling_seed: int | None = None
-    ignore_eos: bool | None = None
-    skip_special_tokens: bool | None = None
-    no_stop_trim: bool | None = None
-    n: pydantic.PositiveInt | None = None
+    ignore_eos: StrictBool | None = None
+    skip_special_tokens: StrictBool | None = None
+    no_stop_trim: StrictBool | None = None
+    n: PositiveInt | None = None
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
     repetition_penalty: float | None = None
@@ -61,15 +65,15 @@ class GenerateRequest(WireModel):
     text: str | list[str] | None = None
     input_ids: list[NonNegativeInt] | list[list[NonNegativeInt]] | None = None
     sampling_params: SamplingParams | list[SamplingParams] | None = None
-    return_logprob: bool | list[bool] | None = None
+    return_logprob: StrictBool | list[StrictBool] | None = None
     logprob_start_len: int | list[int] | None = None
     top_logprobs_num: NonNegativeInt | list[NonNegativeInt] | None = None
     token_ids_logprob: list[NonNegativeInt] | list[list[NonNegativeInt]] | None = None
     token_ids_logprob_positions: list[list[NonNegativeInt]] | None = None
-    return_text_in_logprobs: bool | None = None
+    return_text_in_logprobs: StrictBool | None = None
     lora_path: str | list[str | None] | None = None
     rid: str | list[str] | None = None
-    stream: bool | None = None
+    stream: StrictBool | None = None
     data_parallel_rank: NonNegativeInt | None = None
 
     @pydantic.model_validator(mode="after")
@@ -189,23 +193,23 @@ class ChatCompletionRequest(WireModel):
 
     model: str = "default"
     messages: list[ChatMessage] = pydantic.Field(min_length=1)
-    temperature: pydantic.NonNegativeFloat | None = None
+    temperature: NonNegativeFloat | None = None
     top_p: float | None = pydantic.Field(default=None, gt=0.0, le=1.0)
     top_k: int | None = None
     max_tokens: NonNegativeInt | None = None
     max_completion_tokens: NonNegativeInt | None = None
     stop: str | list[str] | None = None
     seed: int | None = None
-    n: pydantic.PositiveInt | None = None
-    logprobs: bool | None = None
+    n: PositiveInt | None = None
+    logprobs: StrictBool | None = None
     top_logprobs: NonNegativeInt | None = None
-    stream: bool | None = None
+    stream: StrictBool | None = None
     tools: list[dict[str, Any]] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     lora_path: str | None = None
     rid: str | None = None
-    return_meta_info: bool | None = None
-    no_stop_trim: bool | None = None
+    return_meta_info: StrictBool | None = None
+    no_stop_trim: StrictBool | None = None
     input_ids: list[NonNegativeInt] | None = None
 
 
@@ -268,7 +272,7 @@ class LoadLoraAdapterRequest(WireModel):
 
     lora_name: str = pydantic.Field(min_length=1)
     lora_path: str = pydantic.Field(min_length=1)
-    pinned: bool | None = None
+    pinned: StrictBool | None = None
 
 
 class UnloadLoraAdapterRequest(WireModel):
@@ -283,7 +287,7 @@ class UpdateWeightsFromDiskRequest(WireModel):
     model_path: str = pydantic.Field(min_length=1)
     load_format: str | None = None
     weight_version: str | None = None
-    abort_all_requests: bool | None = None
+    abort_all_requests: StrictBool | None = None
 
 
 class UpdateWeightsResponse(WireModel):
@@ -291,6 +295,6 @@ class UpdateWeightsResponse(WireModel):
 
     model_config = pydantic.ConfigDict(extra="allow")
 
-    success: bool
+    success: StrictBool
     message: str = ""
     weight_version: str | None = None

@@ -122,6 +122,16 @@ def _worker_main(
         os._exit(1)
 
 
+def _sum_of_ranks(rank: int, world_size: int) -> float:
+    """All-reduce each rank's ``rank + 1``: a smoke test of a process group (importable for spawn)."""
+    import torch
+    import torch.distributed as dist
+
+    value = torch.tensor([float(rank + 1)])
+    dist.all_reduce(value)
+    return float(value.item())
+
+
 def _kill_all(processes: Sequence[multiprocessing.process.BaseProcess]) -> None:
     for process in processes:
         if process.is_alive():
@@ -148,6 +158,10 @@ def run_workers(
     """
     if world_size < 1:
         raise HarnessError(f"world_size must be >= 1, got {world_size}")
+    if start_method == "fork":
+        # Warm up once here so that forked ranks inherit torch instead of importing it each.
+        import torch.distributed  # noqa: F401
+
     context: Any = multiprocessing.get_context(start_method)
     results: Any = context.Queue()
     port = free_port()
