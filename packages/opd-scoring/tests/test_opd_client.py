@@ -514,3 +514,34 @@ class _PerPositionSkew(TinyTeacher):
             meta["input_token_logprobs"] = super().score(input_ids)["input_token_logprobs"]
             return meta
         return super().score(input_ids, **kw)
+
+
+class _CancelRecorder(httpx.AsyncHTTPTransport):
+    """Real loopback transport that counts requests cancelled while on the wire."""
+
+    cancelled = 0
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        try:
+            return await super().handle_async_request(request)
+        except asyncio.CancelledError:
+            type(self).cancelled += 1
+            raise
+
+
+def test_fail_fast_cancels_requests_in_flight(teacher: LoopbackTeacher) -> None:
+    teacher.state.delay_s = 1.5
+    rng = random.Random(16)
+    router = TeacherRouter({"a": teacher.url_for("a")})
+    slow = [_sample(rng, 2, 2, 0, opd_teacher="a") for _ in range(2)]
+    bad = _sample(rng, 2, 2, 0, opd_teacher="nope")
+    _CancelRecorder.cancelled = 0
+
+    async def go() -> list[OPDSignals]:
+        async with _scorer(teacher, OPDConfig(), router=router,
+                           transport=_CancelRecorder()) as s:  # fmt: skip
+            return await s.score_batch([slow[0], slow[1], bad])
+
+    with pytest.raises(TeacherRoutingError):
+        _run(go())
+    assert _CancelRecorder.cancelled == 2
