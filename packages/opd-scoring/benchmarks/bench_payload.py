@@ -23,7 +23,14 @@ from typing import Any
 import torch
 
 from posttrain.interface.testing import ServerProcess, free_port
-from posttrain.opd import OPDConfig, OPDSignals, ScoringSample, TeacherRouter, TeacherScorer, Timeouts
+from posttrain.opd import (
+    OPDConfig,
+    OPDSignals,
+    ScoringSample,
+    TeacherRouter,
+    TeacherScorer,
+    Timeouts,
+)
 
 VOCAB = 32768
 CASES = [(24, 16, 5), (256, 512, 16)]
@@ -56,7 +63,9 @@ def make_sample(rng: random.Random, prompt: int, resp: int, k: int) -> ScoringSa
     return ScoringSample(tokens=tokens, response_length=resp, student_top=top)
 
 
-async def score(url: str, sample: ScoringSample, k: int, per_position: bool) -> tuple[float, OPDSignals]:
+async def score(
+    url: str, sample: ScoringSample, k: int, per_position: bool
+) -> tuple[float, OPDSignals]:
     cfg = OPDConfig(top_k=k, per_position=per_position)
     async with TeacherScorer(
         TeacherRouter(fallback_url=url), cfg, timeouts=Timeouts(read=600, deadline=1200)
@@ -88,12 +97,15 @@ def run_case(url: str, prompt: int, resp: int, k: int, reps: int) -> dict[str, A
             "reps": n,
         }
     f, p = outs["flat"], outs["per_position"]
-    assert f.reverse_kl is not None and p.reverse_kl is not None
+    assert f.reverse_kl is not None
+    assert p.reverse_kl is not None
     assert torch.equal(f.reverse_kl, p.reverse_kl), "flat and per-position reverse KL differ"
     assert f.sampled_logprobs == p.sampled_logprobs
     assert [x.as_dict() for x in f.positions] == [x.as_dict() for x in p.positions]
     res["values_equal"] = True
-    res["response_bytes_ratio"] = res["flat"]["response_bytes"] / res["per_position"]["response_bytes"]
+    res["response_bytes_ratio"] = (
+        res["flat"]["response_bytes"] / res["per_position"]["response_bytes"]
+    )
     res["request_bytes_ratio"] = res["per_position"]["request_bytes"] / res["flat"]["request_bytes"]
     res["wall_ratio"] = res["flat"]["wall_s_median"] / res["per_position"]["wall_s_median"]
     return res
@@ -106,7 +118,15 @@ def main() -> None:
     ap.add_argument("--small-only", action="store_true")
     a = ap.parse_args()
     port = free_port()
-    argv = [sys.executable, "-m", "posttrain.opd.testing", "--port", str(port), "--vocab", str(VOCAB)]
+    argv = [
+        sys.executable,
+        "-m",
+        "posttrain.opd.testing",
+        "--port",
+        str(port),
+        "--vocab",
+        str(VOCAB),
+    ]
     results = []
     with ServerProcess(argv, f"http://127.0.0.1:{port}/health", timeout_s=120):
         url = f"http://127.0.0.1:{port}"

@@ -66,7 +66,8 @@ async def run_scorer(url: str, samples: list[ScoringSample], per_client: int) ->
         t0 = time.perf_counter()
         outs = await s.score_batch(samples)
         dt = time.perf_counter() - t0
-    assert len(outs) == len(samples) and all(o.reverse_kl is not None for o in outs)
+    assert len(outs) == len(samples)
+    assert all(o.reverse_kl is not None for o in outs)
     return len(samples) / dt
 
 

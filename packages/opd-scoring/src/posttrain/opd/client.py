@@ -217,6 +217,18 @@ def _httpx_seconds(x: float) -> float | None:
     return None if math.isinf(x) else x
 
 
+def _probe_rows(obj: object) -> object:
+    """Rows 1..2 of a probe reply's ``input_token_ids_logprobs`` as sorted id lists."""
+    meta = obj.get("meta_info") if isinstance(obj, dict) else None
+    rows = meta.get("input_token_ids_logprobs") if isinstance(meta, dict) else None
+    if not isinstance(rows, list) or len(rows) != 3:
+        return rows
+    try:
+        return [sorted(e[1] for e in row) if isinstance(row, list) else row for row in rows[1:]]
+    except (TypeError, IndexError):
+        return rows[1:]
+
+
 class TeacherScorer:
     """Score rollout samples against teacher servers (``async with TeacherScorer(...) as s``).
 
@@ -627,19 +639,7 @@ class TeacherScorer:
                         "per-position patch (SGLang PR #38119) or per_position=False",
                         url=url,
                     ) from e
-                rows = (
-                    obj.get("meta_info", {}).get("input_token_ids_logprobs")
-                    if isinstance(obj, dict)
-                    else None
-                )
-                got = (
-                    [
-                        sorted(e[1] for e in row) if isinstance(row, list) else row
-                        for row in rows[1:]
-                    ]
-                    if isinstance(rows, list) and len(rows) == 3
-                    else rows
-                )
+                got = _probe_rows(obj)
                 if got != [[v], [w]]:
                     raise CapabilityError(
                         f"{url} ignored token_ids_logprob_positions: rows 1..2 are {got!r}, "
