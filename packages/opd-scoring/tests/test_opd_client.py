@@ -24,6 +24,7 @@ from posttrain.opd import (
     OPDConfigError,
     OPDSignals,
     RetryPolicy,
+    ScoringInputError,
     ScoringSample,
     Strategy,
     StudentTopLogprobsError,
@@ -545,3 +546,23 @@ def test_fail_fast_cancels_requests_in_flight(teacher: LoopbackTeacher) -> None:
     with pytest.raises(TeacherRoutingError):
         _run(go())
     assert _CancelRecorder.cancelled == 2
+
+
+def test_ids_outside_the_vocabulary_are_refused_before_sending(teacher: LoopbackTeacher) -> None:
+    sample = ScoringSample(
+        tokens=[1, 2, 3, 4], response_length=2, student_top=[{5: -1.0}, {VOCAB: -2.0}]
+    )
+
+    async def go() -> OPDSignals:
+        async with _scorer(teacher, OPDConfig(top_k=1, vocab_size=VOCAB)) as s:
+            return await s.score(sample)
+
+    with pytest.raises(ScoringInputError, match=rf"token id {VOCAB} is outside \[0, {VOCAB}\)"):
+        _run(go())
+    assert teacher.state.requests[""] == 0
+
+
+def test_scorer_satisfies_the_interface_protocol(teacher: LoopbackTeacher) -> None:
+    from posttrain.interface import TeacherScorer as TeacherScorerProtocol
+
+    assert isinstance(_scorer(teacher, OPDConfig()), TeacherScorerProtocol)
