@@ -48,13 +48,17 @@ class TinyTeacher:
         self.head = torch.randn(dim, vocab_size, generator=g) * (3.0 / math.sqrt(dim))
 
     @torch.no_grad()
-    def log_probs(self, input_ids: Sequence[int]) -> torch.Tensor:
-        """float32[L, V] next-token log-probabilities after each prefix."""
+    def _logits_lse(self, input_ids: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
         ids = torch.tensor(list(input_ids), dtype=torch.int64)
         e = self.emb[ids]
         ctx = e.cumsum(0) / torch.arange(1, len(ids) + 1, dtype=torch.float32)[:, None]
-        h = torch.tanh(e + ctx @ self.mix)
-        return torch.log_softmax(h @ self.head, dim=-1)
+        logits = torch.tanh(e + ctx @ self.mix) @ self.head
+        return logits, logits.logsumexp(dim=-1, keepdim=True)
+
+    def log_probs(self, input_ids: Sequence[int]) -> torch.Tensor:
+        """float32[L, V] next-token log-probabilities after each prefix (logits - logsumexp)."""
+        logits, lse = self._logits_lse(input_ids)
+        return logits - lse
 
     def score(
         self,
@@ -64,24 +68,30 @@ class TinyTeacher:
         flat_ids: Sequence[int] | None = None,
         positions: Sequence[Sequence[int]] | None = None,
     ) -> dict[str, Any]:
-        """The ``meta_info`` lists of a scoring reply (row 0 a placeholder)."""
-        lp = self.log_probs(input_ids)
+        """The ``meta_info`` lists of a scoring reply (row 0 a placeholder).
+
+        Gathers the needed logits and subtracts the row's logsumexp, which gives the same
+        float32 values as :meth:`log_probs` without writing the whole L x V table.
+        """
+        logits, lse = self._logits_lse(input_ids)
+        logits, lse = logits[:-1], lse[:-1]
         n = len(input_ids)
         ids = torch.tensor(list(input_ids), dtype=torch.int64)
-        tok = lp[torch.arange(n - 1), ids[1:]].tolist()
+        rows_idx = torch.arange(n - 1)
+        tok = (logits[rows_idx, ids[1:]] - lse[:, 0]).tolist()
         meta: dict[str, Any] = {
             "input_token_logprobs": [[None, int(input_ids[0]), None]]
             + [[v, int(t), None] for v, t in zip(tok, input_ids[1:], strict=True)]
         }
         if top_k > 0:
-            vals, idx = lp[:-1].topk(min(top_k, self.vocab_size), dim=-1)
+            vals, idx = logits.topk(min(top_k, self.vocab_size), dim=-1)
             meta["input_top_logprobs"] = [None] + [
                 [[v, t, None] for v, t in zip(vr, ir, strict=True)]
-                for vr, ir in zip(vals.tolist(), idx.tolist(), strict=True)
+                for vr, ir in zip((vals - lse).tolist(), idx.tolist(), strict=True)
             ]
         if flat_ids:
             u = list(flat_ids)
-            vals_u = lp[:-1][:, torch.tensor(u, dtype=torch.int64)].tolist()
+            vals_u = (logits[:, torch.tensor(u, dtype=torch.int64)] - lse).tolist()
             meta["input_token_ids_logprobs"] = [None] + [
                 [[v, t, None] for v, t in zip(row, u, strict=True)] for row in vals_u
             ]
@@ -92,7 +102,8 @@ class TinyTeacher:
                 if not want:
                     rows.append(None)
                     continue
-                v = lp[i - 1, torch.tensor(list(want), dtype=torch.int64)].tolist()
+                sel = torch.tensor(list(want), dtype=torch.int64)
+                v = (logits[i - 1, sel] - lse[i - 1, 0]).tolist()
                 rows.append([[x, t, None] for x, t in zip(v, want, strict=True)])
             meta["input_token_ids_logprobs"] = rows
         return meta
