@@ -327,7 +327,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--names", default="")
     p.add_argument("--no-per-position", action="store_true")
+    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     a = p.parse_args(argv)
+    # Requests are small: on a busy 2-core machine torch's thread pool turned a 1 ms
+    # reply into 65 ms of synchronisation, so the server computes on one thread.
+    torch.set_num_threads(a.threads)
     teachers = {"": TinyTeacher(a.vocab, seed=a.seed)}
     for j, n in enumerate(x for x in a.names.split(",") if x):
         teachers[n] = TinyTeacher(a.vocab, seed=a.seed + 1 + j)
