@@ -24,7 +24,6 @@ import json
 import logging
 import math
 import random
-import ssl
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -292,7 +291,7 @@ class TeacherScorer:
         if self.student_url is not None and self.student_url not in urls:
             urls.append(self.student_url)
         # One TLS context for every shard: building one per client costs ~10 ms each.
-        tls = ssl.create_default_context()
+        tls = httpx.create_ssl_context()
         for url in urls:
             clients = [
                 httpx.AsyncClient(
