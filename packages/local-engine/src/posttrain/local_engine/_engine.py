@@ -1,0 +1,502 @@
+"""The engine core: generation tasks, logprob layouts, weights, adapters and versions.
+
+Everything here is synchronous and runs on the scheduler's single worker thread
+(generation, weight commits) or under the update lock (bucket staging), so the
+model's weights never change in the middle of a request. The HTTP layer turns
+JSON into ``GenTask`` and ``GenResult`` back into SGLang's ``meta_info``.
+
+Logprob layout (SGLang's): input lists cover absolute positions
+``logprob_start_len .. P-1``; the entry for position ``i`` is
+``log p(x_i | x_<i)`` from the full-vocabulary log-softmax, and null at ``i = 0``
+(nothing predicts the first token). Output lists have one entry per generated
+token. Per-position id scoring (``token_ids_logprob_positions``) returns, at
+input position ``i``, the logprobs of the ids listed for ``i`` (null for an
+empty list), which equals the flat form restricted to those ids.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from posttrain.interface import (
+    BucketManifest,
+    IncompleteUpdateError,
+    WeightUpdateResult,
+    WireFormatError,
+)
+from posttrain.local_engine._buckets import tensors_sha256
+from posttrain.local_engine._errors import UnavailableError, UpdateSessionError
+from posttrain.local_engine._lora import (
+    LoraRegistry,
+    adapter_from_tensors,
+    expected_lora_tensors,
+)
+from posttrain.local_engine._sampling import SamplingConfig, pick_token, top_logprobs
+from posttrain.local_engine._update import TensorSpec, UpdateSession, check_version_increases
+from posttrain.models import DecoderModel
+from posttrain.models import LoraAdapter as ModelLora
+
+__all__ = ["Engine", "GenResult", "GenTask"]
+
+
+@dataclass(slots=True, kw_only=True)
+class GenTask:
+    """One prompt to complete (or score), validated."""
+
+    input_ids: list[int]
+    max_new_tokens: int
+    sampling: SamplingConfig
+    seed: int
+    stop_token_ids: frozenset[int] = frozenset()
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+    no_stop_trim: bool = False
+    return_logprob: bool = False
+    logprob_start_len: int = -1
+    top_logprobs_num: int = 0
+    token_ids_logprob: list[int] | None = None
+    token_ids_logprob_positions: list[list[int]] | None = None
+    lora_name: str | None = None
+    rid: str = ""
+
+
+@dataclass(slots=True, kw_only=True)
+class GenResult:
+    """A finished task: ids, finish reason and the logprob lists (None when not asked)."""
+
+    rid: str
+    output_ids: list[int]
+    finish_reason: dict[str, Any]
+    prompt_tokens: int
+    weight_version: str
+    input_token_logprobs: list[tuple[float | None, int]] | None = None
+    output_token_logprobs: list[tuple[float, int]] | None = None
+    input_top_logprobs: list[list[tuple[float, int]] | None] | None = None
+    output_top_logprobs: list[list[tuple[float, int]] | None] | None = None
+    input_token_ids_logprobs: list[list[tuple[float, int]] | None] | None = None
+    output_token_ids_logprobs: list[list[tuple[float, int]] | None] | None = None
+    trim_chars: int = 0
+    latency_s: float = 0.0
+
+
+def _ids_logprobs(row: torch.Tensor, ids: Sequence[int]) -> list[tuple[float, int]]:
+    return [(float(row[i].item()), int(i)) for i in ids]
+
+
+@dataclass(slots=True)
+class _WeightState:
+    version: int | None = None
+    unavailable: str | None = None
+    session: UpdateSession | None = None
+    history: list[str] = field(default_factory=list)
+
+
+class Engine:
+    """One served model: generation, versioned weights and named adapters."""
+
+    def __init__(
+        self,
+        model: DecoderModel,
+        *,
+        eos_token_ids: Sequence[int] = (),
+        decode_text: Callable[[Sequence[int]], str] | None = None,
+        max_loras: int = 8,
+    ) -> None:
+        self.model = model
+        self.vocab_size = model.config.vocab_size
+        self.max_context = model.config.max_position_embeddings
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.lora_targets = model.lora_targets()
+        self._specs = {
+            k: TensorSpec(v.dtype, tuple(v.shape)) for k, v in model.hf_state_dict().items()
+        }
+        self.decode_text = decode_text
+        self.adapters = LoraRegistry(max_loras=max_loras)
+        self._w = _WeightState()
+        self._update_lock = threading.Lock()
+        self.abort_running = threading.Event()
+        self._staging: dict[str, torch.Tensor] = {}
+        self.generated_tokens = 0
+
+    # ---- state -------------------------------------------------------------------------
+
+    @property
+    def weight_version(self) -> str:
+        """SGLang's string form: ``"default"`` until the first versioned update."""
+        return "default" if self._w.version is None else str(self._w.version)
+
+    @property
+    def unavailable_reason(self) -> str | None:
+        return self._w.unavailable
+
+    def check_available(self) -> None:
+        if self._w.unavailable is not None:
+            raise UnavailableError(
+                f"weights are not serviceable until a full update succeeds: {self._w.unavailable}"
+            )
+
+    def param_specs(self) -> dict[str, TensorSpec]:
+        """HF name -> dtype and shape of every base tensor the model holds."""
+        return dict(self._specs)
+
+    def weights_sha256(self) -> str:
+        """A digest of every base tensor (HF names), to compare engines and transports."""
+        return tensors_sha256(self.model.hf_state_dict())
+
+    # ---- generation ----------------------------------------------------------------------
+
+    def validate(self, task: GenTask, field_prefix: str) -> None:
+        """Reject a task the model cannot run, naming the field (400)."""
+        v, ctx = self.vocab_size, self.max_context
+        p = len(task.input_ids)
+        if p == 0:
+            raise WireFormatError(f"{field_prefix}input_ids: empty prompt", field="input_ids")
+        bad = next((t for t in task.input_ids if not 0 <= t < v), None)
+        if bad is not None:
+            raise WireFormatError(
+                f"{field_prefix}input_ids: token id {bad} outside the vocabulary [0, {v})",
+                field="input_ids",
+            )
+        if p > ctx or (task.max_new_tokens > 0 and p >= ctx):
+            raise WireFormatError(
+                f"{field_prefix}input_ids: {p} tokens leave no room in the context of {ctx}",
+                field="input_ids",
+            )
+        for name, ids in (
+            ("token_ids_logprob", task.token_ids_logprob or []),
+            ("stop_token_ids", sorted(task.stop_token_ids)),
+            *(
+                (f"token_ids_logprob_positions[{i}]", row)
+                for i, row in enumerate(task.token_ids_logprob_positions or [])
+            ),
+        ):
+            bad = next((t for t in ids if not 0 <= t < v), None)
+            if bad is not None:
+                raise WireFormatError(
+                    f"{field_prefix}{name}: token id {bad} outside the vocabulary [0, {v})",
+                    field=name,
+                )
+        rows = task.token_ids_logprob_positions
+        if rows is not None and len(rows) != p:
+            raise WireFormatError(
+                f"{field_prefix}token_ids_logprob_positions: {len(rows)} rows for {p} input "
+                "positions",
+                field="token_ids_logprob_positions",
+            )
+        if task.top_logprobs_num > v:
+            raise WireFormatError(
+                f"{field_prefix}top_logprobs_num: {task.top_logprobs_num} > vocabulary size {v}",
+                field="top_logprobs_num",
+            )
+        if task.logprob_start_len >= p:
+            raise WireFormatError(
+                f"{field_prefix}logprob_start_len: {task.logprob_start_len} >= prompt length {p}",
+                field="logprob_start_len",
+            )
+        if task.lora_name is not None:
+            self.adapters.get(task.lora_name)
+
+    def abort_result(self, task: GenTask) -> GenResult:
+        return GenResult(
+            rid=task.rid,
+            output_ids=[],
+            finish_reason={"type": "abort", "message": "generation paused with mode=abort"},
+            prompt_tokens=len(task.input_ids),
+            weight_version=self.weight_version,
+        )
+
+    def run_batch(self, tasks: list[GenTask]) -> list[GenResult]:
+        """Generate for all tasks together: one KV-cache row each, decode steps batched.
+
+        The strict kernels are batch-invariant, so a task's tokens and logprobs do not
+        depend on its batch mates; each task samples from its own seeded generator.
+        """
+        self.check_available()
+        t0 = time.perf_counter()
+        n = len(tasks)
+        loras: list[ModelLora | None] = [
+            None if t.lora_name is None else self.adapters.get(t.lora_name).model_adapter
+            for t in tasks
+        ]
+        lora_arg = loras if any(x is not None for x in loras) else None
+        cache = self.model.new_kv_cache(n)
+        steps = self.model.extend(
+            cache, list(range(n)), [t.input_ids for t in tasks], lora=lora_arg
+        )
+        results: list[GenResult] = []
+        rows: dict[int, torch.Tensor] = {}
+        gens: list[torch.Generator] = []
+        stops: list[set[int]] = []
+        limits: list[int] = []
+        for j, task in enumerate(tasks):
+            res = GenResult(
+                rid=task.rid,
+                output_ids=[],
+                finish_reason={},
+                prompt_tokens=len(task.input_ids),
+                weight_version=self.weight_version,
+            )
+            if task.return_logprob:
+                self._fill_input_logprobs(task, steps[j].logprobs, res)
+                res.output_token_logprobs = []
+                if task.top_logprobs_num:
+                    res.output_top_logprobs = []
+                if task.token_ids_logprob is not None:
+                    res.output_token_ids_logprobs = []
+            results.append(res)
+            limit = min(task.max_new_tokens, self.max_context - len(task.input_ids))
+            limits.append(limit)
+            res.finish_reason = {"type": "length", "length": limit}
+            gens.append(torch.Generator().manual_seed(task.seed))
+            stop = set(task.stop_token_ids)
+            if not task.ignore_eos:
+                stop.update(self.eos_token_ids)
+            stops.append(stop)
+            if limit > 0:
+                rows[j] = steps[j].logprobs[-1]
+        while rows:
+            picked: dict[int, int] = {}
+            for j, row in rows.items():
+                if self.abort_running.is_set():
+                    results[j].finish_reason = {
+                        "type": "abort",
+                        "message": "generation paused with mode=abort",
+                    }
+                    continue
+                tok = self._emit(tasks[j], results[j], row, gens[j], stops[j])
+                if tok is not None and len(results[j].output_ids) < limits[j]:
+                    picked[j] = tok
+            if not picked:
+                break
+            order = sorted(picked)
+            step = self.model.decode_step(
+                cache,
+                order,
+                [picked[j] for j in order],
+                lora=None if lora_arg is None else [loras[j] for j in order],
+            )
+            rows = {j: step.logprobs[i] for i, j in enumerate(order)}
+        dt = time.perf_counter() - t0
+        for r in results:
+            r.latency_s = dt
+            self.generated_tokens += len(r.output_ids)
+        return results
+
+    def _emit(
+        self,
+        task: GenTask,
+        res: GenResult,
+        row: torch.Tensor,
+        gen: torch.Generator,
+        stops: set[int],
+    ) -> int | None:
+        """Sample one token and record it; None when the task has finished with it."""
+        tok = pick_token(row, task.sampling, gen)
+        res.output_ids.append(tok)
+        if task.return_logprob:
+            assert res.output_token_logprobs is not None
+            res.output_token_logprobs.append((float(row[tok].item()), tok))
+            if res.output_top_logprobs is not None:
+                res.output_top_logprobs.append(top_logprobs(row, task.top_logprobs_num))
+            if res.output_token_ids_logprobs is not None:
+                res.output_token_ids_logprobs.append(
+                    _ids_logprobs(row, task.token_ids_logprob or [])
+                )
+        if tok in stops:
+            res.finish_reason = {"type": "stop", "matched": tok}
+            return None
+        if task.stop and self.decode_text is not None:
+            text = self.decode_text(res.output_ids)
+            hit = next((s for s in task.stop if s in text), None)
+            if hit is not None:
+                res.finish_reason = {"type": "stop", "matched": hit}
+                if not task.no_stop_trim:
+                    res.trim_chars = len(text) - text.index(hit)
+                return None
+        return tok
+
+    def _fill_input_logprobs(self, task: GenTask, prompt_lp: torch.Tensor, res: GenResult) -> None:
+        ids = task.input_ids
+        p = len(ids)
+        start = p - 1 if task.logprob_start_len < 0 else task.logprob_start_len
+        positions = range(start, p)
+        res.input_token_logprobs = [
+            (None if i == 0 else float(prompt_lp[i - 1, ids[i]].item()), ids[i]) for i in positions
+        ]
+        if task.top_logprobs_num:
+            res.input_top_logprobs = [
+                None if i == 0 else top_logprobs(prompt_lp[i - 1], task.top_logprobs_num)
+                for i in positions
+            ]
+        if task.token_ids_logprob is not None:
+            flat = task.token_ids_logprob
+            res.input_token_ids_logprobs = [
+                None if i == 0 else _ids_logprobs(prompt_lp[i - 1], flat) for i in positions
+            ]
+        elif task.token_ids_logprob_positions is not None:
+            rows = task.token_ids_logprob_positions
+            res.input_token_ids_logprobs = [
+                None if i == 0 or not rows[i] else _ids_logprobs(prompt_lp[i - 1], rows[i])
+                for i in positions
+            ]
+
+    # ---- adapters ------------------------------------------------------------------------
+
+    def load_adapter_tensors(
+        self, name: str, config: Mapping[str, Any], tensors: Mapping[str, torch.Tensor]
+    ) -> None:
+        self.adapters.put(adapter_from_tensors(name, config, tensors, self.lora_targets))
+
+    # ---- weight updates ------------------------------------------------------------------
+
+    def begin_update(
+        self,
+        *,
+        update_id: str,
+        weight_version: int,
+        kind: str,
+        expected: Sequence[tuple[str, torch.dtype, tuple[int, ...]]],
+        lora_name: str | None = None,
+        lora_config: Mapping[str, Any] | None = None,
+    ) -> None:
+        """Open a session; a stale version or an unknown expected tensor is refused at once.
+
+        An open session that was never ended is replaced (and the engine marked
+        unavailable, since that update is lost).
+        """
+        with self._update_lock:
+            check_version_increases(self._w.version, weight_version)
+            specs = self._specs
+            if kind == "lora":
+                if not lora_name or lora_config is None:
+                    raise UpdateSessionError("a lora update needs lora_name and lora_config")
+                allowed = expected_lora_tensors(lora_name, lora_config, self.lora_targets)
+            else:
+                allowed = specs
+            exp: dict[str, TensorSpec] = {}
+            for name, dtype, shape in expected:
+                spec = allowed.get(name)
+                if spec is None:
+                    raise UpdateSessionError(f"expected tensor {name!r} is unknown to this engine")
+                if kind == "base" and (spec.dtype != dtype or spec.shape != shape):
+                    raise UpdateSessionError(
+                        f"expected tensor {name!r}: {dtype} {list(shape)} differs from the engine's "
+                        f"{spec.dtype} {list(spec.shape)}"
+                    )
+                if kind == "lora" and spec.shape != shape:
+                    raise UpdateSessionError(
+                        f"expected tensor {name!r}: shape {list(shape)}, adapter config implies "
+                        f"{list(spec.shape)}"
+                    )
+                exp[name] = TensorSpec(dtype, shape)
+            if not expected:
+                exp = dict(allowed) if kind == "base" else {}
+            if not exp:
+                raise UpdateSessionError(f"update {update_id!r} expects no tensors")
+            if self._w.session is not None:
+                self.mark_failed(f"update {self._w.session.update_id!r} was never ended")
+            self._w.session = UpdateSession(
+                update_id=update_id,
+                weight_version=weight_version,
+                kind=kind,
+                expected=exp,
+                lora_name=lora_name,
+                lora_config=dict(lora_config or {}),
+                pool=self._staging if kind == "base" else {},
+            )
+
+    def _session(self, update_id: str) -> UpdateSession:
+        s = self._w.session
+        if s is None:
+            raise UpdateSessionError(f"update {update_id!r}: no weight update is open")
+        if s.update_id != update_id:
+            raise UpdateSessionError(
+                f"update_id {update_id!r} is not the open update {s.update_id!r}"
+            )
+        return s
+
+    def mark_failed(self, why: str) -> None:
+        """Refuse to generate (503) until a full update succeeds."""
+        self._w.unavailable = why
+        self._w.history.append(why)
+
+    def add_bucket(
+        self, manifest: BucketManifest, tensors: Mapping[str, torch.Tensor], *, owned: bool = False
+    ) -> None:
+        """Stage one bucket; any fault fails the whole update (engine unavailable)."""
+        with self._update_lock:
+            s = self._session(manifest.update_id)
+            try:
+                s.add_bucket(manifest, tensors, owned=owned)
+            except Exception as e:
+                self.mark_failed(f"update {s.update_id!r}: {e}")
+                raise
+
+    def fail_update(self, update_id: str, why: str) -> None:
+        """A transport could not even read a bucket: fail the open update."""
+        with self._update_lock:
+            s = self._w.session
+            if s is not None and s.update_id == update_id:
+                s.failed = s.failed or why
+                self.mark_failed(f"update {update_id!r}: {why}")
+
+    def finish_update(self, update_id: str) -> tuple[WeightUpdateResult, UpdateSession]:
+        """Close the session and decide; the caller commits a success between batches."""
+        with self._update_lock:
+            s = self._session(update_id)
+            self._w.session = None
+            result = s.finish()
+            if not result.success:
+                self.mark_failed(result.message)
+            return result, s
+
+    def commit(self, session: UpdateSession) -> None:
+        """Install a successful session's tensors (worker thread, between batches).
+
+        Holds the update lock: the staging buffers are reused by the next session.
+        """
+        with self._update_lock:
+            if session.kind == "lora":
+                assert session.lora_name is not None
+                self.load_adapter_tensors(session.lora_name, session.lora_config, session.staged)
+            else:
+                self.model.load_hf_state_dict(dict(session.staged), partial=True)
+            self._w.version = session.weight_version
+            self._w.unavailable = None
+
+    def abort_update(self, update_id: str | None) -> bool:
+        with self._update_lock:
+            s = self._w.session
+            if s is None or (update_id is not None and s.update_id != update_id):
+                return False
+            self._w.session = None
+            self.mark_failed(f"update {s.update_id!r} aborted")
+            return True
+
+    def load_full_state(self, tensors: Mapping[str, torch.Tensor], version: int | None) -> None:
+        """Replace every base tensor at once (``/update_weights_from_disk``); all or nothing."""
+        specs = self._specs
+        missing = sorted(set(specs) - set(tensors))
+        unexpected = sorted(set(tensors) - set(specs))
+        wrong = sorted(
+            n
+            for n in set(specs) & set(tensors)
+            if tensors[n].dtype != specs[n].dtype or tuple(tensors[n].shape) != specs[n].shape
+        )
+        if missing or unexpected or wrong:
+            raise IncompleteUpdateError(
+                f"checkpoint does not match the served model: missing {missing[:5]}, "
+                f"unexpected {unexpected[:5]}, wrong dtype/shape {wrong[:5]}"
+            )
+        if version is not None:
+            check_version_increases(self._w.version, version)
+        self.model.load_hf_state_dict(dict(tensors))
+        if version is not None:
+            self._w.version = version
+        self._w.unavailable = None

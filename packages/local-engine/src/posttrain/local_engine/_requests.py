@@ -1,0 +1,234 @@
+"""JSON request bodies to engine tasks, and engine results back to SGLang's JSON.
+
+A batched ``/generate`` (a list of texts or of id lists) becomes one task per
+prompt; per-item fields (``sampling_params``, ``return_logprob``, ``lora_path``,
+``rid``, ...) may be lists of the batch length or one shared value, as in SGLang.
+Field errors name the field and, in a batch, the item index. Sampling knobs this
+engine does not implement (penalties, ``n`` > 1, streaming) are refused with a
+400 rather than silently ignored.
+"""
+
+from __future__ import annotations
+
+import itertools
+import uuid
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+from posttrain.interface import GenerateRequest, SamplingParams, WireFormatError
+from posttrain.local_engine._engine import GenResult, GenTask
+from posttrain.local_engine._sampling import SamplingConfig
+
+__all__ = ["TextCodec", "drop_neutral_sglang_keys", "meta_info", "tasks_from_generate"]
+
+DEFAULT_MAX_NEW_TOKENS = 128
+
+# Keys of SGLang's GenerateReqInput that sgl-router (0.3.x) fills in when it re-serializes
+# a body, with the values that need nothing from this engine (None: any value is fine).
+_NEUTRAL_KEYS: dict[str, tuple[Any, ...] | None] = {
+    "model": None,
+    "log_metrics": None,
+    "no_logs": None,
+    "background": (False,),
+    "return_hidden_states": (False,),
+    "return_bytes": (False,),
+    "return_entropy": (False,),
+    "return_routed_experts": (False,),
+    "bootstrap_host": (None,),
+    "bootstrap_port": (None,),
+    "bootstrap_room": (None,),
+    "custom_logit_processor": (None,),
+}
+
+
+def drop_neutral_sglang_keys(body: Any) -> Any:
+    """Remove router-added SGLang keys that hold neutral values; others stay and fail validation.
+
+    sgl-router re-serializes ``/generate`` bodies with SGLang's defaults filled in; the
+    interface's request type rejects unknown keys (a misspelt field must not pass), so the
+    neutral ones are taken out here, and a non-neutral one (``return_hidden_states: true``)
+    still gets a 400 naming it.
+    """
+    if not isinstance(body, dict):
+        return body
+    out = dict(body)
+    for key, neutral in _NEUTRAL_KEYS.items():
+        if key in out and (neutral is None or out[key] in neutral):
+            del out[key]
+    return out
+
+
+class TextCodec(Protocol):
+    """A tokenizer as the HTTP layer needs it."""
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...
+
+    def chat_ids(self, messages: list[dict[str, Any]], **template_kwargs: Any) -> list[int]: ...
+
+
+def _item(value: Any, i: int, n: int, field: str, batch: bool) -> Any:
+    """The i-th value of a per-item field: a list of length n in a batch, else shared."""
+    if batch and isinstance(value, list) and field != "token_ids_logprob":
+        if len(value) != n:
+            raise WireFormatError(
+                f"{field}: {len(value)} values for a batch of {n} prompts", field=field
+            )
+        return value[i]
+    if batch and field == "token_ids_logprob" and value and isinstance(value[0], list):
+        if len(value) != n:
+            raise WireFormatError(
+                f"{field}: {len(value)} id lists for a batch of {n} prompts", field=field
+            )
+        return value[i]
+    return value
+
+
+_UNSUPPORTED_PENALTIES = {
+    "frequency_penalty": 0.0,
+    "presence_penalty": 0.0,
+    "repetition_penalty": 1.0,
+}
+
+
+def sampling_from_params(
+    sp: SamplingParams | None, *, default_seed: int, where: str = ""
+) -> tuple[SamplingConfig, int, dict[str, Any]]:
+    """SamplingConfig, seed and stop settings from SGLang ``sampling_params``."""
+    sp = sp or SamplingParams()
+    for name, neutral in _UNSUPPORTED_PENALTIES.items():
+        value = getattr(sp, name)
+        if value is not None and value != neutral:
+            raise WireFormatError(
+                f"{where}sampling_params.{name}: {value} is not supported by local-engine",
+                field=f"sampling_params.{name}",
+            )
+    if sp.n not in (None, 1):
+        raise WireFormatError(
+            f"{where}sampling_params.n: {sp.n} > 1 is not supported (send the prompt n times)",
+            field="sampling_params.n",
+        )
+    cfg = SamplingConfig(
+        temperature=1.0 if sp.temperature is None else sp.temperature,
+        top_p=1.0 if sp.top_p is None else sp.top_p,
+        top_k=-1 if sp.top_k is None else sp.top_k,
+        min_p=0.0 if sp.min_p is None else sp.min_p,
+    )
+    seed = sp.sampling_seed if sp.sampling_seed is not None else sp.seed
+    stop = sp.stop if isinstance(sp.stop, list) else ([sp.stop] if sp.stop else [])
+    extra = {
+        "max_new_tokens": DEFAULT_MAX_NEW_TOKENS
+        if sp.max_new_tokens is None
+        else sp.max_new_tokens,
+        "stop": tuple(stop),
+        "stop_token_ids": frozenset(sp.stop_token_ids or ()),
+        "ignore_eos": bool(sp.ignore_eos),
+        "no_stop_trim": bool(sp.no_stop_trim),
+        "skip_special_tokens": sp.skip_special_tokens is not False,
+    }
+    return cfg, (default_seed if seed is None else seed), extra
+
+
+def tasks_from_generate(
+    req: GenerateRequest,
+    *,
+    codec: TextCodec | None,
+    next_seed: Callable[[], int],
+) -> tuple[list[GenTask], list[dict[str, Any]]]:
+    """Tasks for every prompt of a request, plus per-item output options."""
+    if req.stream:
+        raise WireFormatError("stream: streaming is not supported by local-engine", field="stream")
+    batch = req.is_batch
+    n = req.batch_size
+    if req.input_ids is not None:
+        raw: list[Any] = list(req.input_ids)
+        prompts: list[list[int]] = [list(x) for x in raw] if batch else [[int(x) for x in raw]]
+    else:
+        if codec is None:
+            raise WireFormatError("text: this model has no tokenizer; send input_ids", field="text")
+        texts = req.text if isinstance(req.text, list) else [req.text or ""]
+        prompts = [codec.encode(t) for t in texts]
+    tasks: list[GenTask] = []
+    options: list[dict[str, Any]] = []
+    for i in range(n):
+        where = f"[{i}] " if batch else ""
+        sp = _item(req.sampling_params, i, n, "sampling_params", batch)
+        cfg, seed, extra = sampling_from_params(sp, default_seed=next_seed(), where=where)
+        lora = _item(req.lora_path, i, n, "lora_path", batch)
+        rid = _item(req.rid, i, n, "rid", batch)
+        start = _item(req.logprob_start_len, i, n, "logprob_start_len", batch)
+        tasks.append(
+            GenTask(
+                input_ids=prompts[i],
+                max_new_tokens=extra["max_new_tokens"],
+                sampling=cfg,
+                seed=seed,
+                stop_token_ids=extra["stop_token_ids"],
+                stop=extra["stop"],
+                ignore_eos=extra["ignore_eos"],
+                no_stop_trim=extra["no_stop_trim"],
+                return_logprob=bool(_item(req.return_logprob, i, n, "return_logprob", batch)),
+                logprob_start_len=-1 if start is None else start,
+                top_logprobs_num=_item(req.top_logprobs_num, i, n, "top_logprobs_num", batch) or 0,
+                token_ids_logprob=_item(req.token_ids_logprob, i, n, "token_ids_logprob", batch),
+                token_ids_logprob_positions=req.token_ids_logprob_positions,
+                lora_name=lora,
+                rid=rid or uuid.uuid4().hex,
+            )
+        )
+        options.append(
+            {
+                "skip_special_tokens": extra["skip_special_tokens"],
+                "return_text_in_logprobs": bool(req.return_text_in_logprobs),
+            }
+        )
+    return tasks, options
+
+
+def _entries(
+    rows: Sequence[tuple[float | None, int]] | None, text: Callable[[int], str | None]
+) -> list[list[Any]] | None:
+    if rows is None:
+        return None
+    return [[lp, tok, text(tok)] for lp, tok in rows]
+
+
+def _nested(
+    rows: Sequence[Sequence[tuple[float, int]] | None] | None, text: Callable[[int], str | None]
+) -> list[list[list[Any]] | None] | None:
+    if rows is None:
+        return None
+    return [None if r is None else [[lp, tok, text(tok)] for lp, tok in r] for r in rows]
+
+
+def meta_info(
+    res: GenResult, *, token_text: Callable[[int], str | None], e2e_latency: float
+) -> dict[str, Any]:
+    """SGLang's ``meta_info`` for one result (logprob lists only when they were asked)."""
+    out: dict[str, Any] = {
+        "id": res.rid,
+        "finish_reason": res.finish_reason,
+        "prompt_tokens": res.prompt_tokens,
+        "completion_tokens": len(res.output_ids),
+        "cached_tokens": 0,
+        "weight_version": res.weight_version,
+        "e2e_latency": e2e_latency,
+    }
+    lists = {
+        "input_token_logprobs": _entries(res.input_token_logprobs, token_text),
+        "output_token_logprobs": _entries(res.output_token_logprobs, token_text),
+        "input_top_logprobs": _nested(res.input_top_logprobs, token_text),
+        "output_top_logprobs": _nested(res.output_top_logprobs, token_text),
+        "input_token_ids_logprobs": _nested(res.input_token_ids_logprobs, token_text),
+        "output_token_ids_logprobs": _nested(res.output_token_ids_logprobs, token_text),
+    }
+    # As SGLang: top lists only with top_logprobs_num, id lists only with token ids asked.
+    out.update({k: v for k, v in lists.items() if v is not None})
+    return out
+
+
+def seed_counter(base: int) -> Callable[[], int]:
+    """Distinct default seeds per request: the engine's random seed plus a counter."""
+    counter = itertools.count()
+    return lambda: (base * 1_000_003 + next(counter)) % (2**63)

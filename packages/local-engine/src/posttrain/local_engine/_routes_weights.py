@@ -1,0 +1,217 @@
+"""Routes that change the served weights: LoRA adapters and wsync/1 weight updates.
+
+Split from ``_app`` to keep each module readable; ``create_app`` mounts these. Every
+route here is state-changing, so each is wrapped with the bearer-token guard.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from safetensors.torch import load as st_load
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from posttrain.interface import (
+    BucketManifest,
+    LoadLoraAdapterRequest,
+    PosttrainError,
+    StaleVersionError,
+    UnloadLoraAdapterRequest,
+    UpdateWeightsFromDiskRequest,
+    WeightUpdateBegin,
+    WireFormatError,
+)
+from posttrain.local_engine._buckets import dtype_from_name, unpack_bucket
+from posttrain.local_engine._context import ServerContext
+from posttrain.local_engine._engine import GenResult, GenTask
+from posttrain.local_engine._errors import AdapterError, CheckpointError
+from posttrain.local_engine._http import Handler, body_bytes, guard, json_body
+from posttrain.local_engine._lora import load_peft_adapter
+from posttrain.local_engine._scheduler import BatchScheduler
+from posttrain.local_engine._transports import (
+    ShmMaps,
+    read_safetensors_bucket,
+    safetensors_metadata,
+)
+
+__all__ = ["weight_routes"]
+
+
+def weight_routes(
+    ctx: ServerContext, sched: BatchScheduler[GenTask, GenResult], shm: ShmMaps
+) -> list[Route]:
+    """The adapter and weight-update routes of one engine."""
+    cfg, engine = ctx.config, ctx.engine
+
+    async def json_req(request: Request) -> Any:
+        return await json_body(request, cfg.max_request_bytes)
+
+    # ---- adapters ----------------------------------------------------------------------
+
+    def lora_reply(ok: bool, message: str = "") -> JSONResponse:
+        return JSONResponse(
+            {"success": ok, "error_message": message, "loaded_adapters": engine.adapters.names()},
+            status_code=200 if ok else 400,
+        )
+
+    def require_lora() -> None:
+        if not cfg.enable_lora:
+            raise AdapterError("LoRA is disabled: start the engine with --enable-lora")
+
+    async def load_lora(request: Request) -> Response:
+        require_lora()
+        req = LoadLoraAdapterRequest.parse(await json_req(request))
+        adapter = load_peft_adapter(req.lora_name, req.lora_path, engine.lora_targets)
+        engine.adapters.put(adapter)
+        return lora_reply(True)
+
+    async def unload_lora(request: Request) -> Response:
+        require_lora()
+        req = UnloadLoraAdapterRequest.parse(await json_req(request))
+        engine.adapters.remove(req.lora_name)
+        return lora_reply(True)
+
+    async def load_lora_from_tensors(request: Request) -> Response:
+        require_lora()
+        raw = await body_bytes(request, cfg.max_update_bytes)
+        meta = safetensors_metadata(raw)
+        name = meta.get("lora_name")
+        if not name:
+            raise WireFormatError("__metadata__.lora_name: missing", field="__metadata__.lora_name")
+        try:
+            config = json.loads(meta.get("config_dict", ""))
+        except json.JSONDecodeError:
+            raise WireFormatError(
+                "__metadata__.config_dict: missing or not JSON (the PEFT adapter config)",
+                field="__metadata__.config_dict",
+            ) from None
+        engine.load_adapter_tensors(name, config, st_load(raw))
+        return lora_reply(True)
+
+    # ---- weights -----------------------------------------------------------------------
+
+    async def begin_update(request: Request) -> Response:
+        req = WeightUpdateBegin.parse(await json_req(request))
+        engine.begin_update(
+            update_id=req.update_id,
+            weight_version=req.weight_version,
+            kind=req.kind,
+            expected=[(e.name, dtype_from_name(e.dtype), tuple(e.shape)) for e in req.expected],
+            lora_name=req.lora_name,
+            lora_config=req.lora_config,
+        )
+        return JSONResponse({"success": True, "message": f"update {req.update_id!r} open"})
+
+    async def bucket_reply(manifest: BucketManifest) -> Response:
+        return JSONResponse(
+            {
+                "success": True,
+                "message": f"bucket {manifest.bucket_index} staged",
+                "bucket_index": manifest.bucket_index,
+            }
+        )
+
+    async def update_from_safetensors(request: Request) -> Response:
+        raw = await body_bytes(request, cfg.max_update_bytes)
+        manifest, tensors = read_safetensors_bucket(raw)
+        engine.add_bucket(manifest, tensors, owned=True)  # decoded from the body: ours to keep
+        return await bucket_reply(manifest)
+
+    async def update_from_shm(request: Request) -> Response:
+        body = await json_req(request)
+        if not isinstance(body, dict):
+            raise WireFormatError("body: expected a JSON object", field="body")
+        manifest = BucketManifest.parse(body.get("manifest"))
+        try:
+            view = shm.slot(
+                str(body.get("shm_path", "")),
+                int(body.get("slot", -1)),
+                None if body.get("slot_bytes") is None else int(body["slot_bytes"]),
+            )
+            tensors = unpack_bucket(manifest, view)
+        except WireFormatError as e:
+            engine.fail_update(manifest.update_id, str(e))
+            raise
+        engine.add_bucket(manifest, tensors)
+        return await bucket_reply(manifest)
+
+    async def end_update(request: Request) -> Response:
+        body = await json_req(request)
+        update_id = str(body.get("update_id", "")) if isinstance(body, dict) else ""
+        result, session = engine.finish_update(update_id)
+        shm.release_unlinked()
+        if result.success:
+            await sched.call_exclusive(lambda: engine.commit(session))
+        return JSONResponse(
+            result.to_dict() | {"success": result.success, "message": result.message},
+            status_code=200 if result.success else 400,
+        )
+
+    async def abort_update(request: Request) -> Response:
+        body = await json_req(request)
+        uid = body.get("update_id") if isinstance(body, dict) else None
+        aborted = engine.abort_update(None if uid is None else str(uid))
+        shm.release_unlinked()
+        return JSONResponse(
+            {
+                "success": True,
+                "aborted": aborted,
+                "message": "update aborted; generation answers 503 until a full update"
+                if aborted
+                else "no matching update open",
+            }
+        )
+
+    async def update_from_disk(request: Request) -> Response:
+        req = UpdateWeightsFromDiskRequest.parse(await json_req(request))
+        if ctx.load_checkpoint is None:
+            raise CheckpointError("this engine cannot reload checkpoints")
+        version: int | None = None
+        if req.weight_version is not None:
+            try:
+                version = int(req.weight_version)
+            except ValueError:
+                raise WireFormatError(
+                    f"weight_version: {req.weight_version!r} is not an integer",
+                    field="weight_version",
+                ) from None
+        loader = ctx.load_checkpoint
+        try:
+            tensors = await sched.call_exclusive(lambda: loader(req.model_path))
+            await sched.call_exclusive(lambda: engine.load_full_state(tensors, version))
+        except StaleVersionError:
+            raise
+        except PosttrainError as e:
+            engine.mark_failed(f"update_weights_from_disk {req.model_path!r}: {e}")
+            raise
+        return JSONResponse(
+            {
+                "success": True,
+                "message": f"loaded {req.model_path}",
+                "num_paused_requests": 0,
+                "weight_version": engine.weight_version,
+            }
+        )
+
+    async def weights_checksum(request: Request) -> Response:
+        sha = await sched.call_exclusive(engine.weights_sha256)
+        return JSONResponse({"sha256": sha, "weight_version": engine.weight_version})
+
+    def g(handler: Handler) -> Handler:
+        return guard(handler, api_key=cfg.api_key, state_changing=True)
+
+    return [
+        Route("/weights_checksum", guard(weights_checksum, api_key=None), methods=["GET"]),
+        Route("/load_lora_adapter", g(load_lora), methods=["POST"]),
+        Route("/unload_lora_adapter", g(unload_lora), methods=["POST"]),
+        Route("/load_lora_adapter_from_tensors", g(load_lora_from_tensors), methods=["POST"]),
+        Route("/update_weights_from_disk", g(update_from_disk), methods=["POST"]),
+        Route("/begin_weight_update", g(begin_update), methods=["POST"]),
+        Route("/update_weights_from_safetensors", g(update_from_safetensors), methods=["POST"]),
+        Route("/update_weights_from_shm", g(update_from_shm), methods=["POST"]),
+        Route("/end_weight_update", g(end_update), methods=["POST"]),
+        Route("/abort_weight_update", g(abort_update), methods=["POST"]),
+    ]

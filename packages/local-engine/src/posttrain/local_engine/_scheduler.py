@@ -1,0 +1,180 @@
+"""An async front over a synchronous batch runner: bounded queue, batching, pause.
+
+Requests are queued as *items* (one prompt each; a batched /generate submits
+several). One worker coroutine takes the oldest item, gathers queued items in
+order up to ``max_batch`` whose batch keys (adapters) stay within ``max_keys``
+distinct non-None values (SGLang's ``--max-loras-per-batch``), and runs them
+together on a single dedicated thread, so torch never runs two batches at once
+and the event loop stays free for health checks. A submit that would push the
+queue past ``max_queue`` items fails at once with OverloadedError (HTTP 503)
+rather than waiting: a client that sees 503 backs off, a hang helps nobody.
+
+Batching here amortises the hop to the worker thread and the weight-lock; the
+strict-numerics forward is batch-invariant, so batching never changes a token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections import deque
+from collections.abc import Callable, Hashable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+from posttrain.local_engine._errors import OverloadedError
+
+__all__ = ["BatchScheduler"]
+
+T = TypeVar("T")
+R = TypeVar("R")
+X = TypeVar("X")
+
+
+@dataclass(slots=True)
+class _Job(Generic[T, R]):
+    item: T
+    key: Hashable
+    future: asyncio.Future[R]
+
+
+class BatchScheduler(Generic[T, R]):
+    """Runs ``run_batch(items) -> results`` for queued items on one worker thread."""
+
+    def __init__(
+        self,
+        run_batch: Callable[[list[T]], list[R]],
+        *,
+        batch_key: Callable[[T], Hashable],
+        abort_result: Callable[[T], R],
+        max_queue: int = 256,
+        max_batch: int = 8,
+        max_keys: int = 8,
+    ) -> None:
+        self._run_batch = run_batch
+        self._batch_key = batch_key
+        self._abort_result = abort_result
+        self.max_queue = max_queue
+        self.max_batch = max_batch
+        self.max_keys = max_keys
+        self._pending: deque[_Job[T, R]] = deque()
+        self._wakeup = asyncio.Event()
+        self._resumed = asyncio.Event()
+        self._resumed.set()
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="local-engine")
+        self._task: asyncio.Task[None] | None = None
+        self.in_flight = 0
+
+    @property
+    def queued(self) -> int:
+        """Items waiting (not yet running)."""
+        return len(self._pending)
+
+    @property
+    def paused(self) -> bool:
+        return not self._resumed.is_set()
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._worker())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        for job in self._pending:
+            if not job.future.done():
+                job.future.set_exception(OverloadedError("engine shutting down"))
+        self._pending.clear()
+        self._pool.shutdown(wait=True)
+
+    async def submit(self, items: Sequence[T]) -> list[R]:
+        """Queue the items and wait for all of their results (in order)."""
+        if len(self._pending) + len(items) > self.max_queue:
+            raise OverloadedError(
+                f"request queue full: {len(self._pending)} queued + {len(items)} new > "
+                f"max_queue {self.max_queue}"
+            )
+        loop = asyncio.get_running_loop()
+        jobs = [_Job[T, R](it, self._batch_key(it), loop.create_future()) for it in items]
+        self._pending.extend(jobs)
+        self._wakeup.set()
+        try:
+            return list(await asyncio.gather(*(j.future for j in jobs)))
+        finally:
+            for j in jobs:  # a cancelled client leaves no orphan work queued
+                if not j.future.done():
+                    j.future.cancel()
+                    with contextlib.suppress(ValueError):
+                        self._pending.remove(j)
+
+    def pause(self, *, abort_queued: bool) -> int:
+        """Stop taking new batches; with ``abort_queued`` finish queued items as aborted."""
+        self._resumed.clear()
+        n = 0
+        if abort_queued:
+            while self._pending:
+                job = self._pending.popleft()
+                if not job.future.done():
+                    job.future.set_result(self._abort_result(job.item))
+                    n += 1
+        return n
+
+    def resume(self) -> None:
+        self._resumed.set()
+        self._wakeup.set()
+
+    async def call_exclusive(self, fn: Callable[[], X]) -> X:
+        """Run ``fn`` on the worker thread, between batches (for weight swaps)."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._pool, fn)
+
+    def _take_batch(self) -> list[_Job[T, R]]:
+        while self._pending and self._pending[0].future.done():
+            self._pending.popleft()
+        if not self._pending:
+            return []
+        first = self._pending.popleft()
+        batch = [first]
+        keys = {first.key}
+        rest: deque[_Job[T, R]] = deque()
+        while self._pending and len(batch) < self.max_batch:
+            job = self._pending.popleft()
+            if job.future.done():
+                continue
+            # a None key (no adapter) never counts against the limit
+            if job.key in keys or job.key is None or len(keys - {None}) < self.max_keys:
+                keys.add(job.key)
+                batch.append(job)
+            else:
+                rest.append(job)
+        rest.extend(self._pending)
+        self._pending = rest
+        return batch
+
+    async def _worker(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            await self._resumed.wait()
+            batch = self._take_batch()
+            if not batch:
+                self._wakeup.clear()
+                await self._wakeup.wait()
+                continue
+            self.in_flight = len(batch)
+            items = [j.item for j in batch]
+            try:
+                results = await loop.run_in_executor(self._pool, self._run_batch, items)
+            except Exception as e:  # one bad batch fails its own requests, not the worker
+                for j in batch:
+                    if not j.future.done():
+                        j.future.set_exception(e)
+            else:
+                for j, r in zip(batch, results, strict=True):
+                    if not j.future.done():
+                        j.future.set_result(r)
+            finally:
+                self.in_flight = 0

@@ -1,0 +1,63 @@
+"""Assemble the served engine from a config, and run it under uvicorn."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+
+import torch
+import uvicorn
+from starlette.applications import Starlette
+
+from posttrain.local_engine._app import ServerContext, create_app
+from posttrain.local_engine._codec import load_codec
+from posttrain.local_engine._config import EngineConfig, parse_args
+from posttrain.local_engine._engine import Engine
+from posttrain.local_engine._loader import load_model, read_checkpoint
+from posttrain.local_engine._lora import load_peft_adapter
+
+__all__ = ["build_app", "main", "serve"]
+
+
+def build_app(config: EngineConfig) -> Starlette:
+    """Load the checkpoint, its tokenizer and the startup adapters; return the ASGI app."""
+    model, report = load_model(config.model_path, numerics=config.numerics)
+    codec = load_codec(config.model_path)
+    eos: list[int] = list(codec.eos_token_ids) if codec is not None else []
+    if model.config.eos_token_id is not None and model.config.eos_token_id not in eos:
+        eos.append(model.config.eos_token_id)
+    engine = Engine(
+        model,
+        eos_token_ids=eos,
+        decode_text=None if codec is None else codec.decode,
+        max_loras=config.adapter_limit,
+    )
+    for name, path in config.lora_paths.items():
+        engine.adapters.put(load_peft_adapter(name, path, engine.lora_targets))
+    specs = {k: s.dtype for k, s in engine.param_specs().items()}
+    ctx = ServerContext(
+        config=config,
+        engine=engine,
+        codec=codec,
+        quantization=None if report is None else report.to_json(),
+        load_checkpoint=lambda path: read_checkpoint(path, specs)[0],
+    )
+    return create_app(ctx)
+
+
+def serve(config: EngineConfig) -> None:
+    """Run the engine in this process until interrupted."""
+    torch.set_num_threads(config.num_threads)
+    app = build_app(config)
+    uvicorn.run(
+        app,
+        host=config.host,
+        port=config.port,
+        log_level=config.log_level,
+        access_log=False,
+        timeout_graceful_shutdown=5,
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    serve(parse_args(sys.argv[1:] if argv is None else argv))

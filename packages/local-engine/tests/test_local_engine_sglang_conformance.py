@@ -1,0 +1,39 @@
+"""Optional: the request bodies local-engine accepts are accepted by SGLang's own struct.
+
+Runs only where ``sglang`` imports (its io_struct pulls in sglang's runtime utilities,
+so a ``--no-deps`` install is not enough on a CPU-only torch); skipped otherwise.
+``token_ids_logprob_positions`` is left out: it exists only in patched SGLang.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from posttrain.interface import GenerateRequest
+
+io_struct = pytest.importorskip("sglang.srt.managers.io_struct")
+
+BODIES: list[dict[str, Any]] = [
+    {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 4, "temperature": 0.5}},
+    {
+        "input_ids": [1, 2, 3],
+        "sampling_params": {"max_new_tokens": 0, "temperature": 0, "sampling_seed": 3},
+        "return_logprob": True,
+        "logprob_start_len": 0,
+        "top_logprobs_num": 2,
+        "token_ids_logprob": [4, 5],
+        "lora_path": "a",
+        "rid": "r1",
+    },
+    {"input_ids": [[1, 2], [3, 4, 5]], "sampling_params": {"max_new_tokens": 2}},
+    {"text": ["a", "b"], "sampling_params": [{"max_new_tokens": 1}, {"max_new_tokens": 2}]},
+]
+
+
+@pytest.mark.parametrize("body", BODIES)
+def test_sglang_accepts_our_generate_bodies(body: dict[str, Any]) -> None:
+    ours = GenerateRequest.parse(body).to_dict()
+    req = io_struct.GenerateReqInput(**ours)
+    req.normalize_batch_and_arguments()

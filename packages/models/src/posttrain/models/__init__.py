@@ -1,0 +1,81 @@
+"""Dense/MoE decoders in the Qwen3-MoE HF layout whose training and decode logprobs agree bit for bit.
+
+Public surface (see the package README for a tour):
+
+* ``ModelConfig`` -- typed Qwen3-MoE ``config.json`` fields (``mlp_only_layers`` picks dense layers).
+* ``build_model(config, seed)`` -> ``DecoderModel``; ``Numerics.STRICT | FAST``.
+* ``DecoderModel.forward_logprobs(input_ids, segment_lengths)`` -- packed training forward.
+* ``DecoderModel.new_kv_cache / extend / prefill / decode_step`` -- incremental decode (``Step``).
+* ``save_pretrained`` / ``load_pretrained`` -- safetensors + config.json (+ tokenizer) dirs.
+* ``weight_groups`` / ``to_hf_state_dict`` / ``from_hf_state_dict`` -- name conversion.
+* ``LoraAdapter`` -- per-request low-rank deltas on named linears.
+* ``build_tokenizer`` -- a local character-level fast tokenizer with a ChatML template.
+"""
+
+from posttrain.models._cache import KVCache
+from posttrain.models._checkpoint import (
+    load_config,
+    load_hf_tensors,
+    load_pretrained,
+    save_pretrained,
+)
+from posttrain.models._config import ModelConfig
+from posttrain.models._convert import (
+    WeightGroup,
+    from_hf_state_dict,
+    lora_targets,
+    to_hf_state_dict,
+    weight_groups,
+)
+from posttrain.models._errors import (
+    CacheError,
+    CheckpointError,
+    DuplicateTensorError,
+    LoraError,
+    MissingTensorError,
+    ModelConfigError,
+    ModelInputError,
+    ModelsError,
+    TensorSpecError,
+    TensorSpecMismatchError,
+    UnknownTensorError,
+)
+from posttrain.models._lora import LoraAdapter
+from posttrain.models._model import DecoderModel, Numerics, Step, build_model
+from posttrain.models._ops import FastOps, StrictOps
+from posttrain.models._tokenizer import CHAT_TEMPLATE, VOCAB_SIZE, build_tokenizer
+
+__all__ = [
+    "CHAT_TEMPLATE",
+    "VOCAB_SIZE",
+    "CacheError",
+    "CheckpointError",
+    "DecoderModel",
+    "DuplicateTensorError",
+    "FastOps",
+    "KVCache",
+    "LoraAdapter",
+    "LoraError",
+    "MissingTensorError",
+    "ModelConfig",
+    "ModelConfigError",
+    "ModelInputError",
+    "ModelsError",
+    "Numerics",
+    "Step",
+    "StrictOps",
+    "TensorSpecError",
+    "TensorSpecMismatchError",
+    "UnknownTensorError",
+    "WeightGroup",
+    "build_model",
+    "build_tokenizer",
+    "from_hf_state_dict",
+    "load_config",
+    "load_hf_tensors",
+    "load_pretrained",
+    "lora_targets",
+    "save_pretrained",
+    "to_hf_state_dict",
+    "weight_groups",
+]

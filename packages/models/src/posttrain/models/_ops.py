@@ -1,0 +1,234 @@
+"""The two kernel sets behind one model: ``FastOps`` (ordinary torch) and ``StrictOps``.
+
+Strict kernels make a token's result independent of everything but the token's own
+inputs: batch size, packing, padding, prefill versus decode, and thread count. They get
+there with two rules, both cheaper to state than to prove for library kernels:
+
+1. **Every reduction has a fixed shape and a fixed order.** A dot product over ``K`` is an
+   elementwise product followed by a pairwise tree of elementwise adds over ``K`` padded
+   to a power of two (``tree_sum``). Elementwise IEEE adds and multiplies are exact per
+   element, so the result cannot depend on how torch splits work across threads or SIMD
+   lanes. Attention reduces over a key buffer of fixed capacity ``C`` (invalid slots are
+   -inf before the softmax and contribute exactly 0 after it): a softmax over only the
+   ``i + 1`` valid keys would change the tree shape and so the bits.
+2. **Transcendentals are built from correctly rounded ops.** torch's CPU ``exp`` uses a
+   SIMD polynomial for full vectors and libm for the tail of a buffer (and of each thread's
+   chunk), and the two may differ in the last bit, so where an element lands decides its
+   value. ``exp_strict`` / ``log_strict`` use only ``+ - * /``, ``round`` and exponent-bit
+   arithmetic, all exact or correctly rounded in both paths (about 2 ulp from libm).
+
+Activations are fp32 in both sets; parameters are upcast (exactly) to fp32 at use.
+``FastOps`` uses BLAS matmuls and torch's softmax: same math, tolerance instead of bits.
+Departure from HF/SGLang: strict results are not bitwise equal to theirs (their kernels
+reduce in other orders); conformance to ``transformers`` is a tolerance test.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+_INV_LN2 = 1.4426950408889634
+_LN2_HI = 0.693359375  # 9 significant bits, so k * _LN2_HI is exact for |k| < 2**15
+_LN2_LO = -2.12194440e-4
+_SQRT2 = 1.4142135623730951
+_EXP_COEFFS = tuple(1.0 / math.factorial(n) for n in range(7, -1, -1))  # Taylor, |r| <= ln2/2
+_LOG_COEFFS = tuple(1.0 / n for n in (11, 9, 7, 5, 3, 1))  # atanh series in z**2
+# Elements per chunk of the [rows, N, K] product tensor in ``linear``: bounds memory only;
+# rows are independent, so chunking never changes a result.
+_CHUNK_ELEMENTS = 1 << 17
+
+
+def tree_sum(x: Tensor, dim: int = -1) -> Tensor:
+    """Sum over ``dim`` by a pairwise tree of elementwise adds (zero-padded to 2**k).
+
+    Level by level, element ``i`` is added to element ``i + half``. The reduced dim is moved
+    to the front first so each level adds two contiguous blocks (vectorised, no strides);
+    the pairing, and so every bit of the result, is the same for any ``dim`` layout.
+    """
+    if dim not in (0, -x.ndim):
+        x = x.movedim(dim, 0).contiguous()
+    n = x.shape[0]
+    width = 1 << max(n - 1, 0).bit_length()
+    if width != n:
+        x = torch.cat([x, x.new_zeros((width - n, *x.shape[1:]))])
+    while x.shape[0] > 1:
+        half = x.shape[0] // 2
+        x = x[:half] + x[half:]
+    return x[0]
+
+
+def _pow2(k: Tensor) -> Tensor:
+    """2.0**k as fp32 for integral k in [-126, 127], built from exponent bits (exact)."""
+    return ((k.to(torch.int32) + 127) << 23).view(torch.float32)
+
+
+def exp_strict(x: Tensor) -> Tensor:
+    """exp(x) in fp32 from correctly rounded ops only (inputs clamped to [-87, 88])."""
+    x = x.clamp(-87.0, 88.0)
+    k = torch.round(x * _INV_LN2).detach()
+    r = (x - k * _LN2_HI) - k * _LN2_LO
+    p = torch.full_like(r, _EXP_COEFFS[0])
+    for c in _EXP_COEFFS[1:]:
+        p = p * r + c
+    return p * _pow2(k)
+
+
+def log_strict(x: Tensor) -> Tensor:
+    """log(x) in fp32 for positive normal x, from correctly rounded ops only."""
+    bits = x.detach().contiguous().view(torch.int32)
+    e = ((bits >> 23) & 255) - 127
+    m = x * _pow2(-e)  # in [1, 2), exact
+    big = m > _SQRT2
+    m = torch.where(big, m * 0.5, m)
+    ef = (e + big.to(torch.int32)).to(torch.float32)
+    z = (m - 1.0) / (m + 1.0)
+    z2 = z * z
+    q = torch.full_like(z, _LOG_COEFFS[0])
+    for c in _LOG_COEFFS[1:]:
+        q = q * z2 + c
+    return ef * _LN2_HI + (ef * _LN2_LO + 2.0 * z * q)
+
+
+class FastOps:
+    """Ordinary torch kernels (BLAS, torch softmax); fp32 activations; not batch invariant."""
+
+    @staticmethod
+    def linear(x: Tensor, weight: Tensor) -> Tensor:
+        """``x @ weight.T`` in fp32."""
+        return F.linear(x, weight.float())
+
+    @staticmethod
+    def sum_last(x: Tensor) -> Tensor:
+        """Sum over the last dim."""
+        return x.sum(-1)
+
+    @staticmethod
+    def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+        """HF Qwen3 RMSNorm in fp32."""
+        inv = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+        return (x * inv) * weight.float()
+
+    @staticmethod
+    def silu_mul(gate: Tensor, up: Tensor) -> Tensor:
+        """``silu(gate) * up``."""
+        return F.silu(gate) * up
+
+    @staticmethod
+    def log_softmax(x: Tensor) -> Tensor:
+        """Log-softmax over the last dim."""
+        return torch.log_softmax(x, dim=-1)
+
+    @staticmethod
+    def softmax(x: Tensor) -> Tensor:
+        """Softmax over the last dim."""
+        return torch.softmax(x, dim=-1)
+
+    @staticmethod
+    def attention(q: Tensor, keys: Tensor, values: Tensor, valid: Tensor, scale: float) -> Tensor:
+        """Attention of ``q[T, nkv, g, hd]`` over per-query buffers ``keys/values[T, C, nkv, hd]``.
+
+        ``valid[T, C]`` marks the keys each query may see; returns ``[T, nkv, g, hd]``.
+        """
+        scores = torch.einsum("tkgd,tckd->tkgc", q, keys) * scale
+        scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        return torch.einsum("tkgc,tckd->tkgd", probs, values)
+
+    @staticmethod
+    def moe_combine(weights: Tensor, outputs: Tensor) -> Tensor:
+        """``sum_j weights[:, j] * outputs[:, j]`` for ``weights[T, k]``, ``outputs[T, k, H]``."""
+        return (weights[..., None] * outputs).sum(1)
+
+
+class StrictOps(FastOps):
+    """Batch-invariant, thread-count-invariant fp32 kernels (see the module docstring)."""
+
+    @staticmethod
+    def linear(x: Tensor, weight: Tensor) -> Tensor:
+        """``x @ weight.T`` as products plus ``tree_sum`` over K; each row computed alone."""
+        w_t = weight.float().t().contiguous()[:, None, :]  # [K, 1, N]
+        lead = x.shape[:-1]
+        rows = x.reshape(-1, x.shape[-1])
+        k, n = w_t.shape[0], w_t.shape[2]
+        step = max(1, _CHUNK_ELEMENTS // max(1, n * k))
+        parts = [
+            tree_sum(
+                rows[i : i + step].t().contiguous()[:, :, None] * w_t, dim=0
+            )  # products [K, rows, N]
+            for i in range(0, rows.shape[0], step)
+        ]
+        out = torch.cat(parts) if parts else rows.new_zeros((0, n))
+        return out.reshape(*lead, n)
+
+    @staticmethod
+    def sum_last(x: Tensor) -> Tensor:
+        """``tree_sum`` over the last dim."""
+        return tree_sum(x)
+
+    @staticmethod
+    def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+        """RMSNorm: ``x * (1 / sqrt(tree_sum(x*x) / H + eps)) * weight``."""
+        ms = tree_sum(x * x) / x.shape[-1]
+        inv = 1.0 / torch.sqrt(ms + eps)
+        return (x * inv[..., None]) * weight.float()
+
+    @staticmethod
+    def silu_mul(gate: Tensor, up: Tensor) -> Tensor:
+        """``gate / (1 + exp_strict(-gate)) * up``."""
+        return (gate / (1.0 + exp_strict(-gate))) * up
+
+    @staticmethod
+    def log_softmax(x: Tensor) -> Tensor:
+        """``z - log(tree_sum(exp(z)))`` with ``z = x - max(x)``."""
+        z = x - x.detach().amax(-1, keepdim=True)
+        return z - log_strict(tree_sum(exp_strict(z)))[..., None]
+
+    @staticmethod
+    def softmax(x: Tensor) -> Tensor:
+        """``exp(z) / tree_sum(exp(z))`` with ``z = x - max(x)``."""
+        e = exp_strict(x - x.detach().amax(-1, keepdim=True))
+        return e / tree_sum(e)[..., None]
+
+    @staticmethod
+    def attention(q: Tensor, keys: Tensor, values: Tensor, valid: Tensor, scale: float) -> Tensor:
+        """Attention over the full capacity ``C``: scores ``[C]``, masked softmax, ``tree_sum`` over C."""
+        # products laid out [hd, T, nkv, g, C]: the reduced dim leads
+        k_t = keys.permute(3, 0, 2, 1).contiguous()[:, :, :, None, :]  # [hd, T, nkv, 1, C]
+        scores = (
+            tree_sum(q.permute(3, 0, 1, 2).contiguous()[..., None] * k_t, dim=0) * scale
+        )  # [T, nkv, g, C]
+        mask = valid[:, None, None, :]
+        z = scores - scores.masked_fill(~mask, float("-inf")).detach().amax(-1, keepdim=True)
+        e = torch.where(mask, exp_strict(z.masked_fill(~mask, 0.0)), 0.0)
+        probs = e / tree_sum(e)[..., None]
+        v_t = values.permute(1, 0, 2, 3).contiguous()[:, :, :, None, :]  # [C, T, nkv, 1, hd]
+        return tree_sum(
+            probs.permute(3, 0, 1, 2).contiguous()[..., None] * v_t, dim=0
+        )  # [T, nkv, g, hd]
+
+    @staticmethod
+    def moe_combine(weights: Tensor, outputs: Tensor) -> Tensor:
+        """``acc = w_0 * y_0; acc = acc + w_j * y_j`` for the slots in order (ascending expert id)."""
+        acc = weights[:, 0, None] * outputs[:, 0]
+        for j in range(1, weights.shape[1]):
+            acc = acc + weights[:, j, None] * outputs[:, j]
+        return acc
+
+
+def rope_tables(head_dim: int, capacity: int, theta: float) -> tuple[Tensor, Tensor]:
+    """cos/sin tables ``[capacity, head_dim]`` (HF rotate-half layout), computed in fp64."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    freqs = torch.arange(capacity, dtype=torch.float64)[:, None] * inv_freq[None, :]
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos().float(), emb.sin().float()
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """``x * cos + rotate_half(x) * sin`` for ``x[T, heads, hd]`` and ``cos/sin[T, hd]``."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]

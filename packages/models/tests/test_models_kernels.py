@@ -1,0 +1,144 @@
+"""Strict kernels: accuracy of exp/log, the tree order, and row/batch/thread invariance."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from posttrain.models import StrictOps
+from posttrain.models._ops import exp_strict, log_strict, tree_sum
+
+
+def reference_tree(values: np.ndarray) -> np.float32:
+    """The documented order, in numpy float32: pad to 2**k, add element i to i + half."""
+    v = list(values.astype(np.float32))
+    width = 1 << max(len(v) - 1, 0).bit_length()
+    v += [np.float32(0)] * (width - len(v))
+    while len(v) > 1:
+        half = len(v) // 2
+        v = [np.float32(v[i] + v[i + half]) for i in range(half)]
+    return v[0]
+
+
+@settings(max_examples=25, deadline=None)
+@given(n=st.integers(1, 70), seed=st.integers(0, 1000))
+def test_tree_sum_follows_the_documented_order(n: int, seed: int) -> None:
+    x = torch.randn(3, n, generator=torch.Generator().manual_seed(seed)) * 10
+    got = tree_sum(x)
+    for row in range(3):
+        assert got[row].item() == float(reference_tree(x[row].numpy()))
+    assert torch.equal(tree_sum(x.t().contiguous(), dim=0), got)
+
+
+def test_exp_and_log_are_accurate() -> None:
+    x = torch.linspace(-87.0, 88.0, 200_001)
+    ref = torch.exp(x.double())
+    rel = ((exp_strict(x).double() - ref) / ref).abs().max().item()
+    assert rel < 4e-7  # a few ulp
+    y = torch.logspace(-30, 30, 100_001).float()
+    err = (log_strict(y).double() - torch.log(y.double())).abs().max().item()
+    assert err < 1e-5  # |log y| <= 70: a few ulp of the result
+    assert log_strict(torch.tensor([1.0])).item() == 0.0
+
+
+def test_exp_does_not_depend_on_where_an_element_sits() -> None:
+    x = torch.randn(1000, generator=torch.Generator().manual_seed(0)) * 5
+    full = exp_strict(x)
+    for offset in (1, 3, 7, 13):  # shifts each element between SIMD body and scalar tail
+        assert torch.equal(exp_strict(x[offset:]), full[offset:])
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    t=st.integers(1, 40),
+    n=st.integers(1, 48),
+    k=st.integers(1, 80),
+    seed=st.integers(0, 1000),
+    threads=st.sampled_from([1, 2]),
+)
+def test_linear_rows_are_invariant(t: int, n: int, k: int, seed: int, threads: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    x, w = torch.randn(t, k, generator=gen), torch.randn(n, k, generator=gen)
+    full = StrictOps.linear(x, w)
+    torch.set_num_threads(threads)
+    rows = [StrictOps.linear(x[i : i + 1], w)[0] for i in range(t)]
+    torch.set_num_threads(1)
+    assert torch.equal(torch.stack(rows), full)
+    perm = torch.randperm(t, generator=gen)
+    assert torch.equal(StrictOps.linear(x[perm], w), full[perm])
+    # fused vs split weights: each output column is its own reduction
+    cut = n // 2
+    split = torch.cat([StrictOps.linear(x, w[:cut]), StrictOps.linear(x, w[cut:])], dim=1)
+    assert torch.equal(split, full)
+    assert torch.allclose(full, x @ w.t(), atol=1e-4, rtol=1e-4)
+
+
+def test_large_linear_is_thread_count_invariant() -> None:
+    gen = torch.Generator().manual_seed(0)
+    x, w = torch.randn(64, 96, generator=gen), torch.randn(200, 96, generator=gen)
+    one = StrictOps.linear(x, w)
+    torch.set_num_threads(2)
+    two = StrictOps.linear(x, w)
+    assert torch.equal(one, two)
+
+
+@settings(max_examples=20, deadline=None)
+@given(t=st.integers(1, 12), cap=st.sampled_from([4, 16, 24]), seed=st.integers(0, 1000))
+def test_attention_rows_are_invariant(t: int, cap: int, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    nkv, g, hd = 2, 2, 4
+    q = torch.randn(t, nkv, g, hd, generator=gen)
+    keys = torch.randn(t, cap, nkv, hd, generator=gen)
+    values = torch.randn(t, cap, nkv, hd, generator=gen)
+    pos = torch.randint(0, cap, (t,), generator=gen)
+    valid = torch.arange(cap)[None, :] <= pos[:, None]
+    full = StrictOps.attention(q, keys, values, valid, 0.5)
+    for i in range(t):
+        one = StrictOps.attention(
+            q[i : i + 1], keys[i : i + 1], values[i : i + 1], valid[i : i + 1], 0.5
+        )
+        assert torch.equal(one[0], full[i])
+        width = 1 << int(pos[i]).bit_length()  # trailing masked slots are exact zeros
+        short = StrictOps.attention(
+            q[i : i + 1],
+            keys[i : i + 1, :width],
+            values[i : i + 1, :width],
+            valid[i : i + 1, :width],
+            0.5,
+        )
+        assert torch.equal(short[0], full[i])
+    # masked slots do not matter, whatever they hold
+    noise = torch.where(valid[:, :, None, None], keys, torch.randn_like(keys) * 100)
+    assert torch.equal(StrictOps.attention(q, noise, values, valid, 0.5), full)
+    ref = torch.softmax(
+        torch.einsum("tkgd,tckd->tkgc", q, keys).masked_fill(~valid[:, None, None], float("-inf"))
+        * 0.5,
+        dim=-1,
+    )
+    assert torch.allclose(full, torch.einsum("tkgc,tckd->tkgd", ref, values), atol=1e-5)
+
+
+def test_log_softmax_and_rms_norm_rows_are_invariant() -> None:
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(9, 101, generator=gen) * 4
+    full = StrictOps.log_softmax(x)
+    assert torch.equal(torch.cat([StrictOps.log_softmax(x[i : i + 1]) for i in range(9)]), full)
+    assert torch.allclose(full, torch.log_softmax(x, -1), atol=2e-6)
+    w = torch.rand(101, generator=gen)
+    norm = StrictOps.rms_norm(x, w, 1e-6)
+    assert torch.equal(
+        torch.cat([StrictOps.rms_norm(x[i : i + 1], w, 1e-6) for i in range(9)]), norm
+    )
+
+
+@pytest.mark.parametrize("k", [3, 4])
+def test_moe_combine_is_sequential_in_slot_order(k: int) -> None:
+    gen = torch.Generator().manual_seed(k)
+    w, y = torch.rand(50, k, generator=gen), torch.randn(50, k, 8, generator=gen)
+    acc = w[:, 0, None] * y[:, 0]
+    for j in range(1, k):
+        acc = acc + w[:, j, None] * y[:, j]
+    assert torch.equal(StrictOps.moe_combine(w, y), acc)
