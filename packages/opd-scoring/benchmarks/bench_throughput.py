@@ -11,7 +11,9 @@ connections:
 
 * ``TeacherScorer``: 8 httpx clients x 8 connections, least-loaded shard per request;
 * ``one httpx client``: one ``AsyncClient`` with a 64-connection pool (the naive port);
-* ``TeacherScorer, 1 shard``: TeacherScorer with ``connections_per_client=64`` (control).
+* ``TeacherScorer, 1 shard``: TeacherScorer with ``connections_per_client=64`` (control);
+* ``aiohttp, session per request``: miles' pattern (only when aiohttp is importable; it
+  is not a dependency of this package).
 
 Rounds interleave the clients; the table reports medians of req/s and of the client
 process's CPU time per request (``time.process_time``), which stays meaningful when a
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import json
 import os
 import random
@@ -91,6 +94,27 @@ async def run_one_client(url: str, samples: list[ScoringSample]) -> float:
         return len(samples) / (time.perf_counter() - t0)
 
 
+async def run_aiohttp_per_request(url: str, samples: list[ScoringSample]) -> float:
+    import aiohttp
+
+    sem = asyncio.Semaphore(CONCURRENCY)
+
+    async def one(s: ScoringSample) -> None:
+        payload = build_score_payload(s.tokens)
+        async with (
+            sem,
+            aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as session,
+            session.post(f"{url}/generate", json=payload) as resp,
+        ):
+            resp.raise_for_status()
+            obj = await resp.json()
+        parse_score_response(obj, s.tokens, s.response_length)
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(one(s) for s in samples))
+    return len(samples) / (time.perf_counter() - t0)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--requests", type=int, default=640)
@@ -109,6 +133,8 @@ def main() -> None:
         "one httpx client (64 conns)": lambda: run_one_client(url, samples),
         "TeacherScorer, 1 shard (64 conns)": lambda: run_scorer(url, samples, 64),
     }
+    if importlib.util.find_spec("aiohttp") is not None:
+        clients["aiohttp, session per request"] = lambda: run_aiohttp_per_request(url, samples)
     rates: dict[str, list[float]] = {k: [] for k in clients}
     cpu_ms: dict[str, list[float]] = {k: [] for k in clients}
     load_before = os.getloadavg()[0]
