@@ -19,7 +19,7 @@ from posttrain.interface._wire_sglang import GenerateRequest, GenerateResponse
 class RolloutEngine(Protocol):
     """Anything that answers SGLang ``/generate`` requests (an engine, a router, a session)."""
 
-    async def generate(self, request: GenerateRequest) -> list[GenerateResponse]:
+    async def generate(self, request: GenerateRequest) -> Sequence[GenerateResponse]:
         """One response per prompt of the request, in order."""
         ...
 
@@ -28,7 +28,7 @@ class RolloutEngine(Protocol):
 class TeacherScorer(Protocol):
     """Scores the response tokens of student samples with a teacher model."""
 
-    async def score_batch(self, samples: Sequence[Sample]) -> list[TeacherScores]:
+    async def score_batch(self, samples: Sequence[Sample]) -> Sequence[TeacherScores]:
         """One ``TeacherScores`` per sample, in input order."""
         ...
 

@@ -1,0 +1,102 @@
+"""posttrain.lora: adapter-only LoRA that stays correct under TP/EP/PP/DP.
+
+Attach LoRA to ``nn.Linear``, this package's TP-sharded linears or megatron-core's parallel
+linears (``attach_lora``), reduce its grads by explicit rules (``reduce_lora_grads``), measure the
+true global grad norm (``lora_grad_norm``), assemble the full PEFT adapter on every rank
+(``export_adapter``), save / strictly load PEFT files, repack tensors for CUDA IPC, and push
+adapters to SGLang-compatible engines (``AdapterClient``).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from posttrain.lora.attach import LoraGroups, LoraHandle, Target, attach_lora
+from posttrain.lora.config import LoraConfig
+from posttrain.lora.errors import (
+    AdapterFormatError,
+    AdapterPushError,
+    ChecksumMismatchError,
+    ExportError,
+    LayoutError,
+    LoraConfigError,
+    LoraError,
+    ReplicaMismatchError,
+)
+from posttrain.lora.experts import ExpertLinear, LoraExpertLinear
+from posttrain.lora.export import export_adapter, peft_key
+from posttrain.lora.grads import lora_grad_norm, reduce_lora_grads, verify_replicas
+from posttrain.lora.ipc import repack_for_ipc
+from posttrain.lora.layers import LoraLinear, LoraParamTag
+from posttrain.lora.parallel import ColumnShardedLinear, RowShardedLinear
+
+if TYPE_CHECKING:
+    from posttrain.lora.client import (
+        AdapterCapabilities,
+        AdapterClient,
+        LoraServing,
+        request_fields,
+        serves_lora,
+    )
+    from posttrain.lora.peft_io import load_peft, merge_into_base, read_peft, save_peft
+
+# The engine client (httpx) and the PEFT file io (safetensors) load on first use, so the
+# torch-only core imports on a GPU box that has nothing but torch.
+_LAZY = {
+    **dict.fromkeys(
+        ["AdapterCapabilities", "AdapterClient", "LoraServing", "request_fields", "serves_lora"],
+        "posttrain.lora.client",
+    ),
+    **dict.fromkeys(
+        ["load_peft", "merge_into_base", "read_peft", "save_peft"], "posttrain.lora.peft_io"
+    ),
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'posttrain.lora' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(__all__)
+
+
+__all__ = [
+    "AdapterCapabilities",
+    "AdapterClient",
+    "AdapterFormatError",
+    "AdapterPushError",
+    "ChecksumMismatchError",
+    "ColumnShardedLinear",
+    "ExpertLinear",
+    "ExportError",
+    "LayoutError",
+    "LoraConfig",
+    "LoraConfigError",
+    "LoraError",
+    "LoraExpertLinear",
+    "LoraGroups",
+    "LoraHandle",
+    "LoraLinear",
+    "LoraParamTag",
+    "LoraServing",
+    "ReplicaMismatchError",
+    "RowShardedLinear",
+    "Target",
+    "attach_lora",
+    "export_adapter",
+    "load_peft",
+    "lora_grad_norm",
+    "merge_into_base",
+    "peft_key",
+    "read_peft",
+    "reduce_lora_grads",
+    "repack_for_ipc",
+    "request_fields",
+    "save_peft",
+    "serves_lora",
+    "verify_replicas",
+]

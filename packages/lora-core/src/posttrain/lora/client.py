@@ -1,0 +1,253 @@
+"""``AdapterClient``: push LoRA adapters to an SGLang-compatible engine over HTTP.
+
+Routes (SGLang's): ``POST /load_lora_adapter {lora_name, lora_path, pinned}``,
+``POST /load_lora_adapter_from_tensors {lora_name, config_dict, serialized_tensors, load_format,
+pinned, expected_checksums?, upsert?}``, ``POST /unload_lora_adapter {lora_name}``; replies
+``{success, error_message, loaded_adapters}`` (HTTP 400 on failure). Capabilities come from
+``GET /server_info`` (``enable_lora`` / ``lora_paths``, ``max_lora_rank``) plus an optional
+``lora_capabilities`` list (``"checksums"``, ``"upsert"``) that forks and posttrain's local engine
+report; features not reported are not used.
+
+Departures: ``unload`` ignores only a "not loaded" / "not found" refusal (swallowing every
+error hides real failures); checksums are sha256 of each tensor's raw bytes, sent as
+``expected_checksums`` and compared against any the engine echoes. The default tensor encoding
+is base64 safetensors (``load_format="safetensors_b64"``, what the local engine reads); pass
+``serializer=`` to use SGLang's CUDA-IPC serializer instead.
+
+``serves_lora`` is the one predicate rollout code asks, and ``request_fields`` the one place
+that builds the per-request fields, so the generate path and the session path cannot disagree.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import torch
+from safetensors.torch import save as safetensors_save
+
+from posttrain.interface import TransportError
+from posttrain.lora.errors import AdapterPushError, ChecksumMismatchError
+
+Serializer = Callable[[Mapping[str, torch.Tensor]], tuple[str, str | None]]
+_NOT_LOADED = ("not loaded", "not found", "does not exist", "no lora adapter")
+
+
+def tensor_sha256(t: torch.Tensor) -> str:
+    """sha256 hex of a tensor's raw bytes (C-contiguous, its own dtype)."""
+    raw = t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes()
+    return hashlib.sha256(raw).hexdigest()
+
+
+def encode_safetensors_b64(tensors: Mapping[str, torch.Tensor]) -> tuple[str, str | None]:
+    """Default serializer: base64 of a safetensors blob, ``load_format="safetensors_b64"``."""
+    blob = safetensors_save({k: v.detach().contiguous().cpu() for k, v in tensors.items()})
+    return base64.b64encode(blob).decode("ascii"), "safetensors_b64"
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class AdapterCapabilities:
+    """What an engine's LoRA support can do (probed once per client)."""
+
+    lora_enabled: bool
+    max_lora_rank: int | None
+    checksums: bool
+    upsert: bool
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class LoraServing:
+    """Whether rollouts use the trained adapter. ``train_only``: LoRA trains but engines serve
+    the base (no ``lora_path``, no sync)."""
+
+    adapter_name: str | None
+    train_only: bool = False
+
+
+def serves_lora(serving: LoraServing) -> bool:
+    """True when every rollout request must name the adapter (``lora_path``)."""
+    return serving.adapter_name is not None and not serving.train_only
+
+
+def request_fields(name: str, version: int) -> dict[str, str]:
+    """Fields every generate / logprob / session request carries when ``serves_lora``.
+
+    ``extra_key`` keeps prefix-cache entries from crossing adapter versions.
+    """
+    if not name:
+        raise ValueError("request_fields: adapter name must be non-empty")
+    return {"lora_path": name, "extra_key": f"{name}:v{version}"}
+
+
+class AdapterClient:
+    """Load, replace and unload LoRA adapters on one engine; every timeout finite by default."""
+
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        transport: httpx.BaseTransport | None = None,
+        timeout: float = 60.0,
+        api_key: str | None = None,
+        serializer: Serializer = encode_safetensors_b64,
+    ) -> None:
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.base_url = base_url.rstrip("/")
+        self._serializer = serializer
+        self._caps: AdapterCapabilities | None = None
+        self._http = httpx.Client(
+            base_url=self.base_url, transport=transport, timeout=timeout, headers=headers
+        )
+
+    def close(self) -> None:
+        """Close the underlying HTTP client."""
+        self._http.close()
+
+    def __enter__(self) -> AdapterClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _request(
+        self, method: str, path: str, body: dict[str, Any] | None = None
+    ) -> httpx.Response:
+        url = f"{self.base_url}{path}"
+        try:
+            return self._http.request(method, path, json=body)
+        except httpx.TimeoutException as exc:
+            raise TransportError(f"{method} {url} timed out: {exc}", url=url) from exc
+        except httpx.HTTPError as exc:
+            raise TransportError(f"{method} {url} failed: {exc}", url=url) from exc
+
+    def _post(self, path: str, body: dict[str, Any], what: str) -> dict[str, Any]:
+        url = f"{self.base_url}{path}"
+        resp = self._request("POST", path, body)
+        try:
+            data = resp.json()
+        except ValueError:
+            data = {"success": False, "error_message": resp.text[:500]}
+        if not isinstance(data, dict):
+            raise TransportError(f"POST {url}: reply is not a JSON object", url=url)
+        if resp.status_code >= 400 or data.get("success") is False:
+            message = str(data.get("error_message") or data.get("message") or resp.text[:500])
+            cls = ChecksumMismatchError if "checksum" in message.lower() else AdapterPushError
+            raise cls(
+                f"{what} refused by {url} (HTTP {resp.status_code}): {message}",
+                url=url,
+                status=resp.status_code,
+            )
+        return data
+
+    def capabilities(self, *, refresh: bool = False) -> AdapterCapabilities:
+        """Probe ``/server_info`` (or ``/get_server_info``) once; cached."""
+        if self._caps is not None and not refresh:
+            return self._caps
+        resp = self._request("GET", "/server_info")
+        if resp.status_code == 404:
+            resp = self._request("GET", "/get_server_info")
+        url = str(resp.request.url)
+        if resp.status_code != 200:
+            raise AdapterPushError(
+                f"GET {url}: HTTP {resp.status_code}", url=url, status=resp.status_code
+            )
+        try:
+            info = resp.json()
+        except ValueError as exc:
+            raise TransportError(f"GET {url}: reply is not JSON", url=url) from exc
+        extra = set(info.get("lora_capabilities") or [])
+        rank = info.get("max_lora_rank")
+        self._caps = AdapterCapabilities(
+            lora_enabled=bool(info.get("enable_lora") or info.get("lora_paths")),
+            max_lora_rank=int(rank) if rank is not None else None,
+            checksums="checksums" in extra,
+            upsert="upsert" in extra,
+        )
+        return self._caps
+
+    def _require_lora(self, r: int | None = None) -> AdapterCapabilities:
+        caps = self.capabilities()
+        if not caps.lora_enabled:
+            raise AdapterPushError(
+                f"{self.base_url}: engine does not serve LoRA (enable_lora off)", url=self.base_url
+            )
+        if r is not None and caps.max_lora_rank is not None and r > caps.max_lora_rank:
+            raise AdapterPushError(
+                f"{self.base_url}: adapter rank {r} exceeds the engine's max_lora_rank "
+                f"{caps.max_lora_rank}",
+                url=self.base_url,
+            )
+        return caps
+
+    def load_from_path(self, name: str, path: str, *, pinned: bool = False) -> dict[str, Any]:
+        """Load a PEFT directory the engine can read from disk."""
+        self._require_lora()
+        body = {"lora_name": name, "lora_path": path, "pinned": pinned}
+        return self._post("/load_lora_adapter", body, f"load adapter {name!r} from {path}")
+
+    def load_from_tensors(
+        self,
+        name: str,
+        tensors: Mapping[str, torch.Tensor],
+        config_dict: Mapping[str, Any],
+        *,
+        upsert: bool = False,
+        pinned: bool = False,
+    ) -> dict[str, Any]:
+        """Send an adapter's tensors; with checksum support the engine verifies every tensor."""
+        caps = self._require_lora(int(config_dict.get("r", 0)) or None)
+        if upsert and not caps.upsert:
+            raise AdapterPushError(
+                f"{self.base_url}: engine lacks the upsert capability", url=self.base_url
+            )
+        payload, load_format = self._serializer(tensors)
+        body: dict[str, Any] = {
+            "lora_name": name,
+            "config_dict": dict(config_dict),
+            "serialized_tensors": payload,
+            "pinned": pinned,
+        }
+        if load_format is not None:
+            body["load_format"] = load_format
+        ours = {k: tensor_sha256(v) for k, v in tensors.items()} if caps.checksums else {}
+        if ours:
+            body["expected_checksums"] = ours
+        if upsert:
+            body["upsert"] = True
+        reply = self._post("/load_lora_adapter_from_tensors", body, f"load adapter {name!r}")
+        theirs = reply.get("checksums")
+        if isinstance(theirs, dict):  # an engine that echoes what it stored: compare always
+            ours = ours or {k: tensor_sha256(v) for k, v in tensors.items()}
+            bad = sorted(k for k in ours if theirs.get(k) != ours[k])
+            if bad:
+                raise ChecksumMismatchError(
+                    f"{self.base_url}: adapter {name!r}: checksum of {bad[0]} differs "
+                    f"({len(bad)} tensors)",
+                    url=self.base_url,
+                )
+        return reply
+
+    def unload(self, name: str) -> bool:
+        """Unload ``name``; False if it was not loaded, raises on any other refusal."""
+        try:
+            self._post("/unload_lora_adapter", {"lora_name": name}, f"unload adapter {name!r}")
+        except AdapterPushError as exc:
+            if any(s in str(exc).lower() for s in _NOT_LOADED):
+                return False
+            raise
+        return True
+
+    def push(
+        self, name: str, tensors: Mapping[str, torch.Tensor], config_dict: Mapping[str, Any]
+    ) -> dict[str, Any]:
+        """Replace the engine's adapter ``name``: upsert in place where supported, else
+        unload (ignoring "not loaded") then load."""
+        caps = self._require_lora()
+        if caps.upsert:
+            return self.load_from_tensors(name, tensors, config_dict, upsert=True)
+        self.unload(name)
+        return self.load_from_tensors(name, tensors, config_dict)

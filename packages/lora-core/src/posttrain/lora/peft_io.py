@@ -1,0 +1,263 @@
+"""PEFT adapter files: ``save_peft`` / ``load_peft`` (strict, re-sharding) / ``merge_into_base``.
+
+Format: ``adapter_model.safetensors`` with keys ``base_model.model.<module>.lora_A.weight`` and
+``.lora_B.weight``, plus ``adapter_config.json`` (``LoraConfig.peft_config``). Writes are atomic:
+a temp directory beside the target is filled, fsynced and renamed into place.
+
+Departures: PEFT only warns on missing keys and ignores unknown ones; ``load_peft(strict=True)``
+raises ``AdapterFormatError`` naming the key. Shape mismatches always raise. A padded
+vocab-parallel head is zero-padded back on load (slicing an unpadded file by ``rank * V_loc``
+breaks the last rank). A fused site has one A, so its parts' A tensors must be equal.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_file, save_file
+
+from posttrain.lora._comm import group_rank, group_size
+from posttrain.lora.attach import LoraHandle, fused_local_rows
+from posttrain.lora.config import LoraConfig
+from posttrain.lora.errors import AdapterFormatError
+from posttrain.lora.experts import LoraExpertLinear
+from posttrain.lora.export import PEFT_PREFIX, peft_key
+from posttrain.lora.layers import LoraLinear
+
+ADAPTER_FILE = "adapter_model.safetensors"
+CONFIG_FILE = "adapter_config.json"
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _default_targets(tensors: Mapping[str, torch.Tensor]) -> list[str]:
+    leaves = set()
+    for key in tensors:
+        module = key.removeprefix(PEFT_PREFIX).rsplit(".lora_", 1)[0]
+        leaves.add(module.rsplit(".", 1)[-1])
+    return sorted(leaves)
+
+
+def save_peft(
+    directory: str | os.PathLike[str],
+    tensors: Mapping[str, torch.Tensor],
+    config: LoraConfig,
+    *,
+    target_modules: list[str] | str | None = None,
+    base_model_name_or_path: str = "",
+) -> Path:
+    """Write a PEFT adapter directory atomically; returns its path."""
+    target = Path(directory)
+    if not tensors:
+        raise AdapterFormatError(f"save_peft: no tensors to write to {target}")
+    for key in tensors:
+        if not key.startswith(PEFT_PREFIX) or not key.endswith(
+            (".lora_A.weight", ".lora_B.weight")
+        ):
+            raise AdapterFormatError(f"save_peft: {key!r} is not a PEFT LoRA key")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    try:
+        cfg = config.peft_config(
+            target_modules or _default_targets(tensors), base_model_name_or_path
+        )
+        save_file(
+            {k: v.detach().contiguous().cpu() for k, v in tensors.items()}, tmp / ADAPTER_FILE
+        )
+        (tmp / CONFIG_FILE).write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+        for name in (ADAPTER_FILE, CONFIG_FILE):
+            with open(tmp / name, "rb") as fh:
+                os.fsync(fh.fileno())
+        _fsync_dir(tmp)
+        old = None
+        if target.exists():
+            old = target.with_name(f".{target.name}.old-{os.getpid()}")
+            target.rename(old)
+        tmp.rename(target)
+        _fsync_dir(target.parent)
+        if old is not None:
+            shutil.rmtree(old)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return target
+
+
+def read_peft(directory: str | os.PathLike[str]) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """``(adapter_config dict, tensors)`` of a PEFT adapter directory, keys normalised."""
+    path = Path(directory)
+    try:
+        cfg = json.loads((path / CONFIG_FILE).read_text())
+        raw = load_file(str(path / ADAPTER_FILE))
+    except (OSError, ValueError) as exc:
+        raise AdapterFormatError(f"load_peft: cannot read adapter in {path}: {exc}") from exc
+    # PEFT inserts the adapter name in memory (".lora_A.default.weight"); drop it if present.
+    tensors = {
+        k.replace(".lora_A.default.", ".lora_A.").replace(".lora_B.default.", ".lora_B."): v
+        for k, v in raw.items()
+    }
+    return cfg, tensors
+
+
+def _check_config(cfg: dict[str, Any], config: LoraConfig, where: Path) -> None:
+    if cfg.get("peft_type", "LORA") != "LORA":
+        raise AdapterFormatError(
+            f"load_peft: {where}: peft_type {cfg.get('peft_type')!r} is not LORA"
+        )
+    for field, ours in (
+        ("r", config.r),
+        ("lora_alpha", config.alpha),
+        ("use_rslora", config.use_rslora),
+    ):
+        theirs = cfg.get(field, False if field == "use_rslora" else None)
+        if theirs != ours:
+            raise AdapterFormatError(
+                f"load_peft: {where}: adapter_config {field}={theirs!r} but LoraConfig has {ours!r}"
+            )
+
+
+def _expert_keys(site: LoraExpertLinear, r: int) -> dict[str, tuple[int, ...]]:
+    n, fin, fout = site.base.num_experts, site.base.in_features, site.base.out_features
+    if site.shared is None:
+        shapes: dict[str, tuple[int, ...]] = {}
+        for e in range(n):
+            shapes[peft_key(site.hf_name.format(expert=e), "A")] = (r, fin)
+            shapes[peft_key(site.hf_name.format(expert=e), "B")] = (fout, r)
+        return shapes
+    return {
+        peft_key(site.hf_name, "A"): (1 if site.shared == "A" else n, r, fin),
+        peft_key(site.hf_name, "B"): (1 if site.shared == "B" else n, fout, r),
+    }
+
+
+def _expected_shapes(handle: LoraHandle) -> dict[str, tuple[int, ...]]:
+    r = handle.config.r
+    shapes: dict[str, tuple[int, ...]] = {}
+    for site in handle.sites.values():
+        if isinstance(site, LoraExpertLinear):
+            shapes.update(_expert_keys(site, r))
+            continue
+        info = site.site
+        for name, size in info.parts:
+            shapes[peft_key(name, "A")] = (r, info.in_features)
+            shapes[peft_key(name, "B")] = (info.unpadded_out or size, r)
+    return shapes
+
+
+def _expert_local(
+    site: LoraExpertLinear, tensors: dict[str, torch.Tensor], ep_rank: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    n_loc = site.base.weight.shape[0]
+    local = range(ep_rank * n_loc, (ep_rank + 1) * n_loc)
+    if site.shared is None:
+        a = torch.stack([tensors[peft_key(site.hf_name.format(expert=e), "A")] for e in local])
+        b = torch.stack([tensors[peft_key(site.hf_name.format(expert=e), "B")] for e in local])
+        return a, b
+    a, b = tensors[peft_key(site.hf_name, "A")], tensors[peft_key(site.hf_name, "B")]
+    a = a[0] if site.shared == "A" else a[local.start : local.stop]
+    b = b[0] if site.shared == "B" else b[local.start : local.stop]
+    return a, b
+
+
+def _dense_local(
+    site: LoraLinear, tensors: dict[str, torch.Tensor], rank: int, tp: int, where: Path
+) -> tuple[torch.Tensor, torch.Tensor]:
+    info = site.site
+    a_keys = [peft_key(n, "A") for n, _ in info.parts]
+    b_keys = [peft_key(n, "B") for n, _ in info.parts]
+    a_full = tensors[a_keys[0]].float()
+    for k in a_keys[1:]:
+        if not torch.equal(tensors[k].float(), a_full):
+            raise AdapterFormatError(
+                f"load_peft: {where}: {k} differs from {a_keys[0]}, but {info.path} is a fused "
+                "site with one shared A"
+            )
+    b_parts = []
+    for k, (_, size) in zip(b_keys, info.parts, strict=True):
+        b = tensors[k].float()
+        if b.shape[0] < size:
+            b = torch.cat([b, b.new_zeros(size - b.shape[0], b.shape[1])])
+        b_parts.append(b)
+    if info.layout == "column":
+        return a_full, fused_local_rows(b_parts, info.groups, rank, tp)
+    if info.layout == "row":
+        return a_full.chunk(tp, dim=1)[rank], torch.cat(b_parts)
+    return a_full, fused_local_rows(b_parts, info.groups, 0, 1)
+
+
+def load_peft(
+    handle: LoraHandle, directory: str | os.PathLike[str], *, strict: bool = True
+) -> list[str]:
+    """Load a PEFT adapter into ``handle``'s factors, re-sharded for this rank's layout.
+
+    Collective over ``pp`` when it has more than one stage (to judge unknown keys). Returns the
+    keys loaded here. ``strict``: missing and unknown keys raise; shape errors always raise.
+    """
+    where = Path(directory)
+    cfg, tensors = read_peft(where)
+    _check_config(cfg, handle.config, where)
+    shapes = _expected_shapes(handle)
+    known = set(shapes)
+    pp = handle.groups.pp
+    if pp is not None and group_size(pp) > 1:
+        stages: list[set[str] | None] = [None] * group_size(pp)
+        dist.all_gather_object(stages, known, group=pp)
+        known = set().union(*(s or set() for s in stages))
+    if strict:
+        missing = sorted(set(shapes) - set(tensors))
+        unknown = sorted(set(tensors) - known)
+        if missing:
+            raise AdapterFormatError(
+                f"load_peft: {where}: missing {len(missing)} keys, e.g. {missing[0]}"
+            )
+        if unknown:
+            raise AdapterFormatError(
+                f"load_peft: {where}: unknown {len(unknown)} keys, e.g. {unknown[0]}"
+            )
+    for key, shape in shapes.items():
+        if key in tensors and tuple(tensors[key].shape) != shape:
+            raise AdapterFormatError(
+                f"load_peft: {where}: {key} has shape {tuple(tensors[key].shape)}, expected {shape}"
+            )
+    rank, tp = group_rank(handle.groups.tp), group_size(handle.groups.tp)
+    loaded: list[str] = []
+    r = handle.config.r
+    for site in handle.sites.values():
+        if isinstance(site, LoraExpertLinear):
+            keys = list(_expert_keys(site, r))
+        else:
+            keys = [peft_key(n, f) for n, _ in site.site.parts for f in ("A", "B")]
+        if not all(k in tensors for k in keys):
+            continue  # non-strict: leave a partially given site untouched
+        if isinstance(site, LoraExpertLinear):
+            a_loc, b_loc = _expert_local(site, tensors, group_rank(handle.groups.ep))
+        else:
+            a_loc, b_loc = _dense_local(site, tensors, rank, tp, where)
+        with torch.no_grad():
+            site.lora_A.copy_(a_loc)
+            site.lora_B.copy_(b_loc)
+        loaded.extend(keys)
+    return loaded
+
+
+def merge_into_base(handle: LoraHandle) -> None:
+    """Fold every adapter into its local base weight (fp32, no comms) for evaluation.
+
+    There is no unmerge: subtracting a bf16 delta does not restore the base bitwise.
+    """
+    for site in handle.sites.values():
+        site.merge()

@@ -1,0 +1,143 @@
+"""PEFT round trip with the real ``peft`` package on a tiny Llama built from a config.
+
+Our exported adapter loads with ``PeftModel.from_pretrained`` and gives the same logits; a
+PEFT-saved adapter loads into ours; strict loading rejects missing, unknown and mis-shaped keys
+(PEFT itself only warns); merging gives the adapter's logits.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import peft
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from posttrain.lora import (
+    AdapterFormatError,
+    LoraConfig,
+    attach_lora,
+    export_adapter,
+    load_peft,
+    merge_into_base,
+    save_peft,
+)
+
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+CFG = LoraConfig(r=4, alpha=8.0, b_init="normal", seed=3, export_dtype=torch.float32)
+
+
+def tiny_llama() -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=64,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=8,
+        max_position_embeddings=32,
+    )
+    return LlamaForCausalLM(config).eval()
+
+
+IDS = torch.tensor([[1, 5, 9, 3, 17, 42, 8, 2]])
+
+
+def logits(model: torch.nn.Module) -> torch.Tensor:
+    with torch.no_grad():
+        return model(input_ids=IDS).logits.float()
+
+
+def test_exported_adapter_loads_in_peft_with_same_logits(tmp_path: Path) -> None:
+    base = tiny_llama()
+    ours = copy.deepcopy(base)
+    handle = attach_lora(ours, CFG, TARGETS)
+    adapter = export_adapter(handle)
+    assert len(adapter) == 2 * 7 * 2
+    assert "base_model.model.model.layers.1.mlp.down_proj.lora_B.weight" in adapter
+    save_peft(tmp_path / "a", adapter, CFG)
+    cfg = json.loads((tmp_path / "a" / "adapter_config.json").read_text())
+    assert cfg["target_modules"] == sorted(TARGETS)
+    pm = peft.PeftModel.from_pretrained(copy.deepcopy(base), str(tmp_path / "a")).eval()
+    ours_logits, peft_logits = logits(ours), logits(pm)
+    assert (ours_logits - logits(base)).abs().max() > 1e-3  # the adapter does something
+    assert (ours_logits - peft_logits).abs().max() <= 1e-5
+
+
+def test_peft_saved_adapter_loads_into_ours(tmp_path: Path) -> None:
+    base = tiny_llama()
+    torch.manual_seed(1)
+    pcfg = peft.LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS, init_lora_weights=False)
+    pm = peft.get_peft_model(copy.deepcopy(base), pcfg).eval()
+    pm.save_pretrained(str(tmp_path / "p"))
+    ours = copy.deepcopy(base)
+    handle = attach_lora(ours, LoraConfig(r=4, alpha=8.0), TARGETS)
+    loaded = load_peft(handle, tmp_path / "p")
+    assert len(loaded) == 28
+    assert (logits(ours) - logits(pm)).abs().max() <= 1e-5
+
+
+def test_strict_load_rejects_missing_unknown_and_misshaped(tmp_path: Path) -> None:
+    base = tiny_llama()
+    handle = attach_lora(copy.deepcopy(base), CFG, TARGETS)
+    adapter = export_adapter(handle)
+    save_peft(tmp_path / "good", adapter, CFG)
+    key = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
+
+    def variant(name: str, tensors: dict[str, torch.Tensor]) -> Path:
+        d = tmp_path / name
+        d.mkdir()
+        save_file(tensors, str(d / "adapter_model.safetensors"))
+        (d / "adapter_config.json").write_text(
+            (tmp_path / "good" / "adapter_config.json").read_text()
+        )
+        return d
+
+    missing = variant("missing", {k: v for k, v in adapter.items() if k != key})
+    with pytest.raises(AdapterFormatError, match="missing"):
+        load_peft(handle, missing)
+    assert load_peft(handle, missing, strict=False)  # non-strict keeps the other sites
+    unknown = variant(
+        "unknown", {**adapter, "base_model.model.extra.lora_A.weight": torch.zeros(4, 16)}
+    )
+    with pytest.raises(AdapterFormatError, match=r"unknown .*extra"):
+        load_peft(handle, unknown)
+    bad = variant("bad", {**adapter, key: torch.zeros(4, 15)})
+    with pytest.raises(AdapterFormatError, match=r"q_proj.lora_A.weight has shape \(4, 15\)"):
+        load_peft(handle, bad, strict=False)
+    wrong_r = tmp_path / "wrong_r"
+    save_peft(wrong_r, adapter, LoraConfig(r=8, alpha=8.0))
+    with pytest.raises(AdapterFormatError, match="r=8"):
+        load_peft(handle, wrong_r)
+
+
+def test_merge_into_base_matches_adapter_logits() -> None:
+    model = tiny_llama()
+    handle = attach_lora(model, CFG, TARGETS)
+    with_adapter = logits(model)
+    merge_into_base(handle)
+    merged = logits(model)
+    rel = (merged - with_adapter).norm() / with_adapter.norm()
+    assert rel <= 1e-6
+
+
+def test_save_peft_is_atomic_and_replaces(tmp_path: Path) -> None:
+    handle = attach_lora(tiny_llama(), CFG, TARGETS)
+    adapter = export_adapter(handle)
+    target = tmp_path / "out"
+    save_peft(target, adapter, CFG)
+    first = load_file(str(target / "adapter_model.safetensors"))
+    doubled = {k: v * 2 for k, v in adapter.items()}
+    save_peft(target, doubled, CFG)
+    second = load_file(str(target / "adapter_model.safetensors"))
+    assert all(torch.equal(second[k], first[k] * 2) for k in first)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # no temp or backup left
+    with pytest.raises(AdapterFormatError, match="not a PEFT LoRA key"):
+        save_peft(tmp_path / "x", {"model.w": torch.zeros(1)}, CFG)
+    assert not (tmp_path / "x").exists()
