@@ -1,4 +1,4 @@
-"""The ``posttrain`` command line: ``plan``, ``up``, ``hardware`` and ``run``.
+"""The ``posttrain`` command line: ``plan``, ``up``, ``demo``, ``hardware`` and ``run``.
 
 Output for people goes through rich; machine output (``--json``, the URLs ``up`` prints) is
 plain text on stdout so scripts can read it. Any ``LaunchError`` ends the command with exit
@@ -200,6 +200,53 @@ def up_command(
         _err.print("interrupted; stopped every process")
     except LaunchError as exc:
         _fail(exc)
+
+
+@app.command("demo")
+def demo_command(
+    model_path: Annotated[
+        Path | None, typer.Option("--model-path", help="checkpoint (default: a fresh tiny one)")
+    ] = None,
+    engines: Annotated[int, typer.Option("--engines", min=1)] = 2,
+    turns: Annotated[int, typer.Option("--turns", min=1, max=3)] = 2,
+    max_tokens: Annotated[int, typer.Option("--max-tokens", min=1)] = 12,
+    seed: Annotated[int, typer.Option("--seed")] = 0,
+    verbose: Annotated[bool, typer.Option("--verbose", help="stream every process's log")] = False,
+) -> None:
+    """Run the CPU rollout path end to end: tiny model, engines, sgl-router, a session chat."""
+    from posttrain.launch.demo import DemoConfig, run_demo, tail_sink
+
+    sink, kept = (console_sink(_err), None) if verbose else tail_sink()
+    signal.signal(signal.SIGTERM, _raise_interrupt)
+    try:
+        report = run_demo(
+            DemoConfig(model_path=model_path, engines=engines, turns=turns,
+                       max_tokens=max_tokens, seed=seed),
+            sink,
+        )  # fmt: skip
+    except KeyboardInterrupt:
+        _err.print("interrupted; stopped every process")
+        raise typer.Exit(code=130) from None
+    except LaunchError as exc:
+        if kept:
+            _err.print(Text("\n".join(kept)))
+        _fail(exc)
+    table = Table(title=f"posttrain demo: {report.model_path}")
+    for column in ("turn", "user", "reply (tiny random model)", "tokens", "sum logprob"):
+        table.add_column(column)
+    for i, turn in enumerate(report.turns):
+        table.add_row(str(i + 1), turn.user, repr(turn.reply), str(turn.completion_tokens),
+                      f"{turn.logprob_sum:.4f}")  # fmt: skip
+    _out.print(table)
+    for name, url in report.urls.items():
+        _out.print(f"{name}: {url}")
+    _out.print(
+        f"training sample: {report.sample_tokens} tokens over {report.sample_turns} turn(s), "
+        f"{report.sample_trained_tokens} trained (loss mask 1), status {report.sample_status}; "
+        f"its rollout logprobs are exactly the engine's: {report.sample_logprobs_match_turns}"
+    )
+    if not report.sample_logprobs_match_turns:
+        _fail(LaunchError("the assembled sample's logprobs differ from what the engine returned"))
 
 
 @app.command("run")

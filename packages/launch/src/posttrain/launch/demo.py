@@ -1,0 +1,207 @@
+"""``posttrain demo``: the whole CPU rollout path, end to end, with real processes.
+
+It writes a tiny seeded checkpoint (by running ``python -m posttrain.models init``;
+launch never imports its siblings), brings up the local stack of ``posttrain up``
+(local engines, the stock sgl-router, the session router), holds a multi-turn chat
+through one token-in/token-out session, and collects the training sample the
+session assembles: the exact token ids, rollout logprobs and loss mask the engine
+produced. Then it stops every process it started.
+
+The sample arrives in the session router's wire format (one safetensors file);
+it is read here with the standard library (an 8-byte header length, a JSON
+header, raw little-endian data), so launch stays free of heavy dependencies.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import math
+import struct
+import subprocess
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from posttrain.launch._errors import LaunchError
+from posttrain.launch.plan import PYTHON
+from posttrain.launch.runners import LocalRunner, LogSink
+from posttrain.launch.stack import LocalStackConfig, build_local_stack
+from posttrain.launch.tables import EngineKind
+
+DEFAULT_TURNS = ("Hello! Who are you?", "Tell me one more thing.", "Thanks, bye.")
+
+
+class DemoError(LaunchError):
+    """The demo could not complete: a process failed or a reply was not what the path promises."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DemoConfig:
+    model_path: Path | None = None  # None: write a fresh tiny checkpoint to a temp dir
+    engines: int = 2
+    turns: int = 2
+    max_tokens: int = 12
+    seed: int = 0
+    ready_timeout_s: float = 300.0
+    request_timeout_s: float = 120.0
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.turns <= len(DEFAULT_TURNS):
+            raise DemoError(f"--turns must be in 1..{len(DEFAULT_TURNS)}, got {self.turns}")
+        if self.max_tokens < 1:
+            raise DemoError(f"--max-tokens must be >= 1, got {self.max_tokens}")
+        if self.engines < 1:
+            raise DemoError(f"--engines must be >= 1, got {self.engines}")
+
+
+@dataclass(slots=True)
+class TurnReport:
+    user: str
+    reply: str
+    completion_tokens: int
+    logprob_sum: float
+    logprobs: list[float] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class DemoReport:
+    model_path: str
+    urls: dict[str, str]
+    turns: list[TurnReport] = field(default_factory=list)
+    sample_tokens: int = 0
+    sample_turns: int = 0
+    sample_trained_tokens: int = 0
+    sample_logprobs_match_turns: bool = False
+    sample_status: str = ""
+
+
+def write_tiny_checkpoint(path: Path, seed: int, timeout_s: float = 300.0) -> None:
+    """Run the models package's ``init`` command (a subprocess: launch imports no sibling)."""
+    argv = [PYTHON, "-m", "posttrain.models", "init", str(path), "--seed", str(seed)]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s, check=False)
+    if done.returncode != 0:
+        raise DemoError(f"`{' '.join(argv)}` failed ({done.returncode}): {done.stderr[-2000:]}")
+
+
+def read_safetensors(blob: bytes) -> dict[str, tuple[str, list[int], bytes]]:
+    """Name -> (dtype, shape, raw bytes) of a safetensors file, read with the standard library."""
+    if len(blob) < 8:
+        raise DemoError(f"sample payload of {len(blob)} bytes is not a safetensors file")
+    (header_len,) = struct.unpack("<Q", blob[:8])
+    header = json.loads(blob[8 : 8 + header_len])
+    data = blob[8 + header_len :]
+    out = {}
+    for name, spec in header.items():
+        if name == "__metadata__":
+            continue
+        start, end = spec["data_offsets"]
+        out[name] = (spec["dtype"], list(spec["shape"]), data[start:end])
+    return out
+
+
+_FORMATS = {"I64": "q", "U8": "B", "F64": "d", "F32": "f", "I32": "i"}
+
+
+def _values(entry: tuple[str, list[int], bytes]) -> list[Any]:
+    dtype, shape, raw = entry
+    count = math.prod(shape)
+    return list(struct.unpack(f"<{count}{_FORMATS[dtype]}", raw))
+
+
+def run_demo(cfg: DemoConfig, sink: LogSink) -> DemoReport:
+    """Bring the stack up, chat through one session, collect the sample, stop everything."""
+    with tempfile.TemporaryDirectory(prefix="posttrain-demo-") as scratch:
+        model_path = cfg.model_path
+        if model_path is None:
+            model_path = Path(scratch) / "tiny-moe"
+            sink("demo", f"writing a tiny Dense/MoE checkpoint (seed {cfg.seed}) to {model_path}")
+            write_tiny_checkpoint(model_path, cfg.seed)
+        plan = build_local_stack(
+            LocalStackConfig(
+                model_path=str(model_path),
+                engines=cfg.engines,
+                engine_kind=EngineKind.LOCAL,
+                ready_timeout_s=cfg.ready_timeout_s,
+            )
+        )
+        with LocalRunner(plan, sink=sink) as runner:
+            runner.start()
+            report = DemoReport(model_path=str(model_path), urls=dict(runner.urls))
+            _chat(cfg, report, sink)
+        sink("demo", "stopped every process")
+        return report
+
+
+def _chat(cfg: DemoConfig, report: DemoReport, sink: LogSink) -> None:
+    base = report.urls["session-router"]
+    with httpx.Client(timeout=httpx.Timeout(cfg.request_timeout_s, connect=10.0)) as client:
+        session = _ok(client.post(f"{base}/sessions"))["session_id"]
+        sink("demo", f"session {session} at {base}")
+        messages: list[dict[str, str]] = []
+        for user in DEFAULT_TURNS[: cfg.turns]:
+            messages.append({"role": "user", "content": user})
+            body = {"messages": messages, "max_tokens": cfg.max_tokens, "temperature": 1.0,
+                    "seed": cfg.seed, "logprobs": True}  # fmt: skip
+            reply = _ok(client.post(f"{base}/sessions/{session}/v1/chat/completions", json=body))
+            choice = reply["choices"][0]
+            text = choice["message"]["content"] or ""
+            entries = choice["meta_info"]["output_token_logprobs"]
+            report.turns.append(
+                TurnReport(
+                    user=user,
+                    reply=text,
+                    completion_tokens=int(reply["usage"]["completion_tokens"]),
+                    logprob_sum=math.fsum(float(e[0]) for e in entries),
+                    logprobs=[float(e[0]) for e in entries],
+                )
+            )
+            messages.append({"role": "assistant", "content": text})
+        sample_reply = client.post(f"{base}/sessions/{session}/samples", json={"max_seq_len": None})
+        if sample_reply.status_code != 200:
+            raise DemoError(
+                f"POST /samples answered {sample_reply.status_code}: {sample_reply.text}"
+            )
+        tensors = read_safetensors(sample_reply.content)
+        if "tokens.0" not in tensors:
+            meta = bytes(_values(tensors["_samples_meta"])).decode()
+            raise DemoError(f"the session assembled no sample: {meta}")
+        tokens = _values(tensors["tokens.0"])
+        mask = _values(tensors["loss_mask.0"])
+        logprobs = _values(tensors["rollout_log_probs.0"])
+        meta = json.loads(bytes(_values(tensors["_samples_meta"])).decode())
+        report.sample_tokens = len(tokens)
+        report.sample_trained_tokens = sum(mask)
+        # The sample covers the leading turns up to the first one that did not complete (a turn
+        # cut by max_tokens is "truncated" and ends the merge); its trained logprobs must be
+        # exactly the engine's, turn after turn.
+        trained = [lp for lp, m in zip(logprobs, mask, strict=True) if m]
+        engine: list[float] = []
+        for turn in report.turns:
+            if len(engine) >= len(trained):
+                break
+            engine.extend(turn.logprobs)
+            report.sample_turns += 1
+        report.sample_logprobs_match_turns = trained == engine
+        report.sample_status = str(meta["samples"][0]["status"])
+        _ok(client.delete(f"{base}/sessions/{session}"), empty=True)
+
+
+def _ok(reply: httpx.Response, *, empty: bool = False) -> Any:
+    if reply.status_code >= 300:
+        raise DemoError(f"{reply.request.method} {reply.request.url} answered "
+                        f"{reply.status_code}: {reply.text[:500]}")  # fmt: skip
+    return None if empty else reply.json()
+
+
+def tail_sink(lines: int = 60) -> tuple[LogSink, collections.deque[str]]:
+    """A sink that keeps the last ``lines`` process log lines (shown only when something fails)."""
+    kept: collections.deque[str] = collections.deque(maxlen=lines)
+
+    def sink(name: str, line: str) -> None:
+        kept.append(f"[{name}] {line}")
+
+    return sink, kept

@@ -1,0 +1,71 @@
+"""``python -m posttrain.models init DIR``: write a seeded checkpoint plus its tokenizer.
+
+The directory it writes is what every CPU path of posttrain starts from: the
+local engine serves it (``--model-path DIR``), the session router renders its
+chat template (``--tokenizer DIR``), ``transformers`` loads it as a
+``Qwen3MoeForCausalLM`` and ``quant-convert`` converts it. The write is atomic:
+a temporary directory renamed into place, so an interrupted run leaves nothing
+that looks complete.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+from posttrain.models._config import ModelConfig
+from posttrain.models._errors import CheckpointError
+from posttrain.models._model import build_model
+from posttrain.models._tokenizer import VOCAB_SIZE, build_tokenizer
+
+
+def init_checkpoint(
+    path: str | Path, *, seed: int = 0, max_positions: int = 256, overwrite: bool = False
+) -> Path:
+    """Write the tiny Dense/MoE config (vocab sized to the local tokenizer) seeded by ``seed``."""
+    target = Path(path)
+    occupied = any(target.iterdir()) if target.is_dir() else target.exists()
+    if occupied and not overwrite:
+        raise CheckpointError(f"{target} exists and is not empty (pass --overwrite)")
+    config = ModelConfig.tiny(vocab_size=VOCAB_SIZE, max_position_embeddings=max_positions)
+    model = build_model(config, seed=seed)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+    try:
+        model.save_pretrained(staging, tokenizer=build_tokenizer())
+        if target.exists():
+            shutil.rmtree(target) if target.is_dir() else target.unlink()
+        staging.rename(target)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return target
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m posttrain.models")
+    commands = parser.add_subparsers(dest="command", required=True)
+    init = commands.add_parser("init", help="write a seeded tiny checkpoint and its tokenizer")
+    init.add_argument("path", type=Path)
+    init.add_argument("--seed", type=int, default=0)
+    init.add_argument(
+        "--max-positions", type=int, default=256, help="context length (= KV capacity)"
+    )
+    init.add_argument("--overwrite", action="store_true")
+    args = parser.parse_args(argv)
+    try:
+        written = init_checkpoint(
+            args.path, seed=args.seed, max_positions=args.max_positions, overwrite=args.overwrite
+        )
+    except CheckpointError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(written)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
