@@ -48,6 +48,7 @@ class ColumnShardedLinear(nn.Module):
         sequence_parallel: bool = False,
         bias: bool = True,
         dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
     ) -> None:
         super().__init__()
         tp = group_size(tp_group)
@@ -55,8 +56,14 @@ class ColumnShardedLinear(nn.Module):
             raise LayoutError(f"ColumnShardedLinear: out_features {out_features} % TP {tp} != 0")
         self.in_features, self.out_features = in_features, out_features
         self.tp_group, self.sequence_parallel = tp_group, sequence_parallel
-        self.weight = nn.Parameter(torch.zeros(out_features // tp, in_features, dtype=dtype))
-        self.bias = nn.Parameter(torch.zeros(out_features // tp, dtype=dtype)) if bias else None
+        self.weight = nn.Parameter(
+            torch.zeros(out_features // tp, in_features, dtype=dtype, device=device)
+        )
+        self.bias = (
+            nn.Parameter(torch.zeros(out_features // tp, dtype=dtype, device=device))
+            if bias
+            else None
+        )
 
     @classmethod
     def from_full(
@@ -76,6 +83,7 @@ class ColumnShardedLinear(nn.Module):
             sequence_parallel=sequence_parallel,
             bias=linear.bias is not None,
             dtype=linear.weight.dtype,
+            device=linear.weight.device,  # the shard lives where the full layer does
         )
         sizes = list(split_sizes) if split_sizes else [linear.out_features]
         if sum(sizes) != linear.out_features:
@@ -109,6 +117,7 @@ class RowShardedLinear(nn.Module):
         sequence_parallel: bool = False,
         bias: bool = True,
         dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
     ) -> None:
         super().__init__()
         tp = group_size(tp_group)
@@ -116,8 +125,12 @@ class RowShardedLinear(nn.Module):
             raise LayoutError(f"RowShardedLinear: in_features {in_features} % TP {tp} != 0")
         self.in_features, self.out_features = in_features, out_features
         self.tp_group, self.sequence_parallel = tp_group, sequence_parallel
-        self.weight = nn.Parameter(torch.zeros(out_features, in_features // tp, dtype=dtype))
-        self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype)) if bias else None
+        self.weight = nn.Parameter(
+            torch.zeros(out_features, in_features // tp, dtype=dtype, device=device)
+        )
+        self.bias = (
+            nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device)) if bias else None
+        )
         if self.bias is not None and sequence_parallel:
             # Each rank adds the bias to its own tokens: its grad is token-partial.
             self.bias.sequence_parallel = True  # type: ignore[attr-defined]
@@ -135,6 +148,7 @@ class RowShardedLinear(nn.Module):
             sequence_parallel=sequence_parallel,
             bias=linear.bias is not None,
             dtype=linear.weight.dtype,
+            device=linear.weight.device,  # the shard lives where the full layer does
         )
         with torch.no_grad():
             mod.weight.copy_(_shard(linear.weight, 1, rank, tp, "weight"))
