@@ -122,10 +122,10 @@ def _compact(modules: Sequence[Module], wanted: dict[str, bool]) -> list[str]:
     todo = set(positive)
     chosen: list[str] = []
     while todo:
-        best = min(
-            (c for c in cover if cover[c] & todo),
-            key=lambda c: (-len(cover[c] & todo), "*" in c, len(c), c),
-        )
+        useful = [c for c in cover if cover[c] & todo]
+        if not useful:
+            raise ExclusionError(f"{min(todo)}: no entry excludes it without a quantized module")
+        best = min(useful, key=lambda c: (-len(cover[c] & todo), "*" in c, -len(c), c))
         chosen.append(best)
         todo -= cover[best]
     for c in sorted(chosen, key=lambda c: len(cover[c])):  # prune entries others cover
