@@ -32,21 +32,40 @@ def qwen3_moe_names(
     ]
     for i in range(layers):
         p = f"{prefix}layers.{i}."
-        out += [TensorInfo(p + f"self_attn.{n}.weight", "BF16", (32, 32)) for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
-        out += [TensorInfo(p + f"self_attn.{n}.weight", "BF16", (32,)) for n in ("q_norm", "k_norm")]
-        out += [TensorInfo(p + f"{n}.weight", "BF16", (32,)) for n in ("input_layernorm", "post_attention_layernorm")]
+        out += [
+            TensorInfo(p + f"self_attn.{n}.weight", "BF16", (32, 32))
+            for n in ("q_proj", "k_proj", "v_proj", "o_proj")
+        ]
+        out += [
+            TensorInfo(p + f"self_attn.{n}.weight", "BF16", (32,)) for n in ("q_norm", "k_norm")
+        ]
+        out += [
+            TensorInfo(p + f"{n}.weight", "BF16", (32,))
+            for n in ("input_layernorm", "post_attention_layernorm")
+        ]
         if i in dense:
-            out += [TensorInfo(p + f"mlp.{n}.weight", "BF16", (32, 32)) for n in ("gate_proj", "up_proj", "down_proj")]
+            out += [
+                TensorInfo(p + f"mlp.{n}.weight", "BF16", (32, 32))
+                for n in ("gate_proj", "up_proj", "down_proj")
+            ]
             continue
         out.append(TensorInfo(p + "mlp.gate.weight", "BF16", (experts, 32)))
         for e in range(experts):
-            out += [TensorInfo(p + f"mlp.experts.{e}.{n}.weight", "BF16", (32, 32)) for n in ("gate_proj", "up_proj", "down_proj")]
+            out += [
+                TensorInfo(p + f"mlp.experts.{e}.{n}.weight", "BF16", (32, 32))
+                for n in ("gate_proj", "up_proj", "down_proj")
+            ]
         if shared:
-            out += [TensorInfo(p + f"mlp.shared_experts.{n}.weight", "BF16", (32, 32)) for n in ("gate_proj", "up_proj", "down_proj")]
+            out += [
+                TensorInfo(p + f"mlp.shared_experts.{n}.weight", "BF16", (32, 32))
+                for n in ("gate_proj", "up_proj", "down_proj")
+            ]
     return out  # fmt: skip
 
 
-def _check_exact(tensors: list[TensorInfo], quantized: frozenset[str], entries: tuple[str, ...]) -> None:
+def _check_exact(
+    tensors: list[TensorInfo], quantized: frozenset[str], entries: tuple[str, ...]
+) -> None:
     for m in build_modules(tensors):
         want = not any(w in quantized for w in m.weights)
         assert is_excluded(m, entries) == want, m.name
@@ -89,7 +108,9 @@ def test_sglang_rules_details() -> None:
     assert is_layer_excluded("model.layers.3.mlp.experts", ["experts"])
     assert not is_layer_excluded("model.layers.3.mlp.experts", ["model.layers.3."])
     assert not is_layer_excluded("model.layers.13.mlp.experts", ["model.layers.3.mlp.experts"])
-    assert is_layer_excluded("language_model.model.layers.1.mlp.experts", ["model.layers.1.mlp.experts"])
+    assert is_layer_excluded(
+        "language_model.model.layers.1.mlp.experts", ["model.layers.1.mlp.experts"]
+    )
     # path rule: dot boundaries, so mlp.gate does not catch mlp.gate_up_proj
     assert is_layer_skipped("model.layers.1.mlp.gate", ["mlp.gate"])
     assert not is_layer_skipped("model.layers.1.mlp.gate_up_proj", ["mlp.gate"])
@@ -106,8 +127,12 @@ def test_keep_patterns_substring_regex_glob() -> None:
     assert p.keeps("model.layers.0.mlp.experts.1.up_proj.weight")
     assert not p.keeps("model.layers.0.mlp.experts.10.up_proj.weight")
     assert QuantPolicy(keep_patterns=("mlp.experts.1",)).keeps("x.mlp.experts.17.w1.weight")
-    assert QuantPolicy(keep_patterns=(r"re:layers\.2\.",)).keeps("model.layers.2.mlp.experts.0.w1.weight")
-    assert QuantPolicy(keep_patterns=("glob:*.layers.[23].*",)).keeps("model.layers.3.mlp.experts.0.w1.weight")
+    assert QuantPolicy(keep_patterns=(r"re:layers\.2\.",)).keeps(
+        "model.layers.2.mlp.experts.0.w1.weight"
+    )
+    assert QuantPolicy(keep_patterns=("glob:*.layers.[23].*",)).keeps(
+        "model.layers.3.mlp.experts.0.w1.weight"
+    )
 
 
 def test_partial_fused_moe_and_layer_ranges_raise() -> None:
@@ -115,19 +140,26 @@ def test_partial_fused_moe_and_layer_ranges_raise() -> None:
     with pytest.raises(CheckpointError, match="partial FusedMoE"):
         select_tensors(tensors, QuantPolicy(keep_patterns=("mlp.experts.0.",)), 2)
     with pytest.raises(ConfigError, match="exceeds num_hidden_layers"):
-        select_tensors(tensors, QuantPolicy(num_layers_at_start_in_bf16=2, num_layers_at_end_in_bf16=1), 2)
+        select_tensors(
+            tensors, QuantPolicy(num_layers_at_start_in_bf16=2, num_layers_at_end_in_bf16=1), 2
+        )
     with pytest.raises(ConfigError, match=">= 0"):
         select_tensors(tensors, QuantPolicy(num_layers_at_start_in_bf16=-1), 2)
 
 
 def test_gate_without_up_raises_naming_it() -> None:
-    tensors = [t for t in qwen3_moe_names(1, 2) if t.name != "model.layers.0.mlp.experts.1.up_proj.weight"]
+    tensors = [
+        t for t in qwen3_moe_names(1, 2) if t.name != "model.layers.0.mlp.experts.1.up_proj.weight"
+    ]
     with pytest.raises(CheckpointError, match=r"experts\.1\.gate_proj.*without its up"):
         select_tensors(tensors, QuantPolicy(), 1)
 
 
 def test_vlm_prefix_layer_detection() -> None:
-    assert layer_prefix("model.language_model.layers.12.mlp.experts.0.w1.weight") == "model.language_model.layers.12."
+    assert (
+        layer_prefix("model.language_model.layers.12.mlp.experts.0.w1.weight")
+        == "model.language_model.layers.12."
+    )
     tensors = qwen3_moe_names(3, 2, prefix="model.language_model.")
     q = select_tensors(tensors, QuantPolicy(num_layers_at_start_in_bf16=1), 3)
     assert all(".layers.0." not in n for n in q) and len(q) == 2 * 2 * 3

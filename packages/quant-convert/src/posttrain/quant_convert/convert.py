@@ -110,6 +110,10 @@ class _Run:
         if self.progress is not None:
             self.progress(event)
 
+    def has_amax(self, name: str) -> bool:
+        with self._amax_lock:
+            return name in self._amax
+
     def amax_of(self, name: str, loaded: torch.Tensor | None) -> torch.Tensor:
         with self._amax_lock:
             if name in self._amax:
@@ -144,7 +148,11 @@ class _Run:
                     amax = self.amax_of(out.source, w)
                     partner = self.plan.partners.get(out.source)
                     if partner is not None:
-                        if partner in reader.entries and partner not in held:
+                        if (
+                            partner in reader.entries
+                            and partner not in held
+                            and not self.has_amax(partner)
+                        ):  # the partner comes next in this shard: read it once, now
                             held[partner] = reader.read_tensor(partner)
                         amax = torch.maximum(amax, self.amax_of(partner, held.get(partner)))
                     q = quantize_nvfp4(
@@ -169,7 +177,6 @@ class _Run:
         except BaseException:
             writer.abort()
             raise
-        self._tick(shard.file, 0, done=True)
         return sha
 
 
@@ -330,6 +337,7 @@ def convert_checkpoint(
         with lock:
             done[shard.file] = sha
             _write_state(dst, plan.fingerprint, done)
+        run._tick(shard.file, 0, done=True)  # after the state records it
 
     if workers <= 1:
         for s in todo:
