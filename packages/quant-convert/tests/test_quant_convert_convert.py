@@ -58,7 +58,8 @@ def check_loader_contract(dst: Path) -> None:
     hq = json.loads((dst / "hf_quant_config.json").read_text())["quantization"]
     assert cfg["ignore"] == hq["exclude_modules"]
     assert (cfg["quant_algo"], cfg["quant_method"], cfg["group_size"]) == ("NVFP4", "modelopt", 16)
-    assert hq["quant_algo"] == "NVFP4" and hq["group_size"] == 16
+    assert hq["quant_algo"] == "NVFP4"
+    assert hq["group_size"] == 16
     tensors = _load(dst)
     infos = [
         TensorInfo(n, "BF16", tuple(t.shape))
@@ -98,7 +99,8 @@ def test_convert_matches_reference_and_loader_contract(src: Path, tmp_path: Path
     check_loader_contract(dst)
     source, out = _load(src), _load(dst)
     quantized = report.plan.quantized
-    assert quantized and all(".layers.3." not in n and "shared" not in n for n in quantized)
+    assert quantized
+    assert all(".layers.3." not in n and "shared" not in n for n in quantized)
     for name, t in source.items():
         if name not in quantized:
             assert torch.equal(out[name].view(torch.uint8), t.view(torch.uint8)), name
@@ -253,7 +255,7 @@ def test_error_cases(src: Path, tmp_path: Path) -> None:
 
     noconf = tmp_path / "noconf"
     noconf.mkdir()
-    with pytest.raises(CheckpointError, match="no config.json"):
+    with pytest.raises(CheckpointError, match=r"no config\.json"):
         plan_conversion(noconf)
     (noconf / "config.json").write_text("{}")
     with pytest.raises(CheckpointError, match="num_hidden_layers"):
@@ -290,7 +292,8 @@ def test_cli_dry_run_summary_and_unknown_flag(
     ]
     assert main([*args, "--dry-run"]) == 0
     out = capsys.readouterr().out
-    assert "exclusion list (compact" in out and "model.layers.3.mlp.experts" in out
+    assert "exclusion list (compact" in out
+    assert "model.layers.3.mlp.experts" in out
     assert not dst.exists()
     assert (
         main(
@@ -305,7 +308,9 @@ def test_cli_dry_run_summary_and_unknown_flag(
         == 0
     )
     out = capsys.readouterr().out
-    assert "tensors quantized: 0," in out and "exclusion entries:" in out and "bytes in:" in out
+    assert "tensors quantized: 0," in out
+    assert "exclusion entries:" in out
+    assert "bytes in:" in out
     with pytest.raises(SystemExit) as info:
         main([*args, "--frobnicate"])
     assert info.value.code == 2

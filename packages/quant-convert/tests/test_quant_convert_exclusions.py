@@ -162,7 +162,8 @@ def test_vlm_prefix_layer_detection() -> None:
     )
     tensors = qwen3_moe_names(3, 2, prefix="model.language_model.")
     q = select_tensors(tensors, QuantPolicy(num_layers_at_start_in_bf16=1), 3)
-    assert all(".layers.0." not in n for n in q) and len(q) == 2 * 2 * 3
+    assert all(".layers.0." not in n for n in q)
+    assert len(q) == 2 * 2 * 3
 
 
 @settings(max_examples=25, deadline=None)
