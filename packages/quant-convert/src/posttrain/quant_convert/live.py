@@ -9,7 +9,6 @@ must carry both halves of a gate/up pair (raises otherwise); no ``input_scale`` 
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterable, Sequence
 
 import torch
@@ -17,24 +16,26 @@ import torch
 from posttrain.quant_convert.errors import CheckpointError
 from posttrain.quant_convert.nvfp4 import NVFP4Config, global_amax, quantize_nvfp4
 from posttrain.quant_convert.selection import QuantPolicy, TensorInfo, gate_up_role, select_tensors
-from posttrain.quant_convert.sglang_rules import is_layer_excluded
+from posttrain.quant_convert.sglang_rules import build_modules, is_excluded
 
 __all__ = ["quantize_named_params"]
 
 _DTYPE_NAMES = {torch.float16: "F16", torch.bfloat16: "BF16", torch.float32: "F32"}
 
 
-def _excluded(name: str, entries: Sequence[str]) -> bool:
-    module = name.removesuffix(".weight")
-    parts = module.split(".")
-    container = ".".join(parts[: parts.index("experts") + 1]) if "experts" in parts else module
-    for e in entries:
-        if e.startswith("re:"):
-            if re.match(e[3:], module):
-                return True
-        elif module == e or module.startswith(e.rstrip(".") + "."):
-            return True
-    return is_layer_excluded(container, entries)
+def _excluded(infos: Sequence[TensorInfo], entries: Sequence[str]) -> set[str]:
+    """Weights whose module SGLang leaves unquantized under ``entries`` (its own rules, so a
+    compact list means here exactly what it means to the engine)."""
+    if not entries:
+        return set()
+    out: set[str] = set()
+    for m in build_modules(infos):
+        try:
+            if is_excluded(m, entries):
+                out.update(m.weights)
+        except ValueError as exc:
+            raise CheckpointError(f"{m.name}: exclusion list splits its shards: {exc}") from exc
+    return out
 
 
 def quantize_named_params(
@@ -52,9 +53,7 @@ def quantize_named_params(
     infos = [
         TensorInfo(n, _DTYPE_NAMES.get(t.dtype, str(t.dtype)), tuple(t.shape)) for n, t in items
     ]
-    chosen = {
-        n for n in select_tensors(infos, policy, num_layers) if not _excluded(n, exclude_modules)
-    }
+    chosen = set(select_tensors(infos, policy, num_layers)) - _excluded(infos, exclude_modules)
     by_name = dict(items)
     roles: dict[str, dict[str, str]] = {}
     for n, _ in items:
