@@ -1,0 +1,140 @@
+"""The test harness: gloo ranks that fail cleanly, and loopback servers stopped by pid."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import pytest
+
+from posttrain.interface.testing import (
+    ServerProcess,
+    ServerStartError,
+    WorkerCrashedError,
+    WorkerFailedError,
+    WorkerTimeoutError,
+    _sum_of_ranks,
+    free_port,
+    run_workers,
+)
+
+pytestmark = pytest.mark.multiproc
+
+
+def _all_reduce_rank(rank: int, world_size: int, scale: float) -> list[float]:
+    import torch
+    import torch.distributed as dist
+
+    value = torch.tensor([float(rank + 1) * scale])
+    dist.all_reduce(value)
+    assert dist.get_world_size() == world_size
+    return value.tolist()
+
+
+def test_gloo_ranks_all_reduce() -> None:
+    results = run_workers(_all_reduce_rank, 3, args=(2.0,), timeout_s=60)
+    assert results == [[12.0], [12.0], [12.0]]
+
+
+def test_spawned_ranks_work_too() -> None:
+    # Spawned ranks unpickle ``fn`` by module name, so it must live in an importable module.
+    results = run_workers(_sum_of_ranks, 2, timeout_s=90, start_method="spawn")
+    assert results == [3.0, 3.0]
+
+
+def _hang_on_rank_one(rank: int, world_size: int) -> int:
+    if rank == 1:
+        time.sleep(3600)
+    return rank
+
+
+def test_hung_rank_fails_within_timeout() -> None:
+    start = time.monotonic()
+    with pytest.raises(WorkerTimeoutError, match=r"rank\(s\) \[1\] of 2 did not finish within 3 s"):
+        run_workers(_hang_on_rank_one, 2, timeout_s=3, backend=None)
+    # The hang is cut at the harness timeout, not at pytest's (300 s).
+    assert time.monotonic() - start < 30
+
+
+def _hang_in_collective(rank: int, world_size: int) -> None:
+    import torch
+    import torch.distributed as dist
+
+    if rank == 0:
+        dist.all_reduce(torch.ones(1))  # rank 1 never joins
+    else:
+        time.sleep(3600)
+
+
+def test_rank_stuck_in_collective_is_killed() -> None:
+    with pytest.raises(WorkerTimeoutError, match="did not finish"):
+        run_workers(_hang_in_collective, 2, timeout_s=4)
+
+
+def _crash_rank_zero(rank: int, world_size: int) -> int:
+    if rank == 0:
+        os._exit(3)
+    time.sleep(3600)
+    return rank
+
+
+def test_crashed_rank_is_named() -> None:
+    with pytest.raises(WorkerCrashedError, match="rank 0 of 2 exited with code 3"):
+        run_workers(_crash_rank_zero, 2, timeout_s=30, backend=None)
+
+
+def _raise_on_rank_one(rank: int, world_size: int) -> int:
+    if rank == 1:
+        raise RuntimeError("boom on purpose")
+    return rank
+
+
+def test_raising_rank_reports_its_traceback() -> None:
+    with pytest.raises(WorkerFailedError, match=r"(?s)rank 1 of 2 raised:.*boom on purpose"):
+        run_workers(_raise_on_rank_one, 2, timeout_s=30, backend=None)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie still answers kill(0); look at its state.
+    try:
+        with open(f"/proc/{pid}/stat") as handle:
+            return handle.read().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_server_process_ready_and_stopped_by_pid(tmp_path: os.PathLike[str]) -> None:
+    port = free_port()
+    argv = [
+        sys.executable,
+        "-m",
+        "http.server",
+        str(port),
+        "--bind",
+        "127.0.0.1",
+        "--directory",
+        str(tmp_path),
+    ]
+    with ServerProcess(argv, f"http://127.0.0.1:{port}/", timeout_s=30) as server:
+        pid = server.pid
+        assert _pid_alive(pid)
+    assert not _pid_alive(pid)
+
+
+def test_server_that_exits_reports_its_log() -> None:
+    argv = [sys.executable, "-c", "import sys; print('bad flag --nope'); sys.exit(2)"]
+    with pytest.raises(ServerStartError, match=r"(?s)exited with code 2.*bad flag --nope"):
+        ServerProcess(argv, f"http://127.0.0.1:{free_port()}/", timeout_s=10).start()
+
+
+def test_server_never_ready_is_stopped() -> None:
+    argv = [sys.executable, "-c", "import time; time.sleep(3600)"]
+    server = ServerProcess(argv, f"http://127.0.0.1:{free_port()}/", timeout_s=1)
+    with pytest.raises(ServerStartError, match="was not ready"):
+        server.start()
+    assert not _pid_alive(server.pid)
