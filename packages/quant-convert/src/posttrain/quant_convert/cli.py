@@ -11,10 +11,9 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from posttrain.interface import ConfigError
+from posttrain.interface import ConfigError, NVFP4Precision
 from posttrain.quant_convert.convert import ProgressEvent, convert_checkpoint
 from posttrain.quant_convert.errors import QuantConvertError
-from posttrain.quant_convert.nvfp4 import NVFP4Config
 from posttrain.quant_convert.plan import ConvertOptions
 from posttrain.quant_convert.selection import QuantPolicy
 
@@ -65,9 +64,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _options(a: argparse.Namespace) -> ConvertOptions:
     return ConvertOptions(
-        quant=NVFP4Config(
-            scale_rounding=a.scale_rounding, four_over_six=a.four_over_six, e4m3_max=a.e4m3_max
+        precision=NVFP4Precision(
+            scale_rounding=a.scale_rounding,
+            four_over_six=a.four_over_six,
+            input_scale=None if a.input_scale == "none" else float(a.input_scale),
+            kv_cache_quant_algo=None if a.kv_cache_quant_algo == "none" else "FP8",
         ),
+        e4m3_max=a.e4m3_max,
         policy=QuantPolicy(
             num_layers_at_start_in_bf16=a.num_layers_at_start_in_bf16,
             num_layers_at_end_in_bf16=a.num_layers_at_end_in_bf16,
@@ -75,8 +78,6 @@ def _options(a: argparse.Namespace) -> ConvertOptions:
             include_shared_experts=a.include_shared_experts,
             quantize_3d_experts=a.quantize_3d_experts,
         ),
-        input_scale=None if a.input_scale == "none" else float(a.input_scale),
-        kv_cache_quant_algo=None if a.kv_cache_quant_algo == "none" else "FP8",
         exclusion_style=a.exclusion_style,
     )
 

@@ -13,6 +13,7 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
+from posttrain.interface import NVFP4Precision
 from posttrain.quant_convert.errors import CheckpointError
 from posttrain.quant_convert.nvfp4 import NVFP4Config, global_amax, quantize_nvfp4
 from posttrain.quant_convert.selection import QuantPolicy, TensorInfo, gate_up_role, select_tensors
@@ -43,7 +44,7 @@ def quantize_named_params(
     *,
     num_layers: int,
     policy: QuantPolicy | None = None,
-    cfg: NVFP4Config | None = None,
+    cfg: NVFP4Config | NVFP4Precision | None = None,
     exclude_modules: Sequence[str] = (),
 ) -> list[tuple[str, torch.Tensor]]:
     """HF-named tensors in, the tensors an NVFP4 engine loads out (``.weight`` packed,

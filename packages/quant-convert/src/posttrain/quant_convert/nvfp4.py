@@ -29,6 +29,7 @@ from typing import Literal
 
 import torch
 
+from posttrain.interface import NVFP4Precision
 from posttrain.quant_convert.errors import QuantInputError
 
 __all__ = [
@@ -76,6 +77,17 @@ class NVFP4Config:
         if self.e4m3_max is not None:
             return float(self.e4m3_max)
         return 256.0 if self.four_over_six != "off" else E4M3_MAX
+
+    @classmethod
+    def from_precision(
+        cls, precision: NVFP4Precision, *, e4m3_max: float | None = None
+    ) -> NVFP4Config:
+        """The quantizer knobs of an interface ``NVFP4Precision`` (plus TE's Emax switch)."""
+        return cls(
+            scale_rounding=precision.scale_rounding.value,
+            four_over_six=precision.four_over_six.value,
+            e4m3_max=e4m3_max,
+        )
 
     def validate(self) -> None:
         from posttrain.interface import ConfigError
@@ -218,7 +230,7 @@ def quantize_nvfp4(
     weight: torch.Tensor,
     *,
     global_amax: torch.Tensor | float | None = None,
-    cfg: NVFP4Config | None = None,
+    cfg: NVFP4Config | NVFP4Precision | None = None,
     name: str = "weight",
     allow_3d: bool = False,
 ) -> NVFP4Tensor:
@@ -228,6 +240,8 @@ def quantize_nvfp4(
     one per expert, shape ``[E]``). Raises :class:`QuantInputError` naming ``name`` for NaN,
     Inf, K not a multiple of 16, an unsupported dtype or rank.
     """
+    if isinstance(cfg, NVFP4Precision):
+        cfg = NVFP4Config.from_precision(cfg)
     cfg = cfg or NVFP4Config()
     _check(weight, name, allow_3d)
     is_3d = weight.dim() == 3
@@ -256,7 +270,7 @@ def quantize_nvfp4_pair(
     gate: torch.Tensor,
     up: torch.Tensor,
     *,
-    cfg: NVFP4Config | None = None,
+    cfg: NVFP4Config | NVFP4Precision | None = None,
     names: tuple[str, str] = ("gate_proj.weight", "up_proj.weight"),
     allow_3d: bool = False,
 ) -> tuple[NVFP4Tensor, NVFP4Tensor]:

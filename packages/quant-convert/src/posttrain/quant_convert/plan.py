@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from posttrain.interface import ConfigError
+from posttrain.interface import NVFP4Precision
 from posttrain.quant_convert.errors import CheckpointError
 from posttrain.quant_convert.exclusions import ExclusionPlan, ExclusionStyle, plan_exclusions
 from posttrain.quant_convert.nvfp4 import NVFP4Config
@@ -31,27 +31,46 @@ _UNQUANTIZED_METHODS = (None, "", "bf16")
 
 @dataclass(kw_only=True, slots=True, frozen=True)
 class ConvertOptions:
-    """Everything besides the paths that decides the output bytes (recorded in the manifest)."""
+    """Everything besides the paths that decides the output bytes (recorded in the manifest).
 
-    quant: NVFP4Config = field(default_factory=NVFP4Config)
+    ``precision`` is the interface's NVFP4 contract (scale rounding, 4-over-6, input_scale,
+    KV-cache algo) that trainer, converter and engine share; ``e4m3_max`` is TE's Emax switch
+    for the global scale (None: 448, or 256 with 4-over-6).
+    """
+
+    precision: NVFP4Precision = field(default_factory=NVFP4Precision)
+    e4m3_max: float | None = None
     policy: QuantPolicy = field(default_factory=QuantPolicy)
-    input_scale: float | None = 1.0
-    kv_cache_quant_algo: Literal["FP8"] | None = "FP8"
     exclusion_style: ExclusionStyle = "compact"
+
+    @property
+    def quant(self) -> NVFP4Config:
+        return NVFP4Config.from_precision(self.precision, e4m3_max=self.e4m3_max)
+
+    @property
+    def input_scale(self) -> float | None:
+        return self.precision.input_scale
+
+    @property
+    def kv_cache_quant_algo(self) -> Literal["FP8"] | None:
+        return self.precision.kv_cache_quant_algo
 
     def to_json(self) -> dict[str, Any]:
         return {
             "format_version": FORMAT_VERSION,
-            "scale_rounding": self.quant.scale_rounding,
-            "four_over_six": self.quant.four_over_six,
+            "precision": {
+                "group_size": self.precision.group_size,
+                "scale_rounding": self.precision.scale_rounding.value,
+                "four_over_six": self.precision.four_over_six.value,
+                "input_scale": self.precision.input_scale,
+                "kv_cache_quant_algo": self.precision.kv_cache_quant_algo,
+            },
             "e4m3_max": self.quant.emax,
             "num_layers_at_start_in_bf16": self.policy.num_layers_at_start_in_bf16,
             "num_layers_at_end_in_bf16": self.policy.num_layers_at_end_in_bf16,
             "keep_patterns": list(self.policy.keep_patterns),
             "include_shared_experts": self.policy.include_shared_experts,
             "quantize_3d_experts": self.policy.quantize_3d_experts,
-            "input_scale": self.input_scale,
-            "kv_cache_quant_algo": self.kv_cache_quant_algo,
             "exclusion_style": self.exclusion_style,
         }
 
@@ -177,8 +196,6 @@ def plan_conversion(src: Path | str, options: ConvertOptions | None = None) -> P
     src = Path(src)
     options = options or ConvertOptions()
     options.quant.validate()
-    if options.kv_cache_quant_algo not in ("FP8", None):
-        raise ConfigError(f"kv_cache_quant_algo={options.kv_cache_quant_algo!r}: use FP8 or None")
     cfg_path = src / "config.json"
     if not cfg_path.is_file():
         raise CheckpointError(f"{src}: no config.json")
