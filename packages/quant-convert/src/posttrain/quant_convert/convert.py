@@ -2,7 +2,7 @@
 
 Memory stays near the largest gate/up pair plus its outputs: tensors are read one at a time
 (pairs back to back), quantized in row chunks, and appended to a writer whose header was laid
-out from the plan; pass-through tensors are copied in 16 MiB pieces and never held whole.
+out from the plan; pass-through tensors are copied in 8 MiB pieces and never held whole.
 Each shard appears under its final name only when complete (``*.tmp``, fsync, rename) and is
 then recorded in ``.quant-convert/state.json`` with its sha256 and the plan fingerprint (a
 hash of the input headers, sizes, mtimes and options). A resume skips recorded shards whose

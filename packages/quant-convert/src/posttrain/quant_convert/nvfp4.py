@@ -119,17 +119,26 @@ def _check(w: torch.Tensor, name: str, allow_3d: bool) -> None:
         raise QuantInputError(f"{name}: rank {w.dim()} (shape {tuple(w.shape)}); expected {ranks}")
     if w.shape[-1] % GROUP_SIZE != 0:
         raise QuantInputError(f"{name}: last dim K={w.shape[-1]} is not a multiple of {GROUP_SIZE}")
-    if not bool(torch.isfinite(w).all()):
+
+
+def _absmax(x: torch.Tensor, dim: int) -> torch.Tensor:
+    # two reductions instead of materialising |x|; NaN propagates through both
+    return torch.maximum(x.amax(dim=dim), -x.amin(dim=dim))
+
+
+def _check_finite(amax: torch.Tensor, name: str, w: torch.Tensor) -> None:
+    if not bool(torch.isfinite(amax).all()):
         bad = "NaN" if bool(torch.isnan(w).any()) else "Inf"
         raise QuantInputError(f"{name}: contains {bad}; NVFP4 needs finite weights")
 
 
 def global_amax(w: torch.Tensor, *, per_expert: bool = False) -> torch.Tensor:
     """max|w| in fp32 (exact): 0-d, or ``[E]`` over all but the first dim when ``per_expert``."""
-    a = w.abs()
-    if per_expert:
-        return a.reshape(a.shape[0], -1).amax(dim=1).to(torch.float32)
-    return a.amax().to(torch.float32)
+    if w.numel() == 0:
+        return torch.zeros(w.shape[0] if per_expert else (), dtype=torch.float32, device=w.device)
+    flat = w.reshape(w.shape[0], -1) if per_expert else w.reshape(1, -1)
+    a = _absmax(flat, dim=1).to(torch.float32)
+    return a if per_expert else a[0]
 
 
 def _encode_scale(amax: torch.Tensor, emax: float) -> torch.Tensor:
@@ -165,11 +174,17 @@ def _sequential_sum(t: torch.Tensor) -> torch.Tensor:
 
 
 def _quantize_rows(
-    x: torch.Tensor, s_enc: torch.Tensor, ws2: torch.Tensor, amax: torch.Tensor, cfg: NVFP4Config
+    x: torch.Tensor,
+    s_enc: torch.Tensor,
+    ws2: torch.Tensor,
+    amax: torch.Tensor,
+    cfg: NVFP4Config,
+    name: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Codes ``[R, K]`` and e4m3 scales ``[R, K/16]`` of rows ``x`` (fp32)."""
     blocks = x.reshape(x.shape[0], -1, GROUP_SIZE)
-    v = blocks.abs().amax(dim=-1)
+    v = _absmax(blocks, dim=-1)
+    _check_finite(v, name, x)
     if cfg.four_over_six == "off":
         if cfg.scale_rounding == "te-multiplier":
             mult = s_enc * torch.tensor(1.0 / 6.0, dtype=torch.float32, device=x.device)
@@ -210,17 +225,19 @@ def unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:
 
 
 def _quantize_2d(
-    w: torch.Tensor, amax: torch.Tensor, cfg: NVFP4Config
+    w: torch.Tensor, amax: torch.Tensor, cfg: NVFP4Config, name: str
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     n, k = w.shape
     s_enc = _encode_scale(amax, cfg.emax)
     ws2 = 1.0 / s_enc
     packed = torch.empty((n, k // 2), dtype=torch.uint8, device=w.device)
     scale = torch.empty((n, k // GROUP_SIZE), dtype=torch.float8_e4m3fn, device=w.device)
-    rows = max(1, _CHUNK_ELEMENTS // max(k, 1))
+    # row chunks bound the fp32 temporaries; a GPU wants fewer, larger launches
+    chunk = _CHUNK_ELEMENTS if w.device.type == "cpu" else _CHUNK_ELEMENTS * 16
+    rows = max(1, chunk // max(k, 1))
     for r0 in range(0, n, rows):
         x = w[r0 : r0 + rows].to(torch.float32)
-        codes, s = _quantize_rows(x, s_enc, ws2, amax, cfg)
+        codes, s = _quantize_rows(x, s_enc, ws2, amax, cfg, name)
         packed[r0 : r0 + rows] = pack_e2m1(codes)
         scale[r0 : r0 + rows] = s
     return packed, scale, ws2
@@ -252,9 +269,9 @@ def quantize_nvfp4(
         if is_3d and amax.dim() == 0:
             amax = amax.expand(weight.shape[0]).clone()
     if not is_3d:
-        p, s, ws2 = _quantize_2d(weight, amax, cfg)
+        p, s, ws2 = _quantize_2d(weight, amax, cfg, name)
         return NVFP4Tensor(p, s, ws2)
-    parts = [_quantize_2d(weight[e], amax[e], cfg) for e in range(weight.shape[0])]
+    parts = [_quantize_2d(weight[e], amax[e], cfg, name) for e in range(weight.shape[0])]
     return NVFP4Tensor(
         torch.stack([p[0] for p in parts]),
         torch.stack([p[1] for p in parts]),

@@ -43,7 +43,7 @@ TORCH_DTYPES: dict[str, torch.dtype] = {
     "BF16": torch.bfloat16, "I32": torch.int32, "F32": torch.float32, "I64": torch.int64,
     "F64": torch.float64,
 }  # fmt: skip
-_COPY_CHUNK = 16 << 20
+_COPY_CHUNK = 8 << 20
 
 
 class ByteCounter:
