@@ -77,10 +77,12 @@ def main() -> None:
             times.append(time.perf_counter() - t0)
         return statistics.median(times)
 
-    big = torch.cat([w.reshape(-1) for w in ws])
-    out = torch.empty_like(big)
-    copy_s = timed(lambda: out.copy_(big))
-    del big, out
+    def copy_bandwidth() -> float:
+        big = torch.cat([w.reshape(-1) for w in ws])
+        out = torch.empty_like(big)
+        return timed(lambda: out.copy_(big))
+
+    copy_s = copy_bandwidth()
 
     cfgs = {"default": nvfp4.NVFP4Config(), "4over6_mse": nvfp4.NVFP4Config(four_over_six="mse")}
     result: dict[str, object] = {
