@@ -15,52 +15,7 @@ from posttrain.quant_convert.sglang_rules import (
     is_layer_excluded,
     is_layer_skipped,
 )
-
-
-def qwen3_moe_names(
-    layers: int,
-    experts: int,
-    *,
-    prefix: str = "model.",
-    dense: frozenset[int] = frozenset(),
-    shared: bool = False,
-) -> list[TensorInfo]:
-    out = [
-        TensorInfo(prefix + "embed_tokens.weight", "BF16", (64, 32)),
-        TensorInfo(prefix + "norm.weight", "BF16", (32,)),
-        TensorInfo("lm_head.weight", "BF16", (64, 32)),
-    ]
-    for i in range(layers):
-        p = f"{prefix}layers.{i}."
-        out += [
-            TensorInfo(p + f"self_attn.{n}.weight", "BF16", (32, 32))
-            for n in ("q_proj", "k_proj", "v_proj", "o_proj")
-        ]
-        out += [
-            TensorInfo(p + f"self_attn.{n}.weight", "BF16", (32,)) for n in ("q_norm", "k_norm")
-        ]
-        out += [
-            TensorInfo(p + f"{n}.weight", "BF16", (32,))
-            for n in ("input_layernorm", "post_attention_layernorm")
-        ]
-        if i in dense:
-            out += [
-                TensorInfo(p + f"mlp.{n}.weight", "BF16", (32, 32))
-                for n in ("gate_proj", "up_proj", "down_proj")
-            ]
-            continue
-        out.append(TensorInfo(p + "mlp.gate.weight", "BF16", (experts, 32)))
-        for e in range(experts):
-            out += [
-                TensorInfo(p + f"mlp.experts.{e}.{n}.weight", "BF16", (32, 32))
-                for n in ("gate_proj", "up_proj", "down_proj")
-            ]
-        if shared:
-            out += [
-                TensorInfo(p + f"mlp.shared_experts.{n}.weight", "BF16", (32, 32))
-                for n in ("gate_proj", "up_proj", "down_proj")
-            ]
-    return out  # fmt: skip
+from posttrain.quant_convert.testing import qwen3_moe_tensor_infos as qwen3_moe_names
 
 
 def _check_exact(

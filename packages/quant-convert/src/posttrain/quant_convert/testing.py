@@ -15,7 +15,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-__all__ = ["SyntheticSpec", "write_synthetic_checkpoint"]
+from posttrain.quant_convert.selection import TensorInfo
+
+__all__ = ["SyntheticSpec", "qwen3_moe_tensor_infos", "write_synthetic_checkpoint"]
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -115,3 +117,50 @@ def write_synthetic_checkpoint(path: Path, spec: SyntheticSpec | None = None) ->
     (path / "extra").mkdir(exist_ok=True)
     (path / "extra" / "chat_template.jinja").write_text("{{ messages }}")
     return path
+
+
+def qwen3_moe_tensor_infos(
+    layers: int,
+    experts: int,
+    *,
+    prefix: str = "model.",
+    dense: frozenset[int] = frozenset(),
+    shared: bool = False,
+) -> list[TensorInfo]:
+    """Header-only tensor list of a Qwen3-MoE-named checkpoint (tiny shapes; names count)."""
+    out = [
+        TensorInfo(prefix + "embed_tokens.weight", "BF16", (64, 32)),
+        TensorInfo(prefix + "norm.weight", "BF16", (32,)),
+        TensorInfo("lm_head.weight", "BF16", (64, 32)),
+    ]
+    for i in range(layers):
+        p = f"{prefix}layers.{i}."
+        out += [
+            TensorInfo(p + f"self_attn.{n}.weight", "BF16", (32, 32))
+            for n in ("q_proj", "k_proj", "v_proj", "o_proj")
+        ]
+        out += [
+            TensorInfo(p + f"self_attn.{n}.weight", "BF16", (32,)) for n in ("q_norm", "k_norm")
+        ]
+        out += [
+            TensorInfo(p + f"{n}.weight", "BF16", (32,))
+            for n in ("input_layernorm", "post_attention_layernorm")
+        ]
+        if i in dense:
+            out += [
+                TensorInfo(p + f"mlp.{n}.weight", "BF16", (32, 32))
+                for n in ("gate_proj", "up_proj", "down_proj")
+            ]
+            continue
+        out.append(TensorInfo(p + "mlp.gate.weight", "BF16", (experts, 32)))
+        for e in range(experts):
+            out += [
+                TensorInfo(p + f"mlp.experts.{e}.{n}.weight", "BF16", (32, 32))
+                for n in ("gate_proj", "up_proj", "down_proj")
+            ]
+        if shared:
+            out += [
+                TensorInfo(p + f"mlp.shared_experts.{n}.weight", "BF16", (32, 32))
+                for n in ("gate_proj", "up_proj", "down_proj")
+            ]
+    return out  # fmt: skip
