@@ -323,3 +323,25 @@ def test_console_script_points_at_main() -> None:
 
     (ep,) = [e for e in entry_points(group="console_scripts") if e.name == "quant-convert"]
     assert ep.load() is main
+
+
+def test_three_d_experts_are_opt_in(tmp_path: Path) -> None:
+    src = tmp_path / "fused"
+    src.mkdir()
+    (src / "config.json").write_text(json.dumps({"num_hidden_layers": 1}))
+    g = torch.Generator().manual_seed(0)
+    w = (torch.randn(4, 32, 48, generator=g) * 0.02).to(torch.bfloat16)
+    save_file({"model.layers.0.mlp.experts.down_proj.weight": w}, str(src / "model.safetensors"))
+    assert plan_conversion(src).quantized == frozenset()
+    opts = ConvertOptions(policy=QuantPolicy(quantize_3d_experts=True))
+    report = convert_checkpoint(src, tmp_path / "out", options=opts)
+    assert report.tensors_quantized == 1
+    out = _load(tmp_path / "out")
+    base = "model.layers.0.mlp.experts.down_proj."
+    assert out[base + "weight"].shape == (4, 32, 24)
+    assert out[base + "weight_scale"].shape == (4, 32, 3)
+    assert out[base + "weight_scale_2"].shape == (4,)
+    for e in range(4):
+        q = quantize_nvfp4(w[e])
+        assert torch.equal(out[base + "weight"][e], q.packed)
+        assert out[base + "weight_scale_2"][e] == q.scale_2

@@ -29,7 +29,12 @@ from typing import Literal
 
 from posttrain.quant_convert.errors import CheckpointError, ExclusionError
 from posttrain.quant_convert.selection import TensorInfo
-from posttrain.quant_convert.sglang_rules import Module, build_modules, is_excluded
+from posttrain.quant_convert.sglang_rules import (
+    MLA_FUSED_PIECES,
+    Module,
+    build_modules,
+    is_excluded,
+)
 
 __all__ = ["ExclusionPlan", "ExclusionStyle", "plan_exclusions"]
 
@@ -86,18 +91,37 @@ def _candidates(m: Module) -> set[str]:
     return out
 
 
-def _may_match(entry: str, m: Module) -> bool:
-    # the glob rule sees only the module prefix; the path rule also its shards' names
-    texts = (m.name,) if m.kind == "fused_moe" else (m.name, *m.weights)
-    pieces = [p for p in entry.rstrip(".").split("*") if p]
-    return any(all(p in t for p in pieces) for t in texts) or m.name in entry
+class _Index:
+    """Which modules an entry can possibly touch: entries are built from whole dotted
+    components, so every literal component of an entry must be a component of the module's
+    name or of one of its weights (the SGLang rules never match across a component)."""
+
+    def __init__(self, modules: Sequence[Module]) -> None:
+        self.modules = modules
+        self.by_component: dict[str, set[int]] = {}
+        for i, m in enumerate(modules):
+            # the glob rule sees only the module prefix; the path rule also its shards' names
+            texts = (m.name,) if m.kind == "fused_moe" else (m.name, *m.weights)
+            for t in texts:
+                for part in t.split("."):
+                    self.by_component.setdefault(part, set()).add(i)
+        self.expert_linears = {
+            i for i, m in enumerate(modules) if m.kind == "linear" and "experts" in m.name
+        }
+
+    def candidates(self, entry: str) -> Iterable[Module]:
+        tokens = [t for t in entry.replace("*", "").split(".") if t]
+        if not tokens or tokens[-1] in MLA_FUSED_PIECES:
+            return self.modules
+        hits = set.intersection(*(self.by_component.get(t, set()) for t in tokens))
+        if "experts" in entry:  # SGLang's expert rule: the prefix is a substring of the entry
+            hits |= self.expert_linears
+        return [self.modules[i] for i in sorted(hits)]
 
 
-def _coverage(entry: str, modules: Sequence[Module]) -> frozenset[str] | None:
+def _coverage(entry: str, index: _Index) -> frozenset[str] | None:
     covered = set()
-    for m in modules:
-        if not _may_match(entry, m):
-            continue
+    for m in index.candidates(entry):
         try:
             if is_excluded(m, [entry]):
                 covered.add(m.name)
@@ -110,13 +134,14 @@ def _compact(modules: Sequence[Module], wanted: dict[str, bool]) -> list[str]:
     positive = {name for name, w in wanted.items() if w}
     negative = {name for name, w in wanted.items() if not w}
     cover: dict[str, frozenset[str]] = {}
+    index = _Index(modules)
     for m in modules:
         if not wanted[m.name]:
             continue
         for c in _candidates(m):
             if c in cover:
                 continue
-            cov = _coverage(c, modules)
+            cov = _coverage(c, index)
             if cov is not None and not (cov & negative):
                 cover[c] = cov
     todo = set(positive)

@@ -31,6 +31,7 @@ from posttrain.quant_convert.selection import TensorInfo, expert_container
 
 __all__ = [
     "FUSED_LINEARS",
+    "MLA_FUSED_PIECES",
     "Module",
     "build_modules",
     "is_excluded",
@@ -43,7 +44,7 @@ FUSED_LINEARS: dict[str, tuple[str, ...]] = {
     "gate_up_proj": ("gate_proj", "up_proj"),
 }
 _SHARD_TO_FUSED = {s: f for f, shards in FUSED_LINEARS.items() for s in shards}
-_MLA_FUSED_PIECES = frozenset({"q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj"})
+MLA_FUSED_PIECES = frozenset({"q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj"})
 _EMBEDDINGS = frozenset({"embed_tokens", "wte", "word_embeddings", "embed_positions", "wpe"})
 
 
@@ -64,7 +65,7 @@ def is_layer_excluded(prefix: str, entries: Iterable[str]) -> bool:
             if rx.fullmatch(p) or any(rx.fullmatch(part) for part in p.split(".")):
                 return True
         tail = entry.rsplit(".", 1)[-1]
-        if tail in _MLA_FUSED_PIECES and any(tail in p.rsplit(".", 1)[-1] for p in prefixes):
+        if tail in MLA_FUSED_PIECES and any(tail in p.rsplit(".", 1)[-1] for p in prefixes):
             return True
     return False
 
