@@ -61,7 +61,6 @@ def test_torchao_agrees_up_to_midpoint_ties(
         assert bool((torch.maximum(d_mult, d_div) >= mid).all())
         bits = ours.scale.view(torch.uint8)[split].long() - ao_scale.view(torch.uint8)[split].long()
         assert bool(bits.abs().eq(1).all())
-        assert split.sum().item() <= 1e-2 * normal.sum().item()
     normal = normal & ~split
 
     c_ours = unpack_e2m1(ours.packed).reshape(64, -1, 16)
