@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from posttrain.interface import ConfigError
 from posttrain.quant_convert.errors import CheckpointError, ResumeError
 from posttrain.quant_convert.nvfp4 import global_amax, quantize_nvfp4
 from posttrain.quant_convert.plan import ConvertOptions, Plan, ShardPlan, plan_conversion
@@ -310,9 +311,12 @@ def _write_metadata(plan: Plan, dst: Path, shas: dict[str, str]) -> int:
 
 
 def _device(device: str | int) -> torch.device:
-    if isinstance(device, int) or str(device).isdigit():
-        return torch.device(f"cuda:{int(device)}")
-    return torch.device(device)
+    dev = torch.device(
+        f"cuda:{int(device)}" if isinstance(device, int) or str(device).isdigit() else device
+    )
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"device={device!r}: this torch has no CUDA device")
+    return dev
 
 
 def convert_checkpoint(
@@ -335,6 +339,7 @@ def convert_checkpoint(
     t0 = time.perf_counter()
     src, dst = Path(src), Path(dst)
     _check_paths(src, dst)
+    dev = _device(device)
     plan = plan_conversion(src, options)
     kept = len(plan.tensor_file) - len(plan.quantized)
     if dry_run:
@@ -344,7 +349,7 @@ def convert_checkpoint(
     dst.mkdir(parents=True, exist_ok=True)
     (dst / MANIFEST).unlink(missing_ok=True)  # the run is incomplete until the manifest is back
     _write_state(dst, plan.fingerprint, done)
-    run = _Run(plan, dst, _device(device), progress)
+    run = _Run(plan, dst, dev, progress)
     todo = [s for s in plan.shards if s.file not in done]
     for s in plan.shards:
         if s.file in done:

@@ -30,7 +30,9 @@ __all__ = [
     "HeaderEntry",
     "SafetensorsReader",
     "ShardWriter",
+    "fsync_dir",
     "read_header",
+    "write_bytes_atomic",
 ]
 
 DTYPE_BYTES: dict[str, int] = {
