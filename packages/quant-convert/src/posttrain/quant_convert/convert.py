@@ -118,7 +118,7 @@ class _Run:
         self.progress = progress
         self.counter = ByteCounter()
         self._amax_lock = threading.Lock()
-        self._amax: dict[str, torch.Tensor] = {}
+        self._amax: dict[str, float | list[float]] = {}
         self._done_lock = threading.Lock()
         self.bytes_done = 0
 
@@ -134,15 +134,17 @@ class _Run:
             return name in self._amax
 
     def amax_of(self, name: str, loaded: torch.Tensor | None) -> torch.Tensor:
+        # memoised as Python floats (exact for fp32): thousands of tiny tensors kept alive
+        # between multi-MiB transients fragment glibc's heap, and RSS then grows with the shard
         with self._amax_lock:
             if name in self._amax:
-                return self._amax[name]
+                return torch.tensor(self._amax[name], dtype=torch.float32)
         if loaded is None:  # a partner in another shard: read it for its amax only
             with SafetensorsReader(self.plan.src / self.plan.tensor_file[name], self.counter) as r:
                 loaded = r.read_tensor(name)
         a = global_amax(loaded, per_expert=loaded.dim() == 3).to("cpu")
         with self._amax_lock:
-            self._amax[name] = a
+            self._amax[name] = a.tolist()
         return a
 
     def convert_shard(self, shard: ShardPlan) -> str:
