@@ -1,0 +1,389 @@
+"""Run a plan: stream every shard to NVFP4, atomically and resumably; then write the metadata.
+
+Memory stays near the largest gate/up pair plus its outputs: tensors are read one at a time
+(pairs back to back), quantized in row chunks, and appended to a writer whose header was laid
+out from the plan; pass-through tensors are copied in 8 MiB pieces and never held whole.
+Each shard appears under its final name only when complete (``*.tmp``, fsync, rename) and is
+then recorded in ``.quant-convert/state.json`` with its sha256 and the plan fingerprint (a
+hash of the input headers, sizes, mtimes and options). A resume skips recorded shards whose
+files still hash the same, and refuses a state written for other inputs or options unless
+``overwrite``. The metadata (index, configs, copied files, manifest) is written last, so an
+interrupted run never looks complete. Departures from miles: the source is read once (not
+twice to find pairs), a cross-shard partner is read again only for its amax, dst equal to or
+nested in src is refused, and other files are copied with their subdirectories.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import json
+import shutil
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from posttrain.interface import ConfigError
+from posttrain.quant_convert.errors import CheckpointError, ResumeError
+from posttrain.quant_convert.nvfp4 import global_amax, quantize_nvfp4
+from posttrain.quant_convert.plan import ConvertOptions, Plan, ShardPlan, plan_conversion
+from posttrain.quant_convert.safetensors_io import (
+    ByteCounter,
+    SafetensorsReader,
+    ShardWriter,
+    write_bytes_atomic,
+)
+
+__all__ = ["ConversionReport", "ProgressEvent", "convert_checkpoint"]
+
+STATE_DIR = ".quant-convert"
+MANIFEST = "quant_convert_manifest.json"
+_HASH_CHUNK = 16 << 20
+
+
+@dataclass(slots=True, frozen=True)
+class ProgressEvent:
+    """Sent to a progress callback after each tensor and at each shard's end."""
+
+    shard: str
+    bytes_done: int  # source bytes of finished tensors, all shards
+    bytes_total: int
+    shard_done: bool
+
+
+@dataclass(slots=True, frozen=True)
+class ConversionReport:
+    plan: Plan
+    dst: Path
+    tensors_quantized: int
+    tensors_kept: int
+    exclusion_entries: tuple[str, ...]
+    bytes_in: int  # bytes actually read from the source
+    bytes_out: int
+    shards_written: tuple[str, ...]
+    shards_resumed: tuple[str, ...]
+    seconds: float
+    dry_run: bool
+
+
+ProgressCallback = Callable[[ProgressEvent], None]
+
+
+def _release_freed_memory() -> None:
+    """Hand freed heap pages back to the OS (glibc keeps them otherwise: after the first large
+    free it raises its mmap threshold, so later multi-MiB buffers come from a heap it never
+    shrinks, and RSS creeps up by tens of MiB per shard). No-op off glibc."""
+    global _MALLOC_TRIM
+    if _MALLOC_TRIM is None:
+        try:
+            _MALLOC_TRIM = ctypes.CDLL("libc.so.6").malloc_trim
+        except (OSError, AttributeError):
+            _MALLOC_TRIM = False
+    if _MALLOC_TRIM:
+        _MALLOC_TRIM(0)
+
+
+_MALLOC_TRIM: Any = None
+
+
+def _check_paths(src: Path, dst: Path) -> None:
+    s, d = src.resolve(), dst.resolve()
+    if s == d:
+        raise CheckpointError(f"save dir {dst} is the model dir; refusing to overwrite inputs")
+    if s in d.parents or d in s.parents:
+        raise CheckpointError(f"save dir {dst} and model dir {src} are nested; use sibling dirs")
+
+
+def _sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_HASH_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+class _Run:
+    def __init__(
+        self, plan: Plan, dst: Path, device: torch.device, progress: ProgressCallback | None
+    ):
+        self.plan = plan
+        self.dst = dst
+        self.device = device
+        self.progress = progress
+        self.counter = ByteCounter()
+        self._amax_lock = threading.Lock()
+        self._amax: dict[str, float | list[float]] = {}
+        self._done_lock = threading.Lock()
+        self.bytes_done = 0
+
+    def _tick(self, shard: str, n: int, done: bool = False) -> None:
+        with self._done_lock:
+            self.bytes_done += n
+            event = ProgressEvent(shard, self.bytes_done, self.plan.source_bytes, done)
+        if self.progress is not None:
+            self.progress(event)
+
+    def has_amax(self, name: str) -> bool:
+        with self._amax_lock:
+            return name in self._amax
+
+    def amax_of(self, name: str, loaded: torch.Tensor | None) -> torch.Tensor:
+        # memoised as Python floats (exact for fp32): thousands of tiny tensors kept alive
+        # between multi-MiB transients fragment glibc's heap, and RSS then grows with the shard
+        with self._amax_lock:
+            if name in self._amax:
+                return torch.tensor(self._amax[name], dtype=torch.float32)
+        if loaded is None:  # a partner in another shard: read it for its amax only
+            with SafetensorsReader(self.plan.src / self.plan.tensor_file[name], self.counter) as r:
+                loaded = r.read_tensor(name)
+        a = global_amax(loaded, per_expert=loaded.dim() == 3).to("cpu")
+        with self._amax_lock:
+            self._amax[name] = a.tolist()
+        return a
+
+    def convert_shard(self, shard: ShardPlan) -> str:
+        opts = self.plan.options
+        layout = [(o.name, o.dtype, o.shape) for o in shard.outputs]
+        writer = ShardWriter(self.dst / shard.file, layout, {"format": "pt"})
+        try:
+            with SafetensorsReader(self.plan.src / shard.file, self.counter) as reader:
+                held: dict[str, torch.Tensor] = {}
+                for out in shard.outputs:
+                    if out.kind == "copy":
+                        for piece in reader.iter_bytes(out.source):
+                            writer.write(out.name, piece, final=False)
+                        writer.write(out.name, b"")
+                        self._tick(shard.file, reader.entries[out.source].nbytes)
+                        continue
+                    if out.kind != "packed":
+                        continue  # scales are written together with their weight below
+                    w = held.pop(out.source, None)
+                    if w is None:
+                        w = reader.read_tensor(out.source)
+                    amax = self.amax_of(out.source, w)
+                    partner = self.plan.partners.get(out.source)
+                    if partner is not None:
+                        if (
+                            partner in reader.entries
+                            and partner not in held
+                            and not self.has_amax(partner)
+                        ):  # the partner comes next in this shard: read it once, now
+                            held[partner] = reader.read_tensor(partner)
+                        amax = torch.maximum(amax, self.amax_of(partner, held.get(partner)))
+                    q = quantize_nvfp4(
+                        w.to(self.device),
+                        global_amax=amax.to(self.device),
+                        cfg=opts.quant,
+                        name=out.source,
+                        allow_3d=opts.policy.quantize_3d_experts,
+                    )
+                    base = out.source.removesuffix(".weight")
+                    writer.write_tensor(out.name, q.packed)
+                    writer.write_tensor(base + ".weight_scale", q.scale)
+                    writer.write_tensor(base + ".weight_scale_2", q.scale_2)
+                    if opts.input_scale is not None:
+                        writer.write_tensor(
+                            base + ".input_scale",
+                            torch.full(q.scale_2.shape, opts.input_scale, dtype=torch.float32),
+                        )
+                    del w, q
+                    self._tick(shard.file, reader.entries[out.source].nbytes)
+            sha = writer.finish()
+            _release_freed_memory()  # per shard: per tensor it costs more in page faults
+        except BaseException:
+            writer.abort()
+            raise
+        return sha
+
+
+def _load_state(dst: Path) -> dict[str, Any] | None:
+    for p in (dst / STATE_DIR / "state.json", dst / MANIFEST):
+        if p.is_file():
+            data: dict[str, Any] = json.loads(p.read_text())
+            return data
+    return None
+
+
+def _write_state(dst: Path, fingerprint: str, done: dict[str, str]) -> None:
+    (dst / STATE_DIR).mkdir(exist_ok=True)
+    blob = json.dumps({"fingerprint": fingerprint, "shards": done}, indent=1, sort_keys=True)
+    write_bytes_atomic(dst / STATE_DIR / "state.json", blob.encode())
+
+
+def _resumable(
+    plan: Plan, dst: Path, resume: bool, overwrite: bool, verify: bool
+) -> dict[str, str]:
+    """Shards already done (name -> sha256) that this run may keep."""
+    if not dst.exists() or overwrite:
+        return {}
+    state = _load_state(dst)
+    if state is None:
+        stray = [p.name for p in dst.iterdir()]
+        if stray:
+            raise CheckpointError(
+                f"save dir {dst} is not empty and holds no conversion state ({stray[0]}, ...); "
+                "pass overwrite=True (--overwrite) to write into it anyway"
+            )
+        return {}
+    if not resume:
+        raise ResumeError(
+            f"{dst} holds an earlier conversion; --no-resume needs --overwrite to start over"
+        )
+    if state.get("fingerprint") != plan.fingerprint:
+        raise ResumeError(
+            f"{dst} was written for other inputs or options (fingerprint "
+            f"{str(state.get('fingerprint'))[:12]} != {plan.fingerprint[:12]}); pass --overwrite"
+        )
+    done: dict[str, str] = {}
+    for name, sha in dict(state.get("shards", {})).items():
+        path = dst / name
+        if path.is_file() and (not verify or _sha256_file(path) == sha):
+            done[name] = sha
+    return done
+
+
+def _quant_config_section(plan: Plan) -> dict[str, Any]:
+    qc = dict(plan.config.get("quantization_config") or {})
+    qc.update(
+        quant_algo="NVFP4",
+        quant_method="modelopt",
+        group_size=16,
+        ignore=list(plan.exclusions.entries),
+    )
+    if plan.options.kv_cache_quant_algo == "FP8":
+        qc.setdefault("kv_cache_scheme", {"dynamic": False, "num_bits": 8, "type": "float"})
+    else:
+        qc.pop("kv_cache_scheme", None)
+    groups = qc.get("config_groups")
+    if isinstance(groups, dict):
+        fp4 = {"dynamic": False, "num_bits": 4, "type": "float"}
+        for g in groups.values():
+            g.setdefault("targets", ["Linear"])
+            for key in ("weights", "input_activations"):
+                g.setdefault(key, dict(fp4))
+                g[key]["group_size"] = 16
+    return qc
+
+
+def _write_metadata(plan: Plan, dst: Path, shas: dict[str, str]) -> int:
+    weight_map = {o.name: s.file for s in plan.shards for o in s.outputs}
+    total = plan.output_bytes
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    write_bytes_atomic(dst / "model.safetensors.index.json", json.dumps(index, indent=2).encode())
+    config = dict(plan.config)
+    config["quantization_config"] = _quant_config_section(plan)
+    write_bytes_atomic(dst / "config.json", json.dumps(config, indent=2).encode())
+    src_hq = plan.src / "hf_quant_config.json"
+    hq: dict[str, Any] = (
+        json.loads(src_hq.read_text()) if src_hq.is_file() else {"producer": {"name": "modelopt"}}
+    )
+    hq["quantization"] = {
+        "quant_algo": "NVFP4",
+        "kv_cache_quant_algo": plan.options.kv_cache_quant_algo,
+        "group_size": 16,
+        "exclude_modules": list(plan.exclusions.entries),
+    }
+    write_bytes_atomic(dst / "hf_quant_config.json", json.dumps(hq, indent=2).encode())
+    for rel in plan.other_files:
+        target = dst / rel
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = target.with_name(target.name + ".tmp")
+        shutil.copyfile(plan.src / rel, tmp)
+        tmp.replace(target)
+    from posttrain.quant_convert import __version__
+
+    manifest = {
+        "producer": "posttrain-quant-convert",
+        "version": __version__,
+        "fingerprint": plan.fingerprint,
+        "options": plan.options.to_json(),
+        "inputs": plan.fingerprints,
+        "shards": dict(sorted(shas.items())),
+        "tensors_quantized": len(plan.quantized),
+        "exclusion_entries": len(plan.exclusions.entries),
+    }
+    write_bytes_atomic(dst / MANIFEST, json.dumps(manifest, indent=2).encode())
+    return total
+
+
+def _device(device: str | int) -> torch.device:
+    dev = torch.device(
+        f"cuda:{int(device)}" if isinstance(device, int) or str(device).isdigit() else device
+    )
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"device={device!r}: this torch has no CUDA device")
+    return dev
+
+
+def convert_checkpoint(
+    src: Path | str,
+    dst: Path | str,
+    *,
+    options: ConvertOptions | None = None,
+    resume: bool = True,
+    overwrite: bool = False,
+    workers: int = 1,
+    device: str | int = "cpu",
+    progress: ProgressCallback | None = None,
+    verify: bool = True,
+    dry_run: bool = False,
+) -> ConversionReport:
+    """Convert HF checkpoint ``src`` into NVFP4 checkpoint ``dst`` (see the module docstring).
+
+    ``verify`` re-hashes shards a resume would keep; ``dry_run`` plans and writes nothing.
+    """
+    t0 = time.perf_counter()
+    src, dst = Path(src), Path(dst)
+    _check_paths(src, dst)
+    dev = _device(device)
+    plan = plan_conversion(src, options)
+    kept = len(plan.tensor_file) - len(plan.quantized)
+    if dry_run:
+        return ConversionReport(plan, dst, len(plan.quantized), kept, plan.exclusions.entries,
+                                0, 0, (), (), time.perf_counter() - t0, True)  # fmt: skip
+    done = _resumable(plan, dst, resume, overwrite, verify)
+    dst.mkdir(parents=True, exist_ok=True)
+    (dst / MANIFEST).unlink(missing_ok=True)  # the run is incomplete until the manifest is back
+    _write_state(dst, plan.fingerprint, done)
+    run = _Run(plan, dst, dev, progress)
+    todo = [s for s in plan.shards if s.file not in done]
+    for s in plan.shards:
+        if s.file in done:
+            run._tick(s.file, s.source_bytes, done=True)
+    lock = threading.Lock()
+
+    def one(shard: ShardPlan) -> None:
+        sha = run.convert_shard(shard)
+        with lock:
+            done[shard.file] = sha
+            _write_state(dst, plan.fingerprint, done)
+        run._tick(shard.file, 0, done=True)  # after the state records it
+
+    if workers <= 1:
+        for s in todo:
+            one(s)
+    else:
+        with ThreadPoolExecutor(max_workers=workers) as pool:
+            for fut in [pool.submit(one, s) for s in todo]:
+                fut.result()
+    total = _write_metadata(plan, dst, done)
+    shutil.rmtree(dst / STATE_DIR, ignore_errors=True)
+    return ConversionReport(
+        plan=plan,
+        dst=dst,
+        tensors_quantized=len(plan.quantized),
+        tensors_kept=kept,
+        exclusion_entries=plan.exclusions.entries,
+        bytes_in=run.counter.total,
+        bytes_out=total,
+        shards_written=tuple(s.file for s in todo),
+        shards_resumed=tuple(s.file for s in plan.shards if s.file not in {t.file for t in todo}),
+        seconds=time.perf_counter() - t0,
+        dry_run=False,
+    )

@@ -1,0 +1,90 @@
+"""The live path: quantize named BF16 parameters during weight sync, as the converter would.
+
+Same math (:func:`quantize_nvfp4` with one amax per gate/up pair), same selection
+(:func:`select_tensors`) and, when given, the exclusion entries read back from the served
+checkpoint, so the first checkpoint and every later update quantize identically. A bucket
+must carry both halves of a gate/up pair (raises otherwise); no ``input_scale`` is emitted
+(the engine keeps the one it loaded).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import torch
+
+from posttrain.interface import NVFP4Precision
+from posttrain.quant_convert.errors import CheckpointError
+from posttrain.quant_convert.nvfp4 import NVFP4Config, global_amax, quantize_nvfp4
+from posttrain.quant_convert.selection import QuantPolicy, TensorInfo, gate_up_role, select_tensors
+from posttrain.quant_convert.sglang_rules import build_modules, is_excluded
+
+__all__ = ["quantize_named_params"]
+
+_DTYPE_NAMES = {torch.float16: "F16", torch.bfloat16: "BF16", torch.float32: "F32"}
+
+
+def _excluded(infos: Sequence[TensorInfo], entries: Sequence[str]) -> set[str]:
+    """Weights whose module SGLang leaves unquantized under ``entries`` (its own rules, so a
+    compact list means here exactly what it means to the engine)."""
+    if not entries:
+        return set()
+    out: set[str] = set()
+    for m in build_modules(infos):
+        try:
+            if is_excluded(m, entries):
+                out.update(m.weights)
+        except ValueError as exc:
+            raise CheckpointError(f"{m.name}: exclusion list splits its shards: {exc}") from exc
+    return out
+
+
+def quantize_named_params(
+    named: Iterable[tuple[str, torch.Tensor]],
+    *,
+    num_layers: int,
+    policy: QuantPolicy | None = None,
+    cfg: NVFP4Config | NVFP4Precision | None = None,
+    exclude_modules: Sequence[str] = (),
+) -> list[tuple[str, torch.Tensor]]:
+    """HF-named tensors in, the tensors an NVFP4 engine loads out (``.weight`` packed,
+    ``.weight_scale``, ``.weight_scale_2``); unselected tensors pass through unchanged."""
+    items = list(named)
+    policy = policy or QuantPolicy()
+    infos = [
+        TensorInfo(n, _DTYPE_NAMES.get(t.dtype, str(t.dtype)), tuple(t.shape)) for n, t in items
+    ]
+    chosen = set(select_tensors(infos, policy, num_layers)) - _excluded(infos, exclude_modules)
+    by_name = dict(items)
+    roles: dict[str, dict[str, str]] = {}
+    for n, _ in items:
+        r = gate_up_role(n)
+        if r is not None:
+            roles.setdefault(r[0], {})[r[1]] = n
+    partner: dict[str, str] = {}
+    for slot in roles.values():
+        q = [m for m in slot.values() if m in chosen]
+        if q and (len(slot) != 2 or len(q) != 2):
+            raise CheckpointError(
+                f"{q[0]}: its gate/up partner is missing from this bucket or excluded; a pair "
+                "must be quantized together"
+            )
+        if q:
+            partner[slot["gate"]], partner[slot["up"]] = slot["up"], slot["gate"]
+    out: list[tuple[str, torch.Tensor]] = []
+    for n, t in items:
+        if n not in chosen:
+            out.append((n, t))
+            continue
+        is_3d = t.dim() == 3
+        amax = global_amax(t, per_expert=is_3d)
+        if n in partner:
+            amax = torch.maximum(amax, global_amax(by_name[partner[n]], per_expert=is_3d))
+        qt = quantize_nvfp4(t, global_amax=amax, cfg=cfg, name=n, allow_3d=is_3d)
+        base = n.removesuffix(".weight")
+        out += [
+            (n, qt.packed),
+            (base + ".weight_scale", qt.scale),
+            (base + ".weight_scale_2", qt.scale_2),
+        ]
+    return out

@@ -1,0 +1,329 @@
+"""Pure-torch NVFP4 quantizer and dequantizer (CPU and CUDA), bit-exact to TE's 1-D reference.
+
+Layout (ModelOpt, what SGLang's ``modelopt_fp4`` loader reads), for a weight ``[N, K]``:
+``weight`` uint8 ``[N, K/2]`` (two E2M1 codes a byte, the even element in the low nibble),
+``weight_scale`` float8_e4m3fn ``[N, K/16]`` (one per 1x16 block, row-major, not swizzled)
+and ``weight_scale_2`` float32 (0-d; ``[E]`` for 3-D expert tensors), the global decode scale.
+
+The arithmetic follows TransformerEngine's ``NVFP4QuantizerRef`` 1-D path (RHT, 2-D and
+stochastic rounding off), all in fp32 with round-to-nearest-even. Where it departs from the
+obvious (and from ModelOpt/torchao):
+
+* the global encode scale is ``min(6*Emax/A, FLT_MAX)`` and ``weight_scale_2 = 1/S_enc``;
+  computing ``A/2688`` directly differs by one ulp for about a quarter of amaxes;
+* block scales are ``v * fp32(S_enc * fp32(1/6))`` (``te-multiplier``); older TE computed
+  ``(v/6) * S_enc`` (``te-divide``), which rounds differently on ~1.7e-5 of blocks;
+* a block whose scale rounds to zero encodes with ``e = FLT_MAX``: its nonzero values get code
+  +-7 but still decode to 0 (kept for bit parity with TE);
+* NaN/Inf raise (TE would saturate Inf silently); rows are never padded.
+
+Rounding to E2M1 uses the branch-free form ``round(2a)`` (a<2), ``2+round(a)`` (a<4),
+``4+round(a/2)`` (else) with half-even ``torch.round``: the same codes as a table of
+midpoints with ties to the even code, about twice as fast on CPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from posttrain.interface import NVFP4Precision
+from posttrain.quant_convert.errors import QuantInputError
+
+__all__ = [
+    "E2M1_VALUES",
+    "NVFP4Config",
+    "NVFP4Tensor",
+    "dequantize_nvfp4",
+    "global_amax",
+    "pack_e2m1",
+    "quantize_nvfp4",
+    "quantize_nvfp4_pair",
+    "unpack_e2m1",
+]
+
+ScaleRounding = Literal["te-multiplier", "te-divide"]
+FourOverSixMode = Literal["off", "mae", "mse"]
+
+GROUP_SIZE = 16
+FLT_MAX = float(torch.finfo(torch.float32).max)
+E4M3_MAX = 448.0
+_SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# Codes 0..15: sign << 3 | magnitude index. Code 8 is -0.0.
+E2M1_VALUES: tuple[float, ...] = (
+    0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
+    -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0,
+)  # fmt: skip
+_CHUNK_ELEMENTS = 1 << 20  # rows per step on CPU: ~10 fp32 temporaries of 4 MiB each
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class NVFP4Config:
+    """How weights are quantized (the knobs TE exposes for its 1-D NVFP4 weight path).
+
+    ``four_over_six`` picks, per block, between the usual scale (map-6) and one 1.5x larger
+    (map-4) by MAE or MSE, as TE's ``NVTE_NVFP4_4OVER6``; ``e4m3_max`` is the Emax of the
+    global scale (None: 448, or 256 when 4-over-6 is on, as TE's default).
+    """
+
+    scale_rounding: ScaleRounding = "te-multiplier"
+    four_over_six: FourOverSixMode = "off"
+    e4m3_max: float | None = None
+
+    @property
+    def emax(self) -> float:
+        if self.e4m3_max is not None:
+            return float(self.e4m3_max)
+        return 256.0 if self.four_over_six != "off" else E4M3_MAX
+
+    @classmethod
+    def from_precision(
+        cls, precision: NVFP4Precision, *, e4m3_max: float | None = None
+    ) -> NVFP4Config:
+        """The quantizer knobs of an interface ``NVFP4Precision`` (plus TE's Emax switch)."""
+        return cls(
+            scale_rounding=precision.scale_rounding.value,
+            four_over_six=precision.four_over_six.value,
+            e4m3_max=e4m3_max,
+        )
+
+    def validate(self) -> None:
+        from posttrain.interface import ConfigError
+
+        if self.scale_rounding not in ("te-multiplier", "te-divide"):
+            raise ConfigError(
+                f"scale_rounding={self.scale_rounding!r}: use te-multiplier or te-divide"
+            )
+        if self.four_over_six not in ("off", "mae", "mse"):
+            raise ConfigError(f"four_over_six={self.four_over_six!r}: use off, mae or mse")
+        if self.e4m3_max is not None and self.e4m3_max not in (448, 256):
+            raise ConfigError(f"e4m3_max={self.e4m3_max!r}: use 448 or 256")
+
+
+@dataclass(slots=True, frozen=True)
+class NVFP4Tensor:
+    """One quantized weight: packed codes, block scales and the global decode scale."""
+
+    packed: torch.Tensor
+    scale: torch.Tensor
+    scale_2: torch.Tensor
+
+
+def _check(w: torch.Tensor, name: str, allow_3d: bool) -> None:
+    if w.dtype not in _SUPPORTED_DTYPES:
+        raise QuantInputError(f"{name}: dtype {w.dtype} is not fp16/bf16/fp32")
+    ranks = (2, 3) if allow_3d else (2,)
+    if w.dim() not in ranks:
+        raise QuantInputError(f"{name}: rank {w.dim()} (shape {tuple(w.shape)}); expected {ranks}")
+    if w.shape[-1] % GROUP_SIZE != 0:
+        raise QuantInputError(f"{name}: last dim K={w.shape[-1]} is not a multiple of {GROUP_SIZE}")
+
+
+def _absmax(x: torch.Tensor, dim: int) -> torch.Tensor:
+    # two reductions instead of materialising |x|; NaN propagates through both
+    return torch.maximum(x.amax(dim=dim), -x.amin(dim=dim))
+
+
+def _check_finite(amax: torch.Tensor, name: str, w: torch.Tensor) -> None:
+    if not bool(torch.isfinite(amax).all()):
+        bad = "NaN" if bool(torch.isnan(w).any()) else "Inf"
+        raise QuantInputError(f"{name}: contains {bad}; NVFP4 needs finite weights")
+
+
+def global_amax(w: torch.Tensor, *, per_expert: bool = False) -> torch.Tensor:
+    """max|w| in fp32 (exact): 0-d, or ``[E]`` over all but the first dim when ``per_expert``."""
+    if w.numel() == 0:
+        return torch.zeros(w.shape[0] if per_expert else (), dtype=torch.float32, device=w.device)
+    flat = w.reshape(w.shape[0], -1) if per_expert else w.reshape(1, -1)
+    a = _absmax(flat, dim=1).to(torch.float32)
+    return a if per_expert else a[0]
+
+
+def _encode_scale(amax: torch.Tensor, emax: float) -> torch.Tensor:
+    s_enc = torch.tensor(6.0 * emax, dtype=torch.float32, device=amax.device) / amax
+    s_enc = torch.clamp(s_enc, max=FLT_MAX)
+    return torch.where(s_enc == 0, torch.ones_like(s_enc), s_enc)
+
+
+def _encode(x: torch.Tensor, s_f32: torch.Tensor, ws2: torch.Tensor) -> torch.Tensor:
+    """E2M1 codes of fp32 blocks ``x [..., nb, 16]`` under block scales ``s_f32 [..., nb]``."""
+    e = torch.clamp(1.0 / (s_f32 * ws2), max=FLT_MAX)
+    y = torch.clamp(x * e.unsqueeze(-1), -6.0, 6.0)
+    a = y.abs()
+    idx = torch.where(
+        a < 2.0,
+        torch.round(a * 2.0),
+        torch.where(a < 4.0, torch.round(a) + 2.0, torch.round(a * 0.5) + 4.0),
+    )
+    return idx.to(torch.uint8) | ((y < 0).to(torch.uint8) << 3)
+
+
+def _e4m3(d: torch.Tensor) -> torch.Tensor:
+    d = torch.clamp(torch.clamp(d, max=FLT_MAX), -E4M3_MAX, E4M3_MAX)
+    return d.to(torch.float8_e4m3fn)
+
+
+def _sequential_sum(t: torch.Tensor) -> torch.Tensor:
+    # TE sums the 16 block errors one after another; torch.sum's order would change ties.
+    acc = t[..., 0]
+    for i in range(1, t.shape[-1]):
+        acc = acc + t[..., i]
+    return acc
+
+
+def _quantize_rows(
+    x: torch.Tensor,
+    s_enc: torch.Tensor,
+    ws2: torch.Tensor,
+    amax: torch.Tensor,
+    cfg: NVFP4Config,
+    name: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Codes ``[R, K]`` and e4m3 scales ``[R, K/16]`` of rows ``x`` (fp32)."""
+    blocks = x.reshape(x.shape[0], -1, GROUP_SIZE)
+    v = _absmax(blocks, dim=-1)
+    _check_finite(v, name, x)
+    if cfg.four_over_six == "off":
+        if cfg.scale_rounding == "te-multiplier":
+            mult = s_enc * torch.tensor(1.0 / 6.0, dtype=torch.float32, device=x.device)
+            s = _e4m3(v * mult)
+        else:
+            s = _e4m3((v / 6.0) * s_enc)
+        codes = _encode(blocks, s.to(torch.float32), ws2)
+        return codes.reshape(x.shape), s
+    base = (v / 6.0) * s_enc
+    s6 = _e4m3(base)
+    s4 = _e4m3(base * 1.5)
+    table = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=x.device)
+    denom = torch.tensor(6.0 * cfg.emax, dtype=torch.float32, device=x.device)
+    errs = []
+    cands = []
+    for s in (s4, s6):
+        sf = s.to(torch.float32)
+        c = _encode(blocks, sf, ws2)
+        val = ((table[c.long()] * sf.unsqueeze(-1)) * amax) / denom
+        diff = val - blocks
+        errs.append(_sequential_sum(diff.abs() if cfg.four_over_six == "mae" else diff * diff))
+        cands.append(c)
+    use4 = errs[0] < errs[1]
+    codes = torch.where(use4.unsqueeze(-1), cands[0], cands[1])
+    s = torch.where(use4, s4.to(torch.float32), s6.to(torch.float32)).to(torch.float8_e4m3fn)
+    return codes.reshape(x.shape), s
+
+
+def pack_e2m1(codes: torch.Tensor) -> torch.Tensor:
+    """Pack codes ``[..., K]`` (uint8, 0..15) into ``[..., K/2]``: even element in the low nibble."""
+    return codes[..., 0::2] | (codes[..., 1::2] << 4)
+
+
+def unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`pack_e2m1`."""
+    out = torch.stack((packed & 0x0F, packed >> 4), dim=-1)
+    return out.reshape(*packed.shape[:-1], packed.shape[-1] * 2)
+
+
+def _quantize_2d(
+    w: torch.Tensor, amax: torch.Tensor, cfg: NVFP4Config, name: str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    n, k = w.shape
+    s_enc = _encode_scale(amax, cfg.emax)
+    ws2 = 1.0 / s_enc
+    packed = torch.empty((n, k // 2), dtype=torch.uint8, device=w.device)
+    scale = torch.empty((n, k // GROUP_SIZE), dtype=torch.float8_e4m3fn, device=w.device)
+    # row chunks bound the fp32 temporaries; a GPU wants fewer, larger launches
+    chunk = _CHUNK_ELEMENTS if w.device.type == "cpu" else _CHUNK_ELEMENTS * 16
+    rows = max(1, chunk // max(k, 1))
+    for r0 in range(0, n, rows):
+        x = w[r0 : r0 + rows].to(torch.float32)
+        codes, s = _quantize_rows(x, s_enc, ws2, amax, cfg, name)
+        packed[r0 : r0 + rows] = pack_e2m1(codes)
+        scale[r0 : r0 + rows] = s
+    return packed, scale, ws2
+
+
+def quantize_nvfp4(
+    weight: torch.Tensor,
+    *,
+    global_amax: torch.Tensor | float | None = None,
+    cfg: NVFP4Config | NVFP4Precision | None = None,
+    name: str = "weight",
+    allow_3d: bool = False,
+) -> NVFP4Tensor:
+    """Quantize a ``[N, K]`` (or, with ``allow_3d``, ``[E, N, K]``) weight to NVFP4.
+
+    ``global_amax`` overrides max|weight| (a gate/up pair passes the max over both; 3-D takes
+    one per expert, shape ``[E]``). Raises :class:`QuantInputError` naming ``name`` for NaN,
+    Inf, K not a multiple of 16, an unsupported dtype or rank.
+    """
+    if isinstance(cfg, NVFP4Precision):
+        cfg = NVFP4Config.from_precision(cfg)
+    cfg = cfg or NVFP4Config()
+    _check(weight, name, allow_3d)
+    is_3d = weight.dim() == 3
+    if global_amax is None:
+        amax = _amax_of(weight, is_3d)
+    else:
+        amax = torch.as_tensor(global_amax, dtype=torch.float32, device=weight.device)
+        if is_3d and amax.dim() == 0:
+            amax = amax.expand(weight.shape[0]).clone()
+    if not is_3d:
+        p, s, ws2 = _quantize_2d(weight, amax, cfg, name)
+        return NVFP4Tensor(p, s, ws2)
+    parts = [_quantize_2d(weight[e], amax[e], cfg, name) for e in range(weight.shape[0])]
+    return NVFP4Tensor(
+        torch.stack([p[0] for p in parts]),
+        torch.stack([p[1] for p in parts]),
+        torch.stack([p[2] for p in parts]),
+    )
+
+
+def _amax_of(w: torch.Tensor, is_3d: bool) -> torch.Tensor:
+    return global_amax(w, per_expert=is_3d)
+
+
+def quantize_nvfp4_pair(
+    gate: torch.Tensor,
+    up: torch.Tensor,
+    *,
+    cfg: NVFP4Config | NVFP4Precision | None = None,
+    names: tuple[str, str] = ("gate_proj.weight", "up_proj.weight"),
+    allow_3d: bool = False,
+) -> tuple[NVFP4Tensor, NVFP4Tensor]:
+    """Quantize a gate/up pair with one shared global amax.
+
+    Bitwise equal to quantizing ``cat([gate, up])`` and splitting the rows, without the concat
+    (the pair's ``weight_scale_2`` values are equal, as SGLang's fused w13 requires).
+    """
+    _check(gate, names[0], allow_3d)
+    _check(up, names[1], allow_3d)
+    if gate.dim() != up.dim() or gate.shape[-1] != up.shape[-1]:
+        raise QuantInputError(
+            f"{names[0]} {tuple(gate.shape)} and {names[1]} {tuple(up.shape)} do not pair"
+        )
+    is_3d = gate.dim() == 3
+    amax = torch.maximum(_amax_of(gate, is_3d), _amax_of(up, is_3d))
+    return (
+        quantize_nvfp4(gate, global_amax=amax, cfg=cfg, name=names[0], allow_3d=allow_3d),
+        quantize_nvfp4(up, global_amax=amax, cfg=cfg, name=names[1], allow_3d=allow_3d),
+    )
+
+
+def dequantize_nvfp4(
+    packed: torch.Tensor,
+    scale: torch.Tensor,
+    scale_2: torch.Tensor,
+    *,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """``E2M1[code] * (float(scale) * scale_2)`` in fp32, then cast to ``dtype``."""
+    codes = unpack_e2m1(packed)
+    table = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=packed.device)
+    vals = table[codes.long()]
+    s2 = scale_2.to(torch.float32)
+    if s2.dim() == 1:  # [E] for 3-D expert tensors
+        s2 = s2.reshape(-1, 1, 1)
+    block = scale.to(torch.float32) * s2
+    out = vals.reshape(*codes.shape[:-1], -1, GROUP_SIZE) * block.unsqueeze(-1)
+    return out.reshape(codes.shape).to(dtype)
