@@ -72,6 +72,8 @@ class GenerateRequest(WireModel):
     token_ids_logprob_positions: list[list[NonNegativeInt]] | None = None
     return_text_in_logprobs: StrictBool | None = None
     lora_path: str | list[str | None] | None = None
+    # SGLang keeps prefix-cache entries apart by this key (one per adapter version).
+    extra_key: str | list[str | None] | None = None
     rid: str | list[str] | None = None
     stream: StrictBool | None = None
     data_parallel_rank: NonNegativeInt | None = None

@@ -138,6 +138,9 @@ def create_app(ctx: ServerContext) -> Starlette:
             "weight_update_protocol": "wsync/1",
             "weight_update_transports": ["disk", "http_safetensors", "shm"],
             "loaded_adapters": engine.adapters.names(),
+            # What posttrain.lora.AdapterClient probes: verified pushes, and replacing an
+            # adapter under its name (every load here replaces atomically).
+            "lora_capabilities": ["checksums", "upsert"] if cfg.enable_lora else [],
             "version": f"posttrain-local-engine {VERSION}",
             "engine": "posttrain-local-engine",
             "internal_states": [

@@ -6,10 +6,8 @@ route here is state-changing, so each is wrapped with the bearer-token guard.
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
-from safetensors.torch import load as st_load
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -24,6 +22,7 @@ from posttrain.interface import (
     WeightUpdateBegin,
     WireFormatError,
 )
+from posttrain.local_engine._adapter_payload import decode_adapter_payload, verify_checksums
 from posttrain.local_engine._buckets import dtype_from_name, unpack_bucket
 from posttrain.local_engine._context import ServerContext
 from posttrain.local_engine._engine import GenResult, GenTask
@@ -34,7 +33,6 @@ from posttrain.local_engine._scheduler import BatchScheduler
 from posttrain.local_engine._transports import (
     ShmMaps,
     read_safetensors_bucket,
-    safetensors_metadata,
 )
 
 __all__ = ["weight_routes"]
@@ -77,19 +75,17 @@ def weight_routes(
     async def load_lora_from_tensors(request: Request) -> Response:
         require_lora()
         raw = await body_bytes(request, cfg.max_update_bytes)
-        meta = safetensors_metadata(raw)
-        name = meta.get("lora_name")
-        if not name:
-            raise WireFormatError("__metadata__.lora_name: missing", field="__metadata__.lora_name")
-        try:
-            config = json.loads(meta.get("config_dict", ""))
-        except json.JSONDecodeError:
-            raise WireFormatError(
-                "__metadata__.config_dict: missing or not JSON (the PEFT adapter config)",
-                field="__metadata__.config_dict",
-            ) from None
-        engine.load_adapter_tensors(name, config, st_load(raw))
-        return lora_reply(True)
+        payload = decode_adapter_payload(raw, request.headers.get("content-type", ""))
+        checksums = verify_checksums(payload)  # before anything is loaded
+        engine.load_adapter_tensors(payload.name, payload.config, payload.tensors)
+        return JSONResponse(
+            {
+                "success": True,
+                "error_message": "",
+                "loaded_adapters": engine.adapters.names(),
+                "checksums": checksums,
+            }
+        )
 
     # ---- weights -----------------------------------------------------------------------
 
