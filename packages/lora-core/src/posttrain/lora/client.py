@@ -30,7 +30,7 @@ import httpx
 import torch
 from safetensors.torch import save as safetensors_save
 
-from posttrain.interface import TransportError
+from posttrain.interface import ConfigError, TransportError
 from posttrain.lora.errors import AdapterPushError, ChecksumMismatchError
 
 Serializer = Callable[[Mapping[str, torch.Tensor]], tuple[str, str | None]]
@@ -79,7 +79,7 @@ def request_fields(name: str, version: int) -> dict[str, str]:
     ``extra_key`` keeps prefix-cache entries from crossing adapter versions.
     """
     if not name:
-        raise ValueError("request_fields: adapter name must be non-empty")
+        raise ConfigError("request_fields: adapter name must be non-empty")
     return {"lora_path": name, "extra_key": f"{name}:v{version}"}
 
 
