@@ -52,4 +52,3 @@ def test_error_tree_is_documented_once() -> None:
         value = getattr(interface, name)
         if isinstance(value, type) and issubclass(value, interface.PosttrainError):
             assert name in doc, f"{name} is missing from the error tree docstring"
-            assert issubclass(value, interface.PosttrainError)

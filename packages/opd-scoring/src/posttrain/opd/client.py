@@ -337,6 +337,15 @@ class TeacherScorer:
         cause: BaseException | None = None
         status: int | None = None
         t0 = time.monotonic()
+
+        def unavailable(
+            reason: str, failure: BaseException | None, last: int | None, tries: int
+        ) -> TeacherUnavailableError:
+            return TeacherUnavailableError(
+                reason, url=url, attempts=tries, elapsed_s=time.monotonic() - t0,
+                cause=failure, status=last,
+            )  # fmt: skip
+
         while True:
             attempts += 1
             stats.attempts += 1
@@ -346,13 +355,8 @@ class TeacherScorer:
                 deadline.start()
                 remaining = deadline.remaining()
                 if remaining <= 0:
-                    raise TeacherUnavailableError(
-                        f"deadline of {deadline.seconds}s passed",
-                        url=url,
-                        attempts=attempts - 1,
-                        elapsed_s=time.monotonic() - t0,
-                        cause=cause,
-                        status=status,
+                    raise unavailable(
+                        f"deadline of {deadline.seconds}s passed", cause, status, attempts - 1
                     )
                 shard = ep.pick()
                 ep.load[shard] += 1
@@ -362,23 +366,16 @@ class TeacherScorer:
                             ep.generate_url, content=body, headers=headers
                         )
                 except TimeoutError as e:
-                    raise TeacherUnavailableError(
+                    raise unavailable(
                         f"deadline of {deadline.seconds}s passed during a request",
-                        url=url,
-                        attempts=attempts,
-                        elapsed_s=time.monotonic() - t0,
-                        cause=e,
+                        e,
+                        None,
+                        attempts,
                     ) from e
                 except _RETRYABLE as e:
                     cause, status = e, None
                 except httpx.HTTPError as e:
-                    raise TeacherUnavailableError(
-                        "request failed (not retryable)",
-                        url=url,
-                        attempts=attempts,
-                        elapsed_s=time.monotonic() - t0,
-                        cause=e,
-                    ) from e
+                    raise unavailable("request failed (not retryable)", e, None, attempts) from e
                 finally:
                     ep.load[shard] -= 1
             if resp is not None:
@@ -401,24 +398,17 @@ class TeacherScorer:
                         status=status,
                     )
             if attempts >= self.retry.attempts:
-                raise TeacherUnavailableError(
+                raise unavailable(
                     f"gave up on sample {index} after {attempts} attempts (last status {status})",
-                    url=url,
-                    attempts=attempts,
-                    elapsed_s=time.monotonic() - t0,
-                    cause=cause,
-                    status=status,
-                )
+                    cause, status, attempts,
+                )  # fmt: skip
             sleep = self._rng.uniform(0.0, self.retry.backoff_cap(attempts - 1))
             if sleep >= deadline.remaining():
-                raise TeacherUnavailableError(
-                    f"deadline of {deadline.seconds}s would pass during backoff (last status {status})",
-                    url=url,
-                    attempts=attempts,
-                    elapsed_s=time.monotonic() - t0,
-                    cause=cause,
-                    status=status,
-                )
+                raise unavailable(
+                    f"deadline of {deadline.seconds}s would pass during backoff "
+                    f"(last status {status})",
+                    cause, status, attempts,
+                )  # fmt: skip
             log.debug(
                 "retrying %s sample %s in %.3fs (status %s, %r)", url, index, sleep, status, cause
             )
