@@ -1,13 +1,21 @@
 """Per-turn latency added by sgl-router and by the session server, and router start-to-ready.
 
-B1: one interleaved run. Each round sends the same prompt (``--tokens`` 512 and 8192) to, in
+B1: one interleaved run. Each round sends a prompt of ``--sizes`` tokens (512 and 8192) to, in
 turn: the worker directly (``/generate``), through sgl-router (``/generate`` with a routing key),
-through the session server then sgl-router (a first chat turn of a fresh session: the whole
-template is rendered and tokenized, so this is the most expensive turn), a second turn of such a
-session (only the appended message is tokenized; the prompt is the first turn's tokens plus it),
-the session server's raw proxy (its HTTP hop without TITO work), and through the session server
-straight to the worker. Every server is its own process on 127.0.0.1 (the worker is a loopback
-SGLang-shaped worker returning 16 tokens, Nagle off). Medians over ``--rounds``.
+and through the session server then sgl-router as
+
+* a first chat turn of a fresh session with a prompt never seen before (*cold*: the whole prompt
+  is rendered and tokenized; each call prefixes a new number to the message),
+* a first turn whose prompt an earlier session already sent (*warm*: what every GRPO group member
+  after the first is; the tokenization comes from the session server's cache),
+* a second turn of such a session (only the appended message is tokenized),
+* the session server's raw proxy (its HTTP hop without TITO work),
+
+and a warm first turn through the session server straight to the worker. Every server is its own
+process on 127.0.0.1 (the worker is a loopback SGLang-shaped worker returning 16 tokens, Nagle
+off). Medians over ``--rounds``. Tokenizing the cold prompt in-process is timed separately
+(``server_tokenize_ms_per_cold_turn``, from the server's ``/metrics``), since the direct paths
+receive ids their client tokenized before timing began.
 
 B2: router start-to-ready: ``start_router`` (the wheel's Python API in a child process) versus
 ``smg launch`` (the wheel's CLI), each until ``/health`` answers 200. Medians over ``--starts``.
@@ -133,6 +141,14 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def tokenize_seconds(url: str, client: httpx.Client) -> float:
+    """The session server's ``session_router_tokenize_seconds_total`` (its uncached tokenizing)."""
+    for line in client.get(f"{url}/metrics").text.splitlines():
+        if line.startswith("session_router_tokenize_seconds_total "):
+            return float(line.split()[1])
+    raise RuntimeError("session_router_tokenize_seconds_total missing from /metrics")
+
+
 def measure_size(
     client: httpx.Client,
     tok: ChatTokenizer,
@@ -164,6 +180,23 @@ def measure_size(
         client.delete(f"{url}/sessions/{sid}")
         return dt
 
+    fresh = iter(range(10**9))
+
+    def session_cold(url: str) -> float:
+        """A first turn with a prompt the server has never seen (a new number in front)."""
+        body = {
+            "messages": [{"role": "user", "content": f"{next(fresh)} {text}"}],
+            "max_tokens": 16,
+        }
+        sid = client.post(f"{url}/sessions").json()["session_id"]
+        t = time.perf_counter()
+        r = client.post(f"{url}/sessions/{sid}/v1/chat/completions", json=body)
+        dt = time.perf_counter() - t
+        assert r.status_code == 200, r.text
+        assert abs(r.json()["usage"]["prompt_tokens"] - len(ids)) <= 8
+        client.delete(f"{url}/sessions/{sid}")
+        return dt
+
     def next_turn(url: str) -> float:
         """The second turn of a session whose first turn carried the long prompt."""
         sid = client.post(f"{url}/sessions").json()["session_id"]
@@ -187,6 +220,7 @@ def measure_size(
     paths = {
         "worker": lambda: direct(urls["worker"]),
         "router": lambda: direct(urls["router"]),
+        "session_router_cold": lambda: session_cold(urls["session_router"]),
         "session_router": lambda: session(urls["session_router"]),
         "session_worker": lambda: session(urls["session_worker"]),
         "session_router_next_turn": lambda: next_turn(urls["session_router"]),
@@ -205,17 +239,26 @@ def measure_size(
     spent: dict[str, float] = {}
     for name, pid_name in [
         ("router", "router"),
+        ("session_router_cold", "session_router"),
         ("session_router", "session_router"),
         ("session_router_next_turn", "session_router"),
         ("session_proxy_router", "session_router"),
     ]:
         before = cpu_seconds(pids[pid_name])
+        tok_before = tokenize_seconds(urls["session_router"], client)
         for _ in range(100):
             paths[name]()
         spent[name] = (cpu_seconds(pids[pid_name]) - before) * 10  # ms per call
+        if name == "session_router_cold":
+            server_tokenize_ms = (
+                tokenize_seconds(urls["session_router"], client) - tok_before
+            ) * 10
     cpu = {
         "router_per_generate": round(spent["router"], 2),
         # a session path call is POST /sessions + the turn(s) + DELETE
+        "session_server_per_cold_first_turn_with_create_delete": round(
+            spent["session_router_cold"], 2
+        ),
         "session_server_per_first_turn_with_create_delete": round(spent["session_router"], 2),
         "session_server_per_second_turn": round(
             spent["session_router_next_turn"] - spent["session_router"], 2
@@ -226,15 +269,36 @@ def measure_size(
     p10 = {k: _pct(v, 0.1) for k, v in samples.items()}
     router_hop = med["router"] - med["worker"]
     session_hop = med["session_router"] - med["router"]
+    cold_hop = med["session_router_cold"] - med["router"]
+    next_hop = med["session_router_next_turn"] - med["router"]
+    proxy_hop = med["session_proxy_router"] - med["router"]
+    cold_text = tok.render([{"role": "user", "content": f"-1 {text}"}], add_generation_prompt=True)
+    tokenize = []
+    for _ in range(20):
+        t = time.perf_counter()
+        tok.tokenizer.encode_batch_fast([cold_text], add_special_tokens=False)
+        tokenize.append(time.perf_counter() - t)
     return {
         "prompt_tokens": len(ids),
+        "tokenize_ms": round(statistics.median(tokenize) * 1e3, 3),
         "median_ms": {k: round(v, 3) for k, v in med.items()},
         "p10_ms": {k: round(v, 3) for k, v in p10.items()},
         "router_hop_ms": round(router_hop, 3),
         "session_hop_ms": round(session_hop, 3),
-        "session_proxy_hop_ms": round(med["session_proxy_router"] - med["router"], 3),
-        "session_next_turn_hop_ms": round(med["session_router_next_turn"] - med["router"], 3),
+        "session_cold_hop_ms": round(cold_hop, 3),
+        "session_proxy_hop_ms": round(proxy_hop, 3),
+        "session_next_turn_hop_ms": round(next_hop, 3),
         "cpu_ms_per_request": cpu,
+        "hop_over_router_hop": {
+            name: round(hop / router_hop, 2) if router_hop > 0 else None
+            for name, hop in [
+                ("first_turn_cold", cold_hop),
+                ("first_turn_cold_less_tokenize", cold_hop - server_tokenize_ms),
+                ("first_turn_warm", session_hop),
+                ("second_turn", next_hop),
+                ("raw_proxy", proxy_hop),
+            ]
+        },
         "session_hop_over_router_hop": round(session_hop / router_hop, 2)
         if router_hop > 0
         else None,

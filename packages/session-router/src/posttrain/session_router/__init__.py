@@ -15,6 +15,7 @@ from posttrain.session_router._errors import (
     SessionRouterError,
     TitoMismatchError,
     UpstreamReplyError,
+    UpstreamTransportError,
 )
 from posttrain.session_router.app import create_app
 from posttrain.session_router.assembly import (
@@ -48,6 +49,12 @@ from posttrain.session_router.tito import (
     parse_generate_reply,
     prepare_turn,
 )
+from posttrain.session_router.upstream import (
+    HttpxUpstream,
+    PooledUpstream,
+    Upstream,
+    UpstreamReply,
+)
 from posttrain.session_router.wire import DecodedSamples, decode_samples, encode_samples
 
 __all__ = [
@@ -57,8 +64,10 @@ __all__ = [
     "ChatRequest",
     "ChatTokenizer",
     "DecodedSamples",
+    "HttpxUpstream",
     "LoopbackWorker",
     "ParsedReply",
+    "PooledUpstream",
     "PreparedTurn",
     "RouterHandle",
     "RouterIncompatible",
@@ -72,7 +81,10 @@ __all__ = [
     "SessionState",
     "TitoMismatchError",
     "TurnRecord",
+    "Upstream",
+    "UpstreamReply",
     "UpstreamReplyError",
+    "UpstreamTransportError",
     "apply_lora",
     "assemble_samples",
     "build_generate_body",

@@ -68,7 +68,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (PosttrainError, httpx.HTTPError) as exc:
         print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning", access_log=False)
+    # httptools parses requests in C: ~0.12 ms less CPU per request than h11 (benchmarks/).
+    uvicorn.run(
+        app,
+        host=args.host,
+        port=args.port,
+        http="httptools",
+        log_level="warning",
+        access_log=False,
+    )
     return 0
 
 

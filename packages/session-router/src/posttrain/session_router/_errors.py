@@ -4,6 +4,7 @@ PosttrainError                              (posttrain.interface)
 ├── ConfigError (ValueError)                a bad option: tokenizer dir, policy, port
 ├── TransportError                          (posttrain.interface; has ``.url``)
 │   ├── UpstreamReplyError                  502: the engine/router reply lacks what TITO needs
+│   ├── UpstreamTransportError              502: the upstream was unreachable, reset or timed out
 │   └── RouterStartError                    sgl-router did not become ready, or a worker did
 │                                           not register/deregister in time
 └── SessionRouterError                      base of the package's own errors
@@ -66,3 +67,12 @@ class UpstreamReplyError(TransportError):
 
 class RouterStartError(TransportError):
     """sgl-router did not become ready, or a worker (de)registration did not finish in time."""
+
+
+class UpstreamTransportError(TransportError):
+    """The upstream could not be reached, reset the connection or did not answer in time."""
+
+    def __init__(self, cause: BaseException, *, url: str) -> None:
+        self.cause_name = type(cause).__name__
+        self.detail = str(cause) or repr(cause)
+        super().__init__(f"{self.cause_name}: {self.detail}", url=url)

@@ -26,12 +26,12 @@ import asyncio
 import contextlib
 import functools
 import hmac
-import json
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import httpx
+import orjson
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -45,6 +45,7 @@ from posttrain.session_router._errors import (
     SessionNotFoundError,
     TitoMismatchError,
     UpstreamReplyError,
+    UpstreamTransportError,
 )
 from posttrain.session_router.assembly import (
     REPLY_DROP_HEADERS,
@@ -57,17 +58,19 @@ from posttrain.session_router.config import SessionRouterConfig
 from posttrain.session_router.openai_reply import SSE_HEADERS, chat_completion, dumps, fake_stream
 from posttrain.session_router.samples import assemble_samples
 from posttrain.session_router.server import BodyTooLargeError, SessionServer
-from posttrain.session_router.template import ChatTokenizer
+from posttrain.session_router.template import ChatTokenizer, NotCachedError
 from posttrain.session_router.tito import (
     TurnRecord,
     commit_turn,
     parse_generate_reply,
     prepare_turn,
 )
+from posttrain.session_router.upstream import Upstream, UpstreamReply
 from posttrain.session_router.wire import encode_samples
 
 Handler = Callable[[Request], Awaitable[Response]]
-_OFFLOAD_BYTES = 16 * 1024
+# Tokenizing more text than this (~4k tokens, ~4 ms) is handed to a thread unless cached.
+_INLINE_TOKENIZE_CHARS = 16 * 1024
 
 
 def _error(status: int, message: str) -> Response:
@@ -83,8 +86,8 @@ def _server(request: Request) -> SessionServer:
     return server
 
 
-def _transport_error(exc: Exception) -> Response:
-    return _error(502, f"backend transport error: {type(exc).__name__}: {exc}")
+def _transport_error(exc: UpstreamTransportError) -> Response:
+    return _error(502, f"backend transport error: {exc.cause_name}: {exc.detail}")
 
 
 def _handled(route: str, fn: Handler) -> Handler:
@@ -112,7 +115,7 @@ def _handled(route: str, fn: Handler) -> Handler:
             response = _error(500, str(exc))
         except UpstreamReplyError as exc:
             response = _error(502, str(exc))
-        except httpx.HTTPError as exc:
+        except UpstreamTransportError as exc:
             response = _transport_error(exc)
         except PosttrainError as exc:  # anything else we raise is still a JSON error
             response = _error(500, f"{type(exc).__name__}: {exc}")
@@ -184,13 +187,17 @@ async def chat(request: Request) -> Response:
             max_rollback_checkpoints=cfg.max_rollback_checkpoints,
             max_trim_tokens=cfg.max_trim_tokens,
         )
-        # Rendering and tokenizing a long prompt takes milliseconds: off the event loop then, so
-        # other sessions' turns proceed (prepare_turn only reads the state, and we hold its lock).
-        prepared = await asyncio.to_thread(prepare) if len(raw) > _OFFLOAD_BYTES else prepare()
+        # Tokenizing a long uncached text takes milliseconds: off the event loop then, so other
+        # sessions' turns proceed (prepare_turn only reads the state, and we hold its lock).
+        try:
+            prepared = prepare(max_uncached_chars=_INLINE_TOKENIZE_CHARS)
+        except NotCachedError:
+            prepared = await asyncio.to_thread(prepare)
     body = build_generate_body(req.body, cfg, prepared.prompt_ids)
     request_ts = time.time()
     started = time.perf_counter()
-    upstream = await server.client.post(
+    upstream = await server.upstream.request(
+        "POST",
         "/generate",
         content=dumps(body),
         headers=forward_headers(request.headers.items(), session_id)
@@ -205,14 +212,10 @@ async def chat(request: Request) -> Response:
             return _error(502, f"upstream answered {upstream.status_code}: {upstream.text[:500]}")
         return _passthrough(upstream)
     try:
-        payload = upstream.json()
-    except json.JSONDecodeError as exc:
-        raise UpstreamReplyError(
-            f"upstream reply is not JSON: {exc}", url=str(upstream.url)
-        ) from exc
-    reply = parse_generate_reply(
-        payload, prompt_len=len(prepared.prompt_ids), url=str(upstream.url)
-    )
+        payload = orjson.loads(upstream.content)
+    except orjson.JSONDecodeError as exc:
+        raise UpstreamReplyError(f"upstream reply is not JSON: {exc}", url=upstream.url) from exc
+    reply = parse_generate_reply(payload, prompt_len=len(prepared.prompt_ids), url=upstream.url)
     completion = chat_completion(
         reply, body=req.body, prompt_tokens=len(prepared.prompt_ids), tok=tok
     )
@@ -251,8 +254,8 @@ async def samples(request: Request) -> Response:
     state = server.get(request.path_params["session_id"])
     raw = await server.read_body(request)
     try:
-        body = json.loads(raw) if raw.strip() else {}
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        body = orjson.loads(raw) if raw.strip() else {}
+    except orjson.JSONDecodeError as exc:
         raise BadChatRequestError(f"invalid JSON body: {exc}") from exc
     if not isinstance(body, dict):
         raise BadChatRequestError("invalid JSON body: expected an object")
@@ -292,22 +295,22 @@ async def proxy(request: Request) -> Response:
     raw = await server.read_body(request)
     if path == "generate" and raw:
         # Same predicate as the chat path: lora_path present exactly when the adapter is served.
-        with contextlib.suppress(json.JSONDecodeError, UnicodeDecodeError, AttributeError):
-            body = json.loads(raw)
+        with contextlib.suppress(orjson.JSONDecodeError):
+            body = orjson.loads(raw)
             if isinstance(body, dict):
                 raw = dumps(apply_lora(body, server.cfg))
-    upstream = await server.client.request(
+    upstream = await server.upstream.request(
         request.method,
         "/" + path,
-        params=str(request.query_params),
+        query=request.url.query,
         content=raw,
         headers=forward_headers(request.headers.items(), session_id),
     )
     return _passthrough(upstream)
 
 
-def _passthrough(upstream: httpx.Response) -> Response:
-    headers = {k: v for k, v in upstream.headers.items() if k.lower() not in REPLY_DROP_HEADERS}
+def _passthrough(upstream: UpstreamReply) -> Response:
+    headers = {k: v for k, v in upstream.headers if k not in REPLY_DROP_HEADERS}
     return Response(upstream.content, status_code=upstream.status_code, headers=headers)
 
 
@@ -316,9 +319,16 @@ def create_app(
     *,
     tokenizer: ChatTokenizer | None = None,
     transport: httpx.AsyncBaseTransport | None = None,
+    upstream: Upstream | None = None,
 ) -> Starlette:
-    """The session server as an ASGI app; ``transport`` replaces the upstream HTTP transport."""
-    server = SessionServer(cfg, tokenizer or ChatTokenizer.from_dir(cfg.tokenizer), transport)
+    """The session server as an ASGI app.
+
+    ``upstream`` replaces the upstream client (default: aiohttp); ``transport`` instead puts an
+    httpx transport (e.g. ``httpx.MockTransport``) behind an ``HttpxUpstream``.
+    """
+    server = SessionServer(
+        cfg, tokenizer or ChatTokenizer.from_dir(cfg.tokenizer), transport, upstream=upstream
+    )
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:

@@ -16,10 +16,11 @@ the router passes through. These functions hold no state and do no I/O (hypothes
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+import orjson
 
 from posttrain.session_router._errors import BadChatRequestError
 from posttrain.session_router.config import SessionRouterConfig, serves_lora
@@ -109,8 +110,8 @@ class ChatRequest:
 def parse_chat_body(raw: bytes, defaults: Mapping[str, Any] | None = None) -> ChatRequest:
     """Parse and validate a chat completion body; every failure is a ``BadChatRequestError`` (400)."""
     try:
-        body = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
         raise BadChatRequestError(f"invalid JSON body: {exc}") from exc
     if not isinstance(body, dict):
         raise BadChatRequestError(

@@ -12,11 +12,12 @@ stripped from the client's copy (the session record keeps them).
 
 from __future__ import annotations
 
-import json
 import time
 import uuid
 from collections.abc import Mapping
 from typing import Any
+
+import orjson
 
 from posttrain.session_router.template import ChatTokenizer
 from posttrain.session_router.tito import ParsedReply
@@ -26,8 +27,8 @@ SSE_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
 
 
 def dumps(obj: Any) -> bytes:
-    """Compact JSON, non-ASCII kept as UTF-8."""
-    return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+    """Compact JSON, non-ASCII kept as UTF-8 (orjson: non-string keys become strings, as in json)."""
+    return orjson.dumps(obj, option=orjson.OPT_NON_STR_KEYS)
 
 
 def chat_completion(

@@ -1,8 +1,8 @@
 """State shared by the session server's routes: sessions, TTL reaping, the upstream client, metrics.
 
-The upstream client is an ``httpx.AsyncClient`` whose transport can be injected (tests use
-``httpx.MockTransport`` or loopback servers); its timeout is finite unless ``math.inf`` is
-configured explicitly. Expired sessions are reclaimed lazily on access and by a reaper task;
+The upstream client is an ``Upstream`` (upstream.py): aiohttp by default, or an
+``httpx.AsyncClient`` whose transport is injected (tests use ``httpx.MockTransport``); its timeout
+is finite unless ``math.inf`` is configured explicitly. Expired sessions are reclaimed lazily on access and by a reaper task;
 a session whose lock is held (a turn being prepared or committed) is never reclaimed.
 """
 
@@ -10,19 +10,22 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import math
 import time
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import httpx
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
 from starlette.requests import Request
 
 from posttrain.session_router._errors import SessionNotFoundError
 from posttrain.session_router.config import SessionRouterConfig
 from posttrain.session_router.template import ChatTokenizer
 from posttrain.session_router.tito import SessionState
+from posttrain.session_router.upstream import HttpxUpstream, PooledUpstream, Upstream
 
 
 class BodyTooLargeError(Exception):
@@ -55,6 +58,27 @@ class Metrics:
         )
 
 
+class TokenizerCollector(Collector):
+    """Exports the tokenizer's own counters: time spent tokenizing, and encode-cache hits/misses."""
+
+    def __init__(self, tok: ChatTokenizer) -> None:
+        self.tok = tok
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        cache = self.tok.encode_cache
+        yield CounterMetricFamily(
+            "session_router_tokenize_seconds",
+            "Wall time spent tokenizing texts that were not in the encode cache",
+            value=self.tok.tokenize_seconds,
+        )
+        yield CounterMetricFamily(
+            "session_router_encode_cache_hits", "Encode-cache hits", value=cache.hits
+        )
+        yield CounterMetricFamily(
+            "session_router_encode_cache_misses", "Encode-cache misses", value=cache.misses
+        )
+
+
 class SessionServer:
     """Sessions, the upstream client, the tokenizer and the metrics of one server instance."""
 
@@ -63,21 +87,30 @@ class SessionServer:
         cfg: SessionRouterConfig,
         tok: ChatTokenizer,
         transport: httpx.AsyncBaseTransport | None = None,
+        upstream: Upstream | None = None,
     ) -> None:
         self.cfg = cfg
         self.tok = tok
         self.instance_id = uuid.uuid4().hex
         self.sessions: dict[str, SessionState] = {}
         self.metrics = Metrics()
-        timeout = None if math.isinf(cfg.upstream_timeout_s) else cfg.upstream_timeout_s
-        self.client = httpx.AsyncClient(
-            base_url=cfg.upstream_url,
-            transport=transport,
-            timeout=httpx.Timeout(timeout),
-            limits=httpx.Limits(
-                max_connections=cfg.max_connections, max_keepalive_connections=cfg.max_connections
-            ),
-        )
+        self.metrics.registry.register(TokenizerCollector(tok))
+        self.upstream: Upstream
+        if upstream is not None:
+            self.upstream = upstream
+        elif transport is not None:
+            self.upstream = HttpxUpstream(
+                cfg.upstream_url,
+                timeout_s=cfg.upstream_timeout_s,
+                max_connections=cfg.max_connections,
+                transport=transport,
+            )
+        else:
+            self.upstream = PooledUpstream(
+                cfg.upstream_url,
+                timeout_s=cfg.upstream_timeout_s,
+                max_connections=cfg.max_connections,
+            )
         self._reaper: asyncio.Task[None] | None = None
 
     def create(self) -> SessionState:
@@ -131,12 +164,12 @@ class SessionServer:
             self.reap_expired()
 
     async def aclose(self) -> None:
-        """Stop the reaper and close the upstream client."""
+        """Stop the reaper and close the upstream connections."""
         if self._reaper is not None:
             self._reaper.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._reaper
-        await self.client.aclose()
+        await self.upstream.aclose()
 
     async def read_body(self, request: Request) -> bytes:
         """The request body, refusing more than ``max_body_bytes`` (``BodyTooLargeError``)."""

@@ -10,16 +10,27 @@ lstrip_blocks, loop controls, ``tojson`` without ASCII escaping, ``raise_excepti
 Departure from the obvious: later turns are never rendered from the full history. ``render_delta``
 renders only the appended messages behind a fixed dummy system+assistant pair and takes the text
 after that pair, so earlier tokens (the engine's own output) are never re-tokenized.
+
+Tokenizing is the one cost of a turn that grows with its text (about 1 us per token with a
+byte-level BPE, 10 ms for an 8,192-token first turn), so ``encode`` keeps a bounded LRU of the
+texts it tokenized (keyed by the exact text, so a hit is exact by construction). In GRPO every
+prompt starts a group of sessions with the same first turn, so all but the first of a group hit
+it. The anchor renders of ``render_delta`` and the assistant tail depend only on the template
+arguments and are cached the same way.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping, Sequence
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Mapping, Sequence
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, Generic, TypeVar
 
+import orjson
 from jinja2 import TemplateError
 from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -30,6 +41,65 @@ from posttrain.session_router._errors import BadChatRequestError
 
 _SENTINEL = "\u2063posttrain-assistant-content\u2063"
 _DUMMY_SYSTEM = {"role": "system", "content": "posttrain dummy system"}
+
+
+# About 40 MB of cached ids (a tuple element and its int object are ~36 bytes) plus the texts.
+DEFAULT_ENCODE_CACHE_TOKENS = 1 << 20
+K = TypeVar("K")
+V = TypeVar("V")
+
+
+class BoundedCache(Generic[K, V]):
+    """A least-recently-used map bounded by entry count and by the summed ``weight`` of its values."""
+
+    def __init__(self, *, max_entries: int, max_weight: int, weight: Callable[[V], int]) -> None:
+        self._lock = threading.Lock()  # turns are prepared on the event loop and in threads
+        self.max_entries = max_entries
+        self.max_weight = max_weight
+        self._weight = weight
+        self._items: OrderedDict[K, V] = OrderedDict()
+        self.total_weight = 0
+        self.hits = 0
+        self.misses = 0
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def get(self, key: K) -> V | None:
+        with self._lock:
+            value = self._items.get(key)
+            if value is None:
+                self.misses += 1
+                return None
+            self._items.move_to_end(key)
+            self.hits += 1
+            return value
+
+    def put(self, key: K, value: V) -> None:
+        w = self._weight(value)
+        if w > self.max_weight or self.max_entries < 1:
+            return
+        with self._lock:
+            old = self._items.pop(key, None)
+            if old is not None:
+                self.total_weight -= self._weight(old)
+            self._items[key] = value
+            self.total_weight += w
+            while len(self._items) > self.max_entries or self.total_weight > self.max_weight:
+                _, evicted = self._items.popitem(last=False)
+                self.total_weight -= self._weight(evicted)
+
+
+class NotCachedError(Exception):
+    """``encode(..., max_uncached_chars=N)`` met a longer text it has not tokenized before.
+
+    Control flow only (never leaves the package): the caller then tokenizes off the event loop.
+    """
+
+
+def _args_key(*parts: Any) -> bytes:
+    """A cache key for JSON-shaped template arguments (sorted keys, so equal dicts agree)."""
+    return orjson.dumps(parts, option=orjson.OPT_SORT_KEYS | orjson.OPT_NON_STR_KEYS)
 
 
 def _raise_exception(message: str) -> None:
@@ -59,8 +129,20 @@ class ChatTokenizer:
         special_tokens: Mapping[str, str] | None = None,
         stop_token_ids: Sequence[int] = (),
         source: str = "<memory>",
+        encode_cache_tokens: int = DEFAULT_ENCODE_CACHE_TOKENS,
     ) -> None:
         self.tokenizer = tokenizer
+        # text -> ids, bounded by the number of cached token ids.
+        self.encode_cache: BoundedCache[str, tuple[int, ...]] = BoundedCache(
+            max_entries=1 << 16, max_weight=encode_cache_tokens, weight=len
+        )
+        self.tokenize_seconds = 0.0  # wall time spent tokenizing texts that were not cached
+        self._render_cache: BoundedCache[bytes, str] = BoundedCache(
+            max_entries=1024, max_weight=16 * 1024 * 1024, weight=len
+        )
+        self._tail_cache: BoundedCache[bytes, tuple[int, ...]] = BoundedCache(
+            max_entries=1024, max_weight=1 << 20, weight=len
+        )
         self.source = source
         self.special_tokens = dict(special_tokens or {})
         env = ImmutableSandboxedEnvironment(
@@ -76,7 +158,9 @@ class ChatTokenizer:
         self.stop_token_ids = frozenset(int(i) for i in stop_token_ids)
 
     @classmethod
-    def from_dir(cls, path: str | Path) -> ChatTokenizer:
+    def from_dir(
+        cls, path: str | Path, *, encode_cache_tokens: int = DEFAULT_ENCODE_CACHE_TOKENS
+    ) -> ChatTokenizer:
         """Load ``tokenizer.json`` and the chat template from a model or tokenizer directory."""
         root = Path(path)
         if root.is_file():
@@ -114,6 +198,7 @@ class ChatTokenizer:
             special_tokens=special,
             stop_token_ids=sorted(stop_ids),
             source=str(root),
+            encode_cache_tokens=encode_cache_tokens,
         )
 
     def render(
@@ -139,9 +224,23 @@ class ChatTokenizer:
                 f"chat template of {self.source} rejected the messages: {exc}"
             ) from exc
 
-    def encode(self, text: str) -> list[int]:
-        """Token ids of ``text``; special tokens written in the text are recognised, none are added."""
-        return list(self.tokenizer.encode(text, add_special_tokens=False).ids)
+    def encode(self, text: str, *, max_uncached_chars: int | None = None) -> list[int]:
+        """Token ids of ``text``; special tokens written in the text are recognised, none are added.
+
+        Served from the LRU when this exact text was tokenized before. With
+        ``max_uncached_chars``, a longer text that is not cached raises ``NotCachedError``
+        instead of being tokenized (so an event loop can hand it to a thread).
+        """
+        ids = self.encode_cache.get(text)
+        if ids is None:
+            if max_uncached_chars is not None and len(text) > max_uncached_chars:
+                raise NotCachedError(len(text))
+            started = time.perf_counter()
+            # The batch entry point skips offset tracking (~20% faster); the ids are the same.
+            ids = tuple(self.tokenizer.encode_batch_fast([text], add_special_tokens=False)[0].ids)
+            self.tokenize_seconds += time.perf_counter() - started
+            self.encode_cache.put(text, ids)
+        return list(ids)
 
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
         """Text of ``ids``."""
@@ -153,6 +252,10 @@ class ChatTokenizer:
 
     def assistant_tail_ids(self, template_kwargs: Mapping[str, Any] | None = None) -> list[int]:
         """Tokens the template renders right after an assistant message's content (e.g. ``<|im_end|>\\n``)."""
+        key = _args_key(template_kwargs)
+        cached = self._tail_cache.get(key)
+        if cached is not None:
+            return list(cached)
         text = self.render(
             [_DUMMY_SYSTEM, {"role": "assistant", "content": _SENTINEL}],
             add_generation_prompt=False,
@@ -161,7 +264,9 @@ class ChatTokenizer:
         at = text.rfind(_SENTINEL)
         if at < 0:
             raise ConfigError(f"chat template of {self.source} does not render assistant content")
-        return self.encode(text[at + len(_SENTINEL) :])
+        ids = self.encode(text[at + len(_SENTINEL) :])
+        self._tail_cache.put(key, tuple(ids))
+        return ids
 
     def render_delta(
         self,
@@ -184,9 +289,13 @@ class ChatTokenizer:
                 ),
             },
         ]
-        base = self.render(
-            anchor, add_generation_prompt=False, tools=tools, template_kwargs=template_kwargs
-        )
+        key = _args_key(anchor[1].get("tool_calls"), tools, template_kwargs)
+        base = self._render_cache.get(key)
+        if base is None:
+            base = self.render(
+                anchor, add_generation_prompt=False, tools=tools, template_kwargs=template_kwargs
+            )
+            self._render_cache.put(key, base)
         full = self.render(
             [*anchor, *appended],
             add_generation_prompt=True,

@@ -187,8 +187,13 @@ def prepare_turn(
     matcher: str = "strict",
     max_rollback_checkpoints: int = 1,
     max_trim_tokens: int = 1,
+    max_uncached_chars: int | None = None,
 ) -> PreparedTurn:
-    """Choose the checkpoint to extend and build the turn's prompt ids (pure; raises 400s)."""
+    """Choose the checkpoint to extend and build the turn's prompt ids (pure; raises 400s).
+
+    ``max_uncached_chars`` is passed to ``ChatTokenizer.encode`` (``NotCachedError`` when a
+    longer text would have to be tokenized).
+    """
     request = [dict(m) for m in messages]
     m = common_prefix_len(state.messages, request, MATCHERS[matcher])
     keep = len(state.checkpoints)
@@ -209,7 +214,7 @@ def prepare_turn(
             request, add_generation_prompt=True, tools=tools, template_kwargs=template_kwargs
         )
         return PreparedTurn(
-            prompt_ids=tok.encode(text),
+            prompt_ids=tok.encode(text, max_uncached_chars=max_uncached_chars),
             keep_checkpoints=0,
             version=state.version,
             request_messages=request,
@@ -244,7 +249,11 @@ def prepare_turn(
         tools=tools,
         template_kwargs=template_kwargs,
     )
-    prompt = list(ckpt[: len(ckpt) - trimmed]) + tail[have:] + tok.encode(delta)
+    prompt = (
+        list(ckpt[: len(ckpt) - trimmed])
+        + tail[have:]
+        + tok.encode(delta, max_uncached_chars=max_uncached_chars)
+    )
     return PreparedTurn(
         prompt_ids=prompt,
         keep_checkpoints=keep,
