@@ -2,14 +2,16 @@
 
 Run: uv run python packages/opd-scoring/benchmarks/bench_throughput.py [--requests 640] [--rounds 3]
 
-The teacher (posttrain.opd.testing, a subprocess) sleeps 200 ms per request, so 64
+The teacher (posttrain.opd.testing, a subprocess) answers each request 200 ms after it
+arrived (its forward runs inside that window, as a batching server's would), so 64
 requests in flight can reach at most 64 / 0.2 = 320 req/s (the ideal). Every client
 sends the same sampled-token scoring requests (P=24, R=16, top_k=0: the lightest reply,
 so that on a shared 2-core machine the teacher process's CPU is not what is measured)
 and validates the replies with the same parser; they differ only in how they hold
 connections:
 
-* ``TeacherScorer``: 8 httpx clients x 8 connections, least-loaded shard per request;
+* ``TeacherScorer``: 8 httpx transports (pools) x 8 connections, least-loaded shard per
+  request, requests sent on the transports directly;
 * ``one httpx client``: one ``AsyncClient`` with a 64-connection pool (the naive port);
 * ``TeacherScorer, 1 shard``: TeacherScorer with ``connections_per_client=64`` (control);
 * ``aiohttp, session per request``: miles' pattern (only when aiohttp is importable; it
@@ -129,7 +131,7 @@ def main() -> None:
     ]  # fmt: skip
     url = f"http://127.0.0.1:{port}"
     clients: dict[str, Callable[[], Coroutine[Any, Any, float]]] = {
-        "TeacherScorer (8 clients x 8 conns)": lambda: run_scorer(url, samples, 8),
+        "TeacherScorer (8 shards x 8 conns)": lambda: run_scorer(url, samples, 8),
         "one httpx client (64 conns)": lambda: run_one_client(url, samples),
         "TeacherScorer, 1 shard (64 conns)": lambda: run_scorer(url, samples, 64),
     }

@@ -23,6 +23,7 @@ import json
 import math
 import socket
 import threading
+import time
 from collections.abc import Sequence
 from types import TracebackType
 from typing import Any
@@ -191,19 +192,30 @@ def build_app(state: TeacherState) -> Starlette:
             state.total_inflight -= 1
 
     async def _generate(request: Request, teacher: TinyTeacher) -> Response:
+        arrived = time.monotonic()
         fault = state.faults.popleft() if state.faults else ""
         delay = state.delay_s
         if fault.startswith("delay:"):
             delay += float(fault.partition(":")[2])
-        if delay > 0:
-            await asyncio.sleep(delay)
+        try:
+            raw_request = await request.body()
+        except ClientDisconnect:  # the client gave up (deadline tests): nobody to answer
+            return Response(status_code=499)
+        response = _answer(raw_request, teacher, fault)
+        # The reply leaves ``delay`` after the request arrived, its compute included: a teacher
+        # that batches its forward answers a wave of requests together, and a mock that
+        # computed after sleeping would serialize the wave's forwards on its one event loop.
+        remaining = delay - (time.monotonic() - arrived)
+        if remaining > 0:
+            await asyncio.sleep(remaining)
+        return response
+
+    def _answer(raw_request: bytes, teacher: TinyTeacher, fault: str) -> Response:
         if fault.startswith("status:"):
             code = int(fault.partition(":")[2])
             return _bad(f"injected status {code}", code)
         try:
-            req = json.loads(await request.body())
-        except ClientDisconnect:  # the client gave up (deadline tests): nobody to answer
-            return Response(status_code=499)
+            req = json.loads(raw_request)
         except json.JSONDecodeError as e:
             return _bad(f"bad JSON: {e}")
         state.bodies.append({k: v for k, v in req.items() if k != "input_ids"})
