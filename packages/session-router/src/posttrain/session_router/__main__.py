@@ -35,6 +35,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--port", type=int, default=8080)
     p.add_argument("--api-key", default=None, help="bearer token required on every route")
     p.add_argument("--session-ttl-s", type=float, default=3600.0)
+    p.add_argument(
+        "--encode-cache-tokens",
+        type=int,
+        default=1 << 20,
+        help="token ids the exact-text tokenization cache may hold (0: off)",
+    )
     return p.parse_args(argv)
 
 
@@ -53,6 +59,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             lora_adapter=args.lora_adapter,
             api_key=args.api_key,
             session_ttl_s=args.session_ttl_s,
+            encode_cache_tokens=args.encode_cache_tokens,
         )
         app = create_app(cfg)
         if upstream_is_router(cfg.upstream_url):
@@ -74,6 +81,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         host=args.host,
         port=args.port,
         http="httptools",
+        proxy_headers=False,  # the client address is never used; skip the middleware
         log_level="warning",
         access_log=False,
     )

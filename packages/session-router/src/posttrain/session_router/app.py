@@ -1,4 +1,4 @@
-"""The session server's routes: an ASGI (starlette) app in front of sgl-router's ``/generate``.
+"""The session server's routes: an ASGI app (dispatch.py) in front of sgl-router's ``/generate``.
 
     GET    /health                                 instance id, stable per process
     GET    /metrics                                Prometheus text
@@ -10,8 +10,8 @@
     ANY    /sessions/{id}/{path}                   raw proxy with the routing key, not recorded
 
 Every route is behind the bearer token when one is configured. Errors are ``{"error": str}``:
-400 bad JSON or messages, 401 missing/wrong token, 404 unknown session, 413 body over
-``max_body_bytes``, 422 sample assembly failed (text/plain), 500 TITO prefix mismatch, 502
+400 bad JSON or messages, 401 missing/wrong token, 404 unknown session or route, 405 a method
+the route does not serve, 413 body over ``max_body_bytes``, 422 sample assembly failed (text/plain), 500 TITO prefix mismatch, 502
 upstream transport failure, an upstream 5xx (sgl-router answers 500 when the worker died
 mid-request) or a reply without what TITO needs. An upstream 4xx is passed through. A failed
 turn is never recorded.
@@ -27,16 +27,15 @@ import contextlib
 import functools
 import hmac
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
+from types import SimpleNamespace
 from typing import Any
 
 import httpx
 import orjson
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import Response
-from starlette.routing import Route
 
 from posttrain.interface import ConfigError, PosttrainError
 from posttrain.session_router._errors import (
@@ -55,6 +54,7 @@ from posttrain.session_router.assembly import (
     parse_chat_body,
 )
 from posttrain.session_router.config import SessionRouterConfig
+from posttrain.session_router.dispatch import App, Routes
 from posttrain.session_router.openai_reply import SSE_HEADERS, chat_completion, dumps, fake_stream
 from posttrain.session_router.samples import assemble_samples
 from posttrain.session_router.server import BodyTooLargeError, SessionServer
@@ -320,39 +320,40 @@ def create_app(
     tokenizer: ChatTokenizer | None = None,
     transport: httpx.AsyncBaseTransport | None = None,
     upstream: Upstream | None = None,
-) -> Starlette:
+) -> App:
     """The session server as an ASGI app.
 
-    ``upstream`` replaces the upstream client (default: aiohttp); ``transport`` instead puts an
+    ``upstream`` replaces the upstream client (default: ``PooledUpstream``); ``transport`` instead puts an
     httpx transport (e.g. ``httpx.MockTransport``) behind an ``HttpxUpstream``.
     """
     server = SessionServer(
-        cfg, tokenizer or ChatTokenizer.from_dir(cfg.tokenizer), transport, upstream=upstream
+        cfg,
+        tokenizer
+        or ChatTokenizer.from_dir(cfg.tokenizer, encode_cache_tokens=cfg.encode_cache_tokens),
+        transport,
+        upstream=upstream,
     )
 
-    @contextlib.asynccontextmanager
-    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+    async def startup() -> None:
         server.start_reaper()
-        try:
-            yield
-        finally:
-            await server.aclose()
 
     sid = "/sessions/{session_id}"
-    routes = [
-        Route("/health", _handled("health", health), methods=["GET"]),
-        Route("/metrics", _handled("metrics", metrics), methods=["GET"]),
-        Route("/sessions", _handled("create", create_session), methods=["POST"]),
-        Route(sid, _handled("get", get_session), methods=["GET"]),
-        Route(sid, _handled("delete", delete_session), methods=["DELETE"]),
-        Route(f"{sid}/v1/chat/completions", _handled("chat", chat), methods=["POST"]),
-        Route(f"{sid}/samples", _handled("samples", samples), methods=["POST"]),
-        Route(
-            f"{sid}/{{path:path}}",
-            _handled("proxy", proxy),
-            methods=["GET", "POST", "PUT", "PATCH", "DELETE"],
-        ),
-    ]
-    app = Starlette(routes=routes, lifespan=lifespan)
-    app.state.server = server
-    return app
+    routes = Routes()
+    routes.add("/health", {"GET": _handled("health", health)})
+    routes.add("/metrics", {"GET": _handled("metrics", metrics)})
+    routes.add("/sessions", {"POST": _handled("create", create_session)})
+    routes.add(
+        sid, {"GET": _handled("get", get_session), "DELETE": _handled("delete", delete_session)}
+    )
+    routes.add(f"{sid}/v1/chat/completions", {"POST": _handled("chat", chat)})
+    routes.add(f"{sid}/samples", {"POST": _handled("samples", samples)})
+    proxied = _handled("proxy", proxy)
+    routes.add(
+        f"{sid}/{{path:path}}", dict.fromkeys(("GET", "POST", "PUT", "PATCH", "DELETE"), proxied)
+    )
+    return App(
+        routes,
+        state=SimpleNamespace(server=server),
+        on_startup=startup,
+        on_shutdown=server.aclose,
+    )

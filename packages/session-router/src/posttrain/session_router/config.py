@@ -40,6 +40,8 @@ class SessionRouterConfig:
     max_trim_tokens: int = 1
     max_rollback_checkpoints: int = 1
     matcher: str = "strict"
+    # Token ids the exact-text tokenization cache may hold (0 turns it off); see template.py.
+    encode_cache_tokens: int = 1 << 20
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -52,6 +54,8 @@ class SessionRouterConfig:
                 raise ConfigError(f"{name} must be > 0, got {value!r}")
         if self.max_body_bytes <= 0:
             raise ConfigError(f"max_body_bytes must be > 0, got {self.max_body_bytes}")
+        if self.encode_cache_tokens < 0:
+            raise ConfigError(f"encode_cache_tokens must be >= 0, got {self.encode_cache_tokens}")
         if self.max_trim_tokens < 0:
             raise ConfigError(f"max_trim_tokens must be >= 0, got {self.max_trim_tokens}")
         if self.max_rollback_checkpoints < 0:

@@ -44,7 +44,7 @@ _DUMMY_SYSTEM = {"role": "system", "content": "posttrain dummy system"}
 
 
 # About 40 MB of cached ids (a tuple element and its int object are ~36 bytes) plus the texts.
-DEFAULT_ENCODE_CACHE_TOKENS = 1 << 20
+DEFAULT_ENCODE_CACHE_TOKENS = 1 << 20  # SessionRouterConfig.encode_cache_tokens
 K = TypeVar("K")
 V = TypeVar("V")
 
