@@ -11,7 +11,9 @@ and through the session server then sgl-router as
 * a second turn of such a session (only the appended message is tokenized),
 * the session server's raw proxy (its HTTP hop without TITO work),
 
-and a warm first turn through the session server straight to the worker. Every server is its own
+and a warm first turn through the session server straight to the worker. With ``--floor``,
+``floor_proxy.py`` (uvicorn forwarding bytes over a raw connection, no logic) is one more path
+in front of the router: the cost of any Python hop in the same run. Every server is its own
 process on 127.0.0.1 (the worker is a loopback SGLang-shaped worker returning 16 tokens, Nagle
 off). Medians over ``--rounds``. Tokenizing the cold prompt in-process is timed separately
 (``server_tokenize_ms_per_cold_turn``, from the server's ``/metrics``), since the direct paths
@@ -244,6 +246,7 @@ def measure_size(
         "session_router_next_turn": lambda: next_turn(urls["session_router"]),
         # raw proxy (/sessions/{id}/generate): the session server's HTTP hop without TITO work
         "session_proxy_router": lambda: direct(f"{urls['session_router']}/sessions/{proxy_sid}"),
+        **({"floor_proxy": lambda: direct(urls["floor"])} if "floor" in urls else {}),
     }
     for fn in paths.values():  # warm-up
         for _ in range(10):
@@ -314,6 +317,11 @@ def measure_size(
                 ("first_turn_warm", session_hop, router_hop),
                 ("second_turn", next_hop, router_hop),
                 ("raw_proxy", proxy_hop, router_hop),
+                *(
+                    [("python_floor_proxy", med["floor_proxy"] - med["router"], router_hop)]
+                    if "floor_proxy" in med
+                    else []
+                ),
             ]
         },
         "session_hop_over_router_hop": round(session_hop / router_hop, 2)
@@ -327,7 +335,15 @@ def measure_size(
     }
 
 
-def bench_turns(rounds: int, sizes: list[int], tok_dir: Path) -> dict[str, Any]:
+def floor_proxy(router_url: str) -> tuple[ServerProcess, str]:
+    port = free_port()
+    script = Path(__file__).with_name("floor_proxy.py")
+    argv = [sys.executable, str(script), str(port), router_url.rsplit(":", 1)[1]]
+    url = f"http://127.0.0.1:{port}"
+    return ServerProcess(argv, f"{url}/health", timeout_s=60).start(), url
+
+
+def bench_turns(rounds: int, sizes: list[int], tok_dir: Path, floor: bool) -> dict[str, Any]:
     tok = ChatTokenizer.from_dir(tok_dir)
     wport = free_port()
     results: dict[str, Any] = {}
@@ -344,6 +360,9 @@ def bench_turns(rounds: int, sizes: list[int], tok_dir: Path) -> dict[str, Any]:
                 "session_router": s_router_url,
                 "session_worker": s_worker_url,
             }
+            floor_server = None
+            if floor:
+                floor_server, urls["floor"] = floor_proxy(router.url)
             assert router.pid is not None
             pids = {"router": router.pid, "session_router": s_router.pid}
             try:
@@ -353,6 +372,8 @@ def bench_turns(rounds: int, sizes: list[int], tok_dir: Path) -> dict[str, Any]:
             finally:
                 s_router.stop()
                 s_worker.stop()
+                if floor_server is not None:
+                    floor_server.stop()
     return results
 
 
@@ -413,17 +434,19 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=300)
     p.add_argument("--sizes", type=int, nargs="+", default=[512, 8192])
     p.add_argument("--starts", type=int, default=5)
+    p.add_argument("--floor", action="store_true", help="also time floor_proxy.py")
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         tok_dir = build_tokenizer(Path(tmp))
         out = {
-            "turn_latency": bench_turns(args.rounds, args.sizes, tok_dir),
+            "turn_latency": bench_turns(args.rounds, args.sizes, tok_dir, args.floor),
             "router_start": bench_start(args.starts),
         }
     out["config"] = {
         "rounds": args.rounds,
         "sizes": args.sizes,
         "starts": args.starts,
+        "floor": args.floor,
         "cpus": os.cpu_count(),
     }
     print(json.dumps(out, indent=2))
