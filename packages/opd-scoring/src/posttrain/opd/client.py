@@ -318,12 +318,9 @@ class TeacherScorer:
     async def aclose(self) -> None:
         """Close every shard's connection pool (an injected transport is closed once)."""
         eps, self._endpoints = self._endpoints, {}
-        closed: set[int] = set()
-        for ep in eps.values():
-            for transport in ep.transports:
-                if id(transport) not in closed:
-                    closed.add(id(transport))
-                    await transport.aclose()
+        unique = {id(t): t for ep in eps.values() for t in ep.transports}
+        for transport in unique.values():
+            await transport.aclose()
 
     # -- one HTTP exchange with retries -------------------------------------------------------
     async def _post(

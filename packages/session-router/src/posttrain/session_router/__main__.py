@@ -21,7 +21,7 @@ import uvicorn
 from posttrain.interface import PosttrainError
 from posttrain.session_router._errors import RouterIncompatible
 from posttrain.session_router.app import create_app
-from posttrain.session_router.config import SessionRouterConfig
+from posttrain.session_router.config import DEFAULT_ENCODE_CACHE_TOKENS, SessionRouterConfig
 from posttrain.session_router.router import default_probe_body, probe_passthrough
 
 
@@ -38,7 +38,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--encode-cache-tokens",
         type=int,
-        default=1 << 20,
+        default=DEFAULT_ENCODE_CACHE_TOKENS,
         help="token ids the exact-text tokenization cache may hold (0: off)",
     )
     return p.parse_args(argv)

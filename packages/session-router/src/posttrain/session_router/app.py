@@ -11,8 +11,8 @@
 
 Every route is behind the bearer token when one is configured. Errors are ``{"error": str}``:
 400 bad JSON or messages, 401 missing/wrong token, 404 unknown session or route, 405 a method
-the route does not serve, 413 body over ``max_body_bytes``, 422 sample assembly failed (text/plain), 500 TITO prefix mismatch, 502
-upstream transport failure, an upstream 5xx (sgl-router answers 500 when the worker died
+the route does not serve, 413 body over ``max_body_bytes``, 422 sample assembly failed
+(text/plain), 500 TITO prefix mismatch, 502 upstream transport failure, an upstream 5xx (sgl-router answers 500 when the worker died
 mid-request) or a reply without what TITO needs. An upstream 4xx is passed through. A failed
 turn is never recorded.
 
@@ -302,7 +302,7 @@ async def proxy(request: Request) -> Response:
     upstream = await server.upstream.request(
         request.method,
         "/" + path,
-        query=request.url.query,
+        query=request.scope["query_string"].decode("latin-1"),
         content=raw,
         headers=forward_headers(request.headers.items(), session_id),
     )
@@ -323,8 +323,8 @@ def create_app(
 ) -> App:
     """The session server as an ASGI app.
 
-    ``upstream`` replaces the upstream client (default: ``PooledUpstream``); ``transport`` instead puts an
-    httpx transport (e.g. ``httpx.MockTransport``) behind an ``HttpxUpstream``.
+    ``upstream`` replaces the upstream client (default: ``PooledUpstream``); ``transport``
+    instead puts an httpx transport (e.g. ``httpx.MockTransport``) behind an ``HttpxUpstream``.
     """
     server = SessionServer(
         cfg,

@@ -15,6 +15,8 @@ from typing import Any
 from posttrain.interface import ConfigError
 
 DEFAULT_MAX_BODY_BYTES = 64 * 1024 * 1024
+# About 40 MB of cached ids (a tuple element and its int object are ~36 bytes) plus the texts.
+DEFAULT_ENCODE_CACHE_TOKENS = 1 << 20
 # How stored and requested messages are compared when finding the common history (tito.py).
 MATCHER_NAMES = ("strict", "loose_tool_call", "role_content_only")
 
@@ -41,7 +43,7 @@ class SessionRouterConfig:
     max_rollback_checkpoints: int = 1
     matcher: str = "strict"
     # Token ids the exact-text tokenization cache may hold (0 turns it off); see template.py.
-    encode_cache_tokens: int = 1 << 20
+    encode_cache_tokens: int = DEFAULT_ENCODE_CACHE_TOKENS
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:

@@ -20,8 +20,7 @@ from starlette.types import Receive, Scope, Send
 
 Handler = Callable[[Request], Awaitable[Response]]
 
-# Route shapes: the path after "/sessions/{id}" (None: the session itself; "*": any other path).
-SESSION = "/sessions"
+SESSION = "/sessions"  # session routes are matched by the path after "/sessions/{id}"
 
 
 class Routes:

@@ -1,9 +1,10 @@
 """State shared by the session server's routes: sessions, TTL reaping, the upstream client, metrics.
 
-The upstream client is an ``Upstream`` (upstream.py): aiohttp by default, or an
-``httpx.AsyncClient`` whose transport is injected (tests use ``httpx.MockTransport``); its timeout
-is finite unless ``math.inf`` is configured explicitly. Expired sessions are reclaimed lazily on access and by a reaper task;
-a session whose lock is held (a turn being prepared or committed) is never reclaimed.
+The upstream client is an ``Upstream`` (upstream.py): ``PooledUpstream`` by default, or an
+``HttpxUpstream`` whose transport is injected (tests use ``httpx.MockTransport``); its timeout is
+finite unless ``math.inf`` is configured explicitly. Expired sessions are reclaimed lazily on
+access and by a reaper task; a session whose lock is held (a turn being prepared or committed) is
+never reclaimed.
 """
 
 from __future__ import annotations

@@ -38,13 +38,12 @@ from tokenizers import Tokenizer
 
 from posttrain.interface import ConfigError
 from posttrain.session_router._errors import BadChatRequestError
+from posttrain.session_router.config import DEFAULT_ENCODE_CACHE_TOKENS
 
 _SENTINEL = "\u2063posttrain-assistant-content\u2063"
 _DUMMY_SYSTEM = {"role": "system", "content": "posttrain dummy system"}
 
 
-# About 40 MB of cached ids (a tuple element and its int object are ~36 bytes) plus the texts.
-DEFAULT_ENCODE_CACHE_TOKENS = 1 << 20  # SessionRouterConfig.encode_cache_tokens
 K = TypeVar("K")
 V = TypeVar("V")
 
@@ -137,6 +136,7 @@ class ChatTokenizer:
             max_entries=1 << 16, max_weight=encode_cache_tokens, weight=len
         )
         self.tokenize_seconds = 0.0  # wall time spent tokenizing texts that were not cached
+        self._tokenize_lock = threading.Lock()  # encode runs on the event loop and in threads
         self._render_cache: BoundedCache[bytes, str] = BoundedCache(
             max_entries=1024, max_weight=16 * 1024 * 1024, weight=len
         )
@@ -238,7 +238,8 @@ class ChatTokenizer:
             started = time.perf_counter()
             # The batch entry point skips offset tracking (~20% faster); the ids are the same.
             ids = tuple(self.tokenizer.encode_batch_fast([text], add_special_tokens=False)[0].ids)
-            self.tokenize_seconds += time.perf_counter() - started
+            with self._tokenize_lock:
+                self.tokenize_seconds += time.perf_counter() - started
             self.encode_cache.put(text, ids)
         return list(ids)
 
