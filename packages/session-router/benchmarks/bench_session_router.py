@@ -19,6 +19,13 @@ off). Medians over ``--rounds``. Tokenizing the cold prompt in-process is timed 
 (``server_tokenize_ms_per_cold_turn``, from the server's ``/metrics``), since the direct paths
 receive ids their client tokenized before timing began.
 
+Equal work (``equal_work_hop_over_router_hop``): the same conversations are also sent as chat text
+(``/v1/chat/completions``) to the worker directly and through sgl-router; the worker's chat route
+renders and tokenizes them with the model's transformers tokenizer, the two calls SGLang's chat
+route makes. That is the turn a user has without the session server, so a session path's added
+latency there is (session path - router chat path), compared with the router's hop for chat
+(router chat path - worker chat path). A negative value means the session path is faster.
+
 B2: router start-to-ready: ``start_router`` (the wheel's Python API in a child process) versus
 ``smg launch`` (the wheel's CLI), each until ``/health`` answers 200. Medians over ``--starts``.
 
@@ -58,15 +65,30 @@ WORDS = ["the", "quick", "brown", "fox", "jumps", "over", "lazy", "dogs", "while
 WORDS += ["call", "tools", "and", "read", "results"]
 
 WORKER = """
-import sys, time
+import sys, time, warnings
+warnings.filterwarnings("ignore")
+from transformers import AutoTokenizer
 from posttrain.session_router import LoopbackWorker
 OUT = list(range(100, 115)) + [2]
+# An engine's chat route tokenizes the conversation itself. SGLang's does this with the model's
+# transformers tokenizer: apply_chat_template(tokenize=False), then encode(add_special_tokens=False)
+# (serving_chat.py, _apply_jinja_template). Those two calls are all this worker does: a lower bound
+# on the engine's work (no request validation or message copies), so the baseline is not inflated.
+TOK = AutoTokenizer.from_pretrained(sys.argv[2])
 def generate(body):
     n = len(body["input_ids"])
     return {"text": "x" * 15, "output_ids": OUT, "meta_info": {
         "prompt_tokens": n, "completion_tokens": len(OUT), "finish_reason": {"type": "stop"},
         "output_token_logprobs": [[-0.25, t, None] for t in OUT]}}
-LoopbackWorker(generate=generate, port=int(sys.argv[1])).start()
+def chat(body):
+    text = TOK.apply_chat_template(body["messages"], tokenize=False, add_generation_prompt=True)
+    n = len(TOK.encode(text, add_special_tokens=False))
+    return {"id": "chatcmpl-loopback", "object": "chat.completion", "created": 0,
+        "model": "loopback", "choices": [{"index": 0, "finish_reason": "stop",
+        "message": {"role": "assistant", "content": "x" * 15}}],
+        "usage": {"prompt_tokens": n, "completion_tokens": len(OUT),
+        "total_tokens": n + len(OUT)}}
+LoopbackWorker(generate=generate, chat=chat, port=int(sys.argv[1])).start()
 time.sleep(3600)
 """
 
@@ -167,6 +189,21 @@ def measure_size(
     gen = {"input_ids": ids, "sampling_params": {"max_new_tokens": 16}, "return_logprob": True}
     chat = {"messages": [{"role": "user", "content": text}], "max_tokens": 16}
     proxy_sid = client.post(f"{urls['session_router']}/sessions").json()["session_id"]
+    # a second turn's conversation as chat text, with the assistant message a session returns
+    probe_sid = client.post(f"{urls['session_router']}/sessions").json()["session_id"]
+    first = client.post(
+        f"{urls['session_router']}/sessions/{probe_sid}/v1/chat/completions", json=chat
+    )
+    assert first.status_code == 200, first.text
+    follow_chat = {
+        "messages": [
+            *chat["messages"],
+            first.json()["choices"][0]["message"],
+            {"role": "user", "content": "and then?"},
+        ],
+        "max_tokens": 16,
+    }
+    client.delete(f"{urls['session_router']}/sessions/{probe_sid}")
 
     def direct(url: str) -> float:
         t = time.perf_counter()
@@ -215,6 +252,36 @@ def measure_size(
         client.delete(f"{url}/sessions/{sid}")
         return dt
 
+    def chat_cold(url: str) -> float:
+        """The cold first turn's conversation sent as chat text (the engine tokenizes it).
+
+        The baseline a user has without the session server: a chat turn through sgl-router to an
+        engine that renders and tokenizes it.
+        """
+        c = next(fresh)
+        body = {
+            "model": "loopback",
+            "messages": [{"role": "user", "content": f"{c} {text}"}],
+            "max_tokens": 16,
+        }
+        t = time.perf_counter()
+        r = client.post(
+            f"{url}/v1/chat/completions", json=body, headers={"X-SMG-Routing-Key": f"chat-{c}"}
+        )
+        dt = time.perf_counter() - t
+        assert r.status_code == 200, r.text
+        assert abs(r.json()["usage"]["prompt_tokens"] - len(ids)) <= 8
+        return dt
+
+    def chat_next(url: str) -> float:
+        """A second turn's whole conversation sent as chat text (the engine tokenizes all of it)."""
+        body = {"model": "loopback", **follow_chat}
+        t = time.perf_counter()
+        r = client.post(f"{url}/v1/chat/completions", json=body, headers={"X-SMG-Routing-Key": "k"})
+        dt = time.perf_counter() - t
+        assert r.status_code == 200, r.text
+        return dt
+
     def next_turn(url: str) -> float:
         """The second turn of a session whose first turn carried the long prompt."""
         sid = client.post(f"{url}/sessions").json()["session_id"]
@@ -228,6 +295,7 @@ def measure_size(
             ],
             "max_tokens": 16,
         }
+        assert follow == follow_chat
         t = time.perf_counter()
         r = client.post(f"{url}/sessions/{sid}/v1/chat/completions", json=follow)
         dt = time.perf_counter() - t
@@ -244,6 +312,11 @@ def measure_size(
         "session_router": lambda: session(urls["session_router"]),
         "session_worker": lambda: session(urls["session_worker"]),
         "session_router_next_turn": lambda: next_turn(urls["session_router"]),
+        # equal-work baselines: the same conversations as chat text, tokenized by the engine
+        "worker_chat_cold": lambda: chat_cold(urls["worker"]),
+        "router_chat_cold": lambda: chat_cold(urls["router"]),
+        "worker_chat_next_turn": lambda: chat_next(urls["worker"]),
+        "router_chat_next_turn": lambda: chat_next(urls["router"]),
         # raw proxy (/sessions/{id}/generate): the session server's HTTP hop without TITO work
         "session_proxy_router": lambda: direct(f"{urls['session_router']}/sessions/{proxy_sid}"),
         **({"floor_proxy": lambda: direct(urls["floor"])} if "floor" in urls else {}),
@@ -294,6 +367,30 @@ def measure_size(
     router_hop_cold = med["router_cold"] - med["worker_cold"]
     cold_hop = med["session_router_cold"] - med["router_cold"]
     next_hop = med["session_router_next_turn"] - med["router"]
+    # Equal work: against the same conversation sent as chat text through the router to an engine
+    # that renders and tokenizes it (the turn a user has without the session server).
+    router_hop_chat = med["router_chat_cold"] - med["worker_chat_cold"]
+    router_hop_chat_next = med["router_chat_next_turn"] - med["worker_chat_next_turn"]
+    equal_work_hops = {
+        name: (hop, base)
+        for name, hop, base in [
+            (
+                "first_turn_cold",
+                med["session_router_cold"] - med["router_chat_cold"],
+                router_hop_chat,
+            ),
+            ("first_turn_warm", med["session_router"] - med["router_chat_cold"], router_hop_chat),
+            (
+                "second_turn",
+                med["session_router_next_turn"] - med["router_chat_next_turn"],
+                router_hop_chat_next,
+            ),
+        ]
+    }
+    equal_work = {
+        name: round(hop / base, 2) if base > 0 else None
+        for name, (hop, base) in equal_work_hops.items()
+    }
     proxy_hop = med["session_proxy_router"] - med["router"]
     return {
         "prompt_tokens": len(ids),
@@ -324,6 +421,12 @@ def measure_size(
                 ),
             ]
         },
+        "router_hop_chat_ms": round(router_hop_chat, 3),
+        "router_hop_chat_next_turn_ms": round(router_hop_chat_next, 3),
+        # the session path's added latency over the same turn as chat text through the router
+        # (engine tokenizes), over the router's hop for that chat turn
+        "equal_work_hop_over_router_hop": equal_work,
+        "equal_work_added_ms": {name: round(hop, 3) for name, (hop, _) in equal_work_hops.items()},
         "session_hop_over_router_hop": round(session_hop / router_hop, 2)
         if router_hop > 0
         else None,
@@ -347,7 +450,7 @@ def bench_turns(rounds: int, sizes: list[int], tok_dir: Path, floor: bool) -> di
     tok = ChatTokenizer.from_dir(tok_dir)
     wport = free_port()
     results: dict[str, Any] = {}
-    worker_argv = [sys.executable, "-c", WORKER, str(wport)]
+    worker_argv = [sys.executable, "-c", WORKER, str(wport), str(tok_dir)]
     with ServerProcess(worker_argv, f"http://127.0.0.1:{wport}/health", timeout_s=30):
         worker = f"http://127.0.0.1:{wport}"
         with start_router(RouterSpec(port=free_port())) as router:

@@ -60,6 +60,35 @@ def test_registration_call_order_and_add_remove(router: RouterHandle) -> None:
         assert r.status_code == 503
 
 
+def test_router_forwards_chat_text_to_a_loopback_chat_route(router: RouterHandle) -> None:
+    """The benchmark's equal-work baseline: chat text through the router to the worker's chat route."""
+    seen: list[dict[str, Any]] = []
+
+    def chat(body: dict[str, Any]) -> dict[str, Any]:
+        seen.append(body)
+        return {"object": "chat.completion", "choices": [], "usage": {"prompt_tokens": 3}}
+
+    with LoopbackWorker(chat=chat) as worker:
+        router.add_worker(worker.url)
+        try:
+            messages = [{"role": "user", "content": "hello there"}]
+            r = httpx.post(
+                f"{router.url}/v1/chat/completions",
+                json={"model": "m", "messages": messages, "max_tokens": 4},
+                headers={"X-SMG-Routing-Key": "chat-key"},
+                timeout=10,
+            )
+            assert r.status_code == 200, r.text
+            assert r.json()["usage"] == {"prompt_tokens": 3}
+            assert len(seen) == 1
+            assert seen[0]["messages"] == messages
+        finally:
+            router.remove_worker(worker.url)
+    with LoopbackWorker() as plain:  # without a chat function the route stays a 404
+        r = httpx.post(f"{plain.url}/v1/chat/completions", json={"messages": []}, timeout=10)
+        assert r.status_code == 404
+
+
 def test_dp_aware_worker_names_are_stripped() -> None:
     with (
         start_router(RouterSpec(port=free_port(), dp_aware=True)) as handle,

@@ -6,7 +6,9 @@ It answers what sgl-router asks of a worker when registering it (``/health``, ``
 * the passthrough probe runs it in *echo* mode: ``/generate`` answers with the body and headers it
   received, so the probe sees what the router forwarded; with ``accept_routing_key`` set, every
   other request gets 503 (a live router's real traffic is never answered by the probe);
-* tests and benchmarks give it a ``generate`` function returning an SGLang ``/generate`` reply.
+* tests and benchmarks give it a ``generate`` function returning an SGLang ``/generate`` reply,
+  and optionally a ``chat`` function answering ``/v1/chat/completions`` (what an engine does with
+  chat text: the benchmark's worker renders the template and tokenizes there, as SGLang does).
 
 Nagle is disabled on its sockets: with it on, delayed ACKs add ~40 ms to every loopback hop.
 """
@@ -21,6 +23,7 @@ from types import TracebackType
 from typing import Any, Self
 
 GenerateFn = Callable[[dict[str, Any]], dict[str, Any]]
+ChatFn = Callable[[dict[str, Any]], dict[str, Any]]
 ROUTING_KEY = "x-smg-routing-key"
 
 
@@ -31,12 +34,14 @@ class LoopbackWorker:
         self,
         *,
         generate: GenerateFn | None = None,
+        chat: ChatFn | None = None,
         accept_routing_key: str | None = None,
         dp_size: int = 1,
         model_path: str | None = None,
         port: int = 0,
     ) -> None:
         self.generate = generate
+        self.chat = chat
         self.accept_routing_key = accept_routing_key
         self.dp_size = dp_size
         self.model_path = model_path
@@ -127,6 +132,8 @@ class LoopbackWorker:
                     "echo": {"body": body, "headers": headers, "port": self.port},
                 }
             return 200, self.generate(body)
+        if route == "/v1/chat/completions" and self.chat is not None:
+            return 200, self.chat(body)
         return 404, {"error": f"loopback worker has no POST {route}"}
 
     def _handler_class(self) -> type[BaseHTTPRequestHandler]:
