@@ -46,6 +46,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -156,6 +157,18 @@ def session_server(
     return ServerProcess(
         argv, f"http://127.0.0.1:{port}/health", timeout_s=60
     ).start(), f"http://127.0.0.1:{port}"
+
+
+def interleaved(paths: dict[str, Callable[[], float]], rounds: int) -> dict[str, list[float]]:
+    """Ten warm-up calls per path, then ``rounds`` rounds that call every path once in turn."""
+    for fn in paths.values():
+        for _ in range(10):
+            fn()
+    samples: dict[str, list[float]] = {k: [] for k in paths}
+    for _ in range(rounds):
+        for name, fn in paths.items():
+            samples[name].append(fn())
+    return samples
 
 
 def _pct(xs: list[float], q: float) -> float:
@@ -312,22 +325,25 @@ def measure_size(
         "session_router": lambda: session(urls["session_router"]),
         "session_worker": lambda: session(urls["session_worker"]),
         "session_router_next_turn": lambda: next_turn(urls["session_router"]),
-        # equal-work baselines: the same conversations as chat text, tokenized by the engine
-        "worker_chat_cold": lambda: chat_cold(urls["worker"]),
-        "router_chat_cold": lambda: chat_cold(urls["router"]),
-        "worker_chat_next_turn": lambda: chat_next(urls["worker"]),
-        "router_chat_next_turn": lambda: chat_next(urls["router"]),
         # raw proxy (/sessions/{id}/generate): the session server's HTTP hop without TITO work
         "session_proxy_router": lambda: direct(f"{urls['session_router']}/sessions/{proxy_sid}"),
         **({"floor_proxy": lambda: direct(urls["floor"])} if "floor" in urls else {}),
     }
-    for fn in paths.values():  # warm-up
-        for _ in range(10):
-            fn()
-    samples: dict[str, list[float]] = {k: [] for k in paths}
-    for _ in range(rounds):
-        for name, fn in paths.items():
-            samples[name].append(fn())
+    # Equal work, a second interleaved phase of the same run: the same conversations as chat
+    # text, which the worker renders and tokenizes, next to the session paths measured again. Its
+    # own phase because tokenizing a long prompt in the worker slows the worker's next requests
+    # (allocator and cache state), which would skew the paths above if mixed in with them.
+    equal_paths = {
+        "worker_chat_cold": lambda: chat_cold(urls["worker"]),
+        "router_chat_cold": lambda: chat_cold(urls["router"]),
+        "session_router_cold": paths["session_router_cold"],
+        "session_router": paths["session_router"],
+        "worker_chat_next_turn": lambda: chat_next(urls["worker"]),
+        "router_chat_next_turn": lambda: chat_next(urls["router"]),
+        "session_router_next_turn": paths["session_router_next_turn"],
+    }
+    samples = interleaved(paths, rounds)
+    equal_samples = interleaved(equal_paths, rounds)
     # CPU per request of the router and of the session server: less sensitive than wall time to
     # other processes competing for the 2 cores (every path runs 100 more times here).
     spent: dict[str, float] = {}
@@ -369,20 +385,21 @@ def measure_size(
     next_hop = med["session_router_next_turn"] - med["router"]
     # Equal work: against the same conversation sent as chat text through the router to an engine
     # that renders and tokenizes it (the turn a user has without the session server).
-    router_hop_chat = med["router_chat_cold"] - med["worker_chat_cold"]
-    router_hop_chat_next = med["router_chat_next_turn"] - med["worker_chat_next_turn"]
+    eq = {k: statistics.median(v) * 1e3 for k, v in equal_samples.items()}
+    router_hop_chat = eq["router_chat_cold"] - eq["worker_chat_cold"]
+    router_hop_chat_next = eq["router_chat_next_turn"] - eq["worker_chat_next_turn"]
     equal_work_hops = {
         name: (hop, base)
         for name, hop, base in [
             (
                 "first_turn_cold",
-                med["session_router_cold"] - med["router_chat_cold"],
+                eq["session_router_cold"] - eq["router_chat_cold"],
                 router_hop_chat,
             ),
-            ("first_turn_warm", med["session_router"] - med["router_chat_cold"], router_hop_chat),
+            ("first_turn_warm", eq["session_router"] - eq["router_chat_cold"], router_hop_chat),
             (
                 "second_turn",
-                med["session_router_next_turn"] - med["router_chat_next_turn"],
+                eq["session_router_next_turn"] - eq["router_chat_next_turn"],
                 router_hop_chat_next,
             ),
         ]
@@ -421,6 +438,7 @@ def measure_size(
                 ),
             ]
         },
+        "equal_work_median_ms": {k: round(v, 3) for k, v in eq.items()},
         "router_hop_chat_ms": round(router_hop_chat, 3),
         "router_hop_chat_next_turn_ms": round(router_hop_chat_next, 3),
         # the session path's added latency over the same turn as chat text through the router
