@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
+import pytest
+
 import posttrain.session_router as sr
 
 
 def test_all_is_exactly_the_public_surface() -> None:
+    assert len(sr.__all__) == len(set(sr.__all__))
+    assert set(sr.__all__) == set(sr._EXPORTS)  # every public name loads lazily from its module
+    for name in sr.__all__:
+        assert getattr(sr, name) is not None
+    # once loaded, nothing else from posttrain sits in the package namespace
     public = {
         name
         for name, value in vars(sr).items()
@@ -13,9 +20,8 @@ def test_all_is_exactly_the_public_surface() -> None:
     }
     public |= {"ROUTING_KEY_HEADER"}
     assert set(sr.__all__) == public
-    assert len(sr.__all__) == len(set(sr.__all__))
-    for name in sr.__all__:
-        assert getattr(sr, name) is not None
+    with pytest.raises(AttributeError, match="no attribute 'not_a_name'"):
+        sr.not_a_name  # noqa: B018
 
 
 def test_error_tree_is_rooted_in_posttrain_error() -> None:

@@ -333,7 +333,7 @@ def test_cli_refuses_a_router_that_drops_fields(
     monkeypatch: pytest.MonkeyPatch,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    import posttrain.session_router.__main__ as cli
+    import posttrain.session_router.cli as cli
 
     # Ask for a field the stock router drops (R3 replay); the real router then fails the probe.
     original = cli.default_probe_body

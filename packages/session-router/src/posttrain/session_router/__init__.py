@@ -4,58 +4,116 @@ An agent talks OpenAI chat to ``/sessions/{id}/v1/chat/completions``; the server
 template itself, sends token ids (plus ``lora_path`` when the adapter is served) through
 sgl-router's ``/generate`` with the session as routing key, keeps the exact token ids and logprobs
 of every turn, and assembles them into training samples (``/sessions/{id}/samples``).
+
+Importing the package is light: each name below is loaded from its module on first use (PEP 562
+``__getattr__``), so ``python -m posttrain.session_router`` settles its allocator (allocator.py)
+before uvicorn, tokenizers and the rest are imported, and a client does not pull in the server.
 """
 
-from posttrain.session_router._errors import (
-    BadChatRequestError,
-    RouterIncompatible,
-    RouterStartError,
-    SampleAssemblyError,
-    SessionNotFoundError,
-    SessionRouterError,
-    TitoMismatchError,
-    UpstreamReplyError,
-    UpstreamTransportError,
-)
-from posttrain.session_router.app import create_app
-from posttrain.session_router.assembly import (
-    ROUTING_KEY_HEADER,
-    ChatRequest,
-    apply_lora,
-    build_generate_body,
-    forward_headers,
-    merge_template_kwargs,
-    parse_chat_body,
-)
-from posttrain.session_router.client import SessionClient
-from posttrain.session_router.config import SessionRouterConfig, serves_lora
-from posttrain.session_router.loopback import LoopbackWorker
-from posttrain.session_router.router import (
-    RouterHandle,
-    RouterSpec,
-    default_probe_body,
-    probe_passthrough,
-    start_router,
-    strip_rank,
-)
-from posttrain.session_router.samples import AssembledSamples, assemble_samples
-from posttrain.session_router.template import ChatTokenizer
-from posttrain.session_router.tito import (
-    ParsedReply,
-    PreparedTurn,
-    SessionState,
-    TurnRecord,
-    commit_turn,
-    parse_generate_reply,
-    prepare_turn,
-)
-from posttrain.session_router.upstream import (
-    HttpxUpstream,
-    PooledUpstream,
-    Upstream,
-    UpstreamReply,
-)
-from posttrain.session_router.wire import DecodedSamples, decode_samples, encode_samples
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from posttrain.session_router._errors import (
+        BadChatRequestError,
+        RouterIncompatible,
+        RouterStartError,
+        SampleAssemblyError,
+        SessionNotFoundError,
+        SessionRouterError,
+        TitoMismatchError,
+        UpstreamReplyError,
+        UpstreamTransportError,
+    )
+    from posttrain.session_router.app import create_app
+    from posttrain.session_router.assembly import (
+        ROUTING_KEY_HEADER,
+        ChatRequest,
+        apply_lora,
+        build_generate_body,
+        forward_headers,
+        merge_template_kwargs,
+        parse_chat_body,
+    )
+    from posttrain.session_router.client import SessionClient
+    from posttrain.session_router.config import SessionRouterConfig, serves_lora
+    from posttrain.session_router.loopback import LoopbackWorker
+    from posttrain.session_router.router import (
+        RouterHandle,
+        RouterSpec,
+        default_probe_body,
+        probe_passthrough,
+        start_router,
+        strip_rank,
+    )
+    from posttrain.session_router.samples import AssembledSamples, assemble_samples
+    from posttrain.session_router.template import ChatTokenizer
+    from posttrain.session_router.tito import (
+        ParsedReply,
+        PreparedTurn,
+        SessionState,
+        TurnRecord,
+        commit_turn,
+        parse_generate_reply,
+        prepare_turn,
+    )
+    from posttrain.session_router.upstream import (
+        HttpxUpstream,
+        PooledUpstream,
+        Upstream,
+        UpstreamReply,
+    )
+    from posttrain.session_router.wire import DecodedSamples, decode_samples, encode_samples
+
+# public name -> the module of this package that defines it
+_EXPORTS = {
+    "BadChatRequestError": "_errors",
+    "RouterIncompatible": "_errors",
+    "RouterStartError": "_errors",
+    "SampleAssemblyError": "_errors",
+    "SessionNotFoundError": "_errors",
+    "SessionRouterError": "_errors",
+    "TitoMismatchError": "_errors",
+    "UpstreamReplyError": "_errors",
+    "UpstreamTransportError": "_errors",
+    "create_app": "app",
+    "ROUTING_KEY_HEADER": "assembly",
+    "ChatRequest": "assembly",
+    "apply_lora": "assembly",
+    "build_generate_body": "assembly",
+    "forward_headers": "assembly",
+    "merge_template_kwargs": "assembly",
+    "parse_chat_body": "assembly",
+    "SessionClient": "client",
+    "SessionRouterConfig": "config",
+    "serves_lora": "config",
+    "LoopbackWorker": "loopback",
+    "RouterHandle": "router",
+    "RouterSpec": "router",
+    "default_probe_body": "router",
+    "probe_passthrough": "router",
+    "start_router": "router",
+    "strip_rank": "router",
+    "AssembledSamples": "samples",
+    "assemble_samples": "samples",
+    "ChatTokenizer": "template",
+    "ParsedReply": "tito",
+    "PreparedTurn": "tito",
+    "SessionState": "tito",
+    "TurnRecord": "tito",
+    "commit_turn": "tito",
+    "parse_generate_reply": "tito",
+    "prepare_turn": "tito",
+    "HttpxUpstream": "upstream",
+    "PooledUpstream": "upstream",
+    "Upstream": "upstream",
+    "UpstreamReply": "upstream",
+    "DecodedSamples": "wire",
+    "decode_samples": "wire",
+    "encode_samples": "wire",
+}
 
 __all__ = [
     "ROUTING_KEY_HEADER",
@@ -103,3 +161,16 @@ __all__ = [
     "start_router",
     "strip_rank",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

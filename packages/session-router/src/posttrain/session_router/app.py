@@ -1,6 +1,6 @@
 """The session server's routes: an ASGI app (dispatch.py) in front of sgl-router's ``/generate``.
 
-    GET    /health                                 instance id, stable per process
+    GET    /health                                 instance id (stable per process), allocator
     GET    /metrics                                Prometheus text
     POST   /sessions                               -> {"session_id"}
     GET    /sessions/{id}                          records and TITO metadata
@@ -126,7 +126,14 @@ def _handled(route: str, fn: Handler) -> Handler:
 
 
 async def health(request: Request) -> Response:
-    return _json({"status": "ok", "session_server_instance_id": _server(request).instance_id})
+    server = _server(request)
+    return _json(
+        {
+            "status": "ok",
+            "session_server_instance_id": server.instance_id,
+            "allocator": server.allocator,
+        }
+    )
 
 
 async def metrics(request: Request) -> Response:

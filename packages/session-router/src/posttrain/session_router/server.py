@@ -23,6 +23,7 @@ from prometheus_client.registry import Collector
 from starlette.requests import Request
 
 from posttrain.session_router._errors import SessionNotFoundError
+from posttrain.session_router.allocator import loaded_allocator
 from posttrain.session_router.config import SessionRouterConfig
 from posttrain.session_router.template import ChatTokenizer
 from posttrain.session_router.tito import SessionState
@@ -93,6 +94,7 @@ class SessionServer:
         self.cfg = cfg
         self.tok = tok
         self.instance_id = uuid.uuid4().hex
+        self.allocator = loaded_allocator()  # reported by /health
         self.sessions: dict[str, SessionState] = {}
         self.metrics = Metrics()
         self.metrics.registry.register(TokenizerCollector(tok))
