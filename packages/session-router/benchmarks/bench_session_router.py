@@ -29,7 +29,8 @@ latency there is (session path - router chat path), compared with the router's h
 B2: router start-to-ready: ``start_router`` (the wheel's Python API in a child process) versus
 ``smg launch`` (the wheel's CLI), each until ``/health`` answers 200. Medians over ``--starts``.
 
-    uv run python packages/session-router/benchmarks/bench_session_router.py [--rounds 300]
+    uv run python packages/session-router/benchmarks/bench_session_router.py [--rounds 300] [--floor]
+        [--session-allocator {mimalloc,system}]
 
 Prints JSON.
 """
@@ -464,7 +465,9 @@ def floor_proxy(router_url: str) -> tuple[ServerProcess, str]:
     return ServerProcess(argv, f"{url}/health", timeout_s=60).start(), url
 
 
-def bench_turns(rounds: int, sizes: list[int], tok_dir: Path, floor: bool) -> dict[str, Any]:
+def bench_turns(
+    rounds: int, sizes: list[int], tok_dir: Path, floor: bool, allocator: str
+) -> dict[str, Any]:
     tok = ChatTokenizer.from_dir(tok_dir)
     wport = free_port()
     results: dict[str, Any] = {}
@@ -473,8 +476,13 @@ def bench_turns(rounds: int, sizes: list[int], tok_dir: Path, floor: bool) -> di
         worker = f"http://127.0.0.1:{wport}"
         with start_router(RouterSpec(port=free_port())) as router:
             router.add_worker(worker)
-            s_router, s_router_url = session_server(router.url, tok_dir)
-            s_worker, s_worker_url = session_server(worker, tok_dir)
+            extra = ["--allocator", allocator]
+            s_router, s_router_url = session_server(router.url, tok_dir, extra)
+            s_worker, s_worker_url = session_server(worker, tok_dir, extra)
+            # what the session servers actually run on (mimalloc unless it could not be preloaded)
+            results["session_server_allocator"] = httpx.get(
+                f"{s_router_url}/health", timeout=10
+            ).json()["allocator"]
             urls = {
                 "worker": worker,
                 "router": router.url,
@@ -556,11 +564,19 @@ def main() -> None:
     p.add_argument("--sizes", type=int, nargs="+", default=[512, 8192])
     p.add_argument("--starts", type=int, default=5)
     p.add_argument("--floor", action="store_true", help="also time floor_proxy.py")
+    p.add_argument(
+        "--session-allocator",
+        choices=["mimalloc", "system"],
+        default="mimalloc",
+        help="the session servers' --allocator (their default is mimalloc)",
+    )
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         tok_dir = build_tokenizer(Path(tmp))
         out = {
-            "turn_latency": bench_turns(args.rounds, args.sizes, tok_dir, args.floor),
+            "turn_latency": bench_turns(
+                args.rounds, args.sizes, tok_dir, args.floor, args.session_allocator
+            ),
             "router_start": bench_start(args.starts),
         }
     out["config"] = {
@@ -568,6 +584,7 @@ def main() -> None:
         "sizes": args.sizes,
         "starts": args.starts,
         "floor": args.floor,
+        "session_allocator": args.session_allocator,
         "cpus": os.cpu_count(),
     }
     print(json.dumps(out, indent=2))
