@@ -40,6 +40,8 @@ def test_requested_allocator_reads_both_spellings() -> None:
     assert alloc.requested_allocator(["--upstream", "http://x"]) == alloc.DEFAULT_ALLOCATOR
     assert alloc.requested_allocator(["--allocator", "system"]) == "system"
     assert alloc.requested_allocator(["--port", "1", "--allocator=system"]) == "system"
+    assert alloc.requested_allocator(["--alloc", "system"]) == "system"  # as argparse reads it
+    assert alloc.requested_allocator(["--allocator"]) == alloc.DEFAULT_ALLOCATOR  # cli reports it
 
 
 def test_loaded_allocator_reads_the_memory_map(tmp_path: Path) -> None:

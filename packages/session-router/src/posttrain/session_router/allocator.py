@@ -19,6 +19,7 @@ This module imports only the standard library: it runs before the package's heav
 
 from __future__ import annotations
 
+import argparse
 import importlib.metadata
 import os
 import sys
@@ -72,13 +73,18 @@ def restore_environment(environ: MutableMapping[str, str]) -> bool:
 
 
 def requested_allocator(argv: Sequence[str]) -> str:
-    """The ``--allocator`` value in a command line (the CLI's own parser validates it later)."""
-    for i, arg in enumerate(argv):
-        if arg == "--allocator" and i + 1 < len(argv):
-            return argv[i + 1]
-        if arg.startswith("--allocator="):
-            return arg.split("=", 1)[1]
-    return DEFAULT_ALLOCATOR
+    """The ``--allocator`` value in a command line, read the way the CLI's parser reads it.
+
+    Abbreviations (``--alloc system``) and ``--allocator=system`` count; a malformed value is left
+    for the CLI's own parser to report.
+    """
+    parser = argparse.ArgumentParser(add_help=False, exit_on_error=False)
+    parser.add_argument("--allocator", default=DEFAULT_ALLOCATOR)
+    try:
+        known, _ = parser.parse_known_args(list(argv))
+    except argparse.ArgumentError:
+        return DEFAULT_ALLOCATOR
+    return str(known.allocator)
 
 
 def reexec_with_allocator(allocator: str) -> None:

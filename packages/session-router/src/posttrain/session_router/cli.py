@@ -59,6 +59,11 @@ def upstream_is_router(url: str, *, timeout_s: float = 10.0) -> bool:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Parse, build the app, probe the upstream router, serve; the exit code.
+
+    ``--allocator`` acts in ``__main__`` (a re-exec before this runs); a caller that runs
+    ``main`` in its own process keeps that process's allocator.
+    """
     args = parse_args(argv)
     try:
         cfg = SessionRouterConfig(
