@@ -107,6 +107,19 @@ def test_without_the_library_it_warns_and_serves_on_the_system_allocator(
     assert "system allocator" in capsys.readouterr().err
 
 
+def test_a_library_path_ld_preload_cannot_name_is_not_preloaded(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    calls: list[tuple[Any, ...]] = []
+    monkeypatch.setattr(os, "execve", _record_execve(calls))
+    monkeypatch.setattr(alloc, "loaded_allocator", lambda: "system")
+    monkeypatch.setattr(alloc, "mimalloc_library", lambda: Path("/my venv/libmimalloc.so"))
+    monkeypatch.delenv(alloc.REEXEC_MARKER, raising=False)
+    alloc.reexec_with_allocator("mimalloc")
+    assert calls == []
+    assert "/my venv/libmimalloc.so" in capsys.readouterr().err
+
+
 def test_importing_the_package_does_not_import_the_server() -> None:
     code = (
         "import sys, posttrain.session_router as s; "

@@ -91,8 +91,9 @@ def reexec_with_allocator(allocator: str) -> None:
     """Re-execute this process with mimalloc preloaded when ``allocator`` asks for it (at most once).
 
     Returns without doing anything when the system allocator is asked for, mimalloc is already
-    loaded, this process is the re-executed one, the platform is not Linux, or the library is not
-    installed (with a warning on stderr in the last two cases).
+    loaded, this process is the re-executed one, the platform is not Linux, the library is not
+    installed, or its path cannot be written in ``LD_PRELOAD`` (a warning on stderr in the last
+    three cases).
     """
     if restore_environment(os.environ):
         if allocator == "mimalloc" and loaded_allocator() != "mimalloc":
@@ -108,6 +109,13 @@ def reexec_with_allocator(allocator: str) -> None:
         print(
             "warning: mimalloc is not available here (the cmeel-mimalloc wheel, Linux only); "
             "serving with the system allocator",
+            file=sys.stderr,
+        )
+        return
+    if any(sep in str(library) for sep in " :"):  # LD_PRELOAD splits on both
+        print(
+            f"warning: cannot preload {library}: LD_PRELOAD cannot name a path with a space or "
+            "colon; serving with the system allocator",
             file=sys.stderr,
         )
         return
