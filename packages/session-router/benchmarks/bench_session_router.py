@@ -56,6 +56,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from posttrain.interface.testing import ServerProcess, free_port
 from posttrain.session_router import ChatTokenizer, RouterSpec, start_router
+from posttrain.session_router.allocator import ALLOCATORS, DEFAULT_ALLOCATOR
 
 CHATML = (
     "{%- for message in messages %}"
@@ -566,9 +567,9 @@ def main() -> None:
     p.add_argument("--floor", action="store_true", help="also time floor_proxy.py")
     p.add_argument(
         "--session-allocator",
-        choices=["mimalloc", "system"],
-        default="mimalloc",
-        help="the session servers' --allocator (their default is mimalloc)",
+        choices=ALLOCATORS,
+        default=DEFAULT_ALLOCATOR,
+        help="the session servers' --allocator (the same default as theirs)",
     )
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
