@@ -2,11 +2,25 @@
 
 Error tree (rooted in ``posttrain.interface.PosttrainError``)::
 
-    GrpoError                        a GRPO computation, run or option failed
+    GrpoError                            a GRPO computation, run or option failed
+    ├── GrpoConfigError (ConfigError)    an option is invalid; names the field and value
+    │   └── GrpoUnsupportedError         a valid option this build cannot honour; names the
+    │                                    option and what would honour it
+    └── GrpoInputError (ValueError)      a tensor handed to the GRPO math is malformed
 """
 
-from posttrain.grpo._errors import GrpoError
+from posttrain.grpo._errors import (
+    GrpoConfigError,
+    GrpoError,
+    GrpoInputError,
+    GrpoUnsupportedError,
+)
+from posttrain.grpo.config import GrpoConfig
 
 __all__ = [
+    "GrpoConfig",
+    "GrpoConfigError",
     "GrpoError",
+    "GrpoInputError",
+    "GrpoUnsupportedError",
 ]
