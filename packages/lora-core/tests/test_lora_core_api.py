@@ -196,3 +196,50 @@ def test_fold_scaling_serves_rslora_without_rslora(tmp_path: Path) -> None:
     assert torch.allclose(served(x), ours(x), rtol=1e-6, atol=1e-6)
     with pytest.raises(lora.ExportError, match="fold_scaling_to"):
         lora.export_adapter(handle, fold_scaling_to=0.0)
+
+
+class _SiteWithKernel(nn.Module):
+    """A linear site as ``posttrain.models`` declares one: its own kernel, dims and weight."""
+
+    def __init__(self, d_in: int, d_out: int, calls: list[tuple[int, ...]]) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(d_out, d_in))
+        self.in_features, self.out_features = d_in, d_out
+        self.calls = calls
+
+    def linear_kernel(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        self.calls.append(tuple(w.shape))
+        return (x.double() @ w.double().T).float()  # a kernel unlike torch's matmul
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear_kernel(x, self.weight)
+
+
+def test_a_linear_site_gets_lora_on_its_own_kernel() -> None:
+    calls: list[tuple[int, ...]] = []
+    model = nn.Sequential(_SiteWithKernel(6, 5, calls))
+    cfg = LoraConfig(r=2, alpha=4.0, b_init="normal")
+    handle = attach_lora(model, cfg, {"0": lora.Target(parts=(("q", 3), ("k", 2)))})
+    site = handle.sites["0"]
+    assert isinstance(site, LoraLinear)
+    x = torch.randn(4, 6)
+    calls.clear()
+    y = model(x)
+    assert calls == [(5, 6), (2, 6), (5, 2)]  # base, then A, then B: all on the site's kernel
+    a, b = site.lora_A.detach(), site.lora_B.detach()
+    base = (x.double() @ site.base.weight.detach().double().T).float()
+    h = (x.double() @ a.double().T).float()
+    assert torch.equal(y, base + (h.double() @ b.double().T).float() * cfg.scaling)
+    exported = lora.export_adapter(handle)
+    assert sorted(exported) == sorted(lora.peft_key(m, f) for m in ("q", "k") for f in ("A", "B"))
+
+
+def test_a_module_without_kernel_or_weight_is_still_refused() -> None:
+    class NotLinear(nn.Module):
+        in_features, out_features = 3, 3
+
+        def linear_kernel(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+            return x
+
+    with pytest.raises(LayoutError, match="cannot attach LoRA to NotLinear"):
+        attach_lora(nn.Sequential(NotLinear()), LoraConfig(r=1, alpha=1.0), ["0"])

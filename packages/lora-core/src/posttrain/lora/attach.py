@@ -3,6 +3,10 @@
 Supported bases: ``torch.nn.Linear`` (replicated), this package's ``ColumnShardedLinear`` /
 ``RowShardedLinear``, and megatron-core's ``ColumnParallelLinear`` (``gather_output=False``) /
 ``RowParallelLinear`` (``input_is_parallel=True``), with or without sequence parallelism.
+A *linear site* counts as a replicated linear too: any module that declares a
+``linear_kernel`` (``x, w -> x @ w.T``), int ``in_features`` / ``out_features`` and a 2-D
+``weight [out, in]``, and computes ``linear_kernel(x, weight)``. ``posttrain.models`` exposes
+its fused linears that way; the LoRA branch then runs on the site's kernel (``layers``).
 Process groups come in a ``LoraGroups``; nothing is read from Megatron's globals.
 
 Fused outputs (QKV, gate/up) are one site with one A and a B whose local rows hold each part's
@@ -104,6 +108,18 @@ def _int_attr(module: nn.Module, name: str) -> int:
     return int(value)
 
 
+def _is_linear_site(module: nn.Module) -> bool:
+    """A module that declares its kernel, its dims and a 2-D weight (see the module docstring)."""
+    weight = getattr(module, "weight", None)
+    return (
+        callable(getattr(module, "linear_kernel", None))
+        and isinstance(getattr(module, "in_features", None), int)
+        and isinstance(getattr(module, "out_features", None), int)
+        and isinstance(weight, torch.Tensor)
+        and weight.ndim == 2
+    )
+
+
 def _classify(path: str, module: nn.Module) -> tuple[Layout, bool, int, int]:
     """(layout, sequence_parallel, full in, full out) of a supported base module."""
     if isinstance(module, ColumnShardedLinear):
@@ -131,8 +147,13 @@ def _classify(path: str, module: nn.Module) -> tuple[Layout, bool, int, int]:
             _int_attr(module, "input_size"),
             _int_attr(module, "output_size"),
         )
-    if isinstance(module, nn.Linear):
-        return "replicated", False, module.in_features, module.out_features
+    if isinstance(module, nn.Linear) or _is_linear_site(module):
+        return (
+            "replicated",
+            False,
+            _int_attr(module, "in_features"),
+            _int_attr(module, "out_features"),
+        )
     raise LayoutError(f"{path}: cannot attach LoRA to {type(module).__name__}")
 
 

@@ -1,10 +1,15 @@
 """``LoraLinear``: a base linear plus the rank-r LoRA branch, for every TP layout.
 
-The LoRA forward, in this exact op order (the local engine matches it):
+The LoRA forward is ``posttrain.formats.lora_delta`` (the op the engines' adapter hook in
+``posttrain.models`` computes too), in this exact order:
 
-    h = x.to(A.dtype) @ A.T                 # [tokens(_loc), r]  (dropout on x first, opt-in)
+    h = linear(x, A)                        # [tokens(_loc), r]  (dropout on x first, opt-in)
     h = R(h)                                # the rank-r reduction of the layout, see below
-    y = base(x) + ((h @ B.T) * scaling).to(base_y.dtype)
+    y = base(x) + (linear(h, B) * scaling).to(base_y.dtype)
+
+``linear`` is the base layer's own kernel when it declares one (``base.linear_kernel``, as
+``posttrain.models``' linear sites do: strict fp32 kernels, so the trainer's LoRA forward is
+bit-identical to the engine's), else ``x.to(A.dtype) @ A.T``.
 
 ``R`` sits on the rank-r activation between A and B:
 
@@ -32,6 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed import ProcessGroup
 
+from posttrain.formats import LinearKernel, lora_delta, matmul_kernel
 from posttrain.lora._comm import copy_to_group, gather_from_seq, reduce_from_group, scatter_to_seq
 from posttrain.lora.config import LoraConfig
 
@@ -111,18 +117,27 @@ class LoraLinear(nn.Module):
         self.lora_A = nn.Parameter(lora_a.to(config.param_dtype).contiguous())
         self.lora_B = nn.Parameter(lora_b.to(config.param_dtype).contiguous())
 
-    def lora_delta(self, x: torch.Tensor) -> torch.Tensor:
-        """``((R(x @ A.T)) @ B.T) * scaling`` in the factors' dtype (see the module docstring)."""
-        xa = x.to(self.lora_A.dtype)
-        if self.dropout > 0.0 and self.training:
-            xa = F.dropout(xa, p=self.dropout, training=True)
-        h = xa @ self.lora_A.T
+    @property
+    def kernel(self) -> LinearKernel:
+        """The base layer's ``linear(x, w)`` if it declares one, else ``matmul_kernel``."""
+        declared: LinearKernel | None = getattr(self.base, "linear_kernel", None)
+        return declared if declared is not None else matmul_kernel
+
+    def _reduce(self, h: torch.Tensor) -> torch.Tensor:
         sp = self.site.sequence_parallel
         if self.site.layout == "column":
-            h = gather_from_seq(h, self.tp_group) if sp else copy_to_group(h, self.tp_group)
-        elif self.site.layout == "row":
-            h = scatter_to_seq(h, self.tp_group) if sp else reduce_from_group(h, self.tp_group)
-        return (h @ self.lora_B.T) * self.scaling
+            return gather_from_seq(h, self.tp_group) if sp else copy_to_group(h, self.tp_group)
+        if self.site.layout == "row":
+            return scatter_to_seq(h, self.tp_group) if sp else reduce_from_group(h, self.tp_group)
+        return h
+
+    def lora_delta(self, x: torch.Tensor) -> torch.Tensor:
+        """``linear(R(linear(x, A)), B) * scaling`` (see the module docstring)."""
+        if self.dropout > 0.0 and self.training:
+            x = F.dropout(x.to(self.lora_A.dtype), p=self.dropout, training=True)
+        return lora_delta(
+            x, self.lora_A, self.lora_B, self.scaling, linear=self.kernel, reduce=self._reduce
+        )
 
     def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         out = self.base(x, *args, **kwargs)

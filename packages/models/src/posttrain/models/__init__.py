@@ -9,6 +9,8 @@ Public surface (see the package README for a tour):
 * ``save_pretrained`` / ``load_pretrained`` -- safetensors + config.json (+ tokenizer) dirs.
 * ``weight_groups`` / ``to_hf_state_dict`` / ``from_hf_state_dict`` -- name conversion.
 * ``LoraAdapter`` -- per-request low-rank deltas on named linears.
+* ``LinearSite`` / ``DecoderModel.linear_sites()`` -- each fused linear as a module with the
+  model's kernel, for wrappers such as ``lora-core``'s ``LoraLinear``.
 * ``build_tokenizer`` -- a local character-level fast tokenizer with a ChatML template.
 """
 
@@ -43,6 +45,7 @@ from posttrain.models._errors import (
 from posttrain.models._lora import LoraAdapter
 from posttrain.models._model import DecoderModel, Numerics, Step, build_model
 from posttrain.models._ops import FastOps, StrictOps
+from posttrain.models._sites import LinearSite
 from posttrain.models._tokenizer import CHAT_TEMPLATE, VOCAB_SIZE, build_tokenizer
 
 __all__ = [
@@ -54,6 +57,7 @@ __all__ = [
     "DuplicateTensorError",
     "FastOps",
     "KVCache",
+    "LinearSite",
     "LoraAdapter",
     "LoraError",
     "MissingTensorError",

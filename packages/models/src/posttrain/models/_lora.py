@@ -4,13 +4,16 @@ A ``LoraAdapter`` maps PEFT-style module names (``model.layers.0.self_attn.q_pro
 ``model.layers.1.mlp.experts.3.down_proj``, ``lm_head``; see ``DecoderModel.lora_targets``)
 to ``(A[r, in], B[out, r])`` and a scaling. Forward calls take one adapter for every
 segment, or one per segment (per cache row in ``extend``), so an engine can serve several
-adapters in one batch. The op order is fixed and shared with ``lora-core``:
+adapters in one batch. The delta is ``posttrain.formats.lora_delta``, the one LoRA op that
+``lora-core`` computes too:
 
-    y = base(x) + scaling * ((x @ A.T) @ B.T)
+    y = base(x) + linear(linear(x, A), B) * scaling
 
 with both matmuls through the active kernel set (``StrictOps.linear`` in strict mode), so
 adapter deltas keep training/decode parity. The fused in-memory weights (``qkv``, ``fc1``,
-stacked experts) get the delta on the output slice that the HF module owns.
+stacked experts) get the delta on the output slice that the HF module owns. A trainer gets
+the same bits by wrapping the model's ``LinearSite``s with ``lora-core`` (the site hands its
+kernel to the wrapper), see ``_sites``.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from posttrain.formats import lora_delta
 from posttrain.models._errors import LoraError
 from posttrain.models._ops import FastOps
 
@@ -123,10 +127,10 @@ class LoraRouting:
             xr = x[rows]
             for name, start, stop in hits:
                 a, b = adapter.weights[name]
-                delta = ops.linear(ops.linear(xr, a), b)
+                delta = lora_delta(xr, a, b, adapter.scaling, linear=ops.linear)
                 if out is y:
                     out = y.clone()
-                out[rows, start:stop] = y[rows, start:stop] + adapter.scaling * delta
+                out[rows, start:stop] = y[rows, start:stop] + delta
         return out
 
 

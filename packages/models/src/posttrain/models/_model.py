@@ -31,6 +31,7 @@ from posttrain.models._config import ModelConfig
 from posttrain.models._errors import CacheError, ModelInputError
 from posttrain.models._lora import AdapterArg, LoraRouting
 from posttrain.models._ops import FastOps, StrictOps, apply_rope, rope_tables
+from posttrain.models._sites import LinearSite
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -76,6 +77,7 @@ class _Layer(nn.Module):
         self.k_norm = nn.Parameter(torch.ones(hd, dtype=dt))
         self.proj = nn.Parameter(torch.zeros(h, nq, dtype=dt))
         self.mlp_norm = nn.Parameter(torch.ones(h, dtype=dt))
+        self.sites = nn.ModuleDict()  # filled by DecoderModel (sites need the model's kernel)
 
 
 class DenseLayer(_Layer):
@@ -136,6 +138,8 @@ class DecoderModel(nn.Module):
         from posttrain.models._convert import lora_targets
 
         self._lora_targets = lora_targets(config)
+        self.sites = nn.ModuleDict()
+        self._add_sites()
         cos, sin = rope_tables(config.head_dim, config.max_position_embeddings, config.rope_theta)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
@@ -255,6 +259,18 @@ class DecoderModel(nn.Module):
 
     # ------------------------------------------------------------------ weights and files
 
+    def linear_sites(self) -> dict[str, LinearSite]:
+        """Every linear site by module path (``layers.0.sites.qkv``, ``sites.lm_head``).
+
+        A site may have been replaced by a wrapper (e.g. ``lora-core``'s ``LoraLinear``);
+        this lists the sites themselves, found through the wrapper's ``base``.
+        """
+        out: dict[str, LinearSite] = {}
+        for path, module in self.named_modules():
+            if isinstance(module, LinearSite):
+                out[path.removesuffix(".base")] = module
+        return out
+
     def lora_targets(self) -> dict[str, tuple[int, int]]:
         """PEFT module names a ``LoraAdapter`` may target, with their ``(in, out)`` dims."""
         return dict(self._lora_targets)
@@ -283,6 +299,28 @@ class DecoderModel(nn.Module):
         save_pretrained(self, path, tokenizer=tokenizer)
 
     # ------------------------------------------------------------------ internals
+
+    def _add_sites(self) -> None:
+        cfg = self.config
+        hd = cfg.head_dim
+        nq, nk = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
+        for layer in self.layers:
+            assert isinstance(layer, _Layer)
+            a, m = f"model.layers.{layer.index}.self_attn.", f"model.layers.{layer.index}.mlp."
+            specs = {
+                "qkv": ((a + "q_proj", nq), (a + "k_proj", nk), (a + "v_proj", nk)),
+                "proj": ((a + "o_proj", cfg.hidden_size),),
+            }
+            if isinstance(layer, MoeLayer):
+                specs["router"] = ((m + "gate", cfg.num_experts),)
+            else:
+                i = cfg.intermediate_size
+                specs["fc1"] = ((m + "gate_proj", i), (m + "up_proj", i))
+                specs["fc2"] = ((m + "down_proj", cfg.hidden_size),)
+            for param, parts in specs.items():
+                layer.sites[param] = LinearSite(self, layer, param, parts=parts)
+        head = "embedding" if self.output is None else "output"
+        self.sites["lm_head"] = LinearSite(self, self, head, parts=(("lm_head", cfg.vocab_size),))
 
     def _check_ids(self, ids: Tensor) -> Tensor:
         if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.config.vocab_size):
@@ -337,8 +375,7 @@ class DecoderModel(nn.Module):
                 assert isinstance(layer, DenseLayer)
                 h = h + self._dense(layer, m, lora, prefix)
         h = ops.rms_norm(h, self.final_norm, cfg.rms_norm_eps)
-        head = self.embedding if self.output is None else self.output
-        logits = ops.linear(h, head)
+        logits = self.sites["lm_head"](h)
         return lora.apply(ops, h, logits, [("lm_head", 0, cfg.vocab_size)])
 
     def _attention(
@@ -356,7 +393,7 @@ class DecoderModel(nn.Module):
         t, hd, nh, nkv = h.shape[0], cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
         nq, nk = nh * hd, nkv * hd
         a = ops.rms_norm(h, layer.attn_norm, cfg.rms_norm_eps)
-        qkv = ops.linear(a, layer.qkv)
+        qkv = layer.sites["qkv"](a)
         names = [
             (prefix + "self_attn.q_proj", 0, nq),
             (prefix + "self_attn.k_proj", nq, nq + nk),
@@ -371,7 +408,7 @@ class DecoderModel(nn.Module):
         cap = cfg.max_position_embeddings
         if cache is None and self.numerics is Numerics.FAST:
             o = _causal_sdpa(q, k, v, buf_row, nh // nkv)
-            y = ops.linear(o, layer.proj)
+            y = layer.sites["proj"](o)
             return lora.apply(ops, o, y, [(prefix + "self_attn.o_proj", 0, cfg.hidden_size)])
         if cache is None:
             shape = (num_buffers, cap, nkv, hd)
@@ -399,23 +436,23 @@ class DecoderModel(nn.Module):
                 )
             )
         o = torch.cat(outs).reshape(t, nq)
-        y = ops.linear(o, layer.proj)
+        y = layer.sites["proj"](o)
         return lora.apply(ops, o, y, [(prefix + "self_attn.o_proj", 0, cfg.hidden_size)])
 
     def _dense(self, layer: DenseLayer, m: Tensor, lora: LoraRouting, prefix: str) -> Tensor:
         ops, i = self.ops, self.config.intermediate_size
-        gu = ops.linear(m, layer.fc1)
+        gu = layer.sites["fc1"](m)
         gu = lora.apply(
             ops, m, gu, [(prefix + "mlp.gate_proj", 0, i), (prefix + "mlp.up_proj", i, 2 * i)]
         )
         act = ops.silu_mul(gu[:, :i], gu[:, i:])
-        y = ops.linear(act, layer.fc2)
+        y = layer.sites["fc2"](act)
         return lora.apply(ops, act, y, [(prefix + "mlp.down_proj", 0, self.config.hidden_size)])
 
     def _moe(self, layer: MoeLayer, m: Tensor, lora: LoraRouting, prefix: str) -> Tensor:
         cfg, ops = self.config, self.ops
         i, k, hsz = cfg.moe_intermediate_size, cfg.num_experts_per_tok, cfg.hidden_size
-        logits = ops.linear(m, layer.router)
+        logits = layer.sites["router"](m)
         logits = lora.apply(ops, m, logits, [(prefix + "mlp.gate", 0, cfg.num_experts)])
         probs = ops.softmax(logits)
         # Top-k by a stable descending sort (ties go to the lower id), then ids ascending:
