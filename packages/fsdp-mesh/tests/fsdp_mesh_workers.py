@@ -291,6 +291,30 @@ def config_variants(rank: int, world: int) -> dict[str, float]:
     }
 
 
+def ignored_params_check(rank: int, world: int) -> dict[str, Any]:
+    """``apply_hsdp(ignored_params=...)``: the ignored parameter stays plain and rank-local."""
+    from torch.distributed.tensor import DTensor
+
+    mesh = build_fsdp_mesh(MeshSpec(world_size=world, replicate=1))
+    torch.manual_seed(0)
+    model = ParityModel(30, 2, 3)
+    extra = torch.nn.Parameter(torch.ones(30))
+    model.register_parameter("extra", extra)
+    apply_hsdp(model, mesh, FP32, ignored_params={extra})
+    torch.manual_seed(10 + rank)
+    (model(torch.randn(4, 30) * model.extra).square().mean()).backward()
+    grads = [torch.zeros(30) for _ in range(world)]
+    assert extra.grad is not None
+    dist.all_gather(grads, extra.grad)
+    return {
+        "ignored_is_plain": not isinstance(model.extra, DTensor),
+        "others_sharded": all(
+            isinstance(p, DTensor) for n, p in model.named_parameters() if n != "extra"
+        ),
+        "ignored_grad_is_local": not torch.equal(grads[0], grads[1]),
+    }
+
+
 def _timed(parts: dict[str, Any], seconds: dict[str, float], name: str, fn: Any) -> None:
     t0 = time.perf_counter()
     parts[name] = fn()
@@ -326,6 +350,7 @@ def w2_suite(rank: int, world: int, root: str) -> dict[str, Any]:
     )
     _timed(out, sec, "live", lambda: live_checks(rank, world))
     _timed(out, sec, "variants", lambda: config_variants(rank, world))
+    _timed(out, sec, "ignored", lambda: ignored_params_check(rank, world))
     return out
 
 

@@ -106,3 +106,12 @@ def test_precision_offload_and_reshard_variants(w2: list[dict[str, Any]]) -> Non
         assert v["keep_vs_fp32"] <= 1e-6
         # bf16 compute really ran (differs from fp32) and stays within bf16 precision.
         assert 0.0 < v["bf16_vs_fp32"] < 0.1
+
+
+def test_ignored_params_stay_plain_and_unreduced(w2: list[dict[str, Any]]) -> None:
+    for rank_out in w2:
+        assert rank_out["ignored"] == {
+            "ignored_is_plain": True,
+            "others_sharded": True,
+            "ignored_grad_is_local": True,
+        }

@@ -88,8 +88,13 @@ def apply_hsdp(
     config: HsdpConfig | None = None,
     *,
     wrap: WrapPolicy | None = None,
+    ignored_params: set[nn.Parameter] | None = None,
 ) -> FSDPModule:
-    """Shard ``model`` in place (blocks, then root) on ``mesh``; returns the root FSDP module."""
+    """Shard ``model`` in place (blocks, then root) on ``mesh``; returns the root FSDP module.
+
+    ``ignored_params`` stay plain, unsharded tensors that FSDP neither gathers nor reduces
+    (e.g. LoRA factors whose gradients ``lora-core`` reduces by its own rules).
+    """
     config = config or HsdpConfig()
     if isinstance(model, FSDPModule):
         raise MeshConfigError(f"{type(model).__name__} is already FSDP-sharded")
@@ -107,6 +112,7 @@ def apply_hsdp(
             mp_policy=policy,
             offload_policy=offload,
             reshard_after_forward=config.reshard_after_forward,
+            ignored_params=ignored_params,
         )
     # The root's own parameters (embeddings, head) are gathered last in forward and first in
     # backward, so there is nothing to gain from resharding them after forward.
@@ -116,6 +122,7 @@ def apply_hsdp(
         mp_policy=policy,
         offload_policy=offload,
         reshard_after_forward=False if blocks else config.reshard_after_forward,
+        ignored_params=ignored_params,
     )
     factor = sharding_mesh.size()
     if factor != mesh.dp_size:
