@@ -180,6 +180,8 @@ def test_three_turn_lora_chat_matches_the_engine_and_the_trainer(stack: dict[str
                             # the vocabulary so every turn completes (merging stops at a
                             # truncated turn) within a few tokens.
                             "stop_token_ids": STOP_IDS,
+                            # Student top-k rows for OPD ride along into the sample.
+                            "top_logprobs": 3,
                         },
                     )
                     assert r.status_code == 200, r.text
@@ -214,6 +216,18 @@ def test_three_turn_lora_chat_matches_the_engine_and_the_trainer(stack: dict[str
     for pos in trained:
         j = pos - len(sample.prompt_ids)
         assert (sample.response_ids[j], sample.rollout_logprobs[j]) == generated[pos]
+    # One top-3 row per response token: the engine's row where it generated, [] elsewhere.
+    rows = sample.metadata["opd_student_top_logprobs"]
+    top: dict[int, list[Any]] = {}
+    for record in records:
+        prompt = record["request"]["input_ids"]
+        for j, row in enumerate(record["response"]["meta_info"]["output_top_logprobs"]):
+            top[len(prompt) + j] = row
+    assert len(rows) == sample.response_length
+    for j, row in enumerate(rows):
+        pos = len(sample.prompt_ids) + j
+        assert row == (top[pos] if sample.loss_mask[j] else [])
+        assert len(row) == (3 if sample.loss_mask[j] else 0)
     # The trainer's recomputation with the same adapter equals the engine's logprobs.
     model = models.load_pretrained(model_dir)
     lora = models.LoraAdapter.from_peft_state_dict(

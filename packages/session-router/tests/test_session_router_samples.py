@@ -24,15 +24,22 @@ from posttrain.session_router import (
 
 
 def rec(
-    prompt: list[int], output: list[int], finish: str = "stop", lp0: float = -0.5
+    prompt: list[int],
+    output: list[int],
+    finish: str = "stop",
+    lp0: float = -0.5,
+    top: list[Any] | None = None,
 ) -> TurnRecord:
+    meta: dict[str, Any] = {"weight_version": "3"}
+    if top is not None:
+        meta["output_top_logprobs"] = top
     return TurnRecord(
         timestamp=time.time(),
         request_timestamp=time.time(),
         method="POST",
         path="/generate",
         request={"input_ids": prompt},
-        response={"meta_info": {"weight_version": "3"}},
+        response={"meta_info": meta},
         status_code=200,
         prompt_ids=prompt,
         output_ids=output,
@@ -222,3 +229,34 @@ def test_decode_overlays_onto_a_copy_of_the_driver_sample() -> None:
     assert out.group_index == 4
     assert out.index == 2
     assert out.metadata == {"prompt": "p", "num_turns": 1}
+
+
+def _rows(out: list[int]) -> list[Any]:
+    return [[[-0.25, t, None], [-1.5, t + 1, None]] for t in out]
+
+
+def test_student_top_rows_follow_trim_truncation_and_merge() -> None:
+    p0, out0, out1 = [1, 2], [5, 6, 7], [9, 10]  # observation token between turns: 8
+    # turn 0's last output token (7) is replaced by the next prompt: it is trimmed
+    recs = [rec(p0, out0, top=_rows(out0)), rec([1, 2, 5, 6, 8], out1, top=_rows(out1))]
+    acc = [1, 2, 5, 6, 8, 9, 10]
+    (s,) = assemble_samples(recs, acc, max_trim_tokens=1).samples
+    assert s.response_ids == [5, 6, 8, 9, 10]
+    assert s.metadata["opd_student_top_logprobs"] == [*_rows([5, 6]), [], *_rows([9, 10])]
+    (cut,) = assemble_samples(recs, acc, max_trim_tokens=1, max_seq_len=6).samples
+    assert cut.metadata["opd_student_top_logprobs"] == [*_rows([5, 6]), [], *_rows([9])]
+    # null rows (SGLang's placeholder) read as empty; the wire keeps them exactly
+    (one,) = assemble_samples([rec(p0, [5], top=[None])], [1, 2, 5], max_trim_tokens=1).samples
+    assert one.metadata["opd_student_top_logprobs"] == [[]]
+    (back,) = decode_samples(encode_samples([s])).samples
+    assert back.metadata["opd_student_top_logprobs"] == s.metadata["opd_student_top_logprobs"]
+
+
+def test_student_top_rows_absent_or_malformed() -> None:
+    p0, out0, out1 = [1, 2], [5, 6], [9]
+    acc = [1, 2, 5, 6, 8, 9]
+    mixed = [rec(p0, out0, top=_rows(out0)), rec([1, 2, 5, 6, 8], out1)]
+    (s,) = assemble_samples(mixed, acc, max_trim_tokens=1).samples
+    assert "opd_student_top_logprobs" not in s.metadata  # never padded with empty rows
+    with pytest.raises(SampleAssemblyError, match=r"records\[0\].*1 rows for 2 output tokens"):
+        assemble_samples([rec(p0, out0, top=_rows([5]))], [1, 2, 5, 6], max_trim_tokens=1)

@@ -13,6 +13,13 @@ Merging goes left to right and stops after a turn that did not complete. Between
 tokens the engine did not generate (tool output, user text, template glue) are observation tokens:
 they enter the response with loss mask 0 and logprob 0.0, so one sample carries the whole
 trajectory and the trainer recomputes logprobs over exactly the engine's tokens.
+
+Student top-k rows for on-policy distillation: when the turns asked for top logprobs (OpenAI
+``top_logprobs: k``, sent upstream as ``top_logprobs_num``), each reply's
+``meta_info.output_top_logprobs`` rows ride along through trim, truncation and merge, and the
+sample's ``metadata["opd_student_top_logprobs"]`` holds one row per response token (``[]`` for
+observation tokens), the layout ``posttrain.opd`` scores. If any merged turn lacks them the key
+is left out rather than filled with empty rows (which would read as "no student ids here").
 """
 
 from __future__ import annotations
@@ -24,6 +31,9 @@ from typing import Any
 from posttrain.interface import Sample, SampleStatus
 from posttrain.session_router._errors import SampleAssemblyError
 from posttrain.session_router.tito import TurnRecord
+
+# The metadata key ``posttrain.opd`` reads the student's top-k rows from (SGLang row layout).
+STUDENT_TOP_KEY = "opd_student_top_logprobs"
 
 _STATUS = {
     "stop": SampleStatus.COMPLETED,
@@ -51,6 +61,21 @@ def _weight_version(record: TurnRecord) -> str | None:
     meta = record.response.get("meta_info")
     value = meta.get("weight_version") if isinstance(meta, dict) else None
     return None if value is None else str(value)
+
+
+def _top_rows(record: TurnRecord, index: int) -> list[Any] | None:
+    """The reply's ``output_top_logprobs`` rows, one per output token, or None if not asked."""
+    meta = record.response.get("meta_info")
+    rows = meta.get("output_top_logprobs") if isinstance(meta, dict) else None
+    if rows is None:
+        return None
+    if not isinstance(rows, list) or len(rows) != len(record.output_ids):
+        count = len(rows) if isinstance(rows, list) else type(rows).__name__
+        raise SampleAssemblyError(
+            f"records[{index}]: meta_info.output_top_logprobs has {count} rows for "
+            f"{len(record.output_ids)} output tokens"
+        )
+    return [[] if row is None else row for row in rows]
 
 
 def trim_turns(
@@ -81,6 +106,7 @@ def trim_turns(
                 f"(at most {allowed} may be trimmed from this turn)"
             )
         cursor += matched
+        rows = _top_rows(rec, i)
         turns.append(
             Sample(
                 prompt_ids=list(prompt),
@@ -89,6 +115,7 @@ def trim_turns(
                 loss_mask=[1] * matched,
                 status=status_of(rec.finish_reason),
                 weight_version=_weight_version(rec),
+                metadata={} if rows is None else {STUDENT_TOP_KEY: rows[:matched]},
             )
         )
     if records and cursor != len(accumulated):
@@ -118,6 +145,7 @@ def truncate_turns(turns: Sequence[Sample], max_seq_len: int | None) -> list[Sam
                     loss_mask=turn.loss_mask[:keep],
                     status=SampleStatus.TRUNCATED,
                     weight_version=turn.weight_version,
+                    metadata={k: v[:keep] for k, v in turn.metadata.items()},
                 )
             )
         break
@@ -143,6 +171,7 @@ def merge_turns(turns: Sequence[Sample]) -> tuple[Sample | None, int]:
                 f"turns[{i}]: the previous turns' tokens are not a strict prefix of its prompt "
                 f"(observation length {obs})"
             )
+        rows_a, rows_b = merged.metadata.get(STUDENT_TOP_KEY), nxt.metadata.get(STUDENT_TOP_KEY)
         merged = Sample(
             prompt_ids=merged.prompt_ids,
             response_ids=merged.response_ids + b_tokens[len(a_tokens) :],
@@ -150,6 +179,9 @@ def merge_turns(turns: Sequence[Sample]) -> tuple[Sample | None, int]:
             loss_mask=merged.loss_mask + [0] * obs + nxt.loss_mask,
             status=nxt.status,
             weight_version=nxt.weight_version,
+            metadata={}
+            if rows_a is None or rows_b is None
+            else {STUDENT_TOP_KEY: rows_a + [[]] * obs + rows_b},
         )
         used += 1
     return merged, used
@@ -181,6 +213,7 @@ def assemble_samples(
             samples=[], empty_reason="all_truncated", session_metadata=session_meta
         )
     merged.metadata = {
+        **merged.metadata,
         **dict(metadata or {}),
         "num_turns": len(records),
         "merged_turns": used,
