@@ -6,13 +6,16 @@ Error tree (rooted in ``posttrain.interface.PosttrainError``)::
     ├── GrpoConfigError (ConfigError)    an option is invalid; names the field and value
     │   └── GrpoUnsupportedError         a valid option this build cannot honour; names the
     │                                    option and what would honour it
-    └── GrpoInputError (ValueError)      a tensor handed to the GRPO math is malformed
+    ├── GrpoInputError (ValueError)      a tensor handed to the GRPO math is malformed
+    └── GrpoRunError                     a run step failed: rollout, weight sync, checkpoint,
+                                         a trainer rank (names the URL, file or rank)
 """
 
 from posttrain.grpo._errors import (
     GrpoConfigError,
     GrpoError,
     GrpoInputError,
+    GrpoRunError,
     GrpoUnsupportedError,
 )
 from posttrain.grpo.config import GrpoConfig
@@ -22,5 +25,6 @@ __all__ = [
     "GrpoConfigError",
     "GrpoError",
     "GrpoInputError",
+    "GrpoRunError",
     "GrpoUnsupportedError",
 ]

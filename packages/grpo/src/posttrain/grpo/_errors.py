@@ -5,8 +5,10 @@ PosttrainError (posttrain.interface)
     ├── GrpoConfigError (ConfigError) an option is invalid; names the field and value
     │   └── GrpoUnsupportedError      a valid option this build cannot honour; names the
     │                                 option and what would honour it
-    └── GrpoInputError (ValueError)   a tensor handed to the GRPO math is malformed;
-                                      names the tensor and the shapes
+    ├── GrpoInputError (ValueError)   a tensor handed to the GRPO math is malformed;
+    │                                 names the tensor and the shapes
+    └── GrpoRunError                  a run step failed: a rollout, a weight sync, a
+                                      checkpoint or a trainer rank; names the URL, file or rank
 """
 
 from __future__ import annotations
@@ -32,3 +34,7 @@ class GrpoUnsupportedError(GrpoConfigError):
 
 class GrpoInputError(GrpoError, ValueError):
     """A tensor handed to the GRPO math has the wrong shape, dtype or device."""
+
+
+class GrpoRunError(GrpoError):
+    """A run step failed (rollout, weight sync, checkpoint, a rank); names the URL, file or rank."""

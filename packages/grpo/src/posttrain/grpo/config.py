@@ -46,11 +46,14 @@ class GrpoConfig:
     # What to train and where rollouts come from.
     model_path: Path | None = None
     rollout_url: str | None = None
+    engine_urls: tuple[str, ...] = ()
+    task: str = "addition"
     backend: Backend = "fsdp"
     train: TrainMode = "lora"
     lora_r: int = 8
     lora_alpha: float = 16.0
     lora_targets: tuple[str, ...] = DEFAULT_LORA_TARGETS
+    lora_name: str = "policy"
     # Parallelism: HSDP over replicate x shard ranks (world = replicate * shard).
     replicate: int = 1
     shard: int = 2
@@ -68,6 +71,7 @@ class GrpoConfig:
     seed: int = 0
     prompts_per_step: int = 8
     samples_per_prompt: int = 4
+    micro_batch_size: int = 0
     max_new_tokens: int = 32
     temperature: float = 1.0
     # The optimizer.
@@ -104,6 +108,7 @@ class GrpoConfig:
         for f in fields(self):
             _check_literal(f.name, getattr(self, f.name))
         self.lora_targets = tuple(self.lora_targets)
+        self.engine_urls = tuple(self.engine_urls)
         for name in ("model_path", "out_dir", "resume"):
             value = getattr(self, name)
             if isinstance(value, str):
@@ -123,7 +128,7 @@ class GrpoConfig:
         for name in ("use_kl_loss", "std_normalize", "opd", "dry_run"):
             if not isinstance(getattr(self, name), bool):
                 raise GrpoConfigError(f"{name} must be a bool, got {getattr(self, name)!r}")
-        for name in ("checkpoint_every", "opd_top_k", "seed"):
+        for name in ("checkpoint_every", "opd_top_k", "seed", "micro_batch_size"):
             _check_int(name, getattr(self, name), minimum=0)
         for name in ("num_layers", "num_experts"):
             if getattr(self, name) is not None:
@@ -148,6 +153,12 @@ class GrpoConfig:
             url = getattr(self, name)
             if url is not None:
                 check_http_url(name, url)
+        for i, url in enumerate(self.engine_urls):
+            check_http_url(f"engine_urls[{i}]", url)
+        if not isinstance(self.lora_name, str) or not self.lora_name or "," in self.lora_name:
+            raise GrpoConfigError(f"lora_name must be one non-empty adapter name, got {self.lora_name!r}")
+        if not isinstance(self.task, str) or not self.task:
+            raise GrpoConfigError(f"task must be a non-empty name, got {self.task!r}")
         if self.train == "lora" and not self.lora_targets:
             raise GrpoConfigError("lora_targets is empty; LoRA training needs at least one target")
         for target in self.lora_targets:
@@ -239,11 +250,14 @@ class GrpoConfig:
 HELP: dict[str, str] = {
     "model_path": "checkpoint directory (or hub id) of the policy",
     "rollout_url": "session-router URL the rollouts go through",
+    "engine_urls": "engine URLs the trained weights are pushed to (each one directly)",
+    "task": "prompt set and reward (the embedded recipe's: addition)",
     "backend": "trainer backend",
     "train": "train a LoRA adapter or every parameter",
     "lora_r": "LoRA rank",
     "lora_alpha": "LoRA alpha (scaling = alpha / r)",
     "lora_targets": "module-name suffixes that get a LoRA adapter",
+    "lora_name": "adapter name the engines serve (the session router's --lora-adapter)",
     "replicate": "HSDP replicate degree (data-parallel groups)",
     "shard": "HSDP shard degree (ranks one parameter is sharded over)",
     "tensor_model_parallel_size": "tensor parallel size",
@@ -258,6 +272,7 @@ HELP: dict[str, str] = {
     "seed": "seed of every random choice (data order, sampling, init)",
     "prompts_per_step": "prompts per step",
     "samples_per_prompt": "samples per prompt (the group size)",
+    "micro_batch_size": "samples per micro-batch on a rank (0: one micro-batch)",
     "max_new_tokens": "most tokens a rollout sample generates",
     "temperature": "rollout sampling temperature",
     "lr": "AdamW learning rate",

@@ -1,0 +1,368 @@
+"""The GRPO loop: rollout, reward, (OPD), advantages, train, weight sync, checkpoint.
+
+Read top to bottom, one step is::
+
+    prompts  = stream.take(prompts_per_step)                 # seeded epochs: resumable
+    samples  = rollout(session-router, prompts, n)           # exact ids + engine logprobs
+    rewards  = task.reward(sample) for each sample           # interface RewardFunction
+    adv      = group_normalized_advantages(rewards, groups)  # GRPO, per sample
+    adv_t    = apply_opd(adv_t, coef, teacher rkl)           # optional: teacher's reverse KL
+    metrics  = train_step(policy, my share of samples)       # every rank, FSDP/HSDP (+ LoRA)
+    sync_weights(policy, engines, version + 1)               # adapter push or wsync/1
+    checkpoint.save(...) every ``checkpoint_every`` steps    # and at the end
+
+Rank 0 talks HTTP (rollouts, rewards, teacher, weight pushes) and hands each rank its share of
+the step's samples; every rank trains. ``run`` is what ``python -m posttrain.grpo`` calls:
+under torchrun it is one rank; alone it forks ``replicate * shard`` local gloo ranks itself.
+
+Where it departs from textbook GRPO (Shao et al.): one optimizer step per rollout batch (so the
+PPO ratio starts at exactly 1), sequence-mean-token-mean loss aggregation by default (miles),
+and the trainer's recompute of the rollout tokens is the "old" policy, checked against the
+engine's logprobs every step (``train_rollout_logprob_abs_diff``, exactly 0 in strict numerics).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import json
+import math
+import os
+import signal
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from posttrain.grpo import checkpoint
+from posttrain.grpo._errors import GrpoConfigError, GrpoRunError
+from posttrain.grpo._formats import request_fields
+from posttrain.grpo.advantages import group_normalized_advantages
+from posttrain.grpo.config import GrpoConfig
+from posttrain.grpo.metrics import MetricsLog, write_report
+from posttrain.grpo.rewards import PromptStream, build_task
+from posttrain.grpo.rollout import RolloutSettings, run_rollout
+from posttrain.grpo.sync import SyncTarget, engine_weight_version, sync_weights
+from posttrain.grpo.trainer import Policy, TrainSample, build_policy, train_step
+from posttrain.interface import Sample
+
+
+def run(config: GrpoConfig) -> dict[str, Any] | None:
+    """Run a GRPO job; returns the summary on rank 0 (None elsewhere)."""
+    if config.dry_run:
+        return {"dry_run": True, "config": config.to_dict()}
+    _check_runnable(config)
+    if "RANK" in os.environ or config.world_size == 1:
+        return _run_rank(config)
+    return _spawn_ranks(config)
+
+
+def _check_runnable(cfg: GrpoConfig) -> None:
+    if cfg.model_path is None:
+        raise GrpoConfigError("model_path is required to train (--model-path)")
+    if cfg.rollout_url is None:
+        raise GrpoConfigError("rollout_url is required: the session router rollouts go through")
+    if not cfg.engine_urls:
+        raise GrpoConfigError("engine_urls is required: the engines weight updates go to")
+    if cfg.opd and cfg.teacher_url is None:
+        raise GrpoConfigError(
+            "opd needs teacher_url (--teacher-url); `posttrain grpo --opd` starts a local teacher"
+        )
+
+
+# --------------------------------------------------------------------------- one rank
+
+
+def _run_rank(cfg: GrpoConfig) -> dict[str, Any] | None:
+    _init_process_group(cfg)
+    torch.set_num_threads(int(os.environ.get("POSTTRAIN_TRAINER_THREADS", "1")))
+    try:
+        return _train(cfg)
+    finally:
+        dist.destroy_process_group()
+
+
+def _train(cfg: GrpoConfig) -> dict[str, Any] | None:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    lead = rank == 0
+    policy = build_policy(cfg)
+    task = build_task(cfg.task, _decoder(cfg))
+    stream = PromptStream(task.prompts, seed=cfg.seed)
+    out = Path(cfg.out_dir)
+    ckpt_root = out / "checkpoints"
+    start = 0
+    if cfg.resume is not None:
+        extra = checkpoint.load(checkpoint.find(cfg.resume), policy)
+        start, stream.position = int(extra["next_step"]), int(extra["data_position"])
+    if lead:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
+    target = SyncTarget(
+        engine_urls=tuple(cfg.engine_urls), lora_name=cfg.lora_name,
+        rollout_quant=cfg.rollout_quant, timeout_s=cfg.rollout_timeout_s,
+    )  # fmt: skip
+    version = _first_version(target) if lead else 0
+    version = _broadcast(version)
+    sync_weights(policy, target, version)  # v1 before the first rollout (and after a resume)
+    log = MetricsLog(out, total_steps=cfg.steps, start_step=start) if lead else None
+    with log if log is not None else contextlib.nullcontext():
+        for step in range(start, cfg.steps):
+            t_step = time.perf_counter()
+            batch = _rollout_and_score(cfg, task, stream, step, version) if lead else None
+            batch = _broadcast(batch)
+            if isinstance(batch, str):
+                raise GrpoRunError(f"step {step}: {batch}")
+            mine = batch["train"][rank::world]
+            t0 = time.perf_counter()
+            metrics = train_step(
+                policy, mine, cfg,
+                global_batch_size=len(batch["train"]),
+                global_token_count=max(1, batch["masked_tokens"]),
+                micro_batch_size=cfg.micro_batch_size,
+            )  # fmt: skip
+            times = {**batch["times"], "train": time.perf_counter() - t0}
+            t0 = time.perf_counter()
+            version += 1
+            metrics.update(sync_weights(policy, target, version))
+            times["sync"] = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            last = step == cfg.steps - 1
+            every = cfg.checkpoint_every
+            if last or (every and (step + 1) % every == 0):
+                extra = {"next_step": step + 1, "data_position": stream.position if lead else 0}
+                extra = _broadcast(extra)
+                checkpoint.save(ckpt_root, step, policy, extra)
+            times["checkpoint"] = time.perf_counter() - t0
+            times["step"] = time.perf_counter() - t_step
+            if log is not None:
+                record = {"step": step, **batch["stats"], **metrics}
+                record["train_tokens_per_s"] = metrics["train_tokens"] / max(times["train"], 1e-9)
+                record.update({f"time/{k}": round(v, 4) for k, v in times.items()})
+                log.log(record)
+    if log is None:
+        return None
+    extra = {"out_dir": str(out), "train": cfg.train, "rollout_quant": cfg.rollout_quant,
+             "opd": cfg.opd, "seed": cfg.seed}  # fmt: skip
+    return write_report(out, log.records, extra)
+
+
+def _rollout_and_score(
+    cfg: GrpoConfig, task: Any, stream: PromptStream, step: int, version: int
+) -> dict[str, Any] | str:
+    """Rank 0: the step's samples, rewards, advantages and stats, or an error message."""
+    try:
+        times: dict[str, float] = {}
+        t0 = time.perf_counter()
+        prompts = stream.take(cfg.prompts_per_step)
+        settings = RolloutSettings(
+            url=str(cfg.rollout_url),
+            samples_per_prompt=cfg.samples_per_prompt,
+            max_new_tokens=cfg.max_new_tokens,
+            temperature=cfg.temperature,
+            seed=cfg.seed,
+            top_logprobs=cfg.opd_top_k if cfg.opd else 0,
+            lora_fields=request_fields(cfg.lora_name, version) if cfg.train == "lora" else {},
+            timeout_s=cfg.rollout_timeout_s,
+        )
+        samples = run_rollout(settings, prompts, step=step)
+        times["rollout"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        for s in samples:
+            s.reward = float(task.reward(s))
+        times["reward"] = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        rewards = torch.tensor([float(s.reward or 0.0) for s in samples])
+        groups = [int(s.group_index or 0) for s in samples]
+        adv = group_normalized_advantages(rewards, groups, std_normalize=cfg.std_normalize)
+        per_token = [torch.full((s.response_length,), float(a)) for s, a in zip(samples, adv, strict=True)]
+        times["advantages"] = time.perf_counter() - t0
+        stats: dict[str, float] = {}
+        if cfg.opd:
+            t0 = time.perf_counter()
+            per_token, rkl = _apply_teacher(cfg, samples, per_token)
+            stats["opd_reverse_kl"] = _masked_mean(rkl, samples)
+            times["opd"] = time.perf_counter() - t0
+        stats.update(_rollout_stats(samples, rewards, times["rollout"]))
+        train = [
+            TrainSample(
+                tokens=s.tokens,
+                prompt_len=len(s.prompt_ids),
+                loss_mask=s.loss_mask,
+                rollout_logprobs=s.rollout_logprobs,
+                advantages=a.tolist(),
+            )
+            for s, a in zip(samples, per_token, strict=True)
+        ]
+        masked = sum(sum(s.loss_mask) for s in samples)
+        return {"train": train, "masked_tokens": masked, "stats": stats, "times": times}
+    except Exception as exc:  # every rank must hear about it, or the others wait forever
+        return f"{type(exc).__name__}: {exc}"
+
+
+def _apply_teacher(
+    cfg: GrpoConfig, samples: Sequence[Sample], per_token: list[torch.Tensor]
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Score the samples with the teacher and shape the advantages: A_t - coef * rkl_t."""
+    from posttrain.opd import OPDConfig, TeacherRouter, TeacherScorer, Timeouts, apply_opd
+
+    assert cfg.teacher_url is not None
+    opd_cfg = OPDConfig(top_k=cfg.opd_top_k, kl_coef=cfg.opd_kl_coef)
+    router = TeacherRouter({}, fallback_url=cfg.teacher_url)
+    timeouts = Timeouts(connect=10.0, read=cfg.rollout_timeout_s, deadline=cfg.rollout_timeout_s)
+
+    async def score() -> list[Any]:
+        async with TeacherScorer(router, opd_cfg, timeouts=timeouts, max_concurrency=32) as scorer:
+            return list(await scorer.score_batch(list(samples)))
+
+    signals = asyncio.run(score())
+    if cfg.opd_top_k > 0:
+        return apply_opd(per_token, coef=cfg.opd_kl_coef, reverse_kl=[s.reverse_kl for s in signals])
+    # Sampled tokens only: rkl = s - tau with s the rollout logprob (= the trainer's, strict).
+    old = [torch.tensor(s.rollout_logprobs, dtype=torch.float32) for s in samples]
+    return apply_opd(
+        per_token, coef=cfg.opd_kl_coef, old_logp=old,
+        teacher_logp=[s.teacher_log_probs for s in signals],
+    )  # fmt: skip
+
+
+def _masked_mean(values: Sequence[torch.Tensor], samples: Sequence[Sample]) -> float:
+    total, count = 0.0, 0
+    for v, s in zip(values, samples, strict=True):
+        m = torch.tensor(s.loss_mask, dtype=torch.bool)
+        total += float(v[m].double().sum())
+        count += int(m.sum())
+    return total / max(count, 1)
+
+
+def _rollout_stats(samples: Sequence[Sample], rewards: torch.Tensor, seconds: float) -> dict[str, float]:
+    lengths = [s.response_length for s in samples]
+    generated = sum(sum(s.loss_mask) for s in samples)
+    return {
+        "reward_mean": float(rewards.double().mean()),
+        "reward_std": float(rewards.double().std(unbiased=False)),
+        "response_length_mean": sum(lengths) / max(len(lengths), 1),
+        "truncated_frac": sum(s.status.value == "truncated" for s in samples) / max(len(samples), 1),
+        "samples": float(len(samples)),
+        "tokens_per_s": generated / max(seconds, 1e-9),
+    }
+
+
+def _decoder(cfg: GrpoConfig) -> Any:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(cfg.model_path))
+
+    def decode(ids: Sequence[int]) -> str:
+        return str(tok.decode(list(ids), skip_special_tokens=True))
+
+    return decode
+
+
+def _first_version(target: SyncTarget) -> int:
+    """One past the highest weight version any engine reports (versions must increase)."""
+    versions = [
+        engine_weight_version(url, timeout_s=target.timeout_s, transport=target.transport)
+        for url in target.engine_urls
+    ]
+    return max(versions, default=0) + 1
+
+
+def _broadcast(obj: Any) -> Any:
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+# --------------------------------------------------------------------------- process groups
+
+
+def _init_process_group(cfg: GrpoConfig) -> None:
+    if dist.is_initialized():
+        return
+    if "RANK" not in os.environ:  # a single rank on its own
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    world = int(os.environ["WORLD_SIZE"])
+    cfg.check_supported(world_size=world)
+    dist.init_process_group("gloo")
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _die_with_parent() -> None:
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+def _rank_main(rank: int, world: int, port: int, cfg: GrpoConfig, results: Any) -> None:
+    _die_with_parent()
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))  # fmt: skip
+    try:
+        results.put((rank, "ok", _run_rank(cfg)))
+    except BaseException as exc:
+        results.put((rank, "error", f"{type(exc).__name__}: {exc}"))
+        raise SystemExit(1) from None
+
+
+def _spawn_ranks(cfg: GrpoConfig) -> dict[str, Any] | None:
+    """Fork ``world_size`` local ranks (torch is already imported: each starts in a moment)."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("fork")
+    results = ctx.SimpleQueue()
+    port, world = _free_port(), cfg.world_size
+    procs = [ctx.Process(target=_rank_main, args=(r, world, port, cfg, results)) for r in range(world)]
+    for p in procs:
+        p.start()
+    outcome: dict[int, tuple[str, Any]] = {}
+    try:
+        while len(outcome) < world:
+            if not results.empty():
+                rank, status, value = results.get()
+                outcome[rank] = (status, value)
+                if status == "error":
+                    break
+            elif any(p.exitcode not in (None, 0) for p in procs):
+                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in outcome]
+                if dead:
+                    time.sleep(0.5)  # let its error message arrive
+                    if results.empty():
+                        raise GrpoRunError(f"trainer rank {dead[0]} died (exit code {procs[dead[0]].exitcode})")
+            else:
+                time.sleep(0.1)
+    finally:
+        for p in procs:
+            if p.is_alive() and any(s == "error" for s, _ in outcome.values()):
+                p.kill()
+            p.join(timeout=30)
+    errors = {r: v for r, (s, v) in outcome.items() if s == "error"}
+    if errors:
+        rank = min(errors)
+        raise GrpoRunError(f"trainer rank {rank}: {errors[rank]}")
+    status, value = outcome[0]
+    return value if isinstance(value, dict) else None
+
+
+def summary_text(summary: dict[str, Any]) -> str:
+    """One line a person reads at the end of a run."""
+    gain = summary.get("reward_gain", math.nan)
+    return (
+        f"reward {summary.get('reward_first', math.nan):.3f} -> "
+        f"{summary.get('reward_last', math.nan):.3f} ({gain:+.3f}); "
+        f"train/rollout logprob |diff| max {summary.get('train_rollout_logprob_abs_diff_max')}; "
+        f"report in {summary.get('out_dir')}"
+    )

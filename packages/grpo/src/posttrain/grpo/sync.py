@@ -1,0 +1,115 @@
+"""Weight sync: put the trainer's weights on every engine, exactly as the trainer holds them.
+
+* Adapter training: ``export_adapter`` assembles the full PEFT adapter on every rank (fp32,
+  the trainer's own bytes), and rank 0 pushes it to each engine with ``lora-core``'s
+  ``AdapterClient`` (upsert where the engine has it; the engine verifies sha256 checksums).
+  The base is never re-sent.
+* Full training: ``iter_full_state_dict`` gathers every parameter (collective), ``models``'
+  converter renames them to the HF layout, and rank 0 sends them over wsync/1 with a sha256 per
+  bucket, at a weight version that increases on every engine.
+* ``rollout_quant=nvfp4``: the HF tensors go through ``quant_convert.quantize_named_params``
+  (routed experts to NVFP4, the same selection as the converted checkpoint the engines
+  started from). The CPU engine takes base updates in its model dtype, so the NVFP4 tensors
+  travel dequantized (``E2M1 * scale * scale_2``, rounded once): the values an NVFP4 engine
+  computes with. The trainer's own weights stay full precision, which is the point: the
+  train/rollout mismatch is real and TIS corrects it.
+
+Departure from a colocated GPU sync: no CUDA IPC and no pause/flush here, because the loop
+never syncs while a rollout is in flight (a step's rollouts finish before training starts).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import httpx
+import torch
+import torch.distributed as dist
+
+from posttrain.fsdp_mesh import iter_full_state_dict
+from posttrain.grpo._errors import GrpoRunError
+from posttrain.grpo._formats import WeightPushClient, dequantize_nvfp4, push_weights
+from posttrain.grpo.trainer import Policy
+from posttrain.lora import AdapterClient, export_adapter
+from posttrain.models import to_hf_state_dict
+from posttrain.quant_convert import QuantPolicy, quantize_named_params
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SyncTarget:
+    """The engines to update, the adapter name they serve, and how to reach them."""
+
+    engine_urls: tuple[str, ...]
+    lora_name: str = "policy"
+    rollout_quant: str = "none"
+    timeout_s: float = 120.0
+    transport: httpx.BaseTransport | None = None
+
+
+def engine_weight_version(url: str, *, timeout_s: float, transport: httpx.BaseTransport | None) -> int:
+    """An engine's current weight version (0 when it reports none or a non-integer one)."""
+    with httpx.Client(timeout=timeout_s, transport=transport) as client:
+        try:
+            reply = client.get(f"{url.rstrip('/')}/model_info")
+        except httpx.HTTPError as exc:
+            raise GrpoRunError(f"weight sync: {url}/model_info: {type(exc).__name__}: {exc}") from exc
+    if reply.status_code != 200:
+        raise GrpoRunError(f"weight sync: {url}/model_info answered {reply.status_code}")
+    value = reply.json().get("weight_version")
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return 0
+
+
+def sync_weights(policy: Policy, target: SyncTarget, version: int) -> dict[str, float]:
+    """Push the current weights to every engine at ``version`` (collective; rank 0 sends).
+
+    Returns ``{"sync_bytes": ...}`` on every rank.
+    """
+    if policy.lora is not None:
+        tensors = export_adapter(policy.lora)  # collective over the LoRA groups
+    else:
+        full = dict(iter_full_state_dict(policy.model))  # collective over the FSDP mesh
+        tensors = to_hf_state_dict(full, policy.model.config)
+        if target.rollout_quant == "nvfp4":
+            tensors = dict(_nvfp4_values(tensors, policy.model.config.num_hidden_layers))
+    nbytes = float(sum(t.numel() * t.element_size() for t in tensors.values()))
+    error: list[str | None] = [None]
+    if dist.get_rank() == 0:
+        try:
+            for url in target.engine_urls:
+                if policy.lora is not None:
+                    assert policy.lora_config is not None
+                    config = policy.lora_config.peft_config(policy.target_modules)
+                    with AdapterClient(url, transport=target.transport, timeout=target.timeout_s) as client:
+                        client.push(target.lora_name, tensors, config)
+                else:
+                    with WeightPushClient(url, timeout_s=target.timeout_s, transport=target.transport) as client:
+                        push_weights(client, tensors, weight_version=version, with_sha256=True)
+        except Exception as exc:  # reported to every rank below, so none waits forever
+            error[0] = f"weight sync to {target.engine_urls}: {type(exc).__name__}: {exc}"
+    dist.broadcast_object_list(error, src=0)
+    if error[0] is not None:
+        raise GrpoRunError(error[0])
+    return {"sync_bytes": nbytes}
+
+
+def _nvfp4_values(tensors: dict[str, torch.Tensor], num_layers: int) -> Iterator[tuple[str, torch.Tensor]]:
+    """HF tensors with every NVFP4-selected weight replaced by its dequantized value."""
+    quantized = dict(
+        quantize_named_params(
+            tensors.items(), num_layers=num_layers, policy=QuantPolicy(num_layers_at_end_in_bf16=0)
+        )
+    )
+    for name, value in tensors.items():
+        module = name.removesuffix(".weight")
+        scale = quantized.get(f"{module}.weight_scale")
+        if name.endswith(".weight") and scale is not None:
+            codes = quantized[name]
+            scale_2 = quantized[f"{module}.weight_scale_2"]
+            yield name, dequantize_nvfp4(module, codes, scale, scale_2).to(value.dtype)
+        else:
+            yield name, value
+

@@ -1,0 +1,338 @@
+"""The policy on the trainer ranks: build it, and take one GRPO step on a rank's samples.
+
+``build_policy`` loads a ``posttrain.models`` decoder, shards it with ``fsdp-mesh``
+(``apply_hsdp`` on the (replicate, shard) mesh, fp32 parameters and reductions) and, for
+adapter training, attaches ``lora-core`` LoRA to the model's linear sites. The sites carry the
+model's own kernel, so the trainer's LoRA forward is the engine's, op for op
+(``posttrain.formats.lora_delta`` on ``StrictOps.linear``): in strict numerics the recomputed
+logprob of every rollout token equals the engine's bit for bit, with or without an adapter.
+
+Departures from the obvious:
+
+* The LoRA factors are kept out of FSDP (``ignored_params``): plain replicated tensors whose
+  gradients ``reduce_lora_grads`` averages over the data-parallel group and whose norm
+  ``lora_grad_norm`` measures, so every rank holds the same adapter to export.
+* FSDP wraps the root only: the decoder reads its layers' parameters inside one forward, so a
+  per-layer unit would never be gathered. ``forward_logits`` is registered as an FSDP forward.
+* A rank's loss is scaled by the world size W: FSDP (and ``reduce_lora_grads``) average
+  gradients over W, and the normalisers (``global_batch_size``, ``global_token_count``) are
+  the whole step's, so the averaged gradient is that of the global-batch loss.
+* One optimizer step per rollout step. The "old" policy is the one that sampled: the trainer's
+  own recompute of the rollout tokens (detached), so the PPO ratio starts at 1 and TIS compares
+  the trainer with the engine.
+* There are no separate fp32 master copies (parameters are the masters), so a write into the
+  parameters after the optimizer exists (a resume) is what the next step starts from (G8).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.distributed.fsdp import register_fsdp_forward_method
+
+from posttrain.fsdp_mesh import (
+    FsdpMesh,
+    HsdpConfig,
+    accumulate_gradients,
+    apply_hsdp,
+    build_fsdp_mesh,
+    clip_grad_norm,
+)
+from posttrain.grpo._errors import GrpoConfigError
+from posttrain.grpo.config import GrpoConfig
+from posttrain.grpo.losses import entropy_from_logits
+from posttrain.grpo.objective import LossSettings, policy_objective
+from posttrain.interface import MeshSpec
+from posttrain.lora import (
+    LoraConfig,
+    LoraGroups,
+    LoraHandle,
+    Target,
+    attach_lora,
+    lora_grad_norm,
+    reduce_lora_grads,
+)
+from posttrain.models import DecoderModel, LinearSite, Numerics, load_pretrained
+
+# Step metrics that are already normalised by the whole step (sum over ranks), and those
+# that are maxima; every other metric is a per-token mean (weighted by each rank's tokens).
+SUM_METRICS = frozenset({"loss", "pg_loss", "ppo_kl", "kl_loss", "entropy"})
+MAX_METRICS = frozenset({"train_rollout_logprob_max_abs_diff"})
+
+
+@dataclass(kw_only=True, slots=True)
+class TrainSample:
+    """One sample as the trainer needs it (prompt + response ids, per-response-token arrays)."""
+
+    tokens: list[int]
+    prompt_len: int
+    loss_mask: list[int]
+    rollout_logprobs: list[float]
+    advantages: list[float]
+
+    @property
+    def response_len(self) -> int:
+        return len(self.tokens) - self.prompt_len
+
+
+@dataclass(kw_only=True, slots=True)
+class Policy:
+    """The sharded model, its optimizer and (adapter training) the LoRA handle."""
+
+    model: DecoderModel
+    mesh: FsdpMesh
+    optimizer: torch.optim.Optimizer
+    lora: LoraHandle | None = None
+    lora_config: LoraConfig | None = None
+    target_modules: list[str] = field(default_factory=list)
+    ref_model: DecoderModel | None = None
+
+    def trainable(self) -> list[torch.nn.Parameter]:
+        if self.lora is not None:
+            return list(self.lora.parameters())
+        return [p for p in self.model.parameters() if p.requires_grad]
+
+
+def lora_targets(model: DecoderModel, suffixes: Sequence[str]) -> tuple[dict[str, Target], list[str]]:
+    """lora-core ``Target``s for the linear sites whose PEFT modules end with ``suffixes``.
+
+    A fused site (``qkv``: q_proj, k_proj, v_proj) is adapted as one (one A, B over its rows),
+    so its parts are targeted all together or not at all. Returns the targets and the PEFT
+    ``target_modules`` list for the adapter config.
+    """
+    wanted = tuple(suffixes)
+    targets: dict[str, Target] = {}
+    modules: set[str] = set()
+    matched: set[str] = set()
+    for path, site in model.linear_sites().items():
+        names = [name for name, _ in site.parts]
+        hits = [n for n in names if n.rsplit(".", 1)[-1] in wanted]
+        if not hits:
+            continue
+        if len(hits) != len(names):
+            missing = sorted({n.rsplit(".", 1)[-1] for n in names} - set(wanted))
+            raise GrpoConfigError(
+                f"lora_targets: {', '.join(sorted({h.rsplit('.', 1)[-1] for h in hits}))} share "
+                f"one fused weight with {', '.join(missing)} in this model ({path}); target "
+                "them together or not at all"
+            )
+        targets[path] = _target(site)
+        matched.update(n.rsplit(".", 1)[-1] for n in names)
+        modules.update(n.rsplit(".", 1)[-1] for n in names)
+    unmatched = sorted(set(wanted) - matched)
+    if unmatched:
+        raise GrpoConfigError(
+            f"lora_targets: {', '.join(unmatched)} match no linear of this model (routed "
+            "experts are not LoRA targets in this build)"
+        )
+    return targets, sorted(modules)
+
+
+def _target(site: LinearSite) -> Target:
+    if len(site.parts) == 1:
+        return Target(hf_name=site.parts[0][0])
+    return Target(parts=site.parts)
+
+
+def build_policy(cfg: GrpoConfig) -> Policy:
+    """Load, shard and (optionally) adapt the policy on this rank; collective over the world."""
+    if cfg.model_path is None:
+        raise GrpoConfigError("model_path is required to train (--model-path)")
+    model = load_pretrained(cfg.model_path, numerics=Numerics(cfg.numerics))
+    world = dist.get_world_size()
+    mesh = build_fsdp_mesh(
+        MeshSpec(world_size=world, replicate=cfg.replicate, shard=cfg.shard, device_type="cpu")
+    )
+    handle: LoraHandle | None = None
+    lcfg: LoraConfig | None = None
+    modules: list[str] = []
+    ignored: set[torch.nn.Parameter] = set()
+    if cfg.train == "lora":
+        targets, modules = lora_targets(model, cfg.lora_targets)
+        # fp32 factors exported as fp32: the engine computes with the exact trainer bytes (G1).
+        lcfg = LoraConfig(
+            r=cfg.lora_r, alpha=cfg.lora_alpha, seed=cfg.seed, export_dtype=torch.float32
+        )
+        handle = attach_lora(model, lcfg, targets, LoraGroups(dp=dist.group.WORLD))
+        ignored = set(handle.parameters())
+    param_dtype = torch.bfloat16 if cfg.precision == "bf16" else None
+    apply_hsdp(
+        model,
+        mesh,
+        HsdpConfig(param_dtype=param_dtype, reduce_dtype=torch.float32),
+        wrap=lambda _module: False,
+        ignored_params=ignored,
+    )
+    register_fsdp_forward_method(model, "forward_logits")
+    trainable = list(handle.parameters()) if handle is not None else list(model.parameters())
+    optimizer = torch.optim.AdamW(trainable, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    ref = None
+    if cfg.use_kl_loss and cfg.train == "full":
+        ref = load_pretrained(cfg.model_path, numerics=Numerics(cfg.numerics)).requires_grad_(False)
+    return Policy(
+        model=model,
+        mesh=mesh,
+        optimizer=optimizer,
+        lora=handle,
+        lora_config=lcfg,
+        target_modules=modules,
+        ref_model=ref,
+    )
+
+
+def _pack(samples: Sequence[TrainSample]) -> dict[str, Any]:
+    ids = torch.tensor([t for s in samples for t in s.tokens], dtype=torch.long)
+    lengths = [len(s.tokens) for s in samples]
+    rows: list[int] = []  # logits row predicting each response token
+    start = 0
+    for s in samples:
+        rows.extend(range(start + s.prompt_len - 1, start + len(s.tokens) - 1))
+        start += len(s.tokens)
+    targets = torch.tensor([t for s in samples for t in s.tokens[s.prompt_len :]], dtype=torch.long)
+    return {
+        "ids": ids,
+        "lengths": lengths,
+        "rows": torch.tensor(rows, dtype=torch.long),
+        "targets": targets,
+        "mask": torch.tensor([m for s in samples for m in s.loss_mask], dtype=torch.bool),
+        "rollout": torch.tensor([v for s in samples for v in s.rollout_logprobs]),
+        "advantages": torch.tensor([v for s in samples for v in s.advantages]),
+        "response_lengths": [s.response_len for s in samples],
+    }
+
+
+def _response_logprobs(
+    model: DecoderModel, batch: dict[str, Any], *, with_logits: bool
+) -> tuple[Tensor, Tensor | None]:
+    """Logprob of each response token (and the logits predicting it), as the engine computes."""
+    logits = model.forward_logits(batch["ids"], batch["lengths"])
+    picked = logits[batch["rows"]]
+    logp = model.ops.log_softmax(picked).gather(1, batch["targets"][:, None])[:, 0]
+    return logp, (picked if with_logits else None)
+
+
+def _reference_logprobs(policy: Policy, batch: dict[str, Any]) -> Tensor:
+    with torch.no_grad():
+        if policy.lora is not None:
+            policy.lora.set_enabled(False)
+            try:
+                return _response_logprobs(policy.model, batch, with_logits=False)[0]
+            finally:
+                policy.lora.set_enabled(True)
+        assert policy.ref_model is not None
+        return _response_logprobs(policy.ref_model, batch, with_logits=False)[0]
+
+
+def micro_batches(samples: Sequence[TrainSample], size: int) -> list[list[TrainSample]]:
+    """Consecutive micro-batches of at most ``size`` samples (0: one micro-batch)."""
+    if size <= 0 or size >= len(samples):
+        return [list(samples)]
+    return [list(samples[i : i + size]) for i in range(0, len(samples), size)]
+
+
+def train_step(
+    policy: Policy,
+    samples: Sequence[TrainSample],
+    cfg: GrpoConfig,
+    *,
+    global_batch_size: int,
+    global_token_count: int,
+    micro_batch_size: int = 0,
+) -> dict[str, float]:
+    """Forward, loss, backward, gradient reduction, clipping and one optimizer step.
+
+    Collective: every rank calls it (with its own samples, possibly none). Returns the step's
+    metrics, already combined over ranks (the same dict on every rank).
+    """
+    world = dist.get_world_size()
+    settings = LossSettings.from_config(cfg)
+    model = policy.model
+    parts = micro_batches(samples, micro_batch_size) if samples else []
+    # Every rank must run the same number of FSDP forwards/backwards: pad with empty ones.
+    counts = torch.tensor([len(parts)])
+    dist.all_reduce(counts, op=dist.ReduceOp.MAX)
+    n_micro = max(int(counts), 1)
+    parts += [[] for _ in range(n_micro - len(parts))]
+    sums: dict[str, float] = {}
+    maxima: dict[str, float] = {}
+    tokens = 0
+    with accumulate_gradients(model, n_micro) as acc:
+        for part in parts:
+            with acc.micro_batch():
+                if not part:  # a rank without samples still joins FSDP's collectives
+                    (model.forward_logits(torch.tensor([0]), [1]).sum() * 0.0).backward()
+                    continue
+                batch = _pack(part)
+                need_entropy = True
+                logp, logits = _response_logprobs(model, batch, with_logits=need_entropy)
+                assert logits is not None
+                ref = _reference_logprobs(policy, batch) if cfg.use_kl_loss else None
+                objective = policy_objective(
+                    logp=logp,
+                    old_logp=logp.detach(),
+                    advantages=batch["advantages"],
+                    mask=batch["mask"],
+                    lengths=batch["response_lengths"],
+                    settings=settings,
+                    rollout_logp=batch["rollout"],
+                    ref_logp=ref,
+                    entropy=entropy_from_logits(logits),
+                    global_batch_size=global_batch_size,
+                    global_token_count=global_token_count,
+                )
+                (objective.loss * world).backward()
+                count = int(batch["mask"].sum())
+                tokens += count
+                for key, value in objective.metrics.items():
+                    if key in MAX_METRICS:
+                        maxima[key] = max(maxima.get(key, 0.0), value)
+                    elif key in SUM_METRICS:
+                        sums[key] = sums.get(key, 0.0) + value
+                    else:
+                        sums[key] = sums.get(key, 0.0) + value * count
+    if policy.lora is not None:
+        reduce_lora_grads(policy.lora)
+        grad_norm = lora_grad_norm(policy.lora)
+        _clip(policy.trainable(), grad_norm, cfg.max_grad_norm)
+    else:
+        grad_norm = clip_grad_norm(model, cfg.max_grad_norm)
+    if math.isfinite(grad_norm):
+        policy.optimizer.step()
+    policy.optimizer.zero_grad(set_to_none=True)
+    metrics = _combine(sums, maxima, tokens)
+    metrics["grad_norm"] = grad_norm
+    metrics["skipped_step"] = 0.0 if math.isfinite(grad_norm) else 1.0
+    return metrics
+
+
+def _clip(params: Sequence[torch.nn.Parameter], norm: float, max_norm: float) -> None:
+    if not math.isfinite(norm):
+        return
+    coef = max_norm / (norm + 1e-6)
+    if coef < 1.0:
+        with torch.no_grad():
+            for p in params:
+                if p.grad is not None:
+                    p.grad.mul_(coef)
+
+
+def _combine(sums: dict[str, float], maxima: dict[str, float], tokens: int) -> dict[str, float]:
+    """Sum (and max) the per-rank metrics over the world; per-token means weighted by tokens."""
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, (sums, maxima, tokens))
+    total_tokens = sum(t for _, _, t in gathered)
+    keys = sorted({k for s, _, _ in gathered for k in s})
+    out: dict[str, float] = {}
+    for key in keys:
+        value = math.fsum(s.get(key, 0.0) for s, _, _ in gathered)
+        out[key] = value if key in SUM_METRICS else value / max(total_tokens, 1)
+    for key in sorted({k for _, m, _ in gathered for k in m}):
+        out[key] = max(m.get(key, 0.0) for _, m, _ in gathered)
+    out["train_tokens"] = float(total_tokens)
+    return out
