@@ -85,7 +85,7 @@ def test_unsupported_is_refused_with_a_remedy(
     cfg = GrpoConfig(**kwargs)  # type: ignore[arg-type]
     with pytest.raises(GrpoUnsupportedError, match=hint) as info:
         cfg.check_supported()
-    assert info.value.option == option
+    assert info.value.field == option
 
 
 def test_world_size_must_match_the_started_ranks() -> None:
