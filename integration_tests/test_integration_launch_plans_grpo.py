@@ -19,19 +19,11 @@ from pathlib import Path
 import pytest
 
 from posttrain.grpo.cli import main as grpo_main
-from posttrain.launch import (
-    MODELS,
-    Hardware,
-    LaunchConfig,
-    LaunchConfigError,
-    Plan,
-    Precision,
-    Role,
-    build_plan,
-    get_model,
-)
+from posttrain.launch import Hardware, LaunchConfig, LaunchConfigError, Plan, Precision, Role
+from posttrain.launch.catalog import MODELS, get_model
 from posttrain.launch.hardware import Generation
 from posttrain.launch.plan import ProcessSpec, resolve
+from posttrain.launch.planner import build_plan
 from posttrain.launch.tables import SUPPORTED_NODES, TRAINER_BACKEND, TrainerBackend
 
 GOLDEN = Path(__file__).parents[1] / "packages" / "launch" / "tests" / "golden"

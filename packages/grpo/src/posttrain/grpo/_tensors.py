@@ -13,16 +13,23 @@ from torch import Tensor
 from posttrain.grpo._errors import GrpoInputError
 
 
+def as_int_vector(values: Sequence[int] | Tensor, name: str) -> Tensor:
+    """A 1-D int64 tensor from a list of ints or an integer tensor (bools refused)."""
+    if isinstance(values, Tensor):
+        if values.is_floating_point() or values.is_complex() or values.dtype == torch.bool:
+            raise GrpoInputError(f"{name} must be integers, got dtype {values.dtype}")
+        if values.dim() != 1:
+            raise GrpoInputError(f"{name} must be 1-D, got shape {tuple(values.shape)}")
+        return values.detach().to(torch.int64)
+    items = list(values)
+    if any(isinstance(v, bool) or not isinstance(v, int) for v in items):
+        raise GrpoInputError(f"{name} must be integers")
+    return torch.tensor(items, dtype=torch.int64)
+
+
 def as_lengths(lengths: Sequence[int] | Tensor) -> Tensor:
-    if isinstance(lengths, Tensor):
-        if lengths.is_floating_point() or lengths.dim() != 1:
-            raise GrpoInputError(f"lengths must be a 1-D integer tensor, got {lengths.dtype}")
-        lens = lengths.detach().to(torch.int64)
-    else:
-        items = list(lengths)
-        if any(isinstance(v, bool) or not isinstance(v, int) for v in items):
-            raise GrpoInputError("lengths must be integers")
-        lens = torch.tensor(items, dtype=torch.int64)
+    """Packed sequence lengths: 1-D, integers, none negative (zero is allowed)."""
+    lens = as_int_vector(lengths, "lengths")
     if lens.numel() and int(lens.min()) < 0:
         raise GrpoInputError(f"lengths holds a negative length {int(lens.min())}")
     return lens

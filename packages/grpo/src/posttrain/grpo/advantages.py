@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 
 from posttrain.grpo._errors import GrpoConfigError, GrpoInputError
-from posttrain.grpo._tensors import as_bool_mask, as_lengths
+from posttrain.grpo._tensors import as_bool_mask, as_int_vector, as_lengths
 
 
 def group_normalized_advantages(
@@ -110,17 +110,7 @@ def _rewards(rewards: Tensor) -> Tensor:
 
 
 def _group_index(group_ids: Sequence[int] | Tensor, n: int) -> Tensor:
-    if isinstance(group_ids, Tensor):
-        if group_ids.is_floating_point() or group_ids.is_complex():
-            raise GrpoInputError(f"group_ids must be integers, got dtype {group_ids.dtype}")
-        if group_ids.dim() != 1:
-            raise GrpoInputError(f"group_ids must be 1-D, got shape {tuple(group_ids.shape)}")
-        g = group_ids.detach().to(torch.int64)
-    else:
-        ids = list(group_ids)
-        if any(isinstance(i, bool) or not isinstance(i, int) for i in ids):
-            raise GrpoInputError("group_ids must be integers")
-        g = torch.tensor(ids, dtype=torch.int64)
+    g = as_int_vector(group_ids, "group_ids")
     if g.shape[0] != n:
         raise GrpoInputError(f"group_ids has {g.shape[0]} entries but rewards has {n}")
     return g
