@@ -52,6 +52,7 @@ def test_every_field_has_help_and_a_default() -> None:
         ({"rollout_url": "http://h:notaport"}, "rollout_url"),
         ({"teacher_url": "http://t:1"}, "teacher_url"),
         ({"lora_targets": ()}, "lora_targets"),
+        ({"lora_targets": "q_proj"}, "lora_targets"),
         ({"moe_layer_freq": (0, 2)}, "moe_layer_freq"),
         ({"moe_layer_freq": (0, 1), "num_layers": 3, "num_experts": 4}, "moe_layer_freq"),
         ({"moe_layer_freq": (0, 1)}, "num_experts"),

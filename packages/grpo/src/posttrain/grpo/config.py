@@ -103,6 +103,11 @@ class GrpoConfig:
     def __post_init__(self) -> None:
         for f in fields(self):
             _check_literal(f.name, getattr(self, f.name))
+        if isinstance(self.lora_targets, str):
+            raise GrpoConfigError(
+                f"lora_targets={self.lora_targets!r} must be a tuple of names, not one string",
+                field="lora_targets",
+            )
         self.lora_targets = tuple(self.lora_targets)
         for name in ("model_path", "out_dir", "resume"):
             value = getattr(self, name)
