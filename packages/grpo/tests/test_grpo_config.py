@@ -52,6 +52,7 @@ def test_every_field_has_help_and_a_default() -> None:
         ({"rollout_url": "http://h:notaport"}, "rollout_url"),
         ({"teacher_url": "http://t:1"}, "teacher_url"),
         ({"lora_targets": ()}, "lora_targets"),
+        ({"lora_targets": "q_proj"}, "lora_targets"),
         ({"moe_layer_freq": (0, 2)}, "moe_layer_freq"),
         ({"moe_layer_freq": (0, 1), "num_layers": 3, "num_experts": 4}, "moe_layer_freq"),
         ({"moe_layer_freq": (0, 1)}, "num_experts"),
@@ -85,7 +86,7 @@ def test_unsupported_is_refused_with_a_remedy(
     cfg = GrpoConfig(**kwargs)  # type: ignore[arg-type]
     with pytest.raises(GrpoUnsupportedError, match=hint) as info:
         cfg.check_supported()
-    assert info.value.option == option
+    assert info.value.field == option
 
 
 def test_world_size_must_match_the_started_ranks() -> None:

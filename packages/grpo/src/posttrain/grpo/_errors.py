@@ -21,15 +21,21 @@ class GrpoError(PosttrainError):
 
 
 class GrpoConfigError(GrpoError, ConfigError):
-    """An option is invalid (type, range, or a combination); the message names the field."""
+    """An option is invalid (type, range, or a combination); the message names the field.
+
+    ``field``: the ``GrpoConfig`` field at fault, when there is one (the CLI shows its flag).
+    """
+
+    def __init__(self, message: str, *, field: str | None = None) -> None:
+        super().__init__(message)
+        self.field = field
 
 
 class GrpoUnsupportedError(GrpoConfigError):
-    """A valid option this build cannot honour. ``option`` is the config field at fault."""
+    """A valid option this build cannot honour; ``field`` is the option at fault."""
 
-    def __init__(self, option: str, message: str) -> None:
-        super().__init__(message)
-        self.option = option
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message, field=field)
 
 
 class GrpoInputError(GrpoError, ValueError):

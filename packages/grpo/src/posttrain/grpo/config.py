@@ -107,6 +107,11 @@ class GrpoConfig:
     def __post_init__(self) -> None:
         for f in fields(self):
             _check_literal(f.name, getattr(self, f.name))
+        if isinstance(self.lora_targets, str):
+            raise GrpoConfigError(
+                f"lora_targets={self.lora_targets!r} must be a tuple of names, not one string",
+                field="lora_targets",
+            )
         self.lora_targets = tuple(self.lora_targets)
         self.engine_urls = tuple(self.engine_urls)
         for name in ("model_path", "out_dir", "resume"):
@@ -127,7 +132,9 @@ class GrpoConfig:
             _check_int(name, getattr(self, name), minimum=1)
         for name in ("use_kl_loss", "std_normalize", "opd", "dry_run"):
             if not isinstance(getattr(self, name), bool):
-                raise GrpoConfigError(f"{name} must be a bool, got {getattr(self, name)!r}")
+                raise GrpoConfigError(
+                    f"{name} must be a bool, got {getattr(self, name)!r}", field=name
+                )
         for name in ("checkpoint_every", "opd_top_k", "seed", "micro_batch_size"):
             _check_int(name, getattr(self, name), minimum=0)
         for name in ("num_layers", "num_experts"):
@@ -141,14 +148,14 @@ class GrpoConfig:
         _check_float("clip_low", self.clip_low, positive=False)
         if self.clip_low >= 1.0:
             raise GrpoConfigError(
-                f"clip_low={self.clip_low} must be < 1 (ratio floor 1 - clip_low)"
+                f"clip_low={self.clip_low} must be < 1 (ratio floor 1 - clip_low)", field="clip_low"
             )
         if self.clip_high is not None:
             _check_float("clip_high", self.clip_high, positive=False)
         if self.dual_clip is not None:
             _check_float("dual_clip", self.dual_clip, positive=True)
             if self.dual_clip <= 1.0:
-                raise GrpoConfigError(f"dual_clip={self.dual_clip} must be > 1")
+                raise GrpoConfigError(f"dual_clip={self.dual_clip} must be > 1", field="dual_clip")
         for name in ("rollout_url", "teacher_url"):
             url = getattr(self, name)
             if url is not None:
@@ -156,32 +163,51 @@ class GrpoConfig:
         for i, url in enumerate(self.engine_urls):
             check_http_url(f"engine_urls[{i}]", url)
         if not isinstance(self.lora_name, str) or not self.lora_name or "," in self.lora_name:
-            raise GrpoConfigError(f"lora_name must be one non-empty adapter name, got {self.lora_name!r}")
+            raise GrpoConfigError(
+                f"lora_name must be one non-empty adapter name, got {self.lora_name!r}",
+                field="lora_name",
+            )
         if not isinstance(self.task, str) or not self.task:
-            raise GrpoConfigError(f"task must be a non-empty name, got {self.task!r}")
+            raise GrpoConfigError(f"task must be a non-empty name, got {self.task!r}", field="task")
         if self.train == "lora" and not self.lora_targets:
-            raise GrpoConfigError("lora_targets is empty; LoRA training needs at least one target")
+            raise GrpoConfigError(
+                "lora_targets is empty; LoRA training needs at least one target",
+                field="lora_targets",
+            )
         for target in self.lora_targets:
             if not isinstance(target, str) or not target.strip():
-                raise GrpoConfigError(f"lora_targets holds an empty or non-string entry {target!r}")
+                raise GrpoConfigError(
+                    f"lora_targets holds an empty or non-string entry {target!r}",
+                    field="lora_targets",
+                )
         freq = self.moe_layer_freq
         if freq is not None and (not freq or any(v not in (0, 1) for v in freq)):
-            raise GrpoConfigError(f"moe_layer_freq={list(freq)} must be a non-empty list of 0/1")
+            raise GrpoConfigError(
+                f"moe_layer_freq={list(freq)} must be a non-empty list of 0/1",
+                field="moe_layer_freq",
+            )
 
     def _check_together(self) -> None:
         if self.tis_clip_low >= self.tis_clip_high:
             raise GrpoConfigError(
-                f"tis_clip_low={self.tis_clip_low} must be < tis_clip_high={self.tis_clip_high}"
+                f"tis_clip_low={self.tis_clip_low} must be < tis_clip_high={self.tis_clip_high}",
+                field="tis_clip_low",
             )
         if self.teacher_url is not None and not self.opd:
-            raise GrpoConfigError("teacher_url is set but opd is off; set opd=True (--opd)")
+            raise GrpoConfigError(
+                "teacher_url is set but opd is off; set opd=True (--opd)", field="teacher_url"
+            )
         freq = self.moe_layer_freq
         if freq is not None and self.num_layers is not None and len(freq) != self.num_layers:
             raise GrpoConfigError(
-                f"moe_layer_freq has {len(freq)} entries but num_layers={self.num_layers}"
+                f"moe_layer_freq has {len(freq)} entries but num_layers={self.num_layers}",
+                field="moe_layer_freq",
             )
         if freq is not None and any(freq) and self.num_experts is None:
-            raise GrpoConfigError("moe_layer_freq declares MoE layers but num_experts is not set")
+            raise GrpoConfigError(
+                "moe_layer_freq declares MoE layers but num_experts is not set",
+                field="moe_layer_freq",
+            )
 
     @property
     def world_size(self) -> int:
@@ -222,22 +248,23 @@ class GrpoConfig:
         if self.pipeline_model_parallel_size > 1:
             raise GrpoUnsupportedError(
                 "pipeline_model_parallel_size",
-                f"pipeline_model_parallel_size={self.pipeline_model_parallel_size}: pipeline "
-                "parallelism needs the megatron backend (issue #21); use 1 with --backend fsdp",
+                f"pipeline parallelism (pipeline_model_parallel_size="
+                f"{self.pipeline_model_parallel_size}) needs the megatron backend (issue #21); "
+                "use 1 with --backend fsdp",
             )
         if self.tensor_model_parallel_size > 1:
             raise GrpoUnsupportedError(
                 "tensor_model_parallel_size",
-                f"tensor_model_parallel_size={self.tensor_model_parallel_size}: the fsdp "
-                "backend shards with HSDP (--replicate/--shard), not tensor parallel; use 1, "
-                "or the megatron backend (issue #21)",
+                f"tensor parallel (tensor_model_parallel_size={self.tensor_model_parallel_size}) "
+                "needs the megatron backend (issue #21); the fsdp backend shards with HSDP "
+                "(--replicate/--shard): use 1",
             )
         if self.expert_model_parallel_size > 1:
             raise GrpoUnsupportedError(
                 "expert_model_parallel_size",
-                f"expert_model_parallel_size={self.expert_model_parallel_size}: the fsdp "
-                "backend shards experts with HSDP, not expert parallel; use 1, or the megatron "
-                "backend (issue #21)",
+                f"expert parallel (expert_model_parallel_size={self.expert_model_parallel_size}) "
+                "needs the megatron backend (issue #21); the fsdp backend shards experts with "
+                "HSDP (--replicate/--shard): use 1",
             )
         if world_size is not None and world_size != self.world_size:
             raise GrpoUnsupportedError(
@@ -314,6 +341,11 @@ def field_default(name: str) -> Any:
     return _FIELDS[name].default
 
 
+def field_type(name: str) -> Any:
+    """The resolved type of a ``GrpoConfig`` field (``Literal[...]``, ``int | None``, ...)."""
+    return _HINTS[name]
+
+
 def literal_choices(name: str) -> tuple[str, ...]:
     """The allowed values of a ``Literal`` field (empty for other fields)."""
     hint = _HINTS[name]
@@ -323,14 +355,14 @@ def literal_choices(name: str) -> tuple[str, ...]:
 def check_http_url(name: str, url: str) -> None:
     """``url`` must be ``http(s)://host[:port][/path]``; the error names ``name``."""
     if not isinstance(url, str):
-        raise GrpoConfigError(f"{name} must be a string URL, got {type(url).__name__}")
+        raise GrpoConfigError(f"{name} must be a string URL, got {type(url).__name__}", field=name)
     try:
         parts = urlsplit(url)
         parts.port  # noqa: B018 - parsing the port validates it
     except ValueError as exc:
-        raise GrpoConfigError(f"{name}={url!r} is not a valid URL: {exc}") from None
+        raise GrpoConfigError(f"{name}={url!r} is not a valid URL: {exc}", field=name) from None
     if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise GrpoConfigError(f"{name}={url!r} must be an http(s) URL with a host")
+        raise GrpoConfigError(f"{name}={url!r} must be an http(s) URL with a host", field=name)
 
 
 _LAYER_TERM = re.compile(r"^\[([01])\]\*(\d+)$")
@@ -346,9 +378,14 @@ def parse_moe_layer_freq(text: str, *, num_layers: int | None = None) -> tuple[i
     if s.isdigit():
         n = int(s)
         if n < 1:
-            raise GrpoConfigError(f"moe_layer_freq={text!r}: an every-Nth frequency must be >= 1")
+            raise GrpoConfigError(
+                f"moe_layer_freq={text!r}: an every-Nth frequency must be >= 1",
+                field="moe_layer_freq",
+            )
         if num_layers is None:
-            raise GrpoConfigError(f"moe_layer_freq={text!r} as an int needs num_layers")
+            raise GrpoConfigError(
+                f"moe_layer_freq={text!r} as an int needs num_layers", field="moe_layer_freq"
+            )
         return tuple(1 if i % n == 0 else 0 for i in range(num_layers))
     if s.startswith("[") and s.endswith("]") and "*" not in s:
         items = s[1:-1].split(",") if s[1:-1] else []
@@ -365,32 +402,33 @@ def parse_moe_layer_freq(text: str, *, num_layers: int | None = None) -> tuple[i
             if out:
                 return tuple(out)
     raise GrpoConfigError(
-        f"moe_layer_freq={text!r} is not '[0]*K+[1]*M', a list of 0/1 like '[0,1,1]', or an int"
+        f"moe_layer_freq={text!r} is not '[0]*K+[1]*M', a list of 0/1 like '[0,1,1]', or an int",
+        field="moe_layer_freq",
     )
 
 
 def _check_literal(name: str, value: object) -> None:
     choices = literal_choices(name)
     if choices and value not in choices:
-        raise GrpoConfigError(f"{name}={value!r} is not one of {', '.join(choices)}")
+        raise GrpoConfigError(f"{name}={value!r} is not one of {', '.join(choices)}", field=name)
 
 
 def _check_int(name: str, value: object, *, minimum: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
-        raise GrpoConfigError(f"{name} must be an int, got {value!r}")
+        raise GrpoConfigError(f"{name} must be an int, got {value!r}", field=name)
     if value < minimum:
-        raise GrpoConfigError(f"{name}={value} must be >= {minimum}")
+        raise GrpoConfigError(f"{name}={value} must be >= {minimum}", field=name)
 
 
 def _check_float(name: str, value: object, *, positive: bool) -> None:
     if isinstance(value, bool) or not isinstance(value, int | float):
-        raise GrpoConfigError(f"{name} must be a number, got {value!r}")
+        raise GrpoConfigError(f"{name} must be a number, got {value!r}", field=name)
     if not math.isfinite(value):
-        raise GrpoConfigError(f"{name}={value} must be finite")
+        raise GrpoConfigError(f"{name}={value} must be finite", field=name)
     if positive and value <= 0:
-        raise GrpoConfigError(f"{name}={value} must be > 0")
+        raise GrpoConfigError(f"{name}={value} must be > 0", field=name)
     if not positive and value < 0:
-        raise GrpoConfigError(f"{name}={value} must be >= 0")
+        raise GrpoConfigError(f"{name}={value} must be >= 0", field=name)
 
 
 _FIELDS = {f.name: f for f in fields(GrpoConfig)}
