@@ -53,9 +53,7 @@ def save(root: Path, step: int, policy: Policy, extra: dict[str, Any]) -> Path:
     """Write checkpoint ``step`` under ``root`` (collective); returns its directory."""
     rank = dist.get_rank()
     if policy.lora is None:
-        path = save_checkpoint(
-            root, step, policy.model, policy.mesh, policy.optimizer, extra=extra
-        )
+        path = save_checkpoint(root, step, policy.model, policy.mesh, policy.optimizer, extra=extra)
         torch.save(torch.get_rng_state(), path / f"rng_rank{rank}.pt")
         dist.barrier()
         return path
@@ -71,7 +69,9 @@ def save(root: Path, step: int, policy: Policy, extra: dict[str, Any]) -> Path:
     torch.save(torch.get_rng_state(), tmp / f"rng_rank{rank}.pt")
     if rank == 0:
         assert policy.lora_config is not None
-        save_peft(tmp / "adapter", adapter, policy.lora_config, target_modules=policy.target_modules)
+        save_peft(
+            tmp / "adapter", adapter, policy.lora_config, target_modules=policy.target_modules
+        )
         torch.save(policy.optimizer.state_dict(), tmp / "optim.pt")
         meta = {"step": step, "world_size": dist.get_world_size(), "extra": extra}
         _write_json(tmp / "meta.json", meta)
@@ -110,7 +110,9 @@ def load(path: Path, policy: Policy) -> dict[str, Any]:
     """Restore weights, optimizer and RNG into the live policy (collective); returns ``extra``."""
     rank = dist.get_rank()
     if policy.lora is None:
-        load_checkpoint(path.parent, policy.model, policy.mesh, policy.optimizer, step=read_meta(path).step)
+        load_checkpoint(
+            path.parent, policy.model, policy.mesh, policy.optimizer, step=read_meta(path).step
+        )
         extra = dict(read_meta(path).extra)
     else:
         meta = json.loads((path / "meta.json").read_text())

@@ -68,6 +68,10 @@ _REFUSED_RECIPES: dict[str, str] = {
 }
 
 
+# Tuple-of-names fields, given on the command line as one comma-separated value.
+_LIST_FIELDS = ("lora_targets", "engine_urls")
+
+
 def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
@@ -88,7 +92,7 @@ def _config_parameter(name: str) -> inspect.Parameter:
     hint = field_type(name)
     default = field_default(name)
     help_text = HELP[name]
-    if name == "lora_targets":
+    if name in _LIST_FIELDS:
         return _option(name, str, ",".join(default), help_text + " (comma-separated)")
     if name == "moe_layer_freq":
         return _option(name, str | None, None, help_text)
@@ -137,9 +141,10 @@ def build_config(
             raise GrpoConfigError(f"--bf16 contradicts --precision {precision}; give one of them")
         precision = "bf16"
     kwargs["precision"] = precision if precision is not None else field_default("precision")
-    targets = values.get("lora_targets")
-    if isinstance(targets, str):
-        kwargs["lora_targets"] = tuple(t.strip() for t in targets.split(",") if t.strip())
+    for name in _LIST_FIELDS:
+        listed = values.get(name)
+        if isinstance(listed, str):
+            kwargs[name] = tuple(t.strip() for t in listed.split(",") if t.strip())
     freq = values.get("moe_layer_freq")
     if isinstance(freq, str):
         kwargs["moe_layer_freq"] = parse_moe_layer_freq(freq, num_layers=values.get("num_layers"))
@@ -161,7 +166,7 @@ def describe(config: GrpoConfig) -> str:
     for f in fields(config):
         value = getattr(config, f.name)
         shown = (
-            ",".join(value) if f.name == "lora_targets"
+            ",".join(value) if f.name in _LIST_FIELDS
             else json.dumps(list(value)) if isinstance(value, tuple)
             else "-" if value is None
             else str(value)
@@ -183,7 +188,11 @@ def run(config: GrpoConfig) -> None:
             "only --dry-run is available"
         ) from None
     runner: Callable[[GrpoConfig], object] = loop.run
-    runner(config)
+    summary = runner(config)
+    if isinstance(summary, dict) and not config.dry_run:
+        Console(stderr=True, highlight=False, soft_wrap=True).print(
+            Text(loop.summary_text(summary))
+        )
 
 
 def _command(**values: Any) -> None:

@@ -48,7 +48,7 @@ from posttrain.grpo.metrics import MetricsLog, write_report
 from posttrain.grpo.rewards import PromptStream, build_task
 from posttrain.grpo.rollout import RolloutSettings, run_rollout
 from posttrain.grpo.sync import SyncTarget, engine_weight_version, sync_weights
-from posttrain.grpo.trainer import Policy, TrainSample, build_policy, train_step
+from posttrain.grpo.trainer import TrainSample, build_policy, train_step
 from posttrain.interface import Sample
 
 
@@ -179,7 +179,9 @@ def _rollout_and_score(
         rewards = torch.tensor([float(s.reward or 0.0) for s in samples])
         groups = [int(s.group_index or 0) for s in samples]
         adv = group_normalized_advantages(rewards, groups, std_normalize=cfg.std_normalize)
-        per_token = [torch.full((s.response_length,), float(a)) for s, a in zip(samples, adv, strict=True)]
+        per_token = [
+            torch.full((s.response_length,), float(a)) for s, a in zip(samples, adv, strict=True)
+        ]
         times["advantages"] = time.perf_counter() - t0
         stats: dict[str, float] = {}
         if cfg.opd:
@@ -221,7 +223,9 @@ def _apply_teacher(
 
     signals = asyncio.run(score())
     if cfg.opd_top_k > 0:
-        return apply_opd(per_token, coef=cfg.opd_kl_coef, reverse_kl=[s.reverse_kl for s in signals])
+        return apply_opd(
+            per_token, coef=cfg.opd_kl_coef, reverse_kl=[s.reverse_kl for s in signals]
+        )
     # Sampled tokens only: rkl = s - tau with s the rollout logprob (= the trainer's, strict).
     old = [torch.tensor(s.rollout_logprobs, dtype=torch.float32) for s in samples]
     return apply_opd(
@@ -239,14 +243,17 @@ def _masked_mean(values: Sequence[torch.Tensor], samples: Sequence[Sample]) -> f
     return total / max(count, 1)
 
 
-def _rollout_stats(samples: Sequence[Sample], rewards: torch.Tensor, seconds: float) -> dict[str, float]:
+def _rollout_stats(
+    samples: Sequence[Sample], rewards: torch.Tensor, seconds: float
+) -> dict[str, float]:
     lengths = [s.response_length for s in samples]
     generated = sum(sum(s.loss_mask) for s in samples)
     return {
         "reward_mean": float(rewards.double().mean()),
         "reward_std": float(rewards.double().std(unbiased=False)),
         "response_length_mean": sum(lengths) / max(len(lengths), 1),
-        "truncated_frac": sum(s.status.value == "truncated" for s in samples) / max(len(samples), 1),
+        "truncated_frac": sum(s.status.value == "truncated" for s in samples)
+        / max(len(samples), 1),
         "samples": float(len(samples)),
         "tokens_per_s": generated / max(seconds, 1e-9),
     }
@@ -325,7 +332,9 @@ def _spawn_ranks(cfg: GrpoConfig) -> dict[str, Any] | None:
     ctx = mp.get_context("fork")
     results = ctx.SimpleQueue()
     port, world = _free_port(), cfg.world_size
-    procs = [ctx.Process(target=_rank_main, args=(r, world, port, cfg, results)) for r in range(world)]
+    procs = [
+        ctx.Process(target=_rank_main, args=(r, world, port, cfg, results)) for r in range(world)
+    ]
     for p in procs:
         p.start()
     outcome: dict[int, tuple[str, Any]] = {}
@@ -337,11 +346,17 @@ def _spawn_ranks(cfg: GrpoConfig) -> dict[str, Any] | None:
                 if status == "error":
                     break
             elif any(p.exitcode not in (None, 0) for p in procs):
-                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in outcome]
+                dead = [
+                    r
+                    for r, p in enumerate(procs)
+                    if p.exitcode not in (None, 0) and r not in outcome
+                ]
                 if dead:
                     time.sleep(0.5)  # let its error message arrive
                     if results.empty():
-                        raise GrpoRunError(f"trainer rank {dead[0]} died (exit code {procs[dead[0]].exitcode})")
+                        raise GrpoRunError(
+                            f"trainer rank {dead[0]} died (exit code {procs[dead[0]].exitcode})"
+                        )
             else:
                 time.sleep(0.1)
     finally:

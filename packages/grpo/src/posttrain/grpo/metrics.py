@@ -161,7 +161,9 @@ def summarize(records: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def write_report(out_dir: Path, records: Sequence[Mapping[str, Any]], extra: Mapping[str, Any]) -> dict[str, Any]:
+def write_report(
+    out_dir: Path, records: Sequence[Mapping[str, Any]], extra: Mapping[str, Any]
+) -> dict[str, Any]:
     """Write ``summary.json`` and ``reward_curve.png``; returns the summary."""
     summary = {**summarize(records), **extra}
     tmp = out_dir / ".summary.json.tmp"

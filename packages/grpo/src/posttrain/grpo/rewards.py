@@ -61,7 +61,7 @@ class ExactAnswerReward:
 
 
 def addition_prompts() -> tuple[Prompt, ...]:
-    """"a+b=" for digits with a + b <= 9, in a fixed order (55 prompts)."""
+    """ "a+b=" for digits with a + b <= 9, in a fixed order (55 prompts)."""
     pairs = [(a, b) for a in range(10) for b in range(10) if a + b <= 9]
     return tuple(
         Prompt(

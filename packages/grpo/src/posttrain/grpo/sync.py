@@ -47,13 +47,17 @@ class SyncTarget:
     transport: httpx.BaseTransport | None = None
 
 
-def engine_weight_version(url: str, *, timeout_s: float, transport: httpx.BaseTransport | None) -> int:
+def engine_weight_version(
+    url: str, *, timeout_s: float, transport: httpx.BaseTransport | None
+) -> int:
     """An engine's current weight version (0 when it reports none or a non-integer one)."""
     with httpx.Client(timeout=timeout_s, transport=transport) as client:
         try:
             reply = client.get(f"{url.rstrip('/')}/model_info")
         except httpx.HTTPError as exc:
-            raise GrpoRunError(f"weight sync: {url}/model_info: {type(exc).__name__}: {exc}") from exc
+            raise GrpoRunError(
+                f"weight sync: {url}/model_info: {type(exc).__name__}: {exc}"
+            ) from exc
     if reply.status_code != 200:
         raise GrpoRunError(f"weight sync: {url}/model_info answered {reply.status_code}")
     value = reply.json().get("weight_version")
@@ -83,10 +87,14 @@ def sync_weights(policy: Policy, target: SyncTarget, version: int) -> dict[str, 
                 if policy.lora is not None:
                     assert policy.lora_config is not None
                     config = policy.lora_config.peft_config(policy.target_modules)
-                    with AdapterClient(url, transport=target.transport, timeout=target.timeout_s) as client:
+                    with AdapterClient(
+                        url, transport=target.transport, timeout=target.timeout_s
+                    ) as client:
                         client.push(target.lora_name, tensors, config)
                 else:
-                    with WeightPushClient(url, timeout_s=target.timeout_s, transport=target.transport) as client:
+                    with WeightPushClient(
+                        url, timeout_s=target.timeout_s, transport=target.transport
+                    ) as client:
                         push_weights(client, tensors, weight_version=version, with_sha256=True)
         except Exception as exc:  # reported to every rank below, so none waits forever
             error[0] = f"weight sync to {target.engine_urls}: {type(exc).__name__}: {exc}"
@@ -96,7 +104,9 @@ def sync_weights(policy: Policy, target: SyncTarget, version: int) -> dict[str, 
     return {"sync_bytes": nbytes}
 
 
-def _nvfp4_values(tensors: dict[str, torch.Tensor], num_layers: int) -> Iterator[tuple[str, torch.Tensor]]:
+def _nvfp4_values(
+    tensors: dict[str, torch.Tensor], num_layers: int
+) -> Iterator[tuple[str, torch.Tensor]]:
     """HF tensors with every NVFP4-selected weight replaced by its dequantized value."""
     quantized = dict(
         quantize_named_params(
@@ -112,4 +122,3 @@ def _nvfp4_values(tensors: dict[str, torch.Tensor], num_layers: int) -> Iterator
             yield name, dequantize_nvfp4(module, codes, scale, scale_2).to(value.dtype)
         else:
             yield name, value
-

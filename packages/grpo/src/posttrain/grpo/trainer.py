@@ -99,7 +99,9 @@ class Policy:
         return [p for p in self.model.parameters() if p.requires_grad]
 
 
-def lora_targets(model: DecoderModel, suffixes: Sequence[str]) -> tuple[dict[str, Target], list[str]]:
+def lora_targets(
+    model: DecoderModel, suffixes: Sequence[str]
+) -> tuple[dict[str, Target], list[str]]:
     """lora-core ``Target``s for the linear sites whose PEFT modules end with ``suffixes``.
 
     A fused site (``qkv``: q_proj, k_proj, v_proj) is adapted as one (one A, B over its rows),
@@ -266,7 +268,7 @@ def train_step(
         for part in parts:
             with acc.micro_batch():
                 if not part:  # a rank without samples still joins FSDP's collectives
-                    (model.forward_logits(torch.tensor([0]), [1]).sum() * 0.0).backward()
+                    (model.forward_logits(torch.tensor([0]), [1]).sum() * 0.0).backward()  # type: ignore[no-untyped-call]
                     continue
                 batch = _pack(part)
                 need_entropy = True
@@ -286,7 +288,7 @@ def train_step(
                     global_batch_size=global_batch_size,
                     global_token_count=global_token_count,
                 )
-                (objective.loss * world).backward()
+                (objective.loss * world).backward()  # type: ignore[no-untyped-call]
                 count = int(batch["mask"].sum())
                 tokens += count
                 for key, value in objective.metrics.items():

@@ -1,4 +1,4 @@
-"""The ``posttrain`` command line: ``plan``, ``up``, ``demo``, ``hardware`` and ``run``.
+"""The ``posttrain`` command line: ``plan``, ``up``, ``grpo``, ``demo``, ``hardware``, ``run``.
 
 Output for people goes through rich; machine output (``--json``, the URLs ``up`` prints) is
 plain text on stdout so scripts can read it. Any ``LaunchError`` ends the command with exit
@@ -25,6 +25,7 @@ from rich.text import Text
 from posttrain.launch._errors import LaunchConfigError, LaunchError
 from posttrain.launch.args import parse_assignments
 from posttrain.launch.catalog import get_model
+from posttrain.launch.demo import tail_sink
 from posttrain.launch.hardware import GPUS_PER_NODE, Hardware, detect_hardware, parse_hardware
 from posttrain.launch.plan import Plan
 from posttrain.launch.planner import build_plan
@@ -214,7 +215,7 @@ def demo_command(
     verbose: Annotated[bool, typer.Option("--verbose", help="stream every process's log")] = False,
 ) -> None:
     """Run the CPU rollout path end to end: tiny model, engines, sgl-router, a session chat."""
-    from posttrain.launch.demo import DemoConfig, run_demo, tail_sink
+    from posttrain.launch.demo import DemoConfig, run_demo
 
     sink, kept = (console_sink(_err), None) if verbose else tail_sink()
     signal.signal(signal.SIGTERM, _raise_interrupt)
@@ -247,6 +248,66 @@ def demo_command(
     )
     if not report.sample_logprobs_match_turns:
         _fail(LaunchError("the assembled sample's logprobs differ from what the engine returned"))
+
+
+@app.command(
+    "grpo",
+    context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
+)
+def grpo_command(
+    ctx: typer.Context,
+    train: Annotated[str, typer.Option("--train", help="lora (adapter only) or full")] = "lora",
+    opd: Annotated[
+        bool, typer.Option("--opd", help="distil from a stronger local teacher (OPD)")
+    ] = False,
+    teacher: Annotated[
+        str | None, typer.Option("--teacher", help="teacher engine URL (implies --opd)")
+    ] = None,
+    rollout_quant: Annotated[
+        str, typer.Option("--rollout-quant", help="none or nvfp4 (engines serve NVFP4 experts)")
+    ] = "none",
+    steps: Annotated[int | None, typer.Option("--steps", min=1, help="GRPO steps")] = None,
+    seed: Annotated[int, typer.Option("--seed")] = 0,
+    resume: Annotated[
+        Path | None, typer.Option("--resume", help="checkpoint (or run) directory to continue")
+    ] = None,
+    out: Annotated[Path, typer.Option("--out", help="metrics, plots, checkpoints")] = Path(
+        "runs/grpo"
+    ),
+    verbose: Annotated[bool, typer.Option("--verbose", help="stream every process's log")] = False,
+) -> None:
+    """Run the embedded CPU GRPO recipe: tiny Dense/MoE policy, toy task, engines, trainer.
+
+    Arguments after ``--`` go to the trainer (``python -m posttrain.grpo``) unchanged.
+    """
+    from posttrain.launch.grpo import GrpoRecipeConfig, run_grpo
+
+    sink, kept = (console_sink(_err), None) if verbose else tail_sink()
+    signal.signal(signal.SIGTERM, _raise_interrupt)
+    try:
+        cfg = GrpoRecipeConfig(
+            train=train,  # type: ignore[arg-type]
+            opd=opd or teacher is not None,
+            teacher_url=teacher,
+            rollout_quant=rollout_quant,  # type: ignore[arg-type]
+            steps=steps,
+            seed=seed,
+            resume=resume,
+            out=out,
+            trainer_args=tuple(ctx.args),
+        )
+        code = run_grpo(cfg, sink)
+    except KeyboardInterrupt:
+        _err.print("interrupted; stopped every process")
+        raise typer.Exit(code=130) from None
+    except LaunchError as exc:
+        if kept:
+            _err.print(Text("\n".join(kept)))
+        _fail(exc)
+    if code != 0:
+        if kept:
+            _err.print(Text("\n".join(kept)))
+        _fail(LaunchError(f"the trainer exited with code {code}"))
 
 
 @app.command("run")

@@ -8,6 +8,9 @@ depending on them.
 LoRA: every engine loads every ``--lora NAME=PATH`` at startup; the session router injects
 ``lora_path`` for the one adapter (rollouts without it would silently be base-model,
 off-policy samples). Several adapters with sessions are rejected, as the design note says.
+``lora_adapter`` names an adapter a trainer pushes later (engines start with LoRA on and no
+adapter loaded; the session router injects that name). ``teacher_model_path`` adds one more
+engine, not behind the router: the teacher on-policy distillation scores against.
 """
 
 from __future__ import annotations
@@ -31,6 +34,9 @@ class LocalStackConfig:
     model_path: str
     engines: int = 2
     loras: tuple[tuple[str, str], ...] = ()
+    lora_adapter: str | None = None
+    teacher_model_path: str | None = None
+    tokenizer_path: str | None = None  # default: model_path
     engine_kind: EngineKind = EngineKind.LOCAL
     engine_ports: tuple[int, ...] = ()  # empty: pick free ports
     router_port: int = 0  # 0: pick a free port
@@ -71,6 +77,10 @@ def build_local_stack(cfg: LocalStackConfig) -> Plan:
     names = [name for name, _ in cfg.loras]
     if len(set(names)) != len(names):
         raise LaunchConfigError(f"lora names {names} repeat")
+    if cfg.lora_adapter is not None and cfg.loras and cfg.loras[0][0] != cfg.lora_adapter:
+        raise LaunchConfigError(
+            f"lora_adapter {cfg.lora_adapter!r} differs from the --lora adapter {cfg.loras[0][0]!r}"
+        )
     if len(cfg.loras) > 1:
         raise LaunchConfigError(
             f"lora: {len(cfg.loras)} adapters ({', '.join(names)}) given, but the session "
@@ -79,23 +89,28 @@ def build_local_stack(cfg: LocalStackConfig) -> Plan:
     ports = cfg.engine_ports or tuple(free_port() for _ in range(cfg.engines))
     router_port = cfg.router_port or free_port()
     session_port = cfg.session_router_port or free_port()
+    served = cfg.lora_adapter or (cfg.loras[0][0] if cfg.loras else None)
     processes: list[ProcessSpec] = []
-    for i, port in enumerate(ports):
+    engines = [(f"engine-{i}", port, cfg.model_path) for i, port in enumerate(ports)]
+    if cfg.teacher_model_path is not None:
+        engines.append(("teacher", free_port(), cfg.teacher_model_path))
+    for i, (name, port, model_path) in enumerate(engines):
         args = Args()
         src = f"local stack ({cfg.engine_kind.value})"
-        args.set("--model-path", cfg.model_path, source=src)
+        args.set("--model-path", model_path, source=src)
         args.set("--host", LOCAL_HOST, source=src)
         args.set("--port", port, source=src)
-        if cfg.loras:
+        if name != "teacher" and (cfg.loras or cfg.lora_adapter):
             # Both engines take SGLang's spelling; --lora-paths is one nargs="+" flag
             # (repeating it would keep only the last occurrence).
             args.set("--enable-lora", source=src + " (--lora)")
-            pairs = [f"{name}={path}" for name, path in cfg.loras]
-            args.set("--lora-paths", *pairs, source=src + " (--lora)")
+            if cfg.loras:
+                pairs = [f"{n}={path}" for n, path in cfg.loras]
+                args.set("--lora-paths", *pairs, source=src + " (--lora)")
         args.extend_user(cfg.engine_args)
         processes.append(
             ProcessSpec(
-                name=f"engine-{i}",
+                name=name,
                 role=Role.ENGINE,
                 argv=(PYTHON, "-m", ENGINE_MODULES[cfg.engine_kind], *args.argv()),
                 # One GPU per SGLang engine (engine i on GPU i); the CPU engine needs none.
@@ -131,11 +146,11 @@ def build_local_stack(cfg: LocalStackConfig) -> Plan:
     )
     session = Args()
     session.set("--upstream", f"http://{LOCAL_HOST}:{router_port}", source="local stack")
-    session.set("--tokenizer", cfg.model_path, source="local stack")
+    session.set("--tokenizer", cfg.tokenizer_path or cfg.model_path, source="local stack")
     session.set("--host", LOCAL_HOST, source="local stack")
     session.set("--port", session_port, source="local stack")
-    if cfg.loras:
-        session.set("--lora-adapter", cfg.loras[0][0], source="local stack (--lora)")
+    if served is not None:
+        session.set("--lora-adapter", served, source="local stack (--lora)")
     session.extend_user(cfg.session_router_args)
     processes.append(
         ProcessSpec(

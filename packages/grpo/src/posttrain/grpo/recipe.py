@@ -1,0 +1,246 @@
+"""The embedded CPU recipe: a tiny Dense/MoE policy warmed up on the toy task, and its teacher.
+
+``prepare(cache, seed)`` writes (once per seed; later calls reuse the cache) the checkpoints
+``posttrain grpo`` starts from:
+
+* ``policy``: a tiny ``posttrain.models`` decoder (4 layers: one dense, three MoE with 4
+  experts, top-2; hidden 32; the local character tokenizer) after a short supervised warm-up
+  on the ``addition`` task (``rewards``), stopped at the first checkpoint whose probability of
+  the right answer reaches ``STUDENT_ACCURACY`` (~0.3): it has the format and some of the
+  table, so GRPO has rewards to raise.
+* ``teacher``: the same warm-up continued until ``TEACHER_ACCURACY`` (~0.95), the "stronger
+  local teacher" of on-policy distillation.
+* ``policy-nvfp4``: the policy converted by ``quant-convert`` (routed experts in NVFP4), what
+  the engines serve with ``--rollout-quant nvfp4``.
+
+The warm-up runs in fast numerics (BLAS; it only has to be deterministic, not engine-exact),
+on one thread, from a seeded generator, so a given seed always writes the same bytes. Every
+checkpoint is written to a temporary directory and renamed, so an interrupted prepare leaves
+nothing that looks complete. ``python -m posttrain.grpo.recipe prepare`` prints the paths as
+JSON (``launch`` runs it as a process; it never imports grpo).
+
+``RECIPE`` holds the run settings the recipe trains with; ``posttrain grpo`` passes them to
+the trainer command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from posttrain.grpo._errors import GrpoConfigError
+from posttrain.grpo.rewards import Prompt, addition_prompts
+from posttrain.models import (
+    VOCAB_SIZE,
+    DecoderModel,
+    ModelConfig,
+    Numerics,
+    build_model,
+    build_tokenizer,
+    save_pretrained,
+)
+
+RECIPE_VERSION = 1  # bump when the warm-up changes what it writes
+STUDENT_ACCURACY = 0.3
+TEACHER_ACCURACY = 0.95
+WARMUP_BATCH = 32
+WARMUP_LR = 3e-3
+WARMUP_MAX_STEPS = 600
+EVAL_EVERY = 10
+
+# Trainer settings of the default run (``posttrain grpo`` passes them as flags).
+RECIPE: dict[str, Any] = {
+    "prompts_per_step": 8,
+    "samples_per_prompt": 8,
+    "max_new_tokens": 4,
+    "temperature": 1.0,
+    "lr": 2e-3,
+    "lora_r": 8,
+    "lora_alpha": 16.0,
+    "lora_targets": ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
+    "max_grad_norm": 1.0,
+    "steps": 20,
+    "opd_top_k": 4,
+    "opd_kl_coef": 0.5,
+    "tis": "tis",
+}
+
+
+def model_config() -> ModelConfig:
+    """The recipe's tiny Dense/MoE decoder (fp32 parameters, the local tokenizer's vocabulary)."""
+    return ModelConfig.tiny(vocab_size=VOCAB_SIZE, max_position_embeddings=64)
+
+
+def cache_dir() -> Path:
+    """``$POSTTRAIN_CACHE``, else ``$XDG_CACHE_HOME/posttrain``, else ``~/.cache/posttrain``."""
+    if os.environ.get("POSTTRAIN_CACHE"):
+        return Path(os.environ["POSTTRAIN_CACHE"])
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "posttrain"
+
+
+class _Examples:
+    """Tokenized warm-up examples: chat prompt ids and answer ids + ``<|im_end|>``."""
+
+    def __init__(self, prompts: Sequence[Prompt]) -> None:
+        tok = build_tokenizer()
+        eos = tok.eos_token_id
+        assert isinstance(eos, int)
+        self.items: list[tuple[list[int], list[int]]] = []
+        for p in prompts:
+            text = tok.apply_chat_template(
+                list(p.messages), add_generation_prompt=True, tokenize=False
+            )
+            prompt_ids = tok.encode(str(text), add_special_tokens=False)
+            answer = [*tok.encode(str(p.metadata["answer"]), add_special_tokens=False), eos]
+            self.items.append((list(prompt_ids), list(answer)))
+
+    def batch(self, picks: Sequence[int]) -> tuple[torch.Tensor, list[int], torch.Tensor]:
+        ids: list[int] = []
+        lengths: list[int] = []
+        mask: list[bool] = []
+        for i in picks:
+            prompt, answer = self.items[i]
+            ids += prompt + answer
+            lengths.append(len(prompt) + len(answer))
+            mask += [False] * len(prompt) + [True] * len(answer)
+        return torch.tensor(ids), lengths, torch.tensor(mask)
+
+
+def answer_probability(model: DecoderModel, examples: _Examples) -> float:
+    """Mean probability (over the task's prompts) of sampling exactly the right answer."""
+    ids, lengths, mask = examples.batch(range(len(examples.items)))
+    with torch.no_grad():
+        lp = model.forward_logprobs(ids, lengths)
+    seq = torch.arange(len(lengths)).repeat_interleave(torch.tensor(lengths))
+    per_seq = torch.zeros(len(lengths)).index_add(0, seq, torch.where(mask, lp, 0.0))
+    return float(per_seq.exp().mean())
+
+
+def _save(model: DecoderModel, path: Path) -> None:
+    strict = build_model(model.config, seed=0, numerics=Numerics.STRICT)
+    strict.load_state_dict(model.state_dict())
+    path.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{path.name}-", dir=path.parent))
+    try:
+        save_pretrained(strict, staging, tokenizer=build_tokenizer())
+        shutil.rmtree(path, ignore_errors=True)
+        staging.rename(path)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+
+
+def warm_up(root: Path, seed: int, *, log: Any = None) -> dict[str, float]:
+    """Supervised warm-up; writes ``root/policy`` and ``root/teacher``; returns their accuracy."""
+    torch.manual_seed(seed)
+    examples = _Examples(addition_prompts())
+    model = build_model(model_config(), seed=seed, numerics=Numerics.FAST)
+    opt = torch.optim.AdamW(model.parameters(), lr=WARMUP_LR, weight_decay=0.0)
+    rng = random.Random(seed)
+    student: float | None = None
+    accuracy = 0.0
+    for step in range(1, WARMUP_MAX_STEPS + 1):
+        ids, lengths, mask = examples.batch(
+            [rng.randrange(len(examples.items)) for _ in range(WARMUP_BATCH)]
+        )
+        lp = model.forward_logprobs(ids, lengths)
+        loss = -(lp * mask).sum() / mask.sum()
+        opt.zero_grad()
+        loss.backward()  # type: ignore[no-untyped-call]
+        opt.step()
+        if step % EVAL_EVERY:
+            continue
+        accuracy = answer_probability(model, examples)
+        if log is not None:
+            log(f"warm-up step {step}: loss {float(loss):.3f}, P(right answer) {accuracy:.3f}")
+        if student is None and accuracy >= STUDENT_ACCURACY:
+            student = accuracy
+            _save(model, root / "policy")
+        if accuracy >= TEACHER_ACCURACY:
+            break
+    if student is None or accuracy < TEACHER_ACCURACY:
+        raise GrpoConfigError(
+            f"recipe warm-up (seed {seed}) reached P(right answer) {accuracy:.3f} in "
+            f"{WARMUP_MAX_STEPS} steps; the student needs {STUDENT_ACCURACY}, the teacher "
+            f"{TEACHER_ACCURACY}"
+        )
+    _save(model, root / "teacher")
+    return {"policy_accuracy": student, "teacher_accuracy": accuracy}
+
+
+def _convert_nvfp4(src: Path, dst: Path) -> None:
+    from posttrain.quant_convert import ConvertOptions, QuantPolicy, convert_checkpoint
+
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{dst.name}-", dir=dst.parent))
+    shutil.rmtree(staging)
+    convert_checkpoint(src, staging, options=ConvertOptions(policy=QuantPolicy()))
+    for name in os.listdir(src):  # the tokenizer files travel with the weights
+        if not (staging / name).exists() and not name.endswith(".safetensors"):
+            shutil.copy2(src / name, staging / name)
+    shutil.rmtree(dst, ignore_errors=True)
+    staging.rename(dst)
+
+
+def prepare(cache: Path, seed: int, *, nvfp4: bool = False, log: Any = None) -> dict[str, Any]:
+    """The recipe's checkpoints under ``cache`` (made once per seed); returns their paths."""
+    root = Path(cache) / f"grpo-recipe-v{RECIPE_VERSION}" / f"seed{seed}"
+    done = root / "recipe.json"
+    info: dict[str, Any]
+    if done.is_file():
+        info = json.loads(done.read_text())
+    else:
+        started = time.perf_counter()
+        info = warm_up(root, seed, log=log)
+        info["warmup_s"] = round(time.perf_counter() - started, 2)
+        tmp = root / ".recipe.json.tmp"
+        tmp.write_text(json.dumps(info))
+        os.replace(tmp, done)
+    if nvfp4 and not (root / "policy-nvfp4" / "config.json").is_file():
+        _convert_nvfp4(root / "policy", root / "policy-nvfp4")
+    return {
+        **info,
+        "policy": str(root / "policy"),
+        "teacher": str(root / "teacher"),
+        "policy_nvfp4": str(root / "policy-nvfp4") if nvfp4 else None,
+        "recipe": {k: list(v) if isinstance(v, tuple) else v for k, v in RECIPE.items()},
+    }
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m posttrain.grpo.recipe")
+    commands = parser.add_subparsers(dest="command", required=True)
+    prep = commands.add_parser("prepare", help="write (or reuse) the recipe's checkpoints")
+    prep.add_argument(
+        "--cache", type=Path, default=None, help="default: $POSTTRAIN_CACHE or ~/.cache/posttrain"
+    )
+    prep.add_argument("--seed", type=int, default=0)
+    prep.add_argument("--nvfp4", action="store_true", help="also the NVFP4 copy of the policy")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    try:
+        paths = prepare(
+            args.cache or cache_dir(), args.seed, nvfp4=args.nvfp4,
+            log=lambda line: print(line, file=sys.stderr, flush=True),
+        )  # fmt: skip
+    except Exception as exc:
+        print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(paths))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,165 @@
+"""``posttrain grpo``: the embedded CPU recipe, a real GRPO job on a laptop with one command.
+
+1. ``python -m posttrain.grpo.recipe prepare`` writes (or reuses, from the cache) the recipe's
+   checkpoints: a tiny Dense/MoE policy warmed up on the toy task, its stronger teacher and,
+   with ``--rollout-quant nvfp4``, the policy converted to NVFP4.
+2. The local stack of ``posttrain up`` starts on 127.0.0.1: 2 local engines behind the stock
+   sgl-router and the session router (with LoRA on and the trained adapter's name when an
+   adapter is trained), plus a teacher engine with ``--opd`` (unless ``--teacher URL``).
+3. The trainer runs as ``python -m posttrain.grpo`` (2 gloo ranks, HSDP) with the recipe's
+   flags, in the foreground: its live display goes straight to this terminal.
+4. Every process is stopped by pid, whatever happened.
+
+Launch never imports posttrain.grpo: both the recipe and the trainer are ``python -m``
+commands, so the CLI stays light. Flags after ``--`` go to the trainer unchanged (last wins).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from posttrain.launch._errors import LaunchConfigError, LaunchError
+from posttrain.launch.plan import PYTHON
+from posttrain.launch.runners import LocalRunner, LogSink, _set_pdeathsig
+from posttrain.launch.stack import LocalStackConfig, build_local_stack
+from posttrain.launch.tables import EngineKind
+
+ADAPTER = "policy"
+
+
+class GrpoRunError(LaunchError):
+    """The recipe could not be prepared, or the trainer exited with an error."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class GrpoRecipeConfig:
+    """What ``posttrain grpo`` was asked for (see the command's help)."""
+
+    train: Literal["lora", "full"] = "lora"
+    opd: bool = False
+    teacher_url: str | None = None
+    rollout_quant: Literal["none", "nvfp4"] = "none"
+    steps: int | None = None
+    seed: int = 0
+    resume: Path | None = None
+    out: Path = Path("runs/grpo")
+    engines: int = 2
+    trainer_args: tuple[str, ...] = ()
+    ready_timeout_s: float = 300.0
+
+    def __post_init__(self) -> None:
+        if self.train not in ("lora", "full"):
+            raise LaunchConfigError(f"--train must be lora or full, got {self.train!r}")
+        if self.rollout_quant not in ("none", "nvfp4"):
+            raise LaunchConfigError(
+                f"--rollout-quant must be none or nvfp4, got {self.rollout_quant!r}"
+            )
+        if self.steps is not None and self.steps < 1:
+            raise LaunchConfigError(f"--steps must be >= 1, got {self.steps}")
+        if self.engines < 1:
+            raise LaunchConfigError(f"--engines must be >= 1, got {self.engines}")
+        if self.teacher_url is not None and not self.teacher_url.startswith(
+            ("http://", "https://")
+        ):
+            raise LaunchConfigError(f"--teacher must be an http(s) URL, got {self.teacher_url!r}")
+
+
+def prepare_recipe(cfg: GrpoRecipeConfig, sink: LogSink) -> dict[str, Any]:
+    """Run the recipe's prepare command; returns its JSON (checkpoint paths, recipe flags)."""
+    argv = [PYTHON, "-m", "posttrain.grpo.recipe", "prepare", "--seed", str(cfg.seed)]
+    if cfg.rollout_quant == "nvfp4":
+        argv.append("--nvfp4")
+    sink("recipe", " ".join(argv))
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=_set_pdeathsig)  # fmt: skip
+    try:
+        out, err = proc.communicate(timeout=1800)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise GrpoRunError("the recipe's prepare step did not finish within 30 minutes") from None
+    for line in err.splitlines():
+        sink("recipe", line)
+    if proc.returncode != 0:
+        raise GrpoRunError(f"`{' '.join(argv)}` failed ({proc.returncode}): {err[-2000:]}")
+    result: dict[str, Any] = json.loads(out.strip().splitlines()[-1])
+    return result
+
+
+def trainer_argv(cfg: GrpoRecipeConfig, recipe: dict[str, Any], urls: dict[str, str],
+                 engine_names: list[str]) -> list[str]:  # fmt: skip
+    """The ``python -m posttrain.grpo`` command of the recipe (user flags last: they win)."""
+    settings = dict(recipe["recipe"])
+    if cfg.steps is not None:
+        settings["steps"] = cfg.steps
+    argv = [
+        PYTHON, "-m", "posttrain.grpo",
+        "--model-path", recipe["policy"],
+        "--rollout-url", urls["session-router"],
+        "--engine-urls", ",".join(urls[n] for n in engine_names),
+        "--train", cfg.train,
+        "--seed", str(cfg.seed),
+        "--out-dir", str(cfg.out),
+        "--replicate", "1", "--shard", "2",
+        "--lora-name", ADAPTER,
+    ]  # fmt: skip
+    for key in ("prompts_per_step", "samples_per_prompt", "max_new_tokens", "temperature", "lr",
+                "lora_r", "lora_alpha", "max_grad_norm", "steps"):  # fmt: skip
+        argv += ["--" + key.replace("_", "-"), str(settings[key])]
+    argv += ["--lora-targets", ",".join(settings["lora_targets"])]
+    if cfg.train == "full":
+        argv += ["--lr", str(settings.get("full_lr", settings["lr"]))]
+    teacher = cfg.teacher_url or urls.get("teacher")
+    if cfg.opd:
+        argv += ["--opd", "--teacher-url", str(teacher), "--opd-top-k", str(settings["opd_top_k"]),
+                 "--opd-kl-coef", str(settings["opd_kl_coef"])]  # fmt: skip
+    if cfg.rollout_quant == "nvfp4":
+        argv += ["--rollout-quant", "nvfp4", "--tis", str(settings["tis"])]
+    if cfg.resume is not None:
+        argv += ["--resume", str(cfg.resume)]
+    return argv + list(cfg.trainer_args)
+
+
+def run_grpo(cfg: GrpoRecipeConfig, sink: LogSink) -> int:
+    """Prepare, start the stack, run the trainer in the foreground, stop everything."""
+    recipe = prepare_recipe(cfg, sink)
+    served = recipe["policy_nvfp4"] if cfg.rollout_quant == "nvfp4" else recipe["policy"]
+    plan = build_local_stack(
+        LocalStackConfig(
+            model_path=served,
+            tokenizer_path=recipe["policy"],
+            engines=cfg.engines,
+            engine_kind=EngineKind.LOCAL,
+            lora_adapter=ADAPTER if cfg.train == "lora" else None,
+            teacher_model_path=recipe["teacher"] if cfg.opd and cfg.teacher_url is None else None,
+            ready_timeout_s=cfg.ready_timeout_s,
+        )
+    )
+    engine_names = [f"engine-{i}" for i in range(cfg.engines)]
+    with LocalRunner(plan, sink=sink, base_env={**os.environ, "OMP_NUM_THREADS": "1"}) as runner:
+        runner.start()
+        argv = trainer_argv(cfg, recipe, dict(runner.urls), engine_names)
+        sink("launcher", "trainer: " + " ".join(argv))
+        trainer = subprocess.Popen(argv, preexec_fn=_set_pdeathsig)
+        try:
+            return trainer.wait()
+        except KeyboardInterrupt:
+            with contextlib.suppress(ProcessLookupError):
+                trainer.send_signal(signal.SIGINT)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                trainer.wait(timeout=30)
+            if trainer.poll() is None:
+                trainer.kill()
+            raise
+        finally:
+            if trainer.poll() is None:
+                trainer.kill()
+                trainer.wait()
+            sys.stderr.flush()
