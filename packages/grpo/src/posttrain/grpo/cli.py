@@ -191,7 +191,7 @@ def run(config: GrpoConfig) -> None:
     summary = runner(config)
     if isinstance(summary, dict) and not config.dry_run:
         Console(stderr=True, highlight=False, soft_wrap=True).print(
-            Text(loop.summary_text(summary))
+            Text("\n" + loop.summary_text(summary))
         )
 
 

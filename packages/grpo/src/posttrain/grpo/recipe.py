@@ -3,13 +3,13 @@
 ``prepare(cache, seed)`` writes (once per seed; later calls reuse the cache) the checkpoints
 ``posttrain grpo`` starts from:
 
-* ``policy``: a tiny ``posttrain.models`` decoder (4 layers: one dense, three MoE with 4
+* ``teacher``: a tiny ``posttrain.models`` decoder (4 layers: one dense, three MoE with 4
   experts, top-2; hidden 32; the local character tokenizer) after a short supervised warm-up
-  on the ``addition`` task (``rewards``), stopped at the first checkpoint whose probability of
-  the right answer reaches ``STUDENT_ACCURACY`` (~0.3): it has the format and some of the
-  table, so GRPO has rewards to raise.
-* ``teacher``: the same warm-up continued until ``TEACHER_ACCURACY`` (~0.95), the "stronger
-  local teacher" of on-policy distillation.
+  on the ``addition`` task (``rewards``) to ``TEACHER_ACCURACY`` (~0.95): the "stronger local
+  teacher" of on-policy distillation.
+* ``policy``: the teacher after a few more steps on random answers, until its probability of
+  the right answer falls to ``STUDENT_ACCURACY`` (~0.3). It keeps the format and, latent, the
+  table, so GRPO has rewards to raise within a few dozen steps on a CPU.
 * ``policy-nvfp4``: the policy converted by ``quant-convert`` (routed experts in NVFP4), what
   the engines serve with ``--rollout-quant nvfp4``.
 
@@ -51,13 +51,14 @@ from posttrain.models import (
     save_pretrained,
 )
 
-RECIPE_VERSION = 1  # bump when the warm-up changes what it writes
+RECIPE_VERSION = 2  # bump when the warm-up changes what it writes
 STUDENT_ACCURACY = 0.3
 TEACHER_ACCURACY = 0.95
 WARMUP_BATCH = 32
 WARMUP_LR = 3e-3
 WARMUP_MAX_STEPS = 600
 EVAL_EVERY = 10
+FORGET_LR_SCALE = 0.1
 
 # Trainer settings of the default run (``posttrain grpo`` passes them as flags).
 RECIPE: dict[str, Any] = {
@@ -65,12 +66,13 @@ RECIPE: dict[str, Any] = {
     "samples_per_prompt": 8,
     "max_new_tokens": 4,
     "temperature": 1.0,
-    "lr": 2e-3,
+    "lr": 5e-3,
+    "full_lr": 1e-3,
     "lora_r": 8,
     "lora_alpha": 16.0,
     "lora_targets": ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
     "max_grad_norm": 1.0,
-    "steps": 20,
+    "steps": 30,
     "opd_top_k": 4,
     "opd_kl_coef": 0.5,
     "tis": "tis",
@@ -106,12 +108,17 @@ class _Examples:
             answer = [*tok.encode(str(p.metadata["answer"]), add_special_tokens=False), eos]
             self.items.append((list(prompt_ids), list(answer)))
 
-    def batch(self, picks: Sequence[int]) -> tuple[torch.Tensor, list[int], torch.Tensor]:
+    def batch(
+        self, picks: Sequence[int], random_answers: random.Random | None = None
+    ) -> tuple[torch.Tensor, list[int], torch.Tensor]:
+        """Packed examples; with ``random_answers`` each answer is another one drawn at random."""
         ids: list[int] = []
         lengths: list[int] = []
         mask: list[bool] = []
         for i in picks:
             prompt, answer = self.items[i]
+            if random_answers is not None:
+                answer = self.items[random_answers.randrange(len(self.items))][1]
             ids += prompt + answer
             lengths.append(len(prompt) + len(answer))
             mask += [False] * len(prompt) + [True] * len(answer)
@@ -143,41 +150,48 @@ def _save(model: DecoderModel, path: Path) -> None:
 
 
 def warm_up(root: Path, seed: int, *, log: Any = None) -> dict[str, float]:
-    """Supervised warm-up; writes ``root/policy`` and ``root/teacher``; returns their accuracy."""
+    """Supervised warm-up; writes ``root/teacher`` and ``root/policy``; returns their accuracy.
+
+    The teacher learns the task (clean labels) to ``TEACHER_ACCURACY``; the policy is that
+    model after a few steps on random answers, until its accuracy falls to
+    ``STUDENT_ACCURACY``: the skill is still latent in its weights, the kind of base RL with a
+    verifiable reward brings back quickly.
+    """
     torch.manual_seed(seed)
     examples = _Examples(addition_prompts())
     model = build_model(model_config(), seed=seed, numerics=Numerics.FAST)
     opt = torch.optim.AdamW(model.parameters(), lr=WARMUP_LR, weight_decay=0.0)
     rng = random.Random(seed)
-    student: float | None = None
-    accuracy = 0.0
+    teacher = student = None
     for step in range(1, WARMUP_MAX_STEPS + 1):
-        ids, lengths, mask = examples.batch(
-            [rng.randrange(len(examples.items)) for _ in range(WARMUP_BATCH)]
-        )
+        picks = [rng.randrange(len(examples.items)) for _ in range(WARMUP_BATCH)]
+        noisy = teacher is not None  # after the teacher: random answers
+        ids, lengths, mask = examples.batch(picks, random_answers=rng if noisy else None)
         lp = model.forward_logprobs(ids, lengths)
         loss = -(lp * mask).sum() / mask.sum()
         opt.zero_grad()
         loss.backward()  # type: ignore[no-untyped-call]
         opt.step()
-        if step % EVAL_EVERY:
+        if not noisy and step % EVAL_EVERY:
             continue
         accuracy = answer_probability(model, examples)
         if log is not None:
             log(f"warm-up step {step}: loss {float(loss):.3f}, P(right answer) {accuracy:.3f}")
-        if student is None and accuracy >= STUDENT_ACCURACY:
+        if teacher is None and accuracy >= TEACHER_ACCURACY:
+            teacher = accuracy
+            _save(model, root / "teacher")
+            for group in opt.param_groups:  # forget gently: stop near STUDENT_ACCURACY
+                group["lr"] = WARMUP_LR * FORGET_LR_SCALE
+        elif teacher is not None and accuracy <= STUDENT_ACCURACY:
             student = accuracy
             _save(model, root / "policy")
-        if accuracy >= TEACHER_ACCURACY:
             break
-    if student is None or accuracy < TEACHER_ACCURACY:
+    if teacher is None or student is None:
         raise GrpoConfigError(
-            f"recipe warm-up (seed {seed}) reached P(right answer) {accuracy:.3f} in "
-            f"{WARMUP_MAX_STEPS} steps; the student needs {STUDENT_ACCURACY}, the teacher "
-            f"{TEACHER_ACCURACY}"
+            f"recipe warm-up (seed {seed}) did not reach a teacher with P(right answer) >= "
+            f"{TEACHER_ACCURACY} and a policy <= {STUDENT_ACCURACY} in {WARMUP_MAX_STEPS} steps"
         )
-    _save(model, root / "teacher")
-    return {"policy_accuracy": student, "teacher_accuracy": accuracy}
+    return {"policy_accuracy": student, "teacher_accuracy": teacher}
 
 
 def _convert_nvfp4(src: Path, dst: Path) -> None:

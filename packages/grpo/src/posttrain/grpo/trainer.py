@@ -27,6 +27,7 @@ Departures from the obvious:
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -172,6 +173,8 @@ def build_policy(cfg: GrpoConfig) -> Policy:
         ignored_params=ignored,
     )
     register_fsdp_forward_method(model, "forward_logits")
+    # forward_logits may return a view; nothing here writes into it in place.
+    warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
     trainable = list(handle.parameters()) if handle is not None else list(model.parameters())
     optimizer = torch.optim.AdamW(trainable, lr=cfg.lr, weight_decay=cfg.weight_decay)
     ref = None
