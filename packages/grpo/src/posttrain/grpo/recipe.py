@@ -73,7 +73,7 @@ RECIPE: dict[str, Any] = {
     "lora_targets": ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
     "max_grad_norm": 1.0,
     "steps": 30,
-    "opd_top_k": 4,
+    "opd_top_k": 0,
     "opd_kl_coef": 0.5,
     "tis": "tis",
 }

@@ -131,6 +131,9 @@ def build_local_stack(cfg: LocalStackConfig) -> Plan:
     router.set("--assignment-mode", "min_load", source="local stack (sessions on)")
     router.set("--log-level", "warn", source="local stack")
     router.set("--health-check-interval-secs", 5, source="local stack")
+    # Its Prometheus exporter defaults to one fixed port: two stacks on a machine would collide.
+    router.set("--prometheus-host", LOCAL_HOST, source="local stack")
+    router.set("--prometheus-port", free_port(), source="local stack (a free port)")
     router.extend_user(cfg.router_args)
     processes.append(
         ProcessSpec(
