@@ -41,6 +41,7 @@ class LocalStackConfig:
     engine_ports: tuple[int, ...] = ()  # empty: pick free ports
     router_port: int = 0  # 0: pick a free port
     session_router_port: int = 0
+    prometheus_port: int = 0  # the router's metrics exporter; 0: pick a free port
     ready_timeout_s: float = 300.0
     engine_args: tuple[str, ...] = ()
     router_args: tuple[str, ...] = ()
@@ -133,7 +134,7 @@ def build_local_stack(cfg: LocalStackConfig) -> Plan:
     router.set("--health-check-interval-secs", 5, source="local stack")
     # Its Prometheus exporter defaults to one fixed port: two stacks on a machine would collide.
     router.set("--prometheus-host", LOCAL_HOST, source="local stack")
-    router.set("--prometheus-port", free_port(), source="local stack (a free port)")
+    router.set("--prometheus-port", cfg.prometheus_port or free_port(), source="local stack")
     router.extend_user(cfg.router_args)
     processes.append(
         ProcessSpec(
