@@ -26,5 +26,7 @@ def test_error_tree() -> None:
     assert issubclass(grpo.GrpoUnsupportedError, grpo.GrpoConfigError)
     assert issubclass(grpo.GrpoInputError, grpo.GrpoError)
     assert issubclass(grpo.GrpoInputError, ValueError)
-    for name in ("GrpoError", "GrpoConfigError", "GrpoUnsupportedError", "GrpoInputError"):
+    assert issubclass(grpo.GrpoRunError, grpo.GrpoError)
+    for name in ("GrpoError", "GrpoConfigError", "GrpoUnsupportedError", "GrpoInputError",
+                 "GrpoRunError"):  # fmt: skip
         assert name in (grpo.__doc__ or "")

@@ -1,0 +1,83 @@
+"""Rank functions for the multi-rank trainer tests (forked gloo ranks, see conftest)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from posttrain.fsdp_mesh import iter_full_state_dict
+from posttrain.grpo.config import GrpoConfig
+from posttrain.grpo.trainer import TrainSample, build_policy, train_step
+from posttrain.lora import export_adapter
+from posttrain.models import LoraAdapter, load_pretrained, to_hf_state_dict
+
+PROMPT, RESPONSE, N = 6, 5, 4
+
+
+def tokens(i: int) -> list[int]:
+    gen = torch.Generator().manual_seed(100 + i)
+    return torch.randint(4, 90, (PROMPT + RESPONSE,), generator=gen).tolist()
+
+
+def engine_logprobs(
+    ckpt: str, seqs: list[list[int]], *, lora: Any = None, hf: Any = None
+) -> list[list[float]]:
+    """What an engine serving these weights reports for the response tokens."""
+    engine = load_pretrained(ckpt)
+    if hf is not None:
+        engine.load_hf_state_dict(hf)
+    out = []
+    with torch.no_grad():
+        for s in seqs:
+            lp = engine.forward_logprobs(torch.tensor(s), [len(s)], lora=lora)
+            out.append(lp[PROMPT:].tolist())
+    return out
+
+
+def samples(rollout: list[list[float]], advantages: list[float]) -> list[TrainSample]:
+    return [
+        TrainSample(
+            tokens=tokens(i),
+            prompt_len=PROMPT,
+            loss_mask=[1] * RESPONSE,
+            rollout_logprobs=rollout[i],
+            advantages=[advantages[i]] * RESPONSE,
+        )
+        for i in range(N)
+    ]
+
+
+def two_steps(rank: int, world: int, ckpt: str, train: str) -> dict[str, Any]:
+    """Step 1 from the checkpoint's logprobs; sync; step 2 from the synced engine's logprobs."""
+    torch.set_num_threads(1)
+    cfg = GrpoConfig(
+        model_path=Path(ckpt),
+        train=train,
+        replicate=1,
+        shard=world,
+        lr=1e-2,  # type: ignore[arg-type]
+        lora_targets=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
+    )
+    policy = build_policy(cfg)
+    seqs = [tokens(i) for i in range(N)]
+    adv = [1.0, -1.0, 0.5, -0.5]
+    rollout = engine_logprobs(ckpt, seqs)
+    mine = samples(rollout, adv)[rank::world]
+    first = train_step(policy, mine, cfg, global_batch_size=N, global_token_count=N * RESPONSE)
+    if policy.lora is not None:
+        adapter = export_adapter(policy.lora)
+        lora = LoraAdapter.from_peft_state_dict(adapter, scaling=cfg.lora_scaling)
+        rollout = engine_logprobs(ckpt, seqs, lora=lora)
+        weights = {k: v.clone() for k, v in adapter.items()}
+    else:
+        full = dict(iter_full_state_dict(policy.model))
+        hf = to_hf_state_dict(full, policy.model.config)
+        rollout = engine_logprobs(ckpt, seqs, hf=hf)
+        weights = full
+    mine = samples(rollout, adv)[rank::world]
+    second = train_step(policy, mine, cfg, global_batch_size=N, global_token_count=N * RESPONSE)
+    dist.barrier()
+    return {"first": first, "second": second, "weights": weights}

@@ -1,0 +1,120 @@
+"""Rollout requests: one session per sample, deterministic seeds, LoRA fields, bounded, cleaned up.
+
+The session server here is ``httpx.MockTransport`` standing in for the session router's routes
+(its real behaviour is covered by the integration tests); it lets a test see every request
+and inject a failing reply.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import httpx
+import pytest
+
+from posttrain.grpo import GrpoRunError
+from posttrain.grpo._formats import decode_samples
+from posttrain.grpo.rewards import Prompt
+from posttrain.grpo.rollout import RolloutSettings, run_rollout, sampling_seed
+from posttrain.interface import Sample
+from posttrain.session_router import encode_samples
+
+
+class FakeSessions:
+    def __init__(self, fail_chat: bool = False) -> None:
+        self.requests: list[tuple[str, str, Any]] = []
+        self.open: set[str] = set()
+        self.fail_chat = fail_chat
+        self.count = 0
+
+    def __call__(self, request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content) if request.content else None
+        self.requests.append((request.method, request.url.path, body))
+        parts = request.url.path.strip("/").split("/")
+        if request.method == "POST" and parts == ["sessions"]:
+            self.count += 1
+            sid = f"s{self.count}"
+            self.open.add(sid)
+            return httpx.Response(200, json={"session_id": sid})
+        if request.method == "DELETE":
+            self.open.discard(parts[1])
+            return httpx.Response(204)
+        if parts[-1] == "completions":
+            if self.fail_chat:
+                return httpx.Response(502, json={"error": "upstream answered 500"})
+            return httpx.Response(200, json={"choices": [{"message": {"content": "5"}}]})
+        sample = Sample(prompt_ids=[2, 3], response_ids=[50, 3], rollout_logprobs=[-0.5, -0.25],
+                        loss_mask=[1, 1], metadata=body["metadata"])  # fmt: skip
+        return httpx.Response(200, content=encode_samples([sample]))
+
+
+def _settings(**changes: Any) -> RolloutSettings:
+    base: dict[str, Any] = {"url": "http://sr", "samples_per_prompt": 3, "max_new_tokens": 4,
+                            "temperature": 1.0, "seed": 7}  # fmt: skip
+    return RolloutSettings(**{**base, **changes})
+
+
+PROMPTS = [Prompt(index=i, messages=({"role": "user", "content": f"{i}+1="},),
+                  metadata={"answer": str(i + 1)}) for i in (4, 9)]  # fmt: skip
+
+
+def test_one_session_per_sample_in_order_with_seeds_and_lora_fields() -> None:
+    fake = FakeSessions()
+    lora = {"lora_path": "policy", "extra_key": "policy:v3"}
+    out = run_rollout(_settings(lora_fields=lora, top_logprobs=4), PROMPTS, step=2,
+                      transport=httpx.MockTransport(fake))  # fmt: skip
+    assert [(s.group_index, s.index) for s in out] == [
+        (0, 0),
+        (0, 1),
+        (0, 2),
+        (1, 3),
+        (1, 4),
+        (1, 5),
+    ]
+    assert [s.metadata["prompt_index"] for s in out] == [4, 4, 4, 9, 9, 9]
+    assert out[0].metadata["answer"] == "5"
+    chats = [b for m, p, b in fake.requests if p.endswith("/completions")]
+    assert len(chats) == 6
+    assert fake.count == 6
+    assert not fake.open
+    seeds = sorted(b["seed"] for b in chats)
+    assert seeds == sorted(sampling_seed(7, 2, p, j) for p in (4, 9) for j in range(3))
+    assert len(set(seeds)) == 6
+    for b in chats:
+        assert b["lora_path"] == "policy"
+        assert b["extra_key"] == "policy:v3"
+        assert b["top_logprobs"] == 4
+        assert b["logprobs"] is True
+        assert b["max_tokens"] == 4
+
+
+def test_seeds_depend_only_on_seed_step_prompt_sample() -> None:
+    assert sampling_seed(0, 1, 2, 3) == sampling_seed(0, 1, 2, 3)
+    assert (
+        len({sampling_seed(0, s, p, j) for s in range(3) for p in range(3) for j in range(3)}) == 27
+    )
+    assert 0 <= sampling_seed(123, 4, 5, 6) < 2**31
+
+
+def test_a_failed_turn_names_the_url_and_still_closes_its_session() -> None:
+    fake = FakeSessions(fail_chat=True)
+    with pytest.raises(
+        GrpoRunError, match=r"http://sr/sessions/s\d/v1/chat/completions answered 502"
+    ):
+        run_rollout(_settings(), PROMPTS, step=0, transport=httpx.MockTransport(fake))
+    assert fake.count >= 1
+    assert not fake.open
+
+
+def test_transport_errors_are_run_errors() -> None:
+    def refuse(request: httpx.Request) -> httpx.Response:
+        raise httpx.ConnectError("refused", request=request)
+
+    with pytest.raises(GrpoRunError, match="ConnectError"):
+        run_rollout(_settings(), PROMPTS[:1], step=0, transport=httpx.MockTransport(refuse))
+
+
+def test_samples_wire_round_trip_through_the_one_formats_module() -> None:
+    s = Sample(prompt_ids=[1], response_ids=[2], rollout_logprobs=[-1.0], loss_mask=[1])
+    assert decode_samples(encode_samples([s])).samples[0].tokens == [1, 2]
