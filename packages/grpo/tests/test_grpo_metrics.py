@@ -46,8 +46,9 @@ def test_summary_and_report(tmp_path: Path) -> None:
 
 
 def test_deterministic_drops_timing_only() -> None:
-    kept = deterministic(_record(3, 0.5))
+    kept = deterministic({**_record(3, 0.5), "train_tokens_per_s": 3.0})
     assert "time/rollout" not in kept
     assert "tokens_per_s" not in kept
+    assert "train_tokens_per_s" not in kept
     assert kept["reward_mean"] == 0.5
     assert kept["step"] == 3

@@ -38,13 +38,16 @@ HEADLINE = (
     "tis_weight_mean",
     "tokens_per_s",
 )
-# Keys that depend on wall time, not on the computation (left out when runs are compared).
-TIMING_PREFIXES = ("time/", "tokens_per_s", "wall_s")
+
+
+def is_timing(key: str) -> bool:
+    """Whether a metric measures wall time (``time/<phase>``, ``*_per_s``), not the computation."""
+    return key.startswith("time/") or key.endswith("per_s")
 
 
 def deterministic(record: Mapping[str, Any]) -> dict[str, Any]:
     """A metrics record without its timing fields (what two identical runs must agree on)."""
-    return {k: v for k, v in record.items() if not k.startswith(TIMING_PREFIXES)}
+    return {k: v for k, v in record.items() if not is_timing(k)}
 
 
 class MetricsLog:
