@@ -17,13 +17,14 @@ run() {  # name, seconds, command...
     PYTHONPATH="$src" timeout "$secs" "$@" >> "$out/$name.log" 2>&1
     echo "== exit $? after $(( $(date +%s) - start )) s" >> "$out/$name.log"
 }
-for job in ${GPU_JOBS:-models fsdp lora_tp lora_ipc quant}; do
+for job in ${GPU_JOBS:-models fsdp lora_tp lora_ipc quant grpo}; do
     case $job in
         models)  run models 150 python3 packages/models/benchmarks/gpu_strict_parity.py ;;
         fsdp)    run fsdp 200 python3 packages/fsdp-mesh/benchmarks/gpu_parity.py ;;
         lora_tp) run lora_tp 120 python3 packages/lora-core/benchmarks/gpu_tp_parity.py ;;
         lora_ipc) run lora_ipc 90 python3 packages/lora-core/benchmarks/gpu_ipc_repack.py ;;
         quant)   run quant 150 python3 packages/quant-convert/benchmarks/gpu_nvfp4_throughput.py ;;
+        grpo)    run grpo 600 python3 packages/grpo/benchmarks/gpu_train_step.py ;;
     esac
 done
 tail -n 3 "$out"/*.log

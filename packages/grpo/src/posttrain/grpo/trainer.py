@@ -191,7 +191,7 @@ def build_policy(cfg: GrpoConfig) -> Policy:
     )
 
 
-def _pack(samples: Sequence[TrainSample]) -> dict[str, Any]:
+def _pack(samples: Sequence[TrainSample], device: torch.device) -> dict[str, Any]:
     ids = torch.tensor([t for s in samples for t in s.tokens], dtype=torch.long)
     lengths = [len(s.tokens) for s in samples]
     rows: list[int] = []  # logits row predicting each response token
@@ -201,13 +201,15 @@ def _pack(samples: Sequence[TrainSample]) -> dict[str, Any]:
         start += len(s.tokens)
     targets = torch.tensor([t for s in samples for t in s.tokens[s.prompt_len :]], dtype=torch.long)
     return {
-        "ids": ids,
+        "ids": ids.to(device),
         "lengths": lengths,
-        "rows": torch.tensor(rows, dtype=torch.long),
-        "targets": targets,
-        "mask": torch.tensor([m for s in samples for m in s.loss_mask], dtype=torch.bool),
-        "rollout": torch.tensor([v for s in samples for v in s.rollout_logprobs]),
-        "advantages": torch.tensor([v for s in samples for v in s.advantages]),
+        "rows": torch.tensor(rows, dtype=torch.long, device=device),
+        "targets": targets.to(device),
+        "mask": torch.tensor([m for s in samples for m in s.loss_mask], dtype=torch.bool).to(
+            device
+        ),
+        "rollout": torch.tensor([v for s in samples for v in s.rollout_logprobs]).to(device),
+        "advantages": torch.tensor([v for s in samples for v in s.advantages]).to(device),
         "response_lengths": [s.response_len for s in samples],
     }
 
@@ -260,7 +262,8 @@ def train_step(
     model = policy.model
     parts = micro_batches(samples, micro_batch_size) if samples else []
     # Every rank must run the same number of FSDP forwards/backwards: pad with empty ones.
-    counts = torch.tensor([len(parts)])
+    device = policy.model.embedding.device
+    counts = torch.tensor([len(parts)], device=device)
     dist.all_reduce(counts, op=dist.ReduceOp.MAX)
     n_micro = max(int(counts), 1)
     parts += [[] for _ in range(n_micro - len(parts))]
@@ -271,9 +274,11 @@ def train_step(
         for part in parts:
             with acc.micro_batch():
                 if not part:  # a rank without samples still joins FSDP's collectives
-                    (model.forward_logits(torch.tensor([0]), [1]).sum() * 0.0).backward()  # type: ignore[no-untyped-call]
+                    (
+                        model.forward_logits(torch.tensor([0], device=device), [1]).sum() * 0.0
+                    ).backward()  # type: ignore[no-untyped-call]
                     continue
-                batch = _pack(part)
+                batch = _pack(part, device)
                 need_entropy = True
                 logp, logits = _response_logprobs(model, batch, with_logits=need_entropy)
                 assert logits is not None
