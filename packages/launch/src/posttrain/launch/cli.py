@@ -13,6 +13,7 @@ import shlex
 import signal
 import sys
 import warnings
+from collections.abc import Iterable
 from pathlib import Path
 from types import FrameType
 from typing import Annotated, NoReturn
@@ -49,6 +50,18 @@ def _fail(exc: Exception) -> NoReturn:
     # Text, not markup: messages hold brackets ("[0]*1+[1]*46") rich would eat as tags.
     _err.print(Text.assemble(("error: ", "red"), str(exc)))
     raise typer.Exit(code=2)
+
+
+def _interrupted() -> NoReturn:
+    _err.print("interrupted; stopped every process")
+    raise typer.Exit(code=130) from None
+
+
+def _fail_with_logs(exc: Exception, kept: Iterable[str] | None) -> NoReturn:
+    """Fail, first showing the last process log lines kept (when not streaming them)."""
+    if kept:
+        _err.print(Text("\n".join(kept)))
+    _fail(exc)
 
 
 def _split(values: list[str] | None) -> tuple[str, ...]:
@@ -226,12 +239,9 @@ def demo_command(
             sink,
         )  # fmt: skip
     except KeyboardInterrupt:
-        _err.print("interrupted; stopped every process")
-        raise typer.Exit(code=130) from None
+        _interrupted()
     except LaunchError as exc:
-        if kept:
-            _err.print(Text("\n".join(kept)))
-        _fail(exc)
+        _fail_with_logs(exc, kept)
     table = Table(title=f"posttrain demo: {report.model_path}")
     for column in ("turn", "user", "reply (tiny random model)", "tokens", "sum logprob"):
         table.add_column(column)
@@ -298,16 +308,11 @@ def grpo_command(
         )
         code = run_grpo(cfg, sink)
     except KeyboardInterrupt:
-        _err.print("interrupted; stopped every process")
-        raise typer.Exit(code=130) from None
+        _interrupted()
     except LaunchError as exc:
-        if kept:
-            _err.print(Text("\n".join(kept)))
-        _fail(exc)
+        _fail_with_logs(exc, kept)
     if code != 0:
-        if kept:
-            _err.print(Text("\n".join(kept)))
-        _fail(LaunchError(f"the trainer exited with code {code}"))
+        _fail_with_logs(LaunchError(f"the trainer exited with code {code}"), kept)
 
 
 @app.command("run")

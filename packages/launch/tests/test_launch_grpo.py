@@ -1,0 +1,114 @@
+"""``posttrain grpo``'s pieces that need no processes: options, the stack it asks for, the argv."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from posttrain.launch import LaunchConfigError
+from posttrain.launch.cli import app
+from posttrain.launch.grpo import ADAPTER, GrpoRecipeConfig, trainer_argv
+from posttrain.launch.stack import LocalStackConfig, build_local_stack
+
+RECIPE = {
+    "policy": "/c/policy",
+    "teacher": "/c/teacher",
+    "policy_nvfp4": "/c/policy-nvfp4",
+    "recipe": {"prompts_per_step": 8, "samples_per_prompt": 8, "max_new_tokens": 4,
+               "temperature": 1.0, "lr": 5e-3, "full_lr": 1e-3, "lora_r": 8, "lora_alpha": 16.0,
+               "lora_targets": ["q_proj", "v_proj"], "max_grad_norm": 1.0, "steps": 30,
+               "opd_top_k": 0, "opd_kl_coef": 0.5, "tis": "tis"},
+}  # fmt: skip
+URLS = {"engine-0": "http://e0", "engine-1": "http://e1", "session-router": "http://sr",
+        "teacher": "http://t"}  # fmt: skip
+
+
+def _flag(argv: list[str], name: str) -> str:
+    """The value of the last occurrence of ``name`` (the trainer's rule: the last one wins)."""
+    return argv[len(argv) - 1 - argv[::-1].index(name) + 1]
+
+
+def test_default_argv_is_the_lora_recipe() -> None:
+    argv = trainer_argv(GrpoRecipeConfig(), RECIPE, URLS, ["engine-0", "engine-1"])
+    assert argv[1:3] == ["-m", "posttrain.grpo"]
+    assert _flag(argv, "--model-path") == "/c/policy"
+    assert _flag(argv, "--rollout-url") == "http://sr"
+    assert _flag(argv, "--engine-urls") == "http://e0,http://e1"
+    assert _flag(argv, "--train") == "lora"
+    assert _flag(argv, "--lora-name") == ADAPTER
+    assert _flag(argv, "--lora-targets") == "q_proj,v_proj"
+    assert _flag(argv, "--steps") == "30"
+    assert (_flag(argv, "--replicate"), _flag(argv, "--shard")) == ("1", "2")
+    assert "--opd" not in argv
+    assert "--rollout-quant" not in argv
+
+
+def test_modes_and_user_flags_last() -> None:
+    cfg = GrpoRecipeConfig(train="full", opd=True, rollout_quant="nvfp4", steps=3, seed=2,
+                           resume=Path("/r"), trainer_args=("--lr", "7e-4"))  # fmt: skip
+    argv = trainer_argv(cfg, RECIPE, URLS, ["engine-0", "engine-1"])
+    assert _flag(argv, "--steps") == "3"
+    assert _flag(argv, "--seed") == "2"
+    assert _flag(argv, "--teacher-url") == "http://t"
+    assert _flag(argv, "--rollout-quant") == "nvfp4"
+    assert _flag(argv, "--tis") == "tis"
+    assert _flag(argv, "--resume") == "/r"
+    assert argv[-2:] == ["--lr", "7e-4"]  # the user's flag wins over the full-mode lr
+    assert _flag(argv[:-2], "--lr") == "0.001"  # full mode's own lr, before the user's
+    given = trainer_argv(GrpoRecipeConfig(opd=True, teacher_url="http://mine"), RECIPE, URLS, [])
+    assert _flag(given, "--teacher-url") == "http://mine"
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"train": "qlora"}, "--train must be lora or full"),
+        ({"rollout_quant": "fp8"}, "--rollout-quant must be none or nvfp4"),
+        ({"steps": 0}, "--steps must be >= 1"),
+        ({"teacher_url": "ftp://x"}, "--teacher must be an http"),
+    ],
+)
+def test_bad_options_are_named(changes: dict[str, object], message: str) -> None:
+    with pytest.raises(LaunchConfigError, match=message):
+        GrpoRecipeConfig(**changes)  # type: ignore[arg-type]
+
+
+def test_stack_serves_a_pushed_adapter_and_a_teacher_outside_the_router() -> None:
+    plan = build_local_stack(
+        LocalStackConfig(
+            model_path="/c/nv",
+            tokenizer_path="/c/policy",
+            engines=2,
+            lora_adapter=ADAPTER,
+            teacher_model_path="/c/teacher",
+        )
+    )
+    procs = {p.name: p for p in plan.processes}
+    assert set(procs) == {"engine-0", "engine-1", "teacher", "router", "session-router"}
+    for name in ("engine-0", "engine-1"):
+        argv = procs[name].argv
+        assert "--enable-lora" in argv
+        assert "--lora-paths" not in argv  # the trainer pushes the adapter
+        assert argv[argv.index("--model-path") + 1] == "/c/nv"
+    assert "--enable-lora" not in procs["teacher"].argv
+    session = procs["session-router"].argv
+    assert session[session.index("--lora-adapter") + 1] == ADAPTER
+    assert session[session.index("--tokenizer") + 1] == "/c/policy"
+    workers = {r.worker for r in plan.registrations}
+    assert len(workers) == 2  # the teacher is not behind the router
+    teacher_port = procs["teacher"].argv[procs["teacher"].argv.index("--port") + 1]
+    assert not any(teacher_port in w for w in workers)
+    router = procs["router"].argv
+    assert "--prometheus-port" in router
+    with pytest.raises(LaunchConfigError, match="differs from the --lora adapter"):
+        build_local_stack(LocalStackConfig(model_path="/m", lora_adapter="a", loras=(("b", "/p"),)))
+
+
+def test_grpo_help_lists_the_recipe_options() -> None:
+    result = CliRunner().invoke(app, ["grpo", "--help"])
+    assert result.exit_code == 0
+    for flag in ("--train", "--opd", "--teacher", "--rollout-quant", "--steps", "--seed",
+                 "--resume", "--out"):  # fmt: skip
+        assert flag in result.output
