@@ -306,6 +306,12 @@ def grpo_command(
             out=out,
             trainer_args=tuple(ctx.args),
         )
+        _err.print(
+            "posttrain grpo: preparing the recipe's checkpoints (a first run warms up a tiny "
+            "model, about 30 s), then starting the engines, sgl-router, the session router and "
+            f"the trainer; metrics and plots go to {cfg.out}",
+            highlight=False,
+        )
         code = run_grpo(cfg, sink)
     except KeyboardInterrupt:
         _interrupted()
