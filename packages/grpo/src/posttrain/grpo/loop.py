@@ -210,16 +210,36 @@ def _apply_teacher(
     cfg: GrpoConfig, samples: Sequence[Sample], per_token: list[torch.Tensor]
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Score the samples with the teacher and shape the advantages: A_t - coef * rkl_t."""
-    from posttrain.opd import OPDConfig, TeacherRouter, TeacherScorer, Timeouts, apply_opd
+    from posttrain.opd import (
+        CapabilityError,
+        OPDConfig,
+        TeacherRouter,
+        TeacherScorer,
+        Timeouts,
+        apply_opd,
+    )
 
     assert cfg.teacher_url is not None
-    opd_cfg = OPDConfig(top_k=cfg.opd_top_k, kl_coef=cfg.opd_kl_coef)
     router = TeacherRouter({}, fallback_url=cfg.teacher_url)
     timeouts = Timeouts(connect=10.0, read=cfg.rollout_timeout_s, deadline=cfg.rollout_timeout_s)
 
     async def score() -> list[Any]:
-        async with TeacherScorer(router, opd_cfg, timeouts=timeouts, max_concurrency=32) as scorer:
-            return list(await scorer.score_batch(list(samples)))
+        # Top-k ids are scored per position (each position's own ids: a reply k*R long, not
+        # L*|U|) where the teacher supports it (probed), else as one flat id set.
+        for per_position in (cfg.opd_top_k > 0, False):
+            opd_cfg = OPDConfig(
+                top_k=cfg.opd_top_k, kl_coef=cfg.opd_kl_coef, per_position=per_position
+            )
+            async with TeacherScorer(
+                router, opd_cfg, timeouts=timeouts, max_concurrency=32
+            ) as scorer:
+                if per_position:
+                    try:
+                        await scorer.probe()
+                    except CapabilityError:
+                        continue
+                return list(await scorer.score_batch(list(samples)))
+        raise AssertionError("unreachable: the flat mode needs no probe")
 
     signals = asyncio.run(score())
     if cfg.opd_top_k > 0:
