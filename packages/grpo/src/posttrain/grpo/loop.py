@@ -186,7 +186,7 @@ def _rollout_and_score(
         stats: dict[str, float] = {}
         if cfg.opd:
             t0 = time.perf_counter()
-            per_token, rkl = _apply_teacher(cfg, samples, per_token)
+            per_token, rkl = _apply_teacher(cfg, samples, per_token, stats)
             stats["opd_reverse_kl"] = _masked_mean(rkl, samples)
             times["opd"] = time.perf_counter() - t0
         stats.update(_rollout_stats(samples, rewards, times["rollout"]))
@@ -207,7 +207,10 @@ def _rollout_and_score(
 
 
 def _apply_teacher(
-    cfg: GrpoConfig, samples: Sequence[Sample], per_token: list[torch.Tensor]
+    cfg: GrpoConfig,
+    samples: Sequence[Sample],
+    per_token: list[torch.Tensor],
+    stats: dict[str, float],
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Score the samples with the teacher and shape the advantages: A_t - coef * rkl_t."""
     from posttrain.opd import (
@@ -223,7 +226,7 @@ def _apply_teacher(
     router = TeacherRouter({}, fallback_url=cfg.teacher_url)
     timeouts = Timeouts(connect=10.0, read=cfg.rollout_timeout_s, deadline=cfg.rollout_timeout_s)
 
-    async def score() -> list[Any]:
+    async def score() -> tuple[list[Any], bool]:
         # Top-k ids are scored per position (each position's own ids: a reply k*R long, not
         # L*|U|) where the teacher supports it (probed), else as one flat id set.
         for per_position in (cfg.opd_top_k > 0, False):
@@ -238,10 +241,11 @@ def _apply_teacher(
                         await scorer.probe()
                     except CapabilityError:
                         continue
-                return list(await scorer.score_batch(list(samples)))
+                return list(await scorer.score_batch(list(samples))), per_position
         raise AssertionError("unreachable: the flat mode needs no probe")
 
-    signals = asyncio.run(score())
+    signals, per_position = asyncio.run(score())
+    stats["opd_per_position"] = float(per_position)
     if cfg.opd_top_k > 0:
         return apply_opd(
             per_token, coef=cfg.opd_kl_coef, reverse_kl=[s.reverse_kl for s in signals]
