@@ -81,3 +81,25 @@ def two_steps(rank: int, world: int, ckpt: str, train: str) -> dict[str, Any]:
     second = train_step(policy, mine, cfg, global_batch_size=N, global_token_count=N * RESPONSE)
     dist.barrier()
     return {"first": first, "second": second, "weights": weights}
+
+
+def write_then_step(rank: int, world: int, ckpt: str, train: str) -> bool:
+    """G8: a write into the parameters after the optimizer exists (a resume) is what the next
+    step starts from: with lr 0 the written values survive the step exactly."""
+    cfg = GrpoConfig(model_path=Path(ckpt), train=train, replicate=1, shard=world)  # type: ignore[arg-type]
+    policy = build_policy(cfg)
+    params = policy.trainable()
+    written = []
+    with torch.no_grad():
+        for i, p in enumerate(params):
+            value = torch.full_like(p, 0.01 * (i + 1))
+            p.copy_(value)
+            written.append(value.full_tensor() if hasattr(value, "full_tensor") else value)
+    for group in policy.optimizer.param_groups:
+        group["lr"] = 0.0
+    seqs = [tokens(i) for i in range(N)]
+    rollout = [[0.0] * RESPONSE for _ in seqs]
+    train_step(policy, samples(rollout, [1.0, -1.0, 0.5, -0.5])[rank::world], cfg,
+               global_batch_size=N, global_token_count=N * RESPONSE)  # fmt: skip
+    after = [p.full_tensor() if hasattr(p, "full_tensor") else p for p in params]
+    return all(torch.equal(a.detach(), w) for a, w in zip(after, written, strict=True))

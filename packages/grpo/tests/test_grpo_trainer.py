@@ -76,3 +76,11 @@ def test_micro_batches() -> None:
     items = [object()] * 5
     assert [len(b) for b in micro_batches(items, 0)] == [5]  # type: ignore[arg-type]
     assert [len(b) for b in micro_batches(items, 2)] == [2, 2, 1]  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("train", ["lora", "full"])
+def test_a_write_after_the_optimizer_exists_is_kept(ckpt: str, train: str) -> None:
+    assert run_workers(workers.write_then_step, 2, args=(ckpt, train), timeout_s=120) == [
+        True,
+        True,
+    ]
