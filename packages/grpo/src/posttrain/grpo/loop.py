@@ -384,15 +384,17 @@ def _spawn_ranks(cfg: GrpoConfig) -> dict[str, Any] | None:
             else:
                 time.sleep(0.1)
     finally:
+        finished = len(outcome) == world and all(s == "ok" for s, _ in outcome.values())
         for p in procs:
-            if p.is_alive() and any(s == "error" for s, _ in outcome.values()):
+            p.join(timeout=30 if finished else 2)
+            if p.is_alive():  # a rank left waiting in a collective for a peer that failed
                 p.kill()
-            p.join(timeout=30)
+                p.join(timeout=10)
     errors = {r: v for r, (s, v) in outcome.items() if s == "error"}
     if errors:
         rank = min(errors)
         raise GrpoRunError(f"trainer rank {rank}: {errors[rank]}")
-    status, value = outcome[0]
+    value = outcome[0][1]
     return value if isinstance(value, dict) else None
 
 
