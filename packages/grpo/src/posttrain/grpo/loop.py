@@ -33,6 +33,7 @@ import signal
 import sys
 import time
 from collections.abc import Sequence
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -106,8 +107,9 @@ def _train(cfg: GrpoConfig) -> dict[str, Any] | None:
         engine_urls=tuple(cfg.engine_urls), lora_name=cfg.lora_name,
         rollout_quant=cfg.rollout_quant, timeout_s=cfg.rollout_timeout_s,
     )  # fmt: skip
-    version = _first_version(target) if lead else 0
-    version = _broadcast(version)
+    version = _broadcast(_first_version(target) if lead else 0)
+    if isinstance(version, str):
+        raise GrpoRunError(version)
     sync_weights(policy, target, version)  # v1 before the first rollout (and after a resume)
     log = MetricsLog(out, total_steps=cfg.steps, start_step=start) if lead else None
     with log if log is not None else contextlib.nullcontext():
@@ -294,12 +296,16 @@ def _decoder(cfg: GrpoConfig) -> Any:
     return decode
 
 
-def _first_version(target: SyncTarget) -> int:
-    """One past the highest weight version any engine reports (versions must increase)."""
-    versions = [
-        engine_weight_version(url, timeout_s=target.timeout_s, transport=target.transport)
-        for url in target.engine_urls
-    ]
+def _first_version(target: SyncTarget) -> int | str:
+    """One past the highest weight version any engine reports (versions must increase), or
+    the error message every rank raises."""
+    try:
+        versions = [
+            engine_weight_version(url, timeout_s=target.timeout_s, transport=target.transport)
+            for url in target.engine_urls
+        ]
+    except GrpoRunError as exc:
+        return str(exc)
     return max(versions, default=0) + 1
 
 
@@ -321,7 +327,9 @@ def _init_process_group(cfg: GrpoConfig) -> None:
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     world = int(os.environ["WORLD_SIZE"])
     cfg.check_supported(world_size=world)
-    dist.init_process_group("gloo")
+    # Finite: a rank waiting on a peer that hung gives up (rank 0 may spend a whole rollout).
+    timeout = timedelta(seconds=max(600.0, 3 * cfg.rollout_timeout_s))
+    dist.init_process_group("gloo", timeout=timeout)
 
 
 def _free_port() -> int:
