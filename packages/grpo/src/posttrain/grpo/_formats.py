@@ -10,7 +10,7 @@ this is the only place grpo touches that package (grpo talks to engines over HTT
 from __future__ import annotations
 
 from posttrain.local_engine import WeightPushClient, dequantize_nvfp4, push_weights
-from posttrain.lora import read_peft, request_fields, save_peft
+from posttrain.lora import request_fields, save_peft
 from posttrain.session_router import decode_samples
 
 __all__ = [
@@ -18,7 +18,6 @@ __all__ = [
     "decode_samples",
     "dequantize_nvfp4",
     "push_weights",
-    "read_peft",
     "request_fields",
     "save_peft",
 ]
