@@ -2,11 +2,24 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from posttrain.formats import lora_delta, matmul_kernel
+
+
+@pytest.fixture(autouse=True)
+def _one_thread() -> Iterator[None]:
+    """No intra-op thread pool in the pytest process: later tests fork it (an OpenMP pool
+    does not survive a fork; forked ranks then hang)."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
 
 
 @settings(max_examples=40, deadline=None)
