@@ -1,7 +1,7 @@
 """The errors of ``posttrain.formats``: one subtree per format, rooted in the interface's base.
 
-    PosttrainError (posttrain.interface)
-    └── FormatsError                 a payload, file or request in one of our formats is invalid
+PosttrainError (posttrain.interface)
+└── FormatsError                 a payload, file or request in one of our formats is invalid
 """
 
 from __future__ import annotations

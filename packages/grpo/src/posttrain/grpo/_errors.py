@@ -1,7 +1,7 @@
 """The errors of ``posttrain.grpo``, rooted in the interface's base.
 
-    PosttrainError (posttrain.interface)
-    └── GrpoError                    a GRPO computation, run or option failed
+PosttrainError (posttrain.interface)
+└── GrpoError                    a GRPO computation, run or option failed
 """
 
 from __future__ import annotations
