@@ -18,7 +18,7 @@ from posttrain.launch import (
     get_model,
 )
 from posttrain.launch.hardware import Generation
-from posttrain.launch.tables import ROLLOUT_TP, SUPPORTED_NODES
+from posttrain.launch.tables import ROLLOUT_TP, SUPPORTED_NODES, TRAINER_BACKEND, TrainerBackend
 
 RAGGED = "--flashinfer-mla-disable-ragged"
 
@@ -79,21 +79,65 @@ def test_escape_hatch_passes_through_untouched(model: str, hw: Hardware, backend
         assert any("escape hatch" in line for line in engine.explain)
 
 
-def test_qwen3_moe_blackwell_trtllm_mha_and_mxfp8() -> None:
+@pytest.fixture
+def megatron(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The megatron backend on every GPU generation, as the tables will say once issue #21
+    lands: the Megatron rules stay tested while no plan uses them."""
+    for gen in Generation:
+        if gen is not Generation.CPU:
+            monkeypatch.setitem(TRAINER_BACKEND, gen, TrainerBackend.MEGATRON)
+
+
+def test_qwen3_moe_blackwell_trtllm_mha_and_bf16_until_megatron() -> None:
     plan = plan_for("qwen3-30b-a3b", Hardware.B200)
     assert flag_value(engine_argv(plan), "--attention-backend") == "trtllm_mha"
     trainer = plan.by_role(Role.TRAINER)[0]
+    assert flag_value(list(trainer.argv), "--backend") == "fsdp"
+    assert "--fp8-recipe" not in trainer.argv
+    assert "--bf16" in trainer.argv
+    assert any("the mxfp8 recipe needs the megatron backend" in x for x in trainer.explain)
+
+
+@pytest.mark.usefixtures("megatron")
+def test_qwen3_moe_blackwell_mxfp8_on_megatron() -> None:
+    trainer = plan_for("qwen3-30b-a3b", Hardware.B200).by_role(Role.TRAINER)[0]
     assert flag_value(list(trainer.argv), "--fp8-recipe") == "mxfp8"
     assert "NVTE_FP8_BLOCK_SCALING_FP32_SCALES" not in trainer.env
 
 
-def test_qwen3_moe_hopper_blockwise_fp8_with_fp32_scales() -> None:
+@pytest.mark.usefixtures("megatron")
+def test_qwen3_moe_hopper_blockwise_fp8_with_fp32_scales_on_megatron() -> None:
     plan = plan_for("qwen3-30b-a3b", Hardware.H100)
     assert flag_value(engine_argv(plan), "--attention-backend") is None
     trainer = plan.by_role(Role.TRAINER)[0]
     assert flag_value(list(trainer.argv), "--fp8-recipe") == "blockwise"
     assert trainer.env["NVTE_FP8_BLOCK_SCALING_FP32_SCALES"] == "1"
     assert trainer.env["CUDA_DEVICE_MAX_CONNECTIONS"] == "1"
+
+
+@pytest.mark.parametrize("precision", [Precision.FP8_BLOCKWISE, Precision.MXFP8])
+def test_explicit_fp8_is_refused_on_the_fsdp_backend(precision: Precision) -> None:
+    with pytest.raises(LaunchConfigError, match=rf"precision={precision.value}.*issue #21"):
+        plan_for("qwen3-30b-a3b", Hardware.B200, precision=precision)
+
+
+def test_every_plan_trains_on_fsdp_with_hsdp_sizes_matching_the_ranks() -> None:
+    for model_id, row in SUPPORTED_NODES.items():
+        for hw, node_counts in row.items():
+            for nodes in sorted(node_counts):
+                for trainer in plan_for(model_id, hw, nodes=nodes).by_role(Role.TRAINER):
+                    argv = list(trainer.argv)
+                    ranks = int(flag_value(argv, "--nnodes") or 0) * int(
+                        flag_value(argv, "--nproc-per-node") or 0
+                    )
+                    assert flag_value(argv, "--backend") == "fsdp"
+                    replicate = int(flag_value(argv, "--replicate") or 0)
+                    shard = int(flag_value(argv, "--shard") or 0)
+                    assert replicate * shard == ranks, (model_id, hw, nodes)
+                    if nodes > 1 and hw.gpus_per_node:
+                        assert shard == hw.gpus_per_node
+                    for megatron_only in ("--tensor-model-parallel-size", "--fp8-recipe"):
+                        assert megatron_only not in argv
 
 
 @pytest.mark.parametrize("precision", [Precision.MXFP8, Precision.NVFP4])
@@ -107,6 +151,17 @@ def test_fp4_and_mxfp8_only_on_blackwell(precision: Precision, hw: Hardware) -> 
 def test_nvfp4_on_blackwell_quantizes_rollout() -> None:
     plan = plan_for("qwen3-30b-a3b", Hardware.GB200, precision=Precision.NVFP4)
     assert flag_value(engine_argv(plan), "--quantization") == "modelopt_fp4"
+    trainer = list(plan.by_role(Role.TRAINER)[0].argv)
+    assert flag_value(trainer, "--rollout-quant") == "nvfp4"  # fsdp: bf16 training, NVFP4 sync
+    assert "--fp4-recipe" not in trainer
+
+
+@pytest.mark.usefixtures("megatron")
+def test_nvfp4_on_megatron_trains_with_the_fp4_recipe() -> None:
+    plan = plan_for("qwen3-30b-a3b", Hardware.GB200, precision=Precision.NVFP4)
+    trainer = list(plan.by_role(Role.TRAINER)[0].argv)
+    assert flag_value(trainer, "--fp4-recipe") == "nvfp4"
+    assert "--rollout-quant" not in trainer
 
 
 @pytest.mark.parametrize(
@@ -157,6 +212,7 @@ def test_every_supported_pair_builds_a_consistent_plan() -> None:
                 assert {r.after_stage for r in plan.registrations} == {1}
 
 
+@pytest.mark.usefixtures("megatron")
 def test_moe_layer_freq_is_one_argv_token() -> None:
     plan = plan_for("glm-4.7-flash", Hardware.H200)
     argv = list(plan.by_role(Role.TRAINER)[0].argv)

@@ -3,6 +3,7 @@
 from posttrain.launch import MODELS, EngineKind, Hardware, ModelFamily, Precision
 from posttrain.launch.hardware import Generation
 from posttrain.launch.tables import (
+    BACKEND_PRECISIONS,
     DEFAULT_ATTENTION_BACKEND,
     DEFAULT_PRECISION,
     ENGINE_KIND,
@@ -12,6 +13,7 @@ from posttrain.launch.tables import (
     TRAINER_BACKEND,
     TRAINER_TP,
     VISIBLE_DEVICES_VAR,
+    TrainerBackend,
 )
 
 
@@ -31,6 +33,8 @@ def test_family_tables_cover_every_family_and_generation() -> None:
     for gen_table in (ENGINE_KIND, TRAINER_BACKEND, VISIBLE_DEVICES_VAR):
         assert set(gen_table) == set(Generation)
     assert set(PRECISION_GENERATIONS) == set(Precision)
+    assert set(BACKEND_PRECISIONS) == set(TrainerBackend)
+    assert all(Precision.BF16 in allowed for allowed in BACKEND_PRECISIONS.values())
     assert set(ENGINE_KIND.values()) == set(EngineKind)
 
 

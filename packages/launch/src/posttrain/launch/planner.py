@@ -15,7 +15,7 @@ from __future__ import annotations
 from posttrain.launch.args import Args
 from posttrain.launch.plan import PYTHON, Plan, ProcessSpec, Readiness, Registration, Role
 from posttrain.launch.rules import LaunchConfig, Resolved, apply_rules, resolve_config
-from posttrain.launch.tables import VISIBLE_DEVICES_VAR, EngineKind
+from posttrain.launch.tables import VISIBLE_DEVICES_VAR, EngineKind, TrainerBackend
 
 ENGINE_READY_S = 1800.0  # loading a large checkpoint from network storage takes minutes
 ROUTER_READY_S = 120.0
@@ -122,9 +122,14 @@ def build_plan(cfg: LaunchConfig) -> Plan:
 
     processes.extend(_trainer_processes(r, role_args.trainer, role_args.trainer_env))
     notes = [f"rules fired: {', '.join(fired)}"]
+    parallel = (
+        f"hsdp {r.trainer_replicate} x {r.trainer_shard}"
+        if r.trainer_backend is TrainerBackend.FSDP
+        else f"tp {r.trainer_tp}, ep {r.trainer_ep}"
+    )
     notes.append(
         f"rollout: {n_engines} engine(s) x tp {r.rollout_tp}; trainer: "
-        f"{r.trainer_gpus or 1} rank(s), tp {r.trainer_tp}, ep {r.trainer_ep}, "
+        f"{r.trainer_gpus or 1} rank(s), {r.trainer_backend.value} {parallel}, "
         f"{r.precision.value}"
     )
     return Plan(

@@ -22,6 +22,7 @@ from posttrain.launch.args import Args
 from posttrain.launch.catalog import Attention, ModelFamily, ModelSpec
 from posttrain.launch.hardware import Hardware, Vendor
 from posttrain.launch.tables import (
+    BACKEND_PRECISIONS,
     DEFAULT_ATTENTION_BACKEND,
     DEFAULT_PRECISION,
     ENGINE_KIND,
@@ -95,6 +96,9 @@ class Resolved:
     trainer_backend: TrainerBackend
     trainer_tp: int
     trainer_ep: int
+    trainer_replicate: int  # HSDP (fsdp backend): replicate x shard = trainer ranks
+    trainer_shard: int
+    deferred_precision: Precision | None = None  # the table's recipe this backend cannot run
 
     @property
     def model(self) -> ModelSpec:
@@ -147,13 +151,24 @@ def resolve_config(cfg: LaunchConfig) -> Resolved:
             f"rollout_tp={tp} exceeds the {gpn} GPUs per node of {hw.value} "
             "(an engine does not span nodes in these plans)"
         )
-    precision = cfg.precision or DEFAULT_PRECISION[model.family][hw.generation]
+    backend = TRAINER_BACKEND[hw.generation]
+    recipe = DEFAULT_PRECISION[model.family][hw.generation]
+    precision = cfg.precision or recipe
     if hw.generation not in PRECISION_GENERATIONS[precision]:
         allowed = sorted(g.value for g in PRECISION_GENERATIONS[precision])
         raise LaunchConfigError(
             f"precision={precision.value} needs a {'/'.join(allowed)} GPU; "
             f"hardware {hw.value} is {hw.generation.value}"
         )
+    deferred = None
+    if precision not in BACKEND_PRECISIONS[backend]:
+        if cfg.precision is not None:
+            raise LaunchConfigError(
+                f"precision={precision.value} needs the megatron trainer backend (issue #21); "
+                f"the {backend.value} backend trains in bf16 (or nvfp4: bf16 training with "
+                "NVFP4 rollout weights)"
+            )
+        precision, deferred = Precision.BF16, recipe
     total = gpn * cfg.nodes
     if total == 0:  # CPU: one engine process and one trainer process
         rollout_gpus, trainer_gpus = 0, 0
@@ -174,15 +189,21 @@ def resolve_config(cfg: LaunchConfig) -> Resolved:
             raise LaunchConfigError(
                 f"rollout_gpus={rollout_gpus} must be whole nodes of {gpn} GPUs when nodes > 1"
             )
-    trainer_tp = TRAINER_TP[model.id]
     trainer_world = max(trainer_gpus, 1)
-    if model.num_attention_heads % trainer_tp or trainer_world % trainer_tp:
-        raise LaunchConfigError(
-            f"trainer tp={trainer_tp} must divide the {model.num_attention_heads} heads and the "
-            f"{trainer_world} trainer ranks"
-        )
-    # Expert parallel: the largest degree <= 8 dividing both the experts and the DP ranks.
-    trainer_ep = math.gcd(model.num_experts, trainer_world // trainer_tp, 8) if model.is_moe else 1
+    # HSDP: shard over the trainer GPUs of a node, replicate across trainer nodes.
+    replicate = trainer_world // gpn if gpn and cfg.nodes > 1 else 1
+    shard = trainer_world // replicate
+    trainer_tp, trainer_ep = 1, 1
+    if backend is TrainerBackend.MEGATRON:
+        trainer_tp = TRAINER_TP[model.id]
+        if model.num_attention_heads % trainer_tp or trainer_world % trainer_tp:
+            raise LaunchConfigError(
+                f"trainer tp={trainer_tp} must divide the {model.num_attention_heads} heads and "
+                f"the {trainer_world} trainer ranks"
+            )
+        # Expert parallel: the largest degree <= 8 dividing both the experts and the DP ranks.
+        if model.is_moe:
+            trainer_ep = math.gcd(model.num_experts, trainer_world // trainer_tp, 8)
     if cfg.session_routers < 1:
         raise LaunchConfigError(f"session_routers={cfg.session_routers} must be >= 1")
     return Resolved(
@@ -192,9 +213,12 @@ def resolve_config(cfg: LaunchConfig) -> Resolved:
         trainer_gpus=trainer_gpus,
         precision=precision,
         engine_kind=ENGINE_KIND[hw.generation],
-        trainer_backend=TRAINER_BACKEND[hw.generation],
+        trainer_backend=backend,
         trainer_tp=trainer_tp,
         trainer_ep=trainer_ep,
+        trainer_replicate=replicate,
+        trainer_shard=shard,
+        deferred_precision=deferred,
     )
 
 
@@ -236,6 +260,10 @@ def _base_trainer(r: Resolved, a: RoleArgs, src: str) -> None:
     a.trainer.set("--model-path", r.cfg.model_path or m.hf_id, source=src)
     a.trainer.set("--rollout-url", f"http://{{node_ip:0}}:{r.cfg.session_router_port}", source=src)
     a.trainer.set("--backend", r.trainer_backend.value, source=src + " (trainer backend table)")
+    if r.trainer_backend is TrainerBackend.FSDP:
+        hsdp = src + " (HSDP: shard within a node, replicate across nodes)"
+        a.trainer.set("--replicate", r.trainer_replicate, source=hsdp)
+        a.trainer.set("--shard", r.trainer_shard, source=hsdp)
     if r.trainer_backend is TrainerBackend.MEGATRON:
         a.trainer.set(
             "--tensor-model-parallel-size", r.trainer_tp, source=src + " (trainer tp table)"
@@ -251,9 +279,20 @@ def _base_trainer(r: Resolved, a: RoleArgs, src: str) -> None:
 
 def _precision(r: Resolved, a: RoleArgs, src: str) -> None:
     p = r.precision
-    src = f"{src} ({p.value})"
+    if r.deferred_precision is not None:
+        src = (
+            f"{src} ({p.value}; the {r.deferred_precision.value} recipe needs the megatron "
+            "backend, issue #21)"
+        )
+    else:
+        src = f"{src} ({p.value})"
     if p is Precision.BF16:
         a.trainer.set("--bf16", source=src)
+        return
+    if r.trainer_backend is TrainerBackend.FSDP:  # only nvfp4 gets here (BACKEND_PRECISIONS)
+        a.trainer.set("--bf16", source=src)
+        a.trainer.set("--rollout-quant", "nvfp4", source=src)
+        a.engine.set("--quantization", "modelopt_fp4", source=src)
         return
     a.trainer.set("--bf16", source=src)  # master/optimizer precision; the recipe adds fp8/fp4
     if p is Precision.NVFP4:

@@ -88,7 +88,9 @@ TRAINER_TP: dict[str, int] = {
     "posttrain-tiny-moe": 1,
 }
 
-# Default trainer precision per family and generation.
+# Default trainer precision per family and generation: the upstream Megatron recipes. A
+# backend that cannot run a recipe (BACKEND_PRECISIONS) trains that default in bf16 instead,
+# and the plan says so; an explicit --precision it cannot run is refused.
 DEFAULT_PRECISION: dict[ModelFamily, dict[Generation, Precision]] = {
     ModelFamily.QWEN3_MOE: {
         Generation.HOPPER: Precision.FP8_BLOCKWISE, Generation.BLACKWELL: Precision.MXFP8,
@@ -131,12 +133,23 @@ ENGINE_KIND: dict[Generation, EngineKind] = {
     Generation.CPU: EngineKind.LOCAL,
 }
 
+# The trainer backend per generation. posttrain.grpo has no megatron backend yet (issue #21)
+# and refuses one, so every plan trains on FSDP (HSDP: shard within a node, replicate across
+# nodes) until it lands; then Hopper/Blackwell/CDNA go back to MEGATRON here.
 TRAINER_BACKEND: dict[Generation, TrainerBackend] = {
-    Generation.HOPPER: TrainerBackend.MEGATRON,
-    Generation.BLACKWELL: TrainerBackend.MEGATRON,
-    Generation.CDNA3: TrainerBackend.MEGATRON,
-    Generation.CDNA4: TrainerBackend.MEGATRON,
+    Generation.HOPPER: TrainerBackend.FSDP,
+    Generation.BLACKWELL: TrainerBackend.FSDP,
+    Generation.CDNA3: TrainerBackend.FSDP,
+    Generation.CDNA4: TrainerBackend.FSDP,
     Generation.CPU: TrainerBackend.FSDP,
+}
+
+# The precisions each trainer backend can train in. FSDP trains in bf16; nvfp4 there means
+# bf16 training with NVFP4 rollout weights (the trainer re-quantizes on every weight sync).
+# The fp8/fp4 training recipes need Megatron with Transformer Engine.
+BACKEND_PRECISIONS: dict[TrainerBackend, frozenset[Precision]] = {
+    TrainerBackend.FSDP: frozenset({Precision.BF16, Precision.NVFP4}),
+    TrainerBackend.MEGATRON: frozenset(Precision),
 }
 
 # The variable that selects visible accelerators on a node, per generation.

@@ -1,0 +1,417 @@
+"""``GrpoConfig``: every option of a GRPO run, typed and validated before anything starts.
+
+One flat ``kw_only`` dataclass, not nested sections: the trainer command line
+(``python -m posttrain.grpo``) maps one flag to one field, and a run's ``config.json`` reads
+top to bottom. ``__post_init__`` checks each field on its own (type, range, finiteness) and
+the few that constrain each other (``clip_high`` vs ``clip_low``, the TIS window, OPD's
+teacher, the declared MoE layout); every error is a ``GrpoConfigError`` naming the field.
+
+What this build cannot honour (the megatron backend, pipeline parallelism, tensor or expert
+parallel on FSDP) is refused by ``check_supported``, kept apart from ``__post_init__`` so
+that a config for a later build can still be written, read and compared.
+
+Defaults follow miles where the design note gives them (ε_lo 0.2, TIS window [0, 2],
+seq-mean-token-mean aggregation, k1 KL, std normalisation on); the rest are small-run
+defaults a user overrides.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any, Literal, get_args, get_origin, get_type_hints
+from urllib.parse import urlsplit
+
+from posttrain.grpo._errors import GrpoConfigError, GrpoUnsupportedError
+
+Backend = Literal["fsdp", "megatron"]
+TrainMode = Literal["lora", "full"]
+Precision = Literal["fp32", "bf16"]
+Numerics = Literal["strict", "fast"]
+KlType = Literal["k1", "k2", "k3", "low_var_kl"]
+TisMode = Literal["off", "tis", "icepop"]
+LossAggregation = Literal["token_mean", "seq_mean_token_mean"]
+RolloutQuant = Literal["none", "nvfp4"]
+
+DEFAULT_LORA_TARGETS: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
+DEFAULT_OUT_DIR = Path("runs/grpo")
+
+
+@dataclass(kw_only=True, slots=True)
+class GrpoConfig:
+    """A GRPO run. ``HELP`` below holds one line per field (the trainer's ``--help``)."""
+
+    # What to train and where rollouts come from.
+    model_path: Path | None = None
+    rollout_url: str | None = None
+    backend: Backend = "fsdp"
+    train: TrainMode = "lora"
+    lora_r: int = 8
+    lora_alpha: float = 16.0
+    lora_targets: tuple[str, ...] = DEFAULT_LORA_TARGETS
+    # Parallelism: HSDP over replicate x shard ranks (world = replicate * shard).
+    replicate: int = 1
+    shard: int = 2
+    tensor_model_parallel_size: int = 1
+    expert_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    # Declared model shape (Megatron-style flags): checked against the checkpoint.
+    num_layers: int | None = None
+    num_experts: int | None = None
+    moe_layer_freq: tuple[int, ...] | None = None
+    precision: Precision = "fp32"
+    numerics: Numerics = "strict"
+    # The schedule.
+    steps: int = 20
+    seed: int = 0
+    prompts_per_step: int = 8
+    samples_per_prompt: int = 4
+    max_new_tokens: int = 32
+    temperature: float = 1.0
+    # The optimizer.
+    lr: float = 1e-5
+    weight_decay: float = 0.0
+    max_grad_norm: float = 1.0
+    # The policy loss (design note opd-scoring.md section 6).
+    clip_low: float = 0.2
+    clip_high: float | None = None
+    dual_clip: float | None = None
+    use_kl_loss: bool = False
+    kl_coef: float = 0.0
+    kl_type: KlType = "k1"
+    entropy_coef: float = 0.0
+    tis: TisMode = "off"
+    tis_clip_low: float = 0.0
+    tis_clip_high: float = 2.0
+    loss_aggregation: LossAggregation = "seq_mean_token_mean"
+    std_normalize: bool = True
+    # On-policy distillation.
+    opd: bool = False
+    teacher_url: str | None = None
+    opd_kl_coef: float = 1.0
+    opd_top_k: int = 0
+    # Rollout weights, output, resumption.
+    rollout_quant: RolloutQuant = "none"
+    out_dir: Path = DEFAULT_OUT_DIR
+    resume: Path | None = None
+    checkpoint_every: int = 0
+    rollout_timeout_s: float = 600.0
+    dry_run: bool = False
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            _check_literal(f.name, getattr(self, f.name))
+        if isinstance(self.lora_targets, str):
+            raise GrpoConfigError(
+                f"lora_targets={self.lora_targets!r} must be a tuple of names, not one string",
+                field="lora_targets",
+            )
+        self.lora_targets = tuple(self.lora_targets)
+        for name in ("model_path", "out_dir", "resume"):
+            value = getattr(self, name)
+            if isinstance(value, str):
+                setattr(self, name, Path(value))
+        if self.moe_layer_freq is not None:
+            self.moe_layer_freq = tuple(self.moe_layer_freq)
+        self._check_ranges()
+        self._check_together()
+
+    def _check_ranges(self) -> None:
+        for name in (
+            "lora_r", "replicate", "shard", "tensor_model_parallel_size",
+            "expert_model_parallel_size", "pipeline_model_parallel_size", "steps",
+            "prompts_per_step", "samples_per_prompt", "max_new_tokens",
+        ):  # fmt: skip
+            _check_int(name, getattr(self, name), minimum=1)
+        for name in ("use_kl_loss", "std_normalize", "opd", "dry_run"):
+            if not isinstance(getattr(self, name), bool):
+                raise GrpoConfigError(
+                    f"{name} must be a bool, got {getattr(self, name)!r}", field=name
+                )
+        for name in ("checkpoint_every", "opd_top_k", "seed"):
+            _check_int(name, getattr(self, name), minimum=0)
+        for name in ("num_layers", "num_experts"):
+            if getattr(self, name) is not None:
+                _check_int(name, getattr(self, name), minimum=1)
+        for name in ("lora_alpha", "temperature", "lr", "max_grad_norm", "rollout_timeout_s"):
+            _check_float(name, getattr(self, name), positive=True)
+        for name in ("weight_decay", "kl_coef", "entropy_coef", "tis_clip_low", "opd_kl_coef"):
+            _check_float(name, getattr(self, name), positive=False)
+        _check_float("tis_clip_high", self.tis_clip_high, positive=True)
+        _check_float("clip_low", self.clip_low, positive=False)
+        if self.clip_low >= 1.0:
+            raise GrpoConfigError(
+                f"clip_low={self.clip_low} must be < 1 (ratio floor 1 - clip_low)", field="clip_low"
+            )
+        if self.clip_high is not None:
+            _check_float("clip_high", self.clip_high, positive=False)
+        if self.dual_clip is not None:
+            _check_float("dual_clip", self.dual_clip, positive=True)
+            if self.dual_clip <= 1.0:
+                raise GrpoConfigError(f"dual_clip={self.dual_clip} must be > 1", field="dual_clip")
+        for name in ("rollout_url", "teacher_url"):
+            url = getattr(self, name)
+            if url is not None:
+                check_http_url(name, url)
+        if self.train == "lora" and not self.lora_targets:
+            raise GrpoConfigError(
+                "lora_targets is empty; LoRA training needs at least one target",
+                field="lora_targets",
+            )
+        for target in self.lora_targets:
+            if not isinstance(target, str) or not target.strip():
+                raise GrpoConfigError(
+                    f"lora_targets holds an empty or non-string entry {target!r}",
+                    field="lora_targets",
+                )
+        freq = self.moe_layer_freq
+        if freq is not None and (not freq or any(v not in (0, 1) for v in freq)):
+            raise GrpoConfigError(
+                f"moe_layer_freq={list(freq)} must be a non-empty list of 0/1",
+                field="moe_layer_freq",
+            )
+
+    def _check_together(self) -> None:
+        if self.tis_clip_low >= self.tis_clip_high:
+            raise GrpoConfigError(
+                f"tis_clip_low={self.tis_clip_low} must be < tis_clip_high={self.tis_clip_high}",
+                field="tis_clip_low",
+            )
+        if self.teacher_url is not None and not self.opd:
+            raise GrpoConfigError(
+                "teacher_url is set but opd is off; set opd=True (--opd)", field="teacher_url"
+            )
+        freq = self.moe_layer_freq
+        if freq is not None and self.num_layers is not None and len(freq) != self.num_layers:
+            raise GrpoConfigError(
+                f"moe_layer_freq has {len(freq)} entries but num_layers={self.num_layers}",
+                field="moe_layer_freq",
+            )
+        if freq is not None and any(freq) and self.num_experts is None:
+            raise GrpoConfigError(
+                "moe_layer_freq declares MoE layers but num_experts is not set",
+                field="moe_layer_freq",
+            )
+
+    @property
+    def world_size(self) -> int:
+        """Trainer ranks the parallel sizes describe (HSDP replicate x shard)."""
+        return self.replicate * self.shard
+
+    @property
+    def effective_clip_high(self) -> float:
+        """ε_hi: ``clip_high``, or ``clip_low`` when unset (symmetric clipping)."""
+        return self.clip_low if self.clip_high is None else self.clip_high
+
+    @property
+    def lora_scaling(self) -> float:
+        return self.lora_alpha / self.lora_r
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready values (paths as strings, tuples as lists), in field order."""
+        out: dict[str, Any] = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, Path):
+                value = str(value)
+            elif isinstance(value, tuple):
+                value = list(value)
+            out[f.name] = value
+        return out
+
+    def check_supported(self, *, world_size: int | None = None) -> None:
+        """Refuse what this build cannot run, naming the option and what would run.
+
+        ``world_size``: the trainer ranks actually started (torchrun's ``WORLD_SIZE``); it must
+        equal ``replicate * shard``.
+        """
+        if self.backend == "megatron":
+            raise GrpoUnsupportedError(
+                "backend", "the megatron backend is not built yet (issue #21); use --backend fsdp"
+            )
+        if self.pipeline_model_parallel_size > 1:
+            raise GrpoUnsupportedError(
+                "pipeline_model_parallel_size",
+                f"pipeline parallelism (pipeline_model_parallel_size="
+                f"{self.pipeline_model_parallel_size}) needs the megatron backend (issue #21); "
+                "use 1 with --backend fsdp",
+            )
+        if self.tensor_model_parallel_size > 1:
+            raise GrpoUnsupportedError(
+                "tensor_model_parallel_size",
+                f"tensor parallel (tensor_model_parallel_size={self.tensor_model_parallel_size}) "
+                "needs the megatron backend (issue #21); the fsdp backend shards with HSDP "
+                "(--replicate/--shard): use 1",
+            )
+        if self.expert_model_parallel_size > 1:
+            raise GrpoUnsupportedError(
+                "expert_model_parallel_size",
+                f"expert parallel (expert_model_parallel_size={self.expert_model_parallel_size}) "
+                "needs the megatron backend (issue #21); the fsdp backend shards experts with "
+                "HSDP (--replicate/--shard): use 1",
+            )
+        if world_size is not None and world_size != self.world_size:
+            raise GrpoUnsupportedError(
+                "replicate",
+                f"replicate={self.replicate} x shard={self.shard} = {self.world_size} trainer "
+                f"ranks, but {world_size} were started (WORLD_SIZE); make them equal",
+            )
+
+
+HELP: dict[str, str] = {
+    "model_path": "checkpoint directory (or hub id) of the policy",
+    "rollout_url": "session-router URL the rollouts go through",
+    "backend": "trainer backend",
+    "train": "train a LoRA adapter or every parameter",
+    "lora_r": "LoRA rank",
+    "lora_alpha": "LoRA alpha (scaling = alpha / r)",
+    "lora_targets": "module-name suffixes that get a LoRA adapter",
+    "replicate": "HSDP replicate degree (data-parallel groups)",
+    "shard": "HSDP shard degree (ranks one parameter is sharded over)",
+    "tensor_model_parallel_size": "tensor parallel size",
+    "expert_model_parallel_size": "expert parallel size",
+    "pipeline_model_parallel_size": "pipeline parallel size",
+    "num_layers": "declared number of decoder layers",
+    "num_experts": "declared number of routed experts (MoE)",
+    "moe_layer_freq": "declared per-layer MoE pattern, 1 = MoE layer, e.g. [0]*1+[1]*46",
+    "precision": "trainer activation precision",
+    "numerics": "strict: engine-identical kernels; fast: stock torch ops",
+    "steps": "GRPO steps",
+    "seed": "seed of every random choice (data order, sampling, init)",
+    "prompts_per_step": "prompts per step",
+    "samples_per_prompt": "samples per prompt (the group size)",
+    "max_new_tokens": "most tokens a rollout sample generates",
+    "temperature": "rollout sampling temperature",
+    "lr": "AdamW learning rate",
+    "weight_decay": "AdamW weight decay",
+    "max_grad_norm": "clip the global gradient norm to this",
+    "clip_low": "PPO clip epsilon below 1 (ratio >= 1 - clip_low)",
+    "clip_high": "PPO clip epsilon above 1; default: clip_low",
+    "dual_clip": "dual-clip constant c > 1 for negative advantages",
+    "use_kl_loss": "add kl_coef * KL(policy || reference) to the loss",
+    "kl_coef": "KL loss coefficient",
+    "kl_type": "KL estimator",
+    "entropy_coef": "entropy bonus coefficient (loss -= coef * H)",
+    "tis": "train/rollout importance weighting",
+    "tis_clip_low": "lower bound of the TIS/icepop window",
+    "tis_clip_high": "upper bound of the TIS/icepop window",
+    "loss_aggregation": "per-token loss reduction over the batch",
+    "std_normalize": "divide group-centred rewards by the group std",
+    "opd": "shape advantages with a teacher's reverse KL",
+    "teacher_url": "teacher SGLang URL (OPD); default: a local teacher",
+    "opd_kl_coef": "OPD coefficient: A = A - coef * reverse_kl",
+    "opd_top_k": "OPD top-k (0: sampled tokens only)",
+    "rollout_quant": "re-quantize synced weights for the engines",
+    "out_dir": "directory for metrics, checkpoints and plots",
+    "resume": "checkpoint directory to continue from",
+    "checkpoint_every": "checkpoint every N steps (0: only at the end)",
+    "rollout_timeout_s": "seconds one rollout request may take",
+    "dry_run": "validate and print the config; run nothing",
+}
+"""One line of help per field; the trainer command line shows it with the default."""
+
+
+def field_help(name: str) -> str:
+    """The help text of a ``GrpoConfig`` field."""
+    return HELP[name]
+
+
+def field_default(name: str) -> Any:
+    """The default of a ``GrpoConfig`` field."""
+    return _FIELDS[name].default
+
+
+def field_type(name: str) -> Any:
+    """The resolved type of a ``GrpoConfig`` field (``Literal[...]``, ``int | None``, ...)."""
+    return _HINTS[name]
+
+
+def literal_choices(name: str) -> tuple[str, ...]:
+    """The allowed values of a ``Literal`` field (empty for other fields)."""
+    hint = _HINTS[name]
+    return tuple(get_args(hint)) if get_origin(hint) is Literal else ()
+
+
+def check_http_url(name: str, url: str) -> None:
+    """``url`` must be ``http(s)://host[:port][/path]``; the error names ``name``."""
+    if not isinstance(url, str):
+        raise GrpoConfigError(f"{name} must be a string URL, got {type(url).__name__}", field=name)
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018 - parsing the port validates it
+    except ValueError as exc:
+        raise GrpoConfigError(f"{name}={url!r} is not a valid URL: {exc}", field=name) from None
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise GrpoConfigError(f"{name}={url!r} must be an http(s) URL with a host", field=name)
+
+
+_LAYER_TERM = re.compile(r"^\[([01])\]\*(\d+)$")
+
+
+def parse_moe_layer_freq(text: str, *, num_layers: int | None = None) -> tuple[int, ...]:
+    """Megatron's ``--moe-layer-freq`` as one 0/1 entry per layer (1: a MoE layer).
+
+    Reads ``[0]*K+[1]*M``, a list ``[0,1,1]``, or an int N (every Nth layer is MoE, which
+    needs ``num_layers``). Only these forms are parsed; the text is never evaluated.
+    """
+    s = text.replace(" ", "")
+    if s.isdigit():
+        n = int(s)
+        if n < 1:
+            raise GrpoConfigError(
+                f"moe_layer_freq={text!r}: an every-Nth frequency must be >= 1",
+                field="moe_layer_freq",
+            )
+        if num_layers is None:
+            raise GrpoConfigError(
+                f"moe_layer_freq={text!r} as an int needs num_layers", field="moe_layer_freq"
+            )
+        return tuple(1 if i % n == 0 else 0 for i in range(num_layers))
+    if s.startswith("[") and s.endswith("]") and "*" not in s:
+        items = s[1:-1].split(",") if s[1:-1] else []
+        if items and all(i in ("0", "1") for i in items):
+            return tuple(int(i) for i in items)
+    else:
+        out: list[int] = []
+        for term in s.split("+"):
+            match = _LAYER_TERM.match(term)
+            if match is None:
+                break
+            out.extend([int(match[1])] * int(match[2]))
+        else:
+            if out:
+                return tuple(out)
+    raise GrpoConfigError(
+        f"moe_layer_freq={text!r} is not '[0]*K+[1]*M', a list of 0/1 like '[0,1,1]', or an int",
+        field="moe_layer_freq",
+    )
+
+
+def _check_literal(name: str, value: object) -> None:
+    choices = literal_choices(name)
+    if choices and value not in choices:
+        raise GrpoConfigError(f"{name}={value!r} is not one of {', '.join(choices)}", field=name)
+
+
+def _check_int(name: str, value: object, *, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise GrpoConfigError(f"{name} must be an int, got {value!r}", field=name)
+    if value < minimum:
+        raise GrpoConfigError(f"{name}={value} must be >= {minimum}", field=name)
+
+
+def _check_float(name: str, value: object, *, positive: bool) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise GrpoConfigError(f"{name} must be a number, got {value!r}", field=name)
+    if not math.isfinite(value):
+        raise GrpoConfigError(f"{name}={value} must be finite", field=name)
+    if positive and value <= 0:
+        raise GrpoConfigError(f"{name}={value} must be > 0", field=name)
+    if not positive and value < 0:
+        raise GrpoConfigError(f"{name}={value} must be >= 0", field=name)
+
+
+_FIELDS = {f.name: f for f in fields(GrpoConfig)}
+_HINTS = get_type_hints(GrpoConfig)

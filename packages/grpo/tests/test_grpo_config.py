@@ -1,0 +1,119 @@
+"""GrpoConfig: defaults, per-field validation naming the field, and what this build refuses."""
+
+import math
+from dataclasses import fields
+from pathlib import Path
+
+import pytest
+
+from posttrain.grpo import GrpoConfig, GrpoConfigError, GrpoUnsupportedError
+from posttrain.grpo.config import (
+    HELP,
+    field_default,
+    literal_choices,
+    parse_moe_layer_freq,
+)
+from posttrain.interface import ConfigError
+
+
+def test_defaults_are_valid_and_supported() -> None:
+    cfg = GrpoConfig()
+    cfg.check_supported(world_size=2)
+    assert cfg.world_size == 2
+    assert cfg.effective_clip_high == 0.2
+    assert cfg.lora_scaling == 2.0
+    assert cfg.to_dict()["out_dir"] == "runs/grpo"
+
+
+def test_every_field_has_help_and_a_default() -> None:
+    names = [f.name for f in fields(GrpoConfig)]
+    assert set(HELP) == set(names)
+    assert all(HELP[n].strip() for n in names)
+    assert field_default("lora_targets") == ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"backend": "deepspeed"}, "backend"),
+        ({"kl_type": "k4"}, "kl_type"),
+        ({"lora_r": 0}, "lora_r"),
+        ({"lora_r": True}, "lora_r"),
+        ({"shard": 0}, "shard"),
+        ({"lr": math.nan}, "lr"),
+        ({"lr": 0.0}, "lr"),
+        ({"temperature": math.inf}, "temperature"),
+        ({"rollout_timeout_s": math.inf}, "rollout_timeout_s"),
+        ({"clip_low": 1.0}, "clip_low"),
+        ({"clip_high": -0.1}, "clip_high"),
+        ({"dual_clip": 1.0}, "dual_clip"),
+        ({"tis_clip_low": 2.0, "tis_clip_high": 2.0}, "tis_clip_low"),
+        ({"rollout_url": "localhost:8000"}, "rollout_url"),
+        ({"rollout_url": "http://h:notaport"}, "rollout_url"),
+        ({"teacher_url": "http://t:1"}, "teacher_url"),
+        ({"lora_targets": ()}, "lora_targets"),
+        ({"lora_targets": "q_proj"}, "lora_targets"),
+        ({"moe_layer_freq": (0, 2)}, "moe_layer_freq"),
+        ({"moe_layer_freq": (0, 1), "num_layers": 3, "num_experts": 4}, "moe_layer_freq"),
+        ({"moe_layer_freq": (0, 1)}, "num_experts"),
+        ({"opd": "yes"}, "opd"),
+    ],
+)
+def test_invalid_field_is_named(kwargs: dict[str, object], field: str) -> None:
+    with pytest.raises(GrpoConfigError, match=field) as info:
+        GrpoConfig(**kwargs)  # type: ignore[arg-type]
+    assert isinstance(info.value, ConfigError)
+
+
+def test_full_training_needs_no_targets_and_paths_are_coerced() -> None:
+    cfg = GrpoConfig(train="full", lora_targets=(), out_dir="o", model_path="m")  # type: ignore[arg-type]
+    assert cfg.out_dir == Path("o")
+    assert cfg.model_path == Path("m")
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "option", "hint"),
+    [
+        ({"backend": "megatron"}, "backend", "issue #21"),
+        ({"pipeline_model_parallel_size": 2}, "pipeline_model_parallel_size", "megatron"),
+        ({"tensor_model_parallel_size": 2}, "tensor_model_parallel_size", "HSDP"),
+        ({"expert_model_parallel_size": 8}, "expert_model_parallel_size", "HSDP"),
+    ],
+)
+def test_unsupported_is_refused_with_a_remedy(
+    kwargs: dict[str, object], option: str, hint: str
+) -> None:
+    cfg = GrpoConfig(**kwargs)  # type: ignore[arg-type]
+    with pytest.raises(GrpoUnsupportedError, match=hint) as info:
+        cfg.check_supported()
+    assert info.value.field == option
+
+
+def test_world_size_must_match_the_started_ranks() -> None:
+    with pytest.raises(GrpoUnsupportedError, match="WORLD_SIZE"):
+        GrpoConfig(replicate=2, shard=2).check_supported(world_size=8)
+    GrpoConfig(replicate=2, shard=4).check_supported(world_size=8)
+
+
+def test_literal_choices() -> None:
+    assert literal_choices("tis") == ("off", "tis", "icepop")
+    assert literal_choices("lr") == ()
+
+
+@pytest.mark.parametrize(
+    ("text", "layers", "expected"),
+    [
+        ("[0]*1+[1]*3", None, (0, 1, 1, 1)),
+        ("[1]*2", None, (1, 1)),
+        ("[0, 1,1]", None, (0, 1, 1)),
+        ("2", 5, (1, 0, 1, 0, 1)),
+    ],
+)
+def test_parse_moe_layer_freq(text: str, layers: int | None, expected: tuple[int, ...]) -> None:
+    assert parse_moe_layer_freq(text, num_layers=layers) == expected
+
+
+@pytest.mark.parametrize("text", ["[2]*3", "__import__('os')", "[]", "3", "0", "[0]*1+x"])
+def test_parse_moe_layer_freq_refuses(text: str) -> None:
+    with pytest.raises(GrpoConfigError, match="moe_layer_freq"):
+        parse_moe_layer_freq(text)
