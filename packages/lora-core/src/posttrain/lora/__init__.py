@@ -12,9 +12,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from posttrain.lora.attach import LoraGroups, LoraHandle, Target, attach_lora
-from posttrain.lora.config import LoraConfig
-from posttrain.lora.errors import (
+from posttrain.lora._errors import (
     AdapterFormatError,
     AdapterPushError,
     ChecksumMismatchError,
@@ -24,6 +22,8 @@ from posttrain.lora.errors import (
     LoraError,
     ReplicaMismatchError,
 )
+from posttrain.lora.attach import LoraGroups, LoraHandle, Target, attach_lora
+from posttrain.lora.config import LoraConfig
 from posttrain.lora.experts import ExpertLinear, LoraExpertLinear
 from posttrain.lora.export import export_adapter, peft_key
 from posttrain.lora.grads import lora_grad_norm, reduce_lora_grads, verify_replicas

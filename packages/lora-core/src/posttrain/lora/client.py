@@ -31,7 +31,7 @@ import torch
 from safetensors.torch import save as safetensors_save
 
 from posttrain.interface import ConfigError, TransportError
-from posttrain.lora.errors import AdapterPushError, ChecksumMismatchError
+from posttrain.lora._errors import AdapterPushError, ChecksumMismatchError
 
 Serializer = Callable[[Mapping[str, torch.Tensor]], tuple[str, str | None]]
 _NOT_LOADED = ("not loaded", "not found", "does not exist", "no lora adapter")

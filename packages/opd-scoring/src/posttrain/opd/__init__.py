@@ -7,6 +7,18 @@ signals (:mod:`~posttrain.opd.signals`) and compact log summaries. The loopback 
 for tests lives in :mod:`posttrain.opd.testing` (not imported here).
 """
 
+from posttrain.opd._errors import (
+    CapabilityError,
+    MissingLogprobError,
+    OPDConfigError,
+    OPDError,
+    ScoringInputError,
+    StudentTopLogprobsError,
+    TeacherRejectedError,
+    TeacherResponseError,
+    TeacherRoutingError,
+    TeacherUnavailableError,
+)
 from posttrain.opd.client import (
     EquivalenceReport,
     OPDSignals,
@@ -24,18 +36,6 @@ from posttrain.opd.config import (
     WeightMode,
     parse_teacher_urls,
     validate_url,
-)
-from posttrain.opd.errors import (
-    CapabilityError,
-    MissingLogprobError,
-    OPDConfigError,
-    OPDError,
-    ScoringInputError,
-    StudentTopLogprobsError,
-    TeacherRejectedError,
-    TeacherResponseError,
-    TeacherRoutingError,
-    TeacherUnavailableError,
 )
 from posttrain.opd.protocol import (
     ScoreView,

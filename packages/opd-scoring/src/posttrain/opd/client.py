@@ -37,8 +37,7 @@ import httpx
 import torch
 
 from posttrain.interface import PositionScores, Sample, TeacherScores
-from posttrain.opd.config import OPDConfig, RetryPolicy, TeacherRouter, Timeouts, validate_url
-from posttrain.opd.errors import (
+from posttrain.opd._errors import (
     CapabilityError,
     OPDConfigError,
     ScoringInputError,
@@ -47,6 +46,7 @@ from posttrain.opd.errors import (
     TeacherResponseError,
     TeacherUnavailableError,
 )
+from posttrain.opd.config import OPDConfig, RetryPolicy, TeacherRouter, Timeouts, validate_url
 from posttrain.opd.protocol import (
     Need,
     ScoreView,
