@@ -1,12 +1,12 @@
-"""End to end: two local-engine workers behind the real sgl-router, a 3-turn LoRA chat.
+"""End to end: two local-engine workers behind the real sgl-router, LoRA chats through sessions.
 
-Runs when ``posttrain.local_engine`` and ``posttrain.models`` are importable (they are sibling
-packages; this test is the integration point the issue asks for), and is skipped otherwise.
-The sample's tokens, logprobs and loss mask must match what the engine generated, and its
+session-router, local-engine and models meet here (integration_tests: every package is
+installed, nothing is skipped). A 3-turn chat: the sample's tokens, logprobs and loss mask must match what the engine generated, and its
 logprobs must equal the trainer's recomputation (``models``' training forward with the same
 adapter) bit for bit; without the adapter they must differ, so ``lora_path`` really reached
 the engine. The two engines are local-engine's real ASGI app under uvicorn, each on its own
-port, served from threads of this process (see ``_EngineThread``).
+port, served from threads of this process (see ``_EngineThread``). Then the interface's
+``RolloutEngine``, ``SessionRolloutClient``, draws a GRPO group through the same stack.
 """
 
 from __future__ import annotations
@@ -21,21 +21,22 @@ from typing import Any
 
 import httpx
 import pytest
+import safetensors.torch as safetensors_torch
+import torch
 import uvicorn
 
+import posttrain.local_engine as local_engine
+import posttrain.models as models
+from posttrain.formats import decode_samples
+from posttrain.interface import RolloutEngine
 from posttrain.interface.testing import free_port
 from posttrain.session_router import (
     RouterSpec,
+    SessionRolloutClient,
     SessionRouterConfig,
     create_app,
-    decode_samples,
     start_router,
 )
-
-models = pytest.importorskip("posttrain.models")
-local_engine = pytest.importorskip("posttrain.local_engine")
-torch = pytest.importorskip("torch")
-safetensors_torch = pytest.importorskip("safetensors.torch")
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.slow, pytest.mark.timeout(120)]
 ADAPTER = "miles_lora"
@@ -157,6 +158,7 @@ def test_three_turn_lora_chat_matches_the_engine_and_the_trainer(stack: dict[str
         upstream_url=router.url,
         tokenizer=str(model_dir),
         lora_adapter=ADAPTER,
+        lora_weight_version=0,  # the adapter the engines loaded at startup
         upstream_timeout_s=60,
     )
 
@@ -205,6 +207,7 @@ def test_three_turn_lora_chat_matches_the_engine_and_the_trainer(stack: dict[str
     generated: dict[int, tuple[int, float]] = {}
     for record in records:
         assert record["request"]["lora_path"] == ADAPTER
+        assert record["request"]["extra_key"] == f"{ADAPTER}:v0"
         prompt = record["request"]["input_ids"]
         for j, (lp, tid, _) in enumerate(record["response"]["meta_info"]["output_token_logprobs"]):
             generated[len(prompt) + j] = (tid, lp)
@@ -227,3 +230,49 @@ def test_three_turn_lora_chat_matches_the_engine_and_the_trainer(stack: dict[str
     engine = [sample.rollout_logprobs[pos - len(sample.prompt_ids)] for pos in trained]
     assert recomputed == engine
     assert [float(base[pos]) for pos in trained] != engine
+
+
+def test_the_rollout_client_draws_a_group_through_the_stack(stack: dict[str, Any]) -> None:
+    router, model_dir = stack["router"], stack["model_dir"]
+    cfg = SessionRouterConfig(
+        upstream_url=router.url,
+        tokenizer=str(model_dir),
+        lora_adapter=ADAPTER,
+        upstream_timeout_s=60,
+    )
+
+    async def draw() -> Any:
+        app = create_app(cfg)
+        try:
+            async with SessionRolloutClient(
+                "http://sr", transport=httpx.ASGITransport(app=app), timeout_s=60
+            ) as client:
+                assert isinstance(client, RolloutEngine)
+                return await client.rollout_group(
+                    [{"role": "user", "content": "Say hi."}],
+                    3,
+                    group_index=5,
+                    sampling_params={
+                        "max_tokens": 8,
+                        "temperature": 1.0,
+                        "stop_token_ids": STOP_IDS,
+                    },
+                    weight_version=0,  # no version configured: the session names it
+                )
+        finally:
+            await app.state.server.aclose()
+
+    group = asyncio.run(asyncio.wait_for(draw(), timeout=100))
+    assert [(s.group_index, s.index) for s in group] == [(5, 0), (5, 1), (5, 2)]
+    model = models.load_pretrained(model_dir)
+    lora = models.LoraAdapter.from_peft_state_dict(
+        stack["tensors"], scaling=ALPHA / RANK, name=ADAPTER
+    )
+    for sample in group:
+        assert sample.response_length > 0
+        assert sample.loss_mask == [1] * sample.response_length  # one turn: all generated
+        assert sample.weight_version is None  # the engines never received a versioned update
+        ids = torch.tensor(sample.tokens)
+        with torch.no_grad():
+            recomputed = model.forward_logprobs(ids, [len(sample.tokens)], lora=lora)
+        assert recomputed[len(sample.prompt_ids) :].tolist() == sample.rollout_logprobs
