@@ -1,8 +1,8 @@
-"""TeacherScorer against the real local engine (posttrain.local_engine) serving a tiny model.
+"""TeacherScoringClient against the real local engine (posttrain.local_engine) serving a tiny model.
 
 The engine speaks SGLang's ``/generate`` scoring shape, flat and per-position; here it
-is the teacher (and, for rkl = 0, also the student). Only this test imports the engine
-and the models package: opd-scoring itself never does.
+is the teacher (and, for rkl = 0, also the student). opd-scoring never imports the engine
+or the models package: they meet here, in integration_tests, where every package is installed.
 """
 
 from __future__ import annotations
@@ -18,7 +18,10 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
+import uvicorn
 
+import posttrain.local_engine as local_engine
+import posttrain.models as models
 from posttrain.opd import (
     EquivalenceReport,
     OPDConfig,
@@ -26,14 +29,10 @@ from posttrain.opd import (
     ScoringSample,
     Strategy,
     TeacherRouter,
-    TeacherScorer,
+    TeacherScoringClient,
     build_score_payload,
     parse_score_response,
 )
-
-local_engine = pytest.importorskip("posttrain.local_engine")
-models = pytest.importorskip("posttrain.models")
-uvicorn = pytest.importorskip("uvicorn")
 
 TINY = {"torch_dtype": "bfloat16", "max_position_embeddings": 48}
 
@@ -101,7 +100,7 @@ def test_flat_equals_per_position_on_the_local_engine(engine: _Engine, ckpt: Pat
     cfg = OPDConfig(top_k=3, per_position=True, vocab_size=vocab)
 
     async def go() -> tuple[dict[str, float], EquivalenceReport, list[OPDSignals]]:
-        async with TeacherScorer(TeacherRouter(fallback_url=engine.url), cfg) as s:
+        async with TeacherScoringClient(TeacherRouter(fallback_url=engine.url), cfg) as s:
             probed = await s.probe()
             report = await s.equivalence_check(samples, atol=0.0)
             return probed, report, await s.score_batch(samples)
@@ -136,7 +135,7 @@ def test_reverse_kl_is_zero_when_the_engine_is_teacher_and_student(engine: _Engi
     async def go(strategy: Strategy) -> OPDSignals:
         cfg = OPDConfig(top_k=4, strategy=strategy, per_position=True)
         router = TeacherRouter(fallback_url=engine.url)
-        async with TeacherScorer(router, cfg, student_url=engine.url) as s:
+        async with TeacherScoringClient(router, cfg, student_url=engine.url) as s:
             return await s.score(sample)
 
     for strategy in Strategy:
