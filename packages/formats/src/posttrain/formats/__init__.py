@@ -11,8 +11,8 @@ and httpx (for the one client it owns).
   ``encode_bucket_body`` / ``decode_bucket_body`` (a bucket over HTTP), and the trainer-side
   ``WeightSink`` client ``WeightPushClient`` with ``push_weights`` and ``ShmRing``.
 
-Importing the package is light: each name loads its module on first use (PEP 562), so a session
-server that needs only the LoRA fields and samples/1 never imports torch.
+Importing the package is light: the wsync/1 names load their modules (and torch) on first use
+(PEP 562), so a session server that needs only the LoRA fields and samples/1 never imports torch.
 
 Error tree (rooted in ``posttrain.interface.PosttrainError``)::
 
@@ -28,6 +28,25 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from posttrain.formats._errors import (
+    BucketFormatError,
+    FormatsConfigError,
+    FormatsError,
+    SamplesFormatError,
+)
+from posttrain.formats._lora_fields import (
+    LoraServing,
+    apply_lora_fields,
+    request_fields,
+    serves_lora,
+)
+from posttrain.formats._samples_wire import (
+    SAMPLES_FORMAT,
+    DecodedSamples,
+    decode_samples,
+    encode_samples,
+)
+
 if TYPE_CHECKING:
     from posttrain.formats._buckets import (
         DTYPES,
@@ -42,55 +61,24 @@ if TYPE_CHECKING:
         tensors_sha256,
         unpack_bucket,
     )
-    from posttrain.formats._errors import (
-        BucketFormatError,
-        FormatsConfigError,
-        FormatsError,
-        SamplesFormatError,
-    )
-    from posttrain.formats._lora_fields import (
-        LoraServing,
-        apply_lora_fields,
-        request_fields,
-        serves_lora,
-    )
-    from posttrain.formats._samples_wire import (
-        SAMPLES_FORMAT,
-        DecodedSamples,
-        decode_samples,
-        encode_samples,
-    )
     from posttrain.formats._weight_push import ShmRing, WeightPushClient, push_weights
 
-# public name -> the private module that defines it
-_EXPORTS = {
-    **dict.fromkeys(
-        [
-            "DTYPES",
-            "decode_bucket_body",
-            "dtype_from_name",
-            "dtype_name",
-            "encode_bucket_body",
-            "expected_tensors",
-            "pack_bucket",
-            "plan_buckets",
-            "safetensors_metadata",
-            "tensors_sha256",
-            "unpack_bucket",
-        ],
-        "_buckets",
+# The wsync/1 names need torch: their modules load on first use of a name.
+_NEEDS_TORCH = {
+    "_buckets": (
+        "DTYPES",
+        "decode_bucket_body",
+        "dtype_from_name",
+        "dtype_name",
+        "encode_bucket_body",
+        "expected_tensors",
+        "pack_bucket",
+        "plan_buckets",
+        "safetensors_metadata",
+        "tensors_sha256",
+        "unpack_bucket",
     ),
-    **dict.fromkeys(
-        ["BucketFormatError", "FormatsConfigError", "FormatsError", "SamplesFormatError"],
-        "_errors",
-    ),
-    **dict.fromkeys(
-        ["LoraServing", "apply_lora_fields", "request_fields", "serves_lora"], "_lora_fields"
-    ),
-    **dict.fromkeys(
-        ["SAMPLES_FORMAT", "DecodedSamples", "decode_samples", "encode_samples"], "_samples_wire"
-    ),
-    **dict.fromkeys(["ShmRing", "WeightPushClient", "push_weights"], "_weight_push"),
+    "_weight_push": ("ShmRing", "WeightPushClient", "push_weights"),
 }
 
 __all__ = [
@@ -124,11 +112,11 @@ __all__ = [
 
 
 def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
+    module = next((m for m, names in _NEEDS_TORCH.items() if name in names), None)
     if module is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
-    globals()[name] = value
+    globals()[name] = value  # later lookups skip this function
     return value
 
 

@@ -9,9 +9,9 @@ imports nothing heavy: torch is imported only inside worker processes (and, with
 
 - ``free_port`` finds a free TCP port (127.0.0.1 by default).
 - ``wait_until_ready`` polls a URL until it answers 200, failing fast when the process exits.
-- ``stop_process_group`` sends SIGTERM to a child's process group, then SIGKILL after a grace
-  period: the child was started with ``start_new_session=True``, so its pid is its group id and
-  whatever it spawned goes with it, and nothing else does.
+- ``stop_process_group`` / ``stop_process_groups`` send SIGTERM to children's process groups,
+  then SIGKILL after a grace period: each child was started with ``start_new_session=True``, so
+  its pid is its group id and whatever it spawned goes with it, and nothing else does.
 - ``run_workers`` runs ``fn(rank, world_size, *args)`` on N local ranks, each with a gloo or
   NCCL process group (or none), and returns the results by rank.
 
@@ -56,6 +56,7 @@ __all__ = [
     "free_port",
     "run_workers",
     "stop_process_group",
+    "stop_process_groups",
     "wait_until_ready",
 ]
 
@@ -107,22 +108,38 @@ def wait_until_ready(
         time.sleep(poll_interval_s)
 
 
-def stop_process_group(process: subprocess.Popen[Any], *, grace_s: float = 5.0) -> int | None:
-    """SIGTERM the group led by ``process`` (its pid), SIGKILL after ``grace_s``; the exit code.
-
-    ``process`` must have been started with ``start_new_session=True`` (its pid is then its
-    process-group id, and the group holds only it and its descendants).
-    """
-    if process.poll() is not None:
-        return process.returncode
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(process.pid, signal.SIGTERM)
-    try:
-        return process.wait(timeout=grace_s)
-    except subprocess.TimeoutExpired:
+def _signal_group(process: subprocess.Popen[Any], sig: signal.Signals) -> None:
+    if process.poll() is None:  # not yet reaped, so its pid (the group id) is still its own
         with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(process.pid, signal.SIGKILL)
-        return process.wait(timeout=grace_s)
+            os.killpg(process.pid, sig)
+
+
+def stop_process_groups(
+    processes: Sequence[subprocess.Popen[Any]], *, grace_s: float = 5.0
+) -> list[int | None]:
+    """SIGTERM the groups led by ``processes`` (last started first), SIGKILL what is left after
+    ``grace_s``; their exit codes, in order.
+
+    Each process must have been started with ``start_new_session=True`` (its pid is then its
+    process-group id, and the group holds only it and its descendants). All groups share one
+    grace period, so stopping N servers takes ``grace_s`` at most, not N times it.
+    """
+    for process in reversed(processes):
+        _signal_group(process, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    codes: list[int | None] = []
+    for process in processes:
+        try:
+            codes.append(process.wait(timeout=max(deadline - time.monotonic(), 0.1)))
+        except subprocess.TimeoutExpired:
+            _signal_group(process, signal.SIGKILL)
+            codes.append(process.wait(timeout=grace_s))
+    return codes
+
+
+def stop_process_group(process: subprocess.Popen[Any], *, grace_s: float = 5.0) -> int | None:
+    """SIGTERM the group led by ``process`` (its pid), SIGKILL after ``grace_s``; the exit code."""
+    return stop_process_groups([process], grace_s=grace_s)[0]
 
 
 def _worker_main(
