@@ -9,19 +9,16 @@ from __future__ import annotations
 
 import asyncio
 import random
-import socket
-import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 import torch
-import uvicorn
 
 import posttrain.local_engine as local_engine
 import posttrain.models as models
+from posttrain.interface.testing import AppServer
 from posttrain.opd import (
     EquivalenceReport,
     OPDConfig,
@@ -37,35 +34,6 @@ from posttrain.opd import (
 TINY = {"torch_dtype": "bfloat16", "max_position_embeddings": 48}
 
 
-class _Engine:
-    def __init__(self, ckpt: Path) -> None:
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        sock.bind(("127.0.0.1", 0))
-        self.sock = sock
-        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-        app = local_engine.build_app(local_engine.EngineConfig(model_path=str(ckpt)))
-        cfg = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2)
-        self.server = uvicorn.Server(cfg)
-        self.thread = threading.Thread(
-            target=self.server.run, kwargs={"sockets": [sock]}, daemon=True
-        )
-
-    def __enter__(self) -> _Engine:
-        self.thread.start()
-        deadline = time.monotonic() + 60
-        while not self.server.started:
-            if time.monotonic() > deadline or not self.thread.is_alive():
-                self.__exit__()
-                raise RuntimeError(f"local engine on {self.url} did not start")
-            time.sleep(0.02)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=10)
-        self.sock.close()
-
-
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
     d = tmp_path_factory.mktemp("opd-teacher")
@@ -75,9 +43,10 @@ def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def engine(ckpt: Path) -> Iterator[_Engine]:
-    with _Engine(ckpt) as e:
-        yield e
+def engine(ckpt: Path) -> Iterator[AppServer]:
+    app = local_engine.build_app(local_engine.EngineConfig(model_path=str(ckpt)))
+    with AppServer(app) as server:
+        yield server
 
 
 def _samples(vocab: int, n: int, k: int, seed: int) -> list[ScoringSample]:
@@ -94,7 +63,7 @@ def _samples(vocab: int, n: int, k: int, seed: int) -> list[ScoringSample]:
     return out
 
 
-def test_flat_equals_per_position_on_the_local_engine(engine: _Engine, ckpt: Path) -> None:
+def test_flat_equals_per_position_on_the_local_engine(engine: AppServer, ckpt: Path) -> None:
     vocab = models.ModelConfig.tiny(**TINY).vocab_size
     samples = _samples(vocab, 4, 3, seed=0)
     cfg = OPDConfig(top_k=3, per_position=True, vocab_size=vocab)
@@ -121,7 +90,7 @@ def test_flat_equals_per_position_on_the_local_engine(engine: _Engine, ckpt: Pat
         assert out.reverse_kl.shape == (smp.response_length,)
 
 
-def test_reverse_kl_is_zero_when_the_engine_is_teacher_and_student(engine: _Engine) -> None:
+def test_reverse_kl_is_zero_when_the_engine_is_teacher_and_student(engine: AppServer) -> None:
     vocab = models.ModelConfig.tiny(**TINY).vocab_size
     rng = random.Random(1)
     tokens = [rng.randrange(4, vocab) for _ in range(20)]

@@ -10,6 +10,7 @@ import pytest
 
 from posttrain.interface import ConfigError
 from posttrain.interface.testing import (
+    AppServer,
     ServerProcess,
     ServerStartError,
     WorkerCrashedError,
@@ -188,3 +189,24 @@ def test_server_never_ready_is_stopped() -> None:
     with pytest.raises(ServerStartError, match="was not ready within 1 s"):
         server.start()
     assert not _pid_alive(server.pid)
+
+
+async def _hello(scope: dict[str, object], receive: object, send: object) -> None:
+    """A bare ASGI app (no framework): 200 "hello" on every HTTP request."""
+    if scope["type"] != "http":
+        return
+    await send({"type": "http.response.start", "status": 200, "headers": []})  # type: ignore[operator]
+    await send({"type": "http.response.body", "body": b"hello"})  # type: ignore[operator]
+
+
+def test_app_server_serves_from_a_thread_and_stops() -> None:
+    import urllib.error
+    import urllib.request
+
+    with (
+        AppServer(_hello) as server,
+        urllib.request.urlopen(f"{server.url}/anything", timeout=10) as reply,
+    ):
+        assert (reply.status, reply.read()) == (200, b"hello")
+    with pytest.raises(urllib.error.URLError):
+        urllib.request.urlopen(server.url, timeout=2)

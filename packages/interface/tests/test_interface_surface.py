@@ -7,7 +7,7 @@ import sys
 import types
 
 import posttrain.interface as interface
-from posttrain.interface import testing
+from posttrain.interface import processes, testing
 
 
 def _public_names(module: types.ModuleType) -> set[str]:
@@ -36,6 +36,17 @@ def test_testing_module_all_is_its_public_surface() -> None:
         and getattr(value, "__module__", "").startswith("posttrain.interface")
     }
     assert set(testing.__all__) == public
+
+
+def test_processes_module_all_is_its_public_surface() -> None:
+    public = {
+        name
+        for name, value in vars(processes).items()
+        if not name.startswith("_")
+        and not isinstance(value, types.ModuleType)
+        and getattr(value, "__module__", None) == processes.__name__
+    } | {"DEFAULT_PRELOAD", "StartMethod"}
+    assert set(processes.__all__) == public
 
 
 def test_import_loads_neither_torch_nor_httpx() -> None:

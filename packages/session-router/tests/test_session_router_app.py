@@ -9,9 +9,16 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 
 from posttrain.formats import decode_samples
-from posttrain.session_router import ChatTokenizer, SessionRouterConfig, create_app
+from posttrain.interface import RolloutEngine, TransportError
+from posttrain.session_router import (
+    ChatTokenizer,
+    SessionRolloutClient,
+    SessionRouterConfig,
+    create_app,
+)
 
 Upstream = Callable[[httpx.Request], Awaitable[httpx.Response]]
 
@@ -335,3 +342,51 @@ def test_raw_proxy_adds_routing_key_and_gates_lora(tok_dir: Path, chat_tok: Chat
         upstream,
         scenario,
     )
+
+
+def test_rollout_client_is_a_rollout_engine_one_session_per_rollout(
+    tok_dir: Path, chat_tok: ChatTokenizer, make_engine: Any
+) -> None:
+    seen: list[httpx.Request] = []
+    engine = make_engine(chat_tok)
+    failing = {"left": 0}
+
+    async def upstream(request: httpx.Request) -> httpx.Response:
+        seen.append(request)
+        if failing["left"]:
+            failing["left"] -= 1
+            return httpx.Response(400, json={"error": "prompt too long"})
+        return httpx.Response(200, json=engine(json.loads(request.content)))
+
+    async def main() -> None:
+        cfg = _cfg(tok_dir, lora_adapter="miles_lora")
+        app = create_app(cfg, tokenizer=chat_tok, transport=httpx.MockTransport(upstream))
+        server = app.state.server
+        try:
+            async with SessionRolloutClient(
+                "http://sr", transport=httpx.ASGITransport(app=app)
+            ) as client:
+                assert isinstance(client, RolloutEngine)
+                group = await client.rollout_group(
+                    [user("hi")], 3, group_index=2, sampling_params={"max_tokens": 8},
+                    weight_version=6,
+                )  # fmt: skip
+                assert [(s.group_index, s.index) for s in group] == [(2, 0), (2, 1), (2, 2)]
+                for sample in group:
+                    assert sample.response_length > 0
+                    assert sample.loss_mask == [1] * sample.response_length
+                    assert sample.weight_version == 7  # the engine's (SGLang's "7")
+                assert {json.loads(r.content)["extra_key"] for r in seen} == {"miles_lora:v6"}
+                assert server.sessions == {}  # every session was deleted
+                # A failed turn raises and still deletes its session.
+                failing["left"] = 1
+                with pytest.raises(TransportError, match="answered 400"):
+                    await client.rollout([user("hi")], weight_version=6)
+                assert server.sessions == {}
+                # Serving an adapter without a version: refused when the session is created.
+                with pytest.raises(TransportError, match="a weight version is required"):
+                    await client.rollout([user("hi")])
+        finally:
+            await server.aclose()
+
+    asyncio.run(asyncio.wait_for(main(), timeout=30))

@@ -60,7 +60,7 @@ __all__ = [
     "wait_until_ready",
 ]
 
-LOOPBACK = "127.0.0.1"
+_LOOPBACK = "127.0.0.1"
 StartMethod = Literal["fork", "spawn", "forkserver"]
 DEFAULT_PRELOAD = ("torch", "torch.distributed")
 """Modules a ``forkserver`` imports once, so each later group starts without importing them."""
@@ -68,7 +68,7 @@ DEFAULT_PRELOAD = ("torch", "torch.distributed")
 _FAILURE_WINDOW_S = 2.0
 
 
-def free_port(host: str = LOOPBACK) -> int:
+def free_port(host: str = _LOOPBACK) -> int:
     """A TCP port on ``host`` that was free a moment ago (another process may take it first)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
@@ -76,7 +76,7 @@ def free_port(host: str = LOOPBACK) -> int:
         return port
 
 
-def answers_ok(url: str, *, timeout_s: float = 2.0) -> bool:
+def _answers_ok(url: str, *, timeout_s: float = 2.0) -> bool:
     """True when a GET of ``url`` answers HTTP 200 within ``timeout_s``."""
     try:
         with urllib.request.urlopen(url, timeout=timeout_s) as reply:
@@ -101,7 +101,7 @@ def wait_until_ready(
         code = None if process is None else process.poll()
         if code is not None:
             raise ServerStartError(f"the process exited with code {code} before {url} was ready")
-        if answers_ok(url, timeout_s=min(2.0, max(timeout_s, 0.1))):
+        if _answers_ok(url, timeout_s=min(2.0, max(timeout_s, 0.1))):
             return
         if time.monotonic() > deadline:
             raise ServerStartError(f"{url} was not ready within {timeout_s:g} s")
@@ -155,7 +155,7 @@ def _worker_main(
 ) -> None:
     try:
         os.environ.update(
-            MASTER_ADDR=LOOPBACK,
+            MASTER_ADDR=_LOOPBACK,
             MASTER_PORT=str(port),
             RANK=str(rank),
             LOCAL_RANK=str(rank),
@@ -173,7 +173,7 @@ def _worker_main(
                 torch.cuda.set_device(device_id)
             dist.init_process_group(
                 backend,
-                init_method=f"tcp://{LOOPBACK}:{port}",
+                init_method=f"tcp://{_LOOPBACK}:{port}",
                 rank=rank,
                 world_size=world_size,
                 timeout=timedelta(seconds=pg_timeout_s),

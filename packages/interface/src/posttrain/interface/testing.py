@@ -5,6 +5,9 @@ Import it from tests only (``from posttrain.interface.testing import ServerProce
 
 - ``ServerProcess`` starts a server command, waits until a URL answers 200, and stops the
   process (and its process group) by pid; its log tail is in the error when it fails to start.
+- ``AppServer`` serves an ASGI app with uvicorn from a thread of this process on a loopback
+  port (a real socket and real HTTP, without a second torch import); it is ready once uvicorn
+  has started. It needs uvicorn installed (imported when a server is built).
 - ``free_port``, ``run_workers``, ``stop_process_group`` and ``wait_until_ready`` are the
   runtime helpers of ``posttrain.interface.processes`` (one implementation), re-exported so a test
   imports its whole harness from here. ``run_workers`` forks ranks from the already-warm test
@@ -14,11 +17,14 @@ Import it from tests only (``from posttrain.interface.testing import ServerProce
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import tempfile
+import threading
+import time
 from collections.abc import Mapping, Sequence
 from types import TracebackType
-from typing import Self
+from typing import Any, Self
 
 from posttrain.interface._errors import ConfigError as _ConfigError
 from posttrain.interface._errors import (
@@ -37,6 +43,7 @@ from posttrain.interface.processes import (
 )
 
 __all__ = [
+    "AppServer",
     "ProcessError",
     "ServerProcess",
     "ServerStartError",
@@ -146,3 +153,60 @@ class ServerProcess:
     ) -> None:
         self.stop()
         self._log.close()
+
+
+class AppServer:
+    """An ASGI app under uvicorn in a daemon thread, on 127.0.0.1 (port 0 picks a free one).
+
+    Use as a context manager; ``url`` is known before it starts (the socket is bound at
+    construction). ``uvicorn_options`` go to ``uvicorn.Config`` (``log_level`` defaults to
+    ``"warning"``).
+    """
+
+    def __init__(
+        self, app: Any, *, port: int = 0, timeout_s: float = 60.0, **uvicorn_options: Any
+    ) -> None:
+        import uvicorn
+
+        self.timeout_s = timeout_s
+        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._sock.bind(("127.0.0.1", port))
+        self.port: int = self._sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        options = {"log_level": "warning", "timeout_graceful_shutdown": 2, **uvicorn_options}
+        self.server = uvicorn.Server(uvicorn.Config(app, **options))
+        self._thread = threading.Thread(
+            target=self.server.run, kwargs={"sockets": [self._sock]}, daemon=True
+        )
+
+    def start(self) -> Self:
+        """Serve, and return once uvicorn has started (``ServerStartError`` otherwise)."""
+        self._thread.start()
+        deadline = time.monotonic() + self.timeout_s
+        while not self.server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                self.stop()
+                raise ServerStartError(
+                    f"the app server on {self.url} did not start within {self.timeout_s:g} s"
+                )
+            time.sleep(0.01)
+        return self
+
+    def stop(self) -> None:
+        """Ask uvicorn to exit, wait for the thread, and close the socket."""
+        self.server.should_exit = True
+        if self._thread.is_alive():
+            self._thread.join(timeout=10)
+        self._sock.close()
+
+    def __enter__(self) -> Self:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
