@@ -154,9 +154,8 @@ async def create_session(request: Request) -> Response:
         isinstance(version, bool) or not isinstance(version, int) or version < 0
     ):
         raise BadChatRequestError(f"weight_version: must be an int >= 0 or null, got {version!r}")
-    apply_lora(
-        {}, server.cfg, version
-    )  # a served adapter needs a version: refuse now, not per turn
+    # A served adapter needs a version for extra_key: refuse the session now, not per turn.
+    apply_lora({}, server.cfg, version)
     return _json({"session_id": server.create(weight_version=version).session_id})
 
 

@@ -75,7 +75,9 @@ class SessionRouterConfig:
                 f"lora_adapter must be one non-empty adapter name, got {self.lora_adapter!r}"
             )
         version = self.lora_weight_version
-        if version is not None and (isinstance(version, bool) or version < 0):
+        if version is not None and (
+            isinstance(version, bool) or not isinstance(version, int) or version < 0
+        ):
             raise ConfigError(f"lora_weight_version must be an int >= 0, got {version!r}")
         if self.matcher not in MATCHER_NAMES:
             raise ConfigError(f"matcher must be one of {MATCHER_NAMES}, got {self.matcher!r}")
