@@ -1,73 +1,24 @@
-"""Pure pieces: buckets, NVFP4 dequantization, the update session, sampling, config."""
+"""Pure pieces: NVFP4 dequantization, the update session, sampling, config.
+
+(The bucket format itself is tested in ``packages/formats``.)
+"""
 
 from __future__ import annotations
 
-import hashlib
-
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
-from posttrain.interface import IncompleteUpdateError, StaleVersionError, WireFormatError
+from posttrain.formats import pack_bucket, unpack_bucket
+from posttrain.interface import IncompleteUpdateError, StaleVersionError
 from posttrain.local_engine import (
     NVFP4FormatError,
     UpdateSessionError,
     dequantize_nvfp4,
-    pack_bucket,
     parse_args,
-    unpack_bucket,
 )
 from posttrain.local_engine._nvfp4 import E2M1_VALUES, dequantize_state_dict, read_quant_config
 from posttrain.local_engine._sampling import SamplingConfig, pick_token, top_logprobs
 from posttrain.local_engine._update import TensorSpec, UpdateSession, check_version_increases
-
-DTYPES = [torch.bfloat16, torch.float32, torch.float16, torch.int64, torch.uint8]
-
-
-@settings(max_examples=25, deadline=None)
-@given(
-    st.lists(
-        st.tuples(st.sampled_from(DTYPES), st.lists(st.integers(0, 5), min_size=0, max_size=3)),
-        min_size=1,
-        max_size=6,
-    ),
-    st.sampled_from([1, 64, 256]),
-)
-def test_bucket_round_trip_mixed_dtypes(
-    spec: list[tuple[torch.dtype, list[int]]], align: int
-) -> None:
-    gen = torch.Generator().manual_seed(0)
-    tensors = [
-        (f"t{i}", (torch.randn(shape, generator=gen) * 50).to(dt))
-        for i, (dt, shape) in enumerate(spec)
-    ]
-    manifest, buf = pack_bucket(tensors, update_id="u", weight_version=1, alignment=align)
-    assert all(e.offset % align == 0 for e in manifest.tensors)
-    assert manifest.sha256 == hashlib.sha256(buf.numpy().tobytes()).hexdigest()
-    out = unpack_bucket(manifest, buf)
-    for name, t in tensors:
-        assert out[name].dtype == t.dtype
-        assert torch.equal(out[name], t)
-
-
-def test_bucket_sha256_and_bounds_are_checked() -> None:
-    manifest, buf = pack_bucket([("a", torch.ones(4))], update_id="u", weight_version=1)
-    bad = buf.clone()
-    bad[0] ^= 1
-    with pytest.raises(WireFormatError, match="sha256") as e:
-        unpack_bucket(manifest, bad)
-    assert e.value.field == "manifest.sha256"
-    with pytest.raises(WireFormatError, match="total_bytes"):
-        unpack_bucket(manifest, buf[:8])
-
-
-def test_bucket_into_reused_slot_zeroes_gaps() -> None:
-    slot = torch.full((4096,), 0xFF, dtype=torch.uint8)
-    tensors = [("a", torch.ones(3, dtype=torch.bfloat16)), ("b", torch.ones(2))]
-    m1, _ = pack_bucket(tensors, update_id="u", weight_version=1, out=slot)
-    m2, _ = pack_bucket(tensors, update_id="u", weight_version=1)
-    assert m1.sha256 == m2.sha256
 
 
 def _nvfp4_reference(values: torch.Tensor, scales: torch.Tensor, s2: float) -> torch.Tensor:

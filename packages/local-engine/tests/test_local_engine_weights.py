@@ -10,9 +10,20 @@ import pytest
 import torch
 from safetensors.torch import save, save_file
 
-from posttrain.interface import EngineError, IncompleteUpdateError, StaleVersionError
-from posttrain.local_engine import ShmRing, WeightPushClient, pack_bucket, push_weights
-from posttrain.local_engine._buckets import tensors_sha256
+from posttrain.formats import (
+    ShmRing,
+    WeightPushClient,
+    expected_tensors,
+    pack_bucket,
+    push_weights,
+    tensors_sha256,
+)
+from posttrain.interface import (
+    EngineError,
+    IncompleteUpdateError,
+    StaleVersionError,
+    WeightUpdateBegin,
+)
 from posttrain.local_engine._nvfp4 import E2M1_VALUES
 from posttrain.models import LoraAdapter as ModelLora
 from posttrain.models import ModelConfig, build_model, build_tokenizer
@@ -64,10 +75,16 @@ def test_update_then_parity_and_checksum(engine, other_weights, trainer_lp, tran
         assert result.success
         assert result.weight_version == 1
         after = _generate(c)
-        assert after["meta_info"]["weight_version"] == "1"
+        assert after["meta_info"]["weight_version"] == 1
         assert c.get("/weights_checksum").json()["sha256"] == tensors_sha256(other_weights)
     assert after["meta_info"]["input_token_logprobs"] != before["meta_info"]["input_token_logprobs"]
     _assert_parity(after, target, trainer_lp)
+
+
+def _begin(uid: str, version: int, items: Any) -> WeightUpdateBegin:
+    return WeightUpdateBegin(
+        update_id=uid, weight_version=version, kind="base", expected=expected_tensors(items)
+    )
 
 
 def test_update_faults_are_rejected_and_leave_engine_unavailable(engine, other_weights) -> None:  # type: ignore[no-untyped-def]
@@ -81,13 +98,10 @@ def test_update_faults_are_rejected_and_leave_engine_unavailable(engine, other_w
         assert c.post("/generate", json={"input_ids": [4, 5]}).status_code == 200
         # unknown tensor in the expected list: refused at begin
         with pytest.raises(EngineError, match="unknown"):
-            p.begin(
-                update_id="u1", weight_version=6, kind="base", expected=[("nope", torch.ones(1))]
-            )
+            p.begin(_begin("u1", 6, [("nope", torch.ones(1))]))
         # missing tensor: the end reports it, /generate answers 503
-        p.begin(update_id="u2", weight_version=6, kind="base", expected=items)
-        m, _ = pack_bucket(items[:-1], update_id="u2", weight_version=6)
-        p.send_safetensors(m, dict(items[:-1]))
+        p.begin(_begin("u2", 6, items))
+        p.send_bucket(*pack_bucket(items[:-1], update_id="u2", weight_version=6))
         with pytest.raises(IncompleteUpdateError, match="missing"):
             p.end("u2")
         r = c.post("/generate", json={"input_ids": [4, 5]})
@@ -95,22 +109,20 @@ def test_update_faults_are_rejected_and_leave_engine_unavailable(engine, other_w
         assert "missing" in r.json()["error"]["message"]
         # wrong dtype in a bucket: 400 naming the tensor, then 503
         name, t = items[0]
-        p.begin(update_id="u3", weight_version=6, kind="base", expected=items)
-        m, _ = pack_bucket([(name, t.float())], update_id="u3", weight_version=6, is_last=False)
+        p.begin(_begin("u3", 6, items))
+        m, buf = pack_bucket([(name, t.float())], update_id="u3", weight_version=6, is_last=False)
         with pytest.raises(EngineError, match=name):
-            p.send_safetensors(m, {name: t.float()})
+            p.send_bucket(m, buf)
         assert c.post("/end_weight_update", json={"update_id": "u3"}).status_code == 400
         # duplicate across buckets
-        p.begin(update_id="u4", weight_version=6, kind="base", expected=items)
-        m0, _ = pack_bucket([items[0]], update_id="u4", weight_version=6, is_last=False)
-        p.send_safetensors(m0, dict([items[0]]))
-        m1, _ = pack_bucket([items[0]], update_id="u4", weight_version=6, bucket_index=1)
+        p.begin(_begin("u4", 6, items))
+        p.send_bucket(*pack_bucket([items[0]], update_id="u4", weight_version=6, is_last=False))
+        m1, buf1 = pack_bucket([items[0]], update_id="u4", weight_version=6, bucket_index=1)
         with pytest.raises(EngineError, match="twice"):
-            p.send_safetensors(m1, dict([items[0]]))
+            p.send_bucket(m1, buf1)
         # aborted midway
-        p.begin(update_id="u5", weight_version=6, kind="base", expected=items)
-        m, _ = pack_bucket(items[:3], update_id="u5", weight_version=6, is_last=False)
-        p.send_safetensors(m, dict(items[:3]))
+        p.begin(_begin("u5", 6, items))
+        p.send_bucket(*pack_bucket(items[:3], update_id="u5", weight_version=6, is_last=False))
         p.abort("u5")
         assert c.post("/generate", json={"input_ids": [4, 5]}).status_code == 503
         assert c.get("/server_info").json()["weights_serviceable"] is False
@@ -119,11 +131,13 @@ def test_update_faults_are_rejected_and_leave_engine_unavailable(engine, other_w
         assert c.post("/generate", json={"input_ids": [4, 5]}).status_code == 200
         # a corrupted bucket (sha256 mismatch) over shm
         with ShmRing(1 << 16) as ring:
-            p.begin(update_id="u8", weight_version=8, kind="base", expected=items[:1])
-            m, _ = pack_bucket(items[:1], update_id="u8", weight_version=8, out=ring.slot(0))
+            p.ring = ring
+            p.begin(_begin("u8", 8, items[:1]))
+            m, buf = pack_bucket(items[:1], update_id="u8", weight_version=8, out=ring.slot(0))
             ring.slot(0)[0] ^= 0xFF
             with pytest.raises(EngineError, match="sha256"):
-                p.send_shm(m, ring, 0)
+                p.send_bucket(m, buf)  # sent from the slot it was packed in
+            p.ring = None
         bad = c.post(
             "/update_weights_from_shm",
             json={"manifest": m.to_dict(), "shm_path": "/etc/passwd", "slot": 0},
@@ -138,11 +152,19 @@ def test_update_from_disk(engine, tmp_path, trainer_lp) -> None:  # type: ignore
     with engine() as c:
         r = c.post(
             "/update_weights_from_disk",
+            # SGLang's request carries the version as a string; the engine reports the int.
             json={"model_path": str(tmp_path / "v2"), "weight_version": "3"},
         )
         assert r.status_code == 200, r.text
+        assert r.json()["weight_version"] == 3
         out = _generate(c)
-        assert out["meta_info"]["weight_version"] == "3"
+        assert out["meta_info"]["weight_version"] == 3
+        r = c.post(
+            "/update_weights_from_disk",
+            json={"model_path": str(tmp_path / "v2"), "weight_version": "v4"},
+        )
+        assert r.status_code == 400
+        assert r.json()["error"]["field"] == "weight_version"
         _assert_parity(out, target, trainer_lp)
         bad = c.post("/update_weights_from_disk", json={"model_path": str(tmp_path / "nope")})
         assert bad.status_code == 400

@@ -43,7 +43,7 @@ def test_error_tree_roots_in_posttrain_error() -> None:
         obj = getattr(opd, name)
         if isinstance(obj, type) and issubclass(obj, BaseException):
             assert issubclass(obj, opd.OPDError), name
-            assert name in (opd.errors.__doc__ or ""), f"{name} missing from the error tree"
+            assert name in (opd._errors.__doc__ or ""), f"{name} missing from the error tree"
 
 
 def test_parse_teacher_urls_ok() -> None:

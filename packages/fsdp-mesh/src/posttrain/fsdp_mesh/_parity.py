@@ -50,12 +50,21 @@ from posttrain.fsdp_mesh._accumulate import accumulate_gradients
 from posttrain.fsdp_mesh._checkpoint import load_checkpoint, save_checkpoint
 from posttrain.fsdp_mesh._clip import clip_grad_norm
 from posttrain.fsdp_mesh._comm_count import CollectiveLog, count_collectives
-from posttrain.fsdp_mesh._errors import MeshConfigError, ParityError, WorkerError
+from posttrain.fsdp_mesh._errors import MeshConfigError, ParityError
 from posttrain.fsdp_mesh._gather import gather_full_param
 from posttrain.fsdp_mesh._hsdp import HsdpConfig, apply_hsdp, fsdp_modules
-from posttrain.fsdp_mesh._launch import launch_workers
 from posttrain.fsdp_mesh._mesh import BuildMethod, FsdpMesh, build_fsdp_mesh
-from posttrain.interface import ConfigError, MeshSpec
+from posttrain.interface import ConfigError, MeshSpec, WorkerError
+from posttrain.interface.processes import run_workers
+
+# What a forkserver imports once, so each parity group starts without one torch import per rank.
+FORKSERVER_PRELOAD = (
+    "torch",
+    "torch._dynamo",
+    "torch.distributed.fsdp",
+    "torch.distributed.checkpoint",
+    "torch.optim",
+)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -439,13 +448,15 @@ def main(argv: list[str] | None = None) -> int:
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         return _main_torchrun(args, config)
     try:
-        reports = launch_workers(
+        reports = run_workers(
             _spawned_worker,
             args.replicate * args.shard,
             timeout_s=args.timeout,
             backend=args.backend,
             args=(config,),
             start_method=args.start_method,
+            threads_per_rank=None,  # torch's default: a parity run is not a unit test
+            preload=FORKSERVER_PRELOAD,
         )
     except WorkerError as exc:
         print(f"FAIL r{args.replicate}s{args.shard}: {exc}", file=sys.stderr)

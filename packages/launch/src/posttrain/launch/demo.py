@@ -7,17 +7,16 @@ through one token-in/token-out session, and collects the training sample the
 session assembles: the exact token ids, rollout logprobs and loss mask the engine
 produced. Then it stops every process it started.
 
-The sample arrives in the session router's wire format (one safetensors file);
-it is read here with the standard library (an 8-byte header length, a JSON
-header, raw little-endian data), so launch stays free of heavy dependencies.
+The sample arrives in samples/1, the session router's wire format, and is read
+with ``posttrain.formats.decode_samples`` (formats sits below launch; the read needs
+numpy and safetensors, no server and no torch). The demo runs only with launch's
+``local`` extra, which installs it.
 """
 
 from __future__ import annotations
 
 import collections
-import json
 import math
-import struct
 import subprocess
 import tempfile
 from dataclasses import dataclass, field
@@ -26,6 +25,8 @@ from typing import Any
 
 import httpx
 
+from posttrain.formats import decode_samples
+from posttrain.interface import PosttrainError
 from posttrain.launch._errors import LaunchError
 from posttrain.launch.plan import PYTHON
 from posttrain.launch.runners import LocalRunner, LogSink
@@ -87,31 +88,6 @@ def write_tiny_checkpoint(path: Path, seed: int, timeout_s: float = 300.0) -> No
         raise DemoError(f"`{' '.join(argv)}` failed ({done.returncode}): {done.stderr[-2000:]}")
 
 
-def read_safetensors(blob: bytes) -> dict[str, tuple[str, list[int], bytes]]:
-    """Name -> (dtype, shape, raw bytes) of a safetensors file, read with the standard library."""
-    if len(blob) < 8:
-        raise DemoError(f"sample payload of {len(blob)} bytes is not a safetensors file")
-    (header_len,) = struct.unpack("<Q", blob[:8])
-    header = json.loads(blob[8 : 8 + header_len])
-    data = blob[8 + header_len :]
-    out = {}
-    for name, spec in header.items():
-        if name == "__metadata__":
-            continue
-        start, end = spec["data_offsets"]
-        out[name] = (spec["dtype"], list(spec["shape"]), data[start:end])
-    return out
-
-
-_FORMATS = {"I64": "q", "U8": "B", "F64": "d", "F32": "f", "I32": "i"}
-
-
-def _values(entry: tuple[str, list[int], bytes]) -> list[Any]:
-    dtype, shape, raw = entry
-    count = math.prod(shape)
-    return list(struct.unpack(f"<{count}{_FORMATS[dtype]}", raw))
-
-
 def run_demo(cfg: DemoConfig, sink: LogSink) -> DemoReport:
     """Bring the stack up, chat through one session, collect the sample, stop everything."""
     with tempfile.TemporaryDirectory(prefix="posttrain-demo-") as scratch:
@@ -165,15 +141,15 @@ def _chat(cfg: DemoConfig, report: DemoReport, sink: LogSink) -> None:
             raise DemoError(
                 f"POST /samples answered {sample_reply.status_code}: {sample_reply.text}"
             )
-        tensors = read_safetensors(sample_reply.content)
-        if "tokens.0" not in tensors:
-            meta = bytes(_values(tensors["_samples_meta"])).decode()
-            raise DemoError(f"the session assembled no sample: {meta}")
-        tokens = _values(tensors["tokens.0"])
-        mask = _values(tensors["loss_mask.0"])
-        logprobs = _values(tensors["rollout_log_probs.0"])
-        meta = json.loads(bytes(_values(tensors["_samples_meta"])).decode())
-        report.sample_tokens = len(tokens)
+        try:
+            decoded = decode_samples(sample_reply.content)
+        except PosttrainError as exc:
+            raise DemoError(f"POST /samples answered a malformed samples/1 payload: {exc}") from exc
+        if not decoded.samples:
+            raise DemoError(f"the session assembled no sample: {decoded.empty_reason}")
+        sample = decoded.samples[0]
+        mask, logprobs = sample.loss_mask, sample.rollout_logprobs
+        report.sample_tokens = len(sample.tokens)
         report.sample_trained_tokens = sum(mask)
         # The sample covers the leading turns up to the first one that did not complete (a turn
         # cut by max_tokens is "truncated" and ends the merge); its trained logprobs must be
@@ -186,7 +162,7 @@ def _chat(cfg: DemoConfig, report: DemoReport, sink: LogSink) -> None:
             engine.extend(turn.logprobs)
             report.sample_turns += 1
         report.sample_logprobs_match_turns = trained == engine
-        report.sample_status = str(meta["samples"][0]["status"])
+        report.sample_status = sample.status.value
         _ok(client.delete(f"{base}/sessions/{session}"), empty=True)
 
 

@@ -6,16 +6,16 @@ are *started as processes* (``python -m ...``), never imported: launch composes 
 depending on them.
 
 LoRA: every engine loads every ``--lora NAME=PATH`` at startup; the session router injects
-``lora_path`` for the one adapter (rollouts without it would silently be base-model,
+``lora_path`` and ``extra_key`` (version 0: the startup adapter) for the one adapter (rollouts without it would silently be base-model,
 off-policy samples). Several adapters with sessions are rejected, as the design note says.
 """
 
 from __future__ import annotations
 
 import importlib.util
-import socket
 from dataclasses import dataclass
 
+from posttrain.interface.processes import free_port
 from posttrain.launch._errors import LaunchConfigError
 from posttrain.launch.args import Args
 from posttrain.launch.hardware import Detection, detect_hardware
@@ -39,13 +39,6 @@ class LocalStackConfig:
     engine_args: tuple[str, ...] = ()
     router_args: tuple[str, ...] = ()
     session_router_args: tuple[str, ...] = ()
-
-
-def free_port(host: str = LOCAL_HOST) -> int:
-    """A port the OS calls free now (another process may still take it before we bind)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 def default_engine_kind(detection: Detection | None = None) -> EngineKind:
@@ -136,6 +129,8 @@ def build_local_stack(cfg: LocalStackConfig) -> Plan:
     session.set("--port", session_port, source="local stack")
     if cfg.loras:
         session.set("--lora-adapter", cfg.loras[0][0], source="local stack (--lora)")
+        # The engines load the adapter at startup: version 0 of it (its extra_key "<name>:v0").
+        session.set("--lora-weight-version", 0, source="local stack (--lora)")
     session.extend_user(cfg.session_router_args)
     processes.append(
         ProcessSpec(

@@ -24,13 +24,13 @@ from typing import Any
 
 import torch
 
+from posttrain.formats import tensors_sha256
 from posttrain.interface import (
     BucketManifest,
     IncompleteUpdateError,
     WeightUpdateResult,
     WireFormatError,
 )
-from posttrain.local_engine._buckets import tensors_sha256
 from posttrain.local_engine._errors import UnavailableError, UpdateSessionError
 from posttrain.local_engine._lora import (
     LoraRegistry,
@@ -74,7 +74,7 @@ class GenResult:
     output_ids: list[int]
     finish_reason: dict[str, Any]
     prompt_tokens: int
-    weight_version: str
+    weight_version: int | None
     input_token_logprobs: list[tuple[float | None, int]] | None = None
     output_token_logprobs: list[tuple[float, int]] | None = None
     input_top_logprobs: list[list[tuple[float, int]] | None] | None = None
@@ -127,9 +127,10 @@ class Engine:
     # ---- state -------------------------------------------------------------------------
 
     @property
-    def weight_version(self) -> str:
-        """SGLang's string form: ``"default"`` until the first versioned update."""
-        return "default" if self._w.version is None else str(self._w.version)
+    def weight_version(self) -> int | None:
+        """The installed version (an int, as everywhere in posttrain); None until the first
+        versioned update (SGLang reports ``"default"`` there)."""
+        return self._w.version
 
     @property
     def unavailable_reason(self) -> str | None:

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
-from posttrain.local_engine._buckets import DTYPES
+from posttrain.formats import DTYPES
 from posttrain.local_engine._errors import AdapterError, UnknownAdapterError
 from posttrain.local_engine._update import TensorSpec
 from posttrain.models import LoraAdapter as ModelLora

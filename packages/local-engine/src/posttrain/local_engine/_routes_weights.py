@@ -12,10 +12,12 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from posttrain.formats import decode_bucket_body, dtype_from_name, unpack_bucket
 from posttrain.interface import (
     BucketManifest,
     LoadLoraAdapterRequest,
     PosttrainError,
+    ShmBucketRequest,
     StaleVersionError,
     UnloadLoraAdapterRequest,
     UpdateWeightsFromDiskRequest,
@@ -23,17 +25,13 @@ from posttrain.interface import (
     WireFormatError,
 )
 from posttrain.local_engine._adapter_payload import decode_adapter_payload, verify_checksums
-from posttrain.local_engine._buckets import dtype_from_name, unpack_bucket
 from posttrain.local_engine._context import ServerContext
 from posttrain.local_engine._engine import GenResult, GenTask
 from posttrain.local_engine._errors import AdapterError, CheckpointError
 from posttrain.local_engine._http import Handler, body_bytes, guard, json_body
 from posttrain.local_engine._lora import load_peft_adapter
 from posttrain.local_engine._scheduler import BatchScheduler
-from posttrain.local_engine._transports import (
-    ShmMaps,
-    read_safetensors_bucket,
-)
+from posttrain.local_engine._transports import ShmMaps
 
 __all__ = ["weight_routes"]
 
@@ -112,21 +110,15 @@ def weight_routes(
 
     async def update_from_safetensors(request: Request) -> Response:
         raw = await body_bytes(request, cfg.max_update_bytes)
-        manifest, tensors = read_safetensors_bucket(raw)
+        manifest, tensors = decode_bucket_body(raw)
         engine.add_bucket(manifest, tensors, owned=True)  # decoded from the body: ours to keep
         return await bucket_reply(manifest)
 
     async def update_from_shm(request: Request) -> Response:
-        body = await json_req(request)
-        if not isinstance(body, dict):
-            raise WireFormatError("body: expected a JSON object", field="body")
-        manifest = BucketManifest.parse(body.get("manifest"))
+        req = ShmBucketRequest.parse(await json_req(request))
+        manifest = req.manifest
         try:
-            view = shm.slot(
-                str(body.get("shm_path", "")),
-                int(body.get("slot", -1)),
-                None if body.get("slot_bytes") is None else int(body["slot_bytes"]),
-            )
+            view = shm.slot(req.shm_path, req.slot, req.slot_bytes)
             tensors = unpack_bucket(manifest, view)
         except WireFormatError as e:
             engine.fail_update(manifest.update_id, str(e))
@@ -165,15 +157,7 @@ def weight_routes(
         req = UpdateWeightsFromDiskRequest.parse(await json_req(request))
         if ctx.load_checkpoint is None:
             raise CheckpointError("this engine cannot reload checkpoints")
-        version: int | None = None
-        if req.weight_version is not None:
-            try:
-                version = int(req.weight_version)
-            except ValueError:
-                raise WireFormatError(
-                    f"weight_version: {req.weight_version!r} is not an integer",
-                    field="weight_version",
-                ) from None
+        version = req.weight_version  # SGLang's string already read as an int
         loader = ctx.load_checkpoint
         try:
             tensors = await sched.call_exclusive(lambda: loader(req.model_path))

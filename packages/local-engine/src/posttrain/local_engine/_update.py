@@ -22,13 +22,13 @@ from typing import Any
 
 import torch
 
+from posttrain.formats import dtype_name
 from posttrain.interface import (
     BucketManifest,
     IncompleteUpdateError,
     StaleVersionError,
     WeightUpdateResult,
 )
-from posttrain.local_engine._buckets import dtype_name
 from posttrain.local_engine._errors import UpdateSessionError
 
 __all__ = ["TensorSpec", "UpdateSession", "check_version_increases"]

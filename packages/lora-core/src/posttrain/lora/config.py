@@ -23,7 +23,7 @@ from typing import Any, Literal
 import torch
 
 from posttrain.interface import LoraSpec
-from posttrain.lora.errors import LoraConfigError
+from posttrain.lora._errors import LoraConfigError
 
 AInit = Literal["xavier", "kaiming", "normal", "zero"]
 BInit = Literal["zero", "normal"]

@@ -21,8 +21,8 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from posttrain.lora._comm import all_gather_flat, group_rank, group_size
+from posttrain.lora._errors import ExportError
 from posttrain.lora.attach import LoraHandle, fused_local_parts
-from posttrain.lora.errors import ExportError
 from posttrain.lora.experts import LoraExpertLinear
 
 PEFT_PREFIX = "base_model.model."

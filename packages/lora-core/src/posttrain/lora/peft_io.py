@@ -25,9 +25,9 @@ import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 
 from posttrain.lora._comm import group_rank, group_size
+from posttrain.lora._errors import AdapterFormatError
 from posttrain.lora.attach import LoraHandle, fused_local_rows
 from posttrain.lora.config import LoraConfig
-from posttrain.lora.errors import AdapterFormatError
 from posttrain.lora.experts import LoraExpertLinear
 from posttrain.lora.export import PEFT_PREFIX, peft_key
 from posttrain.lora.layers import LoraLinear

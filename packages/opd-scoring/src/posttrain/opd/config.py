@@ -15,7 +15,7 @@ from enum import StrEnum
 from typing import Any
 from urllib.parse import urlsplit
 
-from posttrain.opd.errors import OPDConfigError, TeacherRoutingError
+from posttrain.opd._errors import OPDConfigError, TeacherRoutingError
 
 __all__ = [
     "OPDConfig",

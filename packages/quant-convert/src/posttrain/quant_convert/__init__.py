@@ -6,14 +6,14 @@ layout SGLang's ``modelopt_fp4`` loader reads, with an exclusion list checked ag
 own matching rules; :func:`quantize_named_params` applies the same math during weight sync.
 """
 
-from posttrain.quant_convert.convert import ConversionReport, ProgressEvent, convert_checkpoint
-from posttrain.quant_convert.errors import (
+from posttrain.quant_convert._errors import (
     CheckpointError,
     ExclusionError,
     QuantConvertError,
     QuantInputError,
     ResumeError,
 )
+from posttrain.quant_convert.convert import ConversionReport, ProgressEvent, convert_checkpoint
 from posttrain.quant_convert.exclusions import ExclusionPlan, plan_exclusions
 from posttrain.quant_convert.live import quantize_named_params
 from posttrain.quant_convert.nvfp4 import (

@@ -12,8 +12,8 @@ import sys
 from collections.abc import Sequence
 
 from posttrain.interface import ConfigError, NVFP4Precision
+from posttrain.quant_convert._errors import QuantConvertError
 from posttrain.quant_convert.convert import ProgressEvent, convert_checkpoint
-from posttrain.quant_convert.errors import QuantConvertError
 from posttrain.quant_convert.plan import ConvertOptions
 from posttrain.quant_convert.selection import QuantPolicy
 

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from posttrain.interface import ConfigError
-from posttrain.quant_convert.errors import CheckpointError, ResumeError
+from posttrain.quant_convert._errors import CheckpointError, ResumeError
 from posttrain.quant_convert.nvfp4 import global_amax, quantize_nvfp4
 from posttrain.quant_convert.plan import ConvertOptions, Plan, ShardPlan, plan_conversion
 from posttrain.quant_convert.safetensors_io import (

@@ -14,7 +14,7 @@ from collections.abc import Iterable, Sequence
 import torch
 
 from posttrain.interface import NVFP4Precision
-from posttrain.quant_convert.errors import CheckpointError
+from posttrain.quant_convert._errors import CheckpointError
 from posttrain.quant_convert.nvfp4 import NVFP4Config, global_amax, quantize_nvfp4
 from posttrain.quant_convert.selection import QuantPolicy, TensorInfo, gate_up_role, select_tensors
 from posttrain.quant_convert.sglang_rules import build_modules, is_excluded

@@ -30,7 +30,7 @@ from typing import Literal
 import torch
 
 from posttrain.interface import NVFP4Precision
-from posttrain.quant_convert.errors import QuantInputError
+from posttrain.quant_convert._errors import QuantInputError
 
 __all__ = [
     "E2M1_VALUES",

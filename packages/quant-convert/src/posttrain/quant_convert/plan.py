@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from posttrain.interface import NVFP4Precision
-from posttrain.quant_convert.errors import CheckpointError
+from posttrain.quant_convert._errors import CheckpointError
 from posttrain.quant_convert.exclusions import ExclusionPlan, ExclusionStyle, plan_exclusions
 from posttrain.quant_convert.nvfp4 import NVFP4Config
 from posttrain.quant_convert.safetensors_io import DTYPE_BYTES, HeaderEntry, read_header

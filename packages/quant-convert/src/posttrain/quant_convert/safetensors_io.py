@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from posttrain.quant_convert.errors import CheckpointError
+from posttrain.quant_convert._errors import CheckpointError
 
 __all__ = [
     "DTYPE_BYTES",

@@ -2,12 +2,16 @@
 
     GET    /health                                 instance id (stable per process), allocator
     GET    /metrics                                Prometheus text
-    POST   /sessions                               -> {"session_id"}
+    POST   /sessions      [{"weight_version": N}]  -> {"session_id"}
     GET    /sessions/{id}                          records and TITO metadata
     DELETE /sessions/{id}                          204; waits for an in-flight prepare/commit
     POST   /sessions/{id}/v1/chat/completions      one TITO turn (OpenAI compatible)
     POST   /sessions/{id}/samples                  assembled samples (safetensors, see wire.py)
     ANY    /sessions/{id}/{path}                   raw proxy with the routing key, not recorded
+
+A session names the adapter version its LoRA requests carry (``extra_key``): the
+``weight_version`` it was created with, else the server's ``lora_weight_version``; serving an
+adapter with neither is refused when the session is created (400).
 
 Every route is behind the bearer token when one is configured. Errors are ``{"error": str}``:
 400 bad JSON or messages, 401 missing/wrong token, 404 unknown session or route, 405 a method
@@ -37,6 +41,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.requests import Request
 from starlette.responses import Response
 
+from posttrain.formats import encode_samples
 from posttrain.interface import ConfigError, PosttrainError
 from posttrain.session_router._errors import (
     BadChatRequestError,
@@ -66,7 +71,6 @@ from posttrain.session_router.tito import (
     prepare_turn,
 )
 from posttrain.session_router.upstream import Upstream, UpstreamReply
-from posttrain.session_router.wire import encode_samples
 
 Handler = Callable[[Request], Awaitable[Response]]
 # Tokenizing more text than this (~4k tokens, ~4 ms) is handed to a thread unless cached.
@@ -143,7 +147,27 @@ async def metrics(request: Request) -> Response:
 
 
 async def create_session(request: Request) -> Response:
-    return _json({"session_id": _server(request).create().session_id})
+    server = _server(request)
+    body = _json_object(await server.read_body(request))
+    version = body.get("weight_version")
+    if version is not None and (
+        isinstance(version, bool) or not isinstance(version, int) or version < 0
+    ):
+        raise BadChatRequestError(f"weight_version: must be an int >= 0 or null, got {version!r}")
+    # A served adapter needs a version for extra_key: refuse the session now, not per turn.
+    apply_lora({}, server.cfg, version)
+    return _json({"session_id": server.create(weight_version=version).session_id})
+
+
+def _json_object(raw: bytes) -> dict[str, Any]:
+    """An optional JSON object body (empty means ``{}``); 400 on anything else."""
+    try:
+        body = orjson.loads(raw) if raw.strip() else {}
+    except orjson.JSONDecodeError as exc:
+        raise BadChatRequestError(f"invalid JSON body: {exc}") from exc
+    if not isinstance(body, dict):
+        raise BadChatRequestError("invalid JSON body: expected an object")
+    return body
 
 
 async def get_session(request: Request) -> Response:
@@ -151,6 +175,7 @@ async def get_session(request: Request) -> Response:
     state = server.get(request.path_params["session_id"])
     meta: dict[str, Any] = {
         "accumulated_token_ids": state.accumulated_token_ids,
+        "weight_version": state.weight_version,
         "max_trim_tokens": server.cfg.max_trim_tokens,
         "rollbacks": state.rollbacks,
     }
@@ -200,7 +225,9 @@ async def chat(request: Request) -> Response:
             prepared = prepare(max_uncached_chars=_INLINE_TOKENIZE_CHARS)
         except NotCachedError:
             prepared = await asyncio.to_thread(prepare)
-    body = build_generate_body(req.body, cfg, prepared.prompt_ids)
+    body = build_generate_body(
+        req.body, cfg, prepared.prompt_ids, weight_version=state.weight_version
+    )
     request_ts = time.time()
     started = time.perf_counter()
     upstream = await server.upstream.request(
@@ -259,13 +286,7 @@ async def chat(request: Request) -> Response:
 async def samples(request: Request) -> Response:
     server = _server(request)
     state = server.get(request.path_params["session_id"])
-    raw = await server.read_body(request)
-    try:
-        body = orjson.loads(raw) if raw.strip() else {}
-    except orjson.JSONDecodeError as exc:
-        raise BadChatRequestError(f"invalid JSON body: {exc}") from exc
-    if not isinstance(body, dict):
-        raise BadChatRequestError("invalid JSON body: expected an object")
+    body = _json_object(await server.read_body(request))
     max_seq_len = body.get("max_seq_len")
     metadata = body.get("metadata") or {}
     if max_seq_len is not None and (
@@ -297,15 +318,15 @@ async def samples(request: Request) -> Response:
 async def proxy(request: Request) -> Response:
     server = _server(request)
     session_id = request.path_params["session_id"]
-    server.get(session_id)
+    state = server.get(session_id)
     path = request.path_params["path"]
     raw = await server.read_body(request)
     if path == "generate" and raw:
-        # Same predicate as the chat path: lora_path present exactly when the adapter is served.
+        # The same LoRA fields as the chat path (and the trainer's generate path).
         with contextlib.suppress(orjson.JSONDecodeError):
             body = orjson.loads(raw)
             if isinstance(body, dict):
-                raw = dumps(apply_lora(body, server.cfg))
+                raw = dumps(apply_lora(body, server.cfg, state.weight_version))
     upstream = await server.upstream.request(
         request.method,
         "/" + path,

@@ -9,7 +9,8 @@ the router passes through. These functions hold no state and do no I/O (hypothes
 * ``build_generate_body`` maps OpenAI sampling fields into ``sampling_params``, keeps unknown keys,
   and then forces the fields TITO needs, so a client can never switch them off: ``input_ids`` (the
   TITO prompt), ``return_logprob``, ``logprob_start_len=-1``, ``return_text_in_logprobs=False``,
-  ``sampling_params.no_stop_trim=False``, and ``lora_path`` exactly when ``serves_lora(cfg)``.
+  ``sampling_params.no_stop_trim=False``, and the LoRA fields (``lora_path``, ``extra_key``)
+  exactly as ``posttrain.formats.apply_lora_fields`` writes them for the trainer's generate path.
   ``stream``/``stream_options`` never go upstream (TITO needs the whole reply);
 * ``forward_headers`` drops hop-by-hop headers and the client's credentials and adds the routing key.
 """
@@ -22,8 +23,10 @@ from typing import Any
 
 import orjson
 
+from posttrain.formats import apply_lora_fields
+from posttrain.interface import ConfigError
 from posttrain.session_router._errors import BadChatRequestError
-from posttrain.session_router.config import SessionRouterConfig, serves_lora
+from posttrain.session_router.config import SessionRouterConfig
 
 ROUTING_KEY_HEADER = "X-SMG-Routing-Key"
 
@@ -161,9 +164,17 @@ def merge_template_kwargs(
 
 
 def build_generate_body(
-    body: Mapping[str, Any], cfg: SessionRouterConfig, prompt_ids: Sequence[int]
+    body: Mapping[str, Any],
+    cfg: SessionRouterConfig,
+    prompt_ids: Sequence[int],
+    *,
+    weight_version: int | None = None,
 ) -> dict[str, Any]:
-    """The ``/generate`` body for one turn (pure; see the module docstring for the rules)."""
+    """The ``/generate`` body for one turn (pure; see the module docstring for the rules).
+
+    ``weight_version`` is the session's adapter version (its ``extra_key``); falls back to
+    ``cfg.lora_weight_version``.
+    """
     explicit = body.get("sampling_params")
     if explicit is not None and not isinstance(explicit, dict):
         raise BadChatRequestError("sampling_params: must be an object")
@@ -173,7 +184,7 @@ def build_generate_body(
         if key in SAMPLING_ALIASES:
             if value is not None:
                 sampling[SAMPLING_ALIASES[key]] = value
-        elif key not in CONSUMED_KEYS and key != "lora_path":
+        elif key not in CONSUMED_KEYS:
             out[key] = value
     # max_completion_tokens is the newer OpenAI name; it wins over max_tokens when both are sent.
     if body.get("max_completion_tokens") is not None:
@@ -190,17 +201,23 @@ def build_generate_body(
         logprob_start_len=-1,
         return_text_in_logprobs=False,
     )
-    return apply_lora(out, cfg)
+    return apply_lora(out, cfg, weight_version)
 
 
-def apply_lora(body: dict[str, Any], cfg: SessionRouterConfig) -> dict[str, Any]:
-    """Set ``lora_path`` to the served adapter, or remove it, as ``serves_lora(cfg)`` says.
+def apply_lora(
+    body: dict[str, Any], cfg: SessionRouterConfig, weight_version: int | None = None
+) -> dict[str, Any]:
+    """Set or remove ``lora_path`` and ``extra_key`` as ``posttrain.formats`` says for ``cfg``.
 
-    Used by the chat path and by the raw ``/generate`` proxy, so both gate LoRA identically.
+    Used by the chat path and by the raw ``/generate`` proxy, so both send exactly the fields
+    the trainer's generate path sends. A served adapter without a version is a
+    ``BadChatRequestError`` (400).
     """
-    body.pop("lora_path", None)
-    if serves_lora(cfg):
-        body["lora_path"] = cfg.lora_adapter
+    version = cfg.lora_weight_version if weight_version is None else weight_version
+    try:
+        apply_lora_fields(body, cfg.lora, version)
+    except ConfigError as exc:
+        raise BadChatRequestError(str(exc)) from exc
     return body
 
 

@@ -1,8 +1,9 @@
 """The session server's command line (``python -m posttrain.session_router``; ``__main__.py``).
 
     python -m posttrain.session_router --upstream ROUTER_URL --tokenizer PATH
-        [--lora-adapter NAME] [--host 127.0.0.1] [--port P] [--api-key KEY] [--session-ttl-s S]
-        [--encode-cache-tokens N] [--allocator {mimalloc,system}]
+        [--lora-adapter NAME [--lora-weight-version N]] [--host 127.0.0.1] [--port P]
+        [--api-key KEY] [--session-ttl-s S] [--encode-cache-tokens N]
+        [--allocator {mimalloc,system}]
 
 Before serving, the passthrough probe checks that the upstream router forwards every field this
 server sends to ``/generate``; an incompatible router stops startup with exit code 2 and the
@@ -33,6 +34,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--upstream", required=True, help="sgl-router (or engine) base URL")
     p.add_argument("--tokenizer", required=True, help="tokenizer or model directory")
     p.add_argument("--lora-adapter", default=None, help="adapter name to send as lora_path")
+    p.add_argument(
+        "--lora-weight-version",
+        type=int,
+        default=None,
+        help="version of the adapter the engines load at startup (extra_key '<name>:v<N>'); "
+        "a session created with its own weight_version uses that",
+    )
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8080)
     p.add_argument("--api-key", default=None, help="bearer token required on every route")
@@ -70,6 +78,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             upstream_url=args.upstream,
             tokenizer=args.tokenizer,
             lora_adapter=args.lora_adapter,
+            lora_weight_version=args.lora_weight_version,
             api_key=args.api_key,
             session_ttl_s=args.session_ttl_s,
             encode_cache_tokens=args.encode_cache_tokens,

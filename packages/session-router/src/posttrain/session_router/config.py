@@ -1,9 +1,10 @@
-"""Typed configuration of the session server, and the one LoRA predicate every path uses.
+"""Typed configuration of the session server.
 
-``serves_lora`` is the single answer to "does this rollout generate with the trained adapter?".
-Both the chat path (which renders the template and calls ``/generate``) and the raw ``/generate``
-proxy consult it, so they cannot disagree (an earlier system gated the two paths differently and
-silently generated LoRA trajectories with base weights).
+Whether a rollout generates with the trained adapter is ``posttrain.formats.serves_lora`` of
+``SessionRouterConfig.lora``: the same predicate the trainer's generate path asks, and the chat
+path and the raw ``/generate`` proxy both write the LoRA fields with
+``posttrain.formats.apply_lora_fields``, so no two paths can disagree (an earlier system gated
+them differently and silently generated LoRA trajectories with base weights).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from posttrain.formats import LoraServing
 from posttrain.interface import ConfigError
 
 DEFAULT_MAX_BODY_BYTES = 64 * 1024 * 1024
@@ -27,13 +29,16 @@ class SessionRouterConfig:
 
     ``upstream_timeout_s`` may be ``math.inf`` only when passed explicitly.
     ``max_trim_tokens`` bounds how many trailing tokens of a turn the next turn may replace
-    (a stop token the chat template renders differently).
+    (a stop token the chat template renders differently). ``lora_weight_version`` is the
+    version of the adapter the engines loaded at startup; a session created with its own
+    ``weight_version`` (the trainer's latest push) uses that instead.
     """
 
     upstream_url: str
     tokenizer: str
     lora_adapter: str | None = None
     lora_train_only: bool = False
+    lora_weight_version: int | None = None
     api_key: str | None = None
     session_ttl_s: float = 3600.0
     upstream_timeout_s: float = 600.0
@@ -69,10 +74,15 @@ class SessionRouterConfig:
             raise ConfigError(
                 f"lora_adapter must be one non-empty adapter name, got {self.lora_adapter!r}"
             )
+        version = self.lora_weight_version
+        if version is not None and (
+            isinstance(version, bool) or not isinstance(version, int) or version < 0
+        ):
+            raise ConfigError(f"lora_weight_version must be an int >= 0, got {version!r}")
         if self.matcher not in MATCHER_NAMES:
             raise ConfigError(f"matcher must be one of {MATCHER_NAMES}, got {self.matcher!r}")
 
-
-def serves_lora(cfg: SessionRouterConfig) -> bool:
-    """Whether requests must carry ``lora_path``: an adapter is named and it is served, not only trained."""
-    return cfg.lora_adapter is not None and not cfg.lora_train_only
+    @property
+    def lora(self) -> LoraServing:
+        """Which adapter rollouts use (``posttrain.formats.serves_lora`` of it)."""
+        return LoraServing(adapter_name=self.lora_adapter, train_only=self.lora_train_only)

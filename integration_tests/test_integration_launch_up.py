@@ -2,7 +2,7 @@
 router; a chat through a session; Ctrl-C; no process it started survives.
 
 The launch package never imports its siblings; this test needs them installed to have
-something to start, and is skipped with the reason otherwise.
+something to start, so it lives in integration_tests, where the whole workspace is.
 """
 
 from __future__ import annotations
@@ -19,20 +19,10 @@ from pathlib import Path
 import httpx
 import psutil
 import pytest
+import safetensors.torch as safetensors_torch
+import torch
 
-models = pytest.importorskip(
-    "posttrain.models", reason="posttrain-models (branch models) is not installed here"
-)
-pytest.importorskip(
-    "posttrain.local_engine", reason="posttrain-local-engine (branch local-engine) is not installed"
-)
-pytest.importorskip(
-    "posttrain.session_router",
-    reason="posttrain-session-router (branch session-router) is not installed",
-)
-pytest.importorskip("sglang_router", reason="the `local` extra (sglang-router) is not installed")
-torch = pytest.importorskip("torch")
-safetensors_torch = pytest.importorskip("safetensors.torch")
+import posttrain.models as models
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.slow, pytest.mark.timeout(240)]
 ADAPTER = "policy"
@@ -124,6 +114,7 @@ def test_up_serves_a_session_chat_and_stops_everything(tmp_path: Path) -> None:
             assert reply.json()["choices"][0]["message"]["role"] == "assistant"
             record = client.get(f"{base}/sessions/{session}").json()["records"][0]
             assert record["request"]["lora_path"] == ADAPTER  # the adapter reached the engine
+            assert record["request"]["extra_key"] == f"{ADAPTER}:v0"  # the startup version
             assert client.delete(f"{base}/sessions/{session}").status_code == 204
             workers = client.get(f"{urls['router']}/workers").json()
             assert len(json.dumps(workers)) > 0
