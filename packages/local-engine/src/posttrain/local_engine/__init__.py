@@ -25,7 +25,6 @@ from posttrain.local_engine._errors import (
     UnknownAdapterError,
     UpdateSessionError,
 )
-from posttrain.local_engine._nvfp4 import dequantize_nvfp4
 from posttrain.local_engine._server import build_app, serve
 
 __all__ = [
@@ -44,7 +43,6 @@ __all__ = [
     "WeightPushClient",
     "build_app",
     "create_app",
-    "dequantize_nvfp4",
     "pack_bucket",
     "parse_args",
     "push_weights",
