@@ -81,8 +81,10 @@ _UNSUPPORTED_EMPTY = ("rank_pattern", "alpha_pattern", "modules_to_save")
 Factor = Literal["A", "B"]
 
 
-def peft_key(module: str, factor: Factor) -> str:
+def peft_key(module: str, factor: str) -> str:
     """``base_model.model.<module>.lora_A.weight`` (factor ``"A"``) or ``...lora_B.weight``."""
+    if factor not in ("A", "B"):
+        raise PeftTensorError(f"{module}: LoRA factor {factor!r} is neither 'A' nor 'B'")
     return f"{PEFT_KEY_PREFIX}{module}.lora_{factor}.weight"
 
 
@@ -167,7 +169,7 @@ def parse_peft_config(config: object, *, where: str = ADAPTER_CONFIG_FILE) -> Lo
 
     ``where`` (a file name, or ``adapter 'x': config_dict``) starts every message.
     """
-    if not isinstance(config, dict):
+    if not isinstance(config, Mapping):
         raise PeftConfigError(f"{where}: a JSON {type(config).__name__}, not an object")
     missing = [f for f in _REQUIRED if f not in config]
     if missing:
@@ -308,7 +310,7 @@ def build_peft_adapter(
                 f"{config_where}: target_modules {list(spec.target_modules)} do not select "
                 f"{module!r}, which {tensors_where} holds"
             )
-    return PeftAdapter(spec=spec, modules=modules, config=dict(cast(dict[str, Any], config)))
+    return PeftAdapter(spec=spec, modules=modules, config=dict(cast(Mapping[str, Any], config)))
 
 
 # ---- files -------------------------------------------------------------------------------

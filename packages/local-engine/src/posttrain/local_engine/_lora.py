@@ -73,7 +73,7 @@ Targets = Mapping[str, tuple[int, int]]
 
 def _spec(name: str, config: Mapping[str, Any]) -> LoraSpec:
     try:
-        return parse_peft_config(dict(config), where=f"adapter {name!r}: config")
+        return parse_peft_config(config, where=f"adapter {name!r}: config")
     except PeftFormatError as e:
         raise AdapterError(str(e)) from e
 
@@ -150,7 +150,7 @@ def adapter_from_tensors(
     """
     try:
         adapter = build_peft_adapter(
-            dict(config),
+            config,
             tensors,
             config_where=f"adapter {name!r}: config",
             tensors_where=f"adapter {name!r}",
