@@ -29,7 +29,6 @@ import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
-from types import TracebackType
 from typing import BinaryIO
 
 __all__ = [
@@ -107,12 +106,7 @@ class AtomicFile:
     def __enter__(self) -> AtomicFile:
         return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def __exit__(self, exc_type: type[BaseException] | None, *_: object) -> None:
         if exc_type is None:
             self.commit()
         else:
