@@ -231,3 +231,32 @@ def test_scheduler_batches_within_adapter_limit_and_bounds_queue() -> None:
     assert batches[0] == ["a", None, "b", None]
     assert all(len({x for x in b if x is not None}) <= 2 for b in batches)
     assert sorted(x or "" for b in batches for x in b) == sorted(["a", "", "b", "c", "", "a"])
+
+
+@pytest.mark.parametrize(
+    ("bad", "match"),
+    [
+        (torch.full((2, 8), float("nan")), r"lora_A\.weight contains NaN"),
+        (torch.ones(2, 8, dtype=torch.int64), r"lora_A\.weight has dtype int64"),
+        (torch.ones(3, 8), r"has rank 3 .* says r=2"),
+    ],
+)
+def test_adapters_from_tensors_are_checked_by_the_formats_reader(
+    bad: torch.Tensor, match: str
+) -> None:
+    from posttrain.local_engine import AdapterError
+    from posttrain.local_engine._lora import adapter_from_tensors
+
+    config = {"peft_type": "LORA", "r": 2, "lora_alpha": 4, "target_modules": ["q_proj"]}
+    module = "model.layers.0.self_attn.q_proj"
+    good = {
+        formats.peft_key(module, "A"): torch.ones(2, 8),
+        formats.peft_key(module, "B"): torch.ones(6, 2),
+    }
+    served = adapter_from_tensors("ok", config, good, {module: (8, 6)})
+    assert served.scaling == 2.0
+    bad_b = torch.ones(6, 3) if bad.shape[0] == 3 else good[formats.peft_key(module, "B")]
+    tensors = {formats.peft_key(module, "A"): bad, formats.peft_key(module, "B"): bad_b}
+    with pytest.raises(AdapterError, match=match) as info:  # a 400 before anything is served
+        adapter_from_tensors("poisoned", config, tensors, {module: (8, 6)})
+    assert "adapter 'poisoned'" in str(info.value)
