@@ -12,6 +12,8 @@ torch, safetensors and httpx (for the one client it owns).
   (``peft_key``, ``parse_peft_key``, ``peft_modules``), ``adapter_config.json`` <-> ``LoraSpec``
   (``peft_config_from_spec`` / ``parse_peft_config``), ``build_peft_adapter`` for tensors that
   arrive without a directory.
+* safetensors writing without numpy: ``write_safetensors``, ``safetensors_header`` (the
+  layout, for writers that stream), ``tensor_bytes``, ``SAFETENSORS_DTYPES``.
 * Atomic writes with directory fsync: ``write_bytes_atomic``, ``write_text_atomic``,
   ``AtomicFile``, ``atomic_directory``, ``replace_directory``, ``fsync_dir``, ``fsync_tree``.
 
@@ -79,6 +81,12 @@ from posttrain.formats._peft import (
     read_peft_adapter,
     write_peft_adapter,
 )
+from posttrain.formats._safetensors import (
+    SAFETENSORS_DTYPES,
+    safetensors_header,
+    tensor_bytes,
+    write_safetensors,
+)
 
 __all__ = [
     "ADAPTER_CONFIG_FILE",
@@ -88,6 +96,7 @@ __all__ = [
     "GROUP_SIZE",
     "PEFT_KEY_PREFIX",
     "PEFT_TENSOR_DTYPES",
+    "SAFETENSORS_DTYPES",
     "AtomicFile",
     "FormatsError",
     "NVFP4FormatError",
@@ -117,8 +126,11 @@ __all__ = [
     "read_nvfp4_quant_config",
     "read_peft_adapter",
     "replace_directory",
+    "safetensors_header",
+    "tensor_bytes",
     "unpack_e2m1_codes",
     "write_bytes_atomic",
     "write_peft_adapter",
+    "write_safetensors",
     "write_text_atomic",
 ]

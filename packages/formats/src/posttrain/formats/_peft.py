@@ -39,6 +39,7 @@ import torch
 
 from posttrain.formats._atomic import atomic_directory
 from posttrain.formats._errors import PeftConfigError, PeftTensorError
+from posttrain.formats._safetensors import write_safetensors
 from posttrain.interface import ConfigError, LoraSpec
 
 __all__ = [
@@ -372,8 +373,6 @@ def write_peft_adapter(
     export dtype they are cast to (None keeps theirs). The reader's checks run first, on the
     tensors as they will be saved, so a refused adapter leaves ``directory`` untouched.
     """
-    from safetensors.torch import save_file
-
     if dtype is not None and dtype not in PEFT_TENSOR_DTYPES:
         raise PeftTensorError(f"export dtype {dtype} is not one of {PEFT_TENSOR_DTYPES}")
     target = Path(directory)
@@ -387,6 +386,7 @@ def write_peft_adapter(
     )
     text = json.dumps(config, indent=2, sort_keys=True, allow_nan=False) + "\n"
     with atomic_directory(target) as staged:
-        save_file(adapter.tensors, str(staged / ADAPTER_WEIGHTS_FILE), metadata={"format": "pt"})
+        with open(staged / ADAPTER_WEIGHTS_FILE, "wb") as f:
+            write_safetensors(f, adapter.tensors, {"format": "pt"})
         (staged / ADAPTER_CONFIG_FILE).write_text(text, encoding="utf-8")
     return target
