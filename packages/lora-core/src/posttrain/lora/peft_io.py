@@ -25,12 +25,14 @@ import torch
 import torch.distributed as dist
 
 from posttrain.formats import (
+    PeftAdapter,
     PeftFormatError,
     parse_peft_key,
     peft_key,
     read_peft_adapter,
     write_peft_adapter,
 )
+from posttrain.interface import LoraSpec
 from posttrain.lora._comm import group_rank, group_size
 from posttrain.lora.attach import LoraHandle, fused_local_rows
 from posttrain.lora.config import LoraConfig
@@ -68,26 +70,29 @@ def save_peft(
         raise AdapterFormatError(f"save_peft: {e}") from e
 
 
+def _read(directory: str | os.PathLike[str]) -> PeftAdapter:
+    try:
+        return read_peft_adapter(directory)
+    except PeftFormatError as e:
+        raise AdapterFormatError(f"load_peft: {e}") from e
+
+
 def read_peft(directory: str | os.PathLike[str]) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """``(adapter_config dict, tensors)`` of a PEFT adapter directory, keys normalised.
 
     Every check of ``posttrain.formats.read_peft_adapter`` runs; a failure is an
     ``AdapterFormatError`` naming the file and the key or field.
     """
-    try:
-        adapter = read_peft_adapter(directory)
-    except PeftFormatError as e:
-        raise AdapterFormatError(f"load_peft: {e}") from e
+    adapter = _read(directory)
     return dict(adapter.config), adapter.tensors
 
 
-def _check_config(cfg: Mapping[str, Any], config: LoraConfig, where: Path) -> None:
-    for field, ours in (
-        ("r", config.r),
-        ("lora_alpha", config.alpha),
-        ("use_rslora", config.use_rslora),
+def _check_spec(spec: LoraSpec, config: LoraConfig, where: Path) -> None:
+    for field, theirs, ours in (
+        ("r", spec.r, config.r),
+        ("lora_alpha", spec.alpha, config.alpha),
+        ("use_rslora", spec.use_rslora, config.use_rslora),
     ):
-        theirs = cfg.get(field, False if field == "use_rslora" else None)
         if theirs != ours:
             raise AdapterFormatError(
                 f"load_peft: {where}: adapter_config {field}={theirs!r} but LoraConfig has {ours!r}"
@@ -172,8 +177,9 @@ def load_peft(
     keys loaded here. ``strict``: missing and unknown keys raise; shape errors always raise.
     """
     where = Path(directory)
-    cfg, tensors = read_peft(where)
-    _check_config(cfg, handle.config, where)
+    adapter = _read(where)
+    _check_spec(adapter.spec, handle.config, where)
+    tensors = adapter.tensors
     shapes = _expected_shapes(handle)
     known = set(shapes)
     pp = handle.groups.pp
