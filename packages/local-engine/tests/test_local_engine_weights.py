@@ -11,6 +11,7 @@ import torch
 from safetensors.torch import save, save_file
 
 from posttrain.formats import (
+    E2M1_VALUES,
     ShmRing,
     WeightPushClient,
     expected_tensors,
@@ -24,7 +25,6 @@ from posttrain.interface import (
     StaleVersionError,
     WeightUpdateBegin,
 )
-from posttrain.local_engine._nvfp4 import E2M1_VALUES
 from posttrain.models import LoraAdapter as ModelLora
 from posttrain.models import ModelConfig, build_model, build_tokenizer
 
@@ -257,7 +257,7 @@ def _quantize_nvfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.
     scale_2 = torch.tensor(float(amax.max()) / (6 * 448))
     scales = (amax / 6 / scale_2).clamp(max=448).to(torch.float8_e4m3fn)
     step = (scales.float() * scale_2).unsqueeze(-1)
-    grid = E2M1_VALUES
+    grid = torch.tensor(E2M1_VALUES)
     codes = (blocks / step).unsqueeze(-1).sub(grid).abs().argmin(-1).reshape(n, k)
     packed = (codes[:, 0::2] | (codes[:, 1::2] << 4)).to(torch.uint8)
     return packed, scales, scale_2
@@ -280,7 +280,7 @@ def test_nvfp4_checkpoint_loads_dequantized_and_is_reported(
                 f"{prefix}.input_scale": torch.tensor(1.0),
             }
             codes = torch.stack([packed & 15, packed >> 4], -1).reshape(w.shape).long()
-            value = E2M1_VALUES[codes].reshape(w.shape[0], -1, 16) * (
+            value = torch.tensor(E2M1_VALUES)[codes].reshape(w.shape[0], -1, 16) * (
                 scales.float() * s2
             ).unsqueeze(-1)
             dequantized[name] = value.reshape(w.shape).to(w.dtype)

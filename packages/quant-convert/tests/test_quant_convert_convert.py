@@ -14,6 +14,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from posttrain.formats import read_nvfp4_quant_config
 from posttrain.interface import NVFP4Precision
 from posttrain.quant_convert import (
     CheckpointError,
@@ -60,6 +61,9 @@ def check_loader_contract(dst: Path) -> None:
     assert (cfg["quant_algo"], cfg["quant_method"], cfg["group_size"]) == ("NVFP4", "modelopt", 16)
     assert hq["quant_algo"] == "NVFP4"
     assert hq["group_size"] == 16
+    declared = read_nvfp4_quant_config(dst)  # the formats reader engines use reads it back
+    assert declared is not None
+    assert list(declared.exclude_modules) == cfg["ignore"]
     tensors = _load(dst)
     infos = [
         TensorInfo(n, "BF16", tuple(t.shape))

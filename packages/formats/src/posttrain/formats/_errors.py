@@ -4,11 +4,24 @@
     └── FormatsError                 a payload, file or request in one of our formats is invalid
         ├── FormatsConfigError (ConfigError)      a bad argument: adapter name, bucket size, ring
         ├── SamplesFormatError (WireFormatError)  a samples/1 payload is malformed (.field)
-        └── BucketFormatError (WireFormatError)   a wsync/1 bucket disagrees with its manifest
-                                                  or its bytes (.field)
+        ├── BucketFormatError (WireFormatError)   a wsync/1 bucket disagrees with its manifest
+        │                                         or its bytes (.field)
+        ├── NVFP4FormatError         an NVFP4 tensor group (weight, weight_scale, weight_scale_2)
+        │   (ValueError)             or an NVFP4 quant config is malformed
+        └── PeftFormatError          a PEFT LoRA adapter is malformed
+            (ValueError)
+            ├── PeftConfigError      adapter_config.json: unreadable, not a JSON object, a field
+            │                        missing or invalid (r <= 0, peft_type, bias, DoRA, ...), or
+            │                        target_modules that do not select the tensors present
+            └── PeftTensorError      adapter_model.safetensors: unreadable or corrupt, a key that
+                                     is not a PEFT LoRA key, a non-float dtype, NaN/Inf, a shape
+                                     inconsistent with r, lora_A without lora_B (or the reverse)
 
 An engine answering a weight push badly raises the interface's ``EngineError``,
 ``IncompleteUpdateError`` or ``StaleVersionError`` (the wsync/1 contract names them).
+
+Atomic writes raise the operating system's ``OSError`` (disk full, permission): the caller
+knows which of its files that was and maps it to its own error; the target is left as it was.
 """
 
 from __future__ import annotations
@@ -30,3 +43,19 @@ class SamplesFormatError(FormatsError, WireFormatError):
 
 class BucketFormatError(FormatsError, WireFormatError):
     """A wsync/1 bucket's bytes, tensors or manifest disagree; ``field`` names which."""
+
+
+class NVFP4FormatError(FormatsError, ValueError):
+    """An NVFP4 tensor group or quant config is malformed; the message names the tensor or file."""
+
+
+class PeftFormatError(FormatsError, ValueError):
+    """A PEFT LoRA adapter is malformed; the message names the file, key or field."""
+
+
+class PeftConfigError(PeftFormatError):
+    """``adapter_config.json`` (or a config dict sent on the wire) is invalid; names the field."""
+
+
+class PeftTensorError(PeftFormatError):
+    """The adapter's tensors (or their safetensors file) are invalid; names the file and key."""

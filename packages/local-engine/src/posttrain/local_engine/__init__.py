@@ -24,7 +24,6 @@ from posttrain.local_engine._errors import (
     UnknownAdapterError,
     UpdateSessionError,
 )
-from posttrain.local_engine._nvfp4 import dequantize_nvfp4
 from posttrain.local_engine._server import build_app, serve
 
 __all__ = [
@@ -41,7 +40,6 @@ __all__ = [
     "UpdateSessionError",
     "build_app",
     "create_app",
-    "dequantize_nvfp4",
     "parse_args",
     "serve",
 ]

@@ -10,7 +10,8 @@ PosttrainError (interface)
 │                                             order, sha256 mismatch, bad shm slot  -> 400
 └── LocalEngineError                          base of this package's own errors
     ├── CheckpointError (ConfigError)         a checkpoint cannot be loaded (names file/tensor)
-    │   └── NVFP4FormatError                  an NVFP4 tensor group is malformed
+    │   └── NVFP4FormatError                  an NVFP4 tensor group or quant config is malformed
+    │       (also posttrain.formats.NVFP4FormatError, whose message it carries)
     ├── AdapterError                          a LoRA adapter is invalid (names adapter/tensor)
     │   └── UnknownAdapterError               a request names an adapter not loaded -> 400
     ├── UnauthorizedError                     missing or wrong bearer token         -> 401
@@ -21,6 +22,7 @@ PosttrainError (interface)
 
 from __future__ import annotations
 
+import posttrain.formats as formats
 from posttrain.interface import (
     ConfigError,
     PosttrainError,
@@ -45,8 +47,8 @@ class CheckpointError(LocalEngineError, ConfigError):
     """A checkpoint directory or file cannot be loaded; the message names the file or tensor."""
 
 
-class NVFP4FormatError(CheckpointError):
-    """An NVFP4 tensor group (weight, weight_scale, weight_scale_2) is malformed."""
+class NVFP4FormatError(CheckpointError, formats.NVFP4FormatError):
+    """An NVFP4 tensor group or quant config is malformed (the formats reader said which)."""
 
 
 class AdapterError(LocalEngineError, ValueError):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from posttrain.formats import peft_key  # re-exported: the one PEFT key builder
 from posttrain.lora._errors import (
     AdapterFormatError,
     AdapterPushError,
@@ -25,7 +26,7 @@ from posttrain.lora._errors import (
 from posttrain.lora.attach import LoraGroups, LoraHandle, Target, attach_lora
 from posttrain.lora.config import LoraConfig
 from posttrain.lora.experts import ExpertLinear, LoraExpertLinear
-from posttrain.lora.export import export_adapter, peft_key
+from posttrain.lora.export import export_adapter
 from posttrain.lora.grads import lora_grad_norm, reduce_lora_grads, verify_replicas
 from posttrain.lora.ipc import repack_for_ipc
 from posttrain.lora.layers import LoraLinear, LoraParamTag

@@ -3,19 +3,18 @@
 The directory it writes is what every CPU path of posttrain starts from: the
 local engine serves it (``--model-path DIR``), the session router renders its
 chat template (``--tokenizer DIR``), ``transformers`` loads it as a
-``Qwen3MoeForCausalLM`` and ``quant-convert`` converts it. The write is atomic:
-a temporary directory renamed into place, so an interrupted run leaves nothing
-that looks complete.
+``Qwen3MoeForCausalLM`` and ``quant-convert`` converts it. The write is atomic
+(``posttrain.formats.atomic_directory``: a temporary directory, fsynced, swapped into
+place), so an interrupted run leaves nothing that looks complete.
 """
 
 from __future__ import annotations
 
 import argparse
-import shutil
 import sys
-import tempfile
 from pathlib import Path
 
+from posttrain.formats import atomic_directory
 from posttrain.models._config import ModelConfig
 from posttrain.models._errors import CheckpointError
 from posttrain.models._model import build_model
@@ -32,16 +31,8 @@ def init_checkpoint(
         raise CheckpointError(f"{target} exists and is not empty (pass --overwrite)")
     config = ModelConfig.tiny(vocab_size=VOCAB_SIZE, max_position_embeddings=max_positions)
     model = build_model(config, seed=seed)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
-    try:
+    with atomic_directory(target) as staging:
         model.save_pretrained(staging, tokenizer=build_tokenizer())
-        if target.exists():
-            shutil.rmtree(target) if target.is_dir() else target.unlink()
-        staging.rename(target)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
     return target
 
 

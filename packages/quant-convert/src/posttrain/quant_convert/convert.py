@@ -29,16 +29,17 @@ from typing import Any
 
 import torch
 
+from posttrain.formats import (
+    AtomicFile,
+    NVFP4QuantConfig,
+    nvfp4_config_sections,
+    write_bytes_atomic,
+)
 from posttrain.interface import ConfigError
 from posttrain.quant_convert._errors import CheckpointError, ResumeError
 from posttrain.quant_convert.nvfp4 import global_amax, quantize_nvfp4
 from posttrain.quant_convert.plan import ConvertOptions, Plan, ShardPlan, plan_conversion
-from posttrain.quant_convert.safetensors_io import (
-    ByteCounter,
-    SafetensorsReader,
-    ShardWriter,
-    write_bytes_atomic,
-)
+from posttrain.quant_convert.safetensors_io import ByteCounter, SafetensorsReader, ShardWriter
 
 __all__ = ["ConversionReport", "ProgressEvent", "convert_checkpoint"]
 
@@ -183,15 +184,8 @@ class _Run:
                         name=out.source,
                         allow_3d=opts.policy.quantize_3d_experts,
                     )
-                    base = out.source.removesuffix(".weight")
-                    writer.write_tensor(out.name, q.packed)
-                    writer.write_tensor(base + ".weight_scale", q.scale)
-                    writer.write_tensor(base + ".weight_scale_2", q.scale_2)
-                    if opts.input_scale is not None:
-                        writer.write_tensor(
-                            base + ".input_scale",
-                            torch.full(q.scale_2.shape, opts.input_scale, dtype=torch.float32),
-                        )
+                    for name, t in q.named(out.source, input_scale=opts.input_scale):
+                        writer.write_tensor(name, t)
                     del w, q
                     self._tick(shard.file, reader.entries[out.source].nbytes)
             sha = writer.finish()
@@ -200,6 +194,11 @@ class _Run:
             writer.abort()
             raise
         return sha
+
+
+def _write_file(path: Path, data: bytes) -> None:
+    # a fixed temp name: a rerun after a kill overwrites the leftover instead of adding one
+    write_bytes_atomic(path, data, tmp=path.with_name(path.name + ".tmp"))
 
 
 def _load_state(dst: Path) -> dict[str, Any] | None:
@@ -213,7 +212,7 @@ def _load_state(dst: Path) -> dict[str, Any] | None:
 def _write_state(dst: Path, fingerprint: str, done: dict[str, str]) -> None:
     (dst / STATE_DIR).mkdir(exist_ok=True)
     blob = json.dumps({"fingerprint": fingerprint, "shards": done}, indent=1, sort_keys=True)
-    write_bytes_atomic(dst / STATE_DIR / "state.json", blob.encode())
+    _write_file(dst / STATE_DIR / "state.json", blob.encode())
 
 
 def _resumable(
@@ -248,54 +247,30 @@ def _resumable(
     return done
 
 
-def _quant_config_section(plan: Plan) -> dict[str, Any]:
-    qc = dict(plan.config.get("quantization_config") or {})
-    qc.update(
-        quant_algo="NVFP4",
-        quant_method="modelopt",
-        group_size=16,
-        ignore=list(plan.exclusions.entries),
-    )
-    if plan.options.kv_cache_quant_algo == "FP8":
-        qc.setdefault("kv_cache_scheme", {"dynamic": False, "num_bits": 8, "type": "float"})
-    else:
-        qc.pop("kv_cache_scheme", None)
-    groups = qc.get("config_groups")
-    if isinstance(groups, dict):
-        fp4 = {"dynamic": False, "num_bits": 4, "type": "float"}
-        for g in groups.values():
-            g.setdefault("targets", ["Linear"])
-            for key in ("weights", "input_activations"):
-                g.setdefault(key, dict(fp4))
-                g[key]["group_size"] = 16
-    return qc
-
-
 def _write_metadata(plan: Plan, dst: Path, shas: dict[str, str]) -> int:
     weight_map = {o.name: s.file for s in plan.shards for o in s.outputs}
     total = plan.output_bytes
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-    write_bytes_atomic(dst / "model.safetensors.index.json", json.dumps(index, indent=2).encode())
-    config = dict(plan.config)
-    config["quantization_config"] = _quant_config_section(plan)
-    write_bytes_atomic(dst / "config.json", json.dumps(config, indent=2).encode())
+    _write_file(dst / "model.safetensors.index.json", json.dumps(index, indent=2).encode())
     src_hq = plan.src / "hf_quant_config.json"
-    hq: dict[str, Any] = (
-        json.loads(src_hq.read_text()) if src_hq.is_file() else {"producer": {"name": "modelopt"}}
+    section, hq = nvfp4_config_sections(
+        NVFP4QuantConfig(
+            exclude_modules=tuple(plan.exclusions.entries),
+            kv_cache_quant_algo=plan.options.kv_cache_quant_algo,
+        ),
+        config_section=plan.config.get("quantization_config") or {},
+        hf_quant_config=json.loads(src_hq.read_text()) if src_hq.is_file() else None,
     )
-    hq["quantization"] = {
-        "quant_algo": "NVFP4",
-        "kv_cache_quant_algo": plan.options.kv_cache_quant_algo,
-        "group_size": 16,
-        "exclude_modules": list(plan.exclusions.entries),
-    }
-    write_bytes_atomic(dst / "hf_quant_config.json", json.dumps(hq, indent=2).encode())
+    config = dict(plan.config)
+    config["quantization_config"] = section
+    _write_file(dst / "config.json", json.dumps(config, indent=2).encode())
+    _write_file(dst / "hf_quant_config.json", json.dumps(hq, indent=2).encode())
     for rel in plan.other_files:
         target = dst / rel
         target.parent.mkdir(parents=True, exist_ok=True)
         tmp = target.with_name(target.name + ".tmp")
-        shutil.copyfile(plan.src / rel, tmp)
-        tmp.replace(target)
+        with open(plan.src / rel, "rb") as src_file, AtomicFile(target, tmp=tmp) as out:
+            shutil.copyfileobj(src_file, out.file)
     from posttrain.quant_convert import __version__
 
     manifest = {
@@ -308,7 +283,7 @@ def _write_metadata(plan: Plan, dst: Path, shas: dict[str, str]) -> int:
         "tensors_quantized": len(plan.quantized),
         "exclusion_entries": len(plan.exclusions.entries),
     }
-    write_bytes_atomic(dst / MANIFEST, json.dumps(manifest, indent=2).encode())
+    _write_file(dst / MANIFEST, json.dumps(manifest, indent=2).encode())
     return total
 
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from posttrain.formats import NVFP4Part, nvfp4_layout
 from posttrain.interface import NVFP4Precision
 from posttrain.quant_convert._errors import CheckpointError
 from posttrain.quant_convert.exclusions import ExclusionPlan, ExclusionStyle, plan_exclusions
@@ -27,6 +28,13 @@ FORMAT_VERSION = 1
 _SCALE_SUFFIXES = ("weight_scale", "weight_scale_2", "input_scale", "weight_scale_inv",
                    "k_scale", "v_scale", "weight_global_scale", "weight_packed")  # fmt: skip
 _UNQUANTIZED_METHODS = (None, "", "bf16")
+OutputKind = Literal["copy", "packed", "scale", "scale_2", "input_scale"]
+_KIND: dict[NVFP4Part, OutputKind] = {
+    "weight": "packed",
+    "weight_scale": "scale",
+    "weight_scale_2": "scale_2",
+    "input_scale": "input_scale",
+}
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -81,7 +89,7 @@ class OutputTensor:
     dtype: str
     shape: tuple[int, ...]
     source: str
-    kind: Literal["copy", "packed", "scale", "scale_2", "input_scale"]
+    kind: OutputKind
 
     @property
     def nbytes(self) -> int:
@@ -278,20 +286,11 @@ def _plan_shard(
             if g.name not in quantized:
                 outputs.append(OutputTensor(g.name, g.dtype, g.shape, g.name, "copy"))
                 continue
-            base = g.name.removesuffix(".weight")
-            *lead, n, k = g.shape
-            s2_shape = tuple(lead)
+            layout = nvfp4_layout(g.name, g.shape, input_scale=options.input_scale is not None)
             new = [
-                OutputTensor(g.name, "U8", (*lead, n, k // 2), g.name, "packed"),
-                OutputTensor(
-                    base + ".weight_scale", "F8_E4M3", (*lead, n, k // 16), g.name, "scale"
-                ),
-                OutputTensor(base + ".weight_scale_2", "F32", s2_shape, g.name, "scale_2"),
+                OutputTensor(t.name, t.safetensors_dtype, t.shape, g.name, _KIND[t.part])
+                for t in layout
             ]
-            if options.input_scale is not None:
-                new.append(
-                    OutputTensor(base + ".input_scale", "F32", s2_shape, g.name, "input_scale")
-                )
             for o in new[1:]:
                 if o.name in all_names:
                     raise CheckpointError(f"{o.name}: output key collides with a source tensor")

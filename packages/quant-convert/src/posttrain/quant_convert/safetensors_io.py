@@ -4,8 +4,10 @@ Why not ``safetensors.safe_open``: it maps the whole file, so its pages count to
 and the bytes it touches cannot be counted. Here every read is an explicit ``os.pread`` of
 one tensor's byte range (counted in :class:`ByteCounter`), and the writer lays the header
 out first (output sizes are known from shapes) and then appends tensors in header order, so
-memory holds one tensor at a time and the sha256 is computed on the way. The file appears
-under its final name only after ``fsync`` and ``os.replace``.
+memory holds one tensor at a time and the sha256 is computed on the way (the header layout is
+``posttrain.formats.safetensors_header``, shared with every other safetensors writer). The file appears
+under its final name only when complete: the writer is a ``posttrain.formats.AtomicFile`` with
+the fixed temp name ``<shard>.tmp`` (a resumed run overwrites a killed run's leftover).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from typing import Any
 
 import torch
 
+from posttrain.formats import AtomicFile, safetensors_header, tensor_bytes
 from posttrain.quant_convert._errors import CheckpointError
 
 __all__ = [
@@ -30,9 +33,7 @@ __all__ = [
     "HeaderEntry",
     "SafetensorsReader",
     "ShardWriter",
-    "fsync_dir",
     "read_header",
-    "write_bytes_atomic",
 ]
 
 DTYPE_BYTES: dict[str, int] = {
@@ -151,22 +152,13 @@ class ShardWriter:
     ) -> None:
         self.path = path
         self.tmp = path.with_name(path.name + ".tmp")
-        header: dict[str, Any] = {"__metadata__": metadata}
-        self._order: list[tuple[str, int]] = []
-        off = 0
-        for name, dtype, shape in layout:
-            n = DTYPE_BYTES[dtype]
-            for d in shape:
-                n *= d
-            header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [off, off + n]}
-            self._order.append((name, n))
-            off += n
-        raw = json.dumps(header, separators=(",", ":")).encode()
-        raw += b" " * (-len(raw) % 8)
-        self.data_bytes = off
+        head, sizes = safetensors_header(layout, metadata)  # the layout is formats'
+        self._order = [(name, n) for (name, _, _), n in zip(layout, sizes, strict=True)]
+        self.data_bytes = sum(sizes)
         self._sha = hashlib.sha256()
-        self._f = open(self.tmp, "wb")  # noqa: SIM115 - closed in finish()/abort()
-        self._emit(struct.pack("<Q", len(raw)) + raw)
+        self._out = AtomicFile(path, tmp=self.tmp)  # committed in finish(), discarded in abort()
+        self._f = self._out.file
+        self._emit(head)
         self._next = 0
         self._written_in_current = 0
 
@@ -190,39 +182,14 @@ class ShardWriter:
             self._written_in_current = 0
 
     def write_tensor(self, name: str, t: torch.Tensor) -> None:
-        flat = t.detach().to("cpu").contiguous().reshape(-1)
-        self.write(name, flat.view(torch.uint8).numpy().tobytes())
+        self.write(name, tensor_bytes(t))
 
     def finish(self) -> str:
         """fsync, rename into place; returns the sha256 of the file."""
         if self._next != len(self._order):
             raise RuntimeError(f"{self.path}: {self._order[self._next][0]} was never written")
-        self._f.flush()
-        os.fsync(self._f.fileno())
-        self._f.close()
-        os.replace(self.tmp, self.path)
-        fsync_dir(self.path.parent)
+        self._out.commit()
         return self._sha.hexdigest()
 
     def abort(self) -> None:
-        self._f.close()
-        self.tmp.unlink(missing_ok=True)
-
-
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def write_bytes_atomic(path: Path, data: bytes) -> None:
-    """Write a small file atomically (temp name, fsync, rename)."""
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
+        self._out.discard()
