@@ -70,7 +70,9 @@ def test_update_then_parity_and_checksum(engine, other_weights, trainer_lp, tran
     _assert_parity(after, target, trainer_lp)
 
 
-def test_update_faults_are_rejected_and_leave_engine_unavailable(engine, other_weights) -> None:  # type: ignore[no-untyped-def]
+def test_refused_updates_keep_serving_abandoned_ones_leave_engine_unavailable(
+    engine, other_weights
+) -> None:  # type: ignore[no-untyped-def]
     items = list(other_weights.items())
     with engine() as c:
         p = _pusher(c)
@@ -93,23 +95,28 @@ def test_update_faults_are_rejected_and_leave_engine_unavailable(engine, other_w
         r = c.post("/generate", json={"input_ids": [4, 5]})
         assert r.status_code == 503
         assert "missing" in r.json()["error"]["message"]
-        # wrong dtype in a bucket: 400 naming the tensor, then 503
+        # a full update brings it back
+        assert push_weights(p, other_weights, weight_version=6).success
+        # wrong dtype in a bucket: refused with a 400 naming the tensor; the update is over and
+        # the engine keeps serving version 6
         name, t = items[0]
-        p.begin(update_id="u3", weight_version=6, kind="base", expected=items)
-        m, _ = pack_bucket([(name, t.float())], update_id="u3", weight_version=6, is_last=False)
+        p.begin(update_id="u3", weight_version=7, kind="base", expected=items)
+        m, _ = pack_bucket([(name, t.float())], update_id="u3", weight_version=7, is_last=False)
         with pytest.raises(EngineError, match=name):
             p.send_safetensors(m, {name: t.float()})
         assert c.post("/end_weight_update", json={"update_id": "u3"}).status_code == 400
-        # duplicate across buckets
-        p.begin(update_id="u4", weight_version=6, kind="base", expected=items)
-        m0, _ = pack_bucket([items[0]], update_id="u4", weight_version=6, is_last=False)
+        assert _generate(c)["meta_info"]["weight_version"] == "6"
+        # duplicate across buckets: refused, still serving
+        p.begin(update_id="u4", weight_version=7, kind="base", expected=items)
+        m0, _ = pack_bucket([items[0]], update_id="u4", weight_version=7, is_last=False)
         p.send_safetensors(m0, dict([items[0]]))
-        m1, _ = pack_bucket([items[0]], update_id="u4", weight_version=6, bucket_index=1)
+        m1, _ = pack_bucket([items[0]], update_id="u4", weight_version=7, bucket_index=1)
         with pytest.raises(EngineError, match="twice"):
             p.send_safetensors(m1, dict([items[0]]))
-        # aborted midway
-        p.begin(update_id="u5", weight_version=6, kind="base", expected=items)
-        m, _ = pack_bucket(items[:3], update_id="u5", weight_version=6, is_last=False)
+        assert _generate(c)["meta_info"]["weight_version"] == "6"
+        # aborted midway by the trainer: abandoned, 503 until a full update (wsync/1)
+        p.begin(update_id="u5", weight_version=7, kind="base", expected=items)
+        m, _ = pack_bucket(items[:3], update_id="u5", weight_version=7, is_last=False)
         p.send_safetensors(m, dict(items[:3]))
         p.abort("u5")
         assert c.post("/generate", json={"input_ids": [4, 5]}).status_code == 503
@@ -144,9 +151,12 @@ def test_update_from_disk(engine, tmp_path, trainer_lp) -> None:  # type: ignore
         out = _generate(c)
         assert out["meta_info"]["weight_version"] == "3"
         _assert_parity(out, target, trainer_lp)
+        sha = c.get("/weights_checksum").json()["sha256"]
         bad = c.post("/update_weights_from_disk", json={"model_path": str(tmp_path / "nope")})
         assert bad.status_code == 400
-        assert c.post("/generate", json={"input_ids": [4, 5]}).status_code == 503
+        # refused before anything changed: the engine keeps serving version 3 (issue #18)
+        assert _generate(c)["meta_info"]["weight_version"] == "3"
+        assert c.get("/weights_checksum").json()["sha256"] == sha
 
 
 def _adapter_tensors(reference: Any, r: int, seed: int) -> dict[str, torch.Tensor]:

@@ -5,6 +5,11 @@ through ``posttrain.models``. A directory with an NVFP4 ``quantization_config`` 
 ``hf_quant_config.json``) has its quantized linears dequantized to the dtype the
 model keeps them in; the report says which tensors were dequantized, and the
 engine shows it under ``/server_info``.
+
+Whatever a checkpoint holds is untrusted bytes: a missing or unreadable file, a truncated
+or garbage safetensors file, a malformed index and NaN/Inf weights all become a
+``CheckpointError`` (or ``NonFiniteWeightsError``) naming the directory, never a raw
+``SafetensorError`` or ``OSError``.
 """
 
 from __future__ import annotations
@@ -12,8 +17,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 
 from posttrain.local_engine._errors import CheckpointError
+from posttrain.local_engine._finite import check_finite
 from posttrain.local_engine._nvfp4 import NVFP4Report, dequantize_state_dict, read_quant_config
 from posttrain.models import DecoderModel, ModelsError, Numerics, load_config, load_hf_tensors
 
@@ -32,8 +39,13 @@ def read_checkpoint(
         tensors = load_hf_tensors(d)
     except ModelsError as e:
         raise CheckpointError(f"{d}: {e}") from e
+    except (SafetensorError, OSError, ValueError, KeyError, TypeError) as e:
+        # SafetensorError: truncated or garbage file; ValueError: a malformed index JSON;
+        # KeyError/TypeError: an index of the wrong shape.
+        raise CheckpointError(f"{d}: unreadable checkpoint ({type(e).__name__}: {e})") from e
     if report is not None:
         tensors = dequantize_state_dict(tensors, report, specs)
+    check_finite(sorted(tensors.items()), what=f"checkpoint {str(d)!r}")
     return tensors, report
 
 
