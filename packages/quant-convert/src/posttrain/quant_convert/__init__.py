@@ -10,6 +10,7 @@ from posttrain.quant_convert.convert import ConversionReport, ProgressEvent, con
 from posttrain.quant_convert.errors import (
     CheckpointError,
     ExclusionError,
+    OutputError,
     QuantConvertError,
     QuantInputError,
     ResumeError,
@@ -36,6 +37,7 @@ __all__ = [
     "ExclusionPlan",
     "NVFP4Config",
     "NVFP4Tensor",
+    "OutputError",
     "Plan",
     "ProgressEvent",
     "QuantConvertError",
