@@ -46,7 +46,7 @@ __all__ = [
 Handler = Callable[[Request], Awaitable[Response]]
 # A body up to this size is decoded (and tokenized) on the event loop: a thread hop costs
 # more than the work. Anything larger goes to a thread.
-INLINE_BODY_BYTES = 64 * 1024
+INLINE_BODY_BYTES = 16 * 1024
 _log = logging.getLogger("posttrain.local_engine")
 _HTTP_TYPES = {404: "NotFound", 405: "MethodNotAllowed"}
 
