@@ -7,11 +7,15 @@ wsync/1 bucket, every LoRA adapter) calls ``check_finite`` before anything is sw
 update is refused with ``NonFiniteWeightsError`` naming the tensor.
 
 Integer and bool tensors (NVFP4 codes, indices) cannot hold NaN and are skipped. float8 types
-have no ``isfinite`` kernel on CPU, so they are widened to fp32 first (exact).
+are widened to fp32 first (exact). The check is one ``aminmax`` pass (NaN propagates into
+both results, +-Inf is an extreme): on one CPU thread it reads a 64 MiB bf16 tensor in
+0.4-0.9x the time of copying it, where ``isfinite(t).all()`` took 38-40x
+(docs/benchmarks/local-engine.md); the count of bad values is computed only for the message.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 
 import torch
@@ -26,9 +30,11 @@ _WIDEN = frozenset({torch.float8_e4m3fn, torch.float8_e5m2})
 def _non_finite_count(t: torch.Tensor) -> int:
     if not t.is_floating_point() or t.numel() == 0:
         return 0
-    x = t.float() if t.dtype in _WIDEN else t
-    ok = torch.isfinite(x)
-    return 0 if bool(ok.all()) else int(ok.numel() - int(ok.sum()))
+    x = (t.float() if t.dtype in _WIDEN else t).reshape(-1)
+    low, high = torch.aminmax(x)
+    if math.isfinite(float(low)) and math.isfinite(float(high)):
+        return 0
+    return int(x.numel() - int(torch.isfinite(x).sum()))
 
 
 def check_finite(tensors: Iterable[tuple[str, torch.Tensor]], *, what: str) -> None:
