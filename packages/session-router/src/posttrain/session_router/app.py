@@ -59,6 +59,7 @@ from posttrain.session_router._errors import (
 )
 from posttrain.session_router.assembly import (
     REPLY_DROP_HEADERS,
+    ChatRequest,
     apply_lora,
     build_generate_body,
     forward_headers,
@@ -71,6 +72,8 @@ from posttrain.session_router.samples import assemble_samples
 from posttrain.session_router.server import BodyTooLargeError, SessionServer
 from posttrain.session_router.template import ChatTokenizer, NotCachedError
 from posttrain.session_router.tito import (
+    PreparedTurn,
+    SessionState,
     TurnRecord,
     commit_turn,
     parse_generate_reply,
@@ -230,6 +233,32 @@ async def chat(request: Request) -> Response:
             prepared = prepare(max_uncached_chars=_INLINE_TOKENIZE_CHARS)
         except NotCachedError:
             prepared = await asyncio.to_thread(prepare)
+    # The client may leave while the upstream generates. One task waits for its disconnect
+    # (~9 us a turn; polling Request.is_disconnected costs ~38 us), read before committing.
+    left: asyncio.Future[Any] = asyncio.ensure_future(request.receive())
+    try:
+        return await _generate_and_commit(request, server, state, req, prepared, left)
+    finally:
+        left.cancel()
+
+
+def _client_left(left: asyncio.Future[Any]) -> bool:
+    if not left.done() or left.cancelled() or left.exception() is not None:
+        return False
+    message = left.result()
+    return isinstance(message, dict) and message.get("type") == "http.disconnect"
+
+
+async def _generate_and_commit(
+    request: Request,
+    server: SessionServer,
+    state: SessionState,
+    req: ChatRequest,
+    prepared: PreparedTurn,
+    left: asyncio.Future[Any],
+) -> Response:
+    """The upstream call, the reply checks and the commit of one prepared turn."""
+    cfg, tok, session_id = server.cfg, server.tok, state.session_id
     body = build_generate_body(req.body, cfg, prepared.prompt_ids)
     request_ts = time.time()
     started = time.perf_counter()
@@ -269,7 +298,7 @@ async def chat(request: Request) -> Response:
         output_logprobs=reply.output_logprobs,
         finish_reason=reply.finish_reason,
     )
-    if await request.is_disconnected():
+    if _client_left(left):
         # The client gave up (its own timeout, a cancelled rollout): nobody reads this reply, and
         # a retry of the same turn must find the session as it was.
         server.metrics.turns.labels("abandoned").inc()
