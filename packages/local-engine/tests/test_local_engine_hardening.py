@@ -173,6 +173,16 @@ def test_nan_adapters_are_refused_on_every_path(engine, reference, tmp_path: Pat
         raw = save(good, metadata={"lora_name": "a", "config_dict": json.dumps(inf_cfg)})
         r = c.post("/load_lora_adapter_from_tensors", content=raw)
         _assert_refused(r, 400, "NonFiniteWeightsError", "scaling")
+        # a corrupt weights file and a config that is a JSON list: named, not a 500
+        broken = tmp_path / "broken"
+        shutil.copytree(good_dir, broken)
+        (broken / "adapter_model.safetensors").write_bytes(b"\x10" * 64)
+        r = c.post("/load_lora_adapter", json={"lora_name": "a", "lora_path": str(broken)})
+        _assert_refused(r, 400, "AdapterError", "unreadable")
+        shutil.copy(good_dir / "adapter_model.safetensors", broken / "adapter_model.safetensors")
+        (broken / "adapter_config.json").write_text("[1, 2]")
+        r = c.post("/load_lora_adapter", json={"lora_name": "a", "lora_path": str(broken)})
+        _assert_refused(r, 400, "AdapterError")
         # the adapter that was loaded still serves, unchanged; so does the base
         assert _gen(c, "a")["output_ids"] == served
         _assert_serving(c, before_base)

@@ -13,7 +13,6 @@ serving what it served (see ``_update`` for what an abandoned wsync/1 session do
 from __future__ import annotations
 
 import asyncio
-from pathlib import Path
 from typing import Any
 
 from safetensors import SafetensorError
@@ -77,11 +76,12 @@ def weight_routes(
     def read_adapter_dir(name: str, path: str) -> LoraAdapter:
         try:
             return load_peft_adapter(name, path, engine.lora_targets)
-        except (SafetensorError, OSError, ValueError) as e:
-            if isinstance(e, AdapterError):
-                raise
+        except AdapterError:
+            raise
+        except (SafetensorError, OSError, ValueError, TypeError, AttributeError, KeyError) as e:
+            # a corrupt weights file, or an adapter_config.json of the wrong shape (a list)
             raise AdapterError(
-                f"adapter {name!r}: {Path(path) / 'adapter_model.safetensors'} is unreadable "
+                f"adapter {name!r}: the PEFT directory {path} is unreadable "
                 f"({type(e).__name__}: {e})"
             ) from e
 
