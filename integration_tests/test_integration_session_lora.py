@@ -247,3 +247,50 @@ def test_the_rollout_client_draws_a_group_through_the_stack(stack: dict[str, Any
         with torch.no_grad():
             recomputed = model.forward_logprobs(ids, [len(sample.tokens)], lora=lora)
         assert recomputed[len(sample.prompt_ids) :].tolist() == sample.rollout_logprobs
+
+
+def test_a_frozen_engine_fails_the_turn_with_504_then_serves_again(
+    tmp_path: Path,
+) -> None:
+    """A real local-engine process stopped with SIGSTOP: the turn is a 504 naming the engine
+    after ``upstream_timeout_s``, nothing is recorded, and after SIGCONT the same turn succeeds."""
+    import os
+    import signal
+    import sys
+
+    from posttrain.interface.testing import ServerProcess
+
+    model_dir, _, _ = _write_model(tmp_path)
+    port = free_port()
+    argv = [sys.executable, "-m", "posttrain.local_engine", "--model-path", str(model_dir),
+            "--port", str(port)]  # fmt: skip
+    engine_url = f"http://127.0.0.1:{port}"
+    cfg = SessionRouterConfig(
+        upstream_url=engine_url, tokenizer=str(model_dir), upstream_timeout_s=1.0
+    )
+    body = {"messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 4}
+    with ServerProcess(argv, f"{engine_url}/health", timeout_s=60) as engine:
+
+        async def scenario() -> None:
+            app = create_app(cfg)
+            try:
+                async with httpx.AsyncClient(
+                    transport=httpx.ASGITransport(app=app), base_url="http://sr", timeout=30
+                ) as c:
+                    sid = (await c.post("/sessions")).json()["session_id"]
+                    url = f"/sessions/{sid}/v1/chat/completions"
+                    os.kill(engine.pid, signal.SIGSTOP)
+                    try:
+                        frozen = await c.post(url, json=body)
+                    finally:
+                        os.kill(engine.pid, signal.SIGCONT)
+                    assert frozen.status_code == 504, frozen.text
+                    assert engine_url in frozen.json()["error"]
+                    assert (await c.get(f"/sessions/{sid}")).json()["records"] == []
+                    again = await c.post(url, json=body)
+                    assert again.status_code == 200, again.text
+                    assert len((await c.get(f"/sessions/{sid}")).json()["records"]) == 1
+            finally:
+                await app.state.server.aclose()
+
+        asyncio.run(asyncio.wait_for(scenario(), timeout=60))

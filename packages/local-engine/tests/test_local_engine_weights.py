@@ -87,7 +87,9 @@ def _begin(uid: str, version: int, items: Any) -> WeightUpdateBegin:
     )
 
 
-def test_update_faults_are_rejected_and_leave_engine_unavailable(engine, other_weights) -> None:  # type: ignore[no-untyped-def]
+def test_refused_updates_keep_serving_abandoned_ones_leave_engine_unavailable(
+    engine, other_weights
+) -> None:  # type: ignore[no-untyped-def]
     items = list(other_weights.items())
     with engine() as c:
         p = _pusher(c)
@@ -107,22 +109,27 @@ def test_update_faults_are_rejected_and_leave_engine_unavailable(engine, other_w
         r = c.post("/generate", json={"input_ids": [4, 5]})
         assert r.status_code == 503
         assert "missing" in r.json()["error"]["message"]
-        # wrong dtype in a bucket: 400 naming the tensor, then 503
+        # a full update brings it back
+        assert push_weights(p, other_weights, weight_version=6).success
+        # wrong dtype in a bucket: refused with a 400 naming the tensor; the update is over and
+        # the engine keeps serving version 6
         name, t = items[0]
-        p.begin(_begin("u3", 6, items))
-        m, buf = pack_bucket([(name, t.float())], update_id="u3", weight_version=6, is_last=False)
+        p.begin(_begin("u3", 7, items))
+        m, buf = pack_bucket([(name, t.float())], update_id="u3", weight_version=7, is_last=False)
         with pytest.raises(EngineError, match=name):
             p.send_bucket(m, buf)
         assert c.post("/end_weight_update", json={"update_id": "u3"}).status_code == 400
-        # duplicate across buckets
-        p.begin(_begin("u4", 6, items))
-        p.send_bucket(*pack_bucket([items[0]], update_id="u4", weight_version=6, is_last=False))
-        m1, buf1 = pack_bucket([items[0]], update_id="u4", weight_version=6, bucket_index=1)
+        assert _generate(c)["meta_info"]["weight_version"] == 6
+        # duplicate across buckets: refused, still serving
+        p.begin(_begin("u4", 7, items))
+        p.send_bucket(*pack_bucket([items[0]], update_id="u4", weight_version=7, is_last=False))
+        m1, buf1 = pack_bucket([items[0]], update_id="u4", weight_version=7, bucket_index=1)
         with pytest.raises(EngineError, match="twice"):
             p.send_bucket(m1, buf1)
-        # aborted midway
-        p.begin(_begin("u5", 6, items))
-        p.send_bucket(*pack_bucket(items[:3], update_id="u5", weight_version=6, is_last=False))
+        assert _generate(c)["meta_info"]["weight_version"] == 6
+        # aborted midway by the trainer: abandoned, 503 until a full update (wsync/1)
+        p.begin(_begin("u5", 7, items))
+        p.send_bucket(*pack_bucket(items[:3], update_id="u5", weight_version=7, is_last=False))
         p.abort("u5")
         assert c.post("/generate", json={"input_ids": [4, 5]}).status_code == 503
         assert c.get("/server_info").json()["weights_serviceable"] is False
@@ -166,9 +173,12 @@ def test_update_from_disk(engine, tmp_path, trainer_lp) -> None:  # type: ignore
         assert r.status_code == 400
         assert r.json()["error"]["field"] == "weight_version"
         _assert_parity(out, target, trainer_lp)
+        sha = c.get("/weights_checksum").json()["sha256"]
         bad = c.post("/update_weights_from_disk", json={"model_path": str(tmp_path / "nope")})
         assert bad.status_code == 400
-        assert c.post("/generate", json={"input_ids": [4, 5]}).status_code == 503
+        # refused before anything changed: the engine keeps serving version 3 (issue #18)
+        assert _generate(c)["meta_info"]["weight_version"] == 3
+        assert c.get("/weights_checksum").json()["sha256"] == sha
 
 
 def _adapter_tensors(reference: Any, r: int, seed: int) -> dict[str, torch.Tensor]:

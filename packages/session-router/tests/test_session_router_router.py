@@ -350,3 +350,53 @@ def test_cli_refuses_a_router_that_drops_fields(
     err = capsys.readouterr().err
     assert "return_routed_experts" in err
     assert router.workers() == []
+
+
+def test_sgl_router_admin_api_is_not_reachable_through_a_session(
+    router: RouterHandle, tok_dir: Path, chat_tok: Any, make_engine: Any
+) -> None:
+    """A session client cannot deregister engines or register a worker URL (issue #18)."""
+    cfg = SessionRouterConfig(upstream_url=router.url, tokenizer=str(tok_dir))
+    with LoopbackWorker(generate=make_engine(chat_tok)) as worker:
+        router.add_worker(worker.url)
+        try:
+            (entry,) = router.list_workers()
+
+            async def scenario() -> None:
+                app = create_app(cfg, tokenizer=chat_tok)
+                try:
+                    async with httpx.AsyncClient(
+                        transport=httpx.ASGITransport(app=app), base_url="http://sr", timeout=30
+                    ) as c:
+                        sid = (await c.post("/sessions")).json()["session_id"]
+                        url = f"/sessions/{sid}/v1/chat/completions"
+                        msgs: list[dict[str, Any]] = [{"role": "user", "content": "hi"}]
+                        r1 = await c.post(url, json={"messages": msgs})
+                        assert r1.status_code == 200, r1.text
+                        gone = await c.delete(f"/sessions/{sid}/workers/{entry['id']}")
+                        assert gone.status_code == 404, gone.text
+                        added = await c.post(
+                            f"/sessions/{sid}/workers", json={"url": "http://127.0.0.1:9"}
+                        )
+                        assert added.status_code == 404, added.text
+                        listed = await c.get(f"/sessions/{sid}/workers")
+                        assert listed.status_code == 404
+                        flushed = await c.post(f"/sessions/{sid}/flush_cache")
+                        assert flushed.status_code == 404
+                        # read-only information still passes through
+                        models = await c.get(f"/sessions/{sid}/v1/models")
+                        assert models.status_code == 200, models.text
+                        msgs = [
+                            *msgs,
+                            r1.json()["choices"][0]["message"],
+                            {"role": "user", "content": "again"},
+                        ]
+                        r2 = await c.post(url, json={"messages": msgs})
+                        assert r2.status_code == 200, r2.text
+                finally:
+                    await app.state.server.aclose()
+
+            asyncio.run(asyncio.wait_for(scenario(), timeout=45))
+            assert router.workers() == [worker.url]  # still registered, nothing added
+        finally:
+            router.remove_worker(worker.url)

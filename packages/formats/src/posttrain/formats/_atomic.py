@@ -99,9 +99,16 @@ class AtomicFile:
         fsync_dir(self.path.parent)
 
     def discard(self) -> None:
-        """Close and remove the temp file; ``path`` keeps whatever it held."""
-        self.file.close()
-        self.tmp.unlink(missing_ok=True)
+        """Close and remove the temp file; ``path`` keeps whatever it held.
+
+        Closing may itself fail (a full disk fails the final flush): the temp file is removed
+        all the same, so nothing half-written stays behind.
+        """
+        try:
+            with contextlib.suppress(OSError):
+                self.file.close()
+        finally:
+            self.tmp.unlink(missing_ok=True)
 
     def __enter__(self) -> AtomicFile:
         return self

@@ -55,7 +55,7 @@ def nvfp4_config_sections(
     keys set over them); existing ``config_groups`` get NVFP4 weight/activation arguments.
     """
     exclude = list(config.exclude_modules)
-    qc = dict(config_section or {})
+    qc = dict(config_section) if isinstance(config_section, Mapping) else {}
     qc.update(quant_algo="NVFP4", quant_method="modelopt", group_size=GROUP_SIZE, ignore=exclude)
     if config.kv_cache_quant_algo == "FP8":
         qc.setdefault("kv_cache_scheme", dict(_FP8_KV_SCHEME))
@@ -63,11 +63,12 @@ def nvfp4_config_sections(
         qc.pop("kv_cache_scheme", None)
     groups = qc.get("config_groups")
     if isinstance(groups, dict):
-        for g in groups.values():
+        for g in (g for g in groups.values() if isinstance(g, dict)):  # source bytes: untrusted
             g.setdefault("targets", ["Linear"])
             for key in ("weights", "input_activations"):
                 g.setdefault(key, dict(_FP4_ARGS))
-                g[key]["group_size"] = GROUP_SIZE
+                if isinstance(g[key], dict):
+                    g[key]["group_size"] = GROUP_SIZE
     hq: dict[str, Any] = {"producer": {"name": "modelopt"}}
     if hf_quant_config is not None:
         hq = dict(hf_quant_config)

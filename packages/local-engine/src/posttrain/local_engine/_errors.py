@@ -1,5 +1,10 @@
 """The errors local-engine raises, and the HTTP status each one maps to.
 
+Every error reply is JSON ``{"error": {"message", "type", "field", "code"}}``; ``type`` is the
+class name below (stable: clients may branch on it). Besides the tree, three types have no
+class: ``NotFound`` (404, no such route), ``MethodNotAllowed`` (405) and ``InternalServerError``
+(500, an exception that is a bug rather than bad input; its traceback goes to the server log).
+
 PosttrainError (interface)
 ├── WireFormatError (interface, ValueError)   a request field is malformed          -> 400
 │   └── RequestTooLargeError                  a request exceeds a configured limit  -> 413
@@ -14,6 +19,8 @@ PosttrainError (interface)
     │       (also posttrain.formats.NVFP4FormatError, whose message it carries)
     ├── AdapterError                          a LoRA adapter is invalid (names adapter/tensor)
     │   └── UnknownAdapterError               a request names an adapter not loaded -> 400
+    ├── NonFiniteWeightsError (ValueError)    a weight or adapter tensor holds NaN/Inf; the
+    │                                         update is refused before anything is swapped -> 400
     ├── UnauthorizedError                     missing or wrong bearer token         -> 401
     ├── OverloadedError                       the request queue is full             -> 503
     └── UnavailableError                      weights are invalid after a failed update,
@@ -57,6 +64,10 @@ class AdapterError(LocalEngineError, ValueError):
 
 class UnknownAdapterError(AdapterError):
     """A request names an adapter that is not loaded."""
+
+
+class NonFiniteWeightsError(LocalEngineError, ValueError):
+    """A checkpoint, update bucket or adapter holds NaN or Inf; the message names the tensor."""
 
 
 class UnauthorizedError(LocalEngineError):

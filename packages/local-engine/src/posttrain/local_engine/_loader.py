@@ -10,6 +10,11 @@ Departure from a GPU engine: there is no FP4 arithmetic here. The dequantized we
 exactly the values an NVFP4 kernel multiplies by (up to one rounding to the model dtype),
 so quantization drift in logprobs can be studied on CPU; activation quantization
 (``input_scale``) is not simulated, and the report says so.
+
+Whatever a checkpoint holds is untrusted bytes: a missing or unreadable file, a truncated
+or garbage safetensors file, a malformed index and NaN/Inf weights all become a
+``CheckpointError`` (or ``NonFiniteWeightsError``) naming the directory, never a raw
+``SafetensorError`` or ``OSError``.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 
 from posttrain.formats import (
     GROUP_SIZE,
@@ -27,6 +33,7 @@ from posttrain.formats import (
 )
 from posttrain.formats import NVFP4FormatError as FormatsNVFP4Error
 from posttrain.local_engine._errors import CheckpointError, NVFP4FormatError
+from posttrain.local_engine._finite import check_finite
 from posttrain.models import DecoderModel, ModelsError, Numerics, load_config, load_hf_tensors
 
 __all__ = ["NVFP4Report", "load_model", "read_checkpoint"]
@@ -70,13 +77,19 @@ def read_checkpoint(
     try:
         declared = read_nvfp4_quant_config(d)
         tensors = load_hf_tensors(d)
-        if declared is None:
-            return tensors, None
-        tensors, done = dequantize_nvfp4_state_dict(tensors, dtypes=specs)
+        if declared is not None:
+            tensors, done = dequantize_nvfp4_state_dict(tensors, dtypes=specs)
     except FormatsNVFP4Error as e:
         raise NVFP4FormatError(str(e)) from e
     except ModelsError as e:
         raise CheckpointError(f"{d}: {e}") from e
+    except (SafetensorError, OSError, ValueError, KeyError, TypeError) as e:
+        # SafetensorError: truncated or garbage file; ValueError: a malformed index JSON;
+        # KeyError/TypeError: an index of the wrong shape.
+        raise CheckpointError(f"{d}: unreadable checkpoint ({type(e).__name__}: {e})") from e
+    check_finite(sorted(tensors.items()), what=f"checkpoint {str(d)!r}")
+    if declared is None:
+        return tensors, None
     report = NVFP4Report(
         exclude_modules=list(declared.exclude_modules),
         kv_cache_quant_algo=declared.kv_cache_quant_algo,

@@ -14,6 +14,7 @@ from posttrain.formats import dequantize_nvfp4
 from posttrain.quant_convert._errors import (
     CheckpointError,
     ExclusionError,
+    OutputError,
     QuantConvertError,
     QuantInputError,
     ResumeError,
@@ -40,6 +41,7 @@ __all__ = [
     "ExclusionPlan",
     "NVFP4Config",
     "NVFP4Tensor",
+    "OutputError",
     "Plan",
     "ProgressEvent",
     "QuantConvertError",

@@ -119,6 +119,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (QuantConvertError, ConfigError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except OSError as exc:  # a seam we did not name: still one line, never a traceback
+        print(f"error: {exc.strerror or exc} ({exc.filename or 'no file'})", file=sys.stderr)
+        return 2
     finally:
         if bar is not None:
             bar.close()

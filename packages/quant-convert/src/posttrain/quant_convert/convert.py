@@ -11,6 +11,11 @@ files still hash the same, and refuses a state written for other inputs or optio
 interrupted run never looks complete. Departures from miles: the source is read once (not
 twice to find pairs), a cross-shard partner is read again only for its amax, dst equal to or
 nested in src is refused, and other files are copied with their subdirectories.
+
+Failures are named, never raw: an OS error on the destination (read-only, full disk) is an
+``OutputError`` and leaves no ``*.tmp`` behind (the shards recorded so far stay valid, so
+rerunning the same command resumes); an unreadable state file is a ``ResumeError``; any
+unreadable source (config, index, header) a ``CheckpointError``.
 """
 
 from __future__ import annotations
@@ -29,17 +34,19 @@ from typing import Any
 
 import torch
 
-from posttrain.formats import (
-    AtomicFile,
-    NVFP4QuantConfig,
-    nvfp4_config_sections,
-    write_bytes_atomic,
-)
+from posttrain.formats import AtomicFile, NVFP4QuantConfig, nvfp4_config_sections
 from posttrain.interface import ConfigError
 from posttrain.quant_convert._errors import CheckpointError, ResumeError
 from posttrain.quant_convert.nvfp4 import global_amax, quantize_nvfp4
 from posttrain.quant_convert.plan import ConvertOptions, Plan, ShardPlan, plan_conversion
-from posttrain.quant_convert.safetensors_io import ByteCounter, SafetensorsReader, ShardWriter
+from posttrain.quant_convert.safetensors_io import (
+    ByteCounter,
+    SafetensorsReader,
+    ShardWriter,
+    output_error,
+    read_json_object,
+    write_bytes_atomic,
+)
 
 __all__ = ["ConversionReport", "ProgressEvent", "convert_checkpoint"]
 
@@ -101,11 +108,15 @@ def _check_paths(src: Path, dst: Path) -> None:
         raise CheckpointError(f"save dir {dst} and model dir {src} are nested; use sibling dirs")
 
 
-def _sha256_file(path: Path) -> str:
+def _sha256_file(path: Path) -> str | None:
+    """The file's sha256; None when it cannot be read (a resume then redoes that shard)."""
     h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(_HASH_CHUNK):
-            h.update(chunk)
+    try:
+        with open(path, "rb") as f:
+            while chunk := f.read(_HASH_CHUNK):
+                h.update(chunk)
+    except OSError:
+        return None
     return h.hexdigest()
 
 
@@ -198,19 +209,28 @@ class _Run:
 
 def _write_file(path: Path, data: bytes) -> None:
     # a fixed temp name: a rerun after a kill overwrites the leftover instead of adding one
-    write_bytes_atomic(path, data, tmp=path.with_name(path.name + ".tmp"))
+    write_bytes_atomic(path, data)
 
 
 def _load_state(dst: Path) -> dict[str, Any] | None:
     for p in (dst / STATE_DIR / "state.json", dst / MANIFEST):
         if p.is_file():
-            data: dict[str, Any] = json.loads(p.read_text())
+            data = read_json_object(p, ResumeError)
+            if not isinstance(data.get("shards", {}), dict):
+                raise ResumeError(f"{p}: 'shards' is not an object; pass --overwrite")
             return data
     return None
 
 
+def _make_dir(path: Path) -> None:
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise output_error(exc, path, "create") from exc
+
+
 def _write_state(dst: Path, fingerprint: str, done: dict[str, str]) -> None:
-    (dst / STATE_DIR).mkdir(exist_ok=True)
+    _make_dir(dst / STATE_DIR)
     blob = json.dumps({"fingerprint": fingerprint, "shards": done}, indent=1, sort_keys=True)
     _write_file(dst / STATE_DIR / "state.json", blob.encode())
 
@@ -223,7 +243,10 @@ def _resumable(
         return {}
     state = _load_state(dst)
     if state is None:
-        stray = [p.name for p in dst.iterdir()]
+        try:
+            stray = [p.name for p in dst.iterdir()]
+        except OSError as exc:
+            raise output_error(exc, dst, "list") from exc
         if stray:
             raise CheckpointError(
                 f"save dir {dst} is not empty and holds no conversion state ({stray[0]}, ...); "
@@ -259,7 +282,7 @@ def _write_metadata(plan: Plan, dst: Path, shas: dict[str, str]) -> int:
             kv_cache_quant_algo=plan.options.kv_cache_quant_algo,
         ),
         config_section=plan.config.get("quantization_config") or {},
-        hf_quant_config=json.loads(src_hq.read_text()) if src_hq.is_file() else None,
+        hf_quant_config=read_json_object(src_hq, CheckpointError) if src_hq.is_file() else None,
     )
     config = dict(plan.config)
     config["quantization_config"] = section
@@ -267,10 +290,15 @@ def _write_metadata(plan: Plan, dst: Path, shas: dict[str, str]) -> int:
     _write_file(dst / "hf_quant_config.json", json.dumps(hq, indent=2).encode())
     for rel in plan.other_files:
         target = dst / rel
-        target.parent.mkdir(parents=True, exist_ok=True)
+        _make_dir(target.parent)
         tmp = target.with_name(target.name + ".tmp")
-        with open(plan.src / rel, "rb") as src_file, AtomicFile(target, tmp=tmp) as out:
-            shutil.copyfileobj(src_file, out.file)
+        try:
+            with open(plan.src / rel, "rb") as src_file, AtomicFile(target, tmp=tmp) as out:
+                shutil.copyfileobj(src_file, out.file)
+        except OSError as exc:  # AtomicFile removed its temp file
+            if exc.filename is not None and Path(exc.filename) == plan.src / rel:
+                raise CheckpointError(f"{plan.src / rel}: cannot read ({exc.strerror})") from exc
+            raise output_error(exc, target, "copy to") from exc
     from posttrain.quant_convert import __version__
 
     manifest = {
@@ -323,8 +351,11 @@ def convert_checkpoint(
         return ConversionReport(plan, dst, len(plan.quantized), kept, plan.exclusions.entries,
                                 0, 0, (), (), time.perf_counter() - t0, True)  # fmt: skip
     done = _resumable(plan, dst, resume, overwrite, verify)
-    dst.mkdir(parents=True, exist_ok=True)
-    (dst / MANIFEST).unlink(missing_ok=True)  # the run is incomplete until the manifest is back
+    _make_dir(dst)
+    try:
+        (dst / MANIFEST).unlink(missing_ok=True)  # incomplete until the manifest is back
+    except OSError as exc:
+        raise output_error(exc, dst / MANIFEST, "remove") from exc
     _write_state(dst, plan.fingerprint, done)
     run = _Run(plan, dst, dev, progress)
     todo = [s for s in plan.shards if s.file not in done]

@@ -19,7 +19,12 @@ from posttrain.interface import NVFP4Precision
 from posttrain.quant_convert._errors import CheckpointError
 from posttrain.quant_convert.exclusions import ExclusionPlan, ExclusionStyle, plan_exclusions
 from posttrain.quant_convert.nvfp4 import NVFP4Config
-from posttrain.quant_convert.safetensors_io import DTYPE_BYTES, HeaderEntry, read_header
+from posttrain.quant_convert.safetensors_io import (
+    DTYPE_BYTES,
+    HeaderEntry,
+    read_header,
+    read_json_object,
+)
 from posttrain.quant_convert.selection import QuantPolicy, TensorInfo, gate_up_role, select_tensors
 
 __all__ = ["ConvertOptions", "OutputTensor", "Plan", "ShardPlan", "plan_conversion"]
@@ -135,9 +140,9 @@ class Plan:
 
 
 def _num_layers(config: dict[str, Any], src: Path) -> int:
-    for holder in (config, config.get("text_config") or {}, config.get("llm_config") or {}):
-        n = holder.get("num_hidden_layers")
-        if isinstance(n, int):
+    for holder in (config, config.get("text_config"), config.get("llm_config")):
+        n = holder.get("num_hidden_layers") if isinstance(holder, dict) else None
+        if isinstance(n, int) and not isinstance(n, bool) and n >= 0:
             return n
     raise CheckpointError(f"{src / 'config.json'}: no num_hidden_layers (nor text_config's)")
 
@@ -165,7 +170,11 @@ def _source_files(src: Path) -> list[Path]:
         raise CheckpointError(f"{src}: no *.safetensors files")
     index = src / "model.safetensors.index.json"
     if index.exists():
-        wm = json.loads(index.read_text())["weight_map"]
+        wm = read_json_object(index, CheckpointError).get("weight_map")
+        if not isinstance(wm, dict) or not all(
+            isinstance(f, str) and f and "/" not in f and f not in (".", "..") for f in wm.values()
+        ):
+            raise CheckpointError(f"{index}: weight_map must map tensor names to shard file names")
         listed = sorted({src / f for f in wm.values()})
         missing = [f for f in listed if not f.exists()]
         if missing:
@@ -207,7 +216,7 @@ def plan_conversion(src: Path | str, options: ConvertOptions | None = None) -> P
     cfg_path = src / "config.json"
     if not cfg_path.is_file():
         raise CheckpointError(f"{src}: no config.json")
-    config = json.loads(cfg_path.read_text())
+    config = read_json_object(cfg_path, CheckpointError)
     num_layers = _num_layers(config, src)
     files = _source_files(src)
 

@@ -28,6 +28,7 @@ if TYPE_CHECKING:
         SessionRouterError,
         TitoMismatchError,
         UpstreamReplyError,
+        UpstreamTimeoutError,
         UpstreamTransportError,
     )
     from posttrain.session_router.app import create_app
@@ -79,6 +80,7 @@ _EXPORTS = {
     "SessionRouterError": "_errors",
     "TitoMismatchError": "_errors",
     "UpstreamReplyError": "_errors",
+    "UpstreamTimeoutError": "_errors",
     "UpstreamTransportError": "_errors",
     "create_app": "app",
     "ROUTING_KEY_HEADER": "assembly",
@@ -141,6 +143,7 @@ __all__ = [
     "Upstream",
     "UpstreamReply",
     "UpstreamReplyError",
+    "UpstreamTimeoutError",
     "UpstreamTransportError",
     "apply_lora",
     "assemble_samples",

@@ -17,6 +17,11 @@ from posttrain.formats import LoraServing
 from posttrain.interface import ConfigError
 
 DEFAULT_MAX_BODY_BYTES = 64 * 1024 * 1024
+# One turn's upstream call (one generation, never streamed). Sized for RL rollout turns of a few
+# thousand tokens on a loaded GPU engine (~30 tokens/s per sequence: ~3,600 tokens in 120 s); a
+# frozen engine then fails the turn with 504 in two minutes instead of holding it. Longer
+# generations (long reasoning traces) need a larger value: --upstream-timeout-s.
+DEFAULT_UPSTREAM_TIMEOUT_S = 120.0
 # About 40 MB of cached ids (a tuple element and its int object are ~36 bytes) plus the texts.
 DEFAULT_ENCODE_CACHE_TOKENS = 1 << 20
 # How stored and requested messages are compared when finding the common history (tito.py).
@@ -27,7 +32,9 @@ MATCHER_NAMES = ("strict", "loose_tool_call", "role_content_only")
 class SessionRouterConfig:
     """What a session server needs to know; validated on construction.
 
-    ``upstream_timeout_s`` may be ``math.inf`` only when passed explicitly.
+    ``upstream_timeout_s`` bounds one upstream call (a turn's generation); a turn that gets no
+    reply in time fails with 504 and is not recorded. It may be ``math.inf`` only when passed
+    explicitly.
     ``max_trim_tokens`` bounds how many trailing tokens of a turn the next turn may replace
     (a stop token the chat template renders differently). ``lora_weight_version`` is the
     version of the adapter the engines loaded at startup; a session created with its own
@@ -41,7 +48,7 @@ class SessionRouterConfig:
     lora_weight_version: int | None = None
     api_key: str | None = None
     session_ttl_s: float = 3600.0
-    upstream_timeout_s: float = 600.0
+    upstream_timeout_s: float = DEFAULT_UPSTREAM_TIMEOUT_S
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     max_connections: int = 1024
     max_trim_tokens: int = 1
