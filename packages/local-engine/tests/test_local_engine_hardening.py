@@ -23,13 +23,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors.torch import load_file, save, save_file
 
+from posttrain.formats import WeightPushClient, push_weights
 from posttrain.interface import EngineError, GenerateRequest, PosttrainError
-from posttrain.local_engine import (
-    EngineConfig,
-    WeightPushClient,
-    create_app,
-    push_weights,
-)
+from posttrain.local_engine import EngineConfig, create_app
 from posttrain.local_engine._codec import load_codec
 from posttrain.local_engine._context import ServerContext
 from posttrain.local_engine._engine import Engine
@@ -62,7 +58,7 @@ def _gen(c: Any, lora: str | None = None) -> dict[str, Any]:
     return dict(r.json())
 
 
-def _state(c: Any) -> tuple[str, str]:
+def _state(c: Any) -> tuple[str, int | None]:
     """What the engine serves: (weights sha256, weight version)."""
     info = c.get("/weights_checksum").json()
     return info["sha256"], info["weight_version"]
@@ -134,7 +130,7 @@ def test_one_nan_tensor_over_wsync_is_refused(engine, other_weights, transport: 
         _assert_serving(c, before)
         # the refusal ended that update; a clean one with the same version then succeeds
         assert push_weights(pusher, other_weights, weight_version=1, transport=transport).success
-        assert _state(c)[1] == "1"
+        assert _state(c)[1] == 1
 
 
 def test_nan_adapters_are_refused_on_every_path(engine, reference, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
@@ -168,17 +164,18 @@ def test_nan_adapters_are_refused_on_every_path(engine, reference, tmp_path: Pat
             push_weights(
                 pusher, bad, weight_version=1, kind="lora", lora_name="a", lora_config=PEFT_CONFIG
             )
-        # an adapter whose scaling is not finite
-        inf_cfg = {**PEFT_CONFIG, "lora_alpha": "inf"}
-        raw = save(good, metadata={"lora_name": "a", "config_dict": json.dumps(inf_cfg)})
-        r = c.post("/load_lora_adapter_from_tensors", content=raw)
-        _assert_refused(r, 400, "NonFiniteWeightsError", "scaling")
+        # an adapter whose scaling is not finite: its config is refused, naming lora_alpha
+        for alpha in ("inf", math.inf):  # a string, and JSON's Infinity
+            inf_cfg = {**PEFT_CONFIG, "lora_alpha": alpha}
+            raw = save(good, metadata={"lora_name": "a", "config_dict": json.dumps(inf_cfg)})
+            r = c.post("/load_lora_adapter_from_tensors", content=raw)
+            _assert_refused(r, 400, "AdapterError", "lora_alpha")
         # a corrupt weights file and a config that is a JSON list: named, not a 500
         broken = tmp_path / "broken"
         shutil.copytree(good_dir, broken)
         (broken / "adapter_model.safetensors").write_bytes(b"\x10" * 64)
         r = c.post("/load_lora_adapter", json={"lora_name": "a", "lora_path": str(broken)})
-        _assert_refused(r, 400, "AdapterError", "unreadable")
+        _assert_refused(r, 400, "AdapterError", "safetensors")
         shutil.copy(good_dir / "adapter_model.safetensors", broken / "adapter_model.safetensors")
         (broken / "adapter_config.json").write_text("[1, 2]")
         r = c.post("/load_lora_adapter", json={"lora_name": "a", "lora_path": str(broken)})
@@ -267,7 +264,7 @@ def test_refused_disk_updates_keep_the_engine_serving(
             "/update_weights_from_disk", json={"model_path": str(ckpt_dir), "weight_version": "4"}
         )
         assert r.status_code == 200, r.text
-        assert _state(c) == (before[0], "4")
+        assert _state(c) == (before[0], 4)
 
 
 def test_read_checkpoint_names_the_directory(ckpt_dir: Path, tmp_path: Path) -> None:

@@ -20,6 +20,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import posttrain.formats._atomic as formats_atomic
 from posttrain.quant_convert import (
     CheckpointError,
     ConvertOptions,
@@ -213,7 +214,8 @@ def test_a_full_disk_is_an_output_error_and_a_rerun_resumes(
 ) -> None:
     dst = tmp_path / "out"
     total = sum(len(b) for b in _files(reference).values())
-    monkeypatch.setattr(sio, "open", _FullDisk(total // 2), raising=False)
+    # every destination file goes through posttrain.formats' AtomicFile (a fixed temp name)
+    monkeypatch.setattr(formats_atomic, "open", _FullDisk(total // 2), raising=False)
     code, err = _cli(src, dst, capsys)
     assert code == 2
     line = _one_line(err)

@@ -40,8 +40,9 @@ Error tree (rooted in ``posttrain.interface.PosttrainError``)::
         ├── PeftConfigError            adapter_config.json: not an object, a field missing or
         │                              invalid, target_modules that do not select the tensors
         └── PeftTensorError            adapter_model.safetensors: corrupt, a non-PEFT key, a
-                                       non-float dtype, NaN/Inf, a shape that disagrees with r,
-                                       a factor without its pair
+            │                          non-float dtype, a shape that disagrees with r,
+            │                          a factor without its pair
+            └── PeftNonFiniteError     a factor holds NaN or Inf
 
 Atomic writes raise ``OSError`` as the operating system reports it; the target is left as it was.
 """
@@ -67,6 +68,7 @@ from posttrain.formats._errors import (
     NVFP4FormatError,
     PeftConfigError,
     PeftFormatError,
+    PeftNonFiniteError,
     PeftTensorError,
     SamplesFormatError,
 )
@@ -222,6 +224,7 @@ __all__ = [
     "PeftAdapter",
     "PeftConfigError",
     "PeftFormatError",
+    "PeftNonFiniteError",
     "PeftTensorError",
     "SamplesFormatError",
     "ShmRing",

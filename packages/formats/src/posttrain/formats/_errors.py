@@ -14,8 +14,9 @@
             │                        missing or invalid (r <= 0, peft_type, bias, DoRA, ...), or
             │                        target_modules that do not select the tensors present
             └── PeftTensorError      adapter_model.safetensors: unreadable or corrupt, a key that
-                                     is not a PEFT LoRA key, a non-float dtype, NaN/Inf, a shape
-                                     inconsistent with r, lora_A without lora_B (or the reverse)
+                │                    is not a PEFT LoRA key, a non-float dtype, a shape
+                │                    inconsistent with r, lora_A without lora_B (or the reverse)
+                └── PeftNonFiniteError   a factor holds NaN or Inf
 
 An engine answering a weight push badly raises the interface's ``EngineError``,
 ``IncompleteUpdateError`` or ``StaleVersionError`` (the wsync/1 contract names them).
@@ -59,3 +60,7 @@ class PeftConfigError(PeftFormatError):
 
 class PeftTensorError(PeftFormatError):
     """The adapter's tensors (or their safetensors file) are invalid; names the file and key."""
+
+
+class PeftNonFiniteError(PeftTensorError):
+    """A factor holds NaN or Inf; the message names the file and key."""

@@ -38,7 +38,7 @@ from typing import Any, Literal, cast
 import torch
 
 from posttrain.formats._atomic import atomic_directory
-from posttrain.formats._errors import PeftConfigError, PeftTensorError
+from posttrain.formats._errors import PeftConfigError, PeftNonFiniteError, PeftTensorError
 from posttrain.formats._safetensors import write_safetensors
 from posttrain.interface import ConfigError, LoraSpec
 
@@ -227,7 +227,7 @@ def _check_factor(where: str, key: str, t: object) -> torch.Tensor:
         raise PeftTensorError(f"{where}: {key} has shape {list(t.shape)}; expected 2-D or 3-D")
     if not bool(torch.isfinite(t).all()):
         bad = "NaN" if bool(torch.isnan(t).any()) else "Inf"
-        raise PeftTensorError(f"{where}: {key} contains {bad}")
+        raise PeftNonFiniteError(f"{where}: {key} contains {bad}")
     return t
 
 

@@ -30,6 +30,7 @@ from posttrain.formats import (
     ALL_LINEAR,
     PeftAdapter,
     PeftFormatError,
+    PeftNonFiniteError,
     build_peft_adapter,
     module_is_targeted,
     parse_peft_config,
@@ -37,7 +38,7 @@ from posttrain.formats import (
     read_peft_adapter,
 )
 from posttrain.interface import LoraSpec
-from posttrain.local_engine._errors import AdapterError, UnknownAdapterError
+from posttrain.local_engine._errors import AdapterError, NonFiniteWeightsError, UnknownAdapterError
 from posttrain.local_engine._update import TensorSpec
 from posttrain.models import LoraAdapter as ModelLora
 
@@ -155,6 +156,8 @@ def adapter_from_tensors(
             config_where=f"adapter {name!r}: config",
             tensors_where=f"adapter {name!r}",
         )
+    except PeftNonFiniteError as e:
+        raise NonFiniteWeightsError(str(e)) from e
     except PeftFormatError as e:
         raise AdapterError(str(e)) from e
     return _served(name, adapter, targets, source)
@@ -164,6 +167,8 @@ def load_peft_adapter(name: str, path: str | Path, targets: Targets) -> LoraAdap
     """Load a PEFT adapter directory (``adapter_config.json`` + ``adapter_model.safetensors``)."""
     try:
         adapter = read_peft_adapter(path)
+    except PeftNonFiniteError as e:
+        raise NonFiniteWeightsError(f"adapter {name!r}: {e}") from e
     except PeftFormatError as e:
         raise AdapterError(f"adapter {name!r}: {e}") from e
     return _served(name, adapter, targets, str(Path(path)))

@@ -33,7 +33,7 @@ from posttrain.interface import (
 from posttrain.local_engine._adapter_payload import decode_adapter_payload, verify_checksums
 from posttrain.local_engine._context import ServerContext
 from posttrain.local_engine._engine import GenResult, GenTask
-from posttrain.local_engine._errors import AdapterError, CheckpointError
+from posttrain.local_engine._errors import AdapterError, CheckpointError, LocalEngineError
 from posttrain.local_engine._http import Handler, body_bytes, guard, json_body
 from posttrain.local_engine._lora import LoraAdapter, load_peft_adapter
 from posttrain.local_engine._scheduler import BatchScheduler
@@ -74,7 +74,7 @@ def weight_routes(
     def read_adapter_dir(name: str, path: str) -> LoraAdapter:
         try:
             return load_peft_adapter(name, path, engine.lora_targets)
-        except AdapterError:
+        except LocalEngineError:  # already named (an AdapterError, a NonFiniteWeightsError)
             raise
         except (SafetensorError, OSError, ValueError, TypeError, AttributeError, KeyError) as e:
             # a corrupt weights file, or an adapter_config.json of the wrong shape (a list)
