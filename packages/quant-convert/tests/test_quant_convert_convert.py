@@ -18,6 +18,7 @@ from posttrain.interface import NVFP4Precision
 from posttrain.quant_convert import (
     CheckpointError,
     ConvertOptions,
+    QuantConvertError,
     QuantPolicy,
     ResumeError,
     TensorInfo,
@@ -344,3 +345,26 @@ def test_three_d_experts_are_opt_in(tmp_path: Path) -> None:
         q = quantize_nvfp4(w[e])
         assert torch.equal(out[base + "weight"][e], q.packed)
         assert out[base + "weight_scale_2"][e] == q.scale_2
+
+
+def test_a_failure_before_any_shard_finishes_leaves_nothing_behind(tmp_path: Path) -> None:
+    src = tmp_path / "nan"
+    src.mkdir()
+    (src / "config.json").write_text(json.dumps({"num_hidden_layers": 1}))
+    gate = torch.zeros(16, 16, dtype=torch.bfloat16)
+    gate[3, 5] = float("nan")
+    save_file(
+        {"model.layers.0.mlp.experts.0.gate_proj.weight": gate,
+         "model.layers.0.mlp.experts.0.up_proj.weight": torch.ones(16, 16, dtype=torch.bfloat16),
+         "model.layers.0.mlp.experts.0.down_proj.weight": torch.ones(16, 16, dtype=torch.bfloat16)},
+        str(src / "m.safetensors"),
+    )  # fmt: skip
+    fresh = tmp_path / "fresh"
+    with pytest.raises(QuantConvertError, match="gate_proj"):
+        convert_checkpoint(src, fresh)
+    assert not fresh.exists()  # it created the directory, so it removes it
+    given = tmp_path / "given"
+    given.mkdir()
+    with pytest.raises(QuantConvertError):
+        convert_checkpoint(src, given)
+    assert list(given.iterdir()) == []  # no .quant-convert/state.json left in a dir it was given

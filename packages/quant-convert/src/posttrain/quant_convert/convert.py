@@ -321,6 +321,43 @@ def _device(device: str | int) -> torch.device:
     return dev
 
 
+def _convert_shards(
+    plan: Plan,
+    dst: Path,
+    dev: torch.device,
+    done: dict[str, str],
+    workers: int,
+    progress: ProgressCallback | None,
+) -> tuple[list[ShardPlan], int, int]:
+    """Convert the shards not in ``done`` (updated in place); (converted, bytes in, bytes out)."""
+    (dst / MANIFEST).unlink(missing_ok=True)  # the run is incomplete until the manifest is back
+    _write_state(dst, plan.fingerprint, done)
+    run = _Run(plan, dst, dev, progress)
+    todo = [s for s in plan.shards if s.file not in done]
+    for s in plan.shards:
+        if s.file in done:
+            run._tick(s.file, s.source_bytes, done=True)
+    lock = threading.Lock()
+
+    def one(shard: ShardPlan) -> None:
+        sha = run.convert_shard(shard)
+        with lock:
+            done[shard.file] = sha
+            _write_state(dst, plan.fingerprint, done)
+        run._tick(shard.file, 0, done=True)  # after the state records it
+
+    if workers <= 1:
+        for s in todo:
+            one(s)
+    else:
+        with ThreadPoolExecutor(max_workers=workers) as pool:
+            for fut in [pool.submit(one, s) for s in todo]:
+                fut.result()
+    total = _write_metadata(plan, dst, done)
+    shutil.rmtree(dst / STATE_DIR, ignore_errors=True)
+    return todo, run.counter.total, total
+
+
 def convert_checkpoint(
     src: Path | str,
     dst: Path | str,
@@ -348,39 +385,23 @@ def convert_checkpoint(
         return ConversionReport(plan, dst, len(plan.quantized), kept, plan.exclusions.entries,
                                 0, 0, (), (), time.perf_counter() - t0, True)  # fmt: skip
     done = _resumable(plan, dst, resume, overwrite, verify)
+    created = not dst.exists()
     dst.mkdir(parents=True, exist_ok=True)
-    (dst / MANIFEST).unlink(missing_ok=True)  # the run is incomplete until the manifest is back
-    _write_state(dst, plan.fingerprint, done)
-    run = _Run(plan, dst, dev, progress)
-    todo = [s for s in plan.shards if s.file not in done]
-    for s in plan.shards:
-        if s.file in done:
-            run._tick(s.file, s.source_bytes, done=True)
-    lock = threading.Lock()
-
-    def one(shard: ShardPlan) -> None:
-        sha = run.convert_shard(shard)
-        with lock:
-            done[shard.file] = sha
-            _write_state(dst, plan.fingerprint, done)
-        run._tick(shard.file, 0, done=True)  # after the state records it
-
-    if workers <= 1:
-        for s in todo:
-            one(s)
-    else:
-        with ThreadPoolExecutor(max_workers=workers) as pool:
-            for fut in [pool.submit(one, s) for s in todo]:
-                fut.result()
-    total = _write_metadata(plan, dst, done)
-    shutil.rmtree(dst / STATE_DIR, ignore_errors=True)
+    try:
+        todo, counter, total = _convert_shards(plan, dst, dev, done, workers, progress)
+    except BaseException:
+        if not done:  # no shard finished: leave nothing that looks like a conversion began
+            shutil.rmtree(dst / STATE_DIR, ignore_errors=True)
+            if created:
+                shutil.rmtree(dst, ignore_errors=True)
+        raise
     return ConversionReport(
         plan=plan,
         dst=dst,
         tensors_quantized=len(plan.quantized),
         tensors_kept=kept,
         exclusion_entries=plan.exclusions.entries,
-        bytes_in=run.counter.total,
+        bytes_in=counter,
         bytes_out=total,
         shards_written=tuple(s.file for s in todo),
         shards_resumed=tuple(s.file for s in plan.shards if s.file not in {t.file for t in todo}),
