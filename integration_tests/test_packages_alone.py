@@ -57,6 +57,7 @@ def _named_packages(install: Block) -> set[str]:
 
 
 @pytest.mark.skipif(UV is None, reason="uv is not on PATH")
+@pytest.mark.timeout(900)
 @pytest.mark.parametrize("package", PACKAGES)
 def test_package_installs_alone_and_its_example_runs(
     package: str, constraints: Path, tmp_path: Path
