@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import json
 import shutil
@@ -26,7 +27,7 @@ from posttrain.quant_convert import (
     plan_conversion,
     quantize_nvfp4_pair,
 )
-from posttrain.quant_convert.cli import main
+from posttrain.quant_convert.cli import build_parser, main
 from posttrain.quant_convert.nvfp4 import quantize_nvfp4
 from posttrain.quant_convert.sglang_rules import build_modules, is_excluded
 from posttrain.quant_convert.testing import SyntheticSpec, write_synthetic_checkpoint
@@ -368,3 +369,18 @@ def test_a_failure_before_any_shard_finishes_leaves_nothing_behind(tmp_path: Pat
     with pytest.raises(QuantConvertError):
         convert_checkpoint(src, given)
     assert list(given.iterdir()) == []  # no .quant-convert/state.json left in a dir it was given
+
+
+def test_help_names_every_option_with_its_default(capsys: pytest.CaptureFixture[str]) -> None:
+    parser = build_parser()
+    (sub,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    nvfp4 = sub.choices["nvfp4"]
+    for action in nvfp4._actions:
+        assert action.help, action.option_strings
+    with pytest.raises(SystemExit):
+        main(["nvfp4", "--help"])
+    out = capsys.readouterr().out
+    assert "(default: te-multiplier)" in out
+    assert "(default: 0)" in out
+    assert "Numpy" not in out
+    assert "miles" not in out  # the user-facing description, not the module docstring
