@@ -16,7 +16,12 @@ than raised mid-way (so no rank leaves a collective early):
    counted on the first step (the counter routes every op through Python, so the later steps
    run uncounted and are the ones timed in ``step_seconds``).
 
-Command (two ways to run it; both print one JSON report and ``PASS r{R}s{S}`` or exit 1):
+Command (two ways to run it; both print a short summary, one line per check, and
+``PASS r{R}s{S}`` (exit 0) or ``FAIL r{R}s{S}`` (exit 1); ``--json PATH`` writes the full report,
+every rank's numbers, to a file; the self-spawning mode shows a spinner with the elapsed time
+while the ranks run). argparse, not typer (the project's CLI library): every rank of a torchrun
+job parses the same argv, and the package keeps its dependencies to torch (and rich for the
+spinner).
 
 * self-spawning: ``python -m posttrain.fsdp_mesh.parity --replicate R --shard S [--backend
   gloo|nccl]`` starts R*S local ranks itself (nccl: rank g on ``cuda:g``);
@@ -37,6 +42,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -377,21 +383,35 @@ def _spawned_worker(rank: int, world_size: int, config: ParityConfig) -> dict[st
     return run_parity(config).to_json()
 
 
+class _DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows each default, except where there is none (required) or the help says it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.required or action.default is None:
+            return action.help
+        return super()._get_help_string(action)
+
+
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="python -m posttrain.fsdp_mesh.parity",
         description="Check HSDP gradients, cross-rank bit-exactness and checkpoint round trips "
         "against a single-process reference.",
+        formatter_class=_DefaultsFormatter,
     )
     parser.add_argument("--replicate", type=int, required=True, help="dp_replicate size R")
     parser.add_argument("--shard", type=int, required=True, help="dp_shard size S")
-    parser.add_argument("--backend", choices=("gloo", "nccl"), default="gloo")
-    parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--micro-batches", type=int, default=2)
-    parser.add_argument("--dim", type=int, default=30)
+    parser.add_argument("--backend", choices=("gloo", "nccl"), default="gloo",
+                        help="gloo (CPU) or nccl (one GPU per rank)")  # fmt: skip
+    parser.add_argument("--steps", type=int, default=3, help="AdamW steps")
+    parser.add_argument("--micro-batches", type=int, default=2, help="micro-batches per step")
+    parser.add_argument("--dim", type=int, default=30, help="width of the test MLP")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds for the whole run")
-    parser.add_argument("--checkpoint-dir", default=None, help="shared dir (default: a temp dir)")
-    parser.add_argument("--json", default=None, help="also write the rank reports to this file")
+    parser.add_argument("--checkpoint-dir", default=None,
+                        help="shared dir for the DCP round trip (default: a temp dir)")  # fmt: skip
+    parser.add_argument("--json", default=None, metavar="PATH",
+                        help="write the full report (every rank's numbers) to PATH "
+                        "(default: none)")  # fmt: skip
     parser.add_argument(
         "--start-method",
         choices=("spawn", "forkserver", "fork"),
@@ -408,8 +428,9 @@ def _median(values: list[float | None]) -> float | None:
 
 def _finish(args: argparse.Namespace, config: ParityConfig, reports: list[dict[str, Any]]) -> int:
     passed = all(r["passed"] for r in reports)
+    tag = f"r{args.replicate}s{args.shard}"
     summary = {
-        "layout": f"r{args.replicate}s{args.shard}",
+        "layout": tag,
         "backend": args.backend,
         "passed": passed,
         "tolerance": {"rtol": config.rtol, "atol": config.atol},
@@ -418,14 +439,35 @@ def _finish(args: argparse.Namespace, config: ParityConfig, reports: list[dict[s
         "median_step_s": _median([r["median_step_s"] for r in reports]),
         "ranks": reports,
     }
-    text = json.dumps(summary, indent=2)
-    print(text)
     if args.json:
         with open(args.json, "w", encoding="utf-8") as fh:
-            fh.write(text)
-    tag = f"r{args.replicate}s{args.shard}"
+            fh.write(json.dumps(summary, indent=2) + "\n")
+    for line in _summary_lines(summary, config):
+        print(line)
+    if args.json:
+        print(f"full report (every rank): {args.json}")
     print(f"PASS {tag}" if passed else f"FAIL {tag}")
     return 0 if passed else 1
+
+
+def _summary_lines(summary: dict[str, Any], config: ParityConfig) -> list[str]:
+    """What a person reads: the layout, the worst numbers, then each rank's failures."""
+    ranks: list[dict[str, Any]] = summary["ranks"]
+    failures = [f"rank {r['rank']}: {f}" for r in ranks for f in r["failures"]]
+    step = summary["median_step_s"]
+    exact = all(r["checkpoint_exact"] for r in ranks)
+    return [
+        f"HSDP parity {summary['layout']} on {summary['backend']}: {len(ranks)} ranks, "
+        f"{config.steps} AdamW steps of {config.micro_batches} micro-batches, dim {config.dim}"
+        + (f", median step {step:.3f} s" if step is not None else ""),
+        f"  vs single process: max grad err {summary['max_grad_err']:.2e}, max param err "
+        f"{summary['max_param_err']:.2e} (rtol {config.rtol:g}, atol {config.atol:g})",
+        f"  checkpoint round trip: {'exact' if exact else 'NOT exact'}; replicate all-reduces "
+        f"on the first step: {ranks[0]['replicate_all_reduces']} "
+        f"({ranks[0]['fsdp_groups']} FSDP groups)",
+        f"  checks failed: {len(failures)}" if failures else "  every check passed",
+        *[f"  {f}" for f in failures[:10]],
+    ]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -439,18 +481,34 @@ def main(argv: list[str] | None = None) -> int:
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         return _main_torchrun(args, config)
     try:
-        reports = launch_workers(
-            _spawned_worker,
-            args.replicate * args.shard,
-            timeout_s=args.timeout,
-            backend=args.backend,
-            args=(config,),
-            start_method=args.start_method,
-        )
+        with _spinner(
+            f"running {args.replicate * args.shard} {args.backend} ranks "
+            f"(r{args.replicate}s{args.shard}) next to a single-process reference"
+        ):
+            reports = launch_workers(
+                _spawned_worker,
+                args.replicate * args.shard,
+                timeout_s=args.timeout,
+                backend=args.backend,
+                args=(config,),
+                start_method=args.start_method,
+            )
     except WorkerError as exc:
         print(f"FAIL r{args.replicate}s{args.shard}: {exc}", file=sys.stderr)
         return 1
     return _finish(args, config, reports)
+
+
+@contextlib.contextmanager
+def _spinner(description: str) -> Iterator[None]:
+    """A spinner with the elapsed time on stderr while the ranks run (they print nothing)."""
+    from rich.console import Console
+    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    with Progress(SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(),
+                  console=Console(stderr=True), transient=True) as progress:  # fmt: skip
+        progress.add_task(description, total=None)
+        yield
 
 
 def _config(args: argparse.Namespace) -> ParityConfig:
