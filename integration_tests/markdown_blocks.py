@@ -24,7 +24,8 @@ the line right above a fence says how the block runs, when that is not the defau
     the literal port is replaced by a free one (the example stays copyable, the test never
     collides with a server someone else runs);
 ``<!-- doc-test: benchmark -->``
-    a measurement (minutes of CPU): run only with ``POSTTRAIN_DOCS_BENCHMARKS=1``;
+    a measurement (minutes of CPU): run only with ``POSTTRAIN_DOCS_BENCHMARKS=1``, from the
+    repository root (its commands name scripts by their path there);
 ``<!-- doc-test: skip="REASON" -->``
     cannot run here (a GPU, the test suite itself); the reason is the skip message;
 ``<!-- doc-test: timeout=SECONDS -->``
