@@ -24,7 +24,7 @@ from markdown_blocks import ROOT, Block, parse_blocks, run_block
 pytestmark = [pytest.mark.slow, pytest.mark.multiproc]
 
 PACKAGES = sorted(p.parent.name for p in (ROOT / "packages").glob("*/pyproject.toml"))
-UV = shutil.which("uv")
+UV = os.environ.get("UV") or shutil.which("uv")  # `uv run` names its own binary in $UV
 
 
 @pytest.fixture(scope="module")
