@@ -40,7 +40,11 @@ def constraints(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _env(venv: Path, constraints: Path) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("UV_", "VIRTUAL_ENV"))}
+    # The workspace's own settings must not leak in (its venv, its Python, its bytecode policy);
+    # uv's cache location and index settings stay, so the install is as fast as the user's.
+    leaks = ("VIRTUAL_ENV", "UV_PROJECT", "UV_PROJECT_ENVIRONMENT", "UV_PYTHON", "UV_NO_SYNC",
+             "UV_FROZEN", "UV_LOCKED", "UV_COMPILE_BYTECODE", "UV_CONSTRAINT")  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k not in leaks}
     env.update(
         VIRTUAL_ENV=str(venv),
         PATH=f"{venv / 'bin'}{os.pathsep}{env.get('PATH', '')}",
