@@ -90,6 +90,7 @@ class Stack:
         self.err_lines: list[str] = []
         self.urls: dict[str, str] = {}
         self.key_file: Path | None = None
+        self._key = ""
         # Logs go to stderr; an unread pipe would stall the launcher.
         self.reader = threading.Thread(target=self._drain, daemon=True)
         self.reader.start()
@@ -109,6 +110,8 @@ class Stack:
                 tail = "".join(self.err_lines)[-4000:]
                 pytest.fail(f"posttrain up exited early ({self.proc.returncode}):\n{tail}")
             if line.startswith("ready"):
+                if self.key_file is not None:
+                    self._key = self.key_file.read_text().strip()  # it is removed at stop
                 return
             name, value = line.split()
             if name == "api-key-file":
@@ -119,8 +122,8 @@ class Stack:
 
     @property
     def key(self) -> str:
-        assert self.key_file is not None
-        return self.key_file.read_text().strip()
+        assert self._key, "no api-key-file line before ready"
+        return self._key
 
     def stop(self) -> str:
         self.proc.send_signal(signal.SIGINT)
@@ -214,4 +217,6 @@ def test_two_stacks_side_by_side_with_29000_taken_and_keys_required(tmp_path: Pa
         squatter.close()
     for stack, err in zip(stacks, errs, strict=True):
         assert stack.proc.returncode == 0, err[-4000:]
+        assert "--api-key <the stack's API key>" in err
+        assert stack.key not in err  # the key file's path is printed, never the key
         assert "Address already in use" not in err

@@ -160,6 +160,7 @@ class LocalRunner:
         # The stack's key (if any) goes on readiness checks and registrations: a session router
         # started with --api-key answers 401 to an unauthenticated /health.
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._api_key = api_key
         self._client = httpx.Client(
             transport=transport, timeout=httpx.Timeout(2.0), headers=headers
         )
@@ -219,7 +220,10 @@ class LocalRunner:
         thread.start()
         rp = RunningProcess(spec=spec, popen=popen, url=url, thread=thread)
         self.running.append(rp)
-        self.sink("launcher", f"started {spec.name} pid {popen.pid}: {' '.join(argv)}")
+        shown = " ".join(argv)
+        if self._api_key:  # the log names the key file's contents nowhere
+            shown = shown.replace(self._api_key, "<the stack's API key>")
+        self.sink("launcher", f"started {spec.name} pid {popen.pid}: {shown}")
         self.on_event(spec.name, "starting")
         return rp
 
