@@ -193,16 +193,21 @@ def _run_server(block: Block, argv: list[str], workdir: Path, env: dict[str, str
     reader = threading.Thread(target=pump, daemon=True)
     reader.start()
     deadline = time.monotonic() + block.timeout_s
-    while not seen.is_set() and proc.poll() is None and time.monotonic() < deadline:
-        seen.wait(0.2)
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGINT)
     try:
-        code = proc.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        code = proc.wait(timeout=30)
-        lines.append("(did not stop within 60 s of SIGINT; killed)\n")
+        while not seen.is_set() and proc.poll() is None and time.monotonic() < deadline:
+            seen.wait(0.2)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGINT)
+        code: int | None = None
+        try:
+            code = proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            lines.append("(did not stop within 60 s of SIGINT; killed)\n")
+    finally:  # whatever happened (a timeout, pytest's own), nothing of the block outlives it
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=30)
     reader.join(timeout=10)
     # Stopped by our SIGINT: 0, 130 (a shell's or CLI's report) or -2 (killed by the signal).
     ok = seen.is_set() and code in (0, 130, -signal.SIGINT)
