@@ -5,7 +5,8 @@ launch never imports its siblings), brings up the local stack of ``posttrain up`
 (local engines, the stock sgl-router, the session router), holds a multi-turn chat
 through one token-in/token-out session, and collects the training sample the
 session assembles: the exact token ids, rollout logprobs and loss mask the engine
-produced. Then it stops every process it started.
+produced. Then it stops every process it started. Like ``posttrain up``, the stack gets a
+random API key (``keys.py``) for its engines and session router; the chat sends it.
 
 The sample arrives in samples/1, the session router's wire format, and is read
 with ``posttrain.formats.decode_samples`` (formats sits below launch; the read needs
@@ -17,7 +18,9 @@ from __future__ import annotations
 
 import collections
 import math
+import os
 import subprocess
+import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,7 +31,8 @@ import httpx
 from posttrain.formats import decode_samples
 from posttrain.interface import PosttrainError
 from posttrain.launch._errors import LaunchError
-from posttrain.launch.plan import PYTHON
+from posttrain.launch.keys import new_api_key, remove_key_file, write_key_file
+from posttrain.launch.progress import StackProgress
 from posttrain.launch.runners import LocalRunner, LogSink
 from posttrain.launch.stack import LocalStackConfig, build_local_stack
 from posttrain.launch.tables import EngineKind
@@ -78,51 +82,82 @@ class DemoReport:
     sample_trained_tokens: int = 0
     sample_logprobs_match_turns: bool = False
     sample_status: str = ""
+    api_key_file: str = ""
 
 
 def write_tiny_checkpoint(path: Path, seed: int, timeout_s: float = 300.0) -> None:
     """Run the models package's ``init`` command (a subprocess: launch imports no sibling)."""
-    argv = [PYTHON, "-m", "posttrain.models", "init", str(path), "--seed", str(seed)]
+    # This interpreter, as LocalRunner resolves PYTHON: `python` on PATH may be another one.
+    argv = [sys.executable, "-m", "posttrain.models", "init", str(path), "--seed", str(seed)]
     done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s, check=False)
     if done.returncode != 0:
         raise DemoError(f"`{' '.join(argv)}` failed ({done.returncode}): {done.stderr[-2000:]}")
 
 
-def run_demo(cfg: DemoConfig, sink: LogSink) -> DemoReport:
+def run_demo(cfg: DemoConfig, sink: LogSink, progress: StackProgress | None = None) -> DemoReport:
     """Bring the stack up, chat through one session, collect the sample, stop everything."""
+    show = progress or _NoProgress()
+    key = new_api_key()
     with tempfile.TemporaryDirectory(prefix="posttrain-demo-") as scratch:
         model_path = cfg.model_path
         if model_path is None:
             model_path = Path(scratch) / "tiny-moe"
             sink("demo", f"writing a tiny Dense/MoE checkpoint (seed {cfg.seed}) to {model_path}")
-            write_tiny_checkpoint(model_path, cfg.seed)
+            with show.step(f"writing a tiny Dense/MoE checkpoint (seed {cfg.seed})"):
+                write_tiny_checkpoint(model_path, cfg.seed)
         plan = build_local_stack(
             LocalStackConfig(
                 model_path=str(model_path),
                 engines=cfg.engines,
                 engine_kind=EngineKind.LOCAL,
                 ready_timeout_s=cfg.ready_timeout_s,
+                api_key=key,
             )
         )
-        with LocalRunner(plan, sink=sink) as runner:
-            runner.start()
-            report = DemoReport(model_path=str(model_path), urls=dict(runner.urls))
-            _chat(cfg, report, sink)
+        key_file = write_key_file(key, f"demo-{os.getpid()}")
+        try:
+            with LocalRunner(plan, sink=sink, api_key=key, on_event=show.on_event) as runner:
+                runner.start()
+                report = DemoReport(
+                    model_path=str(model_path), urls=dict(runner.urls), api_key_file=str(key_file)
+                )
+                _chat(cfg, report, sink, show, key)
+        finally:
+            remove_key_file(key_file)
         sink("demo", "stopped every process")
         return report
 
 
-def _chat(cfg: DemoConfig, report: DemoReport, sink: LogSink) -> None:
+class _NoProgress(StackProgress):
+    """A ``StackProgress`` that shows nothing (library callers without a console)."""
+
+    def __init__(self) -> None:
+        pass
+
+    def begin(self, key: str, description: str) -> None:
+        pass
+
+    def end(self, key: str, description: str | None = None) -> None:
+        pass
+
+
+def _chat(
+    cfg: DemoConfig, report: DemoReport, sink: LogSink, show: StackProgress, key: str
+) -> None:
     base = report.urls["session-router"]
-    with httpx.Client(timeout=httpx.Timeout(cfg.request_timeout_s, connect=10.0)) as client:
+    timeout = httpx.Timeout(cfg.request_timeout_s, connect=10.0)
+    headers = {"Authorization": f"Bearer {key}"}
+    with httpx.Client(timeout=timeout, headers=headers) as client:
         session = _ok(client.post(f"{base}/sessions"))["session_id"]
         sink("demo", f"session {session} at {base}")
         messages: list[dict[str, str]] = []
-        for user in DEFAULT_TURNS[: cfg.turns]:
+        for number, user in enumerate(DEFAULT_TURNS[: cfg.turns], start=1):
             messages.append({"role": "user", "content": user})
             body = {"messages": messages, "max_tokens": cfg.max_tokens, "temperature": 1.0,
                     "seed": cfg.seed, "logprobs": True}  # fmt: skip
-            reply = _ok(client.post(f"{base}/sessions/{session}/v1/chat/completions", json=body))
+            with show.step(f"chat turn {number} through the session"):
+                url = f"{base}/sessions/{session}/v1/chat/completions"
+                reply = _ok(client.post(url, json=body))
             choice = reply["choices"][0]
             text = choice["message"]["content"] or ""
             entries = choice["meta_info"]["output_token_logprobs"]
@@ -136,7 +171,10 @@ def _chat(cfg: DemoConfig, report: DemoReport, sink: LogSink) -> None:
                 )
             )
             messages.append({"role": "assistant", "content": text})
-        sample_reply = client.post(f"{base}/sessions/{session}/samples", json={"max_seq_len": None})
+        with show.step("collecting the training sample"):
+            sample_reply = client.post(
+                f"{base}/sessions/{session}/samples", json={"max_seq_len": None}
+            )
         if sample_reply.status_code != 200:
             raise DemoError(
                 f"POST /samples answered {sample_reply.status_code}: {sample_reply.text}"

@@ -1,6 +1,10 @@
 """The local stack ``posttrain up`` starts: N engines, the stock sgl-router, a session router.
 
-Everything binds 127.0.0.1. The engine is ``posttrain.local_engine`` on a CPU machine and
+Everything binds 127.0.0.1, and every port is either given or chosen free: the engines', the
+router's, the router's Prometheus metrics port (sgl-router's default, 29000, would make a second
+stack on the machine fail with "Address already in use") and the session router's. With
+``api_key`` set, the local engines and the session router require it (see ``keys.py`` for who
+gets the key and why the router does not). The engine is ``posttrain.local_engine`` on a CPU machine and
 ``sglang.launch_server`` where sglang is importable and a GPU is present. The sibling packages
 are *started as processes* (``python -m ...``), never imported: launch composes them without
 depending on them.
@@ -35,6 +39,8 @@ class LocalStackConfig:
     engine_ports: tuple[int, ...] = ()  # empty: pick free ports
     router_port: int = 0  # 0: pick a free port
     session_router_port: int = 0
+    router_metrics_port: int = 0  # 0: pick a free port
+    api_key: str | None = None  # None: no component requires a key
     ready_timeout_s: float = 300.0
     engine_args: tuple[str, ...] = ()
     router_args: tuple[str, ...] = ()
@@ -72,6 +78,7 @@ def build_local_stack(cfg: LocalStackConfig) -> Plan:
     ports = cfg.engine_ports or tuple(free_port() for _ in range(cfg.engines))
     router_port = cfg.router_port or free_port()
     session_port = cfg.session_router_port or free_port()
+    metrics_port = cfg.router_metrics_port or free_port()
     processes: list[ProcessSpec] = []
     for i, port in enumerate(ports):
         args = Args()
@@ -79,6 +86,8 @@ def build_local_stack(cfg: LocalStackConfig) -> Plan:
         args.set("--model-path", cfg.model_path, source=src)
         args.set("--host", LOCAL_HOST, source=src)
         args.set("--port", port, source=src)
+        if cfg.api_key and cfg.engine_kind is EngineKind.LOCAL:
+            args.set("--api-key", cfg.api_key, source="local stack (per-stack key)")
         if cfg.loras:
             # Both engines take SGLang's spelling; --lora-paths is one nargs="+" flag
             # (repeating it would keep only the last occurrence).
@@ -107,6 +116,8 @@ def build_local_stack(cfg: LocalStackConfig) -> Plan:
     router.set("--port", router_port, source="local stack")
     router.set("--policy", "manual", source="local stack (sessions on)")
     router.set("--assignment-mode", "min_load", source="local stack (sessions on)")
+    router.set("--prometheus-host", LOCAL_HOST, source="local stack")
+    router.set("--prometheus-port", metrics_port, source="local stack (a free port, not 29000)")
     router.set("--log-level", "warn", source="local stack")
     router.set("--health-check-interval-secs", 5, source="local stack")
     router.extend_user(cfg.router_args)
@@ -127,6 +138,8 @@ def build_local_stack(cfg: LocalStackConfig) -> Plan:
     session.set("--tokenizer", cfg.model_path, source="local stack")
     session.set("--host", LOCAL_HOST, source="local stack")
     session.set("--port", session_port, source="local stack")
+    if cfg.api_key:
+        session.set("--api-key", cfg.api_key, source="local stack (per-stack key)")
     if cfg.loras:
         session.set("--lora-adapter", cfg.loras[0][0], source="local stack (--lora)")
         # The engines load the adapter at startup: version 0 of it (its extra_key "<name>:v0").

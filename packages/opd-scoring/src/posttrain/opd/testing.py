@@ -306,14 +306,22 @@ class LoopbackTeacher:
 
 def main(argv: Sequence[str] | None = None) -> None:
     """``python -m posttrain.opd.testing --port N [--delay S] [--vocab V] [--names a,b]``."""
-    p = argparse.ArgumentParser(description="Loopback SGLang-shaped teacher on 127.0.0.1")
-    p.add_argument("--port", type=int, required=True)
-    p.add_argument("--delay", type=float, default=0.0)
-    p.add_argument("--vocab", type=int, default=512)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--names", default="")
-    p.add_argument("--no-per-position", action="store_true")
-    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    p = argparse.ArgumentParser(
+        prog="python -m posttrain.opd.testing",
+        description="Loopback SGLang-shaped teacher on 127.0.0.1 (tests and benchmarks).",
+    )
+    p.add_argument("--port", type=int, required=True, help="port to serve on (required)")
+    p.add_argument("--delay", type=float, default=0.0, help="seconds added to every reply "
+                   "(default: 0)")  # fmt: skip
+    p.add_argument("--vocab", type=int, default=512, help="vocabulary size of the tiny "
+                   "teachers (default: 512)")  # fmt: skip
+    p.add_argument("--seed", type=int, default=0, help="seed of the root teacher (default: 0)")
+    p.add_argument("--names", default="", help="extra teachers served at /NAME, "
+                   "comma-separated (default: none)")  # fmt: skip
+    p.add_argument("--no-per-position", action="store_true",
+                   help="answer like an unpatched SGLang (no token_ids_logprob_positions; "
+                   "default: off)")  # fmt: skip
+    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default: 1)")
     a = p.parse_args(argv)
     # Requests are small: on a busy 2-core machine torch's thread pool turned a 1 ms
     # reply into 65 ms of synchronisation, so the server computes on one thread.

@@ -324,34 +324,15 @@ def _device(device: str | int) -> torch.device:
     return dev
 
 
-def convert_checkpoint(
-    src: Path | str,
-    dst: Path | str,
-    *,
-    options: ConvertOptions | None = None,
-    resume: bool = True,
-    overwrite: bool = False,
-    workers: int = 1,
-    device: str | int = "cpu",
-    progress: ProgressCallback | None = None,
-    verify: bool = True,
-    dry_run: bool = False,
-) -> ConversionReport:
-    """Convert HF checkpoint ``src`` into NVFP4 checkpoint ``dst`` (see the module docstring).
-
-    ``verify`` re-hashes shards a resume would keep; ``dry_run`` plans and writes nothing.
-    """
-    t0 = time.perf_counter()
-    src, dst = Path(src), Path(dst)
-    _check_paths(src, dst)
-    dev = _device(device)
-    plan = plan_conversion(src, options)
-    kept = len(plan.tensor_file) - len(plan.quantized)
-    if dry_run:
-        return ConversionReport(plan, dst, len(plan.quantized), kept, plan.exclusions.entries,
-                                0, 0, (), (), time.perf_counter() - t0, True)  # fmt: skip
-    done = _resumable(plan, dst, resume, overwrite, verify)
-    _make_dir(dst)
+def _convert_shards(
+    plan: Plan,
+    dst: Path,
+    dev: torch.device,
+    done: dict[str, str],
+    workers: int,
+    progress: ProgressCallback | None,
+) -> tuple[list[ShardPlan], int, int]:
+    """Convert the shards not in ``done`` (updated in place); (converted, bytes in, bytes out)."""
     try:
         (dst / MANIFEST).unlink(missing_ok=True)  # incomplete until the manifest is back
     except OSError as exc:
@@ -380,13 +361,53 @@ def convert_checkpoint(
                 fut.result()
     total = _write_metadata(plan, dst, done)
     shutil.rmtree(dst / STATE_DIR, ignore_errors=True)
+    return todo, run.counter.total, total
+
+
+def convert_checkpoint(
+    src: Path | str,
+    dst: Path | str,
+    *,
+    options: ConvertOptions | None = None,
+    resume: bool = True,
+    overwrite: bool = False,
+    workers: int = 1,
+    device: str | int = "cpu",
+    progress: ProgressCallback | None = None,
+    verify: bool = True,
+    dry_run: bool = False,
+) -> ConversionReport:
+    """Convert HF checkpoint ``src`` into NVFP4 checkpoint ``dst`` (see the module docstring).
+
+    ``verify`` re-hashes shards a resume would keep; ``dry_run`` plans and writes nothing.
+    """
+    t0 = time.perf_counter()
+    src, dst = Path(src), Path(dst)
+    _check_paths(src, dst)
+    dev = _device(device)
+    plan = plan_conversion(src, options)
+    kept = len(plan.tensor_file) - len(plan.quantized)
+    if dry_run:
+        return ConversionReport(plan, dst, len(plan.quantized), kept, plan.exclusions.entries,
+                                0, 0, (), (), time.perf_counter() - t0, True)  # fmt: skip
+    done = _resumable(plan, dst, resume, overwrite, verify)
+    created = not dst.exists()
+    _make_dir(dst)
+    try:
+        todo, counter, total = _convert_shards(plan, dst, dev, done, workers, progress)
+    except BaseException:
+        if not done:  # no shard finished: leave nothing that looks like a conversion began
+            shutil.rmtree(dst / STATE_DIR, ignore_errors=True)
+            if created:
+                shutil.rmtree(dst, ignore_errors=True)
+        raise
     return ConversionReport(
         plan=plan,
         dst=dst,
         tensors_quantized=len(plan.quantized),
         tensors_kept=kept,
         exclusion_entries=plan.exclusions.entries,
-        bytes_in=run.counter.total,
+        bytes_in=counter,
         bytes_out=total,
         shards_written=tuple(s.file for s in todo),
         shards_resumed=tuple(s.file for s in plan.shards if s.file not in {t.file for t in todo}),
