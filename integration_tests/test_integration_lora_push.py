@@ -18,8 +18,7 @@ import pytest
 import torch
 
 from posttrain.interface.testing import ServerProcess, free_port
-from posttrain.lora import AdapterClient, LoraServing, request_fields, serves_lora
-from posttrain.lora.errors import AdapterPushError
+from posttrain.lora import AdapterClient, AdapterPushError, LoraServing, request_fields, serves_lora
 from posttrain.models import LoraAdapter, load_pretrained
 from posttrain.models.__main__ import init_checkpoint
 

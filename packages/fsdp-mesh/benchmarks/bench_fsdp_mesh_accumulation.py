@@ -31,9 +31,9 @@ from posttrain.fsdp_mesh import (
     build_fsdp_mesh,
     count_collectives,
     gather_full_param,
-    launch_workers,
 )
 from posttrain.interface import MeshSpec
+from posttrain.interface.processes import run_workers
 
 
 def _worker(
@@ -100,12 +100,14 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--dim", type=int, default=256)
     args = parser.parse_args()
-    out = launch_workers(
+    out = run_workers(
         _worker,
         args.world,
         timeout_s=600,
         args=(args.replicate, args.micro_batches, args.steps, args.dim),
         start_method="forkserver",
+        threads_per_rank=None,
+        preload=("torch", "torch.distributed.fsdp"),
     )
     r0 = out[0]
     eager, deferred = r0["per_micro_batch"], r0["deferred"]

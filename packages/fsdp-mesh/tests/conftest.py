@@ -4,8 +4,7 @@ Worker functions live in ``fsdp_mesh_workers.py`` (an importable module: spawned
 import the function by name, which pytest's importlib mode does not allow for test modules).
 ``run_ranks`` runs them with ``posttrain.interface.testing.run_workers``: ranks are forked from
 this warm process (torch, FSDP, DCP and dynamo imported once, here), so a group starts in about a
-second. The fault tests call this package's own ``launch_workers`` (the parity command's
-launcher) instead, since that is what they test.
+second.
 
 Gloo start-up and first-use costs dominate, so one W=4 group and one W=2 group run all of
 their checks (``w4_suite``/``w2_suite``) once per session; the tests assert on their results.

@@ -134,24 +134,6 @@ def deferred_vs_eager(rank: int, world: int, replicate: int, micro: int) -> dict
     return {"counts": counts, "max_diff": max_diff}
 
 
-def hang(rank: int, world: int) -> None:
-    if rank == 1:
-        time.sleep(600)
-    dist.barrier()
-
-
-def crash(rank: int, world: int) -> None:
-    if rank == 1:
-        raise ValueError("deliberate failure on rank 1")
-    dist.barrier()
-
-
-def hard_exit(rank: int, world: int) -> None:
-    if rank == 1:
-        os._exit(7)
-    dist.barrier()
-
-
 def _message(fn: Any) -> str:
     try:
         fn()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import fsdp_mesh_workers as workers
 import pytest
@@ -13,14 +14,19 @@ from posttrain.interface.testing import free_port, run_workers
 
 @pytest.mark.multiproc
 @pytest.mark.timeout(200)
-def test_self_spawning_command_passes(capsys: pytest.CaptureFixture[str]) -> None:
+def test_self_spawning_command_passes(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    path = tmp_path / "parity.json"
     code = parity.main(
-        ["--replicate", "1", "--shard", "2", "--steps", "1", "--start-method", "fork"]
-    )
+        ["--replicate", "1", "--shard", "2", "--steps", "1", "--start-method", "fork",
+         "--json", str(path)]
+    )  # fmt: skip
     out = capsys.readouterr().out
     assert code == 0
     assert out.rstrip().endswith("PASS r1s2")
-    report = json.loads(out[: out.rindex("}") + 1])
+    assert len(out.splitlines()) <= 8  # a summary for a person, not the JSON report
+    assert "every check passed" in out
+    assert f"full report (every rank): {path}" in out
+    report = json.loads(path.read_text())
     assert report["passed"] is True
     assert report["layout"] == "r1s2"
     assert report["tolerance"] == {"rtol": 2e-5, "atol": 2e-6}

@@ -1,4 +1,4 @@
-"""Rollout requests: one session per sample, deterministic seeds, LoRA fields, bounded, cleaned up.
+"""Rollout requests: one session per sample, deterministic seeds, versioned sessions, cleaned up.
 
 The session server here is ``httpx.MockTransport`` standing in for the session router's routes
 (its real behaviour is covered by the integration tests); it lets a test see every request
@@ -13,12 +13,11 @@ from typing import Any
 import httpx
 import pytest
 
+from posttrain.formats import decode_samples, encode_samples
 from posttrain.grpo import GrpoRunError
-from posttrain.grpo._formats import decode_samples
 from posttrain.grpo.rewards import Prompt
 from posttrain.grpo.rollout import RolloutSettings, run_rollout, sampling_seed
 from posttrain.interface import Sample
-from posttrain.session_router import encode_samples
 
 
 class FakeSessions:
@@ -59,10 +58,9 @@ PROMPTS = [Prompt(index=i, messages=({"role": "user", "content": f"{i}+1="},),
                   metadata={"answer": str(i + 1)}) for i in (4, 9)]  # fmt: skip
 
 
-def test_one_session_per_sample_in_order_with_seeds_and_lora_fields() -> None:
+def test_one_session_per_sample_in_order_with_seeds_and_the_weight_version() -> None:
     fake = FakeSessions()
-    lora = {"lora_path": "policy", "extra_key": "policy:v3"}
-    out = run_rollout(_settings(lora_fields=lora, top_logprobs=4), PROMPTS, step=2,
+    out = run_rollout(_settings(weight_version=3, top_logprobs=4), PROMPTS, step=2,
                       transport=httpx.MockTransport(fake))  # fmt: skip
     assert [(s.group_index, s.index) for s in out] == [
         (0, 0),
@@ -81,9 +79,13 @@ def test_one_session_per_sample_in_order_with_seeds_and_lora_fields() -> None:
     seeds = sorted(b["seed"] for b in chats)
     assert seeds == sorted(sampling_seed(7, 2, p, j) for p in (4, 9) for j in range(3))
     assert len(set(seeds)) == 6
+    # each session is opened with the served version: the session router derives the adapter's
+    # lora_path and extra_key from it (posttrain.formats.apply_lora_fields), never the client
+    opens = [b for m, p, b in fake.requests if m == "POST" and p == "/sessions"]
+    assert opens == [{"weight_version": 3}] * 6
     for b in chats:
-        assert b["lora_path"] == "policy"
-        assert b["extra_key"] == "policy:v3"
+        assert "lora_path" not in b
+        assert "extra_key" not in b
         assert b["top_logprobs"] == 4
         assert b["logprobs"] is True
         assert b["max_tokens"] == 4
@@ -115,6 +117,6 @@ def test_transport_errors_are_run_errors() -> None:
         run_rollout(_settings(), PROMPTS[:1], step=0, transport=httpx.MockTransport(refuse))
 
 
-def test_samples_wire_round_trip_through_the_one_formats_module() -> None:
+def test_samples_wire_round_trip_through_formats() -> None:
     s = Sample(prompt_ids=[1], response_ids=[2], rollout_logprobs=[-1.0], loss_mask=[1])
     assert decode_samples(encode_samples([s])).samples[0].tokens == [1, 2]

@@ -8,7 +8,9 @@ import time
 
 import pytest
 
+from posttrain.interface import ConfigError
 from posttrain.interface.testing import (
+    AppServer,
     ServerProcess,
     ServerStartError,
     WorkerCrashedError,
@@ -62,7 +64,7 @@ def _hang_on_rank_one(rank: int, world_size: int) -> int:
 
 def test_hung_rank_fails_within_timeout() -> None:
     start = time.monotonic()
-    with pytest.raises(WorkerTimeoutError, match=r"rank\(s\) \[1\] of 2 did not finish within 3 s"):
+    with pytest.raises(WorkerTimeoutError, match=r"ranks \[1\] of 2 did not finish within 3 s"):
         run_workers(_hang_on_rank_one, 2, timeout_s=3, backend=None)
     # The hang is cut at the harness timeout, not at pytest's (300 s).
     assert time.monotonic() - start < 30
@@ -106,6 +108,44 @@ def test_raising_rank_reports_its_traceback() -> None:
         run_workers(_raise_on_rank_one, 2, timeout_s=30, backend=None)
 
 
+def _raise_while_peer_waits(rank: int, world_size: int) -> None:
+    import torch.distributed as dist
+
+    if rank == 1:
+        raise ValueError("deliberate failure on rank 1")
+    dist.barrier()  # rank 0 then fails too, after rank 1: the cause named is rank 1
+
+
+def test_first_failing_rank_is_named_not_the_peers_it_broke() -> None:
+    with pytest.raises(WorkerFailedError, match="rank 1 of 2 raised") as info:
+        run_workers(_raise_while_peer_waits, 2, timeout_s=60)
+    assert info.value.rank == 1
+    assert "deliberate failure on rank 1" in str(info.value)
+
+
+def _exit_while_peer_waits(rank: int, world_size: int) -> None:
+    import torch.distributed as dist
+
+    if rank == 1:
+        os._exit(7)
+    dist.barrier()  # rank 0 raises "connection closed by peer" and reports it
+
+
+def test_rank_that_died_silently_is_named_before_the_peer_that_raised() -> None:
+    with pytest.raises(WorkerCrashedError, match="rank 1 of 2 exited with code 7") as info:
+        run_workers(_exit_while_peer_waits, 2, timeout_s=60)
+    assert info.value.rank == 1
+
+
+def test_bad_launch_options_are_refused_before_any_process_starts() -> None:
+    with pytest.raises(ConfigError, match=r"world_size must be at least 1, got 0"):
+        run_workers(print, 0, timeout_s=1)
+    with pytest.raises(ConfigError, match=r"backend must be 'gloo', 'nccl' or None, got 'mpi'"):
+        run_workers(print, 1, timeout_s=1, backend="mpi")  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match=r"timeout_s must be positive, got 0"):
+        run_workers(print, 1, timeout_s=0)
+
+
 def _pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -146,6 +186,27 @@ def test_server_that_exits_reports_its_log() -> None:
 def test_server_never_ready_is_stopped() -> None:
     argv = [sys.executable, "-c", "import time; time.sleep(3600)"]
     server = ServerProcess(argv, f"http://127.0.0.1:{free_port()}/", timeout_s=1)
-    with pytest.raises(ServerStartError, match="was not ready"):
+    with pytest.raises(ServerStartError, match="was not ready within 1 s"):
         server.start()
     assert not _pid_alive(server.pid)
+
+
+async def _hello(scope: dict[str, object], receive: object, send: object) -> None:
+    """A bare ASGI app (no framework): 200 "hello" on every HTTP request."""
+    if scope["type"] != "http":
+        return
+    await send({"type": "http.response.start", "status": 200, "headers": []})  # type: ignore[operator]
+    await send({"type": "http.response.body", "body": b"hello"})  # type: ignore[operator]
+
+
+def test_app_server_serves_from_a_thread_and_stops() -> None:
+    import urllib.error
+    import urllib.request
+
+    with (
+        AppServer(_hello) as server,
+        urllib.request.urlopen(f"{server.url}/anything", timeout=10) as reply,
+    ):
+        assert (reply.status, reply.read()) == (200, b"hello")
+    with pytest.raises(urllib.error.URLError):
+        urllib.request.urlopen(server.url, timeout=2)

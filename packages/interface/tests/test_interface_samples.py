@@ -30,7 +30,7 @@ def samples(draw: st.DrawFn) -> Sample:
         loss_mask=draw(st.lists(st.sampled_from([0, 1]), min_size=n, max_size=n)),
         reward=draw(st.one_of(st.none(), finite)),
         status=draw(st.sampled_from(list(SampleStatus))),
-        weight_version=draw(st.one_of(st.none(), st.text(max_size=4))),
+        weight_version=draw(st.one_of(st.none(), st.integers(min_value=0, max_value=2**40))),
         metadata=draw(st.dictionaries(st.text(max_size=5), st.integers(), max_size=3)),
         group_index=draw(st.one_of(st.none(), st.integers(0, 9))),
         index=draw(st.one_of(st.none(), st.integers(0, 9))),
@@ -67,6 +67,9 @@ def _sample(**overrides: object) -> Sample:
         ({"rollout_logprobs": [-0.5, float("nan")]}, r"rollout_logprobs\[1\] must be a finite"),
         ({"reward": float("inf")}, "reward"),
         ({"status": "done"}, "status must be one of completed, truncated, aborted"),
+        ({"weight_version": "3"}, "weight_version must be a non-negative int or None, got '3'"),
+        ({"weight_version": -1}, "weight_version must be a non-negative int"),
+        ({"weight_version": True}, "weight_version must be a non-negative int"),
     ],
 )
 def test_sample_rejects_bad_fields(overrides: dict[str, object], message: str) -> None:

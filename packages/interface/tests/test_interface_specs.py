@@ -10,7 +10,6 @@ from hypothesis import strategies as st
 
 from posttrain.interface import (
     ConfigError,
-    EngineEndpoint,
     FourOverSix,
     LoraSpec,
     MeshAxis,
@@ -104,24 +103,3 @@ def test_nvfp4_precision() -> None:
     with pytest.raises(ConfigError, match="kv_cache_quant_algo"):
         NVFP4Precision(kv_cache_quant_algo="FP4")  # type: ignore[arg-type]
     assert NVFP4Precision(input_scale=None, kv_cache_quant_algo=None).input_scale is None
-
-
-@pytest.mark.parametrize(
-    ("url", "message"),
-    [
-        ("ftp://127.0.0.1:1", "must use http or https"),
-        ("http://", "has no host"),
-        ("127.0.0.1:8000", "must use http or https"),
-        ("http://127.0.0.1:notaport", "invalid port"),
-    ],
-)
-def test_engine_endpoint_rejects_bad_urls(url: str, message: str) -> None:
-    with pytest.raises(ConfigError, match=message):
-        EngineEndpoint(url=url)
-
-
-def test_engine_endpoint_headers() -> None:
-    endpoint = EngineEndpoint(url="http://127.0.0.1:30000/", api_key="k")
-    assert endpoint.url == "http://127.0.0.1:30000"
-    assert endpoint.headers() == {"Authorization": "Bearer k"}
-    assert EngineEndpoint(url="https://engine.example").headers() == {}

@@ -7,7 +7,7 @@ import sys
 import types
 
 import posttrain.interface as interface
-from posttrain.interface import testing
+from posttrain.interface import processes, testing
 
 
 def _public_names(module: types.ModuleType) -> set[str]:
@@ -31,9 +31,22 @@ def test_testing_module_all_is_its_public_surface() -> None:
     public = {
         name
         for name, value in vars(testing).items()
-        if not name.startswith("_") and getattr(value, "__module__", None) == testing.__name__
+        if not name.startswith("_")
+        and not isinstance(value, types.ModuleType)
+        and getattr(value, "__module__", "").startswith("posttrain.interface")
     }
     assert set(testing.__all__) == public
+
+
+def test_processes_module_all_is_its_public_surface() -> None:
+    public = {
+        name
+        for name, value in vars(processes).items()
+        if not name.startswith("_")
+        and not isinstance(value, types.ModuleType)
+        and getattr(value, "__module__", None) == processes.__name__
+    } | {"DEFAULT_PRELOAD", "StartMethod"}
+    assert set(processes.__all__) == public
 
 
 def test_import_loads_neither_torch_nor_httpx() -> None:

@@ -87,7 +87,7 @@ def generate_responses(draw: st.DrawFn) -> dict[str, Any]:
         ),
         "prompt_tokens": draw(st.integers(1, 9)),
         "completion_tokens": n,
-        "weight_version": draw(st.text(max_size=3)),
+        "weight_version": draw(st.one_of(st.none(), st.integers(0, 10**6))),
         "output_token_logprobs": draw(st.lists(entry, min_size=n, max_size=n)),
         "output_top_logprobs": draw(
             st.lists(st.one_of(st.none(), st.lists(entry, max_size=3)), min_size=n, max_size=n)

@@ -17,25 +17,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
-import socket
 import statistics
 import subprocess
 import sys
 import time
 
-import httpx
+from posttrain.interface.processes import free_port, stop_process_group, wait_until_ready
 
 ENTRIES = {
     "posttrain.launch.sgl_router": "posttrain.launch.sgl_router",
     "sglang_router.launch_router": "sglang_router.launch_router",
 }
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def start_to_ready(module: str, timeout_s: float = 120.0) -> float:
@@ -49,24 +41,15 @@ def start_to_ready(module: str, timeout_s: float = 120.0) -> float:
         start_new_session=True,
     )  # fmt: skip
     try:
-        with httpx.Client(timeout=1.0) as client:
-            while time.perf_counter() - t0 < timeout_s:
-                try:
-                    if client.get(f"http://127.0.0.1:{port}/health").status_code == 200:
-                        return time.perf_counter() - t0
-                except httpx.HTTPError:
-                    pass
-                if proc.poll() is not None:
-                    raise RuntimeError(f"{module} exited with {proc.returncode}")
-                time.sleep(0.02)
-        raise TimeoutError(f"{module} not ready in {timeout_s} s")
+        wait_until_ready(
+            f"http://127.0.0.1:{port}/health",
+            timeout_s=timeout_s,
+            process=proc,
+            poll_interval_s=0.02,
+        )
+        return time.perf_counter() - t0
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=10)
+        stop_process_group(proc, grace_s=10)
 
 
 def main() -> None:

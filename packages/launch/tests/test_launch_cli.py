@@ -124,3 +124,16 @@ def test_run_dry_prints_a_saved_plan(tmp_path: Path) -> None:
     bad = runner.invoke(app, ["run", str(path), "--runner", "slurm"])
     assert bad.exit_code == 2
     assert "'slurm' is not one of dry, local, ray" in bad.stderr
+
+
+@pytest.mark.parametrize("command", ["plan", "up", "demo", "hardware", "run"])
+def test_every_option_has_help_and_no_type_column(command: str) -> None:
+    import typer.main
+
+    click_command = typer.main.get_command(app).commands[command]  # type: ignore[attr-defined]
+    for param in click_command.params:
+        assert getattr(param, "help", None), f"{command} {param.name} has no help"
+    result = runner.invoke(app, [command, "--help"], terminal_width=100)
+    assert result.exit_code == 0
+    assert "<bool>" not in result.output
+    assert "<int" not in result.output

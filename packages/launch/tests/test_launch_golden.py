@@ -60,7 +60,7 @@ def golden_cases() -> dict[str, Plan]:
             engine_ports=(31000, 31001),
             router_port=31100,
             session_router_port=31200,
-            prometheus_port=31300,
+            router_metrics_port=31300,
         )
     )
     return cases

@@ -10,6 +10,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from posttrain.interface.testing import free_port
 from posttrain.launch import (
     LocalRunner,
     Plan,
@@ -19,7 +20,6 @@ from posttrain.launch import (
     ReadinessError,
     Role,
 )
-from posttrain.launch.stack import free_port
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(60)]
 

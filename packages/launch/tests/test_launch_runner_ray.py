@@ -17,9 +17,9 @@ from pathlib import Path
 import psutil
 import pytest
 
+from posttrain.interface.testing import free_port
 from posttrain.launch import Plan, ProcessSpec, Readiness, Role
 from posttrain.launch.planner import torchrun_argv
-from posttrain.launch.stack import free_port
 
 pytest.importorskip("ray", reason="the Ray runner needs the `ray` extra")
 

@@ -1,7 +1,8 @@
 """Every SGLang engine argv in the golden plans parses with SGLang's own server parser.
 
-Optional: runs where ``sglang`` imports (e.g. ``pip install sglang --no-deps`` plus the few
-pure-Python modules its argument module imports); skipped otherwise.
+Runs where ``sglang`` imports: CI runs it in the side environment ``.ci/sglang-conformance``
+builds (a pinned sglang with ``--no-deps`` plus the light packages its parsers import), where it
+must pass; the workspace's own suite skips it.
 """
 
 import argparse

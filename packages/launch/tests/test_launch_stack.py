@@ -1,6 +1,7 @@
 """The local stack plan: engine choice, ordering, validation."""
 
 import importlib.util
+from pathlib import Path
 
 import pytest
 
@@ -13,6 +14,7 @@ from posttrain.launch import (
     Role,
     build_local_stack,
 )
+from posttrain.launch.keys import key_dir, new_api_key, remove_key_file, write_key_file
 from posttrain.launch.stack import default_engine_kind
 
 GPU = Detection(tool="nvidia-smi", gpu_names=("NVIDIA H200",), hardware=Hardware.H200)
@@ -75,3 +77,57 @@ def test_sglang_stack_uses_sglang_spelling() -> None:
 def test_stack_validation(cfg: LocalStackConfig, message: str) -> None:
     with pytest.raises(LaunchConfigError, match=message):
         build_local_stack(cfg)
+
+
+def _value(argv: tuple[str, ...], flag: str) -> str:
+    return argv[argv.index(flag) + 1]
+
+
+def test_every_port_is_free_or_given_and_the_metrics_port_binds_loopback() -> None:
+    free = build_local_stack(LocalStackConfig(model_path="/m", engines=1))
+    router = free.process("router").argv
+    assert _value(router, "--prometheus-host") == "127.0.0.1"
+    assert _value(router, "--prometheus-port") not in ("29000", "0")
+    given = build_local_stack(
+        LocalStackConfig(model_path="/m", engines=1, router_port=31100, router_metrics_port=31300)
+    )
+    assert _value(given.process("router").argv, "--prometheus-port") == "31300"
+    assert _value(given.process("router").argv, "--port") == "31100"
+
+
+def test_the_key_goes_to_local_engines_and_the_session_router_only() -> None:
+    plan = build_local_stack(LocalStackConfig(model_path="/m", engines=2, api_key="k3y"))
+    for engine in plan.by_role(Role.ENGINE):
+        assert _value(engine.argv, "--api-key") == "k3y"
+    assert _value(plan.process("session-router").argv, "--api-key") == "k3y"
+    assert "--api-key" not in plan.process("router").argv  # see keys.py: the router takes none
+    sglang = build_local_stack(
+        LocalStackConfig(model_path="/m", engines=1, engine_kind=EngineKind.SGLANG, api_key="k")
+    )
+    assert "--api-key" not in sglang.by_role(Role.ENGINE)[0].argv
+    unkeyed = build_local_stack(LocalStackConfig(model_path="/m", engines=1))
+    assert all("--api-key" not in p.argv for p in unkeyed.processes)
+
+
+def test_key_file_is_private_and_never_overwritten(tmp_path: Path) -> None:
+    key = new_api_key()
+    assert len(key) == 64
+    assert not key.startswith("-")
+    path = write_key_file(key, "stack-1", tmp_path)
+    assert path.read_text().strip() == key
+    assert path.stat().st_mode & 0o777 == 0o600
+    with pytest.raises(LaunchConfigError, match="already exists"):
+        write_key_file(new_api_key(), "stack-1", tmp_path)
+    remove_key_file(path)
+    remove_key_file(path)  # twice is fine
+    assert not path.exists()
+
+
+def test_key_dir_is_private(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    folder = key_dir()
+    assert folder == tmp_path / "posttrain"
+    assert folder.stat().st_mode & 0o077 == 0
+    folder.chmod(0o755)
+    with pytest.raises(LaunchConfigError, match="open to other users"):
+        key_dir()

@@ -29,9 +29,8 @@ from typing import Any
 import httpx
 import torch
 
+from posttrain.formats import ShmRing, WeightPushClient, push_weights, tensors_sha256
 from posttrain.interface.testing import ServerProcess, free_port
-from posttrain.local_engine import ShmRing, WeightPushClient, push_weights
-from posttrain.local_engine._buckets import tensors_sha256
 from posttrain.models import ModelConfig, build_model, build_tokenizer
 
 

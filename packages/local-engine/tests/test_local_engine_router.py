@@ -18,9 +18,8 @@ from typing import Any
 import httpx
 import pytest
 
+from posttrain.formats import WeightPushClient, push_weights, tensors_sha256
 from posttrain.interface.testing import ServerProcess, free_port
-from posttrain.local_engine import WeightPushClient, push_weights
-from posttrain.local_engine._buckets import tensors_sha256
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.slow, pytest.mark.timeout(150)]
 
@@ -152,4 +151,4 @@ def test_router_registers_routes_removes_and_readds_engines(  # type: ignore[no-
             assert httpx.get(f"{url}/weights_checksum").json()["sha256"] == tensors_sha256(
                 other_weights
             )
-        assert {generate(30 + s)["meta_info"]["weight_version"] for s in range(2)} == {"1"}
+        assert {generate(30 + s)["meta_info"]["weight_version"] for s in range(2)} == {1}

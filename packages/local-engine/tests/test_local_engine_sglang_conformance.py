@@ -1,7 +1,8 @@
 """Optional: the request bodies local-engine accepts are accepted by SGLang's own struct.
 
-Runs only where ``sglang`` imports (its io_struct pulls in sglang's runtime utilities,
-so a ``--no-deps`` install is not enough on a CPU-only torch); skipped otherwise.
+Runs where ``sglang`` imports: CI runs it in the side environment ``.ci/sglang-conformance``
+builds (a pinned sglang with ``--no-deps`` plus the light packages its io_struct imports, torch
+from the lock), where it must pass; the workspace's own suite skips it.
 ``token_ids_logprob_positions`` is left out: it exists only in patched SGLang.
 """
 

@@ -1,134 +1,56 @@
-"""Pure pieces: buckets, NVFP4 dequantization, the update session, sampling, config."""
+"""Pure pieces: the NVFP4 checkpoint reader, the update session, sampling, config.
+
+(The bucket format itself is tested in ``packages/formats``.)
+"""
 
 from __future__ import annotations
 
-import hashlib
-
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
-from posttrain.interface import IncompleteUpdateError, StaleVersionError, WireFormatError
+import posttrain.formats as formats
+from posttrain.formats import pack_bucket, unpack_bucket
+from posttrain.interface import IncompleteUpdateError, StaleVersionError
 from posttrain.local_engine import (
+    CheckpointError,
     NVFP4FormatError,
     UpdateSessionError,
-    dequantize_nvfp4,
-    pack_bucket,
     parse_args,
-    unpack_bucket,
 )
-from posttrain.local_engine._nvfp4 import E2M1_VALUES, dequantize_state_dict, read_quant_config
+from posttrain.local_engine._loader import read_checkpoint
 from posttrain.local_engine._sampling import SamplingConfig, pick_token, top_logprobs
 from posttrain.local_engine._update import TensorSpec, UpdateSession, check_version_increases
 
-DTYPES = [torch.bfloat16, torch.float32, torch.float16, torch.int64, torch.uint8]
 
+def test_nvfp4_checkpoint_reads_dequantized_with_a_report(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from safetensors.torch import save_file
 
-@settings(max_examples=25, deadline=None)
-@given(
-    st.lists(
-        st.tuples(st.sampled_from(DTYPES), st.lists(st.integers(0, 5), min_size=0, max_size=3)),
-        min_size=1,
-        max_size=6,
-    ),
-    st.sampled_from([1, 64, 256]),
-)
-def test_bucket_round_trip_mixed_dtypes(
-    spec: list[tuple[torch.dtype, list[int]]], align: int
-) -> None:
-    gen = torch.Generator().manual_seed(0)
-    tensors = [
-        (f"t{i}", (torch.randn(shape, generator=gen) * 50).to(dt))
-        for i, (dt, shape) in enumerate(spec)
-    ]
-    manifest, buf = pack_bucket(tensors, update_id="u", weight_version=1, alignment=align)
-    assert all(e.offset % align == 0 for e in manifest.tensors)
-    assert manifest.sha256 == hashlib.sha256(buf.numpy().tobytes()).hexdigest()
-    out = unpack_bucket(manifest, buf)
-    for name, t in tensors:
-        assert out[name].dtype == t.dtype
-        assert torch.equal(out[name], t)
-
-
-def test_bucket_sha256_and_bounds_are_checked() -> None:
-    manifest, buf = pack_bucket([("a", torch.ones(4))], update_id="u", weight_version=1)
-    bad = buf.clone()
-    bad[0] ^= 1
-    with pytest.raises(WireFormatError, match="sha256") as e:
-        unpack_bucket(manifest, bad)
-    assert e.value.field == "manifest.sha256"
-    with pytest.raises(WireFormatError, match="total_bytes"):
-        unpack_bucket(manifest, buf[:8])
-
-
-def test_bucket_into_reused_slot_zeroes_gaps() -> None:
-    slot = torch.full((4096,), 0xFF, dtype=torch.uint8)
-    tensors = [("a", torch.ones(3, dtype=torch.bfloat16)), ("b", torch.ones(2))]
-    m1, _ = pack_bucket(tensors, update_id="u", weight_version=1, out=slot)
-    m2, _ = pack_bucket(tensors, update_id="u", weight_version=1)
-    assert m1.sha256 == m2.sha256
-
-
-def _nvfp4_reference(values: torch.Tensor, scales: torch.Tensor, s2: float) -> torch.Tensor:
-    """Element-wise ModelOpt formula E2M1[c] * (float(s) * s2), written independently."""
-    out = torch.empty(values.shape)
-    for i in range(values.shape[0]):
-        for j in range(values.shape[1]):
-            out[i, j] = values[i, j] * (scales[i, j // 16].float() * s2)
-    return out
-
-
-def test_nvfp4_dequantize_unpacks_low_nibble_first() -> None:
-    gen = torch.Generator().manual_seed(0)
-    codes = torch.randint(0, 16, (3, 32), generator=gen)
-    packed = (codes[:, 0::2] | (codes[:, 1::2] << 4)).to(torch.uint8)
-    scales = (torch.rand(3, 2, generator=gen) * 10 + 0.1).to(torch.float8_e4m3fn)
-    got = dequantize_nvfp4("w", packed, scales, torch.tensor(0.25))
-    want = _nvfp4_reference(E2M1_VALUES[codes], scales, 0.25)
-    assert torch.equal(got, want)
-    # byte 0 = code(x0) | code(x1) << 4: a 0x71 byte decodes to [0.5 (code 1), 6.0 (code 7)]
-    one = dequantize_nvfp4(
-        "w",
-        torch.tensor([[0x71] * 8], dtype=torch.uint8),
-        torch.ones(1, 1).to(torch.float8_e4m3fn),
-        torch.tensor(1.0),
-    )
-    assert one[0, :2].tolist() == [0.5, 6.0]
-
-
-def test_nvfp4_stacked_experts_and_state_dict(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    packed = torch.full((2, 4, 8), 0x22, dtype=torch.uint8)  # every code 2 -> 1.0
-    scales = torch.ones(2, 4, 1).to(torch.float8_e4m3fn)
-    got = dequantize_nvfp4("experts", packed, scales, torch.tensor([2.0, 3.0]))
-    assert got[0].unique().tolist() == [2.0]
-    assert got[1].unique().tolist() == [3.0]
-    (tmp_path / "hf_quant_config.json").write_text(
-        '{"quantization": {"quant_algo": "NVFP4", "group_size": 16, "exclude_modules": ["lm_head"],'
-        ' "kv_cache_quant_algo": "FP8"}}'
-    )
-    report = read_quant_config(tmp_path)
-    assert report is not None
-    assert report.exclude_modules == ["lm_head"]
     state = {
-        "x.weight": packed[0],
-        "x.weight_scale": scales[0],
+        "x.weight": torch.full((4, 8), 0x22, dtype=torch.uint8),  # every code 2 -> 1.0
+        "x.weight_scale": torch.ones(4, 1).to(torch.float8_e4m3fn),
         "x.weight_scale_2": torch.tensor(2.0),
         "x.input_scale": torch.tensor(1.0),
         "norm.weight": torch.ones(4),
     }
-    out = dequantize_state_dict(state, report, {"x.weight": torch.bfloat16})
-    assert set(out) == {"x.weight", "norm.weight"}
-    assert out["x.weight"].dtype == torch.bfloat16
-    assert report.dequantized == ["x.weight"]
-    with pytest.raises(NVFP4FormatError, match=r"x\.weight_scale_2"):
-        dequantize_state_dict(
-            {k: v for k, v in state.items() if k != "x.weight_scale_2"}, report, {}
-        )
-    with pytest.raises(NVFP4FormatError, match="weight_scale"):
-        dequantize_nvfp4(
-            "y", packed[0], torch.ones(4, 2).to(torch.float8_e4m3fn), torch.tensor(1.0)
-        )
+    save_file(state, str(tmp_path / "model.safetensors"))
+    (tmp_path / "hf_quant_config.json").write_text(
+        '{"quantization": {"quant_algo": "NVFP4", "group_size": 16, "exclude_modules": ["lm_head"],'
+        ' "kv_cache_quant_algo": "FP8"}}'
+    )
+    tensors, report = read_checkpoint(tmp_path, {"x.weight": torch.bfloat16})
+    assert set(tensors) == {"x.weight", "norm.weight"}
+    assert tensors["x.weight"].dtype == torch.bfloat16
+    assert tensors["x.weight"].unique().tolist() == [2.0]
+    assert report is not None
+    assert (report.exclude_modules, report.dequantized) == (["lm_head"], ["x.weight"])
+    assert report.to_json()["kv_cache_quant_algo"] == "FP8"
+    del state["x.weight_scale_2"]
+    save_file(state, str(tmp_path / "model.safetensors"))
+    with pytest.raises(NVFP4FormatError, match=r"x\.weight_scale_2") as info:
+        read_checkpoint(tmp_path, {})
+    # one error, in both trees: the engine's (a CheckpointError -> 400) and the format's
+    assert isinstance(info.value, CheckpointError)
+    assert isinstance(info.value, formats.NVFP4FormatError)
 
 
 def _session(**kw: object) -> UpdateSession:
@@ -260,3 +182,34 @@ def test_scheduler_batches_within_adapter_limit_and_bounds_queue() -> None:
     assert batches[0] == ["a", None, "b", None]
     assert all(len({x for x in b if x is not None}) <= 2 for b in batches)
     assert sorted(x or "" for b in batches for x in b) == sorted(["a", "", "b", "c", "", "a"])
+
+
+@pytest.mark.parametrize(
+    ("bad", "match"),
+    [
+        (torch.full((2, 8), float("nan")), r"lora_A\.weight contains NaN"),
+        (torch.ones(2, 8, dtype=torch.int64), r"lora_A\.weight has dtype int64"),
+        (torch.ones(3, 8), r"has rank 3 .* says r=2"),
+    ],
+)
+def test_adapters_from_tensors_are_checked_by_the_formats_reader(
+    bad: torch.Tensor, match: str
+) -> None:
+    from posttrain.local_engine import AdapterError, NonFiniteWeightsError
+    from posttrain.local_engine._lora import adapter_from_tensors
+
+    config = {"peft_type": "LORA", "r": 2, "lora_alpha": 4, "target_modules": ["q_proj"]}
+    module = "model.layers.0.self_attn.q_proj"
+    good = {
+        formats.peft_key(module, "A"): torch.ones(2, 8),
+        formats.peft_key(module, "B"): torch.ones(6, 2),
+    }
+    served = adapter_from_tensors("ok", config, good, {module: (8, 6)})
+    assert served.scaling == 2.0
+    bad_b = torch.ones(6, 3) if bad.shape[0] == 3 else good[formats.peft_key(module, "B")]
+    tensors = {formats.peft_key(module, "A"): bad, formats.peft_key(module, "B"): bad_b}
+    # a 400 before anything is served; NaN/Inf is the engine's NonFiniteWeightsError
+    expected = NonFiniteWeightsError if "NaN" in match else AdapterError
+    with pytest.raises(expected, match=match) as info:
+        adapter_from_tensors("poisoned", config, tensors, {module: (8, 6)})
+    assert "adapter 'poisoned'" in str(info.value)

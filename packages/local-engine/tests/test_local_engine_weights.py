@@ -10,10 +10,21 @@ import pytest
 import torch
 from safetensors.torch import save, save_file
 
-from posttrain.interface import EngineError, IncompleteUpdateError, StaleVersionError
-from posttrain.local_engine import ShmRing, WeightPushClient, pack_bucket, push_weights
-from posttrain.local_engine._buckets import tensors_sha256
-from posttrain.local_engine._nvfp4 import E2M1_VALUES
+from posttrain.formats import (
+    E2M1_VALUES,
+    ShmRing,
+    WeightPushClient,
+    expected_tensors,
+    pack_bucket,
+    push_weights,
+    tensors_sha256,
+)
+from posttrain.interface import (
+    EngineError,
+    IncompleteUpdateError,
+    StaleVersionError,
+    WeightUpdateBegin,
+)
 from posttrain.models import LoraAdapter as ModelLora
 from posttrain.models import ModelConfig, build_model, build_tokenizer
 
@@ -64,13 +75,21 @@ def test_update_then_parity_and_checksum(engine, other_weights, trainer_lp, tran
         assert result.success
         assert result.weight_version == 1
         after = _generate(c)
-        assert after["meta_info"]["weight_version"] == "1"
+        assert after["meta_info"]["weight_version"] == 1
         assert c.get("/weights_checksum").json()["sha256"] == tensors_sha256(other_weights)
     assert after["meta_info"]["input_token_logprobs"] != before["meta_info"]["input_token_logprobs"]
     _assert_parity(after, target, trainer_lp)
 
 
-def test_update_faults_are_rejected_and_leave_engine_unavailable(engine, other_weights) -> None:  # type: ignore[no-untyped-def]
+def _begin(uid: str, version: int, items: Any) -> WeightUpdateBegin:
+    return WeightUpdateBegin(
+        update_id=uid, weight_version=version, kind="base", expected=expected_tensors(items)
+    )
+
+
+def test_refused_updates_keep_serving_abandoned_ones_leave_engine_unavailable(
+    engine, other_weights
+) -> None:  # type: ignore[no-untyped-def]
     items = list(other_weights.items())
     with engine() as c:
         p = _pusher(c)
@@ -81,36 +100,36 @@ def test_update_faults_are_rejected_and_leave_engine_unavailable(engine, other_w
         assert c.post("/generate", json={"input_ids": [4, 5]}).status_code == 200
         # unknown tensor in the expected list: refused at begin
         with pytest.raises(EngineError, match="unknown"):
-            p.begin(
-                update_id="u1", weight_version=6, kind="base", expected=[("nope", torch.ones(1))]
-            )
+            p.begin(_begin("u1", 6, [("nope", torch.ones(1))]))
         # missing tensor: the end reports it, /generate answers 503
-        p.begin(update_id="u2", weight_version=6, kind="base", expected=items)
-        m, _ = pack_bucket(items[:-1], update_id="u2", weight_version=6)
-        p.send_safetensors(m, dict(items[:-1]))
+        p.begin(_begin("u2", 6, items))
+        p.send_bucket(*pack_bucket(items[:-1], update_id="u2", weight_version=6))
         with pytest.raises(IncompleteUpdateError, match="missing"):
             p.end("u2")
         r = c.post("/generate", json={"input_ids": [4, 5]})
         assert r.status_code == 503
         assert "missing" in r.json()["error"]["message"]
-        # wrong dtype in a bucket: 400 naming the tensor, then 503
+        # a full update brings it back
+        assert push_weights(p, other_weights, weight_version=6).success
+        # wrong dtype in a bucket: refused with a 400 naming the tensor; the update is over and
+        # the engine keeps serving version 6
         name, t = items[0]
-        p.begin(update_id="u3", weight_version=6, kind="base", expected=items)
-        m, _ = pack_bucket([(name, t.float())], update_id="u3", weight_version=6, is_last=False)
+        p.begin(_begin("u3", 7, items))
+        m, buf = pack_bucket([(name, t.float())], update_id="u3", weight_version=7, is_last=False)
         with pytest.raises(EngineError, match=name):
-            p.send_safetensors(m, {name: t.float()})
+            p.send_bucket(m, buf)
         assert c.post("/end_weight_update", json={"update_id": "u3"}).status_code == 400
-        # duplicate across buckets
-        p.begin(update_id="u4", weight_version=6, kind="base", expected=items)
-        m0, _ = pack_bucket([items[0]], update_id="u4", weight_version=6, is_last=False)
-        p.send_safetensors(m0, dict([items[0]]))
-        m1, _ = pack_bucket([items[0]], update_id="u4", weight_version=6, bucket_index=1)
+        assert _generate(c)["meta_info"]["weight_version"] == 6
+        # duplicate across buckets: refused, still serving
+        p.begin(_begin("u4", 7, items))
+        p.send_bucket(*pack_bucket([items[0]], update_id="u4", weight_version=7, is_last=False))
+        m1, buf1 = pack_bucket([items[0]], update_id="u4", weight_version=7, bucket_index=1)
         with pytest.raises(EngineError, match="twice"):
-            p.send_safetensors(m1, dict([items[0]]))
-        # aborted midway
-        p.begin(update_id="u5", weight_version=6, kind="base", expected=items)
-        m, _ = pack_bucket(items[:3], update_id="u5", weight_version=6, is_last=False)
-        p.send_safetensors(m, dict(items[:3]))
+            p.send_bucket(m1, buf1)
+        assert _generate(c)["meta_info"]["weight_version"] == 6
+        # aborted midway by the trainer: abandoned, 503 until a full update (wsync/1)
+        p.begin(_begin("u5", 7, items))
+        p.send_bucket(*pack_bucket(items[:3], update_id="u5", weight_version=7, is_last=False))
         p.abort("u5")
         assert c.post("/generate", json={"input_ids": [4, 5]}).status_code == 503
         assert c.get("/server_info").json()["weights_serviceable"] is False
@@ -119,11 +138,13 @@ def test_update_faults_are_rejected_and_leave_engine_unavailable(engine, other_w
         assert c.post("/generate", json={"input_ids": [4, 5]}).status_code == 200
         # a corrupted bucket (sha256 mismatch) over shm
         with ShmRing(1 << 16) as ring:
-            p.begin(update_id="u8", weight_version=8, kind="base", expected=items[:1])
-            m, _ = pack_bucket(items[:1], update_id="u8", weight_version=8, out=ring.slot(0))
+            p.ring = ring
+            p.begin(_begin("u8", 8, items[:1]))
+            m, buf = pack_bucket(items[:1], update_id="u8", weight_version=8, out=ring.slot(0))
             ring.slot(0)[0] ^= 0xFF
             with pytest.raises(EngineError, match="sha256"):
-                p.send_shm(m, ring, 0)
+                p.send_bucket(m, buf)  # sent from the slot it was packed in
+            p.ring = None
         bad = c.post(
             "/update_weights_from_shm",
             json={"manifest": m.to_dict(), "shm_path": "/etc/passwd", "slot": 0},
@@ -138,15 +159,26 @@ def test_update_from_disk(engine, tmp_path, trainer_lp) -> None:  # type: ignore
     with engine() as c:
         r = c.post(
             "/update_weights_from_disk",
+            # SGLang's request carries the version as a string; the engine reports the int.
             json={"model_path": str(tmp_path / "v2"), "weight_version": "3"},
         )
         assert r.status_code == 200, r.text
+        assert r.json()["weight_version"] == 3
         out = _generate(c)
-        assert out["meta_info"]["weight_version"] == "3"
+        assert out["meta_info"]["weight_version"] == 3
+        r = c.post(
+            "/update_weights_from_disk",
+            json={"model_path": str(tmp_path / "v2"), "weight_version": "v4"},
+        )
+        assert r.status_code == 400
+        assert r.json()["error"]["field"] == "weight_version"
         _assert_parity(out, target, trainer_lp)
+        sha = c.get("/weights_checksum").json()["sha256"]
         bad = c.post("/update_weights_from_disk", json={"model_path": str(tmp_path / "nope")})
         assert bad.status_code == 400
-        assert c.post("/generate", json={"input_ids": [4, 5]}).status_code == 503
+        # refused before anything changed: the engine keeps serving version 3 (issue #18)
+        assert _generate(c)["meta_info"]["weight_version"] == 3
+        assert c.get("/weights_checksum").json()["sha256"] == sha
 
 
 def _adapter_tensors(reference: Any, r: int, seed: int) -> dict[str, torch.Tensor]:
@@ -235,7 +267,7 @@ def _quantize_nvfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.
     scale_2 = torch.tensor(float(amax.max()) / (6 * 448))
     scales = (amax / 6 / scale_2).clamp(max=448).to(torch.float8_e4m3fn)
     step = (scales.float() * scale_2).unsqueeze(-1)
-    grid = E2M1_VALUES
+    grid = torch.tensor(E2M1_VALUES)
     codes = (blocks / step).unsqueeze(-1).sub(grid).abs().argmin(-1).reshape(n, k)
     packed = (codes[:, 0::2] | (codes[:, 1::2] << 4)).to(torch.uint8)
     return packed, scales, scale_2
@@ -258,7 +290,7 @@ def test_nvfp4_checkpoint_loads_dequantized_and_is_reported(
                 f"{prefix}.input_scale": torch.tensor(1.0),
             }
             codes = torch.stack([packed & 15, packed >> 4], -1).reshape(w.shape).long()
-            value = E2M1_VALUES[codes].reshape(w.shape[0], -1, 16) * (
+            value = torch.tensor(E2M1_VALUES)[codes].reshape(w.shape[0], -1, 16) * (
                 scales.float() * s2
             ).unsqueeze(-1)
             dequantized[name] = value.reshape(w.shape).to(w.dtype)

@@ -17,17 +17,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import time
-from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
+from posttrain.interface.processes import run_workers
 from posttrain.lora import (
     ColumnShardedLinear,
     LoraConfig,
@@ -68,15 +66,8 @@ class RegatherColumnLora(nn.Module):
         return self.base(x) + ((x_full @ self.lora_A.T) @ self.lora_B.T) * self.scaling
 
 
-def _run(rank: int, world: int, port: int, args: argparse.Namespace, q: Any) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=world,
-        timeout=timedelta(seconds=300),
-    )
+def _run(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any] | None:
+    """One gloo rank (the group comes from ``run_workers``); rank 0 returns the measurements."""
     for name, pick in (
         ("all_gather_into_tensor", 0),
         ("all_gather_single", 0),
@@ -147,10 +138,8 @@ def _run(rank: int, world: int, port: int, args: argparse.Namespace, q: Any) -> 
         all_gather_flat(buf, t.detach().reshape(-1).contiguous(), tp)
     per_tensor = {"collectives": COUNTER["calls"], "seconds": time.perf_counter() - t0}
     out["export"] = {"layers": args.layers, "coalesced": coalesced, "per_tensor": per_tensor}
-    if rank == 0:
-        q.put(out)
     dist.barrier()
-    dist.destroy_process_group()
+    return out if rank == 0 else None
 
 
 def main() -> None:
@@ -161,20 +150,7 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=7)
     ap.add_argument("--layers", type=int, default=64)
     args = ap.parse_args()
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    procs = [ctx.Process(target=_run, args=(r, 2, port, args, q)) for r in range(2)]
-    for p in procs:
-        p.start()
-    res = q.get(timeout=600)
-    for p in procs:
-        p.join(timeout=60)
+    res = run_workers(_run, 2, args=(args,), timeout_s=600, start_method="spawn")[0]
     rr, rg = res["rank_r"], res["regather"]
     res["config"] = vars(args) | {"tp": 2, "sequence_parallel": True, "dtype": "float32"}
     res["bytes_ratio_regather_over_rank_r"] = rg["lora_bytes_per_rank"] / rr["lora_bytes_per_rank"]

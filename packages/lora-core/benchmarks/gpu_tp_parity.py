@@ -1,6 +1,6 @@
 """TP=2 parity of the rank-r LoRA design over NCCL (2 GPUs), with and without sequence parallelism.
 
-Run on a 2-GPU host: ``PYTHONPATH=packages/interface/src:packages/lora-core/src \\
+Run on a 2-GPU host: ``PYTHONPATH=packages/interface/src:packages/formats/src:packages/lora-core/src \\
 python packages/lora-core/benchmarks/gpu_tp_parity.py`` (``--device cpu`` runs the same over gloo).
 
 Each rank builds the single-process reference (full ``nn.Linear``s, fp32, TF32 off) and the TP=2
@@ -15,19 +15,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import socket
 import statistics
 import time
-from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 
+from posttrain.interface.processes import run_workers
 from posttrain.lora import (
     ColumnShardedLinear,
     LoraConfig,
@@ -94,22 +91,12 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
 
 
-def run(
-    rank: int, world: int, port: int, device_kind: str, tokens: int, iters: int, q: Any
-) -> None:
+def run(rank: int, world: int, device_kind: str, tokens: int, iters: int) -> dict[str, Any] | None:
+    """One rank (its group comes from ``run_workers``: NCCL on cuda:rank, else gloo)."""
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     backend = "nccl" if device_kind == "cuda" else "gloo"
     device = f"cuda:{rank}" if device_kind == "cuda" else "cpu"
-    if device_kind == "cuda":
-        torch.cuda.set_device(rank)
-    dist.init_process_group(
-        backend,
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=world,
-        timeout=timedelta(seconds=120),
-    )
     tp = dist.group.WORLD
     cfg = LoraConfig(r=R, alpha=32.0, b_init="normal", seed=1, export_dtype=torch.float32)
     m = full(device)
@@ -214,9 +201,8 @@ def run(
             and out[k]["export_bitwise"]
             for k in ("nosp", "sp")
         )
-        q.put(out)
     dist.barrier()
-    dist.destroy_process_group()
+    return out if rank == 0 else None
 
 
 def main() -> None:
@@ -225,21 +211,14 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=4096)
     ap.add_argument("--iters", type=int, default=11)
     args = ap.parse_args()
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    procs = [
-        ctx.Process(target=run, args=(r, 2, port, args.device, args.tokens, args.iters, q))
-        for r in range(2)
-    ]
-    for p in procs:
-        p.start()
-    res = q.get(timeout=300)
-    for p in procs:
-        p.join(timeout=60)
+    res = run_workers(
+        run,
+        2,
+        args=(args.device, args.tokens, args.iters),
+        timeout_s=300,
+        backend="nccl" if args.device == "cuda" else "gloo",
+        start_method="spawn",
+    )[0]
     print(json.dumps(res, indent=2))
 
 

@@ -27,6 +27,7 @@ from posttrain.lora import (
     LoraConfig,
     LoraGroups,
     LoraHandle,
+    ReplicaMismatchError,
     RowShardedLinear,
     Target,
     attach_lora,
@@ -38,7 +39,6 @@ from posttrain.lora import (
     verify_replicas,
 )
 from posttrain.lora.attach import fused_local_parts, fused_local_rows
-from posttrain.lora.errors import ReplicaMismatchError
 
 H, FF, V_PAD, V, T, R = 16, 12, 12, 10, 8, 4
 CFG = LoraConfig(r=R, alpha=8.0, b_init="normal", seed=7, export_dtype=torch.float32)

@@ -31,13 +31,17 @@ def test_all_is_exactly_the_public_surface() -> None:
     import inspect
 
     # everything posttrain.lora defines at top level (eager or lazy) that is public ...
-    defined = {
-        n
-        for n, v in vars(lora).items()
-        if not n.startswith("_")
-        and (inspect.isclass(v) or inspect.isfunction(v))
-        and v.__module__.startswith("posttrain.lora")
-    } | set(lora._LAZY)
+    defined = (
+        {
+            n
+            for n, v in vars(lora).items()
+            if not n.startswith("_")
+            and (inspect.isclass(v) or inspect.isfunction(v))
+            and v.__module__.startswith("posttrain.lora")
+        }
+        | set(lora._LAZY)
+        | {"peft_key"}
+    )  # peft_key: re-exported from posttrain.formats
     assert set(lora.__all__) == defined
     assert len(lora.__all__) == len(set(lora.__all__))
     assert dir(lora) == sorted(lora.__all__)

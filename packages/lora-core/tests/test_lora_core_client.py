@@ -263,10 +263,14 @@ def test_mock_transport_and_bearer_token() -> None:
     assert seen[0].headers["authorization"] == "Bearer k"
 
 
-def test_serving_predicate_and_request_fields() -> None:
+def test_request_fields_are_the_formats_ones() -> None:
+    import posttrain.formats as formats
+
+    # One implementation (posttrain.formats, shared with the session router), re-exported here.
+    assert (LoraServing, serves_lora, request_fields) == (
+        formats.LoraServing,
+        formats.serves_lora,
+        formats.request_fields,
+    )
     assert serves_lora(LoraServing(adapter_name="policy"))
-    assert not serves_lora(LoraServing(adapter_name="policy", train_only=True))
-    assert not serves_lora(LoraServing(adapter_name=None))
     assert request_fields("policy", 3) == {"lora_path": "policy", "extra_key": "policy:v3"}
-    with pytest.raises(ValueError, match="non-empty"):
-        request_fields("", 1)

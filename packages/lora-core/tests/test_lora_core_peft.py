@@ -17,6 +17,8 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from posttrain.formats import PeftFormatError, read_peft_adapter, write_peft_adapter
+from posttrain.interface import LoraSpec
 from posttrain.lora import (
     AdapterFormatError,
     LoraConfig,
@@ -99,22 +101,33 @@ def test_strict_load_rejects_missing_unknown_and_misshaped(tmp_path: Path) -> No
         )
         return d
 
-    missing = variant("missing", {k: v for k, v in adapter.items() if k != key})
+    pair = (key, key.replace("lora_A", "lora_B"))
+    missing = variant("missing", {k: v for k, v in adapter.items() if k not in pair})
     with pytest.raises(AdapterFormatError, match="missing"):
         load_peft(handle, missing)
     assert load_peft(handle, missing, strict=False)  # non-strict keeps the other sites
+    extra = "base_model.model.model.layers.7.self_attn.q_proj"  # no layer 7 in this model
     unknown = variant(
-        "unknown", {**adapter, "base_model.model.extra.lora_A.weight": torch.zeros(4, 16)}
+        "unknown",
+        {
+            **adapter,
+            f"{extra}.lora_A.weight": torch.zeros(4, 16),
+            f"{extra}.lora_B.weight": torch.zeros(16, 4),
+        },
     )
-    with pytest.raises(AdapterFormatError, match=r"unknown .*extra"):
+    with pytest.raises(AdapterFormatError, match=r"unknown .*layers\.7"):
         load_peft(handle, unknown)
     bad = variant("bad", {**adapter, key: torch.zeros(4, 15)})
     with pytest.raises(AdapterFormatError, match=r"q_proj.lora_A.weight has shape \(4, 15\)"):
         load_peft(handle, bad, strict=False)
     wrong_r = tmp_path / "wrong_r"
-    save_peft(wrong_r, adapter, LoraConfig(r=8, alpha=8.0))
+    r8 = LoraConfig(r=8, alpha=8.0)
+    save_peft(wrong_r, export_adapter(attach_lora(copy.deepcopy(base), r8, TARGETS)), r8)
     with pytest.raises(AdapterFormatError, match="r=8"):
         load_peft(handle, wrong_r)
+    with pytest.raises(AdapterFormatError, match=r"has rank 4 .* says r=8"):
+        save_peft(tmp_path / "never", adapter, r8)  # refused before anything is written
+    assert not (tmp_path / "never").exists()
 
 
 def test_merge_into_base_matches_adapter_logits() -> None:
@@ -141,3 +154,70 @@ def test_save_peft_is_atomic_and_replaces(tmp_path: Path) -> None:
     with pytest.raises(AdapterFormatError, match="not a PEFT LoRA key"):
         save_peft(tmp_path / "x", {"model.w": torch.zeros(1)}, CFG)
     assert not (tmp_path / "x").exists()
+
+
+# ---- issue #18.7: load_peft refuses what it used to load silently or crash on ----------------
+
+
+def _hostile(adapter: dict[str, torch.Tensor], case: str) -> tuple[dict[str, torch.Tensor], str]:
+    """The adapter after one hostile edit, and the config text to write beside it."""
+    key = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
+    config = json.dumps(CFG.peft_config(sorted(TARGETS)))
+    edits: dict[str, torch.Tensor] = {
+        "int64": adapter[key].to(torch.int64),
+        "bool": adapter[key] > 0,
+        "nan": adapter[key].masked_fill(torch.ones_like(adapter[key], dtype=torch.bool), torch.nan),
+        "inf": adapter[key].masked_fill(torch.ones_like(adapter[key], dtype=torch.bool), torch.inf),
+    }
+    if case in edits:
+        return {**adapter, key: edits[case]}, config
+    if case == "targets":
+        return adapter, json.dumps(CFG.peft_config(["q_proj", "k_proj"]))
+    if case == "list":
+        return adapter, "[" + config + "]"  # a JSON list, not an object
+    return adapter, config  # "corrupt": the file is cut afterwards
+
+
+@pytest.mark.parametrize(
+    ("case", "match"),
+    [
+        ("int64", "q_proj.lora_A.weight has dtype int64"),
+        ("bool", "q_proj.lora_A.weight has dtype bool"),
+        ("nan", "q_proj.lora_A.weight contains NaN"),
+        ("inf", "q_proj.lora_A.weight contains Inf"),
+        ("targets", r"target_modules \['q_proj', 'k_proj'\] do not select"),
+        ("list", "a JSON list, not an object"),
+        ("corrupt", "not a readable safetensors file"),
+    ],
+)
+def test_load_peft_refuses_hostile_adapters(tmp_path: Path, case: str, match: str) -> None:
+    handle = attach_lora(tiny_llama(), CFG, TARGETS)
+    tensors, config = _hostile(export_adapter(handle), case)
+    d = tmp_path / case
+    d.mkdir()
+    save_file(tensors, str(d / "adapter_model.safetensors"))
+    (d / "adapter_config.json").write_text(config)
+    if case == "corrupt":
+        blob = (d / "adapter_model.safetensors").read_bytes()
+        (d / "adapter_model.safetensors").write_bytes(blob[: len(blob) // 3])
+    with pytest.raises(AdapterFormatError, match=match) as info:
+        load_peft(handle, d)
+    assert isinstance(info.value, PeftFormatError)  # one error, in both trees
+    assert str(d) in str(info.value)
+
+
+def test_formats_writer_output_loads_in_peft(tmp_path: Path) -> None:
+    """An adapter written by posttrain.formats alone (bf16, ``all-linear``) loads in real PEFT
+    with our logits, and PEFT's own save reads back through posttrain.formats."""
+    base = tiny_llama()
+    ours = copy.deepcopy(base)
+    handle = attach_lora(ours, CFG, TARGETS)
+    spec = LoraSpec(r=CFG.r, alpha=CFG.alpha, target_modules=("all-linear",))
+    write_peft_adapter(tmp_path / "f", export_adapter(handle), spec, dtype=torch.bfloat16)
+    pm = peft.PeftModel.from_pretrained(copy.deepcopy(base), str(tmp_path / "f")).eval()
+    assert {m.rsplit(".", 1)[-1] for m in pm.peft_config["default"].target_modules} == set(TARGETS)
+    assert (logits(ours) - logits(pm)).abs().max() <= 2e-2  # factors rounded to bf16
+    pm.save_pretrained(str(tmp_path / "p"))
+    back = read_peft_adapter(tmp_path / "p")
+    assert (back.spec.r, back.spec.alpha) == (CFG.r, CFG.alpha)
+    assert back.tensors.keys() == export_adapter(handle).keys()

@@ -154,10 +154,12 @@ def test_from_peft_state_dict() -> None:
         scaling=2.0,
     )
     assert set(adapter.weights) == {"model.layers.0.self_attn.q_proj"}
-    with pytest.raises(LoraError, match="lacks"):
-        LoraAdapter.from_peft_state_dict({"model.lm_head.lora_A.weight": a}, scaling=1.0)
+    with pytest.raises(LoraError, match="without its pair lora_B"):
+        LoraAdapter.from_peft_state_dict({"base_model.model.lm_head.lora_A.weight": a}, scaling=1.0)
     with pytest.raises(LoraError, match="not a PEFT"):
         LoraAdapter.from_peft_state_dict({"model.lm_head.weight": a}, scaling=1.0)
+    with pytest.raises(LoraError, match="not a PEFT"):  # the base_model.model. prefix is required
+        LoraAdapter.from_peft_state_dict({"model.lm_head.lora_A.weight": a}, scaling=1.0)
 
 
 def test_strict_gradients_match_fast_gradients() -> None:

@@ -28,7 +28,7 @@ from posttrain.opd import (
     OPDSignals,
     ScoringSample,
     TeacherRouter,
-    TeacherScorer,
+    TeacherScoringClient,
     Timeouts,
 )
 
@@ -67,7 +67,7 @@ async def score(
     url: str, sample: ScoringSample, k: int, per_position: bool
 ) -> tuple[float, OPDSignals]:
     cfg = OPDConfig(top_k=k, per_position=per_position)
-    async with TeacherScorer(
+    async with TeacherScoringClient(
         TeacherRouter(fallback_url=url), cfg, timeouts=Timeouts(read=600, deadline=1200)
     ) as s:
         await s.probe() if per_position else None

@@ -10,10 +10,10 @@ so that on a shared 2-core machine the teacher process's CPU is not what is meas
 and validates the replies with the same parser; they differ only in how they hold
 connections:
 
-* ``TeacherScorer``: 8 httpx transports (pools) x 8 connections, least-loaded shard per
+* ``TeacherScoringClient``: 8 httpx transports (pools) x 8 connections, least-loaded shard per
   request, requests sent on the transports directly;
 * ``one httpx client``: one ``AsyncClient`` with a 64-connection pool (the naive port);
-* ``TeacherScorer, 1 shard``: TeacherScorer with ``connections_per_client=64`` (control);
+* ``TeacherScoringClient, 1 shard``: TeacherScoringClient with ``connections_per_client=64`` (control);
 * ``aiohttp, session per request``: miles' pattern (only when aiohttp is importable; it
   is not a dependency of this package).
 
@@ -43,7 +43,7 @@ from posttrain.opd import (
     OPDConfig,
     ScoringSample,
     TeacherRouter,
-    TeacherScorer,
+    TeacherScoringClient,
     Timeouts,
     build_score_payload,
     parse_score_response,
@@ -64,7 +64,7 @@ def make_samples(n: int) -> list[ScoringSample]:
 
 async def run_scorer(url: str, samples: list[ScoringSample], per_client: int) -> float:
     cfg = OPDConfig()
-    async with TeacherScorer(
+    async with TeacherScoringClient(
         TeacherRouter(fallback_url=url), cfg, per_url_concurrency=CONCURRENCY,
         max_concurrency=CONCURRENCY, connections_per_client=per_client,
         timeouts=Timeouts(read=60, deadline=120),
@@ -131,9 +131,9 @@ def main() -> None:
     ]  # fmt: skip
     url = f"http://127.0.0.1:{port}"
     clients: dict[str, Callable[[], Coroutine[Any, Any, float]]] = {
-        "TeacherScorer (8 shards x 8 conns)": lambda: run_scorer(url, samples, 8),
+        "TeacherScoringClient (8 shards x 8 conns)": lambda: run_scorer(url, samples, 8),
         "one httpx client (64 conns)": lambda: run_one_client(url, samples),
-        "TeacherScorer, 1 shard (64 conns)": lambda: run_scorer(url, samples, 64),
+        "TeacherScoringClient, 1 shard (64 conns)": lambda: run_scorer(url, samples, 64),
     }
     if importlib.util.find_spec("aiohttp") is not None:
         clients["aiohttp, session per request"] = lambda: run_aiohttp_per_request(url, samples)

@@ -1,4 +1,4 @@
-"""TeacherScorer against a real loopback teacher on 127.0.0.1 (SGLang ``/generate`` shape)."""
+"""TeacherScoringClient against a real loopback teacher on 127.0.0.1 (SGLang ``/generate`` shape)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from posttrain.interface import Sample
+from posttrain.interface import Sample, TeacherScorer, TeacherScores
 from posttrain.interface.testing import free_port
 from posttrain.opd import (
     CapabilityError,
@@ -32,7 +32,7 @@ from posttrain.opd import (
     TeacherResponseError,
     TeacherRouter,
     TeacherRoutingError,
-    TeacherScorer,
+    TeacherScoringClient,
     TeacherUnavailableError,
     Timeouts,
     summarize_batch,
@@ -86,10 +86,10 @@ def _sample(
     return ScoringSample(tokens=tokens, response_length=resp, metadata=meta, student_top=top)
 
 
-def _scorer(srv: LoopbackTeacher, cfg: OPDConfig, **kw: Any) -> TeacherScorer:
+def _scorer(srv: LoopbackTeacher, cfg: OPDConfig, **kw: Any) -> TeacherScoringClient:
     kw.setdefault("retry", FAST_RETRY)
     kw.setdefault("timeouts", Timeouts(connect=5, read=20, deadline=30))
-    return TeacherScorer(
+    return TeacherScoringClient(
         kw.pop("router", TeacherRouter(fallback_url=srv.url)),
         cfg,
         student_url=kw.pop("student_url", srv.url_for("student")),
@@ -202,9 +202,13 @@ def test_interface_samples_route_by_metadata(teacher: LoopbackTeacher) -> None:
 
     async def go() -> list[OPDSignals]:
         async with _scorer(teacher, OPDConfig(top_k=2), router=router) as s:
-            return await s.score_batch(samples)
+            # The client is the interface's TeacherScorer: a GRPO loop holds it as one.
+            assert isinstance(s, TeacherScorer)
+            scorer: TeacherScorer = s
+            return list(await scorer.score_batch(samples))
 
     outs = _run(go())
+    assert all(isinstance(o, TeacherScores) for o in outs)
     assert [o.teacher_name for o in outs] == ["a", "b", "a", "b"]
     for smp, o in zip(samples, outs, strict=True):
         lp = teacher.state.teachers[o.teacher_name].log_probs(smp.tokens)
@@ -261,7 +265,9 @@ def test_bad_samples_fail_fast_or_land_in_their_slot(teacher: LoopbackTeacher) -
 
 def test_strategies_needing_the_student_require_its_url(teacher: LoopbackTeacher) -> None:
     with pytest.raises(OPDConfigError, match="student_url is required"):
-        TeacherScorer(TeacherRouter(fallback_url=teacher.url), OPDConfig(top_k=2, strategy="xor"))  # type: ignore[arg-type]
+        TeacherScoringClient(
+            TeacherRouter(fallback_url=teacher.url), OPDConfig(top_k=2, strategy="xor")
+        )  # type: ignore[arg-type]
 
 
 # -- transport -----------------------------------------------------------------------------------
@@ -316,7 +322,7 @@ def test_connection_errors_are_retried_then_reported() -> None:
     url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
 
     async def go() -> OPDSignals:
-        async with TeacherScorer(
+        async with TeacherScoringClient(
             TeacherRouter(fallback_url=url), OPDConfig(),
             retry=RetryPolicy(attempts=3, base_s=0.01, max_backoff_s=0.02),
         ) as s:  # fmt: skip
@@ -439,7 +445,7 @@ def test_injected_transport_reaches_every_shard() -> None:
     sample = _sample(random.Random(14), 3, 4, 0)
 
     async def go() -> list[OPDSignals]:
-        async with TeacherScorer(
+        async with TeacherScoringClient(
             TeacherRouter(fallback_url="http://teacher.invalid:30000"), OPDConfig(),
             transport=httpx.MockTransport(handle), timeouts=Timeouts(read=math.inf),
         ) as s:  # fmt: skip
@@ -470,7 +476,7 @@ def test_probe_reports_unreachable_teacher() -> None:
     url = f"http://127.0.0.1:{free_port()}"
 
     async def go() -> dict[str, float]:
-        async with TeacherScorer(TeacherRouter(fallback_url=url), OPDConfig(),
+        async with TeacherScoringClient(TeacherRouter(fallback_url=url), OPDConfig(),
                                  retry=RetryPolicy(attempts=1)) as s:  # fmt: skip
             return await s.probe()
 
@@ -563,6 +569,4 @@ def test_ids_outside_the_vocabulary_are_refused_before_sending(teacher: Loopback
 
 
 def test_scorer_satisfies_the_interface_protocol(teacher: LoopbackTeacher) -> None:
-    from posttrain.interface import TeacherScorer as TeacherScorerProtocol
-
-    assert isinstance(_scorer(teacher, OPDConfig()), TeacherScorerProtocol)
+    assert isinstance(_scorer(teacher, OPDConfig()), TeacherScorer)

@@ -43,7 +43,7 @@ def test_error_tree_roots_in_posttrain_error() -> None:
         obj = getattr(opd, name)
         if isinstance(obj, type) and issubclass(obj, BaseException):
             assert issubclass(obj, opd.OPDError), name
-            assert name in (opd.errors.__doc__ or ""), f"{name} missing from the error tree"
+            assert name in (opd._errors.__doc__ or ""), f"{name} missing from the error tree"
 
 
 def test_parse_teacher_urls_ok() -> None:
@@ -128,7 +128,8 @@ def test_config_validation() -> None:
 
 def test_timeouts_finite_unless_infinity_is_explicit() -> None:
     t = Timeouts()
-    assert (t.connect, t.read, t.deadline) == (10.0, 300.0, 900.0)
+    # RL-rollout defaults (issue #18): a hung teacher costs a sample two minutes, not 15
+    assert (t.connect, t.read, t.deadline) == (10.0, 60.0, 120.0)
     assert Timeouts(read=math.inf).read == math.inf
     with pytest.raises(OPDConfigError, match=r"math\.inf"):
         Timeouts(read=None)  # type: ignore[arg-type]

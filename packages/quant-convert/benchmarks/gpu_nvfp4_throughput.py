@@ -6,7 +6,7 @@ configs, and times a gate/up pair. Self-contained: needs only torch (+ numpy); i
 interface package's pydantic is missing, a minimal stand-in for ``posttrain.interface`` is
 installed before importing the quantizer (only its error classes are used here).
 
-    PYTHONPATH=packages/interface/src:packages/quant-convert/src \
+    PYTHONPATH=packages/interface/src:packages/formats/src:packages/quant-convert/src \
         python packages/quant-convert/benchmarks/gpu_nvfp4_throughput.py [--device cpu --small]
 
 Prints one JSON object; finishes in well under 3 minutes on an H200.
@@ -37,9 +37,13 @@ def _import_quantizer() -> types.ModuleType:
         class NVFP4Precision:  # never instantiated here
             pass
 
+        class LoraSpec:  # imported by posttrain.formats, never used here
+            pass
+
         stub.PosttrainError = PosttrainError  # type: ignore[attr-defined]
         stub.ConfigError = ConfigError  # type: ignore[attr-defined]
         stub.NVFP4Precision = NVFP4Precision  # type: ignore[attr-defined]
+        stub.LoraSpec = LoraSpec  # type: ignore[attr-defined]
         sys.modules["posttrain.interface"] = stub
     import posttrain.quant_convert.nvfp4 as nvfp4
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import json
 import shutil
@@ -14,10 +15,12 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from posttrain.formats import read_nvfp4_quant_config
 from posttrain.interface import NVFP4Precision
 from posttrain.quant_convert import (
     CheckpointError,
     ConvertOptions,
+    QuantConvertError,
     QuantPolicy,
     ResumeError,
     TensorInfo,
@@ -25,7 +28,7 @@ from posttrain.quant_convert import (
     plan_conversion,
     quantize_nvfp4_pair,
 )
-from posttrain.quant_convert.cli import main
+from posttrain.quant_convert.cli import build_parser, main
 from posttrain.quant_convert.nvfp4 import quantize_nvfp4
 from posttrain.quant_convert.sglang_rules import build_modules, is_excluded
 from posttrain.quant_convert.testing import SyntheticSpec, write_synthetic_checkpoint
@@ -60,6 +63,9 @@ def check_loader_contract(dst: Path) -> None:
     assert (cfg["quant_algo"], cfg["quant_method"], cfg["group_size"]) == ("NVFP4", "modelopt", 16)
     assert hq["quant_algo"] == "NVFP4"
     assert hq["group_size"] == 16
+    declared = read_nvfp4_quant_config(dst)  # the formats reader engines use reads it back
+    assert declared is not None
+    assert list(declared.exclude_modules) == cfg["ignore"]
     tensors = _load(dst)
     infos = [
         TensorInfo(n, "BF16", tuple(t.shape))
@@ -344,3 +350,41 @@ def test_three_d_experts_are_opt_in(tmp_path: Path) -> None:
         q = quantize_nvfp4(w[e])
         assert torch.equal(out[base + "weight"][e], q.packed)
         assert out[base + "weight_scale_2"][e] == q.scale_2
+
+
+def test_a_failure_before_any_shard_finishes_leaves_nothing_behind(tmp_path: Path) -> None:
+    src = tmp_path / "nan"
+    src.mkdir()
+    (src / "config.json").write_text(json.dumps({"num_hidden_layers": 1}))
+    gate = torch.zeros(16, 16, dtype=torch.bfloat16)
+    gate[3, 5] = float("nan")
+    save_file(
+        {"model.layers.0.mlp.experts.0.gate_proj.weight": gate,
+         "model.layers.0.mlp.experts.0.up_proj.weight": torch.ones(16, 16, dtype=torch.bfloat16),
+         "model.layers.0.mlp.experts.0.down_proj.weight": torch.ones(16, 16, dtype=torch.bfloat16)},
+        str(src / "m.safetensors"),
+    )  # fmt: skip
+    fresh = tmp_path / "fresh"
+    with pytest.raises(QuantConvertError, match="gate_proj"):
+        convert_checkpoint(src, fresh)
+    assert not fresh.exists()  # it created the directory, so it removes it
+    given = tmp_path / "given"
+    given.mkdir()
+    with pytest.raises(QuantConvertError):
+        convert_checkpoint(src, given)
+    assert list(given.iterdir()) == []  # no .quant-convert/state.json left in a dir it was given
+
+
+def test_help_names_every_option_with_its_default(capsys: pytest.CaptureFixture[str]) -> None:
+    parser = build_parser()
+    (sub,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    nvfp4 = sub.choices["nvfp4"]
+    for action in nvfp4._actions:
+        assert action.help, action.option_strings
+    with pytest.raises(SystemExit):
+        main(["nvfp4", "--help"])
+    out = capsys.readouterr().out
+    assert "(default: te-multiplier)" in out
+    assert "(default: 0)" in out
+    assert "Numpy" not in out
+    assert "miles" not in out  # the user-facing description, not the module docstring

@@ -12,16 +12,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from posttrain.formats import E2M1_VALUES, dequantize_nvfp4, nvfp4_layout, unpack_e2m1_codes
 from posttrain.quant_convert import QuantInputError
-from posttrain.quant_convert.nvfp4 import (
-    E2M1_VALUES,
-    NVFP4Config,
-    dequantize_nvfp4,
-    pack_e2m1,
-    quantize_nvfp4,
-    quantize_nvfp4_pair,
-    unpack_e2m1,
-)
+from posttrain.quant_convert.nvfp4 import NVFP4Config, quantize_nvfp4, quantize_nvfp4_pair
 
 GOLDEN = json.loads((Path(__file__).parent / "golden_nvfp4.json").read_text())
 FMAX = float(np.finfo(np.float32).max)
@@ -46,7 +39,7 @@ def test_golden_vectors(case: dict[str, Any]) -> None:
         expected_s2 = float.fromhex(case["scale_2"])
     assert q.scale_2.item() == expected_s2
     assert q.scale.to(torch.float32).tolist() == case["scales"]
-    assert unpack_e2m1(q.packed).tolist() == case["codes"]
+    assert unpack_e2m1_codes(q.packed).tolist() == case["codes"]
 
 
 def test_zero_scale_block_decodes_to_zero() -> None:
@@ -128,7 +121,7 @@ def test_matches_independent_numpy_reference(
     codes, s, ws2 = _np_quantize(w.to(torch.float32).numpy(), rounding)
     assert q.scale_2.item() == float(ws2)
     np.testing.assert_array_equal(q.scale.to(torch.float32).numpy(), s)
-    np.testing.assert_array_equal(unpack_e2m1(q.packed).numpy(), codes)
+    np.testing.assert_array_equal(unpack_e2m1_codes(q.packed).numpy(), codes)
 
 
 # ---- properties ----
@@ -226,14 +219,14 @@ def test_pair_equals_concatenation(seed: int, n_gate: int, n_up: int, mode: str)
     )
 
 
-@settings(max_examples=25, deadline=None)
-@given(st.lists(st.integers(0, 15), min_size=2, max_size=64).filter(lambda v: len(v) % 2 == 0))
-def test_pack_unpack_inverse(codes: list[int]) -> None:
-    c = torch.tensor(codes, dtype=torch.uint8).reshape(1, -1)
-    packed = pack_e2m1(c)
-    assert torch.equal(unpack_e2m1(packed), c)
-    assert torch.equal(pack_e2m1(unpack_e2m1(packed)), packed)
-    assert packed[0, 0].item() == codes[0] | (codes[1] << 4)  # even element in the low nibble
+def test_named_outputs_follow_the_formats_layout() -> None:
+    w = torch.randn(2, 3, 32)
+    q = quantize_nvfp4(w, allow_3d=True)
+    named = q.named("m.experts.w1.weight", input_scale=1.0)
+    layout = nvfp4_layout("m.experts.w1.weight", w.shape, input_scale=True)
+    assert [n for n, _ in named] == [t.name for t in layout]
+    assert [(t.dtype, tuple(t.shape)) for _, t in named] == [(s.dtype, s.shape) for s in layout]
+    assert named[3][1].tolist() == [1.0, 1.0]
 
 
 def test_three_d_experts_quantize_per_expert() -> None:

@@ -18,7 +18,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from posttrain.quant_convert.nvfp4 import quantize_nvfp4, unpack_e2m1
+from posttrain.formats import unpack_e2m1_codes
+from posttrain.quant_convert.nvfp4 import quantize_nvfp4
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")
@@ -63,8 +64,8 @@ def test_torchao_agrees_up_to_midpoint_ties(
         assert bool(bits.abs().eq(1).all())
     normal = normal & ~split
 
-    c_ours = unpack_e2m1(ours.packed).reshape(64, -1, 16)
-    c_ao = unpack_e2m1(ao_packed.view(torch.uint8)).reshape(64, -1, 16)
+    c_ours = unpack_e2m1_codes(ours.packed).reshape(64, -1, 16)
+    c_ao = unpack_e2m1_codes(ao_packed.view(torch.uint8)).reshape(64, -1, 16)
     differ = (c_ours != c_ao) & normal.unsqueeze(-1)
     if not bool(differ.any()):
         return

@@ -41,7 +41,6 @@ import argparse
 import json
 import os
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -54,7 +53,12 @@ from typing import Any
 import httpx
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from posttrain.interface.testing import ServerProcess, free_port
+from posttrain.interface.testing import (
+    ServerProcess,
+    free_port,
+    stop_process_group,
+    wait_until_ready,
+)
 from posttrain.session_router import ChatTokenizer, RouterSpec, start_router
 from posttrain.session_router.allocator import ALLOCATORS, DEFAULT_ALLOCATOR
 
@@ -513,17 +517,10 @@ def time_ready(argv: list[str], url: str, timeout_s: float = 120.0) -> float:
         argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
     )
     try:
-        while time.perf_counter() - t < timeout_s:
-            try:
-                if httpx.get(url, timeout=1).status_code == 200:
-                    return time.perf_counter() - t
-            except httpx.TransportError:
-                pass
-            time.sleep(0.01)
-        raise RuntimeError(f"{argv[:3]} not ready within {timeout_s} s")
+        wait_until_ready(url, timeout_s=timeout_s, process=proc, poll_interval_s=0.01)
+        return time.perf_counter() - t
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=10)
+        stop_process_group(proc, grace_s=10)
 
 
 def bench_start(starts: int) -> dict[str, Any]:

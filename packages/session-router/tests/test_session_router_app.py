@@ -9,8 +9,16 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 
-from posttrain.session_router import ChatTokenizer, SessionRouterConfig, create_app, decode_samples
+from posttrain.formats import decode_samples
+from posttrain.interface import RolloutEngine, TransportError
+from posttrain.session_router import (
+    ChatTokenizer,
+    SessionRolloutClient,
+    SessionRouterConfig,
+    create_app,
+)
 
 Upstream = Callable[[httpx.Request], Awaitable[httpx.Response]]
 
@@ -61,7 +69,13 @@ def test_three_turns_then_samples(tok_dir: Path, chat_tok: ChatTokenizer, make_e
 
     async def scenario(c: httpx.AsyncClient) -> None:
         assert (await c.get("/health")).json()["status"] == "ok"
-        sid = (await c.post("/sessions")).json()["session_id"]
+        # The adapter is served, so a session must say which version its requests name.
+        refused = await c.post("/sessions")
+        assert refused.status_code == 400
+        assert "a weight version is required" in refused.json()["error"]
+        bad = await c.post("/sessions", json={"weight_version": "4"})
+        assert bad.status_code == 400
+        sid = (await c.post("/sessions", json={"weight_version": 4})).json()["session_id"]
         msgs: list[dict[str, Any]] = [user("hello")]
         for turn in range(3):
             r = await c.post(
@@ -80,8 +94,10 @@ def test_three_turns_then_samples(tok_dir: Path, chat_tok: ChatTokenizer, make_e
             sent = json.loads(req.content)
             assert req.headers["x-smg-routing-key"] == sid
             assert sent["lora_path"] == "miles_lora"
+            assert sent["extra_key"] == "miles_lora:v4"
             assert sent["return_logprob"] is True
         info = (await c.get(f"/sessions/{sid}")).json()
+        assert info["metadata"]["weight_version"] == 4
         assert len(info["records"]) == 3
         assert info["metadata"]["max_trim_tokens"] == 1
         acc = info["metadata"]["accumulated_token_ids"]
@@ -91,6 +107,7 @@ def test_three_turns_then_samples(tok_dir: Path, chat_tok: ChatTokenizer, make_e
         assert r.headers["content-type"] == "application/octet-stream"
         (sample,) = decode_samples(r.content).samples
         assert sample.tokens == acc
+        assert sample.weight_version == 7  # what the engine reported (SGLang's "7")
         assert sample.metadata["run"] == 1
         # Every trained token carries exactly the logprob the engine reported for it.
         engine_lp = {}
@@ -143,6 +160,7 @@ def test_stream_is_one_sse_chunk_then_done(
         assert chunk["usage"]["completion_tokens"] > 0
         assert "stream" not in json.loads(seen[0].content)
         assert "lora_path" not in json.loads(seen[0].content)
+        assert "extra_key" not in json.loads(seen[0].content)
 
     run_app(_cfg(tok_dir), chat_tok, engine_upstream(make_engine(chat_tok), seen), scenario)
 
@@ -300,9 +318,10 @@ def test_raw_proxy_adds_routing_key_and_gates_lora(tok_dir: Path, chat_tok: Chat
         )
 
     async def scenario(c: httpx.AsyncClient) -> None:
-        sid = (await c.post("/sessions")).json()["session_id"]
+        sid = (await c.post("/sessions")).json()["session_id"]  # the server's version, 9
         r = await c.post(
-            f"/sessions/{sid}/generate?x=1", json={"input_ids": [1], "lora_path": "other"}
+            f"/sessions/{sid}/generate?x=1",
+            json={"input_ids": [1], "lora_path": "other", "extra_key": "other:v1"},
         )
         assert r.status_code == 200
         assert r.headers["x-extra"] == "1"
@@ -311,9 +330,63 @@ def test_raw_proxy_adds_routing_key_and_gates_lora(tok_dir: Path, chat_tok: Chat
         assert r.status_code == 200
         assert seen[0].url.path == "/generate"
         assert seen[0].url.query == b"x=1"
-        assert json.loads(seen[0].content)["lora_path"] == "miles_lora"
+        sent = json.loads(seen[0].content)
+        assert (sent["lora_path"], sent["extra_key"]) == ("miles_lora", "miles_lora:v9")
         assert seen[0].headers["x-smg-routing-key"] == sid
         assert seen[1].url.path == "/get_model_info"
         assert (await c.get(f"/sessions/{sid}")).json()["records"] == []
 
-    run_app(_cfg(tok_dir, lora_adapter="miles_lora"), chat_tok, upstream, scenario)
+    run_app(
+        _cfg(tok_dir, lora_adapter="miles_lora", lora_weight_version=9),
+        chat_tok,
+        upstream,
+        scenario,
+    )
+
+
+def test_rollout_client_is_a_rollout_engine_one_session_per_rollout(
+    tok_dir: Path, chat_tok: ChatTokenizer, make_engine: Any
+) -> None:
+    seen: list[httpx.Request] = []
+    engine = make_engine(chat_tok)
+    failing = {"left": 0}
+
+    async def upstream(request: httpx.Request) -> httpx.Response:
+        seen.append(request)
+        if failing["left"]:
+            failing["left"] -= 1
+            return httpx.Response(400, json={"error": "prompt too long"})
+        return httpx.Response(200, json=engine(json.loads(request.content)))
+
+    async def main() -> None:
+        cfg = _cfg(tok_dir, lora_adapter="miles_lora")
+        app = create_app(cfg, tokenizer=chat_tok, transport=httpx.MockTransport(upstream))
+        server = app.state.server
+        try:
+            async with SessionRolloutClient(
+                "http://sr", transport=httpx.ASGITransport(app=app)
+            ) as client:
+                assert isinstance(client, RolloutEngine)
+                group = await client.rollout_group(
+                    [user("hi")], 3, group_index=2, sampling_params={"max_tokens": 8},
+                    weight_version=6,
+                )  # fmt: skip
+                assert [(s.group_index, s.index) for s in group] == [(2, 0), (2, 1), (2, 2)]
+                for sample in group:
+                    assert sample.response_length > 0
+                    assert sample.loss_mask == [1] * sample.response_length
+                    assert sample.weight_version == 7  # the engine's (SGLang's "7")
+                assert {json.loads(r.content)["extra_key"] for r in seen} == {"miles_lora:v6"}
+                assert server.sessions == {}  # every session was deleted
+                # A failed turn raises and still deletes its session.
+                failing["left"] = 1
+                with pytest.raises(TransportError, match="answered 400"):
+                    await client.rollout([user("hi")], weight_version=6)
+                assert server.sessions == {}
+                # Serving an adapter without a version: refused when the session is created.
+                with pytest.raises(TransportError, match="a weight version is required"):
+                    await client.rollout([user("hi")])
+        finally:
+            await server.aclose()
+
+    asyncio.run(asyncio.wait_for(main(), timeout=30))

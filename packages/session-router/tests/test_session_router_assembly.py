@@ -1,4 +1,10 @@
-"""Request assembly: forced keys win, ``stream`` never goes upstream, ``lora_path`` iff served."""
+"""Request assembly: forced keys win, ``stream`` never goes upstream, LoRA fields as formats says.
+
+The LoRA property test drives the chat path (``build_generate_body``), the raw ``/generate``
+proxy (``apply_lora``) and the trainer's generate path (a ``GenerateRequest`` body completed by
+``posttrain.formats.apply_lora_fields``) and shows all three send identical LoRA fields, with
+LoRA on and off.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +15,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from posttrain.formats import LoraServing, apply_lora_fields, request_fields, serves_lora
+from posttrain.interface import GenerateRequest, SamplingParams
 from posttrain.session_router import (
     ROUTING_KEY_HEADER,
     BadChatRequestError,
@@ -18,7 +26,6 @@ from posttrain.session_router import (
     forward_headers,
     merge_template_kwargs,
     parse_chat_body,
-    serves_lora,
 )
 from posttrain.session_router.assembly import CONSUMED_KEYS, SAMPLING_ALIASES
 
@@ -40,6 +47,7 @@ forced_attempts = st.fixed_dictionaries(
         "stream": st.booleans(),
         "stream_options": st.just({"include_usage": True}),
         "lora_path": st.text(max_size=4),
+        "extra_key": st.text(max_size=4),
         "sampling_params": st.fixed_dictionaries(
             {}, optional={"no_stop_trim": st.booleans(), "temperature": st.floats(0, 2)}
         ),
@@ -53,7 +61,7 @@ other_keys = st.dictionaries(
         lambda k: (
             k not in CONSUMED_KEYS
             and k not in SAMPLING_ALIASES
-            and k != "lora_path"
+            and k not in ("lora_path", "extra_key")
             and k
             not in (
                 "input_ids",
@@ -69,13 +77,18 @@ other_keys = st.dictionaries(
 )
 
 
-def _cfg(adapter: str | None, train_only: bool) -> SessionRouterConfig:
+def _cfg(adapter: str | None, train_only: bool, version: int | None = None) -> SessionRouterConfig:
     return SessionRouterConfig(
         upstream_url="http://127.0.0.1:9",
         tokenizer="unused",
         lora_adapter=adapter,
         lora_train_only=train_only,
+        lora_weight_version=version,
     )
+
+
+def _lora(body: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in body.items() if k in ("lora_path", "extra_key")}
 
 
 @settings(max_examples=25, deadline=None)
@@ -85,6 +98,7 @@ def _cfg(adapter: str | None, train_only: bool) -> SessionRouterConfig:
     prompt=st.lists(st.integers(0, 1000), max_size=20),
     adapter=st.none() | st.sampled_from(["miles_lora", "a1"]),
     train_only=st.booleans(),
+    version=st.integers(0, 100),
 )
 def test_build_generate_body_invariants(
     forced: dict[str, Any],
@@ -92,11 +106,12 @@ def test_build_generate_body_invariants(
     prompt: list[int],
     adapter: str | None,
     train_only: bool,
+    version: int,
 ) -> None:
     cfg = _cfg(adapter, train_only)
     body = {"messages": [{"role": "user", "content": "hi"}], **others, **forced}
     snapshot = json.dumps(body, sort_keys=True)
-    out = build_generate_body(body, cfg, prompt)
+    out = build_generate_body(body, cfg, prompt, weight_version=version)
     assert json.dumps(body, sort_keys=True) == snapshot, "the input body must not be mutated"
     # Forced keys win over anything the client sent.
     assert out["input_ids"] == prompt
@@ -108,10 +123,10 @@ def test_build_generate_body_invariants(
     assert "stream" not in out
     assert "stream_options" not in out
     assert "messages" not in out
-    # lora_path is present exactly when the adapter is served, and then names it.
-    assert ("lora_path" in out) == serves_lora(cfg)
-    if serves_lora(cfg):
-        assert out["lora_path"] == adapter
+    # The LoRA fields are present exactly when the adapter is served, and then name it.
+    assert ("lora_path" in out) == serves_lora(cfg.lora)
+    if serves_lora(cfg.lora):
+        assert _lora(out) == {"lora_path": adapter, "extra_key": f"{adapter}:v{version}"}
     # Every other key is kept unchanged.
     for key, value in others.items():
         assert out[key] == value
@@ -122,16 +137,51 @@ def test_build_generate_body_invariants(
     assert json.loads(json.dumps(out)) == out
 
 
-def test_serves_lora_is_the_predicate_of_both_paths() -> None:
-    for adapter, train_only, expected in [
-        ("a", False, True),
-        ("a", True, False),
-        (None, False, False),
-    ]:
-        cfg = _cfg(adapter, train_only)
-        assert serves_lora(cfg) is expected
-        assert ("lora_path" in apply_lora({"lora_path": "client"}, cfg)) is expected
-        assert ("lora_path" in build_generate_body({}, cfg, [1])) is expected
+@settings(max_examples=60, deadline=None)
+@given(
+    adapter=st.none() | st.sampled_from(["miles_lora", "policy"]),
+    train_only=st.booleans(),
+    version=st.integers(0, 2**31),
+    stray=st.fixed_dictionaries(
+        {}, optional={"lora_path": st.text(max_size=4), "extra_key": st.text(max_size=4)}
+    ),
+    prompt=st.lists(st.integers(0, 1000), min_size=1, max_size=8),
+    max_new_tokens=st.integers(1, 64),
+)
+def test_generate_and_chat_paths_send_identical_lora_fields(
+    adapter: str | None,
+    train_only: bool,
+    version: int,
+    stray: dict[str, str],
+    prompt: list[int],
+    max_new_tokens: int,
+) -> None:
+    cfg = _cfg(adapter, train_only)
+    serving = LoraServing(adapter_name=adapter, train_only=train_only)
+    # The trainer's generate path: its own /generate body, completed by the formats builder.
+    generate = GenerateRequest(
+        input_ids=prompt,
+        sampling_params=SamplingParams(max_new_tokens=max_new_tokens),
+        return_logprob=True,
+    ).to_dict()
+    generate = dict(apply_lora_fields({**generate, **stray}, serving, version))
+    # The session paths: a chat turn, and the raw /generate proxy.
+    chat_body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": max_new_tokens}
+    chat = build_generate_body({**chat_body, **stray}, cfg, prompt, weight_version=version)
+    raw = apply_lora({"input_ids": prompt, **stray}, cfg, version)
+    expected = request_fields(adapter, version) if adapter and not train_only else {}
+    assert _lora(generate) == _lora(chat) == _lora(raw) == expected
+    for body in (generate, chat, raw):
+        GenerateRequest.parse(body)  # every path sends a body the engine accepts
+
+
+def test_a_served_adapter_without_a_version_is_a_bad_request() -> None:
+    with pytest.raises(BadChatRequestError, match="a weight version is required"):
+        build_generate_body({}, _cfg("a", False), [1])
+    # the server's startup version is the fallback; a session's own version wins
+    assert build_generate_body({}, _cfg("a", False, 2), [1])["extra_key"] == "a:v2"
+    assert apply_lora({}, _cfg("a", False, 2), 5)["extra_key"] == "a:v5"
+    assert _lora(apply_lora({"lora_path": "client"}, _cfg("a", True))) == {}
 
 
 @settings(max_examples=25, deadline=None)

@@ -17,8 +17,9 @@ from typing import Any
 import httpx
 import pytest
 
+from posttrain.formats import decode_samples
 from posttrain.interface import Sample
-from posttrain.interface.testing import ServerProcess, free_port
+from posttrain.interface.testing import ServerProcess, free_port, stop_process_group
 from posttrain.session_router import (
     LoopbackWorker,
     RouterHandle,
@@ -29,7 +30,6 @@ from posttrain.session_router import (
     SessionNotFoundError,
     SessionRouterConfig,
     create_app,
-    decode_samples,
     default_probe_body,
     start_router,
 )
@@ -284,7 +284,7 @@ def test_cli_probes_the_router_and_serves_with_a_bearer_token(
             router.add_worker(worker.url)
             try:
                 client = SessionClient(base, api_key="k1", timeout_s=10)
-                sid = client.create()
+                sid = client.create(weight_version=3)
                 with httpx.Client(headers={"authorization": "Bearer k1"}, timeout=10) as c:
                     # What an OpenAI SDK does with base_url: POST {base_url}/chat/completions.
                     r = c.post(
@@ -295,6 +295,7 @@ def test_cli_probes_the_router_and_serves_with_a_bearer_token(
                 assert len(r.headers.get_list("server")) <= 1
                 headers, body = worker.generate_requests[-1]
                 assert body["lora_path"] == "miles_lora"
+                assert body["extra_key"] == "miles_lora:v3"
                 assert headers["x-smg-routing-key"] == sid
                 assert "return_logprob" in body
                 assert body["input_ids"] == client.get(sid)["records"][0]["request"]["input_ids"]
@@ -307,7 +308,10 @@ def test_cli_probes_the_router_and_serves_with_a_bearer_token(
                 assert len(raw.headers.get_list("date")) == 1
                 proxied_headers, proxied = worker.generate_requests[-1]
                 assert proxied["input_ids"] == [1, 2]
-                assert proxied["lora_path"] == "miles_lora"
+                assert (proxied["lora_path"], proxied["extra_key"]) == (
+                    "miles_lora",
+                    "miles_lora:v3",
+                )
                 assert proxied_headers["x-smg-routing-key"] == sid
                 driver = Sample(
                     prompt_ids=[], response_ids=[], rollout_logprobs=[], loss_mask=[], index=5
@@ -323,8 +327,7 @@ def test_cli_probes_the_router_and_serves_with_a_bearer_token(
             finally:
                 router.remove_worker(worker.url)
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=10)
+        stop_process_group(proc, grace_s=10)
 
 
 def test_cli_refuses_a_router_that_drops_fields(
@@ -347,3 +350,53 @@ def test_cli_refuses_a_router_that_drops_fields(
     err = capsys.readouterr().err
     assert "return_routed_experts" in err
     assert router.workers() == []
+
+
+def test_sgl_router_admin_api_is_not_reachable_through_a_session(
+    router: RouterHandle, tok_dir: Path, chat_tok: Any, make_engine: Any
+) -> None:
+    """A session client cannot deregister engines or register a worker URL (issue #18)."""
+    cfg = SessionRouterConfig(upstream_url=router.url, tokenizer=str(tok_dir))
+    with LoopbackWorker(generate=make_engine(chat_tok)) as worker:
+        router.add_worker(worker.url)
+        try:
+            (entry,) = router.list_workers()
+
+            async def scenario() -> None:
+                app = create_app(cfg, tokenizer=chat_tok)
+                try:
+                    async with httpx.AsyncClient(
+                        transport=httpx.ASGITransport(app=app), base_url="http://sr", timeout=30
+                    ) as c:
+                        sid = (await c.post("/sessions")).json()["session_id"]
+                        url = f"/sessions/{sid}/v1/chat/completions"
+                        msgs: list[dict[str, Any]] = [{"role": "user", "content": "hi"}]
+                        r1 = await c.post(url, json={"messages": msgs})
+                        assert r1.status_code == 200, r1.text
+                        gone = await c.delete(f"/sessions/{sid}/workers/{entry['id']}")
+                        assert gone.status_code == 404, gone.text
+                        added = await c.post(
+                            f"/sessions/{sid}/workers", json={"url": "http://127.0.0.1:9"}
+                        )
+                        assert added.status_code == 404, added.text
+                        listed = await c.get(f"/sessions/{sid}/workers")
+                        assert listed.status_code == 404
+                        flushed = await c.post(f"/sessions/{sid}/flush_cache")
+                        assert flushed.status_code == 404
+                        # read-only information still passes through
+                        models = await c.get(f"/sessions/{sid}/v1/models")
+                        assert models.status_code == 200, models.text
+                        msgs = [
+                            *msgs,
+                            r1.json()["choices"][0]["message"],
+                            {"role": "user", "content": "again"},
+                        ]
+                        r2 = await c.post(url, json={"messages": msgs})
+                        assert r2.status_code == 200, r2.text
+                finally:
+                    await app.state.server.aclose()
+
+            asyncio.run(asyncio.wait_for(scenario(), timeout=45))
+            assert router.workers() == [worker.url]  # still registered, nothing added
+        finally:
+            router.remove_worker(worker.url)

@@ -1,26 +1,20 @@
-"""Sample assembly (trim, truncate, merge) and the safetensors wire format round trip."""
+"""Sample assembly (trim, truncate, merge), and assembled samples through samples/1 and back.
+
+The samples/1 format itself (strictness, corrupt bytes) is tested in ``packages/formats``.
+"""
 
 from __future__ import annotations
 
-import json
 import time
 from typing import Any
 
-import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from safetensors.numpy import load as st_load
-from safetensors.numpy import save as st_save
 
-from posttrain.interface import Sample, SampleStatus, WireFormatError
-from posttrain.session_router import (
-    SampleAssemblyError,
-    TurnRecord,
-    assemble_samples,
-    decode_samples,
-    encode_samples,
-)
+from posttrain.formats import decode_samples, encode_samples
+from posttrain.interface import SampleStatus
+from posttrain.session_router import SampleAssemblyError, TurnRecord, assemble_samples
 
 
 def rec(
@@ -29,8 +23,9 @@ def rec(
     finish: str = "stop",
     lp0: float = -0.5,
     top: list[Any] | None = None,
+    weight_version: object = "3",  # SGLang's string form: assembly converts it
 ) -> TurnRecord:
-    meta: dict[str, Any] = {"weight_version": "3"}
+    meta: dict[str, Any] = {"weight_version": weight_version}
     if top is not None:
         meta["output_top_logprobs"] = top
     return TurnRecord(
@@ -77,7 +72,8 @@ def test_three_turns_merge_with_observation_masks() -> None:
     assert s.rollout_logprobs == [-0.1, -1.1, 0.0, 0.0, -0.2, -1.2, 0.0, -0.30000000000000004]
     assert s.tokens == acc
     assert s.status is SampleStatus.COMPLETED
-    assert s.weight_version == "3"
+    assert s.weight_version == 3
+    assert s.metadata["weight_versions"] == [3, 3, 3]
     assert s.metadata["k"] == "v"
     assert s.metadata["num_turns"] == 3
 
@@ -168,69 +164,6 @@ def test_assembly_invariants_and_wire_round_trip(
     assert decoded.empty_reason == result.empty_reason
 
 
-def _payload(**tensors: np.ndarray[Any, Any]) -> bytes:
-    return bytes(st_save(tensors))
-
-
-def test_decode_is_strict() -> None:
-    good = encode_samples(
-        [
-            Sample(
-                prompt_ids=[1], response_ids=[2, 3], rollout_logprobs=[-0.5, -1.0], loss_mask=[1, 0]
-            )
-        ]
-    )
-    tensors = dict(st_load(good))
-    with pytest.raises(WireFormatError, match=r"tokens\.0: dtype int32") as info:
-        decode_samples(_payload(**{**tensors, "tokens.0": tensors["tokens.0"].astype(np.int32)}))
-    assert info.value.field == "tokens.0"
-    with pytest.raises(WireFormatError, match="unexpected tensors"):
-        decode_samples(_payload(**tensors, **{"extra.0": np.zeros(2, dtype=np.int64)}))
-    with pytest.raises(WireFormatError, match=r"loss_mask\.0: tensor missing"):
-        decode_samples(_payload(**{k: v for k, v in tensors.items() if k != "loss_mask.0"}))
-    meta = json.loads(tensors["_samples_meta"].tobytes())
-    meta["samples"][0]["response_length"] = 9
-    bad = np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8).copy()
-    with pytest.raises(WireFormatError, match="response_length"):
-        decode_samples(_payload(**{**tensors, "_samples_meta": bad}))
-    with pytest.raises(WireFormatError, match="not a safetensors payload"):
-        decode_samples(b"garbage")
-
-
-def test_encode_refuses_value_changing_casts() -> None:
-    s = Sample(prompt_ids=[1], response_ids=[2], rollout_logprobs=[-0.5], loss_mask=[1])
-    s.loss_mask = [300]  # bypasses validation on purpose: uint8 cannot hold it
-    with pytest.raises(WireFormatError, match=r"loss_mask\.0"):
-        encode_samples([s])
-
-
-def test_decode_overlays_onto_a_copy_of_the_driver_sample() -> None:
-    base = Sample(
-        prompt_ids=[1],
-        response_ids=[],
-        rollout_logprobs=[],
-        loss_mask=[],
-        reward=None,
-        group_index=4,
-        index=2,
-        metadata={"prompt": "p"},
-    )
-    wire = Sample(
-        prompt_ids=[1, 7],
-        response_ids=[8],
-        rollout_logprobs=[-0.25],
-        loss_mask=[1],
-        metadata={"num_turns": 1},
-    )
-    (out,) = decode_samples(encode_samples([wire]), base=base).samples
-    assert out is not base
-    assert base.response_ids == []
-    assert out.tokens == [1, 7, 8]
-    assert out.group_index == 4
-    assert out.index == 2
-    assert out.metadata == {"prompt": "p", "num_turns": 1}
-
-
 def _rows(out: list[int]) -> list[Any]:
     return [[[-0.25, t, None], [-1.5, t + 1, None]] for t in out]
 
@@ -260,3 +193,14 @@ def test_student_top_rows_absent_or_malformed() -> None:
     assert "opd_student_top_logprobs" not in s.metadata  # never padded with empty rows
     with pytest.raises(SampleAssemblyError, match=r"records\[0\].*1 rows for 2 output tokens"):
         assemble_samples([rec(p0, out0, top=_rows([5]))], [1, 2, 5, 6], max_trim_tokens=1)
+
+
+def test_engine_weight_versions_become_ints_and_bad_ones_are_refused() -> None:
+    (s,) = assemble_samples([rec([1], [2], weight_version=5)], [1, 2], max_trim_tokens=0).samples
+    assert s.weight_version == 5
+    (s,) = assemble_samples(
+        [rec([1], [2], weight_version="default")], [1, 2], max_trim_tokens=0
+    ).samples
+    assert s.weight_version is None
+    with pytest.raises(SampleAssemblyError, match=r"meta_info\.weight_version: 'v3'"):
+        assemble_samples([rec([1], [2], weight_version="v3")], [1, 2], max_trim_tokens=0)

@@ -1,23 +1,295 @@
 """posttrain.formats: every format two posttrain packages exchange, implemented once.
 
-Each format lives here in both directions (write and read), so the two packages
-that exchange it cannot drift apart. Depends only on ``posttrain-interface``,
-torch, safetensors and httpx (for the one client it owns).
+Each format lives here in both directions (write and read), so the two packages that exchange
+it cannot drift apart. Depends only on ``posttrain-interface``, torch, safetensors (with numpy)
+and httpx (for the one client it owns).
 
-* ``lora_delta``: the LoRA forward ``linear(linear(x, A), B) * scaling`` with the caller's
-  kernel, the one op order trainer (``lora-core``) and engine (``models``) share.
+- LoRA request fields: ``LoraServing``, ``serves_lora``, ``request_fields(name, version)``
+  (``lora_path`` + ``extra_key``) and ``apply_lora_fields``, the one writer of those keys.
+- samples/1: ``encode_samples`` / ``decode_samples`` (numpy + safetensors; no server, no torch).
+- wsync/1: ``pack_bucket`` / ``unpack_bucket`` (256-byte aligned offsets),
+  ``encode_bucket_body`` / ``decode_bucket_body`` (a bucket over HTTP), and the trainer-side
+  ``WeightSink`` client ``WeightPushClient`` with ``push_weights`` and ``ShmRing``.
+
+Importing the package is light: the names that need torch (wsync/1, NVFP4, PEFT, the
+safetensors writer) load their modules on first use
+(PEP 562), so a session server that needs only the LoRA fields and samples/1 never imports torch.
+
+* NVFP4 tensors (ModelOpt layout): ``nvfp4_layout`` (names, dtypes, shapes),
+  ``pack_e2m1_codes`` / ``unpack_e2m1_codes`` / ``e2m1_code_values``, ``dequantize_nvfp4``,
+  ``dequantize_nvfp4_state_dict``, and the checkpoint's quant config
+  (``nvfp4_config_sections`` / ``read_nvfp4_quant_config``).
+* PEFT LoRA adapters: ``write_peft_adapter`` / ``read_peft_adapter``, key normalisation
+  (``peft_key``, ``parse_peft_key``, ``peft_modules``), ``adapter_config.json`` <-> ``LoraSpec``
+  (``peft_config_from_spec`` / ``parse_peft_config``), ``build_peft_adapter`` for tensors that
+  arrive without a directory.
+* safetensors writing without numpy: ``write_safetensors``, ``safetensors_header`` (the
+  layout, for writers that stream), ``tensor_bytes``, ``SAFETENSORS_DTYPES``.
+* The LoRA forward: ``lora_delta`` computes ``linear(reduce(linear(x, A)), B) * scaling`` with
+  the caller's kernel (``LinearKernel``; ``matmul_kernel`` by default), the one op order the
+  trainer (``lora-core``) and the engines (``models``' adapter hook) share.
+* Atomic writes with directory fsync: ``write_bytes_atomic``, ``write_text_atomic``,
+  ``AtomicFile``, ``atomic_directory``, ``replace_directory``, ``fsync_dir``, ``fsync_tree``.
 
 Error tree (rooted in ``posttrain.interface.PosttrainError``)::
 
     FormatsError                     a payload, file or request in one of our formats is invalid
+    ├── FormatsConfigError (ConfigError)      a bad argument: adapter name, bucket size, ring
+    ├── SamplesFormatError (WireFormatError)  a samples/1 payload is malformed (.field)
+    ├── BucketFormatError (WireFormatError)   a wsync/1 bucket disagrees with its manifest
+    │                                         or its bytes (.field)
+    ├── NVFP4FormatError (ValueError)  an NVFP4 tensor group or quant config is malformed
+    └── PeftFormatError (ValueError)   a PEFT LoRA adapter is malformed
+        ├── PeftConfigError            adapter_config.json: not an object, a field missing or
+        │                              invalid, target_modules that do not select the tensors
+        └── PeftTensorError            adapter_model.safetensors: corrupt, a non-PEFT key, a
+            │                          non-float dtype, a shape that disagrees with r,
+            │                          a factor without its pair
+            └── PeftNonFiniteError     a factor holds NaN or Inf
+
+Atomic writes raise ``OSError`` as the operating system reports it; the target is left as it was.
 """
 
-from posttrain.formats._errors import FormatsError
-from posttrain.formats.lora_delta import LinearKernel, lora_delta, matmul_kernel
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from posttrain.formats._atomic import (
+    AtomicFile,
+    atomic_directory,
+    fsync_dir,
+    fsync_tree,
+    replace_directory,
+    write_bytes_atomic,
+    write_text_atomic,
+)
+from posttrain.formats._errors import (
+    BucketFormatError,
+    FormatsConfigError,
+    FormatsError,
+    NVFP4FormatError,
+    PeftConfigError,
+    PeftFormatError,
+    PeftNonFiniteError,
+    PeftTensorError,
+    SamplesFormatError,
+)
+from posttrain.formats._lora_fields import (
+    LoraServing,
+    apply_lora_fields,
+    request_fields,
+    serves_lora,
+)
+from posttrain.formats._samples_wire import (
+    SAMPLES_FORMAT,
+    DecodedSamples,
+    decode_samples,
+    encode_samples,
+)
+
+if TYPE_CHECKING:
+    from posttrain.formats._buckets import (
+        DTYPES,
+        decode_bucket_body,
+        dtype_from_name,
+        dtype_name,
+        encode_bucket_body,
+        expected_tensors,
+        pack_bucket,
+        plan_buckets,
+        safetensors_metadata,
+        tensors_sha256,
+        unpack_bucket,
+    )
+    from posttrain.formats._lora_delta import LinearKernel, lora_delta, matmul_kernel
+    from posttrain.formats._nvfp4 import (
+        E2M1_VALUES,
+        GROUP_SIZE,
+        NVFP4Part,
+        NVFP4TensorSpec,
+        dequantize_nvfp4,
+        dequantize_nvfp4_state_dict,
+        e2m1_code_values,
+        nvfp4_layout,
+        pack_e2m1_codes,
+        unpack_e2m1_codes,
+    )
+    from posttrain.formats._nvfp4_config import (
+        NVFP4QuantConfig,
+        nvfp4_config_sections,
+        read_nvfp4_quant_config,
+    )
+    from posttrain.formats._peft import (
+        ADAPTER_CONFIG_FILE,
+        ADAPTER_WEIGHTS_FILE,
+        ALL_LINEAR,
+        PEFT_KEY_PREFIX,
+        PEFT_TENSOR_DTYPES,
+        PeftAdapter,
+        build_peft_adapter,
+        module_is_targeted,
+        parse_peft_config,
+        parse_peft_key,
+        peft_config_from_spec,
+        peft_key,
+        peft_modules,
+        read_peft_adapter,
+        write_peft_adapter,
+    )
+    from posttrain.formats._safetensors import (
+        SAFETENSORS_DTYPES,
+        safetensors_header,
+        tensor_bytes,
+        write_safetensors,
+    )
+    from posttrain.formats._weight_push import ShmRing, WeightPushClient, push_weights
+
+# The wsync/1, NVFP4, PEFT, LoRA-forward and safetensors-writer names need torch: their modules load on
+# first use of a name.
+_NEEDS_TORCH = {
+    "_buckets": (
+        "DTYPES",
+        "decode_bucket_body",
+        "dtype_from_name",
+        "dtype_name",
+        "encode_bucket_body",
+        "expected_tensors",
+        "pack_bucket",
+        "plan_buckets",
+        "safetensors_metadata",
+        "tensors_sha256",
+        "unpack_bucket",
+    ),
+    "_weight_push": ("ShmRing", "WeightPushClient", "push_weights"),
+    "_lora_delta": ("LinearKernel", "lora_delta", "matmul_kernel"),
+    "_nvfp4": (
+        "E2M1_VALUES",
+        "GROUP_SIZE",
+        "NVFP4Part",
+        "NVFP4TensorSpec",
+        "dequantize_nvfp4",
+        "dequantize_nvfp4_state_dict",
+        "e2m1_code_values",
+        "nvfp4_layout",
+        "pack_e2m1_codes",
+        "unpack_e2m1_codes",
+    ),
+    "_nvfp4_config": (
+        "NVFP4QuantConfig",
+        "nvfp4_config_sections",
+        "read_nvfp4_quant_config",
+    ),
+    "_peft": (
+        "ADAPTER_CONFIG_FILE",
+        "ADAPTER_WEIGHTS_FILE",
+        "ALL_LINEAR",
+        "PEFT_KEY_PREFIX",
+        "PEFT_TENSOR_DTYPES",
+        "PeftAdapter",
+        "build_peft_adapter",
+        "module_is_targeted",
+        "parse_peft_config",
+        "parse_peft_key",
+        "peft_config_from_spec",
+        "peft_key",
+        "peft_modules",
+        "read_peft_adapter",
+        "write_peft_adapter",
+    ),
+    "_safetensors": (
+        "SAFETENSORS_DTYPES",
+        "safetensors_header",
+        "tensor_bytes",
+        "write_safetensors",
+    ),
+}
 
 __all__ = [
+    "ADAPTER_CONFIG_FILE",
+    "ADAPTER_WEIGHTS_FILE",
+    "ALL_LINEAR",
+    "DTYPES",
+    "E2M1_VALUES",
+    "GROUP_SIZE",
+    "PEFT_KEY_PREFIX",
+    "PEFT_TENSOR_DTYPES",
+    "SAFETENSORS_DTYPES",
+    "SAMPLES_FORMAT",
+    "AtomicFile",
+    "BucketFormatError",
+    "DecodedSamples",
+    "FormatsConfigError",
     "FormatsError",
     "LinearKernel",
+    "LoraServing",
+    "NVFP4FormatError",
+    "NVFP4Part",
+    "NVFP4QuantConfig",
+    "NVFP4TensorSpec",
+    "PeftAdapter",
+    "PeftConfigError",
+    "PeftFormatError",
+    "PeftNonFiniteError",
+    "PeftTensorError",
+    "SamplesFormatError",
+    "ShmRing",
+    "WeightPushClient",
+    "apply_lora_fields",
+    "atomic_directory",
+    "build_peft_adapter",
+    "decode_bucket_body",
+    "decode_samples",
+    "dequantize_nvfp4",
+    "dequantize_nvfp4_state_dict",
+    "dtype_from_name",
+    "dtype_name",
+    "e2m1_code_values",
+    "encode_bucket_body",
+    "encode_samples",
+    "expected_tensors",
+    "fsync_dir",
+    "fsync_tree",
     "lora_delta",
     "matmul_kernel",
+    "module_is_targeted",
+    "nvfp4_config_sections",
+    "nvfp4_layout",
+    "pack_bucket",
+    "pack_e2m1_codes",
+    "parse_peft_config",
+    "parse_peft_key",
+    "peft_config_from_spec",
+    "peft_key",
+    "peft_modules",
+    "plan_buckets",
+    "push_weights",
+    "read_nvfp4_quant_config",
+    "read_peft_adapter",
+    "replace_directory",
+    "request_fields",
+    "safetensors_header",
+    "safetensors_metadata",
+    "serves_lora",
+    "tensor_bytes",
+    "tensors_sha256",
+    "unpack_bucket",
+    "unpack_e2m1_codes",
+    "write_bytes_atomic",
+    "write_peft_adapter",
+    "write_safetensors",
+    "write_text_atomic",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = next((m for m, names in _NEEDS_TORCH.items() if name in names), None)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

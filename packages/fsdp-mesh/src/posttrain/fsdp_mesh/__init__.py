@@ -25,12 +25,9 @@ from posttrain.fsdp_mesh._errors import (
     MeshBuildError,
     MeshConfigError,
     ParityError,
-    WorkerError,
-    WorkerTimeoutError,
 )
 from posttrain.fsdp_mesh._gather import gather_full_param, iter_full_state_dict
 from posttrain.fsdp_mesh._hsdp import HsdpConfig, apply_hsdp, fsdp_modules
-from posttrain.fsdp_mesh._launch import free_port, launch_workers
 from posttrain.fsdp_mesh._mesh import FsdpMesh, build_fsdp_mesh, check_device_type, check_mesh
 from posttrain.fsdp_mesh._parity import ParityConfig, ParityModel, ParityReport, run_parity
 
@@ -50,8 +47,6 @@ __all__ = [
     "ParityError",
     "ParityModel",
     "ParityReport",
-    "WorkerError",
-    "WorkerTimeoutError",
     "accumulate_gradients",
     "apply_hsdp",
     "build_fsdp_mesh",
@@ -60,13 +55,11 @@ __all__ = [
     "checkpoint_dir",
     "clip_grad_norm",
     "count_collectives",
-    "free_port",
     "fsdp_modules",
     "gather_full_param",
     "grad_norm",
     "iter_full_state_dict",
     "latest_step",
-    "launch_workers",
     "load_checkpoint",
     "read_meta",
     "run_parity",

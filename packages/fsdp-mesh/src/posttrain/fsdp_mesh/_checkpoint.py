@@ -10,10 +10,12 @@ Layout under ``root``::
 DCP stores each tensor's global shape and each shard's offsets, so a checkpoint saved with one
 (replicate, shard, W) loads bit-exactly into another: ``load_checkpoint`` reshards on read.
 
-Departures from a plain ``dcp.save``: all ranks write into ``iter_N.tmp`` and rank 0 renames it
+Departures from a plain ``dcp.save``: all ranks write into ``iter_N.tmp`` and rank 0 moves it
 to ``iter_N`` only after every rank finished and ``meta.json`` is on disk, then updates the
-tracker (temp name, fsync, rename). A crash mid-save therefore never leaves a directory that
-looks complete. Replicas of a shard are deduplicated by DCP's planner (one writer per shard).
+tracker. Both steps are ``posttrain.formats``' atomic writes (``replace_directory`` fsyncs the
+tree and swaps it in; ``write_text_atomic``: temp name, fsync, rename, fsync of the directory).
+A crash mid-save therefore never leaves a directory that looks complete. Replicas of a shard
+are deduplicated by DCP's planner (one writer per shard).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
+from posttrain.formats import replace_directory, write_text_atomic
 from posttrain.fsdp_mesh._errors import CheckpointError, MeshConfigError
 from posttrain.fsdp_mesh._mesh import FsdpMesh
 
@@ -59,24 +62,6 @@ def checkpoint_dir(root: str | os.PathLike[str], step: int) -> Path:
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise MeshConfigError(f"checkpoint step must be a non-negative int, got {step!r}")
     return Path(root) / f"iter_{step:07d}"
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w", encoding="utf-8") as fh:
-        fh.write(text)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def latest_step(root: str | os.PathLike[str]) -> int | None:
@@ -129,12 +114,9 @@ def save_checkpoint(
             timestamp=time.time(),
             extra=dict(extra or {}),
         )
-        _write_atomic(tmp / META, json.dumps(asdict(meta), indent=2, sort_keys=True))
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        _fsync_dir(final.parent)
-        _write_atomic(final.parent / TRACKER, f"{step}\n")
+        write_text_atomic(tmp / META, json.dumps(asdict(meta), indent=2, sort_keys=True))
+        replace_directory(tmp, final)
+        write_text_atomic(final.parent / TRACKER, f"{step}\n")
     dist.barrier(group=group)
     return final
 

@@ -6,9 +6,10 @@
         ├── MeshBuildError (RuntimeError)   the live process group or built mesh disagrees with the spec
         ├── AccumulationError (RuntimeError) micro-batch bookkeeping that would skip the replicate all-reduce
         ├── CheckpointError                 a checkpoint directory is missing, incomplete or mismatched
-        ├── ParityError (AssertionError)    a parity check failed; names the check, tensor and rank
-        └── WorkerError (RuntimeError)      a spawned rank crashed or hung; names the rank
-            └── WorkerTimeoutError (TimeoutError) a rank did not finish within its timeout
+        └── ParityError (AssertionError)    a parity check failed; names the check, tensor and rank
+
+A rank of the parity command that hangs, crashes or raises is reported by the one multi-rank
+launcher, ``posttrain.interface.processes.run_workers``, as the interface's ``WorkerError``.
 
 Every message names the rank, tensor, field or number at fault.
 """
@@ -40,15 +41,3 @@ class CheckpointError(FsdpMeshError):
 
 class ParityError(FsdpMeshError, AssertionError):
     """A gradient-parity check failed; the message names the check, the tensor and the rank."""
-
-
-class WorkerError(FsdpMeshError, RuntimeError):
-    """A spawned rank crashed or exited without a result; ``rank`` is the first rank at fault."""
-
-    def __init__(self, message: str, *, rank: int | None = None) -> None:
-        super().__init__(message)
-        self.rank = rank
-
-
-class WorkerTimeoutError(WorkerError, TimeoutError):
-    """A spawned rank did not finish within its timeout (a hang); the group was killed."""

@@ -16,29 +16,17 @@ than raised mid-way (so no rank leaves a collective early):
    counted on the first step (the counter routes every op through Python, so the later steps
    run uncounted and are the ones timed in ``step_seconds``).
 
-Command (two ways to run it; both print one JSON report and ``PASS r{R}s{S}`` or exit 1):
-
-* self-spawning: ``python -m posttrain.fsdp_mesh.parity --replicate R --shard S [--backend
-  gloo|nccl]`` starts R*S local ranks itself (nccl: rank g on ``cuda:g``);
-* torchrun: ``torchrun --nproc-per-node N [--nnodes ...] -m posttrain.fsdp_mesh.parity
-  --replicate R --shard S --backend nccl``; detected from ``RANK``/``WORLD_SIZE`` in the
-  environment, device ``cuda:LOCAL_RANK``. Multi-node runs need ``--checkpoint-dir`` on a
-  shared filesystem.
+The command (``python -m posttrain.fsdp_mesh.parity``) lives in ``_parity_cli.py``.
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
-import json
-import os
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 from dataclasses import asdict, dataclass, field
-from datetime import timedelta
 from typing import Any
 
 import torch
@@ -50,12 +38,11 @@ from posttrain.fsdp_mesh._accumulate import accumulate_gradients
 from posttrain.fsdp_mesh._checkpoint import load_checkpoint, save_checkpoint
 from posttrain.fsdp_mesh._clip import clip_grad_norm
 from posttrain.fsdp_mesh._comm_count import CollectiveLog, count_collectives
-from posttrain.fsdp_mesh._errors import MeshConfigError, ParityError, WorkerError
+from posttrain.fsdp_mesh._errors import MeshConfigError, ParityError
 from posttrain.fsdp_mesh._gather import gather_full_param
 from posttrain.fsdp_mesh._hsdp import HsdpConfig, apply_hsdp, fsdp_modules
-from posttrain.fsdp_mesh._launch import launch_workers
 from posttrain.fsdp_mesh._mesh import BuildMethod, FsdpMesh, build_fsdp_mesh
-from posttrain.interface import ConfigError, MeshSpec
+from posttrain.interface import MeshSpec
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -371,127 +358,3 @@ def _round_trip(
         dist.barrier(group=mesh.dp_group)
         if created is not None and report.rank == 0:
             shutil.rmtree(created, ignore_errors=True)
-
-
-def _spawned_worker(rank: int, world_size: int, config: ParityConfig) -> dict[str, Any]:
-    return run_parity(config).to_json()
-
-
-def _parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        prog="python -m posttrain.fsdp_mesh.parity",
-        description="Check HSDP gradients, cross-rank bit-exactness and checkpoint round trips "
-        "against a single-process reference.",
-    )
-    parser.add_argument("--replicate", type=int, required=True, help="dp_replicate size R")
-    parser.add_argument("--shard", type=int, required=True, help="dp_shard size S")
-    parser.add_argument("--backend", choices=("gloo", "nccl"), default="gloo")
-    parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--micro-batches", type=int, default=2)
-    parser.add_argument("--dim", type=int, default=30)
-    parser.add_argument("--timeout", type=float, default=300.0, help="seconds for the whole run")
-    parser.add_argument("--checkpoint-dir", default=None, help="shared dir (default: a temp dir)")
-    parser.add_argument("--json", default=None, help="also write the rank reports to this file")
-    parser.add_argument(
-        "--start-method",
-        choices=("spawn", "forkserver", "fork"),
-        default="spawn",
-        help="how the self-spawning mode starts ranks (ignored under torchrun)",
-    )
-    return parser.parse_args(argv)
-
-
-def _median(values: list[float | None]) -> float | None:
-    present = [v for v in values if v is not None]
-    return statistics.median(present) if present else None
-
-
-def _finish(args: argparse.Namespace, config: ParityConfig, reports: list[dict[str, Any]]) -> int:
-    passed = all(r["passed"] for r in reports)
-    summary = {
-        "layout": f"r{args.replicate}s{args.shard}",
-        "backend": args.backend,
-        "passed": passed,
-        "tolerance": {"rtol": config.rtol, "atol": config.atol},
-        "max_grad_err": max(r["max_grad_err"] for r in reports),
-        "max_param_err": max(r["max_param_err"] for r in reports),
-        "median_step_s": _median([r["median_step_s"] for r in reports]),
-        "ranks": reports,
-    }
-    text = json.dumps(summary, indent=2)
-    print(text)
-    if args.json:
-        with open(args.json, "w", encoding="utf-8") as fh:
-            fh.write(text)
-    tag = f"r{args.replicate}s{args.shard}"
-    print(f"PASS {tag}" if passed else f"FAIL {tag}")
-    return 0 if passed else 1
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``python -m posttrain.fsdp_mesh.parity`` (torchrun or self-spawning)."""
-    args = _parse_args(argv)
-    try:
-        config = _config(args)
-    except ConfigError as exc:
-        print(f"FAIL r{args.replicate}s{args.shard}: {exc}", file=sys.stderr)
-        return 2
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        return _main_torchrun(args, config)
-    try:
-        reports = launch_workers(
-            _spawned_worker,
-            args.replicate * args.shard,
-            timeout_s=args.timeout,
-            backend=args.backend,
-            args=(config,),
-            start_method=args.start_method,
-        )
-    except WorkerError as exc:
-        print(f"FAIL r{args.replicate}s{args.shard}: {exc}", file=sys.stderr)
-        return 1
-    return _finish(args, config, reports)
-
-
-def _config(args: argparse.Namespace) -> ParityConfig:
-    """The run's config; validates the layout before any process starts (ConfigError)."""
-    config = ParityConfig(
-        replicate=args.replicate,
-        shard=args.shard,
-        device_type="cuda" if args.backend == "nccl" else "cpu",
-        steps=args.steps,
-        micro_batches=args.micro_batches,
-        dim=args.dim,
-        checkpoint_dir=args.checkpoint_dir,
-    )
-    MeshSpec(
-        world_size=args.replicate * args.shard,
-        replicate=args.replicate,
-        shard=args.shard,
-        device_type=config.device_type,
-    )
-    return config
-
-
-def _main_torchrun(args: argparse.Namespace, config: ParityConfig) -> int:
-    device_id = None
-    if args.backend == "nccl":
-        device_id = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-        torch.cuda.set_device(device_id)
-    dist.init_process_group(
-        args.backend, timeout=timedelta(seconds=args.timeout), device_id=device_id
-    )
-    try:
-        if dist.get_world_size() != args.replicate * args.shard:
-            raise MeshConfigError(
-                f"torchrun started {dist.get_world_size()} ranks but --replicate {args.replicate} "
-                f"x --shard {args.shard} = {args.replicate * args.shard}"
-            )
-        report = run_parity(config).to_json()
-        box: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(box, report)
-    finally:
-        dist.destroy_process_group()
-    if int(os.environ["RANK"]) != 0:
-        return 0 if report["passed"] else 1
-    return _finish(args, config, box)

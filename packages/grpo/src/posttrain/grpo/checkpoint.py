@@ -36,9 +36,8 @@ from posttrain.fsdp_mesh import (
     save_checkpoint,
 )
 from posttrain.grpo._errors import GrpoRunError
-from posttrain.grpo._formats import save_peft
 from posttrain.grpo.trainer import Policy
-from posttrain.lora import load_peft
+from posttrain.lora import load_peft, save_peft
 
 TRACKER = "latest_checkpointed_iteration.txt"
 

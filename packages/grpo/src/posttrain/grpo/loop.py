@@ -42,7 +42,6 @@ import torch.distributed as dist
 
 from posttrain.grpo import checkpoint
 from posttrain.grpo._errors import GrpoConfigError, GrpoRunError
-from posttrain.grpo._formats import request_fields
 from posttrain.grpo.advantages import group_normalized_advantages
 from posttrain.grpo.config import GrpoConfig
 from posttrain.grpo.metrics import MetricsLog, write_report
@@ -168,7 +167,7 @@ def _rollout_and_score(
             temperature=cfg.temperature,
             seed=cfg.seed,
             top_logprobs=cfg.opd_top_k if cfg.opd else 0,
-            lora_fields=request_fields(cfg.lora_name, version) if cfg.train == "lora" else {},
+            weight_version=version,
             timeout_s=cfg.rollout_timeout_s,
         )
         samples = run_rollout(settings, prompts, step=step)
@@ -219,7 +218,7 @@ def _apply_teacher(
         CapabilityError,
         OPDConfig,
         TeacherRouter,
-        TeacherScorer,
+        TeacherScoringClient,
         Timeouts,
         apply_opd,
     )
@@ -235,7 +234,7 @@ def _apply_teacher(
             opd_cfg = OPDConfig(
                 top_k=cfg.opd_top_k, kl_coef=cfg.opd_kl_coef, per_position=per_position
             )
-            async with TeacherScorer(
+            async with TeacherScoringClient(
                 router, opd_cfg, timeouts=timeouts, max_concurrency=32
             ) as scorer:
                 if per_position:

@@ -21,21 +21,26 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import httpx
 
+from posttrain.formats import decode_samples
 from posttrain.grpo._errors import GrpoRunError
-from posttrain.grpo._formats import decode_samples
 from posttrain.grpo.rewards import Prompt
 from posttrain.interface import Sample
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class RolloutSettings:
-    """Where and how to sample. ``lora_fields``: ``request_fields(name, version)`` or empty."""
+    """Where and how to sample.
+
+    ``weight_version`` is the version of the weights (or adapter) the engines serve: each
+    session is created with it, and the session router then adds the adapter's ``lora_path``
+    and ``extra_key`` (``posttrain.formats.apply_lora_fields``) to every upstream request.
+    """
 
     url: str
     samples_per_prompt: int
@@ -43,7 +48,7 @@ class RolloutSettings:
     temperature: float
     seed: int
     top_logprobs: int = 0
-    lora_fields: Mapping[str, str] = field(default_factory=dict)
+    weight_version: int | None = None
     timeout_s: float = 600.0
     concurrency: int = 32
 
@@ -72,7 +77,10 @@ async def _one_sample(
     sample: int,
 ) -> Sample:
     base = settings.url.rstrip("/")
-    opened = _checked(await client.post(f"{base}/sessions"), "POST")
+    opened = _checked(
+        await client.post(f"{base}/sessions", json={"weight_version": settings.weight_version}),
+        "POST",
+    )
     session = str(opened.json()["session_id"])
     try:
         body: dict[str, Any] = {
@@ -81,7 +89,6 @@ async def _one_sample(
             "temperature": settings.temperature,
             "seed": sampling_seed(settings.seed, step, prompt.index, sample),
             "logprobs": True,
-            **settings.lora_fields,
         }
         if settings.top_logprobs:
             body["top_logprobs"] = settings.top_logprobs

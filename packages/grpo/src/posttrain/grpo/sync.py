@@ -27,9 +27,9 @@ import httpx
 import torch
 import torch.distributed as dist
 
+from posttrain.formats import WeightPushClient, dequantize_nvfp4, push_weights
 from posttrain.fsdp_mesh import iter_full_state_dict
 from posttrain.grpo._errors import GrpoRunError
-from posttrain.grpo._formats import WeightPushClient, dequantize_nvfp4, push_weights
 from posttrain.grpo.trainer import Policy
 from posttrain.lora import AdapterClient, export_adapter
 from posttrain.models import to_hf_state_dict
@@ -119,6 +119,6 @@ def _nvfp4_values(
         if name.endswith(".weight") and scale is not None:
             codes = quantized[name]
             scale_2 = quantized[f"{module}.weight_scale_2"]
-            yield name, dequantize_nvfp4(module, codes, scale, scale_2).to(value.dtype)
+            yield name, dequantize_nvfp4(codes, scale, scale_2, dtype=value.dtype, name=module)
         else:
             yield name, value

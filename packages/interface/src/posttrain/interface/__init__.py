@@ -3,8 +3,9 @@
 It imports nothing heavy (no torch, no httpx): the RL data model is plain
 validated dataclasses, the SGLang wire schema is pydantic models, and the
 Protocols decouple engines, teachers, rewards and weight sinks from the code
-that drives them. The test harness lives in ``posttrain.interface.testing``
-and is not imported here.
+that drives them. Child processes (free ports, servers stopped by pid, groups
+of gloo/NCCL ranks) are ``posttrain.interface.processes``; the test harness is
+``posttrain.interface.testing``; neither is imported here.
 
 Error tree (every posttrain error derives from ``PosttrainError``)::
 
@@ -13,9 +14,20 @@ Error tree (every posttrain error derives from ``PosttrainError``)::
     ├── WireFormatError (ValueError)   a wire payload fails validation (.field)
     ├── TransportError                 an HTTP peer failed or answered badly (.url)
     │   └── EngineError                an engine answered an error or success=false (.status)
-    └── WeightSyncError                a weight update did not complete
-        ├── IncompleteUpdateError      missing, unknown or duplicate tensors
-        └── StaleVersionError          a weight version that does not increase
+    ├── WeightSyncError                a weight update did not complete
+    │   ├── IncompleteUpdateError      missing, unknown or duplicate tensors
+    │   └── StaleVersionError          a weight version that does not increase
+    └── ProcessError                   a child process hung, crashed, raised or never got ready
+        ├── ServerStartError           a server exited or did not answer ready in time
+        └── WorkerError                a rank of a worker group failed (.rank)
+            ├── WorkerTimeoutError (TimeoutError)   ranks did not finish in time (all killed)
+            ├── WorkerCrashedError     a rank exited without reporting a result
+            └── WorkerFailedError      a rank raised (its traceback in the message)
+
+Weight versions are one type everywhere: a non-negative ``int`` (``None`` before the first
+versioned update). Versions are compared (an engine refuses one that does not increase) and
+subtracted (staleness), which a string does wrongly ("10" < "9"); SGLang's strings are converted
+once, where they are read (``parse_weight_version``; ``_weight_version.py`` says more).
 """
 
 from posttrain.interface._errors import (
@@ -23,10 +35,16 @@ from posttrain.interface._errors import (
     EngineError,
     IncompleteUpdateError,
     PosttrainError,
+    ProcessError,
+    ServerStartError,
     StaleVersionError,
     TransportError,
     WeightSyncError,
     WireFormatError,
+    WorkerCrashedError,
+    WorkerError,
+    WorkerFailedError,
+    WorkerTimeoutError,
 )
 from posttrain.interface._protocols import RewardFunction, RolloutEngine, TeacherScorer, WeightSink
 from posttrain.interface._samples import (
@@ -37,7 +55,6 @@ from posttrain.interface._samples import (
     TeacherScores,
 )
 from posttrain.interface._specs import (
-    EngineEndpoint,
     FourOverSix,
     LoraSpec,
     MeshAxis,
@@ -50,10 +67,12 @@ from posttrain.interface._weight_sync import (
     WIRE_DTYPES,
     BucketManifest,
     ExpectedTensor,
+    ShmBucketRequest,
     TensorEntry,
     WeightUpdateBegin,
     WeightUpdateResult,
 )
+from posttrain.interface._weight_version import parse_weight_version
 from posttrain.interface._wire_base import WireModel
 from posttrain.interface._wire_sglang import (
     ChatChoice,
@@ -82,7 +101,6 @@ __all__ = [
     "ChatCompletionResponse",
     "ChatMessage",
     "ConfigError",
-    "EngineEndpoint",
     "EngineError",
     "ExpectedTensor",
     "FinishReason",
@@ -98,6 +116,7 @@ __all__ = [
     "NVFP4Precision",
     "PositionScores",
     "PosttrainError",
+    "ProcessError",
     "RewardFunction",
     "RolloutEngine",
     "Sample",
@@ -105,6 +124,8 @@ __all__ = [
     "SampleStatus",
     "SamplingParams",
     "ScaleRounding",
+    "ServerStartError",
+    "ShmBucketRequest",
     "StaleVersionError",
     "TeacherScorer",
     "TeacherScores",
@@ -121,4 +142,9 @@ __all__ = [
     "WeightUpdateResult",
     "WireFormatError",
     "WireModel",
+    "WorkerCrashedError",
+    "WorkerError",
+    "WorkerFailedError",
+    "WorkerTimeoutError",
+    "parse_weight_version",
 ]

@@ -8,9 +8,15 @@ the tree below lists the ones the interface itself defines.
     ├── WireFormatError (ValueError)  a wire payload fails validation (names the field)
     ├── TransportError                an HTTP peer could not be reached or answered badly
     │   └── EngineError               an engine answered with an error status or success=false
-    └── WeightSyncError               a weight update did not complete
-        ├── IncompleteUpdateError     missing, unknown or duplicate tensors in an update
-        └── StaleVersionError         a weight version that does not increase
+    ├── WeightSyncError               a weight update did not complete
+    │   ├── IncompleteUpdateError     missing, unknown or duplicate tensors in an update
+    │   └── StaleVersionError         a weight version that does not increase
+    └── ProcessError                  a child process hung, crashed, raised or never became ready
+        ├── ServerStartError          a server exited or did not answer ready in time
+        └── WorkerError               a rank of a worker group failed (.rank)
+            ├── WorkerTimeoutError (TimeoutError)  ranks did not finish in time (all killed)
+            ├── WorkerCrashedError    a rank exited without reporting a result
+            └── WorkerFailedError     a rank raised (its traceback is in the message)
 """
 
 from __future__ import annotations
@@ -58,3 +64,31 @@ class IncompleteUpdateError(WeightSyncError):
 
 class StaleVersionError(WeightSyncError):
     """A weight version did not increase over the engine's current version."""
+
+
+class ProcessError(PosttrainError):
+    """A child process hung, crashed, raised or never became ready."""
+
+
+class ServerStartError(ProcessError):
+    """A server process exited or did not answer ready in time; the message says which."""
+
+
+class WorkerError(ProcessError, RuntimeError):
+    """A rank of a worker group failed; ``rank`` is the rank at fault (the first, for a group)."""
+
+    def __init__(self, message: str, *, rank: int | None = None) -> None:
+        super().__init__(message)
+        self.rank = rank
+
+
+class WorkerTimeoutError(WorkerError, TimeoutError):
+    """Ranks did not finish within the group's timeout (a hang); every rank was killed."""
+
+
+class WorkerCrashedError(WorkerError):
+    """A rank exited (a non-zero code or a signal) without reporting a result."""
+
+
+class WorkerFailedError(WorkerError):
+    """A rank raised; the message carries its traceback."""

@@ -1,26 +1,42 @@
 """The Protocols that decouple packages: who produces rollouts, scores, rewards and takes weights.
 
-A GRPO loop talks to these, never to a concrete engine or client, so a
-local CPU engine, an SGLang server behind sgl-router and a test double are
-interchangeable.
+A GRPO loop talks to these, never to a concrete engine or client, so a session server in front
+of SGLang, a local CPU engine and a test double are interchangeable. Each is
+``runtime_checkable`` and has a real implementation that a test checks with ``isinstance``:
+
+- ``RolloutEngine``: ``posttrain.session_router.SessionRolloutClient`` (one session per rollout);
+- ``TeacherScorer``: ``posttrain.opd.TeacherScoringClient``;
+- ``WeightSink``: ``posttrain.formats.WeightPushClient`` (wsync/1 over HTTP or shared memory);
+- ``RewardFunction``: the reward functions of ``posttrain.grpo``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Protocol, runtime_checkable
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol, runtime_checkable
 
 from posttrain.interface._samples import Sample, TeacherScores
 from posttrain.interface._weight_sync import BucketManifest, WeightUpdateBegin, WeightUpdateResult
-from posttrain.interface._wire_sglang import GenerateRequest, GenerateResponse
 
 
 @runtime_checkable
 class RolloutEngine(Protocol):
-    """Anything that answers SGLang ``/generate`` requests (an engine, a router, a session)."""
+    """Turns one chat prompt into one training sample (token ids, rollout logprobs, loss mask).
 
-    async def generate(self, request: GenerateRequest) -> Sequence[GenerateResponse]:
-        """One response per prompt of the request, in order."""
+    ``sampling_params`` are OpenAI/SGLang sampling fields (``max_tokens``, ``temperature``...).
+    ``weight_version`` is the policy version the caller has pushed to the engines; an engine
+    that serves a LoRA adapter tags its requests with it (``extra_key``), so prefix-cache entries
+    never cross versions. The sample carries the version the engine reported.
+    """
+
+    async def rollout(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        sampling_params: Mapping[str, Any] | None = None,
+        weight_version: int | None = None,
+    ) -> Sample:
+        """One sample for ``messages`` (raises when the engine produced none)."""
         ...
 
 
@@ -42,11 +58,17 @@ class RewardFunction(Protocol):
 
 @runtime_checkable
 class WeightSink(Protocol):
-    """Receives a weight update (``wsync/1``): begin, buckets, end; or abort."""
+    """Receives a weight update (``wsync/1``): begin, buckets, end; or abort.
+
+    ``payload`` holds the bucket's packed bytes (``manifest.total_bytes`` of them, tensors at
+    the manifest's aligned offsets).
+    """
 
     def begin(self, header: WeightUpdateBegin) -> None: ...
 
-    def send_bucket(self, manifest: BucketManifest, payload: bytes | memoryview) -> None: ...
+    def send_bucket(
+        self, manifest: BucketManifest, payload: bytes | bytearray | memoryview
+    ) -> None: ...
 
     def end(self, update_id: str) -> WeightUpdateResult: ...
 

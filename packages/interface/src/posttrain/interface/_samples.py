@@ -47,7 +47,8 @@ class Sample:
 
     ``rollout_logprobs[t]`` is the engine's logprob of ``response_ids[t]``;
     ``loss_mask[t]`` is 1 where the token is trained on (0 for tool or
-    observation tokens inside a multi-turn response).
+    observation tokens inside a multi-turn response). ``weight_version`` is the
+    version of the weights that generated it (an int, see ``parse_weight_version``).
     """
 
     prompt_ids: list[int]
@@ -56,7 +57,7 @@ class Sample:
     loss_mask: list[int]
     reward: float | None = None
     status: SampleStatus = SampleStatus.COMPLETED
-    weight_version: str | None = None
+    weight_version: int | None = None
     metadata: dict[str, Any] = field(default_factory=dict)
     group_index: int | None = None
     index: int | None = None
@@ -85,6 +86,14 @@ class Sample:
         for position, bit in enumerate(self.loss_mask):
             if bit not in (0, 1) or isinstance(bit, bool):
                 raise ConfigError(f"loss_mask[{position}] must be 0 or 1, got {bit!r}")
+        if self.weight_version is not None and (
+            isinstance(self.weight_version, bool)
+            or not isinstance(self.weight_version, int)
+            or self.weight_version < 0
+        ):
+            raise ConfigError(
+                f"weight_version must be a non-negative int or None, got {self.weight_version!r}"
+            )
         if self.reward is not None:
             _check_finite("reward", [self.reward])
             self.reward = float(self.reward)

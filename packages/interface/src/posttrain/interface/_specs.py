@@ -1,4 +1,4 @@
-"""Validated specs shared across packages: LoRA, device mesh, NVFP4 precision, engine endpoints.
+"""Validated specs shared across packages: LoRA, device mesh, NVFP4 precision.
 
 Each spec checks itself on construction and names the offending field and
 value, so a bad configuration fails before any process group, file or
@@ -11,7 +11,6 @@ import math
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Literal
-from urllib.parse import urlsplit
 
 from posttrain.interface._errors import ConfigError
 
@@ -186,30 +185,3 @@ class NVFP4Precision:
             raise ConfigError(
                 f"NVFP4Precision.kv_cache_quant_algo must be 'FP8' or None, got {self.kv_cache_quant_algo!r}"
             )
-
-
-@dataclass(kw_only=True, slots=True, frozen=True)
-class EngineEndpoint:
-    """Where an SGLang-compatible engine (or a router in front of engines) listens."""
-
-    url: str
-    name: str | None = None
-    api_key: str | None = None
-
-    def __post_init__(self) -> None:
-        parts = urlsplit(self.url)
-        if parts.scheme not in ("http", "https"):
-            raise ConfigError(f"EngineEndpoint.url {self.url!r} must use http or https")
-        if not parts.hostname:
-            raise ConfigError(f"EngineEndpoint.url {self.url!r} has no host")
-        try:
-            parts.port  # noqa: B018 - raises on a malformed port
-        except ValueError:
-            raise ConfigError(f"EngineEndpoint.url {self.url!r} has an invalid port") from None
-        object.__setattr__(self, "url", self.url.rstrip("/"))
-        if self.api_key is not None and not self.api_key:
-            raise ConfigError("EngineEndpoint.api_key must be None or non-empty")
-
-    def headers(self) -> dict[str, str]:
-        """The authorization header a client sends, if the endpoint has a key."""
-        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}

@@ -4,7 +4,8 @@ A trainer opens an update with ``WeightUpdateBegin`` (the full list of tensors
 it will send), ships buckets each described by a ``BucketManifest`` (tensors
 packed at 256-byte aligned offsets of one byte buffer, so one buffer can hold
 mixed dtypes), and closes with ``end``; the engine answers a
-``WeightUpdateResult``. The version moves only when every expected tensor
+``WeightUpdateResult``. Over shared memory a bucket's bytes lie in a ring slot that
+``ShmBucketRequest`` names. The version moves only when every expected tensor
 arrived exactly once; anything else leaves the engine refusing to generate
 until a complete update succeeds.
 """
@@ -147,6 +148,18 @@ class WeightUpdateBegin(WireModel):
         if self.kind == "lora" and not self.lora_name:
             raise ValueError("a lora update needs lora_name")
         return self
+
+
+class ShmBucketRequest(WireModel):
+    """``POST /update_weights_from_shm``: a bucket packed in slot ``slot`` of a shared-memory ring.
+
+    The ring is one file of equal slots (``slot_bytes`` each; by default two, so half the file).
+    """
+
+    manifest: BucketManifest
+    shm_path: str = pydantic.Field(min_length=1)
+    slot: NonNegativeInt
+    slot_bytes: PositiveInt | None = None
 
 
 class WeightUpdateResult(WireModel):

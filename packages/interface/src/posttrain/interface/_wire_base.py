@@ -8,6 +8,7 @@ cannot carry them, so an exact round trip could not hold), and
 
 from __future__ import annotations
 
+import math
 from typing import Annotated, Any, Self
 
 import pydantic
@@ -48,6 +49,15 @@ class WireModel(pydantic.BaseModel):
         extra="forbid", allow_inf_nan=False, frozen=False, validate_assignment=True
     )
 
+    @pydantic.model_validator(mode="after")
+    def _extras_are_finite(self) -> Self:
+        # allow_inf_nan covers typed fields only; a kept unknown key could still carry inf
+        for key, value in (self.model_extra or {}).items():
+            where = _first_non_finite(value)
+            if where is not None:
+                raise ValueError(f"{key}{where}: non-finite number (JSON cannot carry it)")
+        return self
+
     @classmethod
     def parse(cls, data: Any) -> Self:
         """Validate a decoded JSON object; raises ``WireFormatError`` naming the first bad field."""
@@ -70,6 +80,23 @@ class WireModel(pydantic.BaseModel):
 
     def to_json(self) -> str:
         return self.model_dump_json(exclude_unset=True)
+
+
+def _first_non_finite(value: Any, path: str = "") -> str | None:
+    """The path (``[2].x``) of the first NaN/Inf inside a JSON-like value, or None."""
+    if isinstance(value, float):
+        return None if math.isfinite(value) else path
+    if isinstance(value, dict):
+        items: Any = ((f".{k}", v) for k, v in value.items())
+    elif isinstance(value, list | tuple):
+        items = ((f"[{i}]", v) for i, v in enumerate(value))
+    else:
+        return None
+    for suffix, inner in items:
+        found = _first_non_finite(inner, path + suffix)
+        if found is not None:
+            return found
+    return None
 
 
 def _wire_error(model: str, exc: pydantic.ValidationError) -> WireFormatError:

@@ -6,6 +6,9 @@ payloads. Request types reject unknown keys (a misspelt ``lora_path`` would
 otherwise roll out from the base model without a word); response types keep
 unknown keys, since engines add fields between versions.
 
+``weight_version`` is an int here (see ``_weight_version``): SGLang's strings are converted
+where they are read, and a request SGLang reads sends it back as a string.
+
 ``token_ids_logprob_positions`` is the per-position scoring extension (one id
 list per input position); it excludes the flat ``token_ids_logprob``.
 """
@@ -16,6 +19,7 @@ from typing import Any, Literal
 
 import pydantic
 
+from posttrain.interface._weight_version import SGLangWeightVersion, WireWeightVersion
 from posttrain.interface._wire_base import (
     NonNegativeFloat,
     NonNegativeInt,
@@ -140,7 +144,7 @@ class GenerateMetaInfo(WireModel):
     prompt_tokens: NonNegativeInt | None = None
     completion_tokens: NonNegativeInt | None = None
     cached_tokens: NonNegativeInt | None = None
-    weight_version: str | None = None
+    weight_version: WireWeightVersion = None
     input_token_logprobs: list[LogprobEntry] | None = None
     output_token_logprobs: list[LogprobEntry] | None = None
     input_top_logprobs: list[TopLogprobRow] | None = None
@@ -288,7 +292,7 @@ class UpdateWeightsFromDiskRequest(WireModel):
 
     model_path: str = pydantic.Field(min_length=1)
     load_format: str | None = None
-    weight_version: str | None = None
+    weight_version: SGLangWeightVersion = None
     abort_all_requests: StrictBool | None = None
 
 
@@ -299,4 +303,4 @@ class UpdateWeightsResponse(WireModel):
 
     success: StrictBool
     message: str = ""
-    weight_version: str | None = None
+    weight_version: WireWeightVersion = None

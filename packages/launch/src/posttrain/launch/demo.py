@@ -5,20 +5,22 @@ launch never imports its siblings), brings up the local stack of ``posttrain up`
 (local engines, the stock sgl-router, the session router), holds a multi-turn chat
 through one token-in/token-out session, and collects the training sample the
 session assembles: the exact token ids, rollout logprobs and loss mask the engine
-produced. Then it stops every process it started.
+produced. Then it stops every process it started. Like ``posttrain up``, the stack gets a
+random API key (``keys.py``) for its engines and session router; the chat sends it.
 
-The sample arrives in the session router's wire format (one safetensors file);
-it is read here with the standard library (an 8-byte header length, a JSON
-header, raw little-endian data), so launch stays free of heavy dependencies.
+The sample arrives in samples/1, the session router's wire format, and is read
+with ``posttrain.formats.decode_samples`` (formats sits below launch; the read needs
+numpy and safetensors, no server and no torch). The demo runs only with launch's
+``local`` extra, which installs it.
 """
 
 from __future__ import annotations
 
 import collections
-import json
 import math
-import struct
+import os
 import subprocess
+import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,8 +28,11 @@ from typing import Any
 
 import httpx
 
+from posttrain.formats import decode_samples
+from posttrain.interface import PosttrainError
 from posttrain.launch._errors import LaunchError
-from posttrain.launch.plan import PYTHON
+from posttrain.launch.keys import new_api_key, remove_key_file, write_key_file
+from posttrain.launch.progress import StackProgress
 from posttrain.launch.runners import LocalRunner, LogSink
 from posttrain.launch.stack import LocalStackConfig, build_local_stack
 from posttrain.launch.tables import EngineKind
@@ -77,76 +82,82 @@ class DemoReport:
     sample_trained_tokens: int = 0
     sample_logprobs_match_turns: bool = False
     sample_status: str = ""
+    api_key_file: str = ""
 
 
 def write_tiny_checkpoint(path: Path, seed: int, timeout_s: float = 300.0) -> None:
     """Run the models package's ``init`` command (a subprocess: launch imports no sibling)."""
-    argv = [PYTHON, "-m", "posttrain.models", "init", str(path), "--seed", str(seed)]
+    # This interpreter, as LocalRunner resolves PYTHON: `python` on PATH may be another one.
+    argv = [sys.executable, "-m", "posttrain.models", "init", str(path), "--seed", str(seed)]
     done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s, check=False)
     if done.returncode != 0:
         raise DemoError(f"`{' '.join(argv)}` failed ({done.returncode}): {done.stderr[-2000:]}")
 
 
-def read_safetensors(blob: bytes) -> dict[str, tuple[str, list[int], bytes]]:
-    """Name -> (dtype, shape, raw bytes) of a safetensors file, read with the standard library."""
-    if len(blob) < 8:
-        raise DemoError(f"sample payload of {len(blob)} bytes is not a safetensors file")
-    (header_len,) = struct.unpack("<Q", blob[:8])
-    header = json.loads(blob[8 : 8 + header_len])
-    data = blob[8 + header_len :]
-    out = {}
-    for name, spec in header.items():
-        if name == "__metadata__":
-            continue
-        start, end = spec["data_offsets"]
-        out[name] = (spec["dtype"], list(spec["shape"]), data[start:end])
-    return out
-
-
-_FORMATS = {"I64": "q", "U8": "B", "F64": "d", "F32": "f", "I32": "i"}
-
-
-def _values(entry: tuple[str, list[int], bytes]) -> list[Any]:
-    dtype, shape, raw = entry
-    count = math.prod(shape)
-    return list(struct.unpack(f"<{count}{_FORMATS[dtype]}", raw))
-
-
-def run_demo(cfg: DemoConfig, sink: LogSink) -> DemoReport:
+def run_demo(cfg: DemoConfig, sink: LogSink, progress: StackProgress | None = None) -> DemoReport:
     """Bring the stack up, chat through one session, collect the sample, stop everything."""
+    show = progress or _NoProgress()
+    key = new_api_key()
     with tempfile.TemporaryDirectory(prefix="posttrain-demo-") as scratch:
         model_path = cfg.model_path
         if model_path is None:
             model_path = Path(scratch) / "tiny-moe"
             sink("demo", f"writing a tiny Dense/MoE checkpoint (seed {cfg.seed}) to {model_path}")
-            write_tiny_checkpoint(model_path, cfg.seed)
+            with show.step(f"writing a tiny Dense/MoE checkpoint (seed {cfg.seed})"):
+                write_tiny_checkpoint(model_path, cfg.seed)
         plan = build_local_stack(
             LocalStackConfig(
                 model_path=str(model_path),
                 engines=cfg.engines,
                 engine_kind=EngineKind.LOCAL,
                 ready_timeout_s=cfg.ready_timeout_s,
+                api_key=key,
             )
         )
-        with LocalRunner(plan, sink=sink) as runner:
-            runner.start()
-            report = DemoReport(model_path=str(model_path), urls=dict(runner.urls))
-            _chat(cfg, report, sink)
+        key_file = write_key_file(key, f"demo-{os.getpid()}")
+        try:
+            with LocalRunner(plan, sink=sink, api_key=key, on_event=show.on_event) as runner:
+                runner.start()
+                report = DemoReport(
+                    model_path=str(model_path), urls=dict(runner.urls), api_key_file=str(key_file)
+                )
+                _chat(cfg, report, sink, show, key)
+        finally:
+            remove_key_file(key_file)
         sink("demo", "stopped every process")
         return report
 
 
-def _chat(cfg: DemoConfig, report: DemoReport, sink: LogSink) -> None:
+class _NoProgress(StackProgress):
+    """A ``StackProgress`` that shows nothing (library callers without a console)."""
+
+    def __init__(self) -> None:
+        pass
+
+    def begin(self, key: str, description: str) -> None:
+        pass
+
+    def end(self, key: str, description: str | None = None) -> None:
+        pass
+
+
+def _chat(
+    cfg: DemoConfig, report: DemoReport, sink: LogSink, show: StackProgress, key: str
+) -> None:
     base = report.urls["session-router"]
-    with httpx.Client(timeout=httpx.Timeout(cfg.request_timeout_s, connect=10.0)) as client:
+    timeout = httpx.Timeout(cfg.request_timeout_s, connect=10.0)
+    headers = {"Authorization": f"Bearer {key}"}
+    with httpx.Client(timeout=timeout, headers=headers) as client:
         session = _ok(client.post(f"{base}/sessions"))["session_id"]
         sink("demo", f"session {session} at {base}")
         messages: list[dict[str, str]] = []
-        for user in DEFAULT_TURNS[: cfg.turns]:
+        for number, user in enumerate(DEFAULT_TURNS[: cfg.turns], start=1):
             messages.append({"role": "user", "content": user})
             body = {"messages": messages, "max_tokens": cfg.max_tokens, "temperature": 1.0,
                     "seed": cfg.seed, "logprobs": True}  # fmt: skip
-            reply = _ok(client.post(f"{base}/sessions/{session}/v1/chat/completions", json=body))
+            with show.step(f"chat turn {number} through the session"):
+                url = f"{base}/sessions/{session}/v1/chat/completions"
+                reply = _ok(client.post(url, json=body))
             choice = reply["choices"][0]
             text = choice["message"]["content"] or ""
             entries = choice["meta_info"]["output_token_logprobs"]
@@ -160,20 +171,23 @@ def _chat(cfg: DemoConfig, report: DemoReport, sink: LogSink) -> None:
                 )
             )
             messages.append({"role": "assistant", "content": text})
-        sample_reply = client.post(f"{base}/sessions/{session}/samples", json={"max_seq_len": None})
+        with show.step("collecting the training sample"):
+            sample_reply = client.post(
+                f"{base}/sessions/{session}/samples", json={"max_seq_len": None}
+            )
         if sample_reply.status_code != 200:
             raise DemoError(
                 f"POST /samples answered {sample_reply.status_code}: {sample_reply.text}"
             )
-        tensors = read_safetensors(sample_reply.content)
-        if "tokens.0" not in tensors:
-            meta = bytes(_values(tensors["_samples_meta"])).decode()
-            raise DemoError(f"the session assembled no sample: {meta}")
-        tokens = _values(tensors["tokens.0"])
-        mask = _values(tensors["loss_mask.0"])
-        logprobs = _values(tensors["rollout_log_probs.0"])
-        meta = json.loads(bytes(_values(tensors["_samples_meta"])).decode())
-        report.sample_tokens = len(tokens)
+        try:
+            decoded = decode_samples(sample_reply.content)
+        except PosttrainError as exc:
+            raise DemoError(f"POST /samples answered a malformed samples/1 payload: {exc}") from exc
+        if not decoded.samples:
+            raise DemoError(f"the session assembled no sample: {decoded.empty_reason}")
+        sample = decoded.samples[0]
+        mask, logprobs = sample.loss_mask, sample.rollout_logprobs
+        report.sample_tokens = len(sample.tokens)
         report.sample_trained_tokens = sum(mask)
         # The sample covers the leading turns up to the first one that did not complete (a turn
         # cut by max_tokens is "truncated" and ends the merge); its trained logprobs must be
@@ -186,7 +200,7 @@ def _chat(cfg: DemoConfig, report: DemoReport, sink: LogSink) -> None:
             engine.extend(turn.logprobs)
             report.sample_turns += 1
         report.sample_logprobs_match_turns = trained == engine
-        report.sample_status = str(meta["samples"][0]["status"])
+        report.sample_status = sample.status.value
         _ok(client.delete(f"{base}/sessions/{session}"), empty=True)
 
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import signal
 import subprocess
 import sys
 import threading
@@ -28,6 +27,7 @@ from typing import Any, Self
 
 import httpx
 
+from posttrain.interface.processes import stop_process_groups
 from posttrain.launch._errors import LaunchConfigError, ProcessFailedError, ReadinessError
 from posttrain.launch.plan import Plan, ProcessSpec, resolve, resolve_process
 from posttrain.launch.runners import LogSink, console_sink, register_worker
@@ -83,19 +83,8 @@ class ProcessHost:
 
     def stop(self, timeout_s: float) -> dict[str, int | None]:
         """SIGTERM every process group (reverse start order), SIGKILL after ``timeout_s``."""
-        for popen in reversed(list(self._procs.values())):
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(popen.pid, signal.SIGTERM)
-        deadline = time.monotonic() + timeout_s
-        codes: dict[str, int | None] = {}
-        for name, popen in self._procs.items():
-            try:
-                codes[name] = popen.wait(timeout=max(deadline - time.monotonic(), 0.1))
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.killpg(popen.pid, signal.SIGKILL)
-                codes[name] = popen.wait(timeout=timeout_s)
-        return codes
+        codes = stop_process_groups(list(self._procs.values()), grace_s=timeout_s)
+        return dict(zip(self._procs, codes, strict=True))
 
 
 def _map_visible_devices(env: dict[str, str], assigned: list[str]) -> dict[str, str]:

@@ -35,6 +35,8 @@ from posttrain.launch._errors import ProcessFailedError, ReadinessError
 from posttrain.launch.plan import Plan, ProcessSpec, Registration, Role, resolve, resolve_process
 
 LogSink = Callable[[str, str], None]  # (process name, line without newline)
+# (process name, what happened): "starting", "ready", "registered", "stopping", "stopped"
+EventSink = Callable[[str, str], None]
 
 _COLORS = ("cyan", "magenta", "green", "yellow", "blue", "red")
 
@@ -144,15 +146,24 @@ class LocalRunner:
         poll_s: float = 0.2,
         stop_timeout_s: float = 15.0,
         transport: httpx.BaseTransport | None = None,
+        api_key: str | None = None,
+        on_event: EventSink | None = None,
     ) -> None:
         self.plan = plan
         self.sink = sink or console_sink()
+        self.on_event = on_event or (lambda name, what: None)
         self.node_ips = dict.fromkeys(range(max(plan.nodes, 1)), host)
         self.python = python
         self.base_env = dict(os.environ if base_env is None else base_env)
         self.poll_s = poll_s
         self.stop_timeout_s = stop_timeout_s
-        self._client = httpx.Client(transport=transport, timeout=httpx.Timeout(2.0))
+        # The stack's key (if any) goes on readiness checks and registrations: a session router
+        # started with --api-key answers 401 to an unauthenticated /health.
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._api_key = api_key
+        self._client = httpx.Client(
+            transport=transport, timeout=httpx.Timeout(2.0), headers=headers
+        )
         self.running: list[RunningProcess] = []
         self._stopped = False
 
@@ -186,6 +197,7 @@ class LocalRunner:
                             self._client, reg, self.node_ips, self.poll_s
                         )
                         self.sink("launcher", f"registered {worker} with {router}")
+                        self.on_event(worker, "registered")
         except BaseException:
             self.stop()
             raise
@@ -208,7 +220,11 @@ class LocalRunner:
         thread.start()
         rp = RunningProcess(spec=spec, popen=popen, url=url, thread=thread)
         self.running.append(rp)
-        self.sink("launcher", f"started {spec.name} pid {popen.pid}: {' '.join(argv)}")
+        shown = " ".join(argv)
+        if self._api_key:  # the log names the key file's contents nowhere
+            shown = shown.replace(self._api_key, "<the stack's API key>")
+        self.sink("launcher", f"started {spec.name} pid {popen.pid}: {shown}")
+        self.on_event(spec.name, "starting")
         return rp
 
     def _check_alive(self, rp: RunningProcess) -> None:
@@ -232,6 +248,7 @@ class LocalRunner:
                 reply = self._client.get(rp.url)
                 if reply.status_code == 200:
                     self.sink("launcher", f"{rp.spec.name} ready at {rp.url}")
+                    self.on_event(rp.spec.name, "ready")
                     return
                 last = f"HTTP {reply.status_code}"
             except httpx.HTTPError as exc:
@@ -266,6 +283,7 @@ class LocalRunner:
         if self._stopped:
             return
         self._stopped = True
+        self.on_event("stack", "stopping")
         tracked: list[psutil.Process] = []
         for rp in self.running:
             with contextlib.suppress(psutil.Error):
@@ -285,6 +303,7 @@ class LocalRunner:
             rp.thread.join(timeout=2.0)
         self._client.close()
         self.sink("launcher", f"stopped {len(self.running)} process(es)")
+        self.on_event("stack", "stopped")
 
 
 def _signal_group(pid: int, sig: signal.Signals) -> None:

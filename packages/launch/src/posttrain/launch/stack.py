@@ -1,12 +1,16 @@
 """The local stack ``posttrain up`` starts: N engines, the stock sgl-router, a session router.
 
-Everything binds 127.0.0.1. The engine is ``posttrain.local_engine`` on a CPU machine and
+Everything binds 127.0.0.1, and every port is either given or chosen free: the engines', the
+router's, the router's Prometheus metrics port (sgl-router's default, 29000, would make a second
+stack on the machine fail with "Address already in use") and the session router's. With
+``api_key`` set, the local engines and the session router require it (see ``keys.py`` for who
+gets the key and why the router does not). The engine is ``posttrain.local_engine`` on a CPU machine and
 ``sglang.launch_server`` where sglang is importable and a GPU is present. The sibling packages
 are *started as processes* (``python -m ...``), never imported: launch composes them without
 depending on them.
 
 LoRA: every engine loads every ``--lora NAME=PATH`` at startup; the session router injects
-``lora_path`` for the one adapter (rollouts without it would silently be base-model,
+``lora_path`` and ``extra_key`` (version 0: the startup adapter) for the one adapter (rollouts without it would silently be base-model,
 off-policy samples). Several adapters with sessions are rejected, as the design note says.
 ``lora_adapter`` names an adapter a trainer pushes later (engines start with LoRA on and no
 adapter loaded; the session router injects that name). ``teacher_model_path`` adds one more
@@ -16,9 +20,9 @@ engine, not behind the router: the teacher on-policy distillation scores against
 from __future__ import annotations
 
 import importlib.util
-import socket
 from dataclasses import dataclass
 
+from posttrain.interface.processes import free_port
 from posttrain.launch._errors import LaunchConfigError
 from posttrain.launch.args import Args
 from posttrain.launch.hardware import Detection, detect_hardware
@@ -41,18 +45,12 @@ class LocalStackConfig:
     engine_ports: tuple[int, ...] = ()  # empty: pick free ports
     router_port: int = 0  # 0: pick a free port
     session_router_port: int = 0
-    prometheus_port: int = 0  # the router's metrics exporter; 0: pick a free port
+    router_metrics_port: int = 0  # 0: pick a free port
+    api_key: str | None = None  # None: no component requires a key
     ready_timeout_s: float = 300.0
     engine_args: tuple[str, ...] = ()
     router_args: tuple[str, ...] = ()
     session_router_args: tuple[str, ...] = ()
-
-
-def free_port(host: str = LOCAL_HOST) -> int:
-    """A port the OS calls free now (another process may still take it before we bind)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 def default_engine_kind(detection: Detection | None = None) -> EngineKind:
@@ -91,6 +89,7 @@ def build_local_stack(cfg: LocalStackConfig) -> Plan:
     router_port = cfg.router_port or free_port()
     session_port = cfg.session_router_port or free_port()
     served = cfg.lora_adapter or (cfg.loras[0][0] if cfg.loras else None)
+    metrics_port = cfg.router_metrics_port or free_port()
     processes: list[ProcessSpec] = []
     engines = [(f"engine-{i}", port, cfg.model_path) for i, port in enumerate(ports)]
     if cfg.teacher_model_path is not None:
@@ -101,6 +100,8 @@ def build_local_stack(cfg: LocalStackConfig) -> Plan:
         args.set("--model-path", model_path, source=src)
         args.set("--host", LOCAL_HOST, source=src)
         args.set("--port", port, source=src)
+        if cfg.api_key and cfg.engine_kind is EngineKind.LOCAL:
+            args.set("--api-key", cfg.api_key, source="local stack (per-stack key)")
         if name != "teacher" and (cfg.loras or cfg.lora_adapter):
             # Both engines take SGLang's spelling; --lora-paths is one nargs="+" flag
             # (repeating it would keep only the last occurrence).
@@ -130,11 +131,10 @@ def build_local_stack(cfg: LocalStackConfig) -> Plan:
     router.set("--port", router_port, source="local stack")
     router.set("--policy", "manual", source="local stack (sessions on)")
     router.set("--assignment-mode", "min_load", source="local stack (sessions on)")
+    router.set("--prometheus-host", LOCAL_HOST, source="local stack")
+    router.set("--prometheus-port", metrics_port, source="local stack (a free port, not 29000)")
     router.set("--log-level", "warn", source="local stack")
     router.set("--health-check-interval-secs", 5, source="local stack")
-    # Its Prometheus exporter defaults to one fixed port: two stacks on a machine would collide.
-    router.set("--prometheus-host", LOCAL_HOST, source="local stack")
-    router.set("--prometheus-port", cfg.prometheus_port or free_port(), source="local stack")
     router.extend_user(cfg.router_args)
     processes.append(
         ProcessSpec(
@@ -153,8 +153,13 @@ def build_local_stack(cfg: LocalStackConfig) -> Plan:
     session.set("--tokenizer", cfg.tokenizer_path or cfg.model_path, source="local stack")
     session.set("--host", LOCAL_HOST, source="local stack")
     session.set("--port", session_port, source="local stack")
+    if cfg.api_key:
+        session.set("--api-key", cfg.api_key, source="local stack (per-stack key)")
     if served is not None:
         session.set("--lora-adapter", served, source="local stack (--lora)")
+    if cfg.loras:
+        # The engines load the adapter at startup: version 0 of it (its extra_key "<name>:v0").
+        session.set("--lora-weight-version", 0, source="local stack (--lora)")
     session.extend_user(cfg.session_router_args)
     processes.append(
         ProcessSpec(

@@ -3,20 +3,20 @@
 Run it as ``python -m posttrain.local_engine --model-path DIR --port P`` (SGLang's flag
 names), or build the ASGI app in-process with ``build_app``. In strict numerics the
 logprobs it reports equal the trainer's ``forward_logprobs`` bit for bit, with and
-without LoRA adapters and across weight updates. ``push_weights`` is the reference
-trainer side of the wsync/1 weight-update protocol (HTTP safetensors or shared memory).
+without LoRA adapters and across weight updates. It is the server side of the wsync/1
+weight-update protocol (HTTP safetensors or shared memory); the trainer side
+(``push_weights``, ``WeightPushClient``) and the bucket format are ``posttrain.formats``'.
 
 Error tree: see ``posttrain.local_engine._errors`` (rooted in ``PosttrainError``).
 """
 
 from posttrain.local_engine._app import create_app
-from posttrain.local_engine._buckets import pack_bucket, unpack_bucket
-from posttrain.local_engine._client import ShmRing, WeightPushClient, push_weights
 from posttrain.local_engine._config import EngineConfig, parse_args
 from posttrain.local_engine._errors import (
     AdapterError,
     CheckpointError,
     LocalEngineError,
+    NonFiniteWeightsError,
     NVFP4FormatError,
     OverloadedError,
     RequestTooLargeError,
@@ -25,7 +25,6 @@ from posttrain.local_engine._errors import (
     UnknownAdapterError,
     UpdateSessionError,
 )
-from posttrain.local_engine._nvfp4 import dequantize_nvfp4
 from posttrain.local_engine._server import build_app, serve
 
 __all__ = [
@@ -34,20 +33,15 @@ __all__ = [
     "EngineConfig",
     "LocalEngineError",
     "NVFP4FormatError",
+    "NonFiniteWeightsError",
     "OverloadedError",
     "RequestTooLargeError",
-    "ShmRing",
     "UnauthorizedError",
     "UnavailableError",
     "UnknownAdapterError",
     "UpdateSessionError",
-    "WeightPushClient",
     "build_app",
     "create_app",
-    "dequantize_nvfp4",
-    "pack_bucket",
     "parse_args",
-    "push_weights",
     "serve",
-    "unpack_bucket",
 ]

@@ -25,8 +25,8 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load as st_load
 
+from posttrain.formats import safetensors_metadata
 from posttrain.interface import WireFormatError
-from posttrain.local_engine._transports import safetensors_metadata
 
 SUPPORTED_LOAD_FORMATS = ("safetensors_b64",)
 

@@ -12,22 +12,32 @@ and weight routes live in ``_routes_weights``, the error mapping in ``_http``.
 
 Errors are JSON ``{"error": {"message", "type", "field", "code"}}``: 400 for a
 malformed body or field (named), 401 for a missing bearer token on a
-state-changing route, 409 for a stale weight version, 413 for an oversize
-request, 503 when the queue is full or the weights are invalid after a failed
+state-changing route, 404/405 for an unknown route or method, 409 for a stale
+weight version, 413 for an oversize request, 500 (``InternalServerError``) for
+a bug, 503 when the queue is full or the weights are invalid after an abandoned
 update. Departure from SGLang: ``--api-key`` guards only routes that change
 state (weights, adapters, pause), so an sgl-router in front needs no key to
 generate or probe health.
+
+The event loop only routes: a body over ``INLINE_BODY_BYTES`` is decoded,
+validated and tokenized in a thread, generation runs on the scheduler's worker
+thread, and a text that cannot fit the context is refused from its length in
+characters before it is tokenized (``tasks_from_generate``), so a 10 MB prompt
+gets its 400 at once and ``/health`` keeps answering meanwhile.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import math
 import time
 import uuid
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncIterator, Callable
+from typing import Any, TypeVar
 
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
@@ -40,10 +50,19 @@ from posttrain.interface import (
 )
 from posttrain.local_engine._context import ServerContext
 from posttrain.local_engine._engine import GenResult, GenTask
-from posttrain.local_engine._errors import RequestTooLargeError
-from posttrain.local_engine._http import Handler, guard, json_body
+from posttrain.local_engine._errors import RequestTooLargeError, UnavailableError
+from posttrain.local_engine._http import (
+    INLINE_BODY_BYTES,
+    Handler,
+    body_bytes,
+    decode_json,
+    guard,
+    http_exception_response,
+    json_body,
+)
 from posttrain.local_engine._requests import (
     TextCodec,
+    check_text_fits,
     drop_neutral_sglang_keys,
     meta_info,
     sampling_from_params,
@@ -57,6 +76,7 @@ from posttrain.local_engine._transports import ShmMaps
 __all__ = ["ServerContext", "create_app"]
 
 VERSION = "0.1.0"
+X = TypeVar("X")
 
 
 def create_app(ctx: ServerContext) -> Starlette:
@@ -91,8 +111,13 @@ def create_app(ctx: ServerContext) -> Starlette:
             max_new_tokens=1,
             sampling=sampling_from_params(None, default_seed=0)[0],
             seed=0,
+            return_logprob=True,
         )
-        await sched.submit([task])
+        (res,) = await sched.submit([task])
+        # Honest: weights that turn into NaN/Inf logprobs cannot generate, whatever the status.
+        lps = [lp for lp, _ in res.output_token_logprobs or []]
+        if not lps or not all(math.isfinite(lp) for lp in lps):
+            raise UnavailableError(f"a one-token generation gave logprobs {lps}: not finite")
         return Response(status_code=200)
 
     def model_info_dict() -> dict[str, Any]:
@@ -200,12 +225,24 @@ def create_app(ctx: ServerContext) -> Starlette:
         text = ctx.codec.decode(res.output_ids, skip_special_tokens=skip_special)
         return text[: len(text) - res.trim_chars] if res.trim_chars else text
 
+    async def off_loop_if_large(raw: bytes, work: Callable[[], X]) -> X:
+        """Run request decoding/tokenizing inline for a small body, in a thread otherwise."""
+        if len(raw) > INLINE_BODY_BYTES:
+            return await asyncio.to_thread(work)
+        return work()
+
     async def generate(request: Request) -> Response:
         t0 = time.perf_counter()
-        req = GenerateRequest.parse(
-            drop_neutral_sglang_keys(await json_body(request, cfg.max_request_bytes))
-        )
-        tasks, options = tasks_from_generate(req, codec=ctx.codec, next_seed=next_seed)
+        raw = await body_bytes(request, cfg.max_request_bytes)
+
+        def prepare() -> tuple[GenerateRequest, list[GenTask], list[dict[str, Any]]]:
+            req = GenerateRequest.parse(drop_neutral_sglang_keys(decode_json(raw)))
+            tasks, options = tasks_from_generate(
+                req, codec=ctx.codec, next_seed=next_seed, max_context=engine.max_context
+            )
+            return req, tasks, options
+
+        req, tasks, options = await off_loop_if_large(raw, prepare)
         results = await run_tasks(tasks)
         dt = time.perf_counter() - t0
         items = [
@@ -222,20 +259,25 @@ def create_app(ctx: ServerContext) -> Starlette:
         ]
         return JSONResponse(items if req.is_batch else items[0])
 
-    async def chat(request: Request) -> Response:
-        t0 = time.perf_counter()
-        req = ChatCompletionRequest.parse(await json_body(request, cfg.max_request_bytes))
+    def chat_prompt(raw: bytes) -> tuple[ChatCompletionRequest, list[int]]:
+        req = ChatCompletionRequest.parse(decode_json(raw))
         if req.stream:
             raise WireFormatError(
                 "stream: streaming is not supported by local-engine", field="stream"
             )
         if req.input_ids is not None:
-            ids = list(req.input_ids)
-        else:
-            if ctx.codec is None:
-                raise WireFormatError("messages: this model has no chat template", field="messages")
-            msgs = [m.model_dump(exclude_none=True) for m in req.messages]
-            ids = ctx.codec.chat_ids(msgs, **(req.chat_template_kwargs or {}))
+            return req, list(req.input_ids)
+        if ctx.codec is None:
+            raise WireFormatError("messages: this model has no chat template", field="messages")
+        msgs = [m.model_dump(exclude_none=True) for m in req.messages]
+        text = ctx.codec.chat_text(msgs, **(req.chat_template_kwargs or {}))
+        check_text_fits(ctx.codec, text, engine.max_context, field="messages")
+        return req, ctx.codec.encode(text)
+
+    async def chat(request: Request) -> Response:
+        t0 = time.perf_counter()
+        raw = await body_bytes(request, cfg.max_request_bytes)
+        req, ids = await off_loop_if_large(raw, lambda: chat_prompt(raw))
         sp = SamplingParams(
             temperature=req.temperature,
             top_p=req.top_p,
@@ -351,7 +393,8 @@ def create_app(ctx: ServerContext) -> Starlette:
         Route("/continue_generation", g(resume, state_changing=True), methods=["POST"]),
         *weight_routes(ctx, sched, shm),
     ]
-    return Starlette(routes=routes, lifespan=lifespan)
+    handlers = {HTTPException: http_exception_response, Exception: http_exception_response}
+    return Starlette(routes=routes, lifespan=lifespan, exception_handlers=handlers)
 
 
 def _tok_str(codec: TextCodec | None, tok: int) -> str:

@@ -8,6 +8,18 @@ takes SGLang's ``--enable-lora``, ``--max-loras-per-batch``, ``--max-loaded-lora
 batch-invariant fp32 kernels that make logprobs bit-identical to the trainer).
 Departure: the host defaults to 127.0.0.1, not SGLang's 127.0.0.1-or-0.0.0.0 mix,
 and unknown flags are an error rather than ignored.
+
+argparse rather than typer (the project's CLI library) on purpose: the command line is
+SGLang's (``launch`` prints the same argv for SGLang and for this engine, and a conformance
+test parses it with SGLang's own ``ServerArgs``), and ``--lora-paths NAME=PATH ...`` takes
+several values after one flag, which click/typer options cannot express. ``--help`` gives
+every option a help text and its default.
+
+Auth model: ``--api-key`` is optional. Without it any process that can reach the port may
+load weights and adapters from any path the engine can read, so the engine binds
+127.0.0.1 by default and ``posttrain up``/``demo`` pass a key. With it, the routes that
+change state (weights, adapters, pause/continue, flush) need ``Authorization: Bearer KEY``;
+generation and information stay open, as sgl-router in front sends no key.
 """
 
 from __future__ import annotations
@@ -19,7 +31,7 @@ from typing import Literal
 
 from posttrain.interface import ConfigError
 
-__all__ = ["EngineConfig", "parse_args"]
+__all__ = ["EngineConfig", "build_parser", "parse_args"]
 
 
 @dataclass(kw_only=True, slots=True)
@@ -73,29 +85,75 @@ def _lora_pair(text: str) -> tuple[str, str]:
     return name.strip(), path.strip()
 
 
-def parse_args(argv: Sequence[str] | None = None) -> EngineConfig:
-    """Parse the command line into an EngineConfig (errors exit with status 2, like argparse)."""
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Line breaks of the description kept; an option's default appended unless it is None."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        if default is None or default is argparse.SUPPRESS or "(default" in text:
+            return text
+        if isinstance(default, bool) or default == []:
+            return text  # a flag is off, a list empty, unless given
+        return text + " (default: %(default)s)"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command line, SGLang's flag names; every option with its help and default."""
     p = argparse.ArgumentParser(
         prog="python -m posttrain.local_engine",
-        description="SGLang-compatible CPU engine for posttrain.models checkpoints.",
+        description="SGLang-compatible CPU engine for posttrain.models checkpoints.\n"
+        "Routes and JSON shapes are SGLang's (/generate, /v1/chat/completions, weight updates).",
+        formatter_class=_HelpFormatter,
+        allow_abbrev=False,
     )
-    p.add_argument("--model-path", required=True)
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=30000)
-    p.add_argument("--api-key", default=None)
-    p.add_argument("--served-model-name", default=None)
-    p.add_argument("--enable-lora", action="store_true")
-    p.add_argument("--max-loras-per-batch", type=int, default=8)
-    p.add_argument("--max-loaded-loras", type=int, default=None)
-    p.add_argument("--lora-paths", nargs="+", type=_lora_pair, default=[])
-    p.add_argument("--random-seed", type=int, default=0)
-    p.add_argument("--numerics", choices=["strict", "fast"], default="strict")
-    p.add_argument("--max-running-requests", type=int, default=8)
-    p.add_argument("--max-queued-requests", type=int, default=256)
-    p.add_argument("--max-request-bytes", type=int, default=32 * 1024 * 1024)
-    p.add_argument("--shm-dir", default="/dev/shm")
-    p.add_argument("--num-threads", type=int, default=1)
-    p.add_argument("--log-level", default="warning")
+    add = p.add_argument
+    add("--model-path", required=True, metavar="DIR",
+        help="checkpoint directory (posttrain.models layout or an NVFP4 checkpoint), with its "
+        "tokenizer")  # fmt: skip
+    add("--host", default="127.0.0.1", help="address to bind (keep 127.0.0.1 without --api-key)")
+    add("--port", type=int, default=30000, help="TCP port to bind")
+    add("--api-key", default=None, metavar="KEY",
+        help="bearer token the state-changing routes then require (weights, adapters, pause, "
+        "flush); generation and info stay open. Without it any local process may reload "
+        "weights (default: none)")  # fmt: skip
+    add("--served-model-name", default=None, metavar="NAME",
+        help="model id reported by /v1/models (default: the model path)")  # fmt: skip
+    add("--enable-lora", action="store_true", help="serve LoRA adapters by name (lora_path)")
+    add("--max-loras-per-batch", type=int, default=8,
+        help="distinct adapters one batch may mix")  # fmt: skip
+    add(
+        "--max-loaded-loras",
+        type=int,
+        default=None,
+        metavar="N",
+        help="adapters held at once (default: max(--max-loras-per-batch, startup adapters))",
+    )
+    add("--lora-paths", nargs="+", type=_lora_pair, default=[], metavar="NAME=PATH",
+        help="PEFT adapter directories to load at start (needs --enable-lora)")  # fmt: skip
+    add("--random-seed", type=int, default=0,
+        help="base of the per-request default sampling seeds")  # fmt: skip
+    add(
+        "--numerics",
+        choices=["strict", "fast"],
+        default="strict",
+        help="strict: batch-invariant fp32 kernels, logprobs equal the trainer's bit for bit",
+    )
+    add("--max-running-requests", type=int, default=8, help="prompts decoded together (batch)")
+    add("--max-queued-requests", type=int, default=256,
+        help="prompts waiting; past it a request gets 503 at once")  # fmt: skip
+    add("--max-request-bytes", type=int, default=32 * 1024 * 1024, metavar="BYTES",
+        help="largest JSON request body; bigger is 413 before it is parsed")  # fmt: skip
+    add("--shm-dir", default="/dev/shm", metavar="DIR",
+        help="the only directory weight-update rings may be mapped from")  # fmt: skip
+    add("--num-threads", type=int, default=1, metavar="N", help="torch CPU threads")
+    add("--log-level", default="warning", help="uvicorn log level")
+    return p
+
+
+def parse_args(argv: Sequence[str] | None = None) -> EngineConfig:
+    """Parse the command line into an EngineConfig (errors exit with status 2, like argparse)."""
+    p = build_parser()
     a = p.parse_args(argv)
     try:
         return EngineConfig(

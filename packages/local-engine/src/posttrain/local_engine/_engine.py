@@ -16,6 +16,7 @@ empty list), which equals the flat form restricted to those ids.
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -24,15 +25,21 @@ from typing import Any
 
 import torch
 
+from posttrain.formats import tensors_sha256
 from posttrain.interface import (
     BucketManifest,
     IncompleteUpdateError,
     WeightUpdateResult,
     WireFormatError,
 )
-from posttrain.local_engine._buckets import tensors_sha256
-from posttrain.local_engine._errors import UnavailableError, UpdateSessionError
+from posttrain.local_engine._errors import (
+    NonFiniteWeightsError,
+    UnavailableError,
+    UpdateSessionError,
+)
+from posttrain.local_engine._finite import check_finite
 from posttrain.local_engine._lora import (
+    LoraAdapter,
     LoraRegistry,
     adapter_from_tensors,
     expected_lora_tensors,
@@ -74,7 +81,7 @@ class GenResult:
     output_ids: list[int]
     finish_reason: dict[str, Any]
     prompt_tokens: int
-    weight_version: str
+    weight_version: int | None
     input_token_logprobs: list[tuple[float | None, int]] | None = None
     output_token_logprobs: list[tuple[float, int]] | None = None
     input_top_logprobs: list[list[tuple[float, int]] | None] | None = None
@@ -127,9 +134,10 @@ class Engine:
     # ---- state -------------------------------------------------------------------------
 
     @property
-    def weight_version(self) -> str:
-        """SGLang's string form: ``"default"`` until the first versioned update."""
-        return "default" if self._w.version is None else str(self._w.version)
+    def weight_version(self) -> int | None:
+        """The installed version (an int, as everywhere in posttrain); None until the first
+        versioned update (SGLang reports ``"default"`` there)."""
+        return self._w.version
 
     @property
     def unavailable_reason(self) -> str | None:
@@ -348,10 +356,26 @@ class Engine:
 
     # ---- adapters ------------------------------------------------------------------------
 
+    def put_adapter(self, adapter: LoraAdapter) -> None:
+        """Install (or replace) an adapter; a non-finite tensor refuses it, the old one stays."""
+        if not math.isfinite(adapter.scaling):
+            raise NonFiniteWeightsError(
+                f"adapter {adapter.name!r}: scaling {adapter.scaling} is not finite (lora_alpha)"
+            )
+        check_finite(
+            (
+                (f"{module}.{half}", t)
+                for module, pair in adapter.model_adapter.weights.items()
+                for half, t in zip(("lora_A", "lora_B"), pair, strict=True)
+            ),
+            what=f"adapter {adapter.name!r}",
+        )
+        self.adapters.put(adapter)
+
     def load_adapter_tensors(
         self, name: str, config: Mapping[str, Any], tensors: Mapping[str, torch.Tensor]
     ) -> None:
-        self.adapters.put(adapter_from_tensors(name, config, tensors, self.lora_targets))
+        self.put_adapter(adapter_from_tensors(name, config, tensors, self.lora_targets))
 
     # ---- weight updates ------------------------------------------------------------------
 
@@ -426,25 +450,30 @@ class Engine:
         self._w.unavailable = why
         self._w.history.append(why)
 
+    def _refuse(self, s: UpdateSession, why: str) -> None:
+        """End the open session as refused: staging is dropped, the live weights still serve."""
+        s.failed = s.failed or why
+        self._w.session = None
+        self._w.history.append(f"update {s.update_id!r} refused: {why}")
+
     def add_bucket(
         self, manifest: BucketManifest, tensors: Mapping[str, torch.Tensor], *, owned: bool = False
     ) -> None:
-        """Stage one bucket; any fault fails the whole update (engine unavailable)."""
+        """Stage one bucket; a fault refuses the whole update (the engine keeps serving)."""
         with self._update_lock:
             s = self._session(manifest.update_id)
             try:
                 s.add_bucket(manifest, tensors, owned=owned)
             except Exception as e:
-                self.mark_failed(f"update {s.update_id!r}: {e}")
+                self._refuse(s, str(e))
                 raise
 
     def fail_update(self, update_id: str, why: str) -> None:
-        """A transport could not even read a bucket: fail the open update."""
+        """A transport could not even read a bucket: refuse the open update."""
         with self._update_lock:
             s = self._w.session
             if s is not None and s.update_id == update_id:
-                s.failed = s.failed or why
-                self.mark_failed(f"update {update_id!r}: {why}")
+                self._refuse(s, why)
 
     def finish_update(self, update_id: str) -> tuple[WeightUpdateResult, UpdateSession]:
         """Close the session and decide; the caller commits a success between batches."""
@@ -479,8 +508,12 @@ class Engine:
             self.mark_failed(f"update {s.update_id!r} aborted")
             return True
 
-    def load_full_state(self, tensors: Mapping[str, torch.Tensor], version: int | None) -> None:
-        """Replace every base tensor at once (``/update_weights_from_disk``); all or nothing."""
+    def check_full_state(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Refuse a full state that is not exactly the served model's, or holds NaN/Inf.
+
+        Changes nothing; safe to run off the worker thread (``/update_weights_from_disk``
+        runs it in a thread so generation continues while a checkpoint is checked).
+        """
         specs = self._specs
         missing = sorted(set(specs) - set(tensors))
         unexpected = sorted(set(tensors) - set(specs))
@@ -494,9 +527,27 @@ class Engine:
                 f"checkpoint does not match the served model: missing {missing[:5]}, "
                 f"unexpected {unexpected[:5]}, wrong dtype/shape {wrong[:5]}"
             )
+        check_finite(sorted(tensors.items()), what="checkpoint")
+
+    def load_full_state(
+        self, tensors: Mapping[str, torch.Tensor], version: int | None, *, checked: bool = False
+    ) -> None:
+        """Replace every base tensor at once (``/update_weights_from_disk``); all or nothing.
+
+        A refused state (``check_full_state``, skipped when the caller ran it: ``checked``) or
+        a stale version changes nothing and the engine keeps serving. Only a failure while
+        the tensors are being copied in, after every check passed, leaves the weights mixed;
+        the engine is then marked unavailable (503) until a full update succeeds.
+        """
+        if not checked:
+            self.check_full_state(tensors)
         if version is not None:
             check_version_increases(self._w.version, version)
-        self.model.load_hf_state_dict(dict(tensors))
+        try:
+            self.model.load_hf_state_dict(dict(tensors))
+        except Exception as e:
+            self.mark_failed(f"full state load failed midway, weights are mixed: {e}")
+            raise
         if version is not None:
             self._w.version = version
         self._w.unavailable = None

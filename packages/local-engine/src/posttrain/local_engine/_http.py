@@ -1,12 +1,22 @@
-"""HTTP plumbing shared by the routes: error JSON and status codes, body limits, the token guard."""
+"""HTTP plumbing shared by the routes: error JSON and status codes, body limits, the token guard.
+
+No reply is ever a plain-text error: posttrain errors map to their status (``_status``), an
+unknown route or method to ``NotFound``/``MethodNotAllowed``, and any other exception (a bug,
+not bad input) to a JSON 500 of type ``InternalServerError`` whose traceback goes to the log.
+Bodies are read against a byte limit before anything parses them, and a large body is
+decoded in a thread so the event loop keeps answering ``/health``.
+"""
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
+import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
@@ -14,15 +24,31 @@ from posttrain.interface import PosttrainError, StaleVersionError, WeightSyncErr
 from posttrain.local_engine._errors import (
     AdapterError,
     CheckpointError,
+    NonFiniteWeightsError,
     OverloadedError,
     RequestTooLargeError,
     UnauthorizedError,
     UnavailableError,
 )
 
-__all__ = ["Handler", "body_bytes", "error_response", "guard", "json_body"]
+__all__ = [
+    "INLINE_BODY_BYTES",
+    "Handler",
+    "body_bytes",
+    "decode_json",
+    "error_response",
+    "guard",
+    "http_exception_response",
+    "internal_error_response",
+    "json_body",
+]
 
 Handler = Callable[[Request], Awaitable[Response]]
+# A body up to this size is decoded (and tokenized) on the event loop: a thread hop costs
+# more than the work. Anything larger goes to a thread.
+INLINE_BODY_BYTES = 16 * 1024
+_log = logging.getLogger("posttrain.local_engine")
+_HTTP_TYPES = {404: "NotFound", 405: "MethodNotAllowed"}
 
 
 def _status(e: Exception) -> int:
@@ -34,25 +60,38 @@ def _status(e: Exception) -> int:
         return 503
     if isinstance(e, StaleVersionError):
         return 409
-    if isinstance(e, WireFormatError | WeightSyncError | AdapterError | CheckpointError):
+    if isinstance(
+        e,
+        WireFormatError | WeightSyncError | AdapterError | CheckpointError | NonFiniteWeightsError,
+    ):
         return 400
     return 500
 
 
+def _reply(
+    code: int, message: str, kind: str, field: str | None = None, headers: Any = None
+) -> JSONResponse:
+    body = {"error": {"message": message, "type": kind, "field": field, "code": code}}
+    return JSONResponse(body, status_code=code, headers=headers)
+
+
 def error_response(e: Exception) -> JSONResponse:
     """``{"error": {"message", "type", "field", "code"}}`` with the status the error maps to."""
-    code = _status(e)
-    return JSONResponse(
-        {
-            "error": {
-                "message": str(e),
-                "type": type(e).__name__,
-                "field": getattr(e, "field", None),
-                "code": code,
-            }
-        },
-        status_code=code,
-    )
+    return _reply(_status(e), str(e), type(e).__name__, getattr(e, "field", None))
+
+
+def internal_error_response(e: BaseException, where: str = "") -> JSONResponse:
+    """A JSON 500 for an exception that is not bad input; the traceback goes to the log."""
+    _log.error("unexpected error%s", f" on {where}" if where else "", exc_info=e)
+    return _reply(500, f"internal error: {type(e).__name__}: {e}", "InternalServerError")
+
+
+async def http_exception_response(request: Request, e: Exception) -> Response:
+    """Starlette's own 404/405 (no such route, wrong method) as the same error JSON."""
+    if not isinstance(e, HTTPException):
+        return internal_error_response(e, request.url.path)
+    kind = _HTTP_TYPES.get(e.status_code, "HTTPError")
+    return _reply(e.status_code, f"{request.url.path}: {e.detail}", kind, headers=e.headers)
 
 
 def guard(handler: Handler, *, api_key: str | None, state_changing: bool = False) -> Handler:
@@ -67,6 +106,8 @@ def guard(handler: Handler, *, api_key: str | None, state_changing: bool = False
             return await handler(request)
         except PosttrainError as e:
             return error_response(e)
+        except Exception as e:  # a bug, not bad input: still JSON, never a plain-text 500
+            return internal_error_response(e, f"{request.method} {request.url.path}")
 
     return wrapped
 
@@ -88,10 +129,19 @@ async def body_bytes(request: Request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
-async def json_body(request: Request, limit: int) -> Any:
+def decode_json(raw: bytes) -> Any:
     """The decoded JSON body (``{}`` when empty); malformed JSON is a 400 naming ``body``."""
-    raw = await body_bytes(request, limit)
     try:
         return json.loads(raw) if raw else {}
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise WireFormatError(f"body: malformed JSON ({e})", field="body") from None
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
+        raise WireFormatError(
+            f"body: malformed JSON ({type(e).__name__}: {e})", field="body"
+        ) from None
+
+
+async def json_body(request: Request, limit: int) -> Any:
+    """The decoded JSON body, length-checked first; a large one is decoded in a thread."""
+    raw = await body_bytes(request, limit)
+    if len(raw) > INLINE_BODY_BYTES:
+        return await asyncio.to_thread(decode_json, raw)
+    return decode_json(raw)

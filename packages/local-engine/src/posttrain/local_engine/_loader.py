@@ -2,38 +2,99 @@
 
 A plain directory (``config.json`` + safetensors in the HF Qwen3-MoE layout) loads
 through ``posttrain.models``. A directory with an NVFP4 ``quantization_config`` (or
-``hf_quant_config.json``) has its quantized linears dequantized to the dtype the
-model keeps them in; the report says which tensors were dequantized, and the
-engine shows it under ``/server_info``.
+``hf_quant_config.json``) is read through ``posttrain.formats``' NVFP4 format (the one
+``quant-convert`` writes and SGLang loads): its quantized linears are dequantized to the
+dtype the model keeps them in, and the report says which, under ``/server_info``.
+
+Departure from a GPU engine: there is no FP4 arithmetic here. The dequantized weights are
+exactly the values an NVFP4 kernel multiplies by (up to one rounding to the model dtype),
+so quantization drift in logprobs can be studied on CPU; activation quantization
+(``input_scale``) is not simulated, and the report says so.
+
+Whatever a checkpoint holds is untrusted bytes: a missing or unreadable file, a truncated
+or garbage safetensors file, a malformed index and NaN/Inf weights all become a
+``CheckpointError`` (or ``NonFiniteWeightsError``) naming the directory, never a raw
+``SafetensorError`` or ``OSError``.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
+from safetensors import SafetensorError
 
-from posttrain.local_engine._errors import CheckpointError
-from posttrain.local_engine._nvfp4 import NVFP4Report, dequantize_state_dict, read_quant_config
+from posttrain.formats import (
+    GROUP_SIZE,
+    dequantize_nvfp4_state_dict,
+    read_nvfp4_quant_config,
+)
+from posttrain.formats import NVFP4FormatError as FormatsNVFP4Error
+from posttrain.local_engine._errors import CheckpointError, NVFP4FormatError
+from posttrain.local_engine._finite import check_finite
 from posttrain.models import DecoderModel, ModelsError, Numerics, load_config, load_hf_tensors
 
-__all__ = ["load_model", "read_checkpoint"]
+__all__ = ["NVFP4Report", "load_model", "read_checkpoint"]
+
+
+@dataclass(slots=True, kw_only=True)
+class NVFP4Report:
+    """What was dequantized; served verbatim under /server_info ``quantization_report``."""
+
+    quant_algo: str = "NVFP4"
+    group_size: int = GROUP_SIZE
+    exclude_modules: list[str] = field(default_factory=list)
+    kv_cache_quant_algo: str | None = None
+    dequantized: list[str] = field(default_factory=list)
+    compute_dtype: str = "float32"
+    activation_quantization: str = "not simulated (input_scale ignored)"
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "quant_algo": self.quant_algo,
+            "group_size": self.group_size,
+            "exclude_modules": list(self.exclude_modules),
+            "kv_cache_quant_algo": self.kv_cache_quant_algo,
+            "dequantized_tensors": len(self.dequantized),
+            "dequantized_to": "model parameter dtype, via fp32",
+            "compute": "CPU dequantized weights; no FP4 kernels",
+            "activation_quantization": self.activation_quantization,
+        }
 
 
 def read_checkpoint(
     model_dir: str | Path, specs: dict[str, torch.dtype]
 ) -> tuple[dict[str, torch.Tensor], NVFP4Report | None]:
-    """All base tensors of a checkpoint under HF names (dequantized if NVFP4)."""
+    """All base tensors of a checkpoint under HF names (dequantized if NVFP4).
+
+    ``specs`` maps each weight name the model holds to its dtype (the dequantized dtype).
+    """
     d = Path(model_dir)
     if not d.is_dir():
         raise CheckpointError(f"model_path {str(d)!r} is not a directory")
     try:
-        report = read_quant_config(d)
+        declared = read_nvfp4_quant_config(d)
         tensors = load_hf_tensors(d)
+        if declared is not None:
+            tensors, done = dequantize_nvfp4_state_dict(tensors, dtypes=specs)
+    except FormatsNVFP4Error as e:
+        raise NVFP4FormatError(str(e)) from e
     except ModelsError as e:
         raise CheckpointError(f"{d}: {e}") from e
-    if report is not None:
-        tensors = dequantize_state_dict(tensors, report, specs)
+    except (SafetensorError, OSError, ValueError, KeyError, TypeError) as e:
+        # SafetensorError: truncated or garbage file; ValueError: a malformed index JSON;
+        # KeyError/TypeError: an index of the wrong shape.
+        raise CheckpointError(f"{d}: unreadable checkpoint ({type(e).__name__}: {e})") from e
+    check_finite(sorted(tensors.items()), what=f"checkpoint {str(d)!r}")
+    if declared is None:
+        return tensors, None
+    report = NVFP4Report(
+        exclude_modules=list(declared.exclude_modules),
+        kv_cache_quant_algo=declared.kv_cache_quant_algo,
+        dequantized=list(done),
+    )
     return tensors, report
 
 

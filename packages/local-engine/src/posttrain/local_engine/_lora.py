@@ -7,17 +7,17 @@ applied inside ``posttrain.models``' forward (``y = W x + s * B (A x)``, the op 
 ``lora-core``, through the same invariant kernels), so the engine's logprobs with an
 adapter equal the trainer's bit for bit; this module only validates and names adapters.
 
-PEFT layout read: ``adapter_config.json`` (``peft_type`` LORA, ``r``, ``lora_alpha``,
-``target_modules``, ``lora_dropout``, ``use_rslora``) and ``adapter_model.safetensors``
-with keys ``base_model.model.<module>.lora_{A,B}.weight`` (``.default.`` tolerated).
-Departure from PEFT: a non-zero ``lora_dropout`` is accepted (inactive at inference), but
-``bias`` other than ``"none"``, DoRA and fan_in_fan_out are refused.
+The PEFT format (``adapter_config.json`` + ``adapter_model.safetensors``, keys
+``base_model.model.<module>.lora_{A,B}.weight``, ``.default`` tolerated) is read and checked
+by ``posttrain.formats``: its reader refuses corrupt files, non-float, NaN or Inf factors,
+shapes that disagree with ``r``, target_modules that disagree with the tensors, bias, DoRA
+and fan_in_fan_out. Its errors reach clients as ``AdapterError`` (400). On top, this module
+checks the adapter against the served model: known modules, exact 2-D shapes. A non-zero
+``lora_dropout`` is accepted (inactive at inference).
 """
 
 from __future__ import annotations
 
-import json
-import math
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -25,10 +25,20 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file
 
-from posttrain.local_engine._buckets import DTYPES
-from posttrain.local_engine._errors import AdapterError, UnknownAdapterError
+from posttrain.formats import (
+    ALL_LINEAR,
+    PeftAdapter,
+    PeftFormatError,
+    PeftNonFiniteError,
+    build_peft_adapter,
+    module_is_targeted,
+    parse_peft_config,
+    peft_key,
+    read_peft_adapter,
+)
+from posttrain.interface import LoraSpec
+from posttrain.local_engine._errors import AdapterError, NonFiniteWeightsError, UnknownAdapterError
 from posttrain.local_engine._update import TensorSpec
 from posttrain.models import LoraAdapter as ModelLora
 
@@ -39,8 +49,6 @@ __all__ = [
     "expected_lora_tensors",
     "load_peft_adapter",
 ]
-
-_PREFIX = "base_model.model."
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -60,36 +68,21 @@ class LoraAdapter:
         return self.model_adapter.scaling
 
 
-def _config_values(name: str, config: Mapping[str, Any]) -> tuple[int, float, bool, Any]:
-    if str(config.get("peft_type", "LORA")).upper() != "LORA":
-        raise AdapterError(f"adapter {name!r}: peft_type {config.get('peft_type')!r} is not LORA")
-    if config.get("bias", "none") != "none":
-        raise AdapterError(f"adapter {name!r}: bias {config.get('bias')!r} unsupported (need none)")
-    if config.get("use_dora") or config.get("fan_in_fan_out"):
-        raise AdapterError(f"adapter {name!r}: DoRA and fan_in_fan_out adapters are unsupported")
-    try:
-        r = int(config["r"])
-        alpha = float(config.get("lora_alpha", r))
-    except (KeyError, TypeError, ValueError) as e:
-        raise AdapterError(f"adapter {name!r}: config needs integer r and lora_alpha ({e})") from e
-    if r <= 0:
-        raise AdapterError(f"adapter {name!r}: r must be positive, got {r}")
-    return r, alpha, bool(config.get("use_rslora", False)), config.get("target_modules")
-
-
 Targets = Mapping[str, tuple[int, int]]
 """PEFT module name -> ``(in_features, out_features)`` (``posttrain.models.lora_targets``)."""
 
 
-def _targets(target_modules: Any, targets: Targets) -> list[str]:
-    if target_modules in ("all-linear", "all", ["all"], ["all-linear"]):
+def _spec(name: str, config: Mapping[str, Any]) -> LoraSpec:
+    try:
+        return parse_peft_config(config, where=f"adapter {name!r}: config")
+    except PeftFormatError as e:
+        raise AdapterError(str(e)) from e
+
+
+def _modules(spec: LoraSpec, targets: Targets) -> list[str]:
+    if spec.target_modules == (ALL_LINEAR,):  # PEFT's all-linear leaves out the head and router
         return sorted(m for m in targets if not m.endswith(("lm_head", ".mlp.gate")))
-    if isinstance(target_modules, str):
-        return sorted(m for m in targets if m.rsplit(".", 1)[-1] == target_modules)
-    if isinstance(target_modules, list | tuple):
-        wanted = {str(t) for t in target_modules}
-        return sorted(m for m in targets if m.rsplit(".", 1)[-1] in wanted or m in wanted)
-    raise AdapterError(f"target_modules {target_modules!r} must be a list, a name or all-linear")
+    return sorted(m for m in targets if module_is_targeted(spec.target_modules, m))
 
 
 def expected_lora_tensors(
@@ -102,16 +95,45 @@ def expected_lora_tensors(
 
     The dtype is what the caller declares (adapters may be sent as bf16 or fp32).
     """
-    r, _, _, wanted = _config_values(name, config)
-    modules = _targets(wanted, targets)
+    spec = _spec(name, config)
+    modules = _modules(spec, targets)
     if not modules:
-        raise AdapterError(f"adapter {name!r}: target_modules {wanted!r} match no linear layer")
+        raise AdapterError(
+            f"adapter {name!r}: target_modules {list(spec.target_modules)} match no linear layer"
+        )
     out: dict[str, TensorSpec] = {}
     for m in modules:
         n_in, n_out = targets[m]
-        out[f"{_PREFIX}{m}.lora_A.weight"] = TensorSpec(dtype, (r, n_in))
-        out[f"{_PREFIX}{m}.lora_B.weight"] = TensorSpec(dtype, (n_out, r))
+        out[peft_key(m, "A")] = TensorSpec(dtype, (spec.r, n_in))
+        out[peft_key(m, "B")] = TensorSpec(dtype, (n_out, spec.r))
     return out
+
+
+def _served(name: str, adapter: PeftAdapter, targets: Targets, source: str) -> LoraAdapter:
+    r = adapter.spec.r
+    weights: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    for module, (a, b) in adapter.modules.items():
+        if module not in targets:
+            raise AdapterError(
+                f"adapter {name!r}: tensor {peft_key(module, 'A')!r} targets unknown module "
+                f"{module!r}"
+            )
+        n_in, n_out = targets[module]
+        if tuple(a.shape) != (r, n_in) or tuple(b.shape) != (n_out, r):
+            raise AdapterError(
+                f"adapter {name!r}: module {module!r} has A {list(a.shape)}, B {list(b.shape)}; "
+                f"expected A [{r}, {n_in}], B [{n_out}, {r}]"
+            )
+        weights[module] = (a.detach().clone(), b.detach().clone())
+    return LoraAdapter(
+        name=name,
+        r=r,
+        alpha=adapter.spec.alpha,
+        target_modules=adapter.spec.target_modules,
+        model_adapter=ModelLora(weights=weights, scaling=adapter.spec.scaling, name=name),
+        source=source,
+        config=dict(adapter.config),
+    )
 
 
 def adapter_from_tensors(
@@ -125,63 +147,31 @@ def adapter_from_tensors(
     """Build an adapter from PEFT-named tensors, checking every name and shape.
 
     Accepts keys with or without PEFT's ``.default`` segment. Raises AdapterError
-    naming the first unknown, missing or mis-shaped tensor; an empty adapter raises too.
+    naming the first unknown, missing, mis-shaped or non-finite tensor; an empty adapter too.
     """
-    r, alpha, rslora, wanted = _config_values(name, config)
-    if not tensors:
-        raise AdapterError(f"adapter {name!r}: no tensors")
-    pairs: dict[str, dict[str, torch.Tensor]] = {}
-    for key, t in tensors.items():
-        k = key.replace(".default.", ".")
-        if not k.startswith(_PREFIX) or not k.endswith((".lora_A.weight", ".lora_B.weight")):
-            raise AdapterError(f"adapter {name!r}: tensor {key!r} is not a PEFT lora_A/lora_B key")
-        module, ab = k[len(_PREFIX) : -len(".weight")].rsplit(".", 1)
-        if module not in targets:
-            raise AdapterError(
-                f"adapter {name!r}: tensor {key!r} targets unknown module {module!r}"
-            )
-        if t.dtype not in DTYPES.values() or not t.is_floating_point():
-            raise AdapterError(f"adapter {name!r}: tensor {key!r} has non-float dtype {t.dtype}")
-        pairs.setdefault(module, {})[ab] = t.detach().clone()
-    weights: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-    for module, halves in sorted(pairs.items()):
-        if set(halves) != {"lora_A", "lora_B"}:
-            lone = next(iter(halves))
-            raise AdapterError(f"adapter {name!r}: module {module!r} has {lone} without its pair")
-        a, b = halves["lora_A"], halves["lora_B"]
-        n_in, n_out = targets[module]
-        if tuple(a.shape) != (r, n_in) or tuple(b.shape) != (n_out, r):
-            raise AdapterError(
-                f"adapter {name!r}: module {module!r} has A {list(a.shape)}, B {list(b.shape)}; "
-                f"expected A [{r}, {n_in}], B [{n_out}, {r}]"
-            )
-        weights[module] = (a, b)
-    scaling = alpha / math.sqrt(r) if rslora else alpha / r
-    tm = wanted if isinstance(wanted, list | tuple) else [str(wanted)]
-    return LoraAdapter(
-        name=name,
-        r=r,
-        alpha=alpha,
-        target_modules=tuple(str(x) for x in tm),
-        model_adapter=ModelLora(weights=weights, scaling=scaling, name=name),
-        source=source,
-        config=dict(config),
-    )
+    try:
+        adapter = build_peft_adapter(
+            config,
+            tensors,
+            config_where=f"adapter {name!r}: config",
+            tensors_where=f"adapter {name!r}",
+        )
+    except PeftNonFiniteError as e:
+        raise NonFiniteWeightsError(str(e)) from e
+    except PeftFormatError as e:
+        raise AdapterError(str(e)) from e
+    return _served(name, adapter, targets, source)
 
 
 def load_peft_adapter(name: str, path: str | Path, targets: Targets) -> LoraAdapter:
     """Load a PEFT adapter directory (``adapter_config.json`` + ``adapter_model.safetensors``)."""
-    d = Path(path)
-    cfg_file, weights_file = d / "adapter_config.json", d / "adapter_model.safetensors"
-    for f in (cfg_file, weights_file):
-        if not f.is_file():
-            raise AdapterError(f"adapter {name!r}: {f} does not exist")
     try:
-        config = json.loads(cfg_file.read_text())
-    except json.JSONDecodeError as e:
-        raise AdapterError(f"adapter {name!r}: {cfg_file} is not JSON ({e})") from e
-    tensors = load_file(str(weights_file))
-    return adapter_from_tensors(name, config, tensors, targets, source=str(d))
+        adapter = read_peft_adapter(path)
+    except PeftNonFiniteError as e:
+        raise NonFiniteWeightsError(f"adapter {name!r}: {e}") from e
+    except PeftFormatError as e:
+        raise AdapterError(f"adapter {name!r}: {e}") from e
+    return _served(name, adapter, targets, str(Path(path)))
 
 
 class LoraRegistry:

@@ -19,7 +19,13 @@ from posttrain.interface import GenerateRequest, SamplingParams, WireFormatError
 from posttrain.local_engine._engine import GenResult, GenTask
 from posttrain.local_engine._sampling import SamplingConfig
 
-__all__ = ["TextCodec", "drop_neutral_sglang_keys", "meta_info", "tasks_from_generate"]
+__all__ = [
+    "TextCodec",
+    "check_text_fits",
+    "drop_neutral_sglang_keys",
+    "meta_info",
+    "tasks_from_generate",
+]
 
 DEFAULT_MAX_NEW_TOKENS = 128
 
@@ -65,7 +71,28 @@ class TextCodec(Protocol):
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...
 
-    def chat_ids(self, messages: list[dict[str, Any]], **template_kwargs: Any) -> list[int]: ...
+    def chat_text(self, messages: list[dict[str, Any]], **template_kwargs: Any) -> str: ...
+
+    @property
+    def max_chars_per_token(self) -> int | None:
+        """Input characters one token covers at most (None: no sound bound)."""
+        ...
+
+
+def check_text_fits(codec: TextCodec, text: str, max_context: int | None, *, field: str) -> None:
+    """Refuse, before tokenizing, a text whose length alone proves it exceeds the context.
+
+    A token covers at most ``codec.max_chars_per_token`` characters, so a longer text than
+    ``max_context`` times that has more tokens than the context holds.
+    """
+    per_token = codec.max_chars_per_token
+    if max_context is None or per_token is None or len(text) <= max_context * per_token:
+        return
+    raise WireFormatError(
+        f"{field}: {len(text)} characters cannot fit the context of {max_context} tokens (one "
+        f"token covers at most {per_token} characters); refused before tokenizing",
+        field=field,
+    )
 
 
 def _item(value: Any, i: int, n: int, field: str, batch: bool) -> Any:
@@ -135,8 +162,12 @@ def tasks_from_generate(
     *,
     codec: TextCodec | None,
     next_seed: Callable[[], int],
+    max_context: int | None = None,
 ) -> tuple[list[GenTask], list[dict[str, Any]]]:
-    """Tasks for every prompt of a request, plus per-item output options."""
+    """Tasks for every prompt of a request, plus per-item output options.
+
+    With ``max_context``, a text too long for it is refused before it is tokenized.
+    """
     if req.stream:
         raise WireFormatError("stream: streaming is not supported by local-engine", field="stream")
     batch = req.is_batch
@@ -148,6 +179,8 @@ def tasks_from_generate(
         if codec is None:
             raise WireFormatError("text: this model has no tokenizer; send input_ids", field="text")
         texts = req.text if isinstance(req.text, list) else [req.text or ""]
+        for i, t in enumerate(texts):
+            check_text_fits(codec, t, max_context, field=f"text[{i}]" if batch else "text")
         prompts = [codec.encode(t) for t in texts]
     tasks: list[GenTask] = []
     options: list[dict[str, Any]] = []

@@ -2,38 +2,42 @@
 
 Split from ``_app`` to keep each module readable; ``create_app`` mounts these. Every
 route here is state-changing, so each is wrapped with the bearer-token guard.
+
+Reading, decoding, checking (shapes, checksums, finiteness) and staging run in threads,
+never on the event loop; only the swap itself runs on the scheduler's worker thread,
+between batches. Every check runs before anything is swapped, so a refused update (a bad
+path, an unreadable file, a wrong shape, NaN or Inf) answers 4xx and the engine keeps
+serving what it served (see ``_update`` for what an abandoned wsync/1 session does).
 """
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
+from safetensors import SafetensorError
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from posttrain.formats import decode_bucket_body, dtype_from_name, unpack_bucket
 from posttrain.interface import (
     BucketManifest,
     LoadLoraAdapterRequest,
-    PosttrainError,
-    StaleVersionError,
+    ShmBucketRequest,
     UnloadLoraAdapterRequest,
     UpdateWeightsFromDiskRequest,
     WeightUpdateBegin,
     WireFormatError,
 )
 from posttrain.local_engine._adapter_payload import decode_adapter_payload, verify_checksums
-from posttrain.local_engine._buckets import dtype_from_name, unpack_bucket
 from posttrain.local_engine._context import ServerContext
 from posttrain.local_engine._engine import GenResult, GenTask
-from posttrain.local_engine._errors import AdapterError, CheckpointError
+from posttrain.local_engine._errors import AdapterError, CheckpointError, LocalEngineError
 from posttrain.local_engine._http import Handler, body_bytes, guard, json_body
-from posttrain.local_engine._lora import load_peft_adapter
+from posttrain.local_engine._lora import LoraAdapter, load_peft_adapter
 from posttrain.local_engine._scheduler import BatchScheduler
-from posttrain.local_engine._transports import (
-    ShmMaps,
-    read_safetensors_bucket,
-)
+from posttrain.local_engine._transports import ShmMaps
 
 __all__ = ["weight_routes"]
 
@@ -62,9 +66,22 @@ def weight_routes(
     async def load_lora(request: Request) -> Response:
         require_lora()
         req = LoadLoraAdapterRequest.parse(await json_req(request))
-        adapter = load_peft_adapter(req.lora_name, req.lora_path, engine.lora_targets)
-        engine.adapters.put(adapter)
+        await asyncio.to_thread(
+            lambda: engine.put_adapter(read_adapter_dir(req.lora_name, req.lora_path))
+        )
         return lora_reply(True)
+
+    def read_adapter_dir(name: str, path: str) -> LoraAdapter:
+        try:
+            return load_peft_adapter(name, path, engine.lora_targets)
+        except LocalEngineError:  # already named (an AdapterError, a NonFiniteWeightsError)
+            raise
+        except (SafetensorError, OSError, ValueError, TypeError, AttributeError, KeyError) as e:
+            # a corrupt weights file, or an adapter_config.json of the wrong shape (a list)
+            raise AdapterError(
+                f"adapter {name!r}: the PEFT directory {path} is unreadable "
+                f"({type(e).__name__}: {e})"
+            ) from e
 
     async def unload_lora(request: Request) -> Response:
         require_lora()
@@ -75,9 +92,15 @@ def weight_routes(
     async def load_lora_from_tensors(request: Request) -> Response:
         require_lora()
         raw = await body_bytes(request, cfg.max_update_bytes)
-        payload = decode_adapter_payload(raw, request.headers.get("content-type", ""))
-        checksums = verify_checksums(payload)  # before anything is loaded
-        engine.load_adapter_tensors(payload.name, payload.config, payload.tensors)
+        content_type = request.headers.get("content-type", "")
+
+        def decode_check_load() -> tuple[str, dict[str, str]]:
+            payload = decode_adapter_payload(raw, content_type)
+            checksums = verify_checksums(payload)  # before anything is loaded
+            engine.load_adapter_tensors(payload.name, payload.config, payload.tensors)
+            return payload.name, checksums
+
+        _, checksums = await asyncio.to_thread(decode_check_load)
         return JSONResponse(
             {
                 "success": True,
@@ -112,26 +135,28 @@ def weight_routes(
 
     async def update_from_safetensors(request: Request) -> Response:
         raw = await body_bytes(request, cfg.max_update_bytes)
-        manifest, tensors = read_safetensors_bucket(raw)
-        engine.add_bucket(manifest, tensors, owned=True)  # decoded from the body: ours to keep
-        return await bucket_reply(manifest)
+
+        def decode_and_stage() -> BucketManifest:
+            manifest, tensors = decode_bucket_body(raw)
+            engine.add_bucket(manifest, tensors, owned=True)  # decoded from the body: ours
+            return manifest
+
+        return await bucket_reply(await asyncio.to_thread(decode_and_stage))
 
     async def update_from_shm(request: Request) -> Response:
-        body = await json_req(request)
-        if not isinstance(body, dict):
-            raise WireFormatError("body: expected a JSON object", field="body")
-        manifest = BucketManifest.parse(body.get("manifest"))
-        try:
-            view = shm.slot(
-                str(body.get("shm_path", "")),
-                int(body.get("slot", -1)),
-                None if body.get("slot_bytes") is None else int(body["slot_bytes"]),
-            )
-            tensors = unpack_bucket(manifest, view)
-        except WireFormatError as e:
-            engine.fail_update(manifest.update_id, str(e))
-            raise
-        engine.add_bucket(manifest, tensors)
+        req = ShmBucketRequest.parse(await json_req(request))
+        manifest = req.manifest
+
+        def map_and_stage() -> None:
+            try:
+                view = shm.slot(req.shm_path, req.slot, req.slot_bytes)
+                tensors = unpack_bucket(manifest, view)
+            except WireFormatError as e:
+                engine.fail_update(manifest.update_id, str(e))
+                raise
+            engine.add_bucket(manifest, tensors)
+
+        await asyncio.to_thread(map_and_stage)
         return await bucket_reply(manifest)
 
     async def end_update(request: Request) -> Response:
@@ -165,24 +190,17 @@ def weight_routes(
         req = UpdateWeightsFromDiskRequest.parse(await json_req(request))
         if ctx.load_checkpoint is None:
             raise CheckpointError("this engine cannot reload checkpoints")
-        version: int | None = None
-        if req.weight_version is not None:
-            try:
-                version = int(req.weight_version)
-            except ValueError:
-                raise WireFormatError(
-                    f"weight_version: {req.weight_version!r} is not an integer",
-                    field="weight_version",
-                ) from None
+        version = req.weight_version  # SGLang's string already read as an int
         loader = ctx.load_checkpoint
-        try:
-            tensors = await sched.call_exclusive(lambda: loader(req.model_path))
-            await sched.call_exclusive(lambda: engine.load_full_state(tensors, version))
-        except StaleVersionError:
-            raise
-        except PosttrainError as e:
-            engine.mark_failed(f"update_weights_from_disk {req.model_path!r}: {e}")
-            raise
+
+        def read_and_check() -> dict[str, Any]:
+            tensors = loader(req.model_path)
+            engine.check_full_state(tensors)  # shapes, dtypes, NaN/Inf: nothing changed yet
+            return tensors
+
+        # Read and checked in a thread while generation goes on; a refusal changes nothing.
+        tensors = await asyncio.to_thread(read_and_check)
+        await sched.call_exclusive(lambda: engine.load_full_state(tensors, version, checked=True))
         return JSONResponse(
             {
                 "success": True,

@@ -1,4 +1,8 @@
-"""Assemble the served engine from a config, and run it under uvicorn."""
+"""Assemble the served engine from a config, and run it under uvicorn.
+
+A checkpoint or startup adapter that cannot be served (missing, unreadable, NaN/Inf) stops
+``main`` with a one-line ``error: ...`` and exit code 2, never a traceback.
+"""
 
 from __future__ import annotations
 
@@ -7,12 +11,15 @@ from collections.abc import Sequence
 
 import torch
 import uvicorn
+from safetensors import SafetensorError
 from starlette.applications import Starlette
 
+from posttrain.interface import PosttrainError
 from posttrain.local_engine._app import ServerContext, create_app
 from posttrain.local_engine._codec import load_codec
 from posttrain.local_engine._config import EngineConfig, parse_args
 from posttrain.local_engine._engine import Engine
+from posttrain.local_engine._errors import AdapterError
 from posttrain.local_engine._loader import load_model, read_checkpoint
 from posttrain.local_engine._lora import load_peft_adapter
 
@@ -33,7 +40,11 @@ def build_app(config: EngineConfig) -> Starlette:
         max_loras=config.adapter_limit,
     )
     for name, path in config.lora_paths.items():
-        engine.adapters.put(load_peft_adapter(name, path, engine.lora_targets))
+        try:
+            adapter = load_peft_adapter(name, path, engine.lora_targets)
+        except (SafetensorError, OSError) as e:
+            raise AdapterError(f"--lora-paths {name}={path}: unreadable ({e})") from e
+        engine.put_adapter(adapter)
     specs = {k: s.dtype for k, s in engine.param_specs().items()}
     ctx = ServerContext(
         config=config,
@@ -60,4 +71,9 @@ def serve(config: EngineConfig) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    serve(parse_args(sys.argv[1:] if argv is None else argv))
+    config = parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        serve(config)
+    except PosttrainError as e:
+        print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
+        raise SystemExit(2) from None

@@ -8,10 +8,20 @@ transport; each tensor is checked against the expectation and copied into stagin
 
 Departure from SGLang: SGLang applies each bucket to the live weights as it
 arrives and never checks completeness, so a dropped bucket leaves a silently mixed
-model. Here nothing touches the live weights before ``finish`` succeeds, and a
-failed or aborted update leaves the engine *unavailable* (``/generate`` answers
-503) until a full update succeeds: serving the old weights would hand the trainer
-off-policy samples labelled with a version it never reached.
+model. Here nothing touches the live weights before ``finish`` succeeds.
+
+Refused versus abandoned (what the engine serves afterwards):
+
+* An update the engine *refuses* (a bucket with an unknown, duplicate, mis-typed,
+  mis-shaped or non-finite tensor, a checksum mismatch, an out-of-order bucket, a slot
+  that cannot be read) ends the session at once with a 4xx naming the fault. Only
+  staging held its tensors, so the engine keeps serving the version it served, and
+  ``/generate`` stays 200: the trainer got the error on the very call.
+* An update the trainer *abandons* after opening it (``abort``, ``end`` with tensors
+  missing or before the last bucket, a new ``begin`` while one is open) leaves the
+  engine *unavailable* (``/generate`` answers 503) until a full update succeeds, the
+  wsync/1 rule: the trainer announced a version it did not deliver, and a driver that
+  labels rollouts with the trainer's version would otherwise mistake old weights for it.
 """
 
 from __future__ import annotations
@@ -22,14 +32,15 @@ from typing import Any
 
 import torch
 
+from posttrain.formats import dtype_name
 from posttrain.interface import (
     BucketManifest,
     IncompleteUpdateError,
     StaleVersionError,
     WeightUpdateResult,
 )
-from posttrain.local_engine._buckets import dtype_name
-from posttrain.local_engine._errors import UpdateSessionError
+from posttrain.local_engine._errors import NonFiniteWeightsError, UpdateSessionError
+from posttrain.local_engine._finite import check_finite
 
 __all__ = ["TensorSpec", "UpdateSession", "check_version_increases"]
 
@@ -92,7 +103,7 @@ class UpdateSession:
         """
         try:
             self._add_bucket(manifest, tensors, owned)
-        except (UpdateSessionError, IncompleteUpdateError) as e:
+        except (UpdateSessionError, IncompleteUpdateError, NonFiniteWeightsError) as e:
             self.failed = self.failed or str(e)
             raise
 
@@ -140,6 +151,10 @@ class UpdateSession:
                     f"tensor {name!r}: got {dtype_name(t.dtype)} {list(t.shape)}, the engine "
                     f"holds {dtype_name(spec.dtype)} {list(spec.shape)} (no implicit casts)"
                 )
+        check_finite(
+            ((e.name, tensors[e.name]) for e in manifest.tensors),
+            what=f"update {self.update_id!r} bucket {manifest.bucket_index}",
+        )
         for entry in manifest.tensors:
             src = tensors[entry.name]
             if owned:

@@ -12,9 +12,8 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from posttrain.lora.attach import LoraGroups, LoraHandle, Target, attach_lora
-from posttrain.lora.config import LoraConfig
-from posttrain.lora.errors import (
+from posttrain.formats import peft_key  # re-exported: the one PEFT key builder
+from posttrain.lora._errors import (
     AdapterFormatError,
     AdapterPushError,
     ChecksumMismatchError,
@@ -24,30 +23,26 @@ from posttrain.lora.errors import (
     LoraError,
     ReplicaMismatchError,
 )
+from posttrain.lora.attach import LoraGroups, LoraHandle, Target, attach_lora
+from posttrain.lora.config import LoraConfig
 from posttrain.lora.experts import ExpertLinear, LoraExpertLinear
-from posttrain.lora.export import export_adapter, peft_key
+from posttrain.lora.export import export_adapter
 from posttrain.lora.grads import lora_grad_norm, reduce_lora_grads, verify_replicas
 from posttrain.lora.ipc import repack_for_ipc
 from posttrain.lora.layers import LoraLinear, LoraParamTag
 from posttrain.lora.parallel import ColumnShardedLinear, RowShardedLinear
 
 if TYPE_CHECKING:
-    from posttrain.lora.client import (
-        AdapterCapabilities,
-        AdapterClient,
-        LoraServing,
-        request_fields,
-        serves_lora,
-    )
+    from posttrain.formats import LoraServing, request_fields, serves_lora
+    from posttrain.lora.client import AdapterCapabilities, AdapterClient
     from posttrain.lora.peft_io import load_peft, merge_into_base, read_peft, save_peft
 
 # The engine client (httpx) and the PEFT file io (safetensors) load on first use, so the
-# torch-only core imports on a GPU box that has nothing but torch.
+# torch-only core imports on a GPU box that has nothing but torch. The request fields are
+# posttrain.formats' (their one home), re-exported here under the names this package promised.
 _LAZY = {
-    **dict.fromkeys(
-        ["AdapterCapabilities", "AdapterClient", "LoraServing", "request_fields", "serves_lora"],
-        "posttrain.lora.client",
-    ),
+    **dict.fromkeys(["AdapterCapabilities", "AdapterClient"], "posttrain.lora.client"),
+    **dict.fromkeys(["LoraServing", "request_fields", "serves_lora"], "posttrain.formats"),
     **dict.fromkeys(
         ["load_peft", "merge_into_base", "read_peft", "save_peft"], "posttrain.lora.peft_io"
     ),

@@ -25,8 +25,8 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from posttrain.lora._comm import group_rank, group_size
+from posttrain.lora._errors import LayoutError, LoraConfigError
 from posttrain.lora.config import LoraConfig, init_full_factor
-from posttrain.lora.errors import LayoutError, LoraConfigError
 from posttrain.lora.experts import ExpertLinear, LoraExpertLinear
 from posttrain.lora.layers import Layout, LoraLinear, LoraParamTag, SiteInfo, tag_parameter
 from posttrain.lora.parallel import ColumnShardedLinear, RowShardedLinear

@@ -14,8 +14,9 @@ error hides real failures); checksums are sha256 of each tensor's raw bytes, sen
 is base64 safetensors (``load_format="safetensors_b64"``, what the local engine reads); pass
 ``serializer=`` to use SGLang's CUDA-IPC serializer instead.
 
-``serves_lora`` is the one predicate rollout code asks, and ``request_fields`` the one place
-that builds the per-request fields, so the generate path and the session path cannot disagree.
+The per-request LoRA fields (``LoraServing``, ``serves_lora``, ``request_fields``) live in
+``posttrain.formats``, their one home shared with the session router; ``posttrain.lora``
+re-exports them.
 """
 
 from __future__ import annotations
@@ -30,8 +31,8 @@ import httpx
 import torch
 from safetensors.torch import save as safetensors_save
 
-from posttrain.interface import ConfigError, TransportError
-from posttrain.lora.errors import AdapterPushError, ChecksumMismatchError
+from posttrain.interface import TransportError
+from posttrain.lora._errors import AdapterPushError, ChecksumMismatchError
 
 Serializer = Callable[[Mapping[str, torch.Tensor]], tuple[str, str | None]]
 _NOT_LOADED = ("not loaded", "not found", "does not exist", "no lora adapter")
@@ -57,30 +58,6 @@ class AdapterCapabilities:
     max_lora_rank: int | None
     checksums: bool
     upsert: bool
-
-
-@dataclass(kw_only=True, slots=True, frozen=True)
-class LoraServing:
-    """Whether rollouts use the trained adapter. ``train_only``: LoRA trains but engines serve
-    the base (no ``lora_path``, no sync)."""
-
-    adapter_name: str | None
-    train_only: bool = False
-
-
-def serves_lora(serving: LoraServing) -> bool:
-    """True when every rollout request must name the adapter (``lora_path``)."""
-    return serving.adapter_name is not None and not serving.train_only
-
-
-def request_fields(name: str, version: int) -> dict[str, str]:
-    """Fields every generate / logprob / session request carries when ``serves_lora``.
-
-    ``extra_key`` keeps prefix-cache entries from crossing adapter versions.
-    """
-    if not name:
-        raise ConfigError("request_fields: adapter name must be non-empty")
-    return {"lora_path": name, "extra_key": f"{name}:v{version}"}
 
 
 class AdapterClient:

@@ -17,13 +17,15 @@ from __future__ import annotations
 
 import math
 import zlib
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
 
+from posttrain.formats import peft_config_from_spec
 from posttrain.interface import LoraSpec
-from posttrain.lora.errors import LoraConfigError
+from posttrain.lora._errors import LoraConfigError
 
 AInit = Literal["xavier", "kaiming", "normal", "zero"]
 BInit = Literal["zero", "normal"]
@@ -88,23 +90,26 @@ class LoraConfig:
         kwargs.update(overrides)
         return cls(**kwargs)
 
+    def to_spec(self, target_modules: Sequence[str] | str) -> LoraSpec:
+        """The interface's ``LoraSpec`` of this config for ``target_modules`` (one name, a list
+        of names, or ``"all-linear"``)."""
+        targets = (target_modules,) if isinstance(target_modules, str) else tuple(target_modules)
+        return LoraSpec(
+            r=self.r,
+            alpha=self.alpha,
+            target_modules=targets,
+            dropout=self.dropout,
+            use_rslora=self.use_rslora,
+        )
+
     def peft_config(
-        self, target_modules: list[str] | str, base_model_name_or_path: str = ""
+        self, target_modules: Sequence[str] | str, base_model_name_or_path: str = ""
     ) -> dict[str, Any]:
-        """The ``adapter_config.json`` dict PEFT and SGLang read for this config."""
-        return {
-            "peft_type": "LORA",
-            "task_type": "CAUSAL_LM",
-            "r": self.r,
-            "lora_alpha": self.alpha,
-            "lora_dropout": self.dropout,
-            "target_modules": target_modules,
-            "bias": "none",
-            "fan_in_fan_out": False,
-            "use_rslora": self.use_rslora,
-            "inference_mode": True,
-            "base_model_name_or_path": base_model_name_or_path,
-        }
+        """The ``adapter_config.json`` dict PEFT and SGLang read for this config (written by
+        ``posttrain.formats.peft_config_from_spec``)."""
+        return peft_config_from_spec(
+            self.to_spec(target_modules), base_model_name_or_path=base_model_name_or_path
+        )
 
 
 def _site_generator(seed: int, site: str, factor: str) -> torch.Generator:

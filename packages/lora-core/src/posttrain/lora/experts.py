@@ -26,8 +26,8 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from posttrain.lora._comm import group_size
+from posttrain.lora._errors import LayoutError
 from posttrain.lora.config import LoraConfig
-from posttrain.lora.errors import LayoutError
 
 
 class ExpertLinear(nn.Module):

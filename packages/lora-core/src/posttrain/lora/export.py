@@ -20,17 +20,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
+from posttrain.formats import peft_key
 from posttrain.lora._comm import all_gather_flat, group_rank, group_size
+from posttrain.lora._errors import ExportError
 from posttrain.lora.attach import LoraHandle, fused_local_parts
-from posttrain.lora.errors import ExportError
 from posttrain.lora.experts import LoraExpertLinear
-
-PEFT_PREFIX = "base_model.model."
-
-
-def peft_key(module: str, factor: str) -> str:
-    """``base_model.model.<module>.lora_A.weight`` (factor ``"A"``) or ``...lora_B.weight``."""
-    return f"{PEFT_PREFIX}{module}.lora_{factor}.weight"
 
 
 @dataclass(slots=True)

@@ -35,8 +35,8 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from posttrain.lora._comm import all_gather_flat, group_size
+from posttrain.lora._errors import LoraConfigError, ReplicaMismatchError
 from posttrain.lora.attach import LoraGroups, LoraHandle
-from posttrain.lora.errors import LoraConfigError, ReplicaMismatchError
 from posttrain.lora.layers import LoraParamTag
 
 

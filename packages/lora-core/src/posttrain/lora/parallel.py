@@ -27,7 +27,7 @@ from posttrain.lora._comm import (
     reduce_from_group,
     scatter_to_seq,
 )
-from posttrain.lora.errors import LayoutError
+from posttrain.lora._errors import LayoutError
 
 
 def _shard(t: torch.Tensor, dim: int, rank: int, size: int, what: str) -> torch.Tensor:

@@ -1,55 +1,48 @@
 """PEFT adapter files: ``save_peft`` / ``load_peft`` (strict, re-sharding) / ``merge_into_base``.
 
-Format: ``adapter_model.safetensors`` with keys ``base_model.model.<module>.lora_A.weight`` and
-``.lora_B.weight``, plus ``adapter_config.json`` (``LoraConfig.peft_config``). Writes are atomic:
-a temp directory beside the target is filled, fsynced and renamed into place.
+The PEFT format itself (``adapter_model.safetensors`` with keys
+``base_model.model.<module>.lora_A.weight`` / ``.lora_B.weight``, ``adapter_config.json``,
+the atomic directory write, and every check of a file read from disk) is
+``posttrain.formats``'; this module adds what needs a ``LoraHandle``: the expected keys and
+shapes of this model, and re-sharding the full adapter onto this rank's TP/EP layout.
 
 Departures: PEFT only warns on missing keys and ignores unknown ones; ``load_peft(strict=True)``
-raises ``AdapterFormatError`` naming the key. Shape mismatches always raise. A padded
-vocab-parallel head is zero-padded back on load (slicing an unpadded file by ``rank * V_loc``
-breaks the last rank). A fused site has one A, so its parts' A tensors must be equal.
+raises ``AdapterFormatError`` naming the key. Shape mismatches always raise, and so does every
+problem the formats reader finds (corrupt file, NaN/Inf, integer dtypes, a config that is not an
+object or disagrees with the tensors). A padded vocab-parallel head is zero-padded back on load
+(slicing an unpadded file by ``rank * V_loc`` breaks the last rank). A fused site has one A, so
+its parts' A tensors must be equal.
 """
 
 from __future__ import annotations
 
-import json
 import os
-import shutil
-import tempfile
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from safetensors.torch import load_file, save_file
 
+from posttrain.formats import (
+    PeftAdapter,
+    PeftFormatError,
+    parse_peft_key,
+    peft_key,
+    read_peft_adapter,
+    write_peft_adapter,
+)
+from posttrain.interface import LoraSpec
 from posttrain.lora._comm import group_rank, group_size
+from posttrain.lora._errors import AdapterFormatError
 from posttrain.lora.attach import LoraHandle, fused_local_rows
 from posttrain.lora.config import LoraConfig
-from posttrain.lora.errors import AdapterFormatError
 from posttrain.lora.experts import LoraExpertLinear
-from posttrain.lora.export import PEFT_PREFIX, peft_key
 from posttrain.lora.layers import LoraLinear
-
-ADAPTER_FILE = "adapter_model.safetensors"
-CONFIG_FILE = "adapter_config.json"
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _default_targets(tensors: Mapping[str, torch.Tensor]) -> list[str]:
-    leaves = set()
-    for key in tensors:
-        module = key.removeprefix(PEFT_PREFIX).rsplit(".lora_", 1)[0]
-        leaves.add(module.rsplit(".", 1)[-1])
-    return sorted(leaves)
+    return sorted({parse_peft_key(key)[0].rsplit(".", 1)[-1] for key in tensors})
 
 
 def save_peft(
@@ -57,73 +50,49 @@ def save_peft(
     tensors: Mapping[str, torch.Tensor],
     config: LoraConfig,
     *,
-    target_modules: list[str] | str | None = None,
+    target_modules: Sequence[str] | str | None = None,
     base_model_name_or_path: str = "",
 ) -> Path:
-    """Write a PEFT adapter directory atomically; returns its path."""
+    """Write a PEFT adapter directory atomically (replacing any old one); returns its path.
+
+    ``target_modules`` defaults to the leaf names of the modules in ``tensors``. The formats
+    writer refuses, before writing anything, what its reader would refuse.
+    """
     target = Path(directory)
     if not tensors:
         raise AdapterFormatError(f"save_peft: no tensors to write to {target}")
-    for key in tensors:
-        if not key.startswith(PEFT_PREFIX) or not key.endswith(
-            (".lora_A.weight", ".lora_B.weight")
-        ):
-            raise AdapterFormatError(f"save_peft: {key!r} is not a PEFT LoRA key")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
     try:
-        cfg = config.peft_config(
-            target_modules or _default_targets(tensors), base_model_name_or_path
+        spec = config.to_spec(target_modules or _default_targets(tensors))
+        return write_peft_adapter(
+            target, tensors, spec, base_model_name_or_path=base_model_name_or_path
         )
-        save_file(
-            {k: v.detach().contiguous().cpu() for k, v in tensors.items()}, tmp / ADAPTER_FILE
-        )
-        (tmp / CONFIG_FILE).write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
-        for name in (ADAPTER_FILE, CONFIG_FILE):
-            with open(tmp / name, "rb") as fh:
-                os.fsync(fh.fileno())
-        _fsync_dir(tmp)
-        old = None
-        if target.exists():
-            old = target.with_name(f".{target.name}.old-{os.getpid()}")
-            target.rename(old)
-        tmp.rename(target)
-        _fsync_dir(target.parent)
-        if old is not None:
-            shutil.rmtree(old)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return target
+    except PeftFormatError as e:
+        raise AdapterFormatError(f"save_peft: {e}") from e
+
+
+def _read(directory: str | os.PathLike[str]) -> PeftAdapter:
+    try:
+        return read_peft_adapter(directory)
+    except PeftFormatError as e:
+        raise AdapterFormatError(f"load_peft: {e}") from e
 
 
 def read_peft(directory: str | os.PathLike[str]) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    """``(adapter_config dict, tensors)`` of a PEFT adapter directory, keys normalised."""
-    path = Path(directory)
-    try:
-        cfg = json.loads((path / CONFIG_FILE).read_text())
-        raw = load_file(str(path / ADAPTER_FILE))
-    except (OSError, ValueError) as exc:
-        raise AdapterFormatError(f"load_peft: cannot read adapter in {path}: {exc}") from exc
-    # PEFT inserts the adapter name in memory (".lora_A.default.weight"); drop it if present.
-    tensors = {
-        k.replace(".lora_A.default.", ".lora_A.").replace(".lora_B.default.", ".lora_B."): v
-        for k, v in raw.items()
-    }
-    return cfg, tensors
+    """``(adapter_config dict, tensors)`` of a PEFT adapter directory, keys normalised.
+
+    Every check of ``posttrain.formats.read_peft_adapter`` runs; a failure is an
+    ``AdapterFormatError`` naming the file and the key or field.
+    """
+    adapter = _read(directory)
+    return dict(adapter.config), adapter.tensors
 
 
-def _check_config(cfg: dict[str, Any], config: LoraConfig, where: Path) -> None:
-    if cfg.get("peft_type", "LORA") != "LORA":
-        raise AdapterFormatError(
-            f"load_peft: {where}: peft_type {cfg.get('peft_type')!r} is not LORA"
-        )
-    for field, ours in (
-        ("r", config.r),
-        ("lora_alpha", config.alpha),
-        ("use_rslora", config.use_rslora),
+def _check_spec(spec: LoraSpec, config: LoraConfig, where: Path) -> None:
+    for field, theirs, ours in (
+        ("r", spec.r, config.r),
+        ("lora_alpha", spec.alpha, config.alpha),
+        ("use_rslora", spec.use_rslora, config.use_rslora),
     ):
-        theirs = cfg.get(field, False if field == "use_rslora" else None)
         if theirs != ours:
             raise AdapterFormatError(
                 f"load_peft: {where}: adapter_config {field}={theirs!r} but LoraConfig has {ours!r}"
@@ -208,8 +177,9 @@ def load_peft(
     keys loaded here. ``strict``: missing and unknown keys raise; shape errors always raise.
     """
     where = Path(directory)
-    cfg, tensors = read_peft(where)
-    _check_config(cfg, handle.config, where)
+    adapter = _read(where)
+    _check_spec(adapter.spec, handle.config, where)
+    tensors = adapter.tensors
     shapes = _expected_shapes(handle)
     known = set(shapes)
     pp = handle.groups.pp

@@ -3,19 +3,22 @@
 The directory it writes is what every CPU path of posttrain starts from: the
 local engine serves it (``--model-path DIR``), the session router renders its
 chat template (``--tokenizer DIR``), ``transformers`` loads it as a
-``Qwen3MoeForCausalLM`` and ``quant-convert`` converts it. The write is atomic:
-a temporary directory renamed into place, so an interrupted run leaves nothing
-that looks complete.
+``Qwen3MoeForCausalLM`` and ``quant-convert`` converts it. The write is atomic
+(``posttrain.formats.atomic_directory``: a temporary directory, fsynced, swapped into
+place), so an interrupted run leaves nothing that looks complete.
+
+argparse rather than typer (the project's CLI library): this package's dependencies are what
+its models compute with, and one subcommand needs nothing more. Every option has help and
+shows its default.
 """
 
 from __future__ import annotations
 
 import argparse
-import shutil
 import sys
-import tempfile
 from pathlib import Path
 
+from posttrain.formats import atomic_directory
 from posttrain.models._config import ModelConfig
 from posttrain.models._errors import CheckpointError
 from posttrain.models._model import build_model
@@ -32,29 +35,35 @@ def init_checkpoint(
         raise CheckpointError(f"{target} exists and is not empty (pass --overwrite)")
     config = ModelConfig.tiny(vocab_size=VOCAB_SIZE, max_position_embeddings=max_positions)
     model = build_model(config, seed=seed)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
-    try:
+    with atomic_directory(target) as staging:
         model.save_pretrained(staging, tokenizer=build_tokenizer())
-        if target.exists():
-            shutil.rmtree(target) if target.is_dir() else target.unlink()
-        staging.rename(target)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
     return target
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m posttrain.models")
-    commands = parser.add_subparsers(dest="command", required=True)
-    init = commands.add_parser("init", help="write a seeded tiny checkpoint and its tokenizer")
-    init.add_argument("path", type=Path)
-    init.add_argument("--seed", type=int, default=0)
+    fmt = argparse.ArgumentDefaultsHelpFormatter
+    parser = argparse.ArgumentParser(
+        prog="python -m posttrain.models",
+        description="Tools for posttrain.models checkpoints.",
+        formatter_class=fmt,
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    init = commands.add_parser(
+        "init",
+        help="write a seeded tiny checkpoint and its tokenizer",
+        description="Write a seeded tiny Dense/MoE checkpoint (Qwen3-MoE HF layout) and its "
+        "tokenizer to PATH: what local-engine serves, the session router tokenizes with, "
+        "transformers loads and quant-convert converts.",
+        formatter_class=fmt,
+    )
+    init.add_argument("path", type=Path, metavar="PATH", help="directory to create")
+    init.add_argument("--seed", type=int, default=0, help="seed of the random weights")
     init.add_argument(
         "--max-positions", type=int, default=256, help="context length (= KV capacity)"
     )
-    init.add_argument("--overwrite", action="store_true")
+    init.add_argument(
+        "--overwrite", action="store_true", help="replace PATH if it exists and is not empty"
+    )
     args = parser.parse_args(argv)
     try:
         written = init_checkpoint(

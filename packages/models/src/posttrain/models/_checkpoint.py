@@ -2,8 +2,9 @@
 
 A directory written here loads with ``transformers.AutoModelForCausalLM`` (as
 ``Qwen3MoeForCausalLM``) and, when a tokenizer was passed, with ``AutoTokenizer``.
-Each file is written atomically (temp name, fsync, rename), weights before
-``config.json``, so a crash never leaves a directory that looks complete. Loading reads
+Each file is written atomically (``posttrain.formats.write_bytes_atomic``: temp name,
+fsync, rename, fsync of the directory), weights before ``config.json``, so a crash never
+leaves a directory that looks complete. Loading reads
 ``model.safetensors`` or the shards listed by ``model.safetensors.index.json``.
 
 safetensors is imported on first use, so the model code imports without it.
@@ -12,13 +13,12 @@ safetensors is imported on first use, so the model code imports without it.
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from posttrain.formats import write_bytes_atomic
 from posttrain.models._config import ModelConfig
 from posttrain.models._errors import CheckpointError
 from posttrain.models._model import DecoderModel, Numerics
@@ -29,20 +29,6 @@ if TYPE_CHECKING:
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
-
-
-def write_atomic(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` through a temp file in the same dir, fsync, then rename."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def save_pretrained(
@@ -57,11 +43,11 @@ def save_pretrained(
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
     tensors = {k: v.detach().cpu().contiguous() for k, v in model.hf_state_dict().items()}
-    write_atomic(out / WEIGHTS_NAME, save(tensors, metadata={"format": "pt"}))
+    write_bytes_atomic(out / WEIGHTS_NAME, save(tensors, metadata={"format": "pt"}))
     if tokenizer is not None:
         tokenizer.save_pretrained(str(out))
     config = json.dumps(model.config.to_hf_dict(), indent=2, sort_keys=True) + "\n"
-    write_atomic(out / CONFIG_NAME, config.encode())
+    write_bytes_atomic(out / CONFIG_NAME, config.encode())
     return out
 
 

@@ -18,18 +18,15 @@ kernel to the wrapper), see ``_sites``.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from posttrain.formats import lora_delta
+from posttrain.formats import PeftFormatError, lora_delta, peft_modules
 from posttrain.models._errors import LoraError
 from posttrain.models._ops import FastOps
-
-_PEFT_KEY = re.compile(r"^(?:base_model\.model\.)?(?P<module>.+)\.lora_(?P<which>[AB])\.weight$")
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -44,18 +41,16 @@ class LoraAdapter:
     def from_peft_state_dict(
         cls, tensors: Mapping[str, Tensor], *, scaling: float, name: str = ""
     ) -> LoraAdapter:
-        """Build from PEFT keys (``base_model.model.<module>.lora_{A,B}.weight``)."""
-        halves: dict[str, dict[str, Tensor]] = {}
-        for key, value in tensors.items():
-            match = _PEFT_KEY.match(key)
-            if match is None:
-                raise LoraError(f"adapter tensor {key!r} is not a PEFT lora_A/lora_B weight")
-            halves.setdefault(match["module"], {})[match["which"]] = value
-        weights: dict[str, tuple[Tensor, Tensor]] = {}
-        for module, pair in halves.items():
-            if set(pair) != {"A", "B"}:
-                raise LoraError(f"adapter module {module!r} lacks lora_A or lora_B")
-            weights[module] = (pair["A"], pair["B"])
+        """Build from PEFT keys (``base_model.model.<module>.lora_{A,B}[.default].weight``).
+
+        The keys and factors are checked by ``posttrain.formats.peft_modules`` (both factors
+        of every module, float dtypes, finite values, matching ranks); a failure raises
+        ``LoraError`` with its message.
+        """
+        try:
+            weights = peft_modules(tensors, where=f"adapter {name!r}" if name else "adapter")
+        except PeftFormatError as e:
+            raise LoraError(str(e)) from e
         return cls(weights=weights, scaling=scaling, name=name)
 
 

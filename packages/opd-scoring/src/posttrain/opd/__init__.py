@@ -2,17 +2,29 @@
 
 Config and routing (:mod:`~posttrain.opd.config`), the pure SGLang ``/generate`` scoring
 protocol with flat and per-position sparse top-k (:mod:`~posttrain.opd.protocol`), a
-bounded sharded async client (:class:`TeacherScorer`), float32 detached reverse-KL
+bounded sharded async client (:class:`TeacherScoringClient`), float32 detached reverse-KL
 signals (:mod:`~posttrain.opd.signals`) and compact log summaries. The loopback teacher
 for tests lives in :mod:`posttrain.opd.testing` (not imported here).
 """
 
+from posttrain.opd._errors import (
+    CapabilityError,
+    MissingLogprobError,
+    OPDConfigError,
+    OPDError,
+    ScoringInputError,
+    StudentTopLogprobsError,
+    TeacherRejectedError,
+    TeacherResponseError,
+    TeacherRoutingError,
+    TeacherUnavailableError,
+)
 from posttrain.opd.client import (
     EquivalenceReport,
     OPDSignals,
     ScoreStats,
     ScoringSample,
-    TeacherScorer,
+    TeacherScoringClient,
     student_top_rows,
 )
 from posttrain.opd.config import (
@@ -24,18 +36,6 @@ from posttrain.opd.config import (
     WeightMode,
     parse_teacher_urls,
     validate_url,
-)
-from posttrain.opd.errors import (
-    CapabilityError,
-    MissingLogprobError,
-    OPDConfigError,
-    OPDError,
-    ScoringInputError,
-    StudentTopLogprobsError,
-    TeacherRejectedError,
-    TeacherResponseError,
-    TeacherRoutingError,
-    TeacherUnavailableError,
 )
 from posttrain.opd.protocol import (
     ScoreView,
@@ -74,7 +74,7 @@ __all__ = [
     "TeacherResponseError",
     "TeacherRouter",
     "TeacherRoutingError",
-    "TeacherScorer",
+    "TeacherScoringClient",
     "TeacherUnavailableError",
     "Timeouts",
     "WeightMode",

@@ -37,8 +37,7 @@ import httpx
 import torch
 
 from posttrain.interface import PositionScores, Sample, TeacherScores
-from posttrain.opd.config import OPDConfig, RetryPolicy, TeacherRouter, Timeouts, validate_url
-from posttrain.opd.errors import (
+from posttrain.opd._errors import (
     CapabilityError,
     OPDConfigError,
     ScoringInputError,
@@ -47,6 +46,7 @@ from posttrain.opd.errors import (
     TeacherResponseError,
     TeacherUnavailableError,
 )
+from posttrain.opd.config import OPDConfig, RetryPolicy, TeacherRouter, Timeouts, validate_url
 from posttrain.opd.protocol import (
     Need,
     ScoreView,
@@ -62,7 +62,7 @@ __all__ = [
     "OPDSignals",
     "ScoreStats",
     "ScoringSample",
-    "TeacherScorer",
+    "TeacherScoringClient",
     "student_top_rows",
 ]
 
@@ -231,10 +231,12 @@ def _probe_rows(obj: object) -> object:
         return rows[1:]
 
 
-class TeacherScorer:
-    """Score rollout samples against teacher servers (``async with TeacherScorer(...) as s``).
+class TeacherScoringClient:
+    """Score rollout samples against teacher servers (``async with TeacherScoringClient(...)``).
 
-    ``transport`` (tests) replaces the network under every shard client.
+    It is the interface's ``TeacherScorer``: ``score_batch`` returns one ``OPDSignals`` (a
+    ``TeacherScores``) per sample, in input order. ``transport`` (tests) replaces the network
+    under every shard client.
     """
 
     def __init__(
@@ -279,7 +281,7 @@ class TeacherScorer:
         self._global: asyncio.Semaphore | None = None
 
     # -- lifecycle ---------------------------------------------------------------------------
-    async def __aenter__(self) -> TeacherScorer:
+    async def __aenter__(self) -> TeacherScoringClient:
         t = self.timeouts
         # httpx's per-request timeout extension (what AsyncClient would attach).
         self._timeout_ext = {
@@ -333,7 +335,9 @@ class TeacherScorer:
     ) -> Any:
         ep = self._endpoints.get(url)
         if ep is None or self._global is None:
-            raise RuntimeError("TeacherScorer is not open: use `async with TeacherScorer(...)`")
+            raise RuntimeError(
+                "TeacherScoringClient is not open: use `async with TeacherScoringClient(...)`"
+            )
         body = json.dumps(payload, separators=(",", ":")).encode()
         headers = {"content-type": "application/json"}
         stats.requests += 1

@@ -15,7 +15,7 @@ from enum import StrEnum
 from typing import Any
 from urllib.parse import urlsplit
 
-from posttrain.opd.errors import OPDConfigError, TeacherRoutingError
+from posttrain.opd._errors import OPDConfigError, TeacherRoutingError
 
 __all__ = [
     "OPDConfig",
@@ -129,11 +129,18 @@ class Timeouts:
     """Seconds; ``connect`` and ``read`` bound one attempt, ``deadline`` one sample's scoring.
 
     ``None`` is refused: infinity must be asked for by passing ``math.inf``.
+
+    Defaults fit RL rollouts: a teacher request is one prefill (``max_new_tokens=0``) of
+    prompt + response, seconds even for tens of thousands of tokens on a GPU teacher, plus
+    queueing behind other prefills. ``read=60`` leaves an order of magnitude for that; a
+    ``deadline`` of 120 s allows a retry after a timed-out attempt and bounds what a hung
+    teacher costs a sample to two minutes (the earlier 300/900 s let it hold one for 15).
+    Raise both for very long sequences on a slow teacher.
     """
 
     connect: float = 10.0
-    read: float = 300.0
-    deadline: float = 900.0
+    read: float = 60.0
+    deadline: float = 120.0
 
     def __post_init__(self) -> None:
         for name in ("connect", "read", "deadline"):

@@ -23,7 +23,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from posttrain.opd.errors import ScoringInputError, TeacherResponseError
+from posttrain.opd._errors import ScoringInputError, TeacherResponseError
 
 __all__ = [
     "ScoreView",

@@ -22,8 +22,8 @@ from typing import Literal
 
 import torch
 
+from posttrain.opd._errors import MissingLogprobError, ScoringInputError, StudentTopLogprobsError
 from posttrain.opd.config import Strategy, WeightMode
-from posttrain.opd.errors import MissingLogprobError, ScoringInputError, StudentTopLogprobsError
 
 __all__ = [
     "apply_opd",

@@ -21,11 +21,8 @@ import asyncio
 import collections
 import json
 import math
-import socket
-import threading
 import time
 from collections.abc import Sequence
-from types import TracebackType
 from typing import Any
 
 import torch
@@ -34,6 +31,8 @@ from starlette.applications import Starlette
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
+
+from posttrain.interface.testing import AppServer
 
 __all__ = ["LoopbackTeacher", "TeacherState", "TinyTeacher", "build_app", "main"]
 
@@ -287,59 +286,42 @@ class LoopbackTeacher:
         for j, n in enumerate(names):
             teachers[n] = TinyTeacher(vocab_size, seed=seed + 1 + j)
         self.state = TeacherState(teachers, delay_s=delay_s, per_position=per_position)
-        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._sock.bind(("127.0.0.1", port))
-        self.port: int = self._sock.getsockname()[1]
-        self.url = f"http://127.0.0.1:{self.port}"
-        config = uvicorn.Config(
-            build_app(self.state),
-            log_level="warning",
-            access_log=False,
-            lifespan="off",
-            timeout_graceful_shutdown=2,
+        self._server = AppServer(
+            build_app(self.state), port=port, timeout_s=5.0, access_log=False, lifespan="off"
         )
-        self._server = uvicorn.Server(config)
-        self._thread = threading.Thread(
-            target=self._server.run, kwargs={"sockets": [self._sock]}, daemon=True
-        )
+        self.port: int = self._server.port
+        self.url = self._server.url
 
     def url_for(self, name: str) -> str:
         """Base URL of teacher ``name`` ("" is the root teacher)."""
         return f"{self.url}/{name}" if name else self.url
 
     def __enter__(self) -> LoopbackTeacher:
-        self._thread.start()
-        for _ in range(500):
-            if self._server.started:
-                return self
-            if not self._thread.is_alive():
-                break
-            threading.Event().wait(0.01)
-        self.__exit__(None, None, None)
-        raise RuntimeError(f"loopback teacher on {self.url} did not start within 5 s")
+        self._server.start()  # ServerStartError if it does not start within 5 s
+        return self
 
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self._server.should_exit = True
-        self._thread.join(timeout=10)
-        self._sock.close()
+    def __exit__(self, *exc: object) -> None:
+        self._server.stop()
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     """``python -m posttrain.opd.testing --port N [--delay S] [--vocab V] [--names a,b]``."""
-    p = argparse.ArgumentParser(description="Loopback SGLang-shaped teacher on 127.0.0.1")
-    p.add_argument("--port", type=int, required=True)
-    p.add_argument("--delay", type=float, default=0.0)
-    p.add_argument("--vocab", type=int, default=512)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--names", default="")
-    p.add_argument("--no-per-position", action="store_true")
-    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    p = argparse.ArgumentParser(
+        prog="python -m posttrain.opd.testing",
+        description="Loopback SGLang-shaped teacher on 127.0.0.1 (tests and benchmarks).",
+    )
+    p.add_argument("--port", type=int, required=True, help="port to serve on (required)")
+    p.add_argument("--delay", type=float, default=0.0, help="seconds added to every reply "
+                   "(default: 0)")  # fmt: skip
+    p.add_argument("--vocab", type=int, default=512, help="vocabulary size of the tiny "
+                   "teachers (default: 512)")  # fmt: skip
+    p.add_argument("--seed", type=int, default=0, help="seed of the root teacher (default: 0)")
+    p.add_argument("--names", default="", help="extra teachers served at /NAME, "
+                   "comma-separated (default: none)")  # fmt: skip
+    p.add_argument("--no-per-position", action="store_true",
+                   help="answer like an unpatched SGLang (no token_ids_logprob_positions; "
+                   "default: off)")  # fmt: skip
+    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default: 1)")
     a = p.parse_args(argv)
     # Requests are small: on a busy 2-core machine torch's thread pool turned a 1 ms
     # reply into 65 ms of synchronisation, so the server computes on one thread.

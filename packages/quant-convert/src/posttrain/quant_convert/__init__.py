@@ -4,22 +4,27 @@ The quantizer (:func:`quantize_nvfp4`) is bit-exact to TransformerEngine's 1-D N
 :func:`plan_conversion` / :func:`convert_checkpoint` stream a safetensors checkpoint to the
 layout SGLang's ``modelopt_fp4`` loader reads, with an exclusion list checked against SGLang's
 own matching rules; :func:`quantize_named_params` applies the same math during weight sync.
+
+The NVFP4 layout itself (E2M1 code packing, names, dtypes, the quant config) is
+``posttrain.formats``'; :func:`dequantize_nvfp4` is re-exported from there for convenience
+(the same function, not a copy).
 """
 
-from posttrain.quant_convert.convert import ConversionReport, ProgressEvent, convert_checkpoint
-from posttrain.quant_convert.errors import (
+from posttrain.formats import dequantize_nvfp4
+from posttrain.quant_convert._errors import (
     CheckpointError,
     ExclusionError,
+    OutputError,
     QuantConvertError,
     QuantInputError,
     ResumeError,
 )
+from posttrain.quant_convert.convert import ConversionReport, ProgressEvent, convert_checkpoint
 from posttrain.quant_convert.exclusions import ExclusionPlan, plan_exclusions
 from posttrain.quant_convert.live import quantize_named_params
 from posttrain.quant_convert.nvfp4 import (
     NVFP4Config,
     NVFP4Tensor,
-    dequantize_nvfp4,
     quantize_nvfp4,
     quantize_nvfp4_pair,
 )
@@ -36,6 +41,7 @@ __all__ = [
     "ExclusionPlan",
     "NVFP4Config",
     "NVFP4Tensor",
+    "OutputError",
     "Plan",
     "ProgressEvent",
     "QuantConvertError",

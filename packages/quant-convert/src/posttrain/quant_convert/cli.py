@@ -12,8 +12,8 @@ import sys
 from collections.abc import Sequence
 
 from posttrain.interface import ConfigError, NVFP4Precision
+from posttrain.quant_convert._errors import QuantConvertError
 from posttrain.quant_convert.convert import ProgressEvent, convert_checkpoint
-from posttrain.quant_convert.errors import QuantConvertError
 from posttrain.quant_convert.plan import ConvertOptions
 from posttrain.quant_convert.selection import QuantPolicy
 
@@ -26,14 +26,65 @@ def _device(value: str) -> str:
     raise argparse.ArgumentTypeError(f"--device {value!r}: use cpu, cuda or a GPU index")
 
 
+DESCRIPTION = """\
+Convert a Hugging Face BF16 safetensors checkpoint to NVFP4 in the ModelOpt layout that SGLang's
+modelopt_fp4 loader reads. Routed experts are quantized; everything else is copied unchanged.
+The run streams (bounded memory), writes each shard atomically and resumes where it stopped."""
+
+EPILOG = """\
+example:
+  quant-convert nvfp4 --model-dir Qwen3-30B-A3B --save-dir Qwen3-30B-A3B-NVFP4 \\
+      --num-layers-at-end-in-bf16 8 --dry-run"""
+
+
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Defaults after every option's help; description and example kept as written.
+
+    A required option has no default to show, and an option whose default is None says in its
+    help what None means.
+    """
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.required or action.default is None:
+            return action.help
+        return super()._get_help_string(action)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="quant-convert", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("nvfp4", help="convert an HF BF16 checkpoint to NVFP4 (ModelOpt layout)")
-    p.add_argument("--model-dir", required=True, help="source HF checkpoint (safetensors)")
-    p.add_argument("--save-dir", required=True, help="output dir (a sibling of --model-dir)")
-    p.add_argument("--num-layers-at-start-in-bf16", type=int, default=0)
-    p.add_argument("--num-layers-at-end-in-bf16", type=int, default=0)
+    parser = argparse.ArgumentParser(
+        prog="quant-convert", description=DESCRIPTION, formatter_class=_HelpFormatter
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    p = sub.add_parser(
+        "nvfp4",
+        help="convert an HF BF16 checkpoint to NVFP4 (ModelOpt layout)",
+        description=DESCRIPTION,
+        epilog=EPILOG,
+        formatter_class=_HelpFormatter,
+    )
+    p.add_argument(
+        "--model-dir",
+        required=True,
+        metavar="DIR",
+        help="source HF checkpoint directory (config.json + *.safetensors)",
+    )
+    p.add_argument(
+        "--save-dir", required=True, metavar="DIR", help="output directory; not inside --model-dir"
+    )
+    p.add_argument(
+        "--num-layers-at-start-in-bf16",
+        type=int,
+        default=0,
+        metavar="N",
+        help="keep the first N decoder layers in BF16",
+    )
+    p.add_argument(
+        "--num-layers-at-end-in-bf16",
+        type=int,
+        default=0,
+        metavar="N",
+        help="keep the last N decoder layers in BF16",
+    )
     p.add_argument(
         "--extra-high-precision-layers-hf",
         nargs="+",
@@ -41,24 +92,83 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="PATTERN",
         help="keep matching tensors BF16: substring, re:REGEX or glob:GLOB",
     )
-    p.add_argument("--include-shared-experts", action="store_true")
-    p.add_argument("--quantize-3d-experts", action="store_true", help="fused [E, N, K] experts")
-    p.add_argument("--four-over-six", choices=("off", "mae", "mse"), default="off")
-    p.add_argument("--e4m3-max", type=int, choices=(448, 256), default=None)
     p.add_argument(
-        "--scale-rounding", choices=("te-multiplier", "te-divide"), default="te-multiplier"
+        "--include-shared-experts", action="store_true", help="quantize shared experts too"
     )
-    p.add_argument("--input-scale", choices=("1.0", "none"), default="1.0")
-    p.add_argument("--kv-cache-quant-algo", choices=("FP8", "none"), default="FP8")
-    p.add_argument("--device", type=_device, default="cpu", help="cpu, cuda or a GPU index N")
-    p.add_argument("--exclusion-style", choices=("compact", "explicit"), default="compact")
-    p.add_argument("--resume", action=argparse.BooleanOptionalAction, default=True)
-    p.add_argument("--overwrite", action="store_true", help="ignore earlier state, start over")
-    p.add_argument("--verify", action=argparse.BooleanOptionalAction, default=True,
-                   help="re-hash shards a resume keeps")  # fmt: skip
-    p.add_argument("--dry-run", action="store_true", help="print the plan and exclusion list")
-    p.add_argument("--workers", type=int, default=1, help="shards converted in parallel")
-    p.add_argument("--no-progress", action="store_true")
+    p.add_argument(
+        "--quantize-3d-experts",
+        action="store_true",
+        help="quantize fused [E, N, K] expert tensors too",
+    )
+    p.add_argument(
+        "--four-over-six",
+        choices=("off", "mae", "mse"),
+        default="off",
+        help="4-over-6 block scaling, choosing per block by MAE or MSE",
+    )
+    p.add_argument(
+        "--e4m3-max",
+        type=int,
+        choices=(448, 256),
+        default=None,
+        help="TE's Emax for the scales (default: 448, or 256 with --four-over-six)",
+    )
+    p.add_argument(
+        "--scale-rounding",
+        choices=("te-multiplier", "te-divide"),
+        default="te-multiplier",
+        help="block-scale arithmetic; te-divide reproduces older TransformerEngine",
+    )
+    p.add_argument(
+        "--input-scale",
+        choices=("1.0", "none"),
+        default="1.0",
+        help="input_scale to write: 1.0 suits SGLang's per-token activation mode",
+    )
+    p.add_argument(
+        "--kv-cache-quant-algo",
+        choices=("FP8", "none"),
+        default="FP8",
+        help="KV-cache algorithm declared in the quantization config",
+    )
+    p.add_argument(
+        "--device",
+        type=_device,
+        default="cpu",
+        metavar="DEVICE",
+        help="where to quantize: cpu, cuda or a GPU index N",
+    )
+    p.add_argument(
+        "--exclusion-style",
+        choices=("compact", "explicit"),
+        default="compact",
+        help="compact: the shortest list SGLang decides identically; explicit: "
+        "every kept module by name",
+    )
+    p.add_argument(
+        "--resume",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="keep shards an interrupted run finished",
+    )
+    p.add_argument(
+        "--overwrite", action="store_true", help="ignore an earlier run's state and start over"
+    )
+    p.add_argument(
+        "--verify",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="re-hash the shards a resume keeps",
+    )
+    p.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="print the plan and the exclusion list, write nothing",
+    )
+    p.add_argument(
+        "--workers", type=int, default=1, metavar="N", help="shards converted in parallel"
+    )
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
     return parser
 
 
@@ -82,6 +192,37 @@ def _options(a: argparse.Namespace) -> ConvertOptions:
     )
 
 
+class _ProgressBar:
+    """Source bytes done over total, the shard at work, rate and time left (rich, on stderr)."""
+
+    def __init__(self) -> None:
+        from rich.console import Console
+        from rich.progress import (
+            BarColumn,
+            DownloadColumn,
+            Progress,
+            TextColumn,
+            TimeRemainingColumn,
+            TransferSpeedColumn,
+        )
+
+        self._progress = Progress(
+            TextColumn("nvfp4 {task.fields[shard]}"), BarColumn(), DownloadColumn(),
+            TransferSpeedColumn(), TimeRemainingColumn(), console=Console(stderr=True),
+        )  # fmt: skip
+        self._task = self._progress.add_task("nvfp4", total=None, shard="planning")
+        self._progress.start()
+
+    def update(self, event: ProgressEvent) -> None:
+        shard = "done" if event.bytes_done >= event.bytes_total else event.shard
+        self._progress.update(
+            self._task, completed=event.bytes_done, total=event.bytes_total, shard=shard
+        )
+
+    def close(self) -> None:
+        self._progress.stop()
+
+
 def _gib(n: int) -> str:
     return f"{n / 2**30:.3f} GiB"
 
@@ -91,18 +232,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.workers < 1:
         print("error: --workers must be >= 1", file=sys.stderr)
         return 2
-    bar = None
-    progress = None
-    if not args.no_progress and not args.dry_run:
-        from tqdm import tqdm
-
-        bar = tqdm(unit="B", unit_scale=True, unit_divisor=1024, desc="nvfp4", file=sys.stderr)
-
-        def progress(e: ProgressEvent) -> None:
-            assert bar is not None
-            bar.total = e.bytes_total
-            bar.update(e.bytes_done - bar.n)
-
+    bar = None if args.no_progress or args.dry_run else _ProgressBar()
+    progress = None if bar is None else bar.update
     try:
         report = convert_checkpoint(
             args.model_dir,
@@ -118,6 +249,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     except (QuantConvertError, ConfigError) as exc:
         print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:  # a seam we did not name: still one line, never a traceback
+        print(f"error: {exc.strerror or exc} ({exc.filename or 'no file'})", file=sys.stderr)
         return 2
     finally:
         if bar is not None:

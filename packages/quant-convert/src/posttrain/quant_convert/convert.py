@@ -11,6 +11,11 @@ files still hash the same, and refuses a state written for other inputs or optio
 interrupted run never looks complete. Departures from miles: the source is read once (not
 twice to find pairs), a cross-shard partner is read again only for its amax, dst equal to or
 nested in src is refused, and other files are copied with their subdirectories.
+
+Failures are named, never raw: an OS error on the destination (read-only, full disk) is an
+``OutputError`` and leaves no ``*.tmp`` behind (the shards recorded so far stay valid, so
+rerunning the same command resumes); an unreadable state file is a ``ResumeError``; any
+unreadable source (config, index, header) a ``CheckpointError``.
 """
 
 from __future__ import annotations
@@ -29,14 +34,17 @@ from typing import Any
 
 import torch
 
+from posttrain.formats import AtomicFile, NVFP4QuantConfig, nvfp4_config_sections
 from posttrain.interface import ConfigError
-from posttrain.quant_convert.errors import CheckpointError, ResumeError
+from posttrain.quant_convert._errors import CheckpointError, ResumeError
 from posttrain.quant_convert.nvfp4 import global_amax, quantize_nvfp4
 from posttrain.quant_convert.plan import ConvertOptions, Plan, ShardPlan, plan_conversion
 from posttrain.quant_convert.safetensors_io import (
     ByteCounter,
     SafetensorsReader,
     ShardWriter,
+    output_error,
+    read_json_object,
     write_bytes_atomic,
 )
 
@@ -100,11 +108,15 @@ def _check_paths(src: Path, dst: Path) -> None:
         raise CheckpointError(f"save dir {dst} and model dir {src} are nested; use sibling dirs")
 
 
-def _sha256_file(path: Path) -> str:
+def _sha256_file(path: Path) -> str | None:
+    """The file's sha256; None when it cannot be read (a resume then redoes that shard)."""
     h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(_HASH_CHUNK):
-            h.update(chunk)
+    try:
+        with open(path, "rb") as f:
+            while chunk := f.read(_HASH_CHUNK):
+                h.update(chunk)
+    except OSError:
+        return None
     return h.hexdigest()
 
 
@@ -183,15 +195,8 @@ class _Run:
                         name=out.source,
                         allow_3d=opts.policy.quantize_3d_experts,
                     )
-                    base = out.source.removesuffix(".weight")
-                    writer.write_tensor(out.name, q.packed)
-                    writer.write_tensor(base + ".weight_scale", q.scale)
-                    writer.write_tensor(base + ".weight_scale_2", q.scale_2)
-                    if opts.input_scale is not None:
-                        writer.write_tensor(
-                            base + ".input_scale",
-                            torch.full(q.scale_2.shape, opts.input_scale, dtype=torch.float32),
-                        )
+                    for name, t in q.named(out.source, input_scale=opts.input_scale):
+                        writer.write_tensor(name, t)
                     del w, q
                     self._tick(shard.file, reader.entries[out.source].nbytes)
             sha = writer.finish()
@@ -202,18 +207,32 @@ class _Run:
         return sha
 
 
+def _write_file(path: Path, data: bytes) -> None:
+    # a fixed temp name: a rerun after a kill overwrites the leftover instead of adding one
+    write_bytes_atomic(path, data)
+
+
 def _load_state(dst: Path) -> dict[str, Any] | None:
     for p in (dst / STATE_DIR / "state.json", dst / MANIFEST):
         if p.is_file():
-            data: dict[str, Any] = json.loads(p.read_text())
+            data = read_json_object(p, ResumeError)
+            if not isinstance(data.get("shards", {}), dict):
+                raise ResumeError(f"{p}: 'shards' is not an object; pass --overwrite")
             return data
     return None
 
 
+def _make_dir(path: Path) -> None:
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise output_error(exc, path, "create") from exc
+
+
 def _write_state(dst: Path, fingerprint: str, done: dict[str, str]) -> None:
-    (dst / STATE_DIR).mkdir(exist_ok=True)
+    _make_dir(dst / STATE_DIR)
     blob = json.dumps({"fingerprint": fingerprint, "shards": done}, indent=1, sort_keys=True)
-    write_bytes_atomic(dst / STATE_DIR / "state.json", blob.encode())
+    _write_file(dst / STATE_DIR / "state.json", blob.encode())
 
 
 def _resumable(
@@ -224,7 +243,10 @@ def _resumable(
         return {}
     state = _load_state(dst)
     if state is None:
-        stray = [p.name for p in dst.iterdir()]
+        try:
+            stray = [p.name for p in dst.iterdir()]
+        except OSError as exc:
+            raise output_error(exc, dst, "list") from exc
         if stray:
             raise CheckpointError(
                 f"save dir {dst} is not empty and holds no conversion state ({stray[0]}, ...); "
@@ -248,54 +270,35 @@ def _resumable(
     return done
 
 
-def _quant_config_section(plan: Plan) -> dict[str, Any]:
-    qc = dict(plan.config.get("quantization_config") or {})
-    qc.update(
-        quant_algo="NVFP4",
-        quant_method="modelopt",
-        group_size=16,
-        ignore=list(plan.exclusions.entries),
-    )
-    if plan.options.kv_cache_quant_algo == "FP8":
-        qc.setdefault("kv_cache_scheme", {"dynamic": False, "num_bits": 8, "type": "float"})
-    else:
-        qc.pop("kv_cache_scheme", None)
-    groups = qc.get("config_groups")
-    if isinstance(groups, dict):
-        fp4 = {"dynamic": False, "num_bits": 4, "type": "float"}
-        for g in groups.values():
-            g.setdefault("targets", ["Linear"])
-            for key in ("weights", "input_activations"):
-                g.setdefault(key, dict(fp4))
-                g[key]["group_size"] = 16
-    return qc
-
-
 def _write_metadata(plan: Plan, dst: Path, shas: dict[str, str]) -> int:
     weight_map = {o.name: s.file for s in plan.shards for o in s.outputs}
     total = plan.output_bytes
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-    write_bytes_atomic(dst / "model.safetensors.index.json", json.dumps(index, indent=2).encode())
-    config = dict(plan.config)
-    config["quantization_config"] = _quant_config_section(plan)
-    write_bytes_atomic(dst / "config.json", json.dumps(config, indent=2).encode())
+    _write_file(dst / "model.safetensors.index.json", json.dumps(index, indent=2).encode())
     src_hq = plan.src / "hf_quant_config.json"
-    hq: dict[str, Any] = (
-        json.loads(src_hq.read_text()) if src_hq.is_file() else {"producer": {"name": "modelopt"}}
+    section, hq = nvfp4_config_sections(
+        NVFP4QuantConfig(
+            exclude_modules=tuple(plan.exclusions.entries),
+            kv_cache_quant_algo=plan.options.kv_cache_quant_algo,
+        ),
+        config_section=plan.config.get("quantization_config") or {},
+        hf_quant_config=read_json_object(src_hq, CheckpointError) if src_hq.is_file() else None,
     )
-    hq["quantization"] = {
-        "quant_algo": "NVFP4",
-        "kv_cache_quant_algo": plan.options.kv_cache_quant_algo,
-        "group_size": 16,
-        "exclude_modules": list(plan.exclusions.entries),
-    }
-    write_bytes_atomic(dst / "hf_quant_config.json", json.dumps(hq, indent=2).encode())
+    config = dict(plan.config)
+    config["quantization_config"] = section
+    _write_file(dst / "config.json", json.dumps(config, indent=2).encode())
+    _write_file(dst / "hf_quant_config.json", json.dumps(hq, indent=2).encode())
     for rel in plan.other_files:
         target = dst / rel
-        target.parent.mkdir(parents=True, exist_ok=True)
+        _make_dir(target.parent)
         tmp = target.with_name(target.name + ".tmp")
-        shutil.copyfile(plan.src / rel, tmp)
-        tmp.replace(target)
+        try:
+            with open(plan.src / rel, "rb") as src_file, AtomicFile(target, tmp=tmp) as out:
+                shutil.copyfileobj(src_file, out.file)
+        except OSError as exc:  # AtomicFile removed its temp file
+            if exc.filename is not None and Path(exc.filename) == plan.src / rel:
+                raise CheckpointError(f"{plan.src / rel}: cannot read ({exc.strerror})") from exc
+            raise output_error(exc, target, "copy to") from exc
     from posttrain.quant_convert import __version__
 
     manifest = {
@@ -308,7 +311,7 @@ def _write_metadata(plan: Plan, dst: Path, shas: dict[str, str]) -> int:
         "tensors_quantized": len(plan.quantized),
         "exclusion_entries": len(plan.exclusions.entries),
     }
-    write_bytes_atomic(dst / MANIFEST, json.dumps(manifest, indent=2).encode())
+    _write_file(dst / MANIFEST, json.dumps(manifest, indent=2).encode())
     return total
 
 
@@ -319,6 +322,46 @@ def _device(device: str | int) -> torch.device:
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError(f"device={device!r}: this torch has no CUDA device")
     return dev
+
+
+def _convert_shards(
+    plan: Plan,
+    dst: Path,
+    dev: torch.device,
+    done: dict[str, str],
+    workers: int,
+    progress: ProgressCallback | None,
+) -> tuple[list[ShardPlan], int, int]:
+    """Convert the shards not in ``done`` (updated in place); (converted, bytes in, bytes out)."""
+    try:
+        (dst / MANIFEST).unlink(missing_ok=True)  # incomplete until the manifest is back
+    except OSError as exc:
+        raise output_error(exc, dst / MANIFEST, "remove") from exc
+    _write_state(dst, plan.fingerprint, done)
+    run = _Run(plan, dst, dev, progress)
+    todo = [s for s in plan.shards if s.file not in done]
+    for s in plan.shards:
+        if s.file in done:
+            run._tick(s.file, s.source_bytes, done=True)
+    lock = threading.Lock()
+
+    def one(shard: ShardPlan) -> None:
+        sha = run.convert_shard(shard)
+        with lock:
+            done[shard.file] = sha
+            _write_state(dst, plan.fingerprint, done)
+        run._tick(shard.file, 0, done=True)  # after the state records it
+
+    if workers <= 1:
+        for s in todo:
+            one(s)
+    else:
+        with ThreadPoolExecutor(max_workers=workers) as pool:
+            for fut in [pool.submit(one, s) for s in todo]:
+                fut.result()
+    total = _write_metadata(plan, dst, done)
+    shutil.rmtree(dst / STATE_DIR, ignore_errors=True)
+    return todo, run.counter.total, total
 
 
 def convert_checkpoint(
@@ -348,39 +391,23 @@ def convert_checkpoint(
         return ConversionReport(plan, dst, len(plan.quantized), kept, plan.exclusions.entries,
                                 0, 0, (), (), time.perf_counter() - t0, True)  # fmt: skip
     done = _resumable(plan, dst, resume, overwrite, verify)
-    dst.mkdir(parents=True, exist_ok=True)
-    (dst / MANIFEST).unlink(missing_ok=True)  # the run is incomplete until the manifest is back
-    _write_state(dst, plan.fingerprint, done)
-    run = _Run(plan, dst, dev, progress)
-    todo = [s for s in plan.shards if s.file not in done]
-    for s in plan.shards:
-        if s.file in done:
-            run._tick(s.file, s.source_bytes, done=True)
-    lock = threading.Lock()
-
-    def one(shard: ShardPlan) -> None:
-        sha = run.convert_shard(shard)
-        with lock:
-            done[shard.file] = sha
-            _write_state(dst, plan.fingerprint, done)
-        run._tick(shard.file, 0, done=True)  # after the state records it
-
-    if workers <= 1:
-        for s in todo:
-            one(s)
-    else:
-        with ThreadPoolExecutor(max_workers=workers) as pool:
-            for fut in [pool.submit(one, s) for s in todo]:
-                fut.result()
-    total = _write_metadata(plan, dst, done)
-    shutil.rmtree(dst / STATE_DIR, ignore_errors=True)
+    created = not dst.exists()
+    _make_dir(dst)
+    try:
+        todo, counter, total = _convert_shards(plan, dst, dev, done, workers, progress)
+    except BaseException:
+        if not done:  # no shard finished: leave nothing that looks like a conversion began
+            shutil.rmtree(dst / STATE_DIR, ignore_errors=True)
+            if created:
+                shutil.rmtree(dst, ignore_errors=True)
+        raise
     return ConversionReport(
         plan=plan,
         dst=dst,
         tensors_quantized=len(plan.quantized),
         tensors_kept=kept,
         exclusion_entries=plan.exclusions.entries,
-        bytes_in=run.counter.total,
+        bytes_in=counter,
         bytes_out=total,
         shards_written=tuple(s.file for s in todo),
         shards_resumed=tuple(s.file for s in plan.shards if s.file not in {t.file for t in todo}),

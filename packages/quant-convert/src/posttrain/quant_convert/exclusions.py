@@ -27,7 +27,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from posttrain.quant_convert.errors import CheckpointError, ExclusionError
+from posttrain.quant_convert._errors import CheckpointError, ExclusionError
 from posttrain.quant_convert.selection import TensorInfo
 from posttrain.quant_convert.sglang_rules import (
     MLA_FUSED_PIECES,

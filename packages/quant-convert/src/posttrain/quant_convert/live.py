@@ -14,7 +14,7 @@ from collections.abc import Iterable, Sequence
 import torch
 
 from posttrain.interface import NVFP4Precision
-from posttrain.quant_convert.errors import CheckpointError
+from posttrain.quant_convert._errors import CheckpointError
 from posttrain.quant_convert.nvfp4 import NVFP4Config, global_amax, quantize_nvfp4
 from posttrain.quant_convert.selection import QuantPolicy, TensorInfo, gate_up_role, select_tensors
 from posttrain.quant_convert.sglang_rules import build_modules, is_excluded
@@ -81,10 +81,5 @@ def quantize_named_params(
         if n in partner:
             amax = torch.maximum(amax, global_amax(by_name[partner[n]], per_expert=is_3d))
         qt = quantize_nvfp4(t, global_amax=amax, cfg=cfg, name=n, allow_3d=is_3d)
-        base = n.removesuffix(".weight")
-        out += [
-            (n, qt.packed),
-            (base + ".weight_scale", qt.scale),
-            (base + ".weight_scale_2", qt.scale_2),
-        ]
+        out += qt.named(n)
     return out

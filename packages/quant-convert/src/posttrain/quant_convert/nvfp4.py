@@ -1,9 +1,9 @@
-"""Pure-torch NVFP4 quantizer and dequantizer (CPU and CUDA), bit-exact to TE's 1-D reference.
+"""Pure-torch NVFP4 quantizer (CPU and CUDA), bit-exact to TE's 1-D reference.
 
-Layout (ModelOpt, what SGLang's ``modelopt_fp4`` loader reads), for a weight ``[N, K]``:
-``weight`` uint8 ``[N, K/2]`` (two E2M1 codes a byte, the even element in the low nibble),
-``weight_scale`` float8_e4m3fn ``[N, K/16]`` (one per 1x16 block, row-major, not swizzled)
-and ``weight_scale_2`` float32 (0-d; ``[E]`` for 3-D expert tensors), the global decode scale.
+The output is the ModelOpt layout SGLang's ``modelopt_fp4`` loader reads; the layout itself
+(names, dtypes, E2M1 code packing, dequantization) is ``posttrain.formats``' NVFP4 format,
+which this module uses rather than restates: ``packed`` holds ``pack_e2m1_codes`` bytes,
+``scale`` the float8_e4m3fn block scales, ``scale_2`` the global decode scale.
 
 The arithmetic follows TransformerEngine's ``NVFP4QuantizerRef`` 1-D path (RHT, 2-D and
 stochastic rounding off), all in fp32 with round-to-nearest-even. Where it departs from the
@@ -29,33 +29,24 @@ from typing import Literal
 
 import torch
 
+from posttrain.formats import GROUP_SIZE, e2m1_code_values, nvfp4_layout, pack_e2m1_codes
 from posttrain.interface import NVFP4Precision
-from posttrain.quant_convert.errors import QuantInputError
+from posttrain.quant_convert._errors import QuantInputError
 
 __all__ = [
-    "E2M1_VALUES",
     "NVFP4Config",
     "NVFP4Tensor",
-    "dequantize_nvfp4",
     "global_amax",
-    "pack_e2m1",
     "quantize_nvfp4",
     "quantize_nvfp4_pair",
-    "unpack_e2m1",
 ]
 
 ScaleRounding = Literal["te-multiplier", "te-divide"]
 FourOverSixMode = Literal["off", "mae", "mse"]
 
-GROUP_SIZE = 16
 FLT_MAX = float(torch.finfo(torch.float32).max)
 E4M3_MAX = 448.0
 _SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-# Codes 0..15: sign << 3 | magnitude index. Code 8 is -0.0.
-E2M1_VALUES: tuple[float, ...] = (
-    0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
-    -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0,
-)  # fmt: skip
 _CHUNK_ELEMENTS = 1 << 20  # rows per step on CPU: ~10 fp32 temporaries of 4 MiB each
 
 
@@ -109,6 +100,18 @@ class NVFP4Tensor:
     packed: torch.Tensor
     scale: torch.Tensor
     scale_2: torch.Tensor
+
+    def named(
+        self, weight_name: str, *, input_scale: float | None = None
+    ) -> list[tuple[str, torch.Tensor]]:
+        """The checkpoint tensors that replace the source weight ``weight_name``, in the order
+        and under the names of ``posttrain.formats.nvfp4_layout`` (``input_scale``: emit one)."""
+        parts = {"weight": self.packed, "weight_scale": self.scale, "weight_scale_2": self.scale_2}
+        if input_scale is not None:
+            parts["input_scale"] = torch.full_like(self.scale_2, input_scale)
+        shape = (*self.packed.shape[:-1], self.packed.shape[-1] * 2)
+        layout = nvfp4_layout(weight_name, shape, input_scale=input_scale is not None)
+        return [(t.name, parts[t.part]) for t in layout]
 
 
 def _check(w: torch.Tensor, name: str, allow_3d: bool) -> None:
@@ -196,14 +199,13 @@ def _quantize_rows(
     base = (v / 6.0) * s_enc
     s6 = _e4m3(base)
     s4 = _e4m3(base * 1.5)
-    table = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=x.device)
     denom = torch.tensor(6.0 * cfg.emax, dtype=torch.float32, device=x.device)
     errs = []
     cands = []
     for s in (s4, s6):
         sf = s.to(torch.float32)
         c = _encode(blocks, sf, ws2)
-        val = ((table[c.long()] * sf.unsqueeze(-1)) * amax) / denom
+        val = ((e2m1_code_values(c) * sf.unsqueeze(-1)) * amax) / denom
         diff = val - blocks
         errs.append(_sequential_sum(diff.abs() if cfg.four_over_six == "mae" else diff * diff))
         cands.append(c)
@@ -211,17 +213,6 @@ def _quantize_rows(
     codes = torch.where(use4.unsqueeze(-1), cands[0], cands[1])
     s = torch.where(use4, s4.to(torch.float32), s6.to(torch.float32)).to(torch.float8_e4m3fn)
     return codes.reshape(x.shape), s
-
-
-def pack_e2m1(codes: torch.Tensor) -> torch.Tensor:
-    """Pack codes ``[..., K]`` (uint8, 0..15) into ``[..., K/2]``: even element in the low nibble."""
-    return codes[..., 0::2] | (codes[..., 1::2] << 4)
-
-
-def unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:
-    """Inverse of :func:`pack_e2m1`."""
-    out = torch.stack((packed & 0x0F, packed >> 4), dim=-1)
-    return out.reshape(*packed.shape[:-1], packed.shape[-1] * 2)
 
 
 def _quantize_2d(
@@ -238,7 +229,7 @@ def _quantize_2d(
     for r0 in range(0, n, rows):
         x = w[r0 : r0 + rows].to(torch.float32)
         codes, s = _quantize_rows(x, s_enc, ws2, amax, cfg, name)
-        packed[r0 : r0 + rows] = pack_e2m1(codes)
+        packed[r0 : r0 + rows] = pack_e2m1_codes(codes)
         scale[r0 : r0 + rows] = s
     return packed, scale, ws2
 
@@ -308,22 +299,3 @@ def quantize_nvfp4_pair(
         quantize_nvfp4(gate, global_amax=amax, cfg=cfg, name=names[0], allow_3d=allow_3d),
         quantize_nvfp4(up, global_amax=amax, cfg=cfg, name=names[1], allow_3d=allow_3d),
     )
-
-
-def dequantize_nvfp4(
-    packed: torch.Tensor,
-    scale: torch.Tensor,
-    scale_2: torch.Tensor,
-    *,
-    dtype: torch.dtype = torch.float32,
-) -> torch.Tensor:
-    """``E2M1[code] * (float(scale) * scale_2)`` in fp32, then cast to ``dtype``."""
-    codes = unpack_e2m1(packed)
-    table = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=packed.device)
-    vals = table[codes.long()]
-    s2 = scale_2.to(torch.float32)
-    if s2.dim() == 1:  # [E] for 3-D expert tensors
-        s2 = s2.reshape(-1, 1, 1)
-    block = scale.to(torch.float32) * s2
-    out = vals.reshape(*codes.shape[:-1], -1, GROUP_SIZE) * block.unsqueeze(-1)
-    return out.reshape(codes.shape).to(dtype)

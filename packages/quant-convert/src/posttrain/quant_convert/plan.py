@@ -14,11 +14,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from posttrain.formats import NVFP4Part, nvfp4_layout
 from posttrain.interface import NVFP4Precision
-from posttrain.quant_convert.errors import CheckpointError
+from posttrain.quant_convert._errors import CheckpointError
 from posttrain.quant_convert.exclusions import ExclusionPlan, ExclusionStyle, plan_exclusions
 from posttrain.quant_convert.nvfp4 import NVFP4Config
-from posttrain.quant_convert.safetensors_io import DTYPE_BYTES, HeaderEntry, read_header
+from posttrain.quant_convert.safetensors_io import (
+    DTYPE_BYTES,
+    HeaderEntry,
+    read_header,
+    read_json_object,
+)
 from posttrain.quant_convert.selection import QuantPolicy, TensorInfo, gate_up_role, select_tensors
 
 __all__ = ["ConvertOptions", "OutputTensor", "Plan", "ShardPlan", "plan_conversion"]
@@ -27,6 +33,13 @@ FORMAT_VERSION = 1
 _SCALE_SUFFIXES = ("weight_scale", "weight_scale_2", "input_scale", "weight_scale_inv",
                    "k_scale", "v_scale", "weight_global_scale", "weight_packed")  # fmt: skip
 _UNQUANTIZED_METHODS = (None, "", "bf16")
+OutputKind = Literal["copy", "packed", "scale", "scale_2", "input_scale"]
+_KIND: dict[NVFP4Part, OutputKind] = {
+    "weight": "packed",
+    "weight_scale": "scale",
+    "weight_scale_2": "scale_2",
+    "input_scale": "input_scale",
+}
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -81,7 +94,7 @@ class OutputTensor:
     dtype: str
     shape: tuple[int, ...]
     source: str
-    kind: Literal["copy", "packed", "scale", "scale_2", "input_scale"]
+    kind: OutputKind
 
     @property
     def nbytes(self) -> int:
@@ -127,9 +140,9 @@ class Plan:
 
 
 def _num_layers(config: dict[str, Any], src: Path) -> int:
-    for holder in (config, config.get("text_config") or {}, config.get("llm_config") or {}):
-        n = holder.get("num_hidden_layers")
-        if isinstance(n, int):
+    for holder in (config, config.get("text_config"), config.get("llm_config")):
+        n = holder.get("num_hidden_layers") if isinstance(holder, dict) else None
+        if isinstance(n, int) and not isinstance(n, bool) and n >= 0:
             return n
     raise CheckpointError(f"{src / 'config.json'}: no num_hidden_layers (nor text_config's)")
 
@@ -157,7 +170,11 @@ def _source_files(src: Path) -> list[Path]:
         raise CheckpointError(f"{src}: no *.safetensors files")
     index = src / "model.safetensors.index.json"
     if index.exists():
-        wm = json.loads(index.read_text())["weight_map"]
+        wm = read_json_object(index, CheckpointError).get("weight_map")
+        if not isinstance(wm, dict) or not all(
+            isinstance(f, str) and f and "/" not in f and f not in (".", "..") for f in wm.values()
+        ):
+            raise CheckpointError(f"{index}: weight_map must map tensor names to shard file names")
         listed = sorted({src / f for f in wm.values()})
         missing = [f for f in listed if not f.exists()]
         if missing:
@@ -199,7 +216,7 @@ def plan_conversion(src: Path | str, options: ConvertOptions | None = None) -> P
     cfg_path = src / "config.json"
     if not cfg_path.is_file():
         raise CheckpointError(f"{src}: no config.json")
-    config = json.loads(cfg_path.read_text())
+    config = read_json_object(cfg_path, CheckpointError)
     num_layers = _num_layers(config, src)
     files = _source_files(src)
 
@@ -278,20 +295,11 @@ def _plan_shard(
             if g.name not in quantized:
                 outputs.append(OutputTensor(g.name, g.dtype, g.shape, g.name, "copy"))
                 continue
-            base = g.name.removesuffix(".weight")
-            *lead, n, k = g.shape
-            s2_shape = tuple(lead)
+            layout = nvfp4_layout(g.name, g.shape, input_scale=options.input_scale is not None)
             new = [
-                OutputTensor(g.name, "U8", (*lead, n, k // 2), g.name, "packed"),
-                OutputTensor(
-                    base + ".weight_scale", "F8_E4M3", (*lead, n, k // 16), g.name, "scale"
-                ),
-                OutputTensor(base + ".weight_scale_2", "F32", s2_shape, g.name, "scale_2"),
+                OutputTensor(t.name, t.safetensors_dtype, t.shape, g.name, _KIND[t.part])
+                for t in layout
             ]
-            if options.input_scale is not None:
-                new.append(
-                    OutputTensor(base + ".input_scale", "F32", s2_shape, g.name, "input_scale")
-                )
             for o in new[1:]:
                 if o.name in all_names:
                     raise CheckpointError(f"{o.name}: output key collides with a source tensor")

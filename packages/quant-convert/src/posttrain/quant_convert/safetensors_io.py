@@ -4,14 +4,27 @@ Why not ``safetensors.safe_open``: it maps the whole file, so its pages count to
 and the bytes it touches cannot be counted. Here every read is an explicit ``os.pread`` of
 one tensor's byte range (counted in :class:`ByteCounter`), and the writer lays the header
 out first (output sizes are known from shapes) and then appends tensors in header order, so
-memory holds one tensor at a time and the sha256 is computed on the way. The file appears
-under its final name only after ``fsync`` and ``os.replace``.
+memory holds one tensor at a time and the sha256 is computed on the way (the header layout is
+``posttrain.formats.safetensors_header``, shared with every other safetensors writer). The file appears
+under its final name only when complete: the writer is a ``posttrain.formats.AtomicFile`` with
+the fixed temp name ``<shard>.tmp`` (a resumed run overwrites a killed run's leftover).
+
+Headers are untrusted bytes and are parsed defensively (``parse_header``): the declared
+length must fit the file and a 100 MB cap (safetensors' own) before anything is read, the
+JSON must be an object whose ``__metadata__`` maps strings to strings and whose every
+entry has a known ``dtype``, a ``shape`` of non-negative ints and ``data_offsets`` inside
+the data section, agreeing with dtype x shape and overlapping no other tensor. Every
+failure is a ``CheckpointError`` naming the file and tensor; every OS error while reading
+a source is one too, and while writing the destination an ``OutputError``: the writer
+removes its ``*.tmp`` file, so nothing half-written stays behind.
 """
 
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
+import math
 import os
 import struct
 import threading
@@ -22,7 +35,9 @@ from typing import Any
 
 import torch
 
-from posttrain.quant_convert.errors import CheckpointError
+from posttrain.formats import AtomicFile, safetensors_header, tensor_bytes
+from posttrain.formats import write_bytes_atomic as _write_bytes_atomic
+from posttrain.quant_convert._errors import CheckpointError, OutputError, ResumeError
 
 __all__ = [
     "DTYPE_BYTES",
@@ -30,8 +45,9 @@ __all__ = [
     "HeaderEntry",
     "SafetensorsReader",
     "ShardWriter",
-    "fsync_dir",
+    "parse_header",
     "read_header",
+    "read_json_object",
     "write_bytes_atomic",
 ]
 
@@ -46,6 +62,13 @@ TORCH_DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64,
 }  # fmt: skip
 _COPY_CHUNK = 8 << 20
+MAX_HEADER_BYTES = 100 * 1024 * 1024  # safetensors refuses larger headers too
+
+
+def output_error(exc: OSError, path: Path, doing: str) -> OutputError:
+    """An OS error while writing the destination, as a named error (errno and reason)."""
+    reason = exc.strerror or str(exc)
+    return OutputError(f"cannot {doing} {path}: {reason} (errno {exc.errno})")
 
 
 class ByteCounter:
@@ -73,24 +96,100 @@ class HeaderEntry:
         return self.end - self.begin
 
 
-def read_header(path: Path) -> tuple[dict[str, HeaderEntry], dict[str, str], bytes]:
-    """Entries by name, the ``__metadata__`` dict and the raw header bytes (for fingerprints)."""
-    with open(path, "rb") as f:
-        head = f.read(8)
-        if len(head) != 8:
-            raise CheckpointError(f"{path}: not a safetensors file (shorter than 8 bytes)")
-        (n,) = struct.unpack("<Q", head)
-        raw = f.read(n)
+def read_json_object(path: Path, error: type[CheckpointError | ResumeError]) -> dict[str, Any]:
+    """A JSON object from ``path``; unreadable, malformed or not an object is ``error``."""
     try:
-        header: dict[str, Any] = json.loads(raw)
-    except ValueError as exc:
-        raise CheckpointError(f"{path}: unreadable safetensors header: {exc}") from exc
+        data = json.loads(path.read_bytes())
+    except OSError as exc:
+        raise error(f"{path}: cannot read ({exc.strerror or exc})") from exc
+    except (ValueError, RecursionError) as exc:
+        raise error(f"{path}: not JSON ({type(exc).__name__}: {exc})") from None
+    if not isinstance(data, dict):
+        raise error(f"{path}: a JSON {type(data).__name__}, not an object")
+    return data
+
+
+def _bad(path: Path, why: str) -> CheckpointError:
+    return CheckpointError(f"{path}: not a valid safetensors file: {why}")
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def parse_header(
+    raw: bytes, data_bytes: int, path: Path
+) -> tuple[dict[str, HeaderEntry], dict[str, str]]:
+    """Validate a header's JSON against a data section of ``data_bytes`` (see the docstring)."""
+    try:
+        header = json.loads(raw)
+    except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
+        raise _bad(path, f"header is not JSON ({type(exc).__name__}: {exc})") from None
+    if not isinstance(header, dict):
+        raise _bad(path, f"header is a JSON {type(header).__name__}, not an object")
     meta = header.pop("__metadata__", None) or {}
-    base = 8 + n
-    entries = {}
+    if not isinstance(meta, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in meta.items()
+    ):
+        raise _bad(path, "__metadata__ must map strings to strings")
+    base = 8 + len(raw)
+    entries: dict[str, HeaderEntry] = {}
     for name, spec in header.items():
-        b, e = spec["data_offsets"]
-        entries[name] = HeaderEntry(name, spec["dtype"], tuple(spec["shape"]), base + b, base + e)
+        where = f"tensor {name!r}"
+        if not isinstance(spec, dict):
+            raise _bad(path, f"{where}: entry is not an object")
+        dtype, shape, offsets = spec.get("dtype"), spec.get("shape"), spec.get("data_offsets")
+        if not isinstance(dtype, str) or dtype not in DTYPE_BYTES:
+            raise _bad(path, f"{where}: dtype {dtype!r} is missing or not supported")
+        if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
+            raise _bad(path, f"{where}: shape {shape!r} is not a list of non-negative ints")
+        if (
+            not isinstance(offsets, list)
+            or len(offsets) != 2
+            or not all(_is_int(o) for o in offsets)
+            or not 0 <= offsets[0] <= offsets[1] <= data_bytes
+        ):
+            raise _bad(
+                path, f"{where}: data_offsets {offsets!r} are not [begin, end] in [0, {data_bytes}]"
+            )
+        nbytes = DTYPE_BYTES[dtype] * math.prod(shape)
+        if offsets[1] - offsets[0] != nbytes:
+            raise _bad(
+                path,
+                f"{where}: data_offsets span {offsets[1] - offsets[0]} bytes, {dtype} {shape} "
+                f"needs {nbytes}",
+            )
+        entries[name] = HeaderEntry(name, dtype, tuple(shape), base + offsets[0], base + offsets[1])
+    spans = sorted((e.begin, e.end, e.name) for e in entries.values() if e.end > e.begin)
+    for (_, end, first), (begin, _, second) in itertools.pairwise(spans):
+        if begin < end:
+            raise _bad(path, f"tensors {first!r} and {second!r} overlap")
+    return entries, meta
+
+
+def read_header(path: Path) -> tuple[dict[str, HeaderEntry], dict[str, str], bytes]:
+    """Entries by name, the ``__metadata__`` dict and the raw header bytes (for fingerprints).
+
+    The length prefix is checked against the file size before the header is read, so a
+    corrupt prefix (2^40) costs nothing.
+    """
+    try:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            head = f.read(8)
+            if len(head) != 8:
+                raise CheckpointError(f"{path}: not a safetensors file (shorter than 8 bytes)")
+            (n,) = struct.unpack("<Q", head)
+            if n > size - 8 or n > MAX_HEADER_BYTES:
+                raise _bad(
+                    path,
+                    f"header length {n} exceeds the file ({size} bytes) or the "
+                    f"{MAX_HEADER_BYTES}-byte limit",
+                )
+            raw = f.read(n)
+    except OSError as exc:
+        raise CheckpointError(f"{path}: cannot read ({exc.strerror or exc})") from exc
+    entries, meta = parse_header(raw, size - 8 - n, path)
     return entries, meta, raw
 
 
@@ -101,7 +200,10 @@ class SafetensorsReader:
         self.path = path
         self.entries, self.metadata, self.raw_header = read_header(path)
         self._counter = counter
-        self._fd = os.open(path, os.O_RDONLY)
+        try:
+            self._fd = os.open(path, os.O_RDONLY)
+        except OSError as exc:
+            raise CheckpointError(f"{path}: cannot open ({exc.strerror or exc})") from exc
 
     def close(self) -> None:
         os.close(self._fd)
@@ -117,7 +219,10 @@ class SafetensorsReader:
         view = memoryview(buf)
         got = 0
         while got < length:
-            n = os.preadv(self._fd, [view[got:]], begin + got)
+            try:
+                n = os.preadv(self._fd, [view[got:]], begin + got)
+            except OSError as exc:
+                raise CheckpointError(f"{self.path}: read failed ({exc.strerror or exc})") from exc
             if n == 0:
                 raise CheckpointError(f"{self.path}: truncated at offset {begin + got}")
             got += n
@@ -151,27 +256,24 @@ class ShardWriter:
     ) -> None:
         self.path = path
         self.tmp = path.with_name(path.name + ".tmp")
-        header: dict[str, Any] = {"__metadata__": metadata}
-        self._order: list[tuple[str, int]] = []
-        off = 0
-        for name, dtype, shape in layout:
-            n = DTYPE_BYTES[dtype]
-            for d in shape:
-                n *= d
-            header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [off, off + n]}
-            self._order.append((name, n))
-            off += n
-        raw = json.dumps(header, separators=(",", ":")).encode()
-        raw += b" " * (-len(raw) % 8)
-        self.data_bytes = off
+        head, sizes = safetensors_header(layout, metadata)  # the layout is formats'
+        self._order = [(name, n) for (name, _, _), n in zip(layout, sizes, strict=True)]
+        self.data_bytes = sum(sizes)
         self._sha = hashlib.sha256()
-        self._f = open(self.tmp, "wb")  # noqa: SIM115 - closed in finish()/abort()
-        self._emit(struct.pack("<Q", len(raw)) + raw)
+        try:  # committed in finish(), discarded in abort()
+            self._out = AtomicFile(path, tmp=self.tmp)
+        except OSError as exc:
+            raise output_error(exc, self.tmp, "create") from exc
+        self._f = self._out.file
+        self._emit(head)
         self._next = 0
         self._written_in_current = 0
 
     def _emit(self, data: bytes | bytearray | memoryview) -> None:
-        self._f.write(data)
+        try:
+            self._f.write(data)
+        except OSError as exc:  # a full disk (ENOSPC), a quota, a vanished mount
+            raise output_error(exc, self.tmp, "write") from exc
         self._sha.update(data)
 
     def write(self, name: str, data: bytes | bytearray | memoryview, *, final: bool = True) -> None:
@@ -190,39 +292,26 @@ class ShardWriter:
             self._written_in_current = 0
 
     def write_tensor(self, name: str, t: torch.Tensor) -> None:
-        flat = t.detach().to("cpu").contiguous().reshape(-1)
-        self.write(name, flat.view(torch.uint8).numpy().tobytes())
+        self.write(name, tensor_bytes(t))
 
     def finish(self) -> str:
         """fsync, rename into place; returns the sha256 of the file."""
         if self._next != len(self._order):
             raise RuntimeError(f"{self.path}: {self._order[self._next][0]} was never written")
-        self._f.flush()
-        os.fsync(self._f.fileno())
-        self._f.close()
-        os.replace(self.tmp, self.path)
-        fsync_dir(self.path.parent)
+        try:
+            self._out.commit()
+        except OSError as exc:  # commit already removed the temp file
+            raise output_error(exc, self.path, "finish") from exc
         return self._sha.hexdigest()
 
     def abort(self) -> None:
-        self._f.close()
-        self.tmp.unlink(missing_ok=True)
-
-
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+        """Close and remove the temporary file (also when closing fails: the disk may be full)."""
+        self._out.discard()
 
 
 def write_bytes_atomic(path: Path, data: bytes) -> None:
-    """Write a small file atomically (temp name, fsync, rename)."""
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
+    """A small destination file, atomically (``posttrain.formats``); OS errors as ``OutputError``."""
+    try:
+        _write_bytes_atomic(path, data, tmp=path.with_name(path.name + ".tmp"))
+    except OSError as exc:
+        raise output_error(exc, path, "write") from exc

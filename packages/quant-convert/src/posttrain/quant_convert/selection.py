@@ -22,7 +22,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from posttrain.interface import ConfigError
-from posttrain.quant_convert.errors import CheckpointError
+from posttrain.quant_convert._errors import CheckpointError
 
 __all__ = [
     "QuantPolicy",

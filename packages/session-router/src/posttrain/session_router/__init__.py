@@ -1,9 +1,12 @@
 """posttrain.session_router: token-in/token-out chat sessions in front of the stock sgl-router.
 
 An agent talks OpenAI chat to ``/sessions/{id}/v1/chat/completions``; the server renders the chat
-template itself, sends token ids (plus ``lora_path`` when the adapter is served) through
-sgl-router's ``/generate`` with the session as routing key, keeps the exact token ids and logprobs
-of every turn, and assembles them into training samples (``/sessions/{id}/samples``).
+template itself, sends token ids (plus ``lora_path`` and ``extra_key`` when the adapter is
+served, written by ``posttrain.formats.apply_lora_fields`` as on the trainer's generate path)
+through sgl-router's ``/generate`` with the session as routing key, keeps the exact token ids and
+logprobs of every turn, and assembles them into training samples (``/sessions/{id}/samples``, in
+the samples/1 format of ``posttrain.formats``). ``SessionRolloutClient`` is the interface's
+``RolloutEngine``: one session per rollout.
 
 Importing the package is light: each name below is loaded from its module on first use (PEP 562
 ``__getattr__``), so ``python -m posttrain.session_router`` settles its allocator (allocator.py)
@@ -25,6 +28,7 @@ if TYPE_CHECKING:
         SessionRouterError,
         TitoMismatchError,
         UpstreamReplyError,
+        UpstreamTimeoutError,
         UpstreamTransportError,
     )
     from posttrain.session_router.app import create_app
@@ -37,8 +41,8 @@ if TYPE_CHECKING:
         merge_template_kwargs,
         parse_chat_body,
     )
-    from posttrain.session_router.client import SessionClient
-    from posttrain.session_router.config import SessionRouterConfig, serves_lora
+    from posttrain.session_router.client import SessionClient, SessionRolloutClient
+    from posttrain.session_router.config import SessionRouterConfig
     from posttrain.session_router.loopback import LoopbackWorker
     from posttrain.session_router.router import (
         RouterHandle,
@@ -65,7 +69,6 @@ if TYPE_CHECKING:
         Upstream,
         UpstreamReply,
     )
-    from posttrain.session_router.wire import DecodedSamples, decode_samples, encode_samples
 
 # public name -> the module of this package that defines it
 _EXPORTS = {
@@ -77,6 +80,7 @@ _EXPORTS = {
     "SessionRouterError": "_errors",
     "TitoMismatchError": "_errors",
     "UpstreamReplyError": "_errors",
+    "UpstreamTimeoutError": "_errors",
     "UpstreamTransportError": "_errors",
     "create_app": "app",
     "ROUTING_KEY_HEADER": "assembly",
@@ -87,8 +91,8 @@ _EXPORTS = {
     "merge_template_kwargs": "assembly",
     "parse_chat_body": "assembly",
     "SessionClient": "client",
+    "SessionRolloutClient": "client",
     "SessionRouterConfig": "config",
-    "serves_lora": "config",
     "LoopbackWorker": "loopback",
     "RouterHandle": "router",
     "RouterSpec": "router",
@@ -110,9 +114,6 @@ _EXPORTS = {
     "PooledUpstream": "upstream",
     "Upstream": "upstream",
     "UpstreamReply": "upstream",
-    "DecodedSamples": "wire",
-    "decode_samples": "wire",
-    "encode_samples": "wire",
 }
 
 __all__ = [
@@ -121,7 +122,6 @@ __all__ = [
     "BadChatRequestError",
     "ChatRequest",
     "ChatTokenizer",
-    "DecodedSamples",
     "HttpxUpstream",
     "LoopbackWorker",
     "ParsedReply",
@@ -134,6 +134,7 @@ __all__ = [
     "SampleAssemblyError",
     "SessionClient",
     "SessionNotFoundError",
+    "SessionRolloutClient",
     "SessionRouterConfig",
     "SessionRouterError",
     "SessionState",
@@ -142,22 +143,20 @@ __all__ = [
     "Upstream",
     "UpstreamReply",
     "UpstreamReplyError",
+    "UpstreamTimeoutError",
     "UpstreamTransportError",
     "apply_lora",
     "assemble_samples",
     "build_generate_body",
     "commit_turn",
     "create_app",
-    "decode_samples",
     "default_probe_body",
-    "encode_samples",
     "forward_headers",
     "merge_template_kwargs",
     "parse_chat_body",
     "parse_generate_reply",
     "prepare_turn",
     "probe_passthrough",
-    "serves_lora",
     "start_router",
     "strip_rank",
 ]

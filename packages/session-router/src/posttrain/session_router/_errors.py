@@ -4,14 +4,18 @@ PosttrainError                              (posttrain.interface)
 ├── ConfigError (ValueError)                a bad option: tokenizer dir, policy, port
 ├── TransportError                          (posttrain.interface; has ``.url``)
 │   ├── UpstreamReplyError                  502: the engine/router reply lacks what TITO needs
-│   ├── UpstreamTransportError              502: the upstream was unreachable, reset or timed out
+│   ├── UpstreamTransportError              502: the upstream was unreachable or reset the
+│   │   │                                   connection
+│   │   └── UpstreamTimeoutError            504: the upstream did not answer within
+│   │                                       ``upstream_timeout_s`` (``--upstream-timeout-s``)
 │   └── RouterStartError                    sgl-router did not become ready, or a worker did
 │                                           not register/deregister in time
 └── SessionRouterError                      base of the package's own errors
     ├── RouterIncompatible                  the upstream router drops request fields TITO needs
     │                                       (``.dropped`` names them); raised by the startup probe
     ├── SessionNotFoundError                     404: unknown, deleted or expired session id
-    ├── BadChatRequestError (ValueError)         400: bad JSON, bad messages, illegal rollback
+    ├── BadChatRequestError (ValueError)         400: bad JSON, bad messages (the field is
+    │                                       named), illegal rollback
     ├── TitoMismatchError                        500: the prefix invariant broke (``.index`` is the
     │                                       first differing token position)
     └── SampleAssemblyError (ValueError)    422: records cannot be assembled into a sample
@@ -76,3 +80,11 @@ class UpstreamTransportError(TransportError):
         self.cause_name = type(cause).__name__
         self.detail = str(cause) or repr(cause)
         super().__init__(f"{self.cause_name}: {self.detail}", url=url)
+
+
+class UpstreamTimeoutError(UpstreamTransportError):
+    """The upstream did not answer within the configured upstream timeout (e.g. a frozen engine)."""
+
+    def __init__(self, *, url: str, timeout_s: float) -> None:
+        super().__init__(TimeoutError(f"no reply within {timeout_s:g} s"), url=url)
+        self.timeout_s = timeout_s

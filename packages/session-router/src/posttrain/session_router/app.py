@@ -2,19 +2,32 @@
 
     GET    /health                                 instance id (stable per process), allocator
     GET    /metrics                                Prometheus text
-    POST   /sessions                               -> {"session_id"}
+    POST   /sessions      [{"weight_version": N}]  -> {"session_id"}
     GET    /sessions/{id}                          records and TITO metadata
     DELETE /sessions/{id}                          204; waits for an in-flight prepare/commit
     POST   /sessions/{id}/v1/chat/completions      one TITO turn (OpenAI compatible)
     POST   /sessions/{id}/samples                  assembled samples (safetensors, see wire.py)
-    ANY    /sessions/{id}/{path}                   raw proxy with the routing key, not recorded
+    *      /sessions/{id}/{path}                   raw proxy with the routing key, not recorded,
+                                                   for the upstream routes in PROXY_ROUTES only
+
+The raw proxy is an allow-list, not a catch-all: sgl-router serves its admin API (``/workers``,
+``/flush_cache``, ...) on the same port as generation, and a session client must not be able to
+deregister engines or register a worker URL of its choosing through a session. Any other path
+under a session is 404, a listed path with another method 405.
+
+A session names the adapter version its LoRA requests carry (``extra_key``): the
+``weight_version`` it was created with, else the server's ``lora_weight_version``; serving an
+adapter with neither is refused when the session is created (400).
 
 Every route is behind the bearer token when one is configured. Errors are ``{"error": str}``:
-400 bad JSON or messages, 401 missing/wrong token, 404 unknown session or route, 405 a method
-the route does not serve, 413 body over ``max_body_bytes``, 422 sample assembly failed
-(text/plain), 500 TITO prefix mismatch, 502 upstream transport failure, an upstream 5xx (sgl-router answers 500 when the worker died
-mid-request) or a reply without what TITO needs. An upstream 4xx is passed through. A failed
-turn is never recorded.
+400 bad JSON or messages (the field is named), 401 missing/wrong token, 404 unknown session or
+route, 405 a method the route does not serve, 413 body over ``max_body_bytes``, 422 sample
+assembly failed (text/plain), 500 TITO prefix mismatch or an unexpected server error (still
+JSON, naming the exception type), 502 upstream transport failure, an upstream 5xx (sgl-router
+answers 500 when the worker died mid-request) or a reply without what TITO needs, 504 no
+upstream reply within ``upstream_timeout_s``. An upstream 4xx is passed through. A failed turn is
+never recorded, and neither is a turn whose client disconnected before the reply (answered 499
+to nobody, counted as ``abandoned`` in the turn metrics).
 
 The session lock is held while preparing and while committing a turn, never during the upstream
 call, so a worker that dies mid-turn (502) leaves the session unchanged and the turn retryable.
@@ -26,8 +39,9 @@ import asyncio
 import contextlib
 import functools
 import hmac
+import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from types import SimpleNamespace
 from typing import Any
 
@@ -37,6 +51,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.requests import Request
 from starlette.responses import Response
 
+from posttrain.formats import encode_samples
 from posttrain.interface import ConfigError, PosttrainError
 from posttrain.session_router._errors import (
     BadChatRequestError,
@@ -44,10 +59,12 @@ from posttrain.session_router._errors import (
     SessionNotFoundError,
     TitoMismatchError,
     UpstreamReplyError,
+    UpstreamTimeoutError,
     UpstreamTransportError,
 )
 from posttrain.session_router.assembly import (
     REPLY_DROP_HEADERS,
+    ChatRequest,
     apply_lora,
     build_generate_body,
     forward_headers,
@@ -60,15 +77,30 @@ from posttrain.session_router.samples import assemble_samples
 from posttrain.session_router.server import BodyTooLargeError, SessionServer
 from posttrain.session_router.template import ChatTokenizer, NotCachedError
 from posttrain.session_router.tito import (
+    PreparedTurn,
+    SessionState,
     TurnRecord,
     commit_turn,
     parse_generate_reply,
     prepare_turn,
 )
 from posttrain.session_router.upstream import Upstream, UpstreamReply
-from posttrain.session_router.wire import encode_samples
 
 Handler = Callable[[Request], Awaitable[Response]]
+# The upstream routes the raw proxy forwards (path under /sessions/{id}/ -> methods): generation
+# and read-only information. SGLang renamed get_model_info/get_server_info to model_info and
+# server_info; both spellings are read-only. Everything else (sgl-router's /workers, /flush_cache,
+# engines' weight and adapter routes) is 404 through a session.
+PROXY_ROUTES: Mapping[str, tuple[str, ...]] = {
+    "generate": ("POST",),
+    "health": ("GET",),
+    "model_info": ("GET",),
+    "get_model_info": ("GET",),
+    "server_info": ("GET",),
+    "get_server_info": ("GET",),
+    "v1/models": ("GET",),
+}
+_log = logging.getLogger(__name__)
 # Tokenizing more text than this (~4k tokens, ~4 ms) is handed to a thread unless cached.
 _INLINE_TOKENIZE_CHARS = 16 * 1024
 
@@ -87,6 +119,8 @@ def _server(request: Request) -> SessionServer:
 
 
 def _transport_error(exc: UpstreamTransportError) -> Response:
+    if isinstance(exc, UpstreamTimeoutError):
+        return _error(504, f"upstream timeout: {exc.url} gave no reply within {exc.timeout_s:g} s")
     return _error(502, f"backend transport error: {exc.cause_name}: {exc.detail}")
 
 
@@ -119,6 +153,9 @@ def _handled(route: str, fn: Handler) -> Handler:
             response = _transport_error(exc)
         except PosttrainError as exc:  # anything else we raise is still a JSON error
             response = _error(500, f"{type(exc).__name__}: {exc}")
+        except Exception as exc:  # a bug, not bad input: still JSON, and logged with its traceback
+            _log.error("unexpected error on %s %s", request.method, request.url.path, exc_info=exc)
+            response = _error(500, f"internal error: {type(exc).__name__}: {exc}")
         server.metrics.requests.labels(route, str(response.status_code)).inc()
         return response
 
@@ -143,7 +180,27 @@ async def metrics(request: Request) -> Response:
 
 
 async def create_session(request: Request) -> Response:
-    return _json({"session_id": _server(request).create().session_id})
+    server = _server(request)
+    body = _json_object(await server.read_body(request))
+    version = body.get("weight_version")
+    if version is not None and (
+        isinstance(version, bool) or not isinstance(version, int) or version < 0
+    ):
+        raise BadChatRequestError(f"weight_version: must be an int >= 0 or null, got {version!r}")
+    # A served adapter needs a version for extra_key: refuse the session now, not per turn.
+    apply_lora({}, server.cfg, version)
+    return _json({"session_id": server.create(weight_version=version).session_id})
+
+
+def _json_object(raw: bytes) -> dict[str, Any]:
+    """An optional JSON object body (empty means ``{}``); 400 on anything else."""
+    try:
+        body = orjson.loads(raw) if raw.strip() else {}
+    except orjson.JSONDecodeError as exc:
+        raise BadChatRequestError(f"invalid JSON body: {exc}") from exc
+    if not isinstance(body, dict):
+        raise BadChatRequestError("invalid JSON body: expected an object")
+    return body
 
 
 async def get_session(request: Request) -> Response:
@@ -151,6 +208,7 @@ async def get_session(request: Request) -> Response:
     state = server.get(request.path_params["session_id"])
     meta: dict[str, Any] = {
         "accumulated_token_ids": state.accumulated_token_ids,
+        "weight_version": state.weight_version,
         "max_trim_tokens": server.cfg.max_trim_tokens,
         "rollbacks": state.rollbacks,
     }
@@ -200,7 +258,35 @@ async def chat(request: Request) -> Response:
             prepared = prepare(max_uncached_chars=_INLINE_TOKENIZE_CHARS)
         except NotCachedError:
             prepared = await asyncio.to_thread(prepare)
-    body = build_generate_body(req.body, cfg, prepared.prompt_ids)
+    # The client may leave while the upstream generates. One task waits for its disconnect
+    # (~9 us a turn; polling Request.is_disconnected costs ~38 us), read before committing.
+    left: asyncio.Future[Any] = asyncio.ensure_future(request.receive())
+    try:
+        return await _generate_and_commit(request, server, state, req, prepared, left)
+    finally:
+        left.cancel()
+
+
+def _client_left(left: asyncio.Future[Any]) -> bool:
+    if not left.done() or left.cancelled() or left.exception() is not None:
+        return False
+    message = left.result()
+    return isinstance(message, dict) and message.get("type") == "http.disconnect"
+
+
+async def _generate_and_commit(
+    request: Request,
+    server: SessionServer,
+    state: SessionState,
+    req: ChatRequest,
+    prepared: PreparedTurn,
+    left: asyncio.Future[Any],
+) -> Response:
+    """The upstream call, the reply checks and the commit of one prepared turn."""
+    cfg, tok, session_id = server.cfg, server.tok, state.session_id
+    body = build_generate_body(
+        req.body, cfg, prepared.prompt_ids, weight_version=state.weight_version
+    )
     request_ts = time.time()
     started = time.perf_counter()
     upstream = await server.upstream.request(
@@ -239,6 +325,11 @@ async def chat(request: Request) -> Response:
         output_logprobs=reply.output_logprobs,
         finish_reason=reply.finish_reason,
     )
+    if _client_left(left):
+        # The client gave up (its own timeout, a cancelled rollout): nobody reads this reply, and
+        # a retry of the same turn must find the session as it was.
+        server.metrics.turns.labels("abandoned").inc()
+        return _error(499, "client disconnected before the reply; the turn was not committed")
     async with state.lock:
         committed = commit_turn(
             state,
@@ -259,13 +350,7 @@ async def chat(request: Request) -> Response:
 async def samples(request: Request) -> Response:
     server = _server(request)
     state = server.get(request.path_params["session_id"])
-    raw = await server.read_body(request)
-    try:
-        body = orjson.loads(raw) if raw.strip() else {}
-    except orjson.JSONDecodeError as exc:
-        raise BadChatRequestError(f"invalid JSON body: {exc}") from exc
-    if not isinstance(body, dict):
-        raise BadChatRequestError("invalid JSON body: expected an object")
+    body = _json_object(await server.read_body(request))
     max_seq_len = body.get("max_seq_len")
     metadata = body.get("metadata") or {}
     if max_seq_len is not None and (
@@ -294,18 +379,18 @@ async def samples(request: Request) -> Response:
     return Response(data, media_type="application/octet-stream")
 
 
-async def proxy(request: Request) -> Response:
+async def proxy(request: Request, *, path: str) -> Response:
+    """Forward one allow-listed upstream route (``PROXY_ROUTES``) with the session's routing key."""
     server = _server(request)
     session_id = request.path_params["session_id"]
-    server.get(session_id)
-    path = request.path_params["path"]
+    state = server.get(session_id)
     raw = await server.read_body(request)
     if path == "generate" and raw:
-        # Same predicate as the chat path: lora_path present exactly when the adapter is served.
+        # The same LoRA fields as the chat path (and the trainer's generate path).
         with contextlib.suppress(orjson.JSONDecodeError):
             body = orjson.loads(raw)
             if isinstance(body, dict):
-                raw = dumps(apply_lora(body, server.cfg))
+                raw = dumps(apply_lora(body, server.cfg, state.weight_version))
     upstream = await server.upstream.request(
         request.method,
         "/" + path,
@@ -354,10 +439,9 @@ def create_app(
     )
     routes.add(f"{sid}/v1/chat/completions", {"POST": _handled("chat", chat)})
     routes.add(f"{sid}/samples", {"POST": _handled("samples", samples)})
-    proxied = _handled("proxy", proxy)
-    routes.add(
-        f"{sid}/{{path:path}}", dict.fromkeys(("GET", "POST", "PUT", "PATCH", "DELETE"), proxied)
-    )
+    for path, methods in PROXY_ROUTES.items():
+        proxied = _handled("proxy", functools.partial(proxy, path=path))
+        routes.add(f"{sid}/{path}", dict.fromkeys(methods, proxied))
     return App(
         routes,
         state=SimpleNamespace(server=server),

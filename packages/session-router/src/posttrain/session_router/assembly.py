@@ -4,12 +4,15 @@ The stock sgl-router re-serializes chat requests and drops ``input_ids`` and ``r
 so the session server renders the template itself and calls ``/generate`` with token ids, which
 the router passes through. These functions hold no state and do no I/O (hypothesis tests them):
 
-* ``parse_chat_body`` validates the JSON body (400 on anything malformed);
+* ``parse_chat_body`` validates the JSON body (400 naming the field on anything malformed: a
+  message that is not an object, a role outside ``MESSAGE_ROLES``, ``content`` null where only an
+  assistant's tool call may omit it, non-text content parts, malformed ``tool_calls``);
 * ``merge_template_kwargs`` merges per-request ``chat_template_kwargs`` over the launch defaults;
 * ``build_generate_body`` maps OpenAI sampling fields into ``sampling_params``, keeps unknown keys,
   and then forces the fields TITO needs, so a client can never switch them off: ``input_ids`` (the
   TITO prompt), ``return_logprob``, ``logprob_start_len=-1``, ``return_text_in_logprobs=False``,
-  ``sampling_params.no_stop_trim=False``, and ``lora_path`` exactly when ``serves_lora(cfg)``.
+  ``sampling_params.no_stop_trim=False``, and the LoRA fields (``lora_path``, ``extra_key``)
+  exactly as ``posttrain.formats.apply_lora_fields`` writes them for the trainer's generate path.
   ``stream``/``stream_options`` never go upstream (TITO needs the whole reply);
 * ``forward_headers`` drops hop-by-hop headers and the client's credentials and adds the routing key.
 """
@@ -22,10 +25,14 @@ from typing import Any
 
 import orjson
 
+from posttrain.formats import apply_lora_fields
+from posttrain.interface import ConfigError
 from posttrain.session_router._errors import BadChatRequestError
-from posttrain.session_router.config import SessionRouterConfig, serves_lora
+from posttrain.session_router.config import SessionRouterConfig
 
 ROUTING_KEY_HEADER = "X-SMG-Routing-Key"
+# OpenAI chat roles a chat template can render; anything else is a 400 naming the message.
+MESSAGE_ROLES = frozenset({"system", "user", "assistant", "tool"})
 
 # OpenAI (or SGLang-native) top-level name -> SGLang sampling_params name.
 SAMPLING_ALIASES: Mapping[str, str] = {
@@ -121,17 +128,7 @@ def parse_chat_body(raw: bytes, defaults: Mapping[str, Any] | None = None) -> Ch
     if not isinstance(messages, list) or not messages:
         raise BadChatRequestError("messages: must be a non-empty list")
     for i, msg in enumerate(messages):
-        if not isinstance(msg, dict) or not isinstance(msg.get("role"), str):
-            raise BadChatRequestError(f"messages[{i}]: must be an object with a string 'role'")
-        content = msg.get("content")
-        if content is not None and not isinstance(content, str):
-            if isinstance(content, list) and all(
-                isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-                for p in content
-            ):
-                msg["content"] = "".join(p["text"] for p in content)
-            else:
-                raise BadChatRequestError(f"messages[{i}].content: must be a string or text parts")
+        _check_message(i, msg)
     tools = body.get("tools")
     if tools is not None and not isinstance(tools, list):
         raise BadChatRequestError("tools: must be a list")
@@ -145,6 +142,67 @@ def parse_chat_body(raw: bytes, defaults: Mapping[str, Any] | None = None) -> Ch
         stream=bool(body.get("stream", False)),
         template_kwargs=merge_template_kwargs(body.get("chat_template_kwargs"), defaults),
     )
+
+
+def _kind(value: Any) -> str:
+    return "null" if value is None else type(value).__name__
+
+
+def _check_message(i: int, msg: Any) -> None:
+    """Validate one OpenAI chat message in place (text parts are joined into one string).
+
+    ``content`` must be a string or a list of text parts; only an assistant message that carries
+    ``tool_calls`` may leave it null or out (as OpenAI allows). Chat templates index these fields
+    without checking them, so a bad shape is refused here, naming the field, rather than failing
+    inside the template.
+    """
+    where = f"messages[{i}]"
+    if not isinstance(msg, dict):
+        raise BadChatRequestError(f"{where}: must be an object, got {_kind(msg)}")
+    role = msg.get("role")
+    if role not in MESSAGE_ROLES:
+        raise BadChatRequestError(
+            f"{where}.role: must be one of {', '.join(sorted(MESSAGE_ROLES))}, got {role!r}"
+        )
+    tool_calls = msg.get("tool_calls")
+    if tool_calls is not None:
+        if role != "assistant":
+            raise BadChatRequestError(f"{where}.tool_calls: only an assistant message has them")
+        if not isinstance(tool_calls, list):
+            raise BadChatRequestError(
+                f"{where}.tool_calls: must be a list, got {_kind(tool_calls)}"
+            )
+        for j, call in enumerate(tool_calls):
+            fn = call.get("function") if isinstance(call, dict) else None
+            if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+                raise BadChatRequestError(
+                    f"{where}.tool_calls[{j}]: must be an object with a function.name string"
+                )
+            if not isinstance(fn.get("arguments", ""), str | dict):
+                raise BadChatRequestError(
+                    f"{where}.tool_calls[{j}].function.arguments: must be a string or an object"
+                )
+    content = msg.get("content")
+    if content is None:
+        if role != "assistant" or not tool_calls:
+            raise BadChatRequestError(
+                f"{where}.content: must be a string or a list of text parts, got null "
+                "(only an assistant message with tool_calls may omit it)"
+            )
+    elif not isinstance(content, str):
+        if isinstance(content, list) and all(
+            isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+            for p in content
+        ):
+            msg["content"] = "".join(p["text"] for p in content)
+        else:
+            raise BadChatRequestError(
+                f"{where}.content: must be a string or a list of text parts, got {_kind(content)}"
+            )
+    for key in ("name", "tool_call_id", "reasoning_content"):
+        value = msg.get(key)
+        if value is not None and not isinstance(value, str):
+            raise BadChatRequestError(f"{where}.{key}: must be a string, got {_kind(value)}")
 
 
 def merge_template_kwargs(
@@ -161,9 +219,17 @@ def merge_template_kwargs(
 
 
 def build_generate_body(
-    body: Mapping[str, Any], cfg: SessionRouterConfig, prompt_ids: Sequence[int]
+    body: Mapping[str, Any],
+    cfg: SessionRouterConfig,
+    prompt_ids: Sequence[int],
+    *,
+    weight_version: int | None = None,
 ) -> dict[str, Any]:
-    """The ``/generate`` body for one turn (pure; see the module docstring for the rules)."""
+    """The ``/generate`` body for one turn (pure; see the module docstring for the rules).
+
+    ``weight_version`` is the session's adapter version (its ``extra_key``); falls back to
+    ``cfg.lora_weight_version``.
+    """
     explicit = body.get("sampling_params")
     if explicit is not None and not isinstance(explicit, dict):
         raise BadChatRequestError("sampling_params: must be an object")
@@ -173,7 +239,7 @@ def build_generate_body(
         if key in SAMPLING_ALIASES:
             if value is not None:
                 sampling[SAMPLING_ALIASES[key]] = value
-        elif key not in CONSUMED_KEYS and key != "lora_path":
+        elif key not in CONSUMED_KEYS:
             out[key] = value
     # max_completion_tokens is the newer OpenAI name; it wins over max_tokens when both are sent.
     if body.get("max_completion_tokens") is not None:
@@ -190,17 +256,23 @@ def build_generate_body(
         logprob_start_len=-1,
         return_text_in_logprobs=False,
     )
-    return apply_lora(out, cfg)
+    return apply_lora(out, cfg, weight_version)
 
 
-def apply_lora(body: dict[str, Any], cfg: SessionRouterConfig) -> dict[str, Any]:
-    """Set ``lora_path`` to the served adapter, or remove it, as ``serves_lora(cfg)`` says.
+def apply_lora(
+    body: dict[str, Any], cfg: SessionRouterConfig, weight_version: int | None = None
+) -> dict[str, Any]:
+    """Set or remove ``lora_path`` and ``extra_key`` as ``posttrain.formats`` says for ``cfg``.
 
-    Used by the chat path and by the raw ``/generate`` proxy, so both gate LoRA identically.
+    Used by the chat path and by the raw ``/generate`` proxy, so both send exactly the fields
+    the trainer's generate path sends. A served adapter without a version is a
+    ``BadChatRequestError`` (400).
     """
-    body.pop("lora_path", None)
-    if serves_lora(cfg):
-        body["lora_path"] = cfg.lora_adapter
+    version = cfg.lora_weight_version if weight_version is None else weight_version
+    try:
+        apply_lora_fields(body, cfg.lora, version)
+    except ConfigError as exc:
+        raise BadChatRequestError(str(exc)) from exc
     return body
 
 

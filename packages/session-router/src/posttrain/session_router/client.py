@@ -1,19 +1,51 @@
-"""A small synchronous client for the session server (what a rollout driver uses per sample).
+"""Clients of the session server: a synchronous one per session, and a ``RolloutEngine``.
 
-``create()`` opens a session, ``base_url(id)`` is what an OpenAI SDK agent is pointed at,
-``collect(id)`` fetches the assembled sample (decoded from the safetensors wire format, optionally
-overlaid on the driver's own sample) and ``close(id)`` deletes the session.
+``SessionClient`` is what a rollout driver with its own agent uses: ``create()`` opens a session
+(optionally naming the adapter version its LoRA requests carry), ``base_url(id)`` is what an
+OpenAI SDK agent is pointed at, ``collect(id)`` fetches the assembled sample (samples/1, decoded
+by ``posttrain.formats``, optionally overlaid on the driver's own sample) and ``close(id)``
+deletes the session.
+
+``SessionRolloutClient`` implements the interface's ``RolloutEngine`` for single-turn chat
+rollouts: one session per rollout (create, one chat turn, collect, delete, the delete even when
+a step failed), so each sample carries exactly the engine's token ids and logprobs.
+``rollout_group`` draws the n samples of one prompt concurrently (a GRPO group).
 """
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import httpx
 
-from posttrain.interface import Sample, TransportError
+from posttrain.formats import DecodedSamples, decode_samples
+from posttrain.interface import ConfigError, Sample, SampleGroup, TransportError
 from posttrain.session_router._errors import SampleAssemblyError, SessionNotFoundError
-from posttrain.session_router.wire import DecodedSamples, decode_samples
+
+
+def _check(reply: httpx.Response, session_id: str | None = None) -> httpx.Response:
+    """The reply if it succeeded; else the error its status means (404, 422, any other)."""
+    if reply.status_code == 404 and session_id is not None:
+        raise SessionNotFoundError(session_id)
+    if reply.status_code == 422:
+        raise SampleAssemblyError(reply.text)
+    if reply.status_code >= 400:
+        raise TransportError(
+            f"{reply.request.method} {reply.request.url.path} answered {reply.status_code}: "
+            f"{reply.text[:300]}",
+            url=str(reply.request.url),
+        )
+    return reply
+
+
+def _create_body(weight_version: int | None) -> dict[str, Any]:
+    return {} if weight_version is None else {"weight_version": weight_version}
+
+
+def _headers(api_key: str | None) -> dict[str, str]:
+    return {"authorization": f"Bearer {api_key}"} if api_key else {}
 
 
 class SessionClient:
@@ -28,27 +60,14 @@ class SessionClient:
         transport: httpx.BaseTransport | None = None,
     ) -> None:
         self.url = url.rstrip("/")
-        headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
         self._client = httpx.Client(
-            base_url=self.url, headers=headers, timeout=timeout_s, transport=transport
+            base_url=self.url, headers=_headers(api_key), timeout=timeout_s, transport=transport
         )
 
-    def _check(self, reply: httpx.Response, session_id: str | None = None) -> httpx.Response:
-        if reply.status_code == 404 and session_id is not None:
-            raise SessionNotFoundError(session_id)
-        if reply.status_code == 422:
-            raise SampleAssemblyError(reply.text)
-        if reply.status_code >= 400:
-            raise TransportError(
-                f"{reply.request.method} {reply.request.url.path} answered {reply.status_code}: "
-                f"{reply.text[:300]}",
-                url=str(reply.request.url),
-            )
-        return reply
-
-    def create(self) -> str:
-        """Open a session; returns its id."""
-        return str(self._check(self._client.post("/sessions")).json()["session_id"])
+    def create(self, *, weight_version: int | None = None) -> str:
+        """Open a session whose LoRA requests name adapter version ``weight_version``; its id."""
+        reply = _check(self._client.post("/sessions", json=_create_body(weight_version)))
+        return str(reply.json()["session_id"])
 
     def base_url(self, session_id: str) -> str:
         """The OpenAI ``base_url`` of a session (``.../sessions/{id}/v1``)."""
@@ -56,7 +75,7 @@ class SessionClient:
 
     def get(self, session_id: str) -> dict[str, Any]:
         """The session's records and metadata."""
-        reply = self._check(self._client.get(f"/sessions/{session_id}"), session_id)
+        reply = _check(self._client.get(f"/sessions/{session_id}"), session_id)
         data: dict[str, Any] = reply.json()
         return data
 
@@ -69,7 +88,7 @@ class SessionClient:
         base: Sample | None = None,
     ) -> DecodedSamples:
         """The session's assembled samples (0 or 1), overlaid onto ``base`` when given."""
-        reply = self._check(
+        reply = _check(
             self._client.post(
                 f"/sessions/{session_id}/samples",
                 json={"max_seq_len": max_seq_len, "metadata": metadata or {}},
@@ -80,8 +99,109 @@ class SessionClient:
 
     def close(self, session_id: str) -> None:
         """Delete the session (``SessionNotFoundError`` if it is already gone)."""
-        self._check(self._client.delete(f"/sessions/{session_id}"), session_id)
+        _check(self._client.delete(f"/sessions/{session_id}"), session_id)
 
     def shutdown(self) -> None:
         """Close the HTTP connection pool."""
         self._client.close()
+
+
+class SessionRolloutClient:
+    """A ``RolloutEngine``: one single-turn chat rollout per session of one session server.
+
+    ``max_concurrency`` bounds the rollouts in flight (``rollout_group`` draws n at once).
+    The httpx transport is injectable; every timeout is finite.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        api_key: str | None = None,
+        timeout_s: float = 600.0,
+        max_concurrency: int = 64,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
+        if max_concurrency < 1:
+            raise ConfigError(f"max_concurrency must be >= 1, got {max_concurrency}")
+        self.url = url.rstrip("/")
+        self._client = httpx.AsyncClient(
+            base_url=self.url, headers=_headers(api_key), timeout=timeout_s, transport=transport
+        )
+        self._slots = asyncio.Semaphore(max_concurrency)
+
+    async def __aenter__(self) -> SessionRolloutClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        """Close the HTTP connection pool."""
+        await self._client.aclose()
+
+    async def rollout(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        sampling_params: Mapping[str, Any] | None = None,
+        weight_version: int | None = None,
+    ) -> Sample:
+        """One sample for ``messages``: the turn's token ids, logprobs and loss mask.
+
+        ``sampling_params`` are OpenAI chat fields (``max_tokens``, ``temperature``, ``seed``...).
+        Raises ``SampleAssemblyError`` when the session assembled no sample, and the session
+        server's errors as ``SessionRouterError`` / ``TransportError``.
+        """
+        async with self._slots:
+            reply = _check(await self._client.post("/sessions", json=_create_body(weight_version)))
+            session_id = str(reply.json()["session_id"])
+            try:
+                body = {**dict(sampling_params or {}), "messages": list(messages)}
+                _check(
+                    await self._client.post(
+                        f"/sessions/{session_id}/v1/chat/completions", json=body
+                    ),
+                    session_id,
+                )
+                reply = _check(
+                    await self._client.post(f"/sessions/{session_id}/samples", json={}),
+                    session_id,
+                )
+            finally:
+                await self._client.delete(f"/sessions/{session_id}")
+        decoded = decode_samples(reply.content)
+        if len(decoded.samples) != 1:
+            raise SampleAssemblyError(
+                f"session {session_id} assembled {len(decoded.samples)} samples "
+                f"({decoded.empty_reason or 'expected exactly 1'})"
+            )
+        return decoded.samples[0]
+
+    async def rollout_group(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        n: int,
+        *,
+        group_index: int,
+        sampling_params: Mapping[str, Any] | None = None,
+        weight_version: int | None = None,
+    ) -> SampleGroup:
+        """The ``n`` samples of one prompt, drawn concurrently (``index`` 0..n-1 within the group).
+
+        Each request samples on its own: a fixed ``seed`` in ``sampling_params`` would make the
+        n samples equal.
+        """
+        if n < 1:
+            raise ConfigError(f"a group needs n >= 1 samples, got {n}")
+        samples = await asyncio.gather(
+            *(
+                self.rollout(
+                    messages, sampling_params=sampling_params, weight_version=weight_version
+                )
+                for _ in range(n)
+            )
+        )
+        for index, sample in enumerate(samples):
+            sample.group_index, sample.index = group_index, index
+        return SampleGroup(group_index=group_index, samples=list(samples))

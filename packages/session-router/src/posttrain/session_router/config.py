@@ -1,9 +1,10 @@
-"""Typed configuration of the session server, and the one LoRA predicate every path uses.
+"""Typed configuration of the session server.
 
-``serves_lora`` is the single answer to "does this rollout generate with the trained adapter?".
-Both the chat path (which renders the template and calls ``/generate``) and the raw ``/generate``
-proxy consult it, so they cannot disagree (an earlier system gated the two paths differently and
-silently generated LoRA trajectories with base weights).
+Whether a rollout generates with the trained adapter is ``posttrain.formats.serves_lora`` of
+``SessionRouterConfig.lora``: the same predicate the trainer's generate path asks, and the chat
+path and the raw ``/generate`` proxy both write the LoRA fields with
+``posttrain.formats.apply_lora_fields``, so no two paths can disagree (an earlier system gated
+them differently and silently generated LoRA trajectories with base weights).
 """
 
 from __future__ import annotations
@@ -12,9 +13,15 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from posttrain.formats import LoraServing
 from posttrain.interface import ConfigError
 
 DEFAULT_MAX_BODY_BYTES = 64 * 1024 * 1024
+# One turn's upstream call (one generation, never streamed). Sized for RL rollout turns of a few
+# thousand tokens on a loaded GPU engine (~30 tokens/s per sequence: ~3,600 tokens in 120 s); a
+# frozen engine then fails the turn with 504 in two minutes instead of holding it. Longer
+# generations (long reasoning traces) need a larger value: --upstream-timeout-s.
+DEFAULT_UPSTREAM_TIMEOUT_S = 120.0
 # About 40 MB of cached ids (a tuple element and its int object are ~36 bytes) plus the texts.
 DEFAULT_ENCODE_CACHE_TOKENS = 1 << 20
 # How stored and requested messages are compared when finding the common history (tito.py).
@@ -25,18 +32,23 @@ MATCHER_NAMES = ("strict", "loose_tool_call", "role_content_only")
 class SessionRouterConfig:
     """What a session server needs to know; validated on construction.
 
-    ``upstream_timeout_s`` may be ``math.inf`` only when passed explicitly.
+    ``upstream_timeout_s`` bounds one upstream call (a turn's generation); a turn that gets no
+    reply in time fails with 504 and is not recorded. It may be ``math.inf`` only when passed
+    explicitly.
     ``max_trim_tokens`` bounds how many trailing tokens of a turn the next turn may replace
-    (a stop token the chat template renders differently).
+    (a stop token the chat template renders differently). ``lora_weight_version`` is the
+    version of the adapter the engines loaded at startup; a session created with its own
+    ``weight_version`` (the trainer's latest push) uses that instead.
     """
 
     upstream_url: str
     tokenizer: str
     lora_adapter: str | None = None
     lora_train_only: bool = False
+    lora_weight_version: int | None = None
     api_key: str | None = None
     session_ttl_s: float = 3600.0
-    upstream_timeout_s: float = 600.0
+    upstream_timeout_s: float = DEFAULT_UPSTREAM_TIMEOUT_S
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     max_connections: int = 1024
     max_trim_tokens: int = 1
@@ -69,10 +81,15 @@ class SessionRouterConfig:
             raise ConfigError(
                 f"lora_adapter must be one non-empty adapter name, got {self.lora_adapter!r}"
             )
+        version = self.lora_weight_version
+        if version is not None and (
+            isinstance(version, bool) or not isinstance(version, int) or version < 0
+        ):
+            raise ConfigError(f"lora_weight_version must be an int >= 0, got {version!r}")
         if self.matcher not in MATCHER_NAMES:
             raise ConfigError(f"matcher must be one of {MATCHER_NAMES}, got {self.matcher!r}")
 
-
-def serves_lora(cfg: SessionRouterConfig) -> bool:
-    """Whether requests must carry ``lora_path``: an adapter is named and it is served, not only trained."""
-    return cfg.lora_adapter is not None and not cfg.lora_train_only
+    @property
+    def lora(self) -> LoraServing:
+        """Which adapter rollouts use (``posttrain.formats.serves_lora`` of it)."""
+        return LoraServing(adapter_name=self.lora_adapter, train_only=self.lora_train_only)

@@ -24,9 +24,6 @@ fields raises ``RouterIncompatible`` naming them.
 from __future__ import annotations
 
 import json
-import os
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -39,7 +36,8 @@ from typing import Any, Literal
 
 import httpx
 
-from posttrain.interface import ConfigError
+from posttrain.interface import ConfigError, ServerStartError
+from posttrain.interface.processes import free_port, stop_process_group, wait_until_ready
 from posttrain.session_router._errors import RouterIncompatible, RouterStartError
 from posttrain.session_router.assembly import ROUTING_KEY_HEADER, build_generate_body
 from posttrain.session_router.config import SessionRouterConfig
@@ -98,16 +96,9 @@ class RouterSpec:
         else:
             # The wheel's Rust side otherwise binds its default Prometheus port (29000), which
             # makes two routers on one machine collide; give each its own port on loopback.
-            args.update(prometheus_port=_free_port(), prometheus_host="127.0.0.1")
+            args.update(prometheus_port=free_port(), prometheus_host="127.0.0.1")
         args.update(self.extra_args)
         return args
-
-
-def _free_port() -> int:
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def strip_rank(url: str) -> str:
@@ -233,18 +224,8 @@ class RouterHandle:
     def stop(self, timeout_s: float = 10.0) -> None:
         """Terminate the router process (by its pid and process group) and close the client."""
         self._client.close()
-        proc = self.process
-        if proc is None or proc.poll() is not None:
-            return
-        try:
-            os.killpg(proc.pid, signal.SIGTERM)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(timeout=timeout_s)
+        if self.process is not None:
+            stop_process_group(self.process, grace_s=timeout_s)
 
     def __enter__(self) -> RouterHandle:
         return self
@@ -274,26 +255,14 @@ def start_router(
     handle = RouterHandle(
         f"http://{spec.host}:{spec.port}", process=proc, log_path=log_path, transport=transport
     )
-    deadline = time.monotonic() + ready_timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            tail = handle.log_tail()
-            handle.stop()
-            raise RouterStartError(
-                f"sgl-router exited with code {proc.returncode} before becoming ready: {tail}",
-                url=handle.url,
-            )
-        try:
-            if handle._client.get("/health", timeout=1.0).status_code == 200:
-                return handle
-        except httpx.TransportError:
-            pass
-        time.sleep(0.02)
-    handle.stop()
-    raise RouterStartError(
-        f"sgl-router did not answer /health within {ready_timeout_s} s: {handle.log_tail()}",
-        url=handle.url,
-    )
+    try:
+        wait_until_ready(
+            f"{handle.url}/health", timeout_s=ready_timeout_s, process=proc, poll_interval_s=0.02
+        )
+    except ServerStartError as exc:
+        handle.stop()
+        raise RouterStartError(f"sgl-router: {exc}: {handle.log_tail()}", url=handle.url) from None
+    return handle
 
 
 def default_probe_body(cfg: SessionRouterConfig | None = None) -> dict[str, Any]:
@@ -313,7 +282,8 @@ def default_probe_body(cfg: SessionRouterConfig | None = None) -> dict[str, Any]
         "seed": 1,
         "rid": f"probe-{uuid.uuid4().hex}",
     }
-    return build_generate_body(chat, cfg, [11, 12, 13])
+    # Any version will do: the probe checks that the fields arrive, not what they say.
+    return build_generate_body(chat, cfg, [11, 12, 13], weight_version=cfg.lora_weight_version or 0)
 
 
 def _dropped(sent: Any, got: Any, path: str = "") -> list[str]:

@@ -28,7 +28,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from posttrain.interface import Sample, SampleStatus
+from posttrain.interface import Sample, SampleStatus, WireFormatError, parse_weight_version
 from posttrain.session_router._errors import SampleAssemblyError
 from posttrain.session_router.tito import TurnRecord
 
@@ -57,10 +57,14 @@ class AssembledSamples:
     session_metadata: dict[str, Any]
 
 
-def _weight_version(record: TurnRecord) -> str | None:
+def _weight_version(record: TurnRecord) -> int | None:
+    """The engine's version of the turn's weights (SGLang sends a string; ours is an int)."""
     meta = record.response.get("meta_info")
     value = meta.get("weight_version") if isinstance(meta, dict) else None
-    return None if value is None else str(value)
+    try:
+        return parse_weight_version(value, field="meta_info.weight_version")
+    except WireFormatError as exc:
+        raise SampleAssemblyError(f"a turn's reply: {exc}") from exc
 
 
 def _top_rows(record: TurnRecord, index: int) -> list[Any] | None:

@@ -116,9 +116,9 @@ class SessionServer:
             )
         self._reaper: asyncio.Task[None] | None = None
 
-    def create(self) -> SessionState:
-        """A new empty session."""
-        state = SessionState(session_id=uuid.uuid4().hex)
+    def create(self, *, weight_version: int | None = None) -> SessionState:
+        """A new empty session whose LoRA requests name adapter version ``weight_version``."""
+        state = SessionState(session_id=uuid.uuid4().hex, weight_version=weight_version)
         self.sessions[state.session_id] = state
         self.metrics.sessions.set(len(self.sessions))
         return state

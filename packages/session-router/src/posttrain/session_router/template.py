@@ -209,7 +209,7 @@ class ChatTokenizer:
         tools: Sequence[Any] | None = None,
         template_kwargs: Mapping[str, Any] | None = None,
     ) -> str:
-        """Render messages with the chat template; a template error is a 400 naming the source."""
+        """Render messages with the chat template; any template failure is a 400 naming the source."""
         context: dict[str, Any] = dict(self.special_tokens)
         context.update(template_kwargs or {})
         context.update(
@@ -222,6 +222,13 @@ class ChatTokenizer:
         except TemplateError as exc:
             raise BadChatRequestError(
                 f"chat template of {self.source} rejected the messages: {exc}"
+            ) from exc
+        except (TypeError, ValueError, KeyError, AttributeError, IndexError) as exc:
+            # A template indexes message fields without checking them (``content + '...'`` on a
+            # value it did not expect): the request's shape, not the server, is at fault.
+            raise BadChatRequestError(
+                f"chat template of {self.source} cannot render the messages: "
+                f"{type(exc).__name__}: {exc}"
             ) from exc
 
     def encode(self, text: str, *, max_uncached_chars: int | None = None) -> list[int]:

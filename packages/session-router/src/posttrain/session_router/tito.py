@@ -127,6 +127,8 @@ class SessionState:
     checkpoints: list[list[int]] = field(default_factory=list)
     ckpt_msg_ends: list[int] = field(default_factory=list)
     records: list[TurnRecord] = field(default_factory=list)
+    # The adapter version its requests name in extra_key (None: the server's default).
+    weight_version: int | None = None
     version: int = 0
     rollbacks: int = 0
     closing: bool = False

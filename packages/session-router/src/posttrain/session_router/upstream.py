@@ -2,7 +2,8 @@
 
 ``Upstream.request`` sends one buffered request and returns the whole reply as bytes; every
 transport failure (refused or reset connection, timeout, malformed or oversize reply) is an
-``UpstreamTransportError`` naming the URL and the underlying exception; the routes answer 502.
+``UpstreamTransportError`` naming the URL and the underlying exception (the routes answer 502),
+and no reply within the timeout is its subclass ``UpstreamTimeoutError`` (504).
 
 * ``PooledUpstream`` is the default: keep-alive HTTP/1.1 connections to the one upstream host,
   written directly on asyncio transports and parsed by ``httptools`` (llhttp, the parser uvicorn
@@ -34,7 +35,7 @@ import httptools
 import httpx
 
 from posttrain.interface import ConfigError
-from posttrain.session_router._errors import UpstreamTransportError
+from posttrain.session_router._errors import UpstreamTimeoutError, UpstreamTransportError
 
 
 @dataclass(frozen=True, slots=True)
@@ -207,6 +208,7 @@ class PooledUpstream:
         self._ssl = ssl.create_default_context() if parts.scheme == "https" else None
         self._prefix = parts.path.rstrip("/")
         self._host_header = f"Host: {parts.netloc}\r\n".encode("latin-1")
+        self.timeout_s = timeout_s
         self._timeout = None if math.isinf(timeout_s) else timeout_s
         self._max_reply_bytes = max_reply_bytes
         self._slots = asyncio.Semaphore(max_connections)
@@ -280,7 +282,9 @@ class PooledUpstream:
         try:
             async with self._slots, asyncio.timeout(self._timeout):
                 reply = await self._exchange(request)
-        except (TimeoutError, OSError, ValueError, httptools.HttpParserError) as exc:
+        except TimeoutError as exc:
+            raise UpstreamTimeoutError(url=url, timeout_s=self.timeout_s) from exc
+        except (OSError, ValueError, httptools.HttpParserError) as exc:
             raise UpstreamTransportError(exc, url=url) from exc
         return UpstreamReply(
             status_code=reply.status,
@@ -307,6 +311,7 @@ class HttpxUpstream:
         transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
         self.base_url = base_url.rstrip("/")
+        self.timeout_s = timeout_s
         self._client = httpx.AsyncClient(
             base_url=self.base_url,
             transport=transport,
@@ -330,6 +335,8 @@ class HttpxUpstream:
             reply = await self._client.request(
                 method, path, params=query or None, content=content, headers=dict(headers)
             )
+        except httpx.TimeoutException as exc:
+            raise UpstreamTimeoutError(url=url, timeout_s=self.timeout_s) from exc
         except httpx.HTTPError as exc:
             raise UpstreamTransportError(exc, url=url) from exc
         return UpstreamReply(

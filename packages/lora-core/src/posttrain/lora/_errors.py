@@ -7,7 +7,9 @@
         ├── LayoutError                    a module or group layout this package cannot adapt
         ├── ReplicaMismatchError           a replicated factor differs across its group (names rank)
         ├── ExportError                    empty export, mixed dtypes in one gather batch
-        ├── AdapterFormatError             missing / unknown / mis-shaped key in a PEFT adapter
+        ├── AdapterFormatError             missing / unknown / mis-shaped key in a PEFT adapter,
+        │   (also posttrain.formats.       or any problem the formats PEFT reader found (a corrupt
+        │    PeftFormatError)              file, NaN, a bad config), whose message it carries
         └── AdapterPushError (EngineError) engine said success=false, checksum mismatch,
             │                              missing capability
             └── ChecksumMismatchError      the engine's checksums differ from ours
@@ -17,6 +19,7 @@ Every message names the tensor, field, URL or rank at fault.
 
 from __future__ import annotations
 
+from posttrain.formats import PeftFormatError
 from posttrain.interface import ConfigError, EngineError, PosttrainError
 
 
@@ -40,7 +43,7 @@ class ExportError(LoraError):
     """The adapter could not be assembled (empty, mixed dtypes in one gather batch, ...)."""
 
 
-class AdapterFormatError(LoraError):
+class AdapterFormatError(LoraError, PeftFormatError):
     """A PEFT adapter on disk has missing, unknown or mis-shaped keys, or a bad config."""
 
 

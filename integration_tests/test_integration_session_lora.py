@@ -1,41 +1,39 @@
-"""End to end: two local-engine workers behind the real sgl-router, a 3-turn LoRA chat.
+"""End to end: two local-engine workers behind the real sgl-router, LoRA chats through sessions.
 
-Runs when ``posttrain.local_engine`` and ``posttrain.models`` are importable (they are sibling
-packages; this test is the integration point the issue asks for), and is skipped otherwise.
-The sample's tokens, logprobs and loss mask must match what the engine generated, and its
+session-router, local-engine and models meet here (integration_tests: every package is
+installed, nothing is skipped). A 3-turn chat: the sample's tokens, logprobs and loss mask must match what the engine generated, and its
 logprobs must equal the trainer's recomputation (``models``' training forward with the same
 adapter) bit for bit; without the adapter they must differ, so ``lora_path`` really reached
 the engine. The two engines are local-engine's real ASGI app under uvicorn, each on its own
-port, served from threads of this process (see ``_EngineThread``).
+port, served from threads of this process (``AppServer``, see ``_engine``). Then the interface's
+``RolloutEngine``, ``SessionRolloutClient``, draws a GRPO group through the same stack.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-import uvicorn
+import safetensors.torch as safetensors_torch
+import torch
 
-from posttrain.interface.testing import free_port
+import posttrain.local_engine as local_engine
+import posttrain.models as models
+from posttrain.formats import decode_samples
+from posttrain.interface import RolloutEngine
+from posttrain.interface.testing import AppServer, free_port
 from posttrain.session_router import (
     RouterSpec,
+    SessionRolloutClient,
     SessionRouterConfig,
     create_app,
-    decode_samples,
     start_router,
 )
-
-models = pytest.importorskip("posttrain.models")
-local_engine = pytest.importorskip("posttrain.local_engine")
-torch = pytest.importorskip("torch")
-safetensors_torch = pytest.importorskip("safetensors.torch")
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.slow, pytest.mark.timeout(120)]
 ADAPTER = "miles_lora"
@@ -94,52 +92,25 @@ def _write_model(root: Path) -> tuple[Path, Path, dict[str, Any]]:
     return model_dir, adapter_dir, tensors
 
 
-class _EngineThread:
+def _engine(model_dir: Path, adapter_dir: Path) -> AppServer:
     """One local-engine server (its real ASGI app under uvicorn) on 127.0.0.1, in a thread.
 
     In-process rather than ``python -m posttrain.local_engine`` subprocesses: each subprocess
     would import torch and transformers again, which dominates this test's time on 2 cores.
     The router still reaches each engine over real HTTP on its own port.
     """
-
-    def __init__(self, model_dir: Path, adapter_dir: Path) -> None:
-        self.port = free_port()
-        argv = [
-            "--model-path", str(model_dir), "--port", str(self.port),
-            "--enable-lora", "--lora-paths", f"{ADAPTER}={adapter_dir}",
-        ]  # fmt: skip
-        config = local_engine.parse_args(argv)
-        self.server = uvicorn.Server(
-            uvicorn.Config(
-                local_engine.build_app(config),
-                host="127.0.0.1",
-                port=self.port,
-                log_level="warning",
-            )
-        )
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def start(self, timeout_s: float = 60.0) -> None:
-        self.thread.start()
-        deadline = time.monotonic() + timeout_s
-        while not self.server.started:
-            assert self.thread.is_alive(), "local engine exited during startup"
-            assert time.monotonic() < deadline, "local engine did not start"
-            time.sleep(0.05)
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=10)
+    port = free_port()
+    argv = [
+        "--model-path", str(model_dir), "--port", str(port),
+        "--enable-lora", "--lora-paths", f"{ADAPTER}={adapter_dir}",
+    ]  # fmt: skip
+    return AppServer(local_engine.build_app(local_engine.parse_args(argv)), port=port)
 
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     model_dir, adapter_dir, tensors = _write_model(tmp_path_factory.mktemp("e2e"))
-    engines = [_EngineThread(model_dir, adapter_dir) for _ in range(2)]
+    engines = [_engine(model_dir, adapter_dir) for _ in range(2)]
     with start_router(RouterSpec(port=free_port())) as router:
         try:
             for engine in engines:
@@ -151,14 +122,28 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
                 engine.stop()
 
 
-def test_three_turn_lora_chat_matches_the_engine_and_the_trainer(stack: dict[str, Any]) -> None:
-    router, model_dir = stack["router"], stack["model_dir"]
-    cfg = SessionRouterConfig(
-        upstream_url=router.url,
-        tokenizer=str(model_dir),
+def _trainer(stack: dict[str, Any]) -> tuple[Any, Any]:
+    """The trainer's model and the adapter the engines serve (for recomputing logprobs)."""
+    model = models.load_pretrained(stack["model_dir"])
+    lora = models.LoraAdapter.from_peft_state_dict(
+        stack["tensors"], scaling=ALPHA / RANK, name=ADAPTER
+    )
+    return model, lora
+
+
+def _session_config(stack: dict[str, Any], **kw: Any) -> SessionRouterConfig:
+    return SessionRouterConfig(
+        upstream_url=stack["router"].url,
+        tokenizer=str(stack["model_dir"]),
         lora_adapter=ADAPTER,
         upstream_timeout_s=60,
+        **kw,
     )
+
+
+def test_three_turn_lora_chat_matches_the_engine_and_the_trainer(stack: dict[str, Any]) -> None:
+    # The adapter the engines loaded at startup is version 0.
+    cfg = _session_config(stack, lora_weight_version=0)
 
     async def chat() -> tuple[dict[str, Any], bytes]:
         app = create_app(cfg)
@@ -207,6 +192,7 @@ def test_three_turn_lora_chat_matches_the_engine_and_the_trainer(stack: dict[str
     generated: dict[int, tuple[int, float]] = {}
     for record in records:
         assert record["request"]["lora_path"] == ADAPTER
+        assert record["request"]["extra_key"] == f"{ADAPTER}:v0"
         prompt = record["request"]["input_ids"]
         for j, (lp, tid, _) in enumerate(record["response"]["meta_info"]["output_token_logprobs"]):
             generated[len(prompt) + j] = (tid, lp)
@@ -229,10 +215,7 @@ def test_three_turn_lora_chat_matches_the_engine_and_the_trainer(stack: dict[str
         assert row == (top[pos] if sample.loss_mask[j] else [])
         assert len(row) == (3 if sample.loss_mask[j] else 0)
     # The trainer's recomputation with the same adapter equals the engine's logprobs.
-    model = models.load_pretrained(model_dir)
-    lora = models.LoraAdapter.from_peft_state_dict(
-        stack["tensors"], scaling=ALPHA / RANK, name=ADAPTER
-    )
+    model, lora = _trainer(stack)
     ids = torch.tensor(sample.tokens)
     with torch.no_grad():
         with_lora = model.forward_logprobs(ids, [len(sample.tokens)], lora=lora)
@@ -241,3 +224,87 @@ def test_three_turn_lora_chat_matches_the_engine_and_the_trainer(stack: dict[str
     engine = [sample.rollout_logprobs[pos - len(sample.prompt_ids)] for pos in trained]
     assert recomputed == engine
     assert [float(base[pos]) for pos in trained] != engine
+
+
+def test_the_rollout_client_draws_a_group_through_the_stack(stack: dict[str, Any]) -> None:
+    cfg = _session_config(stack)  # no version configured: the rollout names it
+
+    async def draw() -> Any:
+        app = create_app(cfg)
+        try:
+            async with SessionRolloutClient(
+                "http://sr", transport=httpx.ASGITransport(app=app), timeout_s=60
+            ) as client:
+                assert isinstance(client, RolloutEngine)
+                return await client.rollout_group(
+                    [{"role": "user", "content": "Say hi."}],
+                    3,
+                    group_index=5,
+                    sampling_params={
+                        "max_tokens": 8,
+                        "temperature": 1.0,
+                        "stop_token_ids": STOP_IDS,
+                    },
+                    weight_version=0,  # no version configured: the session names it
+                )
+        finally:
+            await app.state.server.aclose()
+
+    group = asyncio.run(asyncio.wait_for(draw(), timeout=100))
+    assert [(s.group_index, s.index) for s in group] == [(5, 0), (5, 1), (5, 2)]
+    model, lora = _trainer(stack)
+    for sample in group:
+        assert sample.response_length > 0
+        assert sample.loss_mask == [1] * sample.response_length  # one turn: all generated
+        assert sample.weight_version is None  # the engines never received a versioned update
+        ids = torch.tensor(sample.tokens)
+        with torch.no_grad():
+            recomputed = model.forward_logprobs(ids, [len(sample.tokens)], lora=lora)
+        assert recomputed[len(sample.prompt_ids) :].tolist() == sample.rollout_logprobs
+
+
+def test_a_frozen_engine_fails_the_turn_with_504_then_serves_again(
+    tmp_path: Path,
+) -> None:
+    """A real local-engine process stopped with SIGSTOP: the turn is a 504 naming the engine
+    after ``upstream_timeout_s``, nothing is recorded, and after SIGCONT the same turn succeeds."""
+    import os
+    import signal
+    import sys
+
+    from posttrain.interface.testing import ServerProcess
+
+    model_dir, _, _ = _write_model(tmp_path)
+    port = free_port()
+    argv = [sys.executable, "-m", "posttrain.local_engine", "--model-path", str(model_dir),
+            "--port", str(port)]  # fmt: skip
+    engine_url = f"http://127.0.0.1:{port}"
+    cfg = SessionRouterConfig(
+        upstream_url=engine_url, tokenizer=str(model_dir), upstream_timeout_s=1.0
+    )
+    body = {"messages": [{"role": "user", "content": "Say hi."}], "max_tokens": 4}
+    with ServerProcess(argv, f"{engine_url}/health", timeout_s=60) as engine:
+
+        async def scenario() -> None:
+            app = create_app(cfg)
+            try:
+                async with httpx.AsyncClient(
+                    transport=httpx.ASGITransport(app=app), base_url="http://sr", timeout=30
+                ) as c:
+                    sid = (await c.post("/sessions")).json()["session_id"]
+                    url = f"/sessions/{sid}/v1/chat/completions"
+                    os.kill(engine.pid, signal.SIGSTOP)
+                    try:
+                        frozen = await c.post(url, json=body)
+                    finally:
+                        os.kill(engine.pid, signal.SIGCONT)
+                    assert frozen.status_code == 504, frozen.text
+                    assert engine_url in frozen.json()["error"]
+                    assert (await c.get(f"/sessions/{sid}")).json()["records"] == []
+                    again = await c.post(url, json=body)
+                    assert again.status_code == 200, again.text
+                    assert len((await c.get(f"/sessions/{sid}")).json()["records"]) == 1
+            finally:
+                await app.state.server.aclose()
+
+        asyncio.run(asyncio.wait_for(scenario(), timeout=60))

@@ -9,9 +9,17 @@
         │                                    gate without its up, partial FusedMoE exclusion,
         │                                    output-key collision, dst equal to or nested in src
         ├── ResumeError                      a resume found a state written for other inputs or
-        │                                    options (pass ``overwrite=True`` to start over)
+        │                                    options, or an unreadable state (pass
+        │                                    ``overwrite=True`` to start over)
+        ├── OutputError                      the save dir cannot be written (read-only, full
+        │                                    disk, permissions); nothing half-written is left
+        │                                    under a final name, and a rerun resumes
         └── ExclusionError                   an exclusion list would not be decided exactly by
                                              SGLang's ``modelopt_fp4`` matcher
+
+A source file that cannot be read or parsed (a safetensors header that lies about its
+length, is not JSON, lacks ``dtype``, has offsets outside the file or disagreeing with
+dtype x shape) is a ``CheckpointError`` naming the file and tensor.
 
 Option errors (a bad CLI flag value, start+end layers beyond the model) raise the
 interface's ``ConfigError``. Every message names the tensor, file or option at fault.
@@ -36,6 +44,10 @@ class CheckpointError(QuantConvertError, ValueError):
 
 class ResumeError(QuantConvertError):
     """A resume found state from different inputs or options."""
+
+
+class OutputError(QuantConvertError):
+    """The destination cannot be written; the message names the path and the OS reason."""
 
 
 class ExclusionError(QuantConvertError):

@@ -1,17 +1,14 @@
-"""TeacherScorer against the real local engine (posttrain.local_engine) serving a tiny model.
+"""TeacherScoringClient against the real local engine (posttrain.local_engine) serving a tiny model.
 
 The engine speaks SGLang's ``/generate`` scoring shape, flat and per-position; here it
-is the teacher (and, for rkl = 0, also the student). Only this test imports the engine
-and the models package: opd-scoring itself never does.
+is the teacher (and, for rkl = 0, also the student). opd-scoring never imports the engine
+or the models package: they meet here, in integration_tests, where every package is installed.
 """
 
 from __future__ import annotations
 
 import asyncio
 import random
-import socket
-import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,6 +16,9 @@ import httpx
 import pytest
 import torch
 
+import posttrain.local_engine as local_engine
+import posttrain.models as models
+from posttrain.interface.testing import AppServer
 from posttrain.opd import (
     EquivalenceReport,
     OPDConfig,
@@ -26,45 +26,12 @@ from posttrain.opd import (
     ScoringSample,
     Strategy,
     TeacherRouter,
-    TeacherScorer,
+    TeacherScoringClient,
     build_score_payload,
     parse_score_response,
 )
 
-local_engine = pytest.importorskip("posttrain.local_engine")
-models = pytest.importorskip("posttrain.models")
-uvicorn = pytest.importorskip("uvicorn")
-
 TINY = {"torch_dtype": "bfloat16", "max_position_embeddings": 48}
-
-
-class _Engine:
-    def __init__(self, ckpt: Path) -> None:
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        sock.bind(("127.0.0.1", 0))
-        self.sock = sock
-        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-        app = local_engine.build_app(local_engine.EngineConfig(model_path=str(ckpt)))
-        cfg = uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2)
-        self.server = uvicorn.Server(cfg)
-        self.thread = threading.Thread(
-            target=self.server.run, kwargs={"sockets": [sock]}, daemon=True
-        )
-
-    def __enter__(self) -> _Engine:
-        self.thread.start()
-        deadline = time.monotonic() + 60
-        while not self.server.started:
-            if time.monotonic() > deadline or not self.thread.is_alive():
-                self.__exit__()
-                raise RuntimeError(f"local engine on {self.url} did not start")
-            time.sleep(0.02)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=10)
-        self.sock.close()
 
 
 @pytest.fixture(scope="module")
@@ -76,9 +43,10 @@ def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def engine(ckpt: Path) -> Iterator[_Engine]:
-    with _Engine(ckpt) as e:
-        yield e
+def engine(ckpt: Path) -> Iterator[AppServer]:
+    app = local_engine.build_app(local_engine.EngineConfig(model_path=str(ckpt)))
+    with AppServer(app) as server:
+        yield server
 
 
 def _samples(vocab: int, n: int, k: int, seed: int) -> list[ScoringSample]:
@@ -95,13 +63,13 @@ def _samples(vocab: int, n: int, k: int, seed: int) -> list[ScoringSample]:
     return out
 
 
-def test_flat_equals_per_position_on_the_local_engine(engine: _Engine, ckpt: Path) -> None:
+def test_flat_equals_per_position_on_the_local_engine(engine: AppServer, ckpt: Path) -> None:
     vocab = models.ModelConfig.tiny(**TINY).vocab_size
     samples = _samples(vocab, 4, 3, seed=0)
     cfg = OPDConfig(top_k=3, per_position=True, vocab_size=vocab)
 
     async def go() -> tuple[dict[str, float], EquivalenceReport, list[OPDSignals]]:
-        async with TeacherScorer(TeacherRouter(fallback_url=engine.url), cfg) as s:
+        async with TeacherScoringClient(TeacherRouter(fallback_url=engine.url), cfg) as s:
             probed = await s.probe()
             report = await s.equivalence_check(samples, atol=0.0)
             return probed, report, await s.score_batch(samples)
@@ -122,7 +90,7 @@ def test_flat_equals_per_position_on_the_local_engine(engine: _Engine, ckpt: Pat
         assert out.reverse_kl.shape == (smp.response_length,)
 
 
-def test_reverse_kl_is_zero_when_the_engine_is_teacher_and_student(engine: _Engine) -> None:
+def test_reverse_kl_is_zero_when_the_engine_is_teacher_and_student(engine: AppServer) -> None:
     vocab = models.ModelConfig.tiny(**TINY).vocab_size
     rng = random.Random(1)
     tokens = [rng.randrange(4, vocab) for _ in range(20)]
@@ -136,7 +104,7 @@ def test_reverse_kl_is_zero_when_the_engine_is_teacher_and_student(engine: _Engi
     async def go(strategy: Strategy) -> OPDSignals:
         cfg = OPDConfig(top_k=4, strategy=strategy, per_position=True)
         router = TeacherRouter(fallback_url=engine.url)
-        async with TeacherScorer(router, cfg, student_url=engine.url) as s:
+        async with TeacherScoringClient(router, cfg, student_url=engine.url) as s:
             return await s.score(sample)
 
     for strategy in Strategy:

@@ -1,0 +1,213 @@
+"""``posttrain up`` end to end on CPU: two local engines, the stock sgl-router and the session
+router; a chat through a session; Ctrl-C; no process it started survives.
+
+The launch package never imports its siblings; this test needs them installed to have
+something to start, so it lives in integration_tests, where the whole workspace is.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+import safetensors.torch as safetensors_torch
+import torch
+
+import posttrain.models as models
+
+pytestmark = [pytest.mark.multiproc, pytest.mark.slow, pytest.mark.timeout(400)]
+ADAPTER = "policy"
+
+
+def write_checkpoint(root: Path) -> tuple[Path, Path]:
+    """A tiny Qwen3-MoE-layout checkpoint with a tokenizer, and a PEFT LoRA adapter for it."""
+    cfg = models.ModelConfig(
+        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=16, moe_intermediate_size=32,
+        num_experts=2, num_experts_per_tok=1, mlp_only_layers=(0,),
+        max_position_embeddings=512, eos_token_id=3,
+    )  # fmt: skip
+    model_dir = models.save_pretrained(
+        models.build_model(cfg, seed=0), root / "model", tokenizer=models.build_tokenizer()
+    )
+    gen = torch.Generator().manual_seed(1)
+    targets = {n: s for n, s in models.lora_targets(cfg).items() if n.endswith("q_proj")}
+    tensors = {}
+    for name, (fan_in, fan_out) in targets.items():
+        tensors[f"base_model.model.{name}.lora_A.weight"] = torch.randn(4, fan_in, generator=gen)
+        tensors[f"base_model.model.{name}.lora_B.weight"] = torch.randn(fan_out, 4, generator=gen)
+    adapter = root / "adapter"
+    adapter.mkdir()
+    safetensors_torch.save_file(tensors, str(adapter / "adapter_model.safetensors"))
+    (adapter / "adapter_config.json").write_text(
+        json.dumps(
+            {"peft_type": "LORA", "r": 4, "lora_alpha": 8.0, "target_modules": ["q_proj"],
+             "lora_dropout": 0.0, "bias": "none"}
+        )
+    )  # fmt: skip
+    return model_dir, adapter
+
+
+def gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+class Stack:
+    """A ``posttrain up`` process: its URLs and key file (from stdout) and its log (stderr)."""
+
+    def __init__(self, argv: list[str]) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "posttrain.launch", "up", *argv],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+        self.err_lines: list[str] = []
+        self.urls: dict[str, str] = {}
+        self.key_file: Path | None = None
+        self._key = ""
+        # Logs go to stderr; an unread pipe would stall the launcher.
+        self.reader = threading.Thread(target=self._drain, daemon=True)
+        self.reader.start()
+
+    def _drain(self) -> None:
+        assert self.proc.stderr is not None
+        self.err_lines.extend(self.proc.stderr)
+
+    def wait_ready(self, timeout_s: float = 200) -> None:
+        assert self.proc.stdout is not None
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            line = self.proc.stdout.readline()
+            if not line:
+                self.proc.wait(timeout=30)
+                self.reader.join(timeout=10)
+                tail = "".join(self.err_lines)[-4000:]
+                pytest.fail(f"posttrain up exited early ({self.proc.returncode}):\n{tail}")
+            if line.startswith("ready"):
+                if self.key_file is not None:
+                    self._key = self.key_file.read_text().strip()  # it is removed at stop
+                return
+            name, value = line.split()
+            if name == "api-key-file":
+                self.key_file = Path(value)
+            else:
+                self.urls[name] = value
+        pytest.fail("posttrain up was not ready in time")
+
+    @property
+    def key(self) -> str:
+        assert self._key, "no api-key-file line before ready"
+        return self._key
+
+    def stop(self) -> str:
+        self.proc.send_signal(signal.SIGINT)
+        self.proc.wait(timeout=60)
+        self.reader.join(timeout=10)
+        return "".join(self.err_lines)
+
+
+def test_up_serves_a_session_chat_and_stops_everything(tmp_path: Path) -> None:
+    model_dir, adapter = write_checkpoint(tmp_path)
+    stack = Stack(
+        ["--model-path", str(model_dir), "--engines", "2", "--lora", f"{ADAPTER}={adapter}",
+         "--engine", "local-engine", "--ready-timeout-s", "150"]
+    )  # fmt: skip
+    children: list[int] = []
+    try:
+        stack.wait_ready()
+        urls = stack.urls
+        assert set(urls) == {"engine-0", "engine-1", "router", "session-router"}
+        children = [c.pid for c in psutil.Process(stack.proc.pid).children(recursive=True)]
+        assert len(children) >= 4
+        assert stack.key_file is not None
+        assert stack.key_file.stat().st_mode & 0o777 == 0o600
+
+        base = urls["session-router"]
+        auth = {"Authorization": f"Bearer {stack.key}"}
+        with httpx.Client(timeout=60.0, headers=auth) as client:
+            session = client.post(f"{base}/sessions").json()["session_id"]
+            reply = client.post(
+                f"{base}/sessions/{session}/v1/chat/completions",
+                json={"messages": [{"role": "user", "content": "hello"}], "max_tokens": 6},
+            )
+            assert reply.status_code == 200, reply.text
+            assert reply.json()["choices"][0]["message"]["role"] == "assistant"
+            record = client.get(f"{base}/sessions/{session}").json()["records"][0]
+            assert record["request"]["lora_path"] == ADAPTER  # the adapter reached the engine
+            assert record["request"]["extra_key"] == f"{ADAPTER}:v0"  # the startup version
+            assert client.delete(f"{base}/sessions/{session}").status_code == 204
+            workers = client.get(f"{urls['router']}/workers").json()
+            assert len(json.dumps(workers)) > 0
+    finally:
+        err = stack.stop()
+    assert stack.proc.returncode == 0, err[-4000:]
+    assert err.count("registered http://127.0.0.1:") == 2
+    assert "stopped every process" in err
+    assert all(gone(pid) for pid in children), [p for p in children if not gone(p)]
+    assert stack.key_file is not None
+    assert not stack.key_file.exists()  # removed at stop
+
+
+def test_two_stacks_side_by_side_with_29000_taken_and_keys_required(tmp_path: Path) -> None:
+    model_dir, _ = write_checkpoint(tmp_path)
+    squatter = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    with contextlib.suppress(OSError):  # taken already is just as good
+        squatter.bind(("127.0.0.1", 29000))
+        squatter.listen()
+    argv = ["--model-path", str(model_dir), "--engines", "1", "--engine", "local-engine",
+            "--ready-timeout-s", "150"]  # fmt: skip
+    stacks = [Stack(argv), Stack(argv)]
+    try:
+        for stack in stacks:
+            stack.wait_ready()
+        first, second = stacks
+        assert first.key != second.key
+        ports = [url.rsplit(":", 1)[1] for s in stacks for url in s.urls.values()]
+        assert len(set(ports)) == len(ports) == 6
+        for stack in stacks:
+            engine, base = stack.urls["engine-0"], stack.urls["session-router"]
+            with httpx.Client(timeout=60.0) as client:
+                mine = {"Authorization": f"Bearer {stack.key}"}
+                assert client.post(f"{base}/sessions").status_code == 401
+                session = client.post(f"{base}/sessions", headers=mine).json()["session_id"]
+                reply = client.post(
+                    f"{base}/sessions/{session}/v1/chat/completions",
+                    json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4},
+                    headers=mine,
+                )
+                assert reply.status_code == 200, reply.text
+                # State-changing engine routes need this stack's key (generation, above, not).
+                update = {"model_path": str(tmp_path / "nowhere")}
+                no_key = client.post(f"{engine}/update_weights_from_disk", json=update)
+                assert no_key.status_code == 401, no_key.text
+                other = {"Authorization": f"Bearer {(second if stack is first else first).key}"}
+                wrong = client.post(
+                    f"{engine}/update_weights_from_disk", json=update, headers=other
+                )
+                assert wrong.status_code == 401
+                right = client.post(f"{engine}/update_weights_from_disk", json=update, headers=mine)
+                assert right.status_code == 400, right.text  # past the key: the path is refused
+    finally:
+        errs = [stack.stop() for stack in stacks]
+        squatter.close()
+    for stack, err in zip(stacks, errs, strict=True):
+        assert stack.proc.returncode == 0, err[-4000:]
+        assert "--api-key <the stack's API key>" in err
+        assert stack.key not in err  # the key file's path is printed, never the key
+        assert "Address already in use" not in err

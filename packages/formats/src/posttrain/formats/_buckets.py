@@ -1,0 +1,352 @@
+"""wsync/1 buckets: named tensors <-> one 256-byte aligned byte buffer described by a manifest.
+
+A bucket is one contiguous buffer holding several tensors of possibly different dtypes, each
+starting at an offset that is a multiple of ``alignment`` (256 by default), so one buffer
+carries bf16 and fp32 tensors side by side (SGLang's FlattenedTensorBucket cannot: it is
+single-dtype). The ``BucketManifest`` lists ``(name, dtype, shape, offset, nbytes)`` per tensor,
+``total_bytes`` and an optional sha256 over ``buffer[:total_bytes]``; alignment gaps are zero,
+so the digest is reproducible. Unpacking makes zero-copy views into the buffer; callers that
+keep the tensors past the buffer's life copy them.
+
+Over HTTP a bucket travels as a safetensors file whose ``__metadata__["manifest"]`` is the
+manifest's JSON (safetensors metadata values are strings; safetensors has no alignment gaps, so
+the offsets describe the packed layout and matter for the sha256, which the reader checks by
+rebuilding that layout). ``encode_bucket_body`` / ``decode_bucket_body`` are its two directions.
+
+``plan_buckets`` is the greedy, in-order split of a tensor list under a byte cap; a tensor larger
+than the cap travels alone in its own bucket.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import struct
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, Literal
+
+import torch
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+
+from posttrain.formats._errors import BucketFormatError
+from posttrain.interface import (
+    BUCKET_ALIGNMENT,
+    BucketManifest,
+    ExpectedTensor,
+    TensorEntry,
+    WireFormatError,
+)
+
+DTYPES: dict[str, torch.dtype] = {
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float32": torch.float32,
+    "float64": torch.float64,
+    "float8_e4m3fn": torch.float8_e4m3fn,
+    "uint8": torch.uint8,
+    "int8": torch.int8,
+    "int32": torch.int32,
+    "int64": torch.int64,
+    "bool": torch.bool,
+}
+"""The wire dtypes of wsync/1 (the interface's ``WIRE_DTYPES``) as torch dtypes."""
+_NAMES = {v: k for k, v in DTYPES.items()}
+MANIFEST_KEY = "manifest"
+
+
+def dtype_from_name(name: str, *, field: str = "dtype") -> torch.dtype:
+    """The torch dtype called ``name`` (``"bfloat16"``), or a ``BucketFormatError`` naming ``field``."""
+    try:
+        return DTYPES[name]
+    except KeyError:
+        raise BucketFormatError(
+            f"{field}: unsupported dtype {name!r}; expected one of {sorted(DTYPES)}", field=field
+        ) from None
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """The wire name of a torch dtype (``torch.bfloat16`` -> ``"bfloat16"``)."""
+    try:
+        return _NAMES[dtype]
+    except KeyError:
+        raise BucketFormatError(
+            f"dtype {dtype} cannot be sent over the wire (wsync/1 carries {sorted(DTYPES)})",
+            field="dtype",
+        ) from None
+
+
+def aligned(n: int, alignment: int = BUCKET_ALIGNMENT) -> int:
+    """``n`` rounded up to a multiple of ``alignment``."""
+    return (n + alignment - 1) // alignment * alignment
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def expected_tensors(tensors: Iterable[tuple[str, torch.Tensor]]) -> list[ExpectedTensor]:
+    """The ``expected`` list of a ``WeightUpdateBegin`` for these named tensors."""
+    return [
+        ExpectedTensor(name=name, dtype=dtype_name(t.dtype), shape=tuple(t.shape))  # type: ignore[arg-type]
+        for name, t in tensors
+    ]
+
+
+def bucket_layout(
+    tensors: Sequence[tuple[str, torch.Tensor]], alignment: int = BUCKET_ALIGNMENT
+) -> tuple[list[TensorEntry], int]:
+    """Each tensor's aligned entry in a packed bucket, and the bucket's ``total_bytes``."""
+    entries: list[TensorEntry] = []
+    offset = 0
+    for name, t in tensors:
+        offset = aligned(offset, alignment)
+        entries.append(
+            TensorEntry(
+                name=name,
+                dtype=dtype_name(t.dtype),  # type: ignore[arg-type]
+                shape=tuple(t.shape),
+                offset=offset,
+                nbytes=_nbytes(t),
+            )
+        )
+        offset += _nbytes(t)
+    return entries, offset
+
+
+def plan_buckets(
+    tensors: Sequence[tuple[str, torch.Tensor]],
+    cap: int,
+    alignment: int = BUCKET_ALIGNMENT,
+) -> list[list[tuple[str, torch.Tensor]]]:
+    """Split ``tensors`` greedily, in order, into buckets of at most ``cap`` packed bytes.
+
+    A tensor larger than ``cap`` gets a bucket of its own.
+    """
+    out: list[list[tuple[str, torch.Tensor]]] = [[]]
+    used = 0
+    for name, t in tensors:
+        start = aligned(used, alignment)
+        if out[-1] and start + _nbytes(t) > cap:
+            out.append([])
+            start = 0
+        out[-1].append((name, t))
+        used = start + _nbytes(t)
+    return [b for b in out if b]
+
+
+def _digest(buf: torch.Tensor) -> str:
+    return hashlib.sha256(buf.numpy().data).hexdigest()
+
+
+def pack_bucket(
+    tensors: Iterable[tuple[str, torch.Tensor]],
+    *,
+    update_id: str,
+    weight_version: int,
+    kind: Literal["base", "lora"] = "base",
+    bucket_index: int = 0,
+    is_last: bool = True,
+    alignment: int = BUCKET_ALIGNMENT,
+    with_sha256: bool = True,
+    out: torch.Tensor | None = None,
+) -> tuple[BucketManifest, torch.Tensor]:
+    """Pack named tensors into one uint8 buffer (``out`` when given, else a new one).
+
+    Returns the manifest and the buffer sliced to ``total_bytes``.
+    """
+    items = list(tensors)
+    entries, total = bucket_layout(items, alignment)
+    if out is None:
+        buf = torch.zeros(total, dtype=torch.uint8)
+    else:
+        if out.dtype != torch.uint8 or out.dim() != 1 or out.numel() < total:
+            raise BucketFormatError(
+                f"out: the bucket needs {total} bytes of a 1-D uint8 buffer, got "
+                f"{out.dtype} {list(out.shape)}",
+                field="out",
+            )
+        buf = out[:total]
+        previous_end = 0
+        for e in entries:  # zero the alignment gaps so the digest is reproducible
+            buf[previous_end : e.offset].zero_()
+            previous_end = e.end
+    for (_, t), e in zip(items, entries, strict=True):
+        if e.nbytes:
+            buf[e.offset : e.end].copy_(t.detach().contiguous().reshape(-1).view(torch.uint8))
+    manifest = BucketManifest(
+        update_id=update_id,
+        weight_version=weight_version,
+        kind=kind,
+        bucket_index=bucket_index,
+        is_last=is_last,
+        alignment=alignment,
+        total_bytes=total,
+        tensors=entries,
+        sha256=_digest(buf) if with_sha256 else None,
+    )
+    return manifest, buf
+
+
+def as_byte_tensor(payload: bytes | bytearray | memoryview | torch.Tensor) -> torch.Tensor:
+    """A 1-D uint8 tensor over ``payload`` (no copy unless the buffer is read-only)."""
+    if isinstance(payload, torch.Tensor):
+        if payload.dtype != torch.uint8 or payload.dim() != 1:
+            raise BucketFormatError(
+                f"payload: expected a 1-D uint8 tensor, got {payload.dtype} {list(payload.shape)}",
+                field="payload",
+            )
+        return payload
+    view = memoryview(payload).cast("B")
+    if view.nbytes == 0:
+        return torch.empty(0, dtype=torch.uint8)
+    if view.readonly:
+        view = memoryview(bytearray(view))  # torch.frombuffer wants writable memory
+    return torch.frombuffer(view, dtype=torch.uint8)
+
+
+def unpack_bucket(
+    manifest: BucketManifest, payload: bytes | bytearray | memoryview | torch.Tensor
+) -> dict[str, torch.Tensor]:
+    """Zero-copy views of the manifest's tensors in ``payload`` (at least total_bytes long).
+
+    Checks bounds, alignment, byte counts and the sha256 when the manifest has one; raises
+    ``BucketFormatError`` naming the tensor at fault. Duplicate names are reported by the caller
+    (an update session), so this returns the last one and leaves the count to it.
+    """
+    buf = as_byte_tensor(payload)
+    if buf.numel() < manifest.total_bytes:
+        raise BucketFormatError(
+            f"manifest.total_bytes: {manifest.total_bytes} exceeds the {buf.numel()}-byte buffer",
+            field="manifest.total_bytes",
+        )
+    if manifest.sha256 is not None:
+        digest = _digest(buf[: manifest.total_bytes])
+        if digest != manifest.sha256:
+            raise BucketFormatError(
+                f"manifest.sha256: bucket {manifest.bucket_index} of update "
+                f"{manifest.update_id!r} hashes to {digest}, manifest says {manifest.sha256}",
+                field="manifest.sha256",
+            )
+    out: dict[str, torch.Tensor] = {}
+    for i, e in enumerate(manifest.tensors):
+        field = f"manifest.tensors[{i}]"
+        dtype = dtype_from_name(e.dtype, field=f"{field}.dtype")
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        numel = math.prod(e.shape)
+        if e.nbytes != numel * itemsize:
+            raise BucketFormatError(
+                f"{field}: tensor {e.name!r} of shape {list(e.shape)} {e.dtype} needs "
+                f"{numel * itemsize} bytes, manifest says {e.nbytes}",
+                field=f"{field}.nbytes",
+            )
+        if e.offset % manifest.alignment:
+            raise BucketFormatError(
+                f"{field}: tensor {e.name!r} offset {e.offset} is not a multiple of "
+                f"{manifest.alignment}",
+                field=f"{field}.offset",
+            )
+        if e.end > manifest.total_bytes:
+            raise BucketFormatError(
+                f"{field}: tensor {e.name!r} ends at {e.end}, past total_bytes "
+                f"{manifest.total_bytes}",
+                field=f"{field}.offset",
+            )
+        raw = buf[e.offset : e.end]
+        if (raw.storage_offset() % itemsize) and numel:
+            raw = raw.clone()  # an alignment below the item size: views need aligned storage
+        out[e.name] = (
+            raw.view(dtype).reshape(e.shape) if numel else torch.empty(e.shape, dtype=dtype)
+        )
+    return out
+
+
+def encode_bucket_body(
+    manifest: BucketManifest, payload: bytes | bytearray | memoryview | torch.Tensor
+) -> bytes:
+    """The HTTP body of a bucket: a safetensors file of its tensors, the manifest in metadata."""
+    tensors = unpack_bucket(manifest, payload)
+    return bytes(st_save(tensors, metadata={MANIFEST_KEY: manifest.to_json()}))
+
+
+def safetensors_metadata(body: bytes) -> dict[str, str]:
+    """The ``__metadata__`` of a safetensors file, read from its header alone."""
+    if len(body) < 8:
+        raise BucketFormatError("body: too short for a safetensors file", field="body")
+    (n,) = struct.unpack("<Q", body[:8])
+    if n > len(body) - 8:
+        raise BucketFormatError(f"body: safetensors header of {n} bytes overruns", field="body")
+    try:
+        header = json.loads(body[8 : 8 + n])
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise BucketFormatError(f"body: safetensors header is not JSON ({e})", field="body") from e
+    if not isinstance(header, dict):
+        raise BucketFormatError("body: safetensors header is not an object", field="body")
+    meta = header.get("__metadata__") or {}
+    if not isinstance(meta, dict):
+        raise BucketFormatError("body: __metadata__ is not an object", field="__metadata__")
+    return {str(k): str(v) for k, v in meta.items()}
+
+
+def decode_bucket_body(body: bytes) -> tuple[BucketManifest, dict[str, torch.Tensor]]:
+    """Decode a bucket sent as safetensors bytes; check its tensors against its manifest."""
+    meta = safetensors_metadata(body)
+    if MANIFEST_KEY not in meta:
+        raise BucketFormatError(
+            "__metadata__.manifest: missing (the bucket manifest as JSON)",
+            field="__metadata__.manifest",
+        )
+    try:
+        manifest = BucketManifest.from_json(meta[MANIFEST_KEY])
+    except WireFormatError as e:
+        raise BucketFormatError(f"__metadata__.manifest: {e}", field=e.field) from e
+    try:
+        tensors: dict[str, Any] = st_load(body)
+    except Exception as e:  # safetensors raises its own SafetensorError
+        raise BucketFormatError(f"body: not a valid safetensors file ({e})", field="body") from e
+    names = [entry.name for entry in manifest.tensors]
+    extra = sorted(set(tensors) - set(names))
+    absent = sorted(set(names) - set(tensors))
+    if extra or absent:
+        raise BucketFormatError(
+            f"body: tensors {extra} are not in the manifest, manifest tensors {absent} are not "
+            "in the body",
+            field="manifest.tensors",
+        )
+    for i, entry in enumerate(manifest.tensors):
+        t = tensors[entry.name]
+        got = _NAMES.get(t.dtype, str(t.dtype))
+        if got != entry.dtype or tuple(t.shape) != tuple(entry.shape):
+            raise BucketFormatError(
+                f"manifest.tensors[{i}]: tensor {entry.name!r} is {got} {list(t.shape)} in the "
+                f"body, {entry.dtype} {list(entry.shape)} in the manifest",
+                field=f"manifest.tensors[{i}]",
+            )
+    if manifest.sha256 is not None:
+        # The packed size is the tensors' bytes plus alignment gaps, so a manifest claiming
+        # more cannot make this allocate more than the body holds.
+        packed = sum(e.nbytes for e in manifest.tensors) + manifest.alignment * len(names)
+        if manifest.total_bytes > packed:
+            raise BucketFormatError(
+                f"manifest.total_bytes: {manifest.total_bytes} exceeds what its tensors pack to "
+                f"({packed} bytes at most)",
+                field="manifest.total_bytes",
+            )
+        flat = torch.zeros(manifest.total_bytes, dtype=torch.uint8)
+        for entry in manifest.tensors:
+            if entry.nbytes:
+                src = tensors[entry.name].contiguous().reshape(-1).view(torch.uint8)
+                flat[entry.offset : entry.end].copy_(src)
+        unpack_bucket(manifest, flat)  # checks the digest
+    return manifest, tensors
+
+
+def tensors_sha256(tensors: Mapping[str, torch.Tensor]) -> str:
+    """A sha256 over names, dtypes, shapes and bytes in sorted name order (engine state hash)."""
+    h = hashlib.sha256()
+    for name in sorted(tensors):
+        t = tensors[name].detach().contiguous()
+        h.update(f"{name}|{dtype_name(t.dtype)}|{list(t.shape)}|".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().data)
+    return h.hexdigest()

@@ -1,0 +1,120 @@
+"""``posttrain grpo``: the command that runs the embedded CPU GRPO recipe (``grpo.py``).
+
+Registered on the ``posttrain`` app in ``cli.py`` (see its docstring for the CLI's conventions).
+Arguments after ``--`` go to the trainer (``python -m posttrain.grpo``) unchanged, last wins.
+"""
+
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.text import Text
+
+from posttrain.launch._console import err as _err
+from posttrain.launch._console import fail as _fail
+from posttrain.launch._console import raise_interrupt as _raise_interrupt
+from posttrain.launch._errors import LaunchError
+from posttrain.launch.runners import console_sink
+
+__all__ = ["GRPO_CONTEXT", "grpo_command"]
+
+GRPO_CONTEXT = {"allow_extra_args": True, "ignore_unknown_options": True}
+"""The trainer's own flags pass through after ``--``."""
+
+
+def grpo_command(
+    ctx: typer.Context,
+    train: Annotated[
+        str,
+        typer.Option(
+            "--train",
+            metavar="MODE",
+            help="lora (adapter only, pushed as a LoRA) or full "
+            "(every weight, synced over wsync/1)",
+        ),
+    ] = "lora",
+    opd: Annotated[
+        bool,
+        typer.Option(
+            "--opd", help="distil from a stronger local teacher engine (OPD) [default: off]"
+        ),
+    ] = False,
+    teacher: Annotated[
+        str | None,
+        typer.Option(
+            "--teacher",
+            metavar="URL",
+            help="an SGLang-API teacher to distil from instead (implies --opd) [default: none]",
+        ),
+    ] = None,
+    rollout_quant: Annotated[
+        str,
+        typer.Option(
+            "--rollout-quant",
+            metavar="QUANT",
+            help="none, or nvfp4: the engines serve NVFP4 weights and the trainer applies TIS",
+        ),
+    ] = "none",
+    steps: Annotated[
+        int | None,
+        typer.Option("--steps", min=1, metavar="N", help="GRPO steps [default: the recipe's, 30]"),
+    ] = None,
+    seed: Annotated[
+        int, typer.Option("--seed", metavar="N", help="seed of the recipe, rollouts and trainer")
+    ] = 0,
+    resume: Annotated[
+        Path | None,
+        typer.Option(
+            "--resume",
+            metavar="DIR",
+            help="continue from this checkpoint (or run) directory [default: a fresh run]",
+        ),
+    ] = None,
+    out: Annotated[
+        Path,
+        typer.Option("--out", metavar="DIR", help="metrics, reward curve, summary, checkpoints"),
+    ] = Path("runs/grpo"),
+    verbose: Annotated[
+        bool,
+        typer.Option("--verbose", help="stream every server's log to the terminal [default: off]"),
+    ] = False,
+) -> None:
+    """Run the embedded CPU GRPO recipe: tiny Dense/MoE policy, toy task, engines, trainer."""
+    from posttrain.launch.demo import tail_sink
+    from posttrain.launch.grpo import GrpoRecipeConfig, run_grpo
+
+    sink, kept = (console_sink(_err), None) if verbose else tail_sink()
+    signal.signal(signal.SIGTERM, _raise_interrupt)
+    try:
+        cfg = GrpoRecipeConfig(
+            train=train,  # type: ignore[arg-type]  # checked by GrpoRecipeConfig
+            opd=opd or teacher is not None,
+            teacher_url=teacher,
+            rollout_quant=rollout_quant,  # type: ignore[arg-type]
+            steps=steps,
+            seed=seed,
+            resume=resume,
+            out=out,
+            trainer_args=tuple(ctx.args),
+        )
+        _err.print(
+            "posttrain grpo: preparing the recipe's checkpoints (a first run warms up a tiny "
+            "model, about 30 s), then starting the engines, sgl-router, the session router and "
+            f"the trainer; metrics and plots go to {cfg.out}",
+            highlight=False,
+        )
+        code = run_grpo(cfg, sink)
+    except KeyboardInterrupt:
+        _err.print("interrupted; stopped every process")
+        raise typer.Exit(code=130) from None
+    except LaunchError as exc:
+        if kept:
+            _err.print(Text("\n".join(kept)))
+        _fail(exc)
+    if code != 0:
+        if kept:
+            _err.print(Text("\n".join(kept)))
+        _fail(LaunchError(f"the trainer exited with code {code}"))

@@ -1,0 +1,218 @@
+"""``posttrain up`` and ``posttrain demo``: the commands that run a local stack.
+
+Registered on the ``posttrain`` app in ``cli.py`` (see its docstring for the CLI's conventions).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.table import Table
+from rich.text import Text
+
+from posttrain.launch._console import err as _err
+from posttrain.launch._console import fail as _fail
+from posttrain.launch._console import out as _out
+from posttrain.launch._console import raise_interrupt as _raise_interrupt
+from posttrain.launch._errors import LaunchError
+from posttrain.launch.args import parse_assignments
+from posttrain.launch.keys import new_api_key, remove_key_file, write_key_file
+from posttrain.launch.progress import StackProgress
+from posttrain.launch.runners import DryRun, LocalRunner, console_sink
+from posttrain.launch.stack import LocalStackConfig, build_local_stack, default_engine_kind
+from posttrain.launch.tables import EngineKind
+
+__all__ = ["demo_command", "up_command"]
+
+
+def up_command(
+    model_path: Annotated[
+        Path, typer.Option("--model-path", metavar="DIR", help="checkpoint directory to serve")
+    ],
+    engines: Annotated[
+        int, typer.Option("--engines", min=1, metavar="N", help="engine processes")
+    ] = 2,
+    lora: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--lora",
+            metavar="NAME=PATH",
+            help="a PEFT adapter every engine loads and every session uses [default: none]",
+        ),
+    ] = None,
+    engine: Annotated[
+        str | None,
+        typer.Option(
+            "--engine",
+            metavar="KIND",
+            help="local-engine or sglang [default: sglang "
+            "where it imports and a GPU answers, else local-engine]",
+        ),
+    ] = None,
+    ready_timeout_s: Annotated[
+        float,
+        typer.Option(
+            "--ready-timeout-s",
+            metavar="S",
+            help="seconds each process may take to answer its health check",
+        ),
+    ] = 300.0,
+    dry_run: Annotated[
+        bool, typer.Option("--dry-run", help="print the plan, start nothing [default: off]")
+    ] = False,
+    session_router_port: Annotated[
+        int,
+        typer.Option(
+            "--session-router-port",
+            metavar="PORT",
+            min=0,
+            help="the session router's port (0: a free one)",
+        ),
+    ] = 0,
+    router_port: Annotated[
+        int,
+        typer.Option(
+            "--router-port", metavar="PORT", min=0, help="sgl-router's port (0: a free one)"
+        ),
+    ] = 0,
+    router_metrics_port: Annotated[
+        int,
+        typer.Option(
+            "--router-metrics-port",
+            metavar="PORT",
+            min=0,
+            help="sgl-router's Prometheus port (0: a free one)",
+        ),
+    ] = 0,
+    api_key: Annotated[
+        bool,
+        typer.Option(
+            "--api-key/--no-api-key",
+            help="require a random per-stack key (stored 0600, path printed) on the "
+            "engines' state-changing routes and on the session router [default: on]",
+        ),
+    ] = True,
+) -> None:
+    """Start engines, the sgl-router and a session router on loopback; Ctrl-C stops all."""
+    try:
+        kind = EngineKind(engine) if engine else default_engine_kind()
+    except ValueError:
+        _fail(ValueError(f"--engine {engine!r} is not one of local-engine, sglang"))
+    key = new_api_key() if api_key else None
+    try:
+        plan = build_local_stack(
+            LocalStackConfig(
+                model_path=str(model_path),
+                engines=engines,
+                loras=tuple(parse_assignments(lora or [], "--lora")),
+                engine_kind=kind,
+                ready_timeout_s=ready_timeout_s,
+                session_router_port=session_router_port,
+                router_port=router_port,
+                router_metrics_port=router_metrics_port,
+                api_key="<a random key made at start>" if key and dry_run else key,
+            )
+        )
+    except LaunchError as exc:
+        _fail(exc)
+    if dry_run:
+        DryRun(plan, console=_out).run()
+        return
+    signal.signal(signal.SIGTERM, _raise_interrupt)
+    key_file = None
+    try:
+        if key is not None:
+            key_file = write_key_file(key, f"stack-{os.getpid()}")
+            _err.print(f"API key of this stack: {key_file} (mode 0600; removed at stop)")
+        with LocalRunner(plan, sink=console_sink(_err), api_key=key) as runner:
+            with StackProgress(_err) as progress:
+                runner.on_event = progress.on_event
+                runner.start()
+            runner.on_event = lambda name, what: None
+            for name, url in runner.urls.items():
+                sys.stdout.write(f"{name} {url}\n")
+            if key_file is not None:
+                sys.stdout.write(f"api-key-file {key_file}\n")
+            sys.stdout.write("ready (Ctrl-C stops every process)\n")
+            sys.stdout.flush()
+            runner.wait()
+    except KeyboardInterrupt:
+        _err.print("interrupted; stopped every process")
+    except LaunchError as exc:
+        _fail(exc)
+    finally:
+        if key_file is not None:
+            remove_key_file(key_file)
+
+
+def demo_command(
+    model_path: Annotated[
+        Path | None,
+        typer.Option(
+            "--model-path",
+            metavar="DIR",
+            help="checkpoint to serve [default: a fresh tiny one in a temp dir]",
+        ),
+    ] = None,
+    engines: Annotated[
+        int, typer.Option("--engines", min=1, metavar="N", help="engine processes")
+    ] = 2,
+    turns: Annotated[
+        int, typer.Option("--turns", min=1, max=3, metavar="N", help="chat turns in the session")
+    ] = 2,
+    max_tokens: Annotated[
+        int, typer.Option("--max-tokens", min=1, metavar="N", help="tokens generated per turn")
+    ] = 12,
+    seed: Annotated[
+        int, typer.Option("--seed", metavar="N", help="seed of the checkpoint and the sampling")
+    ] = 0,
+    verbose: Annotated[
+        bool,
+        typer.Option(
+            "--verbose",
+            help="stream every process's log instead of the progress display [default: off]",
+        ),
+    ] = False,
+) -> None:
+    """Run the CPU rollout path end to end: tiny model, engines, sgl-router, a session chat."""
+    from posttrain.launch.demo import DemoConfig, run_demo, tail_sink
+
+    sink, kept = (console_sink(_err), None) if verbose else tail_sink()
+    signal.signal(signal.SIGTERM, _raise_interrupt)
+    try:
+        config = DemoConfig(model_path=model_path, engines=engines, turns=turns,
+                            max_tokens=max_tokens, seed=seed)  # fmt: skip
+        if verbose:
+            report = run_demo(config, sink)
+        else:
+            with StackProgress(_err) as progress:
+                report = run_demo(config, sink, progress)
+    except KeyboardInterrupt:
+        _err.print("interrupted; stopped every process")
+        raise typer.Exit(code=130) from None
+    except LaunchError as exc:
+        if kept:
+            _err.print(Text("\n".join(kept)))
+        _fail(exc)
+    table = Table(title=f"posttrain demo: {report.model_path}")
+    for column in ("turn", "user", "reply (tiny random model)", "tokens", "sum logprob"):
+        table.add_column(column)
+    for i, turn in enumerate(report.turns):
+        table.add_row(str(i + 1), turn.user, repr(turn.reply), str(turn.completion_tokens),
+                      f"{turn.logprob_sum:.4f}")  # fmt: skip
+    _out.print(table)
+    for name, url in report.urls.items():
+        _out.print(f"{name}: {url}")
+    _out.print(f"API key of the stack: {report.api_key_file} (mode 0600, removed at stop)")
+    _out.print(
+        f"training sample: {report.sample_tokens} tokens over {report.sample_turns} turn(s), "
+        f"{report.sample_trained_tokens} trained (loss mask 1), status {report.sample_status}; "
+        f"its rollout logprobs are exactly the engine's: {report.sample_logprobs_match_turns}"
+    )
+    if not report.sample_logprobs_match_turns:
+        _fail(LaunchError("the assembled sample's logprobs differ from what the engine returned"))
