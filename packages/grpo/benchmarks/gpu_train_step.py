@@ -35,10 +35,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from posttrain.fsdp_mesh import HsdpConfig, apply_hsdp, build_fsdp_mesh, launch_workers
+from posttrain.fsdp_mesh import HsdpConfig, apply_hsdp, build_fsdp_mesh
 from posttrain.grpo.config import GrpoConfig
 from posttrain.grpo.trainer import Policy, TrainSample, lora_targets, train_step
 from posttrain.interface import MeshSpec
+from posttrain.interface.processes import run_workers
 from posttrain.lora import LoraConfig, LoraGroups, attach_lora
 from posttrain.models import ModelConfig, Numerics, build_model
 
@@ -171,8 +172,9 @@ def main() -> None:
         for hsdp in [False, True] if world > 1 else [False]:
             run_args = replace_ns(args, hsdp=hsdp)
             backend = "nccl" if args.device == "cuda" else "gloo"
-            per_rank = launch_workers(_rank, world, args=(run_args,), backend=backend,
-                                      timeout_s=args.timeout_s)  # fmt: skip
+            per_rank = run_workers(_rank, world, args=(run_args,), backend=backend,
+                                   timeout_s=args.timeout_s, start_method="spawn",
+                                   threads_per_rank=None)  # fmt: skip
             for row in per_rank[0]:
                 print(json.dumps(row), flush=True)
                 results.append(row)
