@@ -33,6 +33,12 @@ def test_strict_train_forward_equals_decode_on_cuda() -> None:
     assert torch.equal(on_gpu[:18], torch.tensor(decoded))
 
 
+@pytest.mark.xfail(
+    strict=True,
+    reason="measured on the H200 (2026-11-30 and 2026-12-01): CPU and CUDA strict logprobs differ "
+    "by <= 1 ulp in ~11% of tokens (docs/benchmarks/models.md); cross-device bit parity needs "
+    "the batch-invariant GPU kernels of issue #26. strict=True: this fails once it holds.",
+)
 def test_strict_logprobs_are_the_same_bits_on_cpu_and_cuda() -> None:
     """Strict kernels use only correctly rounded elementwise ops in separate kernels."""
     with torch.no_grad():
