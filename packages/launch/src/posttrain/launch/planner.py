@@ -120,7 +120,9 @@ def build_plan(cfg: LaunchConfig) -> Plan:
             )
         )
 
-    processes.extend(_trainer_processes(r, role_args.trainer, role_args.trainer_env))
+    # The trainer pushes every weight update to each engine directly (never through the router).
+    trainer = _copy_with(role_args.trainer, ("--engine-urls", ",".join(worker_urls)))
+    processes.extend(_trainer_processes(r, trainer, role_args.trainer_env))
     notes = [f"rules fired: {', '.join(fired)}"]
     parallel = (
         f"hsdp {r.trainer_replicate} x {r.trainer_shard}"
