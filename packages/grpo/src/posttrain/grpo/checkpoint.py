@@ -20,7 +20,6 @@ and optimizer state (there are no separate masters to re-sync).
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from pathlib import Path
 from typing import Any
@@ -28,6 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from posttrain.formats import replace_directory, write_text_atomic
 from posttrain.fsdp_mesh import (
     checkpoint_dir,
     latest_step,
@@ -43,9 +43,7 @@ TRACKER = "latest_checkpointed_iteration.txt"
 
 
 def _write_json(path: Path, data: dict[str, Any]) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(data, indent=2, sort_keys=True))
-    os.replace(tmp, path)
+    write_text_atomic(path, json.dumps(data, indent=2, sort_keys=True))
 
 
 def save(root: Path, step: int, policy: Policy, extra: dict[str, Any]) -> Path:
@@ -76,17 +74,10 @@ def save(root: Path, step: int, policy: Policy, extra: dict[str, Any]) -> Path:
         _write_json(tmp / "meta.json", meta)
     dist.barrier()
     if rank == 0:
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
-        _write_json_text(root / TRACKER, str(step))
+        replace_directory(tmp, final)  # complete or absent, never half-written
+        write_text_atomic(root / TRACKER, str(step))
     dist.barrier()
     return final
-
-
-def _write_json_text(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 def find(path: Path) -> Path:

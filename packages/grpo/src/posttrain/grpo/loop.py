@@ -50,6 +50,7 @@ from posttrain.grpo.rollout import RolloutSettings, run_rollout
 from posttrain.grpo.sync import SyncTarget, engine_weight_version, sync_weights
 from posttrain.grpo.trainer import TrainSample, build_policy, train_step
 from posttrain.interface import Sample
+from posttrain.interface.processes import free_port
 
 
 def run(config: GrpoConfig) -> dict[str, Any] | None:
@@ -322,21 +323,13 @@ def _init_process_group(cfg: GrpoConfig) -> None:
         return
     if "RANK" not in os.environ:  # a single rank on its own
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     world = int(os.environ["WORLD_SIZE"])
     cfg.check_supported(world_size=world)
     # Finite: a rank waiting on a peer that hung gives up (rank 0 may spend a whole rollout).
     timeout = timedelta(seconds=max(600.0, 3 * cfg.rollout_timeout_s))
     dist.init_process_group("gloo", timeout=timeout)
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _die_with_parent() -> None:
@@ -362,7 +355,7 @@ def _spawn_ranks(cfg: GrpoConfig) -> dict[str, Any] | None:
 
     ctx = mp.get_context("fork")
     results = ctx.SimpleQueue()
-    port, world = _free_port(), cfg.world_size
+    port, world = free_port(), cfg.world_size
     procs = [
         ctx.Process(target=_rank_main, args=(r, world, port, cfg, results)) for r in range(world)
     ]

@@ -24,6 +24,8 @@ from rich.live import Live
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from posttrain.formats import AtomicFile, write_text_atomic
+
 # Shown in the live table, in this order (missing ones are skipped).
 HEADLINE = (
     "reward_mean",
@@ -83,9 +85,7 @@ class MetricsLog:
                 if int(record["step"]) < start_step:
                     kept.append(record)
         self.records = kept
-        tmp = self.path.with_name(".metrics.jsonl.tmp")
-        tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
-        os.replace(tmp, self.path)
+        write_text_atomic(self.path, "".join(json.dumps(r) + "\n" for r in kept))
 
     def __enter__(self) -> MetricsLog:
         self.live.__enter__()
@@ -169,9 +169,7 @@ def write_report(
 ) -> dict[str, Any]:
     """Write ``summary.json`` and ``reward_curve.png``; returns the summary."""
     summary = {**summarize(records), **extra}
-    tmp = out_dir / ".summary.json.tmp"
-    tmp.write_text(json.dumps(summary, indent=2, sort_keys=True))
-    os.replace(tmp, out_dir / "summary.json")
+    write_text_atomic(out_dir / "summary.json", json.dumps(summary, indent=2, sort_keys=True))
     if records:
         plot_rewards(records, out_dir / "reward_curve.png")
     return summary
@@ -204,7 +202,6 @@ def plot_rewards(records: Sequence[Mapping[str, Any]], path: Path) -> None:
     ax.legend(loc="upper left")
     ax.set_title("GRPO reward")
     fig.tight_layout()
-    tmp = path.with_name(f".{path.stem}.tmp.png")
-    fig.savefig(tmp, dpi=100)
+    with AtomicFile(path) as out:
+        fig.savefig(out.file, format="png", dpi=100)
     plt.close(fig)
-    os.replace(tmp, path)

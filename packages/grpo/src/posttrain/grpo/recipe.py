@@ -39,6 +39,7 @@ from typing import Any
 
 import torch
 
+from posttrain.formats import replace_directory, write_text_atomic
 from posttrain.grpo._errors import GrpoConfigError
 from posttrain.grpo.rewards import Prompt, addition_prompts
 from posttrain.models import (
@@ -204,8 +205,7 @@ def _convert_nvfp4(src: Path, dst: Path) -> None:
     for name in os.listdir(src):  # the tokenizer files travel with the weights
         if not (staging / name).exists() and not name.endswith(".safetensors"):
             shutil.copy2(src / name, staging / name)
-    shutil.rmtree(dst, ignore_errors=True)
-    staging.rename(dst)
+    replace_directory(staging, dst)
 
 
 def prepare(cache: Path, seed: int, *, nvfp4: bool = False, log: Any = None) -> dict[str, Any]:
@@ -219,9 +219,7 @@ def prepare(cache: Path, seed: int, *, nvfp4: bool = False, log: Any = None) -> 
         started = time.perf_counter()
         info = warm_up(root, seed, log=log)
         info["warmup_s"] = round(time.perf_counter() - started, 2)
-        tmp = root / ".recipe.json.tmp"
-        tmp.write_text(json.dumps(info))
-        os.replace(tmp, done)
+        write_text_atomic(done, json.dumps(info))
     if nvfp4 and not (root / "policy-nvfp4" / "config.json").is_file():
         _convert_nvfp4(root / "policy", root / "policy-nvfp4")
     return {
