@@ -23,6 +23,7 @@ from posttrain.interface import Sample
 class FakeSessions:
     def __init__(self, fail_chat: bool = False) -> None:
         self.requests: list[tuple[str, str, Any]] = []
+        self.auth: list[str | None] = []
         self.open: set[str] = set()
         self.fail_chat = fail_chat
         self.count = 0
@@ -30,6 +31,7 @@ class FakeSessions:
     def __call__(self, request: httpx.Request) -> httpx.Response:
         body = json.loads(request.content) if request.content else None
         self.requests.append((request.method, request.url.path, body))
+        self.auth.append(request.headers.get("authorization"))
         parts = request.url.path.strip("/").split("/")
         if request.method == "POST" and parts == ["sessions"]:
             self.count += 1
@@ -89,6 +91,16 @@ def test_one_session_per_sample_in_order_with_seeds_and_the_weight_version() -> 
         assert b["top_logprobs"] == 4
         assert b["logprobs"] is True
         assert b["max_tokens"] == 4
+
+
+def test_every_request_carries_the_stack_key_when_given() -> None:
+    fake = FakeSessions()
+    run_rollout(_settings(api_key="k3y"), PROMPTS[:1], step=0, transport=httpx.MockTransport(fake))
+    assert fake.auth
+    assert set(fake.auth) == {"Bearer k3y"}
+    fake = FakeSessions()
+    run_rollout(_settings(), PROMPTS[:1], step=0, transport=httpx.MockTransport(fake))
+    assert set(fake.auth) == {None}
 
 
 def test_seeds_depend_only_on_seed_step_prompt_sample() -> None:

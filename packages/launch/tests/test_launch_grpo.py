@@ -43,6 +43,22 @@ def test_default_argv_is_the_lora_recipe() -> None:
     assert (_flag(argv, "--replicate"), _flag(argv, "--shard")) == ("1", "2")
     assert "--opd" not in argv
     assert "--rollout-quant" not in argv
+    assert "--api-key-file" not in argv
+
+
+def test_the_key_reaches_the_trainer_as_a_file_and_every_keyed_component() -> None:
+    argv = trainer_argv(GrpoRecipeConfig(), RECIPE, URLS, ["engine-0"], Path("/k/grpo.key"))
+    assert _flag(argv, "--api-key-file") == "/k/grpo.key"
+    assert not any("secret" in tok for tok in argv)
+    plan = build_local_stack(
+        LocalStackConfig(
+            model_path="/m", lora_adapter=ADAPTER, teacher_model_path="/t", api_key="secret"
+        )
+    )
+    procs = {p.name: p.argv for p in plan.processes}
+    for name in ("engine-0", "engine-1", "teacher", "session-router"):
+        assert procs[name][procs[name].index("--api-key") + 1] == "secret", name
+    assert "--api-key" not in procs["router"]  # sgl-router takes none (keys.py says why)
 
 
 def test_modes_and_user_flags_last() -> None:

@@ -47,6 +47,7 @@ class GrpoConfig:
     model_path: Path | None = None
     rollout_url: str | None = None
     engine_urls: tuple[str, ...] = ()
+    api_key_file: Path | None = None
     task: str = "addition"
     backend: Backend = "fsdp"
     train: TrainMode = "lora"
@@ -114,7 +115,7 @@ class GrpoConfig:
             )
         self.lora_targets = tuple(self.lora_targets)
         self.engine_urls = tuple(self.engine_urls)
-        for name in ("model_path", "out_dir", "resume"):
+        for name in ("model_path", "out_dir", "resume", "api_key_file"):
             value = getattr(self, name)
             if isinstance(value, str):
                 setattr(self, name, Path(value))
@@ -122,6 +123,23 @@ class GrpoConfig:
             self.moe_layer_freq = tuple(self.moe_layer_freq)
         self._check_ranges()
         self._check_together()
+
+    def api_key(self) -> str | None:
+        """The bearer token in ``api_key_file`` (None without one); refused when unreadable."""
+        if self.api_key_file is None:
+            return None
+        try:
+            key = self.api_key_file.read_text(encoding="utf-8").strip()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise GrpoConfigError(
+                f"api_key_file {str(self.api_key_file)!r} cannot be read: {exc}",
+                field="api_key_file",
+            ) from exc
+        if not key or any(c.isspace() for c in key):
+            raise GrpoConfigError(
+                f"api_key_file {str(self.api_key_file)!r} must hold one token", field="api_key_file"
+            )
+        return key
 
     def _check_ranges(self) -> None:
         for name in (
@@ -277,6 +295,8 @@ class GrpoConfig:
 HELP: dict[str, str] = {
     "model_path": "checkpoint directory (or hub id) of the policy",
     "rollout_url": "session-router URL the rollouts go through",
+    "api_key_file": "file holding the bearer token the session router and the engines' weight "
+    "routes require (a file, so the key never shows in the process list); none: no token",
     "engine_urls": "engine URLs the trained weights are pushed to (each one directly)",
     "task": "prompt set and reward (the embedded recipe's: addition)",
     "backend": "trainer backend",

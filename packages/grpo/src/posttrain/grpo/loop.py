@@ -103,9 +103,10 @@ def _train(cfg: GrpoConfig) -> dict[str, Any] | None:
     if lead:
         out.mkdir(parents=True, exist_ok=True)
         (out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
+    api_key = cfg.api_key()
     target = SyncTarget(
         engine_urls=tuple(cfg.engine_urls), lora_name=cfg.lora_name,
-        rollout_quant=cfg.rollout_quant, timeout_s=cfg.rollout_timeout_s,
+        rollout_quant=cfg.rollout_quant, timeout_s=cfg.rollout_timeout_s, api_key=api_key,
     )  # fmt: skip
     version = _broadcast(_first_version(target) if lead else 0)
     if isinstance(version, str):
@@ -170,6 +171,7 @@ def _rollout_and_score(
             top_logprobs=cfg.opd_top_k if cfg.opd else 0,
             weight_version=version,
             timeout_s=cfg.rollout_timeout_s,
+            api_key=cfg.api_key(),
         )
         samples = run_rollout(settings, prompts, step=step)
         times["rollout"] = time.perf_counter() - t0

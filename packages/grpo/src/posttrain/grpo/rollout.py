@@ -49,6 +49,7 @@ class RolloutSettings:
     seed: int
     top_logprobs: int = 0
     weight_version: int | None = None
+    api_key: str | None = None  # the session router's bearer token
     timeout_s: float = 600.0
     concurrency: int = 32
 
@@ -124,7 +125,10 @@ async def rollout(
     gate = asyncio.Semaphore(settings.concurrency)
     timeout = httpx.Timeout(settings.timeout_s, connect=min(settings.timeout_s, 10.0))
     limits = httpx.Limits(max_connections=settings.concurrency)
-    async with httpx.AsyncClient(timeout=timeout, limits=limits, transport=transport) as client:
+    headers = {"Authorization": f"Bearer {settings.api_key}"} if settings.api_key else {}
+    async with httpx.AsyncClient(
+        timeout=timeout, limits=limits, transport=transport, headers=headers
+    ) as client:
 
         async def bounded(prompt: Prompt, group: int, sample: int) -> Sample:
             async with gate:

@@ -45,6 +45,7 @@ class SyncTarget:
     rollout_quant: str = "none"
     timeout_s: float = 120.0
     transport: httpx.BaseTransport | None = None
+    api_key: str | None = None  # the engines' bearer token for their weight routes
 
 
 def engine_weight_version(
@@ -88,12 +89,18 @@ def sync_weights(policy: Policy, target: SyncTarget, version: int) -> dict[str, 
                     assert policy.lora_config is not None
                     config = policy.lora_config.peft_config(policy.target_modules)
                     with AdapterClient(
-                        url, transport=target.transport, timeout=target.timeout_s
+                        url,
+                        transport=target.transport,
+                        timeout=target.timeout_s,
+                        api_key=target.api_key,
                     ) as client:
                         client.push(target.lora_name, tensors, config)
                 else:
                     with WeightPushClient(
-                        url, timeout_s=target.timeout_s, transport=target.transport
+                        url,
+                        timeout_s=target.timeout_s,
+                        transport=target.transport,
+                        api_key=target.api_key,
                     ) as client:
                         push_weights(client, tensors, weight_version=version, with_sha256=True)
         except Exception as exc:  # reported to every rank below, so none waits forever

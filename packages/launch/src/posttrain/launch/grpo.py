@@ -5,9 +5,12 @@
    with ``--rollout-quant nvfp4``, the policy converted to NVFP4.
 2. The local stack of ``posttrain up`` starts on 127.0.0.1: 2 local engines behind the stock
    sgl-router and the session router (with LoRA on and the trained adapter's name when an
-   adapter is trained), plus a teacher engine with ``--opd`` (unless ``--teacher URL``).
+   adapter is trained), plus a teacher engine with ``--opd`` (unless ``--teacher URL``), with
+   a random API key per stack (``keys.py``) that the engines' weight routes and the session
+   router require.
 3. The trainer runs as ``python -m posttrain.grpo`` (2 gloo ranks, HSDP) with the recipe's
-   flags, in the foreground: its live display goes straight to this terminal.
+   flags and ``--api-key-file`` (the key file, never the key itself, in its argv), in the
+   foreground: its live display goes straight to this terminal.
 4. Every process is stopped by pid, whatever happened.
 
 Launch never imports posttrain.grpo: both the recipe and the trainer are ``python -m``
@@ -27,7 +30,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 from posttrain.launch._errors import LaunchConfigError, LaunchError
-from posttrain.launch.plan import PYTHON
+from posttrain.launch.keys import new_api_key, remove_key_file, write_key_file
+from posttrain.launch.plan import PYTHON, Plan
 from posttrain.launch.runners import LocalRunner, LogSink, _set_pdeathsig
 from posttrain.launch.stack import LocalStackConfig, build_local_stack
 from posttrain.launch.tables import EngineKind
@@ -94,7 +98,7 @@ def prepare_recipe(cfg: GrpoRecipeConfig, sink: LogSink) -> dict[str, Any]:
 
 
 def trainer_argv(cfg: GrpoRecipeConfig, recipe: dict[str, Any], urls: dict[str, str],
-                 engine_names: list[str]) -> list[str]:  # fmt: skip
+                 engine_names: list[str], key_file: Path | None = None) -> list[str]:  # fmt: skip
     """The ``python -m posttrain.grpo`` command of the recipe (user flags last: they win)."""
     settings = dict(recipe["recipe"])
     if cfg.steps is not None:
@@ -124,6 +128,8 @@ def trainer_argv(cfg: GrpoRecipeConfig, recipe: dict[str, Any], urls: dict[str, 
         argv += ["--rollout-quant", "nvfp4", "--tis", str(settings["tis"])]
     if cfg.resume is not None:
         argv += ["--resume", str(cfg.resume)]
+    if key_file is not None:
+        argv += ["--api-key-file", str(key_file)]
     return argv + list(cfg.trainer_args)
 
 
@@ -131,21 +137,43 @@ def run_grpo(cfg: GrpoRecipeConfig, sink: LogSink) -> int:
     """Prepare, start the stack, run the trainer in the foreground, stop everything."""
     recipe = prepare_recipe(cfg, sink)
     served = recipe["policy_nvfp4"] if cfg.rollout_quant == "nvfp4" else recipe["policy"]
-    plan = build_local_stack(
-        LocalStackConfig(
-            model_path=served,
-            tokenizer_path=recipe["policy"],
-            engines=cfg.engines,
-            engine_kind=EngineKind.LOCAL,
-            lora_adapter=ADAPTER if cfg.train == "lora" else None,
-            teacher_model_path=recipe["teacher"] if cfg.opd and cfg.teacher_url is None else None,
-            ready_timeout_s=cfg.ready_timeout_s,
+    key = new_api_key()
+    key_file = write_key_file(key, f"grpo-{os.getpid()}")
+    sink("launcher", f"api-key-file {key_file}")
+    try:
+        plan = build_local_stack(
+            LocalStackConfig(
+                model_path=served,
+                tokenizer_path=recipe["policy"],
+                engines=cfg.engines,
+                engine_kind=EngineKind.LOCAL,
+                lora_adapter=ADAPTER if cfg.train == "lora" else None,
+                teacher_model_path=recipe["teacher"]
+                if cfg.opd and cfg.teacher_url is None
+                else None,
+                ready_timeout_s=cfg.ready_timeout_s,
+                api_key=key,
+            )
         )
-    )
+        return _run_stack_and_trainer(cfg, recipe, plan, sink, key, key_file)
+    finally:
+        remove_key_file(key_file)
+
+
+def _run_stack_and_trainer(
+    cfg: GrpoRecipeConfig,
+    recipe: dict[str, Any],
+    plan: Plan,
+    sink: LogSink,
+    key: str,
+    key_file: Path,
+) -> int:
     engine_names = [f"engine-{i}" for i in range(cfg.engines)]
-    with LocalRunner(plan, sink=sink, base_env={**os.environ, "OMP_NUM_THREADS": "1"}) as runner:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    # The runner probes readiness with the key and masks it in every log line it relays.
+    with LocalRunner(plan, sink=sink, base_env=env, api_key=key) as runner:
         runner.start()
-        argv = trainer_argv(cfg, recipe, dict(runner.urls), engine_names)
+        argv = trainer_argv(cfg, recipe, dict(runner.urls), engine_names, key_file)
         sink("launcher", "trainer: " + " ".join(argv))
         trainer = subprocess.Popen(argv, preexec_fn=_set_pdeathsig)
         try:
