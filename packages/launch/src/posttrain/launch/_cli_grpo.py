@@ -11,10 +11,9 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.text import Text
 
 from posttrain.launch._console import err as _err
-from posttrain.launch._console import fail as _fail
+from posttrain.launch._console import fail_with_logs, interrupted
 from posttrain.launch._console import raise_interrupt as _raise_interrupt
 from posttrain.launch._errors import LaunchError
 from posttrain.launch.runners import console_sink
@@ -108,13 +107,8 @@ def grpo_command(
         )
         code = run_grpo(cfg, sink)
     except KeyboardInterrupt:
-        _err.print("interrupted; stopped every process")
-        raise typer.Exit(code=130) from None
+        interrupted()
     except LaunchError as exc:
-        if kept:
-            _err.print(Text("\n".join(kept)))
-        _fail(exc)
+        fail_with_logs(exc, kept)
     if code != 0:
-        if kept:
-            _err.print(Text("\n".join(kept)))
-        _fail(LaunchError(f"the trainer exited with code {code}"))
+        fail_with_logs(LaunchError(f"the trainer exited with code {code}"), kept)

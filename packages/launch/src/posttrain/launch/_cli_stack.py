@@ -13,10 +13,10 @@ from typing import Annotated
 
 import typer
 from rich.table import Table
-from rich.text import Text
 
 from posttrain.launch._console import err as _err
 from posttrain.launch._console import fail as _fail
+from posttrain.launch._console import fail_with_logs, interrupted
 from posttrain.launch._console import out as _out
 from posttrain.launch._console import raise_interrupt as _raise_interrupt
 from posttrain.launch._errors import LaunchError
@@ -193,12 +193,9 @@ def demo_command(
             with StackProgress(_err) as progress:
                 report = run_demo(config, sink, progress)
     except KeyboardInterrupt:
-        _err.print("interrupted; stopped every process")
-        raise typer.Exit(code=130) from None
+        interrupted()
     except LaunchError as exc:
-        if kept:
-            _err.print(Text("\n".join(kept)))
-        _fail(exc)
+        fail_with_logs(exc, kept)
     table = Table(title=f"posttrain demo: {report.model_path}")
     for column in ("turn", "user", "reply (tiny random model)", "tokens", "sum logprob"):
         table.add_column(column)

@@ -1,4 +1,4 @@
-"""The ``posttrain`` CLI's consoles and exits, shared by ``cli.py`` and ``_cli_stack.py``.
+"""The ``posttrain`` CLI's consoles and exits, shared by ``cli.py`` and the ``_cli_*`` modules.
 
 People's output goes through rich (stdout), logs and errors to stderr; an error ends the
 command with exit code 2 and one red line, never a traceback.
@@ -6,6 +6,7 @@ command with exit code 2 and one red line, never a traceback.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from types import FrameType
 from typing import NoReturn
 
@@ -21,6 +22,19 @@ def fail(exc: Exception) -> NoReturn:
     # Text, not markup: messages hold brackets ("[0]*1+[1]*46") rich would eat as tags.
     err.print(Text.assemble(("error: ", "red"), str(exc)))
     raise typer.Exit(code=2)
+
+
+def fail_with_logs(exc: Exception, kept: Iterable[str] | None) -> NoReturn:
+    """Fail, first showing the last process log lines kept (when they were not streamed)."""
+    if kept:
+        err.print(Text("\n".join(kept)))
+    fail(exc)
+
+
+def interrupted() -> NoReturn:
+    """After Ctrl-C (or SIGTERM): every started process has been stopped; exit 130."""
+    err.print("interrupted; stopped every process")
+    raise typer.Exit(code=130)
 
 
 def raise_interrupt(signum: int, frame: FrameType | None) -> None:
