@@ -113,10 +113,15 @@ def _train(cfg: GrpoConfig) -> dict[str, Any] | None:
         raise GrpoRunError(version)
     sync_weights(policy, target, version)  # v1 before the first rollout (and after a resume)
     log = MetricsLog(out, total_steps=cfg.steps, start_step=start) if lead else None
+    opd_mode: dict[str, bool] = {}  # per-position scoring or not: probed once, on the first step
     with log if log is not None else contextlib.nullcontext():
         for step in range(start, cfg.steps):
             t_step = time.perf_counter()
-            batch = _rollout_and_score(cfg, task, stream, step, version) if lead else None
+            batch = (
+                _rollout_and_score(cfg, task, stream, step, version, api_key, opd_mode)
+                if lead
+                else None
+            )
             batch = _broadcast(batch)
             if isinstance(batch, str):
                 raise GrpoRunError(f"step {step}: {batch}")
@@ -155,7 +160,13 @@ def _train(cfg: GrpoConfig) -> dict[str, Any] | None:
 
 
 def _rollout_and_score(
-    cfg: GrpoConfig, task: Any, stream: PromptStream, step: int, version: int
+    cfg: GrpoConfig,
+    task: Any,
+    stream: PromptStream,
+    step: int,
+    version: int,
+    api_key: str | None,
+    opd_mode: dict[str, bool],
 ) -> dict[str, Any] | str:
     """Rank 0: the step's samples, rewards, advantages and stats, or an error message."""
     try:
@@ -171,7 +182,7 @@ def _rollout_and_score(
             top_logprobs=cfg.opd_top_k if cfg.opd else 0,
             weight_version=version,
             timeout_s=cfg.rollout_timeout_s,
-            api_key=cfg.api_key(),
+            api_key=api_key,
         )
         samples = run_rollout(settings, prompts, step=step)
         times["rollout"] = time.perf_counter() - t0
@@ -190,7 +201,7 @@ def _rollout_and_score(
         stats: dict[str, float] = {}
         if cfg.opd:
             t0 = time.perf_counter()
-            per_token, rkl = _apply_teacher(cfg, samples, per_token, stats)
+            per_token, rkl = _apply_teacher(cfg, samples, per_token, stats, opd_mode)
             stats["opd_reverse_kl"] = _masked_mean(rkl, samples)
             times["opd"] = time.perf_counter() - t0
         stats.update(_rollout_stats(samples, rewards, times["rollout"]))
@@ -215,8 +226,13 @@ def _apply_teacher(
     samples: Sequence[Sample],
     per_token: list[torch.Tensor],
     stats: dict[str, float],
+    opd_mode: dict[str, bool],
 ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Score the samples with the teacher and shape the advantages: A_t - coef * rkl_t."""
+    """Score the samples with the teacher and shape the advantages: A_t - coef * rkl_t.
+
+    ``opd_mode`` remembers, after the first step, whether the teacher scores per position, so
+    the capability probe runs once per run, not once per step.
+    """
     from posttrain.opd import (
         CapabilityError,
         OPDConfig,
@@ -233,14 +249,16 @@ def _apply_teacher(
     async def score() -> tuple[list[Any], bool]:
         # Top-k ids are scored per position (each position's own ids: a reply k*R long, not
         # L*|U|) where the teacher supports it (probed), else as one flat id set.
-        for per_position in (cfg.opd_top_k > 0, False):
+        known = opd_mode.get("per_position")
+        modes = (known,) if known is not None else (cfg.opd_top_k > 0, False)
+        for per_position in modes:
             opd_cfg = OPDConfig(
                 top_k=cfg.opd_top_k, kl_coef=cfg.opd_kl_coef, per_position=per_position
             )
             async with TeacherScoringClient(
                 router, opd_cfg, timeouts=timeouts, max_concurrency=32
             ) as scorer:
-                if per_position:
+                if per_position and known is None:
                     try:
                         await scorer.probe()
                     except CapabilityError:
@@ -249,6 +267,7 @@ def _apply_teacher(
         raise AssertionError("unreachable: the flat mode needs no probe")
 
     signals, per_position = asyncio.run(score())
+    opd_mode["per_position"] = per_position
     stats["opd_per_position"] = float(per_position)
     if cfg.opd_top_k > 0:
         return apply_opd(

@@ -31,6 +31,7 @@ from posttrain.formats import WeightPushClient, dequantize_nvfp4, push_weights
 from posttrain.fsdp_mesh import iter_full_state_dict
 from posttrain.grpo._errors import GrpoRunError
 from posttrain.grpo.trainer import Policy
+from posttrain.interface import parse_weight_version
 from posttrain.lora import AdapterClient, export_adapter
 from posttrain.models import to_hf_state_dict
 from posttrain.quant_convert import QuantPolicy, quantize_named_params
@@ -51,7 +52,8 @@ class SyncTarget:
 def engine_weight_version(
     url: str, *, timeout_s: float, transport: httpx.BaseTransport | None
 ) -> int:
-    """An engine's current weight version (0 when it reports none or a non-integer one)."""
+    """An engine's current weight version (0 before any versioned update); an engine that
+    reports something that is not a weight version is a ``GrpoRunError`` naming it."""
     with httpx.Client(timeout=timeout_s, transport=transport) as client:
         try:
             reply = client.get(f"{url.rstrip('/')}/model_info")
@@ -61,11 +63,11 @@ def engine_weight_version(
             ) from exc
     if reply.status_code != 200:
         raise GrpoRunError(f"weight sync: {url}/model_info answered {reply.status_code}")
-    value = reply.json().get("weight_version")
     try:
-        return int(value)
-    except (TypeError, ValueError):
-        return 0
+        version = parse_weight_version(reply.json().get("weight_version"))
+    except (ValueError, AttributeError) as exc:  # WireFormatError, non-JSON, a JSON non-object
+        raise GrpoRunError(f"weight sync: {url}/model_info: {exc}") from exc
+    return version or 0
 
 
 def sync_weights(policy: Policy, target: SyncTarget, version: int) -> dict[str, float]:
