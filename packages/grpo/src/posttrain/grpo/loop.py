@@ -13,7 +13,8 @@ Read top to bottom, one step is::
 
 Rank 0 talks HTTP (rollouts, rewards, teacher, weight pushes) and hands each rank its share of
 the step's samples; every rank trains. ``run`` is what ``python -m posttrain.grpo`` calls:
-under torchrun it is one rank; alone it forks ``replicate * shard`` local gloo ranks itself.
+under torchrun it is one rank; alone it forks ``replicate * shard`` local gloo ranks itself
+(``posttrain.interface.processes.run_workers``: one deadline, ranks die with their parent).
 
 Where it departs from textbook GRPO (Shao et al.): one optimizer step per rollout batch (so the
 PPO ratio starts at exactly 1), sequence-mean-token-mean loss aggregation by default (miles),
@@ -25,12 +26,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import json
 import math
 import os
-import signal
-import sys
 import time
 from collections.abc import Sequence
 from datetime import timedelta
@@ -49,8 +47,8 @@ from posttrain.grpo.rewards import PromptStream, build_task
 from posttrain.grpo.rollout import RolloutSettings, run_rollout
 from posttrain.grpo.sync import SyncTarget, engine_weight_version, sync_weights
 from posttrain.grpo.trainer import TrainSample, build_policy, train_step
-from posttrain.interface import Sample
-from posttrain.interface.processes import free_port
+from posttrain.interface import Sample, WorkerError
+from posttrain.interface.processes import free_port, run_workers
 
 
 def run(config: GrpoConfig) -> dict[str, Any] | None:
@@ -349,74 +347,43 @@ def _init_process_group(cfg: GrpoConfig) -> None:
     world = int(os.environ["WORLD_SIZE"])
     cfg.check_supported(world_size=world)
     # Finite: a rank waiting on a peer that hung gives up (rank 0 may spend a whole rollout).
-    timeout = timedelta(seconds=max(600.0, 3 * cfg.rollout_timeout_s))
-    dist.init_process_group("gloo", timeout=timeout)
+    dist.init_process_group("gloo", timeout=timedelta(seconds=_collective_timeout_s(cfg)))
 
 
-def _die_with_parent() -> None:
-    if sys.platform.startswith("linux"):
-        with contextlib.suppress(OSError, AttributeError):
-            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-
-
-def _rank_main(rank: int, world: int, port: int, cfg: GrpoConfig, results: Any) -> None:
-    _die_with_parent()
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))  # fmt: skip
-    try:
-        results.put((rank, "ok", _run_rank(cfg)))
-    except BaseException as exc:
-        results.put((rank, "error", f"{type(exc).__name__}: {exc}"))
-        raise SystemExit(1) from None
+def _rank(rank: int, world: int, cfg: GrpoConfig) -> dict[str, Any] | None:
+    return _run_rank(cfg)
 
 
 def _spawn_ranks(cfg: GrpoConfig) -> dict[str, Any] | None:
-    """Fork ``world_size`` local ranks (torch is already imported: each starts in a moment)."""
-    import torch.multiprocessing as mp
-
-    ctx = mp.get_context("fork")
-    results = ctx.SimpleQueue()
-    port, world = free_port(), cfg.world_size
-    procs = [
-        ctx.Process(target=_rank_main, args=(r, world, port, cfg, results)) for r in range(world)
-    ]
-    for p in procs:
-        p.start()
-    outcome: dict[int, tuple[str, Any]] = {}
+    """Fork ``world_size`` local gloo ranks with interface's ``run_workers`` (torch is already
+    imported: each starts in a moment); rank 0's summary, or the first failure as a run error."""
+    cfg.check_supported(world_size=cfg.world_size)
     try:
-        while len(outcome) < world:
-            if not results.empty():
-                rank, status, value = results.get()
-                outcome[rank] = (status, value)
-                if status == "error":
-                    break
-            elif any(p.exitcode not in (None, 0) for p in procs):
-                dead = [
-                    r
-                    for r, p in enumerate(procs)
-                    if p.exitcode not in (None, 0) and r not in outcome
-                ]
-                if dead:
-                    time.sleep(0.5)  # let its error message arrive
-                    if results.empty():
-                        raise GrpoRunError(
-                            f"trainer rank {dead[0]} died (exit code {procs[dead[0]].exitcode})"
-                        )
-            else:
-                time.sleep(0.1)
-    finally:
-        finished = len(outcome) == world and all(s == "ok" for s, _ in outcome.values())
-        for p in procs:
-            p.join(timeout=30 if finished else 2)
-            if p.is_alive():  # a rank left waiting in a collective for a peer that failed
-                p.kill()
-                p.join(timeout=10)
-    errors = {r: v for r, (s, v) in outcome.items() if s == "error"}
-    if errors:
-        rank = min(errors)
-        raise GrpoRunError(f"trainer rank {rank}: {errors[rank]}")
-    value = outcome[0][1]
+        results = run_workers(
+            _rank,
+            cfg.world_size,
+            args=(cfg,),
+            backend="gloo",
+            timeout_s=_run_budget_s(cfg),
+            collective_timeout_s=_collective_timeout_s(cfg),
+            threads_per_rank=None,  # _run_rank sets the trainer's own thread count
+        )
+    except WorkerError as exc:
+        lines = [line for line in str(exc).splitlines() if line.strip()]
+        cause = lines[-1] if lines else type(exc).__name__  # the rank's exception, not its stack
+        raise GrpoRunError(f"trainer rank {exc.rank}: {cause}") from exc
+    value = results[0]
     return value if isinstance(value, dict) else None
+
+
+def _collective_timeout_s(cfg: GrpoConfig) -> float:
+    """A rank waits this long on a peer (rank 0 may spend a whole rollout between collectives)."""
+    return max(600.0, 3 * cfg.rollout_timeout_s)
+
+
+def _run_budget_s(cfg: GrpoConfig) -> float:
+    """The whole run's deadline: every step may take a full rollout and a collective wait."""
+    return 600.0 + cfg.steps * (cfg.rollout_timeout_s + _collective_timeout_s(cfg))
 
 
 def summary_text(summary: dict[str, Any]) -> str:

@@ -21,12 +21,14 @@ that had not finished), so a hung rank fails a test or a CLI, never a CI job; a 
 or dies makes the parent collect failures for a moment and name the cause (a rank that died
 without reporting comes before ranks that then raised "connection reset by its peer"; otherwise
 the earliest failure wins); results cross the queue as plain pickles, so tensors travel by value
-rather than through shared memory that vanishes with the rank.
+rather than through shared memory that vanishes with the rank; on Linux a rank dies with its
+parent (``PR_SET_PDEATHSIG``), so killing a launcher never leaves ranks behind.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import multiprocessing
 import os
 import pickle
@@ -34,6 +36,7 @@ import queue as queue_module
 import signal
 import socket
 import subprocess
+import sys
 import time
 import traceback
 import urllib.error
@@ -154,6 +157,7 @@ def _worker_main(
     pg_timeout_s: float,
 ) -> None:
     try:
+        _die_with_parent()
         os.environ.update(
             MASTER_ADDR=_LOOPBACK,
             MASTER_PORT=str(port),
@@ -197,6 +201,13 @@ def _worker_main(
         results.close()
         results.join_thread()
         os._exit(1)
+
+
+def _die_with_parent() -> None:
+    """Linux: SIGKILL this process when its parent dies (a forked rank outlives nothing)."""
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
 def _kill_all(processes: Sequence[multiprocessing.process.BaseProcess]) -> None:
@@ -255,6 +266,7 @@ def run_workers(
     start_method: StartMethod = "fork",
     threads_per_rank: int | None = 1,
     preload: Sequence[str] = DEFAULT_PRELOAD,
+    collective_timeout_s: float | None = None,
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` ranks; return the results by rank.
 
@@ -262,7 +274,9 @@ def run_workers(
     ``cuda:r % device_count``. ``fork`` (the default) starts ranks from this already-warm
     process; ``spawn`` and ``forkserver`` need ``fn`` importable by module name, and
     ``forkserver`` imports ``preload`` once in its server. ``threads_per_rank=None`` leaves
-    torch's thread count alone. Results must be picklable. Raises ``WorkerTimeoutError``,
+    torch's thread count alone. ``collective_timeout_s`` bounds one collective (the process
+    group's timeout; default ``timeout_s``), so a rank left waiting on a hung peer fails long
+    before the whole group's deadline. Results must be picklable. Raises ``WorkerTimeoutError``,
     ``WorkerCrashedError`` or ``WorkerFailedError`` (naming the rank) after killing every rank.
     """
     if world_size < 1:
@@ -280,7 +294,10 @@ def run_workers(
         context.set_forkserver_preload(list(preload))
     results: Any = context.Queue()
     port = free_port()
-    worker_args = (backend, tuple(args), results, threads_per_rank, timeout_s)
+    pg_timeout_s = timeout_s if collective_timeout_s is None else collective_timeout_s
+    if not pg_timeout_s > 0:
+        raise ConfigError(f"collective_timeout_s must be positive, got {pg_timeout_s}")
+    worker_args = (backend, tuple(args), results, threads_per_rank, pg_timeout_s)
     processes = [
         context.Process(
             target=_worker_main,
