@@ -146,10 +146,12 @@ class SessionRolloutClient:
         *,
         sampling_params: Mapping[str, Any] | None = None,
         weight_version: int | None = None,
+        metadata: Mapping[str, Any] | None = None,
     ) -> Sample:
         """One sample for ``messages``: the turn's token ids, logprobs and loss mask.
 
-        ``sampling_params`` are OpenAI chat fields (``max_tokens``, ``temperature``, ``seed``...).
+        ``sampling_params`` are OpenAI chat fields (``max_tokens``, ``temperature``, ``seed``...);
+        ``metadata`` goes into the sample's ``metadata`` (the session server merges it).
         Raises ``SampleAssemblyError`` when the session assembled no sample, and the session
         server's errors as ``SessionRouterError`` / ``TransportError``.
         """
@@ -165,7 +167,9 @@ class SessionRolloutClient:
                     session_id,
                 )
                 reply = _check(
-                    await self._client.post(f"/sessions/{session_id}/samples", json={}),
+                    await self._client.post(
+                        f"/sessions/{session_id}/samples", json={"metadata": dict(metadata or {})}
+                    ),
                     session_id,
                 )
             finally:
