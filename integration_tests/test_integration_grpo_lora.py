@@ -63,14 +63,19 @@ def test_lora_learns_with_exact_parity_and_resumes_bit_for_bit(
     assert (tmp_path / "whole" / "checkpoints" / "iter_0000005" / "adapter").is_dir()
 
     killed = tmp_path / "killed"
-    proc = subprocess.Popen(grpo_argv(killed, "--steps", "6", trainer=every),
-                            env=grpo_env(recipe_cache), stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)  # fmt: skip
+    log_path = tmp_path / "killed.log"
+    with log_path.open("wb") as log:
+        proc = subprocess.Popen(grpo_argv(killed, "--steps", "6", trainer=every),
+                                env=grpo_env(recipe_cache), stdout=log,
+                                stderr=subprocess.STDOUT)  # fmt: skip
     marker = killed / "checkpoints" / "iter_0000002" / "meta.json"
     deadline = time.monotonic() + 300
     while not marker.exists() and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert marker.exists(), "the run never wrote its first checkpoint"
+    assert marker.exists(), (
+        f"the run never wrote its first checkpoint (exit {proc.poll()}):\n"
+        + log_path.read_text(errors="replace")[-4000:]
+    )
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait(timeout=30)
     time.sleep(2)  # the stack and the trainer ranks follow their parent (PR_SET_PDEATHSIG)

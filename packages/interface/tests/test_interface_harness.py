@@ -210,3 +210,17 @@ def test_app_server_serves_from_a_thread_and_stops() -> None:
         assert (reply.status, reply.read()) == (200, b"hello")
     with pytest.raises(urllib.error.URLError):
         urllib.request.urlopen(server.url, timeout=2)
+
+
+def test_free_ports_are_distinct_and_bindable() -> None:
+    import socket
+
+    from posttrain.interface.processes import free_ports
+
+    ports = free_ports(16)
+    assert len(set(ports)) == 16
+    with socket.socket() as sock:  # each was released: binding one now works
+        sock.bind(("127.0.0.1", ports[0]))
+    assert free_ports(0) == ()
+    with pytest.raises(ConfigError, match="count"):
+        free_ports(-1)

@@ -57,6 +57,7 @@ __all__ = [
     "DEFAULT_PRELOAD",
     "StartMethod",
     "free_port",
+    "free_ports",
     "run_workers",
     "stop_process_group",
     "stop_process_groups",
@@ -77,6 +78,24 @@ def free_port(host: str = _LOOPBACK) -> int:
         sock.bind((host, 0))
         port: int = sock.getsockname()[1]
         return port
+
+
+def free_ports(count: int, host: str = _LOOPBACK) -> tuple[int, ...]:
+    """``count`` distinct TCP ports on ``host``, free a moment ago.
+
+    The sockets stay bound until every port is chosen, so the ports differ from each other
+    (``free_port`` called ``count`` times may hand the same port out twice).
+    """
+    if count < 0:
+        raise ConfigError(f"count must be >= 0, got {count}")
+    with contextlib.ExitStack() as stack:
+        sockets = [
+            stack.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
+            for _ in range(count)
+        ]
+        for sock in sockets:
+            sock.bind((host, 0))
+        return tuple(int(sock.getsockname()[1]) for sock in sockets)
 
 
 def _answers_ok(url: str, *, timeout_s: float = 2.0) -> bool:

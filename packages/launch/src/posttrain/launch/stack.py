@@ -22,7 +22,7 @@ from __future__ import annotations
 import importlib.util
 from dataclasses import dataclass
 
-from posttrain.interface.processes import free_port
+from posttrain.interface.processes import free_ports
 from posttrain.launch._errors import LaunchConfigError
 from posttrain.launch.args import Args
 from posttrain.launch.hardware import Detection, detect_hardware
@@ -85,15 +85,17 @@ def build_local_stack(cfg: LocalStackConfig) -> Plan:
             f"lora: {len(cfg.loras)} adapters ({', '.join(names)}) given, but the session "
             "router injects exactly one adapter per rollout; pass one --lora"
         )
-    ports = cfg.engine_ports or tuple(free_port() for _ in range(cfg.engines))
-    router_port = cfg.router_port or free_port()
-    session_port = cfg.session_router_port or free_port()
+    # Every port the stack needs, chosen together so that no two of them are the same.
+    spare = iter(free_ports(cfg.engines + 4))
+    ports = cfg.engine_ports or tuple(next(spare) for _ in range(cfg.engines))
+    router_port = cfg.router_port or next(spare)
+    session_port = cfg.session_router_port or next(spare)
     served = cfg.lora_adapter or (cfg.loras[0][0] if cfg.loras else None)
-    metrics_port = cfg.router_metrics_port or free_port()
+    metrics_port = cfg.router_metrics_port or next(spare)
     processes: list[ProcessSpec] = []
     engines = [(f"engine-{i}", port, cfg.model_path) for i, port in enumerate(ports)]
     if cfg.teacher_model_path is not None:
-        engines.append(("teacher", free_port(), cfg.teacher_model_path))
+        engines.append(("teacher", next(spare), cfg.teacher_model_path))
     for i, (name, port, model_path) in enumerate(engines):
         args = Args()
         src = f"local stack ({cfg.engine_kind.value})"
