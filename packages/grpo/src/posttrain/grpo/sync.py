@@ -20,14 +20,14 @@ never syncs while a rollout is in flight (a step's rollouts finish before traini
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import httpx
 import torch
 import torch.distributed as dist
 
-from posttrain.formats import WeightPushClient, dequantize_nvfp4, push_weights
+from posttrain.formats import WeightPushClient, dequantize_nvfp4_state_dict, push_weights
 from posttrain.fsdp_mesh import iter_full_state_dict
 from posttrain.grpo._errors import GrpoRunError
 from posttrain.grpo.trainer import Policy
@@ -79,12 +79,11 @@ def sync_weights(policy: Policy, target: SyncTarget, version: int) -> dict[str, 
         tensors = export_adapter(policy.lora)  # collective over the LoRA groups
     else:
         full = dict(iter_full_state_dict(policy.model))  # collective over the FSDP mesh
-        tensors = to_hf_state_dict(full, policy.model.config)
-        if target.rollout_quant == "nvfp4":
-            tensors = dict(_nvfp4_values(tensors, policy.model.config.num_hidden_layers))
-    nbytes = float(sum(t.numel() * t.element_size() for t in tensors.values()))
-    error: list[str | None] = [None]
+        # Only rank 0 sends, so only rank 0 converts (and, for NVFP4 rollouts, quantizes).
+        tensors = _engine_tensors(full, policy, target) if dist.get_rank() == 0 else {}
+    outcome: list[Any] = [None, 0.0]  # (error, bytes sent), decided on rank 0
     if dist.get_rank() == 0:
+        outcome[1] = float(sum(t.numel() * t.element_size() for t in tensors.values()))
         try:
             for url in target.engine_urls:
                 if policy.lora is not None:
@@ -106,28 +105,29 @@ def sync_weights(policy: Policy, target: SyncTarget, version: int) -> dict[str, 
                     ) as client:
                         push_weights(client, tensors, weight_version=version, with_sha256=True)
         except Exception as exc:  # reported to every rank below, so none waits forever
-            error[0] = f"weight sync to {target.engine_urls}: {type(exc).__name__}: {exc}"
-    dist.broadcast_object_list(error, src=0)
-    if error[0] is not None:
-        raise GrpoRunError(error[0])
-    return {"sync_bytes": nbytes}
+            outcome[0] = f"weight sync to {target.engine_urls}: {type(exc).__name__}: {exc}"
+    dist.broadcast_object_list(outcome, src=0)
+    if outcome[0] is not None:
+        raise GrpoRunError(outcome[0])
+    return {"sync_bytes": float(outcome[1])}
 
 
-def _nvfp4_values(
-    tensors: dict[str, torch.Tensor], num_layers: int
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """HF tensors with every NVFP4-selected weight replaced by its dequantized value."""
+def _engine_tensors(
+    full: dict[str, torch.Tensor], policy: Policy, target: SyncTarget
+) -> dict[str, torch.Tensor]:
+    """The HF-named tensors an engine loads; for NVFP4 rollouts, each NVFP4-selected weight
+    is replaced by its dequantized value (what an NVFP4 engine computes with)."""
+    tensors = to_hf_state_dict(full, policy.model.config)
+    if target.rollout_quant != "nvfp4":
+        return tensors
     quantized = dict(
         quantize_named_params(
-            tensors.items(), num_layers=num_layers, policy=QuantPolicy(num_layers_at_end_in_bf16=0)
+            tensors.items(),
+            num_layers=policy.model.config.num_hidden_layers,
+            policy=QuantPolicy(num_layers_at_end_in_bf16=0),
         )
     )
-    for name, value in tensors.items():
-        module = name.removesuffix(".weight")
-        scale = quantized.get(f"{module}.weight_scale")
-        if name.endswith(".weight") and scale is not None:
-            codes = quantized[name]
-            scale_2 = quantized[f"{module}.weight_scale_2"]
-            yield name, dequantize_nvfp4(codes, scale, scale_2, dtype=value.dtype, name=module)
-        else:
-            yield name, value
+    values, _ = dequantize_nvfp4_state_dict(
+        quantized, dtypes={name: t.dtype for name, t in tensors.items()}
+    )
+    return values

@@ -279,9 +279,14 @@ def train_step(
                     ).backward()  # type: ignore[no-untyped-call]
                     continue
                 batch = _pack(part, device)
-                need_entropy = True
-                logp, logits = _response_logprobs(model, batch, with_logits=need_entropy)
+                logp, logits = _response_logprobs(model, batch, with_logits=True)
                 assert logits is not None
+                # Entropy is always reported; it joins the graph only when the loss uses it.
+                if settings.entropy_coef != 0.0:
+                    entropy = entropy_from_logits(logits)
+                else:
+                    with torch.no_grad():
+                        entropy = entropy_from_logits(logits.detach())
                 ref = _reference_logprobs(policy, batch) if cfg.use_kl_loss else None
                 objective = policy_objective(
                     logp=logp,
@@ -292,7 +297,7 @@ def train_step(
                     settings=settings,
                     rollout_logp=batch["rollout"],
                     ref_logp=ref,
-                    entropy=entropy_from_logits(logits),
+                    entropy=entropy,
                     global_batch_size=global_batch_size,
                     global_token_count=global_token_count,
                 )
