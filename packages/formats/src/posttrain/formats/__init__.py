@@ -83,6 +83,7 @@ from posttrain.formats._lora_fields import (
 )
 from posttrain.formats._samples_wire import (
     SAMPLES_FORMAT,
+    STUDENT_TOP_LOGPROBS_KEY,
     DecodedSamples,
     decode_samples,
     encode_samples,
@@ -216,6 +217,7 @@ __all__ = [
     "PEFT_TENSOR_DTYPES",
     "SAFETENSORS_DTYPES",
     "SAMPLES_FORMAT",
+    "STUDENT_TOP_LOGPROBS_KEY",
     "AtomicFile",
     "BucketFormatError",
     "DecodedSamples",

@@ -35,6 +35,10 @@ from posttrain.formats._errors import SamplesFormatError
 from posttrain.interface import ConfigError, Sample, SampleStatus
 
 SAMPLES_FORMAT = "posttrain-samples/1"
+STUDENT_TOP_LOGPROBS_KEY = "opd_student_top_logprobs"
+"""The sample metadata key holding the student's top-k logprob rows, one per response token
+(SGLang's row layout, ``[]`` for a token the engine did not sample): the session router
+writes it, on-policy distillation scoring reads it."""
 META_KEY = "_samples_meta"
 _DTYPES: Mapping[str, np.dtype[Any]] = {
     "tokens": np.dtype(np.int64),

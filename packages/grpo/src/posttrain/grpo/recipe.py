@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-from posttrain.formats import replace_directory, write_text_atomic
+from posttrain.formats import atomic_directory, replace_directory, write_text_atomic
 from posttrain.grpo._errors import GrpoConfigError
 from posttrain.grpo.rewards import Prompt, addition_prompts
 from posttrain.models import (
@@ -139,15 +139,8 @@ def answer_probability(model: DecoderModel, examples: _Examples) -> float:
 def _save(model: DecoderModel, path: Path) -> None:
     strict = build_model(model.config, seed=0, numerics=Numerics.STRICT)
     strict.load_state_dict(model.state_dict())
-    path.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{path.name}-", dir=path.parent))
-    try:
+    with atomic_directory(path) as staging:  # a killed warm-up never leaves half a model
         save_pretrained(strict, staging, tokenizer=build_tokenizer())
-        shutil.rmtree(path, ignore_errors=True)
-        staging.rename(path)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
 
 
 def warm_up(root: Path, seed: int, *, log: Any = None) -> dict[str, float]:

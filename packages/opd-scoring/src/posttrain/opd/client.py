@@ -36,6 +36,7 @@ from typing import Any, Literal, cast, overload
 import httpx
 import torch
 
+from posttrain.formats import STUDENT_TOP_LOGPROBS_KEY
 from posttrain.interface import PositionScores, Sample, TeacherScores
 from posttrain.opd._errors import (
     CapabilityError,
@@ -76,8 +77,7 @@ _RETRYABLE = (
     httpx.TimeoutException,
 )
 
-
-STUDENT_TOP_KEY = "opd_student_top_logprobs"
+STUDENT_TOP_KEY = STUDENT_TOP_LOGPROBS_KEY  # where the session router puts the student's rows
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)

@@ -28,12 +28,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from posttrain.formats import STUDENT_TOP_LOGPROBS_KEY
 from posttrain.interface import Sample, SampleStatus, WireFormatError, parse_weight_version
 from posttrain.session_router._errors import SampleAssemblyError
 from posttrain.session_router.tito import TurnRecord
 
-# The metadata key ``posttrain.opd`` reads the student's top-k rows from (SGLang row layout).
-STUDENT_TOP_KEY = "opd_student_top_logprobs"
+STUDENT_TOP_KEY = STUDENT_TOP_LOGPROBS_KEY  # ``posttrain.opd`` reads the student's rows there
 
 _STATUS = {
     "stop": SampleStatus.COMPLETED,
