@@ -27,9 +27,12 @@ def test_a_finished_step_gets_a_tick_and_its_time() -> None:
 
 def test_a_failing_step_ends_with_a_cross_not_a_spinner_or_a_tick() -> None:
     console, buf = _console()
-    with pytest.raises(RuntimeError, match="boom"), StackProgress(console) as progress:
-        with progress.step("chat turn 1 through the session"):
-            raise RuntimeError("boom")
+    with (
+        pytest.raises(RuntimeError, match="boom"),
+        StackProgress(console) as progress,
+        progress.step("chat turn 1 through the session"),
+    ):
+        raise RuntimeError("boom")
     lines = [line for line in buf.getvalue().splitlines() if "chat turn 1" in line]
     assert len(lines) == 1, buf.getvalue()
     assert lines[0].startswith("✗ chat turn 1 through the session failed ")
@@ -38,21 +41,30 @@ def test_a_failing_step_ends_with_a_cross_not_a_spinner_or_a_tick() -> None:
 
 def test_an_interrupted_step_says_so() -> None:
     console, buf = _console()
-    with pytest.raises(KeyboardInterrupt), StackProgress(console) as progress:
-        with progress.step("collecting the training sample"):
-            raise KeyboardInterrupt
+    with (
+        pytest.raises(KeyboardInterrupt),
+        StackProgress(console) as progress,
+        progress.step("collecting the training sample"),
+    ):
+        raise KeyboardInterrupt
     assert "✗ collecting the training sample interrupted " in buf.getvalue()
 
 
 def test_a_process_that_never_got_ready_is_closed_when_the_display_closes() -> None:
     console, buf = _console()
-    with pytest.raises(TimeoutError), StackProgress(console) as progress:
-        progress.on_event("engine-0", "starting")
-        progress.on_event("engine-1", "starting")
-        progress.on_event("engine-1", "ready")
-        raise TimeoutError("engine-0 not ready")
+
+    def engine_0_never_ready() -> None:
+        with StackProgress(console) as progress:
+            progress.on_event("engine-0", "starting")
+            progress.on_event("engine-1", "starting")
+            progress.on_event("engine-1", "ready")
+            raise TimeoutError("engine-0 not ready")
+
+    with pytest.raises(TimeoutError):
+        engine_0_never_ready()
     out = buf.getvalue()
     assert "✗ starting engine-0 did not finish " in out
     assert "starting engine-1" not in out  # its line became "engine-1 ready", with a tick
     ready = [line for line in out.splitlines() if "engine-1 ready" in line]
-    assert len(ready) == 1 and ready[0].lstrip().startswith("✓"), out
+    assert len(ready) == 1, out
+    assert ready[0].lstrip().startswith("✓"), out
