@@ -48,6 +48,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from posttrain.interface.processes import free_port
+
 ROOT = Path(__file__).resolve().parent.parent
 LANGUAGES = ("python", "bash", "text")
 KEYS = ("install", "standalone", "server", "ready", "free-port", "benchmark", "skip", "timeout")
@@ -125,14 +127,6 @@ def parse_blocks(path: Path) -> list[Block]:
 
 def all_blocks() -> list[Block]:
     return [b for path in markdown_files() for b in parse_blocks(path)]
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def prepared_code(block: Block) -> str:

@@ -28,7 +28,7 @@ from typing import Any
 import httpx
 import pytest
 import torch
-from test_packages_alone import UV, _env  # the same venv recipe as every package-alone test
+from test_packages_alone import _env  # the same venv recipe as every package-alone test
 
 import posttrain.local_engine as local_engine
 import posttrain.models as models
@@ -131,29 +131,21 @@ def _adapter_from_lora_core(root: Path) -> tuple[Path, dict[str, torch.Tensor]]:
     return target, adapter
 
 
-@pytest.mark.skipif(UV is None, reason="uv is not on PATH")
 @pytest.mark.timeout(900)
 def test_formats_alone_reads_a_session_router_sample_and_a_lora_core_adapter(
-    tmp_path: Path,
+    uv: str, lock_constraints: Path, tmp_path: Path
 ) -> None:
     payload, records = _samples_from_session_router(tmp_path / "sr")
     samples_file = tmp_path / "sample.safetensors"
     samples_file.write_bytes(payload)
     adapter_dir, adapter = _adapter_from_lora_core(tmp_path / "lora")
 
-    constraints = tmp_path / "constraints.txt"
-    subprocess.run(
-        [str(UV), "export", "--frozen", "--quiet", "--all-packages", "--all-extras",
-         "--all-groups", "--no-hashes", "--no-emit-workspace", "--format", "requirements-txt",
-         "-o", str(constraints)],
-        cwd=ROOT, check=True, timeout=120,
-    )  # fmt: skip
     venv = tmp_path / "venv"
-    subprocess.run([str(UV), "venv", "--quiet", "--python", sys.executable, str(venv)],
+    subprocess.run([uv, "venv", "--quiet", "--python", sys.executable, str(venv)],
                    check=True, timeout=120)  # fmt: skip
-    env = _env(venv, constraints)
+    env = _env(venv, lock_constraints)
     subprocess.run(
-        [str(UV), "pip", "install", "./packages/interface", "./packages/formats"],
+        [uv, "pip", "install", "./packages/interface", "./packages/formats"],
         cwd=ROOT, env=env, check=True, capture_output=True, timeout=600,
     )  # fmt: skip
     reader = tmp_path / "read.py"

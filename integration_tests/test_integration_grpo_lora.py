@@ -9,46 +9,18 @@ metrics (every field that does not measure time) equal the uninterrupted run's, 
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
-from typing import Any
 
 import pytest
+from grpo_runs import grpo_argv, grpo_env, records, run_grpo
 
 from posttrain.grpo.metrics import deterministic
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiproc, pytest.mark.timeout(900)]
-
-
-def grpo_argv(out: Path, *flags: str, trainer: tuple[str, ...] = ()) -> list[str]:
-    argv = [sys.executable, "-m", "posttrain.launch", "grpo", "--out", str(out), *flags]
-    return argv + (["--", *trainer] if trainer else [])
-
-
-def grpo_env(cache: Path) -> dict[str, str]:
-    return {**os.environ, "POSTTRAIN_CACHE": str(cache), "PYTHONUNBUFFERED": "1"}
-
-
-def records(out: Path) -> list[dict[str, Any]]:
-    return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x.strip()]
-
-
-def run_grpo(cache: Path, out: Path, *flags: str, trainer: tuple[str, ...] = ()) -> dict[str, Any]:
-    done = subprocess.run(grpo_argv(out, *flags, trainer=trainer), env=grpo_env(cache),
-                          capture_output=True, text=True, timeout=600, check=False)  # fmt: skip
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    summary: dict[str, Any] = json.loads((out / "summary.json").read_text())
-    return summary
-
-
-@pytest.fixture(scope="session")
-def recipe_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.getbasetemp() / "grpo-recipe-cache"
 
 
 def test_lora_learns_with_exact_parity_and_resumes_bit_for_bit(

@@ -12,34 +12,17 @@ Each runs the whole embedded recipe for a few steps with real processes (see
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
-from typing import Any
 
 import pytest
+from grpo_runs import records, run_grpo
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiproc, pytest.mark.timeout(900)]
 
 
-@pytest.fixture(scope="session")
-def recipe_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.getbasetemp() / "grpo-recipe-cache"
-
-
-def run_grpo(cache: Path, out: Path, *flags: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    argv = [sys.executable, "-m", "posttrain.launch", "grpo", "--out", str(out), *flags]
-    env = {**os.environ, "POSTTRAIN_CACHE": str(cache)}
-    done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=600, check=False)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    lines = (out / "metrics.jsonl").read_text().splitlines()
-    return json.loads((out / "summary.json").read_text()), [json.loads(x) for x in lines]
-
-
 def test_full_weight_training_keeps_exact_parity(recipe_cache: Path, tmp_path: Path) -> None:
-    summary, steps = run_grpo(recipe_cache, tmp_path, "--train", "full", "--steps", "4")
+    summary = run_grpo(recipe_cache, tmp_path, "--train", "full", "--steps", "4")
+    steps = records(tmp_path)
     assert summary["train_rollout_logprob_abs_diff_all_zero"] is True
     assert all(r["train_rollout_logprob_max_abs_diff"] == 0.0 for r in steps)
     assert all(r["sync_bytes"] > 100_000 for r in steps)  # every weight, not an adapter
@@ -47,7 +30,8 @@ def test_full_weight_training_keeps_exact_parity(recipe_cache: Path, tmp_path: P
 
 
 def test_opd_reverse_kl_to_the_teacher_falls(recipe_cache: Path, tmp_path: Path) -> None:
-    summary, steps = run_grpo(recipe_cache, tmp_path, "--opd", "--steps", "5")
+    summary = run_grpo(recipe_cache, tmp_path, "--opd", "--steps", "5")
+    steps = records(tmp_path)
     rkl = [r["opd_reverse_kl"] for r in steps]
     assert rkl[0] > 0.5
     assert min(rkl[-2:]) < 0.75 * rkl[0], rkl
@@ -57,7 +41,8 @@ def test_opd_reverse_kl_to_the_teacher_falls(recipe_cache: Path, tmp_path: Path)
 def test_nvfp4_rollouts_report_the_mismatch_and_apply_tis(
     recipe_cache: Path, tmp_path: Path
 ) -> None:
-    summary, steps = run_grpo(recipe_cache, tmp_path, "--rollout-quant", "nvfp4", "--steps", "2")
+    summary = run_grpo(recipe_cache, tmp_path, "--rollout-quant", "nvfp4", "--steps", "2")
+    steps = records(tmp_path)
     assert summary["rollout_quant"] == "nvfp4"
     for r in steps:
         assert r["train_rollout_logprob_abs_diff"] > 0.0

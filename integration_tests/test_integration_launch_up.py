@@ -8,7 +8,6 @@ something to start, so it lives in integration_tests, where the whole workspace 
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import signal
 import socket
@@ -21,10 +20,11 @@ from pathlib import Path
 import httpx
 import psutil
 import pytest
-import safetensors.torch as safetensors_torch
 import torch
 
 import posttrain.models as models
+from posttrain.formats import peft_key, write_peft_adapter
+from posttrain.interface import LoraSpec
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.slow, pytest.mark.timeout(400)]
 ADAPTER = "policy"
@@ -45,18 +45,10 @@ def write_checkpoint(root: Path) -> tuple[Path, Path]:
     targets = {n: s for n, s in models.lora_targets(cfg).items() if n.endswith("q_proj")}
     tensors = {}
     for name, (fan_in, fan_out) in targets.items():
-        tensors[f"base_model.model.{name}.lora_A.weight"] = torch.randn(4, fan_in, generator=gen)
-        tensors[f"base_model.model.{name}.lora_B.weight"] = torch.randn(fan_out, 4, generator=gen)
-    adapter = root / "adapter"
-    adapter.mkdir()
-    safetensors_torch.save_file(tensors, str(adapter / "adapter_model.safetensors"))
-    (adapter / "adapter_config.json").write_text(
-        json.dumps(
-            {"peft_type": "LORA", "r": 4, "lora_alpha": 8.0, "target_modules": ["q_proj"],
-             "lora_dropout": 0.0, "bias": "none"}
-        )
-    )  # fmt: skip
-    return model_dir, adapter
+        tensors[peft_key(name, "A")] = torch.randn(4, fan_in, generator=gen)
+        tensors[peft_key(name, "B")] = torch.randn(fan_out, 4, generator=gen)
+    spec = LoraSpec(r=4, alpha=8.0, target_modules=("q_proj",))
+    return model_dir, write_peft_adapter(root / "adapter", tensors, spec)
 
 
 def gone(pid: int) -> bool:
@@ -152,8 +144,9 @@ def test_up_serves_a_session_chat_and_stops_everything(tmp_path: Path) -> None:
             assert record["request"]["lora_path"] == ADAPTER  # the adapter reached the engine
             assert record["request"]["extra_key"] == f"{ADAPTER}:v0"  # the startup version
             assert client.delete(f"{base}/sessions/{session}").status_code == 204
-            workers = client.get(f"{urls['router']}/workers").json()
-            assert len(json.dumps(workers)) > 0
+            listed = client.get(f"{urls['router']}/workers").json()["workers"]
+            workers = {str(w["url"]).split("@", 1)[0].rstrip("/") for w in listed}
+            assert {urls["engine-0"], urls["engine-1"]} <= workers, listed  # both behind it
     finally:
         err = stack.stop()
     assert stack.proc.returncode == 0, err[-4000:]

@@ -12,20 +12,18 @@ port, served from threads of this process (``AppServer``, see ``_engine``). Then
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-import safetensors.torch as safetensors_torch
 import torch
 
 import posttrain.local_engine as local_engine
 import posttrain.models as models
-from posttrain.formats import decode_samples
-from posttrain.interface import RolloutEngine
+from posttrain.formats import decode_samples, peft_key, write_peft_adapter
+from posttrain.interface import LoraSpec, RolloutEngine
 from posttrain.interface.testing import AppServer, free_port
 from posttrain.session_router import (
     RouterSpec,
@@ -68,28 +66,12 @@ def _write_model(root: Path) -> tuple[Path, Path, dict[str, Any]]:
     }
     tensors = {}
     for name, (fan_in, fan_out) in targets.items():
-        tensors[f"base_model.model.{name}.lora_A.weight"] = (
-            torch.randn(RANK, fan_in, generator=gen) * 0.3
-        )
-        tensors[f"base_model.model.{name}.lora_B.weight"] = (
-            torch.randn(fan_out, RANK, generator=gen) * 0.3
-        )
-    adapter_dir = root / "adapter"
-    adapter_dir.mkdir()
-    safetensors_torch.save_file(tensors, str(adapter_dir / "adapter_model.safetensors"))
-    (adapter_dir / "adapter_config.json").write_text(
-        json.dumps(
-            {
-                "peft_type": "LORA",
-                "r": RANK,
-                "lora_alpha": ALPHA,
-                "target_modules": sorted({n.rsplit(".", 1)[-1] for n in targets}),
-                "lora_dropout": 0.0,
-                "bias": "none",
-            }
-        )
+        tensors[peft_key(name, "A")] = torch.randn(RANK, fan_in, generator=gen) * 0.3
+        tensors[peft_key(name, "B")] = torch.randn(fan_out, RANK, generator=gen) * 0.3
+    spec = LoraSpec(
+        r=RANK, alpha=ALPHA, target_modules=tuple(sorted({n.rsplit(".", 1)[-1] for n in targets}))
     )
-    return model_dir, adapter_dir, tensors
+    return model_dir, write_peft_adapter(root / "adapter", tensors, spec), tensors
 
 
 def _engine(model_dir: Path, adapter_dir: Path) -> AppServer:

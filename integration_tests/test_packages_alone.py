@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -24,19 +23,6 @@ from markdown_blocks import ROOT, Block, parse_blocks, run_block
 pytestmark = [pytest.mark.slow, pytest.mark.multiproc]
 
 PACKAGES = sorted(p.parent.name for p in (ROOT / "packages").glob("*/pyproject.toml"))
-UV = os.environ.get("UV") or shutil.which("uv")  # `uv run` names its own binary in $UV
-
-
-@pytest.fixture(scope="module")
-def constraints(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("lock") / "constraints.txt"
-    subprocess.run(
-        [str(UV), "export", "--frozen", "--quiet", "--all-packages", "--all-extras",
-         "--all-groups", "--no-hashes", "--no-emit-workspace", "--format", "requirements-txt",
-         "-o", str(out)],
-        cwd=ROOT, check=True, timeout=120,
-    )  # fmt: skip
-    return out
 
 
 def _env(venv: Path, constraints: Path) -> dict[str, str]:
@@ -60,11 +46,10 @@ def _named_packages(install: Block) -> set[str]:
     return {f"posttrain-{m}" for m in re.findall(r"\./packages/([a-z-]+)", install.code)}
 
 
-@pytest.mark.skipif(UV is None, reason="uv is not on PATH")
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("package", PACKAGES)
 def test_package_installs_alone_and_its_example_runs(
-    package: str, constraints: Path, tmp_path: Path
+    package: str, uv: str, lock_constraints: Path, tmp_path: Path
 ) -> None:
     blocks = parse_blocks(ROOT / "packages" / package / "README.md")
     (install,) = [b for b in blocks if "install" in b.directives]
@@ -73,11 +58,11 @@ def test_package_installs_alone_and_its_example_runs(
     assert f"posttrain-{package}" in _named_packages(install), install.code
 
     venv = tmp_path / "venv"
-    subprocess.run([str(UV), "venv", "--quiet", "--python", sys.executable, str(venv)],
+    subprocess.run([uv, "venv", "--quiet", "--python", sys.executable, str(venv)],
                    check=True, timeout=120)  # fmt: skip
-    env = _env(venv, constraints)
+    env = _env(venv, lock_constraints)
     # `pip` in the README is uv's pip into this venv (the lock's versions, uv's cache).
-    shim = f'pip() {{ "{UV}" pip "$@"; }}\n'
+    shim = f'pip() {{ "{uv}" pip "$@"; }}\n'
     done = subprocess.run(
         ["bash", "-euo", "pipefail", "-c", shim + install.code], cwd=ROOT, env=env,
         capture_output=True, text=True, timeout=install.timeout_s, check=False,

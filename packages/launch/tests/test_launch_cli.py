@@ -126,7 +126,16 @@ def test_run_dry_prints_a_saved_plan(tmp_path: Path) -> None:
     assert "'slurm' is not one of dry, local, ray" in bad.stderr
 
 
-@pytest.mark.parametrize("command", ["plan", "up", "demo", "hardware", "run"])
+COMMANDS = ("plan", "up", "grpo", "demo", "hardware", "run")
+
+
+def test_the_help_checks_cover_every_command() -> None:
+    import typer.main
+
+    assert set(typer.main.get_command(app).commands) == set(COMMANDS)  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("command", COMMANDS)
 def test_every_option_has_help_and_no_type_column(command: str) -> None:
     import typer.main
 

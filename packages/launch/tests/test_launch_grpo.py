@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
@@ -10,7 +11,7 @@ from typer.testing import CliRunner
 from posttrain.launch import LaunchConfigError
 from posttrain.launch.cli import app
 from posttrain.launch.grpo import ADAPTER, GrpoRecipeConfig, trainer_argv
-from posttrain.launch.stack import LocalStackConfig, build_local_stack
+from posttrain.launch.stack import LocalStackConfig, build_local_stack, policy_engine_names
 
 RECIPE = {
     "policy": "/c/policy",
@@ -32,7 +33,9 @@ def _flag(argv: list[str], name: str) -> str:
 
 def test_default_argv_is_the_lora_recipe() -> None:
     argv = trainer_argv(GrpoRecipeConfig(), RECIPE, URLS, ["engine-0", "engine-1"])
-    assert argv[1:3] == ["-m", "posttrain.grpo"]
+    assert argv[:3] == [sys.executable, "-m", "posttrain.grpo"]  # this interpreter, not PATH's
+    assert argv.count("--lr") == 1
+    assert _flag(argv, "--lr") == "0.005"  # the LoRA lr
     assert _flag(argv, "--model-path") == "/c/policy"
     assert _flag(argv, "--rollout-url") == "http://sr"
     assert _flag(argv, "--engine-urls") == "http://e0,http://e1"
@@ -71,8 +74,10 @@ def test_modes_and_user_flags_last() -> None:
     assert _flag(argv, "--rollout-quant") == "nvfp4"
     assert _flag(argv, "--tis") == "tis"
     assert _flag(argv, "--resume") == "/r"
-    assert argv[-2:] == ["--lr", "7e-4"]  # the user's flag wins over the full-mode lr
-    assert _flag(argv[:-2], "--lr") == "0.001"  # full mode's own lr, before the user's
+    assert argv[-2:] == ["--lr", "7e-4"]  # the user's flag, last: it wins
+    recipes = argv[:-2]
+    assert recipes.count("--lr") == 1  # the recipe's lr once, full mode's own
+    assert _flag(recipes, "--lr") == "0.001"
     given = trainer_argv(GrpoRecipeConfig(opd=True, teacher_url="http://mine"), RECIPE, URLS, [])
     assert _flag(given, "--teacher-url") == "http://mine"
 
@@ -103,6 +108,7 @@ def test_stack_serves_a_pushed_adapter_and_a_teacher_outside_the_router() -> Non
     )
     procs = {p.name: p for p in plan.processes}
     assert set(procs) == {"engine-0", "engine-1", "teacher", "router", "session-router"}
+    assert policy_engine_names(plan) == ["engine-0", "engine-1"]  # the trainer's engines
     for name in ("engine-0", "engine-1"):
         argv = procs[name].argv
         assert "--enable-lora" in argv

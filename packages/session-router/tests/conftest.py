@@ -1,4 +1,6 @@
-"""Fixtures for session-router tests: a tiny locally-trained chat tokenizer and a scripted engine.
+"""Fixtures for session-router tests: a tiny locally-trained chat tokenizer, a scripted engine, and
+a harness that runs the ASGI app against a mocked upstream (``router_config``, ``engine_upstream``,
+``run_app``), shared by the app and hardening tests.
 
 The tokenizer is a byte-level BPE trained in memory with the ``tokenizers`` library (no
 downloads) and saved the way ``save_pretrained`` saves one (``tokenizer.json`` plus
@@ -8,15 +10,17 @@ the same path it uses for a model directory.
 
 from __future__ import annotations
 
+import asyncio
 import json
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from posttrain.session_router import ChatTokenizer
+from posttrain.session_router import ChatTokenizer, SessionRouterConfig, create_app
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHATML = (
@@ -33,6 +37,9 @@ CORPUS = [
     "user assistant system tool call result weather in Paris is sunny",
     "def f(x): return x * 2  # python code with symbols {}[]()<>!?",
 ] * 20
+
+Upstream = Callable[[httpx.Request], Awaitable[httpx.Response]]
+Scenario = Callable[[httpx.AsyncClient], Awaitable[None]]
 
 
 def build_tokenizer_dir(root: Path) -> Path:
@@ -117,3 +124,58 @@ def expected_logprob(prompt_len: int, position: int) -> float:
 def make_engine() -> Callable[..., Callable[[dict[str, Any]], dict[str, Any]]]:
     """``make_engine(tok, stop=..., weight_version=...)`` -> a scripted ``/generate`` function."""
     return scripted_engine
+
+
+@pytest.fixture(scope="session")
+def router_config(tok_dir: Path) -> Callable[..., SessionRouterConfig]:
+    """``router_config(**kw)`` -> a config on the tiny tokenizer, its upstream a placeholder URL."""
+
+    def build(**kw: Any) -> SessionRouterConfig:
+        return SessionRouterConfig(upstream_url="http://router.test", tokenizer=str(tok_dir), **kw)
+
+    return build
+
+
+def engine_upstream_for(
+    engine: Callable[[dict[str, Any]], dict[str, Any]], seen: list[httpx.Request]
+) -> Upstream:
+    """An upstream that records each request in ``seen`` and answers ``/generate`` with ``engine``."""
+
+    async def handle(request: httpx.Request) -> httpx.Response:
+        seen.append(request)
+        assert request.url.path == "/generate"
+        return httpx.Response(
+            200, json=engine(json.loads(request.content)), headers={"server": "upstream"}
+        )
+
+    return handle
+
+
+@pytest.fixture(scope="session")
+def engine_upstream() -> Callable[..., Upstream]:
+    """``engine_upstream(engine, seen)`` -> a mocked upstream serving ``engine`` on ``/generate``."""
+    return engine_upstream_for
+
+
+def run_app_against(
+    cfg: SessionRouterConfig, tok: ChatTokenizer, upstream: Upstream, scenario: Scenario
+) -> None:
+    """Run ``scenario(client)`` against the ASGI app, its upstream an ``httpx.MockTransport``."""
+
+    async def main() -> None:
+        app = create_app(cfg, tokenizer=tok, transport=httpx.MockTransport(upstream))
+        try:
+            async with httpx.AsyncClient(
+                transport=httpx.ASGITransport(app=app), base_url="http://sr"
+            ) as client:
+                await scenario(client)
+        finally:
+            await app.state.server.aclose()
+
+    asyncio.run(asyncio.wait_for(main(), timeout=30))
+
+
+@pytest.fixture(scope="session")
+def run_app() -> Callable[[SessionRouterConfig, ChatTokenizer, Upstream, Scenario], None]:
+    """``run_app(cfg, tok, upstream, scenario)``: the app in-process, no sockets (see above)."""
+    return run_app_against

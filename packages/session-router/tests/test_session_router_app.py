@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Awaitable, Callable
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -16,54 +14,21 @@ from posttrain.interface import RolloutEngine, TransportError
 from posttrain.session_router import (
     ChatTokenizer,
     SessionRolloutClient,
-    SessionRouterConfig,
     create_app,
 )
-
-Upstream = Callable[[httpx.Request], Awaitable[httpx.Response]]
-
-
-def _cfg(tok_dir: Path, **kw: Any) -> SessionRouterConfig:
-    return SessionRouterConfig(upstream_url="http://router.test", tokenizer=str(tok_dir), **kw)
-
-
-def run_app(
-    cfg: SessionRouterConfig,
-    tok: ChatTokenizer,
-    upstream: Upstream,
-    scenario: Callable[[httpx.AsyncClient], Awaitable[None]],
-) -> None:
-    async def main() -> None:
-        app = create_app(cfg, tokenizer=tok, transport=httpx.MockTransport(upstream))
-        try:
-            async with httpx.AsyncClient(
-                transport=httpx.ASGITransport(app=app), base_url="http://sr"
-            ) as client:
-                await scenario(client)
-        finally:
-            await app.state.server.aclose()
-
-    asyncio.run(asyncio.wait_for(main(), timeout=30))
-
-
-def engine_upstream(
-    engine: Callable[[dict[str, Any]], dict[str, Any]], seen: list[httpx.Request]
-) -> Upstream:
-    async def handle(request: httpx.Request) -> httpx.Response:
-        seen.append(request)
-        assert request.url.path == "/generate"
-        return httpx.Response(
-            200, json=engine(json.loads(request.content)), headers={"server": "upstream"}
-        )
-
-    return handle
 
 
 def user(text: str) -> dict[str, str]:
     return {"role": "user", "content": text}
 
 
-def test_three_turns_then_samples(tok_dir: Path, chat_tok: ChatTokenizer, make_engine: Any) -> None:
+def test_three_turns_then_samples(
+    chat_tok: ChatTokenizer,
+    make_engine: Any,
+    run_app: Any,
+    engine_upstream: Any,
+    router_config: Any,
+) -> None:
     seen: list[httpx.Request] = []
     engine = make_engine(chat_tok)
 
@@ -132,12 +97,16 @@ def test_three_turns_then_samples(tok_dir: Path, chat_tok: ChatTokenizer, make_e
         assert 'session_router_turns_total{outcome="committed"} 3.0' in metrics
 
     run_app(
-        _cfg(tok_dir, lora_adapter="miles_lora"), chat_tok, engine_upstream(engine, seen), scenario
+        router_config(lora_adapter="miles_lora"), chat_tok, engine_upstream(engine, seen), scenario
     )
 
 
 def test_stream_is_one_sse_chunk_then_done(
-    tok_dir: Path, chat_tok: ChatTokenizer, make_engine: Any
+    chat_tok: ChatTokenizer,
+    make_engine: Any,
+    run_app: Any,
+    engine_upstream: Any,
+    router_config: Any,
 ) -> None:
     seen: list[httpx.Request] = []
 
@@ -162,10 +131,16 @@ def test_stream_is_one_sse_chunk_then_done(
         assert "lora_path" not in json.loads(seen[0].content)
         assert "extra_key" not in json.loads(seen[0].content)
 
-    run_app(_cfg(tok_dir), chat_tok, engine_upstream(make_engine(chat_tok), seen), scenario)
+    run_app(router_config(), chat_tok, engine_upstream(make_engine(chat_tok), seen), scenario)
 
 
-def test_client_errors(tok_dir: Path, chat_tok: ChatTokenizer, make_engine: Any) -> None:
+def test_client_errors(
+    chat_tok: ChatTokenizer,
+    make_engine: Any,
+    run_app: Any,
+    engine_upstream: Any,
+    router_config: Any,
+) -> None:
     async def scenario(c: httpx.AsyncClient) -> None:
         assert (await c.get("/sessions/nope")).status_code == 404
         r = await c.post("/sessions/nope/v1/chat/completions", json={"messages": [user("x")]})
@@ -184,7 +159,7 @@ def test_client_errors(tok_dir: Path, chat_tok: ChatTokenizer, make_engine: Any)
         assert empty.empty_reason == "no_records"
 
     run_app(
-        _cfg(tok_dir, max_body_bytes=4096),
+        router_config(max_body_bytes=4096),
         chat_tok,
         engine_upstream(make_engine(chat_tok), []),
         scenario,
@@ -192,7 +167,11 @@ def test_client_errors(tok_dir: Path, chat_tok: ChatTokenizer, make_engine: Any)
 
 
 def test_bearer_token_guards_every_route(
-    tok_dir: Path, chat_tok: ChatTokenizer, make_engine: Any
+    chat_tok: ChatTokenizer,
+    make_engine: Any,
+    run_app: Any,
+    engine_upstream: Any,
+    router_config: Any,
 ) -> None:
     async def scenario(c: httpx.AsyncClient) -> None:
         for method, path in [
@@ -211,7 +190,7 @@ def test_bearer_token_guards_every_route(
         assert (await c.post("/sessions", headers=ok)).status_code == 200
 
     run_app(
-        _cfg(tok_dir, api_key="s3cret"),
+        router_config(api_key="s3cret"),
         chat_tok,
         engine_upstream(make_engine(chat_tok), []),
         scenario,
@@ -219,7 +198,7 @@ def test_bearer_token_guards_every_route(
 
 
 def test_transport_failure_is_502_and_the_turn_is_retryable(
-    tok_dir: Path, chat_tok: ChatTokenizer, make_engine: Any
+    chat_tok: ChatTokenizer, make_engine: Any, run_app: Any, router_config: Any
 ) -> None:
     engine = make_engine(chat_tok)
     state = {"fail": 1, "bad": 1, "status": 2}
@@ -257,10 +236,12 @@ def test_transport_failure_is_502_and_the_turn_is_retryable(
         assert r.status_code == 200
         assert len((await c.get(f"/sessions/{sid}")).json()["records"]) == 1
 
-    run_app(_cfg(tok_dir), chat_tok, upstream, scenario)
+    run_app(router_config(), chat_tok, upstream, scenario)
 
 
-def test_delete_racing_a_chat(tok_dir: Path, chat_tok: ChatTokenizer, make_engine: Any) -> None:
+def test_delete_racing_a_chat(
+    chat_tok: ChatTokenizer, make_engine: Any, run_app: Any, router_config: Any
+) -> None:
     engine = make_engine(chat_tok)
     entered, release = asyncio.Event(), asyncio.Event()
 
@@ -283,11 +264,15 @@ def test_delete_racing_a_chat(tok_dir: Path, chat_tok: ChatTokenizer, make_engin
         assert (await c.get(f"/sessions/{sid}")).status_code == 404
         assert 'outcome="not_committed"' in (await c.get("/metrics")).text
 
-    run_app(_cfg(tok_dir), chat_tok, upstream, scenario)
+    run_app(router_config(), chat_tok, upstream, scenario)
 
 
 def test_ttl_reclaims_abandoned_sessions(
-    tok_dir: Path, chat_tok: ChatTokenizer, make_engine: Any
+    chat_tok: ChatTokenizer,
+    make_engine: Any,
+    run_app: Any,
+    engine_upstream: Any,
+    router_config: Any,
 ) -> None:
     async def scenario(c: httpx.AsyncClient) -> None:
         a = (await c.post("/sessions")).json()["session_id"]
@@ -301,14 +286,16 @@ def test_ttl_reclaims_abandoned_sessions(
         assert "session_router_sessions_expired_total 2.0" in (await c.get("/metrics")).text
 
     run_app(
-        _cfg(tok_dir, session_ttl_s=0.25),
+        router_config(session_ttl_s=0.25),
         chat_tok,
         engine_upstream(make_engine(chat_tok), []),
         scenario,
     )
 
 
-def test_raw_proxy_adds_routing_key_and_gates_lora(tok_dir: Path, chat_tok: ChatTokenizer) -> None:
+def test_raw_proxy_adds_routing_key_and_gates_lora(
+    chat_tok: ChatTokenizer, run_app: Any, router_config: Any
+) -> None:
     seen: list[httpx.Request] = []
 
     async def upstream(request: httpx.Request) -> httpx.Response:
@@ -337,7 +324,7 @@ def test_raw_proxy_adds_routing_key_and_gates_lora(tok_dir: Path, chat_tok: Chat
         assert (await c.get(f"/sessions/{sid}")).json()["records"] == []
 
     run_app(
-        _cfg(tok_dir, lora_adapter="miles_lora", lora_weight_version=9),
+        router_config(lora_adapter="miles_lora", lora_weight_version=9),
         chat_tok,
         upstream,
         scenario,
@@ -345,7 +332,7 @@ def test_raw_proxy_adds_routing_key_and_gates_lora(tok_dir: Path, chat_tok: Chat
 
 
 def test_rollout_client_is_a_rollout_engine_one_session_per_rollout(
-    tok_dir: Path, chat_tok: ChatTokenizer, make_engine: Any
+    chat_tok: ChatTokenizer, make_engine: Any, router_config: Any
 ) -> None:
     seen: list[httpx.Request] = []
     engine = make_engine(chat_tok)
@@ -359,7 +346,7 @@ def test_rollout_client_is_a_rollout_engine_one_session_per_rollout(
         return httpx.Response(200, json=engine(json.loads(request.content)))
 
     async def main() -> None:
-        cfg = _cfg(tok_dir, lora_adapter="miles_lora")
+        cfg = router_config(lora_adapter="miles_lora")
         app = create_app(cfg, tokenizer=chat_tok, transport=httpx.MockTransport(upstream))
         server = app.state.server
         try:

@@ -36,33 +36,6 @@ def user(text: str) -> dict[str, str]:
     return {"role": "user", "content": text}
 
 
-def _cfg(tok_dir: Path) -> SessionRouterConfig:
-    return SessionRouterConfig(upstream_url="http://router.test", tokenizer=str(tok_dir))
-
-
-def engine_upstream(engine: Any, seen: list[httpx.Request]) -> Any:
-    async def handle(request: httpx.Request) -> httpx.Response:
-        seen.append(request)
-        return httpx.Response(200, json=engine(json.loads(request.content)))
-
-    return handle
-
-
-def run_app(cfg: SessionRouterConfig, tok: ChatTokenizer, upstream: Any, scenario: Any) -> None:
-    """``scenario(client)`` against the ASGI app, its upstream an ``httpx.MockTransport``."""
-
-    async def main() -> None:
-        app = create_app(cfg, tokenizer=tok, transport=httpx.MockTransport(upstream))
-        transport = httpx.ASGITransport(app=app)
-        try:
-            async with httpx.AsyncClient(transport=transport, base_url="http://sr") as client:
-                await scenario(client)
-        finally:
-            await app.state.server.aclose()
-
-    asyncio.run(asyncio.wait_for(main(), timeout=30))
-
-
 BAD_MESSAGES: list[tuple[Any, str]] = [
     ([{"role": "user", "content": None}], "messages[0].content"),
     ([{"role": "user"}], "messages[0].content"),
@@ -85,7 +58,13 @@ BAD_MESSAGES: list[tuple[Any, str]] = [
 
 @pytest.mark.parametrize(("messages", "field"), BAD_MESSAGES)
 def test_bad_message_shapes_are_400_naming_the_field(
-    tok_dir: Path, chat_tok: ChatTokenizer, make_engine: Any, messages: Any, field: str
+    chat_tok: ChatTokenizer,
+    make_engine: Any,
+    messages: Any,
+    field: str,
+    run_app: Any,
+    engine_upstream: Any,
+    router_config: Any,
 ) -> None:
     seen: list[httpx.Request] = []
 
@@ -100,7 +79,7 @@ def test_bad_message_shapes_are_400_naming_the_field(
         ok = await c.post(f"/sessions/{sid}/v1/chat/completions", json={"messages": [user("hi")]})
         assert ok.status_code == 200, ok.text
 
-    run_app(_cfg(tok_dir), chat_tok, engine_upstream(make_engine(chat_tok), seen), scenario)
+    run_app(router_config(), chat_tok, engine_upstream(make_engine(chat_tok), seen), scenario)
     assert len(seen) == 1  # the bad turn never reached the upstream
 
 
@@ -121,7 +100,12 @@ def test_assistant_tool_call_may_leave_content_null() -> None:
 
 
 def test_a_template_that_breaks_on_a_value_is_a_400_not_a_500(
-    tmp_path: Path, chat_tok: ChatTokenizer, make_engine: Any, tok_dir: Path
+    tmp_path: Path,
+    chat_tok: ChatTokenizer,
+    make_engine: Any,
+    run_app: Any,
+    engine_upstream: Any,
+    router_config: Any,
 ) -> None:
     # A template that does arithmetic on a message field (a real template concatenates content
     # without checking it): the request's value makes it raise TypeError inside jinja.
@@ -139,10 +123,12 @@ def test_a_template_that_breaks_on_a_value_is_a_400_not_a_500(
         assert "breaking-template" in r.json()["error"]
         assert "TypeError" in r.json()["error"]
 
-    run_app(_cfg(tok_dir), tok, engine_upstream(make_engine(chat_tok), []), scenario)
+    run_app(router_config(), tok, engine_upstream(make_engine(chat_tok), []), scenario)
 
 
-def test_an_unexpected_exception_is_a_json_500(tok_dir: Path, chat_tok: ChatTokenizer) -> None:
+def test_an_unexpected_exception_is_a_json_500(
+    chat_tok: ChatTokenizer, run_app: Any, router_config: Any
+) -> None:
     async def upstream(request: httpx.Request) -> httpx.Response:
         raise RuntimeError("a bug in the upstream client")
 
@@ -154,10 +140,12 @@ def test_an_unexpected_exception_is_a_json_500(tok_dir: Path, chat_tok: ChatToke
         assert "RuntimeError" in r.json()["error"]
         assert (await c.get(f"/sessions/{sid}")).json()["records"] == []
 
-    run_app(_cfg(tok_dir), chat_tok, upstream, scenario)
+    run_app(router_config(), chat_tok, upstream, scenario)
 
 
-def test_admin_routes_are_not_proxied(tok_dir: Path, chat_tok: ChatTokenizer) -> None:
+def test_admin_routes_are_not_proxied(
+    chat_tok: ChatTokenizer, run_app: Any, router_config: Any
+) -> None:
     seen: list[httpx.Request] = []
 
     async def upstream(request: httpx.Request) -> httpx.Response:
@@ -187,7 +175,7 @@ def test_admin_routes_are_not_proxied(tok_dir: Path, chat_tok: ChatTokenizer) ->
         assert (await c.get(f"/sessions/{sid}/v1/models")).status_code == 202
         assert (await c.get(f"/sessions/{sid}/get_server_info")).status_code == 202
 
-    run_app(_cfg(tok_dir), chat_tok, upstream, scenario)
+    run_app(router_config(), chat_tok, upstream, scenario)
     assert [(r.method, r.url.path) for r in seen] == [
         ("GET", "/v1/models"),
         ("GET", "/get_server_info"),

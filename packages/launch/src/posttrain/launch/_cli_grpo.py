@@ -16,7 +16,7 @@ from posttrain.launch._console import err as _err
 from posttrain.launch._console import fail_with_logs, interrupted
 from posttrain.launch._console import raise_interrupt as _raise_interrupt
 from posttrain.launch._errors import LaunchError
-from posttrain.launch.runners import console_sink
+from posttrain.launch.runners import console_sink, tail_sink
 
 __all__ = ["GRPO_CONTEXT", "grpo_command"]
 
@@ -82,7 +82,6 @@ def grpo_command(
     ] = False,
 ) -> None:
     """Run the embedded CPU GRPO recipe: tiny Dense/MoE policy, toy task, engines, trainer."""
-    from posttrain.launch.demo import tail_sink
     from posttrain.launch.grpo import GrpoRecipeConfig, run_grpo
 
     sink, kept = (console_sink(_err), None) if verbose else tail_sink()

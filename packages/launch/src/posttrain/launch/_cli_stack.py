@@ -23,7 +23,7 @@ from posttrain.launch._errors import LaunchError
 from posttrain.launch.args import parse_assignments
 from posttrain.launch.keys import new_api_key, remove_key_file, write_key_file
 from posttrain.launch.progress import StackProgress
-from posttrain.launch.runners import DryRun, LocalRunner, console_sink
+from posttrain.launch.runners import DryRun, LocalRunner, console_sink, tail_sink
 from posttrain.launch.stack import LocalStackConfig, build_local_stack, default_engine_kind
 from posttrain.launch.tables import EngineKind
 
@@ -180,7 +180,7 @@ def demo_command(
     ] = False,
 ) -> None:
     """Run the CPU rollout path end to end: tiny model, engines, sgl-router, a session chat."""
-    from posttrain.launch.demo import DemoConfig, run_demo, tail_sink
+    from posttrain.launch.demo import DemoConfig, run_demo
 
     sink, kept = (console_sink(_err), None) if verbose else tail_sink()
     signal.signal(signal.SIGTERM, _raise_interrupt)

@@ -16,12 +16,13 @@ numpy and safetensors, no server and no torch). The demo runs only with launch's
 
 from __future__ import annotations
 
-import collections
+import contextlib
 import math
 import os
 import subprocess
 import sys
 import tempfile
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -95,15 +96,17 @@ def write_tiny_checkpoint(path: Path, seed: int, timeout_s: float = 300.0) -> No
 
 
 def run_demo(cfg: DemoConfig, sink: LogSink, progress: StackProgress | None = None) -> DemoReport:
-    """Bring the stack up, chat through one session, collect the sample, stop everything."""
-    show = progress or _NoProgress()
+    """Bring the stack up, chat through one session, collect the sample, stop everything.
+
+    ``progress`` (the CLI's display) shows each step; ``None`` (a library caller) shows nothing.
+    """
     key = new_api_key()
     with tempfile.TemporaryDirectory(prefix="posttrain-demo-") as scratch:
         model_path = cfg.model_path
         if model_path is None:
             model_path = Path(scratch) / "tiny-moe"
             sink("demo", f"writing a tiny Dense/MoE checkpoint (seed {cfg.seed}) to {model_path}")
-            with show.step(f"writing a tiny Dense/MoE checkpoint (seed {cfg.seed})"):
+            with _step(progress, f"writing a tiny Dense/MoE checkpoint (seed {cfg.seed})"):
                 write_tiny_checkpoint(model_path, cfg.seed)
         plan = build_local_stack(
             LocalStackConfig(
@@ -116,33 +119,26 @@ def run_demo(cfg: DemoConfig, sink: LogSink, progress: StackProgress | None = No
         )
         key_file = write_key_file(key, f"demo-{os.getpid()}")
         try:
-            with LocalRunner(plan, sink=sink, api_key=key, on_event=show.on_event) as runner:
+            events = None if progress is None else progress.on_event
+            with LocalRunner(plan, sink=sink, api_key=key, on_event=events) as runner:
                 runner.start()
                 report = DemoReport(
                     model_path=str(model_path), urls=dict(runner.urls), api_key_file=str(key_file)
                 )
-                _chat(cfg, report, sink, show, key)
+                _chat(cfg, report, sink, progress, key)
         finally:
             remove_key_file(key_file)
         sink("demo", "stopped every process")
         return report
 
 
-class _NoProgress(StackProgress):
-    """A ``StackProgress`` that shows nothing (library callers without a console)."""
-
-    def __init__(self) -> None:
-        pass
-
-    def begin(self, key: str, description: str) -> None:
-        pass
-
-    def end(self, key: str, description: str | None = None) -> None:
-        pass
+def _step(progress: StackProgress | None, description: str) -> AbstractContextManager[None]:
+    """``progress.step(description)``, or nothing shown without a display (a library caller)."""
+    return contextlib.nullcontext() if progress is None else progress.step(description)
 
 
 def _chat(
-    cfg: DemoConfig, report: DemoReport, sink: LogSink, show: StackProgress, key: str
+    cfg: DemoConfig, report: DemoReport, sink: LogSink, progress: StackProgress | None, key: str
 ) -> None:
     base = report.urls["session-router"]
     timeout = httpx.Timeout(cfg.request_timeout_s, connect=10.0)
@@ -155,7 +151,7 @@ def _chat(
             messages.append({"role": "user", "content": user})
             body = {"messages": messages, "max_tokens": cfg.max_tokens, "temperature": 1.0,
                     "seed": cfg.seed, "logprobs": True}  # fmt: skip
-            with show.step(f"chat turn {number} through the session"):
+            with _step(progress, f"chat turn {number} through the session"):
                 url = f"{base}/sessions/{session}/v1/chat/completions"
                 reply = _ok(client.post(url, json=body))
             choice = reply["choices"][0]
@@ -171,7 +167,7 @@ def _chat(
                 )
             )
             messages.append({"role": "assistant", "content": text})
-        with show.step("collecting the training sample"):
+        with _step(progress, "collecting the training sample"):
             sample_reply = client.post(
                 f"{base}/sessions/{session}/samples", json={"max_seq_len": None}
             )
@@ -209,13 +205,3 @@ def _ok(reply: httpx.Response, *, empty: bool = False) -> Any:
         raise DemoError(f"{reply.request.method} {reply.request.url} answered "
                         f"{reply.status_code}: {reply.text[:500]}")  # fmt: skip
     return None if empty else reply.json()
-
-
-def tail_sink(lines: int = 60) -> tuple[LogSink, collections.deque[str]]:
-    """A sink that keeps the last ``lines`` process log lines (shown only when something fails)."""
-    kept: collections.deque[str] = collections.deque(maxlen=lines)
-
-    def sink(name: str, line: str) -> None:
-        kept.append(f"[{name}] {line}")
-
-    return sink, kept

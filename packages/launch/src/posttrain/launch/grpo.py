@@ -14,7 +14,9 @@
 4. Every process is stopped by pid, whatever happened.
 
 Launch never imports posttrain.grpo: both the recipe and the trainer are ``python -m``
-commands, so the CLI stays light. Flags after ``--`` go to the trainer unchanged (last wins).
+commands, so the CLI stays light. They run on this interpreter (``sys.executable``), as every
+process of the stack does (``LocalRunner``): the ``python`` on PATH may be another one. Flags
+after ``--`` go to the trainer unchanged (last wins).
 """
 
 from __future__ import annotations
@@ -31,9 +33,14 @@ from typing import Any, Literal
 
 from posttrain.launch._errors import LaunchConfigError, LaunchError
 from posttrain.launch.keys import new_api_key, remove_key_file, write_key_file
-from posttrain.launch.plan import PYTHON, Plan
+from posttrain.launch.plan import Plan
 from posttrain.launch.runners import LocalRunner, LogSink, _set_pdeathsig
-from posttrain.launch.stack import LocalStackConfig, build_local_stack
+from posttrain.launch.stack import (
+    TEACHER,
+    LocalStackConfig,
+    build_local_stack,
+    policy_engine_names,
+)
 from posttrain.launch.tables import EngineKind
 
 ADAPTER = "policy"
@@ -76,9 +83,11 @@ class GrpoRecipeConfig:
             raise LaunchConfigError(f"--teacher must be an http(s) URL, got {self.teacher_url!r}")
 
 
-def prepare_recipe(cfg: GrpoRecipeConfig, sink: LogSink) -> dict[str, Any]:
+def prepare_recipe(
+    cfg: GrpoRecipeConfig, sink: LogSink, *, python: str = sys.executable
+) -> dict[str, Any]:
     """Run the recipe's prepare command; returns its JSON (checkpoint paths, recipe flags)."""
-    argv = [PYTHON, "-m", "posttrain.grpo.recipe", "prepare", "--seed", str(cfg.seed)]
+    argv = [python, "-m", "posttrain.grpo.recipe", "prepare", "--seed", str(cfg.seed)]
     if cfg.rollout_quant == "nvfp4":
         argv.append("--nvfp4")
     sink("recipe", " ".join(argv))
@@ -98,13 +107,20 @@ def prepare_recipe(cfg: GrpoRecipeConfig, sink: LogSink) -> dict[str, Any]:
 
 
 def trainer_argv(cfg: GrpoRecipeConfig, recipe: dict[str, Any], urls: dict[str, str],
-                 engine_names: list[str], key_file: Path | None = None) -> list[str]:  # fmt: skip
-    """The ``python -m posttrain.grpo`` command of the recipe (user flags last: they win)."""
+                 engine_names: list[str], key_file: Path | None = None, *,
+                 python: str = sys.executable) -> list[str]:  # fmt: skip
+    """The ``python -m posttrain.grpo`` command of the recipe (user flags last: they win).
+
+    ``python`` is this interpreter by default, as ``LocalRunner`` resolves a plan's ``python``:
+    the ``python`` on PATH may be another one, without the workspace installed.
+    """
     settings = dict(recipe["recipe"])
     if cfg.steps is not None:
         settings["steps"] = cfg.steps
+    if cfg.train == "full":  # full-weight training has its own learning rate in the recipe
+        settings["lr"] = settings.get("full_lr", settings["lr"])
     argv = [
-        PYTHON, "-m", "posttrain.grpo",
+        python, "-m", "posttrain.grpo",
         "--model-path", recipe["policy"],
         "--rollout-url", urls["session-router"],
         "--engine-urls", ",".join(urls[n] for n in engine_names),
@@ -118,9 +134,7 @@ def trainer_argv(cfg: GrpoRecipeConfig, recipe: dict[str, Any], urls: dict[str, 
                 "lora_r", "lora_alpha", "max_grad_norm", "steps"):  # fmt: skip
         argv += ["--" + key.replace("_", "-"), str(settings[key])]
     argv += ["--lora-targets", ",".join(settings["lora_targets"])]
-    if cfg.train == "full":
-        argv += ["--lr", str(settings.get("full_lr", settings["lr"]))]
-    teacher = cfg.teacher_url or urls.get("teacher")
+    teacher = cfg.teacher_url or urls.get(TEACHER)
     if cfg.opd:
         argv += ["--opd", "--teacher-url", str(teacher), "--opd-top-k", str(settings["opd_top_k"]),
                  "--opd-kl-coef", str(settings["opd_kl_coef"])]  # fmt: skip
@@ -133,9 +147,12 @@ def trainer_argv(cfg: GrpoRecipeConfig, recipe: dict[str, Any], urls: dict[str, 
     return argv + list(cfg.trainer_args)
 
 
-def run_grpo(cfg: GrpoRecipeConfig, sink: LogSink) -> int:
-    """Prepare, start the stack, run the trainer in the foreground, stop everything."""
-    recipe = prepare_recipe(cfg, sink)
+def run_grpo(cfg: GrpoRecipeConfig, sink: LogSink, *, python: str = sys.executable) -> int:
+    """Prepare, start the stack, run the trainer in the foreground, stop everything.
+
+    ``python`` runs the recipe, every process of the stack and the trainer (default: this one).
+    """
+    recipe = prepare_recipe(cfg, sink, python=python)
     served = recipe["policy_nvfp4"] if cfg.rollout_quant == "nvfp4" else recipe["policy"]
     key = new_api_key()
     key_file = write_key_file(key, f"grpo-{os.getpid()}")
@@ -155,7 +172,7 @@ def run_grpo(cfg: GrpoRecipeConfig, sink: LogSink) -> int:
                 api_key=key,
             )
         )
-        return _run_stack_and_trainer(cfg, recipe, plan, sink, key, key_file)
+        return _run_stack_and_trainer(cfg, recipe, plan, sink, key, key_file, python)
     finally:
         remove_key_file(key_file)
 
@@ -167,13 +184,14 @@ def _run_stack_and_trainer(
     sink: LogSink,
     key: str,
     key_file: Path,
+    python: str,
 ) -> int:
-    engine_names = [f"engine-{i}" for i in range(cfg.engines)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     # The runner probes readiness with the key and masks it in every log line it relays.
-    with LocalRunner(plan, sink=sink, base_env=env, api_key=key) as runner:
+    with LocalRunner(plan, sink=sink, base_env=env, api_key=key, python=python) as runner:
         runner.start()
-        argv = trainer_argv(cfg, recipe, dict(runner.urls), engine_names, key_file)
+        engines = policy_engine_names(plan)
+        argv = trainer_argv(cfg, recipe, dict(runner.urls), engines, key_file, python=python)
         sink("launcher", "trainer: " + " ".join(argv))
         trainer = subprocess.Popen(argv, preexec_fn=_set_pdeathsig)
         try:

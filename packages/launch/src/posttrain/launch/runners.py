@@ -13,6 +13,7 @@ The Ray runner lives in ``ray_runner.py`` (Ray is an optional extra).
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import ctypes
 import itertools
@@ -54,6 +55,16 @@ def console_sink(console: Console | None = None) -> LogSink:
         out.print(Text(f"[{name}] ", style=color) + Text(line), soft_wrap=True)
 
     return sink
+
+
+def tail_sink(lines: int = 60) -> tuple[LogSink, collections.deque[str]]:
+    """A sink that keeps the last ``lines`` process log lines (shown only when something fails)."""
+    kept: collections.deque[str] = collections.deque(maxlen=lines)
+
+    def sink(name: str, line: str) -> None:
+        kept.append(f"[{name}] {line}")
+
+    return sink, kept
 
 
 def register_worker(

@@ -31,6 +31,8 @@ from posttrain.launch.planner import ENGINE_MODULES, ROUTER_MODULE, SESSION_ROUT
 from posttrain.launch.tables import EngineKind
 
 LOCAL_HOST = "127.0.0.1"
+TEACHER = "teacher"
+"""The name of the teacher engine's process (and URL key): the one engine not behind the router."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -59,6 +61,11 @@ def default_engine_kind(detection: Detection | None = None) -> EngineKind:
         return EngineKind.LOCAL
     seen = detection if detection is not None else detect_hardware()
     return EngineKind.SGLANG if seen.gpu_count > 0 else EngineKind.LOCAL
+
+
+def policy_engine_names(plan: Plan) -> list[str]:
+    """The engines behind the router (every engine process but the teacher), in start order."""
+    return [p.name for p in plan.processes if p.role is Role.ENGINE and p.name != TEACHER]
 
 
 def build_local_stack(cfg: LocalStackConfig) -> Plan:
@@ -95,7 +102,7 @@ def build_local_stack(cfg: LocalStackConfig) -> Plan:
     processes: list[ProcessSpec] = []
     engines = [(f"engine-{i}", port, cfg.model_path) for i, port in enumerate(ports)]
     if cfg.teacher_model_path is not None:
-        engines.append(("teacher", next(spare), cfg.teacher_model_path))
+        engines.append((TEACHER, next(spare), cfg.teacher_model_path))
     for i, (name, port, model_path) in enumerate(engines):
         args = Args()
         src = f"local stack ({cfg.engine_kind.value})"
@@ -104,7 +111,7 @@ def build_local_stack(cfg: LocalStackConfig) -> Plan:
         args.set("--port", port, source=src)
         if cfg.api_key and cfg.engine_kind is EngineKind.LOCAL:
             args.set("--api-key", cfg.api_key, source="local stack (per-stack key)")
-        if name != "teacher" and (cfg.loras or cfg.lora_adapter):
+        if name != TEACHER and (cfg.loras or cfg.lora_adapter):
             # Both engines take SGLang's spelling; --lora-paths is one nargs="+" flag
             # (repeating it would keep only the last occurrence).
             args.set("--enable-lora", source=src + " (--lora)")

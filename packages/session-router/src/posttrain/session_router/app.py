@@ -6,7 +6,7 @@
     GET    /sessions/{id}                          records and TITO metadata
     DELETE /sessions/{id}                          204; waits for an in-flight prepare/commit
     POST   /sessions/{id}/v1/chat/completions      one TITO turn (OpenAI compatible)
-    POST   /sessions/{id}/samples                  assembled samples (safetensors, see wire.py)
+    POST   /sessions/{id}/samples                  assembled samples (samples/1: posttrain.formats)
     *      /sessions/{id}/{path}                   raw proxy with the routing key, not recorded,
                                                    for the upstream routes in PROXY_ROUTES only
 

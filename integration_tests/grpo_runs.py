@@ -1,0 +1,38 @@
+"""``posttrain grpo`` run as a user runs it: a subprocess of this interpreter, its files read back.
+
+Every run gets ``POSTTRAIN_CACHE`` (the session's ``recipe_cache`` fixture, so the recipe warms
+up once per session) and writes to the ``--out`` directory it is given; the trainer's own flags
+go after ``--``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+
+def grpo_argv(out: Path, *flags: str, trainer: tuple[str, ...] = ()) -> list[str]:
+    argv = [sys.executable, "-m", "posttrain.launch", "grpo", "--out", str(out), *flags]
+    return argv + (["--", *trainer] if trainer else [])
+
+
+def grpo_env(cache: Path) -> dict[str, str]:
+    return {**os.environ, "POSTTRAIN_CACHE": str(cache), "PYTHONUNBUFFERED": "1"}
+
+
+def records(out: Path) -> list[dict[str, Any]]:
+    """The run's ``metrics.jsonl``: one record per step."""
+    return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x.strip()]
+
+
+def run_grpo(cache: Path, out: Path, *flags: str, trainer: tuple[str, ...] = ()) -> dict[str, Any]:
+    """Run to the end (it must exit 0); returns its ``summary.json``."""
+    done = subprocess.run(grpo_argv(out, *flags, trainer=trainer), env=grpo_env(cache),
+                          capture_output=True, text=True, timeout=600, check=False)  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    summary: dict[str, Any] = json.loads((out / "summary.json").read_text())
+    return summary
