@@ -103,15 +103,6 @@ def test_world_size_from_torchrun_must_match() -> None:
         build_config(values, environ={"WORLD_SIZE": "four"})
 
 
-def test_without_the_loop_module_the_run_is_refused(
-    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setitem(sys.modules, "posttrain.grpo.loop", None)  # as if not built
-    code, _, err = run_cli(capsys, "--steps", "1")
-    assert code == 2
-    assert "posttrain.grpo.loop" in one_error_line(err)
-
-
 def test_without_dry_run_the_loop_gets_the_config(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -41,7 +41,7 @@ import typer.exceptions
 from rich.console import Console
 from rich.text import Text
 
-from posttrain.grpo._errors import GrpoConfigError, GrpoError, GrpoUnsupportedError
+from posttrain.grpo._errors import GrpoConfigError, GrpoUnsupportedError
 from posttrain.grpo._shape import check_declared_shape
 from posttrain.grpo.config import (
     HELP,
@@ -178,18 +178,10 @@ def describe(config: GrpoConfig) -> str:
 
 def run(config: GrpoConfig) -> None:
     """Run the GRPO loop (``posttrain.grpo.loop.run``); imported here, on use only."""
-    try:
-        loop = importlib.import_module("posttrain.grpo.loop")
-    except ModuleNotFoundError as exc:
-        if exc.name != "posttrain.grpo.loop":
-            raise
-        raise GrpoError(
-            "the GRPO loop (posttrain.grpo.loop) is not part of this build; "
-            "only --dry-run is available"
-        ) from None
+    loop = importlib.import_module("posttrain.grpo.loop")  # torch and friends load here
     runner: Callable[[GrpoConfig], object] = loop.run
     summary = runner(config)
-    if isinstance(summary, dict) and not config.dry_run:
+    if isinstance(summary, dict):
         Console(stderr=True, highlight=False, soft_wrap=True).print(
             Text("\n" + loop.summary_text(summary))
         )

@@ -351,11 +351,6 @@ HELP: dict[str, str] = {
 """One line of help per field; the trainer command line shows it with the default."""
 
 
-def field_help(name: str) -> str:
-    """The help text of a ``GrpoConfig`` field."""
-    return HELP[name]
-
-
 def field_default(name: str) -> Any:
     """The default of a ``GrpoConfig`` field."""
     return _FIELDS[name].default
