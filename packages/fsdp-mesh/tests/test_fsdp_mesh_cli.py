@@ -15,7 +15,7 @@ from posttrain.interface.testing import free_port, run_workers
 @pytest.mark.multiproc
 @pytest.mark.timeout(200)
 def test_self_spawning_command_passes(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
-    path = tmp_path / "parity.json"
+    path = tmp_path / "reports" / "parity.json"  # the folder is made for it
     code = parity.main(
         ["--replicate", "1", "--shard", "2", "--steps", "1", "--start-method", "fork",
          "--json", str(path)]
@@ -76,3 +76,15 @@ def test_bad_layout_fails_before_any_process(
 ) -> None:
     assert parity.main(argv) == 2
     assert message in capsys.readouterr().err
+
+
+def test_an_unwritable_json_path_is_refused_before_the_run(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    code = parity.main(["--replicate", "1", "--shard", "2", "--json", str(blocker / "p.json")])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert err.startswith("FAIL r1s2: --json ") and str(blocker) in err
+    assert "running" not in err  # no rank was started

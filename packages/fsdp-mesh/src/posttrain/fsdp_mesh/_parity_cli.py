@@ -4,8 +4,8 @@ Command (two ways to run it; both print a short summary, one line per check, and
 ``PASS r{R}s{S}`` (exit 0) or ``FAIL r{R}s{S}`` (exit 1); ``--json PATH`` writes the full report,
 every rank's numbers, to a file; the self-spawning mode shows a spinner with the elapsed time
 while the ranks run). argparse, not typer (the project's CLI library): every rank of a torchrun
-job parses the same argv, and the package keeps its dependencies to torch (and rich for the
-spinner).
+job parses the same argv, and the command needs nothing beyond the package's own dependencies
+(torch, and rich for the spinner).
 
 * self-spawning: ``python -m posttrain.fsdp_mesh.parity --replicate R --shard S [--backend
   gloo|nccl]`` starts R*S local ranks itself (nccl: rank g on ``cuda:g``);
@@ -25,11 +25,13 @@ import statistics
 import sys
 from collections.abc import Iterator
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from posttrain.formats import write_text_atomic
 from posttrain.fsdp_mesh._errors import MeshConfigError
 from posttrain.fsdp_mesh._parity import ParityConfig, run_parity
 from posttrain.interface import ConfigError, MeshSpec, WorkerError
@@ -108,8 +110,13 @@ def _finish(args: argparse.Namespace, config: ParityConfig, reports: list[dict[s
         "ranks": reports,
     }
     if args.json:
-        with open(args.json, "w", encoding="utf-8") as fh:
-            fh.write(json.dumps(summary, indent=2) + "\n")
+        try:
+            write_text_atomic(args.json, json.dumps(summary, indent=2) + "\n")
+        except OSError as exc:
+            print(
+                f"FAIL r{args.replicate}s{args.shard}: --json {args.json}: {exc}", file=sys.stderr
+            )
+            return 2
     for line in _summary_lines(summary, config):
         print(line)
     if args.json:
@@ -146,6 +153,14 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"FAIL r{args.replicate}s{args.shard}: {exc}", file=sys.stderr)
         return 2
+    if args.json:  # refused before the run, not after it
+        try:
+            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            print(
+                f"FAIL r{args.replicate}s{args.shard}: --json {args.json}: {exc}", file=sys.stderr
+            )
+            return 2
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         return _main_torchrun(args, config)
     try:

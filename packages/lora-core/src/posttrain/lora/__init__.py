@@ -37,8 +37,8 @@ if TYPE_CHECKING:
     from posttrain.lora.client import AdapterCapabilities, AdapterClient
     from posttrain.lora.peft_io import load_peft, merge_into_base, read_peft, save_peft
 
-# The engine client (httpx) and the PEFT file io (safetensors) load on first use, so the
-# torch-only core imports on a GPU box that has nothing but torch. The request fields are
+# The engine client (httpx) and the PEFT file io (safetensors) load on first use, so importing
+# the training core stays quick and does not open them. The request fields are
 # posttrain.formats' (their one home), re-exported here under the names this package promised.
 _LAZY = {
     **dict.fromkeys(["AdapterCapabilities", "AdapterClient"], "posttrain.lora.client"),
