@@ -28,9 +28,12 @@ from posttrain.fsdp_mesh import (
     gather_full_param,
     grad_norm,
     iter_full_state_dict,
+    latest_step,
     load_checkpoint,
+    read_meta,
     run_parity,
     save_checkpoint,
+    save_files_checkpoint,
 )
 from posttrain.interface import MeshSpec
 
@@ -83,7 +86,10 @@ def checkpoint_across_layouts(
     if reference is None:
         mesh = build_fsdp_mesh(MeshSpec(world_size=world, replicate=save_r, shard=world // save_r))
         model, opt = _trained(mesh, seed=5)
-        save_checkpoint(root, 2, model, mesh, opt, extra={"note": "x"})
+        save_checkpoint(
+            root, 2, model, mesh, opt, extra={"note": "x"},
+            write_files=lambda staged: (staged / f"note_rank{rank}.txt").write_text(str(rank)),
+        )  # fmt: skip
         saved = _full_state(model, opt)
         if rank == 0:
             torch.save(saved, Path(root) / "full_reference.pt")
@@ -100,7 +106,37 @@ def checkpoint_across_layouts(
         result["exact"][load_r] = exact
         result["meta"] = (meta.step, meta.world_size, meta.replicate, meta.shard, meta.extra)
     result["files"] = sorted(os.listdir(root))
+    result["step_files"] = sorted(os.listdir(Path(root) / "iter_0000002"))
     return result
+
+
+def files_checkpoint_commit_or_nothing(rank: int, world: int, root: str) -> dict[str, Any]:
+    """save_files_checkpoint: step 1 commits; step 2's writer fails, leaving step 1 current."""
+    mesh = build_fsdp_mesh(MeshSpec(world_size=world, replicate=1, shard=world))
+
+    def write(staged: Path) -> None:
+        (staged / f"part{rank}.bin").write_bytes(bytes([rank]))
+
+    def fail(staged: Path) -> None:
+        (staged / "half.bin").write_bytes(b"x")
+        raise OSError("disk full")
+
+    save_files_checkpoint(root, 1, mesh, write, extra={"k": 1})
+    try:
+        save_files_checkpoint(root, 2, mesh, fail)
+        error = None
+    except OSError as exc:
+        error = str(exc)
+    return {
+        "error": error,
+        "latest": latest_step(root),
+        "meta": (
+            read_meta(Path(root) / "iter_0000001").step,
+            read_meta(Path(root) / "iter_0000001").extra,
+        ),
+        "step1": sorted(os.listdir(Path(root) / "iter_0000001")),
+        "step2_committed": (Path(root) / "iter_0000002").exists(),
+    }
 
 
 def deferred_vs_eager(rank: int, world: int, replicate: int, micro: int) -> dict[str, Any]:

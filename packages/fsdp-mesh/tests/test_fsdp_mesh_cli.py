@@ -86,5 +86,6 @@ def test_an_unwritable_json_path_is_refused_before_the_run(
     code = parity.main(["--replicate", "1", "--shard", "2", "--json", str(blocker / "p.json")])
     err = capsys.readouterr().err
     assert code == 2
-    assert err.startswith("FAIL r1s2: --json ") and str(blocker) in err
+    assert err.startswith("FAIL r1s2: --json ")
+    assert str(blocker) in err
     assert "running" not in err  # no rank was started

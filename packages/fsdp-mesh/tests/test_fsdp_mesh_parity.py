@@ -8,7 +8,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import fsdp_mesh_workers as workers
 import pytest
+
+from posttrain.interface.testing import run_workers
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(280)]
 
@@ -72,6 +75,22 @@ def test_checkpoint_reloads_bit_exactly_under_other_layouts(
     assert "iter_0000002" in files
     assert not any(name.endswith(".tmp") for name in files)
     assert (ckpt_root / "latest_checkpointed_iteration.txt").read_text() == "2\n"
+    step_files = w4[0]["checkpoint"]["step_files"]  # write_files' files joined the commit
+    assert {f"note_rank{r}.txt" for r in range(4)} <= set(step_files)
+    assert "meta.json" in step_files
+
+
+@pytest.mark.timeout(120)
+def test_files_checkpoint_commits_all_or_nothing(tmp_path: Path) -> None:
+    out = run_workers(
+        workers.files_checkpoint_commit_or_nothing, 2, args=(str(tmp_path),), timeout_s=90
+    )
+    for rank_out in out:
+        assert rank_out["error"] == "disk full"
+        assert rank_out["latest"] == 1  # the failed step 2 never became current
+        assert rank_out["meta"] == (1, {"k": 1})
+        assert rank_out["step1"] == ["meta.json", "part0.bin", "part1.bin"]
+        assert rank_out["step2_committed"] is False
 
 
 def test_checkpoint_from_w4_reloads_bit_exactly_at_w2(w2: list[dict[str, Any]]) -> None:

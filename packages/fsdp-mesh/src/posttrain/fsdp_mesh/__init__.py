@@ -3,7 +3,7 @@
 Build a mesh from a ``posttrain.interface.MeshSpec`` (``build_fsdp_mesh``), shard a model on it (``apply_hsdp``),
 accumulate gradients with one replicate all-reduce per step (``accumulate_gradients``), clip on
 the 2-D mesh (``clip_grad_norm``), checkpoint across layouts (``save_checkpoint`` /
-``load_checkpoint``), export full weights (``iter_full_state_dict``), and check a cluster with
+``load_checkpoint``; ``save_files_checkpoint`` commits other files the same way), export full weights (``iter_full_state_dict``), and check a cluster with
 the parity worker (``run_parity``; ``python -m posttrain.fsdp_mesh.parity``).
 """
 
@@ -15,6 +15,7 @@ from posttrain.fsdp_mesh._checkpoint import (
     load_checkpoint,
     read_meta,
     save_checkpoint,
+    save_files_checkpoint,
 )
 from posttrain.fsdp_mesh._clip import clip_grad_norm, grad_norm
 from posttrain.fsdp_mesh._comm_count import CollectiveCall, CollectiveLog, count_collectives
@@ -64,4 +65,5 @@ __all__ = [
     "read_meta",
     "run_parity",
     "save_checkpoint",
+    "save_files_checkpoint",
 ]

@@ -24,6 +24,7 @@ import json
 import os
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -92,8 +93,38 @@ def save_checkpoint(
     optimizer: torch.optim.Optimizer | None = None,
     *,
     extra: dict[str, Any] | None = None,
+    write_files: Callable[[Path], None] | None = None,
 ) -> Path:
-    """Save model (and optimizer) shards for ``step``; collective over ``mesh.dp_group``."""
+    """Save model (and optimizer) shards for ``step``; collective over ``mesh.dp_group``.
+
+    ``write_files(staged_dir)``, when given, runs on every rank after the shards are written and
+    before the commit: a caller's own files (RNG states, say) are then part of the checkpoint,
+    never added after it looks complete.
+    """
+
+    def write(staged: Path) -> None:
+        dcp_save(_state(model, optimizer), checkpoint_id=str(staged), process_group=mesh.dp_group)
+        if write_files is not None:
+            write_files(staged)
+
+    return save_files_checkpoint(root, step, mesh, write, extra=extra)
+
+
+def save_files_checkpoint(
+    root: str | os.PathLike[str],
+    step: int,
+    mesh: FsdpMesh,
+    write_files: Callable[[Path], None],
+    *,
+    extra: dict[str, Any] | None = None,
+) -> Path:
+    """The commit protocol of ``save_checkpoint`` around files the caller writes.
+
+    Collective over ``mesh.dp_group``: rank 0 makes ``iter_N.tmp``; every rank calls
+    ``write_files(tmp)``; after all finished, rank 0 writes ``meta.json``, swaps the directory
+    in and updates the tracker. For state that is not DCP shards (an adapter, say) that must
+    still be complete-or-absent and carry the same ``meta.json``.
+    """
     final = checkpoint_dir(root, step)
     tmp = final.with_name(final.name + ".tmp")
     group = mesh.dp_group
@@ -102,7 +133,7 @@ def save_checkpoint(
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     dist.barrier(group=group)
-    dcp_save(_state(model, optimizer), checkpoint_id=str(tmp), process_group=group)
+    write_files(tmp)
     dist.barrier(group=group)
     if rank == 0:
         meta = CheckpointMeta(

@@ -1,83 +1,77 @@
 """Checkpoints a run continues from bit for bit: weights (fp32), optimizer, data position, RNG, step.
 
-Layout under ``<out>/checkpoints`` (the ``fsdp-mesh`` layout, so both modes look alike)::
+Layout under ``<out>/checkpoints`` (the ``fsdp-mesh`` layout and ``meta.json`` in both modes)::
 
     iter_0000004/
-        meta.json                 step, layout, and grpo's ``extra``: data position, config
+        meta.json                 fsdp-mesh's CheckpointMeta; ``extra``: data position, config
         adapter/                  adapter training: the PEFT adapter in fp32 (save_peft)
         optim.pt                  adapter training: the optimizer state (replicated: rank 0)
         .metadata, *.distcp       full training: DCP shards of model + optimizer (every rank)
         rng_rank{r}.pt            each rank's torch RNG state
     latest_checkpointed_iteration.txt
 
-Full training uses ``fsdp_mesh.save_checkpoint`` (DCP, atomic, reloads under any layout).
-Adapter training writes only the adapter and its optimizer state into a temporary directory
-renamed into place once complete, then updates the tracker; an interrupted save never looks
-complete. ``resume`` loads after the optimizer is built, straight into the live parameters
-and optimizer state (there are no separate masters to re-sync).
+Both modes commit through ``fsdp-mesh`` (``save_checkpoint`` with DCP shards,
+``save_files_checkpoint`` for the adapter): every file, the RNG states included, is written
+into ``iter_N.tmp`` before it is swapped in and the tracker moves, so an interrupted save never
+looks complete. ``load`` restores after the optimizer is built, straight into the live
+parameters and optimizer state (there are no separate masters to re-sync). A run resumed with
+the world size it was saved with gets every rank's RNG state back (a missing one is an error);
+under another world size the RNG states do not map to ranks and are not restored.
 """
 
 from __future__ import annotations
 
-import json
-import shutil
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from posttrain.formats import replace_directory, write_text_atomic
 from posttrain.fsdp_mesh import (
+    CheckpointError,
     checkpoint_dir,
     latest_step,
     load_checkpoint,
     read_meta,
     save_checkpoint,
+    save_files_checkpoint,
 )
 from posttrain.grpo._errors import GrpoRunError
 from posttrain.grpo.trainer import Policy
-from posttrain.lora import load_peft, save_peft
+from posttrain.lora import export_adapter, load_peft, save_peft
 
 TRACKER = "latest_checkpointed_iteration.txt"
 
 
-def _write_json(path: Path, data: dict[str, Any]) -> None:
-    write_text_atomic(path, json.dumps(data, indent=2, sort_keys=True))
+def _rng_file(path: Path, rank: int) -> Path:
+    return path / f"rng_rank{rank}.pt"
 
 
 def save(root: Path, step: int, policy: Policy, extra: dict[str, Any]) -> Path:
     """Write checkpoint ``step`` under ``root`` (collective); returns its directory."""
     rank = dist.get_rank()
-    if policy.lora is None:
-        path = save_checkpoint(root, step, policy.model, policy.mesh, policy.optimizer, extra=extra)
-        torch.save(torch.get_rng_state(), path / f"rng_rank{rank}.pt")
-        dist.barrier()
-        return path
-    final = checkpoint_dir(root, step)
-    tmp = final.with_name(final.name + ".tmp")
-    if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    dist.barrier()
-    from posttrain.lora import export_adapter
 
+    def write_rng(staged: Path) -> None:
+        torch.save(torch.get_rng_state(), _rng_file(staged, rank))
+
+    if policy.lora is None:
+        return save_checkpoint(
+            root, step, policy.model, policy.mesh, policy.optimizer,
+            extra=extra, write_files=write_rng,
+        )  # fmt: skip
     adapter = export_adapter(policy.lora)  # collective; the same full adapter on every rank
-    torch.save(torch.get_rng_state(), tmp / f"rng_rank{rank}.pt")
-    if rank == 0:
-        assert policy.lora_config is not None
-        save_peft(
-            tmp / "adapter", adapter, policy.lora_config, target_modules=policy.target_modules
-        )
-        torch.save(policy.optimizer.state_dict(), tmp / "optim.pt")
-        meta = {"step": step, "world_size": dist.get_world_size(), "extra": extra}
-        _write_json(tmp / "meta.json", meta)
-    dist.barrier()
-    if rank == 0:
-        replace_directory(tmp, final)  # complete or absent, never half-written
-        write_text_atomic(root / TRACKER, str(step))
-    dist.barrier()
-    return final
+
+    def write_adapter(staged: Path) -> None:
+        write_rng(staged)
+        if rank == 0:  # the adapter and its optimizer state are replicated
+            assert policy.lora_config is not None
+            save_peft(
+                staged / "adapter", adapter, policy.lora_config,
+                target_modules=policy.target_modules,
+            )  # fmt: skip
+            torch.save(policy.optimizer.state_dict(), staged / "optim.pt")
+
+    return save_files_checkpoint(root, step, policy.mesh, write_adapter, extra=extra)
 
 
 def find(path: Path) -> Path:
@@ -99,17 +93,18 @@ def find(path: Path) -> Path:
 def load(path: Path, policy: Policy) -> dict[str, Any]:
     """Restore weights, optimizer and RNG into the live policy (collective); returns ``extra``."""
     rank = dist.get_rank()
+    try:
+        meta = read_meta(path)
+    except CheckpointError as exc:
+        raise GrpoRunError(f"--resume: {exc}") from exc
     if policy.lora is None:
-        load_checkpoint(
-            path.parent, policy.model, policy.mesh, policy.optimizer, step=read_meta(path).step
-        )
-        extra = dict(read_meta(path).extra)
+        load_checkpoint(path.parent, policy.model, policy.mesh, policy.optimizer, step=meta.step)
     else:
-        meta = json.loads((path / "meta.json").read_text())
         load_peft(policy.lora, path / "adapter", strict=True)
         policy.optimizer.load_state_dict(torch.load(path / "optim.pt", weights_only=False))
-        extra = dict(meta["extra"])
-    rng = path / f"rng_rank{rank}.pt"
-    if rng.is_file():
+    if meta.world_size == dist.get_world_size():
+        rng = _rng_file(path, rank)
+        if not rng.is_file():
+            raise GrpoRunError(f"--resume {path}: {rng.name} is missing (rank {rank}'s RNG state)")
         torch.set_rng_state(torch.load(rng, weights_only=False))
-    return extra
+    return dict(meta.extra)
