@@ -8,7 +8,8 @@ and httpx (for the one client it owns).
   (``lora_path`` + ``extra_key``) and ``apply_lora_fields``, the one writer of those keys.
 - samples/1: ``encode_samples`` / ``decode_samples`` (numpy + safetensors; no server, no torch).
 - wsync/1: ``pack_bucket`` / ``unpack_bucket`` (256-byte aligned offsets),
-  ``encode_bucket_body`` / ``decode_bucket_body`` (a bucket over HTTP), and the trainer-side
+  ``encode_bucket_body`` / ``decode_bucket_body`` (a bucket over HTTP; ``bucket_body_manifest``
+  reads its manifest alone), and the trainer-side
   ``WeightSink`` client ``WeightPushClient`` with ``push_weights`` and ``ShmRing``.
 
 Importing the package is light: the names that need torch (wsync/1, NVFP4, PEFT, the
@@ -91,6 +92,7 @@ from posttrain.formats._samples_wire import (
 if TYPE_CHECKING:
     from posttrain.formats._buckets import (
         DTYPES,
+        bucket_body_manifest,
         decode_bucket_body,
         dtype_from_name,
         dtype_name,
@@ -150,6 +152,7 @@ if TYPE_CHECKING:
 _NEEDS_TORCH = {
     "_buckets": (
         "DTYPES",
+        "bucket_body_manifest",
         "decode_bucket_body",
         "dtype_from_name",
         "dtype_name",
@@ -237,6 +240,7 @@ __all__ = [
     "WeightPushClient",
     "apply_lora_fields",
     "atomic_directory",
+    "bucket_body_manifest",
     "build_peft_adapter",
     "decode_bucket_body",
     "decode_samples",
