@@ -29,6 +29,8 @@ safetensors writer) load their modules on first use
 * The LoRA forward: ``lora_delta`` computes ``linear(reduce(linear(x, A)), B) * scaling`` with
   the caller's kernel (``LinearKernel``; ``matmul_kernel`` by default), the one op order the
   trainer (``lora-core``) and the engines (``models``' adapter hook) share.
+* Finite weights: ``check_finite`` / ``count_non_finite``, the one NaN/Inf check (one
+  ``aminmax`` pass) that the PEFT and NVFP4 readers and the engines run.
 * Atomic writes with directory fsync: ``write_bytes_atomic``, ``write_text_atomic``,
   ``AtomicFile``, ``atomic_directory``, ``replace_directory``, ``fsync_dir``, ``fsync_tree``.
 
@@ -104,6 +106,7 @@ if TYPE_CHECKING:
         tensors_sha256,
         unpack_bucket,
     )
+    from posttrain.formats._finite import check_finite, count_non_finite
     from posttrain.formats._lora_delta import LinearKernel, lora_delta, matmul_kernel
     from posttrain.formats._nvfp4 import (
         E2M1_VALUES,
@@ -147,7 +150,7 @@ if TYPE_CHECKING:
     )
     from posttrain.formats._weight_push import ShmRing, WeightPushClient, push_weights
 
-# The wsync/1, NVFP4, PEFT, LoRA-forward and safetensors-writer names need torch: their modules load on
+# The wsync/1, NVFP4, PEFT, LoRA-forward, finiteness and safetensors-writer names need torch: their modules load on
 # first use of a name.
 _NEEDS_TORCH = {
     "_buckets": (
@@ -165,6 +168,7 @@ _NEEDS_TORCH = {
         "unpack_bucket",
     ),
     "_weight_push": ("ShmRing", "WeightPushClient", "push_weights"),
+    "_finite": ("check_finite", "count_non_finite"),
     "_lora_delta": ("LinearKernel", "lora_delta", "matmul_kernel"),
     "_nvfp4": (
         "E2M1_VALUES",
@@ -242,6 +246,8 @@ __all__ = [
     "atomic_directory",
     "bucket_body_manifest",
     "build_peft_adapter",
+    "check_finite",
+    "count_non_finite",
     "decode_bucket_body",
     "decode_samples",
     "dequantize_nvfp4",

@@ -28,12 +28,12 @@ from safetensors import SafetensorError
 
 from posttrain.formats import (
     GROUP_SIZE,
+    check_finite,
     dequantize_nvfp4_state_dict,
     read_nvfp4_quant_config,
 )
 from posttrain.formats import NVFP4FormatError as FormatsNVFP4Error
-from posttrain.local_engine._errors import CheckpointError, NVFP4FormatError
-from posttrain.local_engine._finite import check_finite
+from posttrain.local_engine._errors import CheckpointError, NonFiniteWeightsError, NVFP4FormatError
 from posttrain.models import DecoderModel, ModelsError, Numerics, load_config, load_hf_tensors
 
 __all__ = ["NVFP4Report", "load_model", "read_checkpoint"]
@@ -87,7 +87,10 @@ def read_checkpoint(
         # SafetensorError: truncated or garbage file; ValueError: a malformed index JSON;
         # KeyError/TypeError: an index of the wrong shape.
         raise CheckpointError(f"{d}: unreadable checkpoint ({type(e).__name__}: {e})") from e
-    check_finite(sorted(tensors.items()), what=f"checkpoint {str(d)!r}")
+    # The one NaN/Inf scan of a checkpoint, at start and for /update_weights_from_disk alike.
+    check_finite(
+        sorted(tensors.items()), what=f"checkpoint {str(d)!r}", error=NonFiniteWeightsError
+    )
     if declared is None:
         return tensors, None
     report = NVFP4Report(

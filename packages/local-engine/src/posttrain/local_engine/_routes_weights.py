@@ -165,7 +165,9 @@ def weight_routes(
         result, session = engine.finish_update(update_id)
         shm.release_unlinked()
         if result.success:
-            await sched.call_exclusive(lambda: engine.commit(session))
+            # a lora session's adapter is built and checked here, while generation goes on
+            adapter = await asyncio.to_thread(engine.session_adapter, session)
+            await sched.call_exclusive(lambda: engine.commit(session, adapter))
         return JSONResponse(
             result.to_dict() | {"success": result.success, "message": result.message},
             status_code=200 if result.success else 400,
@@ -194,8 +196,8 @@ def weight_routes(
         loader = ctx.load_checkpoint
 
         def read_and_check() -> dict[str, Any]:
-            tensors = loader(req.model_path)
-            engine.check_full_state(tensors)  # shapes, dtypes, NaN/Inf: nothing changed yet
+            tensors = loader(req.model_path)  # the reader refuses NaN/Inf
+            engine.check_full_state(tensors)  # names, dtypes, shapes: nothing changed yet
             return tensors
 
         # Read and checked in a thread while generation goes on; a refusal changes nothing.
