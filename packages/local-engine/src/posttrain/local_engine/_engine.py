@@ -453,7 +453,8 @@ class Engine:
                 raise
 
     def fail_update(self, update_id: str, why: str) -> None:
-        """A transport could not even read a bucket: refuse the open update."""
+        """A transport could not read a bucket of ``update_id`` (a body or slot whose tensors do
+        not decode, a digest mismatch): refuse that update if it is the open one."""
         with self._update_lock:
             s = self._w.session
             if s is not None and s.update_id == update_id:

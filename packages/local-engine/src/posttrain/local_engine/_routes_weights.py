@@ -20,7 +20,12 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from posttrain.formats import decode_bucket_body, dtype_from_name, unpack_bucket
+from posttrain.formats import (
+    bucket_body_manifest,
+    decode_bucket_body,
+    dtype_from_name,
+    unpack_bucket,
+)
 from posttrain.interface import (
     BucketManifest,
     LoadLoraAdapterRequest,
@@ -137,7 +142,12 @@ def weight_routes(
         raw = await body_bytes(request, cfg.max_update_bytes)
 
         def decode_and_stage() -> BucketManifest:
-            manifest, tensors = decode_bucket_body(raw)
+            manifest = bucket_body_manifest(raw)  # unreadable: it names no update, 400 alone
+            try:
+                _, tensors = decode_bucket_body(raw)
+            except WireFormatError as e:
+                engine.fail_update(manifest.update_id, str(e))  # as the shm path does
+                raise
             engine.add_bucket(manifest, tensors, owned=True)  # decoded from the body: ours
             return manifest
 
