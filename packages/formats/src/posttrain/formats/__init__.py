@@ -29,6 +29,9 @@ safetensors writer) load their modules on first use
 * The LoRA forward: ``lora_delta`` computes ``linear(reduce(linear(x, A)), B) * scaling`` with
   the caller's kernel (``LinearKernel``; ``matmul_kernel`` by default), the one op order the
   trainer (``lora-core``) and the engines (``models``' adapter hook) share.
+* The adapter push payload (``/load_lora_adapter_from_tensors``): ``adapter_push_body`` with
+  ``encode_safetensors_b64`` and ``tensor_sha256`` checksums (``lora-core``'s client writes it),
+  ``decode_adapter_payload`` and ``verify_adapter_checksums`` (the engine reads it).
 * Finite weights: ``check_finite`` / ``count_non_finite``, the one NaN/Inf check (one
   ``aminmax`` pass) that the PEFT and NVFP4 readers and the engines run.
 * Atomic writes with directory fsync: ``write_bytes_atomic``, ``write_text_atomic``,
@@ -41,6 +44,8 @@ Error tree (rooted in ``posttrain.interface.PosttrainError``)::
     ├── SamplesFormatError (WireFormatError)  a samples/1 payload is malformed (.field)
     ├── BucketFormatError (WireFormatError)   a wsync/1 bucket disagrees with its manifest
     │                                         or its bytes (.field)
+    ├── AdapterPayloadError (WireFormatError) an adapter push body is malformed, or a
+    │                                         tensor disagrees with its checksum (.field)
     ├── NVFP4FormatError (ValueError)  an NVFP4 tensor group or quant config is malformed
     └── PeftFormatError (ValueError)   a PEFT LoRA adapter is malformed
         ├── PeftConfigError            adapter_config.json: not an object, a field missing or
@@ -68,6 +73,7 @@ from posttrain.formats._atomic import (
     write_text_atomic,
 )
 from posttrain.formats._errors import (
+    AdapterPayloadError,
     BucketFormatError,
     FormatsConfigError,
     FormatsError,
@@ -92,6 +98,15 @@ from posttrain.formats._samples_wire import (
 )
 
 if TYPE_CHECKING:
+    from posttrain.formats._adapter_payload import (
+        ADAPTER_LOAD_FORMATS,
+        AdapterPayload,
+        adapter_push_body,
+        decode_adapter_payload,
+        encode_safetensors_b64,
+        tensor_sha256,
+        verify_adapter_checksums,
+    )
     from posttrain.formats._buckets import (
         DTYPES,
         bucket_body_manifest,
@@ -150,9 +165,18 @@ if TYPE_CHECKING:
     )
     from posttrain.formats._weight_push import ShmRing, WeightPushClient, push_weights
 
-# The wsync/1, NVFP4, PEFT, LoRA-forward, finiteness and safetensors-writer names need torch: their modules load on
+# The wsync/1, adapter-payload, NVFP4, PEFT, LoRA-forward, finiteness and safetensors-writer names need torch: their modules load on
 # first use of a name.
 _NEEDS_TORCH = {
+    "_adapter_payload": (
+        "ADAPTER_LOAD_FORMATS",
+        "AdapterPayload",
+        "adapter_push_body",
+        "decode_adapter_payload",
+        "encode_safetensors_b64",
+        "tensor_sha256",
+        "verify_adapter_checksums",
+    ),
     "_buckets": (
         "DTYPES",
         "bucket_body_manifest",
@@ -214,6 +238,7 @@ _NEEDS_TORCH = {
 
 __all__ = [
     "ADAPTER_CONFIG_FILE",
+    "ADAPTER_LOAD_FORMATS",
     "ADAPTER_WEIGHTS_FILE",
     "ALL_LINEAR",
     "DTYPES",
@@ -223,6 +248,8 @@ __all__ = [
     "PEFT_TENSOR_DTYPES",
     "SAFETENSORS_DTYPES",
     "SAMPLES_FORMAT",
+    "AdapterPayload",
+    "AdapterPayloadError",
     "AtomicFile",
     "BucketFormatError",
     "DecodedSamples",
@@ -242,12 +269,14 @@ __all__ = [
     "SamplesFormatError",
     "ShmRing",
     "WeightPushClient",
+    "adapter_push_body",
     "apply_lora_fields",
     "atomic_directory",
     "bucket_body_manifest",
     "build_peft_adapter",
     "check_finite",
     "count_non_finite",
+    "decode_adapter_payload",
     "decode_bucket_body",
     "decode_samples",
     "dequantize_nvfp4",
@@ -256,6 +285,7 @@ __all__ = [
     "dtype_name",
     "e2m1_code_values",
     "encode_bucket_body",
+    "encode_safetensors_b64",
     "encode_samples",
     "expected_tensors",
     "fsync_dir",
@@ -282,9 +312,11 @@ __all__ = [
     "safetensors_metadata",
     "serves_lora",
     "tensor_bytes",
+    "tensor_sha256",
     "tensors_sha256",
     "unpack_bucket",
     "unpack_e2m1_codes",
+    "verify_adapter_checksums",
     "write_bytes_atomic",
     "write_peft_adapter",
     "write_safetensors",

@@ -22,9 +22,11 @@ from starlette.routing import Route
 
 from posttrain.formats import (
     bucket_body_manifest,
+    decode_adapter_payload,
     decode_bucket_body,
     dtype_from_name,
     unpack_bucket,
+    verify_adapter_checksums,
 )
 from posttrain.interface import (
     BucketManifest,
@@ -35,7 +37,6 @@ from posttrain.interface import (
     WeightUpdateBegin,
     WireFormatError,
 )
-from posttrain.local_engine._adapter_payload import decode_adapter_payload, verify_checksums
 from posttrain.local_engine._context import ServerContext
 from posttrain.local_engine._engine import GenResult, GenTask
 from posttrain.local_engine._errors import AdapterError, CheckpointError, LocalEngineError
@@ -101,7 +102,7 @@ def weight_routes(
 
         def decode_check_load() -> tuple[str, dict[str, str]]:
             payload = decode_adapter_payload(raw, content_type)
-            checksums = verify_checksums(payload)  # before anything is loaded
+            checksums = verify_adapter_checksums(payload)  # before anything is loaded
             engine.load_adapter_tensors(payload.name, payload.config, payload.tensors)
             return payload.name, checksums
 
