@@ -48,7 +48,6 @@ class NVFP4Report:
     exclude_modules: list[str] = field(default_factory=list)
     kv_cache_quant_algo: str | None = None
     dequantized: list[str] = field(default_factory=list)
-    compute_dtype: str = "float32"
     activation_quantization: str = "not simulated (input_scale ignored)"
 
     def to_json(self) -> dict[str, Any]:
@@ -112,8 +111,6 @@ def load_model(
         raise CheckpointError(f"{model_dir}: {e}") from e
     specs = {k: v.dtype for k, v in model.hf_state_dict().items()}
     tensors, report = read_checkpoint(model_dir, specs)
-    if report is not None:
-        report.compute_dtype = str(config.dtype).removeprefix("torch.")
     try:
         model.load_hf_state_dict(tensors)
     except ModelsError as e:
