@@ -305,7 +305,11 @@ class ShardWriter:
 
 
 def write_bytes_atomic(path: Path, data: bytes) -> None:
-    """A small destination file, atomically (``posttrain.formats``); OS errors as ``OutputError``."""
+    """A small destination file, atomically (``posttrain.formats``); OS errors as ``OutputError``.
+
+    The temp name is fixed (``<name>.tmp``): a rerun after a kill overwrites the leftover
+    instead of adding one.
+    """
     try:
         _write_bytes_atomic(path, data, tmp=path.with_name(path.name + ".tmp"))
     except OSError as exc:
