@@ -103,7 +103,7 @@ def test_checksum_mismatch_is_refused_and_nothing_loads(checkpoint: Path, engine
     config = {"peft_type": "LORA", "r": R, "lora_alpha": ALPHA, "target_modules": ["q_proj"]}
 
     def tampering(named: dict[str, torch.Tensor]) -> tuple[str, str | None]:
-        from posttrain.lora.client import encode_safetensors_b64
+        from posttrain.formats import encode_safetensors_b64
 
         changed = dict(named)
         key = next(iter(changed))

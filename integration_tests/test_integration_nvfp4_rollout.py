@@ -19,10 +19,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from posttrain.formats import dequantize_nvfp4
 from posttrain.interface.testing import ServerProcess, free_port
 from posttrain.models import load_pretrained
 from posttrain.models.__main__ import init_checkpoint
-from posttrain.quant_convert import convert_checkpoint, dequantize_nvfp4
+from posttrain.quant_convert import convert_checkpoint
 
 pytestmark = pytest.mark.multiproc
 

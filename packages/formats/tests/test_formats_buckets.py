@@ -14,6 +14,7 @@ from safetensors.torch import save as st_save
 from posttrain.formats import (
     DTYPES,
     BucketFormatError,
+    bucket_body_manifest,
     decode_bucket_body,
     encode_bucket_body,
     pack_bucket,
@@ -120,6 +121,20 @@ def test_body_must_match_its_manifest() -> None:
     tampered[-1] ^= 1  # the last data byte: the body still parses, the digest does not match
     with pytest.raises(BucketFormatError, match="sha256"):
         decode_bucket_body(bytes(tampered))
+
+
+def test_the_manifest_reads_alone_and_the_sender_does_not_check_the_digest() -> None:
+    tensors = [("a", torch.ones(2, dtype=torch.bfloat16)), ("b", torch.ones(3))]
+    manifest, buf = pack_bucket(tensors, update_id="u", weight_version=1)
+    stale = manifest.model_copy(update={"sha256": "0" * 64})
+    body = encode_bucket_body(stale, buf)  # encoding trusts the packer's digest...
+    assert bucket_body_manifest(body) == stale  # ...the manifest reads without the tensors...
+    with pytest.raises(BucketFormatError, match="sha256"):
+        decode_bucket_body(body)  # ...and the receiver checks the bytes it got
+    with pytest.raises(BucketFormatError, match="total_bytes"):
+        encode_bucket_body(manifest, buf[:8])
+    with pytest.raises(BucketFormatError, match=r"__metadata__\.manifest: missing"):
+        bucket_body_manifest(st_save(dict(tensors)))
 
 
 def _named_or_fine(fn: Any, *args: Any) -> None:

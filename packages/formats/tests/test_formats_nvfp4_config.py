@@ -79,3 +79,19 @@ def test_malformed_declarations_name_the_file(tmp_path: Path, config: str, match
     with pytest.raises(NVFP4FormatError, match=match) as info:
         read(tmp_path)
     assert "config.json" in str(info.value)
+
+
+def test_the_source_sections_are_left_as_they_were() -> None:
+    import copy
+
+    from posttrain.formats import NVFP4QuantConfig, nvfp4_config_sections
+
+    source = {"config_groups": {"g0": {"weights": {"num_bits": 8}}, "g1": None}}
+    before = copy.deepcopy(source)
+    qc, _ = nvfp4_config_sections(NVFP4QuantConfig(), config_section=source)
+    assert source == before
+    g0 = qc["config_groups"]["g0"]
+    assert g0["targets"] == ["Linear"]
+    assert g0["weights"] == {"num_bits": 8, "group_size": 16}
+    assert g0["input_activations"]["group_size"] == 16
+    assert qc["config_groups"]["g1"] is None

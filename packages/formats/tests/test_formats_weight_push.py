@@ -172,3 +172,19 @@ def test_bad_arguments_are_refused() -> None:
         push_weights(client, {"w": torch.ones(1)}, weight_version=1, bucket_bytes=0)
     with pytest.raises(FormatsConfigError, match="do not fit"):
         ShmRing(1 << 62)
+
+
+def test_a_push_over_http_leaves_the_clients_ring_alone_and_unused() -> None:
+    receiver, weights = Receiver(), _weights()
+    with ShmRing(4096) as ring, WeightPushClient(
+        "http://engine", transport=httpx.MockTransport(receiver), ring=ring
+    ) as client:  # fmt: skip
+        assert push_weights(client, weights, weight_version=3, transport="http").success
+        assert client.ring is ring
+        shm = push_weights(client, weights, weight_version=4, transport="shm", bucket_bytes=512)
+        assert shm.success
+        assert client.ring is ring  # the client's ring carried it, and stays
+    routes = [r for r in receiver.routes if r.startswith("/update_weights_from_")]
+    assert routes[0] == "/update_weights_from_safetensors"
+    assert set(routes[1:]) == {"/update_weights_from_shm"}
+    assert all(torch.equal(receiver.staged[k], v) for k, v in weights.items())

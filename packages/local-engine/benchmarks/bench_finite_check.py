@@ -2,10 +2,10 @@
 
     uv run python packages/local-engine/benchmarks/bench_finite_check.py [--mib 64] [--reps 7]
 
-Every bucket the engine stages is copied once; ``check_finite`` reads it once more. This times,
-interleaved on one torch thread, a copy of a bf16 tensor, the engine's check (one ``aminmax``
-pass) and the obvious ``torch.isfinite(t).all()``, and prints the medians and their ratios to
-the copy (results: docs/benchmarks/local-engine.md).
+Every bucket the engine stages is copied once; ``check_finite`` (``posttrain.formats``) reads it
+once more. This times, interleaved on one torch thread, a copy of a bf16 tensor, the engine's
+check (one ``aminmax`` pass) and the obvious ``torch.isfinite(t).all()``, and prints the medians
+and their ratios to the copy (results: docs/benchmarks/local-engine.md).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 import torch
 
-from posttrain.local_engine._finite import check_finite
+from posttrain.formats import check_finite
 
 
 def _time_into(fn: Callable[[], object], samples: list[float]) -> None:
@@ -36,7 +36,7 @@ def main() -> None:
     buf = torch.empty_like(x)
     modes: dict[str, Callable[[], object]] = {
         "copy": lambda: buf.copy_(x),
-        "check_finite (aminmax)": lambda: check_finite([("x", x)], what="bench"),
+        "check_finite (aminmax)": lambda: check_finite([("x", x)], what="bench", error=ValueError),
         "isfinite(t).all()": lambda: bool(torch.isfinite(x).all()),
     }
     times: dict[str, list[float]] = {name: [] for name in modes}

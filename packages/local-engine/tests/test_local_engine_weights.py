@@ -14,6 +14,7 @@ from posttrain.formats import (
     E2M1_VALUES,
     ShmRing,
     WeightPushClient,
+    encode_bucket_body,
     expected_tensors,
     pack_bucket,
     push_weights,
@@ -151,6 +152,55 @@ def test_refused_updates_keep_serving_abandoned_ones_leave_engine_unavailable(
         )
         assert bad.status_code == 400
         assert bad.json()["error"]["field"] in ("shm_path", "update_id")
+
+
+def test_a_bucket_body_that_fails_to_decode_refuses_its_update(engine, other_weights) -> None:  # type: ignore[no-untyped-def]
+    items = list(other_weights.items())
+    name, t = items[0]
+    with engine() as c:
+        p = _pusher(c)
+        assert push_weights(p, other_weights, weight_version=1).success
+        served = _generate(c)
+        m, buf = pack_bucket([(name, t)], update_id="x", weight_version=2, is_last=False)
+        tampered = bytearray(encode_bucket_body(m, buf))
+        tampered[-1] ^= 1  # parses, but its bytes no longer hash to the manifest's sha256
+        m, _ = pack_bucket([(name, t)], update_id="y", weight_version=2, is_last=False)
+        disagreeing = save({name: t.float()}, metadata={"manifest": m.to_json()})
+        for uid, body, field in (
+            ("x", bytes(tampered), "manifest.sha256"),
+            ("y", disagreeing, "manifest.tensors[0]"),
+        ):
+            p.begin(_begin(uid, 2, items))
+            r = c.post("/update_weights_from_safetensors", content=body)
+            assert r.status_code == 400, r.text
+            assert r.json()["error"]["field"] == field
+            # refused, not left open to end as "missing": nothing to end, version 1 serves on
+            end = c.post("/end_weight_update", json={"update_id": uid})
+            assert end.status_code == 400
+            assert "no weight update is open" in end.json()["error"]["message"]
+            # the previous weights still serve: same checksum, same tokens and logprobs
+            assert c.get("/weights_checksum").json()["sha256"] == tensors_sha256(other_weights)
+            out = _generate(c)
+            assert out["meta_info"]["weight_version"] == 1
+            assert out["output_ids"] == served["output_ids"]
+            assert (
+                out["meta_info"]["output_token_logprobs"]
+                == served["meta_info"]["output_token_logprobs"]
+            )
+        # a body whose manifest cannot be read names no update: the open one is left alone
+        p.begin(_begin("z", 2, items))
+        r = c.post("/update_weights_from_safetensors", content=save({name: t}))
+        assert r.status_code == 400
+        assert r.json()["error"]["field"] == "__metadata__.manifest"
+        for k, (n, tensor) in enumerate(items):
+            p.send_bucket(
+                *pack_bucket(
+                    [(n, tensor)], update_id="z", weight_version=2, bucket_index=k,
+                    is_last=k == len(items) - 1,
+                )
+            )  # fmt: skip
+        assert p.end("z").success
+        assert _generate(c)["meta_info"]["weight_version"] == 2
 
 
 def test_update_from_disk(engine, tmp_path, trainer_lp) -> None:  # type: ignore[no-untyped-def]

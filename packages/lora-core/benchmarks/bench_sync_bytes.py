@@ -17,8 +17,8 @@ from typing import Any
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from posttrain.formats import encode_safetensors_b64
 from posttrain.lora import LoraConfig, attach_lora, export_adapter
-from posttrain.lora.client import encode_safetensors_b64
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 SHAPES = {

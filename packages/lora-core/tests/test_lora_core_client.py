@@ -21,6 +21,7 @@ import pytest
 import torch
 from safetensors.torch import load as safetensors_load
 
+from posttrain.formats import tensor_sha256
 from posttrain.interface import TransportError
 from posttrain.lora import (
     AdapterClient,
@@ -30,7 +31,6 @@ from posttrain.lora import (
     request_fields,
     serves_lora,
 )
-from posttrain.lora.client import tensor_sha256
 
 
 class FakeEngine:

@@ -8,7 +8,8 @@ and httpx (for the one client it owns).
   (``lora_path`` + ``extra_key``) and ``apply_lora_fields``, the one writer of those keys.
 - samples/1: ``encode_samples`` / ``decode_samples`` (numpy + safetensors; no server, no torch).
 - wsync/1: ``pack_bucket`` / ``unpack_bucket`` (256-byte aligned offsets),
-  ``encode_bucket_body`` / ``decode_bucket_body`` (a bucket over HTTP), and the trainer-side
+  ``encode_bucket_body`` / ``decode_bucket_body`` (a bucket over HTTP; ``bucket_body_manifest``
+  reads its manifest alone), and the trainer-side
   ``WeightSink`` client ``WeightPushClient`` with ``push_weights`` and ``ShmRing``.
 
 Importing the package is light: the names that need torch (wsync/1, NVFP4, PEFT, the
@@ -28,6 +29,11 @@ safetensors writer) load their modules on first use
 * The LoRA forward: ``lora_delta`` computes ``linear(reduce(linear(x, A)), B) * scaling`` with
   the caller's kernel (``LinearKernel``; ``matmul_kernel`` by default), the one op order the
   trainer (``lora-core``) and the engines (``models``' adapter hook) share.
+* The adapter push payload (``/load_lora_adapter_from_tensors``): ``adapter_push_body`` with
+  ``encode_safetensors_b64`` and ``tensor_sha256`` checksums (``lora-core``'s client writes it),
+  ``decode_adapter_payload`` and ``verify_adapter_checksums`` (the engine reads it).
+* Finite weights: ``check_finite`` / ``count_non_finite``, the one NaN/Inf check (one
+  ``aminmax`` pass) that the PEFT and NVFP4 readers and the engines run.
 * Atomic writes with directory fsync: ``write_bytes_atomic``, ``write_text_atomic``,
   ``AtomicFile``, ``atomic_directory``, ``replace_directory``, ``fsync_dir``, ``fsync_tree``.
 
@@ -38,6 +44,8 @@ Error tree (rooted in ``posttrain.interface.PosttrainError``)::
     ├── SamplesFormatError (WireFormatError)  a samples/1 payload is malformed (.field)
     ├── BucketFormatError (WireFormatError)   a wsync/1 bucket disagrees with its manifest
     │                                         or its bytes (.field)
+    ├── AdapterPayloadError (WireFormatError) an adapter push body is malformed, or a
+    │                                         tensor disagrees with its checksum (.field)
     ├── NVFP4FormatError (ValueError)  an NVFP4 tensor group or quant config is malformed
     └── PeftFormatError (ValueError)   a PEFT LoRA adapter is malformed
         ├── PeftConfigError            adapter_config.json: not an object, a field missing or
@@ -65,6 +73,7 @@ from posttrain.formats._atomic import (
     write_text_atomic,
 )
 from posttrain.formats._errors import (
+    AdapterPayloadError,
     BucketFormatError,
     FormatsConfigError,
     FormatsError,
@@ -90,8 +99,18 @@ from posttrain.formats._samples_wire import (
 )
 
 if TYPE_CHECKING:
+    from posttrain.formats._adapter_payload import (
+        ADAPTER_LOAD_FORMATS,
+        AdapterPayload,
+        adapter_push_body,
+        decode_adapter_payload,
+        encode_safetensors_b64,
+        tensor_sha256,
+        verify_adapter_checksums,
+    )
     from posttrain.formats._buckets import (
         DTYPES,
+        bucket_body_manifest,
         decode_bucket_body,
         dtype_from_name,
         dtype_name,
@@ -103,6 +122,7 @@ if TYPE_CHECKING:
         tensors_sha256,
         unpack_bucket,
     )
+    from posttrain.formats._finite import check_finite, count_non_finite
     from posttrain.formats._lora_delta import LinearKernel, lora_delta, matmul_kernel
     from posttrain.formats._nvfp4 import (
         E2M1_VALUES,
@@ -146,11 +166,21 @@ if TYPE_CHECKING:
     )
     from posttrain.formats._weight_push import ShmRing, WeightPushClient, push_weights
 
-# The wsync/1, NVFP4, PEFT, LoRA-forward and safetensors-writer names need torch: their modules load on
+# The wsync/1, adapter-payload, NVFP4, PEFT, LoRA-forward, finiteness and safetensors-writer names need torch: their modules load on
 # first use of a name.
 _NEEDS_TORCH = {
+    "_adapter_payload": (
+        "ADAPTER_LOAD_FORMATS",
+        "AdapterPayload",
+        "adapter_push_body",
+        "decode_adapter_payload",
+        "encode_safetensors_b64",
+        "tensor_sha256",
+        "verify_adapter_checksums",
+    ),
     "_buckets": (
         "DTYPES",
+        "bucket_body_manifest",
         "decode_bucket_body",
         "dtype_from_name",
         "dtype_name",
@@ -163,6 +193,7 @@ _NEEDS_TORCH = {
         "unpack_bucket",
     ),
     "_weight_push": ("ShmRing", "WeightPushClient", "push_weights"),
+    "_finite": ("check_finite", "count_non_finite"),
     "_lora_delta": ("LinearKernel", "lora_delta", "matmul_kernel"),
     "_nvfp4": (
         "E2M1_VALUES",
@@ -208,6 +239,7 @@ _NEEDS_TORCH = {
 
 __all__ = [
     "ADAPTER_CONFIG_FILE",
+    "ADAPTER_LOAD_FORMATS",
     "ADAPTER_WEIGHTS_FILE",
     "ALL_LINEAR",
     "DTYPES",
@@ -218,6 +250,8 @@ __all__ = [
     "SAFETENSORS_DTYPES",
     "SAMPLES_FORMAT",
     "STUDENT_TOP_LOGPROBS_KEY",
+    "AdapterPayload",
+    "AdapterPayloadError",
     "AtomicFile",
     "BucketFormatError",
     "DecodedSamples",
@@ -237,9 +271,14 @@ __all__ = [
     "SamplesFormatError",
     "ShmRing",
     "WeightPushClient",
+    "adapter_push_body",
     "apply_lora_fields",
     "atomic_directory",
+    "bucket_body_manifest",
     "build_peft_adapter",
+    "check_finite",
+    "count_non_finite",
+    "decode_adapter_payload",
     "decode_bucket_body",
     "decode_samples",
     "dequantize_nvfp4",
@@ -248,6 +287,7 @@ __all__ = [
     "dtype_name",
     "e2m1_code_values",
     "encode_bucket_body",
+    "encode_safetensors_b64",
     "encode_samples",
     "expected_tensors",
     "fsync_dir",
@@ -274,9 +314,11 @@ __all__ = [
     "safetensors_metadata",
     "serves_lora",
     "tensor_bytes",
+    "tensor_sha256",
     "tensors_sha256",
     "unpack_bucket",
     "unpack_e2m1_codes",
+    "verify_adapter_checksums",
     "write_bytes_atomic",
     "write_peft_adapter",
     "write_safetensors",

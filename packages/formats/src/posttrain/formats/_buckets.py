@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import struct
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Literal
@@ -33,6 +32,7 @@ from safetensors.torch import save as st_save
 from posttrain.formats._errors import BucketFormatError
 from posttrain.interface import (
     BUCKET_ALIGNMENT,
+    WIRE_DTYPES,
     BucketManifest,
     ExpectedTensor,
     TensorEntry,
@@ -206,21 +206,29 @@ def as_byte_tensor(payload: bytes | bytearray | memoryview | torch.Tensor) -> to
     return torch.frombuffer(view, dtype=torch.uint8)
 
 
-def unpack_bucket(
+def _bucket_buffer(
     manifest: BucketManifest, payload: bytes | bytearray | memoryview | torch.Tensor
-) -> dict[str, torch.Tensor]:
-    """Zero-copy views of the manifest's tensors in ``payload`` (at least total_bytes long).
-
-    Checks bounds, alignment, byte counts and the sha256 when the manifest has one; raises
-    ``BucketFormatError`` naming the tensor at fault. Duplicate names are reported by the caller
-    (an update session), so this returns the last one and leaves the count to it.
-    """
+) -> torch.Tensor:
     buf = as_byte_tensor(payload)
     if buf.numel() < manifest.total_bytes:
         raise BucketFormatError(
             f"manifest.total_bytes: {manifest.total_bytes} exceeds the {buf.numel()}-byte buffer",
             field="manifest.total_bytes",
         )
+    return buf
+
+
+def unpack_bucket(
+    manifest: BucketManifest, payload: bytes | bytearray | memoryview | torch.Tensor
+) -> dict[str, torch.Tensor]:
+    """Zero-copy views of the manifest's tensors in ``payload`` (at least total_bytes long).
+
+    Checks that the buffer holds ``total_bytes`` and, when the manifest has one, the sha256;
+    raises ``BucketFormatError`` naming the field at fault. What the manifest says of its own
+    layout (each tensor's byte count, aligned and non-overlapping offsets inside
+    ``total_bytes``, no name twice) its validators already refused when it was built.
+    """
+    buf = _bucket_buffer(manifest, payload)
     if manifest.sha256 is not None:
         digest = _digest(buf[: manifest.total_bytes])
         if digest != manifest.sha256:
@@ -229,44 +237,34 @@ def unpack_bucket(
                 f"{manifest.update_id!r} hashes to {digest}, manifest says {manifest.sha256}",
                 field="manifest.sha256",
             )
+    return _views(manifest, buf)
+
+
+def _views(manifest: BucketManifest, buf: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The manifest's tensors as views of ``buf`` (checked to hold ``total_bytes``)."""
     out: dict[str, torch.Tensor] = {}
-    for i, e in enumerate(manifest.tensors):
-        field = f"manifest.tensors[{i}]"
-        dtype = dtype_from_name(e.dtype, field=f"{field}.dtype")
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        numel = math.prod(e.shape)
-        if e.nbytes != numel * itemsize:
-            raise BucketFormatError(
-                f"{field}: tensor {e.name!r} of shape {list(e.shape)} {e.dtype} needs "
-                f"{numel * itemsize} bytes, manifest says {e.nbytes}",
-                field=f"{field}.nbytes",
-            )
-        if e.offset % manifest.alignment:
-            raise BucketFormatError(
-                f"{field}: tensor {e.name!r} offset {e.offset} is not a multiple of "
-                f"{manifest.alignment}",
-                field=f"{field}.offset",
-            )
-        if e.end > manifest.total_bytes:
-            raise BucketFormatError(
-                f"{field}: tensor {e.name!r} ends at {e.end}, past total_bytes "
-                f"{manifest.total_bytes}",
-                field=f"{field}.offset",
-            )
+    for e in manifest.tensors:
+        dtype, itemsize = DTYPES[e.dtype], WIRE_DTYPES[e.dtype]
+        if not e.nbytes:
+            out[e.name] = torch.empty(e.shape, dtype=dtype)
+            continue
         raw = buf[e.offset : e.end]
-        if (raw.storage_offset() % itemsize) and numel:
+        if raw.storage_offset() % itemsize:
             raw = raw.clone()  # an alignment below the item size: views need aligned storage
-        out[e.name] = (
-            raw.view(dtype).reshape(e.shape) if numel else torch.empty(e.shape, dtype=dtype)
-        )
+        out[e.name] = raw.view(dtype).reshape(e.shape)
     return out
 
 
 def encode_bucket_body(
     manifest: BucketManifest, payload: bytes | bytearray | memoryview | torch.Tensor
 ) -> bytes:
-    """The HTTP body of a bucket: a safetensors file of its tensors, the manifest in metadata."""
-    tensors = unpack_bucket(manifest, payload)
+    """The HTTP body of a bucket: a safetensors file of its tensors, the manifest in metadata.
+
+    The payload is not hashed again here (``pack_bucket`` just did, and the receiver checks the
+    digest on the bytes it got); only its length is checked.
+    """
+    buf = _bucket_buffer(manifest, payload)
+    tensors = _views(manifest, buf)
     return bytes(st_save(tensors, metadata={MANIFEST_KEY: manifest.to_json()}))
 
 
@@ -289,8 +287,12 @@ def safetensors_metadata(body: bytes) -> dict[str, str]:
     return {str(k): str(v) for k, v in meta.items()}
 
 
-def decode_bucket_body(body: bytes) -> tuple[BucketManifest, dict[str, torch.Tensor]]:
-    """Decode a bucket sent as safetensors bytes; check its tensors against its manifest."""
+def bucket_body_manifest(body: bytes) -> BucketManifest:
+    """The manifest a bucket's HTTP body carries, read from its safetensors header alone.
+
+    A receiver reads it first to know which update a body belongs to, so that a body whose
+    tensors then fail to decode refuses that update (``decode_bucket_body`` checks them).
+    """
     meta = safetensors_metadata(body)
     if MANIFEST_KEY not in meta:
         raise BucketFormatError(
@@ -298,9 +300,14 @@ def decode_bucket_body(body: bytes) -> tuple[BucketManifest, dict[str, torch.Ten
             field="__metadata__.manifest",
         )
     try:
-        manifest = BucketManifest.from_json(meta[MANIFEST_KEY])
+        return BucketManifest.from_json(meta[MANIFEST_KEY])
     except WireFormatError as e:
         raise BucketFormatError(f"__metadata__.manifest: {e}", field=e.field) from e
+
+
+def decode_bucket_body(body: bytes) -> tuple[BucketManifest, dict[str, torch.Tensor]]:
+    """Decode a bucket sent as safetensors bytes; check its tensors against its manifest."""
+    manifest = bucket_body_manifest(body)
     try:
         tensors: dict[str, Any] = st_load(body)
     except Exception as e:  # safetensors raises its own SafetensorError

@@ -6,6 +6,8 @@
         ├── SamplesFormatError (WireFormatError)  a samples/1 payload is malformed (.field)
         ├── BucketFormatError (WireFormatError)   a wsync/1 bucket disagrees with its manifest
         │                                         or its bytes (.field)
+        ├── AdapterPayloadError (WireFormatError) an adapter push body is malformed, or a
+        │                                         tensor disagrees with its checksum (.field)
         ├── NVFP4FormatError         an NVFP4 tensor group (weight, weight_scale, weight_scale_2)
         │   (ValueError)             or an NVFP4 quant config is malformed
         └── PeftFormatError          a PEFT LoRA adapter is malformed
@@ -44,6 +46,10 @@ class SamplesFormatError(FormatsError, WireFormatError):
 
 class BucketFormatError(FormatsError, WireFormatError):
     """A wsync/1 bucket's bytes, tensors or manifest disagree; ``field`` names which."""
+
+
+class AdapterPayloadError(FormatsError, WireFormatError):
+    """An adapter push body is malformed or a tensor fails its checksum; ``field`` names which."""
 
 
 class NVFP4FormatError(FormatsError, ValueError):

@@ -26,6 +26,7 @@ The quantizer itself (the TE-bitwise math) lives in ``posttrain.quant_convert``.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -33,6 +34,7 @@ from typing import Literal
 import torch
 
 from posttrain.formats._errors import NVFP4FormatError
+from posttrain.formats._finite import value_range
 
 __all__ = [
     "E2M1_VALUES",
@@ -134,10 +136,18 @@ def e2m1_code_values(codes: torch.Tensor) -> torch.Tensor:
     return table[codes.long()]
 
 
+def _finite_non_negative(t: torch.Tensor) -> bool:
+    if t.numel() == 0:
+        return True
+    low, high = value_range(t)  # NaN in both extremes when t holds one
+    return math.isfinite(low) and math.isfinite(high) and low >= 0
+
+
 def _check_group(
     name: str, packed: torch.Tensor, scale: torch.Tensor, scale_2: torch.Tensor
-) -> torch.Tensor:
-    """Validate one group; returns ``scale_2`` in fp32, shaped to broadcast over blocks."""
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Validate one group; returns the block scales and ``scale_2`` in fp32, ``scale_2`` shaped
+    to broadcast over blocks."""
     if packed.dtype != torch.uint8:
         raise NVFP4FormatError(f"{name}.weight: NVFP4 codes must be uint8, got {packed.dtype}")
     if scale.dtype != torch.float8_e4m3fn:
@@ -162,12 +172,12 @@ def _check_group(
         raise NVFP4FormatError(
             f"{name}.weight_scale_2: shape {list(scale_2.shape)} is neither a scalar nor [E]"
         )
-    if not bool(torch.isfinite(s2).all()) or bool((s2 < 0).any()):
+    if not _finite_non_negative(s2):
         raise NVFP4FormatError(f"{name}.weight_scale_2: not a finite non-negative scale")
     sf = scale.to(torch.float32)
-    if not bool(torch.isfinite(sf).all()) or bool((sf < 0).any()):
+    if not _finite_non_negative(sf):
         raise NVFP4FormatError(f"{name}.weight_scale: holds NaN or negative block scales")
-    return s2
+    return sf, s2
 
 
 def dequantize_nvfp4(
@@ -184,9 +194,9 @@ def dequantize_nvfp4(
     ``scale_2`` a scalar (``[E]`` for a 3-D stack). Raises :class:`NVFP4FormatError` naming
     ``name`` for a wrong dtype or shape, or a NaN, infinite or negative scale.
     """
-    s2 = _check_group(name, packed, scale, scale_2)
+    sf, s2 = _check_group(name, packed, scale, scale_2)
     values = e2m1_code_values(unpack_e2m1_codes(packed))
-    block = scale.to(torch.float32) * s2
+    block = sf * s2
     out = values.reshape(*values.shape[:-1], -1, GROUP_SIZE) * block.unsqueeze(-1)
     return out.reshape(values.shape).to(dtype)
 

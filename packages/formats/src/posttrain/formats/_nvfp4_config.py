@@ -62,13 +62,17 @@ def nvfp4_config_sections(
     else:
         qc.pop("kv_cache_scheme", None)
     groups = qc.get("config_groups")
-    if isinstance(groups, dict):
-        for g in (g for g in groups.values() if isinstance(g, dict)):  # source bytes: untrusted
+    if isinstance(groups, dict):  # copied where changed: the caller's section stays as it was
+        qc["config_groups"] = groups = dict(groups)
+        for name, g in groups.items():
+            if not isinstance(g, dict):  # source bytes: untrusted
+                continue
+            g = groups[name] = dict(g)
             g.setdefault("targets", ["Linear"])
             for key in ("weights", "input_activations"):
-                g.setdefault(key, dict(_FP4_ARGS))
-                if isinstance(g[key], dict):
-                    g[key]["group_size"] = GROUP_SIZE
+                args = g.get(key, _FP4_ARGS)
+                if isinstance(args, dict):
+                    g[key] = {**args, "group_size": GROUP_SIZE}
     hq: dict[str, Any] = {"producer": {"name": "modelopt"}}
     if hf_quant_config is not None:
         hq = dict(hf_quant_config)

@@ -39,6 +39,7 @@ import torch
 
 from posttrain.formats._atomic import atomic_directory
 from posttrain.formats._errors import PeftConfigError, PeftNonFiniteError, PeftTensorError
+from posttrain.formats._finite import count_non_finite
 from posttrain.formats._safetensors import write_safetensors
 from posttrain.interface import ConfigError, LoraSpec
 
@@ -225,9 +226,9 @@ def _check_factor(where: str, key: str, t: object) -> torch.Tensor:
         )
     if t.dim() not in (2, 3):
         raise PeftTensorError(f"{where}: {key} has shape {list(t.shape)}; expected 2-D or 3-D")
-    if not bool(torch.isfinite(t).all()):
+    if count_non_finite(t):
         bad = "NaN" if bool(torch.isnan(t).any()) else "Inf"
-        raise PeftNonFiniteError(f"{where}: {key} contains {bad}")
+        raise PeftNonFiniteError(f"{where}: {key} contains {bad} (non-finite factors are refused)")
     return t
 
 

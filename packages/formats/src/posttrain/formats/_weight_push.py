@@ -31,6 +31,7 @@ import torch
 from posttrain.formats._buckets import (
     aligned,
     as_byte_tensor,
+    bucket_layout,
     encode_bucket_body,
     expected_tensors,
     pack_bucket,
@@ -159,7 +160,15 @@ class WeightPushClient:
         A payload packed in place in a ring slot is sent from there; any other is copied into
         slot ``bucket_index % 2`` first.
         """
-        if self.ring is None:
+        self._send(manifest, payload, self.ring)
+
+    def _send(
+        self,
+        manifest: BucketManifest,
+        payload: bytes | bytearray | memoryview | torch.Tensor,
+        ring: ShmRing | None,
+    ) -> None:
+        if ring is None:
             self.post(
                 "/update_weights_from_safetensors",
                 content=encode_bucket_body(manifest, payload),
@@ -167,20 +176,17 @@ class WeightPushClient:
             )
             return
         data = as_byte_tensor(payload)[: manifest.total_bytes]
-        slot = self.ring.slot_holding(data) if data.numel() else None
+        slot = ring.slot_holding(data) if data.numel() else None
         if slot is None:
             slot = manifest.bucket_index % 2
-            if manifest.total_bytes > self.ring.slot_bytes:
+            if manifest.total_bytes > ring.slot_bytes:
                 raise FormatsConfigError(
                     f"bucket {manifest.bucket_index} of {manifest.total_bytes} bytes does not fit "
-                    f"a {self.ring.slot_bytes}-byte ring slot"
+                    f"a {ring.slot_bytes}-byte ring slot"
                 )
-            self.ring.slot(slot)[: manifest.total_bytes].copy_(data)
+            ring.slot(slot)[: manifest.total_bytes].copy_(data)
         request = ShmBucketRequest(
-            manifest=manifest,
-            shm_path=str(self.ring.path),
-            slot=slot,
-            slot_bytes=self.ring.slot_bytes,
+            manifest=manifest, shm_path=str(ring.path), slot=slot, slot_bytes=ring.slot_bytes
         )
         self.post("/update_weights_from_shm", json=request.to_dict())
 
@@ -233,17 +239,14 @@ def push_weights(
         )
     )
     groups = plan_buckets(items, bucket_bytes)
-    previous_ring, own_ring = client.ring, None
+    own_ring = None
     if transport == "shm":
-        if ring is None and client.ring is None:
-            biggest = max(
-                (sum(aligned(t.numel() * t.element_size()) for _, t in g) for g in groups),
-                default=1,
-            )
+        ring = ring or client.ring
+        if ring is None:
+            biggest = max([1, *(bucket_layout(g)[1] for g in groups)])
             ring = own_ring = ShmRing(biggest)
-        client.ring = ring or client.ring
     else:
-        client.ring = None
+        ring = None
     try:
         for k, group in enumerate(groups):
             manifest, payload = pack_bucket(
@@ -254,11 +257,10 @@ def push_weights(
                 bucket_index=k,
                 is_last=k == len(groups) - 1,
                 with_sha256=with_sha256,
-                out=client.bucket_buffer(k),
+                out=None if ring is None else ring.slot(k % 2),
             )
-            client.send_bucket(manifest, payload)
+            client._send(manifest, payload, ring)  # the client's own ring is left as it was
         return client.end(uid)
     finally:
-        client.ring = previous_ring
         if own_ring is not None:
             own_ring.close()

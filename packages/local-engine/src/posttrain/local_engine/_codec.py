@@ -74,9 +74,6 @@ class TokenizerCodec:
                 field="messages",
             ) from None
 
-    def chat_ids(self, messages: list[dict[str, Any]], **template_kwargs: Any) -> list[int]:
-        return self.encode(self.chat_text(messages, **template_kwargs))
-
 
 _KEEPS_EVERY_CHAR = frozenset({"ByteLevel", "Metaspace", "Digits", "Punctuation", "Split"})
 _COMPOSITION_SHRINK = {None: 1, "NFC": 4, "NFKC": 4}

@@ -27,4 +27,6 @@ class ServerContext:
     architectures: list[str] = field(default_factory=lambda: ["Qwen3MoeForCausalLM"])
     quantization: dict[str, Any] | None = None
     load_checkpoint: Callable[[str], dict[str, torch.Tensor]] | None = None
+    """Reads a checkpoint directory for ``/update_weights_from_disk``, refusing NaN/Inf
+    (``read_checkpoint``); the route checks the result against the served model."""
     started: float = field(default_factory=time.time)

@@ -16,7 +16,6 @@ empty list), which equals the flat form restricted to those ids.
 
 from __future__ import annotations
 
-import math
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -32,12 +31,7 @@ from posttrain.interface import (
     WeightUpdateResult,
     WireFormatError,
 )
-from posttrain.local_engine._errors import (
-    NonFiniteWeightsError,
-    UnavailableError,
-    UpdateSessionError,
-)
-from posttrain.local_engine._finite import check_finite
+from posttrain.local_engine._errors import UnavailableError, UpdateSessionError
 from posttrain.local_engine._lora import (
     LoraAdapter,
     LoraRegistry,
@@ -357,19 +351,9 @@ class Engine:
     # ---- adapters ------------------------------------------------------------------------
 
     def put_adapter(self, adapter: LoraAdapter) -> None:
-        """Install (or replace) an adapter; a non-finite tensor refuses it, the old one stays."""
-        if not math.isfinite(adapter.scaling):
-            raise NonFiniteWeightsError(
-                f"adapter {adapter.name!r}: scaling {adapter.scaling} is not finite (lora_alpha)"
-            )
-        check_finite(
-            (
-                (f"{module}.{half}", t)
-                for module, pair in adapter.model_adapter.weights.items()
-                for half, t in zip(("lora_A", "lora_B"), pair, strict=True)
-            ),
-            what=f"adapter {adapter.name!r}",
-        )
+        """Install (or replace) an adapter, already checked: every ``LoraAdapter`` is built by
+        ``posttrain.formats``' PEFT checks (names, shapes, finite ``lora_alpha``, no NaN/Inf
+        factor), so nothing is scanned again here, where generation may be paused."""
         self.adapters.put(adapter)
 
     def load_adapter_tensors(
@@ -469,7 +453,8 @@ class Engine:
                 raise
 
     def fail_update(self, update_id: str, why: str) -> None:
-        """A transport could not even read a bucket: refuse the open update."""
+        """A transport could not read a bucket of ``update_id`` (a body or slot whose tensors do
+        not decode, a digest mismatch): refuse that update if it is the open one."""
         with self._update_lock:
             s = self._w.session
             if s is not None and s.update_id == update_id:
@@ -485,15 +470,34 @@ class Engine:
                 self.mark_failed(result.message)
             return result, s
 
-    def commit(self, session: UpdateSession) -> None:
-        """Install a successful session's tensors (worker thread, between batches).
+    def session_adapter(self, session: UpdateSession) -> LoraAdapter | None:
+        """The adapter a successful lora session installs (None for a base session).
+
+        Built from the staged factors off the worker thread, so that their one check (names,
+        shapes, NaN/Inf: ``adapter_from_tensors``) runs while generation goes on; a refusal
+        here changes nothing, and the engine keeps serving what it served.
+        """
+        if session.kind != "lora":
+            return None
+        assert session.lora_name is not None
+        try:
+            return adapter_from_tensors(
+                session.lora_name, session.lora_config, session.staged, self.lora_targets
+            )
+        except Exception as e:
+            self._w.history.append(f"update {session.update_id!r} refused: {e}")
+            raise
+
+    def commit(self, session: UpdateSession, adapter: LoraAdapter | None = None) -> None:
+        """Install a successful session (worker thread, between batches): its base tensors,
+        or the adapter ``session_adapter`` built from it.
 
         Holds the update lock: the staging buffers are reused by the next session.
         """
         with self._update_lock:
             if session.kind == "lora":
-                assert session.lora_name is not None
-                self.load_adapter_tensors(session.lora_name, session.lora_config, session.staged)
+                assert adapter is not None, "a lora session commits the adapter built from it"
+                self.put_adapter(adapter)
             else:
                 self.model.load_hf_state_dict(dict(session.staged), partial=True)
             self._w.version = session.weight_version
@@ -509,8 +513,9 @@ class Engine:
             return True
 
     def check_full_state(self, tensors: Mapping[str, torch.Tensor]) -> None:
-        """Refuse a full state that is not exactly the served model's, or holds NaN/Inf.
+        """Refuse a full state that is not exactly the served model's (names, dtypes, shapes).
 
+        NaN/Inf is the reader's refusal (``_loader.read_checkpoint`` scans each tensor once).
         Changes nothing; safe to run off the worker thread (``/update_weights_from_disk``
         runs it in a thread so generation continues while a checkpoint is checked).
         """
@@ -527,14 +532,14 @@ class Engine:
                 f"checkpoint does not match the served model: missing {missing[:5]}, "
                 f"unexpected {unexpected[:5]}, wrong dtype/shape {wrong[:5]}"
             )
-        check_finite(sorted(tensors.items()), what="checkpoint")
 
     def load_full_state(
         self, tensors: Mapping[str, torch.Tensor], version: int | None, *, checked: bool = False
     ) -> None:
         """Replace every base tensor at once (``/update_weights_from_disk``); all or nothing.
 
-        A refused state (``check_full_state``, skipped when the caller ran it: ``checked``) or
+        ``tensors`` come from a reader that refused NaN/Inf (``read_checkpoint``). A refused
+        state (``check_full_state``, skipped when the caller ran it: ``checked``) or
         a stale version changes nothing and the engine keeps serving. Only a failure while
         the tensors are being copied in, after every check passed, leaves the weights mixed;
         the engine is then marked unavailable (503) until a full update succeeds.

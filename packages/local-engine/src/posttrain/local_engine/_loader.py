@@ -28,12 +28,12 @@ from safetensors import SafetensorError
 
 from posttrain.formats import (
     GROUP_SIZE,
+    check_finite,
     dequantize_nvfp4_state_dict,
     read_nvfp4_quant_config,
 )
 from posttrain.formats import NVFP4FormatError as FormatsNVFP4Error
-from posttrain.local_engine._errors import CheckpointError, NVFP4FormatError
-from posttrain.local_engine._finite import check_finite
+from posttrain.local_engine._errors import CheckpointError, NonFiniteWeightsError, NVFP4FormatError
 from posttrain.models import DecoderModel, ModelsError, Numerics, load_config, load_hf_tensors
 
 __all__ = ["NVFP4Report", "load_model", "read_checkpoint"]
@@ -48,7 +48,6 @@ class NVFP4Report:
     exclude_modules: list[str] = field(default_factory=list)
     kv_cache_quant_algo: str | None = None
     dequantized: list[str] = field(default_factory=list)
-    compute_dtype: str = "float32"
     activation_quantization: str = "not simulated (input_scale ignored)"
 
     def to_json(self) -> dict[str, Any]:
@@ -87,7 +86,10 @@ def read_checkpoint(
         # SafetensorError: truncated or garbage file; ValueError: a malformed index JSON;
         # KeyError/TypeError: an index of the wrong shape.
         raise CheckpointError(f"{d}: unreadable checkpoint ({type(e).__name__}: {e})") from e
-    check_finite(sorted(tensors.items()), what=f"checkpoint {str(d)!r}")
+    # The one NaN/Inf scan of a checkpoint, at start and for /update_weights_from_disk alike.
+    check_finite(
+        sorted(tensors.items()), what=f"checkpoint {str(d)!r}", error=NonFiniteWeightsError
+    )
     if declared is None:
         return tensors, None
     report = NVFP4Report(
@@ -109,8 +111,6 @@ def load_model(
         raise CheckpointError(f"{model_dir}: {e}") from e
     specs = {k: v.dtype for k, v in model.hf_state_dict().items()}
     tensors, report = read_checkpoint(model_dir, specs)
-    if report is not None:
-        report.compute_dtype = str(config.dtype).removeprefix("torch.")
     try:
         model.load_hf_state_dict(tensors)
     except ModelsError as e:

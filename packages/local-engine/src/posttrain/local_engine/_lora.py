@@ -124,7 +124,7 @@ def _served(name: str, adapter: PeftAdapter, targets: Targets, source: str) -> L
                 f"adapter {name!r}: module {module!r} has A {list(a.shape)}, B {list(b.shape)}; "
                 f"expected A [{r}, {n_in}], B [{n_out}, {r}]"
             )
-        weights[module] = (a.detach().clone(), b.detach().clone())
+        weights[module] = (a.detach(), b.detach())  # the reader's own tensors: no copy
     return LoraAdapter(
         name=name,
         r=r,

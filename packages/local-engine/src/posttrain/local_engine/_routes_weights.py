@@ -20,7 +20,14 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from posttrain.formats import decode_bucket_body, dtype_from_name, unpack_bucket
+from posttrain.formats import (
+    bucket_body_manifest,
+    decode_adapter_payload,
+    decode_bucket_body,
+    dtype_from_name,
+    unpack_bucket,
+    verify_adapter_checksums,
+)
 from posttrain.interface import (
     BucketManifest,
     LoadLoraAdapterRequest,
@@ -30,7 +37,6 @@ from posttrain.interface import (
     WeightUpdateBegin,
     WireFormatError,
 )
-from posttrain.local_engine._adapter_payload import decode_adapter_payload, verify_checksums
 from posttrain.local_engine._context import ServerContext
 from posttrain.local_engine._engine import GenResult, GenTask
 from posttrain.local_engine._errors import AdapterError, CheckpointError, LocalEngineError
@@ -96,7 +102,7 @@ def weight_routes(
 
         def decode_check_load() -> tuple[str, dict[str, str]]:
             payload = decode_adapter_payload(raw, content_type)
-            checksums = verify_checksums(payload)  # before anything is loaded
+            checksums = verify_adapter_checksums(payload)  # before anything is loaded
             engine.load_adapter_tensors(payload.name, payload.config, payload.tensors)
             return payload.name, checksums
 
@@ -137,7 +143,12 @@ def weight_routes(
         raw = await body_bytes(request, cfg.max_update_bytes)
 
         def decode_and_stage() -> BucketManifest:
-            manifest, tensors = decode_bucket_body(raw)
+            manifest = bucket_body_manifest(raw)  # unreadable: it names no update, 400 alone
+            try:
+                _, tensors = decode_bucket_body(raw)
+            except WireFormatError as e:
+                engine.fail_update(manifest.update_id, str(e))  # as the shm path does
+                raise
             engine.add_bucket(manifest, tensors, owned=True)  # decoded from the body: ours
             return manifest
 
@@ -165,7 +176,9 @@ def weight_routes(
         result, session = engine.finish_update(update_id)
         shm.release_unlinked()
         if result.success:
-            await sched.call_exclusive(lambda: engine.commit(session))
+            # a lora session's adapter is built and checked here, while generation goes on
+            adapter = await asyncio.to_thread(engine.session_adapter, session)
+            await sched.call_exclusive(lambda: engine.commit(session, adapter))
         return JSONResponse(
             result.to_dict() | {"success": result.success, "message": result.message},
             status_code=200 if result.success else 400,
@@ -194,8 +207,8 @@ def weight_routes(
         loader = ctx.load_checkpoint
 
         def read_and_check() -> dict[str, Any]:
-            tensors = loader(req.model_path)
-            engine.check_full_state(tensors)  # shapes, dtypes, NaN/Inf: nothing changed yet
+            tensors = loader(req.model_path)  # the reader refuses NaN/Inf
+            engine.check_full_state(tensors)  # names, dtypes, shapes: nothing changed yet
             return tensors
 
         # Read and checked in a thread while generation goes on; a refusal changes nothing.

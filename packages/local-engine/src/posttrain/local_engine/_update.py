@@ -13,10 +13,13 @@ model. Here nothing touches the live weights before ``finish`` succeeds.
 Refused versus abandoned (what the engine serves afterwards):
 
 * An update the engine *refuses* (a bucket with an unknown, duplicate, mis-typed,
-  mis-shaped or non-finite tensor, a checksum mismatch, an out-of-order bucket, a slot
-  that cannot be read) ends the session at once with a 4xx naming the fault. Only
-  staging held its tensors, so the engine keeps serving the version it served, and
-  ``/generate`` stays 200: the trainer got the error on the very call.
+  mis-shaped or non-finite tensor, a checksum mismatch, an out-of-order bucket, a body or
+  slot whose tensors cannot be decoded) ends the session at once with a 4xx naming the
+  fault. Only staging held its tensors, so the engine keeps serving the version it served,
+  and ``/generate`` stays 200: the trainer got the error on the very call. A base bucket is
+  checked for NaN/Inf as it arrives; a LoRA session's factors when ``end`` builds the
+  adapter from them (``posttrain.formats``' PEFT checks, once, off the worker thread), and
+  a refusal there is a refusal too.
 * An update the trainer *abandons* after opening it (``abort``, ``end`` with tensors
   missing or before the last bucket, a new ``begin`` while one is open) leaves the
   engine *unavailable* (``/generate`` answers 503) until a full update succeeds, the
@@ -32,7 +35,7 @@ from typing import Any
 
 import torch
 
-from posttrain.formats import dtype_name
+from posttrain.formats import check_finite, dtype_name
 from posttrain.interface import (
     BucketManifest,
     IncompleteUpdateError,
@@ -40,7 +43,6 @@ from posttrain.interface import (
     WeightUpdateResult,
 )
 from posttrain.local_engine._errors import NonFiniteWeightsError, UpdateSessionError
-from posttrain.local_engine._finite import check_finite
 
 __all__ = ["TensorSpec", "UpdateSession", "check_version_increases"]
 
@@ -129,15 +131,13 @@ class UpdateSession:
                 f"manifest.bucket_index {manifest.bucket_index} of update {self.update_id!r}: "
                 f"expected bucket {self.next_bucket}"
             )
-        seen: set[str] = set()
-        for entry in manifest.tensors:
+        for entry in manifest.tensors:  # the manifest itself holds no name twice
             name = entry.name
-            if name in seen or name in self.staged:
+            if name in self.staged:
                 self.duplicates.append(name)
                 raise IncompleteUpdateError(
                     f"tensor {name!r} sent twice in update {self.update_id!r}"
                 )
-            seen.add(name)
             spec = self.expected.get(name)
             if spec is None:
                 self.unexpected.append(name)
@@ -151,10 +151,12 @@ class UpdateSession:
                     f"tensor {name!r}: got {dtype_name(t.dtype)} {list(t.shape)}, the engine "
                     f"holds {dtype_name(spec.dtype)} {list(spec.shape)} (no implicit casts)"
                 )
-        check_finite(
-            ((e.name, tensors[e.name]) for e in manifest.tensors),
-            what=f"update {self.update_id!r} bucket {manifest.bucket_index}",
-        )
+        if self.kind == "base":  # a lora session's factors are checked once, at its end
+            check_finite(
+                ((e.name, tensors[e.name]) for e in manifest.tensors),
+                what=f"update {self.update_id!r} bucket {manifest.bucket_index}",
+                error=NonFiniteWeightsError,
+            )
         for entry in manifest.tensors:
             src = tensors[entry.name]
             if owned:

@@ -14,6 +14,10 @@ error hides real failures); checksums are sha256 of each tensor's raw bytes, sen
 is base64 safetensors (``load_format="safetensors_b64"``, what the local engine reads); pass
 ``serializer=`` to use SGLang's CUDA-IPC serializer instead.
 
+The body, its default encoding and the checksums (``adapter_push_body``,
+``encode_safetensors_b64``, ``tensor_sha256``) live in ``posttrain.formats``, which the engine
+decodes with too.
+
 The per-request LoRA fields (``LoraServing``, ``serves_lora``, ``request_fields``) live in
 ``posttrain.formats``, their one home shared with the session router; ``posttrain.lora``
 re-exports them.
@@ -21,33 +25,19 @@ re-exports them.
 
 from __future__ import annotations
 
-import base64
-import hashlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import httpx
 import torch
-from safetensors.torch import save as safetensors_save
 
+from posttrain.formats import adapter_push_body, encode_safetensors_b64, tensor_sha256
 from posttrain.interface import TransportError
 from posttrain.lora._errors import AdapterPushError, ChecksumMismatchError
 
 Serializer = Callable[[Mapping[str, torch.Tensor]], tuple[str, str | None]]
 _NOT_LOADED = ("not loaded", "not found", "does not exist", "no lora adapter")
-
-
-def tensor_sha256(t: torch.Tensor) -> str:
-    """sha256 hex of a tensor's raw bytes (C-contiguous, its own dtype)."""
-    raw = t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes()
-    return hashlib.sha256(raw).hexdigest()
-
-
-def encode_safetensors_b64(tensors: Mapping[str, torch.Tensor]) -> tuple[str, str | None]:
-    """Default serializer: base64 of a safetensors blob, ``load_format="safetensors_b64"``."""
-    blob = safetensors_save({k: v.detach().contiguous().cpu() for k, v in tensors.items()})
-    return base64.b64encode(blob).decode("ascii"), "safetensors_b64"
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -182,19 +172,16 @@ class AdapterClient:
                 f"{self.base_url}: engine lacks the upsert capability", url=self.base_url
             )
         payload, load_format = self._serializer(tensors)
-        body: dict[str, Any] = {
-            "lora_name": name,
-            "config_dict": dict(config_dict),
-            "serialized_tensors": payload,
-            "pinned": pinned,
-        }
-        if load_format is not None:
-            body["load_format"] = load_format
         ours = {k: tensor_sha256(v) for k, v in tensors.items()} if caps.checksums else {}
-        if ours:
-            body["expected_checksums"] = ours
-        if upsert:
-            body["upsert"] = True
+        body = adapter_push_body(
+            name,
+            config_dict,
+            payload,
+            load_format=load_format,
+            expected_checksums=ours,
+            upsert=upsert,
+            pinned=pinned,
+        )
         reply = self._post("/load_lora_adapter_from_tensors", body, f"load adapter {name!r}")
         theirs = reply.get("checksums")
         if isinstance(theirs, dict):  # an engine that echoes what it stored: compare always

@@ -6,11 +6,9 @@ layout SGLang's ``modelopt_fp4`` loader reads, with an exclusion list checked ag
 own matching rules; :func:`quantize_named_params` applies the same math during weight sync.
 
 The NVFP4 layout itself (E2M1 code packing, names, dtypes, the quant config) is
-``posttrain.formats``'; :func:`dequantize_nvfp4` is re-exported from there for convenience
-(the same function, not a copy).
+``posttrain.formats``' (``posttrain.formats.dequantize_nvfp4`` reads what this writes).
 """
 
-from posttrain.formats import dequantize_nvfp4
 from posttrain.quant_convert._errors import (
     CheckpointError,
     ExclusionError,
@@ -50,7 +48,6 @@ __all__ = [
     "ResumeError",
     "TensorInfo",
     "convert_checkpoint",
-    "dequantize_nvfp4",
     "plan_conversion",
     "plan_exclusions",
     "quantize_named_params",

@@ -207,11 +207,6 @@ class _Run:
         return sha
 
 
-def _write_file(path: Path, data: bytes) -> None:
-    # a fixed temp name: a rerun after a kill overwrites the leftover instead of adding one
-    write_bytes_atomic(path, data)
-
-
 def _load_state(dst: Path) -> dict[str, Any] | None:
     for p in (dst / STATE_DIR / "state.json", dst / MANIFEST):
         if p.is_file():
@@ -232,7 +227,7 @@ def _make_dir(path: Path) -> None:
 def _write_state(dst: Path, fingerprint: str, done: dict[str, str]) -> None:
     _make_dir(dst / STATE_DIR)
     blob = json.dumps({"fingerprint": fingerprint, "shards": done}, indent=1, sort_keys=True)
-    _write_file(dst / STATE_DIR / "state.json", blob.encode())
+    write_bytes_atomic(dst / STATE_DIR / "state.json", blob.encode())
 
 
 def _resumable(
@@ -274,7 +269,7 @@ def _write_metadata(plan: Plan, dst: Path, shas: dict[str, str]) -> int:
     weight_map = {o.name: s.file for s in plan.shards for o in s.outputs}
     total = plan.output_bytes
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-    _write_file(dst / "model.safetensors.index.json", json.dumps(index, indent=2).encode())
+    write_bytes_atomic(dst / "model.safetensors.index.json", json.dumps(index, indent=2).encode())
     src_hq = plan.src / "hf_quant_config.json"
     section, hq = nvfp4_config_sections(
         NVFP4QuantConfig(
@@ -286,8 +281,8 @@ def _write_metadata(plan: Plan, dst: Path, shas: dict[str, str]) -> int:
     )
     config = dict(plan.config)
     config["quantization_config"] = section
-    _write_file(dst / "config.json", json.dumps(config, indent=2).encode())
-    _write_file(dst / "hf_quant_config.json", json.dumps(hq, indent=2).encode())
+    write_bytes_atomic(dst / "config.json", json.dumps(config, indent=2).encode())
+    write_bytes_atomic(dst / "hf_quant_config.json", json.dumps(hq, indent=2).encode())
     for rel in plan.other_files:
         target = dst / rel
         _make_dir(target.parent)
@@ -311,7 +306,7 @@ def _write_metadata(plan: Plan, dst: Path, shas: dict[str, str]) -> int:
         "tensors_quantized": len(plan.quantized),
         "exclusion_entries": len(plan.exclusions.entries),
     }
-    _write_file(dst / MANIFEST, json.dumps(manifest, indent=2).encode())
+    write_bytes_atomic(dst / MANIFEST, json.dumps(manifest, indent=2).encode())
     return total
 
 

@@ -13,6 +13,7 @@ from collections.abc import Iterable, Sequence
 
 import torch
 
+from posttrain.formats import SAFETENSORS_DTYPES
 from posttrain.interface import NVFP4Precision
 from posttrain.quant_convert._errors import CheckpointError
 from posttrain.quant_convert.nvfp4 import NVFP4Config, global_amax, quantize_nvfp4
@@ -20,8 +21,6 @@ from posttrain.quant_convert.selection import QuantPolicy, TensorInfo, gate_up_r
 from posttrain.quant_convert.sglang_rules import build_modules, is_excluded
 
 __all__ = ["quantize_named_params"]
-
-_DTYPE_NAMES = {torch.float16: "F16", torch.bfloat16: "BF16", torch.float32: "F32"}
 
 
 def _excluded(infos: Sequence[TensorInfo], entries: Sequence[str]) -> set[str]:
@@ -52,7 +51,8 @@ def quantize_named_params(
     items = list(named)
     policy = policy or QuantPolicy()
     infos = [
-        TensorInfo(n, _DTYPE_NAMES.get(t.dtype, str(t.dtype)), tuple(t.shape)) for n, t in items
+        TensorInfo(n, SAFETENSORS_DTYPES.get(t.dtype, str(t.dtype)), tuple(t.shape))
+        for n, t in items
     ]
     chosen = set(select_tensors(infos, policy, num_layers)) - _excluded(infos, exclude_modules)
     by_name = dict(items)

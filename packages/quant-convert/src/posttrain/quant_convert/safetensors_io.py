@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from posttrain.formats import AtomicFile, safetensors_header, tensor_bytes
+from posttrain.formats import SAFETENSORS_DTYPES, AtomicFile, safetensors_header, tensor_bytes
 from posttrain.formats import write_bytes_atomic as _write_bytes_atomic
 from posttrain.quant_convert._errors import CheckpointError, OutputError, ResumeError
 
@@ -51,16 +51,11 @@ __all__ = [
     "write_bytes_atomic",
 ]
 
+# The safetensors dtype names, from formats' one table (torch dtype -> name).
+TORCH_DTYPES: dict[str, torch.dtype] = {name: dt for dt, name in SAFETENSORS_DTYPES.items()}
 DTYPE_BYTES: dict[str, int] = {
-    "BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "I16": 2, "U16": 2, "F16": 2,
-    "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8,
-}  # fmt: skip
-TORCH_DTYPES: dict[str, torch.dtype] = {
-    "BOOL": torch.bool, "U8": torch.uint8, "I8": torch.int8, "F8_E4M3": torch.float8_e4m3fn,
-    "F8_E5M2": torch.float8_e5m2, "I16": torch.int16, "F16": torch.float16,
-    "BF16": torch.bfloat16, "I32": torch.int32, "F32": torch.float32, "I64": torch.int64,
-    "F64": torch.float64,
-}  # fmt: skip
+    name: torch.empty((), dtype=dt).element_size() for name, dt in TORCH_DTYPES.items()
+}
 _COPY_CHUNK = 8 << 20
 MAX_HEADER_BYTES = 100 * 1024 * 1024  # safetensors refuses larger headers too
 
@@ -310,7 +305,11 @@ class ShardWriter:
 
 
 def write_bytes_atomic(path: Path, data: bytes) -> None:
-    """A small destination file, atomically (``posttrain.formats``); OS errors as ``OutputError``."""
+    """A small destination file, atomically (``posttrain.formats``); OS errors as ``OutputError``.
+
+    The temp name is fixed (``<name>.tmp``): a rerun after a kill overwrites the leftover
+    instead of adding one.
+    """
     try:
         _write_bytes_atomic(path, data, tmp=path.with_name(path.name + ".tmp"))
     except OSError as exc:

@@ -1,20 +1,25 @@
-"""``/load_lora_adapter_from_tensors`` bodies: both forms decode, and every bad field is named."""
+"""``/load_lora_adapter_from_tensors`` bodies: what the client writes the engine reads, both
+forms decode, and every bad field is named."""
 
 from __future__ import annotations
 
 import base64
+import hashlib
 import json
 
 import pytest
 import torch
 from safetensors.torch import save
 
-from posttrain.interface import WireFormatError
-from posttrain.local_engine._adapter_payload import (
+from posttrain.formats import (
+    AdapterPayloadError,
+    adapter_push_body,
     decode_adapter_payload,
+    encode_safetensors_b64,
     tensor_sha256,
-    verify_checksums,
+    verify_adapter_checksums,
 )
+from posttrain.interface import WireFormatError
 
 KEY = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
 TENSORS = {KEY: torch.arange(8, dtype=torch.float32).reshape(2, 4)}
@@ -38,7 +43,7 @@ def test_both_forms_decode_to_the_same_tensors() -> None:
     from_raw = decode_adapter_payload(raw, "application/octet-stream")
     assert torch.equal(from_json.tensors[KEY], from_raw.tensors[KEY])
     assert from_json.name == from_raw.name == "a"
-    assert verify_checksums(from_json) == {KEY: tensor_sha256(TENSORS[KEY])}
+    assert verify_adapter_checksums(from_json) == {KEY: tensor_sha256(TENSORS[KEY])}
 
 
 @pytest.mark.parametrize(
@@ -64,9 +69,28 @@ def test_checksum_mismatch_and_unknown_names() -> None:
         _json_body(expected_checksums={KEY: "0" * 64}), "application/json"
     )
     with pytest.raises(WireFormatError, match="hashes to"):
-        verify_checksums(wrong)
+        verify_adapter_checksums(wrong)
     unknown = decode_adapter_payload(
         _json_body(expected_checksums={"nope": "0" * 64}), "application/json"
     )
     with pytest.raises(WireFormatError, match="no such tensor"):
-        verify_checksums(unknown)
+        verify_adapter_checksums(unknown)
+
+
+def test_the_pushed_body_decodes_to_what_was_pushed() -> None:
+    blob, load_format = encode_safetensors_b64(TENSORS)
+    sums = {k: tensor_sha256(v) for k, v in TENSORS.items()}
+    body = adapter_push_body(
+        "a", {"r": 2}, blob, load_format=load_format, expected_checksums=sums, upsert=True
+    )
+    assert body["upsert"] is True
+    got = decode_adapter_payload(json.dumps(body).encode(), "application/json")
+    assert (got.name, got.config, got.expected_checksums) == ("a", {"r": 2}, sums)
+    assert verify_adapter_checksums(got) == sums
+    assert torch.equal(got.tensors[KEY], TENSORS[KEY])
+
+
+def test_errors_are_wire_format_errors_and_the_checksum_is_of_the_raw_bytes() -> None:
+    assert issubclass(AdapterPayloadError, WireFormatError)
+    t = torch.arange(6, dtype=torch.bfloat16).reshape(2, 3).t()  # not contiguous
+    assert tensor_sha256(t) == hashlib.sha256(t.contiguous().view(torch.uint8).numpy()).hexdigest()
