@@ -11,6 +11,7 @@ from posttrain.interface import (
     UpdateWeightsFromDiskRequest,
     UpdateWeightsResponse,
     WireFormatError,
+    is_weight_version,
     parse_weight_version,
 )
 
@@ -46,3 +47,11 @@ def test_a_request_sglang_reads_carries_the_version_as_a_string() -> None:
     assert request.weight_version == 7
     assert request.to_dict() == {"model_path": "/ckpt", "weight_version": "7"}
     assert UpdateWeightsFromDiskRequest.from_json(request.to_json()) == request
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [(0, True), (7, True), (-1, False), (True, False), (1.0, False), ("3", False), (None, False)],
+)
+def test_is_weight_version_accepts_only_non_negative_ints(value: object, expected: bool) -> None:
+    assert is_weight_version(value) is expected

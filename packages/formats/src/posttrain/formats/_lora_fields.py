@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from posttrain.formats._errors import FormatsConfigError
+from posttrain.interface import is_weight_version
 
 LORA_REQUEST_KEYS = ("lora_path", "extra_key")
 
@@ -55,7 +56,7 @@ def request_fields(name: str, version: int) -> dict[str, str]:
     """
     if not name:
         raise FormatsConfigError("request_fields: adapter name must be non-empty")
-    if isinstance(version, bool) or not isinstance(version, int) or version < 0:
+    if not is_weight_version(version):
         raise FormatsConfigError(
             f"request_fields: version must be a non-negative int, got {version!r}"
         )

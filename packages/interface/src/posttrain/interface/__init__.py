@@ -72,7 +72,7 @@ from posttrain.interface._weight_sync import (
     WeightUpdateBegin,
     WeightUpdateResult,
 )
-from posttrain.interface._weight_version import parse_weight_version
+from posttrain.interface._weight_version import is_weight_version, parse_weight_version
 from posttrain.interface._wire_base import WireModel
 from posttrain.interface._wire_sglang import (
     ChatChoice,
@@ -146,5 +146,6 @@ __all__ = [
     "WorkerError",
     "WorkerFailedError",
     "WorkerTimeoutError",
+    "is_weight_version",
     "parse_weight_version",
 ]

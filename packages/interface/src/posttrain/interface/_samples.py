@@ -15,6 +15,7 @@ from enum import StrEnum
 from typing import Any
 
 from posttrain.interface._errors import ConfigError
+from posttrain.interface._weight_version import is_weight_version
 
 
 class SampleStatus(StrEnum):
@@ -86,11 +87,7 @@ class Sample:
         for position, bit in enumerate(self.loss_mask):
             if bit not in (0, 1) or isinstance(bit, bool):
                 raise ConfigError(f"loss_mask[{position}] must be 0 or 1, got {bit!r}")
-        if self.weight_version is not None and (
-            isinstance(self.weight_version, bool)
-            or not isinstance(self.weight_version, int)
-            or self.weight_version < 0
-        ):
+        if self.weight_version is not None and not is_weight_version(self.weight_version):
             raise ConfigError(
                 f"weight_version must be a non-negative int or None, got {self.weight_version!r}"
             )

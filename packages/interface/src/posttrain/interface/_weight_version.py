@@ -27,6 +27,11 @@ SGLANG_UNVERSIONED = "default"
 """What SGLang reports as the weight version until one is set (``ServerArgs.weight_version``)."""
 
 
+def is_weight_version(value: object) -> bool:
+    """True for what a weight version is in posttrain's own types: an int >= 0, never a bool."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
 def parse_weight_version(value: object, *, field: str = "weight_version") -> int | None:
     """An engine's weight version as ours: ``3``, ``"3"`` -> 3; null or ``"default"`` -> None.
 
@@ -35,10 +40,10 @@ def parse_weight_version(value: object, *, field: str = "weight_version") -> int
     """
     if value is None:
         return None
-    if isinstance(value, int) and not isinstance(value, bool):
-        if value >= 0:
-            return value
-    elif isinstance(value, str):
+    if is_weight_version(value):
+        assert isinstance(value, int)
+        return value
+    if isinstance(value, str):
         text = value.strip()
         if text == SGLANG_UNVERSIONED:
             return None

@@ -52,7 +52,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from posttrain.formats import encode_samples
-from posttrain.interface import ConfigError, PosttrainError
+from posttrain.interface import ConfigError, PosttrainError, is_weight_version
 from posttrain.session_router._errors import (
     BadChatRequestError,
     SampleAssemblyError,
@@ -183,9 +183,7 @@ async def create_session(request: Request) -> Response:
     server = _server(request)
     body = _json_object(await server.read_body(request))
     version = body.get("weight_version")
-    if version is not None and (
-        isinstance(version, bool) or not isinstance(version, int) or version < 0
-    ):
+    if version is not None and not is_weight_version(version):
         raise BadChatRequestError(f"weight_version: must be an int >= 0 or null, got {version!r}")
     # A served adapter needs a version for extra_key: refuse the session now, not per turn.
     apply_lora({}, server.cfg, version)

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from posttrain.formats import LoraServing
-from posttrain.interface import ConfigError
+from posttrain.interface import ConfigError, is_weight_version
 
 DEFAULT_MAX_BODY_BYTES = 64 * 1024 * 1024
 # One turn's upstream call (one generation, never streamed). Sized for RL rollout turns of a few
@@ -82,9 +82,7 @@ class SessionRouterConfig:
                 f"lora_adapter must be one non-empty adapter name, got {self.lora_adapter!r}"
             )
         version = self.lora_weight_version
-        if version is not None and (
-            isinstance(version, bool) or not isinstance(version, int) or version < 0
-        ):
+        if version is not None and not is_weight_version(version):
             raise ConfigError(f"lora_weight_version must be an int >= 0, got {version!r}")
         if self.matcher not in MATCHER_NAMES:
             raise ConfigError(f"matcher must be one of {MATCHER_NAMES}, got {self.matcher!r}")
