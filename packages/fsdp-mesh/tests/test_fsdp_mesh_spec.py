@@ -25,6 +25,7 @@ from posttrain.fsdp_mesh import (
     grad_norm,
     latest_step,
     read_meta,
+    scale_grads_to_norm,
 )
 from posttrain.interface import ConfigError, PosttrainError
 from posttrain.interface import MeshSpec as Spec
@@ -157,3 +158,17 @@ def test_single_process_clip_matches_torch() -> None:
     for p, q in zip(a.parameters(), b.parameters(), strict=True):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-6, atol=1e-8)
     assert grad_norm(list(a.parameters()), 1.0) > 0
+
+
+def test_scale_grads_to_norm_scales_only_above_the_limit() -> None:
+    param = torch.nn.Parameter(torch.zeros(2))
+    param.grad = torch.tensor([3.0, 4.0])  # norm 5
+    scale_grads_to_norm([param], 5.0, 10.0)  # under the limit: untouched
+    assert param.grad.tolist() == [3.0, 4.0]
+    scale_grads_to_norm([param], 5.0, 1.0)
+    assert float(param.grad.norm()) == pytest.approx(1.0, rel=1e-5)
+    before = param.grad.clone()
+    scale_grads_to_norm([param], float("nan"), 1.0)  # the caller skips a non-finite step
+    assert torch.equal(param.grad, before)
+    with pytest.raises(MeshConfigError, match="max_norm"):
+        scale_grads_to_norm([param], 5.0, 0.0)

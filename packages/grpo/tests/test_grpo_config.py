@@ -20,7 +20,6 @@ def test_defaults_are_valid_and_supported() -> None:
     cfg = GrpoConfig()
     cfg.check_supported(world_size=2)
     assert cfg.world_size == 2
-    assert cfg.effective_clip_high == 0.2
     assert cfg.lora_scaling == 2.0
     assert cfg.to_dict()["out_dir"] == "runs/grpo"
 

@@ -17,7 +17,7 @@ from posttrain.fsdp_mesh._checkpoint import (
     save_checkpoint,
     save_files_checkpoint,
 )
-from posttrain.fsdp_mesh._clip import clip_grad_norm, grad_norm
+from posttrain.fsdp_mesh._clip import clip_grad_norm, grad_norm, scale_grads_to_norm
 from posttrain.fsdp_mesh._comm_count import CollectiveCall, CollectiveLog, count_collectives
 from posttrain.fsdp_mesh._errors import (
     AccumulationError,
@@ -66,4 +66,5 @@ __all__ = [
     "run_parity",
     "save_checkpoint",
     "save_files_checkpoint",
+    "scale_grads_to_norm",
 ]

@@ -90,13 +90,24 @@ def clip_grad_norm(parameters: ParamsOrModule, max_norm: float, norm_type: float
         raise MeshConfigError(f"max_norm must be positive, got {max_norm}")
     if not isinstance(parameters, nn.Module):
         parameters = list(parameters)
-    grads = _grads(parameters)
     total = grad_norm(parameters, norm_type)
-    if not math.isfinite(total):
-        return total
-    coef = max_norm / (total + 1e-6)
+    scale_grads_to_norm(parameters, total, max_norm)
+    return total
+
+
+def scale_grads_to_norm(parameters: ParamsOrModule, total_norm: float, max_norm: float) -> None:
+    """Scale gradients in place by ``max_norm / total_norm`` when that is below 1.
+
+    ``total_norm`` is the global norm, computed by the caller (``grad_norm``, or lora-core's
+    ``lora_grad_norm`` for adapter factors outside FSDP); a non-finite norm changes nothing
+    (the caller skips that step). Local: no collective.
+    """
+    if not (max_norm > 0):
+        raise MeshConfigError(f"max_norm must be positive, got {max_norm}")
+    if not math.isfinite(total_norm):
+        return
+    coef = max_norm / (total_norm + 1e-6)
     if coef < 1.0:
         with torch.no_grad():
-            for g in grads:
+            for g in _grads(parameters):
                 g.mul_(coef)
-    return total

@@ -233,11 +233,6 @@ class GrpoConfig:
         return self.replicate * self.shard
 
     @property
-    def effective_clip_high(self) -> float:
-        """ε_hi: ``clip_high``, or ``clip_low`` when unset (symmetric clipping)."""
-        return self.clip_low if self.clip_high is None else self.clip_high
-
-    @property
     def lora_scaling(self) -> float:
         return self.lora_alpha / self.lora_r
 

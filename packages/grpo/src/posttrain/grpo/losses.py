@@ -33,10 +33,9 @@ from torch import Tensor
 
 from posttrain.grpo._errors import GrpoConfigError, GrpoInputError
 from posttrain.grpo._tensors import as_bool_mask, as_lengths, check_same_shape, float_tensor
+from posttrain.grpo.config import KlType, LossAggregation
 
-KlKind = Literal["k1", "k2", "k3", "low_var_kl"]
-WeightMode = Literal["tis", "icepop"]
-Aggregation = Literal["token_mean", "seq_mean_token_mean"]
+WeightMode = Literal["tis", "icepop"]  # TisMode without "off": the weights exist
 
 LOG_RATIO_LIMIT = 20.0  # |log ratio| above this is clamped before exp (e^20 ~ 4.9e8)
 LOW_VAR_KL_LIMIT = 10.0  # low_var_kl and train_rollout_kl are clamped to [-10, 10]
@@ -102,7 +101,7 @@ def ppo_clip_loss(
     )
 
 
-def kl_penalty(logp: Tensor, ref_logp: Tensor, kind: KlKind) -> Tensor:
+def kl_penalty(logp: Tensor, ref_logp: Tensor, kind: KlType) -> Tensor:
     """Per-token KL(π || π_ref) estimate from samples of π, x = logπ − logπ_ref.
 
     k1 = x; k2 = x²/2; k3 = e^{−x} − 1 + x; low_var_kl = k3 with −x clamped to ±20 and the
@@ -211,7 +210,7 @@ def aggregate_loss(
     mask: Tensor,
     lengths: Sequence[int] | Tensor,
     *,
-    mode: Aggregation,
+    mode: LossAggregation,
     global_batch_size: int | None = None,
     global_token_count: int | None = None,
 ) -> Tensor:

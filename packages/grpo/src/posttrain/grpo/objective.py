@@ -12,16 +12,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
 
 from torch import Tensor
 
 from posttrain.grpo._errors import GrpoInputError
 from posttrain.grpo._tensors import as_bool_mask
-from posttrain.grpo.config import GrpoConfig
+from posttrain.grpo.config import GrpoConfig, KlType, LossAggregation, TisMode
 from posttrain.grpo.losses import (
-    Aggregation,
-    KlKind,
     aggregate_loss,
     importance_weights,
     kl_penalty,
@@ -39,12 +36,12 @@ class LossSettings:
     dual_clip: float | None = None
     use_kl_loss: bool = False
     kl_coef: float = 0.0
-    kl_type: KlKind = "k1"
+    kl_type: KlType = "k1"
     entropy_coef: float = 0.0
-    tis: Literal["off", "tis", "icepop"] = "off"
+    tis: TisMode = "off"
     tis_clip_low: float = 0.0
     tis_clip_high: float = 2.0
-    aggregation: Aggregation = "seq_mean_token_mean"
+    aggregation: LossAggregation = "seq_mean_token_mean"
 
     @classmethod
     def from_config(cls, cfg: GrpoConfig) -> LossSettings:

@@ -44,6 +44,7 @@ from posttrain.fsdp_mesh import (
     apply_hsdp,
     build_fsdp_mesh,
     clip_grad_norm,
+    scale_grads_to_norm,
 )
 from posttrain.grpo._errors import GrpoConfigError
 from posttrain.grpo.config import GrpoConfig
@@ -314,7 +315,7 @@ def train_step(
     if policy.lora is not None:
         reduce_lora_grads(policy.lora)
         grad_norm = lora_grad_norm(policy.lora)
-        _clip(policy.trainable(), grad_norm, cfg.max_grad_norm)
+        scale_grads_to_norm(policy.trainable(), grad_norm, cfg.max_grad_norm)
     else:
         grad_norm = clip_grad_norm(model, cfg.max_grad_norm)
     if math.isfinite(grad_norm):
@@ -324,17 +325,6 @@ def train_step(
     metrics["grad_norm"] = grad_norm
     metrics["skipped_step"] = 0.0 if math.isfinite(grad_norm) else 1.0
     return metrics
-
-
-def _clip(params: Sequence[torch.nn.Parameter], norm: float, max_norm: float) -> None:
-    if not math.isfinite(norm):
-        return
-    coef = max_norm / (norm + 1e-6)
-    if coef < 1.0:
-        with torch.no_grad():
-            for p in params:
-                if p.grad is not None:
-                    p.grad.mul_(coef)
 
 
 def _combine(sums: dict[str, float], maxima: dict[str, float], tokens: int) -> dict[str, float]:
