@@ -29,18 +29,14 @@ import os
 import statistics
 import sys
 import time
-import warnings
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from posttrain.fsdp_mesh import HsdpConfig, apply_hsdp, build_fsdp_mesh
 from posttrain.grpo.config import GrpoConfig
-from posttrain.grpo.trainer import Policy, TrainSample, lora_targets, train_step
-from posttrain.interface import MeshSpec
+from posttrain.grpo.trainer import TrainSample, shard_policy, train_step
 from posttrain.interface.processes import run_workers
-from posttrain.lora import LoraConfig, LoraGroups, attach_lora
 from posttrain.models import ModelConfig, Numerics, build_model
 
 SIZES = {
@@ -85,28 +81,11 @@ def measure(rank: int, world: int, args: argparse.Namespace, train: str, numeric
         torch.cuda.reset_peak_memory_stats(device)
     mcfg = ModelConfig(**SIZES[args.size])  # type: ignore[arg-type]
     model = build_model(mcfg, seed=0, numerics=Numerics(numerics)).to(device)
-    mesh = build_fsdp_mesh(MeshSpec(world_size=world, replicate=world if args.hsdp else 1,
-                                    shard=1 if args.hsdp else world, device_type=args.device))  # fmt: skip
     gcfg = GrpoConfig(train=train, replicate=world if args.hsdp else 1,  # type: ignore[arg-type]
-                      shard=1 if args.hsdp else world, lr=1e-5, lora_targets=TARGETS)  # fmt: skip
+                      shard=1 if args.hsdp else world, lr=1e-5, lora_targets=TARGETS,
+                      lora_r=16, lora_alpha=32.0)  # fmt: skip
     samples = _samples(mcfg, tokens, args.seq_len, rank, world, model)
-    handle, ignored = None, set()
-    if train == "lora":
-        targets, _ = lora_targets(model, TARGETS)
-        handle = attach_lora(model, LoraConfig(r=16, alpha=32.0), targets,
-                             LoraGroups(dp=dist.group.WORLD))  # fmt: skip
-        for p in handle.parameters():
-            p.data = p.data.to(device)
-        ignored = set(handle.parameters())
-    apply_hsdp(model, mesh, HsdpConfig(param_dtype=None, reduce_dtype=torch.float32),
-               wrap=lambda _m: False, ignored_params=ignored)  # fmt: skip
-    from torch.distributed.fsdp import register_fsdp_forward_method
-
-    register_fsdp_forward_method(model, "forward_logits")
-    warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
-    trainable = list(handle.parameters()) if handle is not None else list(model.parameters())
-    policy = Policy(model=model, mesh=mesh, lora=handle,
-                    optimizer=torch.optim.AdamW(trainable, lr=1e-5))  # fmt: skip
+    policy = shard_policy(model, gcfg, device=device)  # what the GRPO trainer builds, on device
     total = world * len(samples) * (args.seq_len - args.seq_len // 2)
     seconds, diffs = [], []
     for rep in range(args.reps + 1):

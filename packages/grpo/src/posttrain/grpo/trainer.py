@@ -145,13 +145,30 @@ def _target(site: LinearSite) -> Target:
 
 
 def build_policy(cfg: GrpoConfig) -> Policy:
-    """Load, shard and (optionally) adapt the policy on this rank; collective over the world."""
+    """Load, shard and (optionally) adapt the policy on this rank (CPU); collective."""
     if cfg.model_path is None:
         raise GrpoConfigError("model_path is required to train (--model-path)")
     model = load_pretrained(cfg.model_path, numerics=Numerics(cfg.numerics))
+    ref = None
+    if cfg.use_kl_loss and cfg.train == "full":
+        ref = load_pretrained(cfg.model_path, numerics=Numerics(cfg.numerics)).requires_grad_(False)
+    return shard_policy(model, cfg, device=torch.device("cpu"), ref_model=ref)
+
+
+def shard_policy(
+    model: DecoderModel,
+    cfg: GrpoConfig,
+    *,
+    device: torch.device,
+    ref_model: DecoderModel | None = None,
+) -> Policy:
+    """Shard ``model`` (already on ``device``) over the world, with LoRA factors on ``device``
+    when ``cfg.train == "lora"``, and build its optimizer; collective over the world."""
     world = dist.get_world_size()
     mesh = build_fsdp_mesh(
-        MeshSpec(world_size=world, replicate=cfg.replicate, shard=cfg.shard, device_type="cpu")
+        MeshSpec(
+            world_size=world, replicate=cfg.replicate, shard=cfg.shard, device_type=device.type
+        )
     )
     handle: LoraHandle | None = None
     lcfg: LoraConfig | None = None
@@ -164,6 +181,8 @@ def build_policy(cfg: GrpoConfig) -> Policy:
             r=cfg.lora_r, alpha=cfg.lora_alpha, seed=cfg.seed, export_dtype=torch.float32
         )
         handle = attach_lora(model, lcfg, targets, LoraGroups(dp=dist.group.WORLD))
+        for factor in handle.parameters():
+            factor.data = factor.data.to(device)
         ignored = set(handle.parameters())
     param_dtype = torch.bfloat16 if cfg.precision == "bf16" else None
     apply_hsdp(
@@ -178,9 +197,6 @@ def build_policy(cfg: GrpoConfig) -> Policy:
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
     trainable = list(handle.parameters()) if handle is not None else list(model.parameters())
     optimizer = torch.optim.AdamW(trainable, lr=cfg.lr, weight_decay=cfg.weight_decay)
-    ref = None
-    if cfg.use_kl_loss and cfg.train == "full":
-        ref = load_pretrained(cfg.model_path, numerics=Numerics(cfg.numerics)).requires_grad_(False)
     return Policy(
         model=model,
         mesh=mesh,
@@ -188,7 +204,7 @@ def build_policy(cfg: GrpoConfig) -> Policy:
         lora=handle,
         lora_config=lcfg,
         target_modules=modules,
-        ref_model=ref,
+        ref_model=ref_model,
     )
 
 
