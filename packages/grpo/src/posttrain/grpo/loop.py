@@ -90,14 +90,17 @@ def _train(cfg: GrpoConfig) -> dict[str, Any] | None:
     rank, world = dist.get_rank(), dist.get_world_size()
     lead = rank == 0
     policy = build_policy(cfg)
-    task = build_task(cfg.task, _decoder(cfg))
-    stream = PromptStream(task.prompts, seed=cfg.seed)
+    # Only rank 0 rolls out and scores: the tokenizer, task and prompt stream live there.
+    task = build_task(cfg.task, _decoder(cfg)) if lead else None
+    stream = PromptStream(task.prompts, seed=cfg.seed) if task is not None else None
     out = Path(cfg.out_dir)
     ckpt_root = out / "checkpoints"
     start = 0
     if cfg.resume is not None:
         extra = checkpoint.load(checkpoint.find(cfg.resume), policy)
-        start, stream.position = int(extra["next_step"]), int(extra["data_position"])
+        start = int(extra["next_step"])
+        if stream is not None:
+            stream.position = int(extra["data_position"])
     if lead:
         out.mkdir(parents=True, exist_ok=True)
         (out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
@@ -117,7 +120,7 @@ def _train(cfg: GrpoConfig) -> dict[str, Any] | None:
             t_step = time.perf_counter()
             batch = (
                 _rollout_and_score(cfg, task, stream, step, version, api_key, opd_mode)
-                if lead
+                if task is not None and stream is not None
                 else None
             )
             batch = _broadcast(batch)
@@ -140,7 +143,8 @@ def _train(cfg: GrpoConfig) -> dict[str, Any] | None:
             last = step == cfg.steps - 1
             every = cfg.checkpoint_every
             if last or (every and (step + 1) % every == 0):
-                extra = {"next_step": step + 1, "data_position": stream.position if lead else 0}
+                position = stream.position if stream is not None else 0
+                extra = {"next_step": step + 1, "data_position": position}
                 extra = _broadcast(extra)
                 checkpoint.save(ckpt_root, step, policy, extra)
             times["checkpoint"] = time.perf_counter() - t0
