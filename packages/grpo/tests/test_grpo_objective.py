@@ -36,6 +36,7 @@ def test_settings_from_config() -> None:
     cfg = GrpoConfig(clip_high=0.28, tis="icepop", loss_aggregation="token_mean", kl_type="k3")
     s = LossSettings.from_config(cfg)
     assert (s.clip_high, s.tis, s.aggregation, s.kl_type) == (0.28, "icepop", "token_mean", "k3")
+    assert LossSettings() == LossSettings.from_config(GrpoConfig())  # the config's defaults
 
 
 @settings(max_examples=30, deadline=None)

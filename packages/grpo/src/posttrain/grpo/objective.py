@@ -11,7 +11,7 @@ miles quirk this avoids is described in ``losses``).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from torch import Tensor
 
@@ -26,38 +26,34 @@ from posttrain.grpo.losses import (
     ppo_clip_loss,
 )
 
+# LossSettings field -> GrpoConfig field, where the names differ.
+_CONFIG_NAMES = {"aggregation": "loss_aggregation"}
+_DEFAULTS = GrpoConfig()  # LossSettings' defaults are the config's
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class LossSettings:
-    """The loss options of a ``GrpoConfig`` (validated there); ``from_config`` copies them."""
+    """The loss options of a ``GrpoConfig`` (validated there), with its defaults.
 
-    clip_low: float = 0.2
-    clip_high: float | None = None
-    dual_clip: float | None = None
-    use_kl_loss: bool = False
-    kl_coef: float = 0.0
-    kl_type: KlType = "k1"
-    entropy_coef: float = 0.0
-    tis: TisMode = "off"
-    tis_clip_low: float = 0.0
-    tis_clip_high: float = 2.0
-    aggregation: LossAggregation = "seq_mean_token_mean"
+    Each field is the config field of the same name, except ``aggregation``
+    (``loss_aggregation``); ``from_config`` copies them.
+    """
+
+    clip_low: float = _DEFAULTS.clip_low
+    clip_high: float | None = _DEFAULTS.clip_high
+    dual_clip: float | None = _DEFAULTS.dual_clip
+    use_kl_loss: bool = _DEFAULTS.use_kl_loss
+    kl_coef: float = _DEFAULTS.kl_coef
+    kl_type: KlType = _DEFAULTS.kl_type
+    entropy_coef: float = _DEFAULTS.entropy_coef
+    tis: TisMode = _DEFAULTS.tis
+    tis_clip_low: float = _DEFAULTS.tis_clip_low
+    tis_clip_high: float = _DEFAULTS.tis_clip_high
+    aggregation: LossAggregation = _DEFAULTS.loss_aggregation
 
     @classmethod
     def from_config(cls, cfg: GrpoConfig) -> LossSettings:
-        return cls(
-            clip_low=cfg.clip_low,
-            clip_high=cfg.clip_high,
-            dual_clip=cfg.dual_clip,
-            use_kl_loss=cfg.use_kl_loss,
-            kl_coef=cfg.kl_coef,
-            kl_type=cfg.kl_type,
-            entropy_coef=cfg.entropy_coef,
-            tis=cfg.tis,
-            tis_clip_low=cfg.tis_clip_low,
-            tis_clip_high=cfg.tis_clip_high,
-            aggregation=cfg.loss_aggregation,
-        )
+        return cls(**{f.name: getattr(cfg, _CONFIG_NAMES.get(f.name, f.name)) for f in fields(cls)})
 
 
 @dataclass(frozen=True, slots=True)
