@@ -132,7 +132,6 @@ def _train(cfg: GrpoConfig) -> dict[str, Any] | None:
                 policy, mine, cfg,
                 global_batch_size=len(batch["train"]),
                 global_token_count=max(1, batch["masked_tokens"]),
-                micro_batch_size=cfg.micro_batch_size,
             )  # fmt: skip
             times = {**batch["times"], "train": time.perf_counter() - t0}
             t0 = time.perf_counter()

@@ -267,17 +267,17 @@ def train_step(
     *,
     global_batch_size: int,
     global_token_count: int,
-    micro_batch_size: int = 0,
 ) -> dict[str, float]:
     """Forward, loss, backward, gradient reduction, clipping and one optimizer step.
 
     Collective: every rank calls it (with its own samples, possibly none). Returns the step's
-    metrics, already combined over ranks (the same dict on every rank).
+    metrics, already combined over ranks (the same dict on every rank). The samples are split
+    into micro-batches of ``cfg.micro_batch_size``.
     """
     world = dist.get_world_size()
     settings = LossSettings.from_config(cfg)
     model = policy.model
-    parts = micro_batches(samples, micro_batch_size) if samples else []
+    parts = micro_batches(samples, cfg.micro_batch_size) if samples else []
     # Every rank must run the same number of FSDP forwards/backwards: pad with empty ones.
     device = policy.model.embedding.device
     counts = torch.tensor([len(parts)], device=device)
