@@ -180,9 +180,8 @@ def shard_policy(
         lcfg = LoraConfig(
             r=cfg.lora_r, alpha=cfg.lora_alpha, seed=cfg.seed, export_dtype=torch.float32
         )
+        # attach_lora creates each factor on its base weight's device, i.e. on ``device``.
         handle = attach_lora(model, lcfg, targets, LoraGroups(dp=dist.group.WORLD))
-        for factor in handle.parameters():
-            factor.data = factor.data.to(device)
         ignored = set(handle.parameters())
     param_dtype = torch.bfloat16 if cfg.precision == "bf16" else None
     apply_hsdp(
