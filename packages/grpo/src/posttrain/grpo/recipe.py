@@ -29,9 +29,7 @@ import argparse
 import json
 import os
 import random
-import shutil
 import sys
-import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -39,7 +37,7 @@ from typing import Any
 
 import torch
 
-from posttrain.formats import atomic_directory, replace_directory, write_text_atomic
+from posttrain.formats import atomic_directory, write_text_atomic
 from posttrain.grpo._errors import GrpoConfigError
 from posttrain.grpo.rewards import Prompt, addition_prompts
 from posttrain.models import (
@@ -191,14 +189,9 @@ def warm_up(root: Path, seed: int, *, log: Any = None) -> dict[str, float]:
 def _convert_nvfp4(src: Path, dst: Path) -> None:
     from posttrain.quant_convert import ConvertOptions, QuantPolicy, convert_checkpoint
 
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{dst.name}-", dir=dst.parent))
-    shutil.rmtree(staging)
-    convert_checkpoint(src, staging, options=ConvertOptions(policy=QuantPolicy()))
-    for name in os.listdir(src):  # the tokenizer files travel with the weights
-        if not (staging / name).exists() and not name.endswith(".safetensors"):
-            shutil.copy2(src / name, staging / name)
-    replace_directory(staging, dst)
+    # convert_checkpoint copies the tokenizer (every non-weight file) along with the weights.
+    with atomic_directory(dst) as staging:
+        convert_checkpoint(src, staging, options=ConvertOptions(policy=QuantPolicy()))
 
 
 def prepare(cache: Path, seed: int, *, nvfp4: bool = False, log: Any = None) -> dict[str, Any]:
