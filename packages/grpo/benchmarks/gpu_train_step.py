@@ -81,6 +81,7 @@ def measure(rank: int, world: int, args: argparse.Namespace, train: str, numeric
         torch.cuda.reset_peak_memory_stats(device)
     mcfg = ModelConfig(**SIZES[args.size])  # type: ignore[arg-type]
     model = build_model(mcfg, seed=0, numerics=Numerics(numerics)).to(device)
+    params = sum(p.numel() for p in model.parameters())  # before LoRA factors and sharding
     gcfg = GrpoConfig(train=train, replicate=world if args.hsdp else 1,  # type: ignore[arg-type]
                       shard=1 if args.hsdp else world, lr=1e-5, lora_targets=TARGETS,
                       lora_r=16, lora_alpha=32.0)  # fmt: skip
@@ -105,7 +106,7 @@ def measure(rank: int, world: int, args: argparse.Namespace, train: str, numeric
     dist.all_gather_object(peaks, peak)
     return {
         "train": train, "numerics": numerics, "world": world, "hsdp": bool(args.hsdp),
-        "params": sum(p.numel() for p in build_model(mcfg).parameters()) if rank == 0 else None,
+        "params": params if rank == 0 else None,
         "tokens_per_step": world * len(samples) * args.seq_len,
         "tokens_per_s": world * len(samples) * args.seq_len / statistics.median(seconds),
         "step_s_median": statistics.median(seconds),
