@@ -56,7 +56,7 @@ PROG = "python -m posttrain.grpo"
 
 # Flags launch's Megatron-style plans may carry that the fsdp backend has no recipe for.
 _REFUSED_RECIPES: dict[str, str] = {
-    "fp16": "--fp16: fp16 training is not supported; use --bf16 or --precision fp32",
+    "fp16": "fp16 training is not supported; use --bf16 or --precision fp32",
     "fp8_format": "fp8 training needs the megatron backend with Transformer Engine (issue #21); "
     "drop it and train with --bf16",
     "fp8_recipe": "fp8 training needs the megatron backend with Transformer Engine (issue #21); "
@@ -133,7 +133,7 @@ def build_config(
         value = values.get(name)
         if value not in (None, False):
             shown = _flag(name) if value is True else f"{_flag(name)} {value}"
-            raise GrpoUnsupportedError(name, message if name == "fp16" else f"{shown}: {message}")
+            raise GrpoUnsupportedError(name, f"{shown}: {message}")
     kwargs = {f.name: values[f.name] for f in fields(GrpoConfig) if f.name in values}
     precision = values.get("precision")
     if values.get("bf16"):
