@@ -38,6 +38,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from posttrain.formats import write_text_atomic
 from posttrain.grpo import checkpoint
 from posttrain.grpo._errors import GrpoConfigError, GrpoRunError
 from posttrain.grpo.advantages import group_normalized_advantages
@@ -103,7 +104,7 @@ def _train(cfg: GrpoConfig) -> dict[str, Any] | None:
             stream.position = int(extra["data_position"])
     if lead:
         out.mkdir(parents=True, exist_ok=True)
-        (out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
+        write_text_atomic(out / "config.json", json.dumps(cfg.to_dict(), indent=2))
     api_key = cfg.api_key()
     target = SyncTarget(
         engine_urls=tuple(cfg.engine_urls), lora_name=cfg.lora_name,
