@@ -57,7 +57,6 @@ class MetricsLog:
 
     def __init__(self, out_dir: Path, *, total_steps: int, start_step: int = 0,
                  console: Console | None = None) -> None:  # fmt: skip
-        self.out_dir = out_dir
         self.path = out_dir / "metrics.jsonl"
         self.records: list[dict[str, Any]] = []
         self._truncate(start_step)
