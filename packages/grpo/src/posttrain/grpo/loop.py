@@ -361,7 +361,7 @@ def _rank(rank: int, world: int, cfg: GrpoConfig) -> dict[str, Any] | None:
 def _spawn_ranks(cfg: GrpoConfig) -> dict[str, Any] | None:
     """Fork ``world_size`` local gloo ranks with interface's ``run_workers`` (torch is already
     imported: each starts in a moment); rank 0's summary, or the first failure as a run error."""
-    cfg.check_supported(world_size=cfg.world_size)
+    cfg.check_supported()  # before forking; each rank checks its WORLD_SIZE too
     try:
         results = run_workers(
             _rank,
