@@ -16,11 +16,10 @@ from typing import Any
 
 import httpx
 import pytest
-import uvicorn
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from posttrain.interface.testing import free_port
+from posttrain.interface.testing import AppServer
 from posttrain.session_router import (
     BadChatRequestError,
     ChatTokenizer,
@@ -220,35 +219,6 @@ def test_a_silent_upstream_fails_the_turn_with_504(
         asyncio.run(asyncio.wait_for(main(), timeout=30))
 
 
-class _ServerThread:
-    """The session server under uvicorn on 127.0.0.1, in a thread (real sockets, real disconnects)."""
-
-    def __init__(self, app: Any) -> None:
-        self.port = free_port()
-        self.server = uvicorn.Server(
-            uvicorn.Config(
-                app, host="127.0.0.1", port=self.port, http="httptools", log_level="warning"
-            )
-        )
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-
-    def open_connections(self) -> int:
-        return len(self.server.server_state.connections)
-
-    def __enter__(self) -> str:
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started:
-            assert self.thread.is_alive(), "server exited during startup"
-            assert time.monotonic() < deadline, "server did not start"
-            time.sleep(0.02)
-        return f"http://127.0.0.1:{self.port}"
-
-    def __exit__(self, *exc: object) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=10)
-
-
 def _wait_for(predicate: Any, what: str, timeout_s: float = 20.0) -> None:
     deadline = time.monotonic() + timeout_s
     while not predicate():
@@ -269,8 +239,9 @@ def test_a_turn_the_client_abandoned_is_not_committed(
 
     with LoopbackWorker(generate=generate) as worker:
         cfg = SessionRouterConfig(upstream_url=worker.url, tokenizer=str(tok_dir))
-        server = _ServerThread(create_app(cfg, tokenizer=chat_tok))
-        with server as base:
+        # real sockets under uvicorn, so the client's disconnect is a real one
+        with AppServer(create_app(cfg, tokenizer=chat_tok), http="httptools") as server:
+            base = server.url
             sid = httpx.post(f"{base}/sessions", timeout=10).json()["session_id"]
             url = f"/sessions/{sid}/v1/chat/completions"
             body = json.dumps({"messages": [user("hi")], "rid": "slow"}).encode()
@@ -282,7 +253,10 @@ def test_a_turn_the_client_abandoned_is_not_committed(
             )
             _wait_for(lambda: len(worker.generate_requests) == 1, "the upstream call")
             client.close()  # the agent gives up before the reply
-            _wait_for(lambda: server.open_connections() == 0, "the server to see the disconnect")
+            _wait_for(
+                lambda: not server.server.server_state.connections,
+                "the server to see the disconnect",
+            )
             release.set()
 
             def abandoned() -> bool:
