@@ -1,6 +1,6 @@
 """Fixtures for session-router tests: a tiny locally-trained chat tokenizer, a scripted engine, and
-a harness that runs the ASGI app against a mocked upstream (``router_config``, ``engine_upstream``,
-``run_app``), shared by the app and hardening tests.
+the ASGI app in this process (``app_client``: a client of it, no socket; ``run_app``: a scenario
+against it with a mocked upstream), shared by the app, hardening and router tests.
 
 The tokenizer is a byte-level BPE trained in memory with the ``tokenizers`` library (no
 downloads) and saved the way ``save_pretrained`` saves one (``tokenizer.json`` plus
@@ -11,8 +11,9 @@ the same path it uses for a model directory.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -151,31 +152,64 @@ def engine_upstream_for(
     return handle
 
 
+@contextlib.asynccontextmanager
+async def in_process_client(
+    cfg: SessionRouterConfig,
+    *,
+    tokenizer: ChatTokenizer | None = None,
+    transport: httpx.AsyncBaseTransport | None = None,
+    timeout_s: float = 30.0,
+) -> AsyncIterator[httpx.AsyncClient]:
+    """A client of the session server's ASGI app in this process (no socket; ``http://sr``).
+
+    ``transport`` goes behind the app's upstream client (default: the real pooled one, to
+    ``cfg.upstream_url``); the server is closed on exit.
+    """
+    app = create_app(cfg, tokenizer=tokenizer, transport=transport)
+    try:
+        async with httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=app), base_url="http://sr", timeout=timeout_s
+        ) as client:
+            yield client
+    finally:
+        await app.state.server.aclose()
+
+
 @pytest.fixture(scope="session")
-def engine_upstream() -> Callable[..., Upstream]:
-    """``engine_upstream(engine, seen)`` -> a mocked upstream serving ``engine`` on ``/generate``."""
-    return engine_upstream_for
+def app_client() -> Callable[..., contextlib.AbstractAsyncContextManager[httpx.AsyncClient]]:
+    """``async with app_client(cfg, tokenizer=..., transport=...) as c``: see ``in_process_client``."""
+    return in_process_client
 
 
-def run_app_against(
-    cfg: SessionRouterConfig, tok: ChatTokenizer, upstream: Upstream, scenario: Scenario
-) -> None:
-    """Run ``scenario(client)`` against the ASGI app, its upstream an ``httpx.MockTransport``."""
+@pytest.fixture(scope="session")
+def run_app(tok_dir: Path, chat_tok: ChatTokenizer) -> Callable[..., None]:
+    """``run_app(scenario, *, upstream=None, seen=None, tokenizer=None, **config)``.
 
-    async def main() -> None:
-        app = create_app(cfg, tokenizer=tok, transport=httpx.MockTransport(upstream))
-        try:
-            async with httpx.AsyncClient(
-                transport=httpx.ASGITransport(app=app), base_url="http://sr"
+    Runs ``scenario(client)`` against the app on the tiny tokenizer (or ``tokenizer``), its
+    config ``SessionRouterConfig(**config)`` and its upstream an ``httpx.MockTransport`` of
+    ``upstream`` (default: the scripted engine on ``/generate``, recording requests in ``seen``).
+    """
+
+    def run(
+        scenario: Scenario,
+        *,
+        upstream: Upstream | None = None,
+        seen: list[httpx.Request] | None = None,
+        tokenizer: ChatTokenizer | None = None,
+        **config: Any,
+    ) -> None:
+        if upstream is None:
+            upstream = engine_upstream_for(scripted_engine(chat_tok), [] if seen is None else seen)
+        cfg = SessionRouterConfig(
+            upstream_url="http://router.test", tokenizer=str(tok_dir), **config
+        )
+
+        async def main() -> None:
+            async with in_process_client(
+                cfg, tokenizer=tokenizer or chat_tok, transport=httpx.MockTransport(upstream)
             ) as client:
                 await scenario(client)
-        finally:
-            await app.state.server.aclose()
 
-    asyncio.run(asyncio.wait_for(main(), timeout=30))
+        asyncio.run(asyncio.wait_for(main(), timeout=30))
 
-
-@pytest.fixture(scope="session")
-def run_app() -> Callable[[SessionRouterConfig, ChatTokenizer, Upstream, Scenario], None]:
-    """``run_app(cfg, tok, upstream, scenario)``: the app in-process, no sockets (see above)."""
-    return run_app_against
+    return run

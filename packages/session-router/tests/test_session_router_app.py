@@ -22,15 +22,8 @@ def user(text: str) -> dict[str, str]:
     return {"role": "user", "content": text}
 
 
-def test_three_turns_then_samples(
-    chat_tok: ChatTokenizer,
-    make_engine: Any,
-    run_app: Any,
-    engine_upstream: Any,
-    router_config: Any,
-) -> None:
+def test_three_turns_then_samples(run_app: Any) -> None:
     seen: list[httpx.Request] = []
-    engine = make_engine(chat_tok)
 
     async def scenario(c: httpx.AsyncClient) -> None:
         assert (await c.get("/health")).json()["status"] == "ok"
@@ -96,18 +89,10 @@ def test_three_turns_then_samples(
         metrics = (await c.get("/metrics")).text
         assert 'session_router_turns_total{outcome="committed"} 3.0' in metrics
 
-    run_app(
-        router_config(lora_adapter="miles_lora"), chat_tok, engine_upstream(engine, seen), scenario
-    )
+    run_app(scenario, seen=seen, lora_adapter="miles_lora")
 
 
-def test_stream_is_one_sse_chunk_then_done(
-    chat_tok: ChatTokenizer,
-    make_engine: Any,
-    run_app: Any,
-    engine_upstream: Any,
-    router_config: Any,
-) -> None:
+def test_stream_is_one_sse_chunk_then_done(run_app: Any) -> None:
     seen: list[httpx.Request] = []
 
     async def scenario(c: httpx.AsyncClient) -> None:
@@ -131,16 +116,10 @@ def test_stream_is_one_sse_chunk_then_done(
         assert "lora_path" not in json.loads(seen[0].content)
         assert "extra_key" not in json.loads(seen[0].content)
 
-    run_app(router_config(), chat_tok, engine_upstream(make_engine(chat_tok), seen), scenario)
+    run_app(scenario, seen=seen)
 
 
-def test_client_errors(
-    chat_tok: ChatTokenizer,
-    make_engine: Any,
-    run_app: Any,
-    engine_upstream: Any,
-    router_config: Any,
-) -> None:
+def test_client_errors(run_app: Any) -> None:
     async def scenario(c: httpx.AsyncClient) -> None:
         assert (await c.get("/sessions/nope")).status_code == 404
         r = await c.post("/sessions/nope/v1/chat/completions", json={"messages": [user("x")]})
@@ -158,21 +137,10 @@ def test_client_errors(
         assert empty.samples == []
         assert empty.empty_reason == "no_records"
 
-    run_app(
-        router_config(max_body_bytes=4096),
-        chat_tok,
-        engine_upstream(make_engine(chat_tok), []),
-        scenario,
-    )
+    run_app(scenario, max_body_bytes=4096)
 
 
-def test_bearer_token_guards_every_route(
-    chat_tok: ChatTokenizer,
-    make_engine: Any,
-    run_app: Any,
-    engine_upstream: Any,
-    router_config: Any,
-) -> None:
+def test_bearer_token_guards_every_route(run_app: Any) -> None:
     async def scenario(c: httpx.AsyncClient) -> None:
         for method, path in [
             ("GET", "/health"),
@@ -189,16 +157,11 @@ def test_bearer_token_guards_every_route(
         assert (await c.get("/health", headers=ok)).status_code == 200
         assert (await c.post("/sessions", headers=ok)).status_code == 200
 
-    run_app(
-        router_config(api_key="s3cret"),
-        chat_tok,
-        engine_upstream(make_engine(chat_tok), []),
-        scenario,
-    )
+    run_app(scenario, api_key="s3cret")
 
 
 def test_transport_failure_is_502_and_the_turn_is_retryable(
-    chat_tok: ChatTokenizer, make_engine: Any, run_app: Any, router_config: Any
+    chat_tok: ChatTokenizer, make_engine: Any, run_app: Any
 ) -> None:
     engine = make_engine(chat_tok)
     state = {"fail": 1, "bad": 1, "status": 2}
@@ -236,12 +199,10 @@ def test_transport_failure_is_502_and_the_turn_is_retryable(
         assert r.status_code == 200
         assert len((await c.get(f"/sessions/{sid}")).json()["records"]) == 1
 
-    run_app(router_config(), chat_tok, upstream, scenario)
+    run_app(scenario, upstream=upstream)
 
 
-def test_delete_racing_a_chat(
-    chat_tok: ChatTokenizer, make_engine: Any, run_app: Any, router_config: Any
-) -> None:
+def test_delete_racing_a_chat(chat_tok: ChatTokenizer, make_engine: Any, run_app: Any) -> None:
     engine = make_engine(chat_tok)
     entered, release = asyncio.Event(), asyncio.Event()
 
@@ -264,16 +225,10 @@ def test_delete_racing_a_chat(
         assert (await c.get(f"/sessions/{sid}")).status_code == 404
         assert 'outcome="not_committed"' in (await c.get("/metrics")).text
 
-    run_app(router_config(), chat_tok, upstream, scenario)
+    run_app(scenario, upstream=upstream)
 
 
-def test_ttl_reclaims_abandoned_sessions(
-    chat_tok: ChatTokenizer,
-    make_engine: Any,
-    run_app: Any,
-    engine_upstream: Any,
-    router_config: Any,
-) -> None:
+def test_ttl_reclaims_abandoned_sessions(run_app: Any) -> None:
     async def scenario(c: httpx.AsyncClient) -> None:
         a = (await c.post("/sessions")).json()["session_id"]
         b = (await c.post("/sessions")).json()["session_id"]
@@ -285,17 +240,10 @@ def test_ttl_reclaims_abandoned_sessions(
         assert b not in c._transport.app.state.server.sessions  # type: ignore[attr-defined]
         assert "session_router_sessions_expired_total 2.0" in (await c.get("/metrics")).text
 
-    run_app(
-        router_config(session_ttl_s=0.25),
-        chat_tok,
-        engine_upstream(make_engine(chat_tok), []),
-        scenario,
-    )
+    run_app(scenario, session_ttl_s=0.25)
 
 
-def test_raw_proxy_adds_routing_key_and_gates_lora(
-    chat_tok: ChatTokenizer, run_app: Any, router_config: Any
-) -> None:
+def test_raw_proxy_adds_routing_key_and_gates_lora(run_app: Any) -> None:
     seen: list[httpx.Request] = []
 
     async def upstream(request: httpx.Request) -> httpx.Response:
@@ -323,12 +271,7 @@ def test_raw_proxy_adds_routing_key_and_gates_lora(
         assert seen[1].url.path == "/get_model_info"
         assert (await c.get(f"/sessions/{sid}")).json()["records"] == []
 
-    run_app(
-        router_config(lora_adapter="miles_lora", lora_weight_version=9),
-        chat_tok,
-        upstream,
-        scenario,
-    )
+    run_app(scenario, upstream=upstream, lora_adapter="miles_lora", lora_weight_version=9)
 
 
 def test_rollout_client_is_a_rollout_engine_one_session_per_rollout(

@@ -16,11 +16,10 @@ from typing import Any
 
 import httpx
 import pytest
-import uvicorn
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from posttrain.interface.testing import free_port
+from posttrain.interface.testing import AppServer
 from posttrain.session_router import (
     BadChatRequestError,
     ChatTokenizer,
@@ -58,13 +57,7 @@ BAD_MESSAGES: list[tuple[Any, str]] = [
 
 @pytest.mark.parametrize(("messages", "field"), BAD_MESSAGES)
 def test_bad_message_shapes_are_400_naming_the_field(
-    chat_tok: ChatTokenizer,
-    make_engine: Any,
-    messages: Any,
-    field: str,
-    run_app: Any,
-    engine_upstream: Any,
-    router_config: Any,
+    messages: Any, field: str, run_app: Any
 ) -> None:
     seen: list[httpx.Request] = []
 
@@ -79,7 +72,7 @@ def test_bad_message_shapes_are_400_naming_the_field(
         ok = await c.post(f"/sessions/{sid}/v1/chat/completions", json={"messages": [user("hi")]})
         assert ok.status_code == 200, ok.text
 
-    run_app(router_config(), chat_tok, engine_upstream(make_engine(chat_tok), seen), scenario)
+    run_app(scenario, seen=seen)
     assert len(seen) == 1  # the bad turn never reached the upstream
 
 
@@ -100,12 +93,7 @@ def test_assistant_tool_call_may_leave_content_null() -> None:
 
 
 def test_a_template_that_breaks_on_a_value_is_a_400_not_a_500(
-    tmp_path: Path,
-    chat_tok: ChatTokenizer,
-    make_engine: Any,
-    run_app: Any,
-    engine_upstream: Any,
-    router_config: Any,
+    tmp_path: Path, chat_tok: ChatTokenizer, run_app: Any
 ) -> None:
     # A template that does arithmetic on a message field (a real template concatenates content
     # without checking it): the request's value makes it raise TypeError inside jinja.
@@ -123,12 +111,10 @@ def test_a_template_that_breaks_on_a_value_is_a_400_not_a_500(
         assert "breaking-template" in r.json()["error"]
         assert "TypeError" in r.json()["error"]
 
-    run_app(router_config(), tok, engine_upstream(make_engine(chat_tok), []), scenario)
+    run_app(scenario, tokenizer=tok)
 
 
-def test_an_unexpected_exception_is_a_json_500(
-    chat_tok: ChatTokenizer, run_app: Any, router_config: Any
-) -> None:
+def test_an_unexpected_exception_is_a_json_500(run_app: Any) -> None:
     async def upstream(request: httpx.Request) -> httpx.Response:
         raise RuntimeError("a bug in the upstream client")
 
@@ -140,12 +126,10 @@ def test_an_unexpected_exception_is_a_json_500(
         assert "RuntimeError" in r.json()["error"]
         assert (await c.get(f"/sessions/{sid}")).json()["records"] == []
 
-    run_app(router_config(), chat_tok, upstream, scenario)
+    run_app(scenario, upstream=upstream)
 
 
-def test_admin_routes_are_not_proxied(
-    chat_tok: ChatTokenizer, run_app: Any, router_config: Any
-) -> None:
+def test_admin_routes_are_not_proxied(run_app: Any) -> None:
     seen: list[httpx.Request] = []
 
     async def upstream(request: httpx.Request) -> httpx.Response:
@@ -175,7 +159,7 @@ def test_admin_routes_are_not_proxied(
         assert (await c.get(f"/sessions/{sid}/v1/models")).status_code == 202
         assert (await c.get(f"/sessions/{sid}/get_server_info")).status_code == 202
 
-    run_app(router_config(), chat_tok, upstream, scenario)
+    run_app(scenario, upstream=upstream)
     assert [(r.method, r.url.path) for r in seen] == [
         ("GET", "/v1/models"),
         ("GET", "/get_server_info"),
@@ -209,62 +193,30 @@ def _silent_upstream() -> Iterator[str]:
         sock.close()
 
 
-def test_a_silent_upstream_fails_the_turn_with_504(tok_dir: Path, chat_tok: ChatTokenizer) -> None:
+def test_a_silent_upstream_fails_the_turn_with_504(
+    tok_dir: Path, chat_tok: ChatTokenizer, app_client: Any
+) -> None:
     with _silent_upstream() as url:
         cfg = SessionRouterConfig(upstream_url=url, tokenizer=str(tok_dir), upstream_timeout_s=0.5)
 
         async def main() -> None:
-            app = create_app(cfg, tokenizer=chat_tok)  # the default (pooled) upstream client
-            try:
-                async with httpx.AsyncClient(
-                    transport=httpx.ASGITransport(app=app), base_url="http://sr", timeout=30
-                ) as c:
-                    sid = (await c.post("/sessions")).json()["session_id"]
-                    r = await c.post(
-                        f"/sessions/{sid}/v1/chat/completions", json={"messages": [user("hi")]}
-                    )
-                    assert r.status_code == 504, r.text
-                    assert url in r.json()["error"]
-                    assert "0.5 s" in r.json()["error"]
-                    assert (await c.get(f"/sessions/{sid}")).json()["records"] == []
-                    # the raw proxy is bounded by the same timeout
-                    raw = await c.get(f"/sessions/{sid}/health")
-                    assert raw.status_code == 504
-                    metrics = (await c.get("/metrics")).text
-                    assert 'session_router_turns_total{outcome="upstream_error"}' not in metrics
-            finally:
-                await app.state.server.aclose()
+            # the default (pooled) upstream client
+            async with app_client(cfg, tokenizer=chat_tok) as c:
+                sid = (await c.post("/sessions")).json()["session_id"]
+                r = await c.post(
+                    f"/sessions/{sid}/v1/chat/completions", json={"messages": [user("hi")]}
+                )
+                assert r.status_code == 504, r.text
+                assert url in r.json()["error"]
+                assert "0.5 s" in r.json()["error"]
+                assert (await c.get(f"/sessions/{sid}")).json()["records"] == []
+                # the raw proxy is bounded by the same timeout
+                raw = await c.get(f"/sessions/{sid}/health")
+                assert raw.status_code == 504
+                metrics = (await c.get("/metrics")).text
+                assert 'session_router_turns_total{outcome="upstream_error"}' not in metrics
 
         asyncio.run(asyncio.wait_for(main(), timeout=30))
-
-
-class _ServerThread:
-    """The session server under uvicorn on 127.0.0.1, in a thread (real sockets, real disconnects)."""
-
-    def __init__(self, app: Any) -> None:
-        self.port = free_port()
-        self.server = uvicorn.Server(
-            uvicorn.Config(
-                app, host="127.0.0.1", port=self.port, http="httptools", log_level="warning"
-            )
-        )
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-
-    def open_connections(self) -> int:
-        return len(self.server.server_state.connections)
-
-    def __enter__(self) -> str:
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started:
-            assert self.thread.is_alive(), "server exited during startup"
-            assert time.monotonic() < deadline, "server did not start"
-            time.sleep(0.02)
-        return f"http://127.0.0.1:{self.port}"
-
-    def __exit__(self, *exc: object) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=10)
 
 
 def _wait_for(predicate: Any, what: str, timeout_s: float = 20.0) -> None:
@@ -287,8 +239,9 @@ def test_a_turn_the_client_abandoned_is_not_committed(
 
     with LoopbackWorker(generate=generate) as worker:
         cfg = SessionRouterConfig(upstream_url=worker.url, tokenizer=str(tok_dir))
-        server = _ServerThread(create_app(cfg, tokenizer=chat_tok))
-        with server as base:
+        # real sockets under uvicorn, so the client's disconnect is a real one
+        with AppServer(create_app(cfg, tokenizer=chat_tok), http="httptools") as server:
+            base = server.url
             sid = httpx.post(f"{base}/sessions", timeout=10).json()["session_id"]
             url = f"/sessions/{sid}/v1/chat/completions"
             body = json.dumps({"messages": [user("hi")], "rid": "slow"}).encode()
@@ -300,7 +253,10 @@ def test_a_turn_the_client_abandoned_is_not_committed(
             )
             _wait_for(lambda: len(worker.generate_requests) == 1, "the upstream call")
             client.close()  # the agent gives up before the reply
-            _wait_for(lambda: server.open_connections() == 0, "the server to see the disconnect")
+            _wait_for(
+                lambda: not server.server.server_state.connections,
+                "the server to see the disconnect",
+            )
             release.set()
 
             def abandoned() -> bool:

@@ -29,7 +29,6 @@ from posttrain.session_router import (
     SessionClient,
     SessionNotFoundError,
     SessionRouterConfig,
-    create_app,
     default_probe_body,
     start_router,
 )
@@ -202,7 +201,7 @@ time.sleep(600)
 
 
 def test_worker_killed_mid_turn_is_502_and_retryable(
-    router: RouterHandle, tok_dir: Path, chat_tok: Any, make_engine: Any
+    router: RouterHandle, tok_dir: Path, chat_tok: Any, make_engine: Any, app_client: Any
 ) -> None:
     port = free_port()
     argv = [sys.executable, "-c", _SLOW_WORKER, str(port), str(tok_dir)]
@@ -216,39 +215,33 @@ def test_worker_killed_mid_turn_is_502_and_retryable(
         router.add_worker(f"http://127.0.0.1:{port}")
 
         async def scenario() -> None:
-            app = create_app(cfg, tokenizer=chat_tok)
-            try:
-                async with httpx.AsyncClient(
-                    transport=httpx.ASGITransport(app=app), base_url="http://sr", timeout=30
-                ) as c:
-                    sid = (await c.post("/sessions")).json()["session_id"]
-                    url = f"/sessions/{sid}/v1/chat/completions"
-                    msgs: list[dict[str, Any]] = [{"role": "user", "content": "hi"}]
-                    r1 = await c.post(url, json={"messages": msgs})
-                    assert r1.status_code == 200
-                    assert r1.json()["choices"][0]["message"]["content"] == "reply from a"
-                    await asyncio.to_thread(router.add_worker, spare.url)
-                    msgs = [
-                        *msgs,
-                        r1.json()["choices"][0]["message"],
-                        {"role": "user", "content": "again"},
-                    ]
-                    loop = asyncio.get_running_loop()
-                    loop.call_later(0.5, os.kill, doomed.pid, signal.SIGKILL)
-                    r2 = await c.post(url, json={"messages": msgs, "rid": "slow-1"})
-                    assert r2.status_code == 502, r2.text
-                    assert len((await c.get(f"/sessions/{sid}")).json()["records"]) == 1
-                    # The launcher deregisters the dead worker; the same turn retried then succeeds.
-                    await asyncio.to_thread(router.remove_worker, f"http://127.0.0.1:{port}")
-                    r3 = await c.post(url, json={"messages": msgs})
-                    assert r3.status_code == 200, r3.text
-                    info = (await c.get(f"/sessions/{sid}")).json()
-                    assert len(info["records"]) == 2
-                    data = (await c.post(f"/sessions/{sid}/samples", json={})).content
-                    (sample,) = decode_samples(data).samples
-                    assert sample.tokens == info["metadata"]["accumulated_token_ids"]
-            finally:
-                await app.state.server.aclose()
+            async with app_client(cfg, tokenizer=chat_tok) as c:
+                sid = (await c.post("/sessions")).json()["session_id"]
+                url = f"/sessions/{sid}/v1/chat/completions"
+                msgs: list[dict[str, Any]] = [{"role": "user", "content": "hi"}]
+                r1 = await c.post(url, json={"messages": msgs})
+                assert r1.status_code == 200
+                assert r1.json()["choices"][0]["message"]["content"] == "reply from a"
+                await asyncio.to_thread(router.add_worker, spare.url)
+                msgs = [
+                    *msgs,
+                    r1.json()["choices"][0]["message"],
+                    {"role": "user", "content": "again"},
+                ]
+                loop = asyncio.get_running_loop()
+                loop.call_later(0.5, os.kill, doomed.pid, signal.SIGKILL)
+                r2 = await c.post(url, json={"messages": msgs, "rid": "slow-1"})
+                assert r2.status_code == 502, r2.text
+                assert len((await c.get(f"/sessions/{sid}")).json()["records"]) == 1
+                # The launcher deregisters the dead worker; the same turn retried then succeeds.
+                await asyncio.to_thread(router.remove_worker, f"http://127.0.0.1:{port}")
+                r3 = await c.post(url, json={"messages": msgs})
+                assert r3.status_code == 200, r3.text
+                info = (await c.get(f"/sessions/{sid}")).json()
+                assert len(info["records"]) == 2
+                data = (await c.post(f"/sessions/{sid}/samples", json={})).content
+                (sample,) = decode_samples(data).samples
+                assert sample.tokens == info["metadata"]["accumulated_token_ids"]
 
         try:
             asyncio.run(asyncio.wait_for(scenario(), timeout=45))
@@ -353,7 +346,7 @@ def test_cli_refuses_a_router_that_drops_fields(
 
 
 def test_sgl_router_admin_api_is_not_reachable_through_a_session(
-    router: RouterHandle, tok_dir: Path, chat_tok: Any, make_engine: Any
+    router: RouterHandle, tok_dir: Path, chat_tok: Any, make_engine: Any, app_client: Any
 ) -> None:
     """A session client cannot deregister engines or register a worker URL (issue #18)."""
     cfg = SessionRouterConfig(upstream_url=router.url, tokenizer=str(tok_dir))
@@ -363,38 +356,32 @@ def test_sgl_router_admin_api_is_not_reachable_through_a_session(
             (entry,) = router.list_workers()
 
             async def scenario() -> None:
-                app = create_app(cfg, tokenizer=chat_tok)
-                try:
-                    async with httpx.AsyncClient(
-                        transport=httpx.ASGITransport(app=app), base_url="http://sr", timeout=30
-                    ) as c:
-                        sid = (await c.post("/sessions")).json()["session_id"]
-                        url = f"/sessions/{sid}/v1/chat/completions"
-                        msgs: list[dict[str, Any]] = [{"role": "user", "content": "hi"}]
-                        r1 = await c.post(url, json={"messages": msgs})
-                        assert r1.status_code == 200, r1.text
-                        gone = await c.delete(f"/sessions/{sid}/workers/{entry['id']}")
-                        assert gone.status_code == 404, gone.text
-                        added = await c.post(
-                            f"/sessions/{sid}/workers", json={"url": "http://127.0.0.1:9"}
-                        )
-                        assert added.status_code == 404, added.text
-                        listed = await c.get(f"/sessions/{sid}/workers")
-                        assert listed.status_code == 404
-                        flushed = await c.post(f"/sessions/{sid}/flush_cache")
-                        assert flushed.status_code == 404
-                        # read-only information still passes through
-                        models = await c.get(f"/sessions/{sid}/v1/models")
-                        assert models.status_code == 200, models.text
-                        msgs = [
-                            *msgs,
-                            r1.json()["choices"][0]["message"],
-                            {"role": "user", "content": "again"},
-                        ]
-                        r2 = await c.post(url, json={"messages": msgs})
-                        assert r2.status_code == 200, r2.text
-                finally:
-                    await app.state.server.aclose()
+                async with app_client(cfg, tokenizer=chat_tok) as c:
+                    sid = (await c.post("/sessions")).json()["session_id"]
+                    url = f"/sessions/{sid}/v1/chat/completions"
+                    msgs: list[dict[str, Any]] = [{"role": "user", "content": "hi"}]
+                    r1 = await c.post(url, json={"messages": msgs})
+                    assert r1.status_code == 200, r1.text
+                    gone = await c.delete(f"/sessions/{sid}/workers/{entry['id']}")
+                    assert gone.status_code == 404, gone.text
+                    added = await c.post(
+                        f"/sessions/{sid}/workers", json={"url": "http://127.0.0.1:9"}
+                    )
+                    assert added.status_code == 404, added.text
+                    listed = await c.get(f"/sessions/{sid}/workers")
+                    assert listed.status_code == 404
+                    flushed = await c.post(f"/sessions/{sid}/flush_cache")
+                    assert flushed.status_code == 404
+                    # read-only information still passes through
+                    models = await c.get(f"/sessions/{sid}/v1/models")
+                    assert models.status_code == 200, models.text
+                    msgs = [
+                        *msgs,
+                        r1.json()["choices"][0]["message"],
+                        {"role": "user", "content": "again"},
+                    ]
+                    r2 = await c.post(url, json={"messages": msgs})
+                    assert r2.status_code == 200, r2.text
 
             asyncio.run(asyncio.wait_for(scenario(), timeout=45))
             assert router.workers() == [worker.url]  # still registered, nothing added

@@ -33,8 +33,6 @@ from posttrain.interface import Sample, SampleStatus, WireFormatError, parse_wei
 from posttrain.session_router._errors import SampleAssemblyError
 from posttrain.session_router.tito import TurnRecord
 
-STUDENT_TOP_KEY = STUDENT_TOP_LOGPROBS_KEY  # ``posttrain.opd`` reads the student's rows there
-
 _STATUS = {
     "stop": SampleStatus.COMPLETED,
     "tool_calls": SampleStatus.COMPLETED,
@@ -119,7 +117,7 @@ def trim_turns(
                 loss_mask=[1] * matched,
                 status=status_of(rec.finish_reason),
                 weight_version=_weight_version(rec),
-                metadata={} if rows is None else {STUDENT_TOP_KEY: rows[:matched]},
+                metadata={} if rows is None else {STUDENT_TOP_LOGPROBS_KEY: rows[:matched]},
             )
         )
     if records and cursor != len(accumulated):
@@ -175,7 +173,10 @@ def merge_turns(turns: Sequence[Sample]) -> tuple[Sample | None, int]:
                 f"turns[{i}]: the previous turns' tokens are not a strict prefix of its prompt "
                 f"(observation length {obs})"
             )
-        rows_a, rows_b = merged.metadata.get(STUDENT_TOP_KEY), nxt.metadata.get(STUDENT_TOP_KEY)
+        rows_a, rows_b = (
+            merged.metadata.get(STUDENT_TOP_LOGPROBS_KEY),
+            nxt.metadata.get(STUDENT_TOP_LOGPROBS_KEY),
+        )
         merged = Sample(
             prompt_ids=merged.prompt_ids,
             response_ids=merged.response_ids + b_tokens[len(a_tokens) :],
@@ -185,7 +186,7 @@ def merge_turns(turns: Sequence[Sample]) -> tuple[Sample | None, int]:
             weight_version=nxt.weight_version,
             metadata={}
             if rows_a is None or rows_b is None
-            else {STUDENT_TOP_KEY: rows_a + [[]] * obs + rows_b},
+            else {STUDENT_TOP_LOGPROBS_KEY: rows_a + [[]] * obs + rows_b},
         )
         used += 1
     return merged, used
