@@ -37,25 +37,9 @@ safetensors writer) load their modules on first use
 * Atomic writes with directory fsync: ``write_bytes_atomic``, ``write_text_atomic``,
   ``AtomicFile``, ``atomic_directory``, ``replace_directory``, ``fsync_dir``, ``fsync_tree``.
 
-Error tree (rooted in ``posttrain.interface.PosttrainError``)::
-
-    FormatsError                     a payload, file or request in one of our formats is invalid
-    ├── FormatsConfigError (ConfigError)      a bad argument: adapter name, bucket size, ring
-    ├── SamplesFormatError (WireFormatError)  a samples/1 payload is malformed (.field)
-    ├── BucketFormatError (WireFormatError)   a wsync/1 bucket disagrees with its manifest
-    │                                         or its bytes (.field)
-    ├── AdapterPayloadError (WireFormatError) an adapter push body is malformed, or a
-    │                                         tensor disagrees with its checksum (.field)
-    ├── NVFP4FormatError (ValueError)  an NVFP4 tensor group or quant config is malformed
-    └── PeftFormatError (ValueError)   a PEFT LoRA adapter is malformed
-        ├── PeftConfigError            adapter_config.json: not an object, a field missing or
-        │                              invalid, target_modules that do not select the tensors
-        └── PeftTensorError            adapter_model.safetensors: corrupt, a non-PEFT key, a
-            │                          non-float dtype, a shape that disagrees with r,
-            │                          a factor without its pair
-            └── PeftNonFiniteError     a factor holds NaN or Inf
-
-Atomic writes raise ``OSError`` as the operating system reports it; the target is left as it was.
+Errors: every one is a ``FormatsError`` (a ``posttrain.interface.PosttrainError``), one subtree
+per format; the tree is drawn once, in ``_errors.py``'s docstring. Atomic writes raise
+``OSError`` as the operating system reports it; the target is left as it was.
 """
 
 from __future__ import annotations
