@@ -12,30 +12,30 @@ and httpx (for the one client it owns).
   reads its manifest alone), and the trainer-side
   ``WeightSink`` client ``WeightPushClient`` with ``push_weights`` and ``ShmRing``.
 
-Importing the package is light: the names that need torch (wsync/1, NVFP4, PEFT, the
-safetensors writer) load their modules on first use
-(PEP 562), so a session server that needs only the LoRA fields and samples/1 never imports torch.
-
-* NVFP4 tensors (ModelOpt layout): ``nvfp4_layout`` (names, dtypes, shapes),
+- NVFP4 tensors (ModelOpt layout): ``nvfp4_layout`` (names, dtypes, shapes),
   ``pack_e2m1_codes`` / ``unpack_e2m1_codes`` / ``e2m1_code_values``, ``dequantize_nvfp4``,
   ``dequantize_nvfp4_state_dict``, and the checkpoint's quant config
   (``nvfp4_config_sections`` / ``read_nvfp4_quant_config``).
-* PEFT LoRA adapters: ``write_peft_adapter`` / ``read_peft_adapter``, key normalisation
+- PEFT LoRA adapters: ``write_peft_adapter`` / ``read_peft_adapter``, key normalisation
   (``peft_key``, ``parse_peft_key``, ``peft_modules``), ``adapter_config.json`` <-> ``LoraSpec``
   (``peft_config_from_spec`` / ``parse_peft_config``), ``build_peft_adapter`` for tensors that
   arrive without a directory.
-* safetensors writing without numpy: ``write_safetensors``, ``safetensors_header`` (the
+- safetensors writing without numpy: ``write_safetensors``, ``safetensors_header`` (the
   layout, for writers that stream), ``tensor_bytes``, ``SAFETENSORS_DTYPES``.
-* The LoRA forward: ``lora_delta`` computes ``linear(reduce(linear(x, A)), B) * scaling`` with
+- The LoRA forward: ``lora_delta`` computes ``linear(reduce(linear(x, A)), B) * scaling`` with
   the caller's kernel (``LinearKernel``; ``matmul_kernel`` by default), the one op order the
   trainer (``lora-core``) and the engines (``models``' adapter hook) share.
-* The adapter push payload (``/load_lora_adapter_from_tensors``): ``adapter_push_body`` with
+- The adapter push payload (``/load_lora_adapter_from_tensors``): ``adapter_push_body`` with
   ``encode_safetensors_b64`` and ``tensor_sha256`` checksums (``lora-core``'s client writes it),
   ``decode_adapter_payload`` and ``verify_adapter_checksums`` (the engine reads it).
-* Finite weights: ``check_finite`` / ``count_non_finite``, the one NaN/Inf check (one
+- Finite weights: ``check_finite`` / ``count_non_finite``, the one NaN/Inf check (one
   ``aminmax`` pass) that the PEFT and NVFP4 readers and the engines run.
-* Atomic writes with directory fsync: ``write_bytes_atomic``, ``write_text_atomic``,
+- Atomic writes with directory fsync: ``write_bytes_atomic``, ``write_text_atomic``,
   ``AtomicFile``, ``atomic_directory``, ``replace_directory``, ``fsync_dir``, ``fsync_tree``.
+
+Importing the package is light: every name that needs torch (all but the LoRA fields, samples/1,
+atomic writes and the errors) loads its module on first use (PEP 562, ``_NEEDS_TORCH`` below),
+so a session server that needs only the LoRA fields and samples/1 never imports torch.
 
 Errors: every one is a ``FormatsError`` (a ``posttrain.interface.PosttrainError``), one subtree
 per format; the tree is drawn once, in ``_errors.py``'s docstring. Atomic writes raise
@@ -150,8 +150,7 @@ if TYPE_CHECKING:
     )
     from posttrain.formats._weight_push import ShmRing, WeightPushClient, push_weights
 
-# The wsync/1, adapter-payload, NVFP4, PEFT, LoRA-forward, finiteness and safetensors-writer names need torch: their modules load on
-# first use of a name.
+# Module -> the names that need torch (see the docstring): loaded by __getattr__ on first use.
 _NEEDS_TORCH = {
     "_adapter_payload": (
         "ADAPTER_LOAD_FORMATS",
