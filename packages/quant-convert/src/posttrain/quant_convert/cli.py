@@ -2,7 +2,7 @@
 
 argparse rather than typer because the flags are miles' (``--extra-high-precision-layers-hf``
 takes several values after one flag, ``--resume/--no-resume`` pairs) and unknown flags must be
-errors (miles' ``parse_known_args`` swallowed them). Progress is a tqdm bar over source bytes.
+errors (miles' ``parse_known_args`` swallowed them). Progress is a rich bar over source bytes.
 """
 
 from __future__ import annotations
