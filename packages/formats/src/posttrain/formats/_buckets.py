@@ -229,15 +229,21 @@ def unpack_bucket(
     ``total_bytes``, no name twice) its validators already refused when it was built.
     """
     buf = _bucket_buffer(manifest, payload)
-    if manifest.sha256 is not None:
-        digest = _digest(buf[: manifest.total_bytes])
-        if digest != manifest.sha256:
-            raise BucketFormatError(
-                f"manifest.sha256: bucket {manifest.bucket_index} of update "
-                f"{manifest.update_id!r} hashes to {digest}, manifest says {manifest.sha256}",
-                field="manifest.sha256",
-            )
+    _check_digest(manifest, buf)
     return _views(manifest, buf)
+
+
+def _check_digest(manifest: BucketManifest, buf: torch.Tensor) -> None:
+    """Refuse ``buf`` (at least ``total_bytes`` long) when it disagrees with the manifest's sha256."""
+    if manifest.sha256 is None:
+        return
+    digest = _digest(buf[: manifest.total_bytes])
+    if digest != manifest.sha256:
+        raise BucketFormatError(
+            f"manifest.sha256: bucket {manifest.bucket_index} of update "
+            f"{manifest.update_id!r} hashes to {digest}, manifest says {manifest.sha256}",
+            field="manifest.sha256",
+        )
 
 
 def _views(manifest: BucketManifest, buf: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -345,7 +351,7 @@ def decode_bucket_body(body: bytes) -> tuple[BucketManifest, dict[str, torch.Ten
             if entry.nbytes:
                 src = tensors[entry.name].contiguous().reshape(-1).view(torch.uint8)
                 flat[entry.offset : entry.end].copy_(src)
-        unpack_bucket(manifest, flat)  # checks the digest
+        _check_digest(manifest, flat)
     return manifest, tensors
 
 
