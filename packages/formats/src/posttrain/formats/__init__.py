@@ -102,7 +102,6 @@ if TYPE_CHECKING:
         expected_tensors,
         pack_bucket,
         plan_buckets,
-        safetensors_metadata,
         tensors_sha256,
         unpack_bucket,
     )
@@ -171,7 +170,6 @@ _NEEDS_TORCH = {
         "expected_tensors",
         "pack_bucket",
         "plan_buckets",
-        "safetensors_metadata",
         "tensors_sha256",
         "unpack_bucket",
     ),
@@ -294,7 +292,6 @@ __all__ = [
     "replace_directory",
     "request_fields",
     "safetensors_header",
-    "safetensors_metadata",
     "serves_lora",
     "tensor_bytes",
     "tensor_sha256",
