@@ -64,6 +64,18 @@ def test_bad_json_fields_are_named(changes: dict[str, object], field: str) -> No
     assert info.value.field == field
 
 
+@pytest.mark.parametrize(
+    "raw",
+    [b"xx", (1 << 40).to_bytes(8, "little") + b"{}", (2).to_bytes(8, "little") + b"[]", b"\0" * 8],
+)
+def test_a_bad_raw_body_is_an_adapter_payload_error(raw: bytes) -> None:
+    # The raw form's header is read before its tensors; a bad one is this format's error,
+    # not another format's (it was a wsync/1 BucketFormatError).
+    with pytest.raises(AdapterPayloadError) as info:
+        decode_adapter_payload(raw, "application/octet-stream")
+    assert info.value.field
+
+
 def test_checksum_mismatch_and_unknown_names() -> None:
     wrong = decode_adapter_payload(
         _json_body(expected_checksums={KEY: "0" * 64}), "application/json"

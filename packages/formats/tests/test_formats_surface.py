@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import posttrain.formats as formats
+from posttrain.formats import _errors
 from posttrain.interface import PosttrainError
 
 
@@ -29,7 +30,7 @@ def test_all_is_exactly_the_public_surface() -> None:
 
 
 def test_error_tree_is_documented_once() -> None:
-    doc = formats.__doc__ or ""
+    doc = _errors.__doc__ or ""
     for name in formats.__all__:
         value = getattr(formats, name)
         if isinstance(value, type) and issubclass(value, BaseException):

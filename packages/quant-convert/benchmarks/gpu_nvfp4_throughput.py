@@ -2,9 +2,10 @@
 
 Also checks that the CUDA result is bit-identical to the CPU result (the quantizer is pure
 torch; both must follow IEEE fp32 with round-to-nearest-even) for the default and 4-over-6
-configs, and times a gate/up pair. Self-contained: needs only torch (+ numpy); if the
-interface package's pydantic is missing, a minimal stand-in for ``posttrain.interface`` is
-installed before importing the quantizer (only its error classes are used here).
+configs, and times a gate/up pair. Needs the interface, formats and quant-convert sources and
+their light dependencies (pydantic, numpy, safetensors, httpx; ``tools/gpu/prepare.sh``
+installs those a GPU image lacks). There is no stand-in for a missing one: importing the quantizer imports
+``posttrain.formats``, which needs most of ``posttrain.interface``.
 
     PYTHONPATH=packages/interface/src:packages/formats/src:packages/quant-convert/src \
         python packages/quant-convert/benchmarks/gpu_nvfp4_throughput.py [--device cpu --small]
@@ -17,37 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
-import types
-
-
-def _import_quantizer() -> types.ModuleType:
-    try:
-        import posttrain.interface  # noqa: F401
-    except ImportError:  # no pydantic on the GPU box: stand in for the few names used
-        stub = types.ModuleType("posttrain.interface")
-
-        class PosttrainError(Exception):
-            pass
-
-        class ConfigError(PosttrainError, ValueError):
-            pass
-
-        class NVFP4Precision:  # never instantiated here
-            pass
-
-        class LoraSpec:  # imported by posttrain.formats, never used here
-            pass
-
-        stub.PosttrainError = PosttrainError  # type: ignore[attr-defined]
-        stub.ConfigError = ConfigError  # type: ignore[attr-defined]
-        stub.NVFP4Precision = NVFP4Precision  # type: ignore[attr-defined]
-        stub.LoraSpec = LoraSpec  # type: ignore[attr-defined]
-        sys.modules["posttrain.interface"] = stub
-    import posttrain.quant_convert.nvfp4 as nvfp4
-
-    return nvfp4
 
 
 def main() -> None:
@@ -58,7 +29,8 @@ def main() -> None:
     ap.add_argument("--small", action="store_true", help="tiny shapes (a CPU dry run)")
     ap.add_argument("--repeats", type=int, default=10)
     args = ap.parse_args()
-    nvfp4 = _import_quantizer()
+    import posttrain.quant_convert.nvfp4 as nvfp4
+
     dev = torch.device(args.device)
     rows, cols, n = (256, 512, 2) if args.small else (8192, 7168, 8)
     g = torch.Generator().manual_seed(0)

@@ -12,50 +12,34 @@ and httpx (for the one client it owns).
   reads its manifest alone), and the trainer-side
   ``WeightSink`` client ``WeightPushClient`` with ``push_weights`` and ``ShmRing``.
 
-Importing the package is light: the names that need torch (wsync/1, NVFP4, PEFT, the
-safetensors writer) load their modules on first use
-(PEP 562), so a session server that needs only the LoRA fields and samples/1 never imports torch.
-
-* NVFP4 tensors (ModelOpt layout): ``nvfp4_layout`` (names, dtypes, shapes),
+- NVFP4 tensors (ModelOpt layout): ``nvfp4_layout`` (names, dtypes, shapes),
   ``pack_e2m1_codes`` / ``unpack_e2m1_codes`` / ``e2m1_code_values``, ``dequantize_nvfp4``,
   ``dequantize_nvfp4_state_dict``, and the checkpoint's quant config
   (``nvfp4_config_sections`` / ``read_nvfp4_quant_config``).
-* PEFT LoRA adapters: ``write_peft_adapter`` / ``read_peft_adapter``, key normalisation
+- PEFT LoRA adapters: ``write_peft_adapter`` / ``read_peft_adapter``, key normalisation
   (``peft_key``, ``parse_peft_key``, ``peft_modules``), ``adapter_config.json`` <-> ``LoraSpec``
   (``peft_config_from_spec`` / ``parse_peft_config``), ``build_peft_adapter`` for tensors that
   arrive without a directory.
-* safetensors writing without numpy: ``write_safetensors``, ``safetensors_header`` (the
+- safetensors writing without numpy: ``write_safetensors``, ``safetensors_header`` (the
   layout, for writers that stream), ``tensor_bytes``, ``SAFETENSORS_DTYPES``.
-* The LoRA forward: ``lora_delta`` computes ``linear(reduce(linear(x, A)), B) * scaling`` with
+- The LoRA forward: ``lora_delta`` computes ``linear(reduce(linear(x, A)), B) * scaling`` with
   the caller's kernel (``LinearKernel``; ``matmul_kernel`` by default), the one op order the
   trainer (``lora-core``) and the engines (``models``' adapter hook) share.
-* The adapter push payload (``/load_lora_adapter_from_tensors``): ``adapter_push_body`` with
+- The adapter push payload (``/load_lora_adapter_from_tensors``): ``adapter_push_body`` with
   ``encode_safetensors_b64`` and ``tensor_sha256`` checksums (``lora-core``'s client writes it),
   ``decode_adapter_payload`` and ``verify_adapter_checksums`` (the engine reads it).
-* Finite weights: ``check_finite`` / ``count_non_finite``, the one NaN/Inf check (one
+- Finite weights: ``check_finite`` / ``count_non_finite``, the one NaN/Inf check (one
   ``aminmax`` pass) that the PEFT and NVFP4 readers and the engines run.
-* Atomic writes with directory fsync: ``write_bytes_atomic``, ``write_text_atomic``,
+- Atomic writes with directory fsync: ``write_bytes_atomic``, ``write_text_atomic``,
   ``AtomicFile``, ``atomic_directory``, ``replace_directory``, ``fsync_dir``, ``fsync_tree``.
 
-Error tree (rooted in ``posttrain.interface.PosttrainError``)::
+Importing the package is light: every name that needs torch (all but the LoRA fields, samples/1,
+atomic writes and the errors) loads its module on first use (PEP 562, ``_NEEDS_TORCH`` below),
+so a session server that needs only the LoRA fields and samples/1 never imports torch.
 
-    FormatsError                     a payload, file or request in one of our formats is invalid
-    ├── FormatsConfigError (ConfigError)      a bad argument: adapter name, bucket size, ring
-    ├── SamplesFormatError (WireFormatError)  a samples/1 payload is malformed (.field)
-    ├── BucketFormatError (WireFormatError)   a wsync/1 bucket disagrees with its manifest
-    │                                         or its bytes (.field)
-    ├── AdapterPayloadError (WireFormatError) an adapter push body is malformed, or a
-    │                                         tensor disagrees with its checksum (.field)
-    ├── NVFP4FormatError (ValueError)  an NVFP4 tensor group or quant config is malformed
-    └── PeftFormatError (ValueError)   a PEFT LoRA adapter is malformed
-        ├── PeftConfigError            adapter_config.json: not an object, a field missing or
-        │                              invalid, target_modules that do not select the tensors
-        └── PeftTensorError            adapter_model.safetensors: corrupt, a non-PEFT key, a
-            │                          non-float dtype, a shape that disagrees with r,
-            │                          a factor without its pair
-            └── PeftNonFiniteError     a factor holds NaN or Inf
-
-Atomic writes raise ``OSError`` as the operating system reports it; the target is left as it was.
+Errors: every one is a ``FormatsError`` (a ``posttrain.interface.PosttrainError``), one subtree
+per format; the tree is drawn once, in ``_errors.py``'s docstring. Atomic writes raise
+``OSError`` as the operating system reports it; the target is left as it was.
 """
 
 from __future__ import annotations
@@ -118,7 +102,6 @@ if TYPE_CHECKING:
         expected_tensors,
         pack_bucket,
         plan_buckets,
-        safetensors_metadata,
         tensors_sha256,
         unpack_bucket,
     )
@@ -166,8 +149,7 @@ if TYPE_CHECKING:
     )
     from posttrain.formats._weight_push import ShmRing, WeightPushClient, push_weights
 
-# The wsync/1, adapter-payload, NVFP4, PEFT, LoRA-forward, finiteness and safetensors-writer names need torch: their modules load on
-# first use of a name.
+# Module -> the names that need torch (see the docstring): loaded by __getattr__ on first use.
 _NEEDS_TORCH = {
     "_adapter_payload": (
         "ADAPTER_LOAD_FORMATS",
@@ -188,7 +170,6 @@ _NEEDS_TORCH = {
         "expected_tensors",
         "pack_bucket",
         "plan_buckets",
-        "safetensors_metadata",
         "tensors_sha256",
         "unpack_bucket",
     ),
@@ -311,7 +292,6 @@ __all__ = [
     "replace_directory",
     "request_fields",
     "safetensors_header",
-    "safetensors_metadata",
     "serves_lora",
     "tensor_bytes",
     "tensor_sha256",

@@ -28,9 +28,8 @@ from safetensors import SafetensorError
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-from posttrain.formats._buckets import safetensors_metadata
 from posttrain.formats._errors import AdapterPayloadError
-from posttrain.formats._safetensors import tensor_bytes
+from posttrain.formats._safetensors import safetensors_metadata, tensor_bytes
 
 __all__ = [
     "ADAPTER_LOAD_FORMATS",
@@ -104,7 +103,7 @@ def decode_adapter_payload(body: bytes, content_type: str) -> AdapterPayload:
     """Decode either body form; raises ``AdapterPayloadError`` naming the bad field."""
     if content_type.split(";")[0].strip().lower() == "application/json":
         return _decode_json(body)
-    meta = safetensors_metadata(body)
+    meta = safetensors_metadata(body, AdapterPayloadError)
     name = meta.get("lora_name")
     if not name:
         raise AdapterPayloadError("__metadata__.lora_name: missing", field="__metadata__.lora_name")

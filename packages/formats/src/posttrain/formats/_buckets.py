@@ -20,8 +20,6 @@ than the cap travels alone in its own bucket.
 from __future__ import annotations
 
 import hashlib
-import json
-import struct
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Literal
 
@@ -30,6 +28,7 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from posttrain.formats._errors import BucketFormatError
+from posttrain.formats._safetensors import safetensors_metadata
 from posttrain.interface import (
     BUCKET_ALIGNMENT,
     WIRE_DTYPES,
@@ -229,15 +228,21 @@ def unpack_bucket(
     ``total_bytes``, no name twice) its validators already refused when it was built.
     """
     buf = _bucket_buffer(manifest, payload)
-    if manifest.sha256 is not None:
-        digest = _digest(buf[: manifest.total_bytes])
-        if digest != manifest.sha256:
-            raise BucketFormatError(
-                f"manifest.sha256: bucket {manifest.bucket_index} of update "
-                f"{manifest.update_id!r} hashes to {digest}, manifest says {manifest.sha256}",
-                field="manifest.sha256",
-            )
+    _check_digest(manifest, buf)
     return _views(manifest, buf)
+
+
+def _check_digest(manifest: BucketManifest, buf: torch.Tensor) -> None:
+    """Refuse ``buf`` (at least ``total_bytes`` long) when it disagrees with the manifest's sha256."""
+    if manifest.sha256 is None:
+        return
+    digest = _digest(buf[: manifest.total_bytes])
+    if digest != manifest.sha256:
+        raise BucketFormatError(
+            f"manifest.sha256: bucket {manifest.bucket_index} of update "
+            f"{manifest.update_id!r} hashes to {digest}, manifest says {manifest.sha256}",
+            field="manifest.sha256",
+        )
 
 
 def _views(manifest: BucketManifest, buf: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -268,32 +273,13 @@ def encode_bucket_body(
     return bytes(st_save(tensors, metadata={MANIFEST_KEY: manifest.to_json()}))
 
 
-def safetensors_metadata(body: bytes) -> dict[str, str]:
-    """The ``__metadata__`` of a safetensors file, read from its header alone."""
-    if len(body) < 8:
-        raise BucketFormatError("body: too short for a safetensors file", field="body")
-    (n,) = struct.unpack("<Q", body[:8])
-    if n > len(body) - 8:
-        raise BucketFormatError(f"body: safetensors header of {n} bytes overruns", field="body")
-    try:
-        header = json.loads(body[8 : 8 + n])
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise BucketFormatError(f"body: safetensors header is not JSON ({e})", field="body") from e
-    if not isinstance(header, dict):
-        raise BucketFormatError("body: safetensors header is not an object", field="body")
-    meta = header.get("__metadata__") or {}
-    if not isinstance(meta, dict):
-        raise BucketFormatError("body: __metadata__ is not an object", field="__metadata__")
-    return {str(k): str(v) for k, v in meta.items()}
-
-
 def bucket_body_manifest(body: bytes) -> BucketManifest:
     """The manifest a bucket's HTTP body carries, read from its safetensors header alone.
 
     A receiver reads it first to know which update a body belongs to, so that a body whose
     tensors then fail to decode refuses that update (``decode_bucket_body`` checks them).
     """
-    meta = safetensors_metadata(body)
+    meta = safetensors_metadata(body, BucketFormatError)
     if MANIFEST_KEY not in meta:
         raise BucketFormatError(
             "__metadata__.manifest: missing (the bucket manifest as JSON)",
@@ -345,7 +331,7 @@ def decode_bucket_body(body: bytes) -> tuple[BucketManifest, dict[str, torch.Ten
             if entry.nbytes:
                 src = tensors[entry.name].contiguous().reshape(-1).view(torch.uint8)
                 flat[entry.offset : entry.end].copy_(src)
-        unpack_bucket(manifest, flat)  # checks the digest
+        _check_digest(manifest, flat)
     return manifest, tensors
 
 

@@ -35,6 +35,7 @@ import torch
 
 from posttrain.formats._errors import NVFP4FormatError
 from posttrain.formats._finite import value_range
+from posttrain.formats._safetensors import SAFETENSORS_DTYPES
 
 __all__ = [
     "E2M1_VALUES",
@@ -60,11 +61,11 @@ E2M1_VALUES: tuple[float, ...] = (
 
 NVFP4Part = Literal["weight", "weight_scale", "weight_scale_2", "input_scale"]
 
-_DTYPES: dict[str, tuple[torch.dtype, str]] = {
-    "weight": (torch.uint8, "U8"),
-    "weight_scale": (torch.float8_e4m3fn, "F8_E4M3"),
-    "weight_scale_2": (torch.float32, "F32"),
-    "input_scale": (torch.float32, "F32"),
+_DTYPES: dict[NVFP4Part, torch.dtype] = {
+    "weight": torch.uint8,
+    "weight_scale": torch.float8_e4m3fn,
+    "weight_scale_2": torch.float32,
+    "input_scale": torch.float32,
 }
 # Scales a ModelOpt checkpoint may carry besides the weight's; all are dropped on dequantizing.
 _SCALE_SUFFIXES = (".weight_scale", ".weight_scale_2", ".input_scale", ".k_scale", ".v_scale")
@@ -77,8 +78,12 @@ class NVFP4TensorSpec:
     name: str
     part: NVFP4Part
     dtype: torch.dtype
-    safetensors_dtype: str
     shape: tuple[int, ...]
+
+    @property
+    def safetensors_dtype(self) -> str:
+        """The dtype's name in a safetensors header (``U8``, ``F8_E4M3``, ``F32``)."""
+        return SAFETENSORS_DTYPES[self.dtype]
 
 
 def nvfp4_layout(
@@ -111,8 +116,7 @@ def nvfp4_layout(
         NVFP4TensorSpec(
             name=f"{module}.{part}",
             part=part,
-            dtype=_DTYPES[part][0],
-            safetensors_dtype=_DTYPES[part][1],
+            dtype=_DTYPES[part],
             shape=s,
         )
         for part, s in shapes.items()

@@ -8,18 +8,23 @@ header order.
 Why not the safetensors library's torch writer: it needs numpy (for a data pointer), which
 ``posttrain-formats`` does not depend on, and it cannot stream a file whose tensors do not fit
 in memory together (quant-convert lays the header out first, then appends tensors one at a
-time). Reading stays with the library, whose parser bounds-checks the header against the file.
+time). Reading stays with the library, whose parser bounds-checks the header against the file;
+only ``safetensors_metadata`` reads the header's ``__metadata__`` alone, so that a receiver
+learns what a body is (a wsync/1 bucket's manifest, an adapter's name) before decoding it.
 """
 
 from __future__ import annotations
 
 import ctypes
 import json
+import struct
 import sys
 from collections.abc import Mapping, Sequence
 from typing import Any, BinaryIO
 
 import torch
+
+from posttrain.interface import WireFormatError
 
 __all__ = ["SAFETENSORS_DTYPES", "safetensors_header", "tensor_bytes", "write_safetensors"]
 
@@ -94,3 +99,26 @@ def write_safetensors(
     f.write(head)
     for t in tensors.values():
         f.write(tensor_bytes(t))
+
+
+def safetensors_metadata(body: bytes, error: type[WireFormatError]) -> dict[str, str]:
+    """The ``__metadata__`` of safetensors bytes, read from the header alone.
+
+    A body too short, a header that overruns it or is not a JSON object raises ``error`` (the
+    caller's format error: a bucket's, an adapter payload's) naming the field.
+    """
+    if len(body) < 8:
+        raise error("body: too short for a safetensors file", field="body")
+    (n,) = struct.unpack("<Q", body[:8])
+    if n > len(body) - 8:
+        raise error(f"body: safetensors header of {n} bytes overruns", field="body")
+    try:
+        header = json.loads(body[8 : 8 + n])
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise error(f"body: safetensors header is not JSON ({e})", field="body") from e
+    if not isinstance(header, dict):
+        raise error("body: safetensors header is not an object", field="body")
+    meta = header.get("__metadata__") or {}
+    if not isinstance(meta, dict):
+        raise error("body: __metadata__ is not an object", field="__metadata__")
+    return {str(k): str(v) for k, v in meta.items()}

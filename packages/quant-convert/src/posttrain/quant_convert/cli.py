@@ -2,7 +2,7 @@
 
 argparse rather than typer because the flags are miles' (``--extra-high-precision-layers-hf``
 takes several values after one flag, ``--resume/--no-resume`` pairs) and unknown flags must be
-errors (miles' ``parse_known_args`` swallowed them). Progress is a tqdm bar over source bytes.
+errors (miles' ``parse_known_args`` swallowed them). Progress is a rich bar over source bytes.
 """
 
 from __future__ import annotations
@@ -260,7 +260,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.dry_run:
         print(f"plan: {args.model_dir} -> {args.save_dir} ({len(plan.shards)} shards)")
         for s in plan.shards:
-            nq = sum(1 for o in s.outputs if o.kind == "packed")
+            nq = sum(1 for o in s.outputs if o.kind == "weight")
             print(f"  {s.file}: {_gib(s.source_bytes)} -> {_gib(s.output_bytes)}, {nq} quantized")
         print(f"exclusion list ({plan.options.exclusion_style}, {len(plan.exclusions.entries)}):")
         for e in plan.exclusions.entries:

@@ -173,7 +173,7 @@ class _Run:
                         writer.write(out.name, b"")
                         self._tick(shard.file, reader.entries[out.source].nbytes)
                         continue
-                    if out.kind != "packed":
+                    if out.kind != "weight":
                         continue  # scales are written together with their weight below
                     w = held.pop(out.source, None)
                     if w is None:

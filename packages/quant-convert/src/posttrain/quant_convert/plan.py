@@ -33,13 +33,8 @@ FORMAT_VERSION = 1
 _SCALE_SUFFIXES = ("weight_scale", "weight_scale_2", "input_scale", "weight_scale_inv",
                    "k_scale", "v_scale", "weight_global_scale", "weight_packed")  # fmt: skip
 _UNQUANTIZED_METHODS = (None, "", "bf16")
-OutputKind = Literal["copy", "packed", "scale", "scale_2", "input_scale"]
-_KIND: dict[NVFP4Part, OutputKind] = {
-    "weight": "packed",
-    "weight_scale": "scale",
-    "weight_scale_2": "scale_2",
-    "input_scale": "input_scale",
-}
+OutputKind = Literal["copy"] | NVFP4Part
+"""``copy``: a source tensor written unchanged; else the NVFP4 part (``weight`` holds the codes)."""
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -297,8 +292,7 @@ def _plan_shard(
                 continue
             layout = nvfp4_layout(g.name, g.shape, input_scale=options.input_scale is not None)
             new = [
-                OutputTensor(t.name, t.safetensors_dtype, t.shape, g.name, _KIND[t.part])
-                for t in layout
+                OutputTensor(t.name, t.safetensors_dtype, t.shape, g.name, t.part) for t in layout
             ]
             for o in new[1:]:
                 if o.name in all_names:
