@@ -18,6 +18,18 @@ from posttrain.session_router import (
 )
 
 
+class _DeletesFail(httpx.AsyncBaseTransport):
+    """Passes every request to ``inner`` but DELETE, which fails to connect."""
+
+    def __init__(self, inner: httpx.AsyncBaseTransport) -> None:
+        self.inner = inner
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        if request.method == "DELETE":
+            raise httpx.ConnectError("connection refused", request=request)
+        return await self.inner.handle_async_request(request)
+
+
 def user(text: str) -> dict[str, str]:
     return {"role": "user", "content": text}
 
@@ -313,6 +325,14 @@ def test_rollout_client_is_a_rollout_engine_one_session_per_rollout(
                 with pytest.raises(TransportError, match="answered 400"):
                     await client.rollout([user("hi")], weight_version=6)
                 assert server.sessions == {}
+                # A delete that fails as well does not hide why the turn failed.
+                failing["left"] = 1
+                async with SessionRolloutClient(
+                    "http://sr", transport=_DeletesFail(httpx.ASGITransport(app=app))
+                ) as flaky:
+                    with pytest.raises(TransportError, match="answered 400"):
+                        await flaky.rollout([user("hi")], weight_version=6)
+                server.sessions.clear()  # the session that delete could not remove
                 # Serving an adapter without a version: refused when the session is created.
                 with pytest.raises(TransportError, match="a weight version is required"):
                     await client.rollout([user("hi")])

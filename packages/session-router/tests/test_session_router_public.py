@@ -39,3 +39,5 @@ def test_error_tree_is_rooted_in_posttrain_error() -> None:
     assert issubclass(sr.SessionRouterError, PosttrainError)
     assert issubclass(sr.UpstreamReplyError, TransportError)
     assert issubclass(sr.RouterStartError, TransportError)
+    assert issubclass(sr.UpstreamTimeoutError, sr.UpstreamTransportError)
+    assert issubclass(sr.UpstreamTimeoutError, TransportError)

@@ -92,7 +92,8 @@ def build_local_stack(cfg: LocalStackConfig) -> Plan:
             f"lora: {len(cfg.loras)} adapters ({', '.join(names)}) given, but the session "
             "router injects exactly one adapter per rollout; pass one --lora"
         )
-    # Every port the stack needs, chosen together so that no two of them are the same.
+    # Every port the stack may need (engines, router, session router, metrics, teacher), chosen
+    # together so that no two are the same; the ones given on the command line go unused.
     spare = iter(free_ports(cfg.engines + 4))
     ports = cfg.engine_ports or tuple(next(spare) for _ in range(cfg.engines))
     router_port = cfg.router_port or next(spare)

@@ -15,6 +15,7 @@ a step failed), so each sample carries exactly the engine's token ids and logpro
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -172,8 +173,12 @@ class SessionRolloutClient:
                     ),
                     session_id,
                 )
-            finally:
-                await self._client.delete(f"/sessions/{session_id}")
+            except BaseException:
+                # Best effort: a failing delete must not hide why the rollout failed.
+                with contextlib.suppress(httpx.HTTPError):
+                    await self._client.delete(f"/sessions/{session_id}")
+                raise
+            _check(await self._client.delete(f"/sessions/{session_id}"), session_id)
         decoded = decode_samples(reply.content)
         if len(decoded.samples) != 1:
             raise SampleAssemblyError(
