@@ -201,7 +201,7 @@ def weight_routes(
 
         # Read and checked in a thread while generation goes on; a refusal changes nothing.
         tensors = await asyncio.to_thread(read_and_check)
-        await sched.call_exclusive(lambda: engine.load_full_state(tensors, version, checked=True))
+        await sched.call_exclusive(lambda: engine.load_full_state(tensors, version))
         return JSONResponse(
             {
                 "success": True,
