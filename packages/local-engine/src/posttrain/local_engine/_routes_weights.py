@@ -88,13 +88,13 @@ def weight_routes(
         raw = await body_bytes(request, cfg.max_update_bytes)
         content_type = request.headers.get("content-type", "")
 
-        def decode_check_load() -> tuple[str, dict[str, str]]:
+        def decode_check_load() -> dict[str, str]:
             payload = decode_adapter_payload(raw, content_type)
             checksums = verify_adapter_checksums(payload)  # before anything is loaded
             engine.load_adapter_tensors(payload.name, payload.config, payload.tensors)
-            return payload.name, checksums
+            return checksums
 
-        _, checksums = await asyncio.to_thread(decode_check_load)
+        checksums = await asyncio.to_thread(decode_check_load)
         return JSONResponse(
             {
                 "success": True,
