@@ -28,13 +28,12 @@ gets its 400 at once and ``/health`` keeps answering meanwhile.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import math
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
-from typing import Any, TypeVar
+from collections.abc import AsyncIterator
+from typing import Any
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -52,13 +51,13 @@ from posttrain.local_engine._context import ServerContext
 from posttrain.local_engine._engine import GenResult, GenTask
 from posttrain.local_engine._errors import RequestTooLargeError, UnavailableError
 from posttrain.local_engine._http import (
-    INLINE_BODY_BYTES,
     Handler,
     body_bytes,
     decode_json,
     guard,
     http_exception_response,
     json_body,
+    off_loop_if_large,
 )
 from posttrain.local_engine._requests import (
     TextCodec,
@@ -76,7 +75,6 @@ from posttrain.local_engine._transports import ShmMaps
 __all__ = ["ServerContext", "create_app"]
 
 VERSION = "0.1.0"
-X = TypeVar("X")
 
 
 def create_app(ctx: ServerContext) -> Starlette:
@@ -224,12 +222,6 @@ def create_app(ctx: ServerContext) -> Starlette:
             return ""
         text = ctx.codec.decode(res.output_ids, skip_special_tokens=skip_special)
         return text[: len(text) - res.trim_chars] if res.trim_chars else text
-
-    async def off_loop_if_large(raw: bytes, work: Callable[[], X]) -> X:
-        """Run request decoding/tokenizing inline for a small body, in a thread otherwise."""
-        if len(raw) > INLINE_BODY_BYTES:
-            return await asyncio.to_thread(work)
-        return work()
 
     async def generate(request: Request) -> Response:
         t0 = time.perf_counter()

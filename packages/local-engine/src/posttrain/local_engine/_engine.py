@@ -533,19 +533,15 @@ class Engine:
                 f"unexpected {unexpected[:5]}, wrong dtype/shape {wrong[:5]}"
             )
 
-    def load_full_state(
-        self, tensors: Mapping[str, torch.Tensor], version: int | None, *, checked: bool = False
-    ) -> None:
+    def load_full_state(self, tensors: Mapping[str, torch.Tensor], version: int | None) -> None:
         """Replace every base tensor at once (``/update_weights_from_disk``); all or nothing.
 
-        ``tensors`` come from a reader that refused NaN/Inf (``read_checkpoint``). A refused
-        state (``check_full_state``, skipped when the caller ran it: ``checked``) or
-        a stale version changes nothing and the engine keeps serving. Only a failure while
+        ``tensors`` come from a reader that refused NaN/Inf (``read_checkpoint``) and passed
+        ``check_full_state`` (the route runs both in a thread, before it pauses generation).
+        A stale version changes nothing and the engine keeps serving. Only a failure while
         the tensors are being copied in, after every check passed, leaves the weights mixed;
         the engine is then marked unavailable (503) until a full update succeeds.
         """
-        if not checked:
-            self.check_full_state(tensors)
         if version is not None:
             check_version_increases(self._w.version, version)
         try:

@@ -14,7 +14,7 @@ import hmac
 import json
 import logging
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, TypeVar
 
 from starlette.exceptions import HTTPException
 from starlette.requests import Request
@@ -41,9 +41,11 @@ __all__ = [
     "http_exception_response",
     "internal_error_response",
     "json_body",
+    "off_loop_if_large",
 ]
 
 Handler = Callable[[Request], Awaitable[Response]]
+X = TypeVar("X")
 # A body up to this size is decoded (and tokenized) on the event loop: a thread hop costs
 # more than the work. Anything larger goes to a thread.
 INLINE_BODY_BYTES = 16 * 1024
@@ -139,9 +141,14 @@ def decode_json(raw: bytes) -> Any:
         ) from None
 
 
+async def off_loop_if_large(raw: bytes, work: Callable[[], X]) -> X:
+    """Run ``work`` (decoding, tokenizing ``raw``) inline for a small body, in a thread otherwise."""
+    if len(raw) > INLINE_BODY_BYTES:
+        return await asyncio.to_thread(work)
+    return work()
+
+
 async def json_body(request: Request, limit: int) -> Any:
     """The decoded JSON body, length-checked first; a large one is decoded in a thread."""
     raw = await body_bytes(request, limit)
-    if len(raw) > INLINE_BODY_BYTES:
-        return await asyncio.to_thread(decode_json, raw)
-    return decode_json(raw)
+    return await off_loop_if_large(raw, lambda: decode_json(raw))

@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from safetensors import SafetensorError
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -39,9 +38,9 @@ from posttrain.interface import (
 )
 from posttrain.local_engine._context import ServerContext
 from posttrain.local_engine._engine import GenResult, GenTask
-from posttrain.local_engine._errors import AdapterError, CheckpointError, LocalEngineError
+from posttrain.local_engine._errors import AdapterError, CheckpointError
 from posttrain.local_engine._http import Handler, body_bytes, guard, json_body
-from posttrain.local_engine._lora import LoraAdapter, load_peft_adapter
+from posttrain.local_engine._lora import load_peft_adapter
 from posttrain.local_engine._scheduler import BatchScheduler
 from posttrain.local_engine._transports import ShmMaps
 
@@ -72,22 +71,11 @@ def weight_routes(
     async def load_lora(request: Request) -> Response:
         require_lora()
         req = LoadLoraAdapterRequest.parse(await json_req(request))
-        await asyncio.to_thread(
-            lambda: engine.put_adapter(read_adapter_dir(req.lora_name, req.lora_path))
+        adapter = await asyncio.to_thread(
+            load_peft_adapter, req.lora_name, req.lora_path, engine.lora_targets
         )
+        engine.put_adapter(adapter)
         return lora_reply(True)
-
-    def read_adapter_dir(name: str, path: str) -> LoraAdapter:
-        try:
-            return load_peft_adapter(name, path, engine.lora_targets)
-        except LocalEngineError:  # already named (an AdapterError, a NonFiniteWeightsError)
-            raise
-        except (SafetensorError, OSError, ValueError, TypeError, AttributeError, KeyError) as e:
-            # a corrupt weights file, or an adapter_config.json of the wrong shape (a list)
-            raise AdapterError(
-                f"adapter {name!r}: the PEFT directory {path} is unreadable "
-                f"({type(e).__name__}: {e})"
-            ) from e
 
     async def unload_lora(request: Request) -> Response:
         require_lora()
@@ -100,13 +88,13 @@ def weight_routes(
         raw = await body_bytes(request, cfg.max_update_bytes)
         content_type = request.headers.get("content-type", "")
 
-        def decode_check_load() -> tuple[str, dict[str, str]]:
+        def decode_check_load() -> dict[str, str]:
             payload = decode_adapter_payload(raw, content_type)
             checksums = verify_adapter_checksums(payload)  # before anything is loaded
             engine.load_adapter_tensors(payload.name, payload.config, payload.tensors)
-            return payload.name, checksums
+            return checksums
 
-        _, checksums = await asyncio.to_thread(decode_check_load)
+        checksums = await asyncio.to_thread(decode_check_load)
         return JSONResponse(
             {
                 "success": True,
@@ -213,7 +201,7 @@ def weight_routes(
 
         # Read and checked in a thread while generation goes on; a refusal changes nothing.
         tensors = await asyncio.to_thread(read_and_check)
-        await sched.call_exclusive(lambda: engine.load_full_state(tensors, version, checked=True))
+        await sched.call_exclusive(lambda: engine.load_full_state(tensors, version))
         return JSONResponse(
             {
                 "success": True,

@@ -11,7 +11,6 @@ from collections.abc import Sequence
 
 import torch
 import uvicorn
-from safetensors import SafetensorError
 from starlette.applications import Starlette
 
 from posttrain.interface import PosttrainError
@@ -19,7 +18,6 @@ from posttrain.local_engine._app import ServerContext, create_app
 from posttrain.local_engine._codec import load_codec
 from posttrain.local_engine._config import EngineConfig, parse_args
 from posttrain.local_engine._engine import Engine
-from posttrain.local_engine._errors import AdapterError
 from posttrain.local_engine._loader import load_model, read_checkpoint
 from posttrain.local_engine._lora import load_peft_adapter
 
@@ -40,11 +38,7 @@ def build_app(config: EngineConfig) -> Starlette:
         max_loras=config.adapter_limit,
     )
     for name, path in config.lora_paths.items():
-        try:
-            adapter = load_peft_adapter(name, path, engine.lora_targets)
-        except (SafetensorError, OSError) as e:
-            raise AdapterError(f"--lora-paths {name}={path}: unreadable ({e})") from e
-        engine.put_adapter(adapter)
+        engine.put_adapter(load_peft_adapter(name, path, engine.lora_targets))
     specs = {k: s.dtype for k, s in engine.param_specs().items()}
     ctx = ServerContext(
         config=config,

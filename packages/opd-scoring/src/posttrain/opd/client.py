@@ -77,8 +77,6 @@ _RETRYABLE = (
     httpx.TimeoutException,
 )
 
-STUDENT_TOP_KEY = STUDENT_TOP_LOGPROBS_KEY  # where the session router puts the student's rows
-
 
 @dataclass(kw_only=True, slots=True, frozen=True)
 class ScoringSample:
@@ -95,7 +93,7 @@ class ScoringSample:
     student_top: Sequence[Mapping[int, float]] | None = None
 
     @classmethod
-    def from_sample(cls, sample: Sample, *, key: str = STUDENT_TOP_KEY) -> ScoringSample:
+    def from_sample(cls, sample: Sample, *, key: str = STUDENT_TOP_LOGPROBS_KEY) -> ScoringSample:
         """Take tokens, metadata and ``metadata[key]`` (student top-k rows) from a Sample."""
         raw = sample.metadata.get(key)
         return cls(
@@ -106,7 +104,9 @@ class ScoringSample:
         )
 
 
-def student_top_rows(raw: object, *, field: str = STUDENT_TOP_KEY) -> list[dict[int, float]]:
+def student_top_rows(
+    raw: object, *, field: str = STUDENT_TOP_LOGPROBS_KEY
+) -> list[dict[int, float]]:
     """Normalise stored student top-k rows to ``[{id: logprob}]``.
 
     Accepts SGLang's ``output_top_logprobs`` rows (``[[logprob, id, text|null], ...]``,
