@@ -17,7 +17,7 @@ from posttrain.interface.testing import free_port, run_workers
 def test_self_spawning_command_passes(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     path = tmp_path / "reports" / "parity.json"  # the folder is made for it
     code = parity.main(
-        ["--replicate", "1", "--shard", "2", "--steps", "1", "--start-method", "fork",
+        ["--replicate", "1", "--shard", "2", "--steps", "1", "--start-method", "forkserver",
          "--json", str(path)]
     )  # fmt: skip
     out = capsys.readouterr().out

@@ -293,7 +293,9 @@ def run_workers(
     ``cuda:r % device_count``. ``fork`` (the default) starts ranks from this already-warm
     process; ``spawn`` and ``forkserver`` need ``fn`` importable by module name, and
     ``forkserver`` imports ``preload`` once in its server. ``threads_per_rank=None`` leaves
-    torch's thread count alone. ``collective_timeout_s`` bounds one collective (the process
+    torch's thread count alone; with ``fork`` from a process whose torch already ran parallel
+    kernels, a child computing on several threads can hang in the inherited OpenMP pool, so
+    keep a thread count or start with ``forkserver`` there. ``collective_timeout_s`` bounds one collective (the process
     group's timeout; default ``timeout_s``), so a rank left waiting on a hung peer fails long
     before the whole group's deadline. Results must be picklable. Raises ``WorkerTimeoutError``,
     ``WorkerCrashedError`` or ``WorkerFailedError`` (naming the rank) after killing every rank.
