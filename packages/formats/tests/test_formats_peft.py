@@ -284,6 +284,8 @@ def test_corrupt_safetensors_is_refused(tmp_path: Path, mangle, error: type, mat
 def test_missing_and_unreadable_files_are_named(tmp_path: Path) -> None:
     with pytest.raises(PeftConfigError, match=r"adapter_config\.json: cannot read"):
         read_peft_adapter(tmp_path / "nowhere")
+    with pytest.raises(PeftConfigError, match="not a usable path"):
+        read_peft_adapter(str(tmp_path / "nul\x00byte"))
     d = _adapter_dir(tmp_path / "a", _good())
     (d / ADAPTER_WEIGHTS_FILE).unlink()
     with pytest.raises(PeftTensorError, match=r"adapter_model\.safetensors: no such file"):

@@ -324,6 +324,8 @@ def _read_config(path: Path) -> object:
             raw = f.read(MAX_CONFIG_BYTES + 1)
     except OSError as e:
         raise PeftConfigError(f"{path}: cannot read ({e.strerror or e})") from None
+    except ValueError as e:  # a path the OS cannot name (an embedded NUL byte)
+        raise PeftConfigError(f"{path!r}: not a usable path ({e})") from None
     if len(raw) > MAX_CONFIG_BYTES:
         raise PeftConfigError(f"{path}: larger than {MAX_CONFIG_BYTES} bytes; not a PEFT config")
     try:

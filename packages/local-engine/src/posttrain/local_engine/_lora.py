@@ -167,8 +167,8 @@ def load_peft_adapter(name: str, path: str | Path, targets: Targets) -> LoraAdap
     """Load a PEFT adapter directory (``adapter_config.json`` + ``adapter_model.safetensors``).
 
     Every failure is named: the formats reader turns unreadable, corrupt or malformed files
-    into its own errors; a path it cannot even open (an embedded NUL byte: ``ValueError``)
-    is caught here, the one reader of adapter directories for the routes and for startup.
+    and unusable paths into its own errors. The one reader of adapter directories for the
+    routes and for startup.
     """
     try:
         adapter = read_peft_adapter(path)
@@ -176,10 +176,6 @@ def load_peft_adapter(name: str, path: str | Path, targets: Targets) -> LoraAdap
         raise NonFiniteWeightsError(f"adapter {name!r}: {e}") from e
     except PeftFormatError as e:
         raise AdapterError(f"adapter {name!r}: {e}") from e
-    except (OSError, ValueError) as e:
-        raise AdapterError(
-            f"adapter {name!r}: the PEFT directory {path} is unreadable ({type(e).__name__}: {e})"
-        ) from e
     return _served(name, adapter, targets, str(Path(path)))
 
 
