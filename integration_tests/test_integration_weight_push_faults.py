@@ -1,0 +1,131 @@
+"""A wsync/1 weight push cut halfway: the engine keeps serving the old version, the next succeeds.
+
+The trainer side is formats' ``WeightPushClient`` / ``push_weights`` (what grpo's full-weight
+sync calls), the engine a real ``posttrain.local_engine`` process, and between them a TCP
+proxy (``faults.CuttingProxy``) that drops the connection as a dying trainer host would:
+
+1. in the middle of a bucket's body (about half the update's bytes sent), and
+2. after every bucket was sent and staged, just before ``/end_weight_update``.
+
+After each cut the trainer's call raised a posttrain error, and the engine still reports the
+old weight version, the same weight digest and, for a fixed greedy prompt, the same tokens and
+logprobs bit for bit: nothing was applied (all or nothing). The next push, straight to the
+engine, succeeds: the new version is served, the engine's digest is that of the pushed tensors
+and the logprobs change.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+from faults import CuttingProxy
+
+from posttrain.formats import WeightPushClient, push_weights, tensors_sha256
+from posttrain.interface import PosttrainError
+from posttrain.interface.testing import ServerProcess, free_port
+from posttrain.models import load_pretrained
+from posttrain.models.__main__ import init_checkpoint
+
+pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(300)]
+
+PROMPT = [1, 30, 31, 32, 33]
+BUCKET_BYTES = 32 * 1024
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return init_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny", seed=3, max_positions=64)
+
+
+@pytest.fixture(scope="module")
+def engine(checkpoint: Path) -> Iterator[tuple[str, int]]:
+    port = free_port()
+    argv = [sys.executable, "-m", "posttrain.local_engine", "--model-path", str(checkpoint),
+            "--host", "127.0.0.1", "--port", str(port), "--num-threads", "1"]  # fmt: skip
+    with ServerProcess(argv, f"http://127.0.0.1:{port}/health", timeout_s=120):
+        yield f"http://127.0.0.1:{port}", port
+
+
+def _perturbed(checkpoint: Path, seed: int) -> dict[str, torch.Tensor]:
+    """Every base tensor of the checkpoint (HF names, engine dtypes), moved by seeded noise."""
+    gen = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, t in load_pretrained(checkpoint).hf_state_dict().items():
+        noise = torch.randn(t.shape, generator=gen, dtype=torch.float32) * 0.05
+        out[name] = (t.float() + noise).to(t.dtype).contiguous()
+    return out
+
+
+def _served(url: str) -> tuple[int | None, str, list[int], list[float]]:
+    """(weight version, weight digest, greedy tokens, their logprobs) the engine serves now."""
+    with httpx.Client(timeout=60.0) as http:
+        info = http.get(f"{url}/model_info")
+        digest = http.get(f"{url}/weights_checksum")
+        reply = http.post(
+            f"{url}/generate",
+            json={"input_ids": PROMPT, "return_logprob": True,
+                  "sampling_params": {"temperature": 0.0, "max_new_tokens": 6,
+                                      "ignore_eos": True}},
+        )  # fmt: skip
+    for r in (info, digest, reply):
+        assert r.status_code == 200, r.text
+    entries = reply.json()["meta_info"]["output_token_logprobs"]
+    return (
+        info.json()["weight_version"],
+        digest.json()["sha256"],
+        [int(e[1]) for e in entries],
+        [float(e[0]) for e in entries],
+    )
+
+
+def _cut_push(
+    url: str, tensors: dict[str, torch.Tensor], version: int, proxy: CuttingProxy
+) -> None:
+    with proxy, WeightPushClient(proxy.url, timeout_s=60.0) as client:
+        with pytest.raises(PosttrainError, match=proxy.url.removeprefix("http://")):
+            push_weights(client, tensors, weight_version=version, bucket_bytes=BUCKET_BYTES)
+        assert proxy.cut.is_set()
+    assert url != proxy.url
+
+
+def test_interrupted_push_leaves_the_old_version_serving(
+    checkpoint: Path, engine: tuple[str, int]
+) -> None:
+    url, port = engine
+    first, second = _perturbed(checkpoint, seed=1), _perturbed(checkpoint, seed=2)
+    total = sum(t.numel() * t.element_size() for t in first.values())
+    assert total > 4 * BUCKET_BYTES  # several buckets: "halfway" is between them
+    before = _served(url)
+
+    # 1. Cut in the middle of the update's bytes: some buckets staged, one half-sent.
+    midway = CuttingProxy(("127.0.0.1", port), cut_after_bytes=total // 2)
+    _cut_push(url, first, 1, midway)
+    assert 0 < midway.forwarded < total
+    assert _served(url) == before  # version, digest, tokens and logprobs: bit for bit
+
+    # The next push succeeds (the same version: the cut one was never installed).
+    with WeightPushClient(url, timeout_s=60.0) as client:
+        result = push_weights(client, first, weight_version=1, bucket_bytes=BUCKET_BYTES)
+    assert result.success
+    after_first = _served(url)
+    assert after_first[0] == 1
+    assert after_first[1] == tensors_sha256(first)  # every tensor arrived, exactly as sent
+    assert after_first[3] != before[3]
+
+    # 2. Every bucket sent and staged, the connection gone before the update was ended.
+    unended = CuttingProxy(("127.0.0.1", port), cut_before=b"POST /end_weight_update")
+    _cut_push(url, second, 2, unended)
+    assert unended.forwarded > total  # every bucket (with its framing) went through
+    assert _served(url) == after_first
+
+    with WeightPushClient(url, timeout_s=60.0) as client:
+        assert push_weights(client, second, weight_version=2, bucket_bytes=BUCKET_BYTES).success
+    final = _served(url)
+    assert final[0] == 2
+    assert final[1] == tensors_sha256(second)
+    assert final[3] != after_first[3]
