@@ -9,8 +9,9 @@
 ``FlakyTeacher``
     an HTTP server in front of a real teacher engine: its first ``fail_first`` ``/generate``
     requests get 503 (an overloaded or restarting teacher), every later one is forwarded, and
-    each request is counted; with ``hang=True`` it reads each request and never answers (a
-    teacher that accepted the connection and froze). Other routes are always forwarded.
+    each request is counted; with ``hang=True`` it reads each ``/generate`` and never answers
+    (a teacher that accepted the connection and froze), noting when the client gave up and
+    closed the connection. Other routes are always forwarded.
 
 Both bind 127.0.0.1 on a free port, run in daemon threads of the test process, and are stopped
 by ``close()`` (or the ``with`` block); every socket has a finite timeout.
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import http.server
+import select
 import socket
 import threading
 import time
@@ -138,6 +140,13 @@ def _close(*socks: socket.socket) -> None:
             s.close()
 
 
+class _Server(http.server.ThreadingHTTPServer):
+    # A client scoring a batch opens tens of connections at once: the default backlog of 5
+    # would refuse some of them, a fault of this server rather than the one injected.
+    request_queue_size = 256
+    daemon_threads = True
+
+
 class FlakyTeacher:
     """503 for the first ``fail_first`` ``/generate`` requests, then forward to ``upstream``;
     or, with ``hang``, never answer a ``/generate`` at all."""
@@ -147,8 +156,10 @@ class FlakyTeacher:
         self.fail_first = fail_first
         self.hang = hang
         self.generate_requests = 0
-        self.answered_503 = 0
+        self.answered_503 = 0  # the injected ones
+        self.upstream_errors = 0  # non-200 replies of the real teacher, relayed as they were
         self.first_generate_at: float | None = None  # time.monotonic() of the first /generate
+        self.abandoned_at: float | None = None  # hang: when a client first closed a hung request
         self._lock = threading.Lock()
         self._release = threading.Event()  # set at close: hanging handlers return
         owner = self
@@ -175,13 +186,31 @@ class FlakyTeacher:
                         if fail:
                             owner.answered_503 += 1
                     if owner.hang:
-                        owner._release.wait(timeout=_IO_TIMEOUT_S)
-                        self.close_connection = True
+                        self._hang_until_abandoned()
                         return
                     if fail:
                         self._reply(503, b'{"error": {"message": "teacher overloaded"}}')
                         return
                 self._forward(body)
+
+            def _hang_until_abandoned(self) -> None:
+                """Answer nothing; note when the client gives up (closes the connection)."""
+                self.close_connection = True
+                end = time.monotonic() + _IO_TIMEOUT_S
+                while not owner._release.is_set() and time.monotonic() < end:
+                    readable, _, _ = select.select([self.connection], [], [], 0.1)
+                    if not readable:
+                        continue
+                    try:
+                        peeked = self.connection.recv(1, socket.MSG_PEEK)
+                    except OSError:
+                        peeked = b""
+                    if not peeked:  # EOF: the client closed its side
+                        with owner._lock:
+                            if owner.abandoned_at is None:
+                                owner.abandoned_at = time.monotonic()
+                        return
+                    time.sleep(0.1)
 
             def _forward(self, body: bytes | None) -> None:
                 if owner.upstream is None:
@@ -194,7 +223,9 @@ class FlakyTeacher:
                 try:
                     with urllib.request.urlopen(req, timeout=_IO_TIMEOUT_S) as r:
                         self._reply(r.status, r.read())
-                except urllib.error.HTTPError as e:
+                except urllib.error.HTTPError as e:  # the real teacher's own error: relayed
+                    with owner._lock:
+                        owner.upstream_errors += 1
                     self._reply(e.code, e.read())
 
             def _reply(self, status: int, payload: bytes) -> None:
@@ -204,8 +235,7 @@ class FlakyTeacher:
                 self.end_headers()
                 self.wfile.write(payload)
 
-        self._server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self._server.daemon_threads = True
+        self._server = _Server(("127.0.0.1", 0), Handler)
         self.port = self._server.server_address[1]
         self.url = f"http://127.0.0.1:{self.port}"
         self._thread = threading.Thread(

@@ -36,3 +36,13 @@ def run_grpo(cache: Path, out: Path, *flags: str, trainer: tuple[str, ...] = ())
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     summary: dict[str, Any] = json.loads((out / "summary.json").read_text())
     return summary
+
+
+def prepared_recipe(cache: Path) -> dict[str, Any]:
+    """The recipe's checkpoint paths and flags (``posttrain.grpo.recipe prepare``, cached)."""
+    done = subprocess.run([sys.executable, "-m", "posttrain.grpo.recipe", "prepare"],
+                          env=grpo_env(cache), capture_output=True, text=True, timeout=900,
+                          check=False)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    return result

@@ -43,6 +43,14 @@ def test_summary_and_report(tmp_path: Path) -> None:
     assert json.loads((tmp_path / "summary.json").read_text()) == written
     assert (tmp_path / "reward_curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert summarize([]) == {"steps": 0}
+    assert "opd_teacher_retries" not in summary  # no OPD record counted retries
+
+
+def test_summary_totals_the_teacher_retries() -> None:
+    records = [_record(0, 0.2, opd_reverse_kl=1.5, opd_teacher_retries=3.0),
+               _record(1, 0.3, opd_reverse_kl=1.0, opd_teacher_retries=0.0),
+               _record(2, 0.4, opd_reverse_kl=0.9, opd_teacher_retries=2.0)]  # fmt: skip
+    assert summarize(records)["opd_teacher_retries"] == 5.0
 
 
 def test_deterministic_drops_timing_only() -> None:

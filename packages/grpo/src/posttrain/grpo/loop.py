@@ -271,6 +271,9 @@ def _apply_teacher(
     signals, per_position = asyncio.run(score())
     opd_mode["per_position"] = per_position
     stats["opd_per_position"] = float(per_position)
+    # Attempts beyond one per request: the teacher answered 429/5xx or dropped the connection
+    # and the client retried (within the deadline). 0 on a healthy teacher.
+    stats["opd_teacher_retries"] = float(sum(s.stats.attempts - s.stats.requests for s in signals))
     if cfg.opd_top_k > 0:
         return apply_opd(
             per_token, coef=cfg.opd_kl_coef, reverse_kl=[s.reverse_kl for s in signals]

@@ -37,6 +37,7 @@ HEADLINE = (
     "grad_norm",
     "entropy",
     "opd_reverse_kl",
+    "opd_teacher_retries",
     "tis_weight_mean",
     "tokens_per_s",
 )
@@ -154,6 +155,9 @@ def summarize(records: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     rkl = [float(r["opd_reverse_kl"]) for r in records if "opd_reverse_kl" in r]
     if rkl:
         out["opd_reverse_kl_first"], out["opd_reverse_kl_last"] = rkl[0], rkl[-1]
+    retries = [float(r["opd_teacher_retries"]) for r in records if "opd_teacher_retries" in r]
+    if retries:  # requests the teacher failed (429/5xx, dropped) that a retry then got through
+        out["opd_teacher_retries"] = sum(retries)
     phases: dict[str, float] = {}
     for r in records:
         for k, v in r.items():
