@@ -204,7 +204,7 @@ def _rollout_and_score(
             top_logprobs=cfg.opd_top_k if cfg.opd else 0,
             weight_version=version,
             timeout_s=cfg.rollout_timeout_s,
-            turn_timeout_s=cfg.turn_timeout_s,
+            turn_timeout_s=min(cfg.turn_timeout_s, cfg.rollout_timeout_s),
             api_key=api_key,
         )
         samples = run_rollout(settings, prompts, step=step)
