@@ -15,11 +15,23 @@ off-policy samples). Several adapters with sessions are rejected, as the design 
 ``lora_adapter`` names an adapter a trainer pushes later (engines start with LoRA on and no
 adapter loaded; the session router injects that name). ``teacher_model_path`` adds one more
 engine, not behind the router: the teacher on-policy distillation scores against.
+
+Faults: an engine that dies mid-rollout is failed over by sgl-router itself. A request whose
+worker refuses or drops the connection is retried (``--retry-max-retries``, set here to
+``ROUTER_RETRIES`` rather than left to the binary's default; backoff from 50 ms), each retry
+picking a worker again, and the dead worker's circuit breaker opens after 10 failures
+(``--cb-failure-threshold``, the default) and its health checks fail, so later requests go to
+the live engines. A session's turn is committed once, by the session router, when a reply
+arrives, so a retried request never makes a second sample. ``turn_timeout_s`` (``posttrain grpo
+--turn-timeout``) becomes the session router's ``--upstream-timeout-s``: a frozen engine's turn
+ends at that deadline (the trainer marks its sample aborted). Both are exercised in
+``integration_tests/test_integration_engine_faults.py``.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import math
 from dataclasses import dataclass
 
 from posttrain.interface.processes import free_ports
@@ -33,6 +45,8 @@ from posttrain.launch.tables import EngineKind
 LOCAL_HOST = "127.0.0.1"
 TEACHER = "teacher"
 """The name of the teacher engine's process (and URL key): the one engine not behind the router."""
+ROUTER_RETRIES = 5
+"""sgl-router's ``--retry-max-retries``: attempts per request, each on a worker picked again."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -50,6 +64,7 @@ class LocalStackConfig:
     router_metrics_port: int = 0  # 0: pick a free port
     api_key: str | None = None  # None: no component requires a key
     ready_timeout_s: float = 300.0
+    turn_timeout_s: float | None = None  # the session router's --upstream-timeout-s; None: its own
     engine_args: tuple[str, ...] = ()
     router_args: tuple[str, ...] = ()
     session_router_args: tuple[str, ...] = ()
@@ -76,6 +91,8 @@ def build_local_stack(cfg: LocalStackConfig) -> Plan:
     """
     if cfg.engines < 1:
         raise LaunchConfigError(f"engines={cfg.engines} must be >= 1")
+    if cfg.turn_timeout_s is not None and not 0 < cfg.turn_timeout_s < math.inf:
+        raise LaunchConfigError(f"turn_timeout_s={cfg.turn_timeout_s} must be finite and > 0")
     if cfg.engine_ports and len(cfg.engine_ports) != cfg.engines:
         raise LaunchConfigError(
             f"engine_ports has {len(cfg.engine_ports)} ports for engines={cfg.engines}"
@@ -145,6 +162,10 @@ def build_local_stack(cfg: LocalStackConfig) -> Plan:
     router.set("--prometheus-port", metrics_port, source="local stack (a free port, not 29000)")
     router.set("--log-level", "warn", source="local stack")
     router.set("--health-check-interval-secs", 5, source="local stack")
+    router.set(
+        "--retry-max-retries", ROUTER_RETRIES,
+        source="local stack (a dead engine's requests fail over to the others)",
+    )  # fmt: skip
     router.extend_user(cfg.router_args)
     processes.append(
         ProcessSpec(
@@ -167,6 +188,11 @@ def build_local_stack(cfg: LocalStackConfig) -> Plan:
         session.set("--api-key", cfg.api_key, source="local stack (per-stack key)")
     if served is not None:
         session.set("--lora-adapter", served, source="local stack (--lora)")
+    if cfg.turn_timeout_s is not None:
+        session.set(
+            "--upstream-timeout-s", cfg.turn_timeout_s,
+            source="local stack (--turn-timeout: a frozen engine's turn ends here)",
+        )  # fmt: skip
     if cfg.loras:
         # The engines load the adapter at startup: version 0 of it (its extra_key "<name>:v0").
         session.set("--lora-weight-version", 0, source="local stack (--lora)")
