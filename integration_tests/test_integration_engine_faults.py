@@ -14,6 +14,9 @@ request is still being decoded then.
   and each session id once; the session router committed exactly as many turns as were
   trained), the run completes, and the run names the dead engine (the weight sync's warning and
   ``sync_engines_lost``).
+* SIGKILL of an engine holding a single request (no GRPO loop: two session rollouts): it fails
+  over within its own retries, because the stack sets sgl-router's ``--cb-failure-threshold``
+  below ``--retry-max-retries`` (with the binary's defaults it failed with a 500).
 * SIGSTOP: the turns engine 1 holds get no reply within the run's ``turn_timeout_s`` (the
   session router's ``--upstream-timeout-s`` is the same deadline): their samples come back
   ``aborted``, are left out of the step (the trainer sees only the completed ones), the step
@@ -27,6 +30,7 @@ Every process is stopped by pid (``LocalRunner.stop``) in a ``finally``; every w
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
@@ -51,6 +55,7 @@ from posttrain.interface import Sample, SampleStatus
 from posttrain.interface.processes import free_port
 from posttrain.launch.runners import LocalRunner
 from posttrain.launch.stack import LocalStackConfig, build_local_stack
+from posttrain.session_router import SessionRolloutClient
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.slow, pytest.mark.timeout(180)]
 ADAPTER = "policy"
@@ -101,10 +106,13 @@ def _metric(text: str, name: str, **labels: str) -> float:
 
 
 @contextlib.contextmanager
-def local_stack(model_dir: Path, *, session_router_args: tuple[str, ...] = ()) -> Iterator[Stack]:
+def local_stack(
+    model_dir: Path, *, session_router_args: tuple[str, ...] = (), lora: bool = True
+) -> Iterator[Stack]:
+    """The stack; with ``lora`` the engines serve the adapter the trainer pushes."""
     plan = build_local_stack(
         LocalStackConfig(
-            model_path=str(model_dir), engines=2, lora_adapter=ADAPTER,
+            model_path=str(model_dir), engines=2, lora_adapter=ADAPTER if lora else None,
             session_router_args=session_router_args, ready_timeout_s=120.0,
         )
     )  # fmt: skip
@@ -243,6 +251,38 @@ def test_an_engine_killed_mid_rollout_fails_over_and_the_step_counts_each_sample
     assert [r["sync_engines_lost"] for r in steps] == [1.0, 0.0]
     assert [r["samples"] for r in steps] == [PROMPTS * SAMPLES] * 2
     assert [r["aborted_samples"] for r in steps] == [0.0, 0.0]
+
+
+def test_a_request_alone_on_an_engine_killed_mid_generation_fails_over(model_dir: Path) -> None:
+    """The router's manual policy keeps a session on its engine, retries included, until that
+    engine's circuit opens: with sgl-router's defaults (10 failures to open, 5 attempts) a lone
+    request on a dead engine failed with a 500. The stack's threshold (3) is below its retries."""
+    with local_stack(model_dir, lora=False) as stack:
+        dead = stack.urls["engine-1"]
+        messages = [{"role": "user", "content": "12+30="}]
+
+        async def rollouts() -> list[Sample]:
+            async with SessionRolloutClient(stack.urls["session-router"], timeout_s=60) as client:
+                params = {"max_tokens": 200, "temperature": 1.0, "logprobs": True}
+                jobs = [client.rollout(messages, sampling_params={**params, "seed": i})
+                        for i in range(2)]  # fmt: skip
+                return list(await asyncio.wait_for(asyncio.gather(*jobs), timeout=90))
+
+        striker = Striker(stack, signal.SIGKILL)
+        try:
+            samples = asyncio.run(rollouts())
+        finally:
+            striker.join()
+        assert striker.struck.is_set(), "engine 1 never held a request"
+        assert striker.active_at_strike == 1.0  # the only request on it
+        ended = {SampleStatus.COMPLETED, SampleStatus.TRUNCATED}  # EOS or the token cap
+        assert all(s.status in ended for s in samples)
+        assert [s.response_length > 0 for s in samples] == [True, True]
+        failures = stack.router_metric(
+            "smg_worker_cb_outcomes_total", worker=dead, outcome="failure"
+        )
+        assert 1 <= failures <= 3  # the circuit opened within the request's retries
+        assert stack.session_metric("session_router_turns_total", outcome="committed") == 2
 
 
 def test_an_engine_frozen_mid_rollout_aborts_its_turns_at_the_deadline_and_the_step_completes(

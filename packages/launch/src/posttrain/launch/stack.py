@@ -17,12 +17,17 @@ adapter loaded; the session router injects that name). ``teacher_model_path`` ad
 engine, not behind the router: the teacher on-policy distillation scores against.
 
 Faults: an engine that dies mid-rollout is failed over by sgl-router itself. A request whose
-worker refuses or drops the connection is retried (``--retry-max-retries``, set here to
-``ROUTER_RETRIES`` rather than left to the binary's default; backoff from 50 ms), each retry
-picking a worker again, and the dead worker's circuit breaker opens after 10 failures
-(``--cb-failure-threshold``, the default) and its health checks fail, so later requests go to
-the live engines. A session's turn is committed once, by the session router, when a reply
-arrives, so a retried request never makes a second sample. ``turn_timeout_s`` (``posttrain grpo
+worker refuses or drops the connection is retried (``--retry-max-retries ROUTER_RETRIES``,
+backoff from 50 ms). Under the manual policy a session's routing key sticks to its worker, so
+a retry goes to the *same* dead engine until that worker's circuit breaker opens; only then is
+the key given to a live engine. sgl-router's default threshold (10 failures) is above its
+default retry budget (5 attempts), so a request alone on an engine that died failed with a 500
+(reproduced: 5 failures, circuit still closed). The stack sets ``--cb-failure-threshold
+ROUTER_CB_FAILURES`` (3) below the retry budget: any request fails over within its own
+retries. The price: an engine that fails 3 requests in a row is skipped for
+``--cb-timeout-duration-secs`` (60 s) before it is tried again. A session's turn is committed
+once, by the session router, when a reply arrives, so a retried request never makes a second
+sample. ``turn_timeout_s`` (``posttrain grpo
 --turn-timeout``) becomes the session router's ``--upstream-timeout-s``: a frozen engine's turn
 ends at that deadline (the trainer marks its sample aborted). Both are exercised in
 ``integration_tests/test_integration_engine_faults.py``.
@@ -46,7 +51,10 @@ LOCAL_HOST = "127.0.0.1"
 TEACHER = "teacher"
 """The name of the teacher engine's process (and URL key): the one engine not behind the router."""
 ROUTER_RETRIES = 5
-"""sgl-router's ``--retry-max-retries``: attempts per request, each on a worker picked again."""
+"""sgl-router's ``--retry-max-retries``: attempts per request."""
+ROUTER_CB_FAILURES = 3
+"""sgl-router's ``--cb-failure-threshold``: below ``ROUTER_RETRIES``, so a request whose engine
+died opens that engine's circuit (and moves to a live one) within its own retries."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -165,6 +173,10 @@ def build_local_stack(cfg: LocalStackConfig) -> Plan:
     router.set(
         "--retry-max-retries", ROUTER_RETRIES,
         source="local stack (a dead engine's requests fail over to the others)",
+    )  # fmt: skip
+    router.set(
+        "--cb-failure-threshold", ROUTER_CB_FAILURES,
+        source=f"local stack (< --retry-max-retries {ROUTER_RETRIES}: a sticky request fails over)",
     )  # fmt: skip
     router.extend_user(cfg.router_args)
     processes.append(
