@@ -17,11 +17,14 @@
 An engine that cannot be reached (its connection refused or reset, or no reply within the
 target's timeout: an engine that died or froze) is *lost*, not fatal, as long as another engine
 took the weights: ``sync_weights`` names it in ``SyncResult.lost`` (the loop logs a warning and
-the step's ``sync_engines_lost`` metric, and stops pushing to it). sgl-router has by then
-stopped routing to it (retries fail over, the circuit breaker and health checks take it out),
-so no rollout reads its stale weights while it stays down. Every other failure (a refused
-adapter, a checksum mismatch, a stale version) still fails the step, and so does losing every
-engine.
+the step's ``sync_engines_lost`` metric, and stops pushing to it). While it stays down,
+sgl-router routes around it (retries fail over, its circuit breaker and health checks take it
+out). Not handled: a lost engine that comes back (a frozen one resumed) is re-admitted by
+sgl-router's health checks and serves the weights it last took, never updated again; such
+off-policy samples show in ``train_rollout_logprob_abs_diff``, and the remedy today is to
+deregister it from the router (``posttrain up``'s operator) or restart the run. Every other
+failure (a refused adapter, a checksum mismatch, a stale version) still fails the step, and so
+does losing every engine.
 
 Departure from a colocated GPU sync: no CUDA IPC and no pause/flush here, because the loop
 never syncs while a rollout is in flight (a step's rollouts finish before training starts).
