@@ -43,6 +43,8 @@ def test_every_field_has_help_and_a_default() -> None:
         ({"lr": 0.0}, "lr"),
         ({"temperature": math.inf}, "temperature"),
         ({"rollout_timeout_s": math.inf}, "rollout_timeout_s"),
+        ({"turn_timeout_s": math.inf}, "turn_timeout_s"),
+        ({"turn_timeout_s": 0.0}, "turn_timeout_s"),
         ({"clip_low": 1.0}, "clip_low"),
         ({"clip_high": -0.1}, "clip_high"),
         ({"dual_clip": 1.0}, "dual_clip"),

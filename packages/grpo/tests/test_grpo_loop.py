@@ -1,13 +1,17 @@
-"""The loop's rank launcher: forked gloo ranks, and a failing rank as one named run error."""
+"""The loop's rank launcher: forked gloo ranks, and a failing rank as one named run error; the
+step's fault handling: aborted samples left out and named, unreachable engines dropped."""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import pytest
 
 from posttrain.grpo import GrpoConfig, GrpoRunError
-from posttrain.grpo.loop import run
+from posttrain.grpo.loop import _drop_aborted, _drop_lost, run
+from posttrain.grpo.sync import SyncResult, SyncTarget
+from posttrain.interface import Sample, SampleStatus
 
 pytestmark = pytest.mark.multiproc
 
@@ -23,3 +27,46 @@ def test_a_rank_that_fails_is_one_run_error_naming_the_rank_and_cause(tmp_path: 
     with pytest.raises(GrpoRunError, match=r"trainer rank [01]: .*missing/config\.json") as info:
         run(cfg)
     assert "Traceback" not in str(info.value)  # one line for the CLI, not the rank's stack
+
+
+def _sample(index: int, *, aborted: bool = False) -> Sample:
+    if aborted:
+        return Sample(prompt_ids=[], response_ids=[], rollout_logprobs=[], loss_mask=[],
+                      status=SampleStatus.ABORTED, index=index, group_index=0,
+                      metadata={"prompt_index": 7, "session_id": f"s{index}",
+                                "abort_reason": "no reply within turn_timeout_s=3 s"})  # fmt: skip
+    return Sample(prompt_ids=[1], response_ids=[2], rollout_logprobs=[-0.5], loss_mask=[1],
+                  index=index, group_index=0)  # fmt: skip
+
+
+def test_aborted_samples_are_left_out_of_the_step_and_named(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    samples = [_sample(0), _sample(1, aborted=True), _sample(2)]
+    with caplog.at_level(logging.WARNING, logger="posttrain.grpo"):
+        kept, aborted = _drop_aborted(samples, step=5)
+    assert [s.index for s in kept] == [0, 2]
+    assert [s.index for s in aborted] == [1]
+    (message,) = [r.getMessage() for r in caplog.records]
+    assert message.startswith("step 5: 1 of 3 samples aborted, left out of the step")
+    assert "prompt 7 sample 1 (session s1): no reply within turn_timeout_s=3 s" in message
+    assert _drop_aborted([_sample(0)], step=0) == ([_sample(0)], [])
+    with pytest.raises(GrpoRunError, match="every one of the 2 samples was aborted"):
+        _drop_aborted([_sample(0, aborted=True), _sample(1, aborted=True)], step=0)
+
+
+def test_engines_a_sync_could_not_reach_leave_the_target(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    target = SyncTarget(engine_urls=("http://a", "http://b", "http://c"))
+    synced = SyncResult(metrics={}, lost=(("http://b", "TransportError: refused"),))
+    with caplog.at_level(logging.WARNING, logger="posttrain.grpo"):
+        left = _drop_lost(target, synced, True, "step 3")
+        assert _drop_lost(target, synced, False, "step 3") == left  # other ranks: no log
+    assert left.engine_urls == ("http://a", "http://c")
+    (message,) = [r.getMessage() for r in caplog.records]
+    assert "weight sync (step 3): engine http://b is unreachable (TransportError: refused)" in (
+        message
+    )
+    assert "2 of 3 engines remain" in message
+    assert _drop_lost(target, SyncResult(metrics={}), True, "start") is target

@@ -17,15 +17,16 @@ from posttrain.formats import encode_samples
 from posttrain.grpo import GrpoRunError
 from posttrain.grpo.rewards import Prompt
 from posttrain.grpo.rollout import RolloutSettings, run_rollout, sampling_seed
-from posttrain.interface import Sample
+from posttrain.interface import Sample, SampleStatus
 
 
 class FakeSessions:
-    def __init__(self, fail_chat: bool = False) -> None:
+    def __init__(self, fail_chat: bool = False, time_out: frozenset[str] = frozenset()) -> None:
         self.requests: list[tuple[str, str, Any]] = []
         self.auth: list[str | None] = []
         self.open: set[str] = set()
         self.fail_chat = fail_chat
+        self.time_out = time_out  # sessions whose turn the session server answers 504
         self.count = 0
 
     def __call__(self, request: httpx.Request) -> httpx.Response:
@@ -44,6 +45,8 @@ class FakeSessions:
         if parts[-1] == "completions":
             if self.fail_chat:
                 return httpx.Response(502, json={"error": "upstream answered 500"})
+            if parts[1] in self.time_out:
+                return httpx.Response(504, json={"error": "upstream timeout: no reply in 3 s"})
             return httpx.Response(200, json={"choices": [{"message": {"content": "5"}}]})
         sample = Sample(prompt_ids=[2, 3], response_ids=[50, 3], rollout_logprobs=[-0.5, -0.25],
                         loss_mask=[1, 1], metadata=body["metadata"])  # fmt: skip
@@ -128,3 +131,27 @@ def test_transport_errors_are_run_errors() -> None:
 
     with pytest.raises(GrpoRunError, match="ConnectError"):
         run_rollout(_settings(), PROMPTS[:1], step=0, transport=httpx.MockTransport(refuse))
+
+
+def test_a_turn_past_the_deadline_is_an_aborted_sample_in_its_place() -> None:
+    fake = FakeSessions(time_out=frozenset({"s2", "s5"}))
+    out = run_rollout(_settings(turn_timeout_s=3.0), PROMPTS, step=0,
+                      transport=httpx.MockTransport(fake))  # fmt: skip
+    assert [(s.group_index, s.index) for s in out] == [
+        (0, 0),
+        (0, 1),
+        (0, 2),
+        (1, 3),
+        (1, 4),
+        (1, 5),
+    ]
+    aborted = [s for s in out if s.status is SampleStatus.ABORTED]
+    assert [s.metadata["session_id"] for s in aborted] == ["s2", "s5"]
+    assert [s.metadata["prompt_index"] for s in aborted] == [4, 9]
+    assert all("504" in s.metadata["abort_reason"] and s.response_ids == [] for s in aborted)
+    assert sum(s.status is SampleStatus.COMPLETED for s in out) == 4
+    assert not fake.open  # the aborted sessions were deleted too
+    # Without a turn deadline the same 504 fails the rollout.
+    with pytest.raises(GrpoRunError, match="answered 504"):
+        run_rollout(_settings(), PROMPTS, step=0,
+                    transport=httpx.MockTransport(FakeSessions(time_out=frozenset({"s1"}))))  # fmt: skip

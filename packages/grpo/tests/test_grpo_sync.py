@@ -1,12 +1,17 @@
-"""The engine's current weight version, read the way every package reads one (``interface``)."""
+"""The engine's current weight version, read the way every package reads one (``interface``),
+and which engines a weight push could not reach (lost, not fatal, while one took the push)."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import httpx
 import pytest
 
 from posttrain.grpo import GrpoRunError
-from posttrain.grpo.sync import engine_weight_version
+from posttrain.grpo.sync import engine_weight_version, push_each, unreachable
+from posttrain.interface import TransportError
+from posttrain.lora import AdapterClient, AdapterPushError
 
 
 def _engine(reply: httpx.Response) -> httpx.MockTransport:
@@ -34,3 +39,73 @@ def test_reported_versions_are_read_as_ints(reported: object, version: int) -> N
 def test_a_bad_answer_is_a_named_run_error(reply: httpx.Response, match: str) -> None:
     with pytest.raises(GrpoRunError, match=match):
         engine_weight_version("http://e", timeout_s=5, transport=_engine(reply))
+
+
+def _refusing(request: httpx.Request) -> httpx.Response:
+    raise httpx.ConnectError("connection refused", request=request)
+
+
+def _silent(request: httpx.Request) -> httpx.Response:
+    raise httpx.ReadTimeout("no reply", request=request)
+
+
+def _push_with(transports: dict[str, httpx.MockTransport]) -> Callable[[str], None]:
+    """A push that asks each engine (lora-core's real client) what it can do."""
+
+    def push(url: str) -> None:
+        with AdapterClient(url, transport=transports[url], timeout=5) as client:
+            client.capabilities()
+
+    return push
+
+
+def _answering(request: httpx.Request) -> httpx.Response:
+    return httpx.Response(200, json={"weight_version": "1", "lora_enabled": True})
+
+
+def test_an_engine_that_cannot_be_reached_is_lost_not_fatal() -> None:
+    transports = {
+        "http://dead": httpx.MockTransport(_refusing),
+        "http://frozen": httpx.MockTransport(_silent),
+        "http://alive": httpx.MockTransport(_answering),
+    }
+    pushed: list[str] = []
+    inner = _push_with(transports)
+
+    def push(url: str) -> None:
+        inner(url)
+        pushed.append(url)
+
+    lost = push_each(["http://dead", "http://alive", "http://frozen"], push)
+    assert pushed == ["http://alive"]
+    assert [url for url, _ in lost] == ["http://dead", "http://frozen"]
+    assert "connection refused" in lost[0][1]
+    assert "timed out" in lost[1][1]
+
+
+def test_losing_every_engine_or_a_refusal_is_a_named_run_error() -> None:
+    transports = {
+        "http://a": httpx.MockTransport(_refusing),
+        "http://b": httpx.MockTransport(_silent),
+    }
+    with pytest.raises(GrpoRunError, match=r"no engine could be reached \(http://a: .*http://b: "):
+        push_each(["http://a", "http://b"], _push_with(transports))
+
+    def refused(url: str) -> None:  # an engine that answered and said no is not "lost"
+        raise AdapterPushError(f"{url}: checksum mismatch")
+
+    with pytest.raises(GrpoRunError, match="weight sync to http://a: AdapterPushError"):
+        push_each(["http://a", "http://b"], refused)
+
+
+def test_unreachable_follows_the_raise_from_chain() -> None:
+    cause = httpx.ConnectError("refused", request=httpx.Request("GET", "http://e"))
+    wrapped = TransportError("GET failed", url="http://e")
+    wrapped.__cause__ = cause  # what ``raise TransportError(...) from cause`` sets
+    assert unreachable(wrapped)
+    context_only = TransportError("GET failed", url="http://e")
+    context_only.__context__ = cause  # raised while handling it, not from it: not counted
+    assert not unreachable(context_only)
+    assert unreachable(TimeoutError())
+    assert not unreachable(AdapterPushError("refused"))
+    assert not unreachable(ValueError("x"))

@@ -132,5 +132,26 @@ def test_grpo_help_lists_the_recipe_options() -> None:
     result = CliRunner().invoke(app, ["grpo", "--help"])
     assert result.exit_code == 0
     for flag in ("--train", "--opd", "--teacher", "--rollout-quant", "--steps", "--seed",
-                 "--resume", "--out"):  # fmt: skip
+                 "--resume", "--out", "--turn-timeout"):  # fmt: skip
         assert flag in result.output
+
+
+def test_turn_timeout_reaches_the_trainer_and_the_session_router() -> None:
+    cfg = GrpoRecipeConfig(turn_timeout_s=7.5)
+    argv = trainer_argv(cfg, RECIPE, URLS, ["engine-0", "engine-1"])
+    assert _flag(argv, "--turn-timeout-s") == "7.5"
+    assert "--turn-timeout-s" not in trainer_argv(GrpoRecipeConfig(), RECIPE, URLS, [])
+    plan = build_local_stack(LocalStackConfig(model_path="/m", turn_timeout_s=7.5))
+    procs = {p.name: p.argv for p in plan.processes}
+    assert _flag(list(procs["session-router"]), "--upstream-timeout-s") == "7.5"
+    # sgl-router retries a dead engine's requests on the others (the engine-fault tests).
+    assert _flag(list(procs["router"]), "--retry-max-retries") == "5"
+    assert _flag(list(procs["router"]), "--cb-failure-threshold") == "3"  # < the retries
+    plain = build_local_stack(LocalStackConfig(model_path="/m"))
+    session = next(p.argv for p in plain.processes if p.name == "session-router")
+    assert "--upstream-timeout-s" not in session  # the session router's own default
+    for bad in (0.0, -1.0, float("inf"), float("nan")):
+        with pytest.raises(LaunchConfigError, match="--turn-timeout must be a finite"):
+            GrpoRecipeConfig(turn_timeout_s=bad)
+        with pytest.raises(LaunchConfigError, match="turn_timeout_s="):
+            build_local_stack(LocalStackConfig(model_path="/m", turn_timeout_s=bad))

@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from posttrain.formats import decode_samples
-from posttrain.interface import RolloutEngine, TransportError
+from posttrain.interface import ConfigError, RolloutEngine, SampleStatus, TransportError
 from posttrain.session_router import (
     ChatTokenizer,
     SessionRolloutClient,
@@ -340,3 +340,64 @@ def test_rollout_client_is_a_rollout_engine_one_session_per_rollout(
             await server.aclose()
 
     asyncio.run(asyncio.wait_for(main(), timeout=30))
+
+
+def test_a_turn_past_turn_timeout_s_is_an_aborted_sample_not_an_error(
+    chat_tok: ChatTokenizer, make_engine: Any, router_config: Any
+) -> None:
+    engine = make_engine(chat_tok)
+    mode = {"now": "hang"}
+
+    async def upstream(request: httpx.Request) -> httpx.Response:
+        if mode["now"] == "hang":  # an engine that froze: no reply (bounded, for the test)
+            await asyncio.sleep(30)
+        if mode["now"] == "timeout":  # the session server's own upstream deadline passed
+            raise httpx.ReadTimeout("no reply", request=request)
+        return httpx.Response(200, json=engine(json.loads(request.content)))
+
+    async def main() -> None:
+        app = create_app(
+            router_config(), tokenizer=chat_tok, transport=httpx.MockTransport(upstream)
+        )
+        server = app.state.server
+        asgi = httpx.ASGITransport(app=app)
+        try:
+            async with SessionRolloutClient(
+                "http://sr", turn_timeout_s=0.2, transport=asgi
+            ) as client:
+                # The client's own deadline: no tokens, the reason, the session deleted.
+                sample = await client.rollout([user("hi")], metadata={"prompt_index": 4})
+                assert sample.status is SampleStatus.ABORTED
+                assert sample.response_ids == sample.prompt_ids == sample.loss_mask == []
+                assert "no reply within turn_timeout_s=0.2 s" in sample.metadata["abort_reason"]
+                assert sample.metadata["prompt_index"] == 4
+                assert sample.metadata["session_id"]
+                assert server.sessions == {}
+                # The session server's 504 (its upstream_timeout_s) is the same abort.
+                mode["now"] = "timeout"
+                sample = await client.rollout([user("hi")])
+                assert sample.status is SampleStatus.ABORTED
+                assert "(504)" in sample.metadata["abort_reason"]
+                assert server.sessions == {}
+                # An answered turn is a completed sample that names its session.
+                mode["now"] = "answer"
+                sample = await client.rollout([user("hi")])
+                assert sample.status is SampleStatus.COMPLETED
+                assert sample.response_length > 0
+                assert sample.metadata["session_id"]
+            # Without turn_timeout_s a timeout is an error, as before.
+            mode["now"] = "timeout"
+            async with SessionRolloutClient("http://sr", transport=asgi) as strict:
+                with pytest.raises(TransportError, match="answered 504"):
+                    await strict.rollout([user("hi")])
+            assert server.sessions == {}
+        finally:
+            await server.aclose()
+
+    asyncio.run(asyncio.wait_for(main(), timeout=30))
+
+
+@pytest.mark.parametrize("bad", [0, -1.0, float("inf"), float("nan"), True, "1"])
+def test_turn_timeout_s_must_be_a_finite_positive_number(bad: Any) -> None:
+    with pytest.raises(ConfigError, match="turn_timeout_s"):
+        SessionRolloutClient("http://sr", turn_timeout_s=bad)

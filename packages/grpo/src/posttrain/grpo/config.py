@@ -103,6 +103,7 @@ class GrpoConfig:
     resume: Path | None = None
     checkpoint_every: int = 0
     rollout_timeout_s: float = 600.0
+    turn_timeout_s: float = 120.0
     dry_run: bool = False
 
     def __post_init__(self) -> None:
@@ -158,7 +159,10 @@ class GrpoConfig:
         for name in ("num_layers", "num_experts"):
             if getattr(self, name) is not None:
                 _check_int(name, getattr(self, name), minimum=1)
-        for name in ("lora_alpha", "temperature", "lr", "max_grad_norm", "rollout_timeout_s"):
+        for name in (
+            "lora_alpha", "temperature", "lr", "max_grad_norm", "rollout_timeout_s",
+            "turn_timeout_s",
+        ):  # fmt: skip
             _check_float(name, getattr(self, name), positive=True)
         for name in ("weight_decay", "kl_coef", "entropy_coef", "tis_clip_low", "opd_kl_coef"):
             _check_float(name, getattr(self, name), positive=False)
@@ -340,7 +344,9 @@ HELP: dict[str, str] = {
     "out_dir": "directory for metrics, checkpoints and plots",
     "resume": "checkpoint directory to continue from",
     "checkpoint_every": "checkpoint every N steps (0: only at the end)",
-    "rollout_timeout_s": "seconds one rollout request may take",
+    "rollout_timeout_s": "seconds one rollout or weight-sync request may take",
+    "turn_timeout_s": "seconds one rollout turn may take (at most rollout_timeout_s); past it "
+    "the sample is aborted (left out of the step) instead of failing the run",
     "dry_run": "validate and print the config; run nothing",
 }
 """One line of help per field; the trainer command line shows it with the default."""

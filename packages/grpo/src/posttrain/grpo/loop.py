@@ -16,6 +16,19 @@ the step's samples; every rank trains. ``run`` is what ``python -m posttrain.grp
 under torchrun it is one rank; alone it forks ``replicate * shard`` local gloo ranks itself
 (``posttrain.interface.processes.run_workers``: one deadline, ranks die with their parent).
 
+Faults a cluster sees (integration_tests/test_integration_engine_faults.py):
+
+* an engine dies mid-rollout: sgl-router retries its requests on another engine (each turn is
+  committed once, by the session router, so no sample counts twice); the weight sync that
+  follows cannot reach it, logs a warning naming it, counts it in ``sync_engines_lost`` and
+  leaves it out of later syncs (``sync.py``);
+* an engine freezes: a turn with no reply within ``turn_timeout_s`` comes back as an
+  ``aborted`` sample, which is *left out of the step*: no reward, no advantage, no loss tokens,
+  and its group is normalized over the samples that completed. (Not a zero advantage: an
+  aborted sample has no tokens to carry one, and counting it in the group would shift the
+  others' baseline with a reward nobody earned.) ``aborted_samples`` counts them per step, a
+  warning names them; a step where every sample aborted fails with a named error.
+
 Where it departs from textbook GRPO (Shao et al.): one optimizer step per rollout batch (so the
 PPO ratio starts at exactly 1), sequence-mean-token-mean loss aggregation by default (miles),
 and the trainer's recompute of the rollout tokens is the "old" policy, checked against the
@@ -26,7 +39,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
+import logging
 import math
 import os
 import time
@@ -46,10 +61,12 @@ from posttrain.grpo.config import GrpoConfig
 from posttrain.grpo.metrics import MetricsLog, write_report
 from posttrain.grpo.rewards import PromptStream, build_task
 from posttrain.grpo.rollout import RolloutSettings, run_rollout
-from posttrain.grpo.sync import SyncTarget, engine_weight_version, sync_weights
+from posttrain.grpo.sync import SyncResult, SyncTarget, engine_weight_version, sync_weights
 from posttrain.grpo.trainer import TrainSample, build_policy, train_step
-from posttrain.interface import Sample, WorkerError
+from posttrain.interface import Sample, SampleStatus, WorkerError
 from posttrain.interface.processes import free_port, run_workers
+
+_log = logging.getLogger("posttrain.grpo")
 
 
 def run(config: GrpoConfig) -> dict[str, Any] | None:
@@ -113,7 +130,8 @@ def _train(cfg: GrpoConfig) -> dict[str, Any] | None:
     version = _broadcast(_first_version(target) if lead else 0)
     if isinstance(version, str):
         raise GrpoRunError(version)
-    sync_weights(policy, target, version)  # v1 before the first rollout (and after a resume)
+    # v1 before the first rollout (and after a resume)
+    target = _drop_lost(target, sync_weights(policy, target, version), lead, "start")
     log = MetricsLog(out, total_steps=cfg.steps, start_step=start) if lead else None
     opd_mode: dict[str, bool] = {}  # per-position scoring or not: probed once, on the first step
     with log if log is not None else contextlib.nullcontext():
@@ -137,7 +155,9 @@ def _train(cfg: GrpoConfig) -> dict[str, Any] | None:
             times = {**batch["times"], "train": time.perf_counter() - t0}
             t0 = time.perf_counter()
             version += 1
-            metrics.update(sync_weights(policy, target, version))
+            synced = sync_weights(policy, target, version)
+            metrics.update(synced.metrics)
+            target = _drop_lost(target, synced, lead, f"step {step}")
             times["sync"] = time.perf_counter() - t0
             t0 = time.perf_counter()
             last = step == cfg.steps - 1
@@ -184,10 +204,12 @@ def _rollout_and_score(
             top_logprobs=cfg.opd_top_k if cfg.opd else 0,
             weight_version=version,
             timeout_s=cfg.rollout_timeout_s,
+            turn_timeout_s=min(cfg.turn_timeout_s, cfg.rollout_timeout_s),
             api_key=api_key,
         )
         samples = run_rollout(settings, prompts, step=step)
         times["rollout"] = time.perf_counter() - t0
+        samples, aborted = _drop_aborted(samples, step)
         t0 = time.perf_counter()
         for s in samples:
             s.reward = float(task.reward(s))
@@ -207,6 +229,7 @@ def _rollout_and_score(
             stats["opd_reverse_kl"] = _masked_mean(rkl, samples)
             times["opd"] = time.perf_counter() - t0
         stats.update(_rollout_stats(samples, rewards, times["rollout"]))
+        stats["aborted_samples"] = float(len(aborted))
         train = [
             TrainSample(
                 tokens=s.tokens,
@@ -221,6 +244,44 @@ def _rollout_and_score(
         return {"train": train, "masked_tokens": masked, "stats": stats, "times": times}
     except Exception as exc:  # every rank must hear about it, or the others wait forever
         return f"{type(exc).__name__}: {exc}"
+
+
+def _drop_aborted(samples: list[Sample], step: int) -> tuple[list[Sample], list[Sample]]:
+    """(the samples to train on, the aborted ones); a warning names each aborted one, and a
+    step where every sample aborted is a ``GrpoRunError``."""
+    kept = [s for s in samples if s.status is not SampleStatus.ABORTED]
+    aborted = [s for s in samples if s.status is SampleStatus.ABORTED]
+    if not aborted:
+        return kept, aborted
+    named = "; ".join(
+        f"prompt {s.metadata.get('prompt_index')} sample {s.index} "
+        f"(session {s.metadata.get('session_id')}): {s.metadata.get('abort_reason')}"
+        for s in aborted
+    )
+    if not kept:
+        raise GrpoRunError(f"every one of the {len(aborted)} samples was aborted: {named}")
+    _log.warning(
+        "step %d: %d of %d samples aborted, left out of the step: %s",
+        step, len(aborted), len(samples), named,
+    )  # fmt: skip
+    return kept, aborted
+
+
+def _drop_lost(target: SyncTarget, synced: SyncResult, lead: bool, when: str) -> SyncTarget:
+    """``target`` without the engines the sync could not reach (every rank got the same list);
+    rank 0 logs a warning naming each."""
+    if not synced.lost:
+        return target
+    gone = {url for url, _ in synced.lost}
+    left = tuple(url for url in target.engine_urls if url not in gone)
+    if lead:
+        for url, why in synced.lost:
+            _log.warning(
+                "weight sync (%s): engine %s is unreachable (%s); it is left out of later "
+                "syncs, %d of %d engines remain", when, url, why, len(left),
+                len(target.engine_urls),
+            )  # fmt: skip
+    return dataclasses.replace(target, engine_urls=left)
 
 
 def _apply_teacher(

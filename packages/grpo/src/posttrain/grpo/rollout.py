@@ -15,7 +15,9 @@ it drops ``sampling_params.seed``). With strict kernels the engine's tokens then
 on batching or on which engine served the session.
 
 Every request is bounded: a finite timeout per HTTP call and at most ``concurrency`` sessions
-in flight.
+in flight. A turn with no reply within ``turn_timeout_s`` (an engine that froze) comes back as a
+sample with status ``aborted`` and no tokens (``SessionRolloutClient``); the loop leaves it out
+of the step. Any other failure of a sample fails the rollout.
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ class RolloutSettings:
     weight_version: int | None = None
     api_key: str | None = None  # the session router's bearer token
     timeout_s: float = 600.0
+    turn_timeout_s: float | None = None  # None: a turn timeout is an error, not an abort
     concurrency: int = 32
 
 
@@ -74,6 +77,7 @@ async def rollout(
         api_key=settings.api_key,
         timeout_s=settings.timeout_s,
         max_concurrency=settings.concurrency,
+        turn_timeout_s=settings.turn_timeout_s,
         transport=transport,
     ) as client:
 

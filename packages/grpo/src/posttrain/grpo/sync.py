@@ -14,13 +14,26 @@
   computes with. The trainer's own weights stay full precision, which is the point: the
   train/rollout mismatch is real and TIS corrects it.
 
+An engine that cannot be reached (its connection refused or reset, or no reply within the
+target's timeout: an engine that died or froze) is *lost*, not fatal, as long as another engine
+took the weights: ``sync_weights`` names it in ``SyncResult.lost`` (the loop logs a warning and
+the step's ``sync_engines_lost`` metric, and stops pushing to it). While it stays down,
+sgl-router routes around it (retries fail over, its circuit breaker and health checks take it
+out). Not handled: a lost engine that comes back (a frozen one resumed) is re-admitted by
+sgl-router's health checks and serves the weights it last took, never updated again; such
+off-policy samples show in ``train_rollout_logprob_abs_diff``, and the remedy today is to
+deregister it from the router (``posttrain up``'s operator) or restart the run. Every other
+failure (a refused adapter, a checksum mismatch, a stale version) still fails the step, and so
+does losing every engine.
+
 Departure from a colocated GPU sync: no CUDA IPC and no pause/flush here, because the loop
 never syncs while a rollout is in flight (a step's rollouts finish before training starts).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
@@ -70,10 +83,51 @@ def engine_weight_version(
     return version or 0
 
 
-def sync_weights(policy: Policy, target: SyncTarget, version: int) -> dict[str, float]:
+@dataclass(frozen=True, kw_only=True, slots=True)
+class SyncResult:
+    """What a sync did: its metrics, and the engines it could not reach (``(url, why)``)."""
+
+    metrics: dict[str, float]
+    lost: tuple[tuple[str, str], ...] = field(default=())
+
+
+def unreachable(exc: BaseException) -> bool:
+    """Whether ``exc`` means the engine could not be reached (an httpx transport error or
+    timeout in its ``raise ... from`` chain), as opposed to an engine that answered and refused."""
+    seen: BaseException | None = exc
+    for _ in range(16):  # a bounded walk down __cause__
+        if seen is None:
+            return False
+        if isinstance(seen, httpx.TransportError | TimeoutError):
+            return True
+        seen = seen.__cause__
+    return False
+
+
+def push_each(urls: Sequence[str], push: Callable[[str], None]) -> list[tuple[str, str]]:
+    """``push(url)`` for every engine; returns the unreachable ones as ``(url, reason)``.
+
+    Raises ``GrpoRunError`` on the first other failure, or when no engine took the push.
+    """
+    lost: list[tuple[str, str]] = []
+    for url in urls:
+        try:
+            push(url)
+        except Exception as exc:
+            if not unreachable(exc):
+                raise GrpoRunError(f"weight sync to {url}: {type(exc).__name__}: {exc}") from exc
+            lost.append((url, f"{type(exc).__name__}: {exc}"))
+    if urls and len(lost) == len(urls):
+        reasons = "; ".join(f"{url}: {why}" for url, why in lost)
+        raise GrpoRunError(f"weight sync: no engine could be reached ({reasons})")
+    return lost
+
+
+def sync_weights(policy: Policy, target: SyncTarget, version: int) -> SyncResult:
     """Push the current weights to every engine at ``version`` (collective; rank 0 sends).
 
-    Returns ``{"sync_bytes": ...}`` on every rank.
+    Returns, on every rank, ``{"sync_bytes": ..., "sync_engines_lost": ...}`` and the engines
+    that could not be reached (the caller drops them from later syncs).
     """
     if policy.lora is not None:
         tensors = export_adapter(policy.lora)  # collective over the LoRA groups
@@ -81,35 +135,39 @@ def sync_weights(policy: Policy, target: SyncTarget, version: int) -> dict[str, 
         full = dict(iter_full_state_dict(policy.model))  # collective over the FSDP mesh
         # Only rank 0 sends, so only rank 0 converts (and, for NVFP4 rollouts, quantizes).
         tensors = _engine_tensors(full, policy, target) if dist.get_rank() == 0 else {}
-    outcome: list[Any] = [None, 0.0]  # (error, bytes sent), decided on rank 0
+    outcome: list[Any] = [None, 0.0, []]  # (error, bytes sent, lost), decided on rank 0
+
+    def push(url: str) -> None:
+        if policy.lora is not None:
+            assert policy.lora_config is not None
+            config = policy.lora_config.peft_config(policy.target_modules)
+            with AdapterClient(
+                url, transport=target.transport, timeout=target.timeout_s, api_key=target.api_key
+            ) as client:
+                client.push(target.lora_name, tensors, config)
+        else:
+            with WeightPushClient(
+                url, timeout_s=target.timeout_s, transport=target.transport,
+                api_key=target.api_key,
+            ) as client:  # fmt: skip
+                push_weights(client, tensors, weight_version=version, with_sha256=True)
+
     if dist.get_rank() == 0:
         outcome[1] = float(sum(t.numel() * t.element_size() for t in tensors.values()))
         try:
-            for url in target.engine_urls:
-                if policy.lora is not None:
-                    assert policy.lora_config is not None
-                    config = policy.lora_config.peft_config(policy.target_modules)
-                    with AdapterClient(
-                        url,
-                        transport=target.transport,
-                        timeout=target.timeout_s,
-                        api_key=target.api_key,
-                    ) as client:
-                        client.push(target.lora_name, tensors, config)
-                else:
-                    with WeightPushClient(
-                        url,
-                        timeout_s=target.timeout_s,
-                        transport=target.transport,
-                        api_key=target.api_key,
-                    ) as client:
-                        push_weights(client, tensors, weight_version=version, with_sha256=True)
+            outcome[2] = push_each(target.engine_urls, push)
         except Exception as exc:  # reported to every rank below, so none waits forever
-            outcome[0] = f"weight sync to {target.engine_urls}: {type(exc).__name__}: {exc}"
+            outcome[0] = str(exc) if isinstance(exc, GrpoRunError) else (
+                f"weight sync to {target.engine_urls}: {type(exc).__name__}: {exc}"
+            )  # fmt: skip
     dist.broadcast_object_list(outcome, src=0)
     if outcome[0] is not None:
         raise GrpoRunError(outcome[0])
-    return {"sync_bytes": float(outcome[1])}
+    lost = tuple((str(url), str(why)) for url, why in outcome[2])
+    return SyncResult(
+        metrics={"sync_bytes": float(outcome[1]), "sync_engines_lost": float(len(lost))},
+        lost=lost,
+    )
 
 
 def _engine_tensors(

@@ -76,6 +76,16 @@ def grpo_command(
         Path,
         typer.Option("--out", metavar="DIR", help="metrics, reward curve, summary, checkpoints"),
     ] = Path("runs/grpo"),
+    turn_timeout: Annotated[
+        float | None,
+        typer.Option(
+            "--turn-timeout",
+            metavar="S",
+            help="seconds one rollout turn may take (the session router's --upstream-timeout-s "
+            "and the trainer's --turn-timeout-s); past it the sample is aborted and left out of "
+            "the step [default: 120]",
+        ),
+    ] = None,
     verbose: Annotated[
         bool,
         typer.Option("--verbose", help="stream every server's log to the terminal [default: off]"),
@@ -97,6 +107,7 @@ def grpo_command(
             resume=resume,
             out=out,
             trainer_args=tuple(ctx.args),
+            turn_timeout_s=turn_timeout,
         )
         _err.print(
             "posttrain grpo: preparing the recipe's checkpoints (a first run warms up a tiny "

@@ -13,6 +13,10 @@
    foreground: its live display goes straight to this terminal.
 4. Every process is stopped by pid, whatever happened.
 
+``--turn-timeout S`` is the deadline of one rollout turn, end to end: the session router's
+``--upstream-timeout-s`` and the trainer's ``--turn-timeout-s``. A turn past it (a frozen
+engine) is an aborted sample the step leaves out, not a failed run.
+
 Launch never imports posttrain.grpo: both the recipe and the trainer are ``python -m``
 commands, so the CLI stays light. They run on this interpreter (``sys.executable``), as every
 process of the stack does (``LocalRunner``): the ``python`` on PATH may be another one. Flags
@@ -23,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import signal
 import subprocess
@@ -65,6 +70,7 @@ class GrpoRecipeConfig:
     engines: int = 2
     trainer_args: tuple[str, ...] = ()
     ready_timeout_s: float = 300.0
+    turn_timeout_s: float | None = None  # None: the trainer's and the session router's defaults
 
     def __post_init__(self) -> None:
         if self.train not in ("lora", "full"):
@@ -77,6 +83,10 @@ class GrpoRecipeConfig:
             raise LaunchConfigError(f"--steps must be >= 1, got {self.steps}")
         if self.engines < 1:
             raise LaunchConfigError(f"--engines must be >= 1, got {self.engines}")
+        if self.turn_timeout_s is not None and not 0 < self.turn_timeout_s < math.inf:
+            raise LaunchConfigError(
+                f"--turn-timeout must be a finite number of seconds > 0, got {self.turn_timeout_s}"
+            )
         if self.teacher_url is not None and not self.teacher_url.startswith(
             ("http://", "https://")
         ):
@@ -142,6 +152,8 @@ def trainer_argv(cfg: GrpoRecipeConfig, recipe: dict[str, Any], urls: dict[str, 
         argv += ["--rollout-quant", "nvfp4", "--tis", str(settings["tis"])]
     if cfg.resume is not None:
         argv += ["--resume", str(cfg.resume)]
+    if cfg.turn_timeout_s is not None:
+        argv += ["--turn-timeout-s", str(cfg.turn_timeout_s)]
     if key_file is not None:
         argv += ["--api-key-file", str(key_file)]
     return argv + list(cfg.trainer_args)
@@ -169,6 +181,7 @@ def run_grpo(cfg: GrpoRecipeConfig, sink: LogSink, *, python: str = sys.executab
                 if cfg.opd and cfg.teacher_url is None
                 else None,
                 ready_timeout_s=cfg.ready_timeout_s,
+                turn_timeout_s=cfg.turn_timeout_s,
                 api_key=key,
             )
         )

@@ -15,11 +15,28 @@ off-policy samples). Several adapters with sessions are rejected, as the design 
 ``lora_adapter`` names an adapter a trainer pushes later (engines start with LoRA on and no
 adapter loaded; the session router injects that name). ``teacher_model_path`` adds one more
 engine, not behind the router: the teacher on-policy distillation scores against.
+
+Faults: an engine that dies mid-rollout is failed over by sgl-router itself. A request whose
+worker refuses or drops the connection is retried (``--retry-max-retries ROUTER_RETRIES``,
+backoff from 50 ms). Under the manual policy a session's routing key sticks to its worker, so
+a retry goes to the *same* dead engine until that worker's circuit breaker opens; only then is
+the key given to a live engine. sgl-router's default threshold (10 failures) is above its
+default retry budget (5 attempts), so a request alone on an engine that died failed with a 500
+(reproduced: 5 failures, circuit still closed). The stack sets ``--cb-failure-threshold
+ROUTER_CB_FAILURES`` (3) below the retry budget: any request fails over within its own
+retries. The price: an engine that fails 3 requests in a row is skipped for
+``--cb-timeout-duration-secs`` (60 s) before it is tried again. A session's turn is committed
+once, by the session router, when a reply arrives, so a retried request never makes a second
+sample. ``turn_timeout_s`` (``posttrain grpo
+--turn-timeout``) becomes the session router's ``--upstream-timeout-s``: a frozen engine's turn
+ends at that deadline (the trainer marks its sample aborted). Both are exercised in
+``integration_tests/test_integration_engine_faults.py``.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import math
 from dataclasses import dataclass
 
 from posttrain.interface.processes import free_ports
@@ -33,6 +50,11 @@ from posttrain.launch.tables import EngineKind
 LOCAL_HOST = "127.0.0.1"
 TEACHER = "teacher"
 """The name of the teacher engine's process (and URL key): the one engine not behind the router."""
+ROUTER_RETRIES = 5
+"""sgl-router's ``--retry-max-retries``: attempts per request."""
+ROUTER_CB_FAILURES = 3
+"""sgl-router's ``--cb-failure-threshold``: below ``ROUTER_RETRIES``, so a request whose engine
+died opens that engine's circuit (and moves to a live one) within its own retries."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -50,6 +72,7 @@ class LocalStackConfig:
     router_metrics_port: int = 0  # 0: pick a free port
     api_key: str | None = None  # None: no component requires a key
     ready_timeout_s: float = 300.0
+    turn_timeout_s: float | None = None  # the session router's --upstream-timeout-s; None: its own
     engine_args: tuple[str, ...] = ()
     router_args: tuple[str, ...] = ()
     session_router_args: tuple[str, ...] = ()
@@ -76,6 +99,8 @@ def build_local_stack(cfg: LocalStackConfig) -> Plan:
     """
     if cfg.engines < 1:
         raise LaunchConfigError(f"engines={cfg.engines} must be >= 1")
+    if cfg.turn_timeout_s is not None and not 0 < cfg.turn_timeout_s < math.inf:
+        raise LaunchConfigError(f"turn_timeout_s={cfg.turn_timeout_s} must be finite and > 0")
     if cfg.engine_ports and len(cfg.engine_ports) != cfg.engines:
         raise LaunchConfigError(
             f"engine_ports has {len(cfg.engine_ports)} ports for engines={cfg.engines}"
@@ -145,6 +170,14 @@ def build_local_stack(cfg: LocalStackConfig) -> Plan:
     router.set("--prometheus-port", metrics_port, source="local stack (a free port, not 29000)")
     router.set("--log-level", "warn", source="local stack")
     router.set("--health-check-interval-secs", 5, source="local stack")
+    router.set(
+        "--retry-max-retries", ROUTER_RETRIES,
+        source="local stack (a dead engine's requests fail over to the others)",
+    )  # fmt: skip
+    router.set(
+        "--cb-failure-threshold", ROUTER_CB_FAILURES,
+        source=f"local stack (< --retry-max-retries {ROUTER_RETRIES}: a sticky request fails over)",
+    )  # fmt: skip
     router.extend_user(cfg.router_args)
     processes.append(
         ProcessSpec(
@@ -167,6 +200,11 @@ def build_local_stack(cfg: LocalStackConfig) -> Plan:
         session.set("--api-key", cfg.api_key, source="local stack (per-stack key)")
     if served is not None:
         session.set("--lora-adapter", served, source="local stack (--lora)")
+    if cfg.turn_timeout_s is not None:
+        session.set(
+            "--upstream-timeout-s", cfg.turn_timeout_s,
+            source="local stack (--turn-timeout: a frozen engine's turn ends here)",
+        )  # fmt: skip
     if cfg.loras:
         # The engines load the adapter at startup: version 0 of it (its extra_key "<name>:v0").
         session.set("--lora-weight-version", 0, source="local stack (--lora)")

@@ -8,21 +8,30 @@ deletes the session.
 
 ``SessionRolloutClient`` implements the interface's ``RolloutEngine`` for single-turn chat
 rollouts: one session per rollout (create, one chat turn, collect, delete, the delete even when
-a step failed), so each sample carries exactly the engine's token ids and logprobs.
+a step failed), so each sample carries exactly the engine's token ids and logprobs, and its
+session's id in ``metadata["session_id"]``.
 ``rollout_group`` draws the n samples of one prompt concurrently (a GRPO group).
+
+With ``turn_timeout_s`` set, a turn that gets no reply within that deadline (the client's own
+wall-clock deadline, or the session server's 504 when its ``upstream_timeout_s`` passes first:
+an engine that froze) does not raise: the rollout returns a ``Sample`` with status ``aborted``,
+no tokens, and ``metadata["abort_reason"]`` and ``metadata["session_id"]``; the session is
+deleted (the session server never commits a turn its client left). Without it a timeout is an
+error, as before. Any other failure (a 502, a refused connection) still raises.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import httpx
 
 from posttrain.formats import DecodedSamples, decode_samples
-from posttrain.interface import ConfigError, Sample, SampleGroup, TransportError
+from posttrain.interface import ConfigError, Sample, SampleGroup, SampleStatus, TransportError
 from posttrain.session_router._errors import SampleAssemblyError, SessionNotFoundError
 
 
@@ -111,6 +120,8 @@ class SessionRolloutClient:
     """A ``RolloutEngine``: one single-turn chat rollout per session of one session server.
 
     ``max_concurrency`` bounds the rollouts in flight (``rollout_group`` draws n at once).
+    ``turn_timeout_s`` (None: off) is the deadline of one chat turn, past which the rollout
+    returns an aborted sample instead of raising (see the module docstring).
     The httpx transport is injectable; every timeout is finite.
     """
 
@@ -121,10 +132,21 @@ class SessionRolloutClient:
         api_key: str | None = None,
         timeout_s: float = 600.0,
         max_concurrency: int = 64,
+        turn_timeout_s: float | None = None,
         transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
         if max_concurrency < 1:
             raise ConfigError(f"max_concurrency must be >= 1, got {max_concurrency}")
+        if turn_timeout_s is not None and (
+            isinstance(turn_timeout_s, bool)
+            or not isinstance(turn_timeout_s, int | float)
+            or not math.isfinite(turn_timeout_s)
+            or turn_timeout_s <= 0
+        ):
+            raise ConfigError(
+                f"turn_timeout_s must be a finite number > 0 or None, got {turn_timeout_s!r}"
+            )
+        self.turn_timeout_s = turn_timeout_s
         self.url = url.rstrip("/")
         self._client = httpx.AsyncClient(
             base_url=self.url, headers=_headers(api_key), timeout=timeout_s, transport=transport
@@ -154,38 +176,63 @@ class SessionRolloutClient:
         ``sampling_params`` are OpenAI chat fields (``max_tokens``, ``temperature``, ``seed``...);
         ``metadata`` goes into the sample's ``metadata`` (the session server merges it).
         Raises ``SampleAssemblyError`` when the session assembled no sample, and the session
-        server's errors as ``SessionRouterError`` / ``TransportError``.
+        server's errors as ``SessionRouterError`` / ``TransportError``. With ``turn_timeout_s``
+        set, a turn with no reply within it returns an ``aborted`` sample (no tokens).
         """
         async with self._slots:
             reply = _check(await self._client.post("/sessions", json=_create_body(weight_version)))
             session_id = str(reply.json()["session_id"])
             try:
                 body = {**dict(sampling_params or {}), "messages": list(messages)}
-                _check(
-                    await self._client.post(
-                        f"/sessions/{session_id}/v1/chat/completions", json=body
-                    ),
-                    session_id,
-                )
-                reply = _check(
-                    await self._client.post(
-                        f"/sessions/{session_id}/samples", json={"metadata": dict(metadata or {})}
-                    ),
-                    session_id,
-                )
+                aborted = await self._turn(session_id, body)
+                if aborted is None:
+                    reply = _check(
+                        await self._client.post(
+                            f"/sessions/{session_id}/samples",
+                            json={"metadata": dict(metadata or {})},
+                        ),
+                        session_id,
+                    )
             except BaseException:
                 # Best effort: a failing delete must not hide why the rollout failed.
                 with contextlib.suppress(httpx.HTTPError):
                     await self._client.delete(f"/sessions/{session_id}")
                 raise
             _check(await self._client.delete(f"/sessions/{session_id}"), session_id)
+        if aborted is not None:
+            return Sample(
+                prompt_ids=[], response_ids=[], rollout_logprobs=[], loss_mask=[],
+                status=SampleStatus.ABORTED,
+                metadata={**dict(metadata or {}), "session_id": session_id,
+                          "abort_reason": aborted},
+            )  # fmt: skip
         decoded = decode_samples(reply.content)
         if len(decoded.samples) != 1:
             raise SampleAssemblyError(
                 f"session {session_id} assembled {len(decoded.samples)} samples "
                 f"({decoded.empty_reason or 'expected exactly 1'})"
             )
-        return decoded.samples[0]
+        sample = decoded.samples[0]
+        sample.metadata.setdefault("session_id", session_id)  # which session drew it
+        return sample
+
+    async def _turn(self, session_id: str, body: dict[str, Any]) -> str | None:
+        """Send one chat turn: None when it was answered, else why it was aborted (only with
+        ``turn_timeout_s``: no reply within it, or the session server's upstream 504)."""
+        url = f"/sessions/{session_id}/v1/chat/completions"
+        if self.turn_timeout_s is None:
+            _check(await self._client.post(url, json=body), session_id)
+            return None
+        deadline = f"no reply within turn_timeout_s={self.turn_timeout_s:g} s"
+        try:
+            async with asyncio.timeout(self.turn_timeout_s):
+                reply = await self._client.post(url, json=body)
+        except (TimeoutError, httpx.TimeoutException):
+            return deadline
+        if reply.status_code == 504:
+            return f"the session server's upstream call timed out (504): {reply.text[:300]}"
+        _check(reply, session_id)
+        return None
 
     async def rollout_group(
         self,
