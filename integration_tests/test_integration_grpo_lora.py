@@ -2,8 +2,10 @@
 
 Real processes throughout: the recipe's prepare step, two local engines behind the stock
 sgl-router, the session router and two gloo trainer ranks, all started by ``posttrain grpo``
-and stopped by pid. Three runs of 6 steps with a checkpoint every 3: one uninterrupted; one
-killed with SIGKILL right after its first checkpoint; that one resumed. The resumed run's
+and stopped by pid. Three runs of 6 steps with a checkpoint every 3: one uninterrupted; one whose
+trainer process (``python -m posttrain.grpo``, the launcher's child) is killed with SIGKILL right
+after its first checkpoint (its gloo ranks die with it, the launcher stops the stack and exits
+non-zero); that one resumed. The resumed run's
 metrics (every field that does not measure time) equal the uninterrupted run's, bit for bit.
 """
 
@@ -21,6 +23,16 @@ from grpo_runs import grpo_argv, grpo_env, records, run_grpo
 from posttrain.grpo.metrics import deterministic
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiproc, pytest.mark.timeout(900)]
+
+
+def trainer_pid(launcher_pid: int) -> int:
+    """The pid of the launcher's child running ``python -m posttrain.grpo`` (from /proc)."""
+    children = Path(f"/proc/{launcher_pid}/task/{launcher_pid}/children").read_text().split()
+    for child in children:
+        argv = Path(f"/proc/{child}/cmdline").read_bytes().split(b"\0")
+        if b"posttrain.grpo" in argv:
+            return int(child)
+    raise AssertionError(f"no trainer among the launcher's children {children}")
 
 
 def test_lora_learns_with_exact_parity_and_resumes_bit_for_bit(
@@ -48,9 +60,10 @@ def test_lora_learns_with_exact_parity_and_resumes_bit_for_bit(
         f"the run never wrote its first checkpoint (exit {proc.poll()}):\n"
         + log_path.read_text(errors="replace")[-4000:]
     )
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait(timeout=30)
-    time.sleep(2)  # the stack and the trainer ranks follow their parent (PR_SET_PDEATHSIG)
+    trainer = trainer_pid(proc.pid)
+    os.kill(trainer, signal.SIGKILL)
+    assert proc.wait(timeout=120) != 0, "the launcher must report its trainer's death"
+    time.sleep(2)  # the trainer ranks follow their parent (PR_SET_PDEATHSIG)
 
     run_grpo(recipe_cache, killed, "--steps", "6", "--resume", str(killed), trainer=every)
     got, want = records(killed), records(tmp_path / "whole")
