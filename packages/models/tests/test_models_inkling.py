@@ -390,3 +390,94 @@ def test_swa_fields_without_sliding_layers_are_refused() -> None:
         ModelConfig.tiny(swa_head_dim=16)
     with pytest.raises(ModelConfigError, match="sliding_window_layers"):
         ModelConfig.from_hf_dict({**INKLING.to_hf_dict(), "sliding_window_layers": 3})
+
+
+class ChunkedLayout(PackedLayout):
+    """A context-parallel data flow in one process: the packed tokens are cut into chunks (as
+    ranks would hold them); each chunk's sconv sees only its own rows plus a k-1 halo taken
+    from the previous chunk, and each chunk's queries attend over all keys in a shuffled
+    (gathered) order. What a CP layout does with real collectives, minus the collectives."""
+
+    def __init__(
+        self, seg: Tensor, pos: Tensor, num_segments: int, cuts: list[int], *, detach: bool = False
+    ) -> None:
+        super().__init__(seg, pos, num_segments, C)
+        self.cuts = cuts
+        self.detach = detach  # what a gradient-less exchange (a plain all_gather) would give
+
+    def sconv(self, ops: type[StrictOps], layer: int, site: str, x: Tensor, w: Tensor) -> Tensor:  # type: ignore[override]
+        keep = w.shape[1] - 1
+        outs = []
+        for a, b in itertools.pairwise(self.cuts):
+            halo = torch.cat([x.new_zeros((keep, x.shape[1])), x[:a]])[-keep:]
+            halo_seg = torch.cat([self.seg.new_full((keep,), -1), self.seg[:a]])[-keep:]
+            if self.detach:
+                halo = halo.detach()
+            outs.append(residual_sconv(ops, x[a:b], self.seg[a:b], w, halo, halo_seg))
+        return torch.cat(outs)
+
+    def attend(self, ops: type[StrictOps], layer: int, q: Tensor, k: Tensor, v: Tensor, *,  # type: ignore[override]
+               scale: float, window: int | None, rel_logits: Tensor | None) -> Tensor:  # fmt: skip
+        order = torch.randperm(k.shape[0], generator=torch.Generator().manual_seed(layer))
+        outs = []
+        for a, b in itertools.pairwise(self.cuts):
+            outs.append(
+                attend(
+                    ops,
+                    q[a:b],
+                    k[order],
+                    v[order],
+                    q_pos=self.pos[a:b],
+                    q_seg=self.seg[a:b],
+                    k_pos=self.pos[order],
+                    k_seg=self.seg[order],
+                    num_segments=self.num_segments,
+                    capacity=C,
+                    scale=scale,
+                    window=window,
+                    rel_logits=None if rel_logits is None else rel_logits[a:b],
+                )
+            )
+        return torch.cat(outs)
+
+
+def split_grads(
+    model: DecoderModel, detach: bool
+) -> tuple[Tensor, Tensor, list[dict[str, Tensor]]]:
+    segments, _ = batch(9, 3)
+    ids = torch.tensor([t for s in segments for t in s])
+    lens = [len(s) for s in segments]
+    seg = torch.repeat_interleave(torch.arange(3), torch.tensor(lens))
+    pos = torch.cat([torch.arange(n) for n in lens])
+    n = ids.shape[0]
+    cuts = [0, 1, n // 4, n // 2, n // 2 + 2, n]  # chunks shorter than the k-1 halo included
+    want = model.forward_logits(ids, lens)
+    got = model.forward_with_layout(ids, ChunkedLayout(seg, pos, 3, cuts, detach=detach))
+    grads = []
+    for out in (want, got):
+        model.zero_grad()
+        out.sum().backward()
+        grads.append({k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None})
+    return want, got, grads
+
+
+def rel_l2(a: Tensor, b: Tensor) -> float:
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def test_a_chunked_layout_gives_the_unsplit_logits_and_gradients() -> None:
+    want, got, (ref, split) = split_grads(inkling_model(seed=9), detach=False)
+    assert torch.equal(got, want)
+    assert ref.keys() == split.keys()
+    for name, g in ref.items():
+        assert rel_l2(split[name], g) <= 1e-6, name
+
+
+def test_control_a_halo_without_gradient_loses_conv_gradients() -> None:
+    want, got, (ref, split) = split_grads(inkling_model(seed=9), detach=True)
+    assert torch.equal(got, want)  # the forward cannot tell...
+    bad = sorted(n for n, g in ref.items() if rel_l2(split[n], g) > 1e-6)
+    # ...the gradients can: what flows back through a halo to the layers below is lost,
+    # K/V projections and convolution weights included
+    assert {"layers.0.qkv", "layers.0.k_conv", "layers.2.attn_out_conv"} <= set(bad)
+    assert "layers.3.mlp_out_conv" not in bad  # the last site's own weight gradient survives
