@@ -9,6 +9,8 @@ from collections.abc import Sequence
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import Tensor
 
 from posttrain.models import (
@@ -481,3 +483,28 @@ def test_control_a_halo_without_gradient_loses_conv_gradients() -> None:
     # K/V projections and convolution weights included
     assert {"layers.0.qkv", "layers.0.k_conv", "layers.2.attn_out_conv"} <= set(bad)
     assert "layers.3.mlp_out_conv" not in bad  # the last site's own weight gradient survives
+
+
+SMALL_INKLING = ModelConfig.inkling_tiny(
+    max_position_embeddings=16, vocab_size=64, sliding_window_size=4, rel_pos_extent=8,
+    sconv_kernel_size=3, num_hidden_layers=3, sliding_window_layers=(1,), mlp_only_layers=(0,),
+)  # fmt: skip
+
+
+@settings(max_examples=5, deadline=None)
+@given(
+    lens=st.lists(st.integers(2, 16), min_size=1, max_size=4),
+    seed=st.integers(0, 10_000),
+    data=st.data(),
+)
+def test_inkling_parity_over_random_lengths_and_prompts(
+    lens: list[int], seed: int, data: st.DataObject
+) -> None:
+    model = inkling_model(SMALL_INKLING, seed)
+    gen = torch.Generator().manual_seed(seed)
+    segments = [torch.randint(0, 64, (n,), generator=gen).tolist() for n in lens]
+    prompts = [data.draw(st.integers(1, n - 1)) for n in lens]
+    chunked = data.draw(st.booleans())
+    assert torch.equal(
+        train_lp(model, segments), decode_lp(model, segments, prompts, chunked=chunked)
+    )

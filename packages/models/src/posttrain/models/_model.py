@@ -1,14 +1,22 @@
-"""The Dense/MoE decoder: one forward for packed training and for KV-cache decode.
+"""Dense/MoE decoders in the Qwen3-MoE HF layout whose training and decode logprobs agree bit for bit.
 
 ``DecoderModel`` holds its weights in a fused in-memory layout (``qkv``, ``fc1 = [gate; up]``,
 stacked experts; see ``_convert`` for the HF names). Every path -- ``forward_logprobs`` over
-packed segments, ``extend``/``prefill``/``decode_step`` over cache rows -- runs the same
-``_forward`` on a flat list of tokens, each with a buffer row and a position. Keys and
-values are written into a per-row buffer of fixed capacity ``C = max_position_embeddings``
-and each query attends over all ``C`` slots with a mask, so in strict mode a token's bits do
-not depend on how many tokens came in the same call (see ``_ops``). As an optimisation that
-keeps every bit, a chunk of queries reduces over the first ``2**ceil(log2(max pos + 1))``
-slots only: the rest are masked exact zeros, and ``x + 0 == x`` in the pairwise tree.
+packed segments, ``extend``/``prefill``/``decode_step`` over cache rows, and
+``forward_with_layout`` (a context-parallel caller's own layout) -- runs the same
+``_forward`` on a flat list of tokens, each with a segment and a position; the only steps
+that look at other tokens (attention and the optional short convolutions) go through a
+``TokenLayout`` (``_blocks``). Keys and values are written into a per-row buffer of fixed
+capacity ``C = max_position_embeddings`` and each query attends over all ``C`` slots with a
+mask, so in strict mode a token's bits do not depend on how many tokens came in the same call
+(see ``_ops``). As an optimisation that keeps every bit, a chunk of queries reduces over the
+first ``2**ceil(log2(max pos + 1))`` slots only: the rest are masked exact zeros, and
+``x + 0 == x`` in the pairwise tree.
+
+Optional Inkling-style blocks (``ModelConfig`` extension fields): residual short convolutions
+at four sites per layer, a relative position bias from an extra projected stream, sliding-window
+layers with their own shape, a sigmoid router with a fixed expert bias and shared experts, an
+embedding RMSNorm and a logits divisor.
 
 Departures from HF ``Qwen3MoeForCausalLM``: activations are fp32 whatever the parameter
 dtype; experts are combined in ascending expert id order; top-k ties go to the lower id
@@ -233,6 +241,8 @@ class DecoderModel(nn.Module):
         cap = self.config.max_position_embeddings
         if int(layout.pos.min()) < 0 or int(layout.pos.max()) >= cap:
             raise ModelInputError(f"layout positions must lie in [0, {cap})")
+        if int(layout.seg.min()) < 0:
+            raise ModelInputError("layout segment ids must be >= 0")
         num_segments = int(layout.seg.max()) + 1
         routing = LoraRouting(lora, layout.seg, num_segments, self._lora_targets)
         return self._forward(ids, layout, routing)
