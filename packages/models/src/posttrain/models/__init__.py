@@ -12,8 +12,11 @@ Public surface (see the package README for a tour):
 * ``LinearSite`` / ``DecoderModel.linear_sites()`` -- each fused linear as a module with the
   model's kernel, for wrappers such as ``lora-core``'s ``LoraLinear``.
 * ``build_tokenizer`` -- a local character-level fast tokenizer with a ChatML template.
+* ``context_parallel`` -- CP/SP primitives: zigzag/contiguous layouts, autograd K/V gather,
+  position-masked attention with relative bias, halo exchange for short convolutions.
 """
 
+from posttrain.models import context_parallel
 from posttrain.models._cache import KVCache
 from posttrain.models._checkpoint import (
     load_config,
@@ -74,6 +77,7 @@ __all__ = [
     "WeightGroup",
     "build_model",
     "build_tokenizer",
+    "context_parallel",
     "from_hf_state_dict",
     "load_config",
     "load_hf_tensors",
