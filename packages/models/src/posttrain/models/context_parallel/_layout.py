@@ -197,7 +197,8 @@ def shard_for_context_parallel(
     for n in lengths:
         chunk = n // multiple
         for rank in range(cp_size):
-            chunks = [rank] if layout is CPLayout.CONTIGUOUS else [rank, 2 * cp_size - 1 - rank]
+            mirror = 2 * cp_size - 1 - rank
+            chunks = [rank] if multiple == cp_size else [rank, mirror]
             for c in chunks:
                 pieces[rank].append(torch.arange(start + c * chunk, start + (c + 1) * chunk))
         start += n
@@ -232,7 +233,8 @@ def _sharding(layout: str, lengths: tuple[int, ...], owned: list[Tensor]) -> Seq
 
 
 def _multiple(cp_size: int, layout: CPLayout) -> int:
-    return cp_size if layout is CPLayout.CONTIGUOUS else 2 * cp_size
+    # One rank holds the whole segment in either layout, so nothing needs padding.
+    return cp_size if layout is CPLayout.CONTIGUOUS or cp_size == 1 else 2 * cp_size
 
 
 def _check_size(size: int, field: str) -> int:
