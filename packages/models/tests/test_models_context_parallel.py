@@ -52,6 +52,14 @@ def test_contiguous_cuts_every_segment_and_sp_cuts_the_stream() -> None:
     assert sp.positions(1).position.tolist() == [1, 2, 3, 4]
 
 
+def test_cp_x_sp_subdivides_each_rank_in_local_order() -> None:
+    sharding = shard_for_context_parallel([8], 2, CPLayout.ZIGZAG)  # rank 0: [0,1,6,7]
+    both = cp.subdivide_for_sequence_parallel(sharding, 2)
+    assert [t.tolist() for t in both.owner_indices] == [[0, 1], [6, 7], [2, 3], [4, 5]]
+    with pytest.raises(SequenceLayoutError, match="sp_size=3"):
+        cp.subdivide_for_sequence_parallel(sharding, 3)
+
+
 @pytest.mark.parametrize("layout", list(CPLayout))
 def test_split_then_merge_is_the_identity(layout: CPLayout) -> None:
     sharding = shard_for_context_parallel([8, 16, 8], 4, layout)

@@ -34,6 +34,7 @@ from posttrain.models.context_parallel import (
     residual_short_conv,
     shard_for_context_parallel,
     shard_for_sequence_parallel,
+    subdivide_for_sequence_parallel,
 )
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, D_REL, KERNEL = 8, 2, 1, 4, 3, 4
@@ -245,6 +246,9 @@ def _rank_cp4(rank: int, world: int) -> dict[str, Any]:
     results: dict[str, Any] = {"exact": _cases(world, group, "cp4/")}
     results["exact"].update(_cases(2, pairs[rank // 2], f"pair{rank // 2}/"))
     results["sp"] = _sp_conv(bind_shard(shard_for_sequence_parallel((7, 13, 4), world), group))
+    # CP=2 x SP=2 over the 4 ranks (CP-major): the conv's halo crosses both splits.
+    cp_sp = subdivide_for_sequence_parallel(shard_for_context_parallel(SEGMENTS, 2, "zigzag"), 2)
+    results["sp"] = max(results["sp"], _sp_conv(bind_shard(cp_sp, group)))
     return results
 
 

@@ -4,7 +4,8 @@ The sequence is split over an explicit process group; nothing here uses the defa
 How the model uses it, per forward:
 
 1. ``sharding = shard_for_context_parallel(segment_lengths, cp_size, CPLayout.ZIGZAG)``
-   (or ``CONTIGUOUS``; ``shard_for_sequence_parallel(lengths, tp_size)`` for SP under TP),
+   (or ``CONTIGUOUS``; ``shard_for_sequence_parallel(lengths, tp_size)`` for SP under TP,
+   ``subdivide_for_sequence_parallel(sharding, tp_size)`` for CP x SP over a CP-major group),
    identical on every rank; ``shard = bind_shard(sharding, cp_group)`` checks the group.
 2. Inputs: ``shard.split(input_ids)``; RoPE positions: ``shard.positions.position``.
 3. Attention: ``context_parallel_attention(q, k, v, shard, scale=..., window=...,
@@ -52,6 +53,7 @@ from posttrain.models.context_parallel._layout import (
     segment_lengths_from_cu_seqlens,
     shard_for_context_parallel,
     shard_for_sequence_parallel,
+    subdivide_for_sequence_parallel,
 )
 
 __all__ = [
@@ -79,4 +81,5 @@ __all__ = [
     "segment_lengths_from_cu_seqlens",
     "shard_for_context_parallel",
     "shard_for_sequence_parallel",
+    "subdivide_for_sequence_parallel",
 ]

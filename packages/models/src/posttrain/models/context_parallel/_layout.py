@@ -219,6 +219,24 @@ def shard_for_sequence_parallel(segment_lengths: Sequence[int], sp_size: int) ->
     return _sharding("sequence-parallel", lengths, owned)
 
 
+def subdivide_for_sequence_parallel(sharding: SequenceSharding, sp_size: int) -> SequenceSharding:
+    """CP x SP: cut each rank's tokens (in local order) into ``sp_size`` contiguous pieces.
+
+    Rank ``cp_rank * sp_size + sp_rank`` of the result holds piece ``sp_rank`` of ``cp_rank``'s
+    tokens, so a halo plan over a group ordered that way (CP-major, the TP/SP rank fastest)
+    serves the convolutions that run sequence-parallel inside each CP rank's TP group.
+    """
+    sp_size = _check_size(sp_size, "sp_size")
+    pieces: list[Tensor] = []
+    for rank, owned in enumerate(sharding.owner_indices):
+        if owned.numel() % sp_size:
+            raise SequenceLayoutError(
+                f"rank {rank} holds {owned.numel()} tokens, not a multiple of sp_size={sp_size}"
+            )
+        pieces.extend(owned.chunk(sp_size))
+    return _sharding(f"{sharding.layout}+sp{sp_size}", sharding.segment_lengths, pieces)
+
+
 def _sharding(layout: str, lengths: tuple[int, ...], owned: list[Tensor]) -> SequenceSharding:
     sizes = torch.tensor(lengths, dtype=torch.int64)
     segment_ids = torch.repeat_interleave(torch.arange(len(lengths)), sizes)
