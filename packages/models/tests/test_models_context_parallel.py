@@ -107,6 +107,14 @@ def test_one_rank_conv_equals_per_segment_conv1d() -> None:
     torch.testing.assert_close(got, torch.cat(expected), rtol=1e-6, atol=1e-6)
 
 
+def test_halo_windows_hold_each_tokens_taps_oldest_first() -> None:
+    shard = bind_shard(shard_for_context_parallel([3, 2], 1, "contiguous"), None)
+    plan = plan_halo(shard, 3)
+    x = torch.arange(1.0, 6.0)[:, None]  # tokens 1 2 3 | 4 5
+    windows = cp.halo_windows(x, cp.exchange_halo(x, plan), plan)
+    assert windows[..., 0].tolist() == [[0, 0, 1, 0, 0], [0, 1, 2, 0, 4], [1, 2, 3, 4, 5]]
+
+
 def test_mask_is_segment_causal_and_windowed() -> None:
     positions = shard_for_context_parallel([3, 2], 1, "contiguous").all_positions()
     mask = attention_mask(positions, positions, window=2)

@@ -16,6 +16,14 @@ How the model uses it, per forward:
 5. Outputs: per-token results stay local (sum the loss, all-reduce parameter gradients over the
    CP group); ``sharding.merge(pieces)`` reassembles full tensors where needed.
 
+With the model's ``TokenLayout`` seam (``_blocks``: a CP layout subclasses ``PackedLayout``),
+the layout is ``PackedLayout(shard.positions.segment_id, shard.positions.position, n_segments,
+capacity)`` whose ``sconv`` returns ``ops.sconv(halo_windows(x, exchange_halo(x, plan), plan),
+weight)`` and whose ``attend`` calls the model's ``attend`` with ``all_gather_sequence(k)``,
+``all_gather_sequence(v)`` and ``k_pos/k_seg`` from ``shard.stream_positions``; the model's
+own kernels then keep strict numerics (``context_parallel_attention`` here is the dense fp32
+reference formulation).
+
 Errors: ``ContextParallelConfigError`` (a ``ModelConfigError``), ``SequenceLayoutError``,
 ``ShardShapeError`` and ``ProcessGroupMismatchError`` (all ``ContextParallelError``).
 """
@@ -42,6 +50,7 @@ from posttrain.models.context_parallel._halo import (
     HaloPlan,
     causal_depthwise_conv,
     exchange_halo,
+    halo_windows,
     plan_halo,
     residual_short_conv,
 )
@@ -74,6 +83,7 @@ __all__ = [
     "causal_depthwise_conv",
     "context_parallel_attention",
     "exchange_halo",
+    "halo_windows",
     "padded_segment_lengths",
     "plan_halo",
     "relative_position_bias",

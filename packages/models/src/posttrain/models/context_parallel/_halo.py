@@ -15,7 +15,8 @@ its backward sends each halo row's gradient back to the rank that owns the row a
 there. So the exchange moves ``(k - 1) x channels`` values per chunk boundary per site,
 against ``(T - T / world) x channels`` per rank for gathering the sequence.
 ``causal_depthwise_conv(x_local, halo, weight, plan)`` then equals the full-sequence
-convolution on the local rows, and ``residual_short_conv`` adds the residual.
+convolution on the local rows, and ``residual_short_conv`` adds the residual;
+``halo_windows`` gives the per-token taps for a model that sums them with its own kernel.
 
 Weights follow ``torch.nn.Conv1d(C, C, k, groups=C)`` with ``k - 1`` zeros of left padding:
 ``weight[c, j]`` multiplies the input ``k - 1 - j`` tokens back (``j = k - 1`` is the token
@@ -107,21 +108,34 @@ def exchange_halo(x_local: Tensor, plan: HaloPlan, *, name: str = "x") -> Tensor
     return halo
 
 
-def causal_depthwise_conv(x_local: Tensor, halo: Tensor, weight: Tensor, plan: HaloPlan) -> Tensor:
-    """The full-sequence causal depthwise convolution, on this rank's rows (fp32)."""
+def halo_windows(x_local: Tensor, halo: Tensor, plan: HaloPlan) -> Tensor:
+    """``[k, n_local, ...]``: tap ``i`` of each local token is the input ``k - 1 - i`` tokens back.
+
+    Oldest tap first, the token itself last; 0 where that token is outside the sequence. This
+    is the ``windows`` argument of the model's ``ops.sconv`` (strict: a fixed-order tree over
+    the taps), so a model layout gets its own kernel's bits: ``ops.sconv(halo_windows(...), w)``.
+    """
     plan.shard.check_local(x_local, "x_local")
-    taps = _check_weight(weight, x_local, plan.kernel_size)
     if halo.shape != (plan.received_rows, *x_local.shape[1:]):
         raise ShardShapeError(
             f"halo has shape {tuple(halo.shape)}; the plan expects "
             f"{(plan.received_rows, *x_local.shape[1:])}"
         )
-    x = x_local.float()
-    extended = torch.cat([x, halo.float(), x.new_zeros((1, *x.shape[1:]))])
-    k = plan.kernel_size
-    out = x * taps[..., k - 1]
-    for j in range(k - 1):
-        out = out + extended.index_select(0, plan.tap_index[:, j]) * taps[..., j]
+    extended = torch.cat(
+        [x_local, halo.to(x_local.dtype), x_local.new_zeros((1, *x_local.shape[1:]))]
+    )
+    taps = [extended.index_select(0, plan.tap_index[:, j]) for j in range(plan.kernel_size - 1)]
+    return torch.stack([*taps, x_local])
+
+
+def causal_depthwise_conv(x_local: Tensor, halo: Tensor, weight: Tensor, plan: HaloPlan) -> Tensor:
+    """The full-sequence causal depthwise convolution, on this rank's rows (fp32)."""
+    plan.shard.check_local(x_local, "x_local")
+    taps = _check_weight(weight, x_local, plan.kernel_size)
+    windows = halo_windows(x_local.float(), halo, plan)
+    out = windows[0] * taps[..., 0]
+    for j in range(1, plan.kernel_size):
+        out = out + windows[j] * taps[..., j]
     return out
 
 
