@@ -63,6 +63,7 @@ def relative_position_bias(
             f"rel_stream's last dim {rel_stream.shape[2]} != rel_proj's d_rel {rel_proj.shape[0]}"
         )
     extent = rel_proj.shape[1]
+    query, key = _on(query, rel_stream.device), _on(key, rel_stream.device)
     per_offset = torch.einsum("thd,de->the", rel_stream.float(), rel_proj.float())
     distance = query.global_index[:, None] - key.global_index[None, :]
     inside = (distance >= 0) & (distance < extent)
@@ -102,6 +103,7 @@ def attend(
         )
     if (rel_stream is None) != (rel_proj is None):
         raise ContextParallelConfigError("rel_stream and rel_proj must be given together")
+    query, key = _on(query, q.device), _on(key, q.device)
     repeat = q.shape[1] // k.shape[1]
     keys = k.float().repeat_interleave(repeat, dim=1)
     values = v.float().repeat_interleave(repeat, dim=1)
@@ -140,6 +142,17 @@ def context_parallel_attention(
         window=window,
         rel_stream=rel_stream,
         rel_proj=rel_proj,
+    )
+
+
+def _on(positions: TokenPositions, device: torch.device) -> TokenPositions:
+    """The positions on ``device`` (plans and shardings are built on the CPU)."""
+    if positions.global_index.device == device:
+        return positions
+    return TokenPositions(
+        global_index=positions.global_index.to(device),
+        segment_id=positions.segment_id.to(device),
+        position=positions.position.to(device),
     )
 
 

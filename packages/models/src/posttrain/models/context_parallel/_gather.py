@@ -120,7 +120,7 @@ def all_gather_sequence(x_local: Tensor, shard: SequenceShard, *, name: str = "x
     inverse = shard._cache.get("inverse_order")
     if inverse is None:
         inverse = shard._cache["inverse_order"] = shard.sharding.inverse_order()
-    return gathered.index_select(0, inverse)
+    return gathered.index_select(0, inverse.to(gathered.device))
 
 
 class _GatherRows(torch.autograd.Function):

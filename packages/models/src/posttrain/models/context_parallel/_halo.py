@@ -103,7 +103,11 @@ def exchange_halo(x_local: Tensor, plan: HaloPlan, *, name: str = "x") -> Tensor
     if group is None:
         return x_local.new_zeros((0, *x_local.shape[1:]))
     halo: Tensor = _ExchangeRows.apply(  # type: ignore[no-untyped-call]
-        x_local, plan.send_rows, list(plan.send_counts), list(plan.recv_counts), group
+        x_local,
+        plan.send_rows.to(x_local.device),
+        list(plan.send_counts),
+        list(plan.recv_counts),
+        group,
     )
     return halo
 
@@ -124,7 +128,8 @@ def halo_windows(x_local: Tensor, halo: Tensor, plan: HaloPlan) -> Tensor:
     extended = torch.cat(
         [x_local, halo.to(x_local.dtype), x_local.new_zeros((1, *x_local.shape[1:]))]
     )
-    taps = [extended.index_select(0, plan.tap_index[:, j]) for j in range(plan.kernel_size - 1)]
+    tap_index = plan.tap_index.to(x_local.device)
+    taps = [extended.index_select(0, tap_index[:, j]) for j in range(plan.kernel_size - 1)]
     return torch.stack([*taps, x_local])
 
 
