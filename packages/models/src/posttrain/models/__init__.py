@@ -16,8 +16,11 @@ Public surface (see the package README for a tour):
   ``TokenLayout`` / ``PackedLayout`` / ``CacheLayout``, ``residual_sconv`` (with a halo),
   ``attend`` (queries against gathered keys, masks from positions), ``rel_logits_of``,
   ``DecoderModel.forward_with_layout`` (see ``_blocks``).
+* ``context_parallel`` -- CP/SP primitives: zigzag/contiguous layouts, autograd K/V gather,
+  position-masked attention with relative bias, halo exchange for short convolutions.
 """
 
+from posttrain.models import context_parallel
 from posttrain.models._blocks import (
     CacheLayout,
     PackedLayout,
@@ -93,6 +96,7 @@ __all__ = [
     "attend_buffers",
     "build_model",
     "build_tokenizer",
+    "context_parallel",
     "from_hf_state_dict",
     "load_config",
     "load_hf_tensors",
