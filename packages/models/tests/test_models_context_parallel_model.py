@@ -1,13 +1,18 @@
-"""The inkling-tiny decoder under context parallel through the model's ``TokenLayout`` seam.
+"""``posttrain.models.context_parallel.forward_context_parallel`` against the single-process model.
 
-``ContextParallelLayout`` below is the whole adapter between ``posttrain.models``' layout seam
-(``_blocks.PackedLayout``, from the Inkling-blocks branch) and ``context_parallel``: halo
-windows for every sconv site (summed by the model's own ``ops.sconv``) and K/V gathered with
-the autograd-aware ``all_gather_sequence`` for the model's own ``attend``. On CP=2 and CP=4
-gloo ranks, both layouts, packed input with every block on (random sconv weights, so the
-halos matter): strict logits equal the unsplit forward bit for bit, and every parameter
-gradient matches within relative L2 1e-6. Skipped only where the layout seam is not in the
-tree yet (this module was written before the two branches met).
+On CP=2 and CP=4 gloo ranks (one spawn per world size), both layouts, a packed batch of three
+sequences (the last one shorter per zigzag chunk than the kernel's halo under CP=4):
+
+* inkling-tiny with every block on (sconv weights randomised so the halos matter, dense and
+  MoE layers, sliding-window and global layers, relative bias): each rank's logits and
+  logprobs equal the rows of ``forward_logits`` / ``forward_logprobs`` bit for bit, and after
+  ``all_reduce_gradients`` every parameter gradient matches the single-process one within
+  relative L2 1e-6 (reported separately for the conv weights and the K/V rows of ``qkv``);
+* negative control: the same layout with a plain (no-grad) ``dist.all_gather`` of K/V keeps the
+  forward bit-identical but loses K/V-projection and conv gradients (relative L2 > 1e-2);
+* CP=2 only: the plain Qwen3-layout ``tiny`` model (no optional block) the same way.
+
+Single-process: one rank (``group=None``) is the plain forward; named errors for bad input.
 """
 
 from __future__ import annotations
@@ -17,114 +22,205 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from torch import Tensor
+from torch import Tensor, nn
 
 from posttrain.interface.testing import run_workers
-from posttrain.models import ModelConfig, Numerics, build_model
+from posttrain.models import (
+    DecoderModel,
+    ModelConfig,
+    ModelInputError,
+    Numerics,
+    build_model,
+)
 from posttrain.models import context_parallel as cp
 
-blocks = pytest.importorskip("posttrain.models._blocks")
-
-SEGMENTS = (16, 24, 8)  # multiples of 2 * 4
+SEGMENTS = (16, 24, 8)  # multiples of 2 * 4 (zigzag under CP=4)
 CAPACITY = 32
+TOL = 1e-6
 
 
-class ContextParallelLayout(blocks.PackedLayout):
-    """This rank's tokens of a packed batch split over a CP group."""
-
-    def __init__(self, shard: cp.SequenceShard, capacity: int) -> None:
-        positions = shard.positions
-        segments = len(shard.sharding.segment_lengths)
-        super().__init__(positions.segment_id, positions.position, segments, capacity)
-        self.shard = shard
-
-    def sconv(self, ops: Any, layer: int, site: str, x: Tensor, weight: Tensor) -> Tensor:
-        plan = cp.plan_halo(self.shard, weight.shape[1])
-        return ops.sconv(cp.halo_windows(x, cp.exchange_halo(x, plan), plan), weight)
-
-    def attend(
-        self,
-        ops: Any,
-        layer: int,
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        *,
-        scale: float,
-        window: int | None,
-        rel_logits: Tensor | None,
-    ) -> Tensor:
-        stream = self.shard.stream_positions
-        return blocks.attend(
-            ops,
-            q,
-            cp.all_gather_sequence(k, self.shard, name="k"),
-            cp.all_gather_sequence(v, self.shard, name="v"),
-            q_pos=self.pos,
-            q_seg=self.seg,
-            k_pos=stream.position,
-            k_seg=stream.segment_id,
-            num_segments=self.num_segments,
-            capacity=self.capacity,
-            scale=scale,
-            window=window,
-            rel_logits=rel_logits,
-        )
-
-
-def _models() -> tuple[Any, Any]:
-    config = ModelConfig.inkling_tiny(max_position_embeddings=CAPACITY)
+def _models(config: ModelConfig, *, randomise_convs: bool) -> tuple[DecoderModel, DecoderModel]:
     reference = build_model(config, seed=3, numerics=Numerics.STRICT)
-    with torch.no_grad():
-        g = torch.Generator().manual_seed(5)
-        for name, param in reference.named_parameters():
-            if "conv" in name:  # zero-initialised sconv is the identity: make it matter
-                param.copy_(torch.randn(param.shape, generator=g) * 0.3)
+    if randomise_convs:
+        with torch.no_grad():
+            g = torch.Generator().manual_seed(5)
+            for name, param in reference.named_parameters():
+                if "conv" in name:  # zero-initialised sconv is the identity: make it matter
+                    param.copy_(torch.randn(param.shape, generator=g) * 0.3)
     model = build_model(config, seed=3, numerics=Numerics.STRICT)
     model.load_state_dict(reference.state_dict())
     return reference, model
 
 
-def _rank(rank: int, world: int) -> dict[str, tuple[bool, str, float]]:
-    group = dist.new_group(list(range(world)))
-    results = {}
-    for layout in cp.CPLayout:
-        reference, model = _models()
-        g = torch.Generator().manual_seed(1)
-        ids = torch.randint(0, model.config.vocab_size, (sum(SEGMENTS),), generator=g)
-        weights = torch.randn(sum(SEGMENTS), model.config.vocab_size, generator=g)
-        seg = torch.repeat_interleave(torch.arange(len(SEGMENTS)), torch.tensor(SEGMENTS))
-        pos = torch.cat([torch.arange(n) for n in SEGMENTS])
-        full = blocks.PackedLayout(seg, pos, len(SEGMENTS), CAPACITY)
-        ref_logits = reference.forward_with_layout(ids, full)
-        (ref_logits * weights).sum().backward()
+def _batch(vocab: int) -> tuple[Tensor, Tensor, Tensor]:
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, vocab, (sum(SEGMENTS),), generator=g)
+    lp_weights = torch.randn(sum(SEGMENTS), generator=g)
+    logit_weights = torch.randn(sum(SEGMENTS), vocab, generator=g)
+    return ids, lp_weights, logit_weights
 
-        shard = cp.bind_shard(cp.shard_for_context_parallel(SEGMENTS, world, layout), group)
-        logits = model.forward_with_layout(shard.split(ids), ContextParallelLayout(shard, CAPACITY))
-        (logits * shard.split(weights)).sum().backward()
-        worst, worst_name = 0.0, ""
-        for (name, param), (_, ref_param) in zip(
-            model.named_parameters(), reference.named_parameters(), strict=True
-        ):
-            grad = param.grad if param.grad is not None else torch.zeros_like(param)
-            dist.all_reduce(grad, group=group)
-            want = ref_param.grad if ref_param.grad is not None else torch.zeros_like(param)
-            error = float((grad - want).norm() / want.norm().clamp_min(1e-30))
-            if want.norm() == 0:
-                error = float(grad.norm())
-            if error > worst:
-                worst, worst_name = error, name
-        bitwise = bool(torch.equal(logits.detach(), shard.split(ref_logits.detach())))
-        results[str(layout)] = (bitwise, worst_name, worst)
+
+def _rel(got: Tensor | None, want: Tensor | None, like: Tensor) -> float:
+    got = torch.zeros_like(like) if got is None else got
+    want = torch.zeros_like(like) if want is None else want
+    if want.norm() == 0:
+        return float(got.norm())
+    return float((got - want).norm() / want.norm())
+
+
+def _grad_errors(model: DecoderModel, reference: DecoderModel) -> dict[str, float]:
+    """Relative L2 error of every trainable gradient, plus the K/V rows of each fused qkv."""
+    errors = {}
+    ref_params = dict(reference.named_parameters())
+    for name, param in model.named_parameters():
+        if not param.requires_grad:
+            continue
+        want = ref_params[name].grad
+        errors[name] = _rel(param.grad, want, param)
+        if name.endswith(".qkv"):
+            layer = int(name.split(".")[1])
+            nh, nkv, hd = model.config.attention_shape(layer)
+            rows = slice(nh * hd, (nh + 2 * nkv) * hd)
+            got = None if param.grad is None else param.grad[rows]
+            errors[name + "[k,v rows]"] = _rel(
+                got, None if want is None else want[rows], param[rows]
+            )
+    return errors
+
+
+def _worst(errors: dict[str, float], keep: Any = lambda name: True) -> tuple[str, float]:
+    picked = {n: e for n, e in errors.items() if keep(n)}
+    name = max(picked, key=lambda n: picked[n])
+    return name, picked[name]
+
+
+def _kv_or_conv(name: str) -> bool:
+    return "conv" in name or "[k,v rows]" in name
+
+
+class PlainGatherLayout(cp.ContextParallelLayout):
+    """The published design's K/V gather: ``dist.all_gather`` with no autograd; only this
+    rank's own rows keep their graph, other ranks' queries never reach its K/V projections."""
+
+    def gather(self, x: Tensor, name: str) -> Tensor:
+        pieces = [torch.empty_like(x) for _ in range(self.shard.world_size)]
+        dist.all_gather(pieces, x.detach().contiguous(), group=self.shard.group)
+        pieces[self.shard.rank] = x
+        return self.shard.sharding.merge(pieces)
+
+
+def _case(
+    config: ModelConfig, layout: cp.CPLayout, group: dist.ProcessGroup, *, randomise: bool
+) -> dict[str, Any]:
+    reference, model = _models(config, randomise_convs=randomise)
+    ids, lp_weights, _ = _batch(config.vocab_size)
+    with torch.no_grad():
+        ref_logits = reference.forward_logits(ids, SEGMENTS)
+    ref_lp = reference.forward_logprobs(ids, SEGMENTS)
+    (ref_lp * lp_weights).sum().backward()
+
+    out = cp.forward_context_parallel(model, ids, SEGMENTS, group, layout)
+    (out.logprobs * out.shard.split(lp_weights)).sum().backward()
+    cp.all_reduce_gradients(model, group)
+    errors = _grad_errors(model, reference)
+    return {
+        "logits_bitwise": torch.equal(out.logits.detach(), out.shard.split(ref_logits)),
+        "logprobs_bitwise": torch.equal(out.logprobs.detach(), out.shard.split(ref_lp.detach())),
+        "merged_bitwise": torch.equal(
+            cp.all_gather_sequence(out.logprobs.detach(), out.shard), ref_lp.detach()
+        ),
+        "worst": _worst(errors),
+        "worst_kv_conv": _worst(errors, _kv_or_conv),
+        "kv_conv_checked": sum(_kv_or_conv(n) for n in errors),
+    }
+
+
+def _plain_gather_control(group: dist.ProcessGroup) -> dict[str, Any]:
+    """Loss on the logits; K/V gathered without autograd: the forward stays exact, grads don't."""
+    reference, model = _models(
+        ModelConfig.inkling_tiny(max_position_embeddings=CAPACITY), randomise_convs=True
+    )
+    ids, _, logit_weights = _batch(model.config.vocab_size)
+    ref_logits = reference.forward_logits(ids, SEGMENTS)
+    (ref_logits * logit_weights).sum().backward()
+
+    sharding = cp.shard_for_context_parallel(SEGMENTS, dist.get_world_size(group), "zigzag")
+    shard = cp.bind_shard(sharding, group)
+    logits = model.forward_with_layout(shard.split(ids), PlainGatherLayout(shard, CAPACITY))
+    (logits * shard.split(logit_weights)).sum().backward()
+    cp.all_reduce_gradients(model, group)
+    errors = _grad_errors(model, reference)
+    return {
+        "logits_bitwise": torch.equal(logits.detach(), shard.split(ref_logits.detach())),
+        "kv_rows": min(e for n, e in errors.items() if "[k,v rows]" in n),
+        "k_conv": min(e for n, e in errors.items() if n.endswith("k_conv")),
+        "worst": _worst(errors),
+    }
+
+
+def _rank(rank: int, world: int) -> dict[str, Any]:
+    group = dist.new_group(list(range(world)))
+    inkling = ModelConfig.inkling_tiny(max_position_embeddings=CAPACITY)
+    results: dict[str, Any] = {
+        f"inkling/{layout}": _case(inkling, layout, group, randomise=True) for layout in cp.CPLayout
+    }
+    if world == 2:
+        plain = ModelConfig.tiny(max_position_embeddings=CAPACITY)
+        for layout in cp.CPLayout:
+            results[f"qwen3/{layout}"] = _case(plain, layout, group, randomise=False)
+    results["plain-all-gather"] = _plain_gather_control(group)
     return results
 
 
 @pytest.mark.multiproc
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize("world", [2, 4])
-def test_inkling_tiny_under_cp_matches_the_unsplit_model(world: int) -> None:
-    for rank, result in enumerate(run_workers(_rank, world, timeout_s=200)):
-        assert set(result) == {"contiguous", "zigzag"}
-        for layout, (bitwise, name, error) in result.items():
-            assert bitwise, f"rank {rank} {layout}: logits differ from the unsplit forward"
-            assert error <= 1e-6, f"rank {rank} {layout}: grad of {name} rel L2 {error:.2e}"
+def test_forward_context_parallel_matches_the_single_process_model(world: int) -> None:
+    for rank, result in enumerate(run_workers(_rank, world, timeout_s=240)):
+        cases = {k: v for k, v in result.items() if k != "plain-all-gather"}
+        expected = {"inkling/contiguous", "inkling/zigzag"}
+        if world == 2:
+            expected |= {"qwen3/contiguous", "qwen3/zigzag"}
+        assert set(cases) == expected
+        for case, r in cases.items():
+            where = f"rank {rank} of {world}, {case}"
+            assert r["logits_bitwise"], f"{where}: logits differ from the single-process rows"
+            assert r["logprobs_bitwise"], f"{where}: logprobs differ from forward_logprobs"
+            assert r["merged_bitwise"], f"{where}: gathered logprobs differ"
+            name, error = r["worst"]
+            assert error <= TOL, f"{where}: grad of {name} rel L2 {error:.2e}"
+            name, error = r["worst_kv_conv"]
+            assert error <= TOL, f"{where}: grad of {name} rel L2 {error:.2e}"
+            # inkling: 4 convs x 4 layers + 4 K/V row blocks; plain Qwen3: the 4 K/V row blocks
+            assert r["kv_conv_checked"] == (20 if case.startswith("inkling") else 4)
+        control = result["plain-all-gather"]
+        assert control["logits_bitwise"], f"rank {rank}: the control's forward should be exact"
+        assert control["kv_rows"] > 1e-2, f"rank {rank}: plain all_gather kept K/V grads"
+        assert control["k_conv"] > 1e-2, f"rank {rank}: plain all_gather kept conv grads"
+
+
+def test_one_rank_without_a_group_is_the_plain_forward() -> None:
+    _, model = _models(
+        ModelConfig.inkling_tiny(max_position_embeddings=CAPACITY), randomise_convs=True
+    )
+    ids, _, _ = _batch(model.config.vocab_size)
+    with torch.no_grad():
+        out = cp.forward_context_parallel(model, ids, SEGMENTS, None, "contiguous")
+        assert torch.equal(out.logits, model.forward_logits(ids, SEGMENTS))
+        assert torch.equal(out.logprobs, model.forward_logprobs(ids, SEGMENTS))
+    cp.all_reduce_gradients(model, None)  # one rank: nothing to sum, nothing raised
+
+
+def test_bad_inputs_raise_named_errors() -> None:
+    _, model = _models(ModelConfig.tiny(max_position_embeddings=CAPACITY), randomise_convs=False)
+    ids, _, _ = _batch(model.config.vocab_size)
+    with pytest.raises(cp.UnsupportedModelError, match="DecoderModel"):
+        cp.forward_context_parallel(nn.Linear(2, 2), ids, SEGMENTS, None)  # type: ignore[arg-type]
+    with pytest.raises(ModelInputError, match="segment_lengths sum to 40"):
+        cp.forward_context_parallel(model, ids, (16, 24), None)
+    with pytest.raises(ModelInputError, match="segment 1 has 40 tokens"):
+        cp.forward_context_parallel(model, ids, (8, 40), None)
+    with pytest.raises(cp.ContextParallelConfigError, match="layout must be one of"):
+        cp.forward_context_parallel(model, ids, SEGMENTS, None, "ring")
+    with pytest.raises(cp.ProcessGroupMismatchError, match="no process group"):
+        cp.bind_shard(cp.shard_for_context_parallel(SEGMENTS, 2, "zigzag"), None)

@@ -16,16 +16,19 @@ How the model uses it, per forward:
 5. Outputs: per-token results stay local (sum the loss, all-reduce parameter gradients over the
    CP group); ``sharding.merge(pieces)`` reassembles full tensors where needed.
 
-With the model's ``TokenLayout`` seam (``_blocks``: a CP layout subclasses ``PackedLayout``),
-the layout is ``PackedLayout(shard.positions.segment_id, shard.positions.position, n_segments,
-capacity)`` whose ``sconv`` returns ``ops.sconv(halo_windows(x, exchange_halo(x, plan), plan),
-weight)`` and whose ``attend`` calls the model's ``attend`` with ``all_gather_sequence(k)``,
-``all_gather_sequence(v)`` and ``k_pos/k_seg`` from ``shard.stream_positions``; the model's
-own kernels then keep strict numerics (``context_parallel_attention`` here is the dense fp32
-reference formulation).
+Model level (``_model``): ``forward_context_parallel(model, input_ids, segment_lengths, group,
+CPLayout.ZIGZAG)`` runs a ``DecoderModel`` on this rank's tokens and returns its logits and
+logprobs (``ContextParallelOutput``; in strict numerics the rows of the single-process forward
+bit for bit); ``all_reduce_gradients(model, group)`` sums the ranks' gradient shares (FSDP2's
+reduction covers it when the CP ranks are in its mesh). ``ContextParallelLayout`` is the
+``TokenLayout`` underneath (``_blocks``' seam): halo windows for the model's ``ops.sconv`` and
+K/V gathered with ``all_gather_sequence`` for the model's ``attend``, so the model keeps its
+own strict kernels (``context_parallel_attention`` here is the dense fp32 reference
+formulation for models with their own blocks).
 
 Errors: ``ContextParallelConfigError`` (a ``ModelConfigError``), ``SequenceLayoutError``,
-``ShardShapeError`` and ``ProcessGroupMismatchError`` (all ``ContextParallelError``).
+``ShardShapeError``, ``ProcessGroupMismatchError`` and ``UnsupportedModelError`` (all
+``ContextParallelError``).
 """
 
 from posttrain.models.context_parallel._attention import (
@@ -40,6 +43,7 @@ from posttrain.models.context_parallel._errors import (
     ProcessGroupMismatchError,
     SequenceLayoutError,
     ShardShapeError,
+    UnsupportedModelError,
 )
 from posttrain.models.context_parallel._gather import (
     SequenceShard,
@@ -64,11 +68,19 @@ from posttrain.models.context_parallel._layout import (
     shard_for_sequence_parallel,
     subdivide_for_sequence_parallel,
 )
+from posttrain.models.context_parallel._model import (
+    ContextParallelLayout,
+    ContextParallelOutput,
+    all_reduce_gradients,
+    forward_context_parallel,
+)
 
 __all__ = [
     "CPLayout",
     "ContextParallelConfigError",
     "ContextParallelError",
+    "ContextParallelLayout",
+    "ContextParallelOutput",
     "HaloPlan",
     "ProcessGroupMismatchError",
     "SequenceLayoutError",
@@ -76,13 +88,16 @@ __all__ = [
     "SequenceSharding",
     "ShardShapeError",
     "TokenPositions",
+    "UnsupportedModelError",
     "all_gather_sequence",
+    "all_reduce_gradients",
     "attend",
     "attention_mask",
     "bind_shard",
     "causal_depthwise_conv",
     "context_parallel_attention",
     "exchange_halo",
+    "forward_context_parallel",
     "halo_windows",
     "padded_segment_lengths",
     "plan_halo",

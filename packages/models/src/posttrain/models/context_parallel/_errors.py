@@ -8,7 +8,8 @@ PosttrainError
     └── ContextParallelError              base of the runtime errors below
         ├── SequenceLayoutError (ValueError)   segment lengths do not fit the layout
         ├── ShardShapeError (ValueError)       a local tensor does not match this rank's shard
-        └── ProcessGroupMismatchError          the process group does not match the sharding
+        ├── ProcessGroupMismatchError          the process group does not match the sharding
+        └── UnsupportedModelError (TypeError)  a model the context-parallel forward cannot run
 """
 
 from __future__ import annotations
@@ -34,3 +35,7 @@ class ShardShapeError(ContextParallelError, ValueError):
 
 class ProcessGroupMismatchError(ContextParallelError):
     """The process group's size or this rank's membership does not match the sharding."""
+
+
+class UnsupportedModelError(ContextParallelError, TypeError):
+    """A model (or parameter kind) the model-level context-parallel helpers cannot handle."""
