@@ -10,7 +10,9 @@ sequences (the last one shorter per zigzag chunk than the kernel's halo under CP
   relative L2 1e-6 (reported separately for the conv weights and the K/V rows of ``qkv``);
 * negative control: the same layout with a plain (no-grad) ``dist.all_gather`` of K/V keeps the
   forward bit-identical but loses K/V-projection and conv gradients (relative L2 > 1e-2);
-* CP=2 only: the plain Qwen3-layout ``tiny`` model (no optional block) the same way.
+* CP=2 only: the plain Qwen3-layout ``tiny`` model (no optional block) the same way; and
+  inkling-tiny under FSDP2 ``fully_shard`` over the CP ranks, its gradient reduction in place
+  of ``all_reduce_gradients`` (loss scaled by the CP size), within the same 1e-6.
 
 Single-process: one rank (``group=None``) is the plain forward; named errors for bad input.
 """
@@ -23,6 +25,8 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
 
 from posttrain.interface.testing import run_workers
 from posttrain.models import (
@@ -158,6 +162,28 @@ def _plain_gather_control(group: dist.ProcessGroup) -> dict[str, Any]:
     }
 
 
+def _fsdp_case(world: int) -> dict[str, Any]:
+    """FSDP2 over the CP ranks: its reduce-scatter (a mean over the mesh) replaces
+    ``all_reduce_gradients`` once each rank's loss is scaled by the CP size."""
+    mesh = init_device_mesh("cpu", (world,))
+    config = ModelConfig.inkling_tiny(max_position_embeddings=CAPACITY)
+    reference, model = _models(config, randomise_convs=True)
+    ids, lp_weights, _ = _batch(config.vocab_size)
+    ref_lp = reference.forward_logprobs(ids, SEGMENTS)
+    (ref_lp * lp_weights).sum().backward()
+
+    fully_shard(model, mesh=mesh)  # forward_context_parallel registers forward_with_layout
+    out = cp.forward_context_parallel(model, ids, SEGMENTS, mesh.get_group(), "zigzag")
+    ((out.logprobs * out.shard.split(lp_weights)).sum() * world).backward()
+    for param in model.parameters():
+        if param.grad is not None:
+            param.grad = param.grad.full_tensor()  # type: ignore[attr-defined]
+    return {
+        "logprobs_bitwise": torch.equal(out.logprobs.detach(), out.shard.split(ref_lp.detach())),
+        "worst": _worst(_grad_errors(model, reference)),
+    }
+
+
 def _rank(rank: int, world: int) -> dict[str, Any]:
     group = dist.new_group(list(range(world)))
     inkling = ModelConfig.inkling_tiny(max_position_embeddings=CAPACITY)
@@ -168,6 +194,7 @@ def _rank(rank: int, world: int) -> dict[str, Any]:
         plain = ModelConfig.tiny(max_position_embeddings=CAPACITY)
         for layout in cp.CPLayout:
             results[f"qwen3/{layout}"] = _case(plain, layout, group, randomise=False)
+        results["fsdp2"] = _fsdp_case(world)
     results["plain-all-gather"] = _plain_gather_control(group)
     return results
 
@@ -177,7 +204,7 @@ def _rank(rank: int, world: int) -> dict[str, Any]:
 @pytest.mark.parametrize("world", [2, 4])
 def test_forward_context_parallel_matches_the_single_process_model(world: int) -> None:
     for rank, result in enumerate(run_workers(_rank, world, timeout_s=240)):
-        cases = {k: v for k, v in result.items() if k != "plain-all-gather"}
+        cases = {k: v for k, v in result.items() if k not in ("plain-all-gather", "fsdp2")}
         expected = {"inkling/contiguous", "inkling/zigzag"}
         if world == 2:
             expected |= {"qwen3/contiguous", "qwen3/zigzag"}
@@ -193,6 +220,11 @@ def test_forward_context_parallel_matches_the_single_process_model(world: int) -
             assert error <= TOL, f"{where}: grad of {name} rel L2 {error:.2e}"
             # inkling: 4 convs x 4 layers + 4 K/V row blocks; plain Qwen3: the 4 K/V row blocks
             assert r["kv_conv_checked"] == (20 if case.startswith("inkling") else 4)
+        if world == 2:
+            fsdp = result["fsdp2"]
+            assert fsdp["logprobs_bitwise"], f"rank {rank}: FSDP2 logprobs differ"
+            name, error = fsdp["worst"]
+            assert error <= TOL, f"rank {rank}: FSDP2 grad of {name} rel L2 {error:.2e}"
         control = result["plain-all-gather"]
         assert control["logits_bitwise"], f"rank {rank}: the control's forward should be exact"
         assert control["kv_rows"] > 1e-2, f"rank {rank}: plain all_gather kept K/V grads"

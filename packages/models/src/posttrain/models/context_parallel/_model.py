@@ -23,11 +23,11 @@ Gradients: each rank sums the loss of its own tokens and backpropagates; each ra
 part of every parameter's gradient, and their sum over the CP group is the single-process
 gradient. ``all_reduce_gradients(model, group)`` sums them for a plain (replicated) model.
 Under FSDP2 with the CP ranks inside the sharding mesh, FSDP's gradient reduce-scatter already
-sums over them; it divides by the mesh size, so scale each rank's loss by the CP size (or set
-``set_gradient_divide_factor`` to the data-parallel size) and do not call
-``all_reduce_gradients``. ``forward_context_parallel`` registers ``forward_with_layout`` as an
-FSDP forward method on an FSDP2 module the first time it sees one (FSDP's hooks wrap
-``forward`` only, so the sharded parameters would otherwise not be gathered).
+sums over them but divides by the mesh size: scale each rank's loss by the CP size and do not
+call ``all_reduce_gradients`` (the gloo test does this). ``forward_context_parallel`` registers
+``forward_with_layout`` as an FSDP forward method on an FSDP2 module the first time it sees
+one (FSDP's hooks wrap ``forward`` only, so the sharded parameters would otherwise not be
+gathered).
 """
 
 from __future__ import annotations
