@@ -17,7 +17,10 @@ Public surface (see the package README for a tour):
   ``attend`` (queries against gathered keys, masks from positions), ``rel_logits_of``,
   ``DecoderModel.forward_with_layout`` (see ``_blocks``).
 * ``context_parallel`` -- CP/SP primitives: zigzag/contiguous layouts, autograd K/V gather,
-  position-masked attention with relative bias, halo exchange for short convolutions.
+  position-masked attention with relative bias, halo exchange for short convolutions; and the
+  model level: ``forward_context_parallel`` (this rank's logits/logprobs of a ``DecoderModel``,
+  bit-identical to the single-process rows in strict mode), ``ContextParallelLayout`` and
+  ``all_reduce_gradients``.
 """
 
 from posttrain.models import context_parallel
