@@ -213,15 +213,15 @@ def all_reduce_gradients(model: nn.Module, group: dist.ProcessGroup | None) -> N
     """
     if group is None:
         return
-    buckets: dict[tuple[torch.dtype, torch.device], list[nn.Parameter]] = {}
-    for name, param in model.named_parameters():
-        if not param.requires_grad:
-            continue
+    trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    for name, param in trainable:  # check everything before touching any gradient
         if isinstance(param.data, DTensor):
             raise UnsupportedModelError(
                 f"parameter {name} is a DTensor (an FSDP/TP-sharded model): its gradient is "
                 "reduced by FSDP over the mesh; all_reduce_gradients is for replicated models"
             )
+    buckets: dict[tuple[torch.dtype, torch.device], list[nn.Parameter]] = {}
+    for _, param in trainable:
         if param.grad is None:
             param.grad = torch.zeros_like(param)
         buckets.setdefault((param.dtype, param.device), []).append(param)
