@@ -11,7 +11,7 @@ of its sequence). Both go through a ``TokenLayout``:
   rows; each sconv site keeps the last ``k - 1`` inputs of every row as its state.
 
 **Seams for context / sequence parallel** (``posttrain.models.context_parallel`` plugs in
-here; a CP layout subclasses ``PackedLayout`` and overrides its two methods):
+here: its ``ContextParallelLayout`` subclasses ``PackedLayout`` and overrides its two methods):
 
 * ``residual_sconv(ops, x_local, seg_local, weight, halo=None, halo_seg=None)`` --
   ``x_local[T, C]`` this rank's tokens in global packed order, ``seg_local[T]`` their global
