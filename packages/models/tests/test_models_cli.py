@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from posttrain.models import VOCAB_SIZE, CheckpointError, load_pretrained
+from posttrain.models import VOCAB_SIZE, CheckpointError, ModelConfig, load_pretrained
 from posttrain.models.__main__ import init_checkpoint, main
 
 
@@ -49,3 +49,23 @@ def test_module_command(tmp_path: Path) -> None:
     assert out.stdout.strip() == str(tmp_path / "m")
     assert (tmp_path / "m" / "config.json").exists()
     assert (tmp_path / "m" / "model.safetensors").exists()
+
+
+def test_init_arch_inkling_tiny_writes_every_block(tmp_path: Path) -> None:
+    assert (
+        main(["init", "--arch", "inkling-tiny", "--max-positions", "32", str(tmp_path / "i")]) == 0
+    )
+    model = load_pretrained(tmp_path / "i")
+    cfg = model.config
+    assert cfg.uses_extensions
+    assert cfg == ModelConfig.inkling_tiny(vocab_size=VOCAB_SIZE, max_position_embeddings=32)
+    assert set(cfg.layer_types) == {"dense", "moe"}
+    convs = [p for n, p in model.named_parameters() if n.endswith("_conv")]
+    assert len(convs) == 4 * cfg.num_hidden_layers
+    assert all(not p.any() for p in convs)  # zero-initialised: the identity
+    # a context too short for the relative-bias extent is a config error, exit code 2
+    assert (
+        main(["init", "--arch", "inkling-tiny", "--max-positions", "8", str(tmp_path / "j")]) == 2
+    )
+    with pytest.raises(CheckpointError, match="unknown --arch"):
+        init_checkpoint(tmp_path / "k", arch="gpt")

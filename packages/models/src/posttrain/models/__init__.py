@@ -12,8 +12,27 @@ Public surface (see the package README for a tour):
 * ``LinearSite`` / ``DecoderModel.linear_sites()`` -- each fused linear as a module with the
   model's kernel, for wrappers such as ``lora-core``'s ``LoraLinear``.
 * ``build_tokenizer`` -- a local character-level fast tokenizer with a ChatML template.
+* Optional Inkling-style blocks (``ModelConfig.inkling_tiny``) and the context-parallel seams:
+  ``TokenLayout`` / ``PackedLayout`` / ``CacheLayout``, ``residual_sconv`` (with a halo),
+  ``attend`` (queries against gathered keys, masks from positions), ``rel_logits_of``,
+  ``DecoderModel.forward_with_layout`` (see ``_blocks``).
+* ``context_parallel`` -- CP/SP primitives: zigzag/contiguous layouts, autograd K/V gather,
+  position-masked attention with relative bias, halo exchange for short convolutions; and the
+  model level: ``forward_context_parallel`` (this rank's logits/logprobs of a ``DecoderModel``,
+  bit-identical to the single-process rows in strict mode), ``ContextParallelLayout`` and
+  ``all_reduce_gradients``.
 """
 
+from posttrain.models import context_parallel
+from posttrain.models._blocks import (
+    CacheLayout,
+    PackedLayout,
+    TokenLayout,
+    attend,
+    attend_buffers,
+    rel_logits_of,
+    residual_sconv,
+)
 from posttrain.models._cache import KVCache
 from posttrain.models._checkpoint import (
     load_config,
@@ -21,7 +40,7 @@ from posttrain.models._checkpoint import (
     load_pretrained,
     save_pretrained,
 )
-from posttrain.models._config import ModelConfig
+from posttrain.models._config import AttentionShape, ModelConfig
 from posttrain.models._convert import (
     WeightGroup,
     from_hf_state_dict,
@@ -51,7 +70,9 @@ from posttrain.models._tokenizer import CHAT_TEMPLATE, VOCAB_SIZE, build_tokeniz
 __all__ = [
     "CHAT_TEMPLATE",
     "VOCAB_SIZE",
+    "AttentionShape",
     "CacheError",
+    "CacheLayout",
     "CheckpointError",
     "DecoderModel",
     "DuplicateTensorError",
@@ -66,19 +87,26 @@ __all__ = [
     "ModelInputError",
     "ModelsError",
     "Numerics",
+    "PackedLayout",
     "Step",
     "StrictOps",
     "TensorSpecError",
     "TensorSpecMismatchError",
+    "TokenLayout",
     "UnknownTensorError",
     "WeightGroup",
+    "attend",
+    "attend_buffers",
     "build_model",
     "build_tokenizer",
+    "context_parallel",
     "from_hf_state_dict",
     "load_config",
     "load_hf_tensors",
     "load_pretrained",
     "lora_targets",
+    "rel_logits_of",
+    "residual_sconv",
     "save_pretrained",
     "to_hf_state_dict",
     "weight_groups",

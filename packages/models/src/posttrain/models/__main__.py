@@ -1,4 +1,4 @@
-"""``python -m posttrain.models init DIR``: write a seeded checkpoint plus its tokenizer.
+"""``python -m posttrain.models init [--arch tiny|inkling-tiny] DIR``: a seeded checkpoint + tokenizer.
 
 The directory it writes is what every CPU path of posttrain starts from: the
 local engine serves it (``--model-path DIR``), the session router renders its
@@ -20,20 +20,36 @@ from pathlib import Path
 
 from posttrain.formats import atomic_directory
 from posttrain.models._config import ModelConfig
-from posttrain.models._errors import CheckpointError
+from posttrain.models._errors import CheckpointError, ModelConfigError
 from posttrain.models._model import build_model
 from posttrain.models._tokenizer import VOCAB_SIZE, build_tokenizer
 
+ARCHS = ("tiny", "inkling-tiny")
+"""``tiny``: the Qwen3-MoE-layout Dense/MoE config; ``inkling-tiny``: the same with every
+optional block on (``ModelConfig.inkling_tiny``: sconv, relative bias, sliding-window and
+global layers, sigmoid router with shared experts, embedding norm, logits divisor)."""
+
 
 def init_checkpoint(
-    path: str | Path, *, seed: int = 0, max_positions: int = 256, overwrite: bool = False
+    path: str | Path,
+    *,
+    seed: int = 0,
+    max_positions: int = 256,
+    overwrite: bool = False,
+    arch: str = "tiny",
 ) -> Path:
-    """Write the tiny Dense/MoE config (vocab sized to the local tokenizer) seeded by ``seed``."""
+    """Write the ``arch`` config (vocab sized to the local tokenizer) seeded by ``seed``.
+
+    sconv weights are written as zeros (each convolution starts as the identity).
+    """
     target = Path(path)
+    if arch not in ARCHS:
+        raise CheckpointError(f"unknown --arch {arch!r}; choose one of {list(ARCHS)}")
     occupied = any(target.iterdir()) if target.is_dir() else target.exists()
     if occupied and not overwrite:
         raise CheckpointError(f"{target} exists and is not empty (pass --overwrite)")
-    config = ModelConfig.tiny(vocab_size=VOCAB_SIZE, max_position_embeddings=max_positions)
+    make = ModelConfig.inkling_tiny if arch == "inkling-tiny" else ModelConfig.tiny
+    config = make(vocab_size=VOCAB_SIZE, max_position_embeddings=max_positions)
     model = build_model(config, seed=seed)
     with atomic_directory(target) as staging:
         model.save_pretrained(staging, tokenizer=build_tokenizer())
@@ -59,6 +75,12 @@ def main(argv: list[str] | None = None) -> int:
     init.add_argument("path", type=Path, metavar="PATH", help="directory to create")
     init.add_argument("--seed", type=int, default=0, help="seed of the random weights")
     init.add_argument(
+        "--arch",
+        choices=ARCHS,
+        default="tiny",
+        help="tiny: Qwen3-MoE layout; inkling-tiny: every optional block on",
+    )
+    init.add_argument(
         "--max-positions", type=int, default=256, help="context length (= KV capacity)"
     )
     init.add_argument(
@@ -67,9 +89,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         written = init_checkpoint(
-            args.path, seed=args.seed, max_positions=args.max_positions, overwrite=args.overwrite
+            args.path,
+            seed=args.seed,
+            max_positions=args.max_positions,
+            overwrite=args.overwrite,
+            arch=args.arch,
         )
-    except CheckpointError as exc:
+    except (CheckpointError, ModelConfigError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     print(written)

@@ -3,6 +3,11 @@
 Rows are independent sequences (an engine's concurrent requests). A row's buffer has
 exactly ``C = max_position_embeddings`` slots because strict attention reduces over that
 fixed capacity on every path; a reset zeroes the row so stale values never linger.
+Layers may differ in shape (sliding-window layers have their own heads and head dim).
+
+With ``sconv_kernel_size = k`` the cache also holds, per layer, each sconv site's state:
+the last ``k - 1`` inputs of every row (``[num_rows, k - 1, channels]``, zeros at a row's
+start, which is what the training forward uses for taps before a segment starts).
 """
 
 from __future__ import annotations
@@ -25,15 +30,35 @@ class KVCache:
     ) -> None:
         if num_rows <= 0:
             raise CacheError(f"a KV cache needs at least one row, got num_rows={num_rows}")
-        shape = (
-            num_rows,
-            config.max_position_embeddings,
-            config.num_key_value_heads,
-            config.head_dim,
-        )
-        self.keys = [torch.zeros(shape, device=device) for _ in range(config.num_hidden_layers)]
-        self.values = [torch.zeros(shape, device=device) for _ in range(config.num_hidden_layers)]
+        cap = config.max_position_embeddings
+        shapes = [
+            (num_rows, cap, s.num_kv_heads, s.head_dim)
+            for s in (config.attention_shape(i) for i in range(config.num_hidden_layers))
+        ]
+        self.keys = [torch.zeros(shape, device=device) for shape in shapes]
+        self.values = [torch.zeros(shape, device=device) for shape in shapes]
+        self.conv: list[dict[str, torch.Tensor]] = []
+        width = config.sconv_kernel_size
+        if width:
+            for i in range(config.num_hidden_layers):
+                kv = config.attention_shape(i).num_kv_heads * config.attention_shape(i).head_dim
+                channels = {"k": kv, "v": kv, "attn": config.hidden_size, "mlp": config.hidden_size}
+                self.conv.append(
+                    {
+                        site: torch.zeros((num_rows, width - 1, c), device=device)
+                        for site, c in channels.items()
+                    }
+                )
         self.lengths = [0] * num_rows
+
+    def conv_state(self, layer: int, site: str) -> torch.Tensor:
+        """The sconv state ``[num_rows, k - 1, channels]`` of ``site`` (k, v, attn, mlp)."""
+        if not self.conv:
+            raise CacheError("this cache has no sconv states (sconv_kernel_size is 0)")
+        states = self.conv[layer]
+        if site not in states:
+            raise CacheError(f"unknown sconv site {site!r}; sites are {sorted(states)}")
+        return states[site]
 
     @property
     def num_rows(self) -> int:
@@ -51,6 +76,9 @@ class KVCache:
         self.lengths[row] = 0
         for buf in (*self.keys, *self.values):
             buf[row].zero_()
+        for states in self.conv:
+            for buf in states.values():
+                buf[row].zero_()
 
     def _check_row(self, row: int) -> None:
         if not 0 <= row < self.num_rows:

@@ -8,20 +8,73 @@ are nearly the identity. Departures from the HF class:
 * ``max_position_embeddings`` is also the capacity ``C`` of the fixed-size key buffer
   that strict attention reduces over (see ``_ops``), so keep it small for tiny models.
 * Features the strict kernels do not implement are refused, not ignored:
-  ``attention_bias``, sliding windows, rope scaling, activations other than SiLU.
+  ``attention_bias``, Qwen3's own sliding windows (``use_sliding_window``), rope scaling,
+  activations other than SiLU.
+
+Optional Inkling-style blocks (all off by default; a config with none of them writes the
+same ``config.json`` as before, so existing checkpoints are unchanged):
+
+* ``sconv_kernel_size`` (0 = off): residual depthwise causal convolutions at four sites per
+  layer (K and V before the k-norm, attention output after ``o_proj``, MLP/MoE output).
+* ``rel_pos_dim`` / ``rel_pos_extent``: relative position bias from an extra projected stream
+  ``r`` (heads x ``rel_pos_dim``) and a frozen table ``rel_proj[rel_pos_dim, extent]``.
+* ``sliding_window_layers`` / ``sliding_window_size`` and ``swa_num_attention_heads``,
+  ``swa_num_key_value_heads``, ``swa_head_dim``: sliding-window layers with their own shape.
+* ``attention_softmax_scale`` (``"rsqrt_head_dim"`` or ``"inv_head_dim"``), ``qk_norm_per_head``.
+* ``router_score_function`` (``"softmax"`` or ``"sigmoid"`` with a fixed expert bias),
+  ``n_shared_experts``, ``shared_expert_intermediate_size``, ``routed_scaling_factor``.
+* ``embedding_rms_norm``, ``logits_divisor`` (muP width multiplier).
+
+Such a config is written with ``architectures = ["InklingForCausalLM"]`` and
+``model_type = "posttrain_inkling"`` (``transformers`` has no class for it; ``posttrain``
+and ``local-engine`` load it).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 from posttrain.models._errors import ModelConfigError
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_SOFTMAX_SCALES = ("rsqrt_head_dim", "inv_head_dim")
+_ROUTER_SCORES = ("softmax", "sigmoid")
+# Inkling-style fields and their "off" defaults: a config at these values is plain Qwen3-MoE.
+_EXTENSION_DEFAULTS: dict[str, Any] = {
+    "sconv_kernel_size": 0,
+    "rel_pos_dim": 0,
+    "rel_pos_extent": 0,
+    "sliding_window_layers": (),
+    "sliding_window_size": 0,
+    "swa_num_attention_heads": None,
+    "swa_num_key_value_heads": None,
+    "swa_head_dim": None,
+    "attention_softmax_scale": "rsqrt_head_dim",
+    "qk_norm_per_head": False,
+    "router_score_function": "softmax",
+    "n_shared_experts": 0,
+    "shared_expert_intermediate_size": 0,
+    "routed_scaling_factor": 1.0,
+    "embedding_rms_norm": False,
+    "logits_divisor": 1.0,
+}
+
+
+class AttentionShape(NamedTuple):
+    """Attention shape of one layer: query heads, key/value heads, head dim."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 @dataclass(kw_only=True, slots=True, frozen=True)
@@ -50,6 +103,23 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_id: int | None = None
     pad_token_id: int | None = None
+    # ---- optional Inkling-style blocks (see the module docstring); defaults = off
+    sconv_kernel_size: int = 0
+    rel_pos_dim: int = 0
+    rel_pos_extent: int = 0
+    sliding_window_layers: tuple[int, ...] = ()
+    sliding_window_size: int = 0
+    swa_num_attention_heads: int | None = None
+    swa_num_key_value_heads: int | None = None
+    swa_head_dim: int | None = None
+    attention_softmax_scale: str = "rsqrt_head_dim"
+    qk_norm_per_head: bool = False
+    router_score_function: str = "softmax"
+    n_shared_experts: int = 0
+    shared_expert_intermediate_size: int = 0
+    routed_scaling_factor: float = 1.0
+    embedding_rms_norm: bool = False
+    logits_divisor: float = 1.0
 
     def __post_init__(self) -> None:
         positive = (
@@ -96,6 +166,160 @@ class ModelConfig:
             )
         if not self.rms_norm_eps > 0:
             raise ModelConfigError(f"ModelConfig.rms_norm_eps={self.rms_norm_eps} must be > 0")
+        self._validate_extensions()
+
+    def _validate_extensions(self) -> None:
+        """Each optional-block field, with a ModelConfigError naming it."""
+        for name in ("sconv_kernel_size", "rel_pos_dim", "rel_pos_extent", "sliding_window_size"):
+            value = getattr(self, name)
+            if not _is_int(value) or value < 0:
+                raise ModelConfigError(f"ModelConfig.{name} must be an int >= 0, got {value!r}")
+        if self.sconv_kernel_size == 1:
+            raise ModelConfigError(
+                "ModelConfig.sconv_kernel_size=1 is a per-channel scale, not a convolution: "
+                "use 0 (off) or >= 2"
+            )
+        if self.rel_pos_dim and not self.rel_pos_extent:
+            raise ModelConfigError(
+                f"ModelConfig.rel_pos_extent must be positive when rel_pos_dim={self.rel_pos_dim}"
+            )
+        if self.rel_pos_extent and not self.rel_pos_dim:
+            raise ModelConfigError(
+                f"ModelConfig.rel_pos_extent={self.rel_pos_extent} needs rel_pos_dim > 0"
+            )
+        if self.rel_pos_extent > self.max_position_embeddings:
+            raise ModelConfigError(
+                f"ModelConfig.rel_pos_extent={self.rel_pos_extent} exceeds "
+                f"max_position_embeddings={self.max_position_embeddings}"
+            )
+        seen: set[int] = set()
+        for i in self.sliding_window_layers:
+            if not _is_int(i) or not 0 <= i < self.num_hidden_layers or i in seen:
+                raise ModelConfigError(
+                    f"ModelConfig.sliding_window_layers holds {i!r}: not a distinct layer index "
+                    f"in [0, {self.num_hidden_layers})"
+                )
+            seen.add(i)
+        if self.sliding_window_layers and not self.sliding_window_size:
+            raise ModelConfigError(
+                "ModelConfig.sliding_window_size must be positive when sliding_window_layers "
+                f"is {list(self.sliding_window_layers)}"
+            )
+        if self.sliding_window_size and not self.sliding_window_layers:
+            raise ModelConfigError(
+                f"ModelConfig.sliding_window_size={self.sliding_window_size} is set but "
+                "sliding_window_layers is empty"
+            )
+        for name in ("swa_num_attention_heads", "swa_num_key_value_heads", "swa_head_dim"):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            if not _is_int(value) or value <= 0:
+                raise ModelConfigError(
+                    f"ModelConfig.{name} must be a positive int or None, got {value!r}"
+                )
+            if not self.sliding_window_layers:
+                raise ModelConfigError(
+                    f"ModelConfig.{name}={value} is set but sliding_window_layers is empty"
+                )
+        swa = self.swa_shape
+        if swa.num_heads % swa.num_kv_heads:
+            raise ModelConfigError(
+                f"ModelConfig.swa_num_attention_heads={swa.num_heads} is not a multiple of "
+                f"swa_num_key_value_heads={swa.num_kv_heads}"
+            )
+        if swa.head_dim % 2:
+            raise ModelConfigError(f"ModelConfig.swa_head_dim={swa.head_dim} must be even (RoPE)")
+        if self.attention_softmax_scale not in _SOFTMAX_SCALES:
+            raise ModelConfigError(
+                f"ModelConfig.attention_softmax_scale={self.attention_softmax_scale!r} is not "
+                f"one of {list(_SOFTMAX_SCALES)}"
+            )
+        for name in ("qk_norm_per_head", "embedding_rms_norm"):
+            if not isinstance(getattr(self, name), bool):
+                raise ModelConfigError(
+                    f"ModelConfig.{name} must be a bool, got {getattr(self, name)!r}"
+                )
+        if self.router_score_function not in _ROUTER_SCORES:
+            raise ModelConfigError(
+                f"ModelConfig.router_score_function={self.router_score_function!r} is not one "
+                f"of {list(_ROUTER_SCORES)}"
+            )
+        for name in ("n_shared_experts", "shared_expert_intermediate_size"):
+            value = getattr(self, name)
+            if not _is_int(value) or value < 0:
+                raise ModelConfigError(f"ModelConfig.{name} must be an int >= 0, got {value!r}")
+        if self.n_shared_experts and self.router_score_function != "sigmoid":
+            raise ModelConfigError(
+                f"ModelConfig.n_shared_experts={self.n_shared_experts} needs "
+                "router_score_function='sigmoid' (shared gates are normalised with the "
+                "routed sigmoid weights)"
+            )
+        if self.n_shared_experts and not self.num_experts:
+            raise ModelConfigError(
+                f"ModelConfig.n_shared_experts={self.n_shared_experts} needs num_experts > 0"
+            )
+        if self.shared_expert_intermediate_size and not self.n_shared_experts:
+            raise ModelConfigError(
+                "ModelConfig.shared_expert_intermediate_size="
+                f"{self.shared_expert_intermediate_size} is set but n_shared_experts is 0"
+            )
+        for name in ("routed_scaling_factor", "logits_divisor"):
+            value = getattr(self, name)
+            if (
+                not isinstance(value, int | float)
+                or isinstance(value, bool)
+                or not math.isfinite(value)
+                or value <= 0
+            ):
+                raise ModelConfigError(
+                    f"ModelConfig.{name} must be a finite number > 0, got {value!r}"
+                )
+
+    @property
+    def uses_extensions(self) -> bool:
+        """Whether any optional Inkling-style block is on (the config is not plain Qwen3-MoE)."""
+        return any(getattr(self, k) != v for k, v in _EXTENSION_DEFAULTS.items())
+
+    @property
+    def swa_shape(self) -> AttentionShape:
+        """Attention shape of sliding-window layers (the global shape where not overridden)."""
+        return AttentionShape(
+            self.swa_num_attention_heads or self.num_attention_heads,
+            self.swa_num_key_value_heads or self.num_key_value_heads,
+            self.swa_head_dim or self.head_dim,
+        )
+
+    def is_sliding_layer(self, index: int) -> bool:
+        """Whether layer ``index`` attends over a sliding window (``sliding_window_layers``)."""
+        return index in self.sliding_window_layers
+
+    def attention_shape(self, index: int) -> AttentionShape:
+        """Query heads, key/value heads and head dim of layer ``index``."""
+        if self.is_sliding_layer(index):
+            return self.swa_shape
+        return AttentionShape(self.num_attention_heads, self.num_key_value_heads, self.head_dim)
+
+    def attention_window(self, index: int) -> int | None:
+        """Keys a query of layer ``index`` may see (itself included); None = all before it."""
+        return self.sliding_window_size if self.is_sliding_layer(index) else None
+
+    def rel_extent(self, index: int) -> int:
+        """Relative-bias extent of layer ``index``: the window on sliding layers, else
+        ``rel_pos_extent`` (0 when the bias is off)."""
+        if not self.rel_pos_dim:
+            return 0
+        return self.sliding_window_size if self.is_sliding_layer(index) else self.rel_pos_extent
+
+    def softmax_scale(self, index: int) -> float:
+        """Attention score scale of layer ``index``: 1/sqrt(head_dim) or 1/head_dim."""
+        hd = self.attention_shape(index).head_dim
+        return 1.0 / hd if self.attention_softmax_scale == "inv_head_dim" else hd**-0.5
+
+    @property
+    def shared_intermediate_size(self) -> int:
+        """Intermediate size of each shared expert (``moe_intermediate_size`` unless set)."""
+        return self.shared_expert_intermediate_size or self.moe_intermediate_size
 
     @property
     def dtype(self) -> torch.dtype:
@@ -146,8 +370,46 @@ class ModelConfig:
         base.update(changes)
         return cls(**base)
 
+    @classmethod
+    def inkling_tiny(cls, **changes: Any) -> ModelConfig:
+        """``tiny`` with every optional block on: layers 0 (dense) and 2 (MoE) slide over a
+        window of 8 with 2 heads of dim 16 (1 KV head), layers 1 and 3 (MoE) are global;
+        sconv width 4, relative bias (dim 4, extent 16), 1/head_dim scale, per-head q/k
+        norms, sigmoid router with expert bias and 2 shared experts, embedding norm, logits
+        divided by 2."""
+        base: dict[str, Any] = {
+            "sconv_kernel_size": 4,
+            "rel_pos_dim": 4,
+            "rel_pos_extent": 16,
+            "sliding_window_layers": (0, 2),
+            "sliding_window_size": 8,
+            "swa_num_attention_heads": 2,
+            "swa_num_key_value_heads": 1,
+            "swa_head_dim": 16,
+            "attention_softmax_scale": "inv_head_dim",
+            "qk_norm_per_head": True,
+            "router_score_function": "sigmoid",
+            "n_shared_experts": 2,
+            "shared_expert_intermediate_size": 16,
+            "routed_scaling_factor": 2.5,
+            "embedding_rms_norm": True,
+            "logits_divisor": 2.0,
+        }
+        base.update(changes)
+        return cls.tiny(**base)
+
     def to_hf_dict(self) -> dict[str, Any]:
-        """The ``config.json`` dict that ``transformers`` reads as a ``Qwen3MoeConfig``."""
+        """The ``config.json`` dict (a ``Qwen3MoeConfig`` unless optional blocks are on)."""
+        out = self._qwen3_hf_dict()
+        if self.uses_extensions:
+            out["architectures"] = ["InklingForCausalLM"]
+            out["model_type"] = "posttrain_inkling"
+            for key in _EXTENSION_DEFAULTS:
+                value = getattr(self, key)
+                out[key] = list(value) if isinstance(value, tuple) else value
+        return out
+
+    def _qwen3_hf_dict(self) -> dict[str, Any]:
         return {
             "architectures": ["Qwen3MoeForCausalLM"],
             "model_type": "qwen3_moe",
@@ -213,6 +475,12 @@ class ModelConfig:
         kwargs.setdefault("num_experts", 0)
         kwargs.setdefault("num_experts_per_tok", 1)
         kwargs["mlp_only_layers"] = tuple(int(i) for i in kwargs.get("mlp_only_layers") or ())
+        swa_layers = kwargs.get("sliding_window_layers") or ()
+        if not isinstance(swa_layers, list | tuple):
+            raise ModelConfigError(
+                f"config.json sliding_window_layers={swa_layers!r} must be a list of layer indices"
+            )
+        kwargs["sliding_window_layers"] = tuple(swa_layers)
         kwargs["rope_theta"] = float(kwargs.get("rope_theta", 10000.0))
         if isinstance(kwargs.get("eos_token_id"), list):
             kwargs["eos_token_id"] = kwargs["eos_token_id"][0]

@@ -20,6 +20,18 @@ match; nothing is cast (G1).
     layers.{i}.experts_fc2          ...mlp.experts.{e}.down_proj.weight       (stack)
     final_norm / output             model.norm.weight / lm_head.weight (absent when tied)
 
+Optional blocks (``ModelConfig`` extension fields) add, when on:
+
+    embed_norm                      model.embed_norm.weight
+    layers.{i}.qkv                  ...self_attn.{q,k,v,r}_proj.weight     (r: relative bias)
+    layers.{i}.rel_proj             ...self_attn.rel_proj.weight            (frozen table)
+    layers.{i}.k_conv / v_conv      ...self_attn.{k,v}_conv.weight          (sconv [C, k])
+    layers.{i}.attn_out_conv        model.layers.{i}.attn_out_conv.weight
+    layers.{i}.mlp_out_conv         model.layers.{i}.mlp_out_conv.weight
+    layers.{i}.router [E+S, H]      ...mlp.gate.weight (routed rows, then shared-expert gates)
+    layers.{i}.expert_bias          ...mlp.gate.e_score_correction_bias     (fp32, frozen)
+    layers.{i}.shared_fc1 / fc2     ...mlp.shared_experts.{s}.{gate,up,down}_proj.weight
+
 Expert groups also accept (and can emit) the stacked form that ``transformers`` v5 keeps in
 memory: ``...mlp.experts.gate_up_proj[E, 2I, H]`` and ``...mlp.experts.down_proj[E, H, I]``.
 Checkpoints on disk use the per-expert names, which SGLang and ``quant-convert`` read.
@@ -56,39 +68,77 @@ class WeightGroup:
     hf_shapes: tuple[tuple[int, ...], ...]
     stacked_name: str | None = None
     """For expert groups: the single stacked HF name that may stand for all ``hf_names``."""
+    dtype: str | None = None
+    """A dtype this tensor always has (``"float32"``), whatever the config's ``torch_dtype``."""
+    linear: bool = True
+    """Whether its 2-D HF tensors are linear layers (LoRA targets); False for conv and tables."""
 
 
 def weight_groups(config: ModelConfig) -> list[WeightGroup]:
     """All groups of ``config``'s model, in parameter order; every HF name occurs once."""
     c = config
-    h, hd = c.hidden_size, c.head_dim
-    nq, nk = c.num_attention_heads * hd, c.num_key_value_heads * hd
+    h, width = c.hidden_size, c.sconv_kernel_size
     groups = [_copy("embedding", "model.embed_tokens.weight", (c.vocab_size, h))]
+    if c.embedding_rms_norm:
+        groups.append(_copy("embed_norm", "model.embed_norm.weight", (h,)))
     for i in range(c.num_hidden_layers):
         p, hp = f"layers.{i}.", f"model.layers.{i}."
         a = hp + "self_attn."
+        nh, nkv, hd = c.attention_shape(i)
+        nq, nk, nr = nh * hd, nkv * hd, nh * c.rel_pos_dim
+        qkv_names: tuple[str, ...] = (a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight")
+        qkv_shapes: tuple[tuple[int, ...], ...] = ((nq, h), (nk, h), (nk, h))
+        if nr:
+            qkv_names += (a + "r_proj.weight",)
+            qkv_shapes += ((nr, h),)
+        norm_q, norm_k = (nq, nk) if c.qk_norm_per_head else (hd, hd)
         groups += [
             _copy(p + "attn_norm", hp + "input_layernorm.weight", (h,)),
             WeightGroup(
                 name=p + "qkv",
-                hf_names=(a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"),
+                hf_names=qkv_names,
                 kind="cat",
-                shape=(nq + 2 * nk, h),
-                hf_shapes=((nq, h), (nk, h), (nk, h)),
+                shape=(nq + 2 * nk + nr, h),
+                hf_shapes=qkv_shapes,
             ),
-            _copy(p + "q_norm", a + "q_norm.weight", (hd,)),
-            _copy(p + "k_norm", a + "k_norm.weight", (hd,)),
-            _copy(p + "proj", a + "o_proj.weight", (h, nq)),
-            _copy(p + "mlp_norm", hp + "post_attention_layernorm.weight", (h,)),
+            _copy(p + "q_norm", a + "q_norm.weight", (norm_q,)),
+            _copy(p + "k_norm", a + "k_norm.weight", (norm_k,)),
         ]
+        if nr:
+            extent = c.rel_extent(i)
+            groups.append(
+                _copy(p + "rel_proj", a + "rel_proj.weight", (c.rel_pos_dim, extent), linear=False)
+            )
+        if width:
+            groups += [
+                _copy(p + "k_conv", a + "k_conv.weight", (nk, width), linear=False),
+                _copy(p + "v_conv", a + "v_conv.weight", (nk, width), linear=False),
+            ]
+        groups.append(_copy(p + "proj", a + "o_proj.weight", (h, nq)))
+        if width:
+            groups.append(
+                _copy(p + "attn_out_conv", hp + "attn_out_conv.weight", (h, width), linear=False)
+            )
+        groups.append(_copy(p + "mlp_norm", hp + "post_attention_layernorm.weight", (h,)))
         m = hp + "mlp."
         if c.is_moe_layer(i):
-            e, im = c.num_experts, c.moe_intermediate_size
+            e, im, ns = c.num_experts, c.moe_intermediate_size, c.n_shared_experts
             fc1_names: list[str] = []
             for j in range(e):
                 fc1_names += [f"{m}experts.{j}.gate_proj.weight", f"{m}experts.{j}.up_proj.weight"]
+            groups.append(_copy(p + "router", m + "gate.weight", (e + ns, h)))
+            if c.router_score_function == "sigmoid":
+                groups.append(
+                    WeightGroup(
+                        name=p + "expert_bias",
+                        hf_names=(m + "gate.e_score_correction_bias",),
+                        kind="copy",
+                        shape=(e,),
+                        hf_shapes=((e,),),
+                        dtype="float32",
+                    )
+                )
             groups += [
-                _copy(p + "router", m + "gate.weight", (e, h)),
                 WeightGroup(
                     name=p + "experts_fc1",
                     hf_names=tuple(fc1_names),
@@ -106,6 +156,30 @@ def weight_groups(config: ModelConfig) -> list[WeightGroup]:
                     stacked_name=m + "experts.down_proj",
                 ),
             ]
+            if ns:
+                si = c.shared_intermediate_size
+                shared_fc1: list[str] = []
+                for s in range(ns):
+                    sp = f"{m}shared_experts.{s}."
+                    shared_fc1 += [sp + "gate_proj.weight", sp + "up_proj.weight"]
+                groups += [
+                    WeightGroup(
+                        name=p + "shared_fc1",
+                        hf_names=tuple(shared_fc1),
+                        kind="experts_cat",
+                        shape=(ns, 2 * si, h),
+                        hf_shapes=((si, h),) * (2 * ns),
+                    ),
+                    WeightGroup(
+                        name=p + "shared_fc2",
+                        hf_names=tuple(
+                            f"{m}shared_experts.{s}.down_proj.weight" for s in range(ns)
+                        ),
+                        kind="experts",
+                        shape=(ns, h, si),
+                        hf_shapes=((h, si),) * ns,
+                    ),
+                ]
         else:
             im = c.intermediate_size
             groups += [
@@ -118,14 +192,20 @@ def weight_groups(config: ModelConfig) -> list[WeightGroup]:
                 ),
                 _copy(p + "fc2", m + "down_proj.weight", (h, im)),
             ]
+        if width:
+            groups.append(
+                _copy(p + "mlp_out_conv", hp + "mlp_out_conv.weight", (h, width), linear=False)
+            )
     groups.append(_copy("final_norm", "model.norm.weight", (h,)))
     if not c.tie_word_embeddings:
         groups.append(_copy("output", "lm_head.weight", (c.vocab_size, h)))
     return groups
 
 
-def _copy(name: str, hf_name: str, shape: tuple[int, ...]) -> WeightGroup:
-    return WeightGroup(name=name, hf_names=(hf_name,), kind="copy", shape=shape, hf_shapes=(shape,))
+def _copy(name: str, hf_name: str, shape: tuple[int, ...], *, linear: bool = True) -> WeightGroup:
+    return WeightGroup(
+        name=name, hf_names=(hf_name,), kind="copy", shape=shape, hf_shapes=(shape,), linear=linear
+    )
 
 
 def _pairs(tensors: Mapping[str, Tensor] | Iterable[tuple[str, Tensor]]) -> dict[str, Tensor]:
@@ -209,10 +289,13 @@ def from_hf_state_dict(
     unknown = sorted(set(given) - set(owner))
     if unknown:
         raise UnknownTensorError(f"unknown HF tensors: {unknown}")
-    dtype = config.dtype if check_dtype else None
+    default_dtype = config.dtype if check_dtype else None
     used: set[str] = set()
     out: dict[str, Tensor] = {}
     for g in groups:
+        dtype = default_dtype
+        if check_dtype and g.dtype is not None:
+            dtype = getattr(torch, g.dtype)
         present = [n for n in g.hf_names if n in given]
         if g.stacked_name is not None and g.stacked_name in given:
             if present:
@@ -255,6 +338,8 @@ def lora_targets(config: ModelConfig) -> dict[str, tuple[int, int]]:
     """PEFT module names of every linear layer, with ``(in_features, out_features)``."""
     out: dict[str, tuple[int, int]] = {}
     for g in weight_groups(config):
+        if not g.linear:
+            continue
         for n, shape in zip(g.hf_names, g.hf_shapes, strict=True):
             if len(shape) == 2 and "embed_tokens" not in n:
                 out[n.removesuffix(".weight")] = (shape[1], shape[0])

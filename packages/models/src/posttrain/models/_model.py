@@ -1,14 +1,22 @@
-"""The Dense/MoE decoder: one forward for packed training and for KV-cache decode.
+"""Dense/MoE decoders in the Qwen3-MoE HF layout whose training and decode logprobs agree bit for bit.
 
 ``DecoderModel`` holds its weights in a fused in-memory layout (``qkv``, ``fc1 = [gate; up]``,
 stacked experts; see ``_convert`` for the HF names). Every path -- ``forward_logprobs`` over
-packed segments, ``extend``/``prefill``/``decode_step`` over cache rows -- runs the same
-``_forward`` on a flat list of tokens, each with a buffer row and a position. Keys and
-values are written into a per-row buffer of fixed capacity ``C = max_position_embeddings``
-and each query attends over all ``C`` slots with a mask, so in strict mode a token's bits do
-not depend on how many tokens came in the same call (see ``_ops``). As an optimisation that
-keeps every bit, a chunk of queries reduces over the first ``2**ceil(log2(max pos + 1))``
-slots only: the rest are masked exact zeros, and ``x + 0 == x`` in the pairwise tree.
+packed segments, ``extend``/``prefill``/``decode_step`` over cache rows, and
+``forward_with_layout`` (a context-parallel caller's own layout) -- runs the same
+``_forward`` on a flat list of tokens, each with a segment and a position; the only steps
+that look at other tokens (attention and the optional short convolutions) go through a
+``TokenLayout`` (``_blocks``). Keys and values are written into a per-row buffer of fixed
+capacity ``C = max_position_embeddings`` and each query attends over all ``C`` slots with a
+mask, so in strict mode a token's bits do not depend on how many tokens came in the same call
+(see ``_ops``). As an optimisation that keeps every bit, a chunk of queries reduces over the
+first ``2**ceil(log2(max pos + 1))`` slots only: the rest are masked exact zeros, and
+``x + 0 == x`` in the pairwise tree.
+
+Optional Inkling-style blocks (``ModelConfig`` extension fields): residual short convolutions
+at four sites per layer, a relative position bias from an extra projected stream, sliding-window
+layers with their own shape, a sigmoid router with a fixed expert bias and shared experts, an
+embedding RMSNorm and a logits divisor.
 
 Departures from HF ``Qwen3MoeForCausalLM``: activations are fp32 whatever the parameter
 dtype; experts are combined in ascending expert id order; top-k ties go to the lower id
@@ -23,21 +31,23 @@ from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
+from posttrain.models._blocks import (
+    CacheLayout,
+    PackedLayout,
+    TokenLayout,
+    rel_logits_of,
+)
 from posttrain.models._cache import KVCache
 from posttrain.models._config import ModelConfig
 from posttrain.models._errors import CacheError, ModelInputError
-from posttrain.models._lora import AdapterArg, LoraRouting
+from posttrain.models._lora import AdapterArg, LoraAdapter, LoraRouting
 from posttrain.models._ops import FastOps, StrictOps, apply_rope, rope_tables
 from posttrain.models._sites import LinearSite
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
-
-# Elements of the per-chunk attention product tensor; bounds memory, never changes results.
-_ATTN_CHUNK_ELEMENTS = 1 << 17
 
 
 class Numerics(enum.StrEnum):
@@ -55,7 +65,13 @@ class Step(NamedTuple):
 
 
 class _Layer(nn.Module):
-    """Attention parameters shared by dense and MoE layers."""
+    """Attention parameters shared by dense and MoE layers (plus the optional blocks).
+
+    ``qkv`` is ``[q; k; v; r]`` (``r``, the relative-bias stream, only with ``rel_pos_dim``);
+    ``q_norm``/``k_norm`` are ``[head_dim]`` or, with ``qk_norm_per_head``, one row per head
+    (flattened ``[heads * head_dim]``). With sconv: ``k_conv``/``v_conv[kv_heads * hd, k]``,
+    ``attn_out_conv``/``mlp_out_conv[H, k]``; with the bias: frozen ``rel_proj[d_rel, extent]``.
+    """
 
     attn_norm: nn.Parameter
     qkv: nn.Parameter
@@ -63,20 +79,40 @@ class _Layer(nn.Module):
     k_norm: nn.Parameter
     proj: nn.Parameter
     mlp_norm: nn.Parameter
+    rel_proj: nn.Parameter
+    k_conv: nn.Parameter
+    v_conv: nn.Parameter
+    attn_out_conv: nn.Parameter
+    mlp_out_conv: nn.Parameter
 
     def __init__(self, config: ModelConfig, index: int) -> None:
         super().__init__()
-        h, hd = config.hidden_size, config.head_dim
-        nq, nkv = config.num_attention_heads * hd, config.num_key_value_heads * hd
+        shape = config.attention_shape(index)
+        h, hd = config.hidden_size, shape.head_dim
+        nq, nkv = shape.num_heads * hd, shape.num_kv_heads * hd
+        nr = shape.num_heads * config.rel_pos_dim
         dt = config.dtype
         self.index = index
         self.is_moe = config.is_moe_layer(index)
         self.attn_norm = nn.Parameter(torch.ones(h, dtype=dt))
-        self.qkv = nn.Parameter(torch.zeros(nq + 2 * nkv, h, dtype=dt))
-        self.q_norm = nn.Parameter(torch.ones(hd, dtype=dt))
-        self.k_norm = nn.Parameter(torch.ones(hd, dtype=dt))
+        self.qkv = nn.Parameter(torch.zeros(nq + 2 * nkv + nr, h, dtype=dt))
+        per_head = config.qk_norm_per_head
+        self.q_norm = nn.Parameter(torch.ones(nq if per_head else hd, dtype=dt))
+        self.k_norm = nn.Parameter(torch.ones(nkv if per_head else hd, dtype=dt))
+        if config.rel_pos_dim:
+            extent = config.rel_extent(index)
+            table = torch.zeros(config.rel_pos_dim, extent, dtype=dt)
+            self.rel_proj = nn.Parameter(table, requires_grad=False)  # frozen, but saved
+        width = config.sconv_kernel_size
+        if width:
+            self.k_conv = nn.Parameter(torch.zeros(nkv, width, dtype=dt))
+            self.v_conv = nn.Parameter(torch.zeros(nkv, width, dtype=dt))
         self.proj = nn.Parameter(torch.zeros(h, nq, dtype=dt))
+        if width:
+            self.attn_out_conv = nn.Parameter(torch.zeros(h, width, dtype=dt))
         self.mlp_norm = nn.Parameter(torch.ones(h, dtype=dt))
+        if width:
+            self.mlp_out_conv = nn.Parameter(torch.zeros(h, width, dtype=dt))
         self.sites = nn.ModuleDict()  # filled by DecoderModel (sites need the model's kernel)
 
 
@@ -94,11 +130,19 @@ class DenseLayer(_Layer):
 
 
 class MoeLayer(_Layer):
-    """A layer with a routed MoE: ``router[E, H]``, ``experts_fc1[E, 2I, H]``, ``experts_fc2[E, H, I]``."""
+    """A layer with a routed MoE: ``router[E, H]``, ``experts_fc1[E, 2I, H]``, ``experts_fc2[E, H, I]``.
+
+    With ``n_shared_experts = S``: ``router[E + S, H]`` (routed gates, then shared gates),
+    ``shared_fc1[S, 2Is, H]``, ``shared_fc2[S, H, Is]``. With the sigmoid router: a frozen
+    fp32 ``expert_bias[E]`` that only steers top-k selection.
+    """
 
     router: nn.Parameter
     experts_fc1: nn.Parameter
     experts_fc2: nn.Parameter
+    expert_bias: nn.Parameter
+    shared_fc1: nn.Parameter
+    shared_fc2: nn.Parameter
 
     def __init__(self, config: ModelConfig, index: int) -> None:
         super().__init__(config, index)
@@ -108,17 +152,27 @@ class MoeLayer(_Layer):
             config.num_experts,
             config.dtype,
         )
-        self.router = nn.Parameter(torch.zeros(e, h, dtype=dt))
+        ns, si = config.n_shared_experts, config.shared_intermediate_size
+        self.router = nn.Parameter(torch.zeros(e + ns, h, dtype=dt))
+        if config.router_score_function == "sigmoid":
+            bias = torch.zeros(e, dtype=torch.float32)
+            self.expert_bias = nn.Parameter(bias, requires_grad=False)  # fixed, kept in fp32
         self.experts_fc1 = nn.Parameter(torch.zeros(e, 2 * i, h, dtype=dt))
         self.experts_fc2 = nn.Parameter(torch.zeros(e, h, i, dtype=dt))
+        if ns:
+            self.shared_fc1 = nn.Parameter(torch.zeros(ns, 2 * si, h, dtype=dt))
+            self.shared_fc2 = nn.Parameter(torch.zeros(ns, h, si, dtype=dt))
 
 
 class DecoderModel(nn.Module):
     """A Qwen3-MoE-layout decoder with strict (bit-identical) and fast numerics."""
 
     output: nn.Parameter | None
+    embed_norm: nn.Parameter
     rope_cos: Tensor
     rope_sin: Tensor
+    rope_cos_swa: Tensor
+    rope_sin_swa: Tensor
 
     def __init__(self, config: ModelConfig, *, numerics: Numerics = Numerics.STRICT) -> None:
         super().__init__()
@@ -126,6 +180,8 @@ class DecoderModel(nn.Module):
         self.numerics = Numerics(numerics)
         v, h, dt = config.vocab_size, config.hidden_size, config.dtype
         self.embedding = nn.Parameter(torch.zeros(v, h, dtype=dt))
+        if config.embedding_rms_norm:
+            self.embed_norm = nn.Parameter(torch.ones(h, dtype=dt))
         self.layers = nn.ModuleList(
             MoeLayer(config, i) if config.is_moe_layer(i) else DenseLayer(config, i)
             for i in range(config.num_hidden_layers)
@@ -143,6 +199,11 @@ class DecoderModel(nn.Module):
         cos, sin = rope_tables(config.head_dim, config.max_position_embeddings, config.rope_theta)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
+        swa_hd = config.swa_shape.head_dim
+        if config.sliding_window_layers and swa_hd != config.head_dim:
+            cos, sin = rope_tables(swa_hd, config.max_position_embeddings, config.rope_theta)
+            self.register_buffer("rope_cos_swa", cos, persistent=False)
+            self.register_buffer("rope_sin_swa", sin, persistent=False)
 
     @property
     def ops(self) -> type[FastOps]:
@@ -157,7 +218,34 @@ class DecoderModel(nn.Module):
         """fp32 logits ``[T, vocab]`` for packed segments (positions restart per segment)."""
         ids, seg, pos = self._pack(input_ids, segment_lengths)
         routing = LoraRouting(lora, seg, len(segment_lengths), self._lora_targets)
-        return self._forward(ids, seg, pos, seg, len(segment_lengths), None, routing)
+        layout = PackedLayout(seg, pos, len(segment_lengths), self.config.max_position_embeddings)
+        return self._forward(ids, layout, routing)
+
+    def forward_with_layout(
+        self, input_ids: Tensor, layout: TokenLayout, *, lora: LoraAdapter | None = None
+    ) -> Tensor:
+        """fp32 logits ``[T, vocab]`` of tokens arranged by ``layout`` (see ``_blocks``).
+
+        The seam for context parallel: a CP layout (a ``PackedLayout`` subclass holding this
+        rank's tokens, their positions and global segment ids) exchanges sconv halos and
+        gathers keys/values; everything else in the forward is per token.
+        """
+        ids = self._check_ids(input_ids.reshape(-1).long().to(self.embedding.device))
+        if ids.shape[0] != layout.seg.shape[0] or ids.shape[0] != layout.pos.shape[0]:
+            raise ModelInputError(
+                f"input_ids has {ids.shape[0]} tokens but the layout has "
+                f"{layout.seg.shape[0]} segment ids and {layout.pos.shape[0]} positions"
+            )
+        if ids.numel() == 0:
+            raise ModelInputError("input_ids is empty: a forward needs at least one token")
+        cap = self.config.max_position_embeddings
+        if int(layout.pos.min()) < 0 or int(layout.pos.max()) >= cap:
+            raise ModelInputError(f"layout positions must lie in [0, {cap})")
+        if int(layout.seg.min()) < 0:
+            raise ModelInputError("layout segment ids must be >= 0")
+        num_segments = int(layout.seg.max()) + 1
+        routing = LoraRouting(lora, layout.seg, num_segments, self._lora_targets)
+        return self._forward(ids, layout, routing)
 
     def forward(
         self, input_ids: Tensor, segment_lengths: Sequence[int], *, lora: AdapterArg = None
@@ -225,15 +313,14 @@ class DecoderModel(nn.Module):
         dev = self.embedding.device
         ids = self._check_ids(torch.tensor(flat, dtype=torch.long, device=dev))
         seg_t = torch.tensor(seg, dtype=torch.long, device=dev)
-        buf_row = torch.tensor(rows, dtype=torch.long, device=dev)[seg_t]
         routing = LoraRouting(lora, seg_t, len(rows), self._lora_targets)
-        logits = self._forward(
-            ids, seg_t, torch.tensor(pos, dtype=torch.long, device=dev), buf_row, 0, cache, routing
-        )
+        sizes = [len(t) for t in token_ids]
+        pos_t = torch.tensor(pos, dtype=torch.long, device=dev)
+        layout = CacheLayout(cache, list(rows), sizes, seg_t, pos_t)
+        logits = self._forward(ids, layout, routing)
         logprobs = self.ops.log_softmax(logits)
         for row, toks in zip(rows, token_ids, strict=True):
             cache.lengths[row] += len(toks)
-        sizes = [len(t) for t in token_ids]
         return [
             Step(lg, lp)
             for lg, lp in zip(torch.split(logits, sizes), torch.split(logprobs, sizes), strict=True)
@@ -302,17 +389,22 @@ class DecoderModel(nn.Module):
 
     def _add_sites(self) -> None:
         cfg = self.config
-        hd = cfg.head_dim
-        nq, nk = cfg.num_attention_heads * hd, cfg.num_key_value_heads * hd
         for layer in self.layers:
             assert isinstance(layer, _Layer)
+            shape = cfg.attention_shape(layer.index)
+            hd = shape.head_dim
+            nq, nk = shape.num_heads * hd, shape.num_kv_heads * hd
             a, m = f"model.layers.{layer.index}.self_attn.", f"model.layers.{layer.index}.mlp."
-            specs = {
-                "qkv": ((a + "q_proj", nq), (a + "k_proj", nk), (a + "v_proj", nk)),
-                "proj": ((a + "o_proj", cfg.hidden_size),),
-            }
+            qkv: tuple[tuple[str, int], ...] = (
+                (a + "q_proj", nq),
+                (a + "k_proj", nk),
+                (a + "v_proj", nk),
+            )
+            if cfg.rel_pos_dim:
+                qkv += ((a + "r_proj", shape.num_heads * cfg.rel_pos_dim),)
+            specs = {"qkv": qkv, "proj": ((a + "o_proj", cfg.hidden_size),)}
             if isinstance(layer, MoeLayer):
-                specs["router"] = ((m + "gate", cfg.num_experts),)
+                specs["router"] = ((m + "gate", cfg.num_experts + cfg.n_shared_experts),)
             else:
                 i = cfg.intermediate_size
                 specs["fc1"] = ((m + "gate_proj", i), (m + "up_proj", i))
@@ -352,46 +444,43 @@ class DecoderModel(nn.Module):
         pos = torch.arange(ids.shape[0], device=dev) - starts[seg]
         return ids, seg, pos
 
-    def _forward(
-        self,
-        ids: Tensor,
-        seg: Tensor,
-        pos: Tensor,
-        buf_row: Tensor,
-        num_buffers: int,
-        cache: KVCache | None,
-        lora: LoraRouting,
-    ) -> Tensor:
+    def _forward(self, ids: Tensor, layout: TokenLayout, lora: LoraRouting) -> Tensor:
         cfg, ops = self.config, self.ops
         h = self.embedding[ids].float()
+        if cfg.embedding_rms_norm:
+            h = ops.rms_norm(h, self.embed_norm, cfg.rms_norm_eps)
         for layer in self.layers:
             assert isinstance(layer, _Layer)
             prefix = f"model.layers.{layer.index}."
-            h = h + self._attention(layer, h, pos, buf_row, num_buffers, cache, lora, prefix)
+            h = h + self._attention(layer, h, layout, lora, prefix)
             m = ops.rms_norm(h, layer.mlp_norm, cfg.rms_norm_eps)
             if isinstance(layer, MoeLayer):
-                h = h + self._moe(layer, m, lora, prefix)
+                y = self._moe(layer, m, lora, prefix)
             else:
                 assert isinstance(layer, DenseLayer)
-                h = h + self._dense(layer, m, lora, prefix)
+                y = self._dense(layer, m, lora, prefix)
+            if cfg.sconv_kernel_size:
+                y = layout.sconv(ops, layer.index, "mlp", y, layer.mlp_out_conv)
+            h = h + y
         h = ops.rms_norm(h, self.final_norm, cfg.rms_norm_eps)
         logits = self.sites["lm_head"](h)
-        return lora.apply(ops, h, logits, [("lm_head", 0, cfg.vocab_size)])
+        logits = lora.apply(ops, h, logits, [("lm_head", 0, cfg.vocab_size)])
+        if cfg.logits_divisor != 1.0:
+            logits = logits / cfg.logits_divisor
+        return logits
+
+    def _rope(self, head_dim: int) -> tuple[Tensor, Tensor]:
+        if head_dim == self.config.head_dim:
+            return self.rope_cos, self.rope_sin
+        return self.rope_cos_swa, self.rope_sin_swa
 
     def _attention(
-        self,
-        layer: _Layer,
-        h: Tensor,
-        pos: Tensor,
-        buf_row: Tensor,
-        num_buffers: int,
-        cache: KVCache | None,
-        lora: LoraRouting,
-        prefix: str,
+        self, layer: _Layer, h: Tensor, layout: TokenLayout, lora: LoraRouting, prefix: str
     ) -> Tensor:
         cfg, ops = self.config, self.ops
-        t, hd, nh, nkv = h.shape[0], cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
-        nq, nk = nh * hd, nkv * hd
+        i = layer.index
+        nh, nkv, hd = cfg.attention_shape(i)
+        t, nq, nk, nr = h.shape[0], nh * hd, nkv * hd, nh * cfg.rel_pos_dim
         a = ops.rms_norm(h, layer.attn_norm, cfg.rms_norm_eps)
         qkv = layer.sites["qkv"](a)
         names = [
@@ -399,45 +488,42 @@ class DecoderModel(nn.Module):
             (prefix + "self_attn.k_proj", nq, nq + nk),
             (prefix + "self_attn.v_proj", nq + nk, nq + 2 * nk),
         ]
+        if nr:
+            names.append((prefix + "self_attn.r_proj", nq + 2 * nk, nq + 2 * nk + nr))
         qkv = lora.apply(ops, a, qkv, names)
-        q = ops.rms_norm(qkv[:, :nq].reshape(t, nh, hd), layer.q_norm, cfg.rms_norm_eps)
-        k = ops.rms_norm(qkv[:, nq : nq + nk].reshape(t, nkv, hd), layer.k_norm, cfg.rms_norm_eps)
-        v = qkv[:, nq + nk :].reshape(t, nkv, hd)
-        cos, sin = self.rope_cos[pos], self.rope_sin[pos]
+        k_raw, v_raw = qkv[:, nq : nq + nk], qkv[:, nq + nk : nq + 2 * nk]
+        if cfg.sconv_kernel_size:
+            k_raw = layout.sconv(ops, i, "k", k_raw, layer.k_conv)
+            v_raw = layout.sconv(ops, i, "v", v_raw, layer.v_conv)
+        q_w: Tensor = layer.q_norm
+        k_w: Tensor = layer.k_norm
+        if cfg.qk_norm_per_head:
+            q_w, k_w = q_w.reshape(nh, hd), k_w.reshape(nkv, hd)
+        q = ops.rms_norm(qkv[:, :nq].reshape(t, nh, hd), q_w, cfg.rms_norm_eps)
+        k = ops.rms_norm(k_raw.reshape(t, nkv, hd), k_w, cfg.rms_norm_eps)
+        v = v_raw.reshape(t, nkv, hd)
+        cos_t, sin_t = self._rope(hd)
+        cos, sin = cos_t[layout.pos], sin_t[layout.pos]
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        cap = cfg.max_position_embeddings
-        if cache is None and self.numerics is Numerics.FAST:
-            o = _causal_sdpa(q, k, v, buf_row, nh // nkv)
-            y = layer.sites["proj"](o)
-            return lora.apply(ops, o, y, [(prefix + "self_attn.o_proj", 0, cfg.hidden_size)])
-        if cache is None:
-            shape = (num_buffers, cap, nkv, hd)
-            kbuf = h.new_zeros(shape).index_put((buf_row, pos), k)
-            vbuf = h.new_zeros(shape).index_put((buf_row, pos), v)
-        else:
-            kbuf, vbuf = cache.keys[layer.index], cache.values[layer.index]
-            kbuf[buf_row, pos] = k
-            vbuf[buf_row, pos] = v
-        group = nh // nkv
-        qg = q.reshape(t, nkv, group, hd)
-        slots = torch.arange(cap, device=h.device)
-        step = max(1, _ATTN_CHUNK_ELEMENTS // (nh * cap * hd))
-        outs = []
-        for i in range(0, t, step):
-            rows, p = buf_row[i : i + step], pos[i : i + step]
-            # Reduce over the first W = 2**ceil(log2(max pos + 1)) slots only: slots past the
-            # chunk's last position are masked, contribute exact zeros, and in the pairwise
-            # tree ``x + 0 == x``, so the bits equal those of the full-C reduction.
-            width = min(cap, 1 << int(p.max()).bit_length())
-            valid = slots[None, :width] <= p[:, None]
-            outs.append(
-                ops.attention(
-                    qg[i : i + step], kbuf[rows, :width], vbuf[rows, :width], valid, hd**-0.5
-                )
-            )
-        o = torch.cat(outs).reshape(t, nq)
+        rel = None
+        if nr:
+            r = qkv[:, nq + 2 * nk :].reshape(t, nh, cfg.rel_pos_dim)
+            rel = rel_logits_of(ops, r, layer.rel_proj)
+        o = layout.attend(
+            ops,
+            i,
+            q,
+            k,
+            v,
+            scale=cfg.softmax_scale(i),
+            window=cfg.attention_window(i),
+            rel_logits=rel,
+        )
         y = layer.sites["proj"](o)
-        return lora.apply(ops, o, y, [(prefix + "self_attn.o_proj", 0, cfg.hidden_size)])
+        y = lora.apply(ops, o, y, [(prefix + "self_attn.o_proj", 0, cfg.hidden_size)])
+        if cfg.sconv_kernel_size:
+            y = layout.sconv(ops, i, "attn", y, layer.attn_out_conv)
+        return y
 
     def _dense(self, layer: DenseLayer, m: Tensor, lora: LoraRouting, prefix: str) -> Tensor:
         ops, i = self.ops, self.config.intermediate_size
@@ -451,46 +537,71 @@ class DecoderModel(nn.Module):
 
     def _moe(self, layer: MoeLayer, m: Tensor, lora: LoraRouting, prefix: str) -> Tensor:
         cfg, ops = self.config, self.ops
-        i, k, hsz = cfg.moe_intermediate_size, cfg.num_experts_per_tok, cfg.hidden_size
+        k, hsz = cfg.num_experts_per_tok, cfg.hidden_size
+        e, ns = cfg.num_experts, cfg.n_shared_experts
         logits = layer.sites["router"](m)
-        logits = lora.apply(ops, m, logits, [(prefix + "mlp.gate", 0, cfg.num_experts)])
-        probs = ops.softmax(logits)
+        logits = lora.apply(ops, m, logits, [(prefix + "mlp.gate", 0, e + ns)])
+        if cfg.router_score_function == "sigmoid":
+            scores = ops.sigmoid(logits)
+            select = scores[:, :e].detach() + layer.expert_bias.float()
+        else:
+            scores = ops.softmax(logits)
+            select = scores.detach()
         # Top-k by a stable descending sort (ties go to the lower id), then ids ascending:
         # the combine order is a function of the chosen set only (G5).
-        top = torch.sort(probs.detach(), dim=-1, descending=True, stable=True).indices[:, :k]
+        top = torch.sort(select, dim=-1, descending=True, stable=True).indices[:, :k]
         ids = torch.sort(top, dim=-1).values
-        weights = probs.gather(1, ids)
-        if cfg.norm_topk_prob:
+        weights = scores[:, :e].gather(1, ids)
+        if ns:
+            # shared gates first, normalised together with the chosen routed ones
+            weights = torch.cat([scores[:, e:], weights], dim=1)
             weights = weights / ops.sum_last(weights)[:, None]
+        elif cfg.norm_topk_prob:
+            weights = weights / ops.sum_last(weights)[:, None]
+        if cfg.routed_scaling_factor != 1.0:
+            weights = weights * cfg.routed_scaling_factor
         outputs = m.new_zeros(m.shape[0], k, hsz)
-        for e in range(cfg.num_experts):
-            tok, slot = (ids == e).nonzero(as_tuple=True)
+        for j in range(e):
+            tok, slot = (ids == j).nonzero(as_tuple=True)
             if tok.numel() == 0:
                 continue
-            ep = f"{prefix}mlp.experts.{e}."
-            xe = m[tok]
-            gu = ops.linear(xe, layer.experts_fc1[e])
-            gu = lora.apply(
-                ops, xe, gu, [(ep + "gate_proj", 0, i), (ep + "up_proj", i, 2 * i)], tok
-            )
-            act = ops.silu_mul(gu[:, :i], gu[:, i:])
-            ye = ops.linear(act, layer.experts_fc2[e])
-            ye = lora.apply(ops, act, ye, [(ep + "down_proj", 0, hsz)], tok)
+            ep = f"{prefix}mlp.experts.{j}."
+            ye = self._expert(layer.experts_fc1[j], layer.experts_fc2[j], m[tok], lora, ep, tok)
             outputs = outputs.index_put((tok, slot), ye)
+        if ns:
+            shared = [
+                self._expert(
+                    layer.shared_fc1[s],
+                    layer.shared_fc2[s],
+                    m,
+                    lora,
+                    f"{prefix}mlp.shared_experts.{s}.",
+                    None,
+                )
+                for s in range(ns)
+            ]
+            # fixed fp32 order: shared experts 0..S-1, then routed experts by ascending id
+            outputs = torch.cat([torch.stack(shared, dim=1), outputs], dim=1)
         return ops.moe_combine(weights, outputs)
 
-
-def _causal_sdpa(q: Tensor, k: Tensor, v: Tensor, seg: Tensor, group: int) -> Tensor:
-    """Fast-mode training attention: torch SDPA per segment (no fixed-capacity buffer)."""
-    outs = []
-    for s in torch.unique_consecutive(seg).tolist():
-        idx = (seg == s).nonzero().flatten()
-        qs = q[idx].transpose(0, 1)[None]  # [1, nh, L, hd]
-        ks = k[idx].repeat_interleave(group, dim=1).transpose(0, 1)[None]
-        vs = v[idx].repeat_interleave(group, dim=1).transpose(0, 1)[None]
-        o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True)
-        outs.append(o[0].transpose(0, 1).reshape(idx.shape[0], -1))
-    return torch.cat(outs)
+    def _expert(
+        self,
+        fc1: Tensor,
+        fc2: Tensor,
+        x: Tensor,
+        lora: LoraRouting,
+        prefix: str,
+        tok: Tensor | None,
+    ) -> Tensor:
+        ops = self.ops
+        i, hsz = fc2.shape[1], fc2.shape[0]
+        gu = ops.linear(x, fc1)
+        gu = lora.apply(
+            ops, x, gu, [(prefix + "gate_proj", 0, i), (prefix + "up_proj", i, 2 * i)], tok
+        )
+        act = ops.silu_mul(gu[:, :i], gu[:, i:])
+        y = ops.linear(act, fc2)
+        return lora.apply(ops, act, y, [(prefix + "down_proj", 0, hsz)], tok)
 
 
 def _segment_starts(lengths: Sequence[int]) -> list[int]:
@@ -504,13 +615,17 @@ def _segment_starts(lengths: Sequence[int]) -> list[int]:
 def build_model(
     config: ModelConfig, seed: int = 0, *, numerics: Numerics = Numerics.STRICT
 ) -> DecoderModel:
-    """A model with weights drawn from ``seed`` (normal(0, initializer_range); norms = 1)."""
+    """A model with weights drawn from ``seed`` (normal(0, initializer_range); norms = 1;
+    sconv weights 0, so each residual convolution starts as the identity)."""
     model = DecoderModel(config, numerics=numerics)
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if name.rsplit(".", 1)[-1].endswith("norm"):
+            leaf = name.rsplit(".", 1)[-1]
+            if leaf.endswith("norm"):
                 param.fill_(1.0)
+            elif leaf.endswith("_conv"):
+                param.zero_()  # sconv starts as the identity
             else:
                 draw = torch.randn(param.shape, generator=gen) * config.initializer_range
                 param.copy_(draw.to(param.dtype))

@@ -118,6 +118,20 @@ class FastOps:
         return F.silu(gate) * up
 
     @staticmethod
+    def sigmoid(x: Tensor) -> Tensor:
+        """``1 / (1 + exp(-x))``."""
+        return torch.sigmoid(x)
+
+    @staticmethod
+    def sconv(windows: Tensor, weight: Tensor) -> Tensor:
+        """Residual depthwise conv: ``windows[-1] + sum_i weight[:, i] * windows[i]``.
+
+        ``windows[W, T, C]`` holds each token's ``W`` taps, oldest first (the last one is the
+        token itself; taps outside its sequence are 0); ``weight[C, W]``. Returns ``[T, C]``.
+        """
+        return windows[-1] + (weight.float().t()[:, None, :] * windows).sum(0)
+
+    @staticmethod
     def log_softmax(x: Tensor) -> Tensor:
         """Log-softmax over the last dim."""
         return torch.log_softmax(x, dim=-1)
@@ -128,12 +142,22 @@ class FastOps:
         return torch.softmax(x, dim=-1)
 
     @staticmethod
-    def attention(q: Tensor, keys: Tensor, values: Tensor, valid: Tensor, scale: float) -> Tensor:
+    def attention(
+        q: Tensor,
+        keys: Tensor,
+        values: Tensor,
+        valid: Tensor,
+        scale: float,
+        bias: Tensor | None = None,
+    ) -> Tensor:
         """Attention of ``q[T, nkv, g, hd]`` over per-query buffers ``keys/values[T, C, nkv, hd]``.
 
-        ``valid[T, C]`` marks the keys each query may see; returns ``[T, nkv, g, hd]``.
+        ``valid[T, C]`` marks the keys each query may see; ``bias[T, nkv, g, C]`` (fp32) is
+        added to the scores after scaling; returns ``[T, nkv, g, hd]``.
         """
         scores = torch.einsum("tkgd,tckd->tkgc", q, keys) * scale
+        if bias is not None:
+            scores = scores + bias
         scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
         probs = torch.softmax(scores, dim=-1)
         return torch.einsum("tkgc,tckd->tkgd", probs, values)
@@ -182,6 +206,16 @@ class StrictOps(FastOps):
         return (gate / (1.0 + exp_strict(-gate))) * up
 
     @staticmethod
+    def sigmoid(x: Tensor) -> Tensor:
+        """``1 / (1 + exp_strict(-x))``."""
+        return 1.0 / (1.0 + exp_strict(-x))
+
+    @staticmethod
+    def sconv(windows: Tensor, weight: Tensor) -> Tensor:
+        """``windows[-1] + tree_sum_i(weight[:, i] * windows[i])``: fixed order over the taps."""
+        return windows[-1] + tree_sum(weight.float().t()[:, None, :] * windows, dim=0)
+
+    @staticmethod
     def log_softmax(x: Tensor) -> Tensor:
         """``z - log(tree_sum(exp(z)))`` with ``z = x - max(x)``."""
         z = x - x.detach().amax(-1, keepdim=True)
@@ -194,13 +228,22 @@ class StrictOps(FastOps):
         return e / tree_sum(e)[..., None]
 
     @staticmethod
-    def attention(q: Tensor, keys: Tensor, values: Tensor, valid: Tensor, scale: float) -> Tensor:
+    def attention(
+        q: Tensor,
+        keys: Tensor,
+        values: Tensor,
+        valid: Tensor,
+        scale: float,
+        bias: Tensor | None = None,
+    ) -> Tensor:
         """Attention over the full capacity ``C``: scores ``[C]``, masked softmax, ``tree_sum`` over C."""
         # products laid out [hd, T, nkv, g, C]: the reduced dim leads
         k_t = keys.permute(3, 0, 2, 1).contiguous()[:, :, :, None, :]  # [hd, T, nkv, 1, C]
         scores = (
             tree_sum(q.permute(3, 0, 1, 2).contiguous()[..., None] * k_t, dim=0) * scale
         )  # [T, nkv, g, C]
+        if bias is not None:
+            scores = scores + bias
         mask = valid[:, None, None, :]
         z = scores - scores.masked_fill(~mask, float("-inf")).detach().amax(-1, keepdim=True)
         e = torch.where(mask, exp_strict(z.masked_fill(~mask, 0.0)), 0.0)

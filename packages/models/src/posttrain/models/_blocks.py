@@ -1,0 +1,323 @@
+"""Token layouts, the residual short convolution and masked attention: the seams of the forward.
+
+The decoder's forward (``DecoderModel.forward_with_layout``) never looks at how its tokens
+are arranged. Two things in a layer need other tokens than a token's own: the residual
+short convolution (``sconv``, its ``k - 1`` predecessors) and attention (the keys and values
+of its sequence). Both go through a ``TokenLayout``:
+
+* ``PackedLayout`` -- the training forward over packed segments (positions restart at each
+  segment; nothing crosses a segment boundary).
+* ``CacheLayout`` -- KV-cache decode: keys and values land in the cache's fixed-capacity
+  rows; each sconv site keeps the last ``k - 1`` inputs of every row as its state.
+
+**Seams for context / sequence parallel** (``posttrain.models.context_parallel`` plugs in
+here: its ``ContextParallelLayout`` subclasses ``PackedLayout`` and overrides its two methods):
+
+* ``residual_sconv(ops, x_local, seg_local, weight, halo=None, halo_seg=None)`` --
+  ``x_local[T, C]`` this rank's tokens in global packed order, ``seg_local[T]`` their global
+  segment ids; ``halo[k-1, C]`` / ``halo_seg[k-1]`` the ``k - 1`` tokens just before
+  ``x_local[0]`` in the global order (the previous rank's tail; under zigzag, the tail of
+  the chunk before each local chunk: call once per chunk) and their segment ids, ``-1``
+  where there is no token. A tap counts only when its segment id equals the token's, so a
+  halo never leaks across a sequence boundary. Bit for bit the rows of the unsplit call;
+  differentiable in ``x_local``, ``halo`` and ``weight`` (an autograd-aware halo exchange
+  carries the halo's gradient back to its sender).
+* ``attend(ops, q_local, k_full, v_full, q_pos=, q_seg=, k_pos=, k_seg=, num_segments=,
+  capacity=, scale=, window=, rel_logits=)`` -- queries of this rank against keys and
+  values of the whole sequence (gathered, RoPE already applied with their positions).
+  Positions are within the segment (what RoPE uses, independent of the split); segment
+  ids are global. Keys are scattered into a per-segment buffer of the fixed capacity
+  ``C`` by ``(k_seg, k_pos)`` and every query reduces over its segment's buffer with the
+  causal (``k_pos <= q_pos``), window (``q_pos - k_pos < window``) and relative-bias
+  (index ``q_pos - k_pos``) terms all taken from positions, exactly as decode does, so the
+  result does not depend on how queries are split or ordered (zigzag included).
+* ``rel_logits_of(ops, r, rel_proj)`` -- the bias table ``[T, heads, extent]`` of local
+  queries; per-token, so it needs no communication.
+
+Numerics: both are fixed-shape reductions (``tree_sum`` over the ``k`` taps; attention over
+``C`` slots) in strict mode, so train == decode == split, bit for bit.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from posttrain.models._ops import FastOps
+
+if TYPE_CHECKING:
+    from posttrain.models._cache import KVCache
+
+# Elements of the per-chunk attention product tensor; bounds memory, never changes results.
+_ATTN_CHUNK_ELEMENTS = 1 << 17
+NO_TOKEN = -1
+"""Segment id of a halo slot that holds no token (before the first token of the batch)."""
+
+
+def sconv_windows(x: Tensor, seg: Tensor, width: int) -> Tensor:
+    """``[width, T, C]``: tap ``i`` of token ``t`` is ``x[t - (width - 1 - i)]`` when that token
+    exists and has ``t``'s segment id, else 0 (oldest tap first, the token itself last)."""
+    n = x.shape[0]
+    taps = []
+    for shift in range(width - 1, 0, -1):
+        shifted = torch.cat([x.new_zeros((shift, *x.shape[1:])), x])[:n]
+        shifted_seg = torch.cat([seg.new_full((shift,), NO_TOKEN - 1), seg])[:n]
+        taps.append(torch.where((shifted_seg == seg)[:, None], shifted, 0.0))
+    taps.append(x)
+    return torch.stack(taps)
+
+
+def residual_sconv(
+    ops: type[FastOps],
+    x: Tensor,
+    seg: Tensor,
+    weight: Tensor,
+    halo: Tensor | None = None,
+    halo_seg: Tensor | None = None,
+) -> Tensor:
+    """``y_t = x_t + sum_i weight[:, i] * x_{t-k+1+i}`` within ``t``'s segment (see the module doc).
+
+    ``x[T, C]``, ``seg[T]``, ``weight[C, k]``; ``halo[k-1, C]`` and ``halo_seg[k-1]`` are the
+    tokens before ``x[0]`` (absent: none). Returns ``[T, C]`` fp32.
+    """
+    width = weight.shape[1]
+    if halo is None:
+        return ops.sconv(sconv_windows(x, seg, width), weight)
+    if halo_seg is None or halo.shape[0] != halo_seg.shape[0]:
+        raise ValueError("residual_sconv: halo and halo_seg must be given together, same length")
+    ext = torch.cat([halo, x])
+    ext_seg = torch.cat([halo_seg.to(seg.dtype), seg])
+    windows = sconv_windows(ext, ext_seg, width)[:, halo.shape[0] :]
+    return ops.sconv(windows, weight)
+
+
+def rel_logits_of(ops: type[FastOps], r: Tensor, rel_proj: Tensor) -> Tensor:
+    """``out[t, h, d] = r[t, h] . rel_proj[:, d]`` in fp32: ``r[T, heads, d_rel]``,
+    ``rel_proj[d_rel, extent]`` -> ``[T, heads, extent]``."""
+    return ops.linear(r, rel_proj.t())
+
+
+def attend_buffers(
+    ops: type[FastOps],
+    q: Tensor,
+    kbuf: Tensor,
+    vbuf: Tensor,
+    rows: Tensor,
+    pos: Tensor,
+    *,
+    scale: float,
+    window: int | None = None,
+    rel_logits: Tensor | None = None,
+) -> Tensor:
+    """Each query ``q[t]`` (``[T, heads, hd]``, position ``pos[t]``) over buffer row ``rows[t]``
+    of ``kbuf/vbuf[R, C, kv_heads, hd]`` (slot = key position). Returns ``[T, heads * hd]``.
+
+    Slot ``c`` is seen when ``c <= pos`` and (with a window) ``pos - c < window``; with
+    ``rel_logits[T, heads, E]`` the score gets ``rel_logits[t, h, pos - c]`` for
+    ``0 <= pos - c < E`` (0 elsewhere), added after scaling.
+    """
+    t, nh, hd = q.shape
+    cap, nkv = kbuf.shape[1], kbuf.shape[2]
+    group = nh // nkv
+    qg = q.reshape(t, nkv, group, hd)
+    slots = torch.arange(cap, device=q.device)
+    rel = None
+    if rel_logits is not None:
+        extent = rel_logits.shape[-1]
+        rel = torch.cat([rel_logits, rel_logits.new_zeros((t, nh, 1))], dim=-1)
+    step = max(1, _ATTN_CHUNK_ELEMENTS // (nh * cap * hd))
+    outs = []
+    for i in range(0, t, step):
+        r, p = rows[i : i + step], pos[i : i + step]
+        # Reduce over the first W = 2**ceil(log2(max pos + 1)) slots only: slots past the
+        # chunk's last position are masked, contribute exact zeros, and in the pairwise
+        # tree ``x + 0 == x``, so the bits equal those of the full-C reduction.
+        width = min(cap, 1 << int(p.max()).bit_length())
+        dist = p[:, None] - slots[None, :width]  # [t, W]
+        valid = dist >= 0
+        if window is not None:
+            valid = valid & (dist < window)
+        bias = None
+        if rel is not None:
+            idx = torch.where((dist >= 0) & (dist < extent), dist, extent)
+            n = p.shape[0]
+            bias = rel[i : i + step].gather(2, idx[:, None, :].expand(n, nh, width))
+            bias = bias.reshape(n, nkv, group, width)
+        outs.append(
+            ops.attention(qg[i : i + step], kbuf[r, :width], vbuf[r, :width], valid, scale, bias)
+        )
+    return torch.cat(outs).reshape(t, nh * hd)
+
+
+def attend(
+    ops: type[FastOps],
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    q_pos: Tensor,
+    q_seg: Tensor,
+    k_pos: Tensor,
+    k_seg: Tensor,
+    num_segments: int,
+    capacity: int,
+    scale: float,
+    window: int | None = None,
+    rel_logits: Tensor | None = None,
+) -> Tensor:
+    """Queries ``q[T, heads, hd]`` against keys/values ``k, v[S, kv_heads, hd]`` of any tokens
+    (local or gathered; see the module doc). Returns ``[T, heads * hd]``."""
+    shape = (num_segments, capacity, k.shape[1], k.shape[2])
+    kbuf = k.new_zeros(shape).index_put((k_seg, k_pos), k)
+    vbuf = v.new_zeros(shape).index_put((k_seg, k_pos), v)
+    return attend_buffers(
+        ops, q, kbuf, vbuf, q_seg, q_pos, scale=scale, window=window, rel_logits=rel_logits
+    )
+
+
+def causal_sdpa(q: Tensor, k: Tensor, v: Tensor, seg: Tensor, group: int, scale: float) -> Tensor:
+    """Fast-mode training attention without window or bias: torch SDPA per segment."""
+    outs = []
+    for s in torch.unique_consecutive(seg).tolist():
+        idx = (seg == s).nonzero().flatten()
+        qs = q[idx].transpose(0, 1)[None]  # [1, nh, L, hd]
+        ks = k[idx].repeat_interleave(group, dim=1).transpose(0, 1)[None]
+        vs = v[idx].repeat_interleave(group, dim=1).transpose(0, 1)[None]
+        o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale)
+        outs.append(o[0].transpose(0, 1).reshape(idx.shape[0], -1))
+    return torch.cat(outs)
+
+
+class TokenLayout:
+    """Where a forward's tokens sit; base of ``PackedLayout`` and ``CacheLayout``.
+
+    ``seg[T]`` / ``pos[T]``: each token's segment (or cache row slot in the call) and its
+    position within its sequence (RoPE and the attention masks use it).
+    """
+
+    def __init__(self, seg: Tensor, pos: Tensor) -> None:
+        self.seg = seg
+        self.pos = pos
+
+    def sconv(self, ops: type[FastOps], layer: int, site: str, x: Tensor, weight: Tensor) -> Tensor:
+        """The residual short convolution of ``x[T, C]`` at ``site`` of layer ``layer``."""
+        raise NotImplementedError
+
+    def attend(
+        self,
+        ops: type[FastOps],
+        layer: int,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        *,
+        scale: float,
+        window: int | None,
+        rel_logits: Tensor | None,
+    ) -> Tensor:
+        """Attention of this call's queries (RoPE applied); ``[T, heads * hd]``."""
+        raise NotImplementedError
+
+
+class PackedLayout(TokenLayout):
+    """Packed training segments: ``seg`` in ``[0, num_segments)``, positions restart per segment."""
+
+    def __init__(self, seg: Tensor, pos: Tensor, num_segments: int, capacity: int) -> None:
+        super().__init__(seg, pos)
+        self.num_segments = num_segments
+        self.capacity = capacity
+
+    def sconv(self, ops: type[FastOps], layer: int, site: str, x: Tensor, weight: Tensor) -> Tensor:
+        return residual_sconv(ops, x, self.seg, weight)
+
+    def attend(
+        self,
+        ops: type[FastOps],
+        layer: int,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        *,
+        scale: float,
+        window: int | None,
+        rel_logits: Tensor | None,
+    ) -> Tensor:
+        if ops is FastOps and window is None and rel_logits is None:
+            return causal_sdpa(q, k, v, self.seg, q.shape[1] // k.shape[1], scale)
+        return attend(
+            ops,
+            q,
+            k,
+            v,
+            q_pos=self.pos,
+            q_seg=self.seg,
+            k_pos=self.pos,
+            k_seg=self.seg,
+            num_segments=self.num_segments,
+            capacity=self.capacity,
+            scale=scale,
+            window=window,
+            rel_logits=rel_logits,
+        )
+
+
+class CacheLayout(TokenLayout):
+    """KV-cache decode: the tokens of ``rows[j]`` are contiguous (``sizes[j]`` of them), in order.
+
+    ``seg[t] = j`` (the row's slot in this call); attention reads and writes the cache's row
+    buffers, and each sconv site reads and then advances its per-row state.
+    """
+
+    def __init__(
+        self, cache: KVCache, rows: list[int], sizes: list[int], seg: Tensor, pos: Tensor
+    ) -> None:
+        super().__init__(seg, pos)
+        self.cache = cache
+        self.rows = rows
+        self.sizes = sizes
+        self.buf_row = torch.tensor(rows, dtype=torch.long, device=seg.device)[seg]
+
+    def sconv(self, ops: type[FastOps], layer: int, site: str, x: Tensor, weight: Tensor) -> Tensor:
+        state = self.cache.conv_state(layer, site)  # [num_rows, k-1, C]
+        keep = state.shape[1]
+        pieces, piece_seg, own = [], [], []
+        for j, (chunk, row) in enumerate(zip(torch.split(x, self.sizes), self.rows, strict=True)):
+            ext = torch.cat([state[row], chunk])
+            pieces.append(ext)
+            piece_seg.append(torch.full((ext.shape[0],), j, dtype=torch.long, device=x.device))
+            own.append(torch.arange(keep, ext.shape[0], device=x.device))
+            state[row] = ext[-keep:]
+        offsets = torch.tensor([0, *[p.shape[0] for p in pieces[:-1]]], device=x.device).cumsum(0)
+        take = torch.cat([o + off for o, off in zip(own, offsets.tolist(), strict=True)])
+        windows = sconv_windows(torch.cat(pieces), torch.cat(piece_seg), weight.shape[1])
+        return ops.sconv(windows[:, take], weight)
+
+    def attend(
+        self,
+        ops: type[FastOps],
+        layer: int,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        *,
+        scale: float,
+        window: int | None,
+        rel_logits: Tensor | None,
+    ) -> Tensor:
+        kbuf, vbuf = self.cache.keys[layer], self.cache.values[layer]
+        kbuf[self.buf_row, self.pos] = k
+        vbuf[self.buf_row, self.pos] = v
+        return attend_buffers(
+            ops,
+            q,
+            kbuf,
+            vbuf,
+            self.buf_row,
+            self.pos,
+            scale=scale,
+            window=window,
+            rel_logits=rel_logits,
+        )
