@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import ast
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -21,6 +23,7 @@ from markdown_blocks import ROOT, Block, parse_blocks, run_block, workspace_env
 pytestmark = [pytest.mark.slow, pytest.mark.multiproc]
 
 GUIDE = ROOT / "docs" / "compose.md"
+RUFF = Path(sys.executable).with_name("ruff")
 OURS = ("posttrain.local_engine", "posttrain.session_router", "posttrain.opd")
 
 
@@ -46,6 +49,13 @@ def test_the_example_brings_its_own_engine() -> None:
     assert not leaning, f"{block.id} imports {sorted(leaning)}: the engine must be its own"
     classes = {n.name for n in ast.walk(ast.parse(block.code)) if isinstance(n, ast.ClassDef)}
     assert {"TransformersEngine", "DigitReward"} <= classes
+    # The guide's code is held to the project's style, like the code it shows.
+    for check in (["check"], ["format", "--check"]):
+        done = subprocess.run(
+            [str(RUFF), *check, "--stdin-filename", "integration_tests/compose_example.py", "-"],
+            input=block.code, capture_output=True, text=True, cwd=ROOT, timeout=60, check=False,
+        )  # fmt: skip
+        assert done.returncode == 0, f"{block.id}: ruff {' '.join(check)}:\n{done.stdout}"
 
 
 @pytest.mark.timeout(600)
