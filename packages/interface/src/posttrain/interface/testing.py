@@ -12,7 +12,9 @@ Import it from tests only (``from posttrain.interface.testing import ServerProce
 - ``free_port``, ``run_workers``, ``stop_process_group`` and ``wait_until_ready`` are the
   runtime helpers of ``posttrain.interface.processes`` (one implementation), re-exported so a test
   imports its whole harness from here. ``run_workers`` forks ranks from the already-warm test
-  process by default, so a multi-process test does not pay torch's import once per rank.
+  process by default, so a multi-process test does not pay torch's import once per rank; ranks
+  with a ``backend`` need torch, which ``posttrain-interface`` does not require: the ``testing``
+  extra brings it and uvicorn.
 """
 
 from __future__ import annotations
