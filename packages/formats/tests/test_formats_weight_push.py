@@ -32,6 +32,7 @@ from posttrain.interface import (
     StaleVersionError,
     WeightSink,
     WeightUpdateBegin,
+    WeightUpdateResult,
 )
 
 
@@ -188,3 +189,43 @@ def test_a_push_over_http_leaves_the_clients_ring_alone_and_unused() -> None:
     assert routes[0] == "/update_weights_from_safetensors"
     assert set(routes[1:]) == {"/update_weights_from_shm"}
     assert all(torch.equal(receiver.staged[k], v) for k, v in weights.items())
+
+
+class InProcessSink:
+    """A ``WeightSink`` that is no HTTP client: a user's engine taking updates in process."""
+
+    def __init__(self) -> None:
+        self.header: WeightUpdateBegin | None = None
+        self.received: dict[str, torch.Tensor] = {}
+        self.buckets = 0
+
+    def begin(self, header: WeightUpdateBegin) -> None:
+        self.header = header
+
+    def send_bucket(self, manifest: Any, payload: bytes | bytearray | memoryview) -> None:
+        assert isinstance(payload, memoryview)  # the packed bytes, not a torch tensor
+        self.buckets += 1
+        for name, view in unpack_bucket(manifest, payload).items():
+            self.received[name] = view.clone()
+
+    def end(self, update_id: str) -> WeightUpdateResult:
+        assert self.header is not None
+        assert update_id == self.header.update_id
+        return WeightUpdateResult(success=True, weight_version=self.header.weight_version)
+
+    def abort(self, update_id: str) -> None:
+        raise AssertionError("a successful push never aborts")
+
+
+def test_any_weight_sink_takes_a_push_bucket_by_bucket() -> None:
+    sink, weights = InProcessSink(), _weights()
+    assert isinstance(sink, WeightSink)
+    result = push_weights(sink, weights, weight_version=7, bucket_bytes=512, with_sha256=True)
+    assert result.success
+    assert result.weight_version == 7
+    assert sink.buckets >= 2  # "big" travels alone
+    assert sink.received.keys() == weights.keys()
+    for name, tensor in weights.items():
+        assert torch.equal(sink.received[name], tensor), name
+    with pytest.raises(FormatsConfigError, match="transport='shm' needs a WeightPushClient"):
+        push_weights(InProcessSink(), weights, weight_version=8, transport="shm")

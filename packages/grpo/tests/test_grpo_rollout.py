@@ -7,17 +7,20 @@ and inject a failing reply.
 
 from __future__ import annotations
 
+import asyncio
 import json
+from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
 from posttrain.formats import encode_samples
-from posttrain.grpo import GrpoRunError
+from posttrain.grpo import GrpoConfig, GrpoConfigError, GrpoRunError
+from posttrain.grpo.loop import run
 from posttrain.grpo.rewards import Prompt
 from posttrain.grpo.rollout import RolloutSettings, run_rollout, sampling_seed
-from posttrain.interface import Sample, SampleStatus
+from posttrain.interface import RolloutEngine, Sample, SampleStatus
 
 
 class FakeSessions:
@@ -155,3 +158,61 @@ def test_a_turn_past_the_deadline_is_an_aborted_sample_in_its_place() -> None:
     with pytest.raises(GrpoRunError, match="answered 504"):
         run_rollout(_settings(), PROMPTS, step=0,
                     transport=httpx.MockTransport(FakeSessions(time_out=frozenset({"s1"}))))  # fmt: skip
+
+
+class OwnEngine:
+    """A rollout engine that is not ours: speaks ``posttrain.interface.RolloutEngine`` in process."""
+
+    def __init__(self, *, fail_on: int | None = None, hang: bool = False) -> None:
+        self.calls: list[tuple[str, dict[str, Any], int | None]] = []
+        self.fail_on, self.hang = fail_on, hang
+
+    async def rollout(
+        self,
+        messages: Any,
+        *,
+        sampling_params: Any = None,
+        weight_version: int | None = None,
+    ) -> Sample:
+        self.calls.append((messages[0]["content"], dict(sampling_params), weight_version))
+        if self.hang:
+            await asyncio.sleep(3600)
+        if self.fail_on is not None and len(self.calls) == self.fail_on:
+            raise RuntimeError("out of memory")
+        return Sample(prompt_ids=[2], response_ids=[7], rollout_logprobs=[-0.1], loss_mask=[1],
+                      weight_version=weight_version)  # fmt: skip
+
+
+def test_a_foreign_engine_rolls_out_through_the_protocol() -> None:
+    engine = OwnEngine()
+    assert isinstance(engine, RolloutEngine)
+    samples = run_rollout(_settings(weight_version=5), PROMPTS, step=2, engine=engine)
+    assert [(s.group_index, s.index) for s in samples] == [(g, g * 3 + j) for g in (0, 1)
+                                                           for j in range(3)]  # fmt: skip
+    # The prompt's metadata (what the reward reads) is on the sample; the engine never saw it.
+    assert [s.metadata for s in samples] == [
+        {"answer": str(p.index + 1), "prompt_index": p.index} for p in PROMPTS for _ in range(3)
+    ]
+    seeds = sorted(params["seed"] for _, params, _ in engine.calls)
+    assert seeds == sorted(sampling_seed(7, 2, p.index, j) for p in PROMPTS for j in range(3))
+    assert {(params["max_tokens"], params["logprobs"], v) for _, params, v in engine.calls} == {
+        (4, True, 5)
+    }
+
+
+def test_a_foreign_engine_failure_or_hang_is_a_named_run_error() -> None:
+    with pytest.raises(GrpoRunError, match=r"engine OwnEngine for prompt \d+ sample \d+: "
+                       r"RuntimeError: out of memory"):  # fmt: skip
+        run_rollout(_settings(), PROMPTS, step=0, engine=OwnEngine(fail_on=2))
+    with pytest.raises(GrpoRunError, match=r"no sample within 0.2 s"):
+        run_rollout(_settings(timeout_s=0.2), PROMPTS, step=0, engine=OwnEngine(hang=True))
+
+
+def test_run_refuses_plugged_parts_that_do_not_speak_the_protocols(tmp_path: Path) -> None:
+    cfg = GrpoConfig(model_path=tmp_path, replicate=1, shard=1)
+    with pytest.raises(GrpoConfigError, match="engine is a str, which has no async rollout"):
+        run(cfg, engine="http://engine")  # type: ignore[arg-type]
+    with pytest.raises(GrpoConfigError, match=r"weight_sinks\[0\] is a OwnEngine"):
+        run(cfg, engine=OwnEngine(), weight_sinks=[OwnEngine()])  # type: ignore[list-item]
+    with pytest.raises(GrpoConfigError, match=r"engine_urls \(or weight_sinks\) is required"):
+        run(cfg, engine=OwnEngine())

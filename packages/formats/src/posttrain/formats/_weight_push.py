@@ -10,6 +10,8 @@ anything else ``EngineError`` naming the URL and status.
 ``push_weights`` sends a whole update: it packs named tensors greedily, in order, into buckets of
 at most ``bucket_bytes`` (aligned offsets, so mixed dtypes share a bucket; a tensor larger than
 the cap travels alone), opens the update with the full expected list, sends each bucket and ends.
+It takes any ``WeightSink`` (a user's own engine in process, say): such a sink gets each bucket's
+packed bytes through ``send_bucket``; only ``WeightPushClient`` can send through shared memory.
 
 Shared memory is a two-slot ring in one file under ``/dev/shm``, mapped once: bucket k is packed
 straight into slot ``k % 2`` (one copy), and a slot is reused only after the engine's reply for
@@ -44,6 +46,7 @@ from posttrain.interface import (
     IncompleteUpdateError,
     ShmBucketRequest,
     StaleVersionError,
+    WeightSink,
     WeightUpdateBegin,
     WeightUpdateResult,
 )
@@ -206,7 +209,7 @@ class WeightPushClient:
 
 
 def push_weights(
-    client: WeightPushClient,
+    client: WeightSink,
     tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
     *,
     weight_version: int,
@@ -222,10 +225,15 @@ def push_weights(
     """Send a full update; returns the engine's result (success, or it raised).
 
     With ``transport="shm"`` the buckets go through ``ring`` (or the client's, or a ring of two
-    slots sized to the largest bucket, made here and unlinked at the end).
+    slots sized to the largest bucket, made here and unlinked at the end). ``client`` may be any
+    ``WeightSink``; one that is not a ``WeightPushClient`` gets each bucket's packed bytes.
     """
     if bucket_bytes <= 0:
         raise FormatsConfigError(f"bucket_bytes must be > 0, got {bucket_bytes}")
+    if transport == "shm" and not isinstance(client, WeightPushClient):
+        raise FormatsConfigError(
+            f"transport='shm' needs a WeightPushClient, got {type(client).__name__}"
+        )
     items = list(tensors.items()) if isinstance(tensors, Mapping) else list(tensors)
     uid = update_id or uuid.uuid4().hex
     client.begin(
@@ -241,6 +249,7 @@ def push_weights(
     groups = plan_buckets(items, bucket_bytes)
     own_ring = None
     if transport == "shm":
+        assert isinstance(client, WeightPushClient)  # checked before begin
         ring = ring or client.ring
         if ring is None:
             biggest = max([1, *(bucket_layout(g)[1] for g in groups)])
@@ -259,7 +268,10 @@ def push_weights(
                 with_sha256=with_sha256,
                 out=None if ring is None else ring.slot(k % 2),
             )
-            client._send(manifest, payload, ring)  # the client's own ring is left as it was
+            if isinstance(client, WeightPushClient):
+                client._send(manifest, payload, ring)  # the client's own ring is left as it was
+            else:  # any other WeightSink: the bucket's packed bytes
+                client.send_bucket(manifest, payload.numpy().data)
         return client.end(uid)
     finally:
         if own_ring is not None:

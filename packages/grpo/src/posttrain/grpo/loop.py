@@ -29,6 +29,13 @@ Faults a cluster sees (integration_tests/test_integration_engine_faults.py):
   others' baseline with a reward nobody earned.) ``aborted_samples`` counts them per step, a
   warning names them; a step where every sample aborted fails with a named error.
 
+A pipeline of one's own plugs in through the interface Protocols, not our concrete classes:
+``run(config, task=Task(...), engine=..., weight_sinks=[...])`` takes the prompts and the
+``RewardFunction`` from ``task``, rolls out through ``engine`` (a ``RolloutEngine``) instead of
+the session router at ``rollout_url``, and pushes every update to each ``WeightSink`` as well
+as to ``engine_urls`` (docs/compose.md). They are used by rank 0; when ``run`` forks the ranks
+itself, rank 0 works on the forked copy of them.
+
 Where it departs from textbook GRPO (Shao et al.): one optimizer step per rollout batch (so the
 PPO ratio starts at exactly 1), sequence-mean-token-mean loss aggregation by default (miles),
 and the trainer's recompute of the rollout tokens is the "old" policy, checked against the
@@ -46,6 +53,7 @@ import math
 import os
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -59,33 +67,67 @@ from posttrain.grpo._errors import GrpoConfigError, GrpoRunError
 from posttrain.grpo.advantages import group_normalized_advantages
 from posttrain.grpo.config import GrpoConfig
 from posttrain.grpo.metrics import MetricsLog, write_report
-from posttrain.grpo.rewards import PromptStream, build_task
+from posttrain.grpo.rewards import PromptStream, Task, build_task
 from posttrain.grpo.rollout import RolloutSettings, run_rollout
 from posttrain.grpo.sync import SyncResult, SyncTarget, engine_weight_version, sync_weights
 from posttrain.grpo.trainer import TrainSample, build_policy, train_step
-from posttrain.interface import Sample, SampleStatus, WorkerError
+from posttrain.interface import RolloutEngine, Sample, SampleStatus, WeightSink, WorkerError
 from posttrain.interface.processes import free_port, run_workers
 
 _log = logging.getLogger("posttrain.grpo")
 
 
-def run(config: GrpoConfig) -> dict[str, Any] | None:
-    """Run a GRPO job; returns the summary on rank 0 (None elsewhere)."""
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Plugged:
+    """What a caller plugs into the loop in place of the config's own (see the docstring)."""
+
+    task: Task | None = None
+    engine: RolloutEngine | None = None
+    weight_sinks: tuple[WeightSink, ...] = field(default_factory=tuple)
+
+
+def run(
+    config: GrpoConfig,
+    *,
+    task: Task | None = None,
+    engine: RolloutEngine | None = None,
+    weight_sinks: Sequence[WeightSink] = (),
+) -> dict[str, Any] | None:
+    """Run a GRPO job; returns the summary on rank 0 (None elsewhere).
+
+    ``task`` (prompts and reward), ``engine`` and ``weight_sinks`` replace the config's task,
+    session router and (alongside ``engine_urls``) engines; see the module docstring.
+    """
     if config.dry_run:
         return {"dry_run": True, "config": config.to_dict()}
-    _check_runnable(config)
+    plugged = Plugged(task=task, engine=engine, weight_sinks=tuple(weight_sinks))
+    _check_runnable(config, plugged)
     if "RANK" in os.environ or config.world_size == 1:
-        return _run_rank(config)
-    return _spawn_ranks(config)
+        return _run_rank(config, plugged)
+    return _spawn_ranks(config, plugged)
 
 
-def _check_runnable(cfg: GrpoConfig) -> None:
+def _check_runnable(cfg: GrpoConfig, plugged: Plugged) -> None:
     if cfg.model_path is None:
         raise GrpoConfigError("model_path is required to train (--model-path)")
-    if cfg.rollout_url is None:
+    if engine := plugged.engine:
+        if not isinstance(engine, RolloutEngine):
+            raise GrpoConfigError(
+                f"engine is a {type(engine).__name__}, which has no async rollout() "
+                "(posttrain.interface.RolloutEngine)"
+            )
+    elif cfg.rollout_url is None:
         raise GrpoConfigError("rollout_url is required: the session router rollouts go through")
-    if not cfg.engine_urls:
-        raise GrpoConfigError("engine_urls is required: the engines weight updates go to")
+    for k, sink in enumerate(plugged.weight_sinks):
+        if not isinstance(sink, WeightSink):
+            raise GrpoConfigError(
+                f"weight_sinks[{k}] is a {type(sink).__name__}, not a "
+                "posttrain.interface.WeightSink (begin, send_bucket, end, abort)"
+            )
+    if not cfg.engine_urls and not plugged.weight_sinks:
+        raise GrpoConfigError(
+            "engine_urls (or weight_sinks) is required: the engines weight updates go to"
+        )
     if cfg.opd and cfg.teacher_url is None:
         raise GrpoConfigError(
             "opd needs teacher_url (--teacher-url); `posttrain grpo --opd` starts a local teacher"
@@ -95,21 +137,21 @@ def _check_runnable(cfg: GrpoConfig) -> None:
 # --------------------------------------------------------------------------- one rank
 
 
-def _run_rank(cfg: GrpoConfig) -> dict[str, Any] | None:
+def _run_rank(cfg: GrpoConfig, plugged: Plugged) -> dict[str, Any] | None:
     _init_process_group(cfg)
     torch.set_num_threads(int(os.environ.get("POSTTRAIN_TRAINER_THREADS", "1")))
     try:
-        return _train(cfg)
+        return _train(cfg, plugged)
     finally:
         dist.destroy_process_group()
 
 
-def _train(cfg: GrpoConfig) -> dict[str, Any] | None:
+def _train(cfg: GrpoConfig, plugged: Plugged) -> dict[str, Any] | None:
     rank, world = dist.get_rank(), dist.get_world_size()
     lead = rank == 0
     policy = build_policy(cfg)
     # Only rank 0 rolls out and scores: the tokenizer, task and prompt stream live there.
-    task = build_task(cfg.task, _decoder(cfg)) if lead else None
+    task = (plugged.task or build_task(cfg.task, _decoder(cfg))) if lead else None
     stream = PromptStream(task.prompts, seed=cfg.seed) if task is not None else None
     out = Path(cfg.out_dir)
     ckpt_root = out / "checkpoints"
@@ -126,6 +168,7 @@ def _train(cfg: GrpoConfig) -> dict[str, Any] | None:
     target = SyncTarget(
         engine_urls=tuple(cfg.engine_urls), lora_name=cfg.lora_name,
         rollout_quant=cfg.rollout_quant, timeout_s=cfg.rollout_timeout_s, api_key=api_key,
+        sinks=plugged.weight_sinks,
     )  # fmt: skip
     version = _broadcast(_first_version(target) if lead else 0)
     if isinstance(version, str):
@@ -138,7 +181,9 @@ def _train(cfg: GrpoConfig) -> dict[str, Any] | None:
         for step in range(start, cfg.steps):
             t_step = time.perf_counter()
             batch = (
-                _rollout_and_score(cfg, task, stream, step, version, api_key, opd_mode)
+                _rollout_and_score(
+                    cfg, task, stream, step, version, api_key, opd_mode, plugged.engine
+                )
                 if task is not None and stream is not None
                 else None
             )
@@ -189,6 +234,7 @@ def _rollout_and_score(
     version: int,
     api_key: str | None,
     opd_mode: dict[str, bool],
+    engine: RolloutEngine | None = None,
 ) -> dict[str, Any] | str:
     """Rank 0: the step's samples, rewards, advantages and stats, or an error message."""
     try:
@@ -196,7 +242,7 @@ def _rollout_and_score(
         t0 = time.perf_counter()
         prompts = stream.take(cfg.prompts_per_step)
         settings = RolloutSettings(
-            url=str(cfg.rollout_url),
+            url=str(cfg.rollout_url or ""),
             samples_per_prompt=cfg.samples_per_prompt,
             max_new_tokens=cfg.max_new_tokens,
             temperature=cfg.temperature,
@@ -207,7 +253,7 @@ def _rollout_and_score(
             turn_timeout_s=min(cfg.turn_timeout_s, cfg.rollout_timeout_s),
             api_key=api_key,
         )
-        samples = run_rollout(settings, prompts, step=step)
+        samples = run_rollout(settings, prompts, step=step, engine=engine)
         times["rollout"] = time.perf_counter() - t0
         samples, aborted = _drop_aborted(samples, step)
         t0 = time.perf_counter()
@@ -418,11 +464,11 @@ def _init_process_group(cfg: GrpoConfig) -> None:
     dist.init_process_group("gloo", timeout=timedelta(seconds=_collective_timeout_s(cfg)))
 
 
-def _rank(rank: int, world: int, cfg: GrpoConfig) -> dict[str, Any] | None:
-    return _run_rank(cfg)
+def _rank(rank: int, world: int, cfg: GrpoConfig, plugged: Plugged) -> dict[str, Any] | None:
+    return _run_rank(cfg, plugged)
 
 
-def _spawn_ranks(cfg: GrpoConfig) -> dict[str, Any] | None:
+def _spawn_ranks(cfg: GrpoConfig, plugged: Plugged) -> dict[str, Any] | None:
     """Fork ``world_size`` local gloo ranks with interface's ``run_workers`` (torch is already
     imported: each starts in a moment); rank 0's summary, or the first failure as a run error."""
     cfg.check_supported()  # before forking; each rank checks its WORLD_SIZE too
@@ -430,7 +476,7 @@ def _spawn_ranks(cfg: GrpoConfig) -> dict[str, Any] | None:
         results = run_workers(
             _rank,
             cfg.world_size,
-            args=(cfg,),
+            args=(cfg, plugged),
             backend="gloo",
             timeout_s=_run_budget_s(cfg),
             collective_timeout_s=_collective_timeout_s(cfg),

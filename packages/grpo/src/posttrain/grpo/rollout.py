@@ -18,6 +18,11 @@ Every request is bounded: a finite timeout per HTTP call and at most ``concurren
 in flight. A turn with no reply within ``turn_timeout_s`` (an engine that froze) comes back as a
 sample with status ``aborted`` and no tokens (``SessionRolloutClient``); the loop leaves it out
 of the step. Any other failure of a sample fails the rollout.
+
+``engine_rollout`` draws the same samples from any ``RolloutEngine`` (the interface Protocol: a
+user's own engine, in process): the same seeds and sampling fields, the same bounds (a deadline
+per sample, at most ``concurrency`` in flight). The Protocol carries no metadata, so the prompt's
+metadata (what the reward reads) and its index are set on the returned sample here.
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ import httpx
 
 from posttrain.grpo._errors import GrpoRunError
 from posttrain.grpo.rewards import Prompt
-from posttrain.interface import PosttrainError, Sample
+from posttrain.interface import PosttrainError, RolloutEngine, Sample
 from posttrain.session_router import SessionRolloutClient
 
 
@@ -82,18 +87,10 @@ async def rollout(
     ) as client:
 
         async def one(prompt: Prompt, group: int, sample: int) -> Sample:
-            params: dict[str, Any] = {
-                "max_tokens": settings.max_new_tokens,
-                "temperature": settings.temperature,
-                "seed": sampling_seed(settings.seed, step, prompt.index, sample),
-                "logprobs": True,
-            }
-            if settings.top_logprobs:
-                params["top_logprobs"] = settings.top_logprobs
             try:
                 out = await client.rollout(
                     prompt.messages,
-                    sampling_params=params,
+                    sampling_params=_sampling_params(settings, step, prompt, sample),
                     weight_version=settings.weight_version,
                     metadata={**prompt.metadata, "prompt_index": prompt.index},
                 )
@@ -114,12 +111,72 @@ async def rollout(
         return list(await asyncio.gather(*jobs))
 
 
+def _sampling_params(
+    settings: RolloutSettings, step: int, prompt: Prompt, sample: int
+) -> dict[str, Any]:
+    params: dict[str, Any] = {
+        "max_tokens": settings.max_new_tokens,
+        "temperature": settings.temperature,
+        "seed": sampling_seed(settings.seed, step, prompt.index, sample),
+        "logprobs": True,
+    }
+    if settings.top_logprobs:
+        params["top_logprobs"] = settings.top_logprobs
+    return params
+
+
+async def engine_rollout(
+    engine: RolloutEngine,
+    settings: RolloutSettings,
+    prompts: Sequence[Prompt],
+    *,
+    step: int,
+) -> list[Sample]:
+    """``samples_per_prompt`` samples per prompt from ``engine``, in (prompt, sample) order."""
+    gate = asyncio.Semaphore(settings.concurrency)
+    name = type(engine).__name__
+
+    async def one(prompt: Prompt, group: int, sample: int) -> Sample:
+        where = f"rollout: engine {name} for prompt {prompt.index} sample {sample}"
+        async with gate:
+            try:
+                out = await asyncio.wait_for(
+                    engine.rollout(
+                        prompt.messages,
+                        sampling_params=_sampling_params(settings, step, prompt, sample),
+                        weight_version=settings.weight_version,
+                    ),
+                    timeout=settings.timeout_s,
+                )
+            except TimeoutError as exc:
+                raise GrpoRunError(f"{where}: no sample within {settings.timeout_s} s") from exc
+            except Exception as exc:  # a user's engine may raise anything: name where it did
+                raise GrpoRunError(f"{where}: {type(exc).__name__}: {exc}") from exc
+        if not isinstance(out, Sample):
+            raise GrpoRunError(f"{where}: returned {type(out).__name__}, not a Sample")
+        out.metadata = {**out.metadata, **prompt.metadata, "prompt_index": prompt.index}
+        out.group_index = group
+        out.index = group * settings.samples_per_prompt + sample
+        return out
+
+    jobs = [
+        one(prompt, g, j)
+        for g, prompt in enumerate(prompts)
+        for j in range(settings.samples_per_prompt)
+    ]
+    return list(await asyncio.gather(*jobs))
+
+
 def run_rollout(
     settings: RolloutSettings,
     prompts: Sequence[Prompt],
     *,
     step: int,
     transport: httpx.AsyncBaseTransport | None = None,
+    engine: RolloutEngine | None = None,
 ) -> list[Sample]:
-    """``rollout`` from synchronous code (one event loop per step)."""
+    """``rollout`` (or, given ``engine``, ``engine_rollout``) from synchronous code (one event
+    loop per step)."""
+    if engine is not None:
+        return asyncio.run(engine_rollout(engine, settings, prompts, step=step))
     return asyncio.run(rollout(settings, prompts, step=step, transport=transport))

@@ -26,6 +26,10 @@ deregister it from the router (``posttrain up``'s operator) or restart the run. 
 failure (a refused adapter, a checksum mismatch, a stale version) still fails the step, and so
 does losing every engine.
 
+Besides engine URLs, a ``SyncTarget`` may hold in-process ``WeightSink``s (the interface
+Protocol: a user's own engine): each gets the same update through ``push_weights``, the adapter
+as a ``kind="lora"`` update named ``lora_name`` with its PEFT config, full weights as ``base``.
+
 Departure from a colocated GPU sync: no CUDA IPC and no pause/flush here, because the loop
 never syncs while a rollout is in flight (a step's rollouts finish before training starts).
 """
@@ -44,7 +48,7 @@ from posttrain.formats import WeightPushClient, dequantize_nvfp4_state_dict, pus
 from posttrain.fsdp_mesh import iter_full_state_dict
 from posttrain.grpo._errors import GrpoRunError
 from posttrain.grpo.trainer import Policy
-from posttrain.interface import parse_weight_version
+from posttrain.interface import WeightSink, parse_weight_version
 from posttrain.lora import AdapterClient, export_adapter
 from posttrain.models import to_hf_state_dict
 from posttrain.quant_convert import QuantPolicy, quantize_named_params
@@ -52,7 +56,8 @@ from posttrain.quant_convert import QuantPolicy, quantize_named_params
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class SyncTarget:
-    """The engines to update, the adapter name they serve, and how to reach them."""
+    """The engines to update (by URL, or in-process ``sinks``), the adapter name they serve, and
+    how to reach them."""
 
     engine_urls: tuple[str, ...]
     lora_name: str = "policy"
@@ -60,6 +65,7 @@ class SyncTarget:
     timeout_s: float = 120.0
     transport: httpx.BaseTransport | None = None
     api_key: str | None = None  # the engines' bearer token for their weight routes
+    sinks: tuple[WeightSink, ...] = field(default_factory=tuple)
 
 
 def engine_weight_version(
@@ -156,9 +162,12 @@ def sync_weights(policy: Policy, target: SyncTarget, version: int) -> SyncResult
         outcome[1] = float(sum(t.numel() * t.element_size() for t in tensors.values()))
         try:
             outcome[2] = push_each(target.engine_urls, push)
+            for sink in target.sinks:
+                _push_to_sink(sink, policy, target, tensors, version)
         except Exception as exc:  # reported to every rank below, so none waits forever
+            where = [*target.engine_urls, *(type(s).__name__ for s in target.sinks)]
             outcome[0] = str(exc) if isinstance(exc, GrpoRunError) else (
-                f"weight sync to {target.engine_urls}: {type(exc).__name__}: {exc}"
+                f"weight sync to {where}: {type(exc).__name__}: {exc}"
             )  # fmt: skip
     dist.broadcast_object_list(outcome, src=0)
     if outcome[0] is not None:
@@ -168,6 +177,26 @@ def sync_weights(policy: Policy, target: SyncTarget, version: int) -> SyncResult
         metrics={"sync_bytes": float(outcome[1]), "sync_engines_lost": float(len(lost))},
         lost=lost,
     )
+
+
+def _push_to_sink(
+    sink: WeightSink,
+    policy: Policy,
+    target: SyncTarget,
+    tensors: dict[str, torch.Tensor],
+    version: int,
+) -> None:
+    if policy.lora is None:
+        result = push_weights(sink, tensors, weight_version=version, with_sha256=True)
+    else:
+        assert policy.lora_config is not None
+        config = policy.lora_config.peft_config(policy.target_modules)
+        result = push_weights(
+            sink, tensors, weight_version=version, kind="lora", lora_name=target.lora_name,
+            lora_config=config, with_sha256=True,
+        )  # fmt: skip
+    if not result.success:
+        raise GrpoRunError(f"{type(sink).__name__} refused version {version}: {result.message}")
 
 
 def _engine_tensors(

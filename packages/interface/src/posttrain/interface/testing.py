@@ -7,11 +7,14 @@ Import it from tests only (``from posttrain.interface.testing import ServerProce
   process (and its process group) by pid; its log tail is in the error when it fails to start.
 - ``AppServer`` serves an ASGI app with uvicorn from a thread of this process on a loopback
   port (a real socket and real HTTP, without a second torch import); it is ready once uvicorn
-  has started. It needs uvicorn installed (imported when a server is built).
+  has started. It needs uvicorn (imported when a server is built): the ``testing`` extra,
+  ``pip install './packages/interface[testing]'``.
 - ``free_port``, ``run_workers``, ``stop_process_group`` and ``wait_until_ready`` are the
   runtime helpers of ``posttrain.interface.processes`` (one implementation), re-exported so a test
   imports its whole harness from here. ``run_workers`` forks ranks from the already-warm test
-  process by default, so a multi-process test does not pay torch's import once per rank.
+  process by default, so a multi-process test does not pay torch's import once per rank; ranks
+  with a ``backend`` need torch, which ``posttrain-interface`` does not require: the ``testing``
+  extra brings it and uvicorn.
 """
 
 from __future__ import annotations
