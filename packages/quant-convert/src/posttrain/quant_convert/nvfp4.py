@@ -125,8 +125,10 @@ def _check(w: torch.Tensor, name: str, allow_3d: bool) -> None:
 
 
 def _absmax(x: torch.Tensor, dim: int) -> torch.Tensor:
-    # two reductions instead of materialising |x|; NaN propagates through both
-    return torch.maximum(x.amax(dim=dim), -x.amin(dim=dim))
+    # two reductions instead of materialising |x|; NaN propagates through both. The abs turns
+    # the -0.0 of a block of (negative) zeros into +0.0, as TE's amax(|x|) gives: its scale
+    # byte is then 0x00, not 0x80, and an all-(-0.0) tensor keeps a positive S_enc
+    return torch.maximum(x.amax(dim=dim), -x.amin(dim=dim)).abs()
 
 
 def _check_finite(amax: torch.Tensor, name: str, w: torch.Tensor) -> None:
