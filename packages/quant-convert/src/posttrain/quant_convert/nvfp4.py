@@ -17,6 +17,11 @@ obvious (and from ModelOpt/torchao):
   +-7 but still decode to 0 (kept for bit parity with TE);
 * NaN/Inf raise (TE would saturate Inf silently); rows are never padded.
 
+On CUDA tensors the fused Triton kernels of ``_nvfp4_triton`` run instead (one amax pass,
+one quantize pass; Triton is imported only then), bit-identical to this code on the CPU;
+``backend="torch"`` forces the pure-torch path anywhere (CUDA torch divides by a Python
+scalar through its reciprocal, so the 4-over-6 and te-divide paths here divide by a tensor).
+
 Rounding to E2M1 uses the branch-free form ``round(2a)`` (a<2), ``2+round(a)`` (a<4),
 ``4+round(a/2)`` (else) with half-even ``torch.round``: the same codes as a table of
 midpoints with ties to the even code, about twice as fast on CPU.
@@ -43,6 +48,7 @@ __all__ = [
 
 ScaleRounding = Literal["te-multiplier", "te-divide"]
 FourOverSixMode = Literal["off", "mae", "mse"]
+Backend = Literal["auto", "torch", "triton"]
 
 FLT_MAX = float(torch.finfo(torch.float32).max)
 E4M3_MAX = 448.0
@@ -190,15 +196,17 @@ def _quantize_rows(
     blocks = x.reshape(x.shape[0], -1, GROUP_SIZE)
     v = _absmax(blocks, dim=-1)
     _check_finite(v, name, x)
+    # a tensor divisor: CUDA torch turns "/ 6.0" into a multiply by fp32(1/6), not a division
+    six = torch.tensor(6.0, dtype=torch.float32, device=x.device)
     if cfg.four_over_six == "off":
         if cfg.scale_rounding == "te-multiplier":
             mult = s_enc * torch.tensor(1.0 / 6.0, dtype=torch.float32, device=x.device)
             s = _e4m3(v * mult)
         else:
-            s = _e4m3((v / 6.0) * s_enc)
+            s = _e4m3((v / six) * s_enc)
         codes = _encode(blocks, s.to(torch.float32), ws2)
         return codes.reshape(x.shape), s
-    base = (v / 6.0) * s_enc
+    base = (v / six) * s_enc
     s6 = _e4m3(base)
     s4 = _e4m3(base * 1.5)
     denom = torch.tensor(6.0 * cfg.emax, dtype=torch.float32, device=x.device)
@@ -236,6 +244,61 @@ def _quantize_2d(
     return packed, scale, ws2
 
 
+def _use_triton(device: torch.device, backend: Backend) -> bool:
+    if backend not in ("auto", "torch", "triton"):
+        from posttrain.interface import ConfigError
+
+        raise ConfigError(f"backend={backend!r}: use auto, torch or triton")
+    return backend == "triton" or (backend == "auto" and device.type == "cuda")
+
+
+def _resolve_cfg(cfg: NVFP4Config | NVFP4Precision | None) -> NVFP4Config:
+    if isinstance(cfg, NVFP4Precision):
+        cfg = NVFP4Config.from_precision(cfg)
+    return cfg or NVFP4Config()
+
+
+def _raise_non_finite(name: str, w: torch.Tensor) -> None:
+    bad = "NaN" if bool(torch.isnan(w).any()) else "Inf"
+    raise QuantInputError(f"{name}: contains {bad}; NVFP4 needs finite weights")
+
+
+def _triton_amax(tensors: list[torch.Tensor], matrices: int) -> torch.Tensor:
+    """max|t| per matrix (``[matrices]`` fp32), folded over ``tensors`` (all ``[matrices, ...]``
+    or 2-D with ``matrices == 1``): one read of each, no sync."""
+    from posttrain.quant_convert import _nvfp4_triton as kernels
+
+    dev = tensors[0].device
+    bits = torch.zeros(matrices, dtype=torch.int32, device=dev)
+    slots = torch.arange(matrices, dtype=torch.int32, device=dev)
+    for t in tensors:
+        kernels.amax_into(t.contiguous().reshape(matrices, -1), bits, slots)
+    return bits.view(torch.float32)
+
+
+def _quantize_triton(
+    weight: torch.Tensor, amax: torch.Tensor, cfg: NVFP4Config, name: str
+) -> NVFP4Tensor:
+    """The fused-kernel path; ``amax`` is 0-d (2-D weight) or ``[E]`` (3-D), on the device."""
+    from posttrain.quant_convert import _nvfp4_triton as kernels
+
+    is_3d = weight.dim() == 3
+    x = weight.contiguous()
+    x3 = x if is_3d else x.unsqueeze(0)
+    mats = x3.shape[0]
+    amax = amax.to(device=x.device, dtype=torch.float32).reshape(-1).expand(mats).contiguous()
+    slots = torch.arange(mats, dtype=torch.int32, device=x.device)
+    packed, scale, ws2, flag = kernels.quantize_matrices(
+        x3, amax, slots, four_over_six=cfg.four_over_six,
+        scale_rounding=cfg.scale_rounding, emax=cfg.emax,
+    )  # fmt: skip
+    if int(flag.item()):
+        _raise_non_finite(name, weight)
+    if is_3d:
+        return NVFP4Tensor(packed, scale, ws2)
+    return NVFP4Tensor(packed[0], scale[0], ws2[0])
+
+
 def quantize_nvfp4(
     weight: torch.Tensor,
     *,
@@ -243,18 +306,25 @@ def quantize_nvfp4(
     cfg: NVFP4Config | NVFP4Precision | None = None,
     name: str = "weight",
     allow_3d: bool = False,
+    backend: Backend = "auto",
 ) -> NVFP4Tensor:
     """Quantize a ``[N, K]`` (or, with ``allow_3d``, ``[E, N, K]``) weight to NVFP4.
 
     ``global_amax`` overrides max|weight| (a gate/up pair passes the max over both; 3-D takes
     one per expert, shape ``[E]``). Raises :class:`QuantInputError` naming ``name`` for NaN,
-    Inf, K not a multiple of 16, an unsupported dtype or rank.
+    Inf, K not a multiple of 16, an unsupported dtype or rank. ``backend``: ``auto`` runs the
+    fused Triton kernel on CUDA tensors and pure torch elsewhere (the same bytes either way).
     """
-    if isinstance(cfg, NVFP4Precision):
-        cfg = NVFP4Config.from_precision(cfg)
-    cfg = cfg or NVFP4Config()
+    cfg = _resolve_cfg(cfg)
     _check(weight, name, allow_3d)
     is_3d = weight.dim() == 3
+    if _use_triton(weight.device, backend):
+        if global_amax is None:
+            mats = weight.shape[0] if is_3d else 1
+            amax = _triton_amax([weight], mats)
+        else:
+            amax = torch.as_tensor(global_amax, dtype=torch.float32, device=weight.device)
+        return _quantize_triton(weight, amax, cfg, name)
     if global_amax is None:
         amax = _amax_of(weight, is_3d)
     else:
@@ -283,6 +353,7 @@ def quantize_nvfp4_pair(
     cfg: NVFP4Config | NVFP4Precision | None = None,
     names: tuple[str, str] = ("gate_proj.weight", "up_proj.weight"),
     allow_3d: bool = False,
+    backend: Backend = "auto",
 ) -> tuple[NVFP4Tensor, NVFP4Tensor]:
     """Quantize a gate/up pair with one shared global amax.
 
@@ -296,8 +367,19 @@ def quantize_nvfp4_pair(
             f"{names[0]} {tuple(gate.shape)} and {names[1]} {tuple(up.shape)} do not pair"
         )
     is_3d = gate.dim() == 3
-    amax = torch.maximum(_amax_of(gate, is_3d), _amax_of(up, is_3d))
+    if _use_triton(gate.device, backend):
+        if is_3d and gate.shape[0] != up.shape[0]:
+            raise QuantInputError(
+                f"{names[0]} {tuple(gate.shape)} and {names[1]} {tuple(up.shape)} do not pair"
+            )
+        amax = _triton_amax([gate, up], gate.shape[0] if is_3d else 1)  # one shared slot each
+        if not is_3d:
+            amax = amax[0]
+    else:
+        amax = torch.maximum(_amax_of(gate, is_3d), _amax_of(up, is_3d))
     return (
-        quantize_nvfp4(gate, global_amax=amax, cfg=cfg, name=names[0], allow_3d=allow_3d),
-        quantize_nvfp4(up, global_amax=amax, cfg=cfg, name=names[1], allow_3d=allow_3d),
-    )
+        quantize_nvfp4(gate, global_amax=amax, cfg=cfg, name=names[0], allow_3d=allow_3d,
+                       backend=backend),
+        quantize_nvfp4(up, global_amax=amax, cfg=cfg, name=names[1], allow_3d=allow_3d,
+                       backend=backend),
+    )  # fmt: skip
