@@ -27,6 +27,7 @@ from posttrain.quant_convert.nvfp4 import (
     NVFP4Config,
     NVFP4Tensor,
     quantize_nvfp4,
+    quantize_nvfp4_many,
     quantize_nvfp4_pair,
 )
 
@@ -130,8 +131,50 @@ def test_kernel_refuses_non_finite_naming_the_tensor(device: str, bad: float) ->
     w = torch.zeros(3, 32)
     w[2, 20] = bad
     kind = "NaN" if bad != bad else "Inf"
-    with pytest.raises(QuantInputError, match=f"experts.3.up_proj.weight: contains {kind}"):
+    with pytest.raises(QuantInputError, match=rf"experts\.3\.up_proj\.weight: contains {kind}"):
         quantize_nvfp4(w.to(device), name="experts.3.up_proj.weight", backend="triton")
     # a given global amax does not hide it: the kernel flags the block itself
     with pytest.raises(QuantInputError, match=kind):
         quantize_nvfp4(w.to(device), global_amax=1.0, backend="triton")
+
+
+@kernel_test
+def test_stacked_many_equals_one_by_one(device: str) -> None:
+    """The live path's stacked launches (several chunks, pairs sharing a slot, 3-D experts, a
+    pair of mismatched shapes) give each weight the bytes of its own CPU quantization."""
+    cfg = NVFP4Config(four_over_six="mse")
+    ws = {
+        "e0.gate": _hard_rows(7, 48, seed=3, dtype=torch.bfloat16),
+        "e0.up": _hard_rows(7, 48, seed=4, dtype=torch.bfloat16) * 8,
+        "e0.down": _hard_rows(6, 48, seed=5, dtype=torch.bfloat16),
+        "e1.gate": _hard_rows(7, 48, seed=6, dtype=torch.bfloat16) * 1e-3,
+        "e1.up": _hard_rows(7, 48, seed=7, dtype=torch.bfloat16),
+        "odd.gate": _hard_rows(6, 48, seed=8, dtype=torch.bfloat16),
+        "odd.up": _hard_rows(7, 48, seed=9, dtype=torch.bfloat16),
+        "stack.gate": torch.stack(
+            [_hard_rows(6, 48, seed=s, dtype=torch.bfloat16) for s in (1, 2)]
+        ),
+        "stack.up": torch.stack([_hard_rows(6, 48, seed=s, dtype=torch.bfloat16) for s in (3, 4)]),
+    }
+    partners = {}
+    for p in ("e0", "e1", "odd", "stack"):
+        partners[f"{p}.gate"], partners[f"{p}.up"] = f"{p}.up", f"{p}.gate"
+    got = quantize_nvfp4_many(
+        [(n, w.to(device)) for n, w in ws.items()], partners=partners, cfg=cfg,
+        backend="triton", chunk_bytes=2000,  # a pair of 7x48 bf16 per chunk
+    )  # fmt: skip
+    assert list(got) == list(ws)
+    for p in ("e0", "e1", "odd", "stack"):
+        ref_gate, ref_up = quantize_nvfp4_pair(
+            ws[f"{p}.gate"], ws[f"{p}.up"], cfg=cfg, allow_3d=True
+        )
+        _same(ref_gate, got[f"{p}.gate"])
+        _same(ref_up, got[f"{p}.up"])
+    _same(quantize_nvfp4(ws["e0.down"], cfg=cfg), got["e0.down"])
+    bad = ws["e1.up"].clone()
+    bad[3, 5] = float("inf")
+    with pytest.raises(QuantInputError, match=r"e1\.up: contains Inf"):
+        quantize_nvfp4_many(
+            [("e1.gate", ws["e1.gate"].to(device)), ("e1.up", bad.to(device))],
+            partners={"e1.gate": "e1.up", "e1.up": "e1.gate"}, backend="triton",
+        )  # fmt: skip

@@ -29,8 +29,9 @@ midpoints with ties to the even code, about twice as fast on CPU.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
@@ -43,6 +44,7 @@ __all__ = [
     "NVFP4Tensor",
     "global_amax",
     "quantize_nvfp4",
+    "quantize_nvfp4_many",
     "quantize_nvfp4_pair",
 ]
 
@@ -383,3 +385,107 @@ def quantize_nvfp4_pair(
         quantize_nvfp4(up, global_amax=amax, cfg=cfg, name=names[1], allow_3d=allow_3d,
                        backend=backend),
     )  # fmt: skip
+
+
+def quantize_nvfp4_many(
+    weights: Sequence[tuple[str, torch.Tensor]],
+    *,
+    partners: Mapping[str, str] | None = None,
+    cfg: NVFP4Config | NVFP4Precision | None = None,
+    allow_3d: bool = True,
+    backend: Backend = "auto",
+    chunk_bytes: int = 1 << 30,
+) -> dict[str, NVFP4Tensor]:
+    """Quantize many named weights; ``partners`` maps each gate/up member to the other, and a
+    pair shares one global amax (per expert for 3-D), exactly as :func:`quantize_nvfp4_pair`.
+
+    On CUDA (the live weight-sync path) same-shape weights are stacked, up to ``chunk_bytes``
+    of input at a time, and each stack costs two kernel launches (amax, quantize), with one
+    synchronisation for the whole call to check for NaN/Inf; thousands of small expert
+    matrices would otherwise cost more in launches than in memory traffic. Elsewhere, and for
+    a pair whose members differ in shape, weights are quantized one by one. The bytes are
+    those of :func:`quantize_nvfp4` either way.
+    """
+    cfg = _resolve_cfg(cfg)
+    partners = dict(partners or {})
+    by_name = dict(weights)
+    for n, t in weights:
+        _check(t, n, allow_3d)
+        p = partners.get(n)
+        if p is not None and (p not in by_name or partners.get(p) != n):
+            raise QuantInputError(f"{n}: its partner {p!r} is not among the weights (or unpaired)")
+    out: dict[str, NVFP4Tensor] = {}
+    stacked: dict[tuple[Any, ...], list[list[str]]] = {}
+    placed: set[str] = set()
+    for n, t in weights:
+        if n in placed:
+            continue
+        p = partners.get(n)
+        placed.update([n] if p is None else [n, p])
+        is_3d = t.dim() == 3
+        if not _use_triton(t.device, backend) or (
+            p is not None and (by_name[p].shape != t.shape or by_name[p].dtype != t.dtype)
+        ):
+            names = [n] if p is None else [n, p]
+            amax = global_amax(t, per_expert=is_3d)
+            if p is not None:
+                amax = torch.maximum(amax, global_amax(by_name[p], per_expert=is_3d))
+            for m in names:
+                w = by_name[m]
+                out[m] = quantize_nvfp4(w, global_amax=amax, cfg=cfg, name=m, allow_3d=allow_3d,
+                                        backend=backend)  # fmt: skip
+            continue
+        key = (tuple(t.shape), t.dtype, t.device)
+        stacked.setdefault(key, []).append([n] if p is None else [n, p])
+    flags: list[tuple[torch.Tensor, list[str]]] = []
+    for units in stacked.values():
+        chunk: list[list[str]] = []
+        size = 0
+        for unit in [*units, []]:
+            unit_bytes = sum(by_name[m].numel() * by_name[m].element_size() for m in unit)
+            if chunk and (not unit or size + unit_bytes > chunk_bytes):
+                flags.append(
+                    (_quantize_stack(chunk, by_name, cfg, out), [m for u in chunk for m in u])
+                )
+                chunk, size = [], 0
+            if unit:
+                chunk.append(unit)
+                size += unit_bytes
+    if flags and int(torch.stack([f for f, _ in flags]).max().item()):
+        for _, names in flags:
+            for m in names:
+                if not bool(torch.isfinite(by_name[m]).all()):
+                    _raise_non_finite(m, by_name[m])
+    return {n: out[n] for n, _ in weights}
+
+
+def _quantize_stack(
+    units: list[list[str]],
+    by_name: dict[str, torch.Tensor],
+    cfg: NVFP4Config,
+    out: dict[str, NVFP4Tensor],
+) -> torch.Tensor:
+    """One amax launch and one quantize launch over same-shape weights (pairs share slots);
+    fills ``out`` with views of the stacked results and returns the device NaN/Inf flag."""
+    from posttrain.quant_convert import _nvfp4_triton as kernels
+
+    first = by_name[units[0][0]]
+    n_rows, k = first.shape[-2], first.shape[-1]
+    per = first.shape[0] if first.dim() == 3 else 1  # matrices per weight
+    names = [m for u in units for m in u]
+    x = torch.cat([by_name[m].reshape(per, n_rows, k) for m in names])
+    slot_ids = [u_idx * per + e for u_idx, u in enumerate(units) for _ in u for e in range(per)]
+    slots = torch.tensor(slot_ids, dtype=torch.int32, device=x.device)
+    bits = torch.zeros(len(units) * per, dtype=torch.int32, device=x.device)
+    kernels.amax_into(x.reshape(x.shape[0], -1), bits, slots)
+    packed, scale, ws2, flag = kernels.quantize_matrices(
+        x, bits.view(torch.float32), slots, four_over_six=cfg.four_over_six,
+        scale_rounding=cfg.scale_rounding, emax=cfg.emax,
+    )  # fmt: skip
+    for i, m in enumerate(names):
+        if first.dim() == 3:
+            sl = slice(i * per, (i + 1) * per)
+            out[m] = NVFP4Tensor(packed[sl], scale[sl], ws2[sl])
+        else:
+            out[m] = NVFP4Tensor(packed[i], scale[i], ws2[i])
+    return flag
