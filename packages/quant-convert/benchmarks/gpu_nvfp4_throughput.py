@@ -42,6 +42,7 @@ def main() -> None:
     ap.add_argument("--torch-repeats", type=int, default=3)
     ap.add_argument("--live-layers", type=int, default=48)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--sweep", action="store_true", help="time launch shapes, then exit")
     args = ap.parse_args()
     import posttrain.quant_convert.nvfp4 as nvfp4
     from posttrain.quant_convert.live import quantize_named_params
@@ -89,6 +90,11 @@ def main() -> None:
         "4over6_mse": nvfp4.NVFP4Config(four_over_six="mse"),
     }
     amaxes = [nvfp4.global_amax(w) for w in ws]
+    if args.sweep:
+        result["sweep"] = _sweep(torch, cfgs, ws, amaxes, moved_gb, copy_gbps)
+        print(json.dumps(result, indent=2))
+        _dump(result, args.out)
+        return
     for name, cfg in cfgs.items():
         t_tri = timed(lambda cfg=cfg: [nvfp4.quantize_nvfp4(w, cfg=cfg) for w in ws], args.repeats)
         t_kernel = timed(
@@ -137,6 +143,67 @@ def _dump(result: dict[str, Any], path: str | None) -> None:
     if path:
         with open(path, "w") as f:
             f.write(json.dumps(result, indent=2))
+
+
+def _sweep(
+    torch: Any,
+    cfgs: dict[str, Any],
+    ws: list[Any],
+    amaxes: list[Any],
+    moved_gb: float,
+    copy_gbps: float,
+) -> list[dict[str, Any]]:
+    """Kernel-only time (CUDA events, no host sync between tensors) per launch shape."""
+    import triton
+
+    from posttrain.quant_convert import _nvfp4_triton as k
+
+    rows = []
+    dev = ws[0].device
+    slots = torch.zeros(1, dtype=torch.int32, device=dev)
+    amax1 = [a.reshape(1).contiguous() for a in amaxes]
+    for name in ("default", "4over6_mse"):
+        cfg = cfgs[name]
+        for b, w, p in [
+            (b, w, p) for b in (32, 64, 128, 256) for w in (2, 4, 8) for p in (True, False)
+        ]:
+            tuning = k.KernelTuning(blocks_per_program=b, num_warps=w, pack_words=p)
+
+            def run(tuning: Any = tuning, cfg: Any = cfg) -> None:
+                for x, a in zip(ws, amax1, strict=True):
+                    k.quantize_matrices(x.unsqueeze(0), a, slots, four_over_six=cfg.four_over_six,
+                                        scale_rounding=cfg.scale_rounding, emax=cfg.emax,
+                                        tuning=tuning)  # fmt: skip
+
+            run()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(5):
+                run()
+            end.record()
+            torch.cuda.synchronize(dev)
+            ms = start.elapsed_time(end) / 5
+            rows.append({
+                "config": name, "blocks": b, "warps": w, "pack_words": p, "ms": ms,
+                "moved_gb_per_s": moved_gb / (ms / 1e3),
+                "over_copy": moved_gb / (ms / 1e3) / copy_gbps,
+            })  # fmt: skip
+    try:  # registers, spills and vector loads of each compiled variant
+        compiled = []
+        for cache in k._quant_kernel.device_caches.values():
+            for key, c in cache[0].items():
+                ptx = c.asm.get("ptx", "")
+                compiled.append({
+                    "key": str(key)[-160:], "n_regs": c.n_regs, "n_spills": c.n_spills,
+                    "ld_v4": ptx.count("ld.global.v4"), "ld_v2": ptx.count("ld.global.v2"),
+                    "ld_scalar_b16": ptx.count("ld.global.b16"),
+                    "div_rn": ptx.count("div.rn.f32"), "fma": ptx.count("fma.rn.f32"),
+                })  # fmt: skip
+        rows.append({"compiled": compiled})
+    except Exception as exc:
+        rows.append({"compiled_error": repr(exc)})
+    del triton
+    return rows
 
 
 def _hard(torch: Any, rows: int, cols: int, seed: int) -> Any:

@@ -31,15 +31,14 @@ construction and tested bit for bit (the interpreter on CPU, the device in the b
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
 
 import torch
 import triton  # type: ignore[import-untyped]
 import triton.language as tl  # type: ignore[import-untyped]
 
-__all__ = ["amax_into", "quantize_matrices"]
+__all__ = ["DEFAULT_TUNING", "KernelTuning", "amax_into", "quantize_matrices"]
 
-_BLOCKS_PER_PROGRAM = 128  # 16-element blocks per program: 2048 elements
 _AMAX_TILE = 4096
 _AMAX_TILES_PER_PROGRAM = 4
 _MODES = {
@@ -158,6 +157,7 @@ def _quant_kernel(
     EMAX: tl.constexpr,
     MODE: tl.constexpr,
     BLOCKS: tl.constexpr,
+    PACK_WORDS: tl.constexpr,
 ):
     pid = tl.program_id(0)
     m = tl.program_id(1)
@@ -172,11 +172,15 @@ def _quant_kernel(
     if pid == 0:
         tl.store(ws2_ptr + m, ws2)
 
+    # 64-bit only in the per-matrix base; offsets within a matrix are int32 (< 2**31 elements)
+    first = m.to(tl.int64) * blocks_per_matrix
+    x_ptr += first * 16
+    scale_ptr += first
+    packed_ptr += first * (1 if PACK_WORDS else 8)
     offs = pid * BLOCKS + tl.arange(0, BLOCKS)
     ok = offs < blocks_per_matrix
-    blk = m.to(tl.int64) * blocks_per_matrix + offs
     cols = tl.arange(0, 16)
-    x = tl.load(x_ptr + blk[:, None] * 16 + cols[None, :], mask=ok[:, None], other=0.0)
+    x = tl.load(x_ptr + offs[:, None] * 16 + cols[None, :], mask=ok[:, None], other=0.0)
     x = x.to(tl.float32)
     # NaN/Inf checked on the bits of every element (a float max may drop a NaN)
     non_finite = (x.to(tl.int32, bitcast=True) & 0x7FFFFFFF) >= 0x7F800000
@@ -204,10 +208,16 @@ def _quant_kernel(
         codes = tl.where(use4[:, None], c4, c6)
         byte = tl.where(use4, b4, b6)
 
-    shifts = (cols * 4).to(tl.int64)
-    word = tl.sum(codes.to(tl.int64) << shifts[None, :], axis=1)  # disjoint nibbles: sum == or
-    tl.store(packed_ptr + blk, word, mask=ok)
-    tl.store(scale_ptr + blk, byte.to(tl.uint8), mask=ok)
+    if PACK_WORDS:  # one int64 per block (little endian: byte j = code 2j | code 2j+1 << 4)
+        shifts = (cols * 4).to(tl.int64)
+        word = tl.sum(codes.to(tl.int64) << shifts[None, :], axis=1)  # disjoint: sum == or
+        tl.store(packed_ptr + offs, word, mask=ok)
+    else:  # eight bytes per block
+        lo, hi = tl.split(tl.reshape(codes, [BLOCKS, 8, 2]))
+        packed = (lo | (hi << 4)).to(tl.uint8)
+        bytes_at = offs[:, None] * 8 + tl.arange(0, 8)[None, :]
+        tl.store(packed_ptr + bytes_at, packed, mask=ok[:, None])
+    tl.store(scale_ptr + offs, byte.to(tl.uint8), mask=ok)
 
 
 def amax_into(x: torch.Tensor, bits: torch.Tensor, slots: torch.Tensor) -> None:
@@ -222,6 +232,19 @@ def amax_into(x: torch.Tensor, bits: torch.Tensor, slots: torch.Tensor) -> None:
     )  # fmt: skip
 
 
+@dataclass(frozen=True, slots=True)
+class KernelTuning:
+    """Launch shape of the quantize kernel (``benchmarks/gpu_nvfp4_throughput.py --sweep``
+    measures the alternatives); none of it changes the bytes written."""
+
+    blocks_per_program: int = 128
+    num_warps: int = 4
+    pack_words: bool = True
+
+
+DEFAULT_TUNING = KernelTuning()
+
+
 def quantize_matrices(
     x: torch.Tensor,
     amax: torch.Tensor,
@@ -230,6 +253,7 @@ def quantize_matrices(
     four_over_six: str,
     scale_rounding: str,
     emax: float,
+    tuning: KernelTuning = DEFAULT_TUNING,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Quantize contiguous ``x [M, N, K]``; matrix m uses global amax ``amax[slots[m]]``.
 
@@ -239,18 +263,21 @@ def quantize_matrices(
     """
     mats, n, k = x.shape
     dev = x.device
+    if n * k >= 2**31:
+        raise ValueError(f"one matrix of {n}x{k} elements exceeds the kernel's int32 offsets")
     packed = torch.empty((mats, n, k // 2), dtype=torch.uint8, device=dev)
     scale = torch.empty((mats, n, k // 16), dtype=torch.float8_e4m3fn, device=dev)
     ws2 = torch.empty((mats,), dtype=torch.float32, device=dev)
     flag = torch.zeros((1,), dtype=torch.int32, device=dev)
     blocks = n * k // 16
-    if mats == 0:
+    if mats == 0 or blocks == 0:
         return packed, scale, ws2, flag
-    grid = (max(1, triton.cdiv(blocks, _BLOCKS_PER_PROGRAM)), mats)
-    kwargs: dict[str, Any] = {"enable_fp_fusion": False, "num_warps": 4}
+    grid = (triton.cdiv(blocks, tuning.blocks_per_program), mats)
     _quant_kernel[grid](
-        x, amax, slots, packed.view(torch.int64), scale.view(torch.uint8), ws2, flag, blocks,
+        x, amax, slots, packed.view(torch.int64) if tuning.pack_words else packed,
+        scale.view(torch.uint8), ws2, flag, blocks,
         EMAX=float(emax), MODE=_MODES[(four_over_six, scale_rounding)],
-        BLOCKS=_BLOCKS_PER_PROGRAM, **kwargs,
+        BLOCKS=tuning.blocks_per_program, PACK_WORDS=tuning.pack_words,
+        num_warps=tuning.num_warps, enable_fp_fusion=False,
     )  # fmt: skip
     return packed, scale, ws2, flag
