@@ -5,7 +5,8 @@ One run, side by side, on 8 x [8192, 7168] BF16:
 * ``copy``: a device-to-device copy of the same bytes; ``copy_gb_per_s`` counts bytes copied
   (the usual figure), ``copy_traffic_gb_per_s`` bytes read plus written;
 * per config (te-multiplier, te-divide, 4-over-6 MAE and MSE): the Triton path as
-  ``quantize_nvfp4`` runs it (amax pass + quantize pass), its bytes moved (BF16 in, codes and
+  ``quantize_nvfp4`` runs it per tensor (amax pass + quantize pass + a host sync for the
+  NaN/Inf check), and as ``quantize_nvfp4_many`` runs the 8 tensors (one sync), its bytes moved (BF16 in, codes and
   scales out) per second and that over ``copy_gb_per_s`` (the issue's ratio) and over the copy's
   traffic (stricter: the amax pass reads the input a second time); the quantize kernel alone
   (amax given); the pure-torch path (``backend="torch"``) and the speed-up;
@@ -104,6 +105,12 @@ def main() -> None:
             ],
             args.repeats,
         )
+        t_many = timed(
+            lambda cfg=cfg: nvfp4.quantize_nvfp4_many(
+                [(str(i), w) for i, w in enumerate(ws)], cfg=cfg
+            ),
+            args.repeats,
+        )
         t_torch = timed(
             lambda cfg=cfg: [nvfp4.quantize_nvfp4(w, cfg=cfg, backend="torch") for w in ws],
             args.torch_repeats,
@@ -113,6 +120,11 @@ def main() -> None:
             "triton_moved_gb_per_s": moved_gb / t_tri,
             "triton_over_copy": (moved_gb / t_tri) / copy_gbps,
             "triton_over_copy_traffic": (moved_gb / t_tri) / (2 * copy_gbps),
+            "batched_ms": t_many * 1e3,
+            "batched_moved_gb_per_s": moved_gb / t_many,
+            "batched_over_copy": (moved_gb / t_many) / copy_gbps,
+            "batched_over_copy_traffic": (moved_gb / t_many) / (2 * copy_gbps),
+            "batched_speedup_over_torch": t_torch / t_many,
             "kernel_only_ms": t_kernel * 1e3,
             "kernel_only_over_copy": (moved_gb / t_kernel) / copy_gbps,
             "torch_ms": t_torch * 1e3,
@@ -164,10 +176,18 @@ def _sweep(
     amax1 = [a.reshape(1).contiguous() for a in amaxes]
     for name in ("default", "4over6_mse"):
         cfg = cfgs[name]
-        for b, w, p in [
-            (b, w, p) for b in (32, 64, 128, 256) for w in (2, 4, 8) for p in (True, False)
-        ]:
-            tuning = k.KernelTuning(blocks_per_program=b, num_warps=w, pack_words=p)
+        if name == "default":
+            variants = [
+                k.KernelTuning(blocks_per_program=b, num_warps=w, pack_words=p)
+                for b, w in ((64, 2), (128, 2), (128, 4), (256, 2), (256, 4), (512, 4))
+                for p in (False, True)
+            ]
+        else:
+            variants = [
+                k.KernelTuning(blocks_per_program_4over6=b, num_warps_4over6=w)
+                for b, w in ((64, 2), (128, 4), (128, 2), (256, 8), (256, 4), (512, 4))
+            ] + [k.KernelTuning(four_over_six_columns=False, blocks_per_program=32)]
+        for tuning in variants:
 
             def run(tuning: Any = tuning, cfg: Any = cfg) -> None:
                 for x, a in zip(ws, amax1, strict=True):
@@ -184,7 +204,7 @@ def _sweep(
             torch.cuda.synchronize(dev)
             ms = start.elapsed_time(end) / 5
             rows.append({
-                "config": name, "blocks": b, "warps": w, "pack_words": p, "ms": ms,
+                "config": name, "tuning": str(tuning), "ms": ms,
                 "moved_gb_per_s": moved_gb / (ms / 1e3),
                 "over_copy": moved_gb / (ms / 1e3) / copy_gbps,
             })  # fmt: skip

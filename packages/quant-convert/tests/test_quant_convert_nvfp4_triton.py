@@ -159,18 +159,20 @@ def test_stacked_many_equals_one_by_one(device: str) -> None:
     partners = {}
     for p in ("e0", "e1", "odd", "stack"):
         partners[f"{p}.gate"], partners[f"{p}.up"] = f"{p}.up", f"{p}.gate"
-    got = quantize_nvfp4_many(
-        [(n, w.to(device)) for n, w in ws.items()], partners=partners, cfg=cfg,
-        backend="triton", chunk_bytes=2000,  # a pair of 7x48 bf16 per chunk
-    )  # fmt: skip
-    assert list(got) == list(ws)
-    for p in ("e0", "e1", "odd", "stack"):
-        ref_gate, ref_up = quantize_nvfp4_pair(
-            ws[f"{p}.gate"], ws[f"{p}.up"], cfg=cfg, allow_3d=True
-        )
-        _same(ref_gate, got[f"{p}.gate"])
-        _same(ref_up, got[f"{p}.up"])
-    _same(quantize_nvfp4(ws["e0.down"], cfg=cfg), got["e0.down"])
+    for stack_below in (1 << 20, 1):  # stacked in chunks, then every weight in place
+        got = quantize_nvfp4_many(
+            [(n, w.to(device)) for n, w in ws.items()], partners=partners, cfg=cfg,
+            backend="triton", chunk_bytes=2000,  # a pair of 7x48 bf16 per chunk
+            stack_below_bytes=stack_below,
+        )  # fmt: skip
+        assert list(got) == list(ws)
+        for p in ("e0", "e1", "odd", "stack"):
+            ref_gate, ref_up = quantize_nvfp4_pair(
+                ws[f"{p}.gate"], ws[f"{p}.up"], cfg=cfg, allow_3d=True
+            )
+            _same(ref_gate, got[f"{p}.gate"])
+            _same(ref_up, got[f"{p}.up"])
+        _same(quantize_nvfp4(ws["e0.down"], cfg=cfg), got["e0.down"])
     bad = ws["e1.up"].clone()
     bad[3, 5] = float("inf")
     with pytest.raises(QuantInputError, match=r"e1\.up: contains Inf"):
@@ -178,3 +180,29 @@ def test_stacked_many_equals_one_by_one(device: str) -> None:
             [("e1.gate", ws["e1.gate"].to(device)), ("e1.up", bad.to(device))],
             partners={"e1.gate": "e1.up", "e1.up": "e1.gate"}, backend="triton",
         )  # fmt: skip
+
+
+@kernel_test
+@pytest.mark.parametrize(
+    "cfg", CONFIGS, ids=lambda c: f"{c.four_over_six}-{c.scale_rounding}-{c.emax:g}"
+)
+def test_every_launch_shape_writes_the_same_bytes(device: str, cfg: NVFP4Config) -> None:
+    """The tunings the benchmark sweeps (block-tile or one-thread-per-block 4-over-6, word or
+    byte packing, tile sizes) change speed only."""
+    from posttrain.quant_convert import _nvfp4_triton as kernels
+
+    w = _hard_rows(9, 80, seed=11, dtype=torch.bfloat16)
+    ref = quantize_nvfp4(w, cfg=cfg)
+    amax = torch.tensor([float(w.float().abs().max())], device=device)
+    slots = torch.zeros(1, dtype=torch.int32, device=device)
+    for tuning in (
+        kernels.KernelTuning(pack_words=True, blocks_per_program=16),
+        kernels.KernelTuning(pack_words=False, blocks_per_program=32),
+        kernels.KernelTuning(four_over_six_columns=False, blocks_per_program=16),
+        kernels.KernelTuning(blocks_per_program_4over6=16, num_warps_4over6=1),
+    ):
+        packed, scale, ws2, _ = kernels.quantize_matrices(
+            w.to(device).unsqueeze(0), amax, slots, four_over_six=cfg.four_over_six,
+            scale_rounding=cfg.scale_rounding, emax=cfg.emax, tuning=tuning,
+        )  # fmt: skip
+        _same(ref, NVFP4Tensor(packed[0], scale[0], ws2[0]))

@@ -272,10 +272,21 @@ def _triton_amax(tensors: list[torch.Tensor], matrices: int) -> torch.Tensor:
 
     dev = tensors[0].device
     bits = torch.zeros(matrices, dtype=torch.int32, device=dev)
-    slots = torch.arange(matrices, dtype=torch.int32, device=dev)
+    slots = _slots(dev, matrices)
     for t in tensors:
         kernels.amax_into(t.contiguous().reshape(matrices, -1), bits, slots)
     return bits.view(torch.float32)
+
+
+_SLOTS: dict[tuple[torch.device, int], torch.Tensor] = {}
+
+
+def _slots(device: torch.device, n: int) -> torch.Tensor:
+    """``arange(n)`` as int32 on ``device``, kept (each call's launches need one)."""
+    key = (device, n)
+    if key not in _SLOTS:
+        _SLOTS[key] = torch.arange(n, dtype=torch.int32, device=device)
+    return _SLOTS[key]
 
 
 def _quantize_triton(
@@ -288,10 +299,12 @@ def _quantize_triton(
     x = weight.contiguous()
     x3 = x if is_3d else x.unsqueeze(0)
     mats = x3.shape[0]
-    amax = amax.to(device=x.device, dtype=torch.float32).reshape(-1).expand(mats).contiguous()
-    slots = torch.arange(mats, dtype=torch.int32, device=x.device)
+    amax = amax.reshape(-1)
+    if amax.numel() != mats or amax.device != x.device or amax.dtype != torch.float32:
+        amax = amax.to(device=x.device, dtype=torch.float32).reshape(-1).expand(mats)
+    slots = _slots(x.device, mats)
     packed, scale, ws2, flag = kernels.quantize_matrices(
-        x3, amax, slots, four_over_six=cfg.four_over_six,
+        x3, amax.contiguous(), slots, four_over_six=cfg.four_over_six,
         scale_rounding=cfg.scale_rounding, emax=cfg.emax,
     )  # fmt: skip
     if int(flag.item()):
@@ -395,14 +408,16 @@ def quantize_nvfp4_many(
     allow_3d: bool = True,
     backend: Backend = "auto",
     chunk_bytes: int = 1 << 30,
+    stack_below_bytes: int = 16 << 20,
 ) -> dict[str, NVFP4Tensor]:
     """Quantize many named weights; ``partners`` maps each gate/up member to the other, and a
     pair shares one global amax (per expert for 3-D), exactly as :func:`quantize_nvfp4_pair`.
 
-    On CUDA (the live weight-sync path) same-shape weights are stacked, up to ``chunk_bytes``
-    of input at a time, and each stack costs two kernel launches (amax, quantize), with one
-    synchronisation for the whole call to check for NaN/Inf; thousands of small expert
-    matrices would otherwise cost more in launches than in memory traffic. Elsewhere, and for
+    On CUDA (the live weight-sync path) same-shape weights smaller than ``stack_below_bytes``
+    are stacked, up to ``chunk_bytes`` of input at a time, and each stack costs two kernel
+    launches (amax, quantize); thousands of small expert matrices would otherwise cost more in
+    launches than in memory traffic. Larger weights are launched in place (a stack would
+    copy them). The whole call synchronises once, to check for NaN/Inf. Elsewhere, and for
     a pair whose members differ in shape, weights are quantized one by one. The bytes are
     those of :func:`quantize_nvfp4` either way.
     """
@@ -435,10 +450,15 @@ def quantize_nvfp4_many(
                 out[m] = quantize_nvfp4(w, global_amax=amax, cfg=cfg, name=m, allow_3d=allow_3d,
                                         backend=backend)  # fmt: skip
             continue
-        key = (tuple(t.shape), t.dtype, t.device)
+        big = t.numel() * t.element_size() >= stack_below_bytes
+        key = (tuple(t.shape), t.dtype, t.device, big)
         stacked.setdefault(key, []).append([n] if p is None else [n, p])
     flags: list[tuple[torch.Tensor, list[str]]] = []
-    for units in stacked.values():
+    for key, units in stacked.items():
+        if key[-1]:  # large weights: one unit at a time, no copy
+            for unit in units:
+                flags.append((_quantize_stack([unit], by_name, cfg, out, stack=False), unit))
+            continue
         chunk: list[list[str]] = []
         size = 0
         for unit in [*units, []]:
@@ -464,28 +484,44 @@ def _quantize_stack(
     by_name: dict[str, torch.Tensor],
     cfg: NVFP4Config,
     out: dict[str, NVFP4Tensor],
+    *,
+    stack: bool = True,
 ) -> torch.Tensor:
-    """One amax launch and one quantize launch over same-shape weights (pairs share slots);
-    fills ``out`` with views of the stacked results and returns the device NaN/Inf flag."""
+    """Same-shape weights (pairs share amax slots) through the kernels: one amax and one
+    quantize launch over their concatenation (``stack``), or per weight in place; fills
+    ``out`` and returns the device NaN/Inf flag."""
     from posttrain.quant_convert import _nvfp4_triton as kernels
 
     first = by_name[units[0][0]]
     n_rows, k = first.shape[-2], first.shape[-1]
     per = first.shape[0] if first.dim() == 3 else 1  # matrices per weight
     names = [m for u in units for m in u]
-    x = torch.cat([by_name[m].reshape(per, n_rows, k) for m in names])
-    slot_ids = [u_idx * per + e for u_idx, u in enumerate(units) for _ in u for e in range(per)]
-    slots = torch.tensor(slot_ids, dtype=torch.int32, device=x.device)
-    bits = torch.zeros(len(units) * per, dtype=torch.int32, device=x.device)
-    kernels.amax_into(x.reshape(x.shape[0], -1), bits, slots)
-    packed, scale, ws2, flag = kernels.quantize_matrices(
-        x, bits.view(torch.float32), slots, four_over_six=cfg.four_over_six,
-        scale_rounding=cfg.scale_rounding, emax=cfg.emax,
-    )  # fmt: skip
-    for i, m in enumerate(names):
-        if first.dim() == 3:
-            sl = slice(i * per, (i + 1) * per)
-            out[m] = NVFP4Tensor(packed[sl], scale[sl], ws2[sl])
+    slot_of = {m: u_idx for u_idx, u in enumerate(units) for m in u}
+    pieces = [names] if stack else [[m] for m in names]
+    dev = first.device
+    bits = torch.zeros(len(units) * per, dtype=torch.int32, device=dev)
+    staged = []
+    for piece in pieces:
+        xs = [by_name[m].reshape(per, n_rows, k) for m in piece]
+        x = torch.cat(xs) if len(xs) > 1 else xs[0].contiguous()
+        ids = [slot_of[m] * per + e for m in piece for e in range(per)]
+        if len(ids) == 1 or ids == list(range(ids[0], ids[0] + len(ids))):
+            slots = _slots(dev, len(units) * per)[ids[0] : ids[0] + len(ids)]
         else:
-            out[m] = NVFP4Tensor(packed[i], scale[i], ws2[i])
+            slots = torch.tensor(ids, dtype=torch.int32).to(dev, non_blocking=True)
+        kernels.amax_into(x.reshape(x.shape[0], -1), bits, slots)
+        staged.append((piece, x, slots))
+    flag = torch.zeros(1, dtype=torch.int32, device=dev)
+    for piece, x, slots in staged:  # after every amax: a pair's slot is complete
+        packed, scale, ws2, piece_flag = kernels.quantize_matrices(
+            x, bits.view(torch.float32), slots, four_over_six=cfg.four_over_six,
+            scale_rounding=cfg.scale_rounding, emax=cfg.emax,
+        )  # fmt: skip
+        torch.maximum(flag, piece_flag, out=flag)
+        for i, m in enumerate(piece):
+            if first.dim() == 3:
+                sl = slice(i * per, (i + 1) * per)
+                out[m] = NVFP4Tensor(packed[sl], scale[sl], ws2[sl])
+            else:
+                out[m] = NVFP4Tensor(packed[i], scale[i], ws2[i])
     return flag
