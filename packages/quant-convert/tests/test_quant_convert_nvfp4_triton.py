@@ -184,7 +184,9 @@ def test_stacked_many_equals_one_by_one(device: str) -> None:
 
 @kernel_test
 @pytest.mark.parametrize(
-    "cfg", CONFIGS, ids=lambda c: f"{c.four_over_six}-{c.scale_rounding}-{c.emax:g}"
+    "cfg",
+    [CONFIGS[1], CONFIGS[2], CONFIGS[5]],
+    ids=lambda c: f"{c.four_over_six}-{c.scale_rounding}",
 )
 def test_every_launch_shape_writes_the_same_bytes(device: str, cfg: NVFP4Config) -> None:
     """The tunings the benchmark sweeps (block-tile or one-thread-per-block 4-over-6, word or
