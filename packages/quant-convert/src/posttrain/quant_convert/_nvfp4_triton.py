@@ -23,8 +23,8 @@ construction and tested bit for bit (the interpreter on CPU, the device in the b
 * the E4M3 cast is integer arithmetic on the fp32 bits (round-to-nearest-even on the mantissa
   for normals, ``rne(d * 2**9)`` through the 2**23 magic add for subnormals), so neither the
   hardware's nor the interpreter's float8 conversion is trusted;
-* E2M1 rounding compares against the exact midpoints with ties to the even code, the same
-  codes as the reference's ``round(2a) / 2+round(a) / 4+round(a/2)`` form;
+* E2M1 rounding is integer arithmetic too (the mantissa rounded to one bit, ties even), the
+  same codes as the reference's ``round(2a) / 2+round(a) / 4+round(a/2)`` form;
 * the 4-over-6 errors of a block are summed one element after another (0..15), as TE and the
   reference do, by splitting the block's 16 columns apart rather than with ``tl.sum``.
 """
@@ -60,7 +60,7 @@ def _amax_kernel(x_ptr, bits_ptr, slot_ptr, per_matrix, TILE: tl.constexpr, TILE
     for t in tl.static_range(TILES):
         offs = (pid * TILES + t) * TILE + tl.arange(0, TILE)
         x = tl.load(x_ptr + base + offs, mask=offs < per_matrix, other=0.0)
-        bits = tl.abs(x.to(tl.float32)).to(tl.int32, bitcast=True)
+        bits = x.to(tl.float32).to(tl.int32, bitcast=True) & 0x7FFFFFFF
         acc = tl.maximum(acc, bits)
     slot = tl.load(slot_ptr + m)
     tl.atomic_max(bits_ptr + slot, tl.max(acc, axis=0))
@@ -81,23 +81,25 @@ def _e4m3_rne(d):
 
 
 @triton.jit
+def _e2m1_index(a):
+    """E2M1 magnitude index 0..7 of ``0 <= a <= 6``, ties to the even code: for a >= 1 the
+    fp32 mantissa rounded to one bit (nearest, ties even) with the exponent rebiased; below
+    1, ``rne(2a)`` through the 2**23 magic add. Same codes as comparing against the midpoints
+    .25 .75 1.25 1.75 2.5 3.5 5 (ties to the even code)."""
+    bits = a.to(tl.int32, bitcast=True)
+    normal = ((bits + 0x1FFFFF + ((bits >> 22) & 1)) >> 22) - 252  # 1.0 -> 2, 6.0 -> 7
+    small = ((a * 2.0) + 8388608.0).to(tl.int32, bitcast=True) - 0x4B000000
+    return tl.where(a < 1.0, small, normal)
+
+
+@triton.jit
 def _e2m1_codes(x, sf, ws2):
     """E2M1 codes (int32, sign << 3 | idx) of fp32 blocks ``x [B, 16]`` under scales ``sf [B]``."""
     e = tl.minimum(
         tl.math.div_rn(tl.full(sf.shape, 1.0, tl.float32), sf * ws2), 3.4028234663852886e38
     )
     y = x * e[:, None]
-    y = tl.minimum(tl.maximum(y, -6.0), 6.0)
-    a = tl.abs(y)
-    idx = (
-        (a > 0.25).to(tl.int32)
-        + (a >= 0.75).to(tl.int32)
-        + (a > 1.25).to(tl.int32)
-        + (a >= 1.75).to(tl.int32)
-        + (a > 2.5).to(tl.int32)
-        + (a >= 3.5).to(tl.int32)
-        + (a > 5.0).to(tl.int32)
-    )
+    idx = _e2m1_index(tl.minimum(tl.abs(y), 6.0))  # = |clamp(y, -6, 6)|
     return idx | ((y < 0.0).to(tl.int32) << 3)
 
 
@@ -182,11 +184,12 @@ def _quant_kernel(
     cols = tl.arange(0, 16)
     x = tl.load(x_ptr + offs[:, None] * 16 + cols[None, :], mask=ok[:, None], other=0.0)
     x = x.to(tl.float32)
-    # NaN/Inf checked on the bits of every element (a float max may drop a NaN)
-    non_finite = (x.to(tl.int32, bitcast=True) & 0x7FFFFFFF) >= 0x7F800000
-    bad = tl.max(tl.max(non_finite.to(tl.int32), axis=1), axis=0)
+    # block amax as the integer max of |x|'s bits: exact, +0.0 for zeros, and a NaN's bits
+    # exceed +inf's, so the NaN/Inf check is one compare per block (a float max may drop NaN)
+    v_bits = tl.max(x.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=1)
+    bad = tl.max((v_bits >= 0x7F800000).to(tl.int32), axis=0)
     tl.atomic_max(flag_ptr, bad, mask=bad > 0)
-    v = tl.max(tl.abs(x), axis=1)
+    v = v_bits.to(tl.float32, bitcast=True)
 
     if MODE == 0:
         d = v * (s_enc * 0.16666666666666666)
@@ -223,17 +226,8 @@ def _quant_kernel(
 @triton.jit
 def _e2m1_code_1d(x, e):
     """E2M1 codes (int32) of fp32 values ``x`` under per-block encode scales ``e``."""
-    y = tl.minimum(tl.maximum(x * e, -6.0), 6.0)
-    a = tl.abs(y)
-    idx = (
-        (a > 0.25).to(tl.int32)
-        + (a >= 0.75).to(tl.int32)
-        + (a > 1.25).to(tl.int32)
-        + (a >= 1.75).to(tl.int32)
-        + (a > 2.5).to(tl.int32)
-        + (a >= 3.5).to(tl.int32)
-        + (a > 5.0).to(tl.int32)
-    )
+    y = x * e
+    idx = _e2m1_index(tl.minimum(tl.abs(y), 6.0))
     return idx | ((y < 0.0).to(tl.int32) << 3)
 
 
@@ -284,14 +278,13 @@ def _quant_4over6_kernel(
     ok = offs < blocks_per_matrix
     row = x_ptr + offs * 16
 
-    v = tl.zeros([BLOCKS], dtype=tl.float32)
-    bad = tl.zeros([BLOCKS], dtype=tl.int32)
+    v_bits = tl.zeros([BLOCKS], dtype=tl.int32)
     for j in tl.static_range(16):
         xj = tl.load(row + j, mask=ok, other=0.0).to(tl.float32)
-        bad |= ((xj.to(tl.int32, bitcast=True) & 0x7FFFFFFF) >= 0x7F800000).to(tl.int32)
-        v = tl.maximum(v, tl.abs(xj))
-    any_bad = tl.max(bad, axis=0)
+        v_bits = tl.maximum(v_bits, xj.to(tl.int32, bitcast=True) & 0x7FFFFFFF)
+    any_bad = tl.max((v_bits >= 0x7F800000).to(tl.int32), axis=0)
     tl.atomic_max(flag_ptr, any_bad, mask=any_bad > 0)
+    v = v_bits.to(tl.float32, bitcast=True)
 
     base = tl.math.div_rn(v, tl.full(v.shape, 6.0, tl.float32)) * s_enc
     b6, sf6 = _e4m3_rne(tl.minimum(base, 448.0))
