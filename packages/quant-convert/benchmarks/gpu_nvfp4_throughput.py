@@ -195,9 +195,11 @@ def _sweep(
             ]
         else:
             variants = [
-                k.KernelTuning(blocks_per_program_4over6=b, num_warps_4over6=w)
-                for b, w in ((64, 2), (128, 4), (128, 2), (256, 8), (256, 4), (512, 4))
-            ] + [k.KernelTuning(four_over_six_columns=False, blocks_per_program=32)]
+                k.KernelTuning(four_over_six_columns=c, blocks_per_program_4over6=b,
+                               num_warps_4over6=w)
+                for c, b, w in ((True, 64, 2), (True, 128, 4), (False, 16, 1), (False, 32, 2),
+                                (False, 32, 1), (False, 64, 2), (False, 64, 4))
+            ]  # fmt: skip
         for tuning in variants:
 
             def run(tuning: Any = tuning, cfg: Any = cfg) -> None:

@@ -200,8 +200,8 @@ def test_every_launch_shape_writes_the_same_bytes(device: str, cfg: NVFP4Config)
     for tuning in (
         kernels.KernelTuning(pack_words=True, blocks_per_program=16),
         kernels.KernelTuning(pack_words=False, blocks_per_program=32),
-        kernels.KernelTuning(four_over_six_columns=False, blocks_per_program=16),
         kernels.KernelTuning(blocks_per_program_4over6=16, num_warps_4over6=1),
+        kernels.KernelTuning(four_over_six_columns=True, blocks_per_program_4over6=16),
     ):
         packed, scale, ws2, _ = kernels.quantize_matrices(
             w.to(device).unsqueeze(0), amax, slots, four_over_six=cfg.four_over_six,
