@@ -44,6 +44,7 @@ def main() -> None:
     ap.add_argument("--live-layers", type=int, default=48)
     ap.add_argument("--out", default=None)
     ap.add_argument("--sweep", action="store_true", help="time launch shapes, then exit")
+    ap.add_argument("--convert-dir", default=None, help="also time convert_checkpoint here")
     args = ap.parse_args()
     import posttrain.quant_convert.nvfp4 as nvfp4
     from posttrain.quant_convert.live import quantize_named_params
@@ -143,6 +144,12 @@ def main() -> None:
     ws.clear()
     amaxes.clear()
     torch.cuda.empty_cache()
+    if args.convert_dir:
+        try:
+            result["convert"] = _convert(torch, args.convert_dir)
+        except Exception:
+            result["convert"] = {"error": traceback.format_exc()}
+        _dump(result, args.out)
     try:
         result["live_qwen3_30b_a3b"] = _live(torch, nvfp4, quantize_named_params, args.live_layers)
     except Exception:
@@ -237,6 +244,56 @@ def _sweep(
         rows.append({"compiled_error": repr(exc)})
     del triton
     return rows
+
+
+def _convert(torch: Any, root: str) -> dict[str, Any]:
+    """A synthetic Qwen3-MoE-named checkpoint (12 layers x 64 experts x 3 x [512, 1024] BF16,
+    3 shards) converted on the GPU with and without the read/quantize/write overlap, against
+    copying the same shard files (read + write + fsync: the disk's speed here)."""
+    import os
+    import shutil
+    from pathlib import Path
+
+    from posttrain.quant_convert import ConvertOptions, convert_checkpoint
+    from posttrain.quant_convert.testing import SyntheticSpec, write_synthetic_checkpoint
+
+    base = Path(root)
+    shutil.rmtree(base, ignore_errors=True)
+    spec = SyntheticSpec(layers=12, experts=64, hidden=1024, intermediate=512, shards=3)
+    src = write_synthetic_checkpoint(base / "src", spec)
+    shards = sorted(src.glob("*.safetensors"))
+    size = sum(p.stat().st_size for p in shards)
+
+    def copy_all() -> None:
+        (base / "copy").mkdir()
+        for p in shards:
+            with open(p, "rb") as f_in, open(base / "copy" / p.name, "wb") as f_out:
+                shutil.copyfileobj(f_in, f_out, 16 << 20)
+                f_out.flush()
+                os.fsync(f_out.fileno())
+
+    out: dict[str, Any] = {"source_gb": size / 1e9}
+    runs: list[tuple[str, Callable[[], Any]]] = [
+        ("copy_files", copy_all),
+        ("cuda_pipelined", lambda: convert_checkpoint(
+            src, base / "pipe", device="cuda", pipeline=True, options=ConvertOptions())),
+        ("cuda_sequential", lambda: convert_checkpoint(
+            src, base / "seq", device="cuda", pipeline=False, options=ConvertOptions())),
+    ]  # fmt: skip
+    for name, fn in runs:
+        t0 = time.perf_counter()
+        fn()
+        out[f"{name}_s"] = time.perf_counter() - t0
+    same = all(
+        (base / "pipe" / p.name).read_bytes() == (base / "seq" / p.name).read_bytes()
+        for p in shards
+    )
+    out["pipelined_equals_sequential"] = same
+    out["pipelined_over_copy_time"] = out["cuda_pipelined_s"] / out["copy_files_s"]
+    out["sequential_over_copy_time"] = out["cuda_sequential_s"] / out["copy_files_s"]
+    shutil.rmtree(base, ignore_errors=True)
+    del torch
+    return out
 
 
 def _hard(torch: Any, rows: int, cols: int, seed: int) -> Any:
