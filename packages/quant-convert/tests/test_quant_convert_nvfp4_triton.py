@@ -56,6 +56,19 @@ def test_kernels_under_interpreter() -> None:
     assert "failed" not in r.stdout, r.stdout[-500:]
 
 
+def test_the_package_never_imports_triton_for_cpu_work() -> None:
+    code = (
+        "import sys, torch\n"
+        "import posttrain.quant_convert.live, posttrain.quant_convert.convert\n"
+        "from posttrain.quant_convert.nvfp4 import quantize_nvfp4, quantize_nvfp4_many\n"
+        "quantize_nvfp4(torch.randn(4, 32))\n"
+        "quantize_nvfp4_many([('w', torch.randn(4, 32))])\n"
+        "assert 'triton' not in sys.modules, 'triton imported'\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+
+
 @pytest.fixture(scope="module")
 def device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"

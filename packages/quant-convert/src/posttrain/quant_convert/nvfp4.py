@@ -251,7 +251,21 @@ def _use_triton(device: torch.device, backend: Backend) -> bool:
         from posttrain.interface import ConfigError
 
         raise ConfigError(f"backend={backend!r}: use auto, torch or triton")
-    return backend == "triton" or (backend == "auto" and device.type == "cuda")
+    if backend == "triton":
+        return True
+    return backend == "auto" and device.type == "cuda" and _triton_installed()
+
+
+def _triton_installed() -> bool:
+    global _TRITON
+    if _TRITON is None:
+        import importlib.util
+
+        _TRITON = importlib.util.find_spec("triton") is not None
+    return _TRITON
+
+
+_TRITON: bool | None = None
 
 
 def _resolve_cfg(cfg: NVFP4Config | NVFP4Precision | None) -> NVFP4Config:
