@@ -39,6 +39,12 @@ def test_golden_vectors(case: dict[str, Any]) -> None:
         expected_s2 = float.fromhex(case["scale_2"])
     assert q.scale_2.item() == expected_s2
     assert q.scale.to(torch.float32).tolist() == case["scales"]
+    # bytes, not values: a float compare cannot tell a 0x80 (-0.0) scale from 0x00
+    expected_bytes = case.get("scale_bytes") or (
+        torch.tensor(case["scales"]).to(torch.float8_e4m3fn).view(torch.uint8).tolist()
+    )
+    assert q.scale.view(torch.uint8).tolist() == expected_bytes
+    assert not torch.signbit(q.scale_2).any()
     assert unpack_e2m1_codes(q.packed).tolist() == case["codes"]
 
 

@@ -1,6 +1,7 @@
 """The live path: quantize named BF16 parameters during weight sync, as the converter would.
 
-Same math (:func:`quantize_nvfp4` with one amax per gate/up pair), same selection
+Same math (:func:`quantize_nvfp4` with one amax per gate/up pair; on CUDA, same-shape
+weights of a bucket go through the fused kernel in a few stacked launches), same selection
 (:func:`select_tensors`) and, when given, the exclusion entries read back from the served
 checkpoint, so the first checkpoint and every later update quantize identically. A bucket
 must carry both halves of a gate/up pair (raises otherwise); no ``input_scale`` is emitted
@@ -16,7 +17,7 @@ import torch
 from posttrain.formats import SAFETENSORS_DTYPES
 from posttrain.interface import NVFP4Precision
 from posttrain.quant_convert._errors import CheckpointError
-from posttrain.quant_convert.nvfp4 import NVFP4Config, global_amax, quantize_nvfp4
+from posttrain.quant_convert.nvfp4 import NVFP4Config, quantize_nvfp4_many
 from posttrain.quant_convert.selection import QuantPolicy, TensorInfo, gate_up_role, select_tensors
 from posttrain.quant_convert.sglang_rules import build_modules, is_excluded
 
@@ -71,15 +72,10 @@ def quantize_named_params(
             )
         if q:
             partner[slot["gate"]], partner[slot["up"]] = slot["up"], slot["gate"]
+    quantized = quantize_nvfp4_many(
+        [(n, by_name[n]) for n, _ in items if n in chosen], partners=partner, cfg=cfg
+    )
     out: list[tuple[str, torch.Tensor]] = []
     for n, t in items:
-        if n not in chosen:
-            out.append((n, t))
-            continue
-        is_3d = t.dim() == 3
-        amax = global_amax(t, per_expert=is_3d)
-        if n in partner:
-            amax = torch.maximum(amax, global_amax(by_name[partner[n]], per_expert=is_3d))
-        qt = quantize_nvfp4(t, global_amax=amax, cfg=cfg, name=n, allow_3d=is_3d)
-        out += qt.named(n)
+        out += quantized[n].named(n) if n in chosen else [(n, t)]
     return out

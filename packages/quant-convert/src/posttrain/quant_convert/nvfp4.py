@@ -17,6 +17,11 @@ obvious (and from ModelOpt/torchao):
   +-7 but still decode to 0 (kept for bit parity with TE);
 * NaN/Inf raise (TE would saturate Inf silently); rows are never padded.
 
+On CUDA tensors the fused Triton kernels of ``_nvfp4_triton`` run instead (one amax pass,
+one quantize pass; Triton is imported only then), bit-identical to this code on the CPU;
+``backend="torch"`` forces the pure-torch path anywhere (CUDA torch divides by a Python
+scalar through its reciprocal, so the 4-over-6 and te-divide paths here divide by a tensor).
+
 Rounding to E2M1 uses the branch-free form ``round(2a)`` (a<2), ``2+round(a)`` (a<4),
 ``4+round(a/2)`` (else) with half-even ``torch.round``: the same codes as a table of
 midpoints with ties to the even code, about twice as fast on CPU.
@@ -24,8 +29,9 @@ midpoints with ties to the even code, about twice as fast on CPU.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
@@ -38,11 +44,13 @@ __all__ = [
     "NVFP4Tensor",
     "global_amax",
     "quantize_nvfp4",
+    "quantize_nvfp4_many",
     "quantize_nvfp4_pair",
 ]
 
 ScaleRounding = Literal["te-multiplier", "te-divide"]
 FourOverSixMode = Literal["off", "mae", "mse"]
+Backend = Literal["auto", "torch", "triton"]
 
 FLT_MAX = float(torch.finfo(torch.float32).max)
 E4M3_MAX = 448.0
@@ -125,8 +133,10 @@ def _check(w: torch.Tensor, name: str, allow_3d: bool) -> None:
 
 
 def _absmax(x: torch.Tensor, dim: int) -> torch.Tensor:
-    # two reductions instead of materialising |x|; NaN propagates through both
-    return torch.maximum(x.amax(dim=dim), -x.amin(dim=dim))
+    # two reductions instead of materialising |x|; NaN propagates through both. The abs turns
+    # the -0.0 of a block of (negative) zeros into +0.0, as TE's amax(|x|) gives: its scale
+    # byte is then 0x00, not 0x80, and an all-(-0.0) tensor keeps a positive S_enc
+    return torch.maximum(x.amax(dim=dim), -x.amin(dim=dim)).abs()
 
 
 def _check_finite(amax: torch.Tensor, name: str, w: torch.Tensor) -> None:
@@ -188,15 +198,17 @@ def _quantize_rows(
     blocks = x.reshape(x.shape[0], -1, GROUP_SIZE)
     v = _absmax(blocks, dim=-1)
     _check_finite(v, name, x)
+    # a tensor divisor: CUDA torch turns "/ 6.0" into a multiply by fp32(1/6), not a division
+    six = torch.tensor(6.0, dtype=torch.float32, device=x.device)
     if cfg.four_over_six == "off":
         if cfg.scale_rounding == "te-multiplier":
             mult = s_enc * torch.tensor(1.0 / 6.0, dtype=torch.float32, device=x.device)
             s = _e4m3(v * mult)
         else:
-            s = _e4m3((v / 6.0) * s_enc)
+            s = _e4m3((v / six) * s_enc)
         codes = _encode(blocks, s.to(torch.float32), ws2)
         return codes.reshape(x.shape), s
-    base = (v / 6.0) * s_enc
+    base = (v / six) * s_enc
     s6 = _e4m3(base)
     s4 = _e4m3(base * 1.5)
     denom = torch.tensor(6.0 * cfg.emax, dtype=torch.float32, device=x.device)
@@ -234,6 +246,88 @@ def _quantize_2d(
     return packed, scale, ws2
 
 
+def _use_triton(device: torch.device, backend: Backend) -> bool:
+    if backend not in ("auto", "torch", "triton"):
+        from posttrain.interface import ConfigError
+
+        raise ConfigError(f"backend={backend!r}: use auto, torch or triton")
+    if backend == "triton":
+        return True
+    return backend == "auto" and device.type == "cuda" and _triton_installed()
+
+
+def _triton_installed() -> bool:
+    global _TRITON
+    if _TRITON is None:
+        import importlib.util
+
+        _TRITON = importlib.util.find_spec("triton") is not None
+    return _TRITON
+
+
+_TRITON: bool | None = None
+
+
+def _resolve_cfg(cfg: NVFP4Config | NVFP4Precision | None) -> NVFP4Config:
+    if isinstance(cfg, NVFP4Precision):
+        cfg = NVFP4Config.from_precision(cfg)
+    return cfg or NVFP4Config()
+
+
+def _raise_non_finite(name: str, w: torch.Tensor) -> None:
+    bad = "NaN" if bool(torch.isnan(w).any()) else "Inf"
+    raise QuantInputError(f"{name}: contains {bad}; NVFP4 needs finite weights")
+
+
+def _triton_amax(tensors: list[torch.Tensor], matrices: int) -> torch.Tensor:
+    """max|t| per matrix (``[matrices]`` fp32), folded over ``tensors`` (all ``[matrices, ...]``
+    or 2-D with ``matrices == 1``): one read of each, no sync."""
+    from posttrain.quant_convert import _nvfp4_triton as kernels
+
+    dev = tensors[0].device
+    bits = torch.zeros(matrices, dtype=torch.int32, device=dev)
+    slots = _slots(dev, matrices)
+    for t in tensors:
+        kernels.amax_into(t.contiguous().reshape(matrices, -1), bits, slots)
+    return bits.view(torch.float32)
+
+
+_SLOTS: dict[tuple[torch.device, int], torch.Tensor] = {}
+
+
+def _slots(device: torch.device, n: int) -> torch.Tensor:
+    """``arange(n)`` as int32 on ``device``, kept (each call's launches need one)."""
+    key = (device, n)
+    if key not in _SLOTS:
+        _SLOTS[key] = torch.arange(n, dtype=torch.int32, device=device)
+    return _SLOTS[key]
+
+
+def _quantize_triton(
+    weight: torch.Tensor, amax: torch.Tensor, cfg: NVFP4Config, name: str
+) -> NVFP4Tensor:
+    """The fused-kernel path; ``amax`` is 0-d (2-D weight) or ``[E]`` (3-D), on the device."""
+    from posttrain.quant_convert import _nvfp4_triton as kernels
+
+    is_3d = weight.dim() == 3
+    x = weight.contiguous()
+    x3 = x if is_3d else x.unsqueeze(0)
+    mats = x3.shape[0]
+    amax = amax.reshape(-1)
+    if amax.numel() != mats or amax.device != x.device or amax.dtype != torch.float32:
+        amax = amax.to(device=x.device, dtype=torch.float32).reshape(-1).expand(mats)
+    slots = _slots(x.device, mats)
+    packed, scale, ws2, flag = kernels.quantize_matrices(
+        x3, amax.contiguous(), slots, four_over_six=cfg.four_over_six,
+        scale_rounding=cfg.scale_rounding, emax=cfg.emax,
+    )  # fmt: skip
+    if int(flag.item()):
+        _raise_non_finite(name, weight)
+    if is_3d:
+        return NVFP4Tensor(packed, scale, ws2)
+    return NVFP4Tensor(packed[0], scale[0], ws2[0])
+
+
 def quantize_nvfp4(
     weight: torch.Tensor,
     *,
@@ -241,18 +335,25 @@ def quantize_nvfp4(
     cfg: NVFP4Config | NVFP4Precision | None = None,
     name: str = "weight",
     allow_3d: bool = False,
+    backend: Backend = "auto",
 ) -> NVFP4Tensor:
     """Quantize a ``[N, K]`` (or, with ``allow_3d``, ``[E, N, K]``) weight to NVFP4.
 
     ``global_amax`` overrides max|weight| (a gate/up pair passes the max over both; 3-D takes
     one per expert, shape ``[E]``). Raises :class:`QuantInputError` naming ``name`` for NaN,
-    Inf, K not a multiple of 16, an unsupported dtype or rank.
+    Inf, K not a multiple of 16, an unsupported dtype or rank. ``backend``: ``auto`` runs the
+    fused Triton kernel on CUDA tensors and pure torch elsewhere (the same bytes either way).
     """
-    if isinstance(cfg, NVFP4Precision):
-        cfg = NVFP4Config.from_precision(cfg)
-    cfg = cfg or NVFP4Config()
+    cfg = _resolve_cfg(cfg)
     _check(weight, name, allow_3d)
     is_3d = weight.dim() == 3
+    if _use_triton(weight.device, backend):
+        if global_amax is None:
+            mats = weight.shape[0] if is_3d else 1
+            amax = _triton_amax([weight], mats)
+        else:
+            amax = torch.as_tensor(global_amax, dtype=torch.float32, device=weight.device)
+        return _quantize_triton(weight, amax, cfg, name)
     if global_amax is None:
         amax = _amax_of(weight, is_3d)
     else:
@@ -281,6 +382,7 @@ def quantize_nvfp4_pair(
     cfg: NVFP4Config | NVFP4Precision | None = None,
     names: tuple[str, str] = ("gate_proj.weight", "up_proj.weight"),
     allow_3d: bool = False,
+    backend: Backend = "auto",
 ) -> tuple[NVFP4Tensor, NVFP4Tensor]:
     """Quantize a gate/up pair with one shared global amax.
 
@@ -294,8 +396,146 @@ def quantize_nvfp4_pair(
             f"{names[0]} {tuple(gate.shape)} and {names[1]} {tuple(up.shape)} do not pair"
         )
     is_3d = gate.dim() == 3
-    amax = torch.maximum(_amax_of(gate, is_3d), _amax_of(up, is_3d))
+    if _use_triton(gate.device, backend):
+        if is_3d and gate.shape[0] != up.shape[0]:
+            raise QuantInputError(
+                f"{names[0]} {tuple(gate.shape)} and {names[1]} {tuple(up.shape)} do not pair"
+            )
+        amax = _triton_amax([gate, up], gate.shape[0] if is_3d else 1)  # one shared slot each
+        if not is_3d:
+            amax = amax[0]
+    else:
+        amax = torch.maximum(_amax_of(gate, is_3d), _amax_of(up, is_3d))
     return (
-        quantize_nvfp4(gate, global_amax=amax, cfg=cfg, name=names[0], allow_3d=allow_3d),
-        quantize_nvfp4(up, global_amax=amax, cfg=cfg, name=names[1], allow_3d=allow_3d),
-    )
+        quantize_nvfp4(gate, global_amax=amax, cfg=cfg, name=names[0], allow_3d=allow_3d,
+                       backend=backend),
+        quantize_nvfp4(up, global_amax=amax, cfg=cfg, name=names[1], allow_3d=allow_3d,
+                       backend=backend),
+    )  # fmt: skip
+
+
+def quantize_nvfp4_many(
+    weights: Sequence[tuple[str, torch.Tensor]],
+    *,
+    partners: Mapping[str, str] | None = None,
+    cfg: NVFP4Config | NVFP4Precision | None = None,
+    allow_3d: bool = True,
+    backend: Backend = "auto",
+    chunk_bytes: int = 1 << 30,
+    stack_below_bytes: int = 16 << 20,
+) -> dict[str, NVFP4Tensor]:
+    """Quantize many named weights; ``partners`` maps each gate/up member to the other, and a
+    pair shares one global amax (per expert for 3-D), exactly as :func:`quantize_nvfp4_pair`.
+
+    On CUDA (the live weight-sync path) same-shape weights smaller than ``stack_below_bytes``
+    are stacked, up to ``chunk_bytes`` of input at a time, and each stack costs two kernel
+    launches (amax, quantize); thousands of small expert matrices would otherwise cost more in
+    launches than in memory traffic. Larger weights are launched in place (a stack would
+    copy them). The whole call synchronises once, to check for NaN/Inf. Elsewhere, and for
+    a pair whose members differ in shape, weights are quantized one by one. The bytes are
+    those of :func:`quantize_nvfp4` either way.
+    """
+    cfg = _resolve_cfg(cfg)
+    partners = dict(partners or {})
+    by_name = dict(weights)
+    for n, t in weights:
+        _check(t, n, allow_3d)
+        p = partners.get(n)
+        if p is not None and (p not in by_name or partners.get(p) != n):
+            raise QuantInputError(f"{n}: its partner {p!r} is not among the weights (or unpaired)")
+    out: dict[str, NVFP4Tensor] = {}
+    stacked: dict[tuple[Any, ...], list[list[str]]] = {}
+    placed: set[str] = set()
+    for n, t in weights:
+        if n in placed:
+            continue
+        p = partners.get(n)
+        placed.update([n] if p is None else [n, p])
+        is_3d = t.dim() == 3
+        if not _use_triton(t.device, backend) or (
+            p is not None and (by_name[p].shape != t.shape or by_name[p].dtype != t.dtype)
+        ):
+            names = [n] if p is None else [n, p]
+            amax = global_amax(t, per_expert=is_3d)
+            if p is not None:
+                amax = torch.maximum(amax, global_amax(by_name[p], per_expert=is_3d))
+            for m in names:
+                w = by_name[m]
+                out[m] = quantize_nvfp4(w, global_amax=amax, cfg=cfg, name=m, allow_3d=allow_3d,
+                                        backend=backend)  # fmt: skip
+            continue
+        big = t.numel() * t.element_size() >= stack_below_bytes
+        key = (tuple(t.shape), t.dtype, t.device, big)
+        stacked.setdefault(key, []).append([n] if p is None else [n, p])
+    flags: list[tuple[torch.Tensor, list[str]]] = []
+    for key, units in stacked.items():
+        if key[-1]:  # large weights: one unit at a time, no copy
+            for unit in units:
+                flags.append((_quantize_stack([unit], by_name, cfg, out, stack=False), unit))
+            continue
+        chunk: list[list[str]] = []
+        size = 0
+        for unit in [*units, []]:
+            unit_bytes = sum(by_name[m].numel() * by_name[m].element_size() for m in unit)
+            if chunk and (not unit or size + unit_bytes > chunk_bytes):
+                flags.append(
+                    (_quantize_stack(chunk, by_name, cfg, out), [m for u in chunk for m in u])
+                )
+                chunk, size = [], 0
+            if unit:
+                chunk.append(unit)
+                size += unit_bytes
+    if flags and int(torch.stack([f for f, _ in flags]).max().item()):
+        for _, names in flags:
+            for m in names:
+                if not bool(torch.isfinite(by_name[m]).all()):
+                    _raise_non_finite(m, by_name[m])
+    return {n: out[n] for n, _ in weights}
+
+
+def _quantize_stack(
+    units: list[list[str]],
+    by_name: dict[str, torch.Tensor],
+    cfg: NVFP4Config,
+    out: dict[str, NVFP4Tensor],
+    *,
+    stack: bool = True,
+) -> torch.Tensor:
+    """Same-shape weights (pairs share amax slots) through the kernels: one amax and one
+    quantize launch over their concatenation (``stack``), or per weight in place; fills
+    ``out`` and returns the device NaN/Inf flag."""
+    from posttrain.quant_convert import _nvfp4_triton as kernels
+
+    first = by_name[units[0][0]]
+    n_rows, k = first.shape[-2], first.shape[-1]
+    per = first.shape[0] if first.dim() == 3 else 1  # matrices per weight
+    names = [m for u in units for m in u]
+    slot_of = {m: u_idx for u_idx, u in enumerate(units) for m in u}
+    pieces = [names] if stack else [[m] for m in names]
+    dev = first.device
+    bits = torch.zeros(len(units) * per, dtype=torch.int32, device=dev)
+    staged = []
+    for piece in pieces:
+        xs = [by_name[m].reshape(per, n_rows, k) for m in piece]
+        x = torch.cat(xs) if len(xs) > 1 else xs[0].contiguous()
+        ids = [slot_of[m] * per + e for m in piece for e in range(per)]
+        if len(ids) == 1 or ids == list(range(ids[0], ids[0] + len(ids))):
+            slots = _slots(dev, len(units) * per)[ids[0] : ids[0] + len(ids)]
+        else:
+            slots = torch.tensor(ids, dtype=torch.int32).to(dev, non_blocking=True)
+        kernels.amax_into(x.reshape(x.shape[0], -1), bits, slots)
+        staged.append((piece, x, slots))
+    flag = torch.zeros(1, dtype=torch.int32, device=dev)
+    for piece, x, slots in staged:  # after every amax: a pair's slot is complete
+        packed, scale, ws2, piece_flag = kernels.quantize_matrices(
+            x, bits.view(torch.float32), slots, four_over_six=cfg.four_over_six,
+            scale_rounding=cfg.scale_rounding, emax=cfg.emax,
+        )  # fmt: skip
+        torch.maximum(flag, piece_flag, out=flag)
+        for i, m in enumerate(piece):
+            if first.dim() == 3:
+                sl = slice(i * per, (i + 1) * per)
+                out[m] = NVFP4Tensor(packed[sl], scale[sl], ws2[sl])
+            else:
+                out[m] = NVFP4Tensor(packed[i], scale[i], ws2[i])
+    return flag

@@ -1,0 +1,389 @@
+# mypy: disable-error-code="untyped-decorator,no-untyped-def"
+# ruff: noqa: N803, N806  (Triton spells compile-time constants in capitals)
+"""Fused Triton NVFP4 kernels: the CUDA path of :mod:`posttrain.quant_convert.nvfp4`.
+
+Imported only when a CUDA tensor is quantized (or by the interpreter test), so a CPU-only
+install never needs Triton. Two kernels, each one pass over the input:
+
+* ``_amax_kernel`` reduces max|x| of every matrix into an fp32 slot, as ``int32`` bit patterns
+  with ``atomic_max`` (non-negative floats order like their bits; a NaN's bits exceed +inf's,
+  so a NaN anywhere leaves a NaN amax). Matrices that share a slot (a gate/up pair) share A.
+* ``_quant_kernel`` reads the input once (any of fp16/bf16/fp32) and writes the packed E2M1
+  codes (one int64 per 16-element block: byte j = code[2j] | code[2j+1] << 4, little endian),
+  the E4M3 scale bytes, and ``weight_scale_2`` per matrix; a non-finite block sets a flag.
+
+Bit parity with the CPU reference (pure torch, IEEE fp32, round-to-nearest-even) is by
+construction and tested bit for bit (the interpreter on CPU, the device in the benchmark):
+
+* every division is ``div_rn`` (Triton's ``/`` is approximate on fp32), in the reference's
+  order: ``S_enc = 6*Emax / A``, ``scale_2 = 1 / S_enc``, ``e = 1 / (s * scale_2)``,
+  ``v / 6`` (te-divide and 4-over-6), and 4-over-6's ``((q * s) * A) / (6 * Emax)``;
+* kernels are compiled with ``enable_fp_fusion=False``, so no mul+add becomes an FMA (the
+  MSE error sum ``acc + d*d`` would otherwise round once instead of twice);
+* the E4M3 cast is integer arithmetic on the fp32 bits (round-to-nearest-even on the mantissa
+  for normals, ``rne(d * 2**9)`` through the 2**23 magic add for subnormals), so neither the
+  hardware's nor the interpreter's float8 conversion is trusted;
+* E2M1 rounding is integer arithmetic too (the mantissa rounded to one bit, ties even), the
+  same codes as the reference's ``round(2a) / 2+round(a) / 4+round(a/2)`` form;
+* the 4-over-6 errors of a block are summed one element after another (0..15), as TE and the
+  reference do, by splitting the block's 16 columns apart rather than with ``tl.sum``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton  # type: ignore[import-untyped]
+import triton.language as tl  # type: ignore[import-untyped]
+
+__all__ = ["DEFAULT_TUNING", "KernelTuning", "amax_into", "quantize_matrices"]
+
+_AMAX_TILE = 4096
+_AMAX_TILES_PER_PROGRAM = 4
+_MODES = {
+    ("off", "te-multiplier"): 0,
+    ("off", "te-divide"): 1,
+    ("mae", "te-multiplier"): 2,
+    ("mae", "te-divide"): 2,  # 4-over-6 always forms (v / 6) * S_enc, as TE
+    ("mse", "te-multiplier"): 3,
+    ("mse", "te-divide"): 3,
+}
+
+
+@triton.jit
+def _amax_kernel(x_ptr, bits_ptr, slot_ptr, per_matrix, TILE: tl.constexpr, TILES: tl.constexpr):
+    pid = tl.program_id(0)
+    m = tl.program_id(1)
+    base = m.to(tl.int64) * per_matrix
+    acc = tl.zeros([TILE], dtype=tl.int32)
+    for t in tl.static_range(TILES):
+        offs = (pid * TILES + t) * TILE + tl.arange(0, TILE)
+        x = tl.load(x_ptr + base + offs, mask=offs < per_matrix, other=0.0)
+        bits = x.to(tl.float32).to(tl.int32, bitcast=True) & 0x7FFFFFFF
+        acc = tl.maximum(acc, bits)
+    slot = tl.load(slot_ptr + m)
+    tl.atomic_max(bits_ptr + slot, tl.max(acc, axis=0))
+
+
+@triton.jit
+def _e4m3_rne(d):
+    """Scale byte and its fp32 value for ``0 <= d <= 448`` (round to nearest, ties even)."""
+    bits = d.to(tl.int32, bitcast=True)
+    r = (bits + 0x7FFFF + ((bits >> 20) & 1)) >> 20  # exponent and 3 mantissa bits, rounded
+    normal_byte = r - (120 << 3)  # rebias 127 -> 7
+    normal_val = (r << 20).to(tl.float32, bitcast=True)
+    k = ((d * 512.0) + 8388608.0).to(tl.int32, bitcast=True) - 0x4B000000  # rne(d * 2**9)
+    sub = d < 0.015625  # 2**-6, the least normal E4M3
+    byte = tl.where(sub, k, normal_byte)
+    val = tl.where(sub, k.to(tl.float32) * 0.001953125, normal_val)
+    return byte, val
+
+
+@triton.jit
+def _e2m1_index(a):
+    """E2M1 magnitude index 0..7 of ``0 <= a <= 6``, ties to the even code: for a >= 1 the
+    fp32 mantissa rounded to one bit (nearest, ties even) with the exponent rebiased; below
+    1, ``rne(2a)`` through the 2**23 magic add. Same codes as comparing against the midpoints
+    .25 .75 1.25 1.75 2.5 3.5 5 (ties to the even code)."""
+    bits = a.to(tl.int32, bitcast=True)
+    normal = ((bits + 0x1FFFFF + ((bits >> 22) & 1)) >> 22) - 252  # 1.0 -> 2, 6.0 -> 7
+    small = ((a * 2.0) + 8388608.0).to(tl.int32, bitcast=True) - 0x4B000000
+    return tl.where(a < 1.0, small, normal)
+
+
+@triton.jit
+def _e2m1_codes(x, sf, ws2):
+    """E2M1 codes (int32, sign << 3 | idx) of fp32 blocks ``x [B, 16]`` under scales ``sf [B]``."""
+    e = tl.minimum(
+        tl.math.div_rn(tl.full(sf.shape, 1.0, tl.float32), sf * ws2), 3.4028234663852886e38
+    )
+    y = x * e[:, None]
+    idx = _e2m1_index(tl.minimum(tl.abs(y), 6.0))  # = |clamp(y, -6, 6)|
+    return idx | ((y < 0.0).to(tl.int32) << 3)
+
+
+@triton.jit
+def _block_error(x, codes, sf, amax, DENOM: tl.constexpr, MSE: tl.constexpr):
+    """Sum over a block's 16 elements, in order, of |q*s*A/denom - x| (or its square)."""
+    idx = (codes & 7).to(tl.float32)
+    mag = tl.where(idx < 4.0, idx * 0.5, tl.where(idx < 6.0, idx - 2.0, (idx - 4.0) * 2.0))
+    q = tl.where((codes & 8) != 0, -mag, mag)
+    val = tl.math.div_rn((q * sf[:, None]) * amax, tl.full(q.shape, DENOM, tl.float32))
+    diff = val - x
+    err = diff * diff if MSE else tl.abs(diff)
+    # columns in order: [B,16] -> halves by the lowest index bit, four times
+    B: tl.constexpr = err.shape[0]
+    c_even, c_odd = tl.split(tl.reshape(err, [B, 8, 2]))  # cols 2i | 2i+1
+    c0, c2 = tl.split(tl.reshape(c_even, [B, 4, 2]))  # cols 4i | 4i+2
+    c1, c3 = tl.split(tl.reshape(c_odd, [B, 4, 2]))  # cols 4i+1 | 4i+3
+    c00, c04 = tl.split(tl.reshape(c0, [B, 2, 2]))  # 8i | 8i+4
+    c02, c06 = tl.split(tl.reshape(c2, [B, 2, 2]))
+    c01, c05 = tl.split(tl.reshape(c1, [B, 2, 2]))
+    c03, c07 = tl.split(tl.reshape(c3, [B, 2, 2]))
+    e0, e8 = tl.split(c00)
+    e4, e12 = tl.split(c04)
+    e2, e10 = tl.split(c02)
+    e6, e14 = tl.split(c06)
+    e1, e9 = tl.split(c01)
+    e5, e13 = tl.split(c05)
+    e3, e11 = tl.split(c03)
+    e7, e15 = tl.split(c07)
+    acc = e0 + e1
+    acc = acc + e2
+    acc = acc + e3
+    acc = acc + e4
+    acc = acc + e5
+    acc = acc + e6
+    acc = acc + e7
+    acc = acc + e8
+    acc = acc + e9
+    acc = acc + e10
+    acc = acc + e11
+    acc = acc + e12
+    acc = acc + e13
+    acc = acc + e14
+    return acc + e15
+
+
+@triton.jit
+def _quant_kernel(
+    x_ptr,
+    amax_ptr,
+    slot_ptr,
+    packed_ptr,
+    scale_ptr,
+    ws2_ptr,
+    flag_ptr,
+    blocks_per_matrix,
+    EMAX: tl.constexpr,
+    MODE: tl.constexpr,
+    BLOCKS: tl.constexpr,
+    PACK_WORDS: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    m = tl.program_id(1)
+    slot = tl.load(slot_ptr + m)
+    amax = tl.load(amax_ptr + slot)
+    SIX_EMAX: tl.constexpr = 6.0 * EMAX  # exact: 2688 or 1536
+    s_enc = tl.minimum(
+        tl.math.div_rn(tl.full([], SIX_EMAX, tl.float32), amax), 3.4028234663852886e38
+    )
+    s_enc = tl.where(s_enc == 0.0, 1.0, s_enc)
+    ws2 = tl.math.div_rn(tl.full([], 1.0, tl.float32), s_enc)
+    if pid == 0:
+        tl.store(ws2_ptr + m, ws2)
+
+    # 64-bit only in the per-matrix base; offsets within a matrix are int32 (< 2**31 elements)
+    first = m.to(tl.int64) * blocks_per_matrix
+    x_ptr += first * 16
+    scale_ptr += first
+    packed_ptr += first * (1 if PACK_WORDS else 8)
+    offs = pid * BLOCKS + tl.arange(0, BLOCKS)
+    ok = offs < blocks_per_matrix
+    cols = tl.arange(0, 16)
+    x = tl.load(x_ptr + offs[:, None] * 16 + cols[None, :], mask=ok[:, None], other=0.0)
+    x = x.to(tl.float32)
+    # block amax as the integer max of |x|'s bits: exact, +0.0 for zeros, and a NaN's bits
+    # exceed +inf's, so the NaN/Inf check is one compare per block (a float max may drop NaN)
+    v_bits = tl.max(x.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=1)
+    bad = tl.max((v_bits >= 0x7F800000).to(tl.int32), axis=0)
+    tl.atomic_max(flag_ptr, bad, mask=bad > 0)
+    v = v_bits.to(tl.float32, bitcast=True)
+
+    if MODE == 0:
+        d = v * (s_enc * 0.16666666666666666)
+        byte, sf = _e4m3_rne(tl.minimum(d, 448.0))
+        codes = _e2m1_codes(x, sf, ws2)
+    elif MODE == 1:
+        d = tl.math.div_rn(v, tl.full(v.shape, 6.0, tl.float32)) * s_enc
+        byte, sf = _e4m3_rne(tl.minimum(d, 448.0))
+        codes = _e2m1_codes(x, sf, ws2)
+    else:
+        base = tl.math.div_rn(v, tl.full(v.shape, 6.0, tl.float32)) * s_enc
+        b6, sf6 = _e4m3_rne(tl.minimum(base, 448.0))
+        b4, sf4 = _e4m3_rne(tl.minimum(base * 1.5, 448.0))
+        c6 = _e2m1_codes(x, sf6, ws2)
+        c4 = _e2m1_codes(x, sf4, ws2)
+        err6 = _block_error(x, c6, sf6, amax, SIX_EMAX, MODE == 3)
+        err4 = _block_error(x, c4, sf4, amax, SIX_EMAX, MODE == 3)
+        use4 = err4 < err6
+        codes = tl.where(use4[:, None], c4, c6)
+        byte = tl.where(use4, b4, b6)
+
+    if PACK_WORDS:  # one int64 per block (little endian: byte j = code 2j | code 2j+1 << 4)
+        shifts = (cols * 4).to(tl.int64)
+        word = tl.sum(codes.to(tl.int64) << shifts[None, :], axis=1)  # disjoint: sum == or
+        tl.store(packed_ptr + offs, word, mask=ok)
+    else:  # eight bytes per block
+        lo, hi = tl.split(tl.reshape(codes, [BLOCKS, 8, 2]))
+        packed = (lo | (hi << 4)).to(tl.uint8)
+        bytes_at = offs[:, None] * 8 + tl.arange(0, 8)[None, :]
+        tl.store(packed_ptr + bytes_at, packed, mask=ok[:, None])
+    tl.store(scale_ptr + offs, byte.to(tl.uint8), mask=ok)
+
+
+@triton.jit
+def _e2m1_code_1d(x, e):
+    """E2M1 codes (int32) of fp32 values ``x`` under per-block encode scales ``e``."""
+    y = x * e
+    idx = _e2m1_index(tl.minimum(tl.abs(y), 6.0))
+    return idx | ((y < 0.0).to(tl.int32) << 3)
+
+
+@triton.jit
+def _e2m1_error(x, code, sf, amax, DENOM: tl.constexpr, MSE: tl.constexpr):
+    """|q*s*A/denom - x| (or its square) of one element, as the reference computes it."""
+    idx = (code & 7).to(tl.float32)
+    mag = tl.where(idx < 4.0, idx * 0.5, tl.where(idx < 6.0, idx - 2.0, (idx - 4.0) * 2.0))
+    q = tl.where((code & 8) != 0, -mag, mag)
+    val = tl.math.div_rn((q * sf) * amax, tl.full(q.shape, DENOM, tl.float32))
+    diff = val - x
+    return diff * diff if MSE else tl.abs(diff)
+
+
+@triton.jit
+def _quant_4over6_kernel(
+    x_ptr,
+    amax_ptr,
+    slot_ptr,
+    packed_ptr,
+    scale_ptr,
+    ws2_ptr,
+    flag_ptr,
+    blocks_per_matrix,
+    EMAX: tl.constexpr,
+    MSE: tl.constexpr,
+    BLOCKS: tl.constexpr,
+):
+    """4-over-6 with one thread per block: its 16 elements are read column by column (L1
+    serves the repeats), so the block's errors sum in element order with no data exchange."""
+    pid = tl.program_id(0)
+    m = tl.program_id(1)
+    slot = tl.load(slot_ptr + m)
+    amax = tl.load(amax_ptr + slot)
+    SIX_EMAX: tl.constexpr = 6.0 * EMAX
+    s_enc = tl.minimum(
+        tl.math.div_rn(tl.full([], SIX_EMAX, tl.float32), amax), 3.4028234663852886e38
+    )
+    s_enc = tl.where(s_enc == 0.0, 1.0, s_enc)
+    ws2 = tl.math.div_rn(tl.full([], 1.0, tl.float32), s_enc)
+    if pid == 0:
+        tl.store(ws2_ptr + m, ws2)
+    first = m.to(tl.int64) * blocks_per_matrix
+    x_ptr += first * 16
+    scale_ptr += first
+    packed_ptr += first
+    offs = pid * BLOCKS + tl.arange(0, BLOCKS)
+    ok = offs < blocks_per_matrix
+    row = x_ptr + offs * 16
+
+    v_bits = tl.zeros([BLOCKS], dtype=tl.int32)
+    for j in tl.static_range(16):
+        xj = tl.load(row + j, mask=ok, other=0.0).to(tl.float32)
+        v_bits = tl.maximum(v_bits, xj.to(tl.int32, bitcast=True) & 0x7FFFFFFF)
+    any_bad = tl.max((v_bits >= 0x7F800000).to(tl.int32), axis=0)
+    tl.atomic_max(flag_ptr, any_bad, mask=any_bad > 0)
+    v = v_bits.to(tl.float32, bitcast=True)
+
+    base = tl.math.div_rn(v, tl.full(v.shape, 6.0, tl.float32)) * s_enc
+    b6, sf6 = _e4m3_rne(tl.minimum(base, 448.0))
+    b4, sf4 = _e4m3_rne(tl.minimum(base * 1.5, 448.0))
+    one = tl.full(v.shape, 1.0, tl.float32)
+    e6 = tl.minimum(tl.math.div_rn(one, sf6 * ws2), 3.4028234663852886e38)
+    e4 = tl.minimum(tl.math.div_rn(one, sf4 * ws2), 3.4028234663852886e38)
+    amax_v = tl.full(v.shape, 0.0, tl.float32) + amax
+    err6 = tl.zeros([BLOCKS], dtype=tl.float32)
+    err4 = tl.zeros([BLOCKS], dtype=tl.float32)
+    word6 = tl.zeros([BLOCKS], dtype=tl.int64)
+    word4 = tl.zeros([BLOCKS], dtype=tl.int64)
+    for j in tl.static_range(16):
+        xj = tl.load(row + j, mask=ok, other=0.0).to(tl.float32)
+        c6 = _e2m1_code_1d(xj, e6)
+        c4 = _e2m1_code_1d(xj, e4)
+        err6 = err6 + _e2m1_error(xj, c6, sf6, amax_v, SIX_EMAX, MSE)
+        err4 = err4 + _e2m1_error(xj, c4, sf4, amax_v, SIX_EMAX, MSE)
+        word6 |= c6.to(tl.int64) << (4 * j)
+        word4 |= c4.to(tl.int64) << (4 * j)
+    use4 = err4 < err6
+    tl.store(packed_ptr + offs, tl.where(use4, word4, word6), mask=ok)
+    tl.store(scale_ptr + offs, tl.where(use4, b4, b6).to(tl.uint8), mask=ok)
+
+
+def amax_into(x: torch.Tensor, bits: torch.Tensor, slots: torch.Tensor) -> None:
+    """Fold max|x[m]| into ``bits[slots[m]]`` (int32 views of fp32) for ``x`` of shape [M, L]."""
+    m, per = x.shape
+    if per == 0 or m == 0:
+        return
+    grid = (triton.cdiv(per, _AMAX_TILE * _AMAX_TILES_PER_PROGRAM), m)
+    _amax_kernel[grid](
+        x, bits, slots, per, TILE=_AMAX_TILE, TILES=_AMAX_TILES_PER_PROGRAM,
+        enable_fp_fusion=False,
+    )  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True)
+class KernelTuning:
+    """Launch shape of the quantize kernel; none of it changes the bytes written. Defaults are
+    the fastest of ``benchmarks/gpu_nvfp4_throughput.py --sweep`` on an H200 (2026-12-01):
+    256 blocks x 2 warps with byte packing, and for 4-over-6 the block-tile kernel at 32
+    blocks x 2 warps (the one-thread-per-block variant measured 20% slower)."""
+
+    blocks_per_program: int = 256
+    num_warps: int = 2
+    pack_words: bool = False
+    four_over_six_columns: bool = False  # 4-over-6 in the one-thread-per-block kernel
+    blocks_per_program_4over6: int = 32
+    num_warps_4over6: int = 2
+
+
+DEFAULT_TUNING = KernelTuning()
+
+
+def quantize_matrices(
+    x: torch.Tensor,
+    amax: torch.Tensor,
+    slots: torch.Tensor,
+    *,
+    four_over_six: str,
+    scale_rounding: str,
+    emax: float,
+    tuning: KernelTuning = DEFAULT_TUNING,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Quantize contiguous ``x [M, N, K]``; matrix m uses global amax ``amax[slots[m]]``.
+
+    Returns packed ``[M, N, K/2]`` uint8, scales ``[M, N, K/16]`` float8_e4m3fn, ``scale_2``
+    ``[M]`` fp32, and an int32 flag (nonzero when some block held NaN or Inf) left on the
+    device, so a caller can check many results with one synchronisation.
+    """
+    mats, n, k = x.shape
+    dev = x.device
+    if n * k >= 2**31:
+        raise ValueError(f"one matrix of {n}x{k} elements exceeds the kernel's int32 offsets")
+    packed = torch.empty((mats, n, k // 2), dtype=torch.uint8, device=dev)
+    scale = torch.empty((mats, n, k // 16), dtype=torch.float8_e4m3fn, device=dev)
+    ws2 = torch.empty((mats,), dtype=torch.float32, device=dev)
+    flag = torch.zeros((1,), dtype=torch.int32, device=dev)
+    blocks = n * k // 16
+    if mats == 0 or blocks == 0:
+        return packed, scale, ws2, flag
+    if four_over_six != "off" and tuning.four_over_six_columns:
+        grid = (triton.cdiv(blocks, tuning.blocks_per_program_4over6), mats)
+        _quant_4over6_kernel[grid](
+            x, amax, slots, packed.view(torch.int64), scale.view(torch.uint8), ws2, flag,
+            blocks, EMAX=float(emax), MSE=four_over_six == "mse",
+            BLOCKS=tuning.blocks_per_program_4over6, num_warps=tuning.num_warps_4over6,
+            enable_fp_fusion=False,
+        )  # fmt: skip
+        return packed, scale, ws2, flag
+    tile, warps = tuning.blocks_per_program, tuning.num_warps
+    if four_over_six != "off":
+        tile, warps = tuning.blocks_per_program_4over6, tuning.num_warps_4over6
+    grid = (triton.cdiv(blocks, tile), mats)
+    _quant_kernel[grid](
+        x, amax, slots, packed.view(torch.int64) if tuning.pack_words else packed,
+        scale.view(torch.uint8), ws2, flag, blocks,
+        EMAX=float(emax), MODE=_MODES[(four_over_six, scale_rounding)],
+        BLOCKS=tile, PACK_WORDS=tuning.pack_words, num_warps=warps, enable_fp_fusion=False,
+    )  # fmt: skip
+    return packed, scale, ws2, flag

@@ -1,0 +1,223 @@
+"""The fused Triton NVFP4 kernels produce the CPU reference's bytes, for every config.
+
+On a CUDA machine the kernels run on the device; elsewhere Triton's interpreter runs the same
+kernel source on CPU tensors, so the arithmetic (div_rn, the E4M3 bit rounding, the sequential
+4-over-6 error sums) is checked bit for bit here too. The interpreter must be switched on
+before Triton is imported (its own library functions are decorated then), so on CPU one test
+runs this file again in a fresh process with ``TRITON_INTERPRET=1`` and the kernel tests run
+there (they show as skipped in the parent). Shapes stay small: the interpreter is numpy.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from posttrain.quant_convert import QuantInputError
+from posttrain.quant_convert.nvfp4 import (
+    NVFP4Config,
+    NVFP4Tensor,
+    quantize_nvfp4,
+    quantize_nvfp4_many,
+    quantize_nvfp4_pair,
+)
+
+GOLDEN = json.loads((Path(__file__).parent / "golden_nvfp4.json").read_text())
+CONFIGS = [
+    NVFP4Config(),
+    NVFP4Config(scale_rounding="te-divide"),
+    NVFP4Config(four_over_six="mae"),
+    NVFP4Config(four_over_six="mse"),
+    NVFP4Config(four_over_six="mae", e4m3_max=448),
+    NVFP4Config(four_over_six="mse", scale_rounding="te-divide", e4m3_max=448),
+]
+RUN_HERE = torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
+kernel_test = pytest.mark.skipif(
+    not RUN_HERE, reason="no CUDA: run under the interpreter by test_kernels_under_interpreter"
+)
+
+
+@pytest.mark.skipif(RUN_HERE, reason="the kernel tests run in this process")
+def test_kernels_under_interpreter() -> None:
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    args = [sys.executable, "-m", "pytest", __file__, "-q", "-x", "-p", "no:cacheprovider"]
+    r = subprocess.run(args, env=env, capture_output=True, text=True, timeout=280, check=False)
+    assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-2000:]
+    assert " passed" in r.stdout, r.stdout[-500:]
+    assert "failed" not in r.stdout, r.stdout[-500:]
+
+
+def test_the_package_never_imports_triton_for_cpu_work() -> None:
+    code = (
+        "import sys, torch\n"
+        "import posttrain.quant_convert.live, posttrain.quant_convert.convert\n"
+        "from posttrain.quant_convert.nvfp4 import quantize_nvfp4, quantize_nvfp4_many\n"
+        "quantize_nvfp4(torch.randn(4, 32))\n"
+        "quantize_nvfp4_many([('w', torch.randn(4, 32))])\n"
+        "assert 'triton' not in sys.modules, 'triton imported'\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+
+
+@pytest.fixture(scope="module")
+def device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _hard_rows(rows: int, k: int, seed: int, dtype: torch.dtype) -> torch.Tensor:
+    """Gaussian rows plus the cases the kernel must not get wrong: zero and -0.0 blocks,
+    heavy-tailed rows, rows whose block scales are E4M3 subnormals or round to zero, exact
+    E2M1 midpoints (ties) under a unit block scale."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(rows, k, generator=g) * 0.02
+    w[0, :16] = 0.0
+    w[1, 16:32] = -0.0
+    w[1, 32:48] = torch.tensor([0.0, -0.0] * 8)
+    heavy = torch.randn(k, generator=g) / torch.rand(k, generator=g).clamp_min(1e-3) ** 2
+    w[2] = heavy * 0.02
+    w[3] *= 1e-5  # scales below 2**-6 (subnormal) and below 2**-10 (zero) against row 2
+    w[4] *= 3e-4
+    w[5, :16] = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0] * 2) * 0.02
+    return w.to(dtype)
+
+
+def _same(a: NVFP4Tensor, b: NVFP4Tensor) -> None:
+    assert torch.equal(a.packed, b.packed.cpu())
+    assert torch.equal(a.scale.view(torch.uint8), b.scale.cpu().view(torch.uint8))
+    assert a.scale_2.shape == b.scale_2.shape
+    assert torch.equal(a.scale_2.view(torch.int32), b.scale_2.cpu().view(torch.int32))
+
+
+@kernel_test
+@pytest.mark.parametrize(
+    "cfg", CONFIGS, ids=lambda c: f"{c.four_over_six}-{c.scale_rounding}-{c.emax:g}"
+)
+def test_kernel_bytes_equal_cpu_reference(device: str, cfg: NVFP4Config) -> None:
+    for dtype, rows in ((torch.bfloat16, 37), (torch.float32, 6), (torch.float16, 7)):
+        w = _hard_rows(rows, 64, seed=rows, dtype=dtype)
+        ref = quantize_nvfp4(w, cfg=cfg)
+        _same(ref, quantize_nvfp4(w.to(device), cfg=cfg, backend="triton"))
+
+
+@kernel_test
+@pytest.mark.parametrize("cfg", CONFIGS[:4], ids=lambda c: f"{c.four_over_six}-{c.scale_rounding}")
+def test_kernel_pair_and_experts_equal_cpu_reference(device: str, cfg: NVFP4Config) -> None:
+    gate = _hard_rows(13, 48, seed=1, dtype=torch.bfloat16)
+    up = _hard_rows(9, 48, seed=2, dtype=torch.bfloat16) * 4  # up holds the shared amax
+    ref = quantize_nvfp4_pair(gate, up, cfg=cfg)
+    got = quantize_nvfp4_pair(gate.to(device), up.to(device), cfg=cfg, backend="triton")
+    for r, g in zip(ref, got, strict=True):
+        _same(r, g)
+    assert torch.equal(got[0].scale_2, got[1].scale_2)
+    stack = torch.stack(
+        [_hard_rows(6, 48, seed=s, dtype=torch.bfloat16) * 10**s for s in (0, 1, 2)]
+    )
+    ref3 = quantize_nvfp4(stack, cfg=cfg, allow_3d=True)
+    _same(ref3, quantize_nvfp4(stack.to(device), cfg=cfg, allow_3d=True, backend="triton"))
+
+
+def _value(v: Any) -> float:
+    return {"MAX": 3.4028234663852886e38, "-MAX": -3.4028234663852886e38}.get(v, v)  # type: ignore[no-any-return]
+
+
+@kernel_test
+@pytest.mark.parametrize("case", GOLDEN["cases"], ids=lambda c: c["name"])
+def test_kernel_on_golden_vectors(device: str, case: dict[str, Any]) -> None:
+    w = torch.tensor([[float(_value(v)) for v in row] for row in case["rows"]])
+    cfg = NVFP4Config(**case["config"])
+    _same(quantize_nvfp4(w, cfg=cfg), quantize_nvfp4(w.to(device), cfg=cfg, backend="triton"))
+
+
+@kernel_test
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_kernel_refuses_non_finite_naming_the_tensor(device: str, bad: float) -> None:
+    w = torch.zeros(3, 32)
+    w[2, 20] = bad
+    kind = "NaN" if bad != bad else "Inf"
+    with pytest.raises(QuantInputError, match=rf"experts\.3\.up_proj\.weight: contains {kind}"):
+        quantize_nvfp4(w.to(device), name="experts.3.up_proj.weight", backend="triton")
+    # a given global amax does not hide it: the kernel flags the block itself
+    with pytest.raises(QuantInputError, match=kind):
+        quantize_nvfp4(w.to(device), global_amax=1.0, backend="triton")
+
+
+@kernel_test
+def test_stacked_many_equals_one_by_one(device: str) -> None:
+    """The live path's stacked launches (several chunks, pairs sharing a slot, 3-D experts, a
+    pair of mismatched shapes) give each weight the bytes of its own CPU quantization."""
+    cfg = NVFP4Config(four_over_six="mse")
+    ws = {
+        "e0.gate": _hard_rows(7, 48, seed=3, dtype=torch.bfloat16),
+        "e0.up": _hard_rows(7, 48, seed=4, dtype=torch.bfloat16) * 8,
+        "e0.down": _hard_rows(6, 48, seed=5, dtype=torch.bfloat16),
+        "e1.gate": _hard_rows(7, 48, seed=6, dtype=torch.bfloat16) * 1e-3,
+        "e1.up": _hard_rows(7, 48, seed=7, dtype=torch.bfloat16),
+        "odd.gate": _hard_rows(6, 48, seed=8, dtype=torch.bfloat16),
+        "odd.up": _hard_rows(7, 48, seed=9, dtype=torch.bfloat16),
+        "stack.gate": torch.stack(
+            [_hard_rows(6, 48, seed=s, dtype=torch.bfloat16) for s in (1, 2)]
+        ),
+        "stack.up": torch.stack([_hard_rows(6, 48, seed=s, dtype=torch.bfloat16) for s in (3, 4)]),
+    }
+    partners = {}
+    for p in ("e0", "e1", "odd", "stack"):
+        partners[f"{p}.gate"], partners[f"{p}.up"] = f"{p}.up", f"{p}.gate"
+    for stack_below in (1 << 20, 1):  # stacked in chunks, then every weight in place
+        got = quantize_nvfp4_many(
+            [(n, w.to(device)) for n, w in ws.items()], partners=partners, cfg=cfg,
+            backend="triton", chunk_bytes=2000,  # a pair of 7x48 bf16 per chunk
+            stack_below_bytes=stack_below,
+        )  # fmt: skip
+        assert list(got) == list(ws)
+        for p in ("e0", "e1", "odd", "stack"):
+            ref_gate, ref_up = quantize_nvfp4_pair(
+                ws[f"{p}.gate"], ws[f"{p}.up"], cfg=cfg, allow_3d=True
+            )
+            _same(ref_gate, got[f"{p}.gate"])
+            _same(ref_up, got[f"{p}.up"])
+        _same(quantize_nvfp4(ws["e0.down"], cfg=cfg), got["e0.down"])
+    bad = ws["e1.up"].clone()
+    bad[3, 5] = float("inf")
+    with pytest.raises(QuantInputError, match=r"e1\.up: contains Inf"):
+        quantize_nvfp4_many(
+            [("e1.gate", ws["e1.gate"].to(device)), ("e1.up", bad.to(device))],
+            partners={"e1.gate": "e1.up", "e1.up": "e1.gate"}, backend="triton",
+        )  # fmt: skip
+
+
+@kernel_test
+@pytest.mark.parametrize(
+    "cfg",
+    [CONFIGS[1], CONFIGS[2], CONFIGS[5]],
+    ids=lambda c: f"{c.four_over_six}-{c.scale_rounding}",
+)
+def test_every_launch_shape_writes_the_same_bytes(device: str, cfg: NVFP4Config) -> None:
+    """The tunings the benchmark sweeps (block-tile or one-thread-per-block 4-over-6, word or
+    byte packing, tile sizes) change speed only."""
+    from posttrain.quant_convert import _nvfp4_triton as kernels
+
+    w = _hard_rows(9, 80, seed=11, dtype=torch.bfloat16)
+    ref = quantize_nvfp4(w, cfg=cfg)
+    amax = torch.tensor([float(w.float().abs().max())], device=device)
+    slots = torch.zeros(1, dtype=torch.int32, device=device)
+    for tuning in (
+        kernels.KernelTuning(pack_words=True, blocks_per_program=16),
+        kernels.KernelTuning(pack_words=False, blocks_per_program=32),
+        kernels.KernelTuning(blocks_per_program_4over6=16, num_warps_4over6=1),
+        kernels.KernelTuning(four_over_six_columns=True, blocks_per_program_4over6=16),
+    ):
+        packed, scale, ws2, _ = kernels.quantize_matrices(
+            w.to(device).unsqueeze(0), amax, slots, four_over_six=cfg.four_over_six,
+            scale_rounding=cfg.scale_rounding, emax=cfg.emax, tuning=tuning,
+        )  # fmt: skip
+        _same(ref, NVFP4Tensor(packed[0], scale[0], ws2[0]))
