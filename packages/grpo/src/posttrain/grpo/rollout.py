@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -99,16 +99,29 @@ async def rollout(
                     f"rollout: {settings.url} failed for prompt {prompt.index} sample "
                     f"{sample}: {type(exc).__name__}: {exc}"
                 ) from exc
-            out.group_index = group
-            out.index = group * settings.samples_per_prompt + sample
-            return out
+            return _placed(out, settings, group, sample)
 
-        jobs = [
-            one(prompt, g, j)
-            for g, prompt in enumerate(prompts)
-            for j in range(settings.samples_per_prompt)
-        ]
-        return list(await asyncio.gather(*jobs))
+        return await _every_sample(settings, prompts, one)
+
+
+async def _every_sample(
+    settings: RolloutSettings,
+    prompts: Sequence[Prompt],
+    one: Callable[[Prompt, int, int], Awaitable[Sample]],
+) -> list[Sample]:
+    """``one(prompt, group, sample)`` for every sample of every prompt, in that order."""
+    jobs = [
+        one(prompt, g, j) for g, prompt in enumerate(prompts)
+        for j in range(settings.samples_per_prompt)
+    ]  # fmt: skip
+    return list(await asyncio.gather(*jobs))
+
+
+def _placed(out: Sample, settings: RolloutSettings, group: int, sample: int) -> Sample:
+    """``out`` with its place in the step: its prompt's group, its index in the batch."""
+    out.group_index = group
+    out.index = group * settings.samples_per_prompt + sample
+    return out
 
 
 def _sampling_params(
@@ -155,16 +168,9 @@ async def engine_rollout(
         if not isinstance(out, Sample):
             raise GrpoRunError(f"{where}: returned {type(out).__name__}, not a Sample")
         out.metadata = {**out.metadata, **prompt.metadata, "prompt_index": prompt.index}
-        out.group_index = group
-        out.index = group * settings.samples_per_prompt + sample
-        return out
+        return _placed(out, settings, group, sample)
 
-    jobs = [
-        one(prompt, g, j)
-        for g, prompt in enumerate(prompts)
-        for j in range(settings.samples_per_prompt)
-    ]
-    return list(await asyncio.gather(*jobs))
+    return await _every_sample(settings, prompts, one)
 
 
 def run_rollout(
