@@ -58,7 +58,7 @@ from posttrain.fsdp_mesh import (
     clip_grad_norm,
     scale_grads_to_norm,
 )
-from posttrain.grpo._errors import GrpoConfigError
+from posttrain.grpo._errors import GrpoConfigError, GrpoInputError
 from posttrain.grpo.config import GrpoConfig
 from posttrain.grpo.losses import aggregation_weights, entropy_from_logits
 from posttrain.grpo.objective import LossSettings, PolicyObjective, policy_objective
@@ -363,6 +363,7 @@ def _pack_context_parallel(
     cp_size: int,
     settings: LossSettings,
     *,
+    capacity: int,
     global_batch_size: int,
     global_token_count: int,
 ) -> dict[str, Any]:
@@ -372,6 +373,13 @@ def _pack_context_parallel(
     score: the model's logprob convention (``out[t] = log p(ids[t] | ids[:t])``)."""
     lengths = [len(s.tokens) for s in samples]
     padded = cp.padded_segment_lengths(lengths, cp_size, CP_LAYOUT)
+    for i, (n, p) in enumerate(zip(lengths, padded, strict=True)):
+        if p > capacity:
+            raise GrpoInputError(
+                f"sample {i} of the micro-batch has {n} tokens; context parallel pads it to {p} "
+                f"(a multiple of 2 x context_parallel_size={cp_size}), more than the model's "
+                f"max_position_embeddings={capacity}"
+            )
     ids: list[int] = []
     mask: list[int] = []
     rollout: list[float] = []
@@ -420,6 +428,7 @@ def _context_parallel_objective(
     group = policy.parallel.cp_group
     batch = _pack_context_parallel(
         part, policy.cp_size, settings,
+        capacity=policy.model.config.max_position_embeddings,
         global_batch_size=global_batch_size, global_token_count=global_token_count,
     )  # fmt: skip
     out = cp.forward_context_parallel(
