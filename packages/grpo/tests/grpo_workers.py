@@ -103,3 +103,47 @@ def write_then_step(rank: int, world: int, ckpt: str, train: str) -> bool:
                global_batch_size=N, global_token_count=N * RESPONSE)  # fmt: skip
     after = [p.full_tensor() if hasattr(p, "full_tensor") else p for p in params]
     return all(torch.equal(a.detach(), w) for a, w in zip(after, written, strict=True))
+
+
+# --------------------------------------------------------------- context parallel (one step)
+
+CP_PROMPTS = (4, 7, 5, 6, 3, 5)  # six samples, lengths 9..13: padded to multiples of 2C
+CP_RESPONSES = (5, 3, 8, 4, 6, 7)
+
+
+def cp_samples(ckpt: str) -> list[TrainSample]:
+    """Six samples of different lengths, some response tokens masked out, per-token advantages
+    and the checkpoint's own logprobs as the rollout's (so TIS weights and parity are real)."""
+    model = load_pretrained(ckpt)
+    gen = torch.Generator().manual_seed(7)
+    out = []
+    for i, (p, r) in enumerate(zip(CP_PROMPTS, CP_RESPONSES, strict=True)):
+        toks = torch.randint(4, 90, (p + r,), generator=gen).tolist()
+        with torch.no_grad():
+            lp = model.forward_logprobs(torch.tensor(toks), [p + r])[p:].tolist()
+        mask = [0 if (j + i) % 4 == 3 else 1 for j in range(r)]
+        adv = (torch.randn(r, generator=gen) * 0.5 + (1.0 if i % 2 else -1.0)).tolist()
+        out.append(TrainSample(tokens=toks, prompt_len=p, loss_mask=mask,
+                               rollout_logprobs=lp, advantages=adv))  # fmt: skip
+    return out
+
+
+def cp_step(rank: int, world: int, ckpt: str, cp_size: int, options: dict[str, Any]) -> Any:
+    """One GRPO step on ``world`` ranks with ``context_parallel_size=cp_size``: the step's
+    metrics and the updated trainable weights (full tensors)."""
+    torch.set_num_threads(1)
+    cfg = GrpoConfig(
+        model_path=Path(ckpt), replicate=1, shard=world, context_parallel_size=cp_size,
+        lr=1e-3, seed=0, **options,
+    )  # fmt: skip
+    policy = build_policy(cfg)
+    batch = cp_samples(ckpt)
+    mine = policy.data_parallel_share(batch)
+    masked = sum(sum(s.loss_mask) for s in batch)
+    metrics = train_step(policy, mine, cfg, global_batch_size=len(batch), global_token_count=masked)
+    if policy.lora is not None:
+        weights = {k: v.clone() for k, v in export_adapter(policy.lora).items()}
+    else:
+        weights = dict(iter_full_state_dict(policy.model))
+    dist.barrier()
+    return {"metrics": metrics, "weights": weights, "samples": [len(s.tokens) for s in mine]}

@@ -17,6 +17,8 @@ the flag and a remedy, where it does not:
 - ``--backend megatron``, ``--pipeline-model-parallel-size`` > 1, and tensor/expert parallel
   sizes > 1 are refused (``GrpoConfig.check_supported``); so is ``--replicate`` x ``--shard``
   that differs from torchrun's ``WORLD_SIZE``.
+- ``--context-parallel-size N`` splits each sample's tokens over N consecutive ranks; N must
+  divide ``--replicate`` x ``--shard`` (``GrpoConfigError`` naming the flag otherwise).
 - ``--num-layers``, ``--num-experts``, ``--moe-layer-freq`` are checked against the
   checkpoint's ``config.json`` when ``--model-path`` is a local directory.
 
@@ -198,7 +200,13 @@ def _command(**values: Any) -> None:
         out.print(json.dumps(config.to_dict(), indent=2), markup=False)
         return
     out.print(Text(f"{PROG} --dry-run: the config is valid; nothing was started", style="bold"))
-    out.print(Text(f"  trainer ranks: {config.world_size} (replicate x shard)"))
+    out.print(
+        Text(
+            f"  trainer ranks: {config.world_size} (replicate x shard) = "
+            f"{config.data_parallel_size} data parallel x {config.context_parallel_size} "
+            "context parallel"
+        )
+    )
     out.print(Text(describe(config)))
 
 

@@ -61,6 +61,8 @@ class GrpoConfig:
     tensor_model_parallel_size: int = 1
     expert_model_parallel_size: int = 1
     pipeline_model_parallel_size: int = 1
+    # Context parallel: each sample's tokens split over CP groups of consecutive ranks.
+    context_parallel_size: int = 1
     # Declared model shape (Megatron-style flags): checked against the checkpoint.
     num_layers: int | None = None
     num_experts: int | None = None
@@ -145,7 +147,8 @@ class GrpoConfig:
     def _check_ranges(self) -> None:
         for name in (
             "lora_r", "replicate", "shard", "tensor_model_parallel_size",
-            "expert_model_parallel_size", "pipeline_model_parallel_size", "steps",
+            "expert_model_parallel_size", "pipeline_model_parallel_size",
+            "context_parallel_size", "steps",
             "prompts_per_step", "samples_per_prompt", "max_new_tokens",
         ):  # fmt: skip
             _check_int(name, getattr(self, name), minimum=1)
@@ -210,6 +213,13 @@ class GrpoConfig:
             )
 
     def _check_together(self) -> None:
+        if self.world_size % self.context_parallel_size:
+            raise GrpoConfigError(
+                f"context_parallel_size={self.context_parallel_size} does not divide the "
+                f"{self.world_size} trainer ranks (replicate={self.replicate} x "
+                f"shard={self.shard}); the world is data parallel x context parallel",
+                field="context_parallel_size",
+            )
         if self.tis_clip_low >= self.tis_clip_high:
             raise GrpoConfigError(
                 f"tis_clip_low={self.tis_clip_low} must be < tis_clip_high={self.tis_clip_high}",
@@ -235,6 +245,11 @@ class GrpoConfig:
     def world_size(self) -> int:
         """Trainer ranks the parallel sizes describe (HSDP replicate x shard)."""
         return self.replicate * self.shard
+
+    @property
+    def data_parallel_size(self) -> int:
+        """Groups of ranks that see different samples (world / context_parallel_size)."""
+        return self.world_size // self.context_parallel_size
 
     @property
     def lora_scaling(self) -> float:
@@ -309,6 +324,8 @@ HELP: dict[str, str] = {
     "tensor_model_parallel_size": "tensor parallel size",
     "expert_model_parallel_size": "expert parallel size",
     "pipeline_model_parallel_size": "pipeline parallel size",
+    "context_parallel_size": "context parallel size: each sample's tokens are split over this "
+    "many consecutive ranks (zigzag layout); must divide replicate x shard",
     "num_layers": "declared number of decoder layers",
     "num_experts": "declared number of routed experts (MoE)",
     "moe_layer_freq": "declared per-layer MoE pattern, 1 = MoE layer, e.g. [0]*1+[1]*46",

@@ -147,7 +147,7 @@ def _run_rank(cfg: GrpoConfig, plugged: Plugged) -> dict[str, Any] | None:
 
 
 def _train(cfg: GrpoConfig, plugged: Plugged) -> dict[str, Any] | None:
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     lead = rank == 0
     policy = build_policy(cfg)
     # Only rank 0 rolls out and scores: the tokenizer, task and prompt stream live there.
@@ -190,7 +190,7 @@ def _train(cfg: GrpoConfig, plugged: Plugged) -> dict[str, Any] | None:
             batch = _broadcast(batch)
             if isinstance(batch, str):
                 raise GrpoRunError(f"step {step}: {batch}")
-            mine = batch["train"][rank::world]
+            mine = policy.data_parallel_share(batch["train"])
             t0 = time.perf_counter()
             metrics = train_step(
                 policy, mine, cfg,

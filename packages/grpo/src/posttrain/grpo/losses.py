@@ -248,6 +248,42 @@ def aggregate_loss(
     return per_seq.sum() / max(1, denom)
 
 
+def aggregation_weights(
+    mask: Tensor,
+    lengths: Sequence[int] | Tensor,
+    *,
+    mode: LossAggregation,
+    global_batch_size: int | None = None,
+    global_token_count: int | None = None,
+) -> Tensor:
+    """Per-token weights ``w[T]`` with ``Σ_t w_t·x_t == aggregate_loss(x, mask, lengths, ...)``.
+
+    The aggregation as a linear map, so it can be applied to any subset of the tokens and the
+    parts summed: under context parallel each rank holds some tokens of every sequence and
+    sums ``w·x`` over its own (``policy_objective(token_weights=...)``). ``token_mean``:
+    ``mask / max(1, global_token_count or Σ mask)``; ``seq_mean_token_mean``: ``mask`` over
+    (the sequence's masked count, at least 1) x ``max(1, global_batch_size or #sequences)``.
+    """
+    lens = as_lengths(lengths)
+    m = as_bool_mask(mask, torch.Size([int(lens.sum())]), "mask")
+    weights = m.to(torch.float32)
+    if mode == "token_mean":
+        _check_count("global_token_count", global_token_count)
+        denom = int(m.sum()) if global_token_count is None else global_token_count
+        return weights / max(1, denom)
+    if mode != "seq_mean_token_mean":
+        raise GrpoConfigError(f"aggregation mode={mode!r} is not token_mean or seq_mean_token_mean")
+    _check_count("global_batch_size", global_batch_size)
+    n_seq = lens.shape[0]
+    lens = lens.to(m.device)
+    seq = torch.arange(n_seq, device=m.device).repeat_interleave(lens)
+    counts = torch.zeros(n_seq, dtype=torch.int64, device=m.device)
+    counts = counts.index_add(0, seq, m.to(torch.int64))
+    denom = n_seq if global_batch_size is None else global_batch_size
+    per_seq = 1.0 / (counts.clamp(min=1).to(torch.float32) * max(1, denom))
+    return weights * per_seq[seq]
+
+
 def _check_count(name: str, value: int | None) -> None:
     if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
         raise GrpoConfigError(f"{name}={value!r} must be an int >= 1")

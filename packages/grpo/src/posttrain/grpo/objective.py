@@ -13,10 +13,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
 
+import torch
 from torch import Tensor
 
 from posttrain.grpo._errors import GrpoInputError
-from posttrain.grpo._tensors import as_bool_mask
+from posttrain.grpo._tensors import as_bool_mask, check_same_shape, float_tensor
 from posttrain.grpo.config import GrpoConfig, KlType, LossAggregation, TisMode
 from posttrain.grpo.losses import (
     aggregate_loss,
@@ -77,6 +78,7 @@ def policy_objective(
     entropy: Tensor | None = None,
     global_batch_size: int | None = None,
     global_token_count: int | None = None,
+    token_weights: Tensor | None = None,
 ) -> PolicyObjective:
     """The GRPO loss of packed sequences ``[T]`` and its metrics.
 
@@ -84,10 +86,20 @@ def policy_objective(
     as the trainer recomputes it; ``rollout_logp``: what the engine reported (needed for TIS,
     optional otherwise); ``ref_logp``: the reference (needed with ``use_kl_loss``);
     ``entropy``: per-token entropy (``entropy_from_logits``; needed when ``entropy_coef`` != 0).
+    ``token_weights``: this batch's rows of ``aggregation_weights`` computed over whole
+    sequences; when given, every aggregate is ``Σ mask·w·x`` and ``lengths`` is not used (a
+    context-parallel rank holds only part of each sequence; the ranks' losses add up).
     """
     s = settings
+    weights = None
+    if token_weights is not None:
+        weights = float_tensor(token_weights, "token_weights").detach()
+        check_same_shape(("logp", logp), ("token_weights", weights))
 
     def agg(x: Tensor) -> Tensor:
+        if weights is not None:
+            m = as_bool_mask(mask, x.shape, "mask")
+            return torch.where(m, x * weights, torch.zeros_like(x)).sum()
         return aggregate_loss(
             x,
             mask,

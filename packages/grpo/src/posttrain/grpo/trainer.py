@@ -20,6 +20,18 @@ Departures from the obvious:
 * One optimizer step per rollout step. The "old" policy is the one that sampled: the trainer's
   own recompute of the rollout tokens (detached), so the PPO ratio starts at 1 and TIS compares
   the trainer with the engine.
+* Context parallel (``context_parallel_size`` C > 1): the world is D data-parallel x C
+  context-parallel ranks, CP groups of C consecutive ranks (explicit process groups). The
+  ranks of one CP group get the same samples (``Policy.data_parallel_share``); each packed
+  micro-batch (every sequence padded at its end to a multiple of 2C, pad tokens masked out) is
+  run through ``posttrain.models.context_parallel.forward_context_parallel`` (zigzag), so a
+  rank computes the loss terms of its own tokens only. The aggregation is applied as
+  per-token weights computed over whole sequences (``aggregation_weights``), so the C ranks'
+  losses add up to the sequence-level loss exactly; FSDP still averages gradients over all
+  W = D x C ranks and each loss is still scaled by W, so the update is the CP=1 update.
+  Entropy is taken on each rank's logits rows and moved to the token they predict with a
+  one-token halo. LoRA works unchanged: lora-core's wrapped sites are per-token linears that
+  ``forward_with_layout`` calls like ``forward_logits`` does.
 * There are no separate fp32 master copies (parameters are the masters), so a write into the
   parameters after the optimizer exists (a resume) is what the next step starts from (G8).
 """
@@ -46,10 +58,10 @@ from posttrain.fsdp_mesh import (
     clip_grad_norm,
     scale_grads_to_norm,
 )
-from posttrain.grpo._errors import GrpoConfigError
+from posttrain.grpo._errors import GrpoConfigError, GrpoInputError
 from posttrain.grpo.config import GrpoConfig
-from posttrain.grpo.losses import entropy_from_logits
-from posttrain.grpo.objective import LossSettings, policy_objective
+from posttrain.grpo.losses import aggregation_weights, entropy_from_logits
+from posttrain.grpo.objective import LossSettings, PolicyObjective, policy_objective
 from posttrain.interface import MeshSpec
 from posttrain.lora import (
     LoraConfig,
@@ -61,6 +73,9 @@ from posttrain.lora import (
     reduce_lora_grads,
 )
 from posttrain.models import DecoderModel, LinearSite, Numerics, load_pretrained
+from posttrain.models import context_parallel as cp
+
+CP_LAYOUT = cp.CPLayout.ZIGZAG  # load-balanced: rank r holds chunks r and 2C-1-r of a sequence
 
 # Step metrics that are already normalised by the whole step (sum over ranks), and those
 # that are maxima; every other metric is a per-token mean (weighted by each rank's tokens).
@@ -83,6 +98,45 @@ class TrainSample:
         return len(self.tokens) - self.prompt_len
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DataContextParallel:
+    """This rank's place in the data-parallel x context-parallel split of the world."""
+
+    cp_group: dist.ProcessGroup | None
+    cp_size: int
+    dp_rank: int
+    dp_size: int
+
+
+def data_context_parallel(cp_size: int) -> DataContextParallel:
+    """Split the world into ``world / cp_size`` CP groups of consecutive ranks; collective.
+
+    Every rank creates every group (``dist.new_group`` is collective over the world) and keeps
+    its own. ``cp_size == 1`` creates none: each rank is its own data-parallel rank.
+    """
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if isinstance(cp_size, bool) or not isinstance(cp_size, int) or cp_size < 1:
+        raise GrpoConfigError(
+            f"context_parallel_size must be an int >= 1, got {cp_size!r}",
+            field="context_parallel_size",
+        )
+    if world % cp_size:
+        raise GrpoConfigError(
+            f"context_parallel_size={cp_size} does not divide the world size {world}",
+            field="context_parallel_size",
+        )
+    if cp_size == 1:
+        return DataContextParallel(cp_group=None, cp_size=1, dp_rank=rank, dp_size=world)
+    mine: dist.ProcessGroup | None = None
+    for start in range(0, world, cp_size):
+        group = dist.new_group(list(range(start, start + cp_size)))
+        if start <= rank < start + cp_size:
+            mine = group
+    return DataContextParallel(
+        cp_group=mine, cp_size=cp_size, dp_rank=rank // cp_size, dp_size=world // cp_size
+    )
+
+
 @dataclass(kw_only=True, slots=True)
 class Policy:
     """The sharded model, its optimizer and (adapter training) the LoRA handle."""
@@ -94,6 +148,18 @@ class Policy:
     lora_config: LoraConfig | None = None
     target_modules: list[str] = field(default_factory=list)
     ref_model: DecoderModel | None = None
+    parallel: DataContextParallel | None = None
+
+    @property
+    def cp_size(self) -> int:
+        return 1 if self.parallel is None else self.parallel.cp_size
+
+    def data_parallel_share(self, samples: Sequence[TrainSample]) -> list[TrainSample]:
+        """This rank's samples of a step: a strided split over the data-parallel ranks only
+        (every rank of one context-parallel group gets the same samples)."""
+        if self.parallel is None:
+            return list(samples[dist.get_rank() :: dist.get_world_size()])
+        return list(samples[self.parallel.dp_rank :: self.parallel.dp_size])
 
     def trainable(self) -> list[torch.nn.Parameter]:
         if self.lora is not None:
@@ -165,6 +231,7 @@ def shard_policy(
     """Shard ``model`` (already on ``device``) over the world, with LoRA factors on ``device``
     when ``cfg.train == "lora"``, and build its optimizer; collective over the world."""
     world = dist.get_world_size()
+    parallel = data_context_parallel(cfg.context_parallel_size)
     mesh = build_fsdp_mesh(
         MeshSpec(
             world_size=world, replicate=cfg.replicate, shard=cfg.shard, device_type=device.type
@@ -204,6 +271,7 @@ def shard_policy(
         lora_config=lcfg,
         target_modules=modules,
         ref_model=ref_model,
+        parallel=parallel,
     )
 
 
@@ -252,6 +320,159 @@ def _reference_logprobs(policy: Policy, batch: dict[str, Any]) -> Tensor:
         return _response_logprobs(policy.ref_model, batch, with_logits=False)[0]
 
 
+def _entropy(logits: Tensor, settings: LossSettings) -> Tensor:
+    """Per-row entropy; always reported, it joins the graph only when the loss uses it."""
+    if settings.entropy_coef != 0.0:
+        return entropy_from_logits(logits)
+    with torch.no_grad():
+        return entropy_from_logits(logits.detach())
+
+
+def _micro_batch_objective(
+    policy: Policy,
+    part: Sequence[TrainSample],
+    cfg: GrpoConfig,
+    settings: LossSettings,
+    *,
+    global_batch_size: int,
+    global_token_count: int,
+) -> tuple[PolicyObjective, int]:
+    """The objective of one micro-batch on this rank (no context parallel), its loss tokens."""
+    batch = _pack(part, policy.model.embedding.device)
+    logp, logits = _response_logprobs(policy.model, batch, with_logits=True)
+    assert logits is not None
+    ref = _reference_logprobs(policy, batch) if cfg.use_kl_loss else None
+    objective = policy_objective(
+        logp=logp,
+        old_logp=logp.detach(),
+        advantages=batch["advantages"],
+        mask=batch["mask"],
+        lengths=batch["response_lengths"],
+        settings=settings,
+        rollout_logp=batch["rollout"],
+        ref_logp=ref,
+        entropy=_entropy(logits, settings),
+        global_batch_size=global_batch_size,
+        global_token_count=global_token_count,
+    )
+    return objective, int(batch["mask"].sum())
+
+
+def _pack_context_parallel(
+    samples: Sequence[TrainSample],
+    cp_size: int,
+    settings: LossSettings,
+    *,
+    capacity: int,
+    global_batch_size: int,
+    global_token_count: int,
+) -> dict[str, Any]:
+    """The whole packed micro-batch, per token of the stream, every sequence padded at its end
+    to the layout's multiple (pad and prompt tokens are masked out; causal attention and
+    convolutions never let a pad token change an earlier one). Values sit on the token they
+    score: the model's logprob convention (``out[t] = log p(ids[t] | ids[:t])``)."""
+    lengths = [len(s.tokens) for s in samples]
+    padded = cp.padded_segment_lengths(lengths, cp_size, CP_LAYOUT)
+    for i, (n, p) in enumerate(zip(lengths, padded, strict=True)):
+        if p > capacity:
+            raise GrpoInputError(
+                f"sample {i} of the micro-batch has {n} tokens; context parallel pads it to {p} "
+                f"(a multiple of 2 x context_parallel_size={cp_size}), more than the model's "
+                f"max_position_embeddings={capacity}"
+            )
+    ids: list[int] = []
+    mask: list[int] = []
+    rollout: list[float] = []
+    advantages: list[float] = []
+    for s, n in zip(samples, padded, strict=True):
+        pad = n - len(s.tokens)
+        ids += [*s.tokens, *[s.tokens[-1]] * pad]
+        mask += [0] * s.prompt_len + [int(m != 0) for m in s.loss_mask] + [0] * pad
+        rollout += [0.0] * s.prompt_len + list(s.rollout_logprobs) + [0.0] * pad
+        advantages += [0.0] * s.prompt_len + list(s.advantages) + [0.0] * pad
+    full_mask = torch.tensor(mask, dtype=torch.bool)
+    weights = aggregation_weights(
+        full_mask, padded, mode=settings.aggregation,
+        global_batch_size=global_batch_size, global_token_count=global_token_count,
+    )  # fmt: skip
+    return {
+        "ids": torch.tensor(ids, dtype=torch.long),
+        "lengths": padded,
+        "mask": full_mask,
+        "rollout": torch.tensor(rollout, dtype=torch.float32),
+        "advantages": torch.tensor(advantages, dtype=torch.float32),
+        "weights": weights,
+    }
+
+
+def _next_token_entropy(out: cp.ContextParallelOutput, settings: LossSettings) -> Tensor:
+    """Entropy of the distribution each local token was drawn from: row t-1's, which a
+    one-token halo brings over when another rank holds it (0 at a sequence's first token)."""
+    rows = _entropy(out.logits, settings)[:, None]
+    plan = cp.plan_halo(out.shard, 2)
+    return cp.halo_windows(rows, cp.exchange_halo(rows, plan, name="entropy"), plan)[0, :, 0]
+
+
+def _context_parallel_objective(
+    policy: Policy,
+    part: Sequence[TrainSample],
+    cfg: GrpoConfig,
+    settings: LossSettings,
+    *,
+    global_batch_size: int,
+    global_token_count: int,
+) -> tuple[PolicyObjective, int]:
+    """This rank's share of one micro-batch's objective under context parallel (the shares
+    of the CP group add up to the micro-batch's objective), and its own loss tokens."""
+    assert policy.parallel is not None
+    group = policy.parallel.cp_group
+    batch = _pack_context_parallel(
+        part, policy.cp_size, settings,
+        capacity=policy.model.config.max_position_embeddings,
+        global_batch_size=global_batch_size, global_token_count=global_token_count,
+    )  # fmt: skip
+    out = cp.forward_context_parallel(
+        policy.model, batch["ids"], batch["lengths"], group, CP_LAYOUT
+    )
+    device = out.logprobs.device
+    local = {k: out.shard.split(batch[k], name=k).to(device)
+             for k in ("mask", "rollout", "advantages", "weights")}  # fmt: skip
+    ref = None
+    if cfg.use_kl_loss:
+        ref = _reference_logprobs_cp(policy, batch["ids"], batch["lengths"], group)
+    objective = policy_objective(
+        logp=out.logprobs,
+        old_logp=out.logprobs.detach(),
+        advantages=local["advantages"],
+        mask=local["mask"],
+        lengths=[out.logprobs.shape[0]],
+        settings=settings,
+        rollout_logp=local["rollout"],
+        ref_logp=ref,
+        entropy=_next_token_entropy(out, settings),
+        token_weights=local["weights"],
+    )
+    return objective, int(local["mask"].sum())
+
+
+def _reference_logprobs_cp(
+    policy: Policy, ids: Tensor, lengths: Sequence[int], group: dist.ProcessGroup | None
+) -> Tensor:
+    with torch.no_grad():
+        if policy.lora is not None:
+            policy.lora.set_enabled(False)
+            try:
+                return cp.forward_context_parallel(
+                    policy.model, ids, lengths, group, CP_LAYOUT
+                ).logprobs
+            finally:
+                policy.lora.set_enabled(True)
+        assert policy.ref_model is not None
+        return cp.forward_context_parallel(
+            policy.ref_model, ids, lengths, group, CP_LAYOUT
+        ).logprobs
+
+
 def micro_batches(samples: Sequence[TrainSample], size: int) -> list[list[TrainSample]]:
     """Consecutive micro-batches of at most ``size`` samples (0: one micro-batch)."""
     if size <= 0 or size >= len(samples):
@@ -283,6 +504,7 @@ def train_step(
     dist.all_reduce(counts, op=dist.ReduceOp.MAX)
     n_micro = max(int(counts), 1)
     parts += [[] for _ in range(n_micro - len(parts))]
+    objective_of = _context_parallel_objective if policy.cp_size > 1 else _micro_batch_objective
     sums: dict[str, float] = {}
     maxima: dict[str, float] = {}
     tokens = 0
@@ -294,31 +516,11 @@ def train_step(
                         model.forward_logits(torch.tensor([0], device=device), [1]).sum() * 0.0
                     ).backward()  # type: ignore[no-untyped-call]
                     continue
-                batch = _pack(part, device)
-                logp, logits = _response_logprobs(model, batch, with_logits=True)
-                assert logits is not None
-                # Entropy is always reported; it joins the graph only when the loss uses it.
-                if settings.entropy_coef != 0.0:
-                    entropy = entropy_from_logits(logits)
-                else:
-                    with torch.no_grad():
-                        entropy = entropy_from_logits(logits.detach())
-                ref = _reference_logprobs(policy, batch) if cfg.use_kl_loss else None
-                objective = policy_objective(
-                    logp=logp,
-                    old_logp=logp.detach(),
-                    advantages=batch["advantages"],
-                    mask=batch["mask"],
-                    lengths=batch["response_lengths"],
-                    settings=settings,
-                    rollout_logp=batch["rollout"],
-                    ref_logp=ref,
-                    entropy=entropy,
-                    global_batch_size=global_batch_size,
-                    global_token_count=global_token_count,
-                )
+                objective, count = objective_of(
+                    policy, part, cfg, settings,
+                    global_batch_size=global_batch_size, global_token_count=global_token_count,
+                )  # fmt: skip
                 (objective.loss * world).backward()  # type: ignore[no-untyped-call]
-                count = int(batch["mask"].sum())
                 tokens += count
                 for key, value in objective.metrics.items():
                     if key in MAX_METRICS:
