@@ -170,3 +170,21 @@ def test_per_expert_adapter_loses_dense_mlp_in_peft_on_transformers5(
     }
     got = _peft_logits(checkpoint, _save(tmp_path / "pe", only, "per_expert"))
     assert (got - base).abs().max() == 0
+
+
+def test_rslora_scale_survives_the_fused_gate_up_rank(checkpoint: Path, tmp_path: Path) -> None:
+    """gate+up become one rank-2r adapter: alpha_pattern must keep alpha/sqrt(r), not /sqrt(2r)."""
+    cfg = LoraConfig(
+        r=2, alpha=4.0, b_init="normal", seed=5, export_dtype=torch.float32, use_rslora=True
+    )
+    model = hf_model(checkpoint)
+    handle = attach_lora(model, cfg, ["gate_proj", "up_proj"])
+    with torch.no_grad():
+        for site in handle.sites.values():
+            site.lora_B.normal_(0, 0.3, generator=torch.Generator().manual_seed(7))
+    path = save_peft(
+        tmp_path / "rs", export_adapter(handle), cfg, moe_convention="target_parameters"
+    )
+    saved = json.loads((path / "adapter_config.json").read_text())
+    assert saved["alpha_pattern"] == {r".*\.gate_up_proj": pytest.approx(4.0 * 2**0.5)}
+    assert (_peft_logits(checkpoint, path) - logits(model)).abs().max() <= 1e-5
