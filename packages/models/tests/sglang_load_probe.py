@@ -1,9 +1,9 @@
 """Build SGLang's own model class for a checkpoint on CPU and run its ``load_weights`` on it.
 
-Run as a script (``python sglang_load_probe.py <checkpoint dir> <port>``) by
+Run as a script (``python sglang_load_probe.py <port> <checkpoint dir>...``) by
 ``test_models_sglang_conformance.py``, in a child process so that SGLang's process-wide state
 (its single-rank gloo ``torch.distributed`` world, its runtime context) never reaches the test
-process. Prints one JSON object:
+process. Prints one ``PROBE <dir> <json>`` line per checkpoint, the object holding:
 
 * ``architecture``: the class SGLang's registry picked for the checkpoint's ``architectures``;
 * ``params``: ``{name: shape}`` of the model SGLang builds (its fused names: ``qkv_proj``,
@@ -61,12 +61,9 @@ def _init_single_rank(path: str, port: int) -> None:
     initialize_model_parallel(backend="gloo")
 
 
-def probe(path: str, port: int) -> dict[str, Any]:
+def probe(path: str) -> dict[str, Any]:
     import torch
     from safetensors.torch import load_file
-
-    _install_kernel_stand_in()
-    _init_single_rank(path, port)
     from sglang.srt.models.registry import ModelRegistry
     from sglang.srt.utils.hf_transformers_utils import get_config
 
@@ -130,4 +127,8 @@ def probe(path: str, port: int) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    print("PROBE " + json.dumps(probe(sys.argv[1], int(sys.argv[2]))))
+    port, paths = int(sys.argv[1]), sys.argv[2:]
+    _install_kernel_stand_in()
+    _init_single_rank(paths[0], port)  # the server args only need some real checkpoint
+    for path in paths:
+        print(f"PROBE {path} " + json.dumps(probe(path)), flush=True)

@@ -36,19 +36,42 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _probe(path: Path) -> dict[str, Any]:
+CASES: dict[str, tuple[dict[str, Any], str]] = {
+    "default-dense-first": ({}, "MellumForCausalLM"),
+    "bf16-sparse-step-2": (
+        {"torch_dtype": "bfloat16", "decoder_sparse_step": 2, "mlp_only_layers": ()},
+        "MellumForCausalLM",
+    ),
+    "all-moe": ({"mlp_only_layers": ()}, "Qwen3MoeForCausalLM"),
+}
+OLD_LAYOUT = "old-qwen3-moe-dense-first"
+
+
+@pytest.fixture(scope="module")
+def probed(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
+    """Every case's checkpoint, probed in one child process (SGLang's imports cost ~1 min)."""
+    root = tmp_path_factory.mktemp("sglang")
+    for name, (changes, _) in CASES.items():
+        save_pretrained(build_model(ModelConfig.tiny(**changes), seed=0), root / name)
+    old = ModelConfig.tiny()
+    save_pretrained(build_model(old, seed=0), root / OLD_LAYOUT)
+    (root / OLD_LAYOUT / "config.json").write_text(json.dumps(old.to_qwen3_moe_hf_dict()))
+    paths = [str(root / n) for n in [*CASES, OLD_LAYOUT]]
     done = subprocess.run(
-        [sys.executable, str(PROBE), str(path), str(_free_port())],
+        [sys.executable, str(PROBE), str(_free_port()), *paths],
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=600,
         check=False,
     )
-    lines = [ln for ln in done.stdout.splitlines() if ln.startswith("PROBE ")]
     assert done.returncode == 0, done.stderr[-4000:]
-    assert lines, done.stdout[-2000:]
-    result: dict[str, Any] = json.loads(lines[-1].removeprefix("PROBE "))
-    return result
+    results: dict[str, dict[str, Any]] = {}
+    for line in done.stdout.splitlines():
+        if line.startswith("PROBE "):
+            path, _, payload = line.removeprefix("PROBE ").partition(" ")
+            results[Path(path).name] = json.loads(payload)
+    assert set(results) == {*CASES, OLD_LAYOUT}, done.stdout[-2000:]
+    return results
 
 
 def _expected_sglang_params(cfg: ModelConfig) -> dict[str, list[int]]:
@@ -81,36 +104,23 @@ def _expected_sglang_params(cfg: ModelConfig) -> dict[str, list[int]]:
     return out
 
 
-@pytest.mark.parametrize(
-    ("name", "changes", "architecture"),
-    [
-        ("default-dense-first", {}, "MellumForCausalLM"),
-        (
-            "bf16-sparse-step-2",
-            {"torch_dtype": "bfloat16", "decoder_sparse_step": 2, "mlp_only_layers": ()},
-            "MellumForCausalLM",
-        ),
-        ("all-moe", {"mlp_only_layers": ()}, "Qwen3MoeForCausalLM"),
-    ],
-)
+@pytest.mark.parametrize("name", sorted(CASES))
 def test_sglang_builds_and_loads_our_checkpoint_exactly(
-    tmp_path: Path, name: str, changes: dict[str, Any], architecture: str
+    probed: dict[str, dict[str, Any]], name: str
 ) -> None:
-    cfg = ModelConfig.tiny(**changes)
-    save_pretrained(build_model(cfg, seed=0), tmp_path)
-    result = _probe(tmp_path)
-    assert result["architecture"] == architecture, name
-    assert result["params"] == _expected_sglang_params(cfg)
+    changes, architecture = CASES[name]
+    result = probed[name]
+    assert result["architecture"] == architecture
+    assert result["params"] == _expected_sglang_params(ModelConfig.tiny(**changes))
     assert result["unwritten"] == []
     assert result["unused"] == []
     assert result["fused_ok"], result["fused_bad"]
 
 
-def test_old_qwen3_moe_layout_with_a_dense_layer_does_not_load_in_sglang(tmp_path: Path) -> None:
-    cfg = ModelConfig.tiny()
-    save_pretrained(build_model(cfg, seed=0), tmp_path)
-    (tmp_path / "config.json").write_text(json.dumps(cfg.to_qwen3_moe_hf_dict()))
-    result = _probe(tmp_path)
+def test_old_qwen3_moe_layout_with_a_dense_layer_does_not_load_in_sglang(
+    probed: dict[str, dict[str, Any]],
+) -> None:
+    result = probed[OLD_LAYOUT]
     assert result["architecture"] == "Qwen3MoeForCausalLM"
     assert "model.layers.0.mlp.experts.w13_weight" in result["unwritten"]
     assert "model.layers.0.mlp.gate_proj.weight" in result["unused"]
