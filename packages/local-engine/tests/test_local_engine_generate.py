@@ -315,3 +315,36 @@ def test_bearer_token_guards_state_changing_routes(engine) -> None:  # type: ign
         r = c.post("/flush_cache", headers={"Authorization": "Bearer sekrit"})
         assert r.status_code == 200
         assert c.post("/flush_cache", headers={"Authorization": "Bearer wrong"}).status_code == 401
+
+
+@pytest.mark.parametrize("layout", ["mellum", "qwen3_moe_all_moe", "qwen3_moe_mlp_only_layers"])
+def test_serves_every_checkpoint_layout(engine, tmp_path, trainer_lp, layout: str) -> None:  # type: ignore[no-untyped-def]
+    """Dense+MoE (mellum), all-MoE (qwen3_moe) and pre-mellum qwen3_moe + mlp_only_layers dirs."""
+    import json
+
+    from posttrain.models import ModelConfig, build_model, load_pretrained
+
+    changes = {"mlp_only_layers": ()} if layout == "qwen3_moe_all_moe" else {}
+    cfg = ModelConfig.tiny(torch_dtype="bfloat16", max_position_embeddings=48, **changes)
+    build_model(cfg, seed=3).save_pretrained(tmp_path)
+    if layout == "qwen3_moe_mlp_only_layers":
+        (tmp_path / "config.json").write_text(json.dumps(cfg.to_qwen3_moe_hf_dict()))
+    written = json.loads((tmp_path / "config.json").read_text())
+    prompt = [5, 17, 33, 9]
+    with engine(model_path=str(tmp_path)) as c:
+        info = c.get("/model_info").json()
+        r = c.post(
+            "/generate",
+            json={
+                "input_ids": prompt,
+                "sampling_params": {"max_new_tokens": 4, "temperature": 1.0, "sampling_seed": 2},
+                "return_logprob": True,
+            },
+        )
+    assert info["model_type"] == written["model_type"]
+    assert info["architectures"] == written["architectures"]
+    assert r.status_code == 200, r.text
+    out = r.json()["output_ids"]
+    lps = [e[0] for e in r.json()["meta_info"]["output_token_logprobs"]]
+    expected = trainer_lp(load_pretrained(tmp_path), prompt + out)[len(prompt) :]
+    assert lps == expected

@@ -45,7 +45,13 @@ def test_config_round_trips_through_hf_dict() -> None:
         "dense",
         "moe",
     )
-    hf_v5 = {**CFG.to_hf_dict(), "rope_parameters": {"rope_theta": 5e5}, "num_local_experts": 4}
+    step2 = ModelConfig.tiny(decoder_sparse_step=2, mlp_only_layers=())
+    assert ModelConfig.from_hf_dict(step2.to_hf_dict()) == step2
+    hf_v5 = {
+        **CFG.to_qwen3_moe_hf_dict(),
+        "rope_parameters": {"rope_theta": 5e5},
+        "num_local_experts": 4,
+    }
     del hf_v5["rope_theta"], hf_v5["num_experts"]
     again = ModelConfig.from_hf_dict(hf_v5)
     assert again.rope_theta == 5e5

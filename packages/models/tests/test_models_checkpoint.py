@@ -34,8 +34,10 @@ def test_save_load_round_trip_is_exact(tmp_path: Path, dtype: str) -> None:
     files = sorted(p.name for p in (tmp_path / "ckpt").iterdir())
     assert files == ["config.json", "model.safetensors"]  # no temp files left behind
     data = json.loads((tmp_path / "ckpt" / "config.json").read_text())
-    assert data["architectures"] == ["Qwen3MoeForCausalLM"]
-    assert data["mlp_only_layers"] == [0]
+    # dense layer 0 + MoE: the Mellum layout, whose per-layer MLP types SGLang builds as written
+    assert data["architectures"] == ["MellumForCausalLM"]
+    assert data["mlp_layer_types"] == ["dense", "sparse", "sparse", "sparse"]
+    assert data["layer_types"] == ["full_attention"] * 4
     keys = set(load_hf_tensors(tmp_path / "ckpt"))
     assert "model.layers.1.mlp.experts.3.gate_proj.weight" in keys
     assert "model.layers.0.mlp.gate_proj.weight" in keys
@@ -48,6 +50,28 @@ def test_save_load_round_trip_is_exact(tmp_path: Path, dtype: str) -> None:
     for name in a:
         assert a[name].dtype == b[name].dtype == cfg.dtype
         assert torch.equal(a[name], b[name]), name
+
+
+def test_layout_follows_the_layer_pattern_and_old_checkpoints_still_load(tmp_path: Path) -> None:
+    all_moe = ModelConfig.tiny(mlp_only_layers=(), max_position_embeddings=16)
+    assert all_moe.to_hf_dict()["model_type"] == "qwen3_moe"
+    assert ModelConfig.tiny(num_experts=0).to_hf_dict()["model_type"] == "qwen3_moe"
+    # a checkpoint written before the Mellum layout (qwen3_moe + mlp_only_layers) reads the same
+    cfg = ModelConfig.tiny(max_position_embeddings=16)
+    model = build_model(cfg, 2)
+    save_pretrained(model, tmp_path / "old")
+    (tmp_path / "old" / "config.json").write_text(json.dumps(cfg.to_qwen3_moe_hf_dict()))
+    old = load_pretrained(tmp_path / "old")
+    assert old.config == cfg
+    for name, value in model.named_parameters():
+        assert torch.equal(dict(old.named_parameters())[name], value), name
+    sliding = dict(cfg.to_hf_dict(), layer_types=["sliding_attention"] * 4)
+    with pytest.raises(ModelConfigError, match="full_attention"):
+        ModelConfig.from_hf_dict(sliding)
+    with pytest.raises(ModelConfigError, match="dense/sparse"):
+        ModelConfig.from_hf_dict(dict(cfg.to_hf_dict(), mlp_layer_types=["moe"] * 4))
+    with pytest.raises(ModelConfigError, match="but mlp_layer_types says"):
+        ModelConfig.from_hf_dict(dict(cfg.to_hf_dict(), mlp_only_layers=[1]))
 
 
 def test_model_dir_is_a_tokenizer_path(tmp_path: Path) -> None:

@@ -1,4 +1,9 @@
-"""Conformance: transformers' Qwen3MoeForCausalLM on the same checkpoint, both directions.
+"""Conformance: transformers on the same checkpoint, both directions.
+
+A checkpoint with dense and MoE layers is written as ``mellum`` (SGLang 0.5.23's
+``Qwen3MoeForCausalLM`` builds every layer as MoE; see ``_config``) and loads as
+``MellumForCausalLM``; one without is ``qwen3_moe``. Both are compared with our forward, and
+today's ``qwen3_moe`` + ``mlp_only_layers`` checkpoints still load into ours.
 
 Stated tolerance: logits agree within 2e-5 absolute (fp32 weights and activations; logits
 are O(1)), in strict and in fast mode. Observed on the tiny configs: about 1e-6.
@@ -50,7 +55,11 @@ def test_transformers_loads_our_checkpoint(tmp_path: Path, name: str) -> None:
     model = build_model(cfg, 4)
     model.save_pretrained(tmp_path)
     hf = AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32)
-    assert type(hf).__name__ == "Qwen3MoeForCausalLM"
+    expected = "MellumForCausalLM" if cfg.has_dense_and_moe_layers else "Qwen3MoeForCausalLM"
+    assert type(hf).__name__ == expected
+    assert [type(layer.mlp).__name__.endswith("SparseMoeBlock") for layer in hf.model.layers] == [
+        t == "moe" for t in cfg.layer_types
+    ]
     ids = torch.randint(0, cfg.vocab_size, (24,), generator=torch.Generator().manual_seed(0))
     ref = hf_logits(hf, ids)
     for numerics in Numerics:
@@ -60,7 +69,11 @@ def test_transformers_loads_our_checkpoint(tmp_path: Path, name: str) -> None:
 
 def test_we_load_a_transformers_checkpoint_and_its_in_memory_state(tmp_path: Path) -> None:
     cfg = CONFIGS["dense-first"]
-    fields = {k: v for k, v in cfg.to_hf_dict().items() if k not in ("architectures", "model_type")}
+    fields = {
+        k: v
+        for k, v in cfg.to_qwen3_moe_hf_dict().items()
+        if k not in ("architectures", "model_type")
+    }
     torch.manual_seed(0)
     hf = Qwen3MoeForCausalLM(Qwen3MoeConfig(**fields)).eval()
     hf.save_pretrained(str(tmp_path))

@@ -40,6 +40,13 @@ import torch
 from posttrain.formats._atomic import atomic_directory
 from posttrain.formats._errors import PeftConfigError, PeftNonFiniteError, PeftTensorError
 from posttrain.formats._finite import count_non_finite
+from posttrain.formats._peft_moe import (
+    MOE_CONVENTIONS,
+    MoeConvention,
+    is_target_parameters_config,
+    stack_expert_adapter,
+    unstack_expert_adapter,
+)
 from posttrain.formats._safetensors import write_safetensors
 from posttrain.interface import ConfigError, LoraSpec
 
@@ -271,11 +278,16 @@ def peft_modules(
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class PeftAdapter:
-    """A validated adapter: its spec, ``{module: (A, B)}`` and the config object it came with."""
+    """A validated adapter: its spec, ``{module: (A, B)}`` and its config object.
+
+    Always in the per-expert MoE convention (``_peft_moe``): an adapter that came in the
+    ``target_parameters`` form is converted, and ``convention`` says which form it came in.
+    """
 
     spec: LoraSpec
     modules: Mapping[str, tuple[torch.Tensor, torch.Tensor]]
     config: Mapping[str, Any]
+    convention: MoeConvention = "per_expert"
 
     @property
     def tensors(self) -> dict[str, torch.Tensor]:
@@ -297,8 +309,21 @@ def build_peft_adapter(
     """Check a config object against PEFT-keyed tensors (the reader's checks, for any source).
 
     Beyond :func:`parse_peft_config` and :func:`peft_modules`: every factor's rank equals
-    ``r``, and ``target_modules`` select every module that has tensors.
+    ``r``, and ``target_modules`` select every module that has tensors. A config with
+    ``target_parameters`` (PEFT's stacked-experts form) is converted to the per-expert form first
+    (``unstack_expert_adapter``), and the checks run on the result.
     """
+    convention: MoeConvention = "per_expert"
+    if isinstance(config, Mapping) and is_target_parameters_config(config):
+        missing = [f for f in ("r", "lora_alpha") if f not in config]
+        if missing:
+            raise PeftConfigError(f"{config_where}: missing field(s) {', '.join(missing)}")
+        stacked = peft_modules(tensors, where=tensors_where)
+        config, unstacked = unstack_expert_adapter(config, stacked, where=config_where)
+        tensors = {
+            peft_key(m, f): t for m, (a, b) in unstacked.items() for f, t in (("A", a), ("B", b))
+        }
+        convention = "target_parameters"
     spec = parse_peft_config(config, where=config_where)
     modules = peft_modules(tensors, where=tensors_where)
     for module, (a, _) in modules.items():
@@ -312,7 +337,12 @@ def build_peft_adapter(
                 f"{config_where}: target_modules {list(spec.target_modules)} do not select "
                 f"{module!r}, which {tensors_where} holds"
             )
-    return PeftAdapter(spec=spec, modules=modules, config=dict(cast(Mapping[str, Any], config)))
+    return PeftAdapter(
+        spec=spec,
+        modules=modules,
+        config=dict(cast(Mapping[str, Any], config)),
+        convention=convention,
+    )
 
 
 # ---- files -------------------------------------------------------------------------------
@@ -353,7 +383,8 @@ def read_peft_adapter(directory: str | os.PathLike[str]) -> PeftAdapter:
     root = Path(directory)
     config_path, weights_path = root / ADAPTER_CONFIG_FILE, root / ADAPTER_WEIGHTS_FILE
     config = _read_config(config_path)
-    parse_peft_config(config, where=str(config_path))  # a bad config is named before the tensors
+    if not (isinstance(config, Mapping) and is_target_parameters_config(config)):
+        parse_peft_config(config, where=str(config_path))  # named before the tensors are read
     return build_peft_adapter(
         config,
         _read_tensors(weights_path),
@@ -369,15 +400,24 @@ def write_peft_adapter(
     *,
     base_model_name_or_path: str = "",
     dtype: torch.dtype | None = None,
+    moe_convention: MoeConvention = "per_expert",
 ) -> Path:
     """Write a PEFT adapter directory atomically (replacing any old one); returns its path.
 
-    ``tensors`` are PEFT-keyed (``.default`` allowed; saved without it); ``dtype`` is the
-    export dtype they are cast to (None keeps theirs). The reader's checks run first, on the
-    tensors as they will be saved, so a refused adapter leaves ``directory`` untouched.
+    ``tensors`` are PEFT-keyed (``.default`` allowed; saved without it), in the per-expert
+    form; ``dtype`` is the export dtype they are cast to (None keeps theirs).
+    ``moe_convention`` (``"per_expert"`` or ``"target_parameters"``, see ``_peft_moe``) says how
+    MoE experts (``...experts.<e>.<proj>`` modules) and dense MLP targets are written:
+    per-expert is what SGLang and PEFT on transformers 4 read, ``target_parameters`` what PEFT
+    on transformers 5 applies in full (experts and dense MLP both). The reader's checks run first, on the tensors and config as
+    they will be saved, so a refused adapter leaves ``directory`` untouched.
     """
     if dtype is not None and dtype not in PEFT_TENSOR_DTYPES:
         raise PeftTensorError(f"export dtype {dtype} is not one of {PEFT_TENSOR_DTYPES}")
+    if moe_convention not in MOE_CONVENTIONS:
+        raise PeftConfigError(
+            f"moe_convention {moe_convention!r} is not one of {list(MOE_CONVENTIONS)}"
+        )
     target = Path(directory)
     cast = {
         k: v.detach().to(device="cpu", dtype=dtype or v.dtype).contiguous()
@@ -387,9 +427,19 @@ def write_peft_adapter(
     adapter = build_peft_adapter(
         config, cast, config_where=f"{target}: config", tensors_where=f"{target}: tensors"
     )
+    saved = adapter.tensors
+    if moe_convention == "target_parameters":
+        config, stacked = stack_expert_adapter(config, adapter.modules, where=str(target))
+        saved = {
+            peft_key(m, f): t for m, (a, b) in stacked.items() for f, t in (("A", a), ("B", b))
+        }
+        # the reader must accept what is written
+        build_peft_adapter(
+            config, saved, config_where=f"{target}: config", tensors_where=f"{target}: tensors"
+        )
     text = json.dumps(config, indent=2, sort_keys=True, allow_nan=False) + "\n"
     with atomic_directory(target) as staged:
         with open(staged / ADAPTER_WEIGHTS_FILE, "wb") as f:
-            write_safetensors(f, adapter.tensors, {"format": "pt"})
+            write_safetensors(f, saved, {"format": "pt"})
         (staged / ADAPTER_CONFIG_FILE).write_text(text, encoding="utf-8")
     return target

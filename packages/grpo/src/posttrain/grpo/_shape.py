@@ -62,7 +62,7 @@ def _moe_layers(hf: dict[str, Any], layers: object, experts: object) -> list[int
         return None
     types = hf.get("mlp_layer_types")
     if isinstance(types, list):
-        return [1 if t == "moe" else 0 for t in types]
+        return [1 if t in ("moe", "sparse") else 0 for t in types]
     if not experts:
         return [0] * layers
     first_dense = hf.get("first_k_dense_replace")

@@ -6,8 +6,11 @@ A checkpoint or startup adapter that cannot be served (missing, unreadable, NaN/
 
 from __future__ import annotations
 
+import json
 import sys
 from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
 
 import torch
 import uvicorn
@@ -22,6 +25,12 @@ from posttrain.local_engine._loader import load_model, read_checkpoint
 from posttrain.local_engine._lora import load_peft_adapter
 
 __all__ = ["build_app", "main", "serve"]
+
+
+def load_config_dict(model_path: str) -> dict[str, Any]:
+    """The checkpoint's ``config.json`` object (already validated by ``load_model``)."""
+    data: dict[str, Any] = json.loads((Path(model_path) / "config.json").read_text())
+    return data
 
 
 def build_app(config: EngineConfig) -> Starlette:
@@ -40,10 +49,14 @@ def build_app(config: EngineConfig) -> Starlette:
     for name, path in config.lora_paths.items():
         engine.put_adapter(load_peft_adapter(name, path, engine.lora_targets))
     specs = {k: s.dtype for k, s in engine.param_specs().items()}
+    # the checkpoint's own type (qwen3_moe, or mellum for dense + MoE layers), as SGLang reports it
+    hf = load_config_dict(config.model_path)
     ctx = ServerContext(
         config=config,
         engine=engine,
         codec=codec,
+        model_type=str(hf.get("model_type", "qwen3_moe")),
+        architectures=list(hf.get("architectures") or ["Qwen3MoeForCausalLM"]),
         quantization=None if report is None else report.to_json(),
         load_checkpoint=lambda path: read_checkpoint(path, specs)[0],
     )

@@ -9,6 +9,13 @@ A *linear site* counts as a replicated linear too: any module that declares a
 its fused linears that way; the LoRA branch then runs on the site's kernel (``layers``).
 Process groups come in a ``LoraGroups``; nothing is read from Megatron's globals.
 
+Stacked MoE experts (transformers 5: ``...mlp.experts.gate_up_proj [E, 2I, H]`` and
+``...mlp.experts.down_proj [E, H, I]``, 3-D parameters, not modules) are found by the PEFT
+names of their parts: the suffixes ``gate_proj`` + ``up_proj`` select ``gate_up_proj`` (both or
+neither), ``down_proj`` selects ``down_proj`` (also by the parameter's own path or suffix,
+``experts.down_proj``). They get a ``LoraStackedExperts`` parametrization (``stacked``) with
+per-expert factors that export as ``...experts.<e>.gate_proj`` etc.
+
 Fused outputs (QKV, gate/up) are one site with one A and a B whose local rows hold each part's
 shard; ``Target.parts`` names the PEFT modules they export to. Init is drawn for the full
 factors (seeded per PEFT name) and sliced, so it is bitwise the same for every TP degree.
@@ -23,6 +30,7 @@ from typing import Literal
 import torch
 from torch import nn
 from torch.distributed import ProcessGroup
+from torch.nn.utils import parametrize
 
 from posttrain.lora._comm import group_rank, group_size
 from posttrain.lora._errors import LayoutError, LoraConfigError
@@ -30,6 +38,9 @@ from posttrain.lora.config import LoraConfig, init_full_factor
 from posttrain.lora.experts import ExpertLinear, LoraExpertLinear
 from posttrain.lora.layers import Layout, LoraLinear, LoraParamTag, SiteInfo, tag_parameter
 from posttrain.lora.parallel import ColumnShardedLinear, RowShardedLinear
+from posttrain.lora.stacked import STACKED_PARTS, LoraStackedExperts
+
+Site = LoraLinear | LoraExpertLinear | LoraStackedExperts
 
 
 @dataclass(kw_only=True, slots=True)
@@ -72,7 +83,7 @@ class LoraHandle:
     model: nn.Module
     config: LoraConfig
     groups: LoraGroups
-    sites: dict[str, LoraLinear | LoraExpertLinear] = field(default_factory=dict)
+    sites: dict[str, Site] = field(default_factory=dict)
 
     def parameters(self) -> Iterator[nn.Parameter]:
         """Every LoRA factor (A then B per site, in site order)."""
@@ -247,22 +258,54 @@ def _tags(info: SiteInfo) -> tuple[LoraParamTag, LoraParamTag]:
     )
 
 
+def _stacked_expert_params(model: nn.Module) -> dict[str, nn.Module]:
+    """``{"<module>.<param>": module}`` for every 3-D ``gate_up_proj`` / ``down_proj`` parameter."""
+    out: dict[str, nn.Module] = {}
+    for path, module in model.named_modules():
+        for name, param in module.named_parameters(recurse=False):
+            if name in STACKED_PARTS and param.ndim == 3:
+                out[f"{path}.{name}" if path else name] = module
+    return out
+
+
+def _matches(path: str, suffix: str) -> bool:
+    return path == suffix or path.endswith("." + suffix)
+
+
 def _resolve_targets(
     model: nn.Module, targets: Sequence[str] | Mapping[str, Target]
-) -> dict[str, Target]:
+) -> tuple[dict[str, Target], list[str]]:
+    """(module targets, stacked expert parameter paths)."""
     modules = dict(model.named_modules())
+    stacked = _stacked_expert_params(model)
     if isinstance(targets, Mapping):
+        found_params = [p for p in targets if p in stacked and p not in modules]
         for path in targets:
-            if path not in modules:
+            if path not in modules and path not in stacked:
                 raise LoraConfigError(f"attach_lora: target module {path!r} not found in the model")
-        return dict(targets)
+        return {p: t for p, t in targets.items() if p not in found_params}, found_params
     found: dict[str, Target] = {}
+    params: set[str] = set()
     for suffix in targets:
-        hits = [p for p in modules if p == suffix or p.endswith("." + suffix)]
-        if not hits:
+        hits = [p for p in modules if _matches(p, suffix)]
+        param_hits = [
+            p
+            for p in stacked
+            if _matches(p, suffix) or suffix in STACKED_PARTS[p.rsplit(".", 1)[-1]]
+        ]
+        if not hits and not param_hits:
             raise LoraConfigError(f"attach_lora: no module matches target {suffix!r}")
         found.update({p: Target() for p in hits})
-    return found
+        params.update(param_hits)
+    for path in sorted(params):
+        parts = STACKED_PARTS[path.rsplit(".", 1)[-1]]
+        named = [t for t in parts if t in targets]
+        if named and len(named) != len(parts):
+            raise LoraConfigError(
+                f"attach_lora: {path} stacks {' and '.join(parts)}; target both or neither "
+                f"(got {named[0]!r} alone)"
+            )
+    return found, sorted(params)
 
 
 def attach_lora(
@@ -281,7 +324,10 @@ def attach_lora(
     handle = LoraHandle(model=model, config=config, groups=groups)
     for p in model.parameters():
         p.requires_grad_(False)
-    for path, target in sorted(_resolve_targets(model, targets).items()):
+    module_targets, stacked_params = _resolve_targets(model, targets)
+    for path in stacked_params:
+        handle.sites[path] = _attach_stacked(model, path, config)
+    for path, target in sorted(module_targets.items()):
         parent_path, _, leaf = path.rpartition(".")
         parent = model.get_submodule(parent_path) if parent_path else model
         base = getattr(parent, leaf)
@@ -322,6 +368,57 @@ def attach_lora(
     if not handle.sites:
         raise LoraConfigError("attach_lora: no target modules given")
     return handle
+
+
+def _attach_stacked(model: nn.Module, path: str, config: LoraConfig) -> LoraStackedExperts:
+    container, _, name = path.rpartition(".")
+    owner = model.get_submodule(container) if container else model
+    if getattr(owner, "is_transposed", False):
+        raise LayoutError(
+            f"{path}: stacked experts stored [E, in, out] (is_transposed) unsupported"
+        )
+    if parametrize.is_parametrized(owner, name):
+        raise LayoutError(f"{path}: LoRA is already attached (the parameter is parametrized)")
+    weight: torch.Tensor = getattr(owner, name)
+    parts = STACKED_PARTS[name]
+    n, out, fin = weight.shape
+    if out % len(parts):
+        raise LayoutError(f"{path}: {out} rows do not split into parts {parts}")
+    out_part = out // len(parts)
+    r = config.r
+    a = torch.stack(
+        [
+            torch.stack(
+                [init_full_factor(config, f"{container}.{e}.{p}", "A", (r, fin)) for p in parts]
+            )
+            for e in range(n)
+        ]
+    )
+    b = torch.stack(
+        [
+            torch.stack(
+                [
+                    init_full_factor(config, f"{container}.{e}.{p}", "B", (out_part, r))
+                    for p in parts
+                ]
+            )
+            for e in range(n)
+        ]
+    )
+    site = LoraStackedExperts(
+        path=path,
+        container=container,
+        parts=parts,
+        config=config,
+        lora_a=a.to(weight.device),
+        lora_b=b.to(weight.device),
+    )
+    parametrize.register_parametrization(owner, name, site, unsafe=True)
+    parametrizations: nn.ModuleDict = getattr(owner, "parametrizations")  # noqa: B009
+    site.bind_original(getattr(parametrizations[name], "original"))  # noqa: B009
+    tag_parameter(site.lora_A, LoraParamTag(site=path, factor="A", shard_axis=None, shard_dim=None))
+    tag_parameter(site.lora_B, LoraParamTag(site=path, factor="B", shard_axis=None, shard_dim=None))
+    return site
 
 
 def _attach_experts(

@@ -25,6 +25,7 @@ from posttrain.lora._comm import all_gather_flat, group_rank, group_size
 from posttrain.lora._errors import ExportError
 from posttrain.lora.attach import LoraHandle, fused_local_parts
 from posttrain.lora.experts import LoraExpertLinear
+from posttrain.lora.stacked import LoraStackedExperts
 
 
 @dataclass(slots=True)
@@ -75,6 +76,13 @@ def _local_adapter(handle: LoraHandle) -> dict[str, torch.Tensor]:
     expert_pending: list[_Pending] = []
     per_expert: list[LoraExpertLinear] = []
     for site in handle.sites.values():
+        if isinstance(site, LoraStackedExperts):  # replicated: one PEFT module per expert and part
+            a, b = site.lora_A.detach(), site.lora_B.detach()
+            for e in range(site.num_experts):
+                for p in range(len(site.parts)):
+                    ready[peft_key(site.hf_name(e, p), "A")] = a[e, p].clone()
+                    ready[peft_key(site.hf_name(e, p), "B")] = b[e, p].clone()
+            continue
         if isinstance(site, LoraExpertLinear):
             a, b = site.lora_A.detach(), site.lora_B.detach()
             for factor, t in (("A", a), ("B", b)):

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from posttrain.formats import (
+    MoeConvention,
     PeftAdapter,
     PeftFormatError,
     parse_peft_key,
@@ -39,6 +40,7 @@ from posttrain.lora.attach import LoraHandle, fused_local_rows
 from posttrain.lora.config import LoraConfig
 from posttrain.lora.experts import LoraExpertLinear
 from posttrain.lora.layers import LoraLinear
+from posttrain.lora.stacked import LoraStackedExperts
 
 
 def _default_targets(tensors: Mapping[str, torch.Tensor]) -> list[str]:
@@ -52,11 +54,16 @@ def save_peft(
     *,
     target_modules: Sequence[str] | str | None = None,
     base_model_name_or_path: str = "",
+    moe_convention: MoeConvention = "per_expert",
 ) -> Path:
     """Write a PEFT adapter directory atomically (replacing any old one); returns its path.
 
     ``target_modules`` defaults to the leaf names of the modules in ``tensors``. The formats
-    writer refuses, before writing anything, what its reader would refuse.
+    writer refuses, before writing anything, what its reader would refuse. ``moe_convention``
+    picks how MoE experts and dense MLP targets are written (``posttrain.formats``'
+    ``_peft_moe``): ``"per_expert"`` modules (SGLang, PEFT on transformers 4) or PEFT's
+    ``"target_parameters"`` (PEFT on transformers 5, whose config rewrite would otherwise
+    drop a dense layer's MLP targets). ``load_peft`` reads either.
     """
     target = Path(directory)
     if not tensors:
@@ -64,7 +71,11 @@ def save_peft(
     try:
         spec = config.to_spec(target_modules or _default_targets(tensors))
         return write_peft_adapter(
-            target, tensors, spec, base_model_name_or_path=base_model_name_or_path
+            target,
+            tensors,
+            spec,
+            base_model_name_or_path=base_model_name_or_path,
+            moe_convention=moe_convention,
         )
     except PeftFormatError as e:
         raise AdapterFormatError(f"save_peft: {e}") from e
@@ -113,10 +124,24 @@ def _expert_keys(site: LoraExpertLinear, r: int) -> dict[str, tuple[int, ...]]:
     }
 
 
+def _stacked_keys(site: LoraStackedExperts) -> dict[str, tuple[int, ...]]:
+    _, _, r, fin = site.lora_A.shape
+    out_part = site.lora_B.shape[2]
+    shapes: dict[str, tuple[int, ...]] = {}
+    for e in range(site.num_experts):
+        for p in range(len(site.parts)):
+            shapes[peft_key(site.hf_name(e, p), "A")] = (r, fin)
+            shapes[peft_key(site.hf_name(e, p), "B")] = (out_part, r)
+    return shapes
+
+
 def _expected_shapes(handle: LoraHandle) -> dict[str, tuple[int, ...]]:
     r = handle.config.r
     shapes: dict[str, tuple[int, ...]] = {}
     for site in handle.sites.values():
+        if isinstance(site, LoraStackedExperts):
+            shapes.update(_stacked_keys(site))
+            continue
         if isinstance(site, LoraExpertLinear):
             shapes.update(_expert_keys(site, r))
             continue
@@ -207,6 +232,18 @@ def load_peft(
     loaded: list[str] = []
     r = handle.config.r
     for site in handle.sites.values():
+        if isinstance(site, LoraStackedExperts):
+            keys = list(_stacked_keys(site))
+            if not all(k in tensors for k in keys):
+                continue
+            n, parts = site.num_experts, range(len(site.parts))
+            a_all = [[tensors[peft_key(site.hf_name(e, p), "A")] for p in parts] for e in range(n)]
+            b_all = [[tensors[peft_key(site.hf_name(e, p), "B")] for p in parts] for e in range(n)]
+            with torch.no_grad():
+                site.lora_A.copy_(torch.stack([torch.stack(row) for row in a_all]))
+                site.lora_B.copy_(torch.stack([torch.stack(row) for row in b_all]))
+            loaded.extend(keys)
+            continue
         if isinstance(site, LoraExpertLinear):
             keys = list(_expert_keys(site, r))
         else:

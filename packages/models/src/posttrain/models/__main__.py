@@ -2,8 +2,9 @@
 
 The directory it writes is what every CPU path of posttrain starts from: the
 local engine serves it (``--model-path DIR``), the session router renders its
-chat template (``--tokenizer DIR``), ``transformers`` loads it as a
-``Qwen3MoeForCausalLM`` and ``quant-convert`` converts it. The write is atomic
+chat template (``--tokenizer DIR``), ``transformers`` and SGLang load it (as
+``MellumForCausalLM`` when dense and MoE layers mix, else ``Qwen3MoeForCausalLM``) and
+``quant-convert`` converts it. The write is atomic
 (``posttrain.formats.atomic_directory``: a temporary directory, fsynced, swapped into
 place), so an interrupted run leaves nothing that looks complete.
 

@@ -1,10 +1,19 @@
-"""The typed model config and its mapping to a Qwen3-MoE HF ``config.json``.
+"""The typed model config and its mapping to an HF ``config.json`` (Qwen3-MoE or Mellum).
 
 Field names are the HF ``Qwen3MoeConfig`` names, so ``to_hf_dict`` / ``from_hf_dict``
 are nearly the identity. Departures from the HF class:
 
-* Dense layers are chosen exactly as HF does: layer ``i`` is MoE when
+* Dense layers are chosen exactly as HF Qwen3-MoE does: layer ``i`` is MoE when
   ``i not in mlp_only_layers and num_experts > 0 and (i + 1) % decoder_sparse_step == 0``.
+* The checkpoint type depends on that layer pattern, so that SGLang builds it as written.
+  SGLang 0.5.23's ``Qwen3MoeForCausalLM`` ignores ``mlp_only_layers`` and
+  ``decoder_sparse_step`` (it builds every layer as MoE), so a config with a dense layer is
+  written as ``mellum`` / ``MellumForCausalLM``: the Qwen3-MoE layer (q/k norm, GQA, SwiGLU
+  dense MLP, softmax top-k router, no shared expert, the same tensor names) with a per-layer
+  ``mlp_layer_types`` (``"dense"``/``"sparse"``) that both SGLang and transformers 5 honour;
+  every layer ``full_attention`` with one default RoPE. A config without a dense layer (or
+  without experts) stays ``qwen3_moe``. ``from_hf_dict`` reads both, and the older Qwen3-MoE
+  checkpoints with ``mlp_only_layers``.
 * ``max_position_embeddings`` is also the capacity ``C`` of the fixed-size key buffer
   that strict attention reduces over (see ``_ops``), so keep it small for tiny models.
 * Features the strict kernels do not implement are refused, not ignored:
@@ -398,18 +407,52 @@ class ModelConfig:
         base.update(changes)
         return cls.tiny(**base)
 
+    @property
+    def has_dense_and_moe_layers(self) -> bool:
+        """Whether some layers are dense and some MoE (written as ``mellum``, see module doc)."""
+        kinds = set(self.layer_types)
+        return kinds == {"dense", "moe"}
+
     def to_hf_dict(self) -> dict[str, Any]:
-        """The ``config.json`` dict (a ``Qwen3MoeConfig`` unless optional blocks are on)."""
-        out = self._qwen3_hf_dict()
+        """The ``config.json`` dict: ``qwen3_moe``, or ``mellum`` when dense and MoE layers mix,
+        or ``posttrain_inkling`` (a ``qwen3_moe`` dict plus the block fields) when optional
+        blocks are on."""
         if self.uses_extensions:
+            out = self.to_qwen3_moe_hf_dict()
             out["architectures"] = ["InklingForCausalLM"]
             out["model_type"] = "posttrain_inkling"
             for key in _EXTENSION_DEFAULTS:
                 value = getattr(self, key)
                 out[key] = list(value) if isinstance(value, tuple) else value
-        return out
+            return out
+        if self.has_dense_and_moe_layers:
+            return self._mellum_hf_dict()
+        return self.to_qwen3_moe_hf_dict()
 
-    def _qwen3_hf_dict(self) -> dict[str, Any]:
+    def _mellum_hf_dict(self) -> dict[str, Any]:
+        data = self.to_qwen3_moe_hf_dict()
+        # mlp_only_layers / decoder_sparse_step stay as extra fields (SGLang and transformers
+        # ignore them for mellum) so the config reads back field for field
+        for key in ("rope_theta", "rope_scaling"):
+            del data[key]
+        rope = {"rope_type": "default", "rope_theta": self.rope_theta}
+        data.update(
+            architectures=["MellumForCausalLM"],
+            model_type="mellum",
+            layer_types=["full_attention"] * self.num_hidden_layers,
+            mlp_layer_types=["sparse" if t == "moe" else "dense" for t in self.layer_types],
+            # only full_attention is used; MellumConfig validates both entries
+            rope_parameters={"full_attention": dict(rope), "sliding_attention": dict(rope)},
+        )
+        del data["use_sliding_window"]
+        return data
+
+    def to_qwen3_moe_hf_dict(self) -> dict[str, Any]:
+        """The ``qwen3_moe`` dict whatever the layers (dense ones in ``mlp_only_layers``).
+
+        The layout this package wrote before ``mellum``: transformers (4 and 5) honour its dense
+        layers, SGLang 0.5.23 does not. For tools that only know Qwen3-MoE.
+        """
         return {
             "architectures": ["Qwen3MoeForCausalLM"],
             "model_type": "qwen3_moe",
@@ -445,8 +488,10 @@ class ModelConfig:
 
     @classmethod
     def from_hf_dict(cls, data: dict[str, Any]) -> ModelConfig:
-        """Read a Qwen3-MoE ``config.json`` dict; unsupported features raise ModelConfigError."""
+        """Read a Qwen3-MoE or Mellum ``config.json`` dict; unsupported features raise ModelConfigError."""
         data = dict(data)
+        if data.get("model_type") == "mellum" or "mlp_layer_types" in data:
+            data = _mellum_to_qwen3_moe(data)
         for key, ok in (
             ("hidden_act", "silu"),
             ("attention_bias", False),
@@ -485,3 +530,50 @@ class ModelConfig:
         if isinstance(kwargs.get("eos_token_id"), list):
             kwargs["eos_token_id"] = kwargs["eos_token_id"][0]
         return cls(**kwargs)
+
+
+def _mellum_to_qwen3_moe(data: dict[str, Any]) -> dict[str, Any]:
+    """A Mellum ``config.json`` dict in Qwen3-MoE fields; what the strict kernels lack is refused."""
+    layers = data.get("num_hidden_layers")
+    if not isinstance(layers, int):
+        raise ModelConfigError("config.json lacks an integer num_hidden_layers")
+    types = data.get("mlp_layer_types")
+    if not isinstance(types, list) or len(types) != layers:
+        raise ModelConfigError(
+            f"config.json mlp_layer_types={types!r} must list one entry per layer ({layers})"
+        )
+    bad = sorted({t for t in types if t not in ("dense", "sparse")}, key=str)
+    if bad:
+        raise ModelConfigError(f"config.json mlp_layer_types holds {bad}; expected dense/sparse")
+    attention = data.get("layer_types") or ["full_attention"] * layers
+    if any(t != "full_attention" for t in attention):
+        raise ModelConfigError(
+            f"config.json layer_types={attention!r}: only full_attention is supported "
+            "(sliding-window attention is not in the strict kernels)"
+        )
+    if data.get("num_mtp_layers"):
+        raise ModelConfigError(f"config.json num_mtp_layers={data['num_mtp_layers']} unsupported")
+    rope = (data.get("rope_parameters") or {}).get("full_attention") or {}
+    if rope.get("rope_type", "default") != "default":
+        raise ModelConfigError(f"config.json rope_parameters.full_attention={rope!r} unsupported")
+    out = {k: v for k, v in data.items() if k not in ("rope_parameters", "layer_types")}
+    del out["mlp_layer_types"]
+    out["rope_theta"] = float(rope.get("rope_theta", 10000.0))
+    dense = [i for i, t in enumerate(types) if t == "dense"]
+    if "mlp_only_layers" in data or "decoder_sparse_step" in data:  # written by to_hf_dict
+        step = data.get("decoder_sparse_step", 1)
+        only = set(data.get("mlp_only_layers") or ())
+        implied = [
+            i
+            for i in range(layers)
+            if i in only or not isinstance(step, int) or step <= 0 or (i + 1) % step
+        ]
+        if implied != dense:
+            raise ModelConfigError(
+                f"config.json mlp_only_layers={sorted(only)} and decoder_sparse_step={step} "
+                f"make layers {implied} dense, but mlp_layer_types says {dense}"
+            )
+        return out
+    out["mlp_only_layers"] = dense
+    out["decoder_sparse_step"] = 1
+    return out

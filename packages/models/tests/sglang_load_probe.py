@@ -1,0 +1,134 @@
+"""Build SGLang's own model class for a checkpoint on CPU and run its ``load_weights`` on it.
+
+Run as a script (``python sglang_load_probe.py <port> <checkpoint dir>...``) by
+``test_models_sglang_conformance.py``, in a child process so that SGLang's process-wide state
+(its single-rank gloo ``torch.distributed`` world, its runtime context) never reaches the test
+process. Prints one ``PROBE <dir> <json>`` line per checkpoint, the object holding:
+
+* ``architecture``: the class SGLang's registry picked for the checkpoint's ``architectures``;
+* ``params``: ``{name: shape}`` of the model SGLang builds (its fused names: ``qkv_proj``,
+  ``gate_up_proj``, ``experts.w13_weight``, ...);
+* ``unwritten``: SGLang parameters still NaN after loading (every one is NaN-filled first);
+* ``unused``: checkpoint tensors no SGLang weight loader was called for;
+* ``fused_ok``: spot checks that the fused tensors hold our tensors in SGLang's order.
+
+SGLang's rotary-embedding module imports a GPU kernel (``vllm._custom_ops.rotary_embedding``)
+when it is built without CUDA; a stand-in module that raises if called is installed for it.
+Nothing here runs a forward, so the kernel is never called.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import types
+from typing import Any
+
+
+def _install_kernel_stand_in() -> None:
+    def unavailable(*args: Any, **kwargs: Any) -> None:
+        raise RuntimeError("GPU rotary kernel called in a construction-only CPU probe")
+
+    vllm = types.ModuleType("vllm")
+    ops = types.ModuleType("vllm._custom_ops")
+    ops.rotary_embedding = unavailable  # type: ignore[attr-defined]
+    vllm._custom_ops = ops  # type: ignore[attr-defined]
+    sys.modules.setdefault("vllm", vllm)
+    sys.modules.setdefault("vllm._custom_ops", ops)
+
+
+def _init_single_rank(path: str, port: int) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0"
+    )
+    from sglang.srt.distributed import parallel_state
+    from sglang.srt.distributed.parallel_state import (
+        init_distributed_environment,
+        initialize_model_parallel,
+    )
+    from sglang.srt.runtime_context import SpawnRanks, get_parallel, publish, reset_context
+    from sglang.srt.server_args import ServerArgs
+
+    init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo")
+    reset_context()
+    publish(
+        ServerArgs(model_path=path, tp_size=1, ep_size=1, pp_size=1, device="cpu"),
+        role="test",
+        ranks=SpawnRanks(world_rank=0),
+    )
+    get_parallel().override_permanently(world_group=parallel_state._WORLD)
+    initialize_model_parallel(backend="gloo")
+
+
+def probe(path: str) -> dict[str, Any]:
+    import torch
+    from safetensors.torch import load_file
+    from sglang.srt.models.registry import ModelRegistry
+    from sglang.srt.utils.hf_transformers_utils import get_config
+
+    hf = get_config(path, trust_remote_code=False)
+    cls, arch = ModelRegistry.resolve_model_cls(hf.architectures)
+    tensors = load_file(os.path.join(path, "model.safetensors"))
+    dtype = next(iter(tensors.values())).dtype
+    torch.set_default_dtype(dtype)
+    model = cls(hf)
+    params = dict(model.named_parameters())
+    current: list[str] = [""]
+    used: set[str] = set()
+    from sglang.srt.model_loader.weight_utils import default_weight_loader
+
+    for p in params.values():
+        p.data.fill_(float("nan"))
+        loader = getattr(p, "weight_loader", default_weight_loader)
+
+        def traced(*args: Any, _loader: Any = loader, **kwargs: Any) -> Any:
+            used.add(current[0])
+            return _loader(*args, **kwargs)
+
+        p.weight_loader = traced  # type: ignore[attr-defined]
+
+    def feed() -> Any:
+        for name in sorted(tensors):
+            current[0] = name
+            yield name, tensors[name]
+
+    model.load_weights(feed())
+    unwritten = sorted(n for n, p in params.items() if bool(torch.isnan(p.data.float()).any()))
+    checks: dict[str, bool] = {}
+
+    def holds(param: torch.Tensor, *names: str) -> bool:
+        if not all(n in tensors for n in names):
+            return False  # the checkpoint lacks what SGLang's layer needs
+        return torch.equal(param, torch.cat([tensors[n] for n in names]))
+
+    for i, layer in enumerate(model.model.layers):
+        mlp = layer.mlp
+        pre = f"model.layers.{i}."
+        qkv = [pre + f"self_attn.{x}_proj.weight" for x in "qkv"]
+        checks[pre + "qkv"] = holds(layer.self_attn.qkv_proj.weight.data, *qkv)
+        if hasattr(mlp, "experts"):
+            for e in range(mlp.experts.w13_weight.shape[0]):
+                ex = pre + f"mlp.experts.{e}."
+                w13, w2 = mlp.experts.w13_weight.data[e], mlp.experts.w2_weight.data[e]
+                checks[ex + "w13"] = holds(w13, ex + "gate_proj.weight", ex + "up_proj.weight")
+                checks[ex + "w2"] = holds(w2, ex + "down_proj.weight")
+        else:
+            names = (pre + "mlp.gate_proj.weight", pre + "mlp.up_proj.weight")
+            checks[pre + "gate_up"] = holds(mlp.gate_up_proj.weight.data, *names)
+    return {
+        "architecture": arch,
+        "params": {n: list(p.shape) for n, p in params.items()},
+        "unwritten": unwritten,
+        "unused": sorted(set(tensors) - used),
+        "fused_ok": all(checks.values()),
+        "fused_bad": sorted(k for k, ok in checks.items() if not ok),
+    }
+
+
+if __name__ == "__main__":
+    port, paths = int(sys.argv[1]), sys.argv[2:]
+    _install_kernel_stand_in()
+    _init_single_rank(paths[0], port)  # the server args only need some real checkpoint
+    for path in paths:
+        print(f"PROBE {path} " + json.dumps(probe(path)), flush=True)
