@@ -330,9 +330,10 @@ def test_checkpoint_round_trip_keeps_fp32_bias_and_frozen_tables(tmp_path: objec
 
 
 def test_plain_configs_write_the_same_config_json() -> None:
-    hf = ModelConfig.tiny().to_hf_dict()
-    assert hf["architectures"] == ["Qwen3MoeForCausalLM"]
-    assert "sconv_kernel_size" not in hf
+    hf = ModelConfig.tiny().to_hf_dict()  # dense layer 0 + MoE layers: the mellum layout
+    assert hf["architectures"] == ["MellumForCausalLM"]
+    assert not any(key in hf for key in ("sconv_kernel_size", "rel_pos_dim", "logits_divisor"))
+    assert ModelConfig.from_hf_dict(hf) == ModelConfig.tiny()
     ink = INKLING.to_hf_dict()
     assert ink["architectures"] == ["InklingForCausalLM"]
     assert ModelConfig.from_hf_dict(ink) == INKLING
