@@ -175,8 +175,13 @@ def run_ours(s: BenchSettings, seed: int, out: Path) -> dict[str, Any]:
 # --------------------------------------------------------------------------- TRL side
 
 
-def trl_child(s: BenchSettings, seed: int, result: Path, work: Path) -> None:
-    """Run TRL's GRPOTrainer in this process; write its per-step times and rewards to ``result``."""
+def trl_child(s: BenchSettings, seed: int, result: Path, work: Path, threads: int = 0) -> None:
+    """Run TRL's GRPOTrainer in this process; write its per-step times and rewards to ``result``.
+
+    ``threads``: torch's intra-op threads here (0: torch's default, one per core).
+    """
+    if threads:
+        torch.set_num_threads(threads)
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
@@ -289,13 +294,14 @@ def trl_child(s: BenchSettings, seed: int, result: Path, work: Path) -> None:
     )
 
 
-def run_trl(s: BenchSettings, seed: int, out: Path) -> dict[str, Any]:
+def run_trl(s: BenchSettings, seed: int, out: Path, threads: int = 0) -> dict[str, Any]:
     """This script as ``--side trl`` in a child process; its result plus the process wall."""
     out.mkdir(parents=True, exist_ok=True)
     result = out / "trl.json"
     argv = [
         sys.executable, __file__, "--side", "trl", "--seed", str(seed),
         "--steps", str(s.steps), "--result", str(result), "--out", str(out),
+        "--trl-threads", str(threads),
     ]  # fmt: skip
     started = time.perf_counter()
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=1800, check=False)
@@ -345,6 +351,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--seeds", default="1,2,3", help="run seeds, one run of each side per seed")
     parser.add_argument("--reward-window", type=int, default=4, help="last steps averaged")
     parser.add_argument("--out", type=Path, default=Path("/tmp/bench-vs-trl"))
+    parser.add_argument(
+        "--trl-threads", type=int, default=0,
+        help="torch threads of the TRL process (default 0: torch's default, one per core)",
+    )  # fmt: skip
     parser.add_argument("--side", choices=("both", "trl"), default="both", help=argparse.SUPPRESS)
     parser.add_argument("--seed", type=int, default=1, help=argparse.SUPPRESS)
     parser.add_argument("--result", type=Path, default=None, help=argparse.SUPPRESS)
@@ -352,7 +362,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     settings = BenchSettings(steps=args.steps)
     if args.side == "trl":
         assert args.result is not None
-        trl_child(settings, args.seed, args.result, args.out / "trl-work")
+        trl_child(settings, args.seed, args.result, args.out / "trl-work", args.trl_threads)
         return 0
 
     import trl  # fail here, before any run, when the bench-trl group is not installed
@@ -368,7 +378,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         ours["load_average_before"] = load
         print(f"seed {seed} ours: {json.dumps(ours)}", flush=True)
         load = os.getloadavg()
-        theirs = run_trl(settings, seed, args.out / f"trl-seed{seed}")
+        theirs = run_trl(settings, seed, args.out / f"trl-seed{seed}", args.trl_threads)
         theirs["load_average_before"] = load
         print(f"seed {seed} trl:  {json.dumps(theirs)}", flush=True)
         pair = RunPair(seed, ours, theirs)
