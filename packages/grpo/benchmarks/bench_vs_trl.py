@@ -164,6 +164,9 @@ def run_ours(s: BenchSettings, seed: int, out: Path) -> dict[str, Any]:
         "argv": argv[1:],
         "process_wall_s": wall,
         "step_s": [float(r["time/step"]) for r in records],
+        "rollout_s": [float(r["time/rollout"]) for r in records],
+        "train_s": [float(r["time/train"]) for r in records],
+        "sync_s": [float(r["time/sync"]) for r in records],
         "reward": [float(r["reward_mean"]) for r in records],
         "samples_per_step": [int(r["samples"]) for r in records],
         "train_rollout_logprob_max_abs_diff": max(
@@ -279,6 +282,17 @@ def trl_child(s: BenchSettings, seed: int, result: Path, work: Path, threads: in
         processing_class=tok,
         callbacks=[StepClock()],
     )
+    # Timing only: the share of a step spent sampling and scoring (TRL's own method, unchanged).
+    rollout_s: list[float] = []
+    generate_and_score = trainer._generate_and_score_completions
+
+    def timed_generate_and_score(*args: Any, **kwargs: Any) -> Any:
+        t0 = time.perf_counter()
+        out = generate_and_score(*args, **kwargs)
+        rollout_s.append(time.perf_counter() - t0)
+        return out
+
+    trainer._generate_and_score_completions = timed_generate_and_score
     trainer.train()
     result.write_text(
         json.dumps(
@@ -287,6 +301,7 @@ def trl_child(s: BenchSettings, seed: int, result: Path, work: Path, threads: in
                 "torch_threads": torch.get_num_threads(),
                 "setup_and_train_s": time.perf_counter() - started,
                 "step_s": step_s,
+                "rollout_s": rollout_s,
                 "reward": rewards,
                 "samples_per_step": [batch] * len(step_s),
             }
@@ -331,6 +346,8 @@ def summarize(pair: RunPair, window: int) -> dict[str, float]:
         data = getattr(pair, side)
         steps = data["step_s"][1:] or data["step_s"]
         out[f"{side}_step_s"] = statistics.median(steps)
+        if data.get("rollout_s"):  # sampling and scoring (TRL: generate + reward + advantages)
+            out[f"{side}_rollout_s"] = statistics.median(data["rollout_s"][1:] or data["rollout_s"])
         out[f"{side}_reward_first"] = data["reward"][0]
         out[f"{side}_reward_last{window}"] = statistics.fmean(data["reward"][-window:])
         out[f"{side}_reward_all"] = statistics.fmean(data["reward"])
