@@ -45,7 +45,7 @@ import torch
 
 from posttrain.grpo.config import GrpoConfig
 from posttrain.grpo.recipe import RECIPE, cache_dir, prepare
-from posttrain.grpo.rewards import PromptStream, Task, build_task
+from posttrain.grpo.rewards import Prompt, PromptStream, addition_prompts, build_task
 from posttrain.interface import Sample
 
 RECIPE_SEED = 0  # the recipe's checkpoints (warm-up seed); the run seeds vary the rollouts only
@@ -96,7 +96,7 @@ def matched_settings(s: BenchSettings) -> list[tuple[str, str, str]]:
 # --------------------------------------------------------------------------- load check
 
 
-def load_check(policy: Path, task: Task, count: int = 8) -> dict[str, Any]:
+def load_check(policy: Path, prompts: Sequence[Prompt], count: int = 8) -> dict[str, Any]:
     """Load ``policy`` with transformers; compare its logprobs with ours on ``count`` sequences."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -108,7 +108,7 @@ def load_check(policy: Path, task: Task, count: int = 8) -> dict[str, Any]:
     hf.eval()
     tok = AutoTokenizer.from_pretrained(str(policy))
     sequences: list[list[int]] = []
-    for prompt in task.prompts[:count]:
+    for prompt in prompts[:count]:
         text = tok.apply_chat_template(
             list(prompt.messages), add_generation_prompt=True, tokenize=False
         )
@@ -333,6 +333,8 @@ def run_trl(s: BenchSettings, seed: int, out: Path, threads: int = 0) -> dict[st
 
 @dataclass(slots=True)
 class RunPair:
+    """One seed's run of each side and their comparison (``summarize``)."""
+
     seed: int
     ours: dict[str, Any]
     trl: dict[str, Any]
@@ -386,7 +388,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     args.out.mkdir(parents=True, exist_ok=True)
     policy = Path(prepare(cache_dir(), RECIPE_SEED)["policy"])
-    check = load_check(policy, build_task("addition", lambda ids: ""))
+    check = load_check(policy, addition_prompts())
     print(f"load check: {json.dumps(check)}", flush=True)
     pairs: list[RunPair] = []
     for seed in (int(x) for x in args.seeds.split(",")):
