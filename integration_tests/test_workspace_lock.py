@@ -58,3 +58,14 @@ def test_no_tracked_file_names_a_machine_path() -> None:
         if pattern.search(line) and "files.pythonhosted.org" not in line
     ]
     assert offenders == []
+
+
+def test_benchmark_only_groups_stay_out_of_the_default_install() -> None:
+    # TRL is for packages/grpo/benchmarks/bench_vs_trl.py only: `uv sync`, `uv run pytest` and
+    # CI install the default groups, which must not pull it in.
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    groups = project["dependency-groups"]
+    defaults = project["tool"]["uv"].get("default-groups", ["dev"])
+    assert any(r.startswith("trl") for r in groups["bench-trl"])
+    assert "bench-trl" not in defaults
+    assert not [r for name in defaults for r in groups[name] if str(r).startswith("trl")]

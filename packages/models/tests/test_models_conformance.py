@@ -54,12 +54,18 @@ def test_transformers_loads_our_checkpoint(tmp_path: Path, name: str) -> None:
     cfg = CONFIGS[name]
     model = build_model(cfg, 4)
     model.save_pretrained(tmp_path)
-    hf = AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32)
+    hf, info = AutoModelForCausalLM.from_pretrained(
+        str(tmp_path), dtype=torch.float32, output_loading_info=True
+    )
     expected = "MellumForCausalLM" if cfg.has_dense_and_moe_layers else "Qwen3MoeForCausalLM"
     assert type(hf).__name__ == expected
     assert [type(layer.mlp).__name__.endswith("SparseMoeBlock") for layer in hf.model.layers] == [
         t == "moe" for t in cfg.layer_types
     ]
+    # Every tensor of ours lands on one of transformers' parameters, and none is left random.
+    assert not info["missing_keys"], info
+    assert not info["unexpected_keys"], info
+    assert not info["mismatched_keys"], info
     ids = torch.randint(0, cfg.vocab_size, (24,), generator=torch.Generator().manual_seed(0))
     ref = hf_logits(hf, ids)
     for numerics in Numerics:
