@@ -202,10 +202,12 @@ def _sweep(
             ]
         else:
             variants = [
-                k.KernelTuning(four_over_six_columns=c, blocks_per_program_4over6=b,
-                               num_warps_4over6=w)
-                for c, b, w in ((True, 64, 2), (True, 128, 4), (False, 16, 1), (False, 32, 2),
-                                (False, 32, 1), (False, 64, 2), (False, 64, 4))
+                k.KernelTuning(four_over_six_rows=c, blocks_per_program_4over6=b,
+                               num_warps_4over6=w, max_registers_4over6=r)
+                for c, b, w, r in ((True, 128, 4, None), (True, 64, 2, None),
+                                   (True, 256, 8, None), (True, 256, 4, None),
+                                   (True, 128, 4, 96), (True, 256, 8, 96), (True, 128, 4, 80),
+                                   (False, 32, 2, None))
             ]  # fmt: skip
         for tuning in variants:
 
@@ -230,7 +232,9 @@ def _sweep(
             })  # fmt: skip
     try:  # registers, spills and vector loads of each compiled variant
         compiled = []
-        for cache in k._quant_kernel.device_caches.values():
+        caches = [*k._quant_kernel.device_caches.values(),
+                  *k._quant_4over6_kernel.device_caches.values()]  # fmt: skip
+        for cache in caches:
             for key, c in cache[0].items():
                 ptx = c.asm.get("ptx", "")
                 compiled.append({
