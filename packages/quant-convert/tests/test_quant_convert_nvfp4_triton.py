@@ -250,3 +250,25 @@ def test_4over6_equals_cpu_across_the_amax_range(device: str, cfg: NVFP4Config) 
             tuning=kernels.KernelTuning(four_over_six_rows=False),
         )  # fmt: skip
         _same(ref, NVFP4Tensor(packed[0], scale[0], ws2[0]))
+
+
+def test_4over6_dequantized_value_factors_into_a_power_of_two() -> None:
+    """The identity the 4-over-6 kernel's per-block values rest on, in IEEE fp32 on the CPU:
+    ``((q*s)*A)/D == +-2**j * ((m*s)*A)/D`` for |q| = m * 2**j, every positive E4M3 scale s,
+    D = 6*Emax for both Emax, and amaxes sampled in binades from 2**-100 up to 2**115."""
+    g = torch.Generator().manual_seed(0)
+    scales = torch.arange(1, 127, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    assert float(scales.min()) == 2.0**-9
+    assert float(scales.max()) == 448.0
+    mags = torch.tensor([0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+    m = torch.tensor([1.0, 1.0, 1.5, 1.0, 1.5, 1.0, 1.5])
+    mant = torch.cat([1 + torch.rand(1 << 8, generator=g), torch.tensor([1.0, 2 - 2**-23])])
+    for exp in (-100, -99, -60, -20, -1, 0, 1, 40, 100, 113, 114):
+        amax = (mant * 2.0**exp).float()
+        assert float(amax.max()) <= 2.0**115
+        s, a = scales[:, None, None], amax[None, :, None]
+        for denom in (torch.tensor(1536.0), torch.tensor(2688.0)):
+            for sign in (1.0, -1.0):
+                want = ((sign * mags * s) * a) / denom
+                got = (((m * s) * a) / denom) * (sign * mags / m)
+                assert torch.equal(want.view(torch.int32), got.view(torch.int32)), (exp, denom)

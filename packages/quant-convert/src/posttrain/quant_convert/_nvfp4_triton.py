@@ -3,7 +3,7 @@
 """Fused Triton NVFP4 kernels: the CUDA path of :mod:`posttrain.quant_convert.nvfp4`.
 
 Imported only when a CUDA tensor is quantized (or by the interpreter test), so a CPU-only
-install never needs Triton. Two kernels, each one pass over the input:
+install never needs Triton. Two passes over the input:
 
 * ``_amax_kernel`` reduces max|x| of every matrix into an fp32 slot, as ``int32`` bit patterns
   with ``atomic_max`` (non-negative floats order like their bits; a NaN's bits exceed +inf's,
@@ -11,6 +11,9 @@ install never needs Triton. Two kernels, each one pass over the input:
 * ``_quant_kernel`` reads the input once (any of fp16/bf16/fp32) and writes the packed E2M1
   codes (one int64 per 16-element block: byte j = code[2j] | code[2j+1] << 4, little endian),
   the E4M3 scale bytes, and ``weight_scale_2`` per matrix; a non-finite block sets a flag.
+  ``_quant_4over6_kernel`` does the same for 4-over-6 with one thread per 16-element block
+  (its two 8-element halves are two 16-byte loads into that thread), so per-block work runs
+  once per block and the error sums need no data exchange between threads.
 
 Bit parity with the CPU reference (pure torch, IEEE fp32, round-to-nearest-even) is by
 construction and tested bit for bit (the interpreter on CPU, the device in the benchmark):
@@ -18,6 +21,13 @@ construction and tested bit for bit (the interpreter on CPU, the device in the b
 * every division is ``div_rn`` (Triton's ``/`` is approximate on fp32), in the reference's
   order: ``S_enc = 6*Emax / A``, ``scale_2 = 1 / S_enc``, ``e = 1 / (s * scale_2)``,
   ``v / 6`` (te-divide and 4-over-6), and 4-over-6's ``((q * s) * A) / (6 * Emax)``;
+* that last one is formed per block, not per element: ``|q|`` is ``m * 2**j`` with m in
+  {1, 1.5} and j in -1..2, ``q * s`` is exact, and multiplying by 2**j commutes with each
+  rounding while every operand and result is a normal float, so the value of code q is
+  ``+-2**j * ((m*s*A) / (6*Emax))`` from two divisions per block and candidate. The global
+  amax in [2**-100, 2**115] keeps every value normal for all E4M3 scales (2**-9 .. 448); a
+  matrix outside that range takes a per-element ``div_rn`` branch (the identity is tested on
+  CPU over every E4M3 scale and sampled amaxes up to both bounds, the kernel on both sides);
 * kernels are compiled with ``enable_fp_fusion=False``, so no mul+add becomes an FMA (the
   MSE error sum ``acc + d*d`` would otherwise round once instead of twice);
 * the E4M3 cast is integer arithmetic on the fp32 bits (round-to-nearest-even on the mantissa
@@ -26,7 +36,8 @@ construction and tested bit for bit (the interpreter on CPU, the device in the b
 * E2M1 rounding is integer arithmetic too (the mantissa rounded to one bit, ties even), the
   same codes as the reference's ``round(2a) / 2+round(a) / 4+round(a/2)`` form;
 * the 4-over-6 errors of a block are summed one element after another (0..15), as TE and the
-  reference do, by splitting the block's 16 columns apart rather than with ``tl.sum``.
+  reference do, by splitting the block's columns apart (register moves when one thread holds
+  the block) rather than with ``tl.sum``, whose order is the compiler's.
 """
 
 from __future__ import annotations
