@@ -192,7 +192,7 @@ def _sweep(
     ms = start.elapsed_time(end) / 5
     rows.append({"amax_pass_ms": ms, "amax_read_gb_per_s": moved_gb * 0.78 / (ms / 1e3)})
     amax1 = [a.reshape(1).contiguous() for a in amaxes]
-    for name in ("default", "4over6_mse"):
+    for name in ("default", "4over6_mae", "4over6_mse"):
         cfg = cfgs[name]
         if name == "default":
             variants = [
@@ -202,10 +202,14 @@ def _sweep(
             ]
         else:
             variants = [
-                k.KernelTuning(four_over_six_columns=c, blocks_per_program_4over6=b,
-                               num_warps_4over6=w)
-                for c, b, w in ((True, 64, 2), (True, 128, 4), (False, 16, 1), (False, 32, 2),
-                                (False, 32, 1), (False, 64, 2), (False, 64, 4))
+                k.KernelTuning(four_over_six_rows=c, blocks_per_program_4over6=b,
+                               num_warps_4over6=w, max_registers_4over6=r)
+                for c, b, w, r in (
+                    ((True, 128, 4, None), (True, 64, 2, None), (False, 32, 2, None))
+                    if name == "4over6_mae"
+                    else ((True, 128, 4, None), (True, 64, 2, None), (True, 256, 8, None),
+                          (True, 128, 4, 96), (False, 32, 2, None))
+                )
             ]  # fmt: skip
         for tuning in variants:
 
@@ -230,7 +234,9 @@ def _sweep(
             })  # fmt: skip
     try:  # registers, spills and vector loads of each compiled variant
         compiled = []
-        for cache in k._quant_kernel.device_caches.values():
+        caches = [*k._quant_kernel.device_caches.values(),
+                  *k._quant_4over6_kernel.device_caches.values()]  # fmt: skip
+        for cache in caches:
             for key, c in cache[0].items():
                 ptx = c.asm.get("ptx", "")
                 compiled.append({
@@ -342,7 +348,7 @@ def _bit_identity(torch: Any, nvfp4: Any, cfgs: dict[str, Any], full: Any) -> di
         )
         ok &= _same(torch, ref[0], many["g"]) and _same(torch, ref[1], many["u"])
         out[f"{name}_hard_shapes"] = ok
-    for name in ("default", "4over6_mse"):
+    for name in ("default", "4over6_mae", "4over6_mse"):
         cpu_full = full.cpu()
         out[f"{name}_full_8192x7168"] = _same(
             torch,

@@ -202,7 +202,7 @@ def test_stacked_many_equals_one_by_one(device: str) -> None:
     ids=lambda c: f"{c.four_over_six}-{c.scale_rounding}",
 )
 def test_every_launch_shape_writes_the_same_bytes(device: str, cfg: NVFP4Config) -> None:
-    """The tunings the benchmark sweeps (block-tile or one-thread-per-block 4-over-6, word or
+    """The tunings the benchmark sweeps (one-thread-per-block or block-tile 4-over-6, word or
     byte packing, tile sizes) change speed only."""
     from posttrain.quant_convert import _nvfp4_triton as kernels
 
@@ -214,10 +214,61 @@ def test_every_launch_shape_writes_the_same_bytes(device: str, cfg: NVFP4Config)
         kernels.KernelTuning(pack_words=True, blocks_per_program=16),
         kernels.KernelTuning(pack_words=False, blocks_per_program=32),
         kernels.KernelTuning(blocks_per_program_4over6=16, num_warps_4over6=1),
-        kernels.KernelTuning(four_over_six_columns=True, blocks_per_program_4over6=16),
+        kernels.KernelTuning(four_over_six_rows=False, blocks_per_program_4over6=16),
+        kernels.KernelTuning(blocks_per_program_4over6=64, num_warps_4over6=2),
+        kernels.KernelTuning(max_registers_4over6=96),
     ):
         packed, scale, ws2, _ = kernels.quantize_matrices(
             w.to(device).unsqueeze(0), amax, slots, four_over_six=cfg.four_over_six,
             scale_rounding=cfg.scale_rounding, emax=cfg.emax, tuning=tuning,
         )  # fmt: skip
         _same(ref, NVFP4Tensor(packed[0], scale[0], ws2[0]))
+
+
+@kernel_test
+@pytest.mark.parametrize(
+    "cfg", [CONFIGS[2], CONFIGS[5]], ids=lambda c: f"{c.four_over_six}-{c.emax:g}"
+)
+def test_4over6_equals_cpu_across_the_amax_range(device: str, cfg: NVFP4Config) -> None:
+    """The 4-over-6 kernel dequantizes from two divisions per block while the global amax
+    lies in [2**-100, 2**115] and divides per element outside it: both sides of each bound."""
+    from posttrain.quant_convert import _nvfp4_triton as kernels
+
+    w = _hard_rows(6, 64, seed=12, dtype=torch.float32)
+    w[3] = w[0]  # no fp32-subnormal inputs: only the amax range is under test here
+    w[0, 16:32] = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0] * 2) * 0.02
+    top = float(w.abs().max())
+    slots = torch.zeros(1, dtype=torch.int32, device=device)
+    for amax in (2.0**-101, 2.0**-100, 2.0**-99, 1.0, 2.0**114, 2.0**115, 2.0**116, 2.0**125):
+        x = w * (amax / top)
+        assert float(x.abs().max()) == amax
+        ref = quantize_nvfp4(x, cfg=cfg)
+        _same(ref, quantize_nvfp4(x.to(device), cfg=cfg, backend="triton"))
+        packed, scale, ws2, _ = kernels.quantize_matrices(
+            x.to(device).unsqueeze(0), torch.tensor([amax], device=device), slots,
+            four_over_six=cfg.four_over_six, scale_rounding=cfg.scale_rounding, emax=cfg.emax,
+            tuning=kernels.KernelTuning(four_over_six_rows=False),
+        )  # fmt: skip
+        _same(ref, NVFP4Tensor(packed[0], scale[0], ws2[0]))
+
+
+def test_4over6_dequantized_value_factors_into_a_power_of_two() -> None:
+    """The identity the 4-over-6 kernel's per-block values rest on, in IEEE fp32 on the CPU:
+    ``((q*s)*A)/D == +-2**j * ((m*s)*A)/D`` for |q| = m * 2**j, every positive E4M3 scale s,
+    D = 6*Emax for both Emax, and amaxes sampled in binades from 2**-100 up to 2**115."""
+    g = torch.Generator().manual_seed(0)
+    scales = torch.arange(1, 127, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    assert float(scales.min()) == 2.0**-9
+    assert float(scales.max()) == 448.0
+    mags = torch.tensor([0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+    m = torch.tensor([1.0, 1.0, 1.5, 1.0, 1.5, 1.0, 1.5])
+    mant = torch.cat([1 + torch.rand(1 << 8, generator=g), torch.tensor([1.0, 2 - 2**-23])])
+    for exp in (-100, -99, -60, -20, -1, 0, 1, 40, 100, 113, 114):
+        amax = (mant * 2.0**exp).float()
+        assert float(amax.max()) <= 2.0**115
+        s, a = scales[:, None, None], amax[None, :, None]
+        for denom in (torch.tensor(1536.0), torch.tensor(2688.0)):
+            for sign in (1.0, -1.0):
+                want = ((sign * mags * s) * a) / denom
+                got = (((m * s) * a) / denom) * (sign * mags / m)
+                assert torch.equal(want.view(torch.int32), got.view(torch.int32)), (exp, denom)

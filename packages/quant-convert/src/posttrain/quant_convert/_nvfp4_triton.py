@@ -3,7 +3,7 @@
 """Fused Triton NVFP4 kernels: the CUDA path of :mod:`posttrain.quant_convert.nvfp4`.
 
 Imported only when a CUDA tensor is quantized (or by the interpreter test), so a CPU-only
-install never needs Triton. Two kernels, each one pass over the input:
+install never needs Triton. Two passes over the input:
 
 * ``_amax_kernel`` reduces max|x| of every matrix into an fp32 slot, as ``int32`` bit patterns
   with ``atomic_max`` (non-negative floats order like their bits; a NaN's bits exceed +inf's,
@@ -11,6 +11,9 @@ install never needs Triton. Two kernels, each one pass over the input:
 * ``_quant_kernel`` reads the input once (any of fp16/bf16/fp32) and writes the packed E2M1
   codes (one int64 per 16-element block: byte j = code[2j] | code[2j+1] << 4, little endian),
   the E4M3 scale bytes, and ``weight_scale_2`` per matrix; a non-finite block sets a flag.
+  ``_quant_4over6_kernel`` does the same for 4-over-6 with one thread per 16-element block
+  (its two 8-element halves are two 16-byte loads into that thread), so per-block work runs
+  once per block and the error sums need no data exchange between threads.
 
 Bit parity with the CPU reference (pure torch, IEEE fp32, round-to-nearest-even) is by
 construction and tested bit for bit (the interpreter on CPU, the device in the benchmark):
@@ -18,6 +21,13 @@ construction and tested bit for bit (the interpreter on CPU, the device in the b
 * every division is ``div_rn`` (Triton's ``/`` is approximate on fp32), in the reference's
   order: ``S_enc = 6*Emax / A``, ``scale_2 = 1 / S_enc``, ``e = 1 / (s * scale_2)``,
   ``v / 6`` (te-divide and 4-over-6), and 4-over-6's ``((q * s) * A) / (6 * Emax)``;
+* that last one is formed per block, not per element: ``|q|`` is ``m * 2**j`` with m in
+  {1, 1.5} and j in -1..2, ``q * s`` is exact, and multiplying by 2**j commutes with each
+  rounding while every operand and result is a normal float, so the value of code q is
+  ``+-2**j * ((m*s*A) / (6*Emax))`` from two divisions per block and candidate. The global
+  amax in [2**-100, 2**115] keeps every value normal for all E4M3 scales (2**-9 .. 448); a
+  matrix outside that range takes a per-element ``div_rn`` branch (the identity is tested on
+  CPU over every E4M3 scale and sampled amaxes up to both bounds, the kernel on both sides);
 * kernels are compiled with ``enable_fp_fusion=False``, so no mul+add becomes an FMA (the
   MSE error sum ``acc + d*d`` would otherwise round once instead of twice);
 * the E4M3 cast is integer arithmetic on the fp32 bits (round-to-nearest-even on the mantissa
@@ -26,7 +36,8 @@ construction and tested bit for bit (the interpreter on CPU, the device in the b
 * E2M1 rounding is integer arithmetic too (the mantissa rounded to one bit, ties even), the
   same codes as the reference's ``round(2a) / 2+round(a) / 4+round(a/2)`` form;
 * the 4-over-6 errors of a block are summed one element after another (0..15), as TE and the
-  reference do, by splitting the block's 16 columns apart rather than with ``tl.sum``.
+  reference do, by splitting the block's columns apart (register moves when one thread holds
+  the block) rather than with ``tl.sum``, whose order is the compiler's.
 """
 
 from __future__ import annotations
@@ -232,12 +243,73 @@ def _e2m1_code_1d(x, e):
 
 
 @triton.jit
-def _e2m1_error(x, code, sf, amax, DENOM: tl.constexpr, MSE: tl.constexpr):
-    """|q*s*A/denom - x| (or its square) of one element, as the reference computes it."""
+def _columns8(t):
+    """The 8 columns of ``t [B, 8]`` in order; each thread holds whole rows, so no data moves."""
+    B: tl.constexpr = t.shape[0]
+    even, odd = tl.split(tl.reshape(t, [B, 4, 2]))  # cols 2i | 2i+1
+    c04, c26 = tl.split(tl.reshape(even, [B, 2, 2]))  # cols 0 4 | 2 6
+    c15, c37 = tl.split(tl.reshape(odd, [B, 2, 2]))  # cols 1 5 | 3 7
+    c0, c4 = tl.split(c04)
+    c2, c6 = tl.split(c26)
+    c1, c5 = tl.split(c15)
+    c3, c7 = tl.split(c37)
+    return c0, c1, c2, c3, c4, c5, c6, c7
+
+
+@triton.jit
+def _add_in_order(acc, t):
+    """``acc + t[:, 0] + ... + t[:, 7]``, one addition after another."""
+    c0, c1, c2, c3, c4, c5, c6, c7 = _columns8(t)
+    acc = acc + c0
+    acc = acc + c1
+    acc = acc + c2
+    acc = acc + c3
+    acc = acc + c4
+    acc = acc + c5
+    acc = acc + c6
+    return acc + c7
+
+
+@triton.jit
+def _sum16_in_order(lo, hi):
+    """Per row, the 16 values ``lo [B, 8]`` then ``hi [B, 8]`` summed one after another from
+    the first (TE's and the reference's order)."""
+    c0, c1, c2, c3, c4, c5, c6, c7 = _columns8(lo)
+    acc = c0 + c1
+    acc = acc + c2
+    acc = acc + c3
+    acc = acc + c4
+    acc = acc + c5
+    acc = acc + c6
+    acc = acc + c7
+    return _add_in_order(acc, hi)
+
+
+@triton.jit
+def _dequant_scaled(code, unit, unit15):
+    """The reference's ``((q * s) * A) / (6*Emax)`` of E2M1 codes, from the block's two
+    correctly rounded values ``unit = (s*A)/(6*Emax)`` and ``unit15 = ((1.5*s)*A)/(6*Emax)``:
+    |q| is 2**j or 1.5 * 2**j (j in -1..2), ``q*s`` is exact, and scaling by 2**j commutes
+    with each rounding while every value stays a normal float (the caller's amax range)."""
+    idx = code & 7
+    odd = ((idx & 1) != 0) & (idx > 1)  # 1.5, 3, 6
+    # +-2**((idx >> 1) - 1): 0.5 1 1 2 2 4 4 for idx 1..7, the sign from code bit 3
+    factor = ((((idx >> 1) + 126) << 23) | ((code & 8) << 28)).to(tl.float32, bitcast=True)
+    val = tl.where(odd, unit15, unit) * factor
+    return tl.where(idx == 0, 0.0, val)
+
+
+@triton.jit
+def _dequant_divided(code, sf, amax, DENOM: tl.constexpr):
+    """``((q * s) * A) / (6*Emax)`` of E2M1 codes, one correctly rounded division each."""
     idx = (code & 7).to(tl.float32)
     mag = tl.where(idx < 4.0, idx * 0.5, tl.where(idx < 6.0, idx - 2.0, (idx - 4.0) * 2.0))
     q = tl.where((code & 8) != 0, -mag, mag)
-    val = tl.math.div_rn((q * sf) * amax, tl.full(q.shape, DENOM, tl.float32))
+    return tl.math.div_rn((q * sf) * amax, tl.full(q.shape, DENOM, tl.float32))
+
+
+@triton.jit
+def _error(val, x, MSE: tl.constexpr):
     diff = val - x
     return diff * diff if MSE else tl.abs(diff)
 
@@ -256,8 +328,11 @@ def _quant_4over6_kernel(
     MSE: tl.constexpr,
     BLOCKS: tl.constexpr,
 ):
-    """4-over-6 with one thread per block: its 16 elements are read column by column (L1
-    serves the repeats), so the block's errors sum in element order with no data exchange."""
+    """4-over-6 with one thread per block: its two 8-element halves arrive as two vector
+    loads into the same thread, so per-block work (scales, reciprocals) runs once per block
+    and the errors sum in element order in registers. The dequantized values come from two
+    divisions per block and candidate (``_dequant_scaled``) when the global amax lies in
+    [2**-100, 2**115]; outside it (every value tiny or huge) one division per element."""
     pid = tl.program_id(0)
     m = tl.program_id(1)
     slot = tl.load(slot_ptr + m)
@@ -276,38 +351,58 @@ def _quant_4over6_kernel(
     packed_ptr += first
     offs = pid * BLOCKS + tl.arange(0, BLOCKS)
     ok = offs < blocks_per_matrix
-    row = x_ptr + offs * 16
-
-    v_bits = tl.zeros([BLOCKS], dtype=tl.int32)
-    for j in tl.static_range(16):
-        xj = tl.load(row + j, mask=ok, other=0.0).to(tl.float32)
-        v_bits = tl.maximum(v_bits, xj.to(tl.int32, bitcast=True) & 0x7FFFFFFF)
-    any_bad = tl.max((v_bits >= 0x7F800000).to(tl.int32), axis=0)
-    tl.atomic_max(flag_ptr, any_bad, mask=any_bad > 0)
+    at = x_ptr + offs[:, None] * 16 + tl.arange(0, 8)[None, :]
+    x_lo = tl.load(at, mask=ok[:, None], other=0.0).to(tl.float32)
+    x_hi = tl.load(at + 8, mask=ok[:, None], other=0.0).to(tl.float32)
+    v_bits = tl.maximum(
+        tl.max(x_lo.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=1),
+        tl.max(x_hi.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=1),
+    )
+    bad = tl.max((v_bits >= 0x7F800000).to(tl.int32), axis=0)
+    tl.atomic_max(flag_ptr, bad, mask=bad > 0)
     v = v_bits.to(tl.float32, bitcast=True)
 
     base = tl.math.div_rn(v, tl.full(v.shape, 6.0, tl.float32)) * s_enc
     b6, sf6 = _e4m3_rne(tl.minimum(base, 448.0))
     b4, sf4 = _e4m3_rne(tl.minimum(base * 1.5, 448.0))
     one = tl.full(v.shape, 1.0, tl.float32)
-    e6 = tl.minimum(tl.math.div_rn(one, sf6 * ws2), 3.4028234663852886e38)
-    e4 = tl.minimum(tl.math.div_rn(one, sf4 * ws2), 3.4028234663852886e38)
-    amax_v = tl.full(v.shape, 0.0, tl.float32) + amax
-    err6 = tl.zeros([BLOCKS], dtype=tl.float32)
-    err4 = tl.zeros([BLOCKS], dtype=tl.float32)
-    word6 = tl.zeros([BLOCKS], dtype=tl.int64)
-    word4 = tl.zeros([BLOCKS], dtype=tl.int64)
-    for j in tl.static_range(16):
-        xj = tl.load(row + j, mask=ok, other=0.0).to(tl.float32)
-        c6 = _e2m1_code_1d(xj, e6)
-        c4 = _e2m1_code_1d(xj, e4)
-        err6 = err6 + _e2m1_error(xj, c6, sf6, amax_v, SIX_EMAX, MSE)
-        err4 = err4 + _e2m1_error(xj, c4, sf4, amax_v, SIX_EMAX, MSE)
-        word6 |= c6.to(tl.int64) << (4 * j)
-        word4 |= c4.to(tl.int64) << (4 * j)
-    use4 = err4 < err6
-    tl.store(packed_ptr + offs, tl.where(use4, word4, word6), mask=ok)
-    tl.store(scale_ptr + offs, tl.where(use4, b4, b6).to(tl.uint8), mask=ok)
+    e6 = tl.minimum(tl.math.div_rn(one, sf6 * ws2), 3.4028234663852886e38)[:, None]
+    e4 = tl.minimum(tl.math.div_rn(one, sf4 * ws2), 3.4028234663852886e38)[:, None]
+    c6_lo = _e2m1_code_1d(x_lo, e6)
+    c6_hi = _e2m1_code_1d(x_hi, e6)
+    c4_lo = _e2m1_code_1d(x_lo, e4)
+    c4_hi = _e2m1_code_1d(x_hi, e4)
+    if (amax >= 7.888609052210118e-31) & (amax <= 4.153837486827862e34):  # 2**-100, 2**115
+        denom = tl.full(v.shape, SIX_EMAX, tl.float32)
+        u6 = tl.math.div_rn(sf6 * amax, denom)[:, None]
+        w6 = tl.math.div_rn((sf6 * 1.5) * amax, denom)[:, None]
+        u4 = tl.math.div_rn(sf4 * amax, denom)[:, None]
+        w4 = tl.math.div_rn((sf4 * 1.5) * amax, denom)[:, None]
+        err6 = _sum16_in_order(
+            _error(_dequant_scaled(c6_lo, u6, w6), x_lo, MSE),
+            _error(_dequant_scaled(c6_hi, u6, w6), x_hi, MSE),
+        )
+        err4 = _sum16_in_order(
+            _error(_dequant_scaled(c4_lo, u4, w4), x_lo, MSE),
+            _error(_dequant_scaled(c4_hi, u4, w4), x_hi, MSE),
+        )
+    else:
+        s6 = sf6[:, None]
+        s4 = sf4[:, None]
+        err6 = _sum16_in_order(
+            _error(_dequant_divided(c6_lo, s6, amax, SIX_EMAX), x_lo, MSE),
+            _error(_dequant_divided(c6_hi, s6, amax, SIX_EMAX), x_hi, MSE),
+        )
+        err4 = _sum16_in_order(
+            _error(_dequant_divided(c4_lo, s4, amax, SIX_EMAX), x_lo, MSE),
+            _error(_dequant_divided(c4_hi, s4, amax, SIX_EMAX), x_hi, MSE),
+        )
+    use4 = (err4 < err6)[:, None]
+    shifts = (tl.arange(0, 8) * 4).to(tl.int64)[None, :]
+    lo = tl.sum(tl.where(use4, c4_lo, c6_lo).to(tl.int64) << shifts, axis=1)  # disjoint bits
+    hi = tl.sum(tl.where(use4, c4_hi, c6_hi).to(tl.int64) << shifts, axis=1)
+    tl.store(packed_ptr + offs, lo | (hi << 32), mask=ok)
+    tl.store(scale_ptr + offs, tl.where(err4 < err6, b4, b6).to(tl.uint8), mask=ok)
 
 
 def amax_into(x: torch.Tensor, bits: torch.Tensor, slots: torch.Tensor) -> None:
@@ -324,17 +419,19 @@ def amax_into(x: torch.Tensor, bits: torch.Tensor, slots: torch.Tensor) -> None:
 
 @dataclass(frozen=True, slots=True)
 class KernelTuning:
-    """Launch shape of the quantize kernel; none of it changes the bytes written. Defaults are
-    the fastest of ``benchmarks/gpu_nvfp4_throughput.py --sweep`` on an H200 (2026-12-01):
-    256 blocks x 2 warps with byte packing, and for 4-over-6 the block-tile kernel at 32
-    blocks x 2 warps (the one-thread-per-block variant measured 20% slower)."""
+    """Launch shape of the quantize kernels; none of it changes the bytes written. Defaults are
+    the fastest of ``benchmarks/gpu_nvfp4_throughput.py --sweep`` on an H200: 256 blocks x 2
+    warps with byte packing (2026-12-01), and for 4-over-6 the one-thread-per-block kernel at
+    128 blocks x 4 warps (2026-12-02; ``four_over_six_rows=False``: the block-tile kernel,
+    one division per element, 32 blocks x 2 warps was its best)."""
 
     blocks_per_program: int = 256
     num_warps: int = 2
     pack_words: bool = False
-    four_over_six_columns: bool = False  # 4-over-6 in the one-thread-per-block kernel
-    blocks_per_program_4over6: int = 32
-    num_warps_4over6: int = 2
+    four_over_six_rows: bool = True  # 4-over-6 in the one-thread-per-block kernel
+    blocks_per_program_4over6: int = 128
+    num_warps_4over6: int = 4
+    max_registers_4over6: int | None = None  # Triton's maxnreg for the 4-over-6 kernels
 
 
 DEFAULT_TUNING = KernelTuning()
@@ -367,13 +464,13 @@ def quantize_matrices(
     blocks = n * k // 16
     if mats == 0 or blocks == 0:
         return packed, scale, ws2, flag
-    if four_over_six != "off" and tuning.four_over_six_columns:
+    if four_over_six != "off" and tuning.four_over_six_rows:
         grid = (triton.cdiv(blocks, tuning.blocks_per_program_4over6), mats)
         _quant_4over6_kernel[grid](
             x, amax, slots, packed.view(torch.int64), scale.view(torch.uint8), ws2, flag,
             blocks, EMAX=float(emax), MSE=four_over_six == "mse",
             BLOCKS=tuning.blocks_per_program_4over6, num_warps=tuning.num_warps_4over6,
-            enable_fp_fusion=False,
+            enable_fp_fusion=False, **_max_registers(tuning),
         )  # fmt: skip
         return packed, scale, ws2, flag
     tile, warps = tuning.blocks_per_program, tuning.num_warps
@@ -385,5 +482,11 @@ def quantize_matrices(
         scale.view(torch.uint8), ws2, flag, blocks,
         EMAX=float(emax), MODE=_MODES[(four_over_six, scale_rounding)],
         BLOCKS=tile, PACK_WORDS=tuning.pack_words, num_warps=warps, enable_fp_fusion=False,
+        **(_max_registers(tuning) if four_over_six != "off" else {}),
     )  # fmt: skip
     return packed, scale, ws2, flag
+
+
+def _max_registers(tuning: KernelTuning) -> dict[str, int]:
+    n = tuning.max_registers_4over6
+    return {} if n is None else {"maxnreg": n}
