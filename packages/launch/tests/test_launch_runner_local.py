@@ -133,7 +133,13 @@ def test_wait_raises_when_a_server_dies_later() -> None:
             runner.wait(timeout_s=10)
 
 
-def _run_cli(tmp_path: Path, *servers: ProcessSpec) -> tuple[subprocess.Popen[str], list[int]]:
+def _ignore_sigint() -> None:  # runs in the child before exec: SIG_IGN survives exec
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def _run_cli(
+    tmp_path: Path, *servers: ProcessSpec, sigint_ignored: bool = False
+) -> tuple[subprocess.Popen[str], list[int]]:
     plan = Plan(name="t", hardware="local", nodes=1, processes=servers)
     path = tmp_path / "plan.json"
     path.write_text(plan.to_json())
@@ -142,6 +148,7 @@ def _run_cli(tmp_path: Path, *servers: ProcessSpec) -> tuple[subprocess.Popen[st
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
+        preexec_fn=_ignore_sigint if sigint_ignored else None,
     )
     assert cli.stdout is not None
     deadline = time.monotonic() + 40
@@ -154,10 +161,14 @@ def _run_cli(tmp_path: Path, *servers: ProcessSpec) -> tuple[subprocess.Popen[st
     return cli, tree(cli.pid)[1:]
 
 
-def test_ctrl_c_on_the_cli_stops_every_process(tmp_path: Path) -> None:
+@pytest.mark.parametrize("sigint_ignored", [False, True], ids=["plain", "sigint-inherited-ignored"])
+def test_ctrl_c_on_the_cli_stops_every_process(tmp_path: Path, sigint_ignored: bool) -> None:
+    # Also when the CLI inherits SIGINT ignored (nohup, a background job, a parent inside C
+    # system()): Python keeps an inherited SIG_IGN, so the CLI must take Ctrl-C back itself.
     cli, pids = _run_cli(
-        tmp_path, server("engine-0", free_port(), 0, "--spawn-child"), server("r", free_port(), 1)
-    )
+        tmp_path, server("engine-0", free_port(), 0, "--spawn-child"), server("r", free_port(), 1),
+        sigint_ignored=sigint_ignored,
+    )  # fmt: skip
     assert len(pids) == 3
     cli.send_signal(signal.SIGINT)
     out, _ = cli.communicate(timeout=30)

@@ -1,6 +1,6 @@
 """Check: a Dense/MoE adapter from lora-core loads in PEFT on transformers 4 with every target applied.
 
-CI runs transformers 5 (``tests/test_lora_core_peft_moe.py``); transformers 4 needs another
+CI runs transformers 5 (``integration_tests/test_integration_peft_moe.py``); transformers 4 needs another
 environment, so this is a two-stage, documented check (result in docs/benchmarks/lora-core.md):
 
 1. ``make DIR`` (workspace venv, transformers 5): build a tiny Dense/MoE ``posttrain.models``

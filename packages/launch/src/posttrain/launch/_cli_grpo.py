@@ -6,7 +6,6 @@ Arguments after ``--`` go to the trainer (``python -m posttrain.grpo``) unchange
 
 from __future__ import annotations
 
-import signal
 from pathlib import Path
 from typing import Annotated
 
@@ -14,7 +13,7 @@ import typer
 
 from posttrain.launch._console import err as _err
 from posttrain.launch._console import fail_with_logs, interrupted
-from posttrain.launch._console import raise_interrupt as _raise_interrupt
+from posttrain.launch._console import stop_on_signals as _stop_on_signals
 from posttrain.launch._errors import LaunchError
 from posttrain.launch.runners import console_sink, tail_sink
 
@@ -95,7 +94,7 @@ def grpo_command(
     from posttrain.launch.grpo import GrpoRecipeConfig, run_grpo
 
     sink, kept = (console_sink(_err), None) if verbose else tail_sink()
-    signal.signal(signal.SIGTERM, _raise_interrupt)
+    _stop_on_signals()
     try:
         cfg = GrpoRecipeConfig(
             train=train,  # type: ignore[arg-type]  # checked by GrpoRecipeConfig

@@ -6,7 +6,6 @@ Registered on the ``posttrain`` app in ``cli.py`` (see its docstring for the CLI
 from __future__ import annotations
 
 import os
-import signal
 import sys
 from pathlib import Path
 from typing import Annotated
@@ -18,7 +17,7 @@ from posttrain.launch._console import err as _err
 from posttrain.launch._console import fail as _fail
 from posttrain.launch._console import fail_with_logs, interrupted
 from posttrain.launch._console import out as _out
-from posttrain.launch._console import raise_interrupt as _raise_interrupt
+from posttrain.launch._console import stop_on_signals as _stop_on_signals
 from posttrain.launch._errors import LaunchError
 from posttrain.launch.args import parse_assignments
 from posttrain.launch.keys import new_api_key, remove_key_file, write_key_file
@@ -123,7 +122,7 @@ def up_command(
     if dry_run:
         DryRun(plan, console=_out).run()
         return
-    signal.signal(signal.SIGTERM, _raise_interrupt)
+    _stop_on_signals()
     key_file = None
     try:
         if key is not None:
@@ -183,7 +182,7 @@ def demo_command(
     from posttrain.launch.demo import DemoConfig, run_demo
 
     sink, kept = (console_sink(_err), None) if verbose else tail_sink()
-    signal.signal(signal.SIGTERM, _raise_interrupt)
+    _stop_on_signals()
     try:
         config = DemoConfig(model_path=model_path, engines=engines, turns=turns,
                             max_tokens=max_tokens, seed=seed)  # fmt: skip

@@ -6,6 +6,7 @@ command with exit code 2 and one red line, never a traceback.
 
 from __future__ import annotations
 
+import signal
 from collections.abc import Iterable
 from types import FrameType
 from typing import NoReturn
@@ -40,3 +41,15 @@ def interrupted() -> NoReturn:
 def raise_interrupt(signum: int, frame: FrameType | None) -> None:
     """A SIGTERM handler: stop like Ctrl-C does (every started process is stopped)."""
     raise KeyboardInterrupt
+
+
+def stop_on_signals() -> None:
+    """Make SIGINT (Ctrl-C) and SIGTERM stop the command, every started process with it.
+
+    SIGINT gets Python's own handler back even when this process inherited it *ignored* (as a
+    child of ``nohup``, of a shell's background job, or of a parent that was inside C
+    ``system()`` when it spawned us): Python leaves an inherited SIG_IGN in place, and a
+    launcher that ignores Ctrl-C would leave its whole stack running.
+    """
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, raise_interrupt)

@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import os
 import shlex
-import signal
 import sys
 import warnings
 from pathlib import Path
@@ -30,7 +29,7 @@ from posttrain.launch._cli_stack import demo_command, up_command
 from posttrain.launch._console import err as _err
 from posttrain.launch._console import fail as _fail
 from posttrain.launch._console import out as _out
-from posttrain.launch._console import raise_interrupt as _raise_interrupt
+from posttrain.launch._console import stop_on_signals as _stop_on_signals
 from posttrain.launch._errors import LaunchConfigError, LaunchError
 from posttrain.launch.catalog import get_model
 from posttrain.launch.hardware import GPUS_PER_NODE, Hardware, detect_hardware, parse_hardware
@@ -250,7 +249,7 @@ def run_command(
         plan = Plan.from_json(plan_file.read_text())
     except (OSError, ValueError, KeyError) as exc:
         _fail(exc)
-    signal.signal(signal.SIGTERM, _raise_interrupt)
+    _stop_on_signals()
     try:
         if runner == "dry":
             DryRun(plan, console=_out).run()
