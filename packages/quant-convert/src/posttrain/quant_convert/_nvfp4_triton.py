@@ -158,6 +158,17 @@ def _block_error(x, codes, sf, amax, DENOM: tl.constexpr, MSE: tl.constexpr):
 
 
 @triton.jit
+def _global_scales(amax, SIX_EMAX: tl.constexpr):
+    """The matrix's encode scale ``6 * EMAX / amax`` (capped at fp32 max; 1 for an all-zero
+    matrix) and its decode scale ``1 / s_enc``, both correctly rounded as on the CPU."""
+    s_enc = tl.minimum(
+        tl.math.div_rn(tl.full([], SIX_EMAX, tl.float32), amax), 3.4028234663852886e38
+    )
+    s_enc = tl.where(s_enc == 0.0, 1.0, s_enc)
+    return s_enc, tl.math.div_rn(tl.full([], 1.0, tl.float32), s_enc)
+
+
+@triton.jit
 def _quant_kernel(
     x_ptr,
     amax_ptr,
@@ -177,11 +188,7 @@ def _quant_kernel(
     slot = tl.load(slot_ptr + m)
     amax = tl.load(amax_ptr + slot)
     SIX_EMAX: tl.constexpr = 6.0 * EMAX  # exact: 2688 or 1536
-    s_enc = tl.minimum(
-        tl.math.div_rn(tl.full([], SIX_EMAX, tl.float32), amax), 3.4028234663852886e38
-    )
-    s_enc = tl.where(s_enc == 0.0, 1.0, s_enc)
-    ws2 = tl.math.div_rn(tl.full([], 1.0, tl.float32), s_enc)
+    s_enc, ws2 = _global_scales(amax, SIX_EMAX)
     if pid == 0:
         tl.store(ws2_ptr + m, ws2)
 
@@ -337,12 +344,8 @@ def _quant_4over6_kernel(
     m = tl.program_id(1)
     slot = tl.load(slot_ptr + m)
     amax = tl.load(amax_ptr + slot)
-    SIX_EMAX: tl.constexpr = 6.0 * EMAX
-    s_enc = tl.minimum(
-        tl.math.div_rn(tl.full([], SIX_EMAX, tl.float32), amax), 3.4028234663852886e38
-    )
-    s_enc = tl.where(s_enc == 0.0, 1.0, s_enc)
-    ws2 = tl.math.div_rn(tl.full([], 1.0, tl.float32), s_enc)
+    SIX_EMAX: tl.constexpr = 6.0 * EMAX  # exact: 2688 or 1536
+    s_enc, ws2 = _global_scales(amax, SIX_EMAX)
     if pid == 0:
         tl.store(ws2_ptr + m, ws2)
     first = m.to(tl.int64) * blocks_per_matrix
