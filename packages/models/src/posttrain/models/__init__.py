@@ -62,7 +62,7 @@ from posttrain.models._errors import (
     UnknownTensorError,
 )
 from posttrain.models._lora import LoraAdapter
-from posttrain.models._model import DecoderModel, Numerics, Step, build_model
+from posttrain.models._model import DecoderModel, Numerics, Step, StrictKernels, build_model
 from posttrain.models._ops import FastOps, StrictOps
 from posttrain.models._sites import LinearSite
 from posttrain.models._tokenizer import CHAT_TEMPLATE, VOCAB_SIZE, build_tokenizer
@@ -89,6 +89,7 @@ __all__ = [
     "Numerics",
     "PackedLayout",
     "Step",
+    "StrictKernels",
     "StrictOps",
     "TensorSpecError",
     "TensorSpecMismatchError",
