@@ -245,7 +245,8 @@ def test_backward_matches_torch_autograd(device: str) -> None:
         return Ops.attend_rows(q, k, v, first, pos.to(device), scale=0.4, window=4)
 
     def dense(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        return _reference_attention(q.cpu(), k.cpu(), v.cpu(), lengths, 0.4, 4).float()
+        out = _reference_attention(q.cpu(), k.cpu(), v.cpu(), lengths, 0.4, 4)
+        return out.float().to(q.device)
 
     gen_state = gen.get_state()
     got = grads(fused, q, k, v)

@@ -8,9 +8,15 @@ row from that row's inputs alone, with a reduction whose shape and order are com
 constants of the kernel (never a function of the number of rows):
 
 * ``linear``: ``x[M, K] @ w[N, K].T`` with ONE tiling (``LINEAR_TILING``) for every ``M``, no
-  split-K, fp32 ``tl.dot`` with ``input_precision="ieee"`` (no TF32). Rows past ``M`` in a tile
-  are zeros that only feed rows past ``M``. ``w`` may be bf16/fp16/fp32: upcast in registers,
-  exact, so the fp32 copy the torch path makes is never written.
+  split-K; rows past ``M`` in a tile are zeros that only feed rows past ``M``. ``w`` may be
+  bf16/fp16/fp32: upcast in registers, exact, so the fp32 copy the torch path makes is never
+  written. The dot's precision is part of the tiling: ``"tf32x3"`` (the default) splits each
+  fp32 operand into a TF32 high part and a TF32 remainder and accumulates the three products
+  ``hi*hi + hi*lo + lo*hi`` on the tensor cores in fp32 (near-fp32 accuracy: about 2**-22 per
+  product instead of 2**-24); ``"ieee"`` is exact fp32 products on the FMA units. Both give
+  each output element a fixed accumulation order for a fixed tiling. Measured on the H200
+  (docs/benchmarks/models.md): ``ieee`` reaches 14-22 TFLOP/s, 0.28-0.44x cuBLAS fp32, too slow
+  for the issue-26 target; ``tf32x3`` about 67 TFLOP/s, 1.3x cuBLAS fp32 (TF32 off).
 * ``rms_norm``, ``softmax``, ``log_softmax``: one program per row, a fixed ``BLOCK`` loop over
   the row into a ``[BLOCK]`` accumulator, then one ``tl.sum``/``tl.max`` of fixed shape.
 * ``row_attention``: queries over the keys of their row (see ``row_attention``'s doc): the
@@ -56,7 +62,7 @@ class LinearTiling:
     group_m: int = 8
     num_warps: int = 4
     num_stages: int = 3
-    precision: str = "ieee"
+    precision: str = "tf32x3"
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,6 +74,12 @@ class AttentionTiling:
     block_n: int = 64
     num_warps: int = 4
     num_stages: int = 2
+    precision: str = "ieee"
+    """Both dots: ``ieee`` (FMA units; checked train == decode on the H200 at head dims 8
+    and 16) or ``tf32x3`` (tensor cores, as ``linear``). The FMA path holds a thread's
+    operand rows over the whole head dim in registers, so at head dim 128 it is expected
+    to spill (the ~1B benchmark did not finish in its time slot with it): ``tf32x3`` is
+    the candidate there, not yet measured."""
 
 
 LINEAR_TILING = LinearTiling()
@@ -288,6 +300,7 @@ def _row_attention_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     HD_PAD: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     t0 = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -340,7 +353,7 @@ def _row_attention_kernel(
             mask=col_ok[None, :] & d_ok[:, None],
             other=0.0,
         )
-        s = tl.dot(q, k_t, input_precision="ieee") * scale
+        s = tl.dot(q, k_t, input_precision=PRECISION) * scale
         seen = (cols[None, :] <= qpos[:, None]) & row_ok[:, None]
         if HAS_WINDOW:
             seen = seen & (qpos[:, None] - cols[None, :] < window)
@@ -355,7 +368,7 @@ def _row_attention_kernel(
             mask=col_ok[:, None] & d_ok[None, :],
             other=0.0,
         )
-        acc = tl.dot(p, v, acc * alpha[:, None], input_precision="ieee")
+        acc = tl.dot(p, v, acc * alpha[:, None], input_precision=PRECISION)
         m_i = m_new
     out = tl.div_rn(acc, tl.where(row_ok, l_i, 1.0)[:, None])
     tl.store(
@@ -419,6 +432,7 @@ def row_attention(
         BLOCK_M=block_m,
         BLOCK_N=t.block_n,
         HD_PAD=max(16, triton.next_power_of_2(hd)),
+        PRECISION=t.precision,
         num_warps=t.num_warps,
         num_stages=t.num_stages,
     )
