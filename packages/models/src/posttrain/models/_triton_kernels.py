@@ -91,7 +91,10 @@ _EW_BLOCK = 1024  # silu_mul block
 # --------------------------------------------------------------------------- linear
 
 
-@triton.jit
+# M (rows) and T (tokens) are not specialised on: one binary serves every row count, so a
+# row's instructions cannot depend on how many rows came with it (and decode's changing batch
+# sizes compile nothing new).
+@triton.jit(do_not_specialize=["M"])
 def _linear_kernel(
     x_ptr,
     w_ptr,
@@ -274,7 +277,7 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 # --------------------------------------------------------------------------- attention
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])
 def _row_attention_kernel(
     q_ptr,
     k_ptr,
