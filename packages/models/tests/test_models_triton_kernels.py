@@ -168,9 +168,17 @@ def _reference_attention(
 
 
 @kernel_test
-@pytest.mark.parametrize("window", [None, 7])
-def test_attention_train_rows_equal_decode_rows(device: str, window: int | None) -> None:
+@pytest.mark.parametrize(("window", "precision"), [(None, "auto"), (7, "auto"), (7, "tf32x3")])
+def test_attention_train_rows_equal_decode_rows(
+    device: str, window: int | None, precision: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import dataclasses
+
+    from posttrain.models import _triton_kernels as kernels
     from posttrain.models._strict_cuda import CudaStrictOps as Ops
+
+    tiling = dataclasses.replace(kernels.ATTENTION_TILING, precision=precision)
+    monkeypatch.setattr(kernels, "ATTENTION_TILING", tiling)
 
     gen = torch.Generator().manual_seed(2)
     lengths, cap, heads, kv_heads, hd = [5, 70, 1], 80, 4, 2, 8  # 70 > one 64-slot block

@@ -74,12 +74,14 @@ class AttentionTiling:
     block_n: int = 64
     num_warps: int = 4
     num_stages: int = 2
-    precision: str = "ieee"
-    """Both dots: ``ieee`` (FMA units; checked train == decode on the H200 at head dims 8
-    and 16) or ``tf32x3`` (tensor cores, as ``linear``). The FMA path holds a thread's
-    operand rows over the whole head dim in registers, so at head dim 128 it is expected
-    to spill (the ~1B benchmark did not finish in its time slot with it): ``tf32x3`` is
-    the candidate there, not yet measured."""
+    precision: str = "auto"
+    """Both dots: ``ieee`` (FMA units), ``tf32x3`` (tensor cores, as ``linear``), or ``auto``:
+    ``ieee`` up to head dim 64, ``tf32x3`` above. The choice depends on the model only, so
+    training and decode always share it. Why: Triton's FMA-path dot keeps a thread's operand
+    rows over the whole head dim in registers; on the H200, ``ieee`` ran train == decode bit
+    for bit at head dims 8 and 16 and the GRPO step at head dim 64, while the ~1B benchmark
+    (head dim 128) did not finish in its time slot, spills suspected. ``tf32x3`` attention
+    has not run on a GPU yet (docs/benchmarks/models.md)."""
 
 
 LINEAR_TILING = LinearTiling()
@@ -435,7 +437,7 @@ def row_attention(
         BLOCK_M=block_m,
         BLOCK_N=t.block_n,
         HD_PAD=max(16, triton.next_power_of_2(hd)),
-        PRECISION=t.precision,
+        PRECISION=t.precision if t.precision != "auto" else ("ieee" if hd <= 64 else "tf32x3"),
         num_warps=t.num_warps,
         num_stages=t.num_stages,
     )
