@@ -368,7 +368,10 @@ def test_model_backward_matches_cpu_strict(device: str) -> None:
     ids = torch.tensor([t for s in segs for t in s])
     grads = []
     for model in (build_model(cfg, 0, strict_kernels="triton").to(device), build_model(cfg, 0)):
-        model.forward_logprobs(ids, [7, 5]).sum().backward()
+        logprobs = model.forward_logprobs(ids, [7, 5])
+        with torch.no_grad():  # the trainer's forward (autograd) == the engine's, bit for bit
+            assert torch.equal(logprobs.detach(), model.forward_logprobs(ids, [7, 5]))
+        logprobs.sum().backward()
         grads.append({n: p.grad.cpu() for n, p in model.named_parameters() if p.grad is not None})
     assert grads[0].keys() == grads[1].keys()
     for n, g in grads[1].items():

@@ -176,6 +176,12 @@ def _row_attention_backward(
     return dq, dk.to(keys.dtype), dv.to(values.dtype)
 
 
+def _needs_grad(*tensors: Tensor) -> bool:
+    """Whether autograd must record this op (else the kernel is called directly: decode
+    skips the ``Function`` bookkeeping; the bits are the same kernel's either way)."""
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
 class CudaStrictOps(StrictOps):
     """Strict numerics on CUDA through batch-invariant Triton kernels (see the module doc)."""
 
@@ -185,14 +191,22 @@ class CudaStrictOps(StrictOps):
     def linear(x: Tensor, weight: Tensor) -> Tensor:
         """``x @ weight.T`` in fp32 by the one-tiling Triton GEMM (row-invariant)."""
         lead = x.shape[:-1]
-        out: Tensor = _Linear.apply(x.reshape(-1, x.shape[-1]), weight)
+        x2 = x.reshape(-1, x.shape[-1])
+        if _needs_grad(x2, weight):
+            out: Tensor = _Linear.apply(x2, weight)
+        else:
+            out = kernels.linear(x2, weight)
         return out.reshape(*lead, weight.shape[0])
 
     @staticmethod
     def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
         """Per-row RMSNorm; ``weight`` is ``[D]`` or one row per head ``[heads, D]``."""
         d = x.shape[-1]
-        out: Tensor = _RmsNorm.apply(x.reshape(-1, d).contiguous(), weight.reshape(-1, d), eps)
+        x2, w2 = x.reshape(-1, d).contiguous(), weight.reshape(-1, d)
+        if _needs_grad(x2, w2):
+            out: Tensor = _RmsNorm.apply(x2, w2, eps)
+        else:
+            out = kernels.rms_norm(x2, w2, eps)
         return out.reshape(x.shape)
 
     @staticmethod
@@ -205,21 +219,32 @@ class CudaStrictOps(StrictOps):
             g2 = g2.contiguous()
         if u2.stride(-1) != 1:
             u2 = u2.contiguous()
-        out: Tensor = _SiluMul.apply(g2, u2)
+        if _needs_grad(g2, u2):
+            out: Tensor = _SiluMul.apply(g2, u2)
+        else:
+            out = kernels.silu_mul(g2, u2)
         return out.reshape(*lead, c)
 
     @staticmethod
     def log_softmax(x: Tensor) -> Tensor:
         """Per-row log-softmax (fixed block loop)."""
         n = x.shape[-1]
-        out: Tensor = _Softmax.apply(x.reshape(-1, n).contiguous(), True)
+        x2 = x.reshape(-1, n).contiguous()
+        if _needs_grad(x2):
+            out: Tensor = _Softmax.apply(x2, True)
+        else:
+            out = kernels.softmax(x2, log=True)
         return out.reshape(x.shape)
 
     @staticmethod
     def softmax(x: Tensor) -> Tensor:
         """Per-row softmax (fixed block loop)."""
         n = x.shape[-1]
-        out: Tensor = _Softmax.apply(x.reshape(-1, n).contiguous(), False)
+        x2 = x.reshape(-1, n).contiguous()
+        if _needs_grad(x2):
+            out: Tensor = _Softmax.apply(x2, False)
+        else:
+            out = kernels.softmax(x2, log=False)
         return out.reshape(x.shape)
 
     @staticmethod
@@ -240,5 +265,8 @@ class CudaStrictOps(StrictOps):
             values = values.contiguous()
         if q.stride(-1) != 1:
             q = q.contiguous()
-        out: Tensor = _RowAttention.apply(q, keys, values, kstart, pos, scale, window)
+        if _needs_grad(q, keys, values):
+            out: Tensor = _RowAttention.apply(q, keys, values, kstart, pos, scale, window)
+        else:
+            out = kernels.row_attention(q, keys, values, kstart, pos, scale=scale, window=window)
         return out.reshape(q.shape[0], -1)
