@@ -283,6 +283,7 @@ def _rollout_and_score(
                 loss_mask=s.loss_mask,
                 rollout_logprobs=s.rollout_logprobs,
                 advantages=a.tolist(),
+                media=list(s.media),
             )
             for s, a in zip(samples, per_token, strict=True)
         ]
