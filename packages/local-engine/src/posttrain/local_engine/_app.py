@@ -63,7 +63,9 @@ from posttrain.local_engine._requests import (
     TextCodec,
     check_text_fits,
     drop_neutral_sglang_keys,
+    media_refs,
     meta_info,
+    prompt_media,
     sampling_from_params,
     seed_counter,
     tasks_from_generate,
@@ -71,6 +73,7 @@ from posttrain.local_engine._requests import (
 from posttrain.local_engine._routes_weights import weight_routes
 from posttrain.local_engine._scheduler import BatchScheduler
 from posttrain.local_engine._transports import ShmMaps
+from posttrain.models import MediaBatch
 
 __all__ = ["ServerContext", "create_app"]
 
@@ -125,8 +128,8 @@ def create_app(ctx: ServerContext) -> Starlette:
             "is_generation": True,
             "preferred_sampling_params": None,
             "weight_version": engine.weight_version,
-            "has_image_understanding": False,
-            "has_audio_understanding": False,
+            "has_image_understanding": engine.model.config.has_vision_tower,
+            "has_audio_understanding": engine.model.config.has_audio_tower,
             "model_type": ctx.model_type,
             "architectures": ctx.architectures,
         }
@@ -230,7 +233,11 @@ def create_app(ctx: ServerContext) -> Starlette:
         def prepare() -> tuple[GenerateRequest, list[GenTask], list[dict[str, Any]]]:
             req = GenerateRequest.parse(drop_neutral_sglang_keys(decode_json(raw)))
             tasks, options = tasks_from_generate(
-                req, codec=ctx.codec, next_seed=next_seed, max_context=engine.max_context
+                req,
+                codec=ctx.codec,
+                next_seed=next_seed,
+                max_context=engine.max_context,
+                model_config=engine.model.config,
             )
             return req, tasks, options
 
@@ -251,25 +258,32 @@ def create_app(ctx: ServerContext) -> Starlette:
         ]
         return JSONResponse(items if req.is_batch else items[0])
 
-    def chat_prompt(raw: bytes) -> tuple[ChatCompletionRequest, list[int]]:
+    def chat_prompt(
+        raw: bytes,
+    ) -> tuple[ChatCompletionRequest, list[int], MediaBatch | None]:
         req = ChatCompletionRequest.parse(decode_json(raw))
         if req.stream:
             raise WireFormatError(
                 "stream: streaming is not supported by local-engine", field="stream"
             )
         if req.input_ids is not None:
-            return req, list(req.input_ids)
-        if ctx.codec is None:
-            raise WireFormatError("messages: this model has no chat template", field="messages")
-        msgs = [m.model_dump(exclude_none=True) for m in req.messages]
-        text = ctx.codec.chat_text(msgs, **(req.chat_template_kwargs or {}))
-        check_text_fits(ctx.codec, text, engine.max_context, field="messages")
-        return req, ctx.codec.encode(text)
+            ids = list(req.input_ids)
+        else:
+            if ctx.codec is None:
+                raise WireFormatError("messages: this model has no chat template", field="messages")
+            msgs = [m.model_dump(exclude_none=True) for m in req.messages]
+            text = ctx.codec.chat_text(msgs, **(req.chat_template_kwargs or {}))
+            check_text_fits(ctx.codec, text, engine.max_context, field="messages")
+            ids = ctx.codec.encode(text)
+        images = media_refs(req.image_data, 0, 1, "image_data", False)
+        audio = media_refs(req.audio_data, 0, 1, "audio_data", False)
+        ids, media = prompt_media(ids, images, audio, engine.model.config)
+        return req, ids, media
 
     async def chat(request: Request) -> Response:
         t0 = time.perf_counter()
         raw = await body_bytes(request, cfg.max_request_bytes)
-        req, ids = await off_loop_if_large(raw, lambda: chat_prompt(raw))
+        req, ids, media = await off_loop_if_large(raw, lambda: chat_prompt(raw))
         sp = SamplingParams(
             temperature=req.temperature,
             top_p=req.top_p,
@@ -294,6 +308,7 @@ def create_app(ctx: ServerContext) -> Starlette:
             top_logprobs_num=req.top_logprobs or 0,
             lora_name=req.lora_path,
             rid=req.rid or uuid.uuid4().hex,
+            media=media,
         )
         (res,) = await run_tasks([task])
         text = output_text(res, True)

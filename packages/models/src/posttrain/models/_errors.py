@@ -62,7 +62,15 @@ class ModelInputError(ModelsError, ValueError):
 
 class MediaError(ModelsError, ValueError):
     """A media reference that does not decode, a media item the model has no tower for or whose
-    shape does not fit it, or sentinels and media items that do not pair up."""
+    shape does not fit it, or sentinels and media items that do not pair up.
+
+    ``kind`` is ``"image"`` or ``"audio"`` when the error concerns one kind (so an HTTP layer
+    can name ``image_data`` or ``audio_data``), else None.
+    """
+
+    def __init__(self, message: str, *, kind: str | None = None) -> None:
+        super().__init__(message)
+        self.kind = kind
 
 
 class CacheError(ModelsError):

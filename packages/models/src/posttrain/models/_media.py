@@ -74,20 +74,24 @@ class MediaItem:
         d = self.data
         if self.kind is MediaKind.IMAGE:
             if not config.has_vision_tower:
-                raise MediaError("the model has no vision tower: it cannot take an image")
+                raise MediaError(
+                    "the model has no vision tower: it cannot take an image", kind="image"
+                )
             p = config.vision_patch_size
             if d.shape[0] % p or d.shape[1] % p:
                 raise MediaError(
                     f"image of {d.shape[0]}x{d.shape[1]} pixels is not a multiple of the "
-                    f"vision patch size {p} in both dimensions"
+                    f"vision patch size {p} in both dimensions",
+                    kind="image",
                 )
             return (d.shape[0] // p) * (d.shape[1] // p)
         if not config.has_audio_tower:
-            raise MediaError("the model has no audio tower: it cannot take audio")
+            raise MediaError("the model has no audio tower: it cannot take audio", kind="audio")
         if d.shape[1] != config.audio_num_mel_bins:
             raise MediaError(
                 f"audio has {d.shape[1]} mel bins per frame, the audio tower takes "
-                f"{config.audio_num_mel_bins}"
+                f"{config.audio_num_mel_bins}",
+                kind="audio",
             )
         return int(d.shape[0])
 
@@ -208,7 +212,8 @@ def expand_media_tokens(
         if counts[kind] != len(items):
             raise MediaError(
                 f"the prompt has {counts[kind]} {kind} sentinel token(s) but "
-                f"{len(items)} {kind} item(s) were given"
+                f"{len(items)} {kind} item(s) were given",
+                kind=kind,
             )
     out: list[int] = []
     spans: list[MediaSpan] = []

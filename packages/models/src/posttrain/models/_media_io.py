@@ -249,17 +249,20 @@ def decode_media(
                              (MediaKind.AUDIO, audio, "audio_data")):  # fmt: skip
         for i, ref in enumerate(refs):
             field = f"{name}[{i}]"
-            if kind is MediaKind.IMAGE:
-                if not config.has_vision_tower:
-                    raise MediaError(f"{field}: the model has no vision tower (text-only model)")
-                item = decode_image(ref, field=field)
-            else:
-                if not config.has_audio_tower:
-                    raise MediaError(f"{field}: the model has no audio tower")
-                item = decode_audio(ref, num_mel_bins=config.audio_num_mel_bins, field=field)
             try:
-                item.num_tokens(config)
+                if kind is MediaKind.IMAGE:
+                    if not config.has_vision_tower:
+                        raise MediaError(f"{field}: the model has no vision tower (text-only)")
+                    item = decode_image(ref, field=field)
+                else:
+                    if not config.has_audio_tower:
+                        raise MediaError(f"{field}: the model has no audio tower")
+                    item = decode_audio(ref, num_mel_bins=config.audio_num_mel_bins, field=field)
+                try:
+                    item.num_tokens(config)
+                except MediaError as exc:
+                    raise MediaError(f"{field}: {exc}") from exc
             except MediaError as exc:
-                raise MediaError(f"{field}: {exc}") from exc
+                raise MediaError(str(exc), kind=kind.value) from exc.__cause__
             out.append(item)
     return out
