@@ -164,8 +164,11 @@ def sync_weights(
     ``{"sync_bytes": ..., "sync_towers": 0|1, "sync_engines_lost": ...}`` and the engines that
     could not be reached (the caller drops them from later syncs).
     """
-    with_towers = towers_due(policy, first=first, engines_resumed=engines_resumed)
     reload_base = policy.lora is not None and engines_resumed
+    if policy.lora is None:
+        with_towers = towers_due(policy, first=first, engines_resumed=engines_resumed)
+    else:  # the adapter never touches the towers: they come back only with a base reload
+        with_towers = reload_base and has_towers(policy.model)
     if reload_base and target.base_model_path is None and target.engine_urls:
         raise GrpoRunError(
             "weight sync: the engines were resumed after an offload, but SyncTarget."
