@@ -350,3 +350,9 @@ def test_decode_media_names_the_field_and_refuses_missing_towers() -> None:
         decode_media(cfg, images=[png, "!!"])
     with pytest.raises(MediaError, match=r"image_data\[0\]: .*patch size"):
         decode_media(cfg, images=[encode_png_base64(_image(5, 4, 0).data)])
+    big = encode_png_base64(torch.zeros(64, 64, 3, dtype=torch.uint8))  # 256 patches > 64
+    with pytest.raises(MediaError, match=r"image_data\[0\]: a 64x64 image has more pixels"):
+        decode_media(cfg, images=[big])
+    long = encode_npy_base64(torch.zeros(65, 8, dtype=torch.uint8))
+    with pytest.raises(MediaError, match=r"audio_data\[0\]: 65 mel frames"):
+        decode_media(cfg, audio=[long])
