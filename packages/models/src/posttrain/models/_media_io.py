@@ -92,30 +92,56 @@ def _b64(payload: str, field: str) -> bytes:
     return data
 
 
-def decode_image(ref: str, *, field: str = "image_data") -> MediaItem:
-    """An image reference -> ``MediaItem(IMAGE, [H, W, 3] uint8)`` (RGB)."""
+def decode_image(
+    ref: str, *, field: str = "image_data", max_pixels: int | None = None
+) -> MediaItem:
+    """An image reference -> ``MediaItem(IMAGE, [H, W, 3] uint8)`` (RGB).
+
+    ``max_pixels``: refuse a larger image from its header, before its pixels are decoded.
+    """
     from PIL import Image, UnidentifiedImageError
 
     raw = read_media_bytes(ref, field=field)
     try:
         with Image.open(io.BytesIO(raw)) as img:
+            w, h = img.size
+            if max_pixels is not None and w * h > max_pixels:
+                raise MediaError(
+                    f"{field}: a {h}x{w} image has more pixels than the model's context can "
+                    f"take ({max_pixels})"
+                )
             rgb = img.convert("RGB")
             width, height = rgb.size
             pixels = torch.frombuffer(bytearray(rgb.tobytes()), dtype=torch.uint8)
+    except MediaError:
+        raise
     except (UnidentifiedImageError, OSError, ValueError) as exc:
         raise MediaError(f"{field}: {_short(ref)!r} is not a readable image ({exc})") from exc
     return MediaItem(MediaKind.IMAGE, pixels.reshape(height, width, 3).clone())
 
 
-def decode_audio(ref: str, *, num_mel_bins: int, field: str = "audio_data") -> MediaItem:
+def decode_audio(
+    ref: str, *, num_mel_bins: int, field: str = "audio_data", max_frames: int | None = None
+) -> MediaItem:
     """An audio reference (WAV or NPY, see the module doc) -> ``MediaItem(AUDIO, [frames,
-    num_mel_bins] uint8)``."""
+    num_mel_bins] uint8)``. ``max_frames``: refuse a longer clip before computing its bins."""
     raw = read_media_bytes(ref, field=field)
     if raw[:4] == b"RIFF" and raw[8:12] == b"WAVE":
         samples = _read_wav(raw, field)
+        frames = 1 + (samples.shape[0] - AUDIO_N_FFT) // AUDIO_HOP
+        if max_frames is not None and frames > max_frames:
+            raise MediaError(
+                f"{field}: {samples.shape[0]} samples make {frames} mel frames, more than the "
+                f"model's context can take ({max_frames})"
+            )
         return MediaItem(MediaKind.AUDIO, mel_bins(samples, num_mel_bins=num_mel_bins))
     if raw[:6] == b"\x93NUMPY":
         mel = _read_npy(raw, field)
+        if max_frames is not None and mel.shape[0] > max_frames:
+            raise MediaError(
+                f"{field}: {mel.shape[0]} mel frames, more than the model's context can take "
+                f"({max_frames})"
+            )
         if mel.shape[1] != num_mel_bins:
             raise MediaError(
                 f"{field}: the .npy holds {mel.shape[1]} mel bins per frame, the audio tower "
@@ -253,11 +279,18 @@ def decode_media(
                 if kind is MediaKind.IMAGE:
                     if not config.has_vision_tower:
                         raise MediaError(f"{field}: the model has no vision tower (text-only)")
-                    item = decode_image(ref, field=field)
+                    p = config.vision_patch_size
+                    cap = config.max_position_embeddings * p * p
+                    item = decode_image(ref, field=field, max_pixels=cap)
                 else:
                     if not config.has_audio_tower:
                         raise MediaError(f"{field}: the model has no audio tower")
-                    item = decode_audio(ref, num_mel_bins=config.audio_num_mel_bins, field=field)
+                    item = decode_audio(
+                        ref,
+                        num_mel_bins=config.audio_num_mel_bins,
+                        field=field,
+                        max_frames=config.max_position_embeddings,
+                    )
                 try:
                     item.num_tokens(config)
                 except MediaError as exc:
