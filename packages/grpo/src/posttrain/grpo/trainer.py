@@ -38,8 +38,11 @@ Departures from the obvious:
   the response is scored against the expanded prompt, so the logprobs are the engine's. The
   towers are frozen: their parameters are left out of the optimizer (no state, grads None),
   and LoRA never targets them. Context parallel does not take media (refused).
-* There are no separate fp32 master copies (parameters are the masters), so a write into the
-  parameters after the optimizer exists (a resume) is what the next step starts from (G8).
+* There are no separate fp32 master copies (parameters are the masters; with
+  ``precision="bf16"`` FSDP2 keeps the fp32 shards and casts a compute copy), so a write into
+  the parameters after the optimizer exists (a resume) is what the next step starts from (G8;
+  trap 1 of issue 25, ``tests/test_grpo_resume_masters.py``, which also shows masters
+  snapshotted before the load would be caught).
 """
 
 from __future__ import annotations
