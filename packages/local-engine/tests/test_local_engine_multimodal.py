@@ -226,11 +226,11 @@ def test_trap3_towers_are_resent_after_an_offload_cycle(mm_dir: Path, tower_gate
     with AppServer(build_app(EngineConfig(model_path=str(mm_dir))), timeout_s=60) as s:
         _resync(trainer, s.url, 1, tower_gate="structure")  # the first sync sends everything
         _check_engine_equals_trainer(s.url, trainer)
-        released = httpx.post(f"{s.url}/release_memory_occupation", json={"tags": None})
-        assert released.json()["released"] == ["kv_cache", "weights"]
-        assert httpx.post(f"{s.url}/generate", json={"text": "a"}).status_code == 503
-        assert httpx.get(f"{s.url}/weights_checksum").status_code == 503
-        assert httpx.post(f"{s.url}/resume_memory_occupation").json()["stale_tensors"] > 0
+        with WeightPushClient(s.url, timeout_s=60) as client:  # the trainer's offload cycle
+            assert client.release_memory_occupation()["released"] == ["kv_cache", "weights"]
+            assert httpx.post(f"{s.url}/generate", json={"text": "a"}).status_code == 503
+            assert httpx.get(f"{s.url}/weights_checksum").status_code == 503
+            assert client.resume_memory_occupation()["stale_tensors"] > 0
         _resync(trainer, s.url, 2, tower_gate=tower_gate)
         if tower_gate == "structure":
             _check_engine_equals_trainer(s.url, trainer)
@@ -250,3 +250,7 @@ def test_memory_routes_refuse_bad_tags(server: Any) -> None:
     r = httpx.post(f"{server.url}/release_memory_occupation", json={"tag": ["weights"]})
     assert r.status_code == 400
     assert r.json()["error"]["field"] == "tag"
+    r = httpx.post(f"{server.url}/resume_memory_occupation")  # no body = all; nothing released
+    assert r.status_code == 200
+    assert r.json()["released"] == []
+    assert r.json()["stale_tensors"] == 0

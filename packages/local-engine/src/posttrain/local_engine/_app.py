@@ -7,8 +7,10 @@ Routes (SGLang names): ``GET /health``, ``/health_generate``, ``/model_info``,
 ``/update_weights_from_disk``, ``/flush_cache``, ``/pause_generation``,
 ``/continue_generation``; the wsync/1 session ``/begin_weight_update``,
 ``/update_weights_from_safetensors``, ``/update_weights_from_shm``,
-``/end_weight_update``, ``/abort_weight_update``; ``GET /weights_checksum``. The adapter
-and weight routes live in ``_routes_weights``, the error mapping in ``_http``.
+``/end_weight_update``, ``/abort_weight_update``; ``GET /weights_checksum``;
+``/release_memory_occupation``, ``/resume_memory_occupation``. The adapter, weight and memory
+routes live in ``_routes_weights``, the error mapping in ``_http``. ``/generate`` and chat take
+SGLang's ``image_data`` / ``audio_data`` for multimodal checkpoints (``_requests.prompt_media``).
 
 Errors are JSON ``{"error": {"message", "type", "field", "code"}}``: 400 for a
 malformed body or field (named), 401 for a missing bearer token on a
