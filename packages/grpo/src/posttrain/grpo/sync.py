@@ -59,7 +59,7 @@ from posttrain.formats import WeightPushClient, dequantize_nvfp4_state_dict, pus
 from posttrain.fsdp_mesh import iter_full_state_dict
 from posttrain.grpo._errors import GrpoRunError
 from posttrain.grpo.trainer import Policy
-from posttrain.interface import WeightSink, parse_weight_version
+from posttrain.interface import UpdateWeightsFromDiskRequest, WeightSink, parse_weight_version
 from posttrain.lora import AdapterClient, export_adapter
 from posttrain.models import has_towers, to_hf_state_dict, tower_parameter_names
 from posttrain.quant_convert import QuantPolicy, quantize_named_params
@@ -231,32 +231,27 @@ def sync_weights(
 def _reload_base(url: str, target: SyncTarget) -> None:
     """Have the engine at ``url`` reload its base weights (towers included) from the
     checkpoint, as after an offload it holds none (``/update_weights_from_disk``)."""
-    headers = {"Authorization": f"Bearer {target.api_key}"} if target.api_key else {}
-    with httpx.Client(timeout=target.timeout_s, transport=target.transport) as client:
-        reply = client.post(
-            f"{url.rstrip('/')}/update_weights_from_disk",
-            json={"model_path": str(target.base_model_path)},
-            headers=headers,
-        )
-    if reply.status_code != 200:
-        raise GrpoRunError(
-            f"weight sync: {url}/update_weights_from_disk answered {reply.status_code}: "
-            f"{reply.text[:300]}"
-        )
+    body = UpdateWeightsFromDiskRequest(model_path=str(target.base_model_path))
+    with WeightPushClient(
+        url, timeout_s=target.timeout_s, transport=target.transport, api_key=target.api_key
+    ) as client:
+        client.post("/update_weights_from_disk", json=body.model_dump(exclude_none=True))
 
 
 def set_engine_memory(target: SyncTarget, *, resident: bool) -> list[tuple[str, str]]:
     """Release (``resident=False``) or resume every engine's memory, SGLang's
-    ``/release_memory_occupation`` / ``/resume_memory_occupation`` (all tags); rank 0 only.
-    Returns the engines that could not be reached (as ``push_each``)."""
-    route = "resume_memory_occupation" if resident else "release_memory_occupation"
-    headers = {"Authorization": f"Bearer {target.api_key}"} if target.api_key else {}
+    ``/release_memory_occupation`` / ``/resume_memory_occupation`` (all tags, through
+    ``WeightPushClient``); rank 0 only. Returns the engines that could not be reached (as
+    ``push_each``)."""
 
     def call(url: str) -> None:
-        with httpx.Client(timeout=target.timeout_s, transport=target.transport) as client:
-            reply = client.post(f"{url.rstrip('/')}/{route}", json={}, headers=headers)
-        if reply.status_code != 200:
-            raise GrpoRunError(f"{url}/{route} answered {reply.status_code}: {reply.text[:300]}")
+        with WeightPushClient(
+            url, timeout_s=target.timeout_s, transport=target.transport, api_key=target.api_key
+        ) as client:
+            if resident:
+                client.resume_memory_occupation()
+            else:
+                client.release_memory_occupation()
 
     return push_each(target.engine_urls, call)
 
