@@ -75,3 +75,14 @@ def mm_step(rank: int, world: int, ckpt: str, train: str) -> dict[str, Any]:
         "moved": sorted(k for k in before if not torch.equal(before[k], after[k])),
         "adapter": None if policy.lora is None else sorted(export_adapter(policy.lora)),
     }
+
+
+def mm_context_parallel(rank: int, world: int, ckpt: str) -> None:
+    """A multimodal step under context parallel (refused on every rank alike)."""
+    torch.set_num_threads(1)
+    cfg = GrpoConfig(model_path=Path(ckpt), replicate=1, shard=world,
+                     context_parallel_size=world)  # fmt: skip
+    policy = build_policy(cfg)
+    batch = mm_samples(ckpt)
+    train_step(policy, policy.data_parallel_share(batch), cfg, global_batch_size=4,
+               global_token_count=4 * RESPONSE)  # fmt: skip

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from posttrain.grpo.trainer import TrainSample, expand_sample_media
+from posttrain.interface import WorkerFailedError
 from posttrain.interface.testing import run_workers
 from posttrain.models import (
     MediaError,
@@ -82,3 +83,8 @@ def test_a_sample_whose_media_do_not_match_its_sentinels_is_refused(ckpt: str) -
                     advantages=[0.0], media=[workers.image(0)])  # fmt: skip
     with pytest.raises(MediaError, match="0 image sentinel token"):
         expand_sample_media(s, model)
+
+
+def test_context_parallel_refuses_multimodal_samples(ckpt: str) -> None:
+    with pytest.raises(WorkerFailedError, match="does not take multimodal samples"):
+        run_workers(workers.mm_context_parallel, 2, args=(ckpt,), timeout_s=120)
