@@ -101,6 +101,7 @@ class GrpoConfig:
     opd_top_k: int = 0
     # Rollout weights, output, resumption.
     rollout_quant: RolloutQuant = "none"
+    offload_engines: bool = False
     out_dir: Path = DEFAULT_OUT_DIR
     resume: Path | None = None
     checkpoint_every: int = 0
@@ -358,6 +359,8 @@ HELP: dict[str, str] = {
     "opd_kl_coef": "OPD coefficient: A = A - coef * reverse_kl",
     "opd_top_k": "OPD top-k (0: sampled tokens only)",
     "rollout_quant": "re-quantize synced weights for the engines",
+    "offload_engines": "release the engines' memory while the trainer steps, resume it before "
+    "the weight sync (SGLang's release/resume_memory_occupation; every weight is re-sent)",
     "out_dir": "directory for metrics, checkpoints and plots",
     "resume": "checkpoint directory to continue from",
     "checkpoint_every": "checkpoint every N steps (0: only at the end)",

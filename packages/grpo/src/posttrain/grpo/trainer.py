@@ -32,8 +32,17 @@ Departures from the obvious:
   Entropy is taken on each rank's logits rows and moved to the token they predict with a
   one-token halo. LoRA works unchanged: lora-core's wrapped sites are per-token linears that
   ``forward_with_layout`` calls like ``forward_logits`` does.
-* There are no separate fp32 master copies (parameters are the masters), so a write into the
-  parameters after the optimizer exists (a resume) is what the next step starts from (G8).
+* Multimodal samples (``TrainSample.media``, the references the engine got): ``_pack`` decodes
+  them with ``posttrain.models.decode_media``, expands each prompt's sentinels into their
+  placeholder runs (``expand_media_tokens``, as the engine does) and packs one ``MediaBatch``;
+  the response is scored against the expanded prompt, so the logprobs are the engine's. The
+  towers are frozen: their parameters are left out of the optimizer (no state, grads None),
+  and LoRA never targets them. Context parallel does not take media (refused).
+* There are no separate fp32 master copies (parameters are the masters; with
+  ``precision="bf16"`` FSDP2 keeps the fp32 shards and casts a compute copy), so a write into
+  the parameters after the optimizer exists (a resume) is what the next step starts from (G8;
+  trap 1 of issue 25, ``tests/test_grpo_resume_masters.py``, which also shows masters
+  snapshotted before the load would be caught).
 """
 
 from __future__ import annotations
@@ -62,7 +71,7 @@ from posttrain.grpo._errors import GrpoConfigError, GrpoInputError
 from posttrain.grpo.config import GrpoConfig
 from posttrain.grpo.losses import aggregation_weights, entropy_from_logits
 from posttrain.grpo.objective import LossSettings, PolicyObjective, policy_objective
-from posttrain.interface import MeshSpec
+from posttrain.interface import MediaKind, MediaRef, MeshSpec
 from posttrain.lora import (
     LoraConfig,
     LoraGroups,
@@ -72,7 +81,15 @@ from posttrain.lora import (
     lora_grad_norm,
     reduce_lora_grads,
 )
-from posttrain.models import DecoderModel, LinearSite, Numerics, load_pretrained
+from posttrain.models import (
+    DecoderModel,
+    LinearSite,
+    MediaBatch,
+    Numerics,
+    decode_media,
+    expand_media_tokens,
+    load_pretrained,
+)
 from posttrain.models import context_parallel as cp
 
 CP_LAYOUT = cp.CPLayout.ZIGZAG  # load-balanced: rank r holds chunks r and 2C-1-r of a sequence
@@ -85,13 +102,18 @@ MAX_METRICS = frozenset({"train_rollout_logprob_max_abs_diff"})
 
 @dataclass(kw_only=True, slots=True)
 class TrainSample:
-    """One sample as the trainer needs it (prompt + response ids, per-response-token arrays)."""
+    """One sample as the trainer needs it (prompt + response ids, per-response-token arrays).
+
+    ``tokens`` hold the prompt as the engine got it (one sentinel per media item); ``media``
+    are the references of those items (``Sample.media``), expanded when the batch is packed.
+    """
 
     tokens: list[int]
     prompt_len: int
     loss_mask: list[int]
     rollout_logprobs: list[float]
     advantages: list[float]
+    media: list[MediaRef] = field(default_factory=list)
 
     @property
     def response_len(self) -> int:
@@ -261,7 +283,12 @@ def shard_policy(
     register_fsdp_forward_method(model, "forward_logits")
     # forward_logits may return a view; nothing here writes into it in place.
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
-    trainable = list(handle.parameters()) if handle is not None else list(model.parameters())
+    # Frozen parameters (the media towers) get no optimizer state: only what trains is in it.
+    trainable = (
+        list(handle.parameters())
+        if handle is not None
+        else [p for p in model.parameters() if p.requires_grad]
+    )
     optimizer = torch.optim.AdamW(trainable, lr=cfg.lr, weight_decay=cfg.weight_decay)
     return Policy(
         model=model,
@@ -275,14 +302,36 @@ def shard_policy(
     )
 
 
-def _pack(samples: Sequence[TrainSample], device: torch.device) -> dict[str, Any]:
-    ids = torch.tensor([t for s in samples for t in s.tokens], dtype=torch.long)
-    lengths = [len(s.tokens) for s in samples]
+def expand_sample_media(
+    sample: TrainSample, model: DecoderModel
+) -> tuple[list[int], int, MediaBatch | None]:
+    """The sample's tokens with every media sentinel expanded into its placeholder run, the
+    expanded prompt length and the runs (None for a text-only sample)."""
+    if not sample.media:
+        return list(sample.tokens), sample.prompt_len, None
+    media = decode_media(
+        model.config,
+        images=[m.ref for m in sample.media if m.kind is MediaKind.IMAGE],
+        audio=[m.ref for m in sample.media if m.kind is MediaKind.AUDIO],
+    )
+    prompt, batch = expand_media_tokens(sample.tokens[: sample.prompt_len], media, model.config)
+    return prompt + list(sample.tokens[sample.prompt_len :]), len(prompt), batch
+
+
+def _pack(
+    samples: Sequence[TrainSample], device: torch.device, model: DecoderModel
+) -> dict[str, Any]:
+    expanded = [expand_sample_media(s, model) for s in samples]
+    ids = torch.tensor([t for toks, _, _ in expanded for t in toks], dtype=torch.long)
+    lengths = [len(toks) for toks, _, _ in expanded]
     rows: list[int] = []  # logits row predicting each response token
     start = 0
-    for s in samples:
-        rows.extend(range(start + s.prompt_len - 1, start + len(s.tokens) - 1))
-        start += len(s.tokens)
+    for toks, prompt_len, _ in expanded:
+        rows.extend(range(start + prompt_len - 1, start + len(toks) - 1))
+        start += len(toks)
+    media = None
+    if any(b is not None for _, _, b in expanded):
+        media = MediaBatch.pack([b for _, _, b in expanded], lengths)
     targets = torch.tensor([t for s in samples for t in s.tokens[s.prompt_len :]], dtype=torch.long)
     return {
         "ids": ids.to(device),
@@ -295,6 +344,7 @@ def _pack(samples: Sequence[TrainSample], device: torch.device) -> dict[str, Any
         "rollout": torch.tensor([v for s in samples for v in s.rollout_logprobs]).to(device),
         "advantages": torch.tensor([v for s in samples for v in s.advantages]).to(device),
         "response_lengths": [s.response_len for s in samples],
+        "media": media,
     }
 
 
@@ -302,7 +352,7 @@ def _response_logprobs(
     model: DecoderModel, batch: dict[str, Any], *, with_logits: bool
 ) -> tuple[Tensor, Tensor | None]:
     """Logprob of each response token (and the logits predicting it), as the engine computes."""
-    logits = model.forward_logits(batch["ids"], batch["lengths"])
+    logits = model.forward_logits(batch["ids"], batch["lengths"], media=batch["media"])
     picked = logits[batch["rows"]]
     logp = model.ops.log_softmax(picked).gather(1, batch["targets"][:, None])[:, 0]
     return logp, (picked if with_logits else None)
@@ -338,7 +388,7 @@ def _micro_batch_objective(
     global_token_count: int,
 ) -> tuple[PolicyObjective, int]:
     """The objective of one micro-batch on this rank (no context parallel), its loss tokens."""
-    batch = _pack(part, policy.model.embedding.device)
+    batch = _pack(part, policy.model.embedding.device, policy.model)
     logp, logits = _response_logprobs(policy.model, batch, with_logits=True)
     assert logits is not None
     ref = _reference_logprobs(policy, batch) if cfg.use_kl_loss else None
@@ -425,6 +475,11 @@ def _context_parallel_objective(
     """This rank's share of one micro-batch's objective under context parallel (the shares
     of the CP group add up to the micro-batch's objective), and its own loss tokens."""
     assert policy.parallel is not None
+    if any(s.media for s in part):
+        raise GrpoInputError(
+            "context_parallel_size > 1 does not take multimodal samples (media placeholder "
+            "runs would be split over ranks); train them with context_parallel_size=1"
+        )
     group = policy.parallel.cp_group
     batch = _pack_context_parallel(
         part, policy.cp_size, settings,
