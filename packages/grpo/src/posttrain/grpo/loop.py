@@ -448,9 +448,15 @@ def _rollout_stats(
 
 
 def _decoder(cfg: GrpoConfig) -> Any:
-    from transformers import AutoTokenizer
+    # A tokenizer.json is read by the fast class directly: AutoTokenizer reads config.json to
+    # pick a class and warns on model types transformers does not know (posttrain_multimodal).
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-    tok = AutoTokenizer.from_pretrained(str(cfg.model_path))
+    path = Path(str(cfg.model_path))
+    tokenizer_class = (
+        PreTrainedTokenizerFast if (path / "tokenizer.json").is_file() else AutoTokenizer
+    )
+    tok = tokenizer_class.from_pretrained(str(path))
 
     def decode(ids: Sequence[int]) -> str:
         return str(tok.decode(list(ids), skip_special_tokens=True))
