@@ -5,7 +5,8 @@
   ``AdapterClient`` (upsert where the engine has it; the engine verifies sha256 checksums).
   The base is never re-sent.
 * Full training: ``iter_full_state_dict`` gathers every parameter (collective), ``models``'
-  converter renames them to the HF layout, and rank 0 sends them over wsync/1 with a sha256 per
+  converter renames them to the HF layout (the megatron backend: ``hf_state_dict`` gathers the
+  tensor-parallel shards straight to HF names), and rank 0 sends them over wsync/1 with a sha256 per
   bucket, at a weight version that increases on every engine.
 * ``rollout_quant=nvfp4``: the HF tensors go through ``quant_convert.quantize_named_params``
   (routed experts to NVFP4, the same selection as the converted checkpoint the engines
@@ -137,10 +138,17 @@ def sync_weights(policy: Policy, target: SyncTarget, version: int) -> SyncResult
     """
     if policy.lora is not None:
         tensors = export_adapter(policy.lora)  # collective over the LoRA groups
+    elif policy.backend == "megatron":
+        hf = policy.model.hf_state_dict()  # collective over TP: shards gathered to HF names
+        tensors = _engine_tensors(hf, policy, target) if dist.get_rank() == 0 else {}
     else:
         full = dict(iter_full_state_dict(policy.model))  # collective over the FSDP mesh
         # Only rank 0 sends, so only rank 0 converts (and, for NVFP4 rollouts, quantizes).
-        tensors = _engine_tensors(full, policy, target) if dist.get_rank() == 0 else {}
+        tensors = (
+            _engine_tensors(to_hf_state_dict(full, policy.model.config), policy, target)
+            if dist.get_rank() == 0
+            else {}
+        )
     outcome: list[Any] = [None, 0.0, []]  # (error, bytes sent, lost), decided on rank 0
 
     def push(url: str) -> None:
@@ -200,11 +208,10 @@ def _push_to_sink(
 
 
 def _engine_tensors(
-    full: dict[str, torch.Tensor], policy: Policy, target: SyncTarget
+    tensors: dict[str, torch.Tensor], policy: Policy, target: SyncTarget
 ) -> dict[str, torch.Tensor]:
     """The HF-named tensors an engine loads; for NVFP4 rollouts, each NVFP4-selected weight
     is replaced by its dequantized value (what an NVFP4 engine computes with)."""
-    tensors = to_hf_state_dict(full, policy.model.config)
     if target.rollout_quant != "nvfp4":
         return tensors
     quantized = dict(
