@@ -77,7 +77,7 @@ def grad_norm(model: TensorParallelDecoder, params: list[nn.Parameter]) -> float
             continue
         sq = p.grad.detach().to(torch.float64).pow(2).sum().cpu()
         local[0 if id(p) in sharded else 1] += sq
-    if model.groups.tp is not None:
+    if model.groups.tp_size > 1:
         part = local[:1].to(_device(params))
         dist.all_reduce(part, op=dist.ReduceOp.SUM, group=model.groups.tp)
         local[0] = part.cpu()[0]

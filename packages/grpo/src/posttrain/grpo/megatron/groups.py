@@ -12,7 +12,8 @@ on the expert side (expert tensor parallel is 1)::
 
 The ranks of one tp group see the same samples (the data-parallel share is by ``dp_rank``).
 ``dist.new_group`` is collective over the world, so every rank creates every group and keeps
-its own; a size-1 axis gets ``None`` (no collective runs on it).
+its own; a size-1 axis gets ``None`` (no collective runs on it), except ``tp``: megatron-core's
+parallel linears need a group object even when it holds one rank.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ class ParallelGroups:
     rank: int
     tp_size: int
     ep_size: int
-    tp: dist.ProcessGroup | None
+    tp: dist.ProcessGroup
     dp: dist.ProcessGroup | None
     ep: dist.ProcessGroup | None
     expert_dp: dist.ProcessGroup | None
@@ -81,8 +82,8 @@ def build_parallel_groups(tp_size: int, ep_size: int = 1) -> ParallelGroups:
     world, rank = dist.get_world_size(), dist.get_rank()
     check_parallel_sizes(world, tp_size, ep_size)
 
-    def blocks(size: int) -> dist.ProcessGroup | None:
-        if size == 1:
+    def blocks(size: int, *, always: bool = False) -> dist.ProcessGroup | None:
+        if size == 1 and not always:
             return None
         mine = None
         for start in range(0, world, size):
@@ -101,12 +102,14 @@ def build_parallel_groups(tp_size: int, ep_size: int = 1) -> ParallelGroups:
                 mine = group
         return mine
 
+    tp_group = blocks(tp_size, always=True)
+    assert tp_group is not None
     return ParallelGroups(
         world_size=world,
         rank=rank,
         tp_size=tp_size,
         ep_size=ep_size,
-        tp=blocks(tp_size),
+        tp=tp_group,  # megatron-core's layers need a group, even of 1
         dp=strided(tp_size),
         ep=blocks(ep_size),
         expert_dp=strided(ep_size),
