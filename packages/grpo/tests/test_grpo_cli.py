@@ -212,6 +212,8 @@ def test_megatron_flags_pass_dry_run(capsys: pytest.CaptureFixture[str]) -> None
     assert code == 0
     got = json.loads(out)
     assert (got["backend"], got["tensor_model_parallel_size"], got["sequence_parallel"]) == (
-        "megatron", 2, True
+        "megatron",
+        2,
+        True,
     )
     assert got["expert_model_parallel_size"] == 4
