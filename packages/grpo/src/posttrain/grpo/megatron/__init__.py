@@ -1,0 +1,1 @@
+"""The megatron backend of ``posttrain.grpo``: tensor, sequence and expert parallel training."""
