@@ -14,19 +14,22 @@ One ``run_workers`` per world size; the cases run inside.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import grpo_expert_parallel_workers as worker
 import pytest
+import torch
 
-from posttrain.grpo import GrpoConfigError
+from posttrain.formats import peft_key
+from posttrain.grpo import GrpoConfigError, GrpoInputError
 from posttrain.grpo.megatron.expert_parallel import (
     ExpertParallelLayout,
     ExpertParallelMoe,
     local_moe_weights,
 )
 from posttrain.interface.testing import run_workers
-from posttrain.models import ModelConfig
+from posttrain.models import ModelConfig, build_model
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(300)]
 TOL = 1e-5
@@ -146,3 +149,51 @@ def test_bad_expert_counts_and_layers_refused() -> None:
     with pytest.raises(GrpoConfigError, match="layer_index=0") as err:
         ExpertParallelMoe(cfg, 0)  # layer 0 of the tiny config is dense
     assert err.value.field == "layer_index"
+
+
+def test_bad_checkpoint_tensors_refused_naming_the_tensor() -> None:
+    cfg = worker.CONFIGS["sigmoid"]
+    hf = build_model(cfg, seed=3).hf_state_dict()
+    up = "model.layers.1.mlp.experts.5.up_proj.weight"
+    missing = {k: v for k, v in hf.items() if k != up}
+    with pytest.raises(GrpoInputError, match=re.escape(f"'{up}' is missing")):
+        local_moe_weights(missing, cfg, 1, ep_rank=1, ep_size=2)
+    # expert 5 lives on EP rank 1 of 2: rank 0 does not need it
+    assert local_moe_weights(missing, cfg, 1, ep_rank=0, ep_size=2)["experts_fc1"].shape[0] == 4
+    bad = dict(hf, **{up: hf[up].double()})
+    with pytest.raises(GrpoInputError, match="dtypes are never cast"):
+        local_moe_weights(bad, cfg, 1, ep_rank=1, ep_size=2)
+    nan = hf[up].clone()
+    nan[0, 0] = float("nan")
+    with pytest.raises(GrpoInputError, match=re.escape(f"'{up}' holds non-finite")):
+        local_moe_weights(dict(hf, **{up: nan}), cfg, 1, ep_rank=1, ep_size=2)
+
+
+def test_bad_adapters_refused_naming_the_module() -> None:
+    cfg = worker.CONFIGS["sigmoid"]
+    layer = ExpertParallelMoe(cfg, 1)
+    with pytest.raises(GrpoConfigError, match="attach_lora first"):
+        layer.load_lora({})
+    with pytest.raises(GrpoConfigError, match="not expert-layer LoRA targets") as err:
+        layer.attach_lora(worker.LORA, ["q_proj"])
+    assert err.value.field == "lora_targets"
+    layer.attach_lora(worker.LORA, ["down_proj"])
+    peft = {
+        peft_key(name, f): t
+        for name, (a, b) in worker.adapter_tensors(cfg).items()
+        for f, t in (("A", a), ("B", b))
+    }
+    with pytest.raises(
+        GrpoInputError, match=re.escape("experts.0.gate_proj' is not a LoRA target")
+    ):
+        layer.load_lora(peft)  # gate_proj factors would silently not train
+    downs = {k: v for k, v in peft.items() if "down_proj" in k}
+    layer.load_lora(downs)
+    assert torch.equal(
+        layer.lora_A["experts_down_proj"][3],
+        peft[peft_key("model.layers.1.mlp.experts.3.down_proj", "A")],
+    )
+    gone = peft_key("model.layers.1.mlp.shared_experts.1.down_proj", "A")
+    partial = {k: v for k, v in downs.items() if not k.startswith(gone.rsplit(".lora_A", 1)[0])}
+    with pytest.raises(GrpoInputError, match=re.escape("shared_experts.1.down_proj")):
+        layer.load_lora(partial)

@@ -31,57 +31,76 @@ How it maps to Megatron's EP (expert_tensor_parallel_size = 1, the ``alltoall`` 
 * Tokens entering the layer: with sequence parallel (or TP = 1) each rank routes its own
   tokens. Without sequence parallel (hidden states replicated over TP), the layer takes this
   TP rank's contiguous share of the tokens, routes it, and all-gathers the outputs over TP
-  (Megatron-LM instead requires sequence parallel for MoE with TP > 1). Either way each token
-  is routed once per TP group, so no expert sees a token twice.
+  (megatron-core refuses EP with TP and without SP instead). Either way each token is routed
+  once per TP group, so no expert sees a token twice.
 * The router and the shared experts are replicated on every rank (Megatron TP-shards its
   shared experts; ours are small and stay whole). They see only this rank's tokens, so with
   TP > 1 their grads are partial sums over TP, marked ``sequence_parallel`` as Megatron marks
-  its router.
+  its router under SP.
 
 Numerics: each routed row is computed alone by the model's row-independent kernels and the
 combine order is the single-process one, so in strict numerics the layer's output is bitwise
-equal to ``DecoderModel._moe`` on the same tokens (with or without LoRA). Gradients are equal
-to a relative L2 of ~1e-7: an expert's weight grad sums its tokens in another order, and the
-DP/EP reductions add partial grads.
+equal to ``DecoderModel._moe`` on the same tokens (with or without LoRA). Gradients agree to
+a relative L2 of about 1e-7 (measured in the gloo tests): an expert's weight grad sums its
+tokens in another order, and the TP/DP/expert-DP reductions add partial grads.
 
-Autograd: ``_AllToAll``'s backward is the reverse all-to-all. Every rank of a group must run
-each collective's backward even when it routed or received no token, so both all-to-alls take
-an *anchor* (a trainable parameter of the layer, making their outputs require grad on every
-rank) and the return all-to-all is *tied* to the dispatch's output (a zero gradient), so the
-dispatch's backward always runs after it. Grad mode and trainability must agree across ranks.
+Autograd: the all-to-alls' backward is the reverse all-to-all (``_ep_comm``, which also says
+how every rank is made to run each backward collective, even a rank that routed or received
+no token). Grad mode and trainability must agree across the ranks of a group.
 
-Gradient rule (``reduce_expert_parallel_grads``; the caller's own DP reduction must skip these
-parameters): router and shared-expert parameters (and their LoRA factors) SUM over TP when
-TP > 1, then MEAN over DP; routed-expert parameters (local to their owner; no reduction across
-EP ranks, which hold different experts) SUM over expert-DP, the replicas of the same experts,
-then divide by the DP size (Megatron's expert-grad scaling). The result is the gradient of the
-mean of the per-DP-shard losses, as in the single-process model. Parameters carry Megatron's
-attributes (``allreduce=False`` on expert parameters, ``sequence_parallel`` on the rest).
+Gradients, checkpoints and the adapter live in ``expert_state`` (re-exported here):
+``reduce_expert_parallel_grads`` (router and shared parameters SUM over TP, MEAN over DP;
+routed-expert parameters are local to their owner, SUM over expert-DP divided by the DP
+size; the caller's own DP reduction must skip all of them), ``expert_parallel_grad_norm_sq``,
+``local_moe_weights`` / ``gather_moe_weights`` (EP slice from HF names and back, bitwise) and
+``export_expert_lora``. Parameters also carry Megatron's attributes (``allreduce=False`` on
+expert parameters, ``sequence_parallel`` on the rest when TP > 1).
 
 LoRA (``attach_lora``): per-expert adapters in the PEFT layout the engine serves
-(``model.layers.{i}.mlp.experts.{e}.{gate_proj,up_proj,down_proj}``, shared experts, and the
-router ``mlp.gate``), each initialised from its PEFT name by ``lora-core``'s
-``init_full_factor`` (layout invariant), computed with ``posttrain.formats.lora_delta`` on the
-model's kernel. ``export_expert_lora`` all-gathers them over EP into PEFT names on every rank.
+(``model.layers.{i}.mlp.experts.{e}.{gate_proj,up_proj,down_proj}``, the shared experts and
+the router ``mlp.gate``), each initialised from its PEFT name by ``lora-core``'s
+``init_full_factor`` (so any EP size draws the same bits) and computed with
+``posttrain.formats.lora_delta`` on the model's kernel, as the engine's ``LoraRouting`` does.
 
-Checkpoints: ``local_moe_weights`` takes the HF-named tensors of a checkpoint and returns this
-EP rank's slice; ``gather_moe_weights`` all-gathers a layer back to full HF names (bitwise
-copies), so a checkpoint saved under one EP size loads under any other.
+Integration (a decoder's MoE block): build one ``ExpertParallelMoe`` per MoE layer with the
+rank's ``ExpertParallelGroups`` (``new_expert_parallel_groups(ExpertParallelLayout(...))`` or
+your own groups), ``load_hf_weights(checkpoint_tensors)``, call ``layer(m)`` where the decoder
+calls ``_moe`` (``m`` = post-attention RMSNorm output, fp32), and after backward call
+``reduce_expert_parallel_grads(layers)``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
-from posttrain.formats import PeftFormatError, lora_delta, peft_key, peft_modules
+from posttrain.formats import PeftFormatError, lora_delta, peft_modules
 from posttrain.grpo._errors import GrpoConfigError, GrpoInputError
+from posttrain.grpo.megatron._ep_comm import (
+    all_gather_bytes,
+    all_to_all_counts,
+    all_to_all_rows,
+    gather_token_shares,
+    group_rank,
+    group_size,
+    inverse_permutation,
+    share_sizes,
+    take_token_share,
+)
+from posttrain.grpo.megatron.expert_state import (
+    expert_parallel_grad_norm_sq,
+    export_expert_lora,
+    gather_moe_weights,
+    local_moe_weights,
+    lora_module_name,
+    reduce_expert_parallel_grads,
+)
 from posttrain.lora import LoraConfig
 from posttrain.lora.config import init_full_factor
 from posttrain.models import FastOps, ModelConfig, Numerics, StrictOps
@@ -208,113 +227,11 @@ def new_expert_parallel_groups(
     return ExpertParallelGroups(sequence_parallel=sequence_parallel, **mine)
 
 
-def _size(group: ProcessGroup | None) -> int:
-    return 1 if group is None else dist.get_world_size(group)
-
-
-def _rank(group: ProcessGroup | None) -> int:
-    return 0 if group is None else dist.get_rank(group)
-
-
 def _check_member(group: ProcessGroup | None, field: str) -> None:
-    if group is not None and dist.get_rank(group) < 0:
+    if group is not None and group_rank(group) < 0:
         raise GrpoConfigError(
             f"rank {dist.get_rank()} is not a member of ExpertParallelGroups.{field}", field=field
         )
-
-
-# --------------------------------------------------------------------------- collectives
-
-
-def _all_to_all(x: Tensor, send: list[int], recv: list[int], group: ProcessGroup) -> Tensor:
-    x = x.contiguous()
-    out = x.new_empty((sum(recv), *x.shape[1:]))
-    dist.all_to_all_single(out, x, output_split_sizes=recv, input_split_sizes=send, group=group)
-    return out
-
-
-def _all_gather_rows(x: Tensor, sizes: list[int], group: ProcessGroup) -> Tensor:
-    """All-gather rows of varying count (``sizes[r]`` from rank ``r``) as one all-to-all."""
-    n = len(sizes)
-    return _all_to_all(torch.cat([x] * n), [x.shape[0]] * n, sizes, group)
-
-
-def _all_gather_flat(x: Tensor, group: ProcessGroup) -> Tensor:
-    out = x.new_empty((_size(group) * x.numel(),))
-    # torch 2.13 deprecates all_gather_into_tensor in favour of all_gather_single
-    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    fn(out, x.contiguous().reshape(-1), group=group)
-    return out
-
-
-class _AllToAll(torch.autograd.Function):
-    """Rows ``send[r]`` to rank ``r``; backward: the reverse all-to-all (see the module doc
-    for ``anchor`` and ``tie``)."""
-
-    @staticmethod
-    def forward(
-        ctx: Any,
-        x: Tensor,
-        send: list[int],
-        recv: list[int],
-        group: ProcessGroup,
-        anchor: Tensor | None,
-        tie: Tensor | None,
-    ) -> Tensor:
-        ctx.send, ctx.recv, ctx.group = send, recv, group
-        ctx.tie = None if tie is None else (tie.shape, tie.dtype, tie.device)
-        return _all_to_all(x, send, recv, group)
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
-        back = _all_to_all(grad, ctx.recv, ctx.send, ctx.group)
-        tie = None
-        if ctx.tie is not None and ctx.needs_input_grad[5]:
-            shape, dtype, device = ctx.tie
-            tie = torch.zeros(shape, dtype=dtype, device=device)
-        return back, None, None, None, None, tie
-
-
-class _TakeShare(torch.autograd.Function):
-    """Forward: this TP rank's rows of replicated tokens; backward: all-gather the row grads
-    (each rank computed only its share's contribution to the replicated input)."""
-
-    @staticmethod
-    def forward(
-        ctx: Any, x: Tensor, sizes: list[int], group: ProcessGroup, anchor: Tensor | None
-    ) -> Tensor:
-        ctx.sizes, ctx.group = sizes, group
-        me = dist.get_rank(group)
-        start = sum(sizes[:me])
-        return x[start : start + sizes[me]].clone()
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
-        return _all_gather_rows(grad, ctx.sizes, ctx.group), None, None, None
-
-
-class _GatherShares(torch.autograd.Function):
-    """Forward: all-gather the TP shares' outputs; backward: this rank's rows of the grad (the
-    grad of a replicated activation is whole and equal on every TP rank)."""
-
-    @staticmethod
-    def forward(
-        ctx: Any, y: Tensor, sizes: list[int], group: ProcessGroup, anchor: Tensor | None
-    ) -> Tensor:
-        ctx.sizes, ctx.group = sizes, group
-        return _all_gather_rows(y, sizes, group)
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
-        me = dist.get_rank(ctx.group)
-        start = sum(ctx.sizes[:me])
-        return grad[start : start + ctx.sizes[me]].clone(), None, None, None
-
-
-def _inverse(perm: Tensor) -> Tensor:
-    inv = torch.empty_like(perm)
-    inv[perm] = torch.arange(perm.numel(), device=perm.device)
-    return inv
 
 
 # --------------------------------------------------------------------------- the layer
@@ -356,7 +273,7 @@ class ExpertParallelMoe(nn.Module):
             _check_member(getattr(groups, field), field)
         self.config, self.layer_index, self.groups = config, layer_index, groups
         self.numerics = Numerics(numerics)
-        self.ep_size, self.ep_rank = _size(groups.ep), _rank(groups.ep)
+        self.ep_size, self.ep_rank = group_size(groups.ep), group_rank(groups.ep)
         e, ns = config.num_experts, config.n_shared_experts
         if e % self.ep_size:
             raise GrpoConfigError(
@@ -406,20 +323,19 @@ class ExpertParallelMoe(nn.Module):
         # Megatron's DDP / finalize_model_grads read these (see the module doc).
         expert = self.is_expert_parameter(name)
         param.allreduce = not expert  # type: ignore[attr-defined]
-        param.sequence_parallel = not expert and _size(self.groups.tp) > 1  # type: ignore[attr-defined]
+        param.sequence_parallel = not expert and group_size(self.groups.tp) > 1  # type: ignore[attr-defined]
         param.tensor_model_parallel = False  # type: ignore[attr-defined]
 
     def _check_expert_dp(self) -> None:
         group = self.groups.expert_dp
-        if _size(group) == 1:
+        if group is None or group_size(group) == 1:
             return
-        assert group is not None
         mine = torch.tensor([self.ep_rank], dtype=torch.long, device=self.router.device)
-        peers = _all_gather_flat(mine, group)
-        if bool((peers != mine).any()):
+        peers = [int(r[0][0]) for r in all_gather_bytes([mine], group)]
+        if any(p != self.ep_rank for p in peers):
             raise GrpoConfigError(
                 f"ExpertParallelGroups.expert_dp of rank {dist.get_rank()} joins EP ranks "
-                f"{peers.tolist()}: its members must hold the same experts (one EP rank)",
+                f"{peers}: its members must hold the same experts (one EP rank)",
                 field="expert_dp",
             )
 
@@ -438,14 +354,12 @@ class ExpertParallelMoe(nn.Module):
         if torch.is_grad_enabled():
             anchor = next((p for p in self.parameters() if p.requires_grad), None)
         tp = self.groups.tp
-        if tp is None or _size(tp) == 1 or self.groups.sequence_parallel:
+        if tp is None or group_size(tp) == 1 or self.groups.sequence_parallel:
             return self._moe(m, anchor)
-        n, parts = m.shape[0], _size(tp)
-        sizes = [n // parts + (1 if r < n % parts else 0) for r in range(parts)]
-        share: Tensor = _TakeShare.apply(m, sizes, tp, anchor)  # type: ignore[no-untyped-call]
-        y = self._moe(share, anchor)
-        out: Tensor = _GatherShares.apply(y, sizes, tp, anchor)  # type: ignore[no-untyped-call]
-        return out
+        # tokens replicated over TP: route this rank's share, all-gather the outputs
+        sizes = share_sizes(m.shape[0], group_size(tp))
+        y = self._moe(take_token_share(m, sizes, tp, anchor=anchor), anchor)
+        return gather_token_shares(y, sizes, tp, anchor=anchor)
 
     def _moe(self, x: Tensor, anchor: Tensor | None) -> Tensor:
         cfg, ops = self.config, self.ops
@@ -484,7 +398,7 @@ class ExpertParallelMoe(nn.Module):
             self.config.hidden_size,
             self.config.num_experts,
             self.num_local_experts,
-            (self.ep_size),
+            self.ep_size,
         )
         flat = ids.reshape(-1)
         order = torch.sort(flat, stable=True).indices  # assignments grouped by expert
@@ -494,12 +408,10 @@ class ExpertParallelMoe(nn.Module):
         if group is None or ep == 1:
             recv_counts, x_recv = per_expert.view(1, n), x_send
         else:
-            recv_flat = torch.empty_like(per_expert)
-            dist.all_to_all_single(recv_flat, per_expert, group=group)
-            recv_counts = recv_flat.view(ep, n)  # [source rank, local expert]
+            recv_counts = all_to_all_counts(per_expert, group).view(ep, n)  # [source, expert]
             send = per_expert.view(ep, n).sum(1).tolist()
             recv = recv_counts.sum(1).tolist()
-            x_recv = _AllToAll.apply(x_send, send, recv, group, anchor, None)  # type: ignore[no-untyped-call]
+            x_recv = all_to_all_rows(x_send, send, recv, group, anchor=anchor)
         local = torch.arange(n, device=x.device).repeat(recv_counts.shape[0])
         by_expert = torch.sort(
             local.repeat_interleave(recv_counts.reshape(-1)), stable=True
@@ -510,10 +422,11 @@ class ExpertParallelMoe(nn.Module):
             for j, c in enumerate(chunks)
             if c.shape[0]
         ]
-        y_recv = (torch.cat(ys) if ys else x_recv.new_zeros((0, h)))[_inverse(by_expert)]
+        y_sorted = torch.cat(ys) if ys else x_recv.new_zeros((0, h))
+        y_recv = y_sorted[inverse_permutation(by_expert)]
         if group is not None and ep > 1:
-            y_recv = _AllToAll.apply(y_recv, recv, send, group, anchor, x_recv)  # type: ignore[no-untyped-call]
-        return y_recv[_inverse(order)].reshape(t, k, h)
+            y_recv = all_to_all_rows(y_recv, recv, send, group, anchor=anchor, tie=x_recv)
+        return y_recv[inverse_permutation(order)].reshape(t, k, h)
 
     def _expert(self, x: Tensor, fc1: Tensor, fc2: Tensor, kind: str, index: int) -> Tensor:
         ops = self.ops
@@ -557,7 +470,7 @@ class ExpertParallelMoe(nn.Module):
         """The PEFT module of LoRA site ``key`` for local expert (or shared expert) ``index``."""
         if key.startswith("experts_"):
             index += self.first_expert
-        return _lora_module(self.prefix, key, index)
+        return lora_module_name(self.prefix, key, index)
 
     def attach_lora(self, config: LoraConfig, targets: Sequence[str]) -> None:
         """Add LoRA factors to the ``targets`` (``LORA_TARGETS`` suffixes) and freeze every base
@@ -592,10 +505,10 @@ class ExpertParallelMoe(nn.Module):
         """Every LoRA factor of this layer (A then B per site)."""
         return [p for key in self.lora_A for p in (self.lora_A[key], self.lora_B[key])]
 
-    @torch.no_grad()
     def load_lora(self, tensors: Mapping[str, Tensor]) -> None:
-        """Copy this rank's factors from a full PEFT adapter (other modules are ignored);
-        every attached module must be present with matching shapes and finite values."""
+        """Copy this rank's factors from a whole PEFT adapter (modules of other layers are
+        ignored). Every attached module must be there with its shapes, dtype and finite
+        values; a module of this layer that is not attached is refused (it would not train)."""
         if self.lora_config is None:
             raise GrpoConfigError("load_lora: attach_lora first", field="lora_targets")
         mine = {k: v for k, v in tensors.items() if self.prefix in k}
@@ -603,22 +516,43 @@ class ExpertParallelMoe(nn.Module):
             modules = peft_modules(mine, where=f"adapter (MoE layer {self.layer_index})")
         except PeftFormatError as err:
             raise GrpoInputError(str(err)) from err
-        for key in self.lora_A:
-            a_p, b_p = self.lora_A[key], self.lora_B[key]
-            count = a_p.shape[0] if a_p.ndim == 3 else 0
-            for j in range(max(count, 1)):
-                name = self.lora_module_name(key, j)
-                if name not in modules:
-                    raise GrpoInputError(f"adapter has no LoRA factors for module {name!r}")
-                a, b = modules[name]
-                dst_a, dst_b = (a_p[j], b_p[j]) if count else (a_p, b_p)
-                for factor, src, dst in (("A", a, dst_a), ("B", b, dst_b)):
-                    if src.shape != dst.shape:
-                        raise GrpoInputError(
-                            f"{peft_key(name, factor)} has shape {tuple(src.shape)}, "
-                            f"expected {tuple(dst.shape)}"
-                        )
-                    dst.copy_(src)
+        cfg = self.config
+        known = {
+            lora_module_name(self.prefix, key, j)
+            for key in self.lora_A
+            for j in range(
+                cfg.num_experts
+                if key.startswith("experts_")
+                else cfg.n_shared_experts
+                if key.startswith("shared_")
+                else 1
+            )
+        }
+        extra = sorted(set(modules) - known)
+        if extra:
+            raise GrpoInputError(
+                f"adapter module {extra[0]!r} is not a LoRA target of MoE layer "
+                f"{self.layer_index} (attached: {', '.join(self.lora_A)})"
+            )
+        with torch.no_grad():
+            for key in self.lora_A:
+                self._load_site(key, modules)
+
+    def _load_site(self, key: str, modules: Mapping[str, tuple[Tensor, Tensor]]) -> None:
+        a_p, b_p = self.lora_A[key], self.lora_B[key]
+        count = a_p.shape[0] if a_p.ndim == 3 else 0
+        for j in range(max(count, 1)):
+            name = self.lora_module_name(key, j)
+            if name not in modules:
+                raise GrpoInputError(f"adapter has no LoRA factors for module {name!r}")
+            dst_a, dst_b = (a_p[j], b_p[j]) if count else (a_p, b_p)
+            for factor, src, dst in zip("AB", modules[name], (dst_a, dst_b), strict=True):
+                if src.shape != dst.shape or src.dtype != dst.dtype:
+                    raise GrpoInputError(
+                        f"LoRA {factor} of {name!r} is {tuple(src.shape)} {src.dtype}, expected "
+                        f"{tuple(dst.shape)} {dst.dtype}"
+                    )
+                dst.copy_(src)
 
     # ------------------------------------------------------------------ weights
 
@@ -635,267 +569,3 @@ class ExpertParallelMoe(nn.Module):
     def hf_weights(self) -> dict[str, Tensor]:
         """The whole layer under HF names on every rank (``gather_moe_weights``)."""
         return gather_moe_weights(self)
-
-
-# --------------------------------------------------------------------------- checkpoints
-
-
-def _check_tensor(name: str, value: Tensor, shape: tuple[int, ...], dtype: torch.dtype) -> None:
-    if tuple(value.shape) != shape:
-        raise GrpoInputError(f"tensor {name!r} has shape {tuple(value.shape)}, expected {shape}")
-    if value.dtype != dtype:
-        raise GrpoInputError(
-            f"tensor {name!r} has dtype {value.dtype}, expected {dtype} (dtypes are never cast)"
-        )
-    if value.is_floating_point() and not bool(torch.isfinite(value).all()):
-        raise GrpoInputError(f"tensor {name!r} holds non-finite values")
-
-
-def _take(tensors: Mapping[str, Tensor], name: str) -> Tensor:
-    if name not in tensors:
-        raise GrpoInputError(f"checkpoint tensor {name!r} is missing")
-    return tensors[name]
-
-
-def local_moe_weights(
-    tensors: Mapping[str, Tensor],
-    config: ModelConfig,
-    layer_index: int,
-    *,
-    ep_rank: int,
-    ep_size: int,
-) -> dict[str, Tensor]:
-    """EP rank ``ep_rank`` of ``ep_size``'s tensors of MoE layer ``layer_index``.
-
-    ``tensors`` are HF-named as a checkpoint holds them (per-expert
-    ``...mlp.experts.{e}.{gate,up,down}_proj.weight``, or the stacked ``experts.gate_up_proj`` /
-    ``experts.down_proj``); names of other layers are ignored. Returns ``ExpertParallelMoe``
-    parameter names: ``router``, ``expert_bias``, ``experts_fc1 [E/ep, 2I, H]``,
-    ``experts_fc2``, ``shared_fc1``, ``shared_fc2``. Shapes and dtypes must match the config
-    exactly (never cast); values must be finite.
-    """
-    c = config
-    if not 0 <= ep_rank < ep_size or c.num_experts % ep_size:
-        raise GrpoConfigError(
-            f"ep_rank={ep_rank}, ep_size={ep_size} is not a valid EP slice of "
-            f"num_experts={c.num_experts}",
-            field="num_experts" if c.num_experts % max(ep_size, 1) else "ep_rank",
-        )
-    if not 0 <= layer_index < c.num_hidden_layers or not c.is_moe_layer(layer_index):
-        raise GrpoConfigError(f"layer_index={layer_index} is not a MoE layer", field="layer_index")
-    m, dt = f"model.layers.{layer_index}.mlp.", c.dtype
-    h, i, e, ns, si = (
-        c.hidden_size,
-        c.moe_intermediate_size,
-        c.num_experts,
-        c.n_shared_experts,
-        c.shared_intermediate_size,
-    )
-    n = e // ep_size
-    local = range(ep_rank * n, (ep_rank + 1) * n)
-    out: dict[str, Tensor] = {}
-    out["router"] = _take(tensors, m + "gate.weight")
-    _check_tensor(m + "gate.weight", out["router"], (e + ns, h), dt)
-    if c.router_score_function == "sigmoid":
-        bias = _take(tensors, m + "gate.e_score_correction_bias")
-        _check_tensor(m + "gate.e_score_correction_bias", bias, (e,), torch.float32)
-        out["expert_bias"] = bias
-    if m + "experts.gate_up_proj" in tensors or m + "experts.down_proj" in tensors:
-        fc1, fc2 = (
-            _take(tensors, m + "experts.gate_up_proj"),
-            _take(tensors, m + "experts.down_proj"),
-        )
-        _check_tensor(m + "experts.gate_up_proj", fc1, (e, 2 * i, h), dt)
-        _check_tensor(m + "experts.down_proj", fc2, (e, h, i), dt)
-        out["experts_fc1"], out["experts_fc2"] = (
-            fc1[local.start : local.stop],
-            fc2[local.start : local.stop],
-        )
-    else:
-        out["experts_fc1"] = _stack_experts(tensors, f"{m}experts", local, (i, h), dt, fused=True)
-        out["experts_fc2"] = _stack_experts(tensors, f"{m}experts", local, (h, i), dt, fused=False)
-    if ns:
-        out["shared_fc1"] = _stack_experts(
-            tensors, f"{m}shared_experts", range(ns), (si, h), dt, fused=True
-        )
-        out["shared_fc2"] = _stack_experts(
-            tensors, f"{m}shared_experts", range(ns), (h, si), dt, fused=False
-        )
-    return out
-
-
-def _stack_experts(
-    tensors: Mapping[str, Tensor],
-    container: str,
-    experts: range,
-    shape: tuple[int, int],
-    dtype: torch.dtype,
-    *,
-    fused: bool,
-) -> Tensor:
-    parts = ("gate_proj", "up_proj") if fused else ("down_proj",)
-    stacked = []
-    for j in experts:
-        rows = []
-        for part in parts:
-            name = f"{container}.{j}.{part}.weight"
-            rows.append(_take(tensors, name))
-            _check_tensor(name, rows[-1], shape, dtype)
-        stacked.append(torch.cat(rows) if fused else rows[0])
-    return torch.stack(stacked)
-
-
-def gather_moe_weights(module: ExpertParallelMoe) -> dict[str, Tensor]:
-    """The layer's full HF-named tensors on every rank: router (and bias), every routed expert's
-    ``gate_proj`` / ``up_proj`` / ``down_proj`` and the shared experts; bitwise copies of the
-    parameters (collective over ``ep``)."""
-    c, m = module.config, module.prefix
-    i = c.moe_intermediate_size
-    out: dict[str, Tensor] = {m + "gate.weight": module.router.detach().clone()}
-    if c.router_score_function == "sigmoid":
-        out[m + "gate.e_score_correction_bias"] = module.expert_bias.detach().clone()
-    fc1, fc2 = module.experts_fc1.detach(), module.experts_fc2.detach()
-    group = module.groups.ep
-    if group is not None and module.ep_size > 1:
-        flat = _all_gather_flat(torch.cat([fc1.reshape(-1), fc2.reshape(-1)]), group)
-        per_rank, split = flat.view(module.ep_size, -1), fc1.numel()
-        fc1 = per_rank[:, :split].reshape(c.num_experts, *fc1.shape[1:])
-        fc2 = per_rank[:, split:].reshape(c.num_experts, *fc2.shape[1:])
-    for j in range(fc1.shape[0]):
-        out[f"{m}experts.{j}.gate_proj.weight"] = fc1[j, :i].clone()
-        out[f"{m}experts.{j}.up_proj.weight"] = fc1[j, i:].clone()
-        out[f"{m}experts.{j}.down_proj.weight"] = fc2[j].clone()
-    for s in range(c.n_shared_experts):
-        si = c.shared_intermediate_size
-        out[f"{m}shared_experts.{s}.gate_proj.weight"] = module.shared_fc1[s, :si].detach().clone()
-        out[f"{m}shared_experts.{s}.up_proj.weight"] = module.shared_fc1[s, si:].detach().clone()
-        out[f"{m}shared_experts.{s}.down_proj.weight"] = module.shared_fc2[s].detach().clone()
-    return out
-
-
-def export_expert_lora(
-    modules: Sequence[ExpertParallelMoe], *, dtype: torch.dtype | None = None
-) -> dict[str, Tensor]:
-    """The LoRA factors of ``modules`` under PEFT keys, whole on every rank (routed experts
-    all-gathered over ``ep``), sorted by key, in ``dtype`` (default: the LoRA config's
-    ``export_dtype``); collective over ``ep``."""
-    out: dict[str, Tensor] = {}
-    for module in modules:
-        if module.lora_config is None:
-            raise GrpoConfigError(
-                f"export_expert_lora: MoE layer {module.layer_index} has no LoRA",
-                field="lora_targets",
-            )
-        factors = {
-            (key, f): (module.lora_A if f == "A" else module.lora_B)[key].detach()
-            for key in module.lora_A
-            for f in ("A", "B")
-        }
-        routed = [kf for kf in factors if kf[0].startswith("experts_")]  # EP-sharded
-        group = module.groups.ep
-        if routed and group is not None and module.ep_size > 1:
-            local = [factors[kf] for kf in routed]
-            flat = _all_gather_flat(torch.cat([t.reshape(-1) for t in local]), group)
-            rows = [
-                torch.split(row, [t.numel() for t in local])
-                for row in flat.view(module.ep_size, -1)
-            ]
-            for j, (kf, t) in enumerate(zip(routed, local, strict=True)):
-                factors[kf] = torch.cat([row[j].view(t.shape) for row in rows])
-        for (key, f), value in factors.items():
-            if value.ndim == 2:  # the router: one module
-                out[peft_key(_lora_module(module.prefix, key, 0), f)] = value
-                continue
-            for j in range(value.shape[0]):  # global expert id, or shared expert index
-                out[peft_key(_lora_module(module.prefix, key, j), f)] = value[j]
-    return {k: out[k].to(dtype or _export_dtype(modules)).contiguous().clone() for k in sorted(out)}
-
-
-def _lora_module(prefix: str, key: str, index: int) -> str:
-    """PEFT module of site ``key`` (``gate``, ``experts_<part>``, ``shared_experts_<part>``) for
-    global expert (or shared expert) ``index``."""
-    if key == "gate":
-        return prefix + "gate"
-    kind, part = (
-        ("shared_experts", key.removeprefix("shared_experts_"))
-        if key.startswith("shared_experts_")
-        else ("experts", key.removeprefix("experts_"))
-    )
-    return f"{prefix}{kind}.{index}.{part}"
-
-
-def _export_dtype(modules: Sequence[ExpertParallelMoe]) -> torch.dtype:
-    config = modules[0].lora_config
-    assert config is not None
-    return config.export_dtype
-
-
-# --------------------------------------------------------------------------- gradients
-
-
-def _shared_groups(modules: Sequence[ExpertParallelMoe]) -> ExpertParallelGroups:
-    if not modules:
-        raise GrpoConfigError("no ExpertParallelMoe modules given")
-    groups = modules[0].groups
-    if any(mod.groups is not groups for mod in modules):
-        raise GrpoConfigError("the ExpertParallelMoe modules must share one ExpertParallelGroups")
-    return groups
-
-
-def _trainable(
-    modules: Sequence[ExpertParallelMoe], *, expert: bool
-) -> list[tuple[nn.Parameter, Tensor]]:
-    out = []
-    for module in modules:
-        for name, p in module.named_parameters():
-            if not p.requires_grad or module.is_expert_parameter(name) != expert:
-                continue
-            if p.grad is None:  # no token reached it here; a peer may have one: reduce zeros
-                p.grad = torch.zeros_like(p)
-            out.append((p, p.grad))
-    return out
-
-
-def _all_reduce_into(grads: list[Tensor], group: ProcessGroup | None, scale: float) -> None:
-    if not grads:
-        return
-    flat = torch.cat([g.reshape(-1).float() for g in grads])
-    if group is not None and _size(group) > 1:
-        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
-    if scale != 1.0:
-        flat.mul_(scale)
-    for g, piece in zip(grads, torch.split(flat, [g.numel() for g in grads]), strict=True):
-        g.copy_(piece.view_as(g))
-
-
-def reduce_expert_parallel_grads(modules: Sequence[ExpertParallelMoe]) -> None:
-    """Reduce the grads of every trainable parameter of ``modules`` in place (the rule of the
-    module doc); collective over ``tp``, ``dp`` and ``expert_dp``. The caller's own DP
-    reduction must skip these parameters."""
-    g = _shared_groups(modules)
-    dp = _size(g.dp)
-    replicated = [gr for _, gr in _trainable(modules, expert=False)]
-    if _size(g.tp) > 1:
-        _all_reduce_into(replicated, g.tp, 1.0)
-    _all_reduce_into(replicated, g.dp, 1.0 / dp)
-    _all_reduce_into([gr for _, gr in _trainable(modules, expert=True)], g.expert_dp, 1.0 / dp)
-
-
-def expert_parallel_grad_norm_sq(modules: Sequence[ExpertParallelMoe]) -> float:
-    """Squared L2 norm of the (reduced) grads of ``modules``: expert grads summed over ``ep``,
-    replicated ones counted once; add it to the rest of the model's (collective over ``ep``)."""
-    g = _shared_groups(modules)
-    replicated = sum(
-        (gr.double().pow(2).sum() for _, gr in _trainable(modules, expert=False)),
-        torch.zeros((), dtype=torch.float64),
-    )
-    experts = sum(
-        (gr.double().pow(2).sum().cpu() for _, gr in _trainable(modules, expert=True)),
-        torch.zeros((), dtype=torch.float64),
-    )
-    if g.ep is not None and _size(g.ep) > 1:
-        device = modules[0].router.device
-        box = experts.reshape(1).to(device)
-        dist.all_reduce(box, op=dist.ReduceOp.SUM, group=g.ep)
-        experts = box.cpu()[0]
-    return float(replicated.cpu() + experts)
