@@ -62,9 +62,11 @@ def _check_case(rank: int, name: str, case: dict[str, Any]) -> None:
     expected = 14 if name.endswith("sigmoid/lora") or name == "skewed/lora" else None
     if expected is not None:
         assert len(case["grads"]) == expected, (where, sorted(case["grads"]))
+    # bf16 grads: each rank's grad is rounded to bf16 before the fp32 sum, the reference's once
+    tol = 1e-2 if "/bf16/" in name else TOL
     worst = max(case["grads"], key=case["grads"].get)
-    assert case["grads"][worst] <= TOL, (where, worst, case["grads"][worst])
-    assert case["norm_sq"] == pytest.approx(case["ref_norm_sq"], rel=TOL), where
+    assert case["grads"][worst] <= tol, (where, worst, case["grads"][worst])
+    assert case["norm_sq"] == pytest.approx(case["ref_norm_sq"], rel=tol), where
     if name.endswith("/full"):
         assert case["gather_bitwise"], where
         assert case["stacked_load_bitwise"], where
@@ -78,7 +80,7 @@ def _check_case(rank: int, name: str, case: dict[str, Any]) -> None:
 
 def test_ep2_matches_single_process(two: list[dict[str, Any]]) -> None:
     cases = _cases(two)
-    assert len(cases) == 2 * 6
+    assert len(cases) == 2 * 7
     for rank, name, case in cases:
         _check_case(rank, name, case)
     # the skewed case really left rank 1 without tokens
