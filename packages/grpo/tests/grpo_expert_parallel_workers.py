@@ -326,11 +326,13 @@ def bad_layouts(rank: int) -> dict[str, str]:
         else "member",
         "indivisible": _error(
             lambda: ExpertParallelMoe(
-                ModelConfig.tiny(num_experts=6), LAYER, ExpertParallelGroups(ep=world)
+                ModelConfig.tiny(num_experts=6), LAYER, ExpertParallelGroups(ep=world, dp=world)
             )
         ),
+        # ep over 4 ranks but no dp group: the gradient scaling would be wrong
+        "sizes": _error(lambda: ExpertParallelMoe(cfg, LAYER, ExpertParallelGroups(ep=world))),
     }
     if rank < 2:  # expert_dp = the EP group itself: its members hold different experts
-        groups = ExpertParallelGroups(ep=pair, expert_dp=pair)
+        groups = ExpertParallelGroups(ep=pair, expert_dp=pair, dp=world)
         out["expert_dp"] = _error(lambda: ExpertParallelMoe(cfg, LAYER, groups))
     return out

@@ -106,6 +106,7 @@ def test_bad_groups_refused_naming_the_field(four: list[dict[str, Any]]) -> None
     for rank, res in enumerate(four):
         errors = res["errors"]
         assert errors["indivisible"].startswith("num_experts: num_experts=6"), errors
+        assert errors["sizes"].startswith("dp: ExpertParallelGroups span 1 ranks"), errors
         if rank >= 2:
             assert errors["outside"] == (
                 f"ep: rank {rank} is not a member of ExpertParallelGroups.ep"

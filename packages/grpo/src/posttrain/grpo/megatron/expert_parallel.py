@@ -281,6 +281,14 @@ class ExpertParallelMoe(nn.Module):
                 f"{self.ep_size} of ExpertParallelGroups.ep",
                 field="num_experts",
             )
+        dense = group_size(groups.tp) * group_size(groups.dp)
+        expert = self.ep_size * group_size(groups.expert_dp)
+        if dense != expert:
+            raise GrpoConfigError(
+                f"ExpertParallelGroups span {dense} ranks as tp x dp but {expert} as "
+                "ep x expert_dp; both must cover the same ranks (is dp or expert_dp missing?)",
+                field="dp" if dense < expert else "expert_dp",
+            )
         self.num_local_experts = e // self.ep_size
         self.first_expert = self.ep_rank * self.num_local_experts
         self.prefix = f"model.layers.{layer_index}.mlp."
