@@ -9,7 +9,8 @@
 * ``grads`` -- the explicit gradient rules (TP sums of partial grads, DP mean) and the norm.
 * ``policy`` -- the GRPO policy on this backend (``build_megatron_policy``), LoRA through
   lora-core's megatron path, checkpoints.
-* ``expert_parallel`` -- MoE experts split over an expert-parallel group.
+* ``expert_parallel`` / ``expert_state`` -- MoE experts split over an expert-parallel group,
+  with our own all-to-all token dispatch (megatron-core's MoE layer does not run on gloo).
 
 Pipeline parallelism is out of scope of this backend (``GrpoConfig.check_supported``).
 """
