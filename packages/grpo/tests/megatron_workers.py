@@ -88,13 +88,14 @@ def parity_suite(rank: int, world: int, ckpt: str, adapter: str, runs: list[dict
     return out if rank == 0 else None
 
 
-def save_then_reload(rank: int, world: int, ckpt: str, out: str, tp: int) -> Any:
-    """TP=``tp`` policy: one full step, checkpoint; the gathered weights and logprobs."""
+def save_then_reload(rank: int, world: int, ckpt: str, out: str, tp: int, ep: int = 1) -> Any:
+    """TP=``tp`` x EP=``ep`` policy: one full step, checkpoint; the gathered weights and logprobs."""
     torch.set_num_threads(1)
     from posttrain.grpo import checkpoint
     from posttrain.grpo.trainer import train_step
 
-    cfg = config(ckpt, world, "full", backend="megatron", tensor_model_parallel_size=tp)
+    cfg = config(ckpt, world, "full", backend="megatron", tensor_model_parallel_size=tp,
+                 expert_model_parallel_size=ep)  # fmt: skip
     policy = build_policy(cfg)
     batch = cp_samples(ckpt)
     masked = sum(sum(s.loss_mask) for s in batch)
@@ -109,12 +110,13 @@ def save_then_reload(rank: int, world: int, ckpt: str, out: str, tp: int) -> Any
     return {"path": str(path), "logprobs": logprobs, "weights": weights} if rank == 0 else None
 
 
-def load_under(rank: int, world: int, ckpt: str, saved: str, tp: int) -> Any:
-    """A fresh TP=``tp`` policy resumed from ``saved``: its weights and logprobs."""
+def load_under(rank: int, world: int, ckpt: str, saved: str, tp: int, ep: int = 1) -> Any:
+    """A fresh TP=``tp`` x EP=``ep`` policy resumed from ``saved``: its weights and logprobs."""
     torch.set_num_threads(1)
     from posttrain.grpo.megatron import checkpoint
 
-    cfg = config(ckpt, world, "full", backend="megatron", tensor_model_parallel_size=tp)
+    cfg = config(ckpt, world, "full", backend="megatron", tensor_model_parallel_size=tp,
+                 expert_model_parallel_size=ep)  # fmt: skip
     policy = build_policy(cfg)
     restored = checkpoint.load(Path(saved), policy)  # whether the optimizer came back too
     batch = cp_samples(ckpt)

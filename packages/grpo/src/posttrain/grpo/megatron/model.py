@@ -29,6 +29,11 @@ keeps this rank's slices; ``hf_state_dict`` (collective over TP) gathers the sha
 HF names, bit for bit the single-process model's weights (a pure concatenation). So a
 checkpoint saved under one TP size loads under another.
 
+Expert parallel (``groups.ep_size > 1``): each MoE layer's router and experts become an
+``expert_parallel.ExpertParallelMoe`` (``layer.expert_parallel``; routed experts split over the
+EP group, tokens dispatched with explicit all-to-alls, the model's own kernels); its routed
+experts are gathered over EP on export and sliced on load like the TP shards.
+
 Refused under TP > 1 (a ``GrpoConfigError`` naming the field): head counts or the dense
 intermediate size that TP does not divide, and the Inkling-style blocks whose weights would need
 their own split (``sconv_kernel_size``, ``rel_pos_dim``, ``qk_norm_per_head``).
@@ -60,7 +65,8 @@ from posttrain.models import (
     to_hf_state_dict,
     weight_groups,
 )
-from posttrain.models._lora import AdapterArg
+from posttrain.models._lora import AdapterArg, LoraRouting
+from posttrain.models._model import MoeLayer
 
 # Inkling-style blocks whose weights are laid out per head / per channel of a sharded dim.
 _UNSHARDED_EXTENSIONS = ("sconv_kernel_size", "rel_pos_dim", "qk_norm_per_head")
@@ -163,6 +169,8 @@ class TensorParallelDecoder(DecoderModel):
                     ("fc1", "column", ((m + "gate_proj", n), (m + "up_proj", n))),
                     ("fc2", "row", ((m + "down_proj", h),)),
                 ]
+            if config.is_moe_layer(i) and groups.ep_size > 1:
+                self._split_experts(layer, i, numerics)
             for param, kind, parts in specs:
                 full = sum(rows for _, rows in parts)
                 delattr(layer, param)  # the megatron layer owns the weight now
@@ -180,6 +188,46 @@ class TensorParallelDecoder(DecoderModel):
                 self.shards[f"layers.{i}.{param}"] = Shard(
                     site, kind, tuple(rows for _, rows in parts)
                 )
+
+    def _split_experts(self, layer: nn.Module, index: int, numerics: Numerics) -> None:
+        """Replace MoE layer ``index``'s router and experts by an ``ExpertParallelMoe``
+        (``layer.expert_parallel``): routed experts split over ``groups.ep``."""
+        from posttrain.grpo.megatron.expert_parallel import (
+            ExpertParallelGroups,
+            ExpertParallelMoe,
+        )
+
+        g = self.groups
+        groups = getattr(self, "_expert_groups", None)  # one object for every layer
+        if groups is None:
+            groups = ExpertParallelGroups(
+                ep=g.ep,
+                expert_dp=g.expert_dp,
+                dp=g.dp,
+                tp=g.tp if g.tp_size > 1 else None,
+                sequence_parallel=self.sequence_parallel,
+            )
+            self._expert_groups = groups
+        for name in _MOE_PARAMETERS:
+            if hasattr(layer, name):
+                delattr(layer, name)
+        sites: nn.ModuleDict = getattr(layer, "sites")  # noqa: B009
+        del sites["router"]  # the router is the expert-parallel layer's now
+        layer.expert_parallel = ExpertParallelMoe(
+            self.full_config, index, groups, numerics=numerics
+        )
+
+    def expert_parallel_layers(self) -> list[nn.Module]:
+        """The ``ExpertParallelMoe`` layers (empty unless ``expert_model_parallel_size > 1``)."""
+        found = [getattr(layer, "expert_parallel", None) for layer in self.layers]
+        return [m for m in found if m is not None]
+
+    def _moe(self, layer: MoeLayer, m: Tensor, lora: LoraRouting, prefix: str) -> Tensor:
+        experts: nn.Module | None = getattr(layer, "expert_parallel", None)
+        if experts is None:
+            return super()._moe(layer, m, lora, prefix)
+        out: Tensor = experts(m)
+        return out
 
     # ------------------------------------------------------------------ forwards
 
@@ -221,14 +269,26 @@ class TensorParallelDecoder(DecoderModel):
         """The parameters every TP rank holds whole, by their in-memory names."""
         out: dict[str, nn.Parameter] = {}
         for name, p in self.named_parameters():
-            if ".sites." not in name:  # site parameters: TP shards and LoRA factors
+            # site parameters: TP shards and LoRA factors; expert-parallel layers: their own
+            if ".sites." not in name and ".expert_parallel." not in name:
                 out[name] = p
+        return out
+
+    def expert_parameters(self) -> dict[str, nn.Parameter]:
+        """The base weights of the expert-parallel layers by their in-memory names
+        (``experts_fc1/fc2``: this rank's experts only)."""
+        out: dict[str, nn.Parameter] = {}
+        for name, p in self.named_parameters():
+            layer, sep, leaf = name.partition(".expert_parallel.")
+            if sep and not leaf.startswith("lora_"):
+                out[f"{layer}.{leaf}"] = p
         return out
 
     def local_parameters(self) -> dict[str, nn.Parameter]:
         """Every base weight by its in-memory (fused, single-process) name: shards for the
         split linears, whole tensors for the rest."""
         out = self.replicated_parameters()
+        out.update(self.expert_parameters())
         for name, shard in self.shards.items():
             weight = shard.site.weight
             assert isinstance(weight, nn.Parameter)
@@ -237,6 +297,8 @@ class TensorParallelDecoder(DecoderModel):
 
     def shard_of(self, name: str, full: Tensor) -> Tensor:
         """This rank's slice of the full in-memory tensor ``name`` (itself when replicated)."""
+        if self.groups.ep_size > 1 and _is_routed_expert(name) and name in self.expert_parameters():
+            return full.chunk(self.groups.ep_size, dim=0)[self.groups.ep_rank]
         shard = self.shards.get(name)
         tp, rank = self.groups.tp_size, self.groups.tp_rank
         if shard is None or tp == 1:
@@ -287,12 +349,26 @@ class TensorParallelDecoder(DecoderModel):
         sharded = [n for n in values if n in self.shards]
         if self.groups.tp_size > 1:
             values.update(self._gather_shards({n: values[n] for n in sharded}))
+        experts = [n for n in self.expert_parameters() if _is_routed_expert(n)]
+        if self.groups.ep_size > 1 and experts:
+            values.update(self._gather_experts({n: values[n] for n in experts}))
         order = [g.name for g in weight_groups(self.full_config)]
         return {n: values[n] for n in order if n in values}
 
     def hf_state_dict(self) -> dict[str, Tensor]:
         """The weights under their HF names, full size, on every rank (collective over TP)."""
         return to_hf_state_dict(self.full_state_dict(), self.full_config)
+
+    def _gather_experts(self, local: dict[str, Tensor]) -> dict[str, Tensor]:
+        """Routed-expert tensors ``[E/ep, ...]`` gathered over EP to ``[E, ...]``."""
+        ep, group = self.groups.ep_size, self.groups.ep
+        out: dict[str, Tensor] = {}
+        for name, t in local.items():
+            t = t.contiguous()
+            gathered = t.new_empty((ep * t.shape[0], *t.shape[1:]))
+            _all_gather(gathered, t, group)
+            out[name] = gathered
+        return out
 
     def _gather_shards(self, local: dict[str, Tensor]) -> dict[str, Tensor]:
         tp, group = self.groups.tp_size, self.groups.tp
@@ -303,8 +379,7 @@ class TensorParallelDecoder(DecoderModel):
         for names in by_dtype.values():
             flat = torch.cat([local[n].reshape(-1) for n in names]).contiguous()
             gathered = torch.empty(tp * flat.numel(), dtype=flat.dtype, device=flat.device)
-            all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-            all_gather(gathered, flat, group=group)
+            _all_gather(gathered, flat, group)
             sizes = [local[n].numel() for n in names]
             per_rank = [torch.split(c, sizes) for c in gathered.chunk(tp)]
             for j, name in enumerate(names):
@@ -319,3 +394,22 @@ class TensorParallelDecoder(DecoderModel):
                     [torch.cat([split[r][k] for r in range(tp)]) for k in range(len(local_parts))]
                 )
         return out
+
+
+_MOE_PARAMETERS = (
+    "router",
+    "expert_bias",
+    "experts_fc1",
+    "experts_fc2",
+    "shared_fc1",
+    "shared_fc2",
+)
+
+
+def _is_routed_expert(name: str) -> bool:
+    return name.rsplit(".", 1)[-1] in ("experts_fc1", "experts_fc2")
+
+
+def _all_gather(out: Tensor, x: Tensor, group: dist.ProcessGroup | None) -> None:
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    fn(out, x, group=group)
