@@ -206,13 +206,24 @@ def _command(**values: Any) -> None:
         out.print(json.dumps(config.to_dict(), indent=2), markup=False)
         return
     out.print(Text(f"{PROG} --dry-run: the config is valid; nothing was started", style="bold"))
-    out.print(
-        Text(
-            f"  trainer ranks: {config.world_size} (replicate x shard) = "
-            f"{config.data_parallel_size} data parallel x {config.context_parallel_size} "
-            "context parallel"
+    if config.backend == "megatron":
+        world = int(os.environ.get("WORLD_SIZE") or config.world_size)
+        tp, ep = config.tensor_model_parallel_size, config.expert_model_parallel_size
+        sp = " (sequence parallel)" if config.sequence_parallel else ""
+        out.print(
+            Text(
+                f"  trainer ranks: {world} = {tp} tensor parallel{sp} x {world // tp} data "
+                f"parallel; experts over {ep} expert parallel x {world // ep} expert data parallel"
+            )
         )
-    )
+    else:
+        out.print(
+            Text(
+                f"  trainer ranks: {config.world_size} (replicate x shard) = "
+                f"{config.data_parallel_size} data parallel x {config.context_parallel_size} "
+                "context parallel"
+            )
+        )
     out.print(Text(describe(config)))
 
 

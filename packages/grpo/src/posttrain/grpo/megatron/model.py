@@ -43,6 +43,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -65,8 +66,10 @@ from posttrain.models import (
     to_hf_state_dict,
     weight_groups,
 )
-from posttrain.models._lora import AdapterArg, LoraRouting
-from posttrain.models._model import MoeLayer
+
+if TYPE_CHECKING:  # the decoder's own types, for the overridden seams' signatures
+    from posttrain.models._lora import AdapterArg, LoraRouting
+    from posttrain.models._model import MoeLayer
 
 # Inkling-style blocks whose weights are laid out per head / per channel of a sharded dim.
 _UNSHARDED_EXTENSIONS = ("sconv_kernel_size", "rel_pos_dim", "qk_norm_per_head")
