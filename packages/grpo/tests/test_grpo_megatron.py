@@ -113,3 +113,32 @@ def test_a_tp2_checkpoint_loads_under_tp1_and_back(ckpt: str, tmp_path: Path) ->
     back = run_workers(workers.load_under, 2, args=(ckpt, saved["path"], 2), timeout_s=200)[0]
     assert back["extra"] is True  # the saved layout: optimizer and RNG restored too
     assert torch.equal(back["logprobs"], saved["logprobs"])
+
+
+def test_full_weights_reach_an_engine_as_the_single_process_bytes(ckpt: str) -> None:
+    import posttrain.grpo.megatron.layers  # noqa: F401
+    from posttrain.models import load_pretrained
+
+    got = run_workers(workers.sync_full, 2, args=(ckpt, 2, True), timeout_s=200)[0]
+    want = load_pretrained(ckpt).hf_state_dict()
+    assert got["version"] == 7
+    assert got["received"].keys() == want.keys()
+    assert all(torch.equal(got["received"][k], v) for k, v in want.items())
+
+
+def test_layouts_tensor_parallel_cannot_split_are_refused_by_field() -> None:
+    from posttrain.grpo import GrpoConfigError
+    from posttrain.grpo.megatron.model import check_tensor_parallel_config, local_config
+
+    cfg = ModelConfig.tiny(vocab_size=VOCAB_SIZE)
+    local = local_config(cfg, 2)
+    assert (local.num_attention_heads, local.num_key_value_heads) == (2, 1)
+    assert local.intermediate_size == cfg.intermediate_size // 2
+    with pytest.raises(
+        GrpoConfigError, match=r"num_key_value_heads=2 \(layer 0\) is not divisible"
+    ):
+        check_tensor_parallel_config(cfg, 4)
+    with pytest.raises(GrpoConfigError, match="intermediate_size=63 is not divisible"):
+        check_tensor_parallel_config(cfg.replace(intermediate_size=63), 2)
+    with pytest.raises(GrpoConfigError, match="sconv_kernel_size=4 has no tensor-parallel split"):
+        check_tensor_parallel_config(ModelConfig.inkling_tiny(), 2)
