@@ -39,6 +39,7 @@ Departures from the obvious:
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import math
 import warnings
 from collections.abc import Iterator, Sequence
@@ -59,7 +60,7 @@ from posttrain.fsdp_mesh import (
     grad_norm,
     scale_grads_to_norm,
 )
-from posttrain.grpo._errors import GrpoConfigError, GrpoInputError
+from posttrain.grpo._errors import GrpoConfigError, GrpoInputError, GrpoUnsupportedError
 from posttrain.grpo.config import Backend, GrpoConfig
 from posttrain.grpo.losses import aggregation_weights, entropy_from_logits
 from posttrain.grpo.objective import LossSettings, PolicyObjective, policy_objective
@@ -218,6 +219,12 @@ def build_policy(cfg: GrpoConfig) -> Policy:
     ``cfg.backend == "megatron"``: ``posttrain.grpo.megatron.build_megatron_policy``.
     """
     if cfg.backend == "megatron":
+        if importlib.util.find_spec("megatron") is None:
+            raise GrpoUnsupportedError(
+                "backend",
+                "--backend megatron needs megatron-core, which is not installed: "
+                "pip install 'posttrain-grpo[megatron]' (Linux)",
+            )
         from posttrain.grpo.megatron.policy import build_megatron_policy
 
         return build_megatron_policy(cfg)
