@@ -150,3 +150,28 @@ def sync_full(rank: int, world: int, ckpt: str, tp: int, sp: bool) -> Any:
     assert sink.header is not None
     return {"received": sink.received, "version": sink.header.weight_version,
             "bytes": result.metrics["sync_bytes"]}  # fmt: skip
+
+
+def replicas_after_a_step(rank: int, world: int, ckpt: str, train: str, sp: bool) -> bool:
+    """After one TP=2 train step, every tensor replicated over TP (full: the base weights
+    outside the split linears; LoRA: the unsharded factors) is bitwise equal on both ranks."""
+    torch.set_num_threads(1)
+    from posttrain.grpo.trainer import train_step
+    from posttrain.lora import verify_replicas
+
+    cfg = config(ckpt, world, train, backend="megatron", tensor_model_parallel_size=2,
+                 sequence_parallel=sp)  # fmt: skip
+    policy = build_policy(cfg)
+    batch = cp_samples(ckpt)
+    masked = sum(sum(s.loss_mask) for s in batch)
+    train_step(policy, policy.data_parallel_share(batch), cfg,
+               global_batch_size=len(batch), global_token_count=masked)  # fmt: skip
+    if policy.lora is not None:
+        verify_replicas(policy.lora)  # raises ReplicaMismatchError naming the tensor and rank
+        return True
+    flat = torch.cat(
+        [p.detach().reshape(-1).float() for p in policy.model.replicated_parameters().values()]
+    )  # type: ignore[attr-defined]
+    both = [torch.empty_like(flat) for _ in range(world)]
+    dist.all_gather(both, flat)
+    return all(torch.equal(b, flat) for b in both)

@@ -142,3 +142,11 @@ def test_layouts_tensor_parallel_cannot_split_are_refused_by_field() -> None:
         check_tensor_parallel_config(cfg.replace(intermediate_size=63), 2)
     with pytest.raises(GrpoConfigError, match="sconv_kernel_size=4 has no tensor-parallel split"):
         check_tensor_parallel_config(ModelConfig.inkling_tiny(), 2)
+
+
+@pytest.mark.parametrize(("train", "sp"), [("full", True), ("lora", True), ("lora", False)])
+def test_replicated_tensors_stay_identical_after_a_step(ckpt: str, train: str, sp: bool) -> None:
+    import posttrain.grpo.megatron.layers  # noqa: F401
+
+    ok = run_workers(workers.replicas_after_a_step, 2, args=(ckpt, train, sp), timeout_s=200)
+    assert ok == [True, True]

@@ -36,6 +36,7 @@ with warnings.catch_warnings():  # "Transformer Engine and Apex are not installe
     warnings.simplefilter("ignore")
     from megatron.core import ModelParallelConfig
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
     from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
 
 from posttrain.grpo.megatron._mappings import gather_tokens, reduce_scatter_tokens
@@ -56,6 +57,13 @@ def parallel_config(
         params_dtype=dtype,
         gradient_accumulation_fusion=False,
     )
+
+
+def _mark_split(weight: Tensor, *, dim: int) -> None:
+    """megatron-core's ``tensor_model_parallel`` / ``partition_dim`` attributes (its optimizer
+    and grad-norm code read them); it sets them only when it initialises the weight itself."""
+    if not hasattr(weight, "tensor_model_parallel"):
+        set_tensor_model_parallel_attributes(weight, True, dim, 1)
 
 
 def _no_init(weight: Tensor) -> None:
@@ -79,6 +87,7 @@ class KernelColumnParallelLinear(ColumnParallelLinear):  # type: ignore[misc]
             gather_output=False, tp_group=tp_group,
         )  # fmt: skip
         object.__setattr__(self, "_kernel", kernel)
+        _mark_split(self.weight, dim=0)
 
     @property
     def linear_kernel(self) -> LinearKernel:
@@ -115,6 +124,7 @@ class KernelRowParallelLinear(RowParallelLinear):  # type: ignore[misc]
             input_is_parallel=True, skip_bias_add=False, tp_group=tp_group,
         )  # fmt: skip
         object.__setattr__(self, "_kernel", kernel)
+        _mark_split(self.weight, dim=1)
 
     @property
     def linear_kernel(self) -> LinearKernel:
