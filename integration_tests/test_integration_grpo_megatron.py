@@ -5,7 +5,9 @@ trainer on two gloo ranks that form one tensor-parallel group (attention heads a
 MLP split over megatron-core parallel linears), LoRA on every q/k/v/o linear, for a few
 steps. The trainer's recomputed logprobs are no longer bit-identical to the engines' (the row
 all-reduce adds two partial sums where the single-process kernel runs one tree): the run
-reports that difference every step, and it stays small.
+reports that difference every step, and it stays small. With the experts split over two ranks
+instead (``--expert-model-parallel-size 2``, full training), no sum is reordered and the
+difference stays exactly 0 while full weights go to the engines every step.
 """
 
 from __future__ import annotations
@@ -47,3 +49,20 @@ def test_a_tensor_parallel_run_reports_its_train_rollout_difference(
     assert summary["train"] == "lora"
     adapter = tmp_path / "checkpoints" / "iter_0000002" / "adapter"
     assert (adapter / "adapter_model.safetensors").is_file()
+
+
+def test_expert_parallel_full_training_keeps_exact_parity(
+    recipe_cache: Path, tmp_path: Path
+) -> None:
+    # EP splits no sum (each expert row computed alone, combined in the single-process order)
+    # and the full weights reach the engines gathered bit for bit: the recompute is exact.
+    trainer = ("--backend", "megatron", "--expert-model-parallel-size", "2")
+    summary = run_grpo(recipe_cache, tmp_path, "--train", "full", "--steps", "2", trainer=trainer)
+    steps = records(tmp_path)
+    assert [r["step"] for r in steps] == [0, 1]
+    assert all(r["train_rollout_logprob_max_abs_diff"] == 0.0 for r in steps), steps
+    assert all(r["sync_bytes"] > 100_000 for r in steps)  # every weight, not an adapter
+    assert summary["train_rollout_logprob_abs_diff_all_zero"] is True
+    model = tmp_path / "checkpoints" / "iter_0000001" / "model"
+    assert (model / "model.safetensors").is_file()
+    assert (model / "config.json").is_file()
