@@ -34,6 +34,11 @@ Departures from the obvious:
   ``forward_with_layout`` calls like ``forward_logits`` does.
 * There are no separate fp32 master copies (parameters are the masters), so a write into the
   parameters after the optimizer exists (a resume) is what the next step starts from (G8).
+* ``--backend megatron`` (``posttrain.grpo.megatron``) builds a ``TensorParallelDecoder``
+  instead (tensor / sequence / expert parallel on megatron-core's parallel linears); the step is
+  the same code (``compute_gradients``), with no FSDP: gradients add up over micro-batches and
+  are reduced once (``megatron.grads`` or lora-core), each loss is scaled by the data-parallel
+  size (the TP ranks of one group share their samples and report metrics once).
 """
 
 from __future__ import annotations
