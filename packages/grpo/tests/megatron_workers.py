@@ -175,3 +175,14 @@ def replicas_after_a_step(rank: int, world: int, ckpt: str, train: str, sp: bool
     both = [torch.empty_like(flat) for _ in range(world)]
     dist.all_gather(both, flat)
     return all(torch.equal(b, flat) for b in both)
+
+
+def without_tp_sums(rank: int, world: int, ckpt: str, adapter: str) -> Any:
+    """Negative control: the TP=2 step with the TP SUM of partial grads left out."""
+    torch.set_num_threads(1)
+    from posttrain.grpo.megatron import grads
+
+    grads.tp_partial_parameters = lambda model: []  # type: ignore[assignment]
+    cfg = config(ckpt, world, "full", backend="megatron", tensor_model_parallel_size=2)
+    out = one_step(cfg, ckpt, adapter)
+    return out if rank == 0 else None

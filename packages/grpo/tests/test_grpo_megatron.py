@@ -150,3 +150,12 @@ def test_replicated_tensors_stay_identical_after_a_step(ckpt: str, train: str, s
 
     ok = run_workers(workers.replicas_after_a_step, 2, args=(ckpt, train, sp), timeout_s=200)
     assert ok == [True, True]
+
+
+def test_the_gradient_comparison_bites(ckpt: str, adapter: str, results: dict[str, Any]) -> None:
+    # Leaving out the TP sum of the head-shared q/k norm grads must fail the comparison above.
+    got = run_workers(workers.without_tp_sums, 2, args=(ckpt, adapter), timeout_s=200)[0]
+    ref = results["reference"]["full"]["grads"]
+    worst = {name: _rel(got["grads"][name], g) for name, g in ref.items()}
+    assert max(worst.values()) > 1e-2
+    assert all("norm" in name for name, v in worst.items() if v > TOL)
