@@ -106,7 +106,7 @@ def run_layout(name: str, ref: Any, args: argparse.Namespace, device: torch.devi
     tp, ep, sp = LAYOUTS[name]
     groups = build_parallel_groups(tp, ep)
     model = TensorParallelDecoder(ref.config, groups, sequence_parallel=sp,
-                                  numerics=Numerics(args.numerics)).to(device)  # fmt: skip
+                                  numerics=Numerics(args.numerics), device=device).to(device)  # fmt: skip
     model.load_hf_state_dict({k: v.to(device) for k, v in ref.hf_state_dict().items()})
     ids, lengths, w = batch
     lp = model.forward_logprobs(ids, lengths)

@@ -141,8 +141,12 @@ class TensorParallelDecoder(DecoderModel):
         *,
         sequence_parallel: bool = False,
         numerics: Numerics = Numerics.STRICT,
+        device: torch.device | None = None,
     ) -> None:
+        """``device``: where the expert-parallel layers check their groups (NCCL needs the
+        rank's GPU); the rest is built on the CPU, then moved with ``.to(device)``."""
         tp = groups.tp_size
+        self._build_device = device
         super().__init__(local_config(config, tp), numerics=numerics)
         self.full_config = config
         self.groups = groups
@@ -217,7 +221,7 @@ class TensorParallelDecoder(DecoderModel):
         sites: nn.ModuleDict = getattr(layer, "sites")  # noqa: B009
         del sites["router"]  # the router is the expert-parallel layer's now
         layer.expert_parallel = ExpertParallelMoe(
-            self.full_config, index, groups, numerics=numerics
+            self.full_config, index, groups, numerics=numerics, device=self._build_device
         )
 
     def expert_parallel_layers(self) -> list[nn.Module]:

@@ -93,7 +93,7 @@ def load_tensor_parallel_model(
         raise GrpoConfigError("model_path is required to train (--model-path)")
     model = TensorParallelDecoder(
         load_config(cfg.model_path), groups,
-        sequence_parallel=cfg.sequence_parallel, numerics=Numerics(cfg.numerics),
+        sequence_parallel=cfg.sequence_parallel, numerics=Numerics(cfg.numerics), device=device,
     )  # fmt: skip
     model.load_hf_state_dict(load_hf_tensors(cfg.model_path))
     return model.to(device)
