@@ -1,7 +1,8 @@
 """The megatron backend on N ranks (NCCL on GPUs, or gloo on CPU): parity, step time, memory.
 
 For each layout that fits the world (``--layouts``, default ``tp1,tp2,tp2sp,ep2,tp2ep2``; a
-layout whose sizes do not divide the world is skipped and listed), every rank builds the
+layout whose sizes do not divide the world, or the model's heads, is skipped and listed with
+why), every rank builds the
 ``posttrain.models`` decoder as ``posttrain.grpo.megatron`` splits it (``TensorParallelDecoder``:
 megatron-core parallel linears with the model's kernels, ``ExpertParallelMoe`` for EP), loads
 the weights of one random-init model, and compares with that model run whole on each rank's
@@ -174,6 +175,8 @@ def main() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         import posttrain.grpo.megatron.layers  # noqa: F401 (megatron-core)
+    from posttrain.grpo import GrpoConfigError
+    from posttrain.grpo.megatron.model import check_tensor_parallel_config
     from posttrain.models import ModelConfig, Numerics, build_model, to_hf_state_dict
 
     size = args.size or ("small" if device.type == "cuda" else "tiny")
@@ -206,7 +209,13 @@ def main() -> None:
             raise SystemExit(f"--layouts: unknown layout {name!r} (known: {', '.join(LAYOUTS)})")
         tp, ep, _ = LAYOUTS[name]
         if world % tp or world % ep or cfg.num_experts % ep:
-            skipped.append(name)
+            skipped.append(f"{name}: tp {tp} / ep {ep} do not split {world} ranks, "
+                           f"{cfg.num_experts} experts")  # fmt: skip
+            continue
+        try:
+            check_tensor_parallel_config(cfg, tp)
+        except GrpoConfigError as exc:
+            skipped.append(f"{name}: {exc}")
             continue
         results.append(run_layout(name, ref, args, device, batch, ref_grads))
     if rank == 0:
