@@ -88,13 +88,16 @@ def parity_suite(rank: int, world: int, ckpt: str, adapter: str, runs: list[dict
     return out if rank == 0 else None
 
 
-def save_then_reload(rank: int, world: int, ckpt: str, out: str, tp: int, ep: int = 1) -> Any:
-    """TP=``tp`` x EP=``ep`` policy: one full step, checkpoint; the gathered weights and logprobs."""
+def save_then_reload(
+    rank: int, world: int, ckpt: str, out: str, tp: int, ep: int = 1, train: str = "full"
+) -> Any:
+    """TP=``tp`` x EP=``ep`` policy: one step, checkpoint; the gathered weights (full: the HF
+    weights; LoRA: the adapter) and logprobs."""
     torch.set_num_threads(1)
     from posttrain.grpo import checkpoint
     from posttrain.grpo.trainer import train_step
 
-    cfg = config(ckpt, world, "full", backend="megatron", tensor_model_parallel_size=tp,
+    cfg = config(ckpt, world, train, backend="megatron", tensor_model_parallel_size=tp,
                  expert_model_parallel_size=ep)  # fmt: skip
     policy = build_policy(cfg)
     batch = cp_samples(ckpt)
@@ -105,17 +108,19 @@ def save_then_reload(rank: int, world: int, ckpt: str, out: str, tp: int, ep: in
     ids = torch.tensor(batch[0].tokens)
     with torch.no_grad():
         logprobs = policy.model.forward_logprobs(ids, [len(batch[0].tokens)])
-    weights = policy.model.hf_state_dict()
+    weights = _weights(policy)
     dist.barrier()
     return {"path": str(path), "logprobs": logprobs, "weights": weights} if rank == 0 else None
 
 
-def load_under(rank: int, world: int, ckpt: str, saved: str, tp: int, ep: int = 1) -> Any:
+def load_under(
+    rank: int, world: int, ckpt: str, saved: str, tp: int, ep: int = 1, train: str = "full"
+) -> Any:
     """A fresh TP=``tp`` x EP=``ep`` policy resumed from ``saved``: its weights and logprobs."""
     torch.set_num_threads(1)
     from posttrain.grpo.megatron import checkpoint
 
-    cfg = config(ckpt, world, "full", backend="megatron", tensor_model_parallel_size=tp,
+    cfg = config(ckpt, world, train, backend="megatron", tensor_model_parallel_size=tp,
                  expert_model_parallel_size=ep)  # fmt: skip
     policy = build_policy(cfg)
     restored = checkpoint.load(Path(saved), policy)  # whether the optimizer came back too
@@ -123,8 +128,10 @@ def load_under(rank: int, world: int, ckpt: str, saved: str, tp: int, ep: int = 
     ids = torch.tensor(batch[0].tokens)
     with torch.no_grad():
         logprobs = policy.model.forward_logprobs(ids, [len(batch[0].tokens)])
-        single = load_pretrained(Path(saved) / "model").forward_logprobs(ids, [len(ids)])
-    weights = policy.model.hf_state_dict()
+        single = None
+        if train == "full":
+            single = load_pretrained(Path(saved) / "model").forward_logprobs(ids, [len(ids)])
+    weights = _weights(policy)
     dist.barrier()
     if rank:
         return None

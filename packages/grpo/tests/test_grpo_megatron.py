@@ -162,3 +162,17 @@ def test_the_gradient_comparison_bites(ckpt: str, adapter: str, results: dict[st
     worst = {name: _rel(got["grads"][name], g) for name, g in ref.items()}
     assert max(worst.values()) > 1e-2
     assert all("norm" in name for name, v in worst.items() if v > TOL)
+
+
+def test_a_tp2_adapter_checkpoint_loads_under_tp1(ckpt: str, tmp_path: Path) -> None:
+    import posttrain.grpo.megatron.layers  # noqa: F401
+
+    saved = run_workers(workers.save_then_reload, 2,
+                        args=(ckpt, str(tmp_path / "tp2"), 2, 1, "lora"), timeout_s=200)[0]  # fmt: skip
+    one = run_workers(workers.load_under, 1, args=(ckpt, saved["path"], 1, 1, "lora"),
+                      timeout_s=200)[0]  # fmt: skip
+    assert one["extra"] is False  # another layout: the adapter only, fresh optimizer
+    assert one["weights"].keys() == saved["weights"].keys()
+    for name, value in saved["weights"].items():
+        assert torch.equal(one["weights"][name], value), name
+    torch.testing.assert_close(one["logprobs"], saved["logprobs"], rtol=0, atol=1e-5)
