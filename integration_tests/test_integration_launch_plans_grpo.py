@@ -118,14 +118,34 @@ def test_the_real_module_accepts_plans(name: str) -> None:
         assert '"backend": "fsdp"' in proc.stdout
 
 
-def test_a_megatron_plan_would_be_refused(
+def _megatron_plans(monkeypatch: pytest.MonkeyPatch) -> dict[str, Plan]:
+    """Every catalog plan with the tables switched to the megatron backend on every GPU."""
+    for generation in Generation:
+        if generation is not Generation.CPU:
+            monkeypatch.setitem(TRAINER_BACKEND, generation, TrainerBackend.MEGATRON)
+    return dict(catalog_plans())
+
+
+def test_every_megatron_plan_passes_dry_run_or_names_its_fp8_fp4_recipe(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    # Negative control: with the tables as they were (megatron on GPUs), the trainer refuses.
-    monkeypatch.setitem(TRAINER_BACKEND, Generation.HOPPER, TrainerBackend.MEGATRON)
-    plan = build_plan(LaunchConfig(model=get_model("qwen3-30b-a3b"), hardware=Hardware.H200))
-    (spec,) = plan.by_role(Role.TRAINER)
-    argv, world = trainer_call(spec, plan)
-    monkeypatch.setenv("WORLD_SIZE", world)
-    assert grpo_main([*argv, "--dry-run"]) == 2
-    assert "issue #21" in capsys.readouterr().err
+    # With the tables as issue #21 wants them (megatron on GPUs), the trainer takes every plan's
+    # tp/ep/layer flags; only the fp8/fp4 training recipes (Transformer Engine) are refused.
+    plans = _megatron_plans(monkeypatch)
+    megatron = refused = 0
+    for name, plan in sorted(plans.items()):
+        for spec in plan.by_role(Role.TRAINER):
+            argv, world = trainer_call(spec, plan)
+            monkeypatch.setenv("WORLD_SIZE", world)
+            code = grpo_main([*argv, "--dry-run"])
+            err = capsys.readouterr().err
+            low_precision = any(f in argv for f in ("--fp8-format", "--fp4-format"))
+            if low_precision:
+                assert code == 2, name
+                assert "Transformer Engine's low-precision linears" in err, (name, err)
+                refused += 1
+            else:
+                assert code == 0, f"{name}: {argv} -> {err.strip()}"
+                megatron += "megatron" in argv
+    assert megatron > 10
+    assert refused > 0

@@ -507,6 +507,8 @@ def _spawn_ranks(cfg: GrpoConfig, plugged: Plugged) -> dict[str, Any] | None:
     """Fork ``world_size`` local gloo ranks with interface's ``run_workers`` (torch is already
     imported: each starts in a moment); rank 0's summary, or the first failure as a run error."""
     cfg.check_supported()  # before forking; each rank checks its WORLD_SIZE too
+    if cfg.backend == "megatron":  # import megatron-core (~10 s) once here, not in every rank
+        import posttrain.grpo.megatron.layers  # noqa: F401
     try:
         results = run_workers(
             _rank,

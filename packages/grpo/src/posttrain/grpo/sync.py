@@ -5,7 +5,8 @@
   ``AdapterClient`` (upsert where the engine has it; the engine verifies sha256 checksums).
   The base is never re-sent.
 * Full training: ``iter_full_state_dict`` gathers every parameter (collective), ``models``'
-  converter renames them to the HF layout, and rank 0 sends them over wsync/1 with a sha256 per
+  converter renames them to the HF layout (the megatron backend: ``hf_state_dict`` gathers the
+  tensor-parallel shards straight to HF names), and rank 0 sends them over wsync/1 with a sha256 per
   bucket, at a weight version that increases on every engine.
 * ``rollout_quant=nvfp4``: the HF tensors go through ``quant_convert.quantize_named_params``
   (routed experts to NVFP4, the same selection as the converted checkpoint the engines
@@ -176,11 +177,20 @@ def sync_weights(
         )
     if policy.lora is not None:
         tensors = export_adapter(policy.lora)  # collective over the LoRA groups
+    elif policy.backend == "megatron":
+        hf = policy.model.hf_state_dict()  # collective over TP: shards gathered to HF names
+        tensors = (
+            _engine_tensors(hf, policy, target, with_towers=with_towers)
+            if dist.get_rank() == 0
+            else {}
+        )
     else:
         full = dict(iter_full_state_dict(policy.model))  # collective over the FSDP mesh
         # Only rank 0 sends, so only rank 0 converts (and, for NVFP4 rollouts, quantizes).
         tensors = (
-            _engine_tensors(full, policy, target, with_towers=with_towers)
+            _engine_tensors(
+                to_hf_state_dict(full, policy.model.config), policy, target, with_towers=with_towers
+            )
             if dist.get_rank() == 0
             else {}
         )
@@ -277,13 +287,13 @@ def _push_to_sink(
 
 
 def _engine_tensors(
-    full: dict[str, torch.Tensor], policy: Policy, target: SyncTarget, *, with_towers: bool
+    tensors: dict[str, torch.Tensor], policy: Policy, target: SyncTarget, *, with_towers: bool
 ) -> dict[str, torch.Tensor]:
     """The HF-named tensors an engine loads (the frozen towers only ``with_towers``); for
     NVFP4 rollouts, each NVFP4-selected weight is replaced by its dequantized value (what an
     NVFP4 engine computes with)."""
-    tensors = to_hf_state_dict(full, policy.model.config)
     if not with_towers:
+        tensors = dict(tensors)
         for name in tower_parameter_names(policy.model):
             tensors.pop(name, None)
     if target.rollout_quant != "nvfp4":

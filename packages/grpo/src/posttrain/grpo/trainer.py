@@ -43,13 +43,20 @@ Departures from the obvious:
   the parameters after the optimizer exists (a resume) is what the next step starts from (G8;
   trap 1 of issue 25, ``tests/test_grpo_resume_masters.py``, which also shows masters
   snapshotted before the load would be caught).
+* ``--backend megatron`` (``posttrain.grpo.megatron``) builds a ``TensorParallelDecoder``
+  instead (tensor / sequence / expert parallel on megatron-core's parallel linears); the step is
+  the same code (``compute_gradients``), with no FSDP: gradients add up over micro-batches and
+  are reduced once (``megatron.grads`` or lora-core), each loss is scaled by the data-parallel
+  size (the TP ranks of one group share their samples and report metrics once).
 """
 
 from __future__ import annotations
 
+import contextlib
+import importlib.util
 import math
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -64,11 +71,11 @@ from posttrain.fsdp_mesh import (
     accumulate_gradients,
     apply_hsdp,
     build_fsdp_mesh,
-    clip_grad_norm,
+    grad_norm,
     scale_grads_to_norm,
 )
-from posttrain.grpo._errors import GrpoConfigError, GrpoInputError
-from posttrain.grpo.config import GrpoConfig
+from posttrain.grpo._errors import GrpoConfigError, GrpoInputError, GrpoUnsupportedError
+from posttrain.grpo.config import Backend, GrpoConfig
 from posttrain.grpo.losses import aggregation_weights, entropy_from_logits
 from posttrain.grpo.objective import LossSettings, PolicyObjective, policy_objective
 from posttrain.interface import MediaKind, MediaRef, MeshSpec
@@ -171,6 +178,7 @@ class Policy:
     target_modules: list[str] = field(default_factory=list)
     ref_model: DecoderModel | None = None
     parallel: DataContextParallel | None = None
+    backend: Backend = "fsdp"
 
     @property
     def cp_size(self) -> int:
@@ -233,7 +241,20 @@ def _target(site: LinearSite) -> Target:
 
 
 def build_policy(cfg: GrpoConfig) -> Policy:
-    """Load, shard and (optionally) adapt the policy on this rank (CPU); collective."""
+    """Load, shard and (optionally) adapt the policy on this rank (CPU); collective.
+
+    ``cfg.backend == "megatron"``: ``posttrain.grpo.megatron.build_megatron_policy``.
+    """
+    if cfg.backend == "megatron":
+        if importlib.util.find_spec("megatron") is None:
+            raise GrpoUnsupportedError(
+                "backend",
+                "--backend megatron needs megatron-core, which is not installed: "
+                "pip install 'posttrain-grpo[megatron]' (Linux)",
+            )
+        from posttrain.grpo.megatron.policy import build_megatron_policy
+
+        return build_megatron_policy(cfg)
     if cfg.model_path is None:
         raise GrpoConfigError("model_path is required to train (--model-path)")
     model = load_pretrained(cfg.model_path, numerics=Numerics(cfg.numerics))
@@ -535,7 +556,16 @@ def micro_batches(samples: Sequence[TrainSample], size: int) -> list[list[TrainS
     return [list(samples[i : i + size]) for i in range(0, len(samples), size)]
 
 
-def train_step(
+class _NoAccumulation:
+    """The megatron backend's stand-in for FSDP's ``accumulate_gradients``: gradients simply
+    add up over micro-batches (they are reduced once, after the last one)."""
+
+    @contextlib.contextmanager
+    def micro_batch(self) -> Iterator[None]:
+        yield
+
+
+def compute_gradients(
     policy: Policy,
     samples: Sequence[TrainSample],
     cfg: GrpoConfig,
@@ -543,30 +573,41 @@ def train_step(
     global_batch_size: int,
     global_token_count: int,
 ) -> dict[str, float]:
-    """Forward, loss, backward, gradient reduction, clipping and one optimizer step.
+    """Forward, loss, backward and gradient reduction of one step; no clipping, no update.
 
-    Collective: every rank calls it (with its own samples, possibly none). Returns the step's
-    metrics, already combined over ranks (the same dict on every rank). The samples are split
-    into micro-batches of ``cfg.micro_batch_size``.
+    Collective: every rank calls it (with its own samples, possibly none). Afterwards every
+    trainable parameter holds the gradient of the global-batch loss (reduced over the ranks);
+    returns the step's metrics (combined over ranks, the same dict everywhere) with
+    ``grad_norm``, the global norm of those gradients.
     """
     world = dist.get_world_size()
     settings = LossSettings.from_config(cfg)
     model = policy.model
     parts = micro_batches(samples, cfg.micro_batch_size) if samples else []
-    # Every rank must run the same number of FSDP forwards/backwards: pad with empty ones.
+    # Every rank must run the same number of forwards/backwards (FSDP's and expert parallel's
+    # collectives): pad with empty ones.
     device = policy.model.embedding.device
     counts = torch.tensor([len(parts)], device=device)
     dist.all_reduce(counts, op=dist.ReduceOp.MAX)
     n_micro = max(int(counts), 1)
     parts += [[] for _ in range(n_micro - len(parts))]
     objective_of = _context_parallel_objective if policy.cp_size > 1 else _micro_batch_objective
+    megatron = policy.backend == "megatron"
+    # The gradient is averaged over the ranks that hold different samples: all W under FSDP,
+    # the data-parallel ranks under megatron (the TP ranks of one group share their samples).
+    loss_scale = policy.parallel.dp_size if megatron and policy.parallel else world
     sums: dict[str, float] = {}
     maxima: dict[str, float] = {}
     tokens = 0
-    with accumulate_gradients(model, n_micro) as acc:
+    acc_context = (
+        contextlib.nullcontext(_NoAccumulation())
+        if megatron
+        else accumulate_gradients(model, n_micro)
+    )
+    with acc_context as acc:
         for part in parts:
             with acc.micro_batch():
-                if not part:  # a rank without samples still joins FSDP's collectives
+                if not part:  # a rank without samples still joins the collectives
                     (
                         model.forward_logits(torch.tensor([0], device=device), [1]).sum() * 0.0
                     ).backward()  # type: ignore[no-untyped-call]
@@ -575,7 +616,7 @@ def train_step(
                     policy, part, cfg, settings,
                     global_batch_size=global_batch_size, global_token_count=global_token_count,
                 )  # fmt: skip
-                (objective.loss * world).backward()  # type: ignore[no-untyped-call]
+                (objective.loss * loss_scale).backward()  # type: ignore[no-untyped-call]
                 tokens += count
                 for key, value in objective.metrics.items():
                     if key in MAX_METRICS:
@@ -584,18 +625,61 @@ def train_step(
                         sums[key] = sums.get(key, 0.0) + value
                     else:
                         sums[key] = sums.get(key, 0.0) + value * count
+    norm = _reduce_gradients(policy)
+    if megatron and _tensor_parallel_rank(model) != 0:
+        sums, maxima, tokens = {}, {}, 0  # the TP group's rank 0 reports its samples
+    metrics = _combine(sums, maxima, tokens)
+    metrics["grad_norm"] = norm
+    return metrics
+
+
+def _tensor_parallel_rank(model: DecoderModel) -> int:
+    groups = getattr(model, "groups", None)  # a megatron TensorParallelDecoder's
+    return 0 if groups is None else int(groups.tp_rank)
+
+
+def _reduce_gradients(policy: Policy) -> float:
+    """Reduce the trainable gradients over the ranks; returns their global norm."""
     if policy.lora is not None:
         reduce_lora_grads(policy.lora)
-        grad_norm = lora_grad_norm(policy.lora)
-        scale_grads_to_norm(policy.trainable(), grad_norm, cfg.max_grad_norm)
-    else:
-        grad_norm = clip_grad_norm(model, cfg.max_grad_norm)
-    if math.isfinite(grad_norm):
+        return lora_grad_norm(policy.lora)
+    if policy.backend == "megatron":
+        from posttrain.grpo.megatron import grads as megatron_grads
+        from posttrain.grpo.megatron.model import TensorParallelDecoder
+
+        model = policy.model
+        assert isinstance(model, TensorParallelDecoder)
+        params = policy.trainable()
+        megatron_grads.reduce_gradients(model, params)
+        return megatron_grads.grad_norm(model, params)
+    return grad_norm(policy.model)
+
+
+def train_step(
+    policy: Policy,
+    samples: Sequence[TrainSample],
+    cfg: GrpoConfig,
+    *,
+    global_batch_size: int,
+    global_token_count: int,
+) -> dict[str, float]:
+    """Forward, loss, backward, gradient reduction (``compute_gradients``), clipping and one
+    optimizer step.
+
+    Collective: every rank calls it (with its own samples, possibly none). Returns the step's
+    metrics, already combined over ranks (the same dict on every rank). The samples are split
+    into micro-batches of ``cfg.micro_batch_size``.
+    """
+    metrics = compute_gradients(
+        policy, samples, cfg,
+        global_batch_size=global_batch_size, global_token_count=global_token_count,
+    )  # fmt: skip
+    norm = metrics["grad_norm"]
+    scale_grads_to_norm(policy.trainable(), norm, cfg.max_grad_norm)
+    if math.isfinite(norm):
         policy.optimizer.step()
     policy.optimizer.zero_grad(set_to_none=True)
-    metrics = _combine(sums, maxima, tokens)
-    metrics["grad_norm"] = grad_norm
-    metrics["skipped_step"] = 0.0 if math.isfinite(grad_norm) else 1.0
+    metrics["skipped_step"] = 0.0 if math.isfinite(norm) else 1.0
     return metrics
 
 

@@ -566,6 +566,7 @@ class DecoderModel(nn.Module):
         h = self.embed_inputs(ids, media) if embeds is None else embeds
         if cfg.embedding_rms_norm:
             h = ops.rms_norm(h, self.embed_norm, cfg.rms_norm_eps)
+        h = self._scatter_sequence(h)
         for layer in self.layers:
             assert isinstance(layer, _Layer)
             prefix = f"model.layers.{layer.index}."
@@ -579,12 +580,26 @@ class DecoderModel(nn.Module):
             if cfg.sconv_kernel_size:
                 y = layout.sconv(ops, layer.index, "mlp", y, layer.mlp_out_conv)
             h = h + y
+        h = self._gather_sequence(h)
         h = ops.rms_norm(h, self.final_norm, cfg.rms_norm_eps)
         logits = self.sites["lm_head"](h)
         logits = lora.apply(ops, h, logits, [("lm_head", 0, cfg.vocab_size)])
         if cfg.logits_divisor != 1.0:
             logits = logits / cfg.logits_divisor
         return logits
+
+    def _scatter_sequence(self, h: Tensor) -> Tensor:
+        """The sequence-parallel seam: the residual stream ``h[T, H]`` entering the layers.
+
+        The identity here. A tensor-parallel subclass with sequence parallelism keeps only its
+        rank's slice of the tokens between its parallel linears (they gather and scatter tokens
+        themselves); ``_gather_sequence`` gives the whole stream back before the final norm.
+        """
+        return h
+
+    def _gather_sequence(self, h: Tensor) -> Tensor:
+        """The residual stream leaving the layers (see ``_scatter_sequence``); the identity here."""
+        return h
 
     def _rope(self, head_dim: int) -> tuple[Tensor, Tensor]:
         if head_dim == self.config.head_dim:
@@ -597,9 +612,10 @@ class DecoderModel(nn.Module):
         cfg, ops = self.config, self.ops
         i = layer.index
         nh, nkv, hd = cfg.attention_shape(i)
-        t, nq, nk, nr = h.shape[0], nh * hd, nkv * hd, nh * cfg.rel_pos_dim
+        nq, nk, nr = nh * hd, nkv * hd, nh * cfg.rel_pos_dim
         a = ops.rms_norm(h, layer.attn_norm, cfg.rms_norm_eps)
         qkv = layer.sites["qkv"](a)
+        t = qkv.shape[0]  # all tokens: a sequence-parallel site gathers them (``h`` is a slice)
         names = [
             (prefix + "self_attn.q_proj", 0, nq),
             (prefix + "self_attn.k_proj", nq, nq + nk),
