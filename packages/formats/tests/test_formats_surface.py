@@ -17,7 +17,11 @@ def test_all_is_exactly_the_public_surface() -> None:
         name
         for name, value in vars(formats).items()
         if not name.startswith("_") and getattr(value, "__module__", "").startswith("posttrain.")
-    } | {"SAMPLES_FORMAT", "STUDENT_TOP_LOGPROBS_KEY"}  # strings have no __module__
+    } | {
+        "SAMPLES_FORMAT",
+        "MEDIA_SAMPLES_FORMAT",
+        "STUDENT_TOP_LOGPROBS_KEY",
+    }  # strings have no __module__
     assert set(formats.__all__) == lazy | eager
     for name in formats.__all__:
         value = getattr(formats, name)

@@ -1,6 +1,7 @@
 """The trainer command ``python -m posttrain.grpo``: parsing, dry run, refusals, exit codes."""
 
 import json
+import os
 import subprocess
 import sys
 import types
@@ -65,13 +66,22 @@ def test_launch_style_argv(capsys: pytest.CaptureFixture[str]) -> None:
     ("argv", "needle"),
     [
         (
-            ["--backend", "megatron"],
-            "the megatron backend is not built yet (issue #21); use --backend fsdp",
+            ["--backend", "megatron", "--pipeline-model-parallel-size", "2"],
+            "is out of scope of this build",
         ),
+        (
+            ["--backend", "megatron", "--tensor-model-parallel-size", "3"],
+            "--tensor-model-parallel-size: tensor_model_parallel_size=3 does not divide the 2",
+        ),
+        (["--backend", "megatron", "--context-parallel-size", "2"], "fsdp backend only"),
+        (["--sequence-parallel"], "needs --backend megatron"),
         (["--pipeline-model-parallel-size", "2"], "--pipeline-model-parallel-size"),
         (["--tensor-model-parallel-size", "4"], "--tensor-model-parallel-size"),
         (["--expert-model-parallel-size", "8"], "--expert-model-parallel-size"),
-        (["--fp8-format", "e4m3"], "--fp8-format e4m3: fp8 training needs the megatron backend"),
+        (
+            ["--fp8-format", "e4m3"],
+            "--fp8-format e4m3: fp8 training needs Transformer Engine's low-precision linears",
+        ),
         (["--fp8-recipe", "blockwise"], "--fp8-recipe blockwise"),
         (["--fp4-recipe", "nvfp4"], "--rollout-quant nvfp4"),
         (["--fp16"], "--fp16"),
@@ -182,9 +192,28 @@ def test_cli_checks_the_shape(tmp_path: Path, capsys: pytest.CaptureFixture[str]
 
 def test_module_entry_point_exits_2_without_traceback() -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "posttrain.grpo", "--backend", "megatron", "--dry-run"],
+        [sys.executable, "-m", "posttrain.grpo", "--pipeline-model-parallel-size", "4",
+         "--dry-run"],
         capture_output=True, text=True, timeout=120, check=False,
     )  # fmt: skip
     assert proc.returncode == 2
     assert proc.stdout == ""
-    assert "issue #21" in one_error_line(proc.stderr)
+    assert "pipeline parallelism" in one_error_line(proc.stderr)
+
+
+def test_megatron_flags_pass_dry_run(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["--backend", "megatron", "--tensor-model-parallel-size", "2", "--sequence-parallel",
+            "--expert-model-parallel-size", "4", "--bf16", "--json", "--dry-run"]  # fmt: skip
+    os.environ["WORLD_SIZE"] = "8"
+    try:
+        code, out, _ = run_cli(capsys, *argv)
+    finally:
+        del os.environ["WORLD_SIZE"]
+    assert code == 0
+    got = json.loads(out)
+    assert (got["backend"], got["tensor_model_parallel_size"], got["sequence_parallel"]) == (
+        "megatron",
+        2,
+        True,
+    )
+    assert got["expert_model_parallel_size"] == 4

@@ -75,10 +75,25 @@ def test_full_training_needs_no_targets_and_paths_are_coerced() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "option", "hint"),
     [
-        ({"backend": "megatron"}, "backend", "issue #21"),
-        ({"pipeline_model_parallel_size": 2}, "pipeline_model_parallel_size", "megatron"),
-        ({"tensor_model_parallel_size": 2}, "tensor_model_parallel_size", "HSDP"),
+        ({"pipeline_model_parallel_size": 2}, "pipeline_model_parallel_size", "out of scope"),
+        (
+            {"backend": "megatron", "pipeline_model_parallel_size": 2},
+            "pipeline_model_parallel_size",
+            "out of scope",
+        ),
+        ({"tensor_model_parallel_size": 2}, "tensor_model_parallel_size", "--backend megatron"),
         ({"expert_model_parallel_size": 8}, "expert_model_parallel_size", "HSDP"),
+        ({"sequence_parallel": True}, "sequence_parallel", "--backend megatron"),
+        (
+            {"backend": "megatron", "tensor_model_parallel_size": 4},
+            "tensor_model_parallel_size",
+            "does not divide the 2 trainer ranks",
+        ),
+        (
+            {"backend": "megatron", "context_parallel_size": 2},
+            "context_parallel_size",
+            "fsdp backend only",
+        ),
     ],
 )
 def test_unsupported_is_refused_with_a_remedy(
@@ -94,6 +109,10 @@ def test_world_size_must_match_the_started_ranks() -> None:
     with pytest.raises(GrpoUnsupportedError, match="WORLD_SIZE"):
         GrpoConfig(replicate=2, shard=2).check_supported(world_size=8)
     GrpoConfig(replicate=2, shard=4).check_supported(world_size=8)
+    # megatron: torchrun's WORLD_SIZE is the world; tp and ep must divide it
+    GrpoConfig(backend="megatron", tensor_model_parallel_size=4).check_supported(world_size=8)
+    with pytest.raises(GrpoUnsupportedError, match="WORLD_SIZE"):
+        GrpoConfig(backend="megatron", expert_model_parallel_size=3).check_supported(world_size=8)
 
 
 def test_literal_choices() -> None:

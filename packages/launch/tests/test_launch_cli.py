@@ -41,8 +41,8 @@ def test_plan_text_shows_commands_and_explanation() -> None:
     assert "python -m sglang.launch_server" in result.stdout
     assert "--mem-fraction-static 0.7" in result.stdout
     assert (
-        "--bf16  <- precision (bf16; the fp8-blockwise recipe needs the megatron backend, "
-        "issue #21)" in result.stdout
+        "--bf16  <- precision (bf16; the fp8-blockwise recipe needs Transformer Engine, which "
+        "the trainer backends do not use)" in result.stdout
     )
     assert "--lr: user adds" in result.stdout
 
@@ -55,7 +55,10 @@ def test_plan_text_shows_commands_and_explanation() -> None:
         (["--model", "gpt-5", "--hardware", "h200"], "model 'gpt-5' is not one of"),
         (["--model", "qwen3-8b", "--hardware", "a100"], "hardware 'a100' is not one of"),
         (["--model", "qwen3-8b", "--hardware", "h200", "--precision", "nvfp4"], "precision=nvfp4"),
-        (["--model", "qwen3-8b", "--hardware", "b200", "--precision", "mxfp8"], "issue #21"),
+        (
+            ["--model", "qwen3-8b", "--hardware", "b200", "--precision", "mxfp8"],
+            "Transformer Engine",
+        ),
         (["--model", "qwen3-8b", "--hardware", "h200", "--precision", "fp3"], "'fp3' is not one"),
     ],
 )

@@ -18,7 +18,7 @@ from posttrain.launch import (
     get_model,
 )
 from posttrain.launch.hardware import Generation
-from posttrain.launch.tables import ROLLOUT_TP, SUPPORTED_NODES, TRAINER_BACKEND, TrainerBackend
+from posttrain.launch.tables import ROLLOUT_TP, SUPPORTED_NODES
 
 RAGGED = "--flashinfer-mla-disable-ragged"
 
@@ -79,49 +79,44 @@ def test_escape_hatch_passes_through_untouched(model: str, hw: Hardware, backend
         assert any("escape hatch" in line for line in engine.explain)
 
 
-@pytest.fixture
-def megatron(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The megatron backend on every GPU generation, as the tables will say once issue #21
-    lands: the Megatron rules stay tested while no plan uses them."""
-    for gen in Generation:
-        if gen is not Generation.CPU:
-            monkeypatch.setitem(TRAINER_BACKEND, gen, TrainerBackend.MEGATRON)
-
-
-def test_qwen3_moe_blackwell_trtllm_mha_and_bf16_until_megatron() -> None:
+def test_qwen3_moe_blackwell_trtllm_mha_and_mxfp8_deferred_to_bf16() -> None:
     plan = plan_for("qwen3-30b-a3b", Hardware.B200)
     assert flag_value(engine_argv(plan), "--attention-backend") == "trtllm_mha"
     trainer = plan.by_role(Role.TRAINER)[0]
-    assert flag_value(list(trainer.argv), "--backend") == "fsdp"
+    assert flag_value(list(trainer.argv), "--backend") == "megatron"
     assert "--fp8-recipe" not in trainer.argv
     assert "--bf16" in trainer.argv
-    assert any("the mxfp8 recipe needs the megatron backend" in x for x in trainer.explain)
-
-
-@pytest.mark.usefixtures("megatron")
-def test_qwen3_moe_blackwell_mxfp8_on_megatron() -> None:
-    trainer = plan_for("qwen3-30b-a3b", Hardware.B200).by_role(Role.TRAINER)[0]
-    assert flag_value(list(trainer.argv), "--fp8-recipe") == "mxfp8"
     assert "NVTE_FP8_BLOCK_SCALING_FP32_SCALES" not in trainer.env
+    assert any("the mxfp8 recipe needs Transformer Engine" in x for x in trainer.explain)
 
 
-@pytest.mark.usefixtures("megatron")
-def test_qwen3_moe_hopper_blockwise_fp8_with_fp32_scales_on_megatron() -> None:
+def test_qwen3_moe_hopper_megatron_tp_sp_ep() -> None:
     plan = plan_for("qwen3-30b-a3b", Hardware.H100)
     assert flag_value(engine_argv(plan), "--attention-backend") is None
     trainer = plan.by_role(Role.TRAINER)[0]
-    assert flag_value(list(trainer.argv), "--fp8-recipe") == "blockwise"
-    assert trainer.env["NVTE_FP8_BLOCK_SCALING_FP32_SCALES"] == "1"
+    argv = list(trainer.argv)
+    assert flag_value(argv, "--backend") == "megatron"
+    tp = int(flag_value(argv, "--tensor-model-parallel-size") or 0)
+    ep = int(flag_value(argv, "--expert-model-parallel-size") or 0)
+    ranks = int(flag_value(argv, "--nnodes") or 0) * int(flag_value(argv, "--nproc-per-node") or 0)
+    assert tp >= 1
+    assert ep >= 1
+    assert ranks % (tp * ep) == 0
+    assert ("--sequence-parallel" in argv) == (tp > 1)
+    assert flag_value(argv, "--num-experts") == "128"
+    assert any("the fp8-blockwise recipe needs Transformer Engine" in x for x in trainer.explain)
     assert trainer.env["CUDA_DEVICE_MAX_CONNECTIONS"] == "1"
 
 
 @pytest.mark.parametrize("precision", [Precision.FP8_BLOCKWISE, Precision.MXFP8])
-def test_explicit_fp8_is_refused_on_the_fsdp_backend(precision: Precision) -> None:
-    with pytest.raises(LaunchConfigError, match=rf"precision={precision.value}.*issue #21"):
+def test_explicit_fp8_is_refused_without_transformer_engine(precision: Precision) -> None:
+    with pytest.raises(
+        LaunchConfigError, match=rf"precision={precision.value}.*Transformer Engine"
+    ):
         plan_for("qwen3-30b-a3b", Hardware.B200, precision=precision)
 
 
-def test_every_plan_trains_on_fsdp_with_hsdp_sizes_matching_the_ranks() -> None:
+def test_gpu_plans_train_on_megatron_and_cpu_plans_on_fsdp() -> None:
     for model_id, row in SUPPORTED_NODES.items():
         for hw, node_counts in row.items():
             for nodes in sorted(node_counts):
@@ -130,14 +125,22 @@ def test_every_plan_trains_on_fsdp_with_hsdp_sizes_matching_the_ranks() -> None:
                     ranks = int(flag_value(argv, "--nnodes") or 0) * int(
                         flag_value(argv, "--nproc-per-node") or 0
                     )
-                    assert flag_value(argv, "--backend") == "fsdp"
-                    replicate = int(flag_value(argv, "--replicate") or 0)
-                    shard = int(flag_value(argv, "--shard") or 0)
-                    assert replicate * shard == ranks, (model_id, hw, nodes)
-                    if nodes > 1 and hw.gpus_per_node:
-                        assert shard == hw.gpus_per_node
-                    for megatron_only in ("--tensor-model-parallel-size", "--fp8-recipe"):
-                        assert megatron_only not in argv
+                    assert "--fp8-recipe" not in argv
+                    assert "--fp4-recipe" not in argv
+                    if hw is Hardware.CPU:
+                        assert flag_value(argv, "--backend") == "fsdp"
+                        replicate = int(flag_value(argv, "--replicate") or 0)
+                        shard = int(flag_value(argv, "--shard") or 0)
+                        assert replicate * shard == ranks, (model_id, hw, nodes)
+                        assert "--tensor-model-parallel-size" not in argv
+                        continue
+                    assert flag_value(argv, "--backend") == "megatron", (model_id, hw)
+                    assert "--replicate" not in argv
+                    assert "--shard" not in argv
+                    tp = int(flag_value(argv, "--tensor-model-parallel-size") or 0)
+                    ep = int(flag_value(argv, "--expert-model-parallel-size") or 1)
+                    assert tp >= 1, (model_id, hw, nodes)
+                    assert ranks % (tp * ep) == 0, (model_id, hw, nodes)
 
 
 @pytest.mark.parametrize("precision", [Precision.MXFP8, Precision.NVFP4])
@@ -152,16 +155,9 @@ def test_nvfp4_on_blackwell_quantizes_rollout() -> None:
     plan = plan_for("qwen3-30b-a3b", Hardware.GB200, precision=Precision.NVFP4)
     assert flag_value(engine_argv(plan), "--quantization") == "modelopt_fp4"
     trainer = list(plan.by_role(Role.TRAINER)[0].argv)
-    assert flag_value(trainer, "--rollout-quant") == "nvfp4"  # fsdp: bf16 training, NVFP4 sync
+    assert flag_value(trainer, "--rollout-quant") == "nvfp4"  # bf16 training, NVFP4 sync
+    assert flag_value(trainer, "--backend") == "megatron"
     assert "--fp4-recipe" not in trainer
-
-
-@pytest.mark.usefixtures("megatron")
-def test_nvfp4_on_megatron_trains_with_the_fp4_recipe() -> None:
-    plan = plan_for("qwen3-30b-a3b", Hardware.GB200, precision=Precision.NVFP4)
-    trainer = list(plan.by_role(Role.TRAINER)[0].argv)
-    assert flag_value(trainer, "--fp4-recipe") == "nvfp4"
-    assert "--rollout-quant" not in trainer
 
 
 @pytest.mark.parametrize(
@@ -212,7 +208,6 @@ def test_every_supported_pair_builds_a_consistent_plan() -> None:
                 assert {r.after_stage for r in plan.registrations} == {1}
 
 
-@pytest.mark.usefixtures("megatron")
 def test_moe_layer_freq_is_one_argv_token() -> None:
     plan = plan_for("glm-4.7-flash", Hardware.H200)
     argv = list(plan.by_role(Role.TRAINER)[0].argv)

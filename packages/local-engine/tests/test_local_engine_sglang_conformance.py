@@ -30,6 +30,9 @@ BODIES: list[dict[str, Any]] = [
     },
     {"input_ids": [[1, 2], [3, 4, 5]], "sampling_params": {"max_new_tokens": 2}},
     {"text": ["a", "b"], "sampling_params": [{"max_new_tokens": 1}, {"max_new_tokens": 2}]},
+    # media: one request with two images and one audio clip; a batch with a list per prompt
+    {"input_ids": [1, 101, 101, 102], "image_data": ["aW1n", "/tmp/x.png"], "audio_data": "YXVk"},
+    {"text": ["a", "b"], "image_data": [["aW1n"], ["aW1n", "aW1n"]]},
 ]
 
 
@@ -38,3 +41,9 @@ def test_sglang_accepts_our_generate_bodies(body: dict[str, Any]) -> None:
     ours = GenerateRequest.parse(body).to_dict()
     req = io_struct.GenerateReqInput(**ours)
     req.normalize_batch_and_arguments()
+
+
+def test_sglang_accepts_our_memory_occupation_bodies() -> None:
+    for tags in (None, ["weights"], ["kv_cache", "weights"]):
+        assert io_struct.ReleaseMemoryOccupationReqInput(tags=tags).tags == tags
+        assert io_struct.ResumeMemoryOccupationReqInput(tags=tags).tags == tags

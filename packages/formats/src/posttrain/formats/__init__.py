@@ -6,7 +6,7 @@ and httpx (for the one client it owns).
 
 - LoRA request fields: ``LoraServing``, ``serves_lora``, ``request_fields(name, version)``
   (``lora_path`` + ``extra_key``) and ``apply_lora_fields``, the one writer of those keys.
-- samples/1: ``encode_samples`` / ``decode_samples`` (numpy + safetensors; no server, no torch).
+- samples/1 and samples/2 (with media references): ``encode_samples`` / ``decode_samples`` (numpy + safetensors; no server, no torch).
 - wsync/1: ``pack_bucket`` / ``unpack_bucket`` (256-byte aligned offsets),
   ``encode_bucket_body`` / ``decode_bucket_body`` (a bucket over HTTP; ``bucket_body_manifest``
   reads its manifest alone), and the trainer-side
@@ -75,6 +75,7 @@ from posttrain.formats._lora_fields import (
     serves_lora,
 )
 from posttrain.formats._samples_wire import (
+    MEDIA_SAMPLES_FORMAT,
     SAMPLES_FORMAT,
     STUDENT_TOP_LOGPROBS_KEY,
     DecodedSamples,
@@ -240,6 +241,7 @@ __all__ = [
     "DTYPES",
     "E2M1_VALUES",
     "GROUP_SIZE",
+    "MEDIA_SAMPLES_FORMAT",
     "MOE_CONVENTIONS",
     "PEFT_KEY_PREFIX",
     "PEFT_TENSOR_DTYPES",

@@ -11,6 +11,14 @@ Tensors, for sample i:
 "status", "weight_version", "reward", "metadata", "group_index", "index"}],
 "session_metadata", "empty_reason"}``; ``weight_version`` is an int or null.
 
+samples/2 (``MEDIA_SAMPLES_FORMAT``) is samples/1 plus one key per sample entry, ``"media"``: the
+prompt's media references, ``[{"kind": "image"|"audio", "ref": str}]`` (``MediaRef``, the
+reference exactly as the engine got it in ``image_data``/``audio_data``). A payload is written as
+samples/2 only when a sample carries media, so text-only payloads stay samples/1 byte for byte
+and every reader of samples/1 still reads them; a samples/1-only reader refuses a samples/2
+payload by its format name instead of training on the text without its images. The decoder
+reads both.
+
 Reading needs only numpy and safetensors (no torch, no server). Decoding is strict: dtypes are
 checked, never cast (a float token id or an int logprob is a ``SamplesFormatError`` naming the
 tensor), leftover or missing tensors are rejected, every metadata field is type-checked, and
@@ -32,9 +40,11 @@ from safetensors.numpy import load as st_load
 from safetensors.numpy import save as st_save
 
 from posttrain.formats._errors import SamplesFormatError
-from posttrain.interface import ConfigError, Sample, SampleStatus
+from posttrain.interface import ConfigError, MediaRef, Sample, SampleStatus
 
 SAMPLES_FORMAT = "posttrain-samples/1"
+MEDIA_SAMPLES_FORMAT = "posttrain-samples/2"
+_READABLE_FORMATS = (SAMPLES_FORMAT, MEDIA_SAMPLES_FORMAT)
 STUDENT_TOP_LOGPROBS_KEY = "opd_student_top_logprobs"
 """The sample metadata key holding the student's top-k logprob rows, one per response token
 (SGLang's row layout, ``[]`` for a token the engine did not sample): the session router
@@ -73,6 +83,7 @@ def encode_samples(
     """Serialize samples (and the session's metadata) to samples/1 safetensors bytes."""
     tensors: dict[str, np.ndarray[Any, Any]] = {}
     metas: list[dict[str, Any]] = []
+    with_media = any(s.media for s in samples)
     for i, s in enumerate(samples):
         for kind, values in (
             ("tokens", s.tokens),
@@ -91,8 +102,10 @@ def encode_samples(
                 "index": s.index,
             }
         )
+        if with_media:
+            metas[-1]["media"] = [m.to_dict() for m in s.media]
     meta = {
-        "format": SAMPLES_FORMAT,
+        "format": MEDIA_SAMPLES_FORMAT if with_media else SAMPLES_FORMAT,
         "samples": metas,
         "session_metadata": dict(session_metadata or {}),
         "empty_reason": empty_reason,
@@ -139,9 +152,12 @@ def _read_meta(tensors: dict[str, np.ndarray[Any, Any]]) -> dict[str, Any]:
         meta = json.loads(raw_meta.tobytes().decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise SamplesFormatError(f"{META_KEY}: not UTF-8 JSON: {exc}", field=META_KEY) from exc
-    if not isinstance(meta, dict) or meta.get("format") != SAMPLES_FORMAT:
+    if not isinstance(meta, dict) or meta.get("format") not in _READABLE_FORMATS:
+        got = meta.get("format") if isinstance(meta, dict) else None
         raise SamplesFormatError(
-            f"{META_KEY}.format: expected {SAMPLES_FORMAT!r}", field=f"{META_KEY}.format"
+            f"{META_KEY}.format: expected {SAMPLES_FORMAT!r} or {MEDIA_SAMPLES_FORMAT!r}, "
+            f"got {got!r}",
+            field=f"{META_KEY}.format",
         )
     for key, types in (
         ("samples", (list,)),
@@ -156,8 +172,24 @@ def _read_meta(tensors: dict[str, np.ndarray[Any, Any]]) -> dict[str, Any]:
     return meta
 
 
+def _media(entry: Mapping[str, Any], where: str, *, allowed: bool) -> list[MediaRef]:
+    """A samples/2 entry's media list (type-checked); samples/1 has none."""
+    if not allowed:
+        raise SamplesFormatError(
+            f"{where}.media: only a {MEDIA_SAMPLES_FORMAT!r} payload carries media",
+            field=f"{where}.media",
+        )
+    value = entry["media"]
+    if not isinstance(value, list):
+        raise SamplesFormatError(f"{where}.media: must be a list", field=f"{where}.media")
+    try:
+        return [MediaRef.from_dict(m, where=f"{where}.media[{j}]") for j, m in enumerate(value)]
+    except ConfigError as exc:
+        raise SamplesFormatError(str(exc), field=f"{where}.media") from exc
+
+
 def _sample_fields(
-    tensors: dict[str, np.ndarray[Any, Any]], i: int, entry: Any
+    tensors: dict[str, np.ndarray[Any, Any]], i: int, entry: Any, *, media: bool = False
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """The ``Sample`` fields of entry i and its metadata (type-checked, not yet validated)."""
     where = f"{META_KEY}.samples[{i}]"
@@ -180,6 +212,8 @@ def _sample_fields(
         "status": _typed(entry, "status", (str,), where) or SampleStatus.COMPLETED.value,
         "weight_version": _typed(entry, "weight_version", (int,), where),
     }
+    if "media" in entry:  # absent: the sample's own (or base's) media stay as they are
+        fields["media"] = _media(entry, where, allowed=media)
     for key, types in (("reward", (int, float)), ("group_index", (int,)), ("index", (int,))):
         value = _typed(entry, key, types, where)
         if value is not None:
@@ -196,7 +230,9 @@ def decode_samples(data: bytes, *, base: Sample | None = None) -> DecodedSamples
     meta = _read_meta(tensors)
     samples: list[Sample] = []
     for i, entry in enumerate(meta["samples"]):
-        fields, metadata = _sample_fields(tensors, i, entry)
+        fields, metadata = _sample_fields(
+            tensors, i, entry, media=meta["format"] == MEDIA_SAMPLES_FORMAT
+        )
         try:
             fields["status"] = SampleStatus(fields["status"])
             if base is None:

@@ -5,7 +5,8 @@
 (``/begin_weight_update``, ``/update_weights_from_safetensors`` or ``/update_weights_from_shm``,
 ``/end_weight_update``, ``/abort_weight_update``). Any non-200 reply raises: 409 is
 ``StaleVersionError``, a failed ``end`` that lists missing tensors ``IncompleteUpdateError``,
-anything else ``EngineError`` naming the URL and status.
+anything else ``EngineError`` naming the URL and status. ``release_memory_occupation`` /
+``resume_memory_occupation`` drive an engine's offload/onload cycle (SGLang's routes).
 
 ``push_weights`` sends a whole update: it packs named tensors greedily, in order, into buckets of
 at most ``bucket_bytes`` (aligned offsets, so mixed dtypes share a bucket; a tensor larger than
@@ -206,6 +207,16 @@ class WeightPushClient:
     def abort(self, update_id: str) -> None:
         """Abandon the update (the engine then refuses to generate until a full update)."""
         self.post("/abort_weight_update", json={"update_id": update_id})
+
+    def release_memory_occupation(self, tags: list[str] | None = None) -> dict[str, Any]:
+        """SGLang's ``/release_memory_occupation`` (``tags``: ``weights``, ``kv_cache``; None =
+        all): the engine drops its weights until ``resume_memory_occupation``."""
+        return self.post("/release_memory_occupation", json={"tags": tags})
+
+    def resume_memory_occupation(self, tags: list[str] | None = None) -> dict[str, Any]:
+        """SGLang's ``/resume_memory_occupation``. Resumed weights are not valid: push them all
+        again (the frozen towers too: ``posttrain.models.has_towers``) before generating."""
+        return self.post("/resume_memory_occupation", json={"tags": tags})
 
 
 def push_weights(

@@ -16,7 +16,8 @@ into ``iter_N.tmp`` before it is swapped in and the tracker moves, so an interru
 looks complete. ``load`` restores after the optimizer is built, straight into the live
 parameters and optimizer state (there are no separate masters to re-sync). A run resumed with
 the world size it was saved with gets every rank's RNG state back (a missing one is an error);
-under another world size the RNG states do not map to ranks and are not restored.
+under another world size the RNG states do not map to ranks and are not restored. The
+megatron backend writes its own layout-free files (``posttrain.grpo.megatron.checkpoint``).
 """
 
 from __future__ import annotations
@@ -49,6 +50,10 @@ def _rng_file(path: Path, rank: int) -> Path:
 
 def save(root: Path, step: int, policy: Policy, extra: dict[str, Any]) -> Path:
     """Write checkpoint ``step`` under ``root`` (collective); returns its directory."""
+    if policy.backend == "megatron":
+        from posttrain.grpo.megatron import checkpoint as megatron_checkpoint
+
+        return megatron_checkpoint.save(root, step, policy, extra)
     rank = dist.get_rank()
 
     def write_rng(staged: Path) -> None:
@@ -97,6 +102,11 @@ def load(path: Path, policy: Policy) -> dict[str, Any]:
         meta = read_meta(path)
     except CheckpointError as exc:
         raise GrpoRunError(f"--resume: {exc}") from exc
+    if policy.backend == "megatron":
+        from posttrain.grpo.megatron import checkpoint as megatron_checkpoint
+
+        megatron_checkpoint.load(path, policy)
+        return dict(meta.extra)
     if policy.lora is None:
         load_checkpoint(path.parent, policy.model, policy.mesh, policy.optimizer, step=meta.step)
     else:

@@ -12,10 +12,12 @@ Launch's Megatron-style flags are accepted where this build honours them and ref
 the flag and a remedy, where it does not:
 
 - ``--bf16`` is ``--precision bf16``; ``--fp16`` and the fp8/fp4 recipe flags
-  (``--fp8-format``, ``--fp8-recipe``, ``--fp4-format``, ``--fp4-recipe``) are refused: the
-  fsdp backend has no low-precision training recipe.
-- ``--backend megatron``, ``--pipeline-model-parallel-size`` > 1, and tensor/expert parallel
-  sizes > 1 are refused (``GrpoConfig.check_supported``); so is ``--replicate`` x ``--shard``
+  (``--fp8-format``, ``--fp8-recipe``, ``--fp4-format``, ``--fp4-recipe``) are refused: neither
+  backend has a low-precision (Transformer Engine) training recipe.
+- ``--backend megatron`` honours ``--tensor-model-parallel-size``, ``--sequence-parallel`` and
+  ``--expert-model-parallel-size`` (they must divide torchrun's ``WORLD_SIZE``);
+  ``--pipeline-model-parallel-size`` > 1 is refused (out of scope of this build), and so are
+  tensor/expert/sequence parallel on the fsdp backend and, there, ``--replicate`` x ``--shard``
   that differs from torchrun's ``WORLD_SIZE``.
 - ``--context-parallel-size N`` splits each sample's tokens over N consecutive ranks; N must
   divide ``--replicate`` x ``--shard`` (``GrpoConfigError`` naming the flag otherwise).
@@ -56,17 +58,21 @@ from posttrain.interface import PosttrainError
 
 PROG = "python -m posttrain.grpo"
 
-# Flags launch's Megatron-style plans may carry that the fsdp backend has no recipe for.
+# Flags launch's Megatron-style plans may carry that no backend here has a recipe for. Both
+# backends compute with the decoder's own fp32 kernels (from fp32 or bf16 parameters); fp8 and
+# fp4 training would need Transformer Engine's low-precision linears, which neither builds.
+_LOW_PRECISION = (
+    "training needs Transformer Engine's low-precision linears, which neither the fsdp nor the "
+    "megatron backend of this build uses (both compute with the decoder's own fp32 kernels"
+)
 _REFUSED_RECIPES: dict[str, str] = {
     "fp16": "fp16 training is not supported; use --bf16 or --precision fp32",
-    "fp8_format": "fp8 training needs the megatron backend with Transformer Engine (issue #21); "
-    "drop it and train with --bf16",
-    "fp8_recipe": "fp8 training needs the megatron backend with Transformer Engine (issue #21); "
-    "drop it and train with --bf16",
-    "fp4_format": "fp4 training needs the megatron backend (issue #21); drop it and train with "
-    "--bf16 (--rollout-quant nvfp4 serves NVFP4 weights)",
-    "fp4_recipe": "fp4 training needs the megatron backend (issue #21); drop it and train with "
-    "--bf16 (--rollout-quant nvfp4 serves NVFP4 weights)",
+    "fp8_format": f"fp8 {_LOW_PRECISION}); drop it and train with --bf16",
+    "fp8_recipe": f"fp8 {_LOW_PRECISION}); drop it and train with --bf16",
+    "fp4_format": f"fp4 {_LOW_PRECISION}); drop it and train with --bf16 "
+    "(--rollout-quant nvfp4 serves NVFP4 weights)",
+    "fp4_recipe": f"fp4 {_LOW_PRECISION}); drop it and train with --bf16 "
+    "(--rollout-quant nvfp4 serves NVFP4 weights)",
 }
 
 
@@ -115,7 +121,7 @@ def _extra_parameters() -> list[inspect.Parameter]:
         _option("as_json", bool, False, "with --dry-run: print the config as JSON", "--json"),
         _option("fp16", bool, False, "refused: fp16 training is not supported"),
         *(
-            _option(name, str | None, None, "refused: needs the megatron backend (issue #21)")
+            _option(name, str | None, None, "refused: needs Transformer Engine's fp8/fp4 linears")
             for name in ("fp8_format", "fp8_recipe", "fp4_format", "fp4_recipe")
         ),
     ]
@@ -200,13 +206,24 @@ def _command(**values: Any) -> None:
         out.print(json.dumps(config.to_dict(), indent=2), markup=False)
         return
     out.print(Text(f"{PROG} --dry-run: the config is valid; nothing was started", style="bold"))
-    out.print(
-        Text(
-            f"  trainer ranks: {config.world_size} (replicate x shard) = "
-            f"{config.data_parallel_size} data parallel x {config.context_parallel_size} "
-            "context parallel"
+    if config.backend == "megatron":
+        world = int(os.environ.get("WORLD_SIZE") or config.world_size)
+        tp, ep = config.tensor_model_parallel_size, config.expert_model_parallel_size
+        sp = " (sequence parallel)" if config.sequence_parallel else ""
+        out.print(
+            Text(
+                f"  trainer ranks: {world} = {tp} tensor parallel{sp} x {world // tp} data "
+                f"parallel; experts over {ep} expert parallel x {world // ep} expert data parallel"
+            )
         )
-    )
+    else:
+        out.print(
+            Text(
+                f"  trainer ranks: {config.world_size} (replicate x shard) = "
+                f"{config.data_parallel_size} data parallel x {config.context_parallel_size} "
+                "context parallel"
+            )
+        )
     out.print(Text(describe(config)))
 
 

@@ -6,8 +6,8 @@ top to bottom. ``__post_init__`` checks each field on its own (type, range, fini
 the few that constrain each other (``clip_high`` vs ``clip_low``, the TIS window, OPD's
 teacher, the declared MoE layout); every error is a ``GrpoConfigError`` naming the field.
 
-What this build cannot honour (the megatron backend, pipeline parallelism, tensor or expert
-parallel on FSDP) is refused by ``check_supported``, kept apart from ``__post_init__`` so
+What this build cannot honour (pipeline parallelism, tensor, sequence or expert parallel on the
+fsdp backend, context parallel on the megatron backend) is refused by ``check_supported``, kept apart from ``__post_init__`` so
 that a config for a later build can still be written, read and compared.
 
 Defaults follow miles where the design note gives them (ε_lo 0.2, TIS window [0, 2],
@@ -59,6 +59,7 @@ class GrpoConfig:
     replicate: int = 1
     shard: int = 2
     tensor_model_parallel_size: int = 1
+    sequence_parallel: bool = False
     expert_model_parallel_size: int = 1
     pipeline_model_parallel_size: int = 1
     # Context parallel: each sample's tokens split over CP groups of consecutive ranks.
@@ -101,6 +102,7 @@ class GrpoConfig:
     opd_top_k: int = 0
     # Rollout weights, output, resumption.
     rollout_quant: RolloutQuant = "none"
+    offload_engines: bool = False
     out_dir: Path = DEFAULT_OUT_DIR
     resume: Path | None = None
     checkpoint_every: int = 0
@@ -152,7 +154,7 @@ class GrpoConfig:
             "prompts_per_step", "samples_per_prompt", "max_new_tokens",
         ):  # fmt: skip
             _check_int(name, getattr(self, name), minimum=1)
-        for name in ("use_kl_loss", "std_normalize", "opd", "dry_run"):
+        for name in ("use_kl_loss", "std_normalize", "opd", "dry_run", "sequence_parallel"):
             if not isinstance(getattr(self, name), bool):
                 raise GrpoConfigError(
                     f"{name} must be a bool, got {getattr(self, name)!r}", field=name
@@ -273,30 +275,34 @@ class GrpoConfig:
         ``world_size``: the trainer ranks actually started (torchrun's ``WORLD_SIZE``); it must
         equal ``replicate * shard``.
         """
-        if self.backend == "megatron":
-            raise GrpoUnsupportedError(
-                "backend", "the megatron backend is not built yet (issue #21); use --backend fsdp"
-            )
         if self.pipeline_model_parallel_size > 1:
             raise GrpoUnsupportedError(
                 "pipeline_model_parallel_size",
                 f"pipeline parallelism (pipeline_model_parallel_size="
-                f"{self.pipeline_model_parallel_size}) needs the megatron backend (issue #21); "
-                "use 1 with --backend fsdp",
+                f"{self.pipeline_model_parallel_size}) is out of scope of this build: neither the "
+                "fsdp nor the megatron backend splits layers over pipeline stages; use 1 (and "
+                "--tensor-model-parallel-size / --expert-model-parallel-size with --backend "
+                "megatron to split a large model)",
             )
-        if self.tensor_model_parallel_size > 1:
+        if self.backend == "megatron":
+            self._check_megatron(world_size)
+            return
+        for name, what in (
+            ("tensor_model_parallel_size", "tensor parallel"),
+            ("expert_model_parallel_size", "expert parallel"),
+        ):
+            value = getattr(self, name)
+            if value > 1:
+                raise GrpoUnsupportedError(
+                    name,
+                    f"{what} ({name}={value}) needs --backend megatron; the fsdp backend "
+                    "shards with HSDP (--replicate/--shard): use 1",
+                )
+        if self.sequence_parallel:
             raise GrpoUnsupportedError(
-                "tensor_model_parallel_size",
-                f"tensor parallel (tensor_model_parallel_size={self.tensor_model_parallel_size}) "
-                "needs the megatron backend (issue #21); the fsdp backend shards with HSDP "
-                "(--replicate/--shard): use 1",
-            )
-        if self.expert_model_parallel_size > 1:
-            raise GrpoUnsupportedError(
-                "expert_model_parallel_size",
-                f"expert parallel (expert_model_parallel_size={self.expert_model_parallel_size}) "
-                "needs the megatron backend (issue #21); the fsdp backend shards experts with "
-                "HSDP (--replicate/--shard): use 1",
+                "sequence_parallel",
+                "sequence parallel needs --backend megatron with --tensor-model-parallel-size "
+                "> 1 (the fsdp backend splits sequences with --context-parallel-size)",
             )
         if world_size is not None and world_size != self.world_size:
             raise GrpoUnsupportedError(
@@ -304,6 +310,27 @@ class GrpoConfig:
                 f"replicate={self.replicate} x shard={self.shard} = {self.world_size} trainer "
                 f"ranks, but {world_size} were started (WORLD_SIZE); make them equal",
             )
+
+    def _check_megatron(self, world_size: int | None) -> None:
+        """The megatron backend: tp and ep must divide the trainer ranks (torchrun's
+        ``WORLD_SIZE``; when the trainer forks its own ranks, ``replicate * shard`` of them)."""
+        if self.context_parallel_size > 1:
+            raise GrpoUnsupportedError(
+                "context_parallel_size",
+                f"context parallel (context_parallel_size={self.context_parallel_size}) runs on "
+                "the fsdp backend only; with --backend megatron split long sequences with "
+                "--sequence-parallel under --tensor-model-parallel-size > 1",
+            )
+        world = self.world_size if world_size is None else world_size
+        for name in ("tensor_model_parallel_size", "expert_model_parallel_size"):
+            value = getattr(self, name)
+            if world % value:
+                raise GrpoUnsupportedError(
+                    name,
+                    f"{name}={value} does not divide the {world} trainer ranks"
+                    + (" (WORLD_SIZE)" if world_size is not None else
+                       f" (replicate={self.replicate} x shard={self.shard})"),
+                )  # fmt: skip
 
 
 HELP: dict[str, str] = {
@@ -313,17 +340,23 @@ HELP: dict[str, str] = {
     "routes require (a file, so the key never shows in the process list); none: no token",
     "engine_urls": "engine URLs the trained weights are pushed to (each one directly)",
     "task": "prompt set and reward (the embedded recipe's: addition)",
-    "backend": "trainer backend",
+    "backend": "trainer backend: fsdp (HSDP) or megatron (tensor/sequence/expert parallel on "
+    "megatron-core)",
     "train": "train a LoRA adapter or every parameter",
     "lora_r": "LoRA rank",
     "lora_alpha": "LoRA alpha (scaling = alpha / r)",
     "lora_targets": "module-name suffixes that get a LoRA adapter",
     "lora_name": "adapter name the engines serve (the session router's --lora-adapter)",
-    "replicate": "HSDP replicate degree (data-parallel groups)",
+    "replicate": "HSDP replicate degree (data-parallel groups); with --backend megatron, "
+    "replicate x shard is only the number of ranks to start when torchrun does not",
     "shard": "HSDP shard degree (ranks one parameter is sharded over)",
-    "tensor_model_parallel_size": "tensor parallel size",
-    "expert_model_parallel_size": "expert parallel size",
-    "pipeline_model_parallel_size": "pipeline parallel size",
+    "tensor_model_parallel_size": "tensor parallel size (--backend megatron): attention heads "
+    "and the dense MLP split over this many consecutive ranks",
+    "sequence_parallel": "with tensor parallel: keep each rank's share of the tokens between "
+    "the parallel linears (--backend megatron)",
+    "expert_model_parallel_size": "expert parallel size (--backend megatron): MoE experts "
+    "split over this many consecutive ranks",
+    "pipeline_model_parallel_size": "pipeline parallel size (only 1: out of scope of this build)",
     "context_parallel_size": "context parallel size: each sample's tokens are split over this "
     "many consecutive ranks (zigzag layout); must divide replicate x shard",
     "num_layers": "declared number of decoder layers",
@@ -358,6 +391,8 @@ HELP: dict[str, str] = {
     "opd_kl_coef": "OPD coefficient: A = A - coef * reverse_kl",
     "opd_top_k": "OPD top-k (0: sampled tokens only)",
     "rollout_quant": "re-quantize synced weights for the engines",
+    "offload_engines": "release the engines' memory while the trainer steps, resume it before "
+    "the weight sync (SGLang's release/resume_memory_occupation; every weight is re-sent)",
     "out_dir": "directory for metrics, checkpoints and plots",
     "resume": "checkpoint directory to continue from",
     "checkpoint_every": "checkpoint every N steps (0: only at the end)",

@@ -69,7 +69,13 @@ from posttrain.grpo.config import GrpoConfig
 from posttrain.grpo.metrics import MetricsLog, write_report
 from posttrain.grpo.rewards import PromptStream, Task, build_task
 from posttrain.grpo.rollout import RolloutSettings, run_rollout
-from posttrain.grpo.sync import SyncResult, SyncTarget, engine_weight_version, sync_weights
+from posttrain.grpo.sync import (
+    SyncResult,
+    SyncTarget,
+    engine_weight_version,
+    set_engine_memory,
+    sync_weights,
+)
 from posttrain.grpo.trainer import TrainSample, build_policy, train_step
 from posttrain.interface import RolloutEngine, Sample, SampleStatus, WeightSink, WorkerError
 from posttrain.interface.processes import free_port, run_workers
@@ -168,7 +174,7 @@ def _train(cfg: GrpoConfig, plugged: Plugged) -> dict[str, Any] | None:
     target = SyncTarget(
         engine_urls=tuple(cfg.engine_urls), lora_name=cfg.lora_name,
         rollout_quant=cfg.rollout_quant, timeout_s=cfg.rollout_timeout_s, api_key=api_key,
-        sinks=plugged.weight_sinks,
+        sinks=plugged.weight_sinks, base_model_path=str(cfg.model_path),
     )  # fmt: skip
     version = _broadcast(_first_version(target) if lead else 0)
     if isinstance(version, str):
@@ -191,6 +197,8 @@ def _train(cfg: GrpoConfig, plugged: Plugged) -> dict[str, Any] | None:
             if isinstance(batch, str):
                 raise GrpoRunError(f"step {step}: {batch}")
             mine = policy.data_parallel_share(batch["train"])
+            if cfg.offload_engines:  # the engines' memory is the trainer's while it steps
+                target = _engine_memory(target, lead, resident=False, when=f"step {step}")
             t0 = time.perf_counter()
             metrics = train_step(
                 policy, mine, cfg,
@@ -200,7 +208,11 @@ def _train(cfg: GrpoConfig, plugged: Plugged) -> dict[str, Any] | None:
             times = {**batch["times"], "train": time.perf_counter() - t0}
             t0 = time.perf_counter()
             version += 1
-            synced = sync_weights(policy, target, version)
+            if cfg.offload_engines:
+                target = _engine_memory(target, lead, resident=True, when=f"step {step}")
+            synced = sync_weights(
+                policy, target, version, first=False, engines_resumed=cfg.offload_engines
+            )
             metrics.update(synced.metrics)
             target = _drop_lost(target, synced, lead, f"step {step}")
             times["sync"] = time.perf_counter() - t0
@@ -283,6 +295,7 @@ def _rollout_and_score(
                 loss_mask=s.loss_mask,
                 rollout_logprobs=s.rollout_logprobs,
                 advantages=a.tolist(),
+                media=list(s.media),
             )
             for s, a in zip(samples, per_token, strict=True)
         ]
@@ -311,6 +324,22 @@ def _drop_aborted(samples: list[Sample], step: int) -> tuple[list[Sample], list[
         step, len(aborted), len(samples), named,
     )  # fmt: skip
     return kept, aborted
+
+
+def _engine_memory(target: SyncTarget, lead: bool, *, resident: bool, when: str) -> SyncTarget:
+    """Release or resume every engine's memory (rank 0 asks; every rank learns the outcome);
+    an unreachable engine is dropped as a lost one."""
+    outcome: Any = None
+    if lead:
+        try:
+            outcome = set_engine_memory(target, resident=resident)
+        except GrpoRunError as exc:
+            outcome = f"{when}: {exc}"
+    outcome = _broadcast(outcome)
+    if isinstance(outcome, str):
+        raise GrpoRunError(outcome)
+    lost = tuple((str(u), str(w)) for u, w in outcome)
+    return _drop_lost(target, SyncResult(metrics={}, lost=lost), lead, when)
 
 
 def _drop_lost(target: SyncTarget, synced: SyncResult, lead: bool, when: str) -> SyncTarget:
@@ -419,9 +448,15 @@ def _rollout_stats(
 
 
 def _decoder(cfg: GrpoConfig) -> Any:
-    from transformers import AutoTokenizer
+    # A tokenizer.json is read by the fast class directly: AutoTokenizer reads config.json to
+    # pick a class and warns on model types transformers does not know (posttrain_multimodal).
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-    tok = AutoTokenizer.from_pretrained(str(cfg.model_path))
+    path = Path(str(cfg.model_path))
+    tokenizer_class = (
+        PreTrainedTokenizerFast if (path / "tokenizer.json").is_file() else AutoTokenizer
+    )
+    tok = tokenizer_class.from_pretrained(str(path))
 
     def decode(ids: Sequence[int]) -> str:
         return str(tok.decode(list(ids), skip_special_tokens=True))
@@ -472,6 +507,8 @@ def _spawn_ranks(cfg: GrpoConfig, plugged: Plugged) -> dict[str, Any] | None:
     """Fork ``world_size`` local gloo ranks with interface's ``run_workers`` (torch is already
     imported: each starts in a moment); rank 0's summary, or the first failure as a run error."""
     cfg.check_supported()  # before forking; each rank checks its WORLD_SIZE too
+    if cfg.backend == "megatron":  # import megatron-core (~10 s) once here, not in every rank
+        import posttrain.grpo.megatron.layers  # noqa: F401
     try:
         results = run_workers(
             _rank,

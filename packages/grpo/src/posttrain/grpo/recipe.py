@@ -21,6 +21,13 @@ JSON (``launch`` runs it as a process; it never imports grpo).
 
 ``RECIPE`` holds the run settings the recipe trains with; ``posttrain grpo`` passes them to
 the trainer command.
+
+``prepare(cache, seed, task="shapes")`` (``--task shapes``) writes the multimodal recipe the
+same way, under ``shapes-seed<N>``: a ``ModelConfig.multimodal_tiny`` policy (the tiny decoder
+plus frozen, seeded vision and audio towers) warmed up on the ``shapes`` task, the images going
+through the vision tower as in training (``expand_media_tokens``); the towers stay frozen
+throughout, so only the decoder learns to read them. Its run settings are ``RECIPES["shapes"]``
+(one-character answers: two new tokens).
 """
 
 from __future__ import annotations
@@ -39,14 +46,18 @@ import torch
 
 from posttrain.formats import atomic_directory, write_text_atomic
 from posttrain.grpo._errors import GrpoConfigError
-from posttrain.grpo.rewards import Prompt, addition_prompts
+from posttrain.grpo.rewards import MULTIMODAL_TASKS, TASK_NAMES, Prompt, build_task
+from posttrain.interface import MediaKind
 from posttrain.models import (
     VOCAB_SIZE,
     DecoderModel,
+    MediaBatch,
     ModelConfig,
     Numerics,
     build_model,
     build_tokenizer,
+    decode_media,
+    expand_media_tokens,
     save_pretrained,
 )
 
@@ -76,10 +87,17 @@ RECIPE: dict[str, Any] = {
     "opd_kl_coef": 0.5,
     "tis": "tis",
 }
+RECIPES: dict[str, dict[str, Any]] = {
+    "addition": RECIPE,
+    "shapes": {**RECIPE, "max_new_tokens": 2, "steps": 12},
+}
 
 
-def model_config() -> ModelConfig:
-    """The recipe's tiny Dense/MoE decoder (fp32 parameters, the local tokenizer's vocabulary)."""
+def model_config(task: str = "addition") -> ModelConfig:
+    """The recipe's tiny Dense/MoE decoder (fp32 parameters, the local tokenizer's vocabulary);
+    for a multimodal task, with frozen vision and audio towers."""
+    if task in MULTIMODAL_TASKS:
+        return ModelConfig.multimodal_tiny(max_position_embeddings=64)
     return ModelConfig.tiny(vocab_size=VOCAB_SIZE, max_position_embeddings=64)
 
 
@@ -92,25 +110,37 @@ def cache_dir() -> Path:
 
 
 class _Examples:
-    """Tokenized warm-up examples: chat prompt ids and answer ids + ``<|im_end|>``."""
+    """Tokenized warm-up examples: chat prompt ids (media sentinels expanded into their
+    placeholder runs, with the runs) and answer ids + ``<|im_end|>``."""
 
-    def __init__(self, prompts: Sequence[Prompt]) -> None:
-        tok = build_tokenizer()
+    def __init__(self, prompts: Sequence[Prompt], config: ModelConfig) -> None:
+        tok = build_tokenizer(multimodal=config.image_token_id is not None)
         eos = tok.eos_token_id
         assert isinstance(eos, int)
         self.items: list[tuple[list[int], list[int]]] = []
+        self.media: list[MediaBatch | None] = []
         for p in prompts:
             text = tok.apply_chat_template(
                 list(p.messages), add_generation_prompt=True, tokenize=False
             )
-            prompt_ids = tok.encode(str(text), add_special_tokens=False)
+            prompt_ids = list(tok.encode(str(text), add_special_tokens=False))
+            batch = None
+            if p.media:
+                items = decode_media(
+                    config,
+                    images=[m.ref for m in p.media if m.kind is MediaKind.IMAGE],
+                    audio=[m.ref for m in p.media if m.kind is MediaKind.AUDIO],
+                )
+                prompt_ids, batch = expand_media_tokens(prompt_ids, items, config)
             answer = [*tok.encode(str(p.metadata["answer"]), add_special_tokens=False), eos]
-            self.items.append((list(prompt_ids), list(answer)))
+            self.items.append((prompt_ids, list(answer)))
+            self.media.append(batch)
 
     def batch(
         self, picks: Sequence[int], random_answers: random.Random | None = None
-    ) -> tuple[torch.Tensor, list[int], torch.Tensor]:
-        """Packed examples; with ``random_answers`` each answer is another one drawn at random."""
+    ) -> tuple[torch.Tensor, list[int], torch.Tensor, MediaBatch | None]:
+        """Packed examples (and their media runs); with ``random_answers`` each answer is
+        another one drawn at random."""
         ids: list[int] = []
         lengths: list[int] = []
         mask: list[bool] = []
@@ -121,14 +151,16 @@ class _Examples:
             ids += prompt + answer
             lengths.append(len(prompt) + len(answer))
             mask += [False] * len(prompt) + [True] * len(answer)
-        return torch.tensor(ids), lengths, torch.tensor(mask)
+        media = [self.media[i] for i in picks]
+        packed = MediaBatch.pack(media, lengths) if any(m is not None for m in media) else None
+        return torch.tensor(ids), lengths, torch.tensor(mask), packed
 
 
 def answer_probability(model: DecoderModel, examples: _Examples) -> float:
     """Mean probability (over the task's prompts) of sampling exactly the right answer."""
-    ids, lengths, mask = examples.batch(range(len(examples.items)))
+    ids, lengths, mask, media = examples.batch(range(len(examples.items)))
     with torch.no_grad():
-        lp = model.forward_logprobs(ids, lengths)
+        lp = model.forward_logprobs(ids, lengths, media=media)
     seq = torch.arange(len(lengths)).repeat_interleave(torch.tensor(lengths))
     per_seq = torch.zeros(len(lengths)).index_add(0, seq, torch.where(mask, lp, 0.0))
     return float(per_seq.exp().mean())
@@ -137,11 +169,18 @@ def answer_probability(model: DecoderModel, examples: _Examples) -> float:
 def _save(model: DecoderModel, path: Path) -> None:
     strict = build_model(model.config, seed=0, numerics=Numerics.STRICT)
     strict.load_state_dict(model.state_dict())
+    tokenizer = build_tokenizer(multimodal=model.config.image_token_id is not None)
     with atomic_directory(path) as staging:  # a killed warm-up never leaves half a model
-        save_pretrained(strict, staging, tokenizer=build_tokenizer())
+        save_pretrained(strict, staging, tokenizer=tokenizer)
 
 
-def warm_up(root: Path, seed: int, *, log: Any = None) -> dict[str, float]:
+def _task_prompts(task: str) -> tuple[Prompt, ...]:
+    if task not in TASK_NAMES:
+        raise GrpoConfigError(f"task={task!r} is not one of {', '.join(TASK_NAMES)}", field="task")
+    return build_task(task, lambda ids: "").prompts
+
+
+def warm_up(root: Path, seed: int, *, task: str = "addition", log: Any = None) -> dict[str, float]:
     """Supervised warm-up; writes ``root/teacher`` and ``root/policy``; returns their accuracy.
 
     The teacher learns the task (clean labels) to ``TEACHER_ACCURACY``; the policy is that
@@ -150,16 +189,18 @@ def warm_up(root: Path, seed: int, *, log: Any = None) -> dict[str, float]:
     verifiable reward brings back quickly.
     """
     torch.manual_seed(seed)
-    examples = _Examples(addition_prompts())
-    model = build_model(model_config(), seed=seed, numerics=Numerics.FAST)
-    opt = torch.optim.AdamW(model.parameters(), lr=WARMUP_LR, weight_decay=0.0)
+    config = model_config(task)
+    examples = _Examples(_task_prompts(task), config)
+    model = build_model(config, seed=seed, numerics=Numerics.FAST)
+    trainable = [p for p in model.parameters() if p.requires_grad]  # the towers stay frozen
+    opt = torch.optim.AdamW(trainable, lr=WARMUP_LR, weight_decay=0.0)
     rng = random.Random(seed)
     teacher = student = None
     for step in range(1, WARMUP_MAX_STEPS + 1):
         picks = [rng.randrange(len(examples.items)) for _ in range(WARMUP_BATCH)]
         noisy = teacher is not None  # after the teacher: random answers
-        ids, lengths, mask = examples.batch(picks, random_answers=rng if noisy else None)
-        lp = model.forward_logprobs(ids, lengths)
+        ids, lengths, mask, media = examples.batch(picks, random_answers=rng if noisy else None)
+        lp = model.forward_logprobs(ids, lengths, media=media)
         loss = -(lp * mask).sum() / mask.sum()
         opt.zero_grad()
         loss.backward()  # type: ignore[no-untyped-call]
@@ -180,7 +221,7 @@ def warm_up(root: Path, seed: int, *, log: Any = None) -> dict[str, float]:
             break
     if teacher is None or student is None:
         raise GrpoConfigError(
-            f"recipe warm-up (seed {seed}) did not reach a teacher with P(right answer) >= "
+            f"recipe warm-up ({task}, seed {seed}) did not reach a teacher with P(right answer) >= "
             f"{TEACHER_ACCURACY} and a policy <= {STUDENT_ACCURACY} in {WARMUP_MAX_STEPS} steps"
         )
     return {"policy_accuracy": student, "teacher_accuracy": teacher}
@@ -194,16 +235,26 @@ def _convert_nvfp4(src: Path, dst: Path) -> None:
         convert_checkpoint(src, staging, options=ConvertOptions(policy=QuantPolicy()))
 
 
-def prepare(cache: Path, seed: int, *, nvfp4: bool = False, log: Any = None) -> dict[str, Any]:
-    """The recipe's checkpoints under ``cache`` (made once per seed); returns their paths."""
-    root = Path(cache) / f"grpo-recipe-v{RECIPE_VERSION}" / f"seed{seed}"
+def prepare(
+    cache: Path, seed: int, *, nvfp4: bool = False, task: str = "addition", log: Any = None
+) -> dict[str, Any]:
+    """The recipe's checkpoints under ``cache`` (made once per seed and task); returns their
+    paths and run settings."""
+    if task not in RECIPES:
+        raise GrpoConfigError(
+            f"task={task!r} has no embedded recipe (one of {', '.join(RECIPES)})", field="task"
+        )
+    if nvfp4 and task in MULTIMODAL_TASKS:
+        raise GrpoConfigError(f"the {task} recipe has no NVFP4 copy (rollout_quant=none only)")
+    leaf = f"seed{seed}" if task == "addition" else f"{task}-seed{seed}"
+    root = Path(cache) / f"grpo-recipe-v{RECIPE_VERSION}" / leaf
     done = root / "recipe.json"
     info: dict[str, Any]
     if done.is_file():
         info = json.loads(done.read_text())
     else:
         started = time.perf_counter()
-        info = warm_up(root, seed, log=log)
+        info = warm_up(root, seed, task=task, log=log)
         info["warmup_s"] = round(time.perf_counter() - started, 2)
         write_text_atomic(done, json.dumps(info))
     if nvfp4 and not (root / "policy-nvfp4" / "config.json").is_file():
@@ -213,7 +264,8 @@ def prepare(cache: Path, seed: int, *, nvfp4: bool = False, log: Any = None) -> 
         "policy": str(root / "policy"),
         "teacher": str(root / "teacher"),
         "policy_nvfp4": str(root / "policy-nvfp4") if nvfp4 else None,
-        "recipe": {k: list(v) if isinstance(v, tuple) else v for k, v in RECIPE.items()},
+        "task": task,
+        "recipe": {k: list(v) if isinstance(v, tuple) else v for k, v in RECIPES[task].items()},
     }
 
 
@@ -226,11 +278,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     prep.add_argument("--seed", type=int, default=0)
     prep.add_argument("--nvfp4", action="store_true", help="also the NVFP4 copy of the policy")
+    prep.add_argument("--task", default="addition", help=f"one of {', '.join(RECIPES)}")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     try:
         paths = prepare(
-            args.cache or cache_dir(), args.seed, nvfp4=args.nvfp4,
+            args.cache or cache_dir(), args.seed, nvfp4=args.nvfp4, task=args.task,
             log=lambda line: print(line, file=sys.stderr, flush=True),
         )  # fmt: skip
     except Exception as exc:

@@ -10,6 +10,14 @@ small enough that a 4-layer model learns the format in a short supervised warm-u
 ``recipe``), and hard enough that the warmed-up base answers only about a third correctly, so
 there is something for GRPO to learn. Departure from a real math task: no parsing of free-form
 answers or reasoning, the answer is the whole response.
+
+The multimodal toy task is ``shapes``: an 8x8 image (a 2x2 grid of 4x4 cells, one vision patch
+each) with 1 to 4 filled squares of one colour (red, green or blue) on black; the prompt is the
+image sentinel followed by ``count:`` or ``color:``, and the answer one character, the number of
+squares or the colour's initial (``r``, ``g``, ``b``), scored by the same exact-answer reward.
+Every colour, every non-empty set of cells and both questions make its 90 prompts; the images
+are PNGs built from a fixed pattern (no randomness), sent as ``data:`` URL references, so a
+run's prompts depend only on its seed's shuffle (``PromptStream``).
 """
 
 from __future__ import annotations
@@ -20,16 +28,19 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from posttrain.grpo._errors import GrpoConfigError
-from posttrain.interface import RewardFunction, Sample
+from posttrain.interface import MediaKind, MediaRef, RewardFunction, Sample
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Prompt:
-    """One prompt: its position in the task, the chat messages, and what the reward reads."""
+    """One prompt: its position in the task, the chat messages, and what the reward reads;
+    ``media`` are the images and audio its sentinels stand for (sent as ``image_data`` /
+    ``audio_data``)."""
 
     index: int
     messages: tuple[dict[str, str], ...]
     metadata: dict[str, Any] = field(default_factory=dict)
+    media: tuple[MediaRef, ...] = ()
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -73,13 +84,64 @@ def addition_prompts() -> tuple[Prompt, ...]:
     )
 
 
-TASK_NAMES = ("addition",)
+SHAPE_COLORS: dict[str, tuple[int, int, int]] = {
+    "r": (255, 0, 0),
+    "g": (0, 255, 0),
+    "b": (0, 0, 255),
+}
+SHAPE_CELL = 4  # pixels per grid cell: one vision patch of ``ModelConfig.multimodal_tiny``
+SHAPE_GRID = 2  # cells per side
+IMAGE_SENTINEL = "<|image|>"  # ``posttrain.models.MEDIA_TOKENS[0]``
+
+
+def shapes_image(color: tuple[int, int, int], cells: Sequence[int]) -> Any:
+    """The ``[8, 8, 3]`` uint8 image with the grid ``cells`` (row-major) filled in ``color``."""
+    import torch
+
+    side = SHAPE_CELL * SHAPE_GRID
+    image = torch.zeros(side, side, 3, dtype=torch.uint8)
+    for cell in cells:
+        row, col = divmod(cell, SHAPE_GRID)
+        image[
+            row * SHAPE_CELL : (row + 1) * SHAPE_CELL, col * SHAPE_CELL : (col + 1) * SHAPE_CELL
+        ] = torch.tensor(color, dtype=torch.uint8)
+    return image
+
+
+def shapes_prompts() -> tuple[Prompt, ...]:
+    """The ``shapes`` task: every colour x non-empty cell set x question, in a fixed order."""
+    from posttrain.models import encode_png_base64
+
+    cell_sets = [
+        [c for c in range(SHAPE_GRID * SHAPE_GRID) if mask >> c & 1]
+        for mask in range(1, 1 << (SHAPE_GRID * SHAPE_GRID))
+    ]
+    prompts: list[Prompt] = []
+    for initial, color in SHAPE_COLORS.items():
+        for cells in cell_sets:
+            ref = "data:image/png;base64," + encode_png_base64(shapes_image(color, cells))
+            for question, answer in (("count:", str(len(cells))), ("color:", initial)):
+                prompts.append(
+                    Prompt(
+                        index=len(prompts),
+                        messages=({"role": "user", "content": IMAGE_SENTINEL + question},),
+                        metadata={"answer": answer},
+                        media=(MediaRef(kind=MediaKind.IMAGE, ref=ref),),
+                    )
+                )
+    return tuple(prompts)
+
+
+TASK_NAMES = ("addition", "shapes")
+MULTIMODAL_TASKS = frozenset({"shapes"})
 
 
 def build_task(name: str, decode: Callable[[Sequence[int]], str]) -> Task:
     """The task called ``name`` with its reward, which decodes responses with ``decode``."""
     if name == "addition":
         return Task(name=name, prompts=addition_prompts(), reward=ExactAnswerReward(decode))
+    if name == "shapes":
+        return Task(name=name, prompts=shapes_prompts(), reward=ExactAnswerReward(decode))
     raise GrpoConfigError(f"task={name!r} is not one of {', '.join(TASK_NAMES)}")
 
 

@@ -93,6 +93,7 @@ async def rollout(
                     sampling_params=_sampling_params(settings, step, prompt, sample),
                     weight_version=settings.weight_version,
                     metadata={**prompt.metadata, "prompt_index": prompt.index},
+                    media=prompt.media,
                 )
             except (PosttrainError, httpx.HTTPError) as exc:
                 raise GrpoRunError(
@@ -148,6 +149,11 @@ async def engine_rollout(
     """``samples_per_prompt`` samples per prompt from ``engine``, in (prompt, sample) order."""
     gate = asyncio.Semaphore(settings.concurrency)
     name = type(engine).__name__
+    if any(p.media for p in prompts):
+        raise GrpoRunError(
+            f"rollout: engine {name} is a RolloutEngine, whose rollout takes no media; a "
+            "multimodal task rolls out through the session router (--rollout-url)"
+        )
 
     async def one(prompt: Prompt, group: int, sample: int) -> Sample:
         where = f"rollout: engine {name} for prompt {prompt.index} sample {sample}"

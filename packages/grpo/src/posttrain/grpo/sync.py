@@ -5,7 +5,8 @@
   ``AdapterClient`` (upsert where the engine has it; the engine verifies sha256 checksums).
   The base is never re-sent.
 * Full training: ``iter_full_state_dict`` gathers every parameter (collective), ``models``'
-  converter renames them to the HF layout, and rank 0 sends them over wsync/1 with a sha256 per
+  converter renames them to the HF layout (the megatron backend: ``hf_state_dict`` gathers the
+  tensor-parallel shards straight to HF names), and rank 0 sends them over wsync/1 with a sha256 per
   bucket, at a weight version that increases on every engine.
 * ``rollout_quant=nvfp4``: the HF tensors go through ``quant_convert.quantize_named_params``
   (routed experts to NVFP4, the same selection as the converted checkpoint the engines
@@ -13,6 +14,17 @@
   travel dequantized (``E2M1 * scale * scale_2``, rounded once): the values an NVFP4 engine
   computes with. The trainer's own weights stay full precision, which is the point: the
   train/rollout mismatch is real and TIS corrects it.
+
+Frozen media towers and engine offload (issue 25): the towers never change during training, so
+a full sync sends them only when the engine's copy may be missing: on the first sync of a run
+and after an offload/onload cycle (``engines_resumed``: the engines released their memory
+with SGLang's ``/release_memory_occupation`` and got it back, zero-filled, with
+``/resume_memory_occupation``). Whether the policy has towers at all is read from the model's
+structure (``posttrain.models.has_towers``; their names from ``tower_parameter_names``), never
+from a separate flag, so the condition cannot go dead in a refactor. Adapter training never
+changes the base: after an offload cycle each engine reloads it, towers included, from the
+checkpoint (``/update_weights_from_disk`` with ``SyncTarget.base_model_path``), then takes the
+adapter as usual (adapters survive an offload).
 
 An engine that cannot be reached (its connection refused or reset, or no reply within the
 target's timeout: an engine that died or froze) is *lost*, not fatal, as long as another engine
@@ -48,9 +60,9 @@ from posttrain.formats import WeightPushClient, dequantize_nvfp4_state_dict, pus
 from posttrain.fsdp_mesh import iter_full_state_dict
 from posttrain.grpo._errors import GrpoRunError
 from posttrain.grpo.trainer import Policy
-from posttrain.interface import WeightSink, parse_weight_version
+from posttrain.interface import UpdateWeightsFromDiskRequest, WeightSink, parse_weight_version
 from posttrain.lora import AdapterClient, export_adapter
-from posttrain.models import to_hf_state_dict
+from posttrain.models import has_towers, to_hf_state_dict, tower_parameter_names
 from posttrain.quant_convert import QuantPolicy, quantize_named_params
 
 
@@ -66,6 +78,7 @@ class SyncTarget:
     transport: httpx.BaseTransport | None = None
     api_key: str | None = None  # the engines' bearer token for their weight routes
     sinks: tuple[WeightSink, ...] = field(default_factory=tuple)
+    base_model_path: str | None = None  # the checkpoint an engine reloads its base from
 
 
 def engine_weight_version(
@@ -129,21 +142,63 @@ def push_each(urls: Sequence[str], push: Callable[[str], None]) -> list[tuple[st
     return lost
 
 
-def sync_weights(policy: Policy, target: SyncTarget, version: int) -> SyncResult:
+def towers_due(policy: Policy, *, first: bool, engines_resumed: bool) -> bool:
+    """Whether this sync must (re)send the frozen tower weights: the model has towers (its
+    structure says so) and the engines may lack them (the run's first sync, or their memory
+    went through an offload/onload cycle since the last one)."""
+    return has_towers(policy.model) and (first or engines_resumed)
+
+
+def sync_weights(
+    policy: Policy,
+    target: SyncTarget,
+    version: int,
+    *,
+    first: bool = True,
+    engines_resumed: bool = False,
+) -> SyncResult:
     """Push the current weights to every engine at ``version`` (collective; rank 0 sends).
 
-    Returns, on every rank, ``{"sync_bytes": ..., "sync_engines_lost": ...}`` and the engines
-    that could not be reached (the caller drops them from later syncs).
+    ``first``: the run's first sync (the engines may hold other weights than the trainer's);
+    ``engines_resumed``: the engines went through an offload/onload cycle since the last sync.
+    Either way the frozen towers go too (see the module docstring). Returns, on every rank,
+    ``{"sync_bytes": ..., "sync_towers": 0|1, "sync_engines_lost": ...}`` and the engines that
+    could not be reached (the caller drops them from later syncs).
     """
+    reload_base = policy.lora is not None and engines_resumed
+    if policy.lora is None:
+        with_towers = towers_due(policy, first=first, engines_resumed=engines_resumed)
+    else:  # the adapter never touches the towers: they come back only with a base reload
+        with_towers = reload_base and has_towers(policy.model)
+    if reload_base and target.base_model_path is None and target.engine_urls:
+        raise GrpoRunError(
+            "weight sync: the engines were resumed after an offload, but SyncTarget."
+            "base_model_path is unset, so their base weights (and towers) cannot be reloaded"
+        )
     if policy.lora is not None:
         tensors = export_adapter(policy.lora)  # collective over the LoRA groups
+    elif policy.backend == "megatron":
+        hf = policy.model.hf_state_dict()  # collective over TP: shards gathered to HF names
+        tensors = (
+            _engine_tensors(hf, policy, target, with_towers=with_towers)
+            if dist.get_rank() == 0
+            else {}
+        )
     else:
         full = dict(iter_full_state_dict(policy.model))  # collective over the FSDP mesh
         # Only rank 0 sends, so only rank 0 converts (and, for NVFP4 rollouts, quantizes).
-        tensors = _engine_tensors(full, policy, target) if dist.get_rank() == 0 else {}
+        tensors = (
+            _engine_tensors(
+                to_hf_state_dict(full, policy.model.config), policy, target, with_towers=with_towers
+            )
+            if dist.get_rank() == 0
+            else {}
+        )
     outcome: list[Any] = [None, 0.0, []]  # (error, bytes sent, lost), decided on rank 0
 
     def push(url: str) -> None:
+        if reload_base:
+            _reload_base(url, target)
         if policy.lora is not None:
             assert policy.lora_config is not None
             config = policy.lora_config.peft_config(policy.target_modules)
@@ -174,9 +229,41 @@ def sync_weights(policy: Policy, target: SyncTarget, version: int) -> SyncResult
         raise GrpoRunError(outcome[0])
     lost = tuple((str(url), str(why)) for url, why in outcome[2])
     return SyncResult(
-        metrics={"sync_bytes": float(outcome[1]), "sync_engines_lost": float(len(lost))},
+        metrics={
+            "sync_bytes": float(outcome[1]),
+            "sync_towers": float(with_towers),
+            "sync_engines_lost": float(len(lost)),
+        },
         lost=lost,
     )
+
+
+def _reload_base(url: str, target: SyncTarget) -> None:
+    """Have the engine at ``url`` reload its base weights (towers included) from the
+    checkpoint, as after an offload it holds none (``/update_weights_from_disk``)."""
+    body = UpdateWeightsFromDiskRequest(model_path=str(target.base_model_path))
+    with WeightPushClient(
+        url, timeout_s=target.timeout_s, transport=target.transport, api_key=target.api_key
+    ) as client:
+        client.post("/update_weights_from_disk", json=body.model_dump(exclude_none=True))
+
+
+def set_engine_memory(target: SyncTarget, *, resident: bool) -> list[tuple[str, str]]:
+    """Release (``resident=False``) or resume every engine's memory, SGLang's
+    ``/release_memory_occupation`` / ``/resume_memory_occupation`` (all tags, through
+    ``WeightPushClient``); rank 0 only. Returns the engines that could not be reached (as
+    ``push_each``)."""
+
+    def call(url: str) -> None:
+        with WeightPushClient(
+            url, timeout_s=target.timeout_s, transport=target.transport, api_key=target.api_key
+        ) as client:
+            if resident:
+                client.resume_memory_occupation()
+            else:
+                client.release_memory_occupation()
+
+    return push_each(target.engine_urls, call)
 
 
 def _push_to_sink(
@@ -200,11 +287,15 @@ def _push_to_sink(
 
 
 def _engine_tensors(
-    full: dict[str, torch.Tensor], policy: Policy, target: SyncTarget
+    tensors: dict[str, torch.Tensor], policy: Policy, target: SyncTarget, *, with_towers: bool
 ) -> dict[str, torch.Tensor]:
-    """The HF-named tensors an engine loads; for NVFP4 rollouts, each NVFP4-selected weight
-    is replaced by its dequantized value (what an NVFP4 engine computes with)."""
-    tensors = to_hf_state_dict(full, policy.model.config)
+    """The HF-named tensors an engine loads (the frozen towers only ``with_towers``); for
+    NVFP4 rollouts, each NVFP4-selected weight is replaced by its dequantized value (what an
+    NVFP4 engine computes with)."""
+    if not with_towers:
+        tensors = dict(tensors)
+        for name in tower_parameter_names(policy.model):
+            tensors.pop(name, None)
     if target.rollout_quant != "nvfp4":
         return tensors
     quantized = dict(

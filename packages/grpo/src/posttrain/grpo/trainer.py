@@ -32,15 +32,31 @@ Departures from the obvious:
   Entropy is taken on each rank's logits rows and moved to the token they predict with a
   one-token halo. LoRA works unchanged: lora-core's wrapped sites are per-token linears that
   ``forward_with_layout`` calls like ``forward_logits`` does.
-* There are no separate fp32 master copies (parameters are the masters), so a write into the
-  parameters after the optimizer exists (a resume) is what the next step starts from (G8).
+* Multimodal samples (``TrainSample.media``, the references the engine got): ``_pack`` decodes
+  them with ``posttrain.models.decode_media``, expands each prompt's sentinels into their
+  placeholder runs (``expand_media_tokens``, as the engine does) and packs one ``MediaBatch``;
+  the response is scored against the expanded prompt, so the logprobs are the engine's. The
+  towers are frozen: their parameters are left out of the optimizer (no state, grads None),
+  and LoRA never targets them. Context parallel does not take media (refused).
+* There are no separate fp32 master copies (parameters are the masters; with
+  ``precision="bf16"`` FSDP2 keeps the fp32 shards and casts a compute copy), so a write into
+  the parameters after the optimizer exists (a resume) is what the next step starts from (G8;
+  trap 1 of issue 25, ``tests/test_grpo_resume_masters.py``, which also shows masters
+  snapshotted before the load would be caught).
+* ``--backend megatron`` (``posttrain.grpo.megatron``) builds a ``TensorParallelDecoder``
+  instead (tensor / sequence / expert parallel on megatron-core's parallel linears); the step is
+  the same code (``compute_gradients``), with no FSDP: gradients add up over micro-batches and
+  are reduced once (``megatron.grads`` or lora-core), each loss is scaled by the data-parallel
+  size (the TP ranks of one group share their samples and report metrics once).
 """
 
 from __future__ import annotations
 
+import contextlib
+import importlib.util
 import math
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -55,14 +71,14 @@ from posttrain.fsdp_mesh import (
     accumulate_gradients,
     apply_hsdp,
     build_fsdp_mesh,
-    clip_grad_norm,
+    grad_norm,
     scale_grads_to_norm,
 )
-from posttrain.grpo._errors import GrpoConfigError, GrpoInputError
-from posttrain.grpo.config import GrpoConfig
+from posttrain.grpo._errors import GrpoConfigError, GrpoInputError, GrpoUnsupportedError
+from posttrain.grpo.config import Backend, GrpoConfig
 from posttrain.grpo.losses import aggregation_weights, entropy_from_logits
 from posttrain.grpo.objective import LossSettings, PolicyObjective, policy_objective
-from posttrain.interface import MeshSpec
+from posttrain.interface import MediaKind, MediaRef, MeshSpec
 from posttrain.lora import (
     LoraConfig,
     LoraGroups,
@@ -72,7 +88,15 @@ from posttrain.lora import (
     lora_grad_norm,
     reduce_lora_grads,
 )
-from posttrain.models import DecoderModel, LinearSite, Numerics, load_pretrained
+from posttrain.models import (
+    DecoderModel,
+    LinearSite,
+    MediaBatch,
+    Numerics,
+    decode_media,
+    expand_media_tokens,
+    load_pretrained,
+)
 from posttrain.models import context_parallel as cp
 
 CP_LAYOUT = cp.CPLayout.ZIGZAG  # load-balanced: rank r holds chunks r and 2C-1-r of a sequence
@@ -85,13 +109,18 @@ MAX_METRICS = frozenset({"train_rollout_logprob_max_abs_diff"})
 
 @dataclass(kw_only=True, slots=True)
 class TrainSample:
-    """One sample as the trainer needs it (prompt + response ids, per-response-token arrays)."""
+    """One sample as the trainer needs it (prompt + response ids, per-response-token arrays).
+
+    ``tokens`` hold the prompt as the engine got it (one sentinel per media item); ``media``
+    are the references of those items (``Sample.media``), expanded when the batch is packed.
+    """
 
     tokens: list[int]
     prompt_len: int
     loss_mask: list[int]
     rollout_logprobs: list[float]
     advantages: list[float]
+    media: list[MediaRef] = field(default_factory=list)
 
     @property
     def response_len(self) -> int:
@@ -149,6 +178,7 @@ class Policy:
     target_modules: list[str] = field(default_factory=list)
     ref_model: DecoderModel | None = None
     parallel: DataContextParallel | None = None
+    backend: Backend = "fsdp"
 
     @property
     def cp_size(self) -> int:
@@ -211,7 +241,20 @@ def _target(site: LinearSite) -> Target:
 
 
 def build_policy(cfg: GrpoConfig) -> Policy:
-    """Load, shard and (optionally) adapt the policy on this rank (CPU); collective."""
+    """Load, shard and (optionally) adapt the policy on this rank (CPU); collective.
+
+    ``cfg.backend == "megatron"``: ``posttrain.grpo.megatron.build_megatron_policy``.
+    """
+    if cfg.backend == "megatron":
+        if importlib.util.find_spec("megatron") is None:
+            raise GrpoUnsupportedError(
+                "backend",
+                "--backend megatron needs megatron-core, which is not installed: "
+                "pip install 'posttrain-grpo[megatron]' (Linux)",
+            )
+        from posttrain.grpo.megatron.policy import build_megatron_policy
+
+        return build_megatron_policy(cfg)
     if cfg.model_path is None:
         raise GrpoConfigError("model_path is required to train (--model-path)")
     model = load_pretrained(cfg.model_path, numerics=Numerics(cfg.numerics))
@@ -261,7 +304,12 @@ def shard_policy(
     register_fsdp_forward_method(model, "forward_logits")
     # forward_logits may return a view; nothing here writes into it in place.
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
-    trainable = list(handle.parameters()) if handle is not None else list(model.parameters())
+    # Frozen parameters (the media towers) get no optimizer state: only what trains is in it.
+    trainable = (
+        list(handle.parameters())
+        if handle is not None
+        else [p for p in model.parameters() if p.requires_grad]
+    )
     optimizer = torch.optim.AdamW(trainable, lr=cfg.lr, weight_decay=cfg.weight_decay)
     return Policy(
         model=model,
@@ -275,14 +323,36 @@ def shard_policy(
     )
 
 
-def _pack(samples: Sequence[TrainSample], device: torch.device) -> dict[str, Any]:
-    ids = torch.tensor([t for s in samples for t in s.tokens], dtype=torch.long)
-    lengths = [len(s.tokens) for s in samples]
+def expand_sample_media(
+    sample: TrainSample, model: DecoderModel
+) -> tuple[list[int], int, MediaBatch | None]:
+    """The sample's tokens with every media sentinel expanded into its placeholder run, the
+    expanded prompt length and the runs (None for a text-only sample)."""
+    if not sample.media:
+        return list(sample.tokens), sample.prompt_len, None
+    media = decode_media(
+        model.config,
+        images=[m.ref for m in sample.media if m.kind is MediaKind.IMAGE],
+        audio=[m.ref for m in sample.media if m.kind is MediaKind.AUDIO],
+    )
+    prompt, batch = expand_media_tokens(sample.tokens[: sample.prompt_len], media, model.config)
+    return prompt + list(sample.tokens[sample.prompt_len :]), len(prompt), batch
+
+
+def _pack(
+    samples: Sequence[TrainSample], device: torch.device, model: DecoderModel
+) -> dict[str, Any]:
+    expanded = [expand_sample_media(s, model) for s in samples]
+    ids = torch.tensor([t for toks, _, _ in expanded for t in toks], dtype=torch.long)
+    lengths = [len(toks) for toks, _, _ in expanded]
     rows: list[int] = []  # logits row predicting each response token
     start = 0
-    for s in samples:
-        rows.extend(range(start + s.prompt_len - 1, start + len(s.tokens) - 1))
-        start += len(s.tokens)
+    for toks, prompt_len, _ in expanded:
+        rows.extend(range(start + prompt_len - 1, start + len(toks) - 1))
+        start += len(toks)
+    media = None
+    if any(b is not None for _, _, b in expanded):
+        media = MediaBatch.pack([b for _, _, b in expanded], lengths)
     targets = torch.tensor([t for s in samples for t in s.tokens[s.prompt_len :]], dtype=torch.long)
     return {
         "ids": ids.to(device),
@@ -295,6 +365,7 @@ def _pack(samples: Sequence[TrainSample], device: torch.device) -> dict[str, Any
         "rollout": torch.tensor([v for s in samples for v in s.rollout_logprobs]).to(device),
         "advantages": torch.tensor([v for s in samples for v in s.advantages]).to(device),
         "response_lengths": [s.response_len for s in samples],
+        "media": media,
     }
 
 
@@ -302,7 +373,7 @@ def _response_logprobs(
     model: DecoderModel, batch: dict[str, Any], *, with_logits: bool
 ) -> tuple[Tensor, Tensor | None]:
     """Logprob of each response token (and the logits predicting it), as the engine computes."""
-    logits = model.forward_logits(batch["ids"], batch["lengths"])
+    logits = model.forward_logits(batch["ids"], batch["lengths"], media=batch["media"])
     picked = logits[batch["rows"]]
     logp = model.ops.log_softmax(picked).gather(1, batch["targets"][:, None])[:, 0]
     return logp, (picked if with_logits else None)
@@ -338,7 +409,7 @@ def _micro_batch_objective(
     global_token_count: int,
 ) -> tuple[PolicyObjective, int]:
     """The objective of one micro-batch on this rank (no context parallel), its loss tokens."""
-    batch = _pack(part, policy.model.embedding.device)
+    batch = _pack(part, policy.model.embedding.device, policy.model)
     logp, logits = _response_logprobs(policy.model, batch, with_logits=True)
     assert logits is not None
     ref = _reference_logprobs(policy, batch) if cfg.use_kl_loss else None
@@ -425,6 +496,11 @@ def _context_parallel_objective(
     """This rank's share of one micro-batch's objective under context parallel (the shares
     of the CP group add up to the micro-batch's objective), and its own loss tokens."""
     assert policy.parallel is not None
+    if any(s.media for s in part):
+        raise GrpoInputError(
+            "context_parallel_size > 1 does not take multimodal samples (media placeholder "
+            "runs would be split over ranks); train them with context_parallel_size=1"
+        )
     group = policy.parallel.cp_group
     batch = _pack_context_parallel(
         part, policy.cp_size, settings,
@@ -480,7 +556,16 @@ def micro_batches(samples: Sequence[TrainSample], size: int) -> list[list[TrainS
     return [list(samples[i : i + size]) for i in range(0, len(samples), size)]
 
 
-def train_step(
+class _NoAccumulation:
+    """The megatron backend's stand-in for FSDP's ``accumulate_gradients``: gradients simply
+    add up over micro-batches (they are reduced once, after the last one)."""
+
+    @contextlib.contextmanager
+    def micro_batch(self) -> Iterator[None]:
+        yield
+
+
+def compute_gradients(
     policy: Policy,
     samples: Sequence[TrainSample],
     cfg: GrpoConfig,
@@ -488,30 +573,41 @@ def train_step(
     global_batch_size: int,
     global_token_count: int,
 ) -> dict[str, float]:
-    """Forward, loss, backward, gradient reduction, clipping and one optimizer step.
+    """Forward, loss, backward and gradient reduction of one step; no clipping, no update.
 
-    Collective: every rank calls it (with its own samples, possibly none). Returns the step's
-    metrics, already combined over ranks (the same dict on every rank). The samples are split
-    into micro-batches of ``cfg.micro_batch_size``.
+    Collective: every rank calls it (with its own samples, possibly none). Afterwards every
+    trainable parameter holds the gradient of the global-batch loss (reduced over the ranks);
+    returns the step's metrics (combined over ranks, the same dict everywhere) with
+    ``grad_norm``, the global norm of those gradients.
     """
     world = dist.get_world_size()
     settings = LossSettings.from_config(cfg)
     model = policy.model
     parts = micro_batches(samples, cfg.micro_batch_size) if samples else []
-    # Every rank must run the same number of FSDP forwards/backwards: pad with empty ones.
+    # Every rank must run the same number of forwards/backwards (FSDP's and expert parallel's
+    # collectives): pad with empty ones.
     device = policy.model.embedding.device
     counts = torch.tensor([len(parts)], device=device)
     dist.all_reduce(counts, op=dist.ReduceOp.MAX)
     n_micro = max(int(counts), 1)
     parts += [[] for _ in range(n_micro - len(parts))]
     objective_of = _context_parallel_objective if policy.cp_size > 1 else _micro_batch_objective
+    megatron = policy.backend == "megatron"
+    # The gradient is averaged over the ranks that hold different samples: all W under FSDP,
+    # the data-parallel ranks under megatron (the TP ranks of one group share their samples).
+    loss_scale = policy.parallel.dp_size if megatron and policy.parallel else world
     sums: dict[str, float] = {}
     maxima: dict[str, float] = {}
     tokens = 0
-    with accumulate_gradients(model, n_micro) as acc:
+    acc_context = (
+        contextlib.nullcontext(_NoAccumulation())
+        if megatron
+        else accumulate_gradients(model, n_micro)
+    )
+    with acc_context as acc:
         for part in parts:
             with acc.micro_batch():
-                if not part:  # a rank without samples still joins FSDP's collectives
+                if not part:  # a rank without samples still joins the collectives
                     (
                         model.forward_logits(torch.tensor([0], device=device), [1]).sum() * 0.0
                     ).backward()  # type: ignore[no-untyped-call]
@@ -520,7 +616,7 @@ def train_step(
                     policy, part, cfg, settings,
                     global_batch_size=global_batch_size, global_token_count=global_token_count,
                 )  # fmt: skip
-                (objective.loss * world).backward()  # type: ignore[no-untyped-call]
+                (objective.loss * loss_scale).backward()  # type: ignore[no-untyped-call]
                 tokens += count
                 for key, value in objective.metrics.items():
                     if key in MAX_METRICS:
@@ -529,18 +625,61 @@ def train_step(
                         sums[key] = sums.get(key, 0.0) + value
                     else:
                         sums[key] = sums.get(key, 0.0) + value * count
+    norm = _reduce_gradients(policy)
+    if megatron and _tensor_parallel_rank(model) != 0:
+        sums, maxima, tokens = {}, {}, 0  # the TP group's rank 0 reports its samples
+    metrics = _combine(sums, maxima, tokens)
+    metrics["grad_norm"] = norm
+    return metrics
+
+
+def _tensor_parallel_rank(model: DecoderModel) -> int:
+    groups = getattr(model, "groups", None)  # a megatron TensorParallelDecoder's
+    return 0 if groups is None else int(groups.tp_rank)
+
+
+def _reduce_gradients(policy: Policy) -> float:
+    """Reduce the trainable gradients over the ranks; returns their global norm."""
     if policy.lora is not None:
         reduce_lora_grads(policy.lora)
-        grad_norm = lora_grad_norm(policy.lora)
-        scale_grads_to_norm(policy.trainable(), grad_norm, cfg.max_grad_norm)
-    else:
-        grad_norm = clip_grad_norm(model, cfg.max_grad_norm)
-    if math.isfinite(grad_norm):
+        return lora_grad_norm(policy.lora)
+    if policy.backend == "megatron":
+        from posttrain.grpo.megatron import grads as megatron_grads
+        from posttrain.grpo.megatron.model import TensorParallelDecoder
+
+        model = policy.model
+        assert isinstance(model, TensorParallelDecoder)
+        params = policy.trainable()
+        megatron_grads.reduce_gradients(model, params)
+        return megatron_grads.grad_norm(model, params)
+    return grad_norm(policy.model)
+
+
+def train_step(
+    policy: Policy,
+    samples: Sequence[TrainSample],
+    cfg: GrpoConfig,
+    *,
+    global_batch_size: int,
+    global_token_count: int,
+) -> dict[str, float]:
+    """Forward, loss, backward, gradient reduction (``compute_gradients``), clipping and one
+    optimizer step.
+
+    Collective: every rank calls it (with its own samples, possibly none). Returns the step's
+    metrics, already combined over ranks (the same dict on every rank). The samples are split
+    into micro-batches of ``cfg.micro_batch_size``.
+    """
+    metrics = compute_gradients(
+        policy, samples, cfg,
+        global_batch_size=global_batch_size, global_token_count=global_token_count,
+    )  # fmt: skip
+    norm = metrics["grad_norm"]
+    scale_grads_to_norm(policy.trainable(), norm, cfg.max_grad_norm)
+    if math.isfinite(norm):
         policy.optimizer.step()
     policy.optimizer.zero_grad(set_to_none=True)
-    metrics = _combine(sums, maxima, tokens)
-    metrics["grad_norm"] = grad_norm
-    metrics["skipped_step"] = 0.0 if math.isfinite(grad_norm) else 1.0
+    metrics["skipped_step"] = 0.0 if math.isfinite(norm) else 1.0
     return metrics
 
 

@@ -46,6 +46,12 @@ from posttrain.interface._errors import (
     WorkerFailedError,
     WorkerTimeoutError,
 )
+from posttrain.interface._media import (
+    MediaKind,
+    MediaRef,
+    media_from_request,
+    media_request_fields,
+)
 from posttrain.interface._protocols import RewardFunction, RolloutEngine, TeacherScorer, WeightSink
 from posttrain.interface._samples import (
     PositionScores,
@@ -111,6 +117,8 @@ __all__ = [
     "IncompleteUpdateError",
     "LoadLoraAdapterRequest",
     "LoraSpec",
+    "MediaKind",
+    "MediaRef",
     "MeshAxis",
     "MeshSpec",
     "NVFP4Precision",
@@ -147,5 +155,7 @@ __all__ = [
     "WorkerFailedError",
     "WorkerTimeoutError",
     "is_weight_version",
+    "media_from_request",
+    "media_request_fields",
     "parse_weight_version",
 ]

@@ -15,6 +15,7 @@ from enum import StrEnum
 from typing import Any
 
 from posttrain.interface._errors import ConfigError
+from posttrain.interface._media import MediaRef
 from posttrain.interface._weight_version import is_weight_version
 
 
@@ -50,6 +51,8 @@ class Sample:
     ``loss_mask[t]`` is 1 where the token is trained on (0 for tool or
     observation tokens inside a multi-turn response). ``weight_version`` is the
     version of the weights that generated it (an int, see ``parse_weight_version``).
+    ``media`` lists the prompt's image and audio items as the engine got them (``MediaRef``,
+    in sentinel order per kind); empty for a text-only sample.
     """
 
     prompt_ids: list[int]
@@ -62,8 +65,12 @@ class Sample:
     metadata: dict[str, Any] = field(default_factory=dict)
     group_index: int | None = None
     index: int | None = None
+    media: list[MediaRef] = field(default_factory=list)
 
     def __post_init__(self) -> None:
+        if not isinstance(self.media, list | tuple):
+            raise ConfigError(f"media must be a list, got {type(self.media).__name__}")
+        self.media = [MediaRef.from_dict(m, where=f"media[{i}]") for i, m in enumerate(self.media)]
         self.prompt_ids = list(self.prompt_ids)
         self.response_ids = list(self.response_ids)
         self.rollout_logprobs = [
@@ -124,6 +131,7 @@ class Sample:
             "metadata": dict(self.metadata),
             "group_index": self.group_index,
             "index": self.index,
+            "media": [m.to_dict() for m in self.media],
         }
 
     @classmethod

@@ -81,6 +81,11 @@ class GenerateRequest(WireModel):
     rid: str | list[str] | None = None
     stream: StrictBool | None = None
     data_parallel_rank: NonNegativeInt | None = None
+    # SGLang's media fields: each reference is a file path, a data: URL or base64. One request:
+    # a string or a list (its items, in sentinel order); a batch: one entry per prompt (a
+    # string, a list or null).
+    image_data: str | list[str | list[str] | None] | None = None
+    audio_data: str | list[str | list[str] | None] | None = None
 
     @pydantic.model_validator(mode="after")
     def _check_shape(self) -> GenerateRequest:
@@ -217,6 +222,9 @@ class ChatCompletionRequest(WireModel):
     return_meta_info: StrictBool | None = None
     no_stop_trim: StrictBool | None = None
     input_ids: list[NonNegativeInt] | None = None
+    # SGLang's media fields (as on /generate, one request): a reference or a list of them.
+    image_data: str | list[str] | None = None
+    audio_data: str | list[str] | None = None
 
 
 class ChatLogprobTop(WireModel):

@@ -34,6 +34,15 @@ def grpo_command(
             "(every weight, synced over wsync/1)",
         ),
     ] = "lora",
+    task: Annotated[
+        str,
+        typer.Option(
+            "--task",
+            metavar="NAME",
+            help="the toy task and its recipe: addition, or shapes (multimodal: count or name "
+            "the coloured squares in an image)",
+        ),
+    ] = "addition",
     opd: Annotated[
         bool,
         typer.Option(
@@ -98,6 +107,7 @@ def grpo_command(
     try:
         cfg = GrpoRecipeConfig(
             train=train,  # type: ignore[arg-type]  # checked by GrpoRecipeConfig
+            task=task,
             opd=opd or teacher is not None,
             teacher_url=teacher,
             rollout_quant=rollout_quant,  # type: ignore[arg-type]

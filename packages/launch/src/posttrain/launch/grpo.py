@@ -60,6 +60,7 @@ class GrpoRecipeConfig:
     """What ``posttrain grpo`` was asked for (see the command's help)."""
 
     train: Literal["lora", "full"] = "lora"
+    task: str = "addition"
     opd: bool = False
     teacher_url: str | None = None
     rollout_quant: Literal["none", "nvfp4"] = "none"
@@ -81,6 +82,8 @@ class GrpoRecipeConfig:
             )
         if self.steps is not None and self.steps < 1:
             raise LaunchConfigError(f"--steps must be >= 1, got {self.steps}")
+        if not self.task or not self.task.replace("_", "").isalnum():
+            raise LaunchConfigError(f"--task must be a task name, got {self.task!r}")
         if self.engines < 1:
             raise LaunchConfigError(f"--engines must be >= 1, got {self.engines}")
         if self.turn_timeout_s is not None and not 0 < self.turn_timeout_s < math.inf:
@@ -97,7 +100,8 @@ def prepare_recipe(
     cfg: GrpoRecipeConfig, sink: LogSink, *, python: str = sys.executable
 ) -> dict[str, Any]:
     """Run the recipe's prepare command; returns its JSON (checkpoint paths, recipe flags)."""
-    argv = [python, "-m", "posttrain.grpo.recipe", "prepare", "--seed", str(cfg.seed)]
+    argv = [python, "-m", "posttrain.grpo.recipe", "prepare", "--seed", str(cfg.seed),
+            "--task", cfg.task]  # fmt: skip
     if cfg.rollout_quant == "nvfp4":
         argv.append("--nvfp4")
     sink("recipe", " ".join(argv))
@@ -135,6 +139,7 @@ def trainer_argv(cfg: GrpoRecipeConfig, recipe: dict[str, Any], urls: dict[str, 
         "--rollout-url", urls["session-router"],
         "--engine-urls", ",".join(urls[n] for n in engine_names),
         "--train", cfg.train,
+        "--task", cfg.task,
         "--seed", str(cfg.seed),
         "--out-dir", str(cfg.out),
         "--replicate", "1", "--shard", "2",

@@ -164,9 +164,9 @@ def resolve_config(cfg: LaunchConfig) -> Resolved:
     if precision not in BACKEND_PRECISIONS[backend]:
         if cfg.precision is not None:
             raise LaunchConfigError(
-                f"precision={precision.value} needs the megatron trainer backend (issue #21); "
-                f"the {backend.value} backend trains in bf16 (or nvfp4: bf16 training with "
-                "NVFP4 rollout weights)"
+                f"precision={precision.value} training needs Transformer Engine's "
+                f"low-precision linears, which the {backend.value} trainer backend does not "
+                "use; it trains in bf16 (or nvfp4: bf16 training with NVFP4 rollout weights)"
             )
         precision, deferred = Precision.BF16, recipe
     total = gpn * cfg.nodes
@@ -268,6 +268,10 @@ def _base_trainer(r: Resolved, a: RoleArgs, src: str) -> None:
         a.trainer.set(
             "--tensor-model-parallel-size", r.trainer_tp, source=src + " (trainer tp table)"
         )
+        if r.trainer_tp > 1:
+            a.trainer.set(
+                "--sequence-parallel", source=src + " (activations sharded over the TP group)"
+            )
         a.trainer.set("--num-layers", m.num_layers, source=src)
         if m.is_moe:
             a.trainer.set("--expert-model-parallel-size", r.trainer_ep, source=src)
@@ -281,31 +285,18 @@ def _precision(r: Resolved, a: RoleArgs, src: str) -> None:
     p = r.precision
     if r.deferred_precision is not None:
         src = (
-            f"{src} ({p.value}; the {r.deferred_precision.value} recipe needs the megatron "
-            "backend, issue #21)"
+            f"{src} ({p.value}; the {r.deferred_precision.value} recipe needs Transformer "
+            "Engine, which the trainer backends do not use)"
         )
     else:
         src = f"{src} ({p.value})"
     if p is Precision.BF16:
         a.trainer.set("--bf16", source=src)
         return
-    if r.trainer_backend is TrainerBackend.FSDP:  # only nvfp4 gets here (BACKEND_PRECISIONS)
-        a.trainer.set("--bf16", source=src)
-        a.trainer.set("--rollout-quant", "nvfp4", source=src)
-        a.engine.set("--quantization", "modelopt_fp4", source=src)
-        return
-    a.trainer.set("--bf16", source=src)  # master/optimizer precision; the recipe adds fp8/fp4
-    if p is Precision.NVFP4:
-        a.trainer.set("--fp4-format", "e2m1", source=src)
-        a.trainer.set("--fp4-recipe", "nvfp4", source=src)
-        a.engine.set("--quantization", "modelopt_fp4", source=src)
-        return
-    a.trainer.set("--fp8-format", "e4m3", source=src)
-    a.trainer.set(
-        "--fp8-recipe", "blockwise" if p is Precision.FP8_BLOCKWISE else "mxfp8", source=src
-    )
-    if p is Precision.FP8_BLOCKWISE:
-        a.trainer_env["NVTE_FP8_BLOCK_SCALING_FP32_SCALES"] = ("1", src)
+    # only nvfp4 gets here (BACKEND_PRECISIONS): bf16 training, NVFP4 rollout weights
+    a.trainer.set("--bf16", source=src)
+    a.trainer.set("--rollout-quant", "nvfp4", source=src)
+    a.engine.set("--quantization", "modelopt_fp4", source=src)
 
 
 def _family_backend(r: Resolved, a: RoleArgs, src: str) -> None:

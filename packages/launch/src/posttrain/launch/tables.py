@@ -133,23 +133,24 @@ ENGINE_KIND: dict[Generation, EngineKind] = {
     Generation.CPU: EngineKind.LOCAL,
 }
 
-# The trainer backend per generation. posttrain.grpo has no megatron backend yet (issue #21)
-# and refuses one, so every plan trains on FSDP (HSDP: shard within a node, replicate across
-# nodes) until it lands; then Hopper/Blackwell/CDNA go back to MEGATRON here.
+# The trainer backend per generation: GPUs train on posttrain.grpo's megatron backend
+# (tensor, sequence and expert parallel over the trainer ranks); the CPU default on FSDP.
 TRAINER_BACKEND: dict[Generation, TrainerBackend] = {
-    Generation.HOPPER: TrainerBackend.FSDP,
-    Generation.BLACKWELL: TrainerBackend.FSDP,
-    Generation.CDNA3: TrainerBackend.FSDP,
-    Generation.CDNA4: TrainerBackend.FSDP,
+    Generation.HOPPER: TrainerBackend.MEGATRON,
+    Generation.BLACKWELL: TrainerBackend.MEGATRON,
+    Generation.CDNA3: TrainerBackend.MEGATRON,
+    Generation.CDNA4: TrainerBackend.MEGATRON,
     Generation.CPU: TrainerBackend.FSDP,
 }
 
-# The precisions each trainer backend can train in. FSDP trains in bf16; nvfp4 there means
+# The precisions each trainer backend can train in. Both train in bf16; nvfp4 there means
 # bf16 training with NVFP4 rollout weights (the trainer re-quantizes on every weight sync).
-# The fp8/fp4 training recipes need Megatron with Transformer Engine.
+# The fp8/fp4 training recipes need Transformer Engine's low-precision linears, which
+# neither backend of this build uses: a plan whose table recipe is one of them trains in
+# bf16 and says so (``Resolved.deferred_precision``).
 BACKEND_PRECISIONS: dict[TrainerBackend, frozenset[Precision]] = {
     TrainerBackend.FSDP: frozenset({Precision.BF16, Precision.NVFP4}),
-    TrainerBackend.MEGATRON: frozenset(Precision),
+    TrainerBackend.MEGATRON: frozenset({Precision.BF16, Precision.NVFP4}),
 }
 
 # The variable that selects visible accelerators on a node, per generation.

@@ -7,8 +7,10 @@ Routes (SGLang names): ``GET /health``, ``/health_generate``, ``/model_info``,
 ``/update_weights_from_disk``, ``/flush_cache``, ``/pause_generation``,
 ``/continue_generation``; the wsync/1 session ``/begin_weight_update``,
 ``/update_weights_from_safetensors``, ``/update_weights_from_shm``,
-``/end_weight_update``, ``/abort_weight_update``; ``GET /weights_checksum``. The adapter
-and weight routes live in ``_routes_weights``, the error mapping in ``_http``.
+``/end_weight_update``, ``/abort_weight_update``; ``GET /weights_checksum``;
+``/release_memory_occupation``, ``/resume_memory_occupation``. The adapter, weight and memory
+routes live in ``_routes_weights``, the error mapping in ``_http``. ``/generate`` and chat take
+SGLang's ``image_data`` / ``audio_data`` for multimodal checkpoints (``_requests.prompt_media``).
 
 Errors are JSON ``{"error": {"message", "type", "field", "code"}}``: 400 for a
 malformed body or field (named), 401 for a missing bearer token on a
@@ -63,7 +65,9 @@ from posttrain.local_engine._requests import (
     TextCodec,
     check_text_fits,
     drop_neutral_sglang_keys,
+    media_refs,
     meta_info,
+    prompt_media,
     sampling_from_params,
     seed_counter,
     tasks_from_generate,
@@ -71,6 +75,7 @@ from posttrain.local_engine._requests import (
 from posttrain.local_engine._routes_weights import weight_routes
 from posttrain.local_engine._scheduler import BatchScheduler
 from posttrain.local_engine._transports import ShmMaps
+from posttrain.models import MediaBatch
 
 __all__ = ["ServerContext", "create_app"]
 
@@ -125,8 +130,8 @@ def create_app(ctx: ServerContext) -> Starlette:
             "is_generation": True,
             "preferred_sampling_params": None,
             "weight_version": engine.weight_version,
-            "has_image_understanding": False,
-            "has_audio_understanding": False,
+            "has_image_understanding": engine.model.config.has_vision_tower,
+            "has_audio_understanding": engine.model.config.has_audio_tower,
             "model_type": ctx.model_type,
             "architectures": ctx.architectures,
         }
@@ -156,7 +161,11 @@ def create_app(ctx: ServerContext) -> Starlette:
             "quantization": "modelopt_fp4" if ctx.quantization else None,
             "quantization_report": ctx.quantization,
             "weight_version": engine.weight_version,
-            "weights_serviceable": engine.unavailable_reason is None,
+            "weights_serviceable": engine.unavailable_reason is None
+            and not engine.released_tags
+            and not engine.stale_tensors,
+            "memory_released": engine.released_tags,
+            "stale_tensors": len(engine.stale_tensors),
             "unavailable_reason": engine.unavailable_reason,
             "weight_update_protocol": "wsync/1",
             "weight_update_transports": ["disk", "http_safetensors", "shm"],
@@ -230,7 +239,11 @@ def create_app(ctx: ServerContext) -> Starlette:
         def prepare() -> tuple[GenerateRequest, list[GenTask], list[dict[str, Any]]]:
             req = GenerateRequest.parse(drop_neutral_sglang_keys(decode_json(raw)))
             tasks, options = tasks_from_generate(
-                req, codec=ctx.codec, next_seed=next_seed, max_context=engine.max_context
+                req,
+                codec=ctx.codec,
+                next_seed=next_seed,
+                max_context=engine.max_context,
+                model_config=engine.model.config,
             )
             return req, tasks, options
 
@@ -251,25 +264,32 @@ def create_app(ctx: ServerContext) -> Starlette:
         ]
         return JSONResponse(items if req.is_batch else items[0])
 
-    def chat_prompt(raw: bytes) -> tuple[ChatCompletionRequest, list[int]]:
+    def chat_prompt(
+        raw: bytes,
+    ) -> tuple[ChatCompletionRequest, list[int], MediaBatch | None]:
         req = ChatCompletionRequest.parse(decode_json(raw))
         if req.stream:
             raise WireFormatError(
                 "stream: streaming is not supported by local-engine", field="stream"
             )
         if req.input_ids is not None:
-            return req, list(req.input_ids)
-        if ctx.codec is None:
-            raise WireFormatError("messages: this model has no chat template", field="messages")
-        msgs = [m.model_dump(exclude_none=True) for m in req.messages]
-        text = ctx.codec.chat_text(msgs, **(req.chat_template_kwargs or {}))
-        check_text_fits(ctx.codec, text, engine.max_context, field="messages")
-        return req, ctx.codec.encode(text)
+            ids = list(req.input_ids)
+        else:
+            if ctx.codec is None:
+                raise WireFormatError("messages: this model has no chat template", field="messages")
+            msgs = [m.model_dump(exclude_none=True) for m in req.messages]
+            text = ctx.codec.chat_text(msgs, **(req.chat_template_kwargs or {}))
+            check_text_fits(ctx.codec, text, engine.max_context, field="messages")
+            ids = ctx.codec.encode(text)
+        images = media_refs(req.image_data, 0, 1, "image_data", False)
+        audio = media_refs(req.audio_data, 0, 1, "audio_data", False)
+        ids, media = prompt_media(ids, images, audio, engine.model.config)
+        return req, ids, media
 
     async def chat(request: Request) -> Response:
         t0 = time.perf_counter()
         raw = await body_bytes(request, cfg.max_request_bytes)
-        req, ids = await off_loop_if_large(raw, lambda: chat_prompt(raw))
+        req, ids, media = await off_loop_if_large(raw, lambda: chat_prompt(raw))
         sp = SamplingParams(
             temperature=req.temperature,
             top_p=req.top_p,
@@ -294,6 +314,7 @@ def create_app(ctx: ServerContext) -> Starlette:
             top_logprobs_num=req.top_logprobs or 0,
             lora_name=req.lora_path,
             rid=req.rid or uuid.uuid4().hex,
+            media=media,
         )
         (res,) = await run_tasks([task])
         text = output_text(res, True)

@@ -40,7 +40,7 @@ from posttrain.local_engine._lora import (
 )
 from posttrain.local_engine._sampling import SamplingConfig, pick_token, top_logprobs
 from posttrain.local_engine._update import TensorSpec, UpdateSession, check_version_increases
-from posttrain.models import DecoderModel
+from posttrain.models import DecoderModel, MediaBatch, tower_parameter_names
 from posttrain.models import LoraAdapter as ModelLora
 
 __all__ = ["Engine", "GenResult", "GenTask"]
@@ -51,6 +51,7 @@ class GenTask:
     """One prompt to complete (or score), validated."""
 
     input_ids: list[int]
+    """The prompt, media sentinels already expanded into their placeholder runs."""
     max_new_tokens: int
     sampling: SamplingConfig
     seed: int
@@ -65,6 +66,8 @@ class GenTask:
     token_ids_logprob_positions: list[list[int]] | None = None
     lora_name: str | None = None
     rid: str = ""
+    media: MediaBatch | None = None
+    """Placeholder runs of ``input_ids`` and their decoded items (``expand_media_tokens``)."""
 
 
 @dataclass(slots=True, kw_only=True)
@@ -90,12 +93,23 @@ def _ids_logprobs(row: torch.Tensor, ids: Sequence[int]) -> list[tuple[float, in
     return [(float(row[i].item()), int(i)) for i in ids]
 
 
+MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
+"""Tags of ``release/resume_memory_occupation`` (SGLang's names; None = all). ``cuda_graph``
+is accepted for SGLang clients and frees nothing here (no CUDA graphs on CPU); ``kv_cache``
+frees nothing either (KV caches live for one batch only), but while it is released nothing
+generates, as in SGLang."""
+
+
 @dataclass(slots=True)
 class _WeightState:
     version: int | None = None
     unavailable: str | None = None
     session: UpdateSession | None = None
     history: list[str] = field(default_factory=list)
+    released: set[str] = field(default_factory=set)
+    """Memory tags released and not yet resumed."""
+    stale: set[str] = field(default_factory=set)
+    """Base tensors (HF names) whose values were dropped by a release and not sent since."""
 
 
 class Engine:
@@ -138,10 +152,87 @@ class Engine:
         return self._w.unavailable
 
     def check_available(self) -> None:
+        if self._w.released:
+            raise UnavailableError(
+                f"memory released ({sorted(self._w.released)}): call "
+                "/resume_memory_occupation, then push the weights again"
+            )
+        if self._w.stale:
+            stale = sorted(self._w.stale)
+            raise UnavailableError(
+                f"weights were released and resumed: {len(stale)} tensor(s) have not been "
+                f"re-sent since, e.g. {stale[:3]}; push them (a full update) before generating"
+            )
         if self._w.unavailable is not None:
             raise UnavailableError(
                 f"weights are not serviceable until a full update succeeds: {self._w.unavailable}"
             )
+
+    # ---- memory occupation (SGLang's release/resume_memory_occupation) ------------------
+
+    def release_memory(self, tags: Sequence[str] | None) -> list[str]:
+        """Drop what ``tags`` name (None = all); worker thread, between batches.
+
+        ``weights``: every base parameter's storage is freed for real (each becomes an
+        empty tensor of its dtype; the shapes are kept in ``param_specs``), and the staging
+        pool of weight updates too. LoRA adapters stay. Returns the tags now released.
+        """
+        wanted = self._memory_tags(tags)
+        if "weights" in wanted and "weights" not in self._w.released:
+            with self._update_lock:
+                if self._w.session is not None:
+                    raise UpdateSessionError(
+                        f"update {self._w.session.update_id!r} is open: end or abort it before "
+                        "releasing the weights"
+                    )
+                for param in self.model.parameters():
+                    param.data = torch.empty(0, dtype=param.dtype, device=param.device)
+                self._staging.clear()
+        self._w.released |= set(wanted)
+        self._w.history.append(f"released {sorted(wanted)}")
+        return sorted(self._w.released)
+
+    def resume_memory(self, tags: Sequence[str] | None) -> list[str]:
+        """Re-allocate what ``tags`` name (None = all released); worker thread.
+
+        Resumed weights are zero-filled and **not valid**: every base tensor is marked stale
+        and generation answers 503 until updates (wsync/1 or ``/update_weights_from_disk``)
+        have sent each of them again, towers included. Returns the tags still released.
+        """
+        wanted = set(self._memory_tags(tags)) if tags is not None else set(self._w.released)
+        if "weights" in wanted and "weights" in self._w.released:
+            specs = self._param_shapes()
+            for name, param in self.model.named_parameters():
+                param.data = torch.zeros(specs[name], dtype=param.dtype, device=param.device)
+            self._w.stale = set(self._specs)
+        self._w.released -= wanted
+        self._w.history.append(f"resumed {sorted(wanted)}")
+        return sorted(self._w.released)
+
+    @property
+    def released_tags(self) -> list[str]:
+        """Memory tags released and not yet resumed."""
+        return sorted(self._w.released)
+
+    @property
+    def stale_tensors(self) -> list[str]:
+        """Base tensors not re-sent since the weights were resumed."""
+        return sorted(self._w.stale)
+
+    def _memory_tags(self, tags: Sequence[str] | None) -> list[str]:
+        if tags is None:
+            return ["kv_cache", "weights"]
+        bad = [t for t in tags if t not in MEMORY_TAGS]
+        if bad:
+            raise WireFormatError(
+                f"tags: {bad} are not memory tags; use {list(MEMORY_TAGS)}", field="tags"
+            )
+        return sorted(set(tags))
+
+    def _param_shapes(self) -> dict[str, tuple[int, ...]]:
+        from posttrain.models import weight_groups
+
+        return {g.name: g.shape for g in weight_groups(self.model.config)}
 
     def param_specs(self) -> dict[str, TensorSpec]:
         """HF name -> dtype and shape of every base tensor the model holds."""
@@ -149,7 +240,22 @@ class Engine:
 
     def weights_sha256(self) -> str:
         """A digest of every base tensor (HF names), to compare engines and transports."""
+        self._check_resident()
         return tensors_sha256(self.model.hf_state_dict())
+
+    def tower_sha256(self) -> str | None:
+        """A digest of the media towers' tensors (``tower_parameter_names``); None without
+        towers. The trainer computes the same with ``tensors_sha256`` over those names."""
+        self._check_resident()
+        names = tower_parameter_names(self.model)
+        if not names:
+            return None
+        hf = self.model.hf_state_dict()
+        return tensors_sha256({n: hf[n] for n in names})
+
+    def _check_resident(self) -> None:
+        if "weights" in self._w.released:
+            raise UnavailableError("weights are released: /resume_memory_occupation first")
 
     # ---- generation ----------------------------------------------------------------------
 
@@ -228,8 +334,13 @@ class Engine:
         ]
         lora_arg = loras if any(x is not None for x in loras) else None
         cache = self.model.new_kv_cache(n)
+        media = [t.media for t in tasks]
         steps = self.model.extend(
-            cache, list(range(n)), [t.input_ids for t in tasks], lora=lora_arg
+            cache,
+            list(range(n)),
+            [t.input_ids for t in tasks],
+            lora=lora_arg,
+            media=media if any(m is not None for m in media) else None,
         )
         results: list[GenResult] = []
         rows: dict[int, torch.Tensor] = {}
@@ -380,6 +491,10 @@ class Engine:
         """
         with self._update_lock:
             check_version_increases(self._w.version, weight_version)
+            if "weights" in self._w.released:
+                raise UpdateSessionError(
+                    "weights are released: /resume_memory_occupation before updating them"
+                )
             specs = self._specs
             if kind == "lora":
                 if not lora_name or lora_config is None:
@@ -500,6 +615,7 @@ class Engine:
                 self.put_adapter(adapter)
             else:
                 self.model.load_hf_state_dict(dict(session.staged), partial=True)
+                self._w.stale -= set(session.staged)
             self._w.version = session.weight_version
             self._w.unavailable = None
 
@@ -544,6 +660,10 @@ class Engine:
         """
         if version is not None:
             check_version_increases(self._w.version, version)
+        if "weights" in self._w.released:
+            raise UpdateSessionError(
+                "weights are released: /resume_memory_occupation before loading weights"
+            )
         try:
             self.model.load_hf_state_dict(dict(tensors))
         except Exception as e:
@@ -552,3 +672,4 @@ class Engine:
         if version is not None:
             self._w.version = version
         self._w.unavailable = None
+        self._w.stale.clear()

@@ -6,6 +6,14 @@ prompt; per-item fields (``sampling_params``, ``return_logprob``, ``lora_path``,
 Field errors name the field and, in a batch, the item index. Sampling knobs this
 engine does not implement (penalties, ``n`` > 1, streaming) are refused with a
 400 rather than silently ignored.
+
+Media (SGLang's ``image_data`` / ``audio_data``): each prompt holds one sentinel token per
+item (``<|image|>`` / ``<|audio|>`` of a multimodal checkpoint); ``prompt_media`` decodes the
+references (``posttrain.models.decode_media``) and expands each sentinel into its placeholder
+run (``expand_media_tokens``), exactly as a trainer rebuilds the input. The task's
+``input_ids`` are the expanded ids, so ``meta_info.prompt_tokens`` and the input logprob
+positions count the placeholders. Undecodable media, a count that differs from the
+sentinels, or media for a model without the tower: a 400 naming the field.
 """
 
 from __future__ import annotations
@@ -18,12 +26,21 @@ from typing import Any, Protocol
 from posttrain.interface import GenerateRequest, SamplingParams, WireFormatError
 from posttrain.local_engine._engine import GenResult, GenTask
 from posttrain.local_engine._sampling import SamplingConfig
+from posttrain.models import (
+    MediaBatch,
+    MediaError,
+    ModelConfig,
+    decode_media,
+    expand_media_tokens,
+)
 
 __all__ = [
     "TextCodec",
     "check_text_fits",
     "drop_neutral_sglang_keys",
+    "media_refs",
     "meta_info",
+    "prompt_media",
     "tasks_from_generate",
 ]
 
@@ -157,16 +174,75 @@ def sampling_from_params(
     return cfg, (default_seed if seed is None else seed), extra
 
 
+def media_refs(value: Any, i: int, n: int, field: str, batch: bool) -> list[str]:
+    """Prompt ``i``'s references of one media field (SGLang's shapes, see GenerateRequest)."""
+    if value is None:
+        return []
+    if batch:
+        if not isinstance(value, list) or len(value) != n:
+            raise WireFormatError(
+                f"{field}: a batch of {n} prompts needs a list of {n} entries (one per prompt)",
+                field=field,
+            )
+        value = value[i]
+        field = f"{field}[{i}]"
+        if value is None:
+            return []
+    refs = [value] if isinstance(value, str) else list(value)
+    for j, ref in enumerate(refs):
+        if not isinstance(ref, str) or not ref:
+            raise WireFormatError(
+                f"{field}[{j}]: a media reference must be a non-empty string", field=field
+            )
+    return refs
+
+
+def prompt_media(
+    prompt: list[int],
+    images: list[str],
+    audio: list[str],
+    config: ModelConfig | None,
+    *,
+    where: str = "",
+) -> tuple[list[int], MediaBatch | None]:
+    """Decode a prompt's media and expand its sentinels: ``(expanded ids, MediaBatch)``.
+
+    A model without towers (``config`` None or text-only) passes the prompt through unchanged
+    and refuses any media; a multimodal model always expands, so a sentinel without its item
+    is refused too. Errors are 400s naming ``image_data`` / ``audio_data``.
+    """
+    if config is None or not config.has_towers:
+        for field, refs in (("image_data", images), ("audio_data", audio)):
+            if refs:
+                tower = "vision" if field == "image_data" else "audio"
+                raise WireFormatError(
+                    f"{where}{field}: this model has no {tower} tower (text-only model)",
+                    field=field,
+                )
+        return prompt, None
+    try:
+        items = decode_media(config, images=images, audio=audio)
+        ids, batch = expand_media_tokens(prompt, items, config)
+    except MediaError as exc:
+        field = f"{exc.kind or 'image'}_data"
+        text = str(exc)
+        message = text if text.startswith(field) else f"{field}: {text}"
+        raise WireFormatError(f"{where}{message}", field=field) from exc
+    return ids, (batch if len(batch) else None)
+
+
 def tasks_from_generate(
     req: GenerateRequest,
     *,
     codec: TextCodec | None,
     next_seed: Callable[[], int],
     max_context: int | None = None,
+    model_config: ModelConfig | None = None,
 ) -> tuple[list[GenTask], list[dict[str, Any]]]:
     """Tasks for every prompt of a request, plus per-item output options.
 
-    With ``max_context``, a text too long for it is refused before it is tokenized.
+    With ``max_context``, a text too long for it is refused before it is tokenized. With a
+    multimodal ``model_config``, media sentinels are expanded (``prompt_media``).
     """
     if req.stream:
         raise WireFormatError("stream: streaming is not supported by local-engine", field="stream")
@@ -191,9 +267,17 @@ def tasks_from_generate(
         lora = _item(req.lora_path, i, n, "lora_path", batch)
         rid = _item(req.rid, i, n, "rid", batch)
         start = _item(req.logprob_start_len, i, n, "logprob_start_len", batch)
+        ids, media = prompt_media(
+            prompts[i],
+            media_refs(req.image_data, i, n, "image_data", batch),
+            media_refs(req.audio_data, i, n, "audio_data", batch),
+            model_config,
+            where=where,
+        )
         tasks.append(
             GenTask(
-                input_ids=prompts[i],
+                input_ids=ids,
+                media=media,
                 max_new_tokens=extra["max_new_tokens"],
                 sampling=cfg,
                 seed=seed,

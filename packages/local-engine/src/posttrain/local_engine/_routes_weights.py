@@ -8,6 +8,13 @@ never on the event loop; only the swap itself runs on the scheduler's worker thr
 between batches. Every check runs before anything is swapped, so a refused update (a bad
 path, an unreadable file, a wrong shape, NaN or Inf) answers 4xx and the engine keeps
 serving what it served (see ``_update`` for what an abandoned wsync/1 session does).
+
+``/release_memory_occupation`` and ``/resume_memory_occupation`` (SGLang's names, body
+``{"tags": ["weights", "kv_cache"]}`` or no tags = all) free the weights' storage and bring
+it back zero-filled. Like SGLang, resumed weights are not valid until pushed again; unlike
+SGLang, this engine knows which tensors were not re-sent: ``/generate`` answers 503 naming
+them until every base tensor (the towers included) arrived through an update.
+``/weights_checksum`` adds ``tower_sha256``, the digest of the media towers' tensors.
 """
 
 from __future__ import annotations
@@ -39,7 +46,7 @@ from posttrain.interface import (
 from posttrain.local_engine._context import ServerContext
 from posttrain.local_engine._engine import GenResult, GenTask
 from posttrain.local_engine._errors import AdapterError, CheckpointError
-from posttrain.local_engine._http import Handler, body_bytes, guard, json_body
+from posttrain.local_engine._http import Handler, body_bytes, decode_json, guard, json_body
 from posttrain.local_engine._lora import load_peft_adapter
 from posttrain.local_engine._scheduler import BatchScheduler
 from posttrain.local_engine._transports import ShmMaps
@@ -212,8 +219,56 @@ def weight_routes(
         )
 
     async def weights_checksum(request: Request) -> Response:
-        sha = await sched.call_exclusive(engine.weights_sha256)
-        return JSONResponse({"sha256": sha, "weight_version": engine.weight_version})
+        def digests() -> tuple[str, str | None]:
+            return engine.weights_sha256(), engine.tower_sha256()
+
+        sha, towers = await sched.call_exclusive(digests)
+        return JSONResponse(
+            {
+                "sha256": sha,
+                "tower_sha256": towers,
+                "weight_version": engine.weight_version,
+                "stale_tensors": len(engine.stale_tensors),
+            }
+        )
+
+    async def memory_tags(request: Request) -> list[str] | None:
+        raw = await body_bytes(request, cfg.max_request_bytes)
+        body = decode_json(raw) if raw.strip() else {}  # no body = all tags
+        if body is None:
+            return None
+        if not isinstance(body, dict):
+            raise WireFormatError("body: expected a JSON object with optional tags", field="body")
+        unknown = sorted(set(body) - {"tags"})
+        if unknown:
+            raise WireFormatError(f"{unknown[0]}: unknown field", field=unknown[0])
+        tags = body.get("tags")
+        if tags is None:
+            return None
+        if not isinstance(tags, list) or not all(isinstance(t, str) for t in tags):
+            raise WireFormatError("tags: expected a list of strings or null", field="tags")
+        return list(tags)
+
+    async def release_memory(request: Request) -> Response:
+        tags = await memory_tags(request)
+        released = await sched.call_exclusive(lambda: engine.release_memory(tags))
+        return JSONResponse(
+            {"success": True, "message": f"released {released}", "released": released}
+        )
+
+    async def resume_memory(request: Request) -> Response:
+        tags = await memory_tags(request)
+        still = await sched.call_exclusive(lambda: engine.resume_memory(tags))
+        return JSONResponse(
+            {
+                "success": True,
+                "message": "resumed; the weights are not valid until pushed again"
+                if engine.stale_tensors
+                else "resumed",
+                "released": still,
+                "stale_tensors": len(engine.stale_tensors),
+            }
+        )
 
     def g(handler: Handler) -> Handler:
         return guard(handler, api_key=cfg.api_key, state_changing=True)
@@ -229,4 +284,6 @@ def weight_routes(
         Route("/update_weights_from_shm", g(update_from_shm), methods=["POST"]),
         Route("/end_weight_update", g(end_update), methods=["POST"]),
         Route("/abort_weight_update", g(abort_update), methods=["POST"]),
+        Route("/release_memory_occupation", g(release_memory), methods=["POST"]),
+        Route("/resume_memory_occupation", g(resume_memory), methods=["POST"]),
     ]

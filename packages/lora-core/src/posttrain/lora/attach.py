@@ -104,8 +104,9 @@ class LoraHandle:
 
 
 def _megatron_classes(module: nn.Module) -> tuple[type[nn.Module], type[nn.Module]] | None:
-    # Importing megatron-core costs ~20 s: only do it for modules that come from it.
-    if not type(module).__module__.startswith("megatron."):
+    # Importing megatron-core costs ~20 s: only do it for modules that come from it (or
+    # subclass one of its classes, as a model's own kernel-carrying parallel linears do).
+    if not any(c.__module__.startswith("megatron.") for c in type(module).__mro__):
         return None
     try:
         from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear

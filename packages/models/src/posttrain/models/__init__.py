@@ -16,6 +16,12 @@ Public surface (see the package README for a tour):
   ``TokenLayout`` / ``PackedLayout`` / ``CacheLayout``, ``residual_sconv`` (with a halo),
   ``attend`` (queries against gathered keys, masks from positions), ``rel_logits_of``,
   ``DecoderModel.forward_with_layout`` (see ``_blocks``).
+* Multimodal (``ModelConfig.multimodal_tiny``; ``_media``, ``_media_io``, ``_towers``):
+  frozen vision/audio towers; ``decode_media`` / ``decode_image`` / ``decode_audio`` turn
+  SGLang-style references (file path, ``data:`` URL, base64) into ``MediaItem``s;
+  ``expand_media_tokens(prompt_ids, media, config)`` -> ``(ids, MediaBatch)``;
+  ``forward_logprobs(..., media=MediaBatch.pack(...))`` and ``extend``/``prefill(media=)``;
+  ``has_towers`` / ``tower_parameter_names`` for weight sync (derived from the structure).
 * ``context_parallel`` -- CP/SP primitives: zigzag/contiguous layouts, autograd K/V gather,
   position-masked attention with relative bias, halo exchange for short convolutions; and the
   model level: ``forward_context_parallel`` (this rank's logits/logprobs of a ``DecoderModel``,
@@ -53,6 +59,7 @@ from posttrain.models._errors import (
     CheckpointError,
     DuplicateTensorError,
     LoraError,
+    MediaError,
     MissingTensorError,
     ModelConfigError,
     ModelInputError,
@@ -62,13 +69,53 @@ from posttrain.models._errors import (
     UnknownTensorError,
 )
 from posttrain.models._lora import LoraAdapter
-from posttrain.models._model import DecoderModel, Numerics, Step, StrictKernels, build_model
+from posttrain.models._media import (
+    MediaBatch,
+    MediaItem,
+    MediaKind,
+    MediaSpan,
+    expand_media_tokens,
+    sentinel_id,
+)
+from posttrain.models._media_io import (
+    AUDIO_HOP,
+    AUDIO_N_FFT,
+    AUDIO_SAMPLE_RATE,
+    decode_audio,
+    decode_image,
+    decode_media,
+    encode_npy_base64,
+    encode_png_base64,
+    encode_wav_base64,
+    mel_bins,
+    read_media_bytes,
+)
+from posttrain.models._model import (
+    DecoderModel,
+    Numerics,
+    Step,
+    StrictKernels,
+    build_model,
+    strict_ops_for,
+)
 from posttrain.models._ops import FastOps, StrictOps
 from posttrain.models._sites import LinearSite
-from posttrain.models._tokenizer import CHAT_TEMPLATE, VOCAB_SIZE, build_tokenizer
+from posttrain.models._tokenizer import (
+    CHAT_TEMPLATE,
+    MEDIA_TOKENS,
+    MULTIMODAL_VOCAB_SIZE,
+    VOCAB_SIZE,
+    build_tokenizer,
+)
+from posttrain.models._towers import MediaTower, has_towers, tower_parameter_names
 
 __all__ = [
+    "AUDIO_HOP",
+    "AUDIO_N_FFT",
+    "AUDIO_SAMPLE_RATE",
     "CHAT_TEMPLATE",
+    "MEDIA_TOKENS",
+    "MULTIMODAL_VOCAB_SIZE",
     "VOCAB_SIZE",
     "AttentionShape",
     "CacheError",
@@ -81,6 +128,12 @@ __all__ = [
     "LinearSite",
     "LoraAdapter",
     "LoraError",
+    "MediaBatch",
+    "MediaError",
+    "MediaItem",
+    "MediaKind",
+    "MediaSpan",
+    "MediaTower",
     "MissingTensorError",
     "ModelConfig",
     "ModelConfigError",
@@ -101,14 +154,27 @@ __all__ = [
     "build_model",
     "build_tokenizer",
     "context_parallel",
+    "decode_audio",
+    "decode_image",
+    "decode_media",
+    "encode_npy_base64",
+    "encode_png_base64",
+    "encode_wav_base64",
+    "expand_media_tokens",
     "from_hf_state_dict",
+    "has_towers",
     "load_config",
     "load_hf_tensors",
     "load_pretrained",
     "lora_targets",
+    "mel_bins",
+    "read_media_bytes",
     "rel_logits_of",
     "residual_sconv",
     "save_pretrained",
+    "sentinel_id",
+    "strict_ops_for",
     "to_hf_state_dict",
+    "tower_parameter_names",
     "weight_groups",
 ]

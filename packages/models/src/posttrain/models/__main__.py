@@ -1,4 +1,4 @@
-"""``python -m posttrain.models init [--arch tiny|inkling-tiny] DIR``: a seeded checkpoint + tokenizer.
+"""``python -m posttrain.models init [--arch tiny|inkling-tiny|multimodal-tiny] DIR``: a seeded checkpoint + tokenizer.
 
 The directory it writes is what every CPU path of posttrain starts from: the
 local engine serves it (``--model-path DIR``), the session router renders its
@@ -23,12 +23,14 @@ from posttrain.formats import atomic_directory
 from posttrain.models._config import ModelConfig
 from posttrain.models._errors import CheckpointError, ModelConfigError
 from posttrain.models._model import build_model
-from posttrain.models._tokenizer import VOCAB_SIZE, build_tokenizer
+from posttrain.models._tokenizer import MULTIMODAL_VOCAB_SIZE, VOCAB_SIZE, build_tokenizer
 
-ARCHS = ("tiny", "inkling-tiny")
+ARCHS = ("tiny", "inkling-tiny", "multimodal-tiny")
 """``tiny``: the Qwen3-MoE-layout Dense/MoE config; ``inkling-tiny``: the same with every
 optional block on (``ModelConfig.inkling_tiny``: sconv, relative bias, sliding-window and
-global layers, sigmoid router with shared experts, embedding norm, logits divisor)."""
+global layers, sigmoid router with shared experts, embedding norm, logits divisor);
+``multimodal-tiny``: ``tiny`` plus frozen vision and audio towers
+(``ModelConfig.multimodal_tiny``) and the tokenizer with ``<|image|>`` / ``<|audio|>``."""
 
 
 def init_checkpoint(
@@ -49,11 +51,17 @@ def init_checkpoint(
     occupied = any(target.iterdir()) if target.is_dir() else target.exists()
     if occupied and not overwrite:
         raise CheckpointError(f"{target} exists and is not empty (pass --overwrite)")
-    make = ModelConfig.inkling_tiny if arch == "inkling-tiny" else ModelConfig.tiny
-    config = make(vocab_size=VOCAB_SIZE, max_position_embeddings=max_positions)
+    multimodal = arch == "multimodal-tiny"
+    if multimodal:
+        config = ModelConfig.multimodal_tiny(
+            vocab_size=MULTIMODAL_VOCAB_SIZE, max_position_embeddings=max_positions
+        )
+    else:
+        make = ModelConfig.inkling_tiny if arch == "inkling-tiny" else ModelConfig.tiny
+        config = make(vocab_size=VOCAB_SIZE, max_position_embeddings=max_positions)
     model = build_model(config, seed=seed)
     with atomic_directory(target) as staging:
-        model.save_pretrained(staging, tokenizer=build_tokenizer())
+        model.save_pretrained(staging, tokenizer=build_tokenizer(multimodal=multimodal))
     return target
 
 
@@ -79,7 +87,8 @@ def main(argv: list[str] | None = None) -> int:
         "--arch",
         choices=ARCHS,
         default="tiny",
-        help="tiny: Qwen3-MoE layout; inkling-tiny: every optional block on",
+        help="tiny: Qwen3-MoE layout; inkling-tiny: every optional block on; "
+        "multimodal-tiny: tiny plus frozen vision and audio towers",
     )
     init.add_argument(
         "--max-positions", type=int, default=256, help="context length (= KV capacity)"

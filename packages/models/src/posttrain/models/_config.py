@@ -37,6 +37,16 @@ same ``config.json`` as before, so existing checkpoints are unchanged):
 Such a config is written with ``architectures = ["InklingForCausalLM"]`` and
 ``model_type = "posttrain_inkling"`` (``transformers`` has no class for it; ``posttrain``
 and ``local-engine`` load it).
+
+Optional multimodal towers (off by default; see ``_towers`` and ``_media``):
+
+* ``image_token_id`` + ``vision_patch_size`` / ``vision_hidden_size`` /
+  ``vision_intermediate_size``: a frozen vision tower (one embedding per ``p x p`` RGB patch).
+* ``audio_token_id`` + ``audio_num_mel_bins`` / ``audio_hidden_size`` /
+  ``audio_intermediate_size``: a frozen audio tower (one embedding per mel frame).
+
+A config with a tower is written with ``architectures = ["PosttrainMultimodalForCausalLM"]``
+and ``model_type = "posttrain_multimodal"`` (plus every Inkling-style field).
 """
 
 from __future__ import annotations
@@ -71,6 +81,19 @@ _EXTENSION_DEFAULTS: dict[str, Any] = {
     "routed_scaling_factor": 1.0,
     "embedding_rms_norm": False,
     "logits_divisor": 1.0,
+}
+
+
+# Multimodal tower fields and their "off" defaults (a config at these values has no tower).
+_MULTIMODAL_DEFAULTS: dict[str, Any] = {
+    "image_token_id": None,
+    "vision_patch_size": 0,
+    "vision_hidden_size": 0,
+    "vision_intermediate_size": 0,
+    "audio_token_id": None,
+    "audio_num_mel_bins": 0,
+    "audio_hidden_size": 0,
+    "audio_intermediate_size": 0,
 }
 
 
@@ -129,6 +152,15 @@ class ModelConfig:
     routed_scaling_factor: float = 1.0
     embedding_rms_norm: bool = False
     logits_divisor: float = 1.0
+    # ---- optional multimodal towers (see the module docstring); defaults = off
+    image_token_id: int | None = None
+    vision_patch_size: int = 0
+    vision_hidden_size: int = 0
+    vision_intermediate_size: int = 0
+    audio_token_id: int | None = None
+    audio_num_mel_bins: int = 0
+    audio_hidden_size: int = 0
+    audio_intermediate_size: int = 0
 
     def __post_init__(self) -> None:
         positive = (
@@ -176,6 +208,67 @@ class ModelConfig:
         if not self.rms_norm_eps > 0:
             raise ModelConfigError(f"ModelConfig.rms_norm_eps={self.rms_norm_eps} must be > 0")
         self._validate_extensions()
+        self._validate_towers()
+
+    def _validate_towers(self) -> None:
+        """Each multimodal tower field, with a ModelConfigError naming it."""
+        for name in _MULTIMODAL_DEFAULTS:
+            value = getattr(self, name)
+            if name.endswith("_token_id"):
+                if value is not None and (not _is_int(value) or not 0 <= value < self.vocab_size):
+                    raise ModelConfigError(
+                        f"ModelConfig.{name}={value!r} must be None or a token id in "
+                        f"[0, vocab_size={self.vocab_size})"
+                    )
+            elif not _is_int(value) or value < 0:
+                raise ModelConfigError(f"ModelConfig.{name} must be an int >= 0, got {value!r}")
+        for tower, token, switch, sizes in (
+            ("vision", "image_token_id", "vision_patch_size", ("vision_hidden_size",
+             "vision_intermediate_size")),
+            ("audio", "audio_token_id", "audio_num_mel_bins", ("audio_hidden_size",
+             "audio_intermediate_size")),
+        ):  # fmt: skip
+            on = getattr(self, switch) > 0
+            if on != (getattr(self, token) is not None):
+                raise ModelConfigError(
+                    f"ModelConfig.{token} and {switch} go together: the {tower} tower needs "
+                    f"both (got {token}={getattr(self, token)!r}, {switch}={getattr(self, switch)})"
+                )
+            for size in sizes:
+                if on != (getattr(self, size) > 0):
+                    raise ModelConfigError(
+                        f"ModelConfig.{size}={getattr(self, size)} must be positive exactly when "
+                        f"the {tower} tower is on ({switch}={getattr(self, switch)})"
+                    )
+        if self.image_token_id is not None and self.image_token_id == self.audio_token_id:
+            raise ModelConfigError(
+                f"ModelConfig.image_token_id and audio_token_id are both {self.image_token_id}"
+            )
+        for token in ("image_token_id", "audio_token_id"):
+            value = getattr(self, token)
+            if value is None:
+                continue
+            for other in ("bos_token_id", "eos_token_id", "pad_token_id"):
+                if value == getattr(self, other):
+                    raise ModelConfigError(
+                        f"ModelConfig.{token}={value} is also the {other}: a media sentinel "
+                        "needs a token of its own"
+                    )
+
+    @property
+    def has_vision_tower(self) -> bool:
+        """Whether the model has a vision tower (``vision_patch_size > 0``)."""
+        return self.vision_patch_size > 0
+
+    @property
+    def has_audio_tower(self) -> bool:
+        """Whether the model has an audio tower (``audio_num_mel_bins > 0``)."""
+        return self.audio_num_mel_bins > 0
+
+    @property
+    def has_towers(self) -> bool:
+        """Whether the model has any media tower (the config is a multimodal one)."""
+        return self.has_vision_tower or self.has_audio_tower
 
     def _validate_extensions(self) -> None:
         """Each optional-block field, with a ModelConfigError naming it."""
@@ -380,6 +473,25 @@ class ModelConfig:
         return cls(**base)
 
     @classmethod
+    def multimodal_tiny(cls, **changes: Any) -> ModelConfig:
+        """``tiny`` plus a vision tower (4x4 patches, width 16, MLP 32; sentinel id 101) and an
+        audio tower (8 mel bins, width 16, MLP 32; sentinel id 102), with a vocabulary of 103
+        (the local tokenizer's 101 tokens plus ``<|image|>`` and ``<|audio|>``)."""
+        base: dict[str, Any] = {
+            "vocab_size": 103,
+            "image_token_id": 101,
+            "vision_patch_size": 4,
+            "vision_hidden_size": 16,
+            "vision_intermediate_size": 32,
+            "audio_token_id": 102,
+            "audio_num_mel_bins": 8,
+            "audio_hidden_size": 16,
+            "audio_intermediate_size": 32,
+        }
+        base.update(changes)
+        return cls.tiny(**base)
+
+    @classmethod
     def inkling_tiny(cls, **changes: Any) -> ModelConfig:
         """``tiny`` with every optional block on: layers 0 (dense) and 2 (MoE) slide over a
         window of 8 with 2 heads of dim 16 (1 KV head), layers 1 and 3 (MoE) are global;
@@ -417,13 +529,17 @@ class ModelConfig:
         """The ``config.json`` dict: ``qwen3_moe``, or ``mellum`` when dense and MoE layers mix,
         or ``posttrain_inkling`` (a ``qwen3_moe`` dict plus the block fields) when optional
         blocks are on."""
-        if self.uses_extensions:
+        if self.uses_extensions or self.has_towers:
             out = self.to_qwen3_moe_hf_dict()
             out["architectures"] = ["InklingForCausalLM"]
             out["model_type"] = "posttrain_inkling"
             for key in _EXTENSION_DEFAULTS:
                 value = getattr(self, key)
                 out[key] = list(value) if isinstance(value, tuple) else value
+            if self.has_towers:
+                out["architectures"] = ["PosttrainMultimodalForCausalLM"]
+                out["model_type"] = "posttrain_multimodal"
+                out.update({key: getattr(self, key) for key in _MULTIMODAL_DEFAULTS})
             return out
         if self.has_dense_and_moe_layers:
             return self._mellum_hf_dict()

@@ -32,6 +32,16 @@ Optional blocks (``ModelConfig`` extension fields) add, when on:
     layers.{i}.expert_bias          ...mlp.gate.e_score_correction_bias     (fp32, frozen)
     layers.{i}.shared_fc1 / fc2     ...mlp.shared_experts.{s}.{gate,up,down}_proj.weight
 
+Multimodal towers (``ModelConfig`` tower fields, see ``_towers``) add, when on, with
+``T`` = ``vision_tower`` (input ``patch_embed``) or ``audio_tower`` (input ``frame_embed``):
+
+    T.input_proj                    model.T.{patch_embed,frame_embed}.weight
+    T.input_norm / T.output_norm    model.T.input_norm.weight / model.T.output_norm.weight
+    T.fc1 / T.fc2                   model.T.mlp.{gate,up}_proj.weight (cat) / mlp.down_proj.weight
+    T.proj                          model.T.projector.weight
+
+Tower tensors are not LoRA targets (``linear=False``: the towers are frozen).
+
 Expert groups also accept (and can emit) the stacked form that ``transformers`` v5 keeps in
 memory: ``...mlp.experts.gate_up_proj[E, 2I, H]`` and ``...mlp.experts.down_proj[E, H, I]``.
 Checkpoints on disk use the per-expert names, which SGLang and ``quant-convert`` read.
@@ -199,7 +209,38 @@ def weight_groups(config: ModelConfig) -> list[WeightGroup]:
     groups.append(_copy("final_norm", "model.norm.weight", (h,)))
     if not c.tie_word_embeddings:
         groups.append(_copy("output", "lm_head.weight", (c.vocab_size, h)))
+    if c.has_vision_tower:
+        ps = c.vision_patch_size
+        groups += _tower_groups(
+            "vision", ps * ps * 3, c.vision_hidden_size, c.vision_intermediate_size, h
+        )
+    if c.has_audio_tower:
+        groups += _tower_groups(
+            "audio", c.audio_num_mel_bins, c.audio_hidden_size, c.audio_intermediate_size, h
+        )
     return groups
+
+
+def _tower_groups(kind: str, n_in: int, width: int, inter: int, h: int) -> list[WeightGroup]:
+    """The groups of one media tower, in its parameter order (see ``_towers``)."""
+    from posttrain.models._towers import INPUT_PROJ_NAME, TOWER_PREFIX
+
+    p, hp = f"{kind}_tower.", TOWER_PREFIX[kind]
+    return [
+        _copy(p + "input_proj", f"{hp}{INPUT_PROJ_NAME[kind]}.weight", (width, n_in), linear=False),
+        _copy(p + "input_norm", hp + "input_norm.weight", (width,), linear=False),
+        WeightGroup(
+            name=p + "fc1",
+            hf_names=(hp + "mlp.gate_proj.weight", hp + "mlp.up_proj.weight"),
+            kind="cat",
+            shape=(2 * inter, width),
+            hf_shapes=((inter, width), (inter, width)),
+            linear=False,
+        ),
+        _copy(p + "fc2", hp + "mlp.down_proj.weight", (width, inter), linear=False),
+        _copy(p + "output_norm", hp + "output_norm.weight", (width,), linear=False),
+        _copy(p + "proj", hp + "projector.weight", (h, width), linear=False),
+    ]
 
 
 def _copy(name: str, hf_name: str, shape: tuple[int, ...], *, linear: bool = True) -> WeightGroup:

@@ -14,6 +14,7 @@ interface's base error):
         │   ├── DuplicateTensorError      a tensor was given (or consumed) twice
         │   └── TensorSpecMismatchError   a tensor has the wrong shape or dtype (dtype is never cast)
         ├── ModelInputError (ValueError)  bad token ids or segment lengths given to a forward
+        ├── MediaError (ValueError)       media that cannot be decoded or does not fit the model
         ├── CacheError                    a KV-cache row is full, unknown, or used out of order
         └── LoraError                     an adapter names an unknown layer or has bad shapes
 """
@@ -57,6 +58,19 @@ class TensorSpecMismatchError(TensorSpecError):
 
 class ModelInputError(ModelsError, ValueError):
     """Token ids out of the vocabulary, or segment lengths that do not fit the input or capacity."""
+
+
+class MediaError(ModelsError, ValueError):
+    """A media reference that does not decode, a media item the model has no tower for or whose
+    shape does not fit it, or sentinels and media items that do not pair up.
+
+    ``kind`` is ``"image"`` or ``"audio"`` when the error concerns one kind (so an HTTP layer
+    can name ``image_data`` or ``audio_data``), else None.
+    """
+
+    def __init__(self, message: str, *, kind: str | None = None) -> None:
+        super().__init__(message)
+        self.kind = kind
 
 
 class CacheError(ModelsError):

@@ -18,6 +18,13 @@ at four sites per layer, a relative position bias from an extra projected stream
 layers with their own shape, a sigmoid router with a fixed expert bias and shared experts, an
 embedding RMSNorm and a logits divisor.
 
+Optional multimodal towers (``ModelConfig`` tower fields, ``_towers``): a frozen vision
+tower and/or audio tower whose outputs overwrite the embedding rows of the placeholder runs
+a ``MediaBatch`` records (``_media``). Only the tower forwards run under ``torch.no_grad``;
+the overwrite is an out-of-place ``index_put`` on the text embedding output, so every other
+row keeps its autograd path to ``embedding`` (trap 2 of issue 25: a ``no_grad`` that also
+covered the scatter detached the whole embedding output).
+
 Departures from HF ``Qwen3MoeForCausalLM``: activations are fp32 whatever the parameter
 dtype; experts are combined in ascending expert id order; top-k ties go to the lower id
 (a stable sort), and no dropout exists (training mode equals eval mode, G4).
@@ -43,8 +50,10 @@ from posttrain.models._cache import KVCache
 from posttrain.models._config import ModelConfig
 from posttrain.models._errors import CacheError, ModelInputError
 from posttrain.models._lora import AdapterArg, LoraAdapter, LoraRouting
+from posttrain.models._media import MediaBatch, MediaKind, check_media_positions
 from posttrain.models._ops import FastOps, StrictOps, apply_rope, rope_tables
 from posttrain.models._sites import LinearSite
+from posttrain.models._towers import MediaTower, build_towers, image_patches, mel_features
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -61,6 +70,20 @@ StrictKernels = Literal["auto", "torch", "triton"]
 """Which strict kernel set runs: ``auto`` (Triton's ``CudaStrictOps`` on CUDA, ``StrictOps``
 elsewhere), ``torch`` (``StrictOps`` everywhere) or ``triton`` (``CudaStrictOps`` everywhere;
 on CPU tensors only under Triton's interpreter, for tests)."""
+
+
+def strict_ops_for(device: torch.device, kernels: StrictKernels = "auto") -> type[FastOps]:
+    """The strict kernel set for tensors on ``device``: ``CudaStrictOps`` (Triton) on CUDA or
+    when ``kernels == "triton"``, ``StrictOps`` otherwise. Triton is imported only then.
+
+    Anything that computes part of a model's forward outside ``DecoderModel`` (an expert
+    layer split over ranks, say) takes its kernels from here, so its bits stay the model's.
+    """
+    if kernels == "triton" or (kernels == "auto" and device.type == "cuda"):
+        from posttrain.models._strict_cuda import CudaStrictOps
+
+        return CudaStrictOps
+    return StrictOps
 
 
 class Step(NamedTuple):
@@ -175,6 +198,8 @@ class DecoderModel(nn.Module):
 
     output: nn.Parameter | None
     embed_norm: nn.Parameter
+    vision_tower: MediaTower
+    audio_tower: MediaTower
     rope_cos: Tensor
     rope_sin: Tensor
     rope_cos_swa: Tensor
@@ -204,6 +229,8 @@ class DecoderModel(nn.Module):
             self.register_parameter("output", None)
         else:
             self.output = nn.Parameter(torch.zeros(v, h, dtype=dt))
+        for name, tower in build_towers(config).items():  # after every decoder parameter
+            self.add_module(name, tower)
         from posttrain.models._convert import lora_targets
 
         self._lora_targets = lora_targets(config)
@@ -237,23 +264,88 @@ class DecoderModel(nn.Module):
         """
         if self.numerics is not Numerics.STRICT:
             return FastOps
-        kernels = self._strict_kernels
-        if kernels == "triton" or (kernels == "auto" and self.embedding.device.type == "cuda"):
-            from posttrain.models._strict_cuda import CudaStrictOps
-
-            return CudaStrictOps
-        return StrictOps
+        return strict_ops_for(self.embedding.device, self._strict_kernels)
 
     # ------------------------------------------------------------------ public forwards
 
     def forward_logits(
-        self, input_ids: Tensor, segment_lengths: Sequence[int], *, lora: AdapterArg = None
+        self,
+        input_ids: Tensor,
+        segment_lengths: Sequence[int],
+        *,
+        lora: AdapterArg = None,
+        media: MediaBatch | None = None,
+        inputs_embeds: Tensor | None = None,
     ) -> Tensor:
-        """fp32 logits ``[T, vocab]`` for packed segments (positions restart per segment)."""
+        """fp32 logits ``[T, vocab]`` for packed segments (positions restart per segment).
+
+        ``media``: the placeholder runs of the packed ids (``MediaBatch.pack`` of each
+        sample's ``expand_media_tokens`` result); their embedding rows are the towers'
+        outputs. ``inputs_embeds`` (``[T, hidden]`` fp32, e.g. from ``embed_inputs``) replaces
+        the embedding step altogether (``media`` must then be None).
+        """
         ids, seg, pos = self._pack(input_ids, segment_lengths)
         routing = LoraRouting(lora, seg, len(segment_lengths), self._lora_targets)
         layout = PackedLayout(seg, pos, len(segment_lengths), self.config.max_position_embeddings)
-        return self._forward(ids, layout, routing)
+        if inputs_embeds is not None:
+            if media is not None:
+                raise ModelInputError("pass media or inputs_embeds, not both")
+            want = (ids.shape[0], self.config.hidden_size)
+            if tuple(inputs_embeds.shape) != want or inputs_embeds.dtype != torch.float32:
+                raise ModelInputError(
+                    f"inputs_embeds is {inputs_embeds.dtype} {list(inputs_embeds.shape)}, "
+                    f"expected torch.float32 {list(want)}"
+                )
+            return self._forward(ids, layout, routing, embeds=inputs_embeds)
+        return self._forward(ids, layout, routing, media=media)
+
+    def embed_inputs(self, input_ids: Tensor, media: MediaBatch | None = None) -> Tensor:
+        """The embedding output ``[T, hidden]`` fp32 that the decoder layers see (before the
+        optional embedding norm): the text embedding rows, with the tower outputs written
+        over the placeholder rows of ``media``.
+
+        Only the tower forwards run without grad; the write is out of place, so the text rows
+        keep their gradient path to ``embedding`` (issue 25, trap 2).
+        """
+        ids = self._check_ids(input_ids.reshape(-1).long().to(self.embedding.device))
+        h = self.embedding[ids].float()
+        if media is None or not len(media):
+            return h
+        check_media_positions(ids, media, self.config)
+        rows = self.media_embeddings(media)
+        index = torch.tensor(media.positions(), dtype=torch.long, device=h.device)
+        return h.index_put((index,), rows)
+
+    def media_embeddings(self, media: MediaBatch) -> Tensor:
+        """Tower outputs ``[media.num_tokens, hidden]`` fp32, span after span, computed under
+        ``torch.no_grad`` (the towers are frozen; nothing flows back into them).
+
+        Each kind's items go through their tower in one call; in strict numerics a row's bits
+        do not depend on the other rows, so packing and batching change nothing.
+        """
+        cfg = self.config
+        feats: dict[MediaKind, list[Tensor]] = {MediaKind.IMAGE: [], MediaKind.AUDIO: []}
+        order: list[tuple[MediaKind, int, int]] = []  # (kind, first row, rows) per span
+        sizes = {MediaKind.IMAGE: 0, MediaKind.AUDIO: 0}
+        for span in media.spans:
+            item = span.item
+            n = item.num_tokens(cfg)
+            if item.kind is MediaKind.IMAGE:
+                f = image_patches(item.data, cfg.vision_patch_size)
+            else:
+                f = mel_features(item.data)
+            feats[item.kind].append(f.to(self.embedding.device))
+            order.append((item.kind, sizes[item.kind], n))
+            sizes[item.kind] += n
+        towers = {MediaKind.IMAGE: "vision_tower", MediaKind.AUDIO: "audio_tower"}
+        out: dict[MediaKind, Tensor] = {}
+        with torch.no_grad():  # the tower forwards only: never the write into the embeddings
+            for kind, parts in feats.items():
+                if parts:
+                    tower = getattr(self, towers[kind])
+                    assert isinstance(tower, MediaTower)
+                    out[kind] = tower.encode(self.ops, torch.cat(parts))
+        return torch.cat([out[kind][start : start + n] for kind, start, n in order])
 
     def forward_with_layout(
         self, input_ids: Tensor, layout: TokenLayout, *, lora: LoraAdapter | None = None
@@ -288,14 +380,23 @@ class DecoderModel(nn.Module):
         return self.forward_logprobs(input_ids, segment_lengths, lora=lora)
 
     def forward_logprobs(
-        self, input_ids: Tensor, segment_lengths: Sequence[int], *, lora: AdapterArg = None
+        self,
+        input_ids: Tensor,
+        segment_lengths: Sequence[int],
+        *,
+        lora: AdapterArg = None,
+        media: MediaBatch | None = None,
+        inputs_embeds: Tensor | None = None,
     ) -> Tensor:
         """Per-token fp32 logprobs ``[T]`` for packed segments.
 
         ``out[t] = log p(ids[t] | ids[start:t])`` within ``t``'s segment; a segment's first
-        position has no prediction and holds 0.0. Differentiable.
+        position has no prediction and holds 0.0. Differentiable. ``media`` and
+        ``inputs_embeds``: see ``forward_logits``.
         """
-        logits = self.forward_logits(input_ids, segment_lengths, lora=lora)
+        logits = self.forward_logits(
+            input_ids, segment_lengths, lora=lora, media=media, inputs_embeds=inputs_embeds
+        )
         logprobs = self.ops.log_softmax(logits)
         ids = input_ids.reshape(-1).long().to(logprobs.device)
         out = torch.zeros(ids.shape[0], dtype=torch.float32, device=logprobs.device)
@@ -318,16 +419,21 @@ class DecoderModel(nn.Module):
         token_ids: Sequence[Sequence[int]],
         *,
         lora: AdapterArg = None,
+        media: Sequence[MediaBatch | None] | None = None,
     ) -> list[Step]:
         """Append ``token_ids[j]`` to cache row ``rows[j]``; return each row's ``Step``.
 
         ``Step.logprobs[n]`` is the log-softmax of the distribution after the row's n-th new
         token, i.e. of the token that follows it. ``lora`` is one adapter or one per row.
+        ``media`` is one ``MediaBatch`` (or None) per row, its positions relative to that
+        row's new tokens: placeholder runs lie inside one call (prefill media in one piece).
         """
         if len(rows) != len(token_ids) or len(set(rows)) != len(rows):
             raise CacheError(
                 f"rows {list(rows)} must be distinct and match {len(token_ids)} inputs"
             )
+        if media is not None and len(media) != len(rows):
+            raise ModelInputError(f"media has {len(media)} entries for {len(rows)} cache rows")
         flat: list[int] = []
         seg: list[int] = []
         pos: list[int] = []
@@ -351,7 +457,8 @@ class DecoderModel(nn.Module):
         sizes = [len(t) for t in token_ids]
         pos_t = torch.tensor(pos, dtype=torch.long, device=dev)
         layout = CacheLayout(cache, list(rows), sizes, seg_t, pos_t)
-        logits = self._forward(ids, layout, routing)
+        packed = None if media is None else MediaBatch.pack(media, sizes)
+        logits = self._forward(ids, layout, routing, media=packed)
         logprobs = self.ops.log_softmax(logits)
         for row, toks in zip(rows, token_ids, strict=True):
             cache.lengths[row] += len(toks)
@@ -361,10 +468,21 @@ class DecoderModel(nn.Module):
         ]
 
     def prefill(
-        self, cache: KVCache, row: int, token_ids: Sequence[int], *, lora: AdapterArg = None
+        self,
+        cache: KVCache,
+        row: int,
+        token_ids: Sequence[int],
+        *,
+        lora: AdapterArg = None,
+        media: MediaBatch | None = None,
     ) -> Step:
-        """Append a prompt to one cache row; ``Step`` tensors are ``[len(token_ids), vocab]``."""
-        return self.extend(cache, [row], [token_ids], lora=lora)[0]
+        """Append a prompt to one cache row; ``Step`` tensors are ``[len(token_ids), vocab]``.
+
+        ``media``: the placeholder runs of ``token_ids`` (``expand_media_tokens``' batch).
+        """
+        return self.extend(
+            cache, [row], [token_ids], lora=lora, media=None if media is None else [media]
+        )[0]
 
     def decode_step(
         self,
@@ -478,11 +596,20 @@ class DecoderModel(nn.Module):
         pos = torch.arange(ids.shape[0], device=dev) - starts[seg]
         return ids, seg, pos
 
-    def _forward(self, ids: Tensor, layout: TokenLayout, lora: LoraRouting) -> Tensor:
+    def _forward(
+        self,
+        ids: Tensor,
+        layout: TokenLayout,
+        lora: LoraRouting,
+        *,
+        media: MediaBatch | None = None,
+        embeds: Tensor | None = None,
+    ) -> Tensor:
         cfg, ops = self.config, self.ops
-        h = self.embedding[ids].float()
+        h = self.embed_inputs(ids, media) if embeds is None else embeds
         if cfg.embedding_rms_norm:
             h = ops.rms_norm(h, self.embed_norm, cfg.rms_norm_eps)
+        h = self._scatter_sequence(h)
         for layer in self.layers:
             assert isinstance(layer, _Layer)
             prefix = f"model.layers.{layer.index}."
@@ -496,12 +623,26 @@ class DecoderModel(nn.Module):
             if cfg.sconv_kernel_size:
                 y = layout.sconv(ops, layer.index, "mlp", y, layer.mlp_out_conv)
             h = h + y
+        h = self._gather_sequence(h)
         h = ops.rms_norm(h, self.final_norm, cfg.rms_norm_eps)
         logits = self.sites["lm_head"](h)
         logits = lora.apply(ops, h, logits, [("lm_head", 0, cfg.vocab_size)])
         if cfg.logits_divisor != 1.0:
             logits = logits / cfg.logits_divisor
         return logits
+
+    def _scatter_sequence(self, h: Tensor) -> Tensor:
+        """The sequence-parallel seam: the residual stream ``h[T, H]`` entering the layers.
+
+        The identity here. A tensor-parallel subclass with sequence parallelism keeps only its
+        rank's slice of the tokens between its parallel linears (they gather and scatter tokens
+        themselves); ``_gather_sequence`` gives the whole stream back before the final norm.
+        """
+        return h
+
+    def _gather_sequence(self, h: Tensor) -> Tensor:
+        """The residual stream leaving the layers (see ``_scatter_sequence``); the identity here."""
+        return h
 
     def _rope(self, head_dim: int) -> tuple[Tensor, Tensor]:
         if head_dim == self.config.head_dim:
@@ -514,9 +655,10 @@ class DecoderModel(nn.Module):
         cfg, ops = self.config, self.ops
         i = layer.index
         nh, nkv, hd = cfg.attention_shape(i)
-        t, nq, nk, nr = h.shape[0], nh * hd, nkv * hd, nh * cfg.rel_pos_dim
+        nq, nk, nr = nh * hd, nkv * hd, nh * cfg.rel_pos_dim
         a = ops.rms_norm(h, layer.attn_norm, cfg.rms_norm_eps)
         qkv = layer.sites["qkv"](a)
+        t = qkv.shape[0]  # all tokens: a sequence-parallel site gathers them (``h`` is a slice)
         names = [
             (prefix + "self_attn.q_proj", 0, nq),
             (prefix + "self_attn.k_proj", nq, nq + nk),

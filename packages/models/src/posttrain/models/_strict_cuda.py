@@ -191,7 +191,7 @@ class CudaStrictOps(StrictOps):
     def linear(x: Tensor, weight: Tensor) -> Tensor:
         """``x @ weight.T`` in fp32 by the one-tiling Triton GEMM (row-invariant)."""
         lead = x.shape[:-1]
-        x2 = x.reshape(-1, x.shape[-1])
+        x2 = x.reshape(-1, x.shape[-1]).float()  # activations are fp32 (a no-op then)
         if _needs_grad(x2, weight):
             out: Tensor = _Linear.apply(x2, weight)
         else:
@@ -202,7 +202,7 @@ class CudaStrictOps(StrictOps):
     def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
         """Per-row RMSNorm; ``weight`` is ``[D]`` or one row per head ``[heads, D]``."""
         d = x.shape[-1]
-        x2, w2 = x.reshape(-1, d).contiguous(), weight.reshape(-1, d)
+        x2, w2 = x.reshape(-1, d).float().contiguous(), weight.reshape(-1, d)
         if _needs_grad(x2, w2):
             out: Tensor = _RmsNorm.apply(x2, w2, eps)
         else:

@@ -27,12 +27,23 @@ CHAT_TEMPLATE = (
 VOCAB_SIZE = len(SPECIAL_TOKENS) + len(CHARACTERS)
 
 
-def build_tokenizer() -> PreTrainedTokenizerFast:
-    """The character-level tokenizer (``VOCAB_SIZE`` = 101 tokens) with a ChatML chat template."""
+MEDIA_TOKENS = ("<|image|>", "<|audio|>")
+"""Media sentinels of the multimodal tokenizer, ids ``VOCAB_SIZE`` and ``VOCAB_SIZE + 1``
+(``ModelConfig.multimodal_tiny``'s ``image_token_id`` = 101, ``audio_token_id`` = 102)."""
+MULTIMODAL_VOCAB_SIZE = VOCAB_SIZE + len(MEDIA_TOKENS)
+
+
+def build_tokenizer(*, multimodal: bool = False) -> PreTrainedTokenizerFast:
+    """The character-level tokenizer (``VOCAB_SIZE`` = 101 tokens) with a ChatML chat template.
+
+    With ``multimodal`` the special tokens ``<|image|>`` (101) and ``<|audio|>`` (102) follow
+    (``MULTIMODAL_VOCAB_SIZE`` = 103): one of them in a prompt's text stands for one media item.
+    """
     from tokenizers import Tokenizer, decoders, models
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {tok: i for i, tok in enumerate((*SPECIAL_TOKENS, *CHARACTERS))}
+    extra = MEDIA_TOKENS if multimodal else ()
+    vocab = {tok: i for i, tok in enumerate((*SPECIAL_TOKENS, *CHARACTERS, *extra))}
     core = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
     core.decoder = decoders.Fuse()
     return PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]
@@ -41,7 +52,7 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
         eos_token="<|im_end|>",
         unk_token="<unk>",
         pad_token="<|endoftext|>",
-        additional_special_tokens=["<|im_start|>"],
+        additional_special_tokens=["<|im_start|>", *extra],
         chat_template=CHAT_TEMPLATE,
         model_max_length=1 << 20,
     )

@@ -306,7 +306,12 @@ async def _generate_and_commit(
         payload = orjson.loads(upstream.content)
     except orjson.JSONDecodeError as exc:
         raise UpstreamReplyError(f"upstream reply is not JSON: {exc}", url=upstream.url) from exc
-    reply = parse_generate_reply(payload, prompt_len=len(prepared.prompt_ids), url=upstream.url)
+    reply = parse_generate_reply(
+        payload,
+        prompt_len=len(prepared.prompt_ids),
+        url=upstream.url,
+        with_media="image_data" in body or "audio_data" in body,
+    )
     completion = chat_completion(
         reply, body=req.body, prompt_tokens=len(prepared.prompt_ids), tok=tok
     )

@@ -14,6 +14,10 @@ the router passes through. These functions hold no state and do no I/O (hypothes
   ``sampling_params.no_stop_trim=False``, and the LoRA fields (``lora_path``, ``extra_key``)
   exactly as ``posttrain.formats.apply_lora_fields`` writes them for the trainer's generate path.
   ``stream``/``stream_options`` never go upstream (TITO needs the whole reply);
+* media: SGLang's ``image_data`` / ``audio_data`` (a string or a list of strings each: base64,
+  a ``data:`` URL or a file path) go upstream as lists with the strings unchanged, after a check
+  that names the bad entry. They cover the whole conversation, like ``messages``: one item per
+  media sentinel in the prompt (earlier turns' included), since a turn's ``input_ids`` hold them;
 * ``forward_headers`` drops hop-by-hop headers and the client's credentials and adds the routing key.
 """
 
@@ -26,7 +30,7 @@ from typing import Any
 import orjson
 
 from posttrain.formats import apply_lora_fields
-from posttrain.interface import ConfigError
+from posttrain.interface import ConfigError, media_from_request, media_request_fields
 from posttrain.session_router._errors import BadChatRequestError
 from posttrain.session_router.config import SessionRouterConfig
 
@@ -249,6 +253,11 @@ def build_generate_body(
     top_logprobs = body.get("top_logprobs")
     if isinstance(top_logprobs, int) and top_logprobs > 0:
         out["top_logprobs_num"] = top_logprobs
+    try:
+        media = media_from_request(body)
+    except ConfigError as exc:
+        raise BadChatRequestError(str(exc)) from exc
+    out.update(media_request_fields(media))
     out.update(
         input_ids=list(prompt_ids),
         sampling_params=sampling,

@@ -31,7 +31,15 @@ from typing import Any
 import httpx
 
 from posttrain.formats import DecodedSamples, decode_samples
-from posttrain.interface import ConfigError, Sample, SampleGroup, SampleStatus, TransportError
+from posttrain.interface import (
+    ConfigError,
+    MediaRef,
+    Sample,
+    SampleGroup,
+    SampleStatus,
+    TransportError,
+    media_request_fields,
+)
 from posttrain.session_router._errors import SampleAssemblyError, SessionNotFoundError
 
 
@@ -170,8 +178,12 @@ class SessionRolloutClient:
         sampling_params: Mapping[str, Any] | None = None,
         weight_version: int | None = None,
         metadata: Mapping[str, Any] | None = None,
+        media: Sequence[MediaRef] = (),
     ) -> Sample:
         """One sample for ``messages``: the turn's token ids, logprobs and loss mask.
+
+        ``media`` (the prompt's images and audio, one per sentinel in its text) is sent as
+        ``image_data``/``audio_data`` and comes back on the sample.
 
         ``sampling_params`` are OpenAI chat fields (``max_tokens``, ``temperature``, ``seed``...);
         ``metadata`` goes into the sample's ``metadata`` (the session server merges it).
@@ -183,7 +195,11 @@ class SessionRolloutClient:
             reply = _check(await self._client.post("/sessions", json=_create_body(weight_version)))
             session_id = str(reply.json()["session_id"])
             try:
-                body = {**dict(sampling_params or {}), "messages": list(messages)}
+                body = {
+                    **dict(sampling_params or {}),
+                    **media_request_fields(media),
+                    "messages": list(messages),
+                }
                 aborted = await self._turn(session_id, body)
                 if aborted is None:
                     reply = _check(
@@ -242,6 +258,7 @@ class SessionRolloutClient:
         group_index: int,
         sampling_params: Mapping[str, Any] | None = None,
         weight_version: int | None = None,
+        media: Sequence[MediaRef] = (),
     ) -> SampleGroup:
         """The ``n`` samples of one prompt, drawn concurrently (``index`` 0..n-1 within the group).
 
@@ -253,7 +270,10 @@ class SessionRolloutClient:
         samples = await asyncio.gather(
             *(
                 self.rollout(
-                    messages, sampling_params=sampling_params, weight_version=weight_version
+                    messages,
+                    sampling_params=sampling_params,
+                    weight_version=weight_version,
+                    media=media,
                 )
                 for _ in range(n)
             )

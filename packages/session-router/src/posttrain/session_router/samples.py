@@ -20,6 +20,11 @@ Student top-k rows for on-policy distillation: when the turns asked for top logp
 sample's ``metadata["opd_student_top_logprobs"]`` holds one row per response token (``[]`` for
 observation tokens), the layout ``posttrain.opd`` scores. If any merged turn lacks them the key
 is left out rather than filled with empty rows (which would read as "no student ids here").
+
+Media: a turn's request names every image and audio item of its prompt (``image_data``,
+``audio_data``), so each turn's sample carries them as ``Sample.media`` and the merged sample
+carries the last merged turn's. An earlier turn's media must be a prefix of a later one's, per
+kind, as its tokens are of the later prompt; otherwise the trajectory is refused (422).
 """
 
 from __future__ import annotations
@@ -29,7 +34,16 @@ from dataclasses import dataclass
 from typing import Any
 
 from posttrain.formats import STUDENT_TOP_LOGPROBS_KEY
-from posttrain.interface import Sample, SampleStatus, WireFormatError, parse_weight_version
+from posttrain.interface import (
+    ConfigError,
+    MediaKind,
+    MediaRef,
+    Sample,
+    SampleStatus,
+    WireFormatError,
+    media_from_request,
+    parse_weight_version,
+)
 from posttrain.session_router._errors import SampleAssemblyError
 from posttrain.session_router.tito import TurnRecord
 
@@ -109,6 +123,10 @@ def trim_turns(
             )
         cursor += matched
         rows = _top_rows(rec, i)
+        try:
+            media = media_from_request(rec.request)
+        except ConfigError as exc:
+            raise SampleAssemblyError(f"records[{i}].request: {exc}") from exc
         turns.append(
             Sample(
                 prompt_ids=list(prompt),
@@ -118,6 +136,7 @@ def trim_turns(
                 status=status_of(rec.finish_reason),
                 weight_version=_weight_version(rec),
                 metadata={} if rows is None else {STUDENT_TOP_LOGPROBS_KEY: rows[:matched]},
+                media=media,
             )
         )
     if records and cursor != len(accumulated):
@@ -148,10 +167,17 @@ def truncate_turns(turns: Sequence[Sample], max_seq_len: int | None) -> list[Sam
                     status=SampleStatus.TRUNCATED,
                     weight_version=turn.weight_version,
                     metadata={k: v[:keep] for k, v in turn.metadata.items()},
+                    media=turn.media,
                 )
             )
         break
     return kept
+
+
+def _media_prefix(before: list[MediaRef], after: list[MediaRef], kind: MediaKind) -> bool:
+    a = [m for m in before if m.kind is kind]
+    b = [m for m in after if m.kind is kind]
+    return b[: len(a)] == a
 
 
 def merge_turns(turns: Sequence[Sample]) -> tuple[Sample | None, int]:
@@ -173,6 +199,12 @@ def merge_turns(turns: Sequence[Sample]) -> tuple[Sample | None, int]:
                 f"turns[{i}]: the previous turns' tokens are not a strict prefix of its prompt "
                 f"(observation length {obs})"
             )
+        for kind in MediaKind:
+            if not _media_prefix(merged.media, nxt.media, kind):
+                raise SampleAssemblyError(
+                    f"turns[{i}]: the previous turns' {kind.request_field} is not a prefix of "
+                    "this turn's (a turn's request names every media item of its prompt)"
+                )
         rows_a, rows_b = (
             merged.metadata.get(STUDENT_TOP_LOGPROBS_KEY),
             nxt.metadata.get(STUDENT_TOP_LOGPROBS_KEY),
@@ -187,6 +219,7 @@ def merge_turns(turns: Sequence[Sample]) -> tuple[Sample | None, int]:
             metadata={}
             if rows_a is None or rows_b is None
             else {STUDENT_TOP_LOGPROBS_KEY: rows_a + [[]] * obs + rows_b},
+            media=nxt.media,
         )
         used += 1
     return merged, used

@@ -265,8 +265,14 @@ def prepare_turn(
     )
 
 
-def parse_generate_reply(reply: Any, *, prompt_len: int, url: str) -> ParsedReply:
-    """Validate a ``/generate`` reply for TITO; anything missing is an ``UpstreamReplyError`` (502)."""
+def parse_generate_reply(
+    reply: Any, *, prompt_len: int, url: str, with_media: bool = False
+) -> ParsedReply:
+    """Validate a ``/generate`` reply for TITO; anything missing is an ``UpstreamReplyError`` (502).
+
+    ``with_media``: the request carried ``image_data``/``audio_data``; the engine counts each
+    media sentinel's placeholder run in ``prompt_tokens``, so it may exceed ``prompt_len``.
+    """
     if isinstance(reply, list) and len(reply) == 1:
         reply = reply[0]
     if not isinstance(reply, dict):
@@ -307,7 +313,8 @@ def parse_generate_reply(reply: Any, *, prompt_len: int, url: str) -> ParsedRepl
             url=url,
         )
     prompt_tokens = meta.get("prompt_tokens")
-    if prompt_tokens is not None and prompt_tokens != prompt_len:
+    expanded = with_media and isinstance(prompt_tokens, int) and prompt_tokens > prompt_len
+    if prompt_tokens is not None and prompt_tokens != prompt_len and not expanded:
         raise UpstreamReplyError(
             f"upstream reply: meta_info.prompt_tokens={prompt_tokens} but {prompt_len} input_ids were sent",
             url=url,

@@ -1,0 +1,111 @@
+"""Checkpoints of the megatron backend: layout-free weights, per-rank optimizer state.
+
+Layout of ``iter_N/`` (committed by ``fsdp-mesh``'s ``save_files_checkpoint``, so an
+interrupted save never looks complete; ``meta.json`` as on the fsdp backend)::
+
+    model/config.json, model/model.safetensors   full training: the HF checkpoint (gathered
+                                                 over TP, rank 0 writes), a model directory
+                                                 ``posttrain.models.load_pretrained`` opens
+    adapter/                                     adapter training: the PEFT adapter (rank 0)
+    layout.json                                  world size, tp, ep, sequence parallel
+    optim_rank{r}.pt, rng_rank{r}.pt             each rank's optimizer state (its shards) and RNG
+
+The weights carry no layout: they load under any (TP, EP, DP) split (``load``). The
+optimizer state is per rank and only restored under the layout it was saved with; under
+another one the run continues from the weights with a fresh optimizer and a warning says so.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from posttrain.formats import write_bytes_atomic, write_text_atomic
+from posttrain.fsdp_mesh import save_files_checkpoint
+from posttrain.grpo._errors import GrpoRunError
+from posttrain.grpo.megatron.model import TensorParallelDecoder
+from posttrain.grpo.trainer import Policy
+from posttrain.lora import export_adapter, load_peft, save_peft
+from posttrain.models import load_hf_tensors
+
+_log = logging.getLogger("posttrain.grpo")
+LAYOUT = "layout.json"
+
+
+def _model(policy: Policy) -> TensorParallelDecoder:
+    model = policy.model
+    if not isinstance(model, TensorParallelDecoder):
+        raise GrpoRunError(f"the megatron checkpoint needs its policy, got {type(model).__name__}")
+    return model
+
+
+def _layout(model: TensorParallelDecoder) -> dict[str, Any]:
+    g = model.groups
+    return {"world_size": g.world_size, "tensor_model_parallel_size": g.tp_size,
+            "expert_model_parallel_size": g.ep_size,
+            "sequence_parallel": model.sequence_parallel}  # fmt: skip
+
+
+def save(root: Path, step: int, policy: Policy, extra: dict[str, Any]) -> Path:
+    """Write checkpoint ``step`` under ``root`` (collective); returns its directory."""
+    from safetensors.torch import save as to_bytes
+
+    model = _model(policy)
+    rank = dist.get_rank()
+    if policy.lora is not None:
+        adapter = export_adapter(policy.lora)  # collective; the full adapter on every rank
+    else:
+        weights = model.hf_state_dict()  # collective over TP
+
+    def write(staged: Path) -> None:
+        torch.save(torch.get_rng_state(), staged / f"rng_rank{rank}.pt")
+        torch.save(policy.optimizer.state_dict(), staged / f"optim_rank{rank}.pt")
+        if rank != 0:
+            return
+        write_text_atomic(staged / LAYOUT, json.dumps(_layout(model), indent=2))
+        if policy.lora is not None:
+            assert policy.lora_config is not None
+            save_peft(staged / "adapter", adapter, policy.lora_config,
+                      target_modules=policy.target_modules)  # fmt: skip
+            return
+        out = staged / "model"
+        out.mkdir()
+        tensors = {k: v.detach().cpu().contiguous() for k, v in weights.items()}
+        write_bytes_atomic(out / "model.safetensors", to_bytes(tensors, metadata={"format": "pt"}))
+        config = json.dumps(model.full_config.to_hf_dict(), indent=2, sort_keys=True) + "\n"
+        write_text_atomic(out / "config.json", config)
+
+    return save_files_checkpoint(root, step, policy.mesh, write, extra=extra)
+
+
+def load(path: Path, policy: Policy) -> bool:
+    """Restore weights (any layout) and, under the saved layout, optimizer and RNG states
+    (collective); returns whether the optimizer state was restored."""
+    model = _model(policy)
+    rank = dist.get_rank()
+    layout_file = path / LAYOUT
+    if not layout_file.is_file():
+        raise GrpoRunError(f"--resume {path}: {LAYOUT} is missing (not a megatron checkpoint)")
+    saved = json.loads(layout_file.read_text())
+    if policy.lora is not None:
+        load_peft(policy.lora, path / "adapter", strict=True)
+    else:
+        model.load_hf_state_dict(load_hf_tensors(path / "model"))
+    if saved != _layout(model):
+        if rank == 0:
+            _log.warning(
+                "--resume %s: saved under %s, resumed under %s: the weights are loaded, the "
+                "optimizer and RNG states (per rank) start fresh", path, saved, _layout(model),
+            )  # fmt: skip
+        return False
+    for name in (f"optim_rank{rank}.pt", f"rng_rank{rank}.pt"):
+        if not (path / name).is_file():
+            raise GrpoRunError(f"--resume {path}: {name} is missing (rank {rank}'s state)")
+    policy.optimizer.load_state_dict(torch.load(path / f"optim_rank{rank}.pt", weights_only=False))
+    torch.set_rng_state(torch.load(path / f"rng_rank{rank}.pt", weights_only=False))
+    return True

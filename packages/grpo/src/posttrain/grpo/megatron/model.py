@@ -1,0 +1,440 @@
+"""The ``posttrain.models`` decoder split over a tensor-parallel group (Megatron's layout).
+
+``TensorParallelDecoder`` is a ``DecoderModel`` built on the *local* shape of one TP rank
+(``num_attention_heads / tp`` query heads, ``num_key_value_heads / tp`` KV heads,
+``intermediate_size / tp``), whose four fused linears per layer are megatron-core parallel
+linears (``layers``):
+
+    qkv  -> column parallel   rank r holds [q_r; k_r; v_r]: its query heads and the KV heads
+                              they read (GQA: KV heads split over TP, each part alone)
+    proj -> row parallel      o_proj columns of the rank's query heads; output all-reduced
+    fc1  -> column parallel   rank r holds [gate_r; up_r] (gate and up split alone)
+    fc2  -> row parallel      down_proj columns of the rank's intermediate slice
+
+Everything else (embedding, norms, the MoE router and experts, the LM head) is replicated.
+Attention runs the model's own code and kernels on the rank's heads, so in strict numerics a
+rank's q, k, v and attention output are bit for bit the single-process model's rows for those
+heads; the row all-reduce adds two partial sums where the single process runs one tree, so
+logits differ in the last bits (train/rollout logprob differences are expected and reported).
+
+Sequence parallel (``sequence_parallel=True``): between the parallel linears the residual
+stream holds ``T / tp`` tokens per rank (the decoder's ``_scatter_sequence`` /
+``_gather_sequence`` seam): the column linears all-gather tokens, the row linears
+reduce-scatter them; the packed batch is padded with one short extra segment to a multiple of
+``tp`` tokens and the padding's logits dropped. Norms, router and experts then see a rank's
+tokens only, so their gradients are partial sums over TP (``grads.tp_partial_parameters``).
+
+Checkpoints: ``load_hf_state_dict`` takes the HF tensors the single-process model loads and
+keeps this rank's slices; ``hf_state_dict`` (collective over TP) gathers the shards back to the
+HF names, bit for bit the single-process model's weights (a pure concatenation). So a
+checkpoint saved under one TP size loads under another.
+
+Expert parallel (``groups.ep_size > 1``): each MoE layer's router and experts become an
+``expert_parallel.ExpertParallelMoe`` (``layer.expert_parallel``; routed experts split over the
+EP group, tokens dispatched with explicit all-to-alls, the model's own kernels); its routed
+experts are gathered over EP on export and sliced on load like the TP shards.
+
+Refused under TP > 1 (a ``GrpoConfigError`` naming the field): head counts or the dense
+intermediate size that TP does not divide, and the Inkling-style blocks whose weights would need
+their own split (``sconv_kernel_size``, ``rel_pos_dim``, ``qk_norm_per_head``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from posttrain.grpo._errors import GrpoConfigError, GrpoInputError
+from posttrain.grpo.megatron._mappings import gather_tokens_keep_grad, split_tokens
+from posttrain.grpo.megatron.groups import ParallelGroups
+from posttrain.grpo.megatron.layers import (
+    KernelColumnParallelLinear,
+    KernelRowParallelLinear,
+    ParallelSite,
+    parallel_config,
+)
+from posttrain.models import (
+    DecoderModel,
+    ModelConfig,
+    Numerics,
+    from_hf_state_dict,
+    to_hf_state_dict,
+    weight_groups,
+)
+
+if TYPE_CHECKING:  # the decoder's own types, for the overridden seams' signatures
+    from posttrain.models import MediaBatch
+    from posttrain.models._lora import AdapterArg, LoraRouting
+    from posttrain.models._model import MoeLayer
+
+# Inkling-style blocks whose weights are laid out per head / per channel of a sharded dim.
+_UNSHARDED_EXTENSIONS = ("sconv_kernel_size", "rel_pos_dim", "qk_norm_per_head")
+
+
+def check_tensor_parallel_config(config: ModelConfig, tp_size: int) -> None:
+    """Refuse a model that ``tp_size`` cannot split (see the module docstring)."""
+    if tp_size == 1:
+        return
+    where = f"tensor_model_parallel_size={tp_size}"
+    for name in _UNSHARDED_EXTENSIONS:
+        if getattr(config, name):
+            raise GrpoConfigError(
+                f"the model's {name}={getattr(config, name)!r} has no tensor-parallel split in "
+                f"the megatron backend; train it with {where} -> 1 (or the fsdp backend)",
+                field="tensor_model_parallel_size",
+            )
+    for i in range(config.num_hidden_layers):
+        nh, nkv, _ = config.attention_shape(i)
+        for field, value in (("num_attention_heads", nh), ("num_key_value_heads", nkv)):
+            if value % tp_size:
+                raise GrpoConfigError(
+                    f"the model's {field}={value} (layer {i}) is not divisible by {where}: "
+                    "each rank must hold whole heads",
+                    field="tensor_model_parallel_size",
+                )
+    dense = any(not config.is_moe_layer(i) for i in range(config.num_hidden_layers))
+    if dense and config.intermediate_size % tp_size:
+        raise GrpoConfigError(
+            f"the model's intermediate_size={config.intermediate_size} is not divisible by "
+            f"{where}: gate_proj/up_proj rows and down_proj columns are split over TP",
+            field="tensor_model_parallel_size",
+        )
+
+
+def local_config(config: ModelConfig, tp_size: int) -> ModelConfig:
+    """The shape one TP rank computes: its share of heads and of the dense intermediate size."""
+    check_tensor_parallel_config(config, tp_size)
+    if tp_size == 1:
+        return config
+    changes: dict[str, object] = {
+        "num_attention_heads": config.num_attention_heads // tp_size,
+        "num_key_value_heads": config.num_key_value_heads // tp_size,
+        "intermediate_size": max(config.intermediate_size // tp_size, 1),
+    }
+    for name in ("swa_num_attention_heads", "swa_num_key_value_heads"):
+        value = getattr(config, name)
+        if value:
+            changes[name] = value // tp_size
+    return config.replace(**changes)
+
+
+@dataclass(frozen=True, slots=True)
+class Shard:
+    """How one fused in-memory weight is split over TP: its site and the full part sizes."""
+
+    site: ParallelSite
+    kind: str  # "column" (dim 0, each part alone) or "row" (dim 1)
+    full_parts: tuple[int, ...]
+
+
+class TensorParallelDecoder(DecoderModel):
+    """A ``DecoderModel`` whose attention and dense MLP are split over ``groups.tp``."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        groups: ParallelGroups,
+        *,
+        sequence_parallel: bool = False,
+        numerics: Numerics = Numerics.STRICT,
+        device: torch.device | None = None,
+    ) -> None:
+        """``device``: where the expert-parallel layers check their groups (NCCL needs the
+        rank's GPU); the rest is built on the CPU, then moved with ``.to(device)``."""
+        if config.image_token_id is not None or config.audio_token_id is not None:
+            raise GrpoConfigError(
+                "backend: the megatron backend does not train multimodal models (this config "
+                "has vision/audio towers: image_token_id/audio_token_id set); train them with "
+                "--backend fsdp"
+            )
+        tp = groups.tp_size
+        self._build_device = device
+        super().__init__(local_config(config, tp), numerics=numerics)
+        self.full_config = config
+        self.groups = groups
+        self.sequence_parallel = sequence_parallel and tp > 1
+        self.shards: dict[str, Shard] = {}
+        mcfg = parallel_config(
+            tp_size=tp, sequence_parallel=self.sequence_parallel, dtype=config.dtype
+        )
+
+        def kernel() -> Callable[[Tensor, Tensor], Tensor]:
+            return self.ops.linear
+
+        h = config.hidden_size
+        for layer in self.layers:
+            i: int = getattr(layer, "index")  # noqa: B009 (nn.Module's __getattr__ is untyped)
+            sites: nn.ModuleDict = getattr(layer, "sites")  # noqa: B009
+            nh, nkv, hd = config.attention_shape(i)
+            a, m = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
+            specs: list[tuple[str, str, tuple[tuple[str, int], ...]]] = [
+                ("qkv", "column", ((a + "q_proj", nh * hd), (a + "k_proj", nkv * hd),
+                                   (a + "v_proj", nkv * hd))),
+                ("proj", "row", ((a + "o_proj", h),)),
+            ]  # fmt: skip
+            if not config.is_moe_layer(i):
+                n = config.intermediate_size
+                specs += [
+                    ("fc1", "column", ((m + "gate_proj", n), (m + "up_proj", n))),
+                    ("fc2", "row", ((m + "down_proj", h),)),
+                ]
+            if config.is_moe_layer(i) and groups.ep_size > 1:
+                self._split_experts(layer, i, numerics)
+            for param, kind, parts in specs:
+                full = sum(rows for _, rows in parts)
+                delattr(layer, param)  # the megatron layer owns the weight now
+                if kind == "column":
+                    linear: nn.Module = KernelColumnParallelLinear(
+                        h, full, config=mcfg, tp_group=groups.tp, kernel=kernel
+                    )
+                else:
+                    fan_in = nh * hd if param == "proj" else config.intermediate_size
+                    linear = KernelRowParallelLinear(
+                        fan_in, h, config=mcfg, tp_group=groups.tp, kernel=kernel
+                    )
+                site = ParallelSite(linear, kind=kind, parts=parts)
+                sites[param] = site
+                self.shards[f"layers.{i}.{param}"] = Shard(
+                    site, kind, tuple(rows for _, rows in parts)
+                )
+
+    def _split_experts(self, layer: nn.Module, index: int, numerics: Numerics) -> None:
+        """Replace MoE layer ``index``'s router and experts by an ``ExpertParallelMoe``
+        (``layer.expert_parallel``): routed experts split over ``groups.ep``."""
+        from posttrain.grpo.megatron.expert_parallel import (
+            ExpertParallelGroups,
+            ExpertParallelMoe,
+        )
+
+        g = self.groups
+        groups = getattr(self, "_expert_groups", None)  # one object for every layer
+        if groups is None:
+            groups = ExpertParallelGroups(
+                ep=g.ep,
+                expert_dp=g.expert_dp,
+                dp=g.dp,
+                tp=g.tp if g.tp_size > 1 else None,
+                sequence_parallel=self.sequence_parallel,
+            )
+            self._expert_groups = groups
+        for name in _MOE_PARAMETERS:
+            if hasattr(layer, name):
+                delattr(layer, name)
+        sites: nn.ModuleDict = getattr(layer, "sites")  # noqa: B009
+        del sites["router"]  # the router is the expert-parallel layer's now
+        layer.expert_parallel = ExpertParallelMoe(
+            self.full_config, index, groups, numerics=numerics, device=self._build_device
+        )
+
+    def expert_parallel_layers(self) -> list[nn.Module]:
+        """The ``ExpertParallelMoe`` layers (empty unless ``expert_model_parallel_size > 1``)."""
+        found = [getattr(layer, "expert_parallel", None) for layer in self.layers]
+        return [m for m in found if m is not None]
+
+    def _moe(self, layer: MoeLayer, m: Tensor, lora: LoraRouting, prefix: str) -> Tensor:
+        experts: nn.Module | None = getattr(layer, "expert_parallel", None)
+        if experts is None:
+            return super()._moe(layer, m, lora, prefix)
+        out: Tensor = experts(m)
+        return out
+
+    # ------------------------------------------------------------------ forwards
+
+    def forward_logits(
+        self,
+        input_ids: Tensor,
+        segment_lengths: Sequence[int],
+        *,
+        lora: AdapterArg = None,
+        media: MediaBatch | None = None,
+        inputs_embeds: Tensor | None = None,
+    ) -> Tensor:
+        """fp32 logits ``[T, vocab]`` (on every TP rank) for packed segments (text only)."""
+        if media is not None or inputs_embeds is not None:
+            raise GrpoInputError(
+                "TensorParallelDecoder: media / inputs_embeds are not taken by the megatron "
+                "backend (text-only models); train multimodal models with --backend fsdp"
+            )
+        if lora is not None:
+            raise GrpoInputError(
+                "TensorParallelDecoder: per-request LoRA adapters are an engine feature; train "
+                "adapters with lora-core (attach_lora) instead"
+            )
+        if not self.sequence_parallel:
+            return super().forward_logits(input_ids, segment_lengths)
+        ids = input_ids.reshape(-1)
+        n, tp = ids.shape[0], self.groups.tp_size
+        pad = -n % tp
+        lengths = list(segment_lengths)
+        if pad:  # one short segment of its own: it sees nothing and nothing sees it
+            ids = torch.cat([ids, ids.new_zeros(pad)])
+            lengths.append(pad)
+        return super().forward_logits(ids, lengths)[:n]
+
+    def _scatter_sequence(self, h: Tensor) -> Tensor:
+        if not self.sequence_parallel:
+            return h
+        # every rank embedded all tokens: keep this rank's slice (backward all-gathers)
+        return split_tokens(h, self.groups.tp)
+
+    def _gather_sequence(self, h: Tensor) -> Tensor:
+        if not self.sequence_parallel:
+            return h
+        # every rank computes the head and the loss on all tokens: backward keeps its slice
+        return gather_tokens_keep_grad(h, self.groups.tp)
+
+    # ------------------------------------------------------------------ weights
+
+    def replicated_parameters(self) -> dict[str, nn.Parameter]:
+        """The parameters every TP rank holds whole, by their in-memory names."""
+        out: dict[str, nn.Parameter] = {}
+        for name, p in self.named_parameters():
+            # site parameters: TP shards and LoRA factors; expert-parallel layers: their own
+            if ".sites." not in name and ".expert_parallel." not in name:
+                out[name] = p
+        return out
+
+    def expert_parameters(self) -> dict[str, nn.Parameter]:
+        """The base weights of the expert-parallel layers by their in-memory names
+        (``experts_fc1/fc2``: this rank's experts only)."""
+        out: dict[str, nn.Parameter] = {}
+        for name, p in self.named_parameters():
+            layer, sep, leaf = name.partition(".expert_parallel.")
+            if sep and not leaf.startswith("lora_"):
+                out[f"{layer}.{leaf}"] = p
+        return out
+
+    def local_parameters(self) -> dict[str, nn.Parameter]:
+        """Every base weight by its in-memory (fused, single-process) name: shards for the
+        split linears, whole tensors for the rest."""
+        out = self.replicated_parameters()
+        out.update(self.expert_parameters())
+        for name, shard in self.shards.items():
+            weight = shard.site.weight
+            assert isinstance(weight, nn.Parameter)
+            out[name] = weight
+        return out
+
+    def shard_of(self, name: str, full: Tensor) -> Tensor:
+        """This rank's slice of the full in-memory tensor ``name`` (itself when replicated)."""
+        if self.groups.ep_size > 1 and _is_routed_expert(name) and name in self.expert_parameters():
+            return full.chunk(self.groups.ep_size, dim=0)[self.groups.ep_rank]
+        shard = self.shards.get(name)
+        tp, rank = self.groups.tp_size, self.groups.tp_rank
+        if shard is None or tp == 1:
+            return full
+        if shard.kind == "row":
+            return full.chunk(tp, dim=1)[rank]
+        parts = torch.split(full, list(shard.full_parts), dim=0)
+        return torch.cat([p.chunk(tp, dim=0)[rank] for p in parts])
+
+    @torch.no_grad()
+    def load_full_state_dict(self, tensors: Mapping[str, Tensor]) -> None:
+        """Copy full in-memory-named tensors in, keeping this rank's slices (every name once)."""
+        params = self.local_parameters()
+        missing = sorted(set(params) - set(tensors))
+        unknown = sorted(set(tensors) - set(params))
+        if missing or unknown:
+            raise GrpoInputError(
+                f"load_full_state_dict: missing {missing[:4]}, unknown {unknown[:4]}"
+            )
+        for name, param in params.items():
+            value = self.shard_of(name, tensors[name])
+            if value.shape != param.shape:
+                raise GrpoInputError(
+                    f"{name}: the full tensor {tuple(tensors[name].shape)} gives a shard "
+                    f"{tuple(value.shape)}, the parameter is {tuple(param.shape)}"
+                )
+            param.copy_(value)
+
+    @torch.no_grad()
+    def load_hf_state_dict(self, tensors: dict[str, Tensor], *, partial: bool = False) -> None:
+        """Copy HF-named weights in (the single-process model's files), keeping this rank's
+        slices; dtypes and shapes are checked against the full config as for one process."""
+        full = from_hf_state_dict(tensors, self.full_config, partial=partial)
+        if partial:
+            params = self.local_parameters()
+            for name, value in full.items():
+                params[name].copy_(self.shard_of(name, value))
+            return
+        self.load_full_state_dict(full)
+
+    def full_state_dict(self, *, grads: bool = False) -> dict[str, Tensor]:
+        """Every weight (or its gradient, zeros where none) at full size under its in-memory
+        name, on every rank; collective over TP (one all-gather per dtype)."""
+        values: dict[str, Tensor] = {}
+        for name, p in self.local_parameters().items():
+            t = p.grad if grads else p
+            values[name] = (torch.zeros_like(p) if t is None else t).detach()
+        sharded = [n for n in values if n in self.shards]
+        if self.groups.tp_size > 1:
+            values.update(self._gather_shards({n: values[n] for n in sharded}))
+        experts = [n for n in self.expert_parameters() if _is_routed_expert(n)]
+        if self.groups.ep_size > 1 and experts:
+            values.update(self._gather_experts({n: values[n] for n in experts}))
+        order = [g.name for g in weight_groups(self.full_config)]
+        return {n: values[n] for n in order if n in values}
+
+    def hf_state_dict(self) -> dict[str, Tensor]:
+        """The weights under their HF names, full size, on every rank (collective over TP)."""
+        return to_hf_state_dict(self.full_state_dict(), self.full_config)
+
+    def _gather_experts(self, local: dict[str, Tensor]) -> dict[str, Tensor]:
+        """Routed-expert tensors ``[E/ep, ...]`` gathered over EP to ``[E, ...]``."""
+        ep, group = self.groups.ep_size, self.groups.ep
+        out: dict[str, Tensor] = {}
+        for name, t in local.items():
+            t = t.contiguous()
+            gathered = t.new_empty((ep * t.shape[0], *t.shape[1:]))
+            _all_gather(gathered, t, group)
+            out[name] = gathered
+        return out
+
+    def _gather_shards(self, local: dict[str, Tensor]) -> dict[str, Tensor]:
+        tp, group = self.groups.tp_size, self.groups.tp
+        out: dict[str, Tensor] = {}
+        by_dtype: dict[torch.dtype, list[str]] = {}
+        for name, t in local.items():
+            by_dtype.setdefault(t.dtype, []).append(name)
+        for names in by_dtype.values():
+            flat = torch.cat([local[n].reshape(-1) for n in names]).contiguous()
+            gathered = torch.empty(tp * flat.numel(), dtype=flat.dtype, device=flat.device)
+            _all_gather(gathered, flat, group)
+            sizes = [local[n].numel() for n in names]
+            per_rank = [torch.split(c, sizes) for c in gathered.chunk(tp)]
+            for j, name in enumerate(names):
+                shard = self.shards[name]
+                pieces = [per_rank[r][j].view_as(local[name]) for r in range(tp)]
+                if shard.kind == "row":
+                    out[name] = torch.cat(pieces, dim=1)
+                    continue
+                local_parts = [rows // tp for rows in shard.full_parts]
+                split = [torch.split(p, local_parts, dim=0) for p in pieces]
+                out[name] = torch.cat(
+                    [torch.cat([split[r][k] for r in range(tp)]) for k in range(len(local_parts))]
+                )
+        return out
+
+
+_MOE_PARAMETERS = (
+    "router",
+    "expert_bias",
+    "experts_fc1",
+    "experts_fc2",
+    "shared_fc1",
+    "shared_fc2",
+)
+
+
+def _is_routed_expert(name: str) -> bool:
+    return name.rsplit(".", 1)[-1] in ("experts_fc1", "experts_fc2")
+
+
+def _all_gather(out: Tensor, x: Tensor, group: dist.ProcessGroup | None) -> None:
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    fn(out, x, group=group)
