@@ -1,4 +1,4 @@
-"""Strict parity on a CUDA device (skipped without one): train == decode there, and == CPU bits."""
+"""Strict parity on a CUDA device (skipped without one): train == decode there, close to CPU."""
 
 from __future__ import annotations
 
@@ -33,15 +33,13 @@ def test_strict_train_forward_equals_decode_on_cuda() -> None:
     assert torch.equal(on_gpu[:18], torch.tensor(decoded))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="measured on the H200 (2026-11-30 and 2026-12-01): CPU and CUDA strict logprobs differ "
-    "by <= 1 ulp in ~11% of tokens (docs/benchmarks/models.md); cross-device bit parity needs "
-    "the batch-invariant GPU kernels of issue #26. strict=True: this fails once it holds.",
-)
-def test_strict_logprobs_are_the_same_bits_on_cpu_and_cuda() -> None:
-    """Strict kernels use only correctly rounded elementwise ops in separate kernels."""
+def test_cuda_strict_is_close_to_cpu_strict() -> None:
+    """CUDA strict runs the Triton kernels (``CudaStrictOps``), CPU strict the ``tree_sum`` /
+    ``exp_strict`` kernels: each device is bit-identical across its own paths, and the two
+    agree to rounding, not bit for bit (a different reduction order by design)."""
+    gpu = build_model(CFG, 0).to("cuda")
+    assert gpu.ops.__name__ == "CudaStrictOps"
     with torch.no_grad():
         on_cpu = build_model(CFG, 0).forward_logprobs(IDS, [18, 22])
-        on_gpu = build_model(CFG, 0).to("cuda").forward_logprobs(IDS, [18, 22]).cpu()
-    assert torch.equal(on_gpu, on_cpu)
+        on_gpu = gpu.forward_logprobs(IDS, [18, 22]).cpu()
+    assert (on_gpu - on_cpu).abs().max() < 1e-4

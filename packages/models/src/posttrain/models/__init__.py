@@ -90,7 +90,14 @@ from posttrain.models._media_io import (
     mel_bins,
     read_media_bytes,
 )
-from posttrain.models._model import DecoderModel, Numerics, Step, build_model
+from posttrain.models._model import (
+    DecoderModel,
+    Numerics,
+    Step,
+    StrictKernels,
+    build_model,
+    strict_ops_for,
+)
 from posttrain.models._ops import FastOps, StrictOps
 from posttrain.models._sites import LinearSite
 from posttrain.models._tokenizer import (
@@ -135,6 +142,7 @@ __all__ = [
     "Numerics",
     "PackedLayout",
     "Step",
+    "StrictKernels",
     "StrictOps",
     "TensorSpecError",
     "TensorSpecMismatchError",
@@ -165,6 +173,7 @@ __all__ = [
     "residual_sconv",
     "save_pretrained",
     "sentinel_id",
+    "strict_ops_for",
     "to_hf_state_dict",
     "tower_parameter_names",
     "weight_groups",

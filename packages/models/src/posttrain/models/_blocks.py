@@ -121,6 +121,11 @@ def attend_buffers(
     """
     t, nh, hd = q.shape
     cap, nkv = kbuf.shape[1], kbuf.shape[2]
+    if ops.fused_row_attention and rel_logits is None:
+        # the rows' buffers flattened to [R * C, ...]: slot c of row r is r * C + c
+        flat_k = kbuf.reshape(-1, nkv, kbuf.shape[3])
+        flat_v = vbuf.reshape(-1, nkv, vbuf.shape[3])
+        return ops.attend_rows(q, flat_k, flat_v, rows * cap, pos, scale=scale, window=window)
     group = nh // nkv
     qg = q.reshape(t, nkv, group, hd)
     slots = torch.arange(cap, device=q.device)
@@ -229,6 +234,19 @@ class PackedLayout(TokenLayout):
         super().__init__(seg, pos)
         self.num_segments = num_segments
         self.capacity = capacity
+        self._in_order: bool | None = None
+
+    def tokens_in_order(self) -> bool:
+        """Whether every segment's tokens are contiguous with positions ``0, 1, 2, ...``
+        (what ``forward_logits`` builds), so slot ``c`` of token ``t``'s segment is token
+        ``t - pos[t] + c``. Checked once per layout."""
+        if self._in_order is None:
+            seg, pos = self.seg, self.pos
+            starts = pos == 0
+            follows = (seg[1:] == seg[:-1]) & (pos[1:] == pos[:-1] + 1)
+            new_seg = starts[1:] & (seg[1:] != seg[:-1])
+            self._in_order = bool(starts[0]) and bool((new_seg | follows).all())
+        return self._in_order
 
     def sconv(self, ops: type[FastOps], layer: int, site: str, x: Tensor, weight: Tensor) -> Tensor:
         return residual_sconv(ops, x, self.seg, weight)
@@ -247,6 +265,10 @@ class PackedLayout(TokenLayout):
     ) -> Tensor:
         if ops is FastOps and window is None and rel_logits is None:
             return causal_sdpa(q, k, v, self.seg, q.shape[1] // k.shape[1], scale)
+        if ops.fused_row_attention and rel_logits is None and self.tokens_in_order():
+            # each segment's keys are its own tokens, in position order: no buffers needed
+            first = torch.arange(q.shape[0], device=q.device) - self.pos
+            return ops.attend_rows(q, k, v, first, self.pos, scale=scale, window=window)
         return attend(
             ops,
             q,

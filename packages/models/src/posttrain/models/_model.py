@@ -35,7 +35,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, Literal, NamedTuple
 
 import torch
 from torch import Tensor, nn
@@ -64,6 +64,26 @@ class Numerics(enum.StrEnum):
 
     STRICT = "strict"
     FAST = "fast"
+
+
+StrictKernels = Literal["auto", "torch", "triton"]
+"""Which strict kernel set runs: ``auto`` (Triton's ``CudaStrictOps`` on CUDA, ``StrictOps``
+elsewhere), ``torch`` (``StrictOps`` everywhere) or ``triton`` (``CudaStrictOps`` everywhere;
+on CPU tensors only under Triton's interpreter, for tests)."""
+
+
+def strict_ops_for(device: torch.device, kernels: StrictKernels = "auto") -> type[FastOps]:
+    """The strict kernel set for tensors on ``device``: ``CudaStrictOps`` (Triton) on CUDA or
+    when ``kernels == "triton"``, ``StrictOps`` otherwise. Triton is imported only then.
+
+    Anything that computes part of a model's forward outside ``DecoderModel`` (an expert
+    layer split over ranks, say) takes its kernels from here, so its bits stay the model's.
+    """
+    if kernels == "triton" or (kernels == "auto" and device.type == "cuda"):
+        from posttrain.models._strict_cuda import CudaStrictOps
+
+        return CudaStrictOps
+    return StrictOps
 
 
 class Step(NamedTuple):
@@ -185,10 +205,17 @@ class DecoderModel(nn.Module):
     rope_cos_swa: Tensor
     rope_sin_swa: Tensor
 
-    def __init__(self, config: ModelConfig, *, numerics: Numerics = Numerics.STRICT) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        *,
+        numerics: Numerics = Numerics.STRICT,
+        strict_kernels: StrictKernels = "auto",
+    ) -> None:
         super().__init__()
         self.config = config
         self.numerics = Numerics(numerics)
+        self.strict_kernels = strict_kernels
         v, h, dt = config.vocab_size, config.hidden_size, config.dtype
         self.embedding = nn.Parameter(torch.zeros(v, h, dtype=dt))
         if config.embedding_rms_norm:
@@ -219,9 +246,25 @@ class DecoderModel(nn.Module):
             self.register_buffer("rope_sin_swa", sin, persistent=False)
 
     @property
+    def strict_kernels(self) -> StrictKernels:
+        """Which strict kernel set runs (see ``StrictKernels``); settable."""
+        return self._strict_kernels
+
+    @strict_kernels.setter
+    def strict_kernels(self, value: StrictKernels) -> None:
+        if value not in ("auto", "torch", "triton"):
+            raise ModelInputError(f"strict_kernels={value!r}: use 'auto', 'torch' or 'triton'")
+        self._strict_kernels: StrictKernels = value
+
+    @property
     def ops(self) -> type[FastOps]:
-        """The kernel set of the current numerics mode."""
-        return StrictOps if self.numerics is Numerics.STRICT else FastOps
+        """The kernel set of the current numerics mode (strict on CUDA: ``CudaStrictOps``).
+
+        Triton is imported only here, and only for the Triton set, so CPU work never needs it.
+        """
+        if self.numerics is not Numerics.STRICT:
+            return FastOps
+        return strict_ops_for(self.embedding.device, self._strict_kernels)
 
     # ------------------------------------------------------------------ public forwards
 
@@ -746,11 +789,15 @@ def _segment_starts(lengths: Sequence[int]) -> list[int]:
 
 
 def build_model(
-    config: ModelConfig, seed: int = 0, *, numerics: Numerics = Numerics.STRICT
+    config: ModelConfig,
+    seed: int = 0,
+    *,
+    numerics: Numerics = Numerics.STRICT,
+    strict_kernels: StrictKernels = "auto",
 ) -> DecoderModel:
     """A model with weights drawn from ``seed`` (normal(0, initializer_range); norms = 1;
     sconv weights 0, so each residual convolution starts as the identity)."""
-    model = DecoderModel(config, numerics=numerics)
+    model = DecoderModel(config, numerics=numerics, strict_kernels=strict_kernels)
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, param in model.named_parameters():

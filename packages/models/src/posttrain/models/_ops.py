@@ -26,6 +26,7 @@ reduce in other orders); conformance to ``transformers`` is a tolerance test.
 from __future__ import annotations
 
 import math
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -95,6 +96,29 @@ def log_strict(x: Tensor) -> Tensor:
 
 class FastOps:
     """Ordinary torch kernels (BLAS, torch softmax); fp32 activations; not batch invariant."""
+
+    fused_row_attention: ClassVar[bool] = False
+    """Whether ``attend_rows`` exists (the CUDA strict set): ``_blocks`` then uses it for
+    attention without a relative position bias, on the packed forward and on decode alike."""
+
+    @staticmethod
+    def attend_rows(
+        q: Tensor,
+        keys: Tensor,
+        values: Tensor,
+        kstart: Tensor,
+        pos: Tensor,
+        *,
+        scale: float,
+        window: int | None,
+    ) -> Tensor:
+        """Causal attention of ``q[T, heads, hd]`` over key rows: query ``t`` sees slot
+        ``c <= pos[t]`` (and ``pos[t] - c < window``) at ``keys/values[kstart[t] + c]``
+        (``[S, kv_heads, hd]``). Returns ``[T, heads * hd]``. Only kernel sets with
+        ``fused_row_attention`` implement it."""
+        raise NotImplementedError(
+            "attend_rows needs a kernel set with fused_row_attention (CudaStrictOps)"
+        )
 
     @staticmethod
     def linear(x: Tensor, weight: Tensor) -> Tensor:

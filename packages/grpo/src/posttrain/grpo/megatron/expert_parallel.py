@@ -14,7 +14,7 @@ creates a ``torch.cuda.Stream`` when it is built, its router moves its weight to
 megatron's global ``parallel_state``. It also computes with its own kernels (grouped GEMM, its
 own top-k, softmax and un-permute order), so strict numerics (the engine's bits) could not hold.
 So tokens are dispatched here with explicit all-to-alls over explicit groups, and every expert
-runs the model's own kernels (``StrictOps.linear``, ``silu_mul``, ``moe_combine``).
+runs the model's own kernels (``strict_ops_for`` of the device: ``linear``, ``silu_mul``, ``moe_combine``).
 
 How it maps to Megatron's EP (expert_tensor_parallel_size = 1, the ``alltoall`` dispatcher)
 --------------------------------------------------------------------------------------------
@@ -103,7 +103,7 @@ from posttrain.grpo.megatron.expert_state import (
 )
 from posttrain.lora import LoraConfig
 from posttrain.lora.config import init_full_factor
-from posttrain.models import FastOps, ModelConfig, Numerics, StrictOps
+from posttrain.models import FastOps, ModelConfig, Numerics, strict_ops_for
 
 __all__ = [
     "LORA_TARGETS",
@@ -321,7 +321,8 @@ class ExpertParallelMoe(nn.Module):
 
     @property
     def ops(self) -> type[FastOps]:
-        return StrictOps if self.numerics is Numerics.STRICT else FastOps
+        # the model's strict kernels for this device (Triton on CUDA), so EP keeps its bits
+        return strict_ops_for(self.router.device) if self.numerics is Numerics.STRICT else FastOps
 
     def is_expert_parameter(self, name: str) -> bool:
         """Whether parameter ``name`` belongs to the local routed experts (EP-sharded)."""

@@ -1,0 +1,272 @@
+# mypy: disable-error-code="no-untyped-call"
+"""``CudaStrictOps``: the strict kernel set on CUDA, batch-invariant Triton kernels with backward.
+
+``DecoderModel.ops`` picks it when numerics is strict and the model is on CUDA (or when a test
+asks for it under Triton's interpreter). It keeps ``StrictOps``' contract -- a token's bits
+depend on the token's own inputs only, so the packed training forward, prefill and decode
+agree bit for bit -- with kernels that run near the speed of the fast path (see
+``_triton_kernels`` for how each one keeps a fixed reduction per output row).
+
+What it overrides: ``linear`` (also the MoE expert matmuls and LoRA factors), ``rms_norm``,
+``silu_mul``, ``softmax``, ``log_softmax`` and attention over key rows (``attend_rows``, used
+by ``_blocks`` for the packed forward and for decode). It inherits from ``StrictOps`` the
+elementwise and tiny fixed-tree ops (``sigmoid``, ``sconv``, ``moe_combine``, ``sum_last``)
+and ``attention``, which ``_blocks`` still uses for layers with a relative position bias (on
+both paths, so those layers keep train == decode too).
+
+Backward passes are ordinary fp32 torch (cuBLAS matmuls, no TF32 unless the caller enables
+it, no atomics): deterministic run to run, not batch invariant, which training does not need.
+
+Bits: CUDA strict differs from CPU strict (``StrictOps``: ``tree_sum`` and ``exp_strict``);
+both are references of their own device.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from posttrain.models import _triton_kernels as kernels
+from posttrain.models._ops import StrictOps
+
+# Elements of the [n, heads, L] score tensor per chunk in attention's backward (memory only).
+_BACKWARD_CHUNK = 1 << 26
+
+
+class _Linear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, weight: Tensor) -> Tensor:
+        ctx.save_for_backward(x, weight)
+        return kernels.linear(x, weight)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, Tensor | None]:
+        x, weight = ctx.saved_tensors
+        dx = grad @ weight.float() if ctx.needs_input_grad[0] else None
+        dw = (grad.t() @ x).to(weight.dtype) if ctx.needs_input_grad[1] else None
+        return dx, dw
+
+
+class _RmsNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, weight: Tensor, eps: float) -> Tensor:
+        ctx.save_for_backward(x, weight)
+        ctx.eps = eps
+        return kernels.rms_norm(x, weight, eps)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, Tensor | None, None]:
+        x, weight = ctx.saved_tensors
+        rows, d = x.shape
+        w_rows = weight.shape[0]
+        inv = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + ctx.eps)
+        w = weight.float().repeat(rows // w_rows, 1)
+        g = grad * w
+        dx = inv * g - x * (inv**3) * (g * x).sum(-1, keepdim=True) / d
+        dw = None
+        if ctx.needs_input_grad[1]:
+            dw = (grad * x * inv).reshape(-1, w_rows, d).sum(0).to(weight.dtype)
+        return dx, dw, None
+
+
+class _SiluMul(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, gate: Tensor, up: Tensor) -> Tensor:
+        ctx.save_for_backward(gate, up)
+        return kernels.silu_mul(gate, up)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, Tensor]:
+        gate, up = ctx.saved_tensors
+        s = torch.sigmoid(gate)
+        d_gate = grad * up * s * (1.0 + gate * (1.0 - s))
+        return d_gate, grad * gate * s
+
+
+class _Softmax(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, log: bool) -> Tensor:
+        out = kernels.softmax(x, log=log)
+        ctx.save_for_backward(out)
+        ctx.log = log
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+        (out,) = ctx.saved_tensors
+        if ctx.log:
+            return grad - out.exp() * grad.sum(-1, keepdim=True), None
+        return out * (grad - (grad * out).sum(-1, keepdim=True)), None
+
+
+class _RowAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx: Any,
+        q: Tensor,
+        keys: Tensor,
+        values: Tensor,
+        kstart: Tensor,
+        pos: Tensor,
+        scale: float,
+        window: int | None,
+    ) -> Tensor:
+        out = kernels.row_attention(q, keys, values, kstart, pos, scale=scale, window=window)
+        ctx.save_for_backward(q, keys, values, kstart, pos, out)
+        ctx.scale, ctx.window = scale, window
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, Tensor, Tensor, None, None, None, None]:
+        q, keys, values, kstart, pos, out = ctx.saved_tensors
+        dq, dk, dv = _row_attention_backward(
+            q, keys, values, kstart, pos, out, grad, ctx.scale, ctx.window
+        )
+        return dq, dk, dv, None, None, None, None
+
+
+def _row_attention_backward(
+    q: Tensor,
+    keys: Tensor,
+    values: Tensor,
+    kstart: Tensor,
+    pos: Tensor,
+    out: Tensor,
+    grad: Tensor,
+    scale: float,
+    window: int | None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Recompute each key row's probabilities in fp32 torch and form the three gradients.
+
+    Queries are grouped by key row (``kstart``); rows own disjoint key slots, so ``dk``/``dv``
+    slices are written by one group each, in a fixed order: deterministic, no atomics.
+    """
+    _, heads, hd = q.shape
+    kv_heads = keys.shape[1]
+    group = heads // kv_heads
+    dq = torch.zeros_like(q)
+    dk = torch.zeros(keys.shape, dtype=torch.float32, device=keys.device)
+    dv = torch.zeros(values.shape, dtype=torch.float32, device=values.device)
+    for start in torch.unique(kstart).tolist():
+        members = (kstart == start).nonzero().flatten()
+        length = int(pos[members].max()) + 1
+        kk, vv = keys[start : start + length].float(), values[start : start + length].float()
+        slots = torch.arange(length, device=q.device)
+        step = max(1, _BACKWARD_CHUNK // (heads * length))
+        for i in range(0, members.numel(), step):
+            idx = members[i : i + step]
+            n = idx.numel()
+            qq = q[idx].reshape(n, kv_heads, group, hd)
+            do = grad[idx].reshape(n, kv_heads, group, hd)
+            oo = out[idx].reshape(n, kv_heads, group, hd)
+            dist = pos[idx][:, None] - slots[None, :]
+            seen = dist >= 0
+            if window is not None:
+                seen = seen & (dist < window)
+            scores = torch.einsum("nkgd,lkd->nkgl", qq, kk) * scale
+            scores = scores.masked_fill(~seen[:, None, None, :], float("-inf"))
+            probs = torch.softmax(scores, dim=-1)
+            dv[start : start + length] += torch.einsum("nkgl,nkgd->lkd", probs, do)
+            dp = torch.einsum("nkgd,lkd->nkgl", do, vv)
+            ds = probs * (dp - (do * oo).sum(-1, keepdim=True)) * scale
+            dq[idx] = torch.einsum("nkgl,lkd->nkgd", ds, kk).reshape(n, heads, hd)
+            dk[start : start + length] += torch.einsum("nkgl,nkgd->lkd", ds, qq)
+    return dq, dk.to(keys.dtype), dv.to(values.dtype)
+
+
+def _needs_grad(*tensors: Tensor) -> bool:
+    """Whether autograd must record this op (else the kernel is called directly: decode
+    skips the ``Function`` bookkeeping; the bits are the same kernel's either way)."""
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
+class CudaStrictOps(StrictOps):
+    """Strict numerics on CUDA through batch-invariant Triton kernels (see the module doc)."""
+
+    fused_row_attention = True
+
+    @staticmethod
+    def linear(x: Tensor, weight: Tensor) -> Tensor:
+        """``x @ weight.T`` in fp32 by the one-tiling Triton GEMM (row-invariant)."""
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, x.shape[-1]).float()  # activations are fp32 (a no-op then)
+        if _needs_grad(x2, weight):
+            out: Tensor = _Linear.apply(x2, weight)
+        else:
+            out = kernels.linear(x2, weight)
+        return out.reshape(*lead, weight.shape[0])
+
+    @staticmethod
+    def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+        """Per-row RMSNorm; ``weight`` is ``[D]`` or one row per head ``[heads, D]``."""
+        d = x.shape[-1]
+        x2, w2 = x.reshape(-1, d).float().contiguous(), weight.reshape(-1, d)
+        if _needs_grad(x2, w2):
+            out: Tensor = _RmsNorm.apply(x2, w2, eps)
+        else:
+            out = kernels.rms_norm(x2, w2, eps)
+        return out.reshape(x.shape)
+
+    @staticmethod
+    def silu_mul(gate: Tensor, up: Tensor) -> Tensor:
+        """``gate / (1 + exp(-gate)) * up`` (elementwise kernel)."""
+        lead = gate.shape[:-1]
+        c = gate.shape[-1]
+        g2, u2 = gate.reshape(-1, c), up.reshape(-1, c)
+        if g2.stride(-1) != 1:
+            g2 = g2.contiguous()
+        if u2.stride(-1) != 1:
+            u2 = u2.contiguous()
+        if _needs_grad(g2, u2):
+            out: Tensor = _SiluMul.apply(g2, u2)
+        else:
+            out = kernels.silu_mul(g2, u2)
+        return out.reshape(*lead, c)
+
+    @staticmethod
+    def log_softmax(x: Tensor) -> Tensor:
+        """Per-row log-softmax (fixed block loop)."""
+        n = x.shape[-1]
+        x2 = x.reshape(-1, n).contiguous()
+        if _needs_grad(x2):
+            out: Tensor = _Softmax.apply(x2, True)
+        else:
+            out = kernels.softmax(x2, log=True)
+        return out.reshape(x.shape)
+
+    @staticmethod
+    def softmax(x: Tensor) -> Tensor:
+        """Per-row softmax (fixed block loop)."""
+        n = x.shape[-1]
+        x2 = x.reshape(-1, n).contiguous()
+        if _needs_grad(x2):
+            out: Tensor = _Softmax.apply(x2, False)
+        else:
+            out = kernels.softmax(x2, log=False)
+        return out.reshape(x.shape)
+
+    @staticmethod
+    def attend_rows(
+        q: Tensor,
+        keys: Tensor,
+        values: Tensor,
+        kstart: Tensor,
+        pos: Tensor,
+        *,
+        scale: float,
+        window: int | None,
+    ) -> Tensor:
+        """See ``FastOps.attend_rows``: one Triton kernel for training and decode."""
+        if keys.stride(-1) != 1:
+            keys = keys.contiguous()
+        if values.stride(-1) != 1:
+            values = values.contiguous()
+        if q.stride(-1) != 1:
+            q = q.contiguous()
+        if _needs_grad(q, keys, values):
+            out: Tensor = _RowAttention.apply(q, keys, values, kstart, pos, scale, window)
+        else:
+            out = kernels.row_attention(q, keys, values, kstart, pos, scale=scale, window=window)
+        return out.reshape(q.shape[0], -1)

@@ -1,0 +1,444 @@
+# mypy: disable-error-code="untyped-decorator,no-untyped-def,no-any-return"
+# ruff: noqa: N803  (Triton spells compile-time constants in capitals)
+"""Triton kernels of the strict path on CUDA: batch invariant by a fixed shape per output row.
+
+Imported only by ``_strict_cuda`` (itself imported only when a strict model runs on CUDA, or
+by the interpreter tests), so CPU work never imports Triton. Every kernel computes an output
+row from that row's inputs alone, with a reduction whose shape and order are compile-time
+constants of the kernel (never a function of the number of rows):
+
+* ``linear``: ``x[M, K] @ w[N, K].T`` with ONE tiling (``LINEAR_TILING``) for every ``M``, no
+  split-K; rows past ``M`` in a tile are zeros that only feed rows past ``M``. ``w`` may be
+  bf16/fp16/fp32: upcast in registers, exact, so the fp32 copy the torch path makes is never
+  written. The dot's precision is part of the tiling: ``"tf32x3"`` (the default) splits each
+  fp32 operand into a TF32 high part and a TF32 remainder and accumulates the three products
+  ``hi*hi + hi*lo + lo*hi`` on the tensor cores in fp32 (near-fp32 accuracy: about 2**-22 per
+  product instead of 2**-24); ``"ieee"`` is exact fp32 products on the FMA units. Both give
+  each output element a fixed accumulation order for a fixed tiling. Measured on the H200
+  (docs/benchmarks/models.md): ``ieee`` reaches 14-22 TFLOP/s, 0.28-0.44x cuBLAS fp32, too slow
+  for the issue-26 target; ``tf32x3`` about 67 TFLOP/s, 1.3x cuBLAS fp32 (TF32 off).
+* ``rms_norm``, ``softmax``, ``log_softmax``: one program per row, a fixed ``BLOCK`` loop over
+  the row into a ``[BLOCK]`` accumulator, then one ``tl.sum``/``tl.max`` of fixed shape.
+* ``row_attention``: queries over the keys of their row (see ``row_attention``'s doc): the
+  packed training forward and KV-cache decode launch the same kernel with the same
+  constexprs, so a query's keys are visited in the same blocks, in the same order, by the
+  same instructions, on both paths.
+* ``silu_mul``: elementwise.
+
+Transcendentals are Triton's ``exp``/``log`` (on NVIDIA: the hardware approximations behind
+``ex2``/``lg2``, deterministic); divisions and square roots are ``div_rn``/``sqrt_rn``. So CUDA
+strict bits differ from CPU strict bits (``exp_strict``/``tree_sum``) by design; what holds is
+bit identity between the paths of one device (train == prefill == decode, any batch).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton  # type: ignore[import-untyped]
+import triton.language as tl  # type: ignore[import-untyped]
+
+__all__ = [
+    "ATTENTION_TILING",
+    "LINEAR_TILING",
+    "AttentionTiling",
+    "LinearTiling",
+    "linear",
+    "rms_norm",
+    "row_attention",
+    "silu_mul",
+    "softmax",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class LinearTiling:
+    """The one tiling of ``linear`` (independent of the number of rows: that is the point)."""
+
+    block_m: int = 64
+    block_n: int = 64
+    block_k: int = 32
+    group_m: int = 8
+    num_warps: int = 4
+    num_stages: int = 3
+    precision: str = "tf32x3"
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionTiling:
+    """The one tiling of ``row_attention``: ``block_m`` (token, head-in-group) rows per tile,
+    ``block_n`` key slots per step. Train and decode must use the same one."""
+
+    block_m: int = 64
+    block_n: int = 64
+    num_warps: int = 4
+    num_stages: int = 2
+    precision: str = "auto"
+    """Both dots: ``ieee`` (FMA units), ``tf32x3`` (tensor cores, as ``linear``), or ``auto``:
+    ``ieee`` up to head dim 64, ``tf32x3`` above. The choice depends on the model only, so
+    training and decode always share it. Why: Triton's FMA-path dot keeps a thread's operand
+    rows over the whole head dim in registers; on the H200, ``ieee`` ran train == decode bit
+    for bit at head dims 8 and 16 and the GRPO step at head dim 64, while the ~1B benchmark
+    (head dim 128) did not finish in its time slot, spills suspected. ``tf32x3`` attention
+    has not run on a GPU yet (docs/benchmarks/models.md)."""
+
+
+LINEAR_TILING = LinearTiling()
+ATTENTION_TILING = AttentionTiling()
+_ROW_BLOCK = 1024  # rms_norm / softmax block over a row
+_EW_BLOCK = 1024  # silu_mul block
+
+
+# --------------------------------------------------------------------------- linear
+
+
+# M (rows) and T (tokens) are not specialised on: one binary serves every row count, so a
+# row's instructions cannot depend on how many rows came with it (and decode's changing batch
+# sizes compile nothing new).
+@triton.jit(do_not_specialize=["M"])
+def _linear_kernel(
+    x_ptr,
+    w_ptr,
+    out_ptr,
+    M,
+    N,
+    K,
+    sxm,
+    sxk,
+    swn,
+    swk,
+    som,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    grid_m = tl.cdiv(M, BLOCK_M)
+    grid_n = tl.cdiv(N, BLOCK_N)
+    # grouped program order (L2 reuse of w); it only decides which tile runs when
+    width = GROUP_M * grid_n
+    group = pid // width
+    first_m = group * GROUP_M
+    size_m = tl.minimum(grid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % width) % size_m
+    pid_n = (pid % width) // size_m
+    rm = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    rn = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    rk = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + rk
+        a = tl.load(
+            x_ptr + rm[:, None] * sxm + kk[None, :] * sxk,
+            mask=(rm[:, None] < M) & (kk[None, :] < K),
+            other=0.0,
+        )
+        b = tl.load(
+            w_ptr + rn[None, :] * swn + kk[:, None] * swk,
+            mask=(rn[None, :] < N) & (kk[:, None] < K),
+            other=0.0,
+        ).to(tl.float32)
+        acc = tl.dot(a, b, acc, input_precision=PRECISION)
+    tl.store(
+        out_ptr + rm[:, None] * som + rn[None, :],
+        acc,
+        mask=(rm[:, None] < M) & (rn[None, :] < N),
+    )
+
+
+def linear(
+    x: torch.Tensor, weight: torch.Tensor, tiling: LinearTiling | None = None
+) -> torch.Tensor:
+    """``x[M, K] (fp32) @ weight[N, K].T`` -> fp32 ``[M, N]`` (any strides)."""
+    t = tiling or LINEAR_TILING
+    m, k = x.shape
+    n = weight.shape[0]
+    out = torch.empty((m, n), dtype=torch.float32, device=x.device)
+    if m == 0 or n == 0:
+        return out
+    if k == 0:
+        return out.zero_()
+    grid = (triton.cdiv(m, t.block_m) * triton.cdiv(n, t.block_n),)
+    _linear_kernel[grid](
+        x,
+        weight,
+        out,
+        m,
+        n,
+        k,
+        x.stride(0),
+        x.stride(1),
+        weight.stride(0),
+        weight.stride(1),
+        out.stride(0),
+        BLOCK_M=t.block_m,
+        BLOCK_N=t.block_n,
+        BLOCK_K=t.block_k,
+        GROUP_M=t.group_m,
+        PRECISION=t.precision,
+        num_warps=t.num_warps,
+        num_stages=t.num_stages,
+    )
+    return out
+
+
+# --------------------------------------------------------------------------- row kernels
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, D, d_float, w_rows, eps, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    x_row = x_ptr + row * D
+    w_row = w_ptr + (row % w_rows) * D
+    o_row = out_ptr + row * D
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for d0 in range(0, D, BLOCK):
+        offs = d0 + tl.arange(0, BLOCK)
+        x = tl.load(x_row + offs, mask=offs < D, other=0.0)
+        acc += x * x
+    ms = tl.div_rn(tl.sum(acc, axis=0), d_float)
+    inv = tl.div_rn(1.0, tl.sqrt_rn(ms + eps))
+    for d0 in range(0, D, BLOCK):
+        offs = d0 + tl.arange(0, BLOCK)
+        x = tl.load(x_row + offs, mask=offs < D, other=0.0)
+        w = tl.load(w_row + offs, mask=offs < D, other=0.0).to(tl.float32)
+        tl.store(o_row + offs, (x * inv) * w, mask=offs < D)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of contiguous rows ``x[R, D]``; row ``r`` uses ``weight[r % W]`` of ``[W, D]``."""
+    rows, d = x.shape
+    out = torch.empty_like(x)
+    if rows:
+        block = min(_ROW_BLOCK, triton.next_power_of_2(d))
+        _rms_norm_kernel[(rows,)](x, weight, out, d, float(d), weight.shape[0], eps, BLOCK=block)
+    return out
+
+
+@triton.jit
+def _softmax_kernel(x_ptr, out_ptr, N, LOG: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    x_row = x_ptr + row * N
+    o_row = out_ptr + row * N
+    top = tl.full([BLOCK], float("-inf"), dtype=tl.float32)
+    for n0 in range(0, N, BLOCK):
+        offs = n0 + tl.arange(0, BLOCK)
+        top = tl.maximum(top, tl.load(x_row + offs, mask=offs < N, other=float("-inf")))
+    mx = tl.max(top, axis=0)
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for n0 in range(0, N, BLOCK):
+        offs = n0 + tl.arange(0, BLOCK)
+        x = tl.load(x_row + offs, mask=offs < N, other=float("-inf"))
+        acc += tl.where(offs < N, tl.exp(x - mx), 0.0)
+    total = tl.sum(acc, axis=0)
+    log_total = tl.log(total)
+    for n0 in range(0, N, BLOCK):
+        offs = n0 + tl.arange(0, BLOCK)
+        x = tl.load(x_row + offs, mask=offs < N, other=0.0)
+        if LOG:  # noqa: SIM108  (a constexpr branch)
+            y = (x - mx) - log_total
+        else:
+            y = tl.div_rn(tl.exp(x - mx), total)
+        tl.store(o_row + offs, y, mask=offs < N)
+
+
+def softmax(x: torch.Tensor, *, log: bool) -> torch.Tensor:
+    """(Log-)softmax over the last dim of contiguous rows ``x[R, N]``."""
+    rows, n = x.shape
+    out = torch.empty_like(x)
+    if rows and n:
+        block = min(_ROW_BLOCK, triton.next_power_of_2(n))
+        _softmax_kernel[(rows,)](x, out, n, LOG=log, BLOCK=block)
+    return out
+
+
+@triton.jit
+def _silu_mul_kernel(g_ptr, u_ptr, out_ptr, C, sg, su, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < C
+    g = tl.load(g_ptr + row * sg + offs, mask=mask, other=0.0)
+    u = tl.load(u_ptr + row * su + offs, mask=mask, other=0.0)
+    y = tl.div_rn(g, 1.0 + tl.exp(-g)) * u
+    tl.store(out_ptr + row * C + offs, y, mask=mask)
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """``gate / (1 + exp(-gate)) * up`` for ``[R, C]`` (rows may be strided, columns dense)."""
+    rows, c = gate.shape
+    out = torch.empty((rows, c), dtype=torch.float32, device=gate.device)
+    if rows and c:
+        grid = (rows, triton.cdiv(c, _EW_BLOCK))
+        _silu_mul_kernel[grid](gate, up, out, c, gate.stride(0), up.stride(0), BLOCK=_EW_BLOCK)
+    return out
+
+
+# --------------------------------------------------------------------------- attention
+
+
+@triton.jit(do_not_specialize=["T"])
+def _row_attention_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    out_ptr,
+    kstart_ptr,
+    pos_ptr,
+    T,
+    HD,
+    sqt,
+    sqh,
+    skt,
+    skh,
+    svt,
+    svh,
+    sot,
+    soh,
+    scale,
+    window,
+    GROUP: tl.constexpr,
+    TOK: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HD_PAD: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    t0 = tl.program_id(0)
+    kvh = tl.program_id(1)
+    ks0 = tl.load(kstart_ptr + t0)
+    p0 = tl.load(pos_ptr + t0)
+    # A tile is a run of <= TOK consecutive tokens of one key row with consecutive positions,
+    # not crossing a multiple of TOK; token t0 leads one iff it does not continue t0 - 1's.
+    prev = tl.maximum(t0 - 1, 0)
+    continues = (
+        (t0 > 0)
+        & (tl.load(kstart_ptr + prev) == ks0)
+        & (tl.load(pos_ptr + prev) == p0 - 1)
+        & (p0 % TOK != 0)
+    )
+    j = tl.arange(0, TOK)
+    tj = t0 + j
+    inside = tj < T
+    ksj = tl.load(kstart_ptr + tj, mask=inside, other=-1)
+    pj = tl.load(pos_ptr + tj, mask=inside, other=-1)
+    breaks = (~inside) | (ksj != ks0) | (pj != p0 + j) | ((p0 % TOK) + j >= TOK)
+    n_tok = tl.min(tl.where(breaks, j, TOK), axis=0)
+    n_tok = tl.where(continues, 0, n_tok)
+
+    r = tl.arange(0, BLOCK_M)
+    tok = r // GROUP
+    head = kvh * GROUP + r % GROUP
+    row_ok = tok < n_tok
+    qpos = p0 + tok
+    d = tl.arange(0, HD_PAD)
+    d_ok = d < HD
+    q = tl.load(
+        q_ptr + (t0 + tok).to(tl.int64)[:, None] * sqt + head[:, None] * sqh + d[None, :],
+        mask=row_ok[:, None] & d_ok[None, :],
+        other=0.0,
+    )
+    hi = p0 + n_tok  # one past the last slot any row of the tile may see
+    lo = 0
+    if HAS_WINDOW:
+        lo = tl.maximum(p0 - window + 1, 0)
+        lo = (lo // BLOCK_N) * BLOCK_N
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HD_PAD], dtype=tl.float32)
+    for n0 in range(lo, hi, BLOCK_N):
+        cols = n0 + tl.arange(0, BLOCK_N)
+        col_ok = cols < hi
+        slot = (ks0 + cols).to(tl.int64)
+        k_t = tl.load(
+            k_ptr + slot[None, :] * skt + kvh * skh + d[:, None],
+            mask=col_ok[None, :] & d_ok[:, None],
+            other=0.0,
+        )
+        s = tl.dot(q, k_t, input_precision=PRECISION) * scale
+        seen = (cols[None, :] <= qpos[:, None]) & row_ok[:, None]
+        if HAS_WINDOW:
+            seen = seen & (qpos[:, None] - cols[None, :] < window)
+        s = tl.where(seen, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m_i - m_safe)
+        p = tl.exp(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v = tl.load(
+            v_ptr + slot[:, None] * svt + kvh * svh + d[None, :],
+            mask=col_ok[:, None] & d_ok[None, :],
+            other=0.0,
+        )
+        acc = tl.dot(p, v, acc * alpha[:, None], input_precision=PRECISION)
+        m_i = m_new
+    out = tl.div_rn(acc, tl.where(row_ok, l_i, 1.0)[:, None])
+    tl.store(
+        out_ptr + (t0 + tok).to(tl.int64)[:, None] * sot + head[:, None] * soh + d[None, :],
+        out,
+        mask=row_ok[:, None] & d_ok[None, :],
+    )
+
+
+def row_attention(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    kstart: torch.Tensor,
+    pos: torch.Tensor,
+    *,
+    scale: float,
+    window: int | None,
+    tiling: AttentionTiling | None = None,
+) -> torch.Tensor:
+    """Causal attention of ``q[T, heads, hd]`` over key rows of ``keys/values[S, kv_heads, hd]``.
+
+    Query ``t`` (position ``pos[t]``) sees slots ``c <= pos[t]`` (and ``pos[t] - c < window``)
+    of the row starting at ``keys[kstart[t]]``: slot ``c`` is ``keys[kstart[t] + c]``. Packed
+    training passes the tokens themselves (``kstart = t - pos``); decode passes the cache
+    flattened to ``[R * C, ...]`` (``kstart = row * C``). The last dim must be contiguous.
+    Returns fp32 ``[T, heads, hd]``.
+    """
+    t = tiling or ATTENTION_TILING
+    n_tok, heads, hd = q.shape
+    kv_heads = keys.shape[1]
+    group = heads // kv_heads
+    block_m = max(t.block_m, triton.next_power_of_2(group))
+    tokens_per_tile = 1 << ((block_m // group).bit_length() - 1)  # a power of two
+    out = torch.empty((n_tok, heads, hd), dtype=torch.float32, device=q.device)
+    if n_tok == 0:
+        return out
+    grid = (n_tok, kv_heads)
+    _row_attention_kernel[grid](
+        q,
+        keys,
+        values,
+        out,
+        kstart.to(torch.int32).contiguous(),
+        pos.to(torch.int32).contiguous(),
+        n_tok,
+        hd,
+        q.stride(0),
+        q.stride(1),
+        keys.stride(0),
+        keys.stride(1),
+        values.stride(0),
+        values.stride(1),
+        out.stride(0),
+        out.stride(1),
+        scale,
+        window if window is not None else 0,
+        GROUP=group,
+        TOK=tokens_per_tile,
+        HAS_WINDOW=window is not None,
+        BLOCK_M=block_m,
+        BLOCK_N=t.block_n,
+        HD_PAD=max(16, triton.next_power_of_2(hd)),
+        PRECISION=t.precision if t.precision != "auto" else ("ieee" if hd <= 64 else "tf32x3"),
+        num_warps=t.num_warps,
+        num_stages=t.num_stages,
+    )
+    return out

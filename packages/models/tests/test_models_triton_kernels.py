@@ -1,0 +1,378 @@
+"""The CUDA strict kernels (``CudaStrictOps``, Triton): accuracy, row invariance, train == decode.
+
+On a CUDA machine the kernels run on the device. Elsewhere Triton's interpreter runs the same
+kernel source on CPU tensors: one test reruns this file in a fresh process with
+``TRITON_INTERPRET=1`` (it must be set before Triton is imported), where the kernel tests run
+(they show as skipped in the parent). The interpreter's ``tl.dot`` is a numpy matmul whose
+bits depend on a row's place in the tile (OpenBLAS blocking), unlike the GPU's fp32 ``ieee``
+dot, which accumulates each output element over ``k`` in one fixed order; so under the
+interpreter this file swaps in a dot with that per-element order (``_sequential_dot``). What
+the interpreter checks is the kernels' own logic (tiles, masks, block loops, the choice of
+which rows share a tile); the GPU run checks the instructions themselves.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Sequence
+
+import pytest
+import torch
+from torch import Tensor
+
+pytest.importorskip("triton")
+
+from posttrain.models import DecoderModel, LoraAdapter, ModelConfig, build_model
+
+ON_CUDA = torch.cuda.is_available()
+RUN_HERE = ON_CUDA or os.environ.get("TRITON_INTERPRET") == "1"
+kernel_test = pytest.mark.skipif(
+    not RUN_HERE, reason="no CUDA: run under the interpreter by test_kernels_under_interpreter"
+)
+
+
+def _sequential_dot() -> None:
+    """Make the interpreter's dot accumulate each element over k in order (as the GPU does)."""
+    import numpy as np
+    import triton.runtime.interpreter as interp  # type: ignore[import-untyped]
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):  # type: ignore[no-untyped-def]
+        acc = d.data.copy()
+        lhs, rhs = a.data.astype(acc.dtype), b.data.astype(acc.dtype)
+        for k in range(lhs.shape[-1]):
+            acc = acc + lhs[..., :, k : k + 1] * rhs[..., k : k + 1, :]
+        return interp.TensorHandle(np.asarray(acc), d.dtype.scalar)
+
+    interp.InterpreterBuilder.create_dot = create_dot
+
+
+if RUN_HERE and not ON_CUDA:
+    _sequential_dot()
+
+
+@pytest.mark.skipif(RUN_HERE, reason="the kernel tests run in this process")
+def test_kernels_under_interpreter() -> None:
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    args = [sys.executable, "-m", "pytest", __file__, "-q", "-x", "-p", "no:cacheprovider"]
+    r = subprocess.run(args, env=env, capture_output=True, text=True, timeout=280, check=False)
+    assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-2000:]
+    assert " passed" in r.stdout, r.stdout[-500:]
+    assert "failed" not in r.stdout, r.stdout[-500:]
+
+
+def test_cpu_strict_never_imports_triton() -> None:
+    code = (
+        "import sys, torch\n"
+        "from posttrain.models import ModelConfig, build_model, StrictOps\n"
+        "m = build_model(ModelConfig.tiny(max_position_embeddings=16), 0)\n"
+        "assert m.ops is StrictOps\n"
+        "m.forward_logprobs(torch.tensor([1, 2, 3, 4]), [2, 2])\n"
+        "m.decode_step(m.new_kv_cache(1), [0], [5])\n"
+        "assert 'triton' not in sys.modules, 'triton imported'\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+
+
+def test_strict_kernels_setting_is_checked() -> None:
+    from posttrain.models import ModelInputError, StrictOps
+
+    model = build_model(ModelConfig.tiny(max_position_embeddings=16), 0, strict_kernels="torch")
+    assert model.ops is StrictOps
+    with pytest.raises(ModelInputError, match="strict_kernels"):
+        model.strict_kernels = "cuda"  # type: ignore[assignment]
+
+
+# ------------------------------------------------------------------ kernels
+
+
+@pytest.fixture(scope="module")
+def device() -> str:
+    return "cuda" if ON_CUDA else "cpu"
+
+
+def _rel(out: Tensor, ref: Tensor) -> float:
+    return float((out.double().cpu() - ref).norm() / ref.norm())
+
+
+@kernel_test
+def test_linear_is_accurate_and_row_invariant(device: str) -> None:
+    from posttrain.models._strict_cuda import CudaStrictOps as Ops
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(70, 40, generator=gen)
+    for dtype in (torch.float32, torch.bfloat16):
+        w = torch.randn(50, 40, generator=gen).to(dtype)
+        full = Ops.linear(x.to(device), w.to(device))
+        assert _rel(full, x.double() @ w.double().T) < 1e-6
+        one = Ops.linear(x[37:38].to(device), w.to(device))
+        part = Ops.linear(x[3:40].to(device), w.to(device))
+        perm = torch.randperm(70, generator=gen)
+        assert torch.equal(one[0], full[37])
+        assert torch.equal(part, full[3:40])
+        assert torch.equal(Ops.linear(x[perm].to(device), w.to(device)), full[perm])
+    # strided operands (a transposed weight, as rel_logits_of passes) and a 3-D input
+    w = torch.randn(40, 24, generator=gen)
+    out = Ops.linear(x.reshape(7, 10, 40).to(device), w.to(device).t())
+    assert out.shape == (7, 10, 24)
+    assert _rel(out.reshape(70, 24), x.double() @ w.double()) < 1e-6
+
+
+@kernel_test
+def test_row_kernels_are_accurate_and_row_invariant(device: str) -> None:
+    from posttrain.models._strict_cuda import CudaStrictOps as Ops
+
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(9, 4, 1100, generator=gen) * 3  # rows longer than one block
+    xd = x.to(device)
+    w = torch.rand(1100, generator=gen) + 0.5
+    per_head = torch.rand(4, 1100, generator=gen) + 0.5
+    xx = x.double()
+    for weight in (w, per_head):
+        ref = xx * torch.rsqrt(xx.pow(2).mean(-1, keepdim=True) + 1e-6) * weight.double()
+        got = Ops.rms_norm(xd, weight.to(device), 1e-6)
+        assert _rel(got, ref) < 1e-6
+        assert torch.equal(Ops.rms_norm(xd[4:5], weight.to(device), 1e-6)[0], got[4])
+    for fn, ref in (
+        (Ops.softmax, torch.softmax(xx, -1)),
+        (Ops.log_softmax, torch.log_softmax(xx, -1)),
+    ):
+        got = fn(xd)
+        assert _rel(got, ref) < 1e-6
+        assert torch.equal(fn(xd[2:3, 1:2])[0, 0], got[2, 1])
+    gu = torch.randn(6, 2, 33, generator=gen).to(device)
+    act = Ops.silu_mul(gu[:, 0], gu[:, 1])
+    ref = torch.nn.functional.silu(gu[:, 0].double().cpu()) * gu[:, 1].double().cpu()
+    assert _rel(act, ref) < 1e-6
+
+
+def _reference_attention(
+    q: Tensor, k: Tensor, v: Tensor, lengths: Sequence[int], scale: float, window: int | None
+) -> Tensor:
+    """fp64 masked attention per packed segment: ``[T, heads * hd]``."""
+    outs, start = [], 0
+    group = q.shape[1] // k.shape[1]
+    for n in lengths:
+        qs = q[start : start + n].double()
+        ks = k[start : start + n].double().repeat_interleave(group, 1)
+        vs = v[start : start + n].double().repeat_interleave(group, 1)
+        s = torch.einsum("thd,chd->htc", qs, ks) * scale
+        dist = torch.arange(n)[:, None] - torch.arange(n)[None, :]
+        seen = dist >= 0 if window is None else (dist >= 0) & (dist < window)
+        probs = torch.softmax(s.masked_fill(~seen, float("-inf")), -1)
+        outs.append(torch.einsum("htc,chd->thd", probs, vs).reshape(n, -1))
+        start += n
+    return torch.cat(outs)
+
+
+@kernel_test
+@pytest.mark.parametrize(("window", "precision"), [(None, "auto"), (7, "auto"), (7, "tf32x3")])
+def test_attention_train_rows_equal_decode_rows(
+    device: str, window: int | None, precision: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import dataclasses
+
+    from posttrain.models import _triton_kernels as kernels
+    from posttrain.models._strict_cuda import CudaStrictOps as Ops
+
+    tiling = dataclasses.replace(kernels.ATTENTION_TILING, precision=precision)
+    monkeypatch.setattr(kernels, "ATTENTION_TILING", tiling)
+
+    gen = torch.Generator().manual_seed(2)
+    lengths, cap, heads, kv_heads, hd = [5, 70, 1], 80, 4, 2, 8  # 70 > one 64-slot block
+    t = sum(lengths)
+    q, k, v = (torch.randn(t, h, hd, generator=gen) for h in (heads, kv_heads, kv_heads))
+    seg = torch.repeat_interleave(torch.arange(3), torch.tensor(lengths))
+    pos = torch.cat([torch.arange(n) for n in lengths])
+    first = torch.arange(t) - pos
+    dev = [x.to(device) for x in (q, k, v, first, pos)]
+    train = Ops.attend_rows(*dev, scale=0.3, window=window)
+    assert _rel(train, _reference_attention(q, k, v, lengths, 0.3, window)) < 1e-6
+    # decode: each query alone over its row of a cache of capacity ``cap`` (stale slots random)
+    kbuf = torch.randn(3, cap, kv_heads, hd, generator=gen)
+    vbuf = torch.randn(3, cap, kv_heads, hd, generator=gen)
+    kbuf[seg, pos], vbuf[seg, pos] = k, v
+    flat_k, flat_v = kbuf.reshape(-1, kv_heads, hd).to(device), vbuf.reshape(-1, kv_heads, hd)
+    for i in (0, 4, 5, 37, 74, 75):
+        got = Ops.attend_rows(
+            q[i : i + 1].to(device),
+            flat_k,
+            flat_v.to(device),
+            (seg[i : i + 1] * cap).to(device),
+            pos[i : i + 1].to(device),
+            scale=0.3,
+            window=window,
+        )
+        assert torch.equal(got[0], train[i]), i
+
+
+@kernel_test
+def test_backward_matches_torch_autograd(device: str) -> None:
+    from posttrain.models import FastOps
+    from posttrain.models._strict_cuda import CudaStrictOps as Ops
+
+    gen = torch.Generator().manual_seed(3)
+
+    def grads(fn: object, *xs: Tensor) -> list[Tensor]:
+        leaves = [x.detach().to(device).requires_grad_() for x in xs]
+        out = fn(*leaves)  # type: ignore[operator]
+        weight = torch.randn(out.shape, generator=gen).to(device)
+        (out * weight).sum().backward()
+        return [leaf.grad.cpu() for leaf in leaves]  # type: ignore[union-attr]
+
+    def same(name: str, a: list[Tensor], b: list[Tensor]) -> None:
+        for x, y in zip(a, b, strict=True):
+            assert float((x - y).norm() / y.norm()) < 1e-5, name
+
+    x, w = torch.randn(9, 12, generator=gen), torch.randn(7, 12, generator=gen)
+    gen_state = gen.get_state()
+    got = grads(Ops.linear, x, w)
+    gen.set_state(gen_state)
+    same("linear", got, grads(FastOps.linear, x, w))
+    hn = torch.rand(3, 12, generator=gen) + 0.5
+    for name, fn, ref, args in (
+        ("rms", lambda a, b: Ops.rms_norm(a, b, 1e-6), lambda a, b: FastOps.rms_norm(a, b, 1e-6),
+         (torch.randn(5, 3, 12, generator=gen), hn)),
+        ("silu", Ops.silu_mul, FastOps.silu_mul, (x, torch.randn(9, 12, generator=gen))),
+        ("softmax", Ops.softmax, FastOps.softmax, (x,)),
+        ("log_softmax", Ops.log_softmax, FastOps.log_softmax, (x,)),
+    ):  # fmt: skip
+        gen_state = gen.get_state()
+        got = grads(fn, *args)
+        gen.set_state(gen_state)
+        same(name, got, grads(ref, *args))
+    lengths = [6, 11]
+    t = sum(lengths)
+    q, k, v = (torch.randn(t, h, 8, generator=gen) for h in (4, 2, 2))
+    pos = torch.cat([torch.arange(n) for n in lengths])
+    first = (torch.arange(t) - pos).to(device)
+
+    def fused(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        return Ops.attend_rows(q, k, v, first, pos.to(device), scale=0.4, window=4)
+
+    def dense(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        out = _reference_attention(q.cpu(), k.cpu(), v.cpu(), lengths, 0.4, 4)
+        return out.float().to(q.device)
+
+    gen_state = gen.get_state()
+    got = grads(fused, q, k, v)
+    gen.set_state(gen_state)
+    same("attention", got, grads(dense, q, k, v))
+
+
+# ------------------------------------------------------------------ the model
+
+
+def _train(model: DecoderModel, segs: list[list[int]], lora: object = None) -> Tensor:
+    ids = torch.tensor([t for s in segs for t in s])
+    with torch.no_grad():
+        return model.forward_logprobs(ids, [len(s) for s in segs], lora=lora).cpu()  # type: ignore[arg-type]
+
+
+def _decode(
+    model: DecoderModel, segs: list[list[int]], prompts: list[int], lora: object = None
+) -> Tensor:
+    """Prefill each prompt into its own row, then decode all rows together."""
+    per_row = lora if isinstance(lora, list) else [lora] * len(segs)
+    cache = model.new_kv_cache(len(segs))
+    out = [torch.zeros(len(s)) for s in segs]
+    dist = []
+    for j, (s, p) in enumerate(zip(segs, prompts, strict=True)):
+        step = model.prefill(cache, j, s[:p], lora=per_row[j])
+        for n in range(1, p):
+            out[j][n] = step.logprobs[n - 1, s[n]].cpu()
+        dist.append(step.logprobs[-1])
+    pos = list(prompts)
+    while active := [j for j in range(len(segs)) if pos[j] < len(segs[j])]:
+        toks = [segs[j][pos[j]] for j in active]
+        for j, tok in zip(active, toks, strict=True):
+            out[j][pos[j]] = dist[j][tok].cpu()
+        step = model.decode_step(cache, active, toks, lora=[per_row[j] for j in active])
+        for n, j in enumerate(active):
+            dist[j] = step.logprobs[n]
+            pos[j] += 1
+    return torch.cat(out)
+
+
+def _adapter(model: DecoderModel, device: str) -> LoraAdapter:
+    gen = torch.Generator().manual_seed(5)
+    targets = model.lora_targets()
+    names = ["model.layers.0.self_attn.q_proj", "model.layers.1.mlp.experts.2.down_proj", "lm_head"]
+    names = [n for n in names if n in targets]
+    weights = {}
+    for n in names:
+        d_in, d_out = targets[n]
+        weights[n] = (
+            (torch.randn(4, d_in, generator=gen) * 0.3).to(device),
+            (torch.randn(d_out, 4, generator=gen) * 0.3).to(device),
+        )
+    return LoraAdapter(weights=weights, scaling=2.0, name="a")
+
+
+CONFIGS = {
+    "moe_lora": ModelConfig.tiny(max_position_embeddings=40, num_hidden_layers=2),
+    "dense_window_bf16": ModelConfig.tiny(
+        max_position_embeddings=40,
+        mlp_only_layers=(0, 1),
+        num_hidden_layers=2,
+        sliding_window_layers=(1,),
+        sliding_window_size=5,
+        torch_dtype="bfloat16",
+    ),
+    "inkling": ModelConfig.inkling_tiny(
+        max_position_embeddings=40, num_hidden_layers=2, sliding_window_layers=(0,)
+    ),
+}
+
+
+@kernel_test
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_model_train_equals_decode_bit_for_bit(device: str, name: str) -> None:
+    from posttrain.models._strict_cuda import CudaStrictOps
+
+    cfg = CONFIGS[name]
+    model = build_model(cfg, 0, strict_kernels="triton").to(device)
+    assert model.ops is CudaStrictOps
+    gen = torch.Generator().manual_seed(6)
+    segs = [torch.randint(0, cfg.vocab_size, (n,), generator=gen).tolist() for n in (7, 11)]
+    lora = None
+    if name == "moe_lora":
+        lora = [_adapter(model, device), None]
+    train = _train(model, segs, lora)
+    assert torch.equal(train, _decode(model, segs, [3, 6], lora))
+    reference = build_model(cfg, 0)  # CPU StrictOps: close, not the same bits
+    assert (train - _train(reference, segs, _cpu_lora(lora))).abs().max() < 1e-4
+
+
+def _cpu_lora(lora: list[LoraAdapter | None] | None) -> list[LoraAdapter | None] | None:
+    if lora is None:
+        return None
+    return [
+        None
+        if a is None
+        else LoraAdapter(
+            weights={n: (x.cpu(), y.cpu()) for n, (x, y) in a.weights.items()},
+            scaling=a.scaling,
+            name=a.name,
+        )
+        for a in lora
+    ]
+
+
+@kernel_test
+def test_model_backward_matches_cpu_strict(device: str) -> None:
+    cfg = CONFIGS["moe_lora"]
+    segs = [[5, 9, 2, 7, 1, 8, 3], [4, 4, 6, 2, 9]]
+    ids = torch.tensor([t for s in segs for t in s])
+    grads = []
+    for model in (build_model(cfg, 0, strict_kernels="triton").to(device), build_model(cfg, 0)):
+        logprobs = model.forward_logprobs(ids, [7, 5])
+        with torch.no_grad():  # the trainer's forward (autograd) == the engine's, bit for bit
+            assert torch.equal(logprobs.detach(), model.forward_logprobs(ids, [7, 5]))
+        logprobs.sum().backward()
+        grads.append({n: p.grad.cpu() for n, p in model.named_parameters() if p.grad is not None})
+    assert grads[0].keys() == grads[1].keys()
+    for n, g in grads[1].items():
+        assert float((grads[0][n] - g).norm()) <= 1e-4 * float(g.norm()) + 1e-7, n
