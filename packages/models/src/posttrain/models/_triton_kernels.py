@@ -341,11 +341,15 @@ def _row_attention_kernel(
         mask=row_ok[:, None] & d_ok[None, :],
         other=0.0,
     )
-    hi = p0 + n_tok  # one past the last slot any row of the tile may see
     lo = 0
     if HAS_WINDOW:
         lo = tl.maximum(p0 - window + 1, 0)
         lo = (lo // BLOCK_N) * BLOCK_N
+    # One past the last slot any row of the tile may see. A program that leads no tile
+    # (n_tok == 0: its token continues the previous one's tile) runs no block at all: it
+    # would store nothing, and before this it swept every key block up to its position
+    # (TOK-fold redundant work; 77 % of the ~1B strict forward on the H200).
+    hi = tl.where(n_tok > 0, p0 + n_tok, lo)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HD_PAD], dtype=tl.float32)
