@@ -96,6 +96,7 @@ from posttrain.models._model import (
     Step,
     StrictKernels,
     build_model,
+    moe_routing,
     strict_ops_for,
 )
 from posttrain.models._ops import FastOps, StrictOps
@@ -168,6 +169,7 @@ __all__ = [
     "load_pretrained",
     "lora_targets",
     "mel_bins",
+    "moe_routing",
     "read_media_bytes",
     "rel_logits_of",
     "residual_sconv",

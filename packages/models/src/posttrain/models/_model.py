@@ -193,6 +193,41 @@ class MoeLayer(_Layer):
             self.shared_fc2 = nn.Parameter(torch.zeros(ns, h, si, dtype=dt))
 
 
+def moe_routing(
+    ops: type[FastOps], cfg: ModelConfig, logits: Tensor, expert_bias: Tensor | None
+) -> tuple[Tensor, Tensor]:
+    """A MoE layer's routing: ``(ids [T, k], weights [T, S + k])`` from router ``logits``.
+
+    ``logits[T, E + S]`` (S shared-expert gates last). Top-k by a stable descending sort (ties
+    go to the lower id), then ids ascending, so the combine order is a function of the chosen
+    set only (G5). ``weights``: the S shared gates first, then the chosen routed experts' in
+    id order (normalised together when there are shared experts, or by ``norm_topk_prob``),
+    times ``routed_scaling_factor``. ``expert_bias`` (sigmoid routers) shifts only the choice.
+    Every trainer-side MoE (this model's, an expert-parallel one) routes through this.
+    """
+    k, e, ns = cfg.num_experts_per_tok, cfg.num_experts, cfg.n_shared_experts
+    if cfg.router_score_function == "sigmoid":
+        scores = ops.sigmoid(logits)
+        select = scores[:, :e].detach()
+        if expert_bias is not None:
+            select = select + expert_bias.float()
+    else:
+        scores = ops.softmax(logits)
+        select = scores.detach()
+    top = torch.sort(select, dim=-1, descending=True, stable=True).indices[:, :k]
+    ids = torch.sort(top, dim=-1).values
+    weights = scores[:, :e].gather(1, ids)
+    if ns:
+        # shared gates first, normalised together with the chosen routed ones
+        weights = torch.cat([scores[:, e:], weights], dim=1)
+        weights = weights / ops.sum_last(weights)[:, None]
+    elif cfg.norm_topk_prob:
+        weights = weights / ops.sum_last(weights)[:, None]
+    if cfg.routed_scaling_factor != 1.0:
+        weights = weights * cfg.routed_scaling_factor
+    return ids, weights
+
+
 class DecoderModel(nn.Module):
     """A Qwen3-MoE-layout decoder with strict (bit-identical) and fast numerics."""
 
@@ -717,25 +752,7 @@ class DecoderModel(nn.Module):
         e, ns = cfg.num_experts, cfg.n_shared_experts
         logits = layer.sites["router"](m)
         logits = lora.apply(ops, m, logits, [(prefix + "mlp.gate", 0, e + ns)])
-        if cfg.router_score_function == "sigmoid":
-            scores = ops.sigmoid(logits)
-            select = scores[:, :e].detach() + layer.expert_bias.float()
-        else:
-            scores = ops.softmax(logits)
-            select = scores.detach()
-        # Top-k by a stable descending sort (ties go to the lower id), then ids ascending:
-        # the combine order is a function of the chosen set only (G5).
-        top = torch.sort(select, dim=-1, descending=True, stable=True).indices[:, :k]
-        ids = torch.sort(top, dim=-1).values
-        weights = scores[:, :e].gather(1, ids)
-        if ns:
-            # shared gates first, normalised together with the chosen routed ones
-            weights = torch.cat([scores[:, e:], weights], dim=1)
-            weights = weights / ops.sum_last(weights)[:, None]
-        elif cfg.norm_topk_prob:
-            weights = weights / ops.sum_last(weights)[:, None]
-        if cfg.routed_scaling_factor != 1.0:
-            weights = weights * cfg.routed_scaling_factor
+        ids, weights = moe_routing(ops, cfg, logits, getattr(layer, "expert_bias", None))
         outputs = m.new_zeros(m.shape[0], k, hsz)
         for j in range(e):
             tok, slot = (ids == j).nonzero(as_tuple=True)

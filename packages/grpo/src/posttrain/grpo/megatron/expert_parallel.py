@@ -103,7 +103,7 @@ from posttrain.grpo.megatron.expert_state import (
 )
 from posttrain.lora import LoraConfig
 from posttrain.lora.config import init_full_factor
-from posttrain.models import FastOps, ModelConfig, Numerics, strict_ops_for
+from posttrain.models import FastOps, ModelConfig, Numerics, moe_routing, strict_ops_for
 
 __all__ = [
     "LORA_TARGETS",
@@ -372,25 +372,10 @@ class ExpertParallelMoe(nn.Module):
 
     def _moe(self, x: Tensor, anchor: Tensor | None) -> Tensor:
         cfg, ops = self.config, self.ops
-        k, e, ns = cfg.num_experts_per_tok, cfg.num_experts, cfg.n_shared_experts
+        ns = cfg.n_shared_experts
         logits = self._with_lora(x, ops.linear(x, self.router), "gate", 0)
-        if cfg.router_score_function == "sigmoid":
-            scores = ops.sigmoid(logits)
-            select = scores[:, :e].detach() + self.expert_bias.float()
-        else:
-            scores = ops.softmax(logits)
-            select = scores.detach()
-        # as DecoderModel._moe: stable top-k (ties to the lower id), then ids ascending
-        top = torch.sort(select, dim=-1, descending=True, stable=True).indices[:, :k]
-        ids = torch.sort(top, dim=-1).values
-        weights = scores[:, :e].gather(1, ids)
-        if ns:
-            weights = torch.cat([scores[:, e:], weights], dim=1)
-            weights = weights / ops.sum_last(weights)[:, None]
-        elif cfg.norm_topk_prob:
-            weights = weights / ops.sum_last(weights)[:, None]
-        if cfg.routed_scaling_factor != 1.0:
-            weights = weights * cfg.routed_scaling_factor
+        bias = getattr(self, "expert_bias", None)
+        ids, weights = moe_routing(ops, cfg, logits, bias)  # the model's own routing
         outputs = self._routed(x, ids, anchor)
         if ns:
             shared = [
