@@ -186,7 +186,9 @@ def sync_weights(
     else:  # the adapter never touches the towers: they come back only with a base reload
         with_towers = reload_base and has_towers(policy.model)
         gather_towers = with_towers
-    needs_base = (reload_base and target.engine_urls) or (policy.lora is not None and readmit)
+    needs_base = (reload_base and bool(target.engine_urls)) or (
+        policy.lora is not None and bool(readmit)
+    )
     if needs_base and target.base_model_path is None:
         raise GrpoRunError(
             "weight sync: the engines were resumed after an offload (or a lost engine is "
