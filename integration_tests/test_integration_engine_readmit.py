@@ -2,8 +2,8 @@
 
 The real stack on 127.0.0.1 (two ``posttrain.local_engine`` processes behind the real sgl-router
 binary and the session router, launch's ``build_local_stack`` started by its ``LocalRunner``) and
-the GRPO loop (``posttrain.grpo.loop.run``, one trainer rank in this process, full-weight
-training, strict numerics). Engine 1 gets SIGSTOP just before the sync after step 0 and SIGCONT
+the GRPO loop (``posttrain.grpo.loop.run``, one trainer rank in this process, strict numerics,
+full-weight training unless said otherwise). Engine 1 gets SIGSTOP just before the sync after step 0 and SIGCONT
 as soon as that sync returned: the sync loses it (no reply within the target's timeout).
 
 * With re-admission (the default, and ``router_url``): the loop deregisters engine 1 from
@@ -13,6 +13,9 @@ as soon as that sync returned: the sync loses it (no reply within the target's t
   sgl-router does not list it yet. Every sample of every step was produced at the trainer's
   version (no stale sample), ``train_rollout_logprob_abs_diff`` is 0 at every step, and the
   metrics count the loss and the re-admission; engine 1 serves rollout turns again afterwards.
+  The same with an adapter (the engines serve ``policy``): engine 1 reloads its base from the
+  checkpoint and takes the current adapter before it is registered again, and the logprob
+  difference stays 0 at every step (an engine serving the old adapter would break it).
 * Negative control (``readmit_lost_engines=False``, no router URL: the loop as it was before):
   engine 1 is never pushed to again and is left at the version it took first, while
   sgl-router's health checks route turns to it again; those samples are stale, and the loop
@@ -50,8 +53,8 @@ from posttrain.launch.stack import LocalStackConfig, build_local_stack
 from posttrain.models import to_hf_state_dict
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.slow, pytest.mark.timeout(240)]
-STEPS = 4
-SYNC_TIMEOUT_S = 8.0  # the sync's per-engine timeout (rollout_timeout_s): how long a freeze lasts
+STEPS = 3
+SYNC_TIMEOUT_S = 6.0  # the sync's per-engine timeout (rollout_timeout_s): how long a freeze lasts
 
 
 def even_token_share(sample: Sample) -> float:
@@ -90,10 +93,14 @@ def one_rank(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def local_stack(model_dir: Path) -> Iterator[tuple[LocalRunner, str]]:
-    """The stack (no adapter: the engines take full weights) and sgl-router's metrics URL."""
+def local_stack(model_dir: Path, train: str) -> Iterator[tuple[LocalRunner, str]]:
+    """The stack (with ``train="lora"`` the engines serve the adapter ``policy``) and
+    sgl-router's metrics URL."""
+    adapter = "policy" if train == "lora" else None
     plan = build_local_stack(
-        LocalStackConfig(model_path=str(model_dir), engines=2, ready_timeout_s=120.0)
+        LocalStackConfig(
+            model_path=str(model_dir), engines=2, lora_adapter=adapter, ready_timeout_s=120.0
+        )
     )
     argv = next(p.argv for p in plan.processes if p.name == "router")
     metrics_url = f"http://127.0.0.1:{argv[argv.index('--prometheus-port') + 1]}/metrics"
@@ -128,8 +135,11 @@ class FreezeAtFirstStepSync:
 
         monkeypatch.setattr(grpo_loop, "sync_weights", sync_weights)
 
-    def trainer_sha256(self) -> str:
-        """The digest of the trainer's weights as HF tensors (what the engine digests)."""
+    def trainer_sha256(self) -> str | None:
+        """The digest of the trainer's weights as HF tensors (what the engine digests); None
+        for an adapter (the engine digests its base only)."""
+        if self.policy.lora is not None:
+            return None
         model = self.policy.model
         return tensors_sha256(to_hf_state_dict(dict(iter_full_state_dict(model)), model.config))
 
@@ -154,10 +164,12 @@ def _served(metrics_url: str, worker: str) -> float:
     return total
 
 
-def _run(model_dir: Path, out: Path, monkeypatch: pytest.MonkeyPatch, *, readmit: bool) -> Any:
+def _run(
+    model_dir: Path, out: Path, monkeypatch: pytest.MonkeyPatch, *, readmit: bool, train: str
+) -> Any:
     """One run of ``STEPS`` steps with engine 1 frozen through the first step's sync."""
     seen: dict[str, Any] = {}
-    with local_stack(model_dir) as (runner, metrics_url):
+    with local_stack(model_dir, train) as (runner, metrics_url):
         urls = runner.urls
         frozen = urls["engine-1"]
         pid = next(rp.pid for rp in runner.running if rp.spec.name == "engine-1")
@@ -177,7 +189,7 @@ def _run(model_dir: Path, out: Path, monkeypatch: pytest.MonkeyPatch, *, readmit
         monkeypatch.setattr(grpo_readmit, "register", register)
         cfg = GrpoConfig(
             model_path=model_dir, rollout_url=urls["session-router"],
-            engine_urls=(urls["engine-0"], frozen), train="full", replicate=1, shard=1,
+            engine_urls=(urls["engine-0"], frozen), train=train, replicate=1, shard=1,
             steps=STEPS, prompts_per_step=2, samples_per_prompt=2, max_new_tokens=12, lr=1e-2,
             out_dir=out, rollout_timeout_s=SYNC_TIMEOUT_S, turn_timeout_s=SYNC_TIMEOUT_S,
             router_url=urls["router"] if readmit else None, readmit_lost_engines=readmit,
@@ -196,30 +208,34 @@ def _run(model_dir: Path, out: Path, monkeypatch: pytest.MonkeyPatch, *, readmit
     return seen
 
 
+@pytest.mark.parametrize("train", ["full", "lora"])
 def test_a_lost_engine_takes_the_current_weights_before_it_is_readmitted(
-    model_dir: Path, tmp_path: Path, one_rank: None, monkeypatch: pytest.MonkeyPatch
+    model_dir: Path, tmp_path: Path, one_rank: None, monkeypatch: pytest.MonkeyPatch, train: str
 ) -> None:
-    seen = _run(model_dir, tmp_path / "run", monkeypatch, readmit=True)
+    seen = _run(model_dir, tmp_path / "run", monkeypatch, readmit=True, train=train)
     steps = seen["records"]
     versions = seen["versions"]  # the start sync, then one per step
     assert len(versions) == STEPS + 1
     assert all(r["grad_norm"] > 0 for r in steps)  # the weights move at every step
     # The sync after step 0 lost engine 1; the next one re-admitted it, once.
-    assert [r["sync_engines_lost"] for r in steps] == [1.0, 0.0, 0.0, 0.0]
-    assert [r["sync_engines_readmitted"] for r in steps] == [0.0, 1.0, 0.0, 0.0]
+    assert [r["sync_engines_lost"] for r in steps] == [1.0, 0.0, 0.0]
+    assert [r["sync_engines_readmitted"] for r in steps] == [0.0, 1.0, 0.0]
     (back,) = seen["at_register"]
     assert back["url"] == seen["frozen"]
+    assert not back["router_lists_it"]  # deregistered while lost
+    # It serves rollout turns again afterwards, and the trainer's recompute equals the engines'
+    # logprobs at every step (a stale adapter or stale weights would not).
+    assert seen["served_end"] > back["served_before"]
+    assert [r["train_rollout_logprob_abs_diff"] for r in steps] == [0.0] * STEPS
+    assert back["engine"]["stale_tensors"] == 0
+    if train == "lora":  # its base was reloaded from the checkpoint: engine 0's, unchanged
+        assert back["engine"]["sha256"] == seen["engines"]["engine-0"]["sha256"]
+        return
     # Before sgl-router lists it again, it holds the trainer's version and exact weights.
-    assert not back["router_lists_it"]
     assert back["version"] == versions[2]
     assert back["engine"]["weight_version"] == versions[2]
     assert back["engine"]["sha256"] == back["trainer_sha256"]
-    assert back["engine"]["stale_tensors"] == 0
-    # It serves rollout turns again afterwards, on current weights: no stale sample anywhere,
-    # and the trainer's recompute equals the engines' logprobs at every step.
-    assert seen["served_end"] > back["served_before"]
-    assert [r["stale_samples"] for r in steps] == [0.0] * STEPS
-    assert [r["train_rollout_logprob_abs_diff"] for r in steps] == [0.0] * STEPS
+    assert [r["stale_samples"] for r in steps] == [0.0] * STEPS  # no stale sample anywhere
     for engine in seen["engines"].values():
         assert engine["weight_version"] == versions[-1]
         assert engine["sha256"] == seen["trainer_sha256"]
@@ -228,12 +244,12 @@ def test_a_lost_engine_takes_the_current_weights_before_it_is_readmitted(
 def test_without_readmission_the_lost_engine_stays_on_old_weights(
     model_dir: Path, tmp_path: Path, one_rank: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    seen = _run(model_dir, tmp_path / "run", monkeypatch, readmit=False)
+    seen = _run(model_dir, tmp_path / "run", monkeypatch, readmit=False, train="full")
     steps = seen["records"]
     versions = seen["versions"]
     assert "at_register" not in seen
     assert steps[0]["grad_norm"] > 0  # the weights moved away from what engine 1 holds
-    assert [r["sync_engines_lost"] for r in steps] == [1.0, 0.0, 0.0, 0.0]
+    assert [r["sync_engines_lost"] for r in steps] == [1.0, 0.0, 0.0]
     assert [r["sync_engines_readmitted"] for r in steps] == [0.0] * STEPS
     # Engine 1 is left at the version it took at the start; engine 0 moved on.
     assert seen["engines"]["engine-1"]["weight_version"] == versions[0]
