@@ -174,7 +174,11 @@ def _run(
         frozen = urls["engine-1"]
         pid = next(rp.pid for rp in runner.running if rp.spec.name == "engine-1")
         freezer = FreezeAtFirstStepSync(monkeypatch, pid)
-        real_register = grpo_readmit.register
+        real_register, real_deregister = grpo_readmit.register, grpo_readmit.deregister
+
+        def deregister(router_url: str, url: str, *, timeout_s: float) -> None:
+            real_deregister(router_url, url, timeout_s=timeout_s)
+            seen["served_at_deregister"] = _served(metrics_url, url)
 
         def register(router_url: str, url: str, *, timeout_s: float) -> None:
             info = httpx.get(f"{url}/weights_checksum", timeout=30.0).json()
@@ -187,6 +191,7 @@ def _run(
             real_register(router_url, url, timeout_s=timeout_s)
 
         monkeypatch.setattr(grpo_readmit, "register", register)
+        monkeypatch.setattr(grpo_readmit, "deregister", deregister)
         cfg = GrpoConfig(
             model_path=model_dir, rollout_url=urls["session-router"],
             engine_urls=(urls["engine-0"], frozen), train=train, replicate=1, shard=1,
@@ -222,7 +227,8 @@ def test_a_lost_engine_takes_the_current_weights_before_it_is_readmitted(
     assert [r["sync_engines_readmitted"] for r in steps] == [0.0, 1.0, 0.0]
     (back,) = seen["at_register"]
     assert back["url"] == seen["frozen"]
-    assert not back["router_lists_it"]  # deregistered while lost
+    assert not back["router_lists_it"]  # deregistered while lost: it served no turn then
+    assert back["served_before"] == seen["served_at_deregister"]
     # It serves rollout turns again afterwards, and the trainer's recompute equals the engines'
     # logprobs at every step (a stale adapter or stale weights would not).
     assert seen["served_end"] > back["served_before"]
@@ -248,6 +254,7 @@ def test_without_readmission_the_lost_engine_stays_on_old_weights(
     steps = seen["records"]
     versions = seen["versions"]
     assert "at_register" not in seen
+    assert "served_at_deregister" not in seen  # the old loop: it stays in sgl-router
     assert steps[0]["grad_norm"] > 0  # the weights moved away from what engine 1 holds
     assert [r["sync_engines_lost"] for r in steps] == [1.0, 0.0, 0.0]
     assert [r["sync_engines_readmitted"] for r in steps] == [0.0] * STEPS
