@@ -47,6 +47,8 @@ class GrpoConfig:
     model_path: Path | None = None
     rollout_url: str | None = None
     engine_urls: tuple[str, ...] = ()
+    router_url: str | None = None
+    readmit_lost_engines: bool = True
     api_key_file: Path | None = None
     task: str = "addition"
     backend: Backend = "fsdp"
@@ -183,7 +185,7 @@ class GrpoConfig:
             _check_float("dual_clip", self.dual_clip, positive=True)
             if self.dual_clip <= 1.0:
                 raise GrpoConfigError(f"dual_clip={self.dual_clip} must be > 1", field="dual_clip")
-        for name in ("rollout_url", "teacher_url"):
+        for name in ("rollout_url", "teacher_url", "router_url"):
             url = getattr(self, name)
             if url is not None:
                 check_http_url(name, url)
@@ -339,6 +341,11 @@ HELP: dict[str, str] = {
     "api_key_file": "file holding the bearer token the session router and the engines' weight "
     "routes require (a file, so the key never shows in the process list); none: no token",
     "engine_urls": "engine URLs the trained weights are pushed to (each one directly)",
+    "router_url": "sgl-router URL the engines are registered with: an engine a weight sync "
+    "loses is deregistered there, and registered again once it holds the current weights",
+    "readmit_lost_engines": "probe engines a weight sync lost at every later sync and bring "
+    "back each that answers, after it took the current weights (off: a lost engine stays out "
+    "of the syncs for good)",
     "task": "prompt set and reward (the embedded recipe's: addition)",
     "backend": "trainer backend: fsdp (HSDP) or megatron (tensor/sequence/expert parallel on "
     "megatron-core)",

@@ -20,8 +20,12 @@ Faults a cluster sees (integration_tests/test_integration_engine_faults.py):
 
 * an engine dies mid-rollout: sgl-router retries its requests on another engine (each turn is
   committed once, by the session router, so no sample counts twice); the weight sync that
-  follows cannot reach it, logs a warning naming it, counts it in ``sync_engines_lost`` and
-  leaves it out of later syncs (``sync.py``);
+  follows cannot reach it, logs a warning naming it, counts it in ``sync_engines_lost``,
+  leaves it out of later syncs and deregisters it from sgl-router (``router_url``); it is probed
+  at every later sync, and one that answers again takes the current weights before it is
+  registered again (``sync_engines_readmitted``; ``readmit.py``). In full-weight training a
+  sample any turn of which an engine produced at another weight version than the trainer's is
+  left out of the step (``stale_samples``);
 * an engine freezes: a turn with no reply within ``turn_timeout_s`` comes back as an
   ``aborted`` sample, which is *left out of the step*: no reward, no advantage, no loss tokens,
   and its group is normalized over the samples that completed. (Not a zero advantage: an
@@ -62,7 +66,7 @@ import torch
 import torch.distributed as dist
 
 from posttrain.formats import write_text_atomic
-from posttrain.grpo import checkpoint
+from posttrain.grpo import checkpoint, readmit
 from posttrain.grpo._errors import GrpoConfigError, GrpoRunError
 from posttrain.grpo.advantages import group_normalized_advantages
 from posttrain.grpo.config import GrpoConfig
@@ -81,6 +85,7 @@ from posttrain.interface import RolloutEngine, Sample, SampleStatus, WeightSink,
 from posttrain.interface.processes import free_port, run_workers
 
 _log = logging.getLogger("posttrain.grpo")
+_ROUTER_TIMEOUT_S = 30.0  # one sgl-router worker registration or removal, at most
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -179,8 +184,10 @@ def _train(cfg: GrpoConfig, plugged: Plugged) -> dict[str, Any] | None:
     version = _broadcast(_first_version(target) if lead else 0)
     if isinstance(version, str):
         raise GrpoRunError(version)
+    lost: tuple[str, ...] = ()  # engines a sync lost, out of the router until re-admitted
     # v1 before the first rollout (and after a resume)
-    target = _drop_lost(target, sync_weights(policy, target, version), lead, "start")
+    target, lost = _set_aside(cfg, target, lost, sync_weights(policy, target, version), lead,
+                              "start")  # fmt: skip
     log = MetricsLog(out, total_steps=cfg.steps, start_step=start) if lead else None
     opd_mode: dict[str, bool] = {}  # per-position scoring or not: probed once, on the first step
     with log if log is not None else contextlib.nullcontext():
@@ -198,7 +205,9 @@ def _train(cfg: GrpoConfig, plugged: Plugged) -> dict[str, Any] | None:
                 raise GrpoRunError(f"step {step}: {batch}")
             mine = policy.data_parallel_share(batch["train"])
             if cfg.offload_engines:  # the engines' memory is the trainer's while it steps
-                target = _engine_memory(target, lead, resident=False, when=f"step {step}")
+                target, lost = _engine_memory(
+                    cfg, target, lost, lead, resident=False, when=f"step {step}"
+                )
             t0 = time.perf_counter()
             metrics = train_step(
                 policy, mine, cfg,
@@ -209,12 +218,17 @@ def _train(cfg: GrpoConfig, plugged: Plugged) -> dict[str, Any] | None:
             t0 = time.perf_counter()
             version += 1
             if cfg.offload_engines:
-                target = _engine_memory(target, lead, resident=True, when=f"step {step}")
+                target, lost = _engine_memory(
+                    cfg, target, lost, lead, resident=True, when=f"step {step}"
+                )
+            back = _broadcast(_answering(cfg, target, lost) if lead else [])
             synced = sync_weights(
-                policy, target, version, first=False, engines_resumed=cfg.offload_engines
-            )
+                policy, target, version, first=False, engines_resumed=cfg.offload_engines,
+                readmit=back,
+            )  # fmt: skip
             metrics.update(synced.metrics)
-            target = _drop_lost(target, synced, lead, f"step {step}")
+            target, lost = _set_aside(cfg, target, lost, synced, lead, f"step {step}")
+            target, lost = _readmit(cfg, target, lost, synced, lead, f"step {step}")
             times["sync"] = time.perf_counter() - t0
             t0 = time.perf_counter()
             last = step == cfg.steps - 1
@@ -268,6 +282,9 @@ def _rollout_and_score(
         samples = run_rollout(settings, prompts, step=step, engine=engine)
         times["rollout"] = time.perf_counter() - t0
         samples, aborted = _drop_aborted(samples, step)
+        stale: list[Sample] | None = None
+        if cfg.train == "full":  # an adapter push leaves an engine's weight version as it was
+            samples, stale = _drop_stale(samples, step, version)
         t0 = time.perf_counter()
         for s in samples:
             s.reward = float(task.reward(s))
@@ -288,6 +305,8 @@ def _rollout_and_score(
             times["opd"] = time.perf_counter() - t0
         stats.update(_rollout_stats(samples, rewards, times["rollout"]))
         stats["aborted_samples"] = float(len(aborted))
+        if stale is not None:
+            stats["stale_samples"] = float(len(stale))
         train = [
             TrainSample(
                 tokens=s.tokens,
@@ -326,9 +345,114 @@ def _drop_aborted(samples: list[Sample], step: int) -> tuple[list[Sample], list[
     return kept, aborted
 
 
-def _engine_memory(target: SyncTarget, lead: bool, *, resident: bool, when: str) -> SyncTarget:
+def _drop_stale(
+    samples: list[Sample], step: int, version: int
+) -> tuple[list[Sample], list[Sample]]:
+    """(the samples to train on, those an engine produced at another weight version than
+    ``version``: off-policy weights the trainer no longer holds); a warning names each stale
+    one, and a step where every sample is stale is a ``GrpoRunError``."""
+    kept, old = readmit.stale(samples, version)
+    if not old:
+        return kept, old
+    named = "; ".join(
+        f"prompt {s.metadata.get('prompt_index')} sample {s.index} "
+        f"(engine weight versions {readmit.turn_versions(s)})"
+        for s in old
+    )
+    if not kept:
+        raise GrpoRunError(
+            f"every one of the {len(old)} samples came from weights other than version "
+            f"{version}: {named}"
+        )
+    _log.warning(
+        "step %d: %d of %d samples came from an engine not at weight version %d, left out of "
+        "the step: %s", step, len(old), len(samples), version, named,
+    )  # fmt: skip
+    return kept, old
+
+
+def _answering(cfg: GrpoConfig, target: SyncTarget, lost: Sequence[str]) -> list[str]:
+    """Rank 0: the lost engines that answer ``/health`` again (none unless
+    ``readmit_lost_engines``)."""
+    if not cfg.readmit_lost_engines or not lost:
+        return []
+    return readmit.answering(lost, timeout_s=target.timeout_s, transport=target.transport)
+
+
+def _set_aside(
+    cfg: GrpoConfig,
+    target: SyncTarget,
+    lost: tuple[str, ...],
+    synced: SyncResult,
+    lead: bool,
+    when: str,
+) -> tuple[SyncTarget, tuple[str, ...]]:
+    """``_drop_lost``, and the newly lost engines added to ``lost``; with ``router_url`` rank 0
+    deregisters each from sgl-router (a router that fails fails the step on every rank)."""
+    target = _drop_lost(target, synced, lead, when)
+    gone = tuple(url for url, _ in synced.lost if url not in lost)
+    if not gone:
+        return target, lost
+    error: str | None = None
+    if lead and cfg.router_url is not None:
+        try:
+            for url in gone:
+                readmit.deregister(cfg.router_url, url, timeout_s=_ROUTER_TIMEOUT_S)
+        except GrpoRunError as exc:
+            error = f"{when}: {exc}"
+    error = _broadcast(error)
+    if error is not None:
+        raise GrpoRunError(error)
+    return target, (*lost, *gone)
+
+
+def _readmit(
+    cfg: GrpoConfig,
+    target: SyncTarget,
+    lost: tuple[str, ...],
+    synced: SyncResult,
+    lead: bool,
+    when: str,
+) -> tuple[SyncTarget, tuple[str, ...]]:
+    """Bring back the engines the sync re-admitted (they hold its weights): rank 0 registers
+    each with sgl-router again (``router_url``), then every rank pushes to them at later syncs.
+    Those whose re-admission push failed stay lost (a warning names them)."""
+    if lead:
+        for url, why in synced.readmit_failed:
+            _log.warning("weight sync (%s): lost engine %s answers again but did not take the "
+                         "current weights (%s); it stays out", when, url, why)  # fmt: skip
+    if not synced.readmitted:
+        return target, lost
+    error: str | None = None
+    if lead and cfg.router_url is not None:
+        try:
+            for url in synced.readmitted:
+                readmit.register(cfg.router_url, url, timeout_s=_ROUTER_TIMEOUT_S)
+        except GrpoRunError as exc:
+            error = f"{when}: {exc}"
+    error = _broadcast(error)
+    if error is not None:
+        raise GrpoRunError(error)
+    back = tuple(url for url in synced.readmitted if url not in target.engine_urls)
+    if lead:
+        for url in back:
+            _log.warning("weight sync (%s): lost engine %s answers again and took the current "
+                         "weights; it is re-admitted", when, url)  # fmt: skip
+    target = dataclasses.replace(target, engine_urls=(*target.engine_urls, *back))
+    return target, tuple(url for url in lost if url not in synced.readmitted)
+
+
+def _engine_memory(
+    cfg: GrpoConfig,
+    target: SyncTarget,
+    lost: tuple[str, ...],
+    lead: bool,
+    *,
+    resident: bool,
+    when: str,
+) -> tuple[SyncTarget, tuple[str, ...]]:
     """Release or resume every engine's memory (rank 0 asks; every rank learns the outcome);
-    an unreachable engine is dropped as a lost one."""
+    an unreachable engine is set aside as a lost one."""
     outcome: Any = None
     if lead:
         try:
@@ -338,8 +462,8 @@ def _engine_memory(target: SyncTarget, lead: bool, *, resident: bool, when: str)
     outcome = _broadcast(outcome)
     if isinstance(outcome, str):
         raise GrpoRunError(outcome)
-    lost = tuple((str(u), str(w)) for u, w in outcome)
-    return _drop_lost(target, SyncResult(metrics={}, lost=lost), lead, when)
+    gone = tuple((str(u), str(w)) for u, w in outcome)
+    return _set_aside(cfg, target, lost, SyncResult(metrics={}, lost=gone), lead, when)
 
 
 def _drop_lost(target: SyncTarget, synced: SyncResult, lead: bool, when: str) -> SyncTarget:

@@ -29,12 +29,17 @@ adapter as usual (adapters survive an offload).
 An engine that cannot be reached (its connection refused or reset, or no reply within the
 target's timeout: an engine that died or froze) is *lost*, not fatal, as long as another engine
 took the weights: ``sync_weights`` names it in ``SyncResult.lost`` (the loop logs a warning and
-the step's ``sync_engines_lost`` metric, and stops pushing to it). While it stays down,
-sgl-router routes around it (retries fail over, its circuit breaker and health checks take it
-out). Not handled: a lost engine that comes back (a frozen one resumed) is re-admitted by
-sgl-router's health checks and serves the weights it last took, never updated again; such
-off-policy samples show in ``train_rollout_logprob_abs_diff``, and the remedy today is to
-deregister it from the router (``posttrain up``'s operator) or restart the run. Every other
+the step's ``sync_engines_lost`` metric, and stops pushing to it). The loop then keeps it from
+serving the weights it last took (``readmit.py``): it deregisters it from sgl-router (when the
+run knows the router, ``router_url``), probes it at every later sync (``/health``, a short
+timeout), and one that answers again is *re-admitted*: ``sync_weights(..., readmit=[url])``
+gives it the current weights the way an engine after an offload cycle gets them (full weights
+with the frozen towers, or a base reload from the checkpoint and then the adapter), and only an
+engine that took them all is named in ``SyncResult.readmitted`` (``sync_engines_readmitted``),
+registered with the router again and pushed to at later syncs. A re-admission push that fails
+leaves the engine lost (``SyncResult.readmit_failed``, tried again at the next sync), never
+fails the step. In full-weight training the loop also leaves out of a step every sample an
+engine produced at another weight version than the trainer's (``stale_samples``). Every other
 failure (a refused adapter, a checksum mismatch, a stale version) still fails the step, and so
 does losing every engine.
 
@@ -104,10 +109,13 @@ def engine_weight_version(
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class SyncResult:
-    """What a sync did: its metrics, and the engines it could not reach (``(url, why)``)."""
+    """What a sync did: its metrics, the engines it could not reach (``(url, why)``), and which
+    lost engines it re-admitted (or tried to)."""
 
     metrics: dict[str, float]
     lost: tuple[tuple[str, str], ...] = field(default=())
+    readmitted: tuple[str, ...] = field(default=())  # lost engines that took every weight
+    readmit_failed: tuple[tuple[str, str], ...] = field(default=())  # still lost: (url, why)
 
 
 def unreachable(exc: BaseException) -> bool:
@@ -156,31 +164,43 @@ def sync_weights(
     *,
     first: bool = True,
     engines_resumed: bool = False,
+    readmit: Sequence[str] = (),
 ) -> SyncResult:
     """Push the current weights to every engine at ``version`` (collective; rank 0 sends).
 
     ``first``: the run's first sync (the engines may hold other weights than the trainer's);
     ``engines_resumed``: the engines went through an offload/onload cycle since the last sync.
-    Either way the frozen towers go too (see the module docstring). Returns, on every rank,
-    ``{"sync_bytes": ..., "sync_towers": 0|1, "sync_engines_lost": ...}`` and the engines that
-    could not be reached (the caller drops them from later syncs).
+    Either way the frozen towers go too (see the module docstring). ``readmit``: lost engines
+    that answer again (not in ``target.engine_urls``); each gets what a resumed engine gets
+    (full weights with the towers, or a base reload and the adapter), and a failure there only
+    leaves it lost. Returns, on every rank, ``{"sync_bytes": ..., "sync_towers": 0|1,
+    "sync_engines_lost": ..., "sync_engines_readmitted": ...}``, the engines that could not be
+    reached (the caller drops them from later syncs) and the re-admitted ones.
     """
+    readmit = tuple(url for url in readmit if url not in target.engine_urls)
     reload_base = policy.lora is not None and engines_resumed
     if policy.lora is None:
         with_towers = towers_due(policy, first=first, engines_resumed=engines_resumed)
+        # a re-admitted engine is treated as a resumed one: the towers go to it too
+        gather_towers = with_towers or (bool(readmit) and has_towers(policy.model))
     else:  # the adapter never touches the towers: they come back only with a base reload
         with_towers = reload_base and has_towers(policy.model)
-    if reload_base and target.base_model_path is None and target.engine_urls:
+        gather_towers = with_towers
+    needs_base = (reload_base and bool(target.engine_urls)) or (
+        policy.lora is not None and bool(readmit)
+    )
+    if needs_base and target.base_model_path is None:
         raise GrpoRunError(
-            "weight sync: the engines were resumed after an offload, but SyncTarget."
-            "base_model_path is unset, so their base weights (and towers) cannot be reloaded"
+            "weight sync: the engines were resumed after an offload (or a lost engine is "
+            "re-admitted), but SyncTarget.base_model_path is unset, so their base weights (and "
+            "towers) cannot be reloaded"
         )
     if policy.lora is not None:
         tensors = export_adapter(policy.lora)  # collective over the LoRA groups
     elif policy.backend == "megatron":
         hf = policy.model.hf_state_dict()  # collective over TP: shards gathered to HF names
         tensors = (
-            _engine_tensors(hf, policy, target, with_towers=with_towers)
+            _engine_tensors(hf, policy, target, with_towers=gather_towers)
             if dist.get_rank() == 0
             else {}
         )
@@ -189,15 +209,23 @@ def sync_weights(
         # Only rank 0 sends, so only rank 0 converts (and, for NVFP4 rollouts, quantizes).
         tensors = (
             _engine_tensors(
-                to_hf_state_dict(full, policy.model.config), policy, target, with_towers=with_towers
+                to_hf_state_dict(full, policy.model.config), policy, target,
+                with_towers=gather_towers,
             )
             if dist.get_rank() == 0
             else {}
-        )
-    outcome: list[Any] = [None, 0.0, []]  # (error, bytes sent, lost), decided on rank 0
+        )  # fmt: skip
+    readmit_tensors = tensors  # with the towers where the model has them (full training)
+    if gather_towers and not with_towers:
+        tensors = _without_towers(tensors, policy)
+    # (error, bytes sent, lost, re-admitted, re-admission failures), decided on rank 0
+    outcome: list[Any] = [None, 0.0, [], [], []]
 
     def push(url: str) -> None:
-        if reload_base:
+        send(url, tensors, reload=reload_base)
+
+    def send(url: str, tensors: dict[str, torch.Tensor], *, reload: bool) -> None:
+        if reload:
             _reload_base(url, target)
         if policy.lora is not None:
             assert policy.lora_config is not None
@@ -219,6 +247,13 @@ def sync_weights(
             outcome[2] = push_each(target.engine_urls, push)
             for sink in target.sinks:
                 _push_to_sink(sink, policy, target, tensors, version)
+            for url in readmit:  # after the live engines: a slow one never delays them
+                try:
+                    send(url, readmit_tensors, reload=policy.lora is not None)
+                except Exception as exc:  # it stays lost; the next sync tries again
+                    outcome[4].append((url, f"{type(exc).__name__}: {exc}"))
+                else:
+                    outcome[3].append(url)
         except Exception as exc:  # reported to every rank below, so none waits forever
             where = [*target.engine_urls, *(type(s).__name__ for s in target.sinks)]
             outcome[0] = str(exc) if isinstance(exc, GrpoRunError) else (
@@ -228,13 +263,17 @@ def sync_weights(
     if outcome[0] is not None:
         raise GrpoRunError(outcome[0])
     lost = tuple((str(url), str(why)) for url, why in outcome[2])
+    readmitted = tuple(str(url) for url in outcome[3])
     return SyncResult(
         metrics={
             "sync_bytes": float(outcome[1]),
             "sync_towers": float(with_towers),
             "sync_engines_lost": float(len(lost)),
+            "sync_engines_readmitted": float(len(readmitted)),
         },
         lost=lost,
+        readmitted=readmitted,
+        readmit_failed=tuple((str(url), str(why)) for url, why in outcome[4]),
     )
 
 
@@ -293,9 +332,7 @@ def _engine_tensors(
     NVFP4 rollouts, each NVFP4-selected weight is replaced by its dequantized value (what an
     NVFP4 engine computes with)."""
     if not with_towers:
-        tensors = dict(tensors)
-        for name in tower_parameter_names(policy.model):
-            tensors.pop(name, None)
+        tensors = _without_towers(tensors, policy)
     if target.rollout_quant != "nvfp4":
         return tensors
     quantized = dict(
@@ -309,3 +346,9 @@ def _engine_tensors(
         quantized, dtypes={name: t.dtype for name, t in tensors.items()}
     )
     return values
+
+
+def _without_towers(tensors: dict[str, torch.Tensor], policy: Policy) -> dict[str, torch.Tensor]:
+    """``tensors`` less the frozen towers' (by ``tower_parameter_names``)."""
+    towers = set(tower_parameter_names(policy.model))
+    return {name: t for name, t in tensors.items() if name not in towers}

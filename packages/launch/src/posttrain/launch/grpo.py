@@ -161,6 +161,8 @@ def trainer_argv(cfg: GrpoRecipeConfig, recipe: dict[str, Any], urls: dict[str, 
         argv += ["--turn-timeout-s", str(cfg.turn_timeout_s)]
     if key_file is not None:
         argv += ["--api-key-file", str(key_file)]
+    if "router" in urls:  # a lost engine is deregistered there until it is re-admitted
+        argv += ["--router-url", urls["router"]]
     return argv + list(cfg.trainer_args)
 
 
