@@ -259,6 +259,11 @@ def _base_trainer(r: Resolved, a: RoleArgs, src: str) -> None:
     m = r.model
     a.trainer.set("--model-path", r.cfg.model_path or m.hf_id, source=src)
     a.trainer.set("--rollout-url", f"http://{{node_ip:0}}:{r.cfg.session_router_port}", source=src)
+    a.trainer.set(
+        "--router-url",
+        f"http://{{node_ip:0}}:{r.cfg.router_port}",
+        source=src + " (a lost engine is deregistered there until it has the weights again)",
+    )
     a.trainer.set("--backend", r.trainer_backend.value, source=src + " (trainer backend table)")
     if r.trainer_backend is TrainerBackend.FSDP:
         hsdp = src + " (HSDP: shard within a node, replicate across nodes)"
