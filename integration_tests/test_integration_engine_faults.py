@@ -147,10 +147,23 @@ class Striker:
                 active = self.stack.router_metric("smg_worker_requests_active", worker=self.url)
                 if active >= 1:
                     os.kill(self.pid, self.sig)
+                    if self.sig is signal.SIGSTOP and not self._still_held():
+                        # the request finished between the read and the signal (a loaded
+                        # machine): nothing is held, so let the engine go and wait for another
+                        os.kill(self.pid, signal.SIGCONT)
+                        continue
                     self.active_at_strike = active
                     self.struck.set()
                     return
             time.sleep(0.02)
+
+    def _still_held(self) -> bool:
+        """Whether sgl-router still counts a request on the stopped engine (it cannot answer)."""
+        time.sleep(0.1)
+        with contextlib.suppress(httpx.HTTPError):
+            active = self.stack.router_metric("smg_worker_requests_active", worker=self.url)
+            return active >= 1
+        return False
 
     def join(self) -> None:
         self.stop.set()
