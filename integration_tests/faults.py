@@ -13,7 +13,10 @@
     (a teacher that accepted the connection and froze), noting when the client gave up and
     closed the connection. Other routes are always forwarded.
 
-Both bind 127.0.0.1 on a free port, run in daemon threads of the test process, and are stopped
+``save_fault_model``
+    the tiny Dense/MoE checkpoint (random weights) the engine fault tests serve.
+
+The two servers bind 127.0.0.1 on a free port, run in daemon threads of the test process, and are stopped
 by ``close()`` (or the ``with`` block); every socket has a finite timeout.
 """
 
@@ -27,6 +30,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 from types import TracebackType
 from typing import Self
 
@@ -256,3 +260,18 @@ class FlakyTeacher:
         self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.close()
+
+
+def save_fault_model(root: Path) -> Path:
+    """The tiny Dense/MoE checkpoint the engine fault tests serve (random weights: EOS is rare,
+    so a rollout decodes its full ``max_new_tokens``), saved under ``root / "model"``."""
+    from posttrain import models
+
+    cfg = models.ModelConfig(
+        vocab_size=models.VOCAB_SIZE, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=16, moe_intermediate_size=32,
+        num_experts=2, num_experts_per_tok=1, mlp_only_layers=(0,), max_position_embeddings=256,
+    )  # fmt: skip
+    return models.save_pretrained(
+        models.build_model(cfg, seed=0), root / "model", tokenizer=models.build_tokenizer()
+    )

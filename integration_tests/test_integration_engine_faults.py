@@ -46,10 +46,10 @@ from typing import Any
 import httpx
 import pytest
 import torch
+from faults import save_fault_model
 from prometheus_client.parser import text_string_to_metric_families
 
 import posttrain.grpo.loop as grpo_loop
-import posttrain.models as models
 from posttrain.grpo import GrpoConfig
 from posttrain.interface import Sample, SampleStatus
 from posttrain.interface.processes import free_port
@@ -65,16 +65,7 @@ TURN_TIMEOUT_S = 4.0
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Random weights: EOS is rare, so a rollout decodes its full ``max_new_tokens``."""
-    cfg = models.ModelConfig(
-        vocab_size=models.VOCAB_SIZE, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=2, num_key_value_heads=1, head_dim=16, moe_intermediate_size=32,
-        num_experts=2, num_experts_per_tok=1, mlp_only_layers=(0,), max_position_embeddings=256,
-    )  # fmt: skip
-    root = tmp_path_factory.mktemp("fault-model")
-    return models.save_pretrained(
-        models.build_model(cfg, seed=0), root / "model", tokenizer=models.build_tokenizer()
-    )
+    return save_fault_model(tmp_path_factory.mktemp("fault-model"))
 
 
 class Stack:

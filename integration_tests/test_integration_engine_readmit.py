@@ -37,11 +37,11 @@ from typing import Any
 import httpx
 import pytest
 import torch
+from faults import save_fault_model
 from prometheus_client.parser import text_string_to_metric_families
 
 import posttrain.grpo.loop as grpo_loop
 import posttrain.grpo.readmit as grpo_readmit
-import posttrain.models as models
 from posttrain.formats import tensors_sha256
 from posttrain.fsdp_mesh import iter_full_state_dict
 from posttrain.grpo import GrpoConfig
@@ -68,15 +68,7 @@ TASK = Task(name="even-tokens", prompts=addition_prompts(), reward=even_token_sh
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    cfg = models.ModelConfig(
-        vocab_size=models.VOCAB_SIZE, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=2, num_key_value_heads=1, head_dim=16, moe_intermediate_size=32,
-        num_experts=2, num_experts_per_tok=1, mlp_only_layers=(0,), max_position_embeddings=256,
-    )  # fmt: skip
-    root = tmp_path_factory.mktemp("readmit-model")
-    return models.save_pretrained(
-        models.build_model(cfg, seed=0), root / "model", tokenizer=models.build_tokenizer()
-    )
+    return save_fault_model(tmp_path_factory.mktemp("readmit-model"))
 
 
 @pytest.fixture

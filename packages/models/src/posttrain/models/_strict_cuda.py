@@ -182,6 +182,17 @@ def _needs_grad(*tensors: Tensor) -> bool:
     return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
 
+def _row_softmax(x: Tensor, *, log: bool) -> Tensor:
+    """(Log-)softmax over the last dim, one kernel program per row; autograd when recording."""
+    n = x.shape[-1]
+    x2 = x.reshape(-1, n).contiguous()
+    if _needs_grad(x2):
+        out: Tensor = _Softmax.apply(x2, log)
+    else:
+        out = kernels.softmax(x2, log=log)
+    return out.reshape(x.shape)
+
+
 class CudaStrictOps(StrictOps):
     """Strict numerics on CUDA through batch-invariant Triton kernels (see the module doc)."""
 
@@ -228,24 +239,12 @@ class CudaStrictOps(StrictOps):
     @staticmethod
     def log_softmax(x: Tensor) -> Tensor:
         """Per-row log-softmax (fixed block loop)."""
-        n = x.shape[-1]
-        x2 = x.reshape(-1, n).contiguous()
-        if _needs_grad(x2):
-            out: Tensor = _Softmax.apply(x2, True)
-        else:
-            out = kernels.softmax(x2, log=True)
-        return out.reshape(x.shape)
+        return _row_softmax(x, log=True)
 
     @staticmethod
     def softmax(x: Tensor) -> Tensor:
         """Per-row softmax (fixed block loop)."""
-        n = x.shape[-1]
-        x2 = x.reshape(-1, n).contiguous()
-        if _needs_grad(x2):
-            out: Tensor = _Softmax.apply(x2, False)
-        else:
-            out = kernels.softmax(x2, log=False)
-        return out.reshape(x.shape)
+        return _row_softmax(x, log=False)
 
     @staticmethod
     def attend_rows(
