@@ -51,8 +51,6 @@ from posttrain.models._ops import FastOps
 if TYPE_CHECKING:
     from posttrain.models._cache import KVCache
 
-# Elements of the per-chunk attention product tensor; bounds memory, never changes results.
-_ATTN_CHUNK_ELEMENTS = 1 << 17
 NO_TOKEN = -1
 """Segment id of a halo slot that holds no token (before the first token of the batch)."""
 
@@ -133,7 +131,7 @@ def attend_buffers(
     if rel_logits is not None:
         extent = rel_logits.shape[-1]
         rel = torch.cat([rel_logits, rel_logits.new_zeros((t, nh, 1))], dim=-1)
-    step = max(1, _ATTN_CHUNK_ELEMENTS // (nh * cap * hd))
+    step = max(1, ops.attention_chunk_elements // (nh * cap * hd))
     outs = []
     for i in range(0, t, step):
         r, p = rows[i : i + step], pos[i : i + step]

@@ -97,6 +97,11 @@ def log_strict(x: Tensor) -> Tensor:
 class FastOps:
     """Ordinary torch kernels (BLAS, torch softmax); fp32 activations; not batch invariant."""
 
+    attention_chunk_elements: ClassVar[int] = 1 << 25
+    """Queries per attention call in ``_blocks.attend_buffers``: at most this many
+    ``heads * capacity * head_dim`` elements. Bounds memory only; batched einsums need no
+    materialised products, so fast mode takes large chunks (one call per decode step)."""
+
     fused_row_attention: ClassVar[bool] = False
     """Whether ``attend_rows`` exists (the CUDA strict set): ``_blocks`` then uses it for
     attention without a relative position bias, on the packed forward and on decode alike."""
@@ -194,6 +199,10 @@ class FastOps:
 
 class StrictOps(FastOps):
     """Batch-invariant, thread-count-invariant fp32 kernels (see the module docstring)."""
+
+    attention_chunk_elements: ClassVar[int] = 1 << 17
+    """Strict attention materialises its products (``[hd, T, heads, C]``) for ``tree_sum``:
+    small chunks. Each query is reduced alone, so the chunking never changes its bits."""
 
     @staticmethod
     def linear(x: Tensor, weight: Tensor) -> Tensor:
