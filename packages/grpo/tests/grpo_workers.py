@@ -12,9 +12,24 @@ from posttrain.fsdp_mesh import iter_full_state_dict
 from posttrain.grpo.config import GrpoConfig
 from posttrain.grpo.trainer import TrainSample, build_policy, train_step
 from posttrain.lora import export_adapter
-from posttrain.models import LoraAdapter, load_pretrained, to_hf_state_dict
+from posttrain.models import (
+    VOCAB_SIZE,
+    LoraAdapter,
+    ModelConfig,
+    build_model,
+    build_tokenizer,
+    load_pretrained,
+    to_hf_state_dict,
+)
 
 PROMPT, RESPONSE, N = 6, 5, 4
+
+
+def save_tiny_checkpoint(path: Path, *, max_positions: int = 64, seed: int = 3) -> str:
+    """A tiny Dense/MoE checkpoint (HF layout, with its tokenizer) at ``path``."""
+    config = ModelConfig.tiny(vocab_size=VOCAB_SIZE, max_position_embeddings=max_positions)
+    build_model(config, seed=seed).save_pretrained(path, tokenizer=build_tokenizer())
+    return str(path)
 
 
 def tokens(i: int) -> list[int]:

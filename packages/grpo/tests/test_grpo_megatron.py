@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from posttrain.interface.testing import run_workers
-from posttrain.models import VOCAB_SIZE, ModelConfig, build_model, build_tokenizer
+from posttrain.models import VOCAB_SIZE, ModelConfig
 
 if importlib.util.find_spec("megatron") is None:  # the grpo extra "megatron" (Linux)
     pytest.skip("megatron-core is not installed", allow_module_level=True)
@@ -33,43 +33,20 @@ RUNS = [
 
 
 @pytest.fixture(scope="module")
-def ckpt(tmp_path_factory: pytest.TempPathFactory) -> str:
-    path = tmp_path_factory.mktemp("grpo-megatron") / "tiny"
-    model = build_model(ModelConfig.tiny(vocab_size=VOCAB_SIZE, max_position_embeddings=64), seed=3)
-    model.save_pretrained(path, tokenizer=build_tokenizer())
-    return str(path)
-
-
-@pytest.fixture(scope="module")
-def adapter(ckpt: str, tmp_path_factory: pytest.TempPathFactory) -> str:
-    """A PEFT adapter for every target with random (non-zero) A and B."""
-    from posttrain.grpo.trainer import lora_targets
-    from posttrain.lora import LoraConfig, attach_lora, export_adapter, save_peft
-    from posttrain.models import load_pretrained
-
-    model = load_pretrained(ckpt)
-    targets, modules = lora_targets(model, workers.ALL_TARGETS)
-    cfg = LoraConfig(r=8, alpha=16.0, seed=5, b_init="normal", export_dtype=torch.float32)
-    path = tmp_path_factory.mktemp("grpo-megatron-adapter") / "adapter"
-    save_peft(path, export_adapter(attach_lora(model, cfg, targets)), cfg, target_modules=modules)
-    return str(path)
-
-
-@pytest.fixture(scope="module")
-def results(ckpt: str, adapter: str) -> dict[str, Any]:
+def results(
+    tiny_ckpt: str, megatron_adapter: str, megatron_reference: dict[str, Any]
+) -> dict[str, Any]:
     # megatron-core is imported once here (~10 s), so the forked ranks inherit it warm.
     import posttrain.grpo.megatron.layers  # noqa: F401
 
-    reference = run_workers(
-        workers.parity_suite, 1, timeout_s=240,
-        args=(ckpt, adapter, [{"train": "full"}, {"train": "lora"}]),
-    )[0]  # fmt: skip
     runs = [{**r, "backend": "megatron"} for r in RUNS]
-    megatron = run_workers(workers.parity_suite, 2, args=(ckpt, adapter, runs), timeout_s=240)[0]
-    return {"reference": dict(zip(("full", "lora"), reference, strict=True)), "megatron": megatron}
+    megatron = run_workers(
+        workers.parity_suite, 2, args=(tiny_ckpt, megatron_adapter, runs), timeout_s=240
+    )[0]
+    return {"reference": megatron_reference, "megatron": megatron}
 
 
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
     den = float(b.double().norm())
     return float((a.double() - b.double()).norm()) / den if den else float(a.double().norm())
 
@@ -85,7 +62,7 @@ def test_loss_and_every_gradient_match_the_single_process(
     assert got["metrics"]["train_tokens"] == ref["metrics"]["train_tokens"]
     assert got["metrics"]["grad_norm"] == pytest.approx(ref["metrics"]["grad_norm"], rel=TOL)
     assert got["grads"].keys() == ref["grads"].keys()
-    worst = {name: _rel(got["grads"][name], g) for name, g in ref["grads"].items()}
+    worst = {name: rel_l2(got["grads"][name], g) for name, g in ref["grads"].items()}
     assert max(worst.values()) <= TOL, sorted(worst.items(), key=lambda kv: -kv[1])[:3]
     assert sum(float(g.abs().sum()) > 0 for g in ref["grads"].values()) > len(worst) // 2
 
@@ -100,12 +77,12 @@ def test_exported_weights_are_the_single_process_bytes(results: dict[str, Any], 
         assert torch.equal(got[name], value), name
 
 
-def test_a_tp2_checkpoint_loads_under_tp1_and_back(ckpt: str, tmp_path: Path) -> None:
+def test_a_tp2_checkpoint_loads_under_tp1_and_back(tiny_ckpt: str, tmp_path: Path) -> None:
     import posttrain.grpo.megatron.layers  # noqa: F401
 
-    saved = run_workers(workers.save_then_reload, 2, args=(ckpt, str(tmp_path / "tp2"), 2),
+    saved = run_workers(workers.save_then_reload, 2, args=(tiny_ckpt, str(tmp_path / "tp2"), 2),
                         timeout_s=200)[0]  # fmt: skip
-    one = run_workers(workers.load_under, 1, args=(ckpt, saved["path"], 1), timeout_s=200)[0]
+    one = run_workers(workers.load_under, 1, args=(tiny_ckpt, saved["path"], 1), timeout_s=200)[0]
     # the weights are bitwise the TP=2 ones; TP=1 logprobs are the single-process model's
     assert one["extra"] is False  # another layout: weights only, fresh optimizer
     for name, value in saved["weights"].items():
@@ -113,17 +90,17 @@ def test_a_tp2_checkpoint_loads_under_tp1_and_back(ckpt: str, tmp_path: Path) ->
     assert torch.equal(one["logprobs"], one["single"])
     # TP=2 adds two partial sums where TP=1 runs one tree: last-bit differences only
     torch.testing.assert_close(one["logprobs"], saved["logprobs"], rtol=0, atol=1e-5)
-    back = run_workers(workers.load_under, 2, args=(ckpt, saved["path"], 2), timeout_s=200)[0]
+    back = run_workers(workers.load_under, 2, args=(tiny_ckpt, saved["path"], 2), timeout_s=200)[0]
     assert back["extra"] is True  # the saved layout: optimizer and RNG restored too
     assert torch.equal(back["logprobs"], saved["logprobs"])
 
 
-def test_full_weights_reach_an_engine_as_the_single_process_bytes(ckpt: str) -> None:
+def test_full_weights_reach_an_engine_as_the_single_process_bytes(tiny_ckpt: str) -> None:
     import posttrain.grpo.megatron.layers  # noqa: F401
     from posttrain.models import load_pretrained
 
-    got = run_workers(workers.sync_full, 2, args=(ckpt, 2, True), timeout_s=200)[0]
-    want = load_pretrained(ckpt).hf_state_dict()
+    got = run_workers(workers.sync_full, 2, args=(tiny_ckpt, 2, True), timeout_s=200)[0]
+    want = load_pretrained(tiny_ckpt).hf_state_dict()
     assert got["version"] == 7
     assert got["received"].keys() == want.keys()
     assert all(torch.equal(got["received"][k], v) for k, v in want.items())
@@ -148,28 +125,34 @@ def test_layouts_tensor_parallel_cannot_split_are_refused_by_field() -> None:
 
 
 @pytest.mark.parametrize(("train", "sp"), [("full", True), ("lora", True), ("lora", False)])
-def test_replicated_tensors_stay_identical_after_a_step(ckpt: str, train: str, sp: bool) -> None:
+def test_replicated_tensors_stay_identical_after_a_step(
+    tiny_ckpt: str, train: str, sp: bool
+) -> None:
     import posttrain.grpo.megatron.layers  # noqa: F401
 
-    ok = run_workers(workers.replicas_after_a_step, 2, args=(ckpt, train, sp), timeout_s=200)
+    ok = run_workers(workers.replicas_after_a_step, 2, args=(tiny_ckpt, train, sp), timeout_s=200)
     assert ok == [True, True]
 
 
-def test_the_gradient_comparison_bites(ckpt: str, adapter: str, results: dict[str, Any]) -> None:
+def test_the_gradient_comparison_bites(
+    tiny_ckpt: str, megatron_adapter: str, results: dict[str, Any]
+) -> None:
     # Leaving out the TP sum of the head-shared q/k norm grads must fail the comparison above.
-    got = run_workers(workers.without_tp_sums, 2, args=(ckpt, adapter), timeout_s=200)[0]
+    got = run_workers(
+        workers.without_tp_sums, 2, args=(tiny_ckpt, megatron_adapter), timeout_s=200
+    )[0]
     ref = results["reference"]["full"]["grads"]
-    worst = {name: _rel(got["grads"][name], g) for name, g in ref.items()}
+    worst = {name: rel_l2(got["grads"][name], g) for name, g in ref.items()}
     assert max(worst.values()) > 1e-2
     assert all("norm" in name for name, v in worst.items() if v > TOL)
 
 
-def test_a_tp2_adapter_checkpoint_loads_under_tp1(ckpt: str, tmp_path: Path) -> None:
+def test_a_tp2_adapter_checkpoint_loads_under_tp1(tiny_ckpt: str, tmp_path: Path) -> None:
     import posttrain.grpo.megatron.layers  # noqa: F401
 
     saved = run_workers(workers.save_then_reload, 2,
-                        args=(ckpt, str(tmp_path / "tp2"), 2, 1, "lora"), timeout_s=200)[0]  # fmt: skip
-    one = run_workers(workers.load_under, 1, args=(ckpt, saved["path"], 1, 1, "lora"),
+                        args=(tiny_ckpt, str(tmp_path / "tp2"), 2, 1, "lora"), timeout_s=200)[0]  # fmt: skip
+    one = run_workers(workers.load_under, 1, args=(tiny_ckpt, saved["path"], 1, 1, "lora"),
                       timeout_s=200)[0]  # fmt: skip
     assert one["extra"] is False  # another layout: the adapter only, fresh optimizer
     assert one["weights"].keys() == saved["weights"].keys()

@@ -18,10 +18,9 @@ from typing import Any
 import megatron_workers as workers
 import pytest
 import torch
-from test_grpo_megatron import _rel
+from test_grpo_megatron import rel_l2
 
 from posttrain.interface.testing import run_workers
-from posttrain.models import VOCAB_SIZE, ModelConfig, build_model, build_tokenizer
 
 if importlib.util.find_spec("megatron") is None:  # the grpo extra "megatron" (Linux)
     pytest.skip("megatron-core is not installed", allow_module_level=True)
@@ -41,40 +40,16 @@ IDS = ["ep2-full", "ep2-lora", "tp2ep2-full", "tp2ep2-sp-full", "tp2ep2-lora"]
 
 
 @pytest.fixture(scope="module")
-def ckpt(tmp_path_factory: pytest.TempPathFactory) -> str:
-    path = tmp_path_factory.mktemp("grpo-megatron-ep") / "tiny"
-    model = build_model(ModelConfig.tiny(vocab_size=VOCAB_SIZE, max_position_embeddings=64), seed=3)
-    model.save_pretrained(path, tokenizer=build_tokenizer())
-    return str(path)
-
-
-@pytest.fixture(scope="module")
-def adapter(ckpt: str, tmp_path_factory: pytest.TempPathFactory) -> str:
-    from posttrain.grpo.trainer import lora_targets
-    from posttrain.lora import LoraConfig, attach_lora, export_adapter, save_peft
-    from posttrain.models import load_pretrained
-
-    model = load_pretrained(ckpt)
-    targets, modules = lora_targets(model, workers.ALL_TARGETS)
-    cfg = LoraConfig(r=8, alpha=16.0, seed=5, b_init="normal", export_dtype=torch.float32)
-    path = tmp_path_factory.mktemp("grpo-megatron-ep-adapter") / "adapter"
-    save_peft(path, export_adapter(attach_lora(model, cfg, targets)), cfg, target_modules=modules)
-    return str(path)
-
-
-@pytest.fixture(scope="module")
-def results(ckpt: str, adapter: str) -> dict[str, Any]:
+def results(
+    tiny_ckpt: str, megatron_adapter: str, megatron_reference: dict[str, Any]
+) -> dict[str, Any]:
     import posttrain.grpo.megatron.layers  # noqa: F401 (megatron-core once, before forking)
 
-    reference = run_workers(
-        workers.parity_suite, 1, timeout_s=240,
-        args=(ckpt, adapter, [{"train": "full"}, {"train": "lora"}]),
-    )[0]  # fmt: skip
+    args = (tiny_ckpt, megatron_adapter)
     meg = lambda runs: [{**r, "backend": "megatron"} for r in runs]  # noqa: E731
-    two = run_workers(workers.parity_suite, 2, args=(ckpt, adapter, meg(EP2)), timeout_s=240)[0]
-    four = run_workers(workers.parity_suite, 4, args=(ckpt, adapter, meg(TP2_EP2)), timeout_s=300)
-    return {"reference": dict(zip(("full", "lora"), reference, strict=True)),
-            "runs": [*two, *four[0]]}  # fmt: skip
+    two = run_workers(workers.parity_suite, 2, args=(*args, meg(EP2)), timeout_s=240)[0]
+    four = run_workers(workers.parity_suite, 4, args=(*args, meg(TP2_EP2)), timeout_s=300)
+    return {"reference": megatron_reference, "runs": [*two, *four[0]]}
 
 
 @pytest.mark.parametrize("index", range(len(IDS)), ids=IDS)
@@ -88,19 +63,21 @@ def test_loss_gradients_and_exports_match_the_single_process(
     assert got["metrics"]["train_tokens"] == ref["metrics"]["train_tokens"]
     assert got["metrics"]["grad_norm"] == pytest.approx(ref["metrics"]["grad_norm"], rel=TOL)
     assert got["grads"].keys() == ref["grads"].keys()
-    worst = {name: _rel(got["grads"][name], g) for name, g in ref["grads"].items()}
+    worst = {name: rel_l2(got["grads"][name], g) for name, g in ref["grads"].items()}
     assert max(worst.values()) <= TOL, sorted(worst.items(), key=lambda kv: -kv[1])[:3]
     assert got["weights"].keys() == ref["weights"].keys()
     for name, value in ref["weights"].items():
         assert torch.equal(got["weights"][name], value), name
 
 
-def test_an_ep2_checkpoint_loads_under_ep1(ckpt: str, tmp_path: Path) -> None:
+def test_an_ep2_checkpoint_loads_under_ep1(tiny_ckpt: str, tmp_path: Path) -> None:
     import posttrain.grpo.megatron.layers  # noqa: F401
 
-    saved = run_workers(workers.save_then_reload, 2, args=(ckpt, str(tmp_path / "ep2"), 1, 2),
+    saved = run_workers(workers.save_then_reload, 2, args=(tiny_ckpt, str(tmp_path / "ep2"), 1, 2),
                         timeout_s=200)[0]  # fmt: skip
-    one = run_workers(workers.load_under, 1, args=(ckpt, saved["path"], 1, 1), timeout_s=200)[0]
+    one = run_workers(workers.load_under, 1, args=(tiny_ckpt, saved["path"], 1, 1), timeout_s=200)[
+        0
+    ]
     assert one["extra"] is False  # another layout: weights only
     for name, value in saved["weights"].items():
         assert torch.equal(one["weights"][name], value), name

@@ -17,7 +17,6 @@ from posttrain.grpo.readmit import answering, stale, turn_versions
 from posttrain.interface import BucketManifest, Sample, WeightUpdateBegin, WeightUpdateResult
 from posttrain.interface.processes import free_port
 from posttrain.interface.testing import run_workers
-from posttrain.models import VOCAB_SIZE, ModelConfig, build_model, build_tokenizer
 
 
 class _Health(http.server.BaseHTTPRequestHandler):
@@ -126,14 +125,9 @@ class _KeepingSink:
         self.version = None
 
 
-def test_a_failed_readmission_leaves_the_engine_lost_and_the_step_goes_on(
-    tmp_path: Path,
-) -> None:
-    path = tmp_path / "tiny"
-    model = build_model(ModelConfig.tiny(vocab_size=VOCAB_SIZE, max_position_embeddings=64), seed=3)
-    model.save_pretrained(path, tokenizer=build_tokenizer())
+def test_a_failed_readmission_leaves_the_engine_lost_and_the_step_goes_on(tiny_ckpt: str) -> None:
     dead = f"http://127.0.0.1:{free_port()}"
-    (out,) = run_workers(_sync_with_readmission, 1, args=(str(path), dead), timeout_s=120)
+    (out,) = run_workers(_sync_with_readmission, 1, args=(tiny_ckpt, dead), timeout_s=120)
     assert out["sink_version"] == 3  # the live target took the update
     assert out["readmitted"] == ()
     ((url, why),) = out["failed"]

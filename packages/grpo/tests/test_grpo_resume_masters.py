@@ -15,9 +15,9 @@ from typing import Any
 import grpo_resume_workers as workers
 import pytest
 import torch
+from grpo_workers import save_tiny_checkpoint
 
 from posttrain.interface.testing import run_workers
-from posttrain.models import VOCAB_SIZE, ModelConfig, build_model, build_tokenizer
 
 pytestmark = [pytest.mark.multiproc]
 
@@ -25,9 +25,7 @@ pytestmark = [pytest.mark.multiproc]
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory: pytest.TempPathFactory) -> str:
     path = tmp_path_factory.mktemp("grpo-resume") / "tiny"
-    model = build_model(ModelConfig.tiny(vocab_size=VOCAB_SIZE, max_position_embeddings=32), seed=5)
-    model.save_pretrained(path, tokenizer=build_tokenizer())
-    return str(path)
+    return save_tiny_checkpoint(path, max_positions=32, seed=5)
 
 
 CASES = [("lora", "fp32"), ("full", "fp32"), ("full", "bf16")]

@@ -11,23 +11,14 @@ import torch
 from posttrain.grpo import GrpoConfigError
 from posttrain.grpo.trainer import lora_targets, micro_batches
 from posttrain.interface.testing import run_workers
-from posttrain.models import VOCAB_SIZE, ModelConfig, build_model, build_tokenizer
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.slow]
 
 
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory: pytest.TempPathFactory) -> str:
-    path = tmp_path_factory.mktemp("grpo-trainer") / "tiny"
-    model = build_model(ModelConfig.tiny(vocab_size=VOCAB_SIZE, max_position_embeddings=64), seed=3)
-    model.save_pretrained(path, tokenizer=build_tokenizer())
-    return str(path)
-
-
 @pytest.fixture(scope="module", params=["lora", "full"])
-def runs(request: pytest.FixtureRequest, ckpt: str) -> dict[str, Any]:
-    two = run_workers(workers.two_steps, 2, args=(ckpt, request.param), timeout_s=240)
-    one = run_workers(workers.two_steps, 1, args=(ckpt, request.param), timeout_s=240)
+def runs(request: pytest.FixtureRequest, tiny_ckpt: str) -> dict[str, Any]:
+    two = run_workers(workers.two_steps, 2, args=(tiny_ckpt, request.param), timeout_s=240)
+    one = run_workers(workers.two_steps, 1, args=(tiny_ckpt, request.param), timeout_s=240)
     return {"two": two, "one": one, "mode": request.param}
 
 
@@ -57,10 +48,10 @@ def test_two_ranks_update_like_one(runs: dict[str, Any]) -> None:
     assert one[0]["second"]["grad_norm"] > 0.0
 
 
-def test_lora_targets_follow_the_fused_sites(ckpt: str) -> None:
+def test_lora_targets_follow_the_fused_sites(tiny_ckpt: str) -> None:
     from posttrain.models import load_pretrained
 
-    model = load_pretrained(ckpt)
+    model = load_pretrained(tiny_ckpt)
     targets, modules = lora_targets(model, ("q_proj", "k_proj", "v_proj", "o_proj"))
     assert modules == ["k_proj", "o_proj", "q_proj", "v_proj"]
     assert "layers.0.sites.qkv" in targets
@@ -79,8 +70,8 @@ def test_micro_batches() -> None:
 
 
 @pytest.mark.parametrize("train", ["lora", "full"])
-def test_a_write_after_the_optimizer_exists_is_kept(ckpt: str, train: str) -> None:
-    assert run_workers(workers.write_then_step, 2, args=(ckpt, train), timeout_s=120) == [
+def test_a_write_after_the_optimizer_exists_is_kept(tiny_ckpt: str, train: str) -> None:
+    assert run_workers(workers.write_then_step, 2, args=(tiny_ckpt, train), timeout_s=120) == [
         True,
         True,
     ]
