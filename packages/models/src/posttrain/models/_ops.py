@@ -100,7 +100,8 @@ class FastOps:
     attention_chunk_elements: ClassVar[int] = 1 << 25
     """Queries per attention call in ``_blocks.attend_buffers``: at most this many
     ``heads * capacity * head_dim`` elements. Bounds memory only; batched einsums need no
-    materialised products, so fast mode takes large chunks (one call per decode step)."""
+    materialised products, so fast mode takes chunks 256x larger (8 queries per call on a
+    2048-slot cache with 16 heads of dim 128, where strict takes 1)."""
 
     fused_row_attention: ClassVar[bool] = False
     """Whether ``attend_rows`` exists (the CUDA strict set): ``_blocks`` then uses it for
