@@ -22,7 +22,14 @@ import time
 
 import torch
 
-from posttrain.models import DecoderModel, ModelConfig, Numerics, build_model
+from posttrain.models import (
+    DecoderModel,
+    ModelConfig,
+    Numerics,
+    build_model,
+    decoded_logprobs,
+    packed_logprobs,
+)
 
 
 def sync(device: torch.device) -> None:
@@ -37,37 +44,6 @@ def segments_for(
     lens = [rng.randint(2, max_len) for _ in range(n)]
     segs = [[rng.randrange(cfg.vocab_size) for _ in range(m)] for m in lens]
     return segs, [rng.randint(1, m - 1) for m in lens]
-
-
-def train_lp(model: DecoderModel, segs: list[list[int]]) -> torch.Tensor:
-    ids = torch.tensor([t for s in segs for t in s])
-    with torch.no_grad():
-        return model.forward_logprobs(ids, [len(s) for s in segs]).cpu()
-
-
-def decode_lp(model: DecoderModel, segs: list[list[int]], prompts: list[int]) -> torch.Tensor:
-    """Prefill each prompt into its own cache row, then decode all rows in batched steps."""
-    cache = model.new_kv_cache(len(segs))
-    out = [torch.zeros(len(s)) for s in segs]
-    dist = []
-    for j, (s, p) in enumerate(zip(segs, prompts, strict=True)):
-        step = model.prefill(cache, j, s[:p])
-        for n in range(1, p):
-            out[j][n] = step.logprobs[n - 1, s[n]].cpu()
-        dist.append(step.logprobs[-1])
-    pos = list(prompts)
-    while True:
-        active = [j for j in range(len(segs)) if pos[j] < len(segs[j])]
-        if not active:
-            break
-        toks = [segs[j][pos[j]] for j in active]
-        for j, t in zip(active, toks, strict=True):
-            out[j][pos[j]] = dist[j][t].cpu()
-        step = model.decode_step(cache, active, toks)
-        for n, j in enumerate(active):
-            dist[j] = step.logprobs[n]
-            pos[j] += 1
-    return torch.cat(out)
 
 
 def compare(a: torch.Tensor, b: torch.Tensor) -> dict[str, float | int | bool]:
@@ -120,12 +96,12 @@ def main() -> None:
     }.items():
         cpu_model = build_model(cfg, 0)
         segs, prompts = segments_for(cfg, 0, 6, 60)
-        cpu_train = train_lp(cpu_model, segs)
+        cpu_train = packed_logprobs(cpu_model, segs)
         dev_model = build_model(cfg, 0).to(device)
-        dev_train = train_lp(dev_model, segs)
-        dev_decode = decode_lp(dev_model, segs, prompts)
+        dev_train = packed_logprobs(dev_model, segs)
+        dev_decode = decoded_logprobs(dev_model, segs, prompts)
         dev_model.numerics = Numerics.FAST
-        dev_fast = train_lp(dev_model, segs)
+        dev_fast = packed_logprobs(dev_model, segs)
         parity[name] = {
             "device_train_vs_device_decode": compare(dev_train, dev_decode),
             "cpu_train_vs_device_train": compare(cpu_train, dev_train),

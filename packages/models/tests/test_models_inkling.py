@@ -16,6 +16,7 @@ from torch import Tensor
 from posttrain.models import (
     CacheError,
     DecoderModel,
+    KVCache,
     ModelConfig,
     ModelConfigError,
     Numerics,
@@ -24,7 +25,9 @@ from posttrain.models import (
     TensorSpecMismatchError,
     attend,
     build_model,
+    decoded_logprobs,
     load_pretrained,
+    packed_logprobs,
     residual_sconv,
     weight_groups,
 )
@@ -54,11 +57,6 @@ def batch(seed: int, n: int, lo: int = 2, hi: int = C) -> tuple[list[list[int]],
     return segs, [rng.randint(1, m - 1) for m in lens]
 
 
-def train_lp(model: DecoderModel, segments: Sequence[Sequence[int]]) -> Tensor:
-    ids = torch.tensor([t for s in segments for t in s])
-    return model.forward_logprobs(ids, [len(s) for s in segments]).detach()
-
-
 def decode_lp(
     model: DecoderModel,
     segments: Sequence[Sequence[int]],
@@ -67,40 +65,16 @@ def decode_lp(
     chunked: bool = False,
     poke: tuple[int, str] | None = None,
 ) -> Tensor:
-    """Prefill every prompt (in two chunks when ``chunked``) into its own cache row, then decode
-    the rest in shrinking batches; logprobs aligned like ``forward_logprobs``.
+    """``decoded_logprobs``; ``poke=(layer, site)`` adds 1e-3 to one value of that sconv state
+    after the prefills (a negative control)."""
 
-    ``poke=(layer, site)`` adds 1e-3 to one value of that sconv state after the prefills
-    (a negative control)."""
-    cache = model.new_kv_cache(len(segments) + 1)
-    rows = [j + 1 for j in range(len(segments))]
-    out = [torch.zeros(len(s)) for s in segments]
-    dist: list[Tensor] = []
-    for j, (seg, p) in enumerate(zip(segments, prompts, strict=True)):
-        cuts = [0, p // 2, p] if chunked and p > 1 else [0, p]
-        last: Tensor | None = None
-        for a, b in itertools.pairwise(cuts):
-            step = model.prefill(cache, rows[j], list(seg[a:b]))
-            if last is not None:
-                out[j][a] = last[seg[a]]
-            for n in range(a + 1, b):
-                out[j][n] = step.logprobs[n - a - 1, seg[n]]
-            last = step.logprobs[-1]
-        assert last is not None
-        dist.append(last)
-    if poke is not None:
-        cache.conv_state(*poke)[rows[0], -1, 0] += 1e-3
-    pos = list(prompts)
-    while any(pos[j] < len(segments[j]) for j in range(len(segments))):
-        active = [j for j in range(len(segments)) if pos[j] < len(segments[j])]
-        toks = [segments[j][pos[j]] for j in active]
-        for j, tok in zip(active, toks, strict=True):
-            out[j][pos[j]] = dist[j][tok]
-        step = model.decode_step(cache, [rows[j] for j in active], toks)
-        for n, j in enumerate(active):
-            dist[j] = step.logprobs[n]
-            pos[j] += 1
-    return torch.cat(out)
+    def disturb(cache: KVCache, rows: list[int]) -> None:
+        if poke is not None:
+            cache.conv_state(*poke)[rows[0], -1, 0] += 1e-3
+
+    return decoded_logprobs(
+        model, segments, prompts, chunked_prefill=chunked, after_prefill=disturb
+    )
 
 
 def test_inkling_tiny_has_every_block() -> None:
@@ -121,11 +95,11 @@ def test_strict_train_equals_decode_with_every_block(seed: int) -> None:
     model = inkling_model(seed=seed)
     segments, prompts = batch(seed, 4)
     assert max(len(s) for s in segments) > 16  # past the window and the global extent
-    packed = train_lp(model, segments)
+    packed = packed_logprobs(model, segments)
     assert (packed != 0).sum() == sum(len(s) - 1 for s in segments)
     assert torch.equal(packed, decode_lp(model, segments, prompts, chunked=seed == 1))
     # without packing: each sequence alone gives the same bits too
-    alone = torch.cat([train_lp(model, [s]) for s in segments])
+    alone = torch.cat([packed_logprobs(model, [s]) for s in segments])
     assert torch.equal(packed, alone)
     assert torch.equal(alone[: len(segments[0])], decode_lp(model, segments[:1], prompts[:1]))
 
@@ -137,7 +111,7 @@ def test_parity_in_bf16_params_and_with_two_threads() -> None:
     old = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        packed = train_lp(model, segments)
+        packed = packed_logprobs(model, segments)
     finally:
         torch.set_num_threads(old)
     assert torch.equal(packed, decode_lp(model, segments, prompts))
@@ -147,17 +121,17 @@ def test_every_block_changes_the_output() -> None:
     """Each block is live: turning it off (its weights to the no-op) moves the logprobs."""
     model = inkling_model(seed=2)
     segments, _ = batch(2, 2)
-    base = train_lp(model, segments)
+    base = packed_logprobs(model, segments)
     for name in ("layers.0.k_conv", "layers.1.mlp_out_conv", "layers.1.rel_proj",
                  "layers.2.rel_proj", "layers.3.expert_bias", "layers.3.shared_fc2"):  # fmt: skip
         param = dict(model.named_parameters())[name]
         saved = param.detach().clone()
         with torch.no_grad():
             param.zero_()
-        assert not torch.equal(train_lp(model, segments), base), name
+        assert not torch.equal(packed_logprobs(model, segments), base), name
         with torch.no_grad():
             param.copy_(saved)
-    assert torch.equal(train_lp(model, segments), base)
+    assert torch.equal(packed_logprobs(model, segments), base)
 
 
 # --------------------------------------------------------------------------- negative controls
@@ -167,7 +141,7 @@ def test_every_block_changes_the_output() -> None:
 def control() -> tuple[DecoderModel, list[list[int]], list[int], Tensor]:
     model = inkling_model(seed=7)
     segments, prompts = batch(7, 3, lo=10)
-    train = train_lp(model, segments)
+    train = packed_logprobs(model, segments)
     assert torch.equal(train, decode_lp(model, segments, prompts))
     return model, segments, prompts, train
 
@@ -195,7 +169,7 @@ def test_control_conv_across_the_packing_boundary_breaks_parity(
         return residual_sconv(StrictOps, x, torch.zeros_like(self.seg), w)  # one big segment
 
     monkeypatch.setattr(PackedLayout, "sconv", leaky)
-    leaked = train_lp(model, segments)
+    leaked = packed_logprobs(model, segments)
     n0 = len(segments[0])
     assert torch.equal(leaked[:n0], train[:n0])  # the first segment has nothing before it
     assert not torch.equal(leaked[n0:], train[n0:])
@@ -294,7 +268,7 @@ def test_fast_mode_is_close_to_strict() -> None:
     strict = inkling_model(seed=6)
     fast = inkling_model(seed=6, numerics=Numerics.FAST)
     segments, prompts = batch(6, 2)
-    a, b = train_lp(strict, segments), train_lp(fast, segments)
+    a, b = packed_logprobs(strict, segments), packed_logprobs(fast, segments)
     assert float((a - b).abs().max()) < 2e-5
     assert float((b - decode_lp(fast, segments, prompts)).abs().max()) < 2e-5
 
@@ -314,7 +288,7 @@ def test_checkpoint_round_trip_keeps_fp32_bias_and_frozen_tables(tmp_path: objec
     assert "model.layers.0.self_attn.r_proj.weight" in hf
     assert all(torch.equal(hf[k], v) for k, v in again.hf_state_dict().items())
     segments, _ = batch(8, 2)
-    assert torch.equal(train_lp(model, segments), train_lp(again, segments))
+    assert torch.equal(packed_logprobs(model, segments), packed_logprobs(again, segments))
     sent = dict(hf)
     sent["model.layers.1.mlp.gate.e_score_correction_bias"] = sent[
         "model.layers.1.mlp.gate.e_score_correction_bias"
@@ -507,5 +481,5 @@ def test_inkling_parity_over_random_lengths_and_prompts(
     prompts = [data.draw(st.integers(1, n - 1)) for n in lens]
     chunked = data.draw(st.booleans())
     assert torch.equal(
-        train_lp(model, segments), decode_lp(model, segments, prompts, chunked=chunked)
+        packed_logprobs(model, segments), decode_lp(model, segments, prompts, chunked=chunked)
     )

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import itertools
 import random
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from contextlib import contextmanager
 
 import pytest
@@ -22,6 +21,8 @@ from posttrain.models import (
     StrictOps,
     TensorSpecMismatchError,
     build_model,
+    decoded_logprobs,
+    packed_logprobs,
 )
 
 
@@ -33,52 +34,6 @@ def threads(n: int) -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(old)
-
-
-def engine_logprobs(
-    model: DecoderModel,
-    segments: Sequence[Sequence[int]],
-    prompt_lens: Sequence[int],
-    *,
-    lora: Sequence[LoraAdapter | None] | None = None,
-    chunked_prefill: bool = False,
-) -> Tensor:
-    """Serve every segment in one cache: prefill its prompt, then decode the rest in batches.
-
-    Rows advance together (batch composition changes as rows finish), exactly as an engine
-    would run them. Returns logprobs aligned like ``forward_logprobs`` (0.0 at starts).
-    """
-    cache = model.new_kv_cache(len(segments) + 1)
-    rows = [j + 1 for j in range(len(segments))]  # row 0 stays unused: rows are independent
-    out = [torch.zeros(len(seg)) for seg in segments]
-    dist: list[Tensor] = []
-    for j, (seg, p) in enumerate(zip(segments, prompt_lens, strict=True)):
-        adapter = None if lora is None else lora[j]
-        cuts = [0, p // 2, p] if chunked_prefill and p > 1 else [0, p]
-        last: Tensor | None = None
-        for a, b in itertools.pairwise(cuts):
-            step = model.prefill(cache, rows[j], list(seg[a:b]), lora=adapter)
-            if last is not None:
-                out[j][a] = last[seg[a]]
-            for n in range(a + 1, b):
-                out[j][n] = step.logprobs[n - a - 1, seg[n]]
-            last = step.logprobs[-1]
-        assert last is not None
-        dist.append(last)
-    pos = list(prompt_lens)
-    while True:
-        active = [j for j in range(len(segments)) if pos[j] < len(segments[j])]
-        if not active:
-            break
-        toks = [segments[j][pos[j]] for j in active]
-        for j, tok in zip(active, toks, strict=True):
-            out[j][pos[j]] = dist[j][tok]
-        adapters = None if lora is None else [lora[j] for j in active]
-        step = model.decode_step(cache, [rows[j] for j in active], toks, lora=adapters)
-        for n, j in enumerate(active):
-            dist[j] = step.logprobs[n]
-            pos[j] += 1
-    return torch.cat(out)
 
 
 C = 32  # KV capacity of the test models (max_position_embeddings)
@@ -115,13 +70,6 @@ def random_batch(
     return segments, [rng.randint(1, m - 1) for m in lens]
 
 
-def train_logprobs(
-    model: DecoderModel, segments: Sequence[Sequence[int]], lora: object = None
-) -> Tensor:
-    ids = torch.tensor([t for s in segments for t in s])
-    return model.forward_logprobs(ids, [len(s) for s in segments], lora=lora).detach()  # type: ignore[arg-type]
-
-
 @pytest.mark.parametrize("name", sorted(VARIANTS))
 @pytest.mark.parametrize("seed", [0, 1])
 def test_strict_train_forward_equals_kv_decode(name: str, seed: int) -> None:
@@ -129,9 +77,9 @@ def test_strict_train_forward_equals_kv_decode(name: str, seed: int) -> None:
     model = build_model(cfg, seed)
     segments, prompts = random_batch(cfg, seed + 10, 4, C)
     with threads(2 if seed == 0 else 1):  # the two sides run with different thread counts
-        train = train_logprobs(model, segments)
+        train = packed_logprobs(model, segments)
     with threads(1):
-        roll = engine_logprobs(model, segments, prompts, chunked_prefill=seed == 1)
+        roll = decoded_logprobs(model, segments, prompts, chunked_prefill=seed == 1)
     assert (train != 0).sum() == sum(len(s) - 1 for s in segments)
     assert torch.equal(train, roll)
 
@@ -140,10 +88,10 @@ def test_strict_logprobs_do_not_depend_on_packing_or_padding() -> None:
     cfg = VARIANTS["tiny"]
     model = build_model(cfg, 3)
     segments, _ = random_batch(cfg, 3, 4, C)
-    packed = train_logprobs(model, segments)
-    alone = torch.cat([train_logprobs(model, [s]) for s in segments])
-    padded = train_logprobs(model, [*segments, [cfg.pad_token_id or 0] * 17])
-    reordered = train_logprobs(model, segments[::-1])
+    packed = packed_logprobs(model, segments)
+    alone = torch.cat([packed_logprobs(model, [s]) for s in segments])
+    padded = packed_logprobs(model, [*segments, [cfg.pad_token_id or 0] * 17])
+    reordered = packed_logprobs(model, segments[::-1])
     assert torch.equal(packed, alone)
     assert torch.equal(packed, padded[: packed.shape[0]])
     lens = [len(s) for s in segments]
@@ -181,7 +129,7 @@ def test_parity_holds_over_optimizer_steps_and_weight_sync() -> None:
         ]
         with threads(1):
             samples = sample_rollouts(engine, prompts, 6, seed=round_)
-            roll = engine_logprobs(engine, samples, [len(p) for p in prompts])
+            roll = decoded_logprobs(engine, samples, [len(p) for p in prompts])
         with threads(1):
             ids = torch.tensor([t for s in samples for t in s])
             lp = trainer.forward_logprobs(ids, [len(s) for s in samples])
@@ -224,10 +172,10 @@ def test_lora_adapters_keep_parity_per_row() -> None:
     a1, a2 = adapter(2.0, "a1"), adapter(0.5, "a2")
     segments, prompts = random_batch(cfg, 7, 4, 20)
     per_segment = [a1, None, a2, a1]
-    train = train_logprobs(model, segments, per_segment)
-    roll = engine_logprobs(model, segments, prompts, lora=per_segment)
+    train = packed_logprobs(model, segments, lora=per_segment)
+    roll = decoded_logprobs(model, segments, prompts, lora=per_segment)
     assert torch.equal(train, roll)
-    base = train_logprobs(model, segments)
+    base = packed_logprobs(model, segments)
     lens = [len(s) for s in segments]
     moved = [
         not torch.equal(x, y) for x, y in zip(train.split(lens), base.split(lens), strict=True)
@@ -248,8 +196,8 @@ def control_setup() -> tuple[DecoderModel, list[list[int]], list[int], Tensor]:
     cfg = VARIANTS["tiny"].replace(num_experts_per_tok=3)
     model = build_model(cfg, 11)
     segments, prompts = random_batch(cfg, 11, 5, C)
-    train = train_logprobs(model, segments)
-    assert torch.equal(train, engine_logprobs(model, segments, prompts))
+    train = packed_logprobs(model, segments)
+    assert torch.equal(train, decoded_logprobs(model, segments, prompts))
     return model, segments, prompts, train
 
 
@@ -259,7 +207,7 @@ def test_control_plain_f_linear_breaks_parity(
 ) -> None:
     model, segments, prompts, train = control_setup
     monkeypatch.setattr(StrictOps, "linear", staticmethod(lambda x, w: F.linear(x, w.float())))
-    roll = engine_logprobs(model, segments, prompts)
+    roll = decoded_logprobs(model, segments, prompts)
     assert _mismatches(train, roll) > 0
     assert float((train - roll).abs().max()) < 1e-4  # a small, silent drift: only bits catch it
 
@@ -277,7 +225,7 @@ def test_control_fp32_param_sent_as_bf16_is_refused_or_breaks_parity(
         engine.load_hf_state_dict(sent)
     sent[name] = sent[name].float()  # a sender that casts back silently
     engine.load_hf_state_dict(sent)
-    roll = engine_logprobs(engine, segments, prompts)
+    roll = decoded_logprobs(engine, segments, prompts)
     assert _mismatches(train, roll) > 0
 
 
@@ -293,7 +241,7 @@ def test_control_changed_expert_combine_order_breaks_parity(
         "moe_combine",
         staticmethod(lambda w, y: original(w.flip(1), y.flip(1))),
     )
-    roll = engine_logprobs(model, segments, prompts)
+    roll = decoded_logprobs(model, segments, prompts)
     assert _mismatches(train, roll) > 0
 
 
@@ -309,7 +257,7 @@ def test_control_gate_up_swap_in_sync_breaks_parity(
     sent[gate], sent[up] = sent[up], sent[gate]  # a converter that mixes up the fused halves
     engine = build_model(model.config, 0)
     engine.load_hf_state_dict(sent)
-    assert _mismatches(train, engine_logprobs(engine, segments, prompts)) > 0
+    assert _mismatches(train, decoded_logprobs(engine, segments, prompts)) > 0
 
 
 def test_fast_mode_is_close_but_makes_no_bitwise_promise() -> None:
@@ -317,9 +265,9 @@ def test_fast_mode_is_close_but_makes_no_bitwise_promise() -> None:
     strict = build_model(cfg, 13)
     fast = build_model(cfg, 13, numerics=Numerics.FAST)
     segments, prompts = random_batch(cfg, 13, 3, 20)
-    a = train_logprobs(strict, segments)
-    b = train_logprobs(fast, segments)
-    c = engine_logprobs(fast, segments, prompts)
+    a = packed_logprobs(strict, segments)
+    b = packed_logprobs(fast, segments)
+    c = decoded_logprobs(fast, segments, prompts)
     assert float((a - b).abs().max()) < 2e-5
     assert float((b - c).abs().max()) < 2e-5
 
@@ -359,6 +307,6 @@ def test_parity_over_random_lengths_and_prompts(
     prompts = [data.draw(st.integers(1, n - 1)) for n in lens]
     chunked = data.draw(st.booleans())
     assert torch.equal(
-        train_logprobs(model, segments),
-        engine_logprobs(model, segments, prompts, chunked_prefill=chunked),
+        packed_logprobs(model, segments),
+        decoded_logprobs(model, segments, prompts, chunked_prefill=chunked),
     )

@@ -24,7 +24,14 @@ from torch import Tensor
 
 pytest.importorskip("triton")
 
-from posttrain.models import DecoderModel, LoraAdapter, ModelConfig, build_model
+from posttrain.models import (
+    DecoderModel,
+    LoraAdapter,
+    ModelConfig,
+    build_model,
+    decoded_logprobs,
+    packed_logprobs,
+)
 
 ON_CUDA = torch.cuda.is_available()
 RUN_HERE = ON_CUDA or os.environ.get("TRITON_INTERPRET") == "1"
@@ -265,37 +272,6 @@ def test_backward_matches_torch_autograd(device: str) -> None:
 # ------------------------------------------------------------------ the model
 
 
-def _train(model: DecoderModel, segs: list[list[int]], lora: object = None) -> Tensor:
-    ids = torch.tensor([t for s in segs for t in s])
-    with torch.no_grad():
-        return model.forward_logprobs(ids, [len(s) for s in segs], lora=lora).cpu()  # type: ignore[arg-type]
-
-
-def _decode(
-    model: DecoderModel, segs: list[list[int]], prompts: list[int], lora: object = None
-) -> Tensor:
-    """Prefill each prompt into its own row, then decode all rows together."""
-    per_row = lora if isinstance(lora, list) else [lora] * len(segs)
-    cache = model.new_kv_cache(len(segs))
-    out = [torch.zeros(len(s)) for s in segs]
-    dist = []
-    for j, (s, p) in enumerate(zip(segs, prompts, strict=True)):
-        step = model.prefill(cache, j, s[:p], lora=per_row[j])
-        for n in range(1, p):
-            out[j][n] = step.logprobs[n - 1, s[n]].cpu()
-        dist.append(step.logprobs[-1])
-    pos = list(prompts)
-    while active := [j for j in range(len(segs)) if pos[j] < len(segs[j])]:
-        toks = [segs[j][pos[j]] for j in active]
-        for j, tok in zip(active, toks, strict=True):
-            out[j][pos[j]] = dist[j][tok].cpu()
-        step = model.decode_step(cache, active, toks, lora=[per_row[j] for j in active])
-        for n, j in enumerate(active):
-            dist[j] = step.logprobs[n]
-            pos[j] += 1
-    return torch.cat(out)
-
-
 def _adapter(model: DecoderModel, device: str) -> LoraAdapter:
     gen = torch.Generator().manual_seed(5)
     targets = model.lora_targets()
@@ -340,10 +316,10 @@ def test_model_train_equals_decode_bit_for_bit(device: str, name: str) -> None:
     lora = None
     if name == "moe_lora":
         lora = [_adapter(model, device), None]
-    train = _train(model, segs, lora)
-    assert torch.equal(train, _decode(model, segs, [3, 6], lora))
+    train = packed_logprobs(model, segs, lora=lora)
+    assert torch.equal(train, decoded_logprobs(model, segs, [3, 6], lora=lora))
     reference = build_model(cfg, 0)  # CPU StrictOps: close, not the same bits
-    assert (train - _train(reference, segs, _cpu_lora(lora))).abs().max() < 1e-4
+    assert (train - packed_logprobs(reference, segs, lora=_cpu_lora(lora))).abs().max() < 1e-4
 
 
 def _cpu_lora(lora: list[LoraAdapter | None] | None) -> list[LoraAdapter | None] | None:

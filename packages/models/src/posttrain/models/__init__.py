@@ -12,6 +12,9 @@ Public surface (see the package README for a tour):
 * ``LinearSite`` / ``DecoderModel.linear_sites()`` -- each fused linear as a module with the
   model's kernel, for wrappers such as ``lora-core``'s ``LoraLinear``.
 * ``build_tokenizer`` -- a local character-level fast tokenizer with a ChatML template.
+* ``packed_logprobs`` / ``decoded_logprobs`` (``parity``) -- the same tokens scored as a trainer
+  and as an engine scores them (packed forward; prefill + batched KV-cache decode): in strict
+  numerics the two are equal bit for bit.
 * Optional Inkling-style blocks (``ModelConfig.inkling_tiny``) and the context-parallel seams:
   ``TokenLayout`` / ``PackedLayout`` / ``CacheLayout``, ``residual_sconv`` (with a halo),
   ``attend`` (queries against gathered keys, masks from positions), ``rel_logits_of``,
@@ -29,7 +32,7 @@ Public surface (see the package README for a tour):
   ``all_reduce_gradients``.
 """
 
-from posttrain.models import context_parallel
+from posttrain.models import context_parallel, parity
 from posttrain.models._blocks import (
     CacheLayout,
     PackedLayout,
@@ -109,6 +112,7 @@ from posttrain.models._tokenizer import (
     build_tokenizer,
 )
 from posttrain.models._towers import MediaTower, has_towers, tower_parameter_names
+from posttrain.models.parity import decoded_logprobs, packed_logprobs
 
 __all__ = [
     "AUDIO_HOP",
@@ -158,6 +162,7 @@ __all__ = [
     "decode_audio",
     "decode_image",
     "decode_media",
+    "decoded_logprobs",
     "encode_npy_base64",
     "encode_png_base64",
     "encode_wav_base64",
@@ -170,6 +175,8 @@ __all__ = [
     "lora_targets",
     "mel_bins",
     "moe_routing",
+    "packed_logprobs",
+    "parity",
     "read_media_bytes",
     "rel_logits_of",
     "residual_sconv",
