@@ -1,6 +1,7 @@
 """Fixtures for session-router tests: a tiny locally-trained chat tokenizer, a scripted engine, and
 the ASGI app in this process (``app_client``: a client of it, no socket; ``run_app``: a scenario
-against it with a mocked upstream), shared by the app, hardening and router tests.
+against it with a mocked upstream), shared by the app, hardening and router tests; and a real
+sgl-router per test module (``router``, stopped by its pid afterwards).
 
 The tokenizer is a byte-level BPE trained in memory with the ``tokenizers`` library (no
 downloads) and saved the way ``save_pretrained`` saves one (``tokenizer.json`` plus
@@ -13,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +22,15 @@ import httpx
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from posttrain.session_router import ChatTokenizer, SessionRouterConfig, create_app
+from posttrain.interface.testing import free_port
+from posttrain.session_router import (
+    ChatTokenizer,
+    RouterHandle,
+    RouterSpec,
+    SessionRouterConfig,
+    create_app,
+    start_router,
+)
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHATML = (
@@ -213,3 +222,15 @@ def run_app(tok_dir: Path, chat_tok: ChatTokenizer) -> Callable[..., None]:
         asyncio.run(asyncio.wait_for(main(), timeout=30))
 
     return run
+
+
+@pytest.fixture(scope="module")
+def router() -> Iterator[RouterHandle]:
+    """A real sgl-router (the ``sglang-router`` wheel's binary) on 127.0.0.1 for one module."""
+    handle = start_router(RouterSpec(port=free_port()), ready_timeout_s=30)
+    try:
+        yield handle
+    finally:
+        handle.stop()
+    assert handle.process is not None
+    assert handle.process.poll() is not None  # stopped, not left behind

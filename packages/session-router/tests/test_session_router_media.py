@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
@@ -16,12 +15,10 @@ from safetensors.numpy import load as st_load
 
 from posttrain.formats import MEDIA_SAMPLES_FORMAT, decode_samples
 from posttrain.interface import MediaKind, MediaRef, media_request_fields
-from posttrain.interface.testing import free_port
 from posttrain.session_router import (
     ChatTokenizer,
     LoopbackWorker,
     RouterHandle,
-    RouterSpec,
     SampleAssemblyError,
     SessionRolloutClient,
     SessionRouterConfig,
@@ -30,7 +27,6 @@ from posttrain.session_router import (
     create_app,
     default_probe_body,
     parse_generate_reply,
-    start_router,
 )
 from posttrain.session_router.samples import merge_turns, trim_turns
 
@@ -40,15 +36,6 @@ IMAGE = "data:image/png;base64,iVBORw0KGgoAAAANSUhEUg=="
 AUDIO = "/clips/tone.npy"
 SECOND_IMAGE = "/images/second.png"
 PLACEHOLDERS = 3  # what the engine says each media item expands to in prompt_tokens
-
-
-@pytest.fixture(scope="module")
-def router() -> Iterator[RouterHandle]:
-    handle = start_router(RouterSpec(port=free_port()), ready_timeout_s=30)
-    try:
-        yield handle
-    finally:
-        handle.stop()
 
 
 def media_engine(tok: ChatTokenizer, make_engine: Any) -> Any:

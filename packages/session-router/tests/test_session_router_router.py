@@ -10,7 +10,6 @@ import sys
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -34,17 +33,6 @@ from posttrain.session_router import (
 )
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.timeout(60)]
-
-
-@pytest.fixture(scope="module")
-def router() -> Iterator[RouterHandle]:
-    handle = start_router(RouterSpec(port=free_port()), ready_timeout_s=30)
-    try:
-        yield handle
-    finally:
-        handle.stop()
-    assert handle.process is not None
-    assert handle.process.poll() is not None
 
 
 def test_registration_call_order_and_add_remove(router: RouterHandle) -> None:

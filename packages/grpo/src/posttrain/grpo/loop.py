@@ -56,7 +56,7 @@ import logging
 import math
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -379,6 +379,28 @@ def _answering(cfg: GrpoConfig, target: SyncTarget, lost: Sequence[str]) -> list
     return readmit.answering(lost, timeout_s=target.timeout_s, transport=target.transport)
 
 
+def _on_router(
+    cfg: GrpoConfig,
+    lead: bool,
+    when: str,
+    action: Callable[..., None],
+    urls: Sequence[str],
+) -> None:
+    """Rank 0 applies ``action(router_url, url, timeout_s=...)`` (``readmit.register`` or
+    ``deregister``) to each engine when the run knows its sgl-router; a router that fails
+    fails the step on every rank."""
+    error: str | None = None
+    if lead and cfg.router_url is not None:
+        try:
+            for url in urls:
+                action(cfg.router_url, url, timeout_s=_ROUTER_TIMEOUT_S)
+        except GrpoRunError as exc:
+            error = f"{when}: {exc}"
+    error = _broadcast(error)
+    if error is not None:
+        raise GrpoRunError(error)
+
+
 def _set_aside(
     cfg: GrpoConfig,
     target: SyncTarget,
@@ -393,16 +415,7 @@ def _set_aside(
     gone = tuple(url for url, _ in synced.lost if url not in lost)
     if not gone:
         return target, lost
-    error: str | None = None
-    if lead and cfg.router_url is not None:
-        try:
-            for url in gone:
-                readmit.deregister(cfg.router_url, url, timeout_s=_ROUTER_TIMEOUT_S)
-        except GrpoRunError as exc:
-            error = f"{when}: {exc}"
-    error = _broadcast(error)
-    if error is not None:
-        raise GrpoRunError(error)
+    _on_router(cfg, lead, when, readmit.deregister, gone)
     return target, (*lost, *gone)
 
 
@@ -423,16 +436,7 @@ def _readmit(
                          "current weights (%s); it stays out", when, url, why)  # fmt: skip
     if not synced.readmitted:
         return target, lost
-    error: str | None = None
-    if lead and cfg.router_url is not None:
-        try:
-            for url in synced.readmitted:
-                readmit.register(cfg.router_url, url, timeout_s=_ROUTER_TIMEOUT_S)
-        except GrpoRunError as exc:
-            error = f"{when}: {exc}"
-    error = _broadcast(error)
-    if error is not None:
-        raise GrpoRunError(error)
+    _on_router(cfg, lead, when, readmit.register, synced.readmitted)
     back = tuple(url for url in synced.readmitted if url not in target.engine_urls)
     if lead:
         for url in back:
