@@ -84,21 +84,8 @@ def progress(stage: str) -> None:
 
 
 def init_on_device(cfg: ModelConfig, seed: int) -> DecoderModel:
-    """``build_model``'s weight rule (norms 1, sconv 0, normal(0, initializer_range)), drawn
-    on the device: a ~1B model in a second instead of a CPU draw and a copy."""
-    model = DecoderModel(cfg, strict_kernels="triton").to(DEV)
-    gen = torch.Generator(device=DEV).manual_seed(seed)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            leaf = name.rsplit(".", 1)[-1]
-            if leaf.endswith("norm"):
-                param.fill_(1.0)
-            elif leaf.endswith("_conv"):
-                param.zero_()
-            else:
-                draw = torch.randn(param.shape, generator=gen, device=DEV)
-                param.copy_(draw * cfg.initializer_range)
-    return model
+    """``build_model`` on the device (drawn there: a ~1B model in a second), Triton kernels."""
+    return build_model(cfg, seed, strict_kernels="triton", device=DEV)
 
 
 def sync() -> None:

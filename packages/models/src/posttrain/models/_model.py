@@ -811,11 +811,15 @@ def build_model(
     *,
     numerics: Numerics = Numerics.STRICT,
     strict_kernels: StrictKernels = "auto",
+    device: torch.device | str = "cpu",
 ) -> DecoderModel:
     """A model with weights drawn from ``seed`` (normal(0, initializer_range); norms = 1;
-    sconv weights 0, so each residual convolution starts as the identity)."""
-    model = DecoderModel(config, numerics=numerics, strict_kernels=strict_kernels)
-    gen = torch.Generator().manual_seed(seed)
+    sconv weights 0, so each residual convolution starts as the identity).
+
+    ``device``: where the model lives and the draws are made (a generator on that device: a
+    large model on a GPU initialises there in a second; the values differ from a CPU draw)."""
+    model = DecoderModel(config, numerics=numerics, strict_kernels=strict_kernels).to(device)
+    gen = torch.Generator(device=device).manual_seed(seed)
     with torch.no_grad():
         for name, param in model.named_parameters():
             leaf = name.rsplit(".", 1)[-1]
@@ -824,6 +828,6 @@ def build_model(
             elif leaf.endswith("_conv"):
                 param.zero_()  # sconv starts as the identity
             else:
-                draw = torch.randn(param.shape, generator=gen) * config.initializer_range
-                param.copy_(draw.to(param.dtype))
+                draw = torch.randn(param.shape, generator=gen, device=device)
+                param.copy_((draw * config.initializer_range).to(param.dtype))
     return model
