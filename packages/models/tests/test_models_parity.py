@@ -17,6 +17,7 @@ from posttrain.models import (
     DecoderModel,
     LoraAdapter,
     ModelConfig,
+    ModelInputError,
     Numerics,
     StrictOps,
     TensorSpecMismatchError,
@@ -310,3 +311,9 @@ def test_parity_over_random_lengths_and_prompts(
         packed_logprobs(model, segments),
         decoded_logprobs(model, segments, prompts, chunked_prefill=chunked),
     )
+
+
+def test_decoded_logprobs_refuses_a_prompt_outside_its_segment() -> None:
+    model = build_model(VARIANTS["tiny"], 0)
+    with pytest.raises(ModelInputError, match=r"prompt_lens\[1\]=6 must be in \[1, 5\]"):
+        decoded_logprobs(model, [[1, 2, 3], [4, 5, 6, 7, 8]], [1, 6])

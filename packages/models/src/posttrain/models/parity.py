@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from posttrain.models._cache import KVCache
+from posttrain.models._errors import ModelInputError
 from posttrain.models._lora import AdapterArg, LoraAdapter
 from posttrain.models._model import DecoderModel
 
@@ -56,7 +57,9 @@ def decoded_logprobs(
     dist: list[Tensor] = []
     for j, (seg, p) in enumerate(zip(segments, prompt_lens, strict=True)):
         if not 0 < p <= len(seg):
-            raise ValueError(f"prompt_lens[{j}]={p} must be in [1, {len(seg)}] (segment length)")
+            raise ModelInputError(
+                f"prompt_lens[{j}]={p} must be in [1, {len(seg)}] (segment length)"
+            )
         cuts = [0, p // 2, p] if chunked_prefill and p > 1 else [0, p]
         last: Tensor | None = None
         for a, b in itertools.pairwise(cuts):
