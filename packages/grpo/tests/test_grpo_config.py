@@ -151,3 +151,9 @@ def test_the_api_key_comes_from_a_file_and_a_bad_one_is_named(tmp_path: Path) ->
         assert info.value.field == "api_key_file"
     with pytest.raises(GrpoConfigError, match="cannot be read"):
         GrpoConfig(api_key_file=tmp_path / "missing.key").api_key()
+
+
+@pytest.mark.parametrize("name", [f.name for f in fields(GrpoConfig) if f.type == "bool"])
+def test_every_bool_field_refuses_a_string(name: str) -> None:
+    with pytest.raises(GrpoConfigError, match=rf"{name} must be a bool, got 'false'"):
+        GrpoConfig(**{name: "false"})  # type: ignore[arg-type]

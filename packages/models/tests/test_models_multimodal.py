@@ -312,6 +312,28 @@ def test_image_references_decode_to_the_same_pixels(tmp_path: Path) -> None:
         decode_image(base64.b64encode(b"hello world!").decode())
 
 
+def test_bad_image_files_are_media_errors(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A decompression bomb, a broken PNG and an oversized file: each a ``MediaError`` (an
+    engine's 400), never an exception that escapes as a 500."""
+    from PIL import Image
+
+    from posttrain.models import _media_io
+
+    png = base64.b64decode(encode_png_base64(_image(6, 10, 3).data))
+    monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 10)  # 60 pixels > 2x the limit: a bomb
+    with pytest.raises(MediaError, match="not a readable image"):
+        decode_image(base64.b64encode(png).decode())
+    monkeypatch.undo()
+    broken = png[:-20] + b"\x00" * 8 + png[-12:]  # the IDAT chunk's bytes cut short
+    with pytest.raises(MediaError, match="not a readable image"):
+        decode_image(base64.b64encode(broken).decode())
+    path = tmp_path / "big.png"
+    path.write_bytes(png)
+    monkeypatch.setattr(_media_io, "MAX_MEDIA_FILE_BYTES", len(png) - 1)
+    with pytest.raises(MediaError, match=rf"image_data: .*big.png.* is {len(png)} bytes"):
+        decode_image(str(path))
+
+
 def test_audio_references_decode_to_mel_bins(tmp_path: Path) -> None:
     t = torch.arange(400 + 160 * 6, dtype=torch.float32) / 16000.0
     samples = 0.5 * torch.sin(2 * torch.pi * 440.0 * t)

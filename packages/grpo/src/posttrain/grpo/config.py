@@ -156,7 +156,7 @@ class GrpoConfig:
             "prompts_per_step", "samples_per_prompt", "max_new_tokens",
         ):  # fmt: skip
             _check_int(name, getattr(self, name), minimum=1)
-        for name in ("use_kl_loss", "std_normalize", "opd", "dry_run", "sequence_parallel"):
+        for name in (f.name for f in fields(self) if f.type == "bool"):  # every bool field
             if not isinstance(getattr(self, name), bool):
                 raise GrpoConfigError(
                     f"{name} must be a bool, got {getattr(self, name)!r}", field=name

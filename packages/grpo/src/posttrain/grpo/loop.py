@@ -179,7 +179,7 @@ def _train(cfg: GrpoConfig, plugged: Plugged) -> dict[str, Any] | None:
     target = SyncTarget(
         engine_urls=tuple(cfg.engine_urls), lora_name=cfg.lora_name,
         rollout_quant=cfg.rollout_quant, timeout_s=cfg.rollout_timeout_s, api_key=api_key,
-        sinks=plugged.weight_sinks, base_model_path=str(cfg.model_path),
+        sinks=plugged.weight_sinks, base_model_path=None if cfg.model_path is None else str(cfg.model_path),
     )  # fmt: skip
     version = _broadcast(_first_version(target) if lead else 0)
     if isinstance(version, str):

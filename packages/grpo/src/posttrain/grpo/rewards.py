@@ -91,7 +91,6 @@ SHAPE_COLORS: dict[str, tuple[int, int, int]] = {
 }
 SHAPE_CELL = 4  # pixels per grid cell: one vision patch of ``ModelConfig.multimodal_tiny``
 SHAPE_GRID = 2  # cells per side
-IMAGE_SENTINEL = "<|image|>"  # ``posttrain.models.MEDIA_TOKENS[0]``
 
 
 def shapes_image(color: tuple[int, int, int], cells: Sequence[int]) -> Any:
@@ -110,7 +109,9 @@ def shapes_image(color: tuple[int, int, int], cells: Sequence[int]) -> Any:
 
 def shapes_prompts() -> tuple[Prompt, ...]:
     """The ``shapes`` task: every colour x non-empty cell set x question, in a fixed order."""
-    from posttrain.models import encode_png_base64
+    from posttrain.models import MEDIA_TOKENS, encode_png_base64
+
+    image_sentinel = MEDIA_TOKENS[0]
 
     cell_sets = [
         [c for c in range(SHAPE_GRID * SHAPE_GRID) if mask >> c & 1]
@@ -124,7 +125,7 @@ def shapes_prompts() -> tuple[Prompt, ...]:
                 prompts.append(
                     Prompt(
                         index=len(prompts),
-                        messages=({"role": "user", "content": IMAGE_SENTINEL + question},),
+                        messages=({"role": "user", "content": image_sentinel + question},),
                         metadata={"answer": answer},
                         media=(MediaRef(kind=MediaKind.IMAGE, ref=ref),),
                     )

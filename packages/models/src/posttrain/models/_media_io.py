@@ -50,6 +50,8 @@ AUDIO_N_FFT = 400
 AUDIO_HOP = 160
 """Samples between frame starts (10 ms at 16 kHz)."""
 _LOG_FLOOR, _LOG_SPAN = -23.0, 33.0  # ln-power range mapped onto the 256 levels
+MAX_MEDIA_FILE_BYTES = 64 << 20
+"""The largest media file a path reference may name (read whole into memory): 64 MiB."""
 _MAX_PATH_CHARS = 4096
 
 
@@ -74,6 +76,12 @@ def read_media_bytes(ref: str, *, field: str = "media") -> bytes:
             is_file = False
         if is_file:
             try:
+                size = path.stat().st_size
+                if size > MAX_MEDIA_FILE_BYTES:
+                    raise MediaError(
+                        f"{field}: {ref!r} is {size} bytes, more than a media file may be "
+                        f"({MAX_MEDIA_FILE_BYTES})"
+                    )
                 return path.read_bytes()
             except OSError as exc:
                 raise MediaError(f"{field}: cannot read {ref!r}: {exc}") from exc
@@ -115,7 +123,10 @@ def decode_image(
             pixels = torch.frombuffer(bytearray(rgb.tobytes()), dtype=torch.uint8)
     except MediaError:
         raise
-    except (UnidentifiedImageError, OSError, ValueError) as exc:
+    # DecompressionBombError: a header claiming far more pixels than PIL allows; SyntaxError:
+    # PIL's report of a broken PNG chunk found while decoding.
+    except (UnidentifiedImageError, Image.DecompressionBombError, SyntaxError, OSError,
+            ValueError) as exc:  # fmt: skip
         raise MediaError(f"{field}: {_short(ref)!r} is not a readable image ({exc})") from exc
     return MediaItem(MediaKind.IMAGE, pixels.reshape(height, width, 3).clone())
 

@@ -343,6 +343,10 @@ class DecoderModel(nn.Module):
         keep their gradient path to ``embedding`` (issue 25, trap 2).
         """
         ids = self._check_ids(input_ids.reshape(-1).long().to(self.embedding.device))
+        return self._embed(ids, media)
+
+    def _embed(self, ids: Tensor, media: MediaBatch | None) -> Tensor:
+        """``embed_inputs`` for ids already checked and on the model's device."""
         h = self.embedding[ids].float()
         if media is None or not len(media):
             return h
@@ -641,7 +645,7 @@ class DecoderModel(nn.Module):
         embeds: Tensor | None = None,
     ) -> Tensor:
         cfg, ops = self.config, self.ops
-        h = self.embed_inputs(ids, media) if embeds is None else embeds
+        h = self._embed(ids, media) if embeds is None else embeds  # ids checked by the caller
         if cfg.embedding_rms_norm:
             h = ops.rms_norm(h, self.embed_norm, cfg.rms_norm_eps)
         h = self._scatter_sequence(h)

@@ -162,14 +162,9 @@ def tower_parameter_names(model: nn.Module) -> list[str]:
 
 
 def tower_hf_names(kind: str) -> list[str]:
-    """The HF tensor names of one tower of ``kind`` (``vision`` or ``audio``)."""
-    pre = TOWER_PREFIX[kind]
-    return [
-        f"{pre}{INPUT_PROJ_NAME[kind]}.weight",
-        f"{pre}input_norm.weight",
-        f"{pre}mlp.gate_proj.weight",
-        f"{pre}mlp.up_proj.weight",
-        f"{pre}mlp.down_proj.weight",
-        f"{pre}output_norm.weight",
-        f"{pre}projector.weight",
-    ]
+    """The HF tensor names of one tower of ``kind`` (``vision`` or ``audio``), in the order of
+    its weight groups (``_convert._tower_groups``: the one list of them; names do not depend
+    on the sizes)."""
+    from posttrain.models._convert import _tower_groups
+
+    return [name for group in _tower_groups(kind, 1, 1, 1, 1) for name in group.hf_names]
