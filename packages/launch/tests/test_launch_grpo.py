@@ -46,6 +46,7 @@ def test_default_argv_is_the_lora_recipe() -> None:
     assert (_flag(argv, "--replicate"), _flag(argv, "--shard")) == ("1", "2")
     assert "--opd" not in argv
     assert "--rollout-quant" not in argv
+    assert "--engine-model-path" not in argv  # the engines serve --model-path itself
     assert "--api-key-file" not in argv
 
 
@@ -73,6 +74,8 @@ def test_modes_and_user_flags_last() -> None:
     assert _flag(argv, "--teacher-url") == "http://t"
     assert _flag(argv, "--rollout-quant") == "nvfp4"
     assert _flag(argv, "--tis") == "tis"
+    assert _flag(argv, "--model-path") == "/c/policy"  # the trainer's bf16 policy
+    assert _flag(argv, "--engine-model-path") == "/c/policy-nvfp4"  # what the engines reload
     assert _flag(argv, "--resume") == "/r"
     assert argv[-2:] == ["--lr", "7e-4"]  # the user's flag, last: it wins
     recipes = argv[:-2]

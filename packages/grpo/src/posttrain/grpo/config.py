@@ -45,6 +45,7 @@ class GrpoConfig:
 
     # What to train and where rollouts come from.
     model_path: Path | None = None
+    engine_model_path: Path | None = None
     rollout_url: str | None = None
     engine_urls: tuple[str, ...] = ()
     router_url: str | None = None
@@ -122,7 +123,7 @@ class GrpoConfig:
             )
         self.lora_targets = tuple(self.lora_targets)
         self.engine_urls = tuple(self.engine_urls)
-        for name in ("model_path", "out_dir", "resume", "api_key_file"):
+        for name in ("model_path", "engine_model_path", "out_dir", "resume", "api_key_file"):
             value = getattr(self, name)
             if isinstance(value, str):
                 setattr(self, name, Path(value))
@@ -337,6 +338,9 @@ class GrpoConfig:
 
 HELP: dict[str, str] = {
     "model_path": "checkpoint directory (or hub id) of the policy",
+    "engine_model_path": "checkpoint the engines serve, when not model_path (e.g. its NVFP4 "
+    "conversion): an engine reloads its base from it after an offload cycle or when it is "
+    "re-admitted during adapter training",
     "rollout_url": "session-router URL the rollouts go through",
     "api_key_file": "file holding the bearer token the session router and the engines' weight "
     "routes require (a file, so the key never shows in the process list); none: no token",

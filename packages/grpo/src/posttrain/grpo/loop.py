@@ -179,7 +179,7 @@ def _train(cfg: GrpoConfig, plugged: Plugged) -> dict[str, Any] | None:
     target = SyncTarget(
         engine_urls=tuple(cfg.engine_urls), lora_name=cfg.lora_name,
         rollout_quant=cfg.rollout_quant, timeout_s=cfg.rollout_timeout_s, api_key=api_key,
-        sinks=plugged.weight_sinks, base_model_path=None if cfg.model_path is None else str(cfg.model_path),
+        sinks=plugged.weight_sinks, base_model_path=_served_base(cfg),
     )  # fmt: skip
     version = _broadcast(_first_version(target) if lead else 0)
     if isinstance(version, str):
@@ -369,6 +369,12 @@ def _drop_stale(
         "the step: %s", step, len(old), len(samples), version, named,
     )  # fmt: skip
     return kept, old
+
+
+def _served_base(cfg: GrpoConfig) -> str | None:
+    """The checkpoint an engine reloads its base from: the one the engines serve."""
+    path = cfg.engine_model_path or cfg.model_path
+    return None if path is None else str(path)
 
 
 def _answering(cfg: GrpoConfig, target: SyncTarget, lost: Sequence[str]) -> list[str]:

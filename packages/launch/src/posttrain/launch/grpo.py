@@ -153,8 +153,9 @@ def trainer_argv(cfg: GrpoRecipeConfig, recipe: dict[str, Any], urls: dict[str, 
     if cfg.opd:
         argv += ["--opd", "--teacher-url", str(teacher), "--opd-top-k", str(settings["opd_top_k"]),
                  "--opd-kl-coef", str(settings["opd_kl_coef"])]  # fmt: skip
-    if cfg.rollout_quant == "nvfp4":
-        argv += ["--rollout-quant", "nvfp4", "--tis", str(settings["tis"])]
+    if cfg.rollout_quant == "nvfp4":  # the engines serve the NVFP4 conversion
+        argv += ["--rollout-quant", "nvfp4", "--tis", str(settings["tis"]),
+                 "--engine-model-path", recipe["policy_nvfp4"]]  # fmt: skip
     if cfg.resume is not None:
         argv += ["--resume", str(cfg.resume)]
     if cfg.turn_timeout_s is not None:
