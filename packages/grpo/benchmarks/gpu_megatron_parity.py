@@ -116,12 +116,12 @@ def run_layout(name: str, ref: Any, args: argparse.Namespace, device: torch.devi
     params = [p for p in model.parameters() if p.requires_grad]
     reduce_gradients(model, params)
     norm = grad_norm(model, params)
-    grads = to_hf_state_dict(model.full_state_dict(grads=True), model.full_config)
+    grads = to_hf_state_dict(model.full_state_dict(grads=True, device=device), model.full_config)
     with torch.no_grad():
         ref_lp = ref.forward_logprobs(ids, lengths)
     worst = {k: _rel(grads[k].float(), g.float()) for k, g in ref_grads.items()}
     top = max(worst, key=lambda k: worst[k])
-    exported = model.hf_state_dict()
+    exported = model.hf_state_dict(device=device)
     ref_sd = ref.hf_state_dict()
     bitwise = exported.keys() == ref_sd.keys() and all(
         torch.equal(exported[k], v) for k, v in ref_sd.items()

@@ -364,61 +364,56 @@ class TensorParallelDecoder(DecoderModel):
             return
         self.load_full_state_dict(full)
 
-    def full_state_dict(self, *, grads: bool = False) -> dict[str, Tensor]:
+    def full_state_dict(
+        self, *, grads: bool = False, device: torch.device | str = "cpu"
+    ) -> dict[str, Tensor]:
         """Every weight (or its gradient, zeros where none) at full size under its in-memory
-        name, on every rank; collective over TP (one all-gather per dtype)."""
-        values: dict[str, Tensor] = {}
-        for name, p in self.local_parameters().items():
+        name, on every rank, moved to ``device``; collective over TP and EP.
+
+        One tensor at a time (gathered, assembled, moved), so the accelerator holds at most one
+        full tensor beyond the model, never a second copy of it."""
+        local = self.local_parameters()
+        gather_experts = self.groups.ep_size > 1
+        out: dict[str, Tensor] = {}
+        for name in (g.name for g in weight_groups(self.full_config)):
+            p = local.get(name)
+            if p is None:
+                continue
             t = p.grad if grads else p
-            values[name] = (torch.zeros_like(p) if t is None else t).detach()
-        sharded = [n for n in values if n in self.shards]
-        if self.groups.tp_size > 1:
-            values.update(self._gather_shards({n: values[n] for n in sharded}))
-        experts = [n for n in self.expert_parameters() if _is_routed_expert(n)]
-        if self.groups.ep_size > 1 and experts:
-            values.update(self._gather_experts({n: values[n] for n in experts}))
-        order = [g.name for g in weight_groups(self.full_config)]
-        return {n: values[n] for n in order if n in values}
-
-    def hf_state_dict(self) -> dict[str, Tensor]:
-        """The weights under their HF names, full size, on every rank (collective over TP)."""
-        return to_hf_state_dict(self.full_state_dict(), self.full_config)
-
-    def _gather_experts(self, local: dict[str, Tensor]) -> dict[str, Tensor]:
-        """Routed-expert tensors ``[E/ep, ...]`` gathered over EP to ``[E, ...]``."""
-        ep, group = self.groups.ep_size, self.groups.ep
-        out: dict[str, Tensor] = {}
-        for name, t in local.items():
-            t = t.contiguous()
-            gathered = t.new_empty((ep * t.shape[0], *t.shape[1:]))
-            _all_gather(gathered, t, group)
-            out[name] = gathered
+            value = (torch.zeros_like(p) if t is None else t).detach().contiguous()
+            if name in self.shards and self.groups.tp_size > 1:
+                value = self._gather_shard(name, value)
+            elif gather_experts and _is_routed_expert(name):
+                value = self._gather_expert(value)
+            out[name] = value.to(device)
         return out
 
-    def _gather_shards(self, local: dict[str, Tensor]) -> dict[str, Tensor]:
-        tp, group = self.groups.tp_size, self.groups.tp
-        out: dict[str, Tensor] = {}
-        by_dtype: dict[torch.dtype, list[str]] = {}
-        for name, t in local.items():
-            by_dtype.setdefault(t.dtype, []).append(name)
-        for names in by_dtype.values():
-            flat = torch.cat([local[n].reshape(-1) for n in names]).contiguous()
-            gathered = torch.empty(tp * flat.numel(), dtype=flat.dtype, device=flat.device)
-            _all_gather(gathered, flat, group)
-            sizes = [local[n].numel() for n in names]
-            per_rank = [torch.split(c, sizes) for c in gathered.chunk(tp)]
-            for j, name in enumerate(names):
-                shard = self.shards[name]
-                pieces = [per_rank[r][j].view_as(local[name]) for r in range(tp)]
-                if shard.kind == "row":
-                    out[name] = torch.cat(pieces, dim=1)
-                    continue
-                local_parts = [rows // tp for rows in shard.full_parts]
-                split = [torch.split(p, local_parts, dim=0) for p in pieces]
-                out[name] = torch.cat(
-                    [torch.cat([split[r][k] for r in range(tp)]) for k in range(len(local_parts))]
-                )
-        return out
+    def hf_state_dict(self, *, device: torch.device | str = "cpu") -> dict[str, Tensor]:
+        """The weights under their HF names, full size, on every rank, on ``device``
+        (collective over TP and EP)."""
+        return to_hf_state_dict(self.full_state_dict(device=device), self.full_config)
+
+    def _gather_expert(self, local: Tensor) -> Tensor:
+        """A routed-expert tensor ``[E/ep, ...]`` gathered over EP to ``[E, ...]``."""
+        gathered = local.new_empty((self.groups.ep_size * local.shape[0], *local.shape[1:]))
+        _all_gather(gathered, local, self.groups.ep)
+        return gathered
+
+    def _gather_shard(self, name: str, local: Tensor) -> Tensor:
+        """A tensor-parallel shard gathered over TP to the full tensor (``shards[name]``'s
+        layout: row-split along dim 1, column-split per fused part along dim 0)."""
+        tp = self.groups.tp_size
+        gathered = local.new_empty((tp * local.numel(),))
+        _all_gather(gathered, local.reshape(-1), self.groups.tp)
+        pieces = [c.view_as(local) for c in gathered.chunk(tp)]
+        shard = self.shards[name]
+        if shard.kind == "row":
+            return torch.cat(pieces, dim=1)
+        local_parts = [rows // tp for rows in shard.full_parts]
+        split = [torch.split(p, local_parts, dim=0) for p in pieces]
+        return torch.cat(
+            [torch.cat([split[r][k] for r in range(tp)]) for k in range(len(local_parts))]
+        )
 
 
 _MOE_PARAMETERS = (
