@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from posttrain.grpo import GrpoConfig, GrpoRunError
-from posttrain.grpo.loop import _drop_aborted, _drop_lost, run
+from posttrain.grpo.loop import _drop_aborted, _drop_lost, _drop_stale, run
 from posttrain.grpo.sync import SyncResult, SyncTarget
 from posttrain.interface import Sample, SampleStatus
 
@@ -53,6 +53,23 @@ def test_aborted_samples_are_left_out_of_the_step_and_named(
     assert _drop_aborted([_sample(0)], step=0) == ([_sample(0)], [])
     with pytest.raises(GrpoRunError, match="every one of the 2 samples was aborted"):
         _drop_aborted([_sample(0, aborted=True), _sample(1, aborted=True)], step=0)
+
+
+def test_stale_samples_are_left_out_of_the_step_and_named(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    samples = [_sample(0), _sample(1), _sample(2)]
+    samples[1].weight_version = 3
+    samples[2].weight_version = 4
+    with caplog.at_level(logging.WARNING, logger="posttrain.grpo"):
+        kept, stale = _drop_stale(samples, step=2, version=4)
+    assert [s.index for s in kept] == [0, 2]  # no version reported: nothing to compare
+    assert [s.index for s in stale] == [1]
+    (message,) = [r.getMessage() for r in caplog.records]
+    assert message.startswith("step 2: 1 of 3 samples came from an engine not at weight version 4")
+    assert "sample 1 (engine weight versions [3])" in message
+    with pytest.raises(GrpoRunError, match="every one of the 1 samples came from weights other"):
+        _drop_stale([samples[1]], step=2, version=4)
 
 
 def test_engines_a_sync_could_not_reach_leave_the_target(

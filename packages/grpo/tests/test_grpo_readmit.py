@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from posttrain.grpo.readmit import answering, stale, turn_versions
+from posttrain.grpo.readmit import answering, is_stale, turn_versions
 from posttrain.interface import BucketManifest, Sample, WeightUpdateBegin, WeightUpdateResult
 from posttrain.interface.processes import free_port
 from posttrain.interface.testing import run_workers
@@ -72,9 +72,8 @@ def test_a_sample_any_turn_of_which_came_from_another_version_is_stale() -> None
     old = _sample(4)
     mixed = _sample(5, per_turn=[4, 5])  # its first turn came from the old weights
     whole = _sample(5, per_turn=[5, None, 5])
-    kept, dropped = stale([current, unknown, old, mixed, whole], 5)
-    assert kept == [current, unknown, whole]
-    assert dropped == [old, mixed]
+    samples = [current, unknown, old, mixed, whole]
+    assert [is_stale(s, 5) for s in samples] == [False, False, True, True, False]
     assert turn_versions(mixed) == [4, 5]
     assert turn_versions(old) == [4]
 

@@ -325,50 +325,53 @@ def _rollout_and_score(
 
 
 def _drop_aborted(samples: list[Sample], step: int) -> tuple[list[Sample], list[Sample]]:
-    """(the samples to train on, the aborted ones); a warning names each aborted one, and a
-    step where every sample aborted is a ``GrpoRunError``."""
-    kept = [s for s in samples if s.status is not SampleStatus.ABORTED]
-    aborted = [s for s in samples if s.status is SampleStatus.ABORTED]
-    if not aborted:
-        return kept, aborted
-    named = "; ".join(
-        f"prompt {s.metadata.get('prompt_index')} sample {s.index} "
-        f"(session {s.metadata.get('session_id')}): {s.metadata.get('abort_reason')}"
-        for s in aborted
-    )
-    if not kept:
-        raise GrpoRunError(f"every one of the {len(aborted)} samples was aborted: {named}")
-    _log.warning(
-        "step %d: %d of %d samples aborted, left out of the step: %s",
-        step, len(aborted), len(samples), named,
+    """(the samples to train on, the aborted ones); see ``_leave_out``."""
+    return _leave_out(
+        samples, step, lambda s: s.status is SampleStatus.ABORTED,
+        what="aborted", every="was aborted",
+        describe=lambda s: f"(session {s.metadata.get('session_id')}): "
+        f"{s.metadata.get('abort_reason')}",
     )  # fmt: skip
-    return kept, aborted
 
 
 def _drop_stale(
     samples: list[Sample], step: int, version: int
 ) -> tuple[list[Sample], list[Sample]]:
     """(the samples to train on, those an engine produced at another weight version than
-    ``version``: off-policy weights the trainer no longer holds); a warning names each stale
-    one, and a step where every sample is stale is a ``GrpoRunError``."""
-    kept, old = readmit.stale(samples, version)
-    if not old:
-        return kept, old
+    ``version``: off-policy weights the trainer no longer holds); see ``_leave_out``."""
+    return _leave_out(
+        samples, step, lambda s: readmit.is_stale(s, version),
+        what=f"came from an engine not at weight version {version}",
+        every=f"came from weights other than version {version}",
+        describe=lambda s: f"(engine weight versions {readmit.turn_versions(s)})",
+    )  # fmt: skip
+
+
+def _leave_out(
+    samples: list[Sample],
+    step: int,
+    is_out: Callable[[Sample], bool],
+    *,
+    what: str,
+    every: str,
+    describe: Callable[[Sample], str],
+) -> tuple[list[Sample], list[Sample]]:
+    """(the samples to keep, those ``is_out``); a warning names each one left out, and a step
+    where every sample is left out is a ``GrpoRunError``."""
+    kept = [s for s in samples if not is_out(s)]
+    out = [s for s in samples if is_out(s)]
+    if not out:
+        return kept, out
     named = "; ".join(
-        f"prompt {s.metadata.get('prompt_index')} sample {s.index} "
-        f"(engine weight versions {readmit.turn_versions(s)})"
-        for s in old
+        f"prompt {s.metadata.get('prompt_index')} sample {s.index} {describe(s)}" for s in out
     )
     if not kept:
-        raise GrpoRunError(
-            f"every one of the {len(old)} samples came from weights other than version "
-            f"{version}: {named}"
-        )
+        raise GrpoRunError(f"every one of the {len(out)} samples {every}: {named}")
     _log.warning(
-        "step %d: %d of %d samples came from an engine not at weight version %d, left out of "
-        "the step: %s", step, len(old), len(samples), version, named,
+        "step %d: %d of %d samples %s, left out of the step: %s",
+        step, len(out), len(samples), what, named,
     )  # fmt: skip
-    return kept, old
+    return kept, out
 
 
 def _served_base(cfg: GrpoConfig) -> str | None:

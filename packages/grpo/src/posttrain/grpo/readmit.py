@@ -88,13 +88,8 @@ def turn_versions(sample: Sample) -> list[int | None]:
     return [sample.weight_version]
 
 
-def stale(samples: Sequence[Sample], version: int) -> tuple[list[Sample], list[Sample]]:
-    """(the samples every turn of which an engine at ``version`` produced or that carry no
-    version, the others): a turn whose engine reports another version was sampled from
-    weights the trainer no longer holds."""
-    kept: list[Sample] = []
-    old: list[Sample] = []
-    for s in samples:
-        known = [v for v in turn_versions(s) if v is not None]
-        (old if any(v != version for v in known) else kept).append(s)
-    return kept, old
+def is_stale(sample: Sample, version: int) -> bool:
+    """Whether an engine at another weight version than ``version`` produced a turn of
+    ``sample`` (sampled from weights the trainer no longer holds); a turn with no reported
+    version counts as current."""
+    return any(v is not None and v != version for v in turn_versions(sample))
