@@ -44,7 +44,8 @@ from posttrain.lora import export_adapter, load_peft, save_peft
 TRACKER = "latest_checkpointed_iteration.txt"
 
 
-def _rng_file(path: Path, rank: int) -> Path:
+def rng_file(path: Path, rank: int) -> Path:
+    """Rank ``rank``'s torch RNG state in checkpoint directory ``path`` (both backends)."""
     return path / f"rng_rank{rank}.pt"
 
 
@@ -57,7 +58,7 @@ def save(root: Path, step: int, policy: Policy, extra: dict[str, Any]) -> Path:
     rank = dist.get_rank()
 
     def write_rng(staged: Path) -> None:
-        torch.save(torch.get_rng_state(), _rng_file(staged, rank))
+        torch.save(torch.get_rng_state(), rng_file(staged, rank))
 
     if policy.lora is None:
         return save_checkpoint(
@@ -113,7 +114,7 @@ def load(path: Path, policy: Policy) -> dict[str, Any]:
         load_peft(policy.lora, path / "adapter", strict=True)
         policy.optimizer.load_state_dict(torch.load(path / "optim.pt", weights_only=False))
     if meta.world_size == dist.get_world_size():
-        rng = _rng_file(path, rank)
+        rng = rng_file(path, rank)
         if not rng.is_file():
             raise GrpoRunError(f"--resume {path}: {rng.name} is missing (rank {rank}'s RNG state)")
         torch.set_rng_state(torch.load(rng, weights_only=False))

@@ -47,6 +47,7 @@ from posttrain.models._checkpoint import (
     load_config,
     load_hf_tensors,
     load_pretrained,
+    save_hf_weights,
     save_pretrained,
 )
 from posttrain.models._config import AttentionShape, ModelConfig
@@ -180,6 +181,7 @@ __all__ = [
     "read_media_bytes",
     "rel_logits_of",
     "residual_sconv",
+    "save_hf_weights",
     "save_pretrained",
     "sentinel_id",
     "strict_ops_for",

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch import Tensor
 
 from posttrain.formats import write_bytes_atomic
 from posttrain.models._config import ModelConfig
@@ -38,16 +39,24 @@ def save_pretrained(
     tokenizer: PreTrainedTokenizerBase | None = None,
 ) -> Path:
     """Write ``model`` (and ``tokenizer``, if given) to directory ``path``; return it."""
+    out = save_hf_weights(path, model.hf_state_dict(), model.config)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(str(out))
+    return out
+
+
+def save_hf_weights(path: str | Path, tensors: dict[str, Tensor], config: ModelConfig) -> Path:
+    """Write HF-named ``tensors`` (``model.safetensors``) and ``config`` (``config.json``) to
+    directory ``path``, each file atomically: a model directory ``load_pretrained`` opens
+    (e.g. weights gathered from shards that no single ``DecoderModel`` holds)."""
     from safetensors.torch import save
 
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
-    tensors = {k: v.detach().cpu().contiguous() for k, v in model.hf_state_dict().items()}
-    write_bytes_atomic(out / WEIGHTS_NAME, save(tensors, metadata={"format": "pt"}))
-    if tokenizer is not None:
-        tokenizer.save_pretrained(str(out))
-    config = json.dumps(model.config.to_hf_dict(), indent=2, sort_keys=True) + "\n"
-    write_bytes_atomic(out / CONFIG_NAME, config.encode())
+    cpu = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
+    write_bytes_atomic(out / WEIGHTS_NAME, save(cpu, metadata={"format": "pt"}))
+    text = json.dumps(config.to_hf_dict(), indent=2, sort_keys=True) + "\n"
+    write_bytes_atomic(out / CONFIG_NAME, text.encode())
     return out
 
 

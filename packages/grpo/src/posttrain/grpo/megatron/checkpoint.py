@@ -25,16 +25,21 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from posttrain.formats import write_bytes_atomic, write_text_atomic
+from posttrain.formats import write_text_atomic
 from posttrain.fsdp_mesh import save_files_checkpoint
 from posttrain.grpo._errors import GrpoRunError
+from posttrain.grpo.checkpoint import rng_file
 from posttrain.grpo.megatron.model import TensorParallelDecoder
 from posttrain.grpo.trainer import Policy
 from posttrain.lora import export_adapter, load_peft, save_peft
-from posttrain.models import load_hf_tensors
+from posttrain.models import load_hf_tensors, save_hf_weights
 
 _log = logging.getLogger("posttrain.grpo")
 LAYOUT = "layout.json"
+
+
+def _optim_file(path: Path, rank: int) -> Path:
+    return path / f"optim_rank{rank}.pt"
 
 
 def _model(policy: Policy) -> TensorParallelDecoder:
@@ -53,8 +58,6 @@ def _layout(model: TensorParallelDecoder) -> dict[str, Any]:
 
 def save(root: Path, step: int, policy: Policy, extra: dict[str, Any]) -> Path:
     """Write checkpoint ``step`` under ``root`` (collective); returns its directory."""
-    from safetensors.torch import save as to_bytes
-
     model = _model(policy)
     rank = dist.get_rank()
     if policy.lora is not None:
@@ -63,8 +66,8 @@ def save(root: Path, step: int, policy: Policy, extra: dict[str, Any]) -> Path:
         weights = model.hf_state_dict()  # collective over TP
 
     def write(staged: Path) -> None:
-        torch.save(torch.get_rng_state(), staged / f"rng_rank{rank}.pt")
-        torch.save(policy.optimizer.state_dict(), staged / f"optim_rank{rank}.pt")
+        torch.save(torch.get_rng_state(), rng_file(staged, rank))
+        torch.save(policy.optimizer.state_dict(), _optim_file(staged, rank))
         if rank != 0:
             return
         write_text_atomic(staged / LAYOUT, json.dumps(_layout(model), indent=2))
@@ -73,12 +76,7 @@ def save(root: Path, step: int, policy: Policy, extra: dict[str, Any]) -> Path:
             save_peft(staged / "adapter", adapter, policy.lora_config,
                       target_modules=policy.target_modules)  # fmt: skip
             return
-        out = staged / "model"
-        out.mkdir()
-        tensors = {k: v.detach().cpu().contiguous() for k, v in weights.items()}
-        write_bytes_atomic(out / "model.safetensors", to_bytes(tensors, metadata={"format": "pt"}))
-        config = json.dumps(model.full_config.to_hf_dict(), indent=2, sort_keys=True) + "\n"
-        write_text_atomic(out / "config.json", config)
+        save_hf_weights(staged / "model", weights, model.full_config)
 
     return save_files_checkpoint(root, step, policy.mesh, write, extra=extra)
 
@@ -103,9 +101,10 @@ def load(path: Path, policy: Policy) -> bool:
                 "optimizer and RNG states (per rank) start fresh", path, saved, _layout(model),
             )  # fmt: skip
         return False
-    for name in (f"optim_rank{rank}.pt", f"rng_rank{rank}.pt"):
-        if not (path / name).is_file():
-            raise GrpoRunError(f"--resume {path}: {name} is missing (rank {rank}'s state)")
-    policy.optimizer.load_state_dict(torch.load(path / f"optim_rank{rank}.pt", weights_only=False))
-    torch.set_rng_state(torch.load(path / f"rng_rank{rank}.pt", weights_only=False))
+    optim, rng = _optim_file(path, rank), rng_file(path, rank)
+    for file in (optim, rng):
+        if not file.is_file():
+            raise GrpoRunError(f"--resume {path}: {file.name} is missing (rank {rank}'s state)")
+    policy.optimizer.load_state_dict(torch.load(optim, weights_only=False))
+    torch.set_rng_state(torch.load(rng, weights_only=False))
     return True
