@@ -36,6 +36,7 @@ from posttrain.models import (
     decode_audio,
     decode_image,
     decode_media,
+    decode_media_refs,
     encode_npy_base64,
     encode_png_base64,
     encode_wav_base64,
@@ -365,6 +366,14 @@ def test_decode_media_names_the_field_and_refuses_missing_towers() -> None:
     png = encode_png_base64(_image(4, 4, 0).data)
     items = decode_media(cfg, images=[png], audio=[encode_npy_base64(_audio(2, 1).data)])
     assert [i.kind for i in items] == [MediaKind.IMAGE, MediaKind.AUDIO]
+    from posttrain.interface import MediaKind as RefKind
+    from posttrain.interface import MediaRef
+
+    audio = encode_npy_base64(_audio(2, 1).data)  # refs in any order: images first, as sent
+    refs = [MediaRef(kind=RefKind.AUDIO, ref=audio), MediaRef(kind=RefKind.IMAGE, ref=png)]
+    again = decode_media_refs(cfg, refs)
+    assert [i.kind for i in again] == [MediaKind.IMAGE, MediaKind.AUDIO]
+    assert all(torch.equal(a.data, b.data) for a, b in zip(items, again, strict=True))
     with pytest.raises(MediaError, match=r"image_data\[0\]: the model has no vision tower") as info:
         decode_media(ModelConfig.tiny(), images=[png])
     assert info.value.kind == "image"

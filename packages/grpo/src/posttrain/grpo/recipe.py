@@ -47,7 +47,6 @@ import torch
 from posttrain.formats import atomic_directory, write_text_atomic
 from posttrain.grpo._errors import GrpoConfigError
 from posttrain.grpo.rewards import MULTIMODAL_TASKS, TASK_NAMES, Prompt, build_task
-from posttrain.interface import MediaKind
 from posttrain.models import (
     VOCAB_SIZE,
     DecoderModel,
@@ -56,7 +55,7 @@ from posttrain.models import (
     Numerics,
     build_model,
     build_tokenizer,
-    decode_media,
+    decode_media_refs,
     expand_media_tokens,
     save_pretrained,
 )
@@ -126,11 +125,7 @@ class _Examples:
             prompt_ids = list(tok.encode(str(text), add_special_tokens=False))
             batch = None
             if p.media:
-                items = decode_media(
-                    config,
-                    images=[m.ref for m in p.media if m.kind is MediaKind.IMAGE],
-                    audio=[m.ref for m in p.media if m.kind is MediaKind.AUDIO],
-                )
+                items = decode_media_refs(config, p.media)
                 prompt_ids, batch = expand_media_tokens(prompt_ids, items, config)
             answer = [*tok.encode(str(p.metadata["answer"]), add_special_tokens=False), eos]
             self.items.append((prompt_ids, list(answer)))

@@ -33,7 +33,7 @@ Departures from the obvious:
   one-token halo. LoRA works unchanged: lora-core's wrapped sites are per-token linears that
   ``forward_with_layout`` calls like ``forward_logits`` does.
 * Multimodal samples (``TrainSample.media``, the references the engine got): ``_pack`` decodes
-  them with ``posttrain.models.decode_media``, expands each prompt's sentinels into their
+  them with ``posttrain.models.decode_media_refs``, expands each prompt's sentinels into their
   placeholder runs (``expand_media_tokens``, as the engine does) and packs one ``MediaBatch``;
   the response is scored against the expanded prompt, so the logprobs are the engine's. The
   towers are frozen: their parameters are left out of the optimizer (no state, grads None),
@@ -78,7 +78,7 @@ from posttrain.grpo._errors import GrpoConfigError, GrpoInputError, GrpoUnsuppor
 from posttrain.grpo.config import Backend, GrpoConfig
 from posttrain.grpo.losses import aggregation_weights, entropy_from_logits
 from posttrain.grpo.objective import LossSettings, PolicyObjective, policy_objective
-from posttrain.interface import MediaKind, MediaRef, MeshSpec
+from posttrain.interface import MediaRef, MeshSpec
 from posttrain.lora import (
     LoraConfig,
     LoraGroups,
@@ -93,7 +93,7 @@ from posttrain.models import (
     LinearSite,
     MediaBatch,
     Numerics,
-    decode_media,
+    decode_media_refs,
     expand_media_tokens,
     load_pretrained,
 )
@@ -330,11 +330,7 @@ def expand_sample_media(
     expanded prompt length and the runs (None for a text-only sample)."""
     if not sample.media:
         return list(sample.tokens), sample.prompt_len, None
-    media = decode_media(
-        model.config,
-        images=[m.ref for m in sample.media if m.kind is MediaKind.IMAGE],
-        audio=[m.ref for m in sample.media if m.kind is MediaKind.AUDIO],
-    )
+    media = decode_media_refs(model.config, sample.media)
     prompt, batch = expand_media_tokens(sample.tokens[: sample.prompt_len], media, model.config)
     return prompt + list(sample.tokens[sample.prompt_len :]), len(prompt), batch
 

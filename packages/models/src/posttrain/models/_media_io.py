@@ -38,6 +38,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from posttrain.interface import MediaRef
 from posttrain.models._config import ModelConfig
 from posttrain.models._errors import MediaError
 from posttrain.models._media import MediaItem, MediaKind
@@ -310,3 +311,13 @@ def decode_media(
                 raise MediaError(str(exc), kind=kind.value) from exc.__cause__
             out.append(item)
     return out
+
+
+def decode_media_refs(config: ModelConfig, refs: Sequence[MediaRef]) -> list[MediaItem]:
+    """``decode_media`` of a prompt's ``MediaRef``s (``Sample.media``, ``Prompt.media``): its
+    images, then its audio, as an engine gets them in ``image_data`` / ``audio_data``."""
+    return decode_media(
+        config,
+        images=[m.ref for m in refs if m.kind.value == MediaKind.IMAGE.value],
+        audio=[m.ref for m in refs if m.kind.value == MediaKind.AUDIO.value],
+    )
