@@ -254,3 +254,25 @@ def test_memory_routes_refuse_bad_tags(server: Any) -> None:
     assert r.status_code == 200
     assert r.json()["released"] == []
     assert r.json()["stale_tensors"] == 0
+
+
+def test_a_release_between_an_update_and_its_install_refuses_the_install(mm_dir: Path) -> None:
+    """The update route ends a session, then installs it between batches: a release in that
+    gap leaves nothing to write into, so the install is refused by name (not a crash), and
+    the engine keeps its version."""
+    from posttrain.formats import pack_bucket, unpack_bucket
+    from posttrain.local_engine._errors import UpdateSessionError
+
+    model = load_pretrained(mm_dir)
+    engine = Engine(model)
+    name, tensor = next(iter(model.hf_state_dict().items()))
+    engine.begin_update(update_id="u", weight_version=1, kind="base",
+                        expected=[(name, tensor.dtype, tuple(tensor.shape))])  # fmt: skip
+    manifest, buf = pack_bucket([(name, tensor)], update_id="u", weight_version=1)
+    engine.add_bucket(manifest, unpack_bucket(manifest, buf))
+    result, session = engine.finish_update("u")
+    assert result.success
+    engine.release_memory(["weights"])
+    with pytest.raises(UpdateSessionError, match="'u': the weights were released before it"):
+        engine.commit(session)
+    assert engine.weight_version != 1

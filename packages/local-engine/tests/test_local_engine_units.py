@@ -213,3 +213,19 @@ def test_adapters_from_tensors_are_checked_by_the_formats_reader(
     with pytest.raises(expected, match=match) as info:
         adapter_from_tensors("poisoned", config, tensors, {module: (8, 6)})
     assert "adapter 'poisoned'" in str(info.value)
+
+
+def test_a_small_body_that_names_media_is_decoded_off_the_event_loop() -> None:
+    import asyncio
+    import threading
+
+    from posttrain.local_engine._http import off_loop_if_large
+
+    async def thread_of(raw: bytes) -> int:
+        return await off_loop_if_large(raw, threading.get_ident)
+
+    loop_thread = threading.get_ident()
+    assert asyncio.run(thread_of(b'{"text": "hi"}')) == loop_thread  # small, no media: inline
+    for key in ("image_data", "audio_data"):  # a short file path may be a large decode
+        raw = b'{"text": "hi", "%s": "/tmp/x.png"}' % key.encode()
+        assert asyncio.run(thread_of(raw)) != loop_thread

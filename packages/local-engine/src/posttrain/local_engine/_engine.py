@@ -238,20 +238,16 @@ class Engine:
         """HF name -> dtype and shape of every base tensor the model holds."""
         return dict(self._specs)
 
-    def weights_sha256(self) -> str:
-        """A digest of every base tensor (HF names), to compare engines and transports."""
+    def digests(self) -> tuple[str, str | None]:
+        """``(weights_sha256, tower_sha256)`` from one conversion to HF names: a digest of
+        every base tensor (to compare engines and transports) and of the media towers' tensors
+        (``tower_parameter_names``; None without towers), which the trainer computes the same
+        way with ``tensors_sha256`` over those names."""
         self._check_resident()
-        return tensors_sha256(self.model.hf_state_dict())
-
-    def tower_sha256(self) -> str | None:
-        """A digest of the media towers' tensors (``tower_parameter_names``); None without
-        towers. The trainer computes the same with ``tensors_sha256`` over those names."""
-        self._check_resident()
-        names = tower_parameter_names(self.model)
-        if not names:
-            return None
         hf = self.model.hf_state_dict()
-        return tensors_sha256({n: hf[n] for n in names})
+        names = tower_parameter_names(self.model)
+        towers = tensors_sha256({n: hf[n] for n in names}) if names else None
+        return tensors_sha256(hf), towers
 
     def _check_resident(self) -> None:
         if "weights" in self._w.released:
@@ -614,6 +610,11 @@ class Engine:
                 assert adapter is not None, "a lora session commits the adapter built from it"
                 self.put_adapter(adapter)
             else:
+                if "weights" in self._w.released:  # released between the session's end and now
+                    raise UpdateSessionError(
+                        f"update {session.update_id!r}: the weights were released before it "
+                        "was installed; /resume_memory_occupation, then send it again"
+                    )
                 self.model.load_hf_state_dict(dict(session.staged), partial=True)
                 self._w.stale -= set(session.staged)
             self._w.version = session.weight_version

@@ -219,10 +219,7 @@ def weight_routes(
         )
 
     async def weights_checksum(request: Request) -> Response:
-        def digests() -> tuple[str, str | None]:
-            return engine.weights_sha256(), engine.tower_sha256()
-
-        sha, towers = await sched.call_exclusive(digests)
+        sha, towers = await sched.call_exclusive(engine.digests)
         return JSONResponse(
             {
                 "sha256": sha,
