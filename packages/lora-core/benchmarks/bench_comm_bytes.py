@@ -35,7 +35,7 @@ from posttrain.lora import (
     export_adapter,
     reduce_lora_grads,
 )
-from posttrain.lora._comm import all_gather_flat, gather_from_seq
+from posttrain.lora.comm import all_gather_flat, gather_from_seq
 
 COUNTER: dict[str, int] = {"bytes": 0, "calls": 0}
 

@@ -32,8 +32,8 @@ from torch import nn
 from torch.distributed import ProcessGroup
 from torch.nn.utils import parametrize
 
-from posttrain.lora._comm import group_rank, group_size
 from posttrain.lora._errors import LayoutError, LoraConfigError
+from posttrain.lora.comm import group_rank, group_size
 from posttrain.lora.config import LoraConfig, init_full_factor
 from posttrain.lora.experts import ExpertLinear, LoraExpertLinear
 from posttrain.lora.layers import Layout, LoraLinear, LoraParamTag, SiteInfo, tag_parameter

@@ -25,8 +25,8 @@ import torch
 from torch import nn
 from torch.distributed import ProcessGroup
 
-from posttrain.lora._comm import group_size
 from posttrain.lora._errors import LayoutError
+from posttrain.lora.comm import group_size
 from posttrain.lora.config import LoraConfig
 
 

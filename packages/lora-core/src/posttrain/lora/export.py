@@ -21,9 +21,9 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from posttrain.formats import peft_key
-from posttrain.lora._comm import all_gather_flat, group_rank, group_size
 from posttrain.lora._errors import ExportError
 from posttrain.lora.attach import LoraHandle, fused_local_parts
+from posttrain.lora.comm import all_gather_flat, group_rank, group_size
 from posttrain.lora.experts import LoraExpertLinear
 from posttrain.lora.stacked import LoraStackedExperts
 

@@ -34,9 +34,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
 
-from posttrain.lora._comm import all_gather_flat, group_size
 from posttrain.lora._errors import LoraConfigError, ReplicaMismatchError
 from posttrain.lora.attach import LoraGroups, LoraHandle
+from posttrain.lora.comm import all_gather_flat, group_size
 from posttrain.lora.layers import LoraParamTag
 
 

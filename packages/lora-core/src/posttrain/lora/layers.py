@@ -38,7 +38,7 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from posttrain.formats import LinearKernel, lora_delta, matmul_kernel
-from posttrain.lora._comm import copy_to_group, gather_from_seq, reduce_from_group, scatter_to_seq
+from posttrain.lora.comm import copy_to_group, gather_from_seq, reduce_from_group, scatter_to_seq
 from posttrain.lora.config import LoraConfig
 
 Layout = Literal["replicated", "column", "row"]

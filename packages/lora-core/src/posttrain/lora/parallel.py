@@ -19,7 +19,8 @@ import torch
 from torch import nn
 from torch.distributed import ProcessGroup
 
-from posttrain.lora._comm import (
+from posttrain.lora._errors import LayoutError
+from posttrain.lora.comm import (
     copy_to_group,
     gather_from_seq,
     group_rank,
@@ -27,7 +28,6 @@ from posttrain.lora._comm import (
     reduce_from_group,
     scatter_to_seq,
 )
-from posttrain.lora._errors import LayoutError
 
 
 def _shard(t: torch.Tensor, dim: int, rank: int, size: int, what: str) -> torch.Tensor:

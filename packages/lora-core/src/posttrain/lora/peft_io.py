@@ -34,9 +34,9 @@ from posttrain.formats import (
     write_peft_adapter,
 )
 from posttrain.interface import LoraSpec
-from posttrain.lora._comm import group_rank, group_size
 from posttrain.lora._errors import AdapterFormatError
 from posttrain.lora.attach import LoraHandle, fused_local_rows
+from posttrain.lora.comm import group_rank, group_size
 from posttrain.lora.config import LoraConfig
 from posttrain.lora.experts import LoraExpertLinear
 from posttrain.lora.layers import LoraLinear

@@ -31,15 +31,21 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
-
-def group_size(group: ProcessGroup | None) -> int:
-    """Size of ``group``; 1 for ``None``."""
-    return 1 if group is None else dist.get_world_size(group)
+from posttrain.lora.comm import all_gather_flat, group_size
 
 
-def group_rank(group: ProcessGroup | None) -> int:
-    """This process's rank in ``group`` (-1 when it is not a member); 0 for ``None``."""
-    return 0 if group is None else dist.get_rank(group)
+def all_reduce_scaled(grads: list[Tensor], group: ProcessGroup | None, scale: float) -> None:
+    """SUM-reduce ``grads`` over ``group`` in one fp32 collective, times ``scale``, written back
+    in place (no collective for a group of size 1; none at all when ``scale`` is 1 too)."""
+    if not grads or (group_size(group) == 1 and scale == 1.0):
+        return
+    flat = torch.cat([g.reshape(-1).float() for g in grads])
+    if group_size(group) > 1:
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+    if scale != 1.0:
+        flat.mul_(scale)
+    for g, piece in zip(grads, torch.split(flat, [g.numel() for g in grads]), strict=True):
+        g.copy_(piece.view_as(g))
 
 
 def share_sizes(rows: int, parts: int) -> list[int]:
@@ -73,9 +79,7 @@ def all_gather_bytes(tensors: Sequence[Tensor], group: ProcessGroup) -> list[lis
     raw = [t.detach().contiguous().reshape(-1).view(torch.uint8) for t in tensors]
     flat = torch.cat(raw)
     out = flat.new_empty((group_size(group) * flat.numel(),))
-    # torch 2.13 deprecates all_gather_into_tensor in favour of all_gather_single
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    gather(out, flat, group=group)
+    all_gather_flat(out, flat, group)
     result = []
     for row in out.view(group_size(group), -1):
         pieces = torch.split(row, [r.numel() for r in raw])

@@ -87,8 +87,6 @@ from posttrain.grpo.megatron._ep_comm import (
     all_to_all_counts,
     all_to_all_rows,
     gather_token_shares,
-    group_rank,
-    group_size,
     inverse_permutation,
     share_sizes,
     take_token_share,
@@ -102,6 +100,7 @@ from posttrain.grpo.megatron.expert_state import (
     reduce_expert_parallel_grads,
 )
 from posttrain.lora import LoraConfig
+from posttrain.lora.comm import group_rank, group_size
 from posttrain.lora.config import init_full_factor
 from posttrain.models import FastOps, ModelConfig, Numerics, moe_routing, strict_ops_for
 

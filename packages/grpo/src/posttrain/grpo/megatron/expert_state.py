@@ -23,11 +23,11 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 from torch import Tensor
-from torch.distributed import ProcessGroup
 
 from posttrain.formats import peft_key
 from posttrain.grpo._errors import GrpoConfigError, GrpoInputError
-from posttrain.grpo.megatron._ep_comm import all_gather_bytes, group_size
+from posttrain.grpo.megatron._ep_comm import all_gather_bytes, all_reduce_scaled
+from posttrain.lora.comm import group_size
 from posttrain.models import ModelConfig
 
 if TYPE_CHECKING:
@@ -232,18 +232,6 @@ def _grads(modules: Sequence[ExpertParallelMoe], *, expert: bool) -> list[Tensor
     return out
 
 
-def _all_reduce_into(grads: list[Tensor], group: ProcessGroup | None, scale: float) -> None:
-    if not grads:
-        return
-    flat = torch.cat([g.reshape(-1).float() for g in grads])
-    if group_size(group) > 1:
-        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
-    if scale != 1.0:
-        flat.mul_(scale)
-    for g, piece in zip(grads, torch.split(flat, [g.numel() for g in grads]), strict=True):
-        g.copy_(piece.view_as(g))
-
-
 def reduce_expert_parallel_grads(modules: Sequence[ExpertParallelMoe]) -> None:
     """Reduce the grads of every trainable parameter of ``modules`` in place by the rule of the
     module doc (one fp32 all-reduce per group); collective over ``tp``, ``dp`` and
@@ -251,9 +239,9 @@ def reduce_expert_parallel_grads(modules: Sequence[ExpertParallelMoe]) -> None:
     g = _shared_groups(modules)
     dp = group_size(g.dp)
     replicated = _grads(modules, expert=False)
-    _all_reduce_into(replicated, g.tp, 1.0)
-    _all_reduce_into(replicated, g.dp, 1.0 / dp)
-    _all_reduce_into(_grads(modules, expert=True), g.expert_dp, 1.0 / dp)
+    all_reduce_scaled(replicated, g.tp, 1.0)
+    all_reduce_scaled(replicated, g.dp, 1.0 / dp)
+    all_reduce_scaled(_grads(modules, expert=True), g.expert_dp, 1.0 / dp)
 
 
 def expert_parallel_grad_norm_sq(modules: Sequence[ExpertParallelMoe]) -> float:

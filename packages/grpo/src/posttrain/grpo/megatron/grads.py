@@ -28,8 +28,9 @@ import math
 
 import torch
 import torch.distributed as dist
-from torch import Tensor, nn
+from torch import nn
 
+from posttrain.grpo.megatron._ep_comm import all_reduce_scaled
 from posttrain.grpo.megatron.expert_parallel import (
     ExpertParallelMoe,
     expert_parallel_grad_norm_sq,
@@ -53,20 +54,6 @@ def tp_partial_parameters(model: TensorParallelDecoder) -> list[nn.Parameter]:
     return out
 
 
-def _all_reduce(grads: list[Tensor], group: dist.ProcessGroup | None, scale: float) -> None:
-    if not grads or (group is None and scale == 1.0):
-        return
-    flat = torch.cat([g.reshape(-1).to(torch.float32) for g in grads])
-    if group is not None:
-        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
-    if scale != 1.0:
-        flat.mul_(scale)
-    offset = 0
-    for g in grads:
-        g.copy_(flat[offset : offset + g.numel()].view_as(g))
-        offset += g.numel()
-
-
 def _expert_layers(model: TensorParallelDecoder) -> list[ExpertParallelMoe]:
     layers = model.expert_parallel_layers()
     assert all(isinstance(m, ExpertParallelMoe) for m in layers)
@@ -82,9 +69,11 @@ def reduce_gradients(model: TensorParallelDecoder, params: list[nn.Parameter]) -
     own = {id(p) for m in experts for p in m.parameters()}
     params = [p for p in params if id(p) not in own]
     partial = {id(p) for p in tp_partial_parameters(model)}
-    _all_reduce([p.grad for p in params if id(p) in partial and p.grad is not None], groups.tp, 1.0)
+    all_reduce_scaled(
+        [p.grad for p in params if id(p) in partial and p.grad is not None], groups.tp, 1.0
+    )
     grads = [p.grad for p in params if p.grad is not None]
-    _all_reduce(grads, groups.dp, 1.0 / groups.dp_size)
+    all_reduce_scaled(grads, groups.dp, 1.0 / groups.dp_size)
     if experts and any(p.requires_grad for m in experts for p in m.parameters()):
         reduce_expert_parallel_grads(experts)
 

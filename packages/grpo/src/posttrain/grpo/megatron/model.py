@@ -46,7 +46,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
 
 from posttrain.grpo._errors import GrpoConfigError, GrpoInputError
@@ -58,6 +57,7 @@ from posttrain.grpo.megatron.layers import (
     ParallelSite,
     parallel_config,
 )
+from posttrain.lora.comm import all_gather_flat
 from posttrain.models import (
     DecoderModel,
     ModelConfig,
@@ -396,7 +396,7 @@ class TensorParallelDecoder(DecoderModel):
     def _gather_expert(self, local: Tensor) -> Tensor:
         """A routed-expert tensor ``[E/ep, ...]`` gathered over EP to ``[E, ...]``."""
         gathered = local.new_empty((self.groups.ep_size * local.shape[0], *local.shape[1:]))
-        _all_gather(gathered, local, self.groups.ep)
+        all_gather_flat(gathered, local, self.groups.ep)
         return gathered
 
     def _gather_shard(self, name: str, local: Tensor) -> Tensor:
@@ -404,7 +404,7 @@ class TensorParallelDecoder(DecoderModel):
         layout: row-split along dim 1, column-split per fused part along dim 0)."""
         tp = self.groups.tp_size
         gathered = local.new_empty((tp * local.numel(),))
-        _all_gather(gathered, local.reshape(-1), self.groups.tp)
+        all_gather_flat(gathered, local.reshape(-1), self.groups.tp)
         pieces = [c.view_as(local) for c in gathered.chunk(tp)]
         shard = self.shards[name]
         if shard.kind == "row":
@@ -428,8 +428,3 @@ _MOE_PARAMETERS = (
 
 def _is_routed_expert(name: str) -> bool:
     return name.rsplit(".", 1)[-1] in ("experts_fc1", "experts_fc2")
-
-
-def _all_gather(out: Tensor, x: Tensor, group: dist.ProcessGroup | None) -> None:
-    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    fn(out, x, group=group)

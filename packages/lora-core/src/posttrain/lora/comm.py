@@ -13,6 +13,10 @@ op                         forward                    backward
 
 Collectives are called through the ``torch.distributed`` module attributes so a benchmark can wrap
 them to count bytes. A ``None`` group or a group of size 1 makes every op the identity.
+
+Public for the other packages that shard tensors over explicit groups on any device (grpo's
+megatron backend): ``group_size`` / ``group_rank``, ``all_gather_flat`` /
+``reduce_scatter_flat`` and the autograd pairs above.
 """
 
 from __future__ import annotations
@@ -57,7 +61,8 @@ def _all_reduce(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
     return out
 
 
-def _all_gather(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+def gather_rows(x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
+    """All-gather ``x`` along dim 0 into a new tensor like it (no autograd)."""
     n = dist.get_world_size(group)
     x = x.contiguous()
     out = torch.empty((n * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
@@ -100,7 +105,7 @@ class _GatherFromSeq(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, group: ProcessGroup) -> torch.Tensor:
         ctx.group = group
-        return _all_gather(x, group)
+        return gather_rows(x, group)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
@@ -115,7 +120,7 @@ class _ScatterToSeq(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return _all_gather(grad, ctx.group), None
+        return gather_rows(grad, ctx.group), None
 
 
 def copy_to_group(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
