@@ -23,22 +23,15 @@ inside one ``extend`` call: prefill a prompt with media in one piece).
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
+from posttrain.interface import MediaKind as MediaKind  # the one enum (re-exported)
 from posttrain.models._config import ModelConfig
 from posttrain.models._errors import MediaError, ModelInputError
-
-
-class MediaKind(enum.StrEnum):
-    """What a media item is: ``image`` (vision tower) or ``audio`` (audio tower)."""
-
-    IMAGE = "image"
-    AUDIO = "audio"
 
 
 @dataclass(frozen=True, slots=True, eq=False)

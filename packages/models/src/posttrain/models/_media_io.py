@@ -283,10 +283,9 @@ def decode_media(
     ``image_data[i]`` / ``audio_data[i]``), as does an item that does not fit the tower.
     """
     out: list[MediaItem] = []
-    for kind, refs, name in ((MediaKind.IMAGE, images, "image_data"),
-                             (MediaKind.AUDIO, audio, "audio_data")):  # fmt: skip
+    for kind, refs in ((MediaKind.IMAGE, images), (MediaKind.AUDIO, audio)):
         for i, ref in enumerate(refs):
-            field = f"{name}[{i}]"
+            field = f"{kind.request_field}[{i}]"
             try:
                 if kind is MediaKind.IMAGE:
                     if not config.has_vision_tower:
@@ -318,6 +317,6 @@ def decode_media_refs(config: ModelConfig, refs: Sequence[MediaRef]) -> list[Med
     images, then its audio, as an engine gets them in ``image_data`` / ``audio_data``."""
     return decode_media(
         config,
-        images=[m.ref for m in refs if m.kind.value == MediaKind.IMAGE.value],
-        audio=[m.ref for m in refs if m.kind.value == MediaKind.AUDIO.value],
+        images=[m.ref for m in refs if m.kind is MediaKind.IMAGE],
+        audio=[m.ref for m in refs if m.kind is MediaKind.AUDIO],
     )
