@@ -161,9 +161,7 @@ def create_app(ctx: ServerContext) -> Starlette:
             "quantization": "modelopt_fp4" if ctx.quantization else None,
             "quantization_report": ctx.quantization,
             "weight_version": engine.weight_version,
-            "weights_serviceable": engine.unavailable_reason is None
-            and not engine.released_tags
-            and not engine.stale_tensors,
+            "weights_serviceable": engine.unserviceable() is None,
             "memory_released": engine.released_tags,
             "stale_tensors": len(engine.stale_tensors),
             "unavailable_reason": engine.unavailable_reason,

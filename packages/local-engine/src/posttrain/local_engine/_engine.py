@@ -151,22 +151,31 @@ class Engine:
     def unavailable_reason(self) -> str | None:
         return self._w.unavailable
 
-    def check_available(self) -> None:
+    def unserviceable(self) -> str | None:
+        """Why the engine cannot generate now (memory released, tensors stale since a resume,
+        a failed update), or None when it can: the one rule ``check_available`` and
+        ``/server_info``'s ``weights_serviceable`` read."""
         if self._w.released:
-            raise UnavailableError(
+            return (
                 f"memory released ({sorted(self._w.released)}): call "
                 "/resume_memory_occupation, then push the weights again"
             )
         if self._w.stale:
             stale = sorted(self._w.stale)
-            raise UnavailableError(
+            return (
                 f"weights were released and resumed: {len(stale)} tensor(s) have not been "
                 f"re-sent since, e.g. {stale[:3]}; push them (a full update) before generating"
             )
         if self._w.unavailable is not None:
-            raise UnavailableError(
+            return (
                 f"weights are not serviceable until a full update succeeds: {self._w.unavailable}"
             )
+        return None
+
+    def check_available(self) -> None:
+        why = self.unserviceable()
+        if why is not None:
+            raise UnavailableError(why)
 
     # ---- memory occupation (SGLang's release/resume_memory_occupation) ------------------
 
