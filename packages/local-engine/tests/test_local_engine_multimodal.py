@@ -4,17 +4,18 @@ The engine serves a ``multimodal-tiny`` checkpoint (``python -m posttrain.models
 multimodal-tiny``); its logprobs on prompts with ``image_data`` / ``audio_data`` equal the
 trainer's packed forward bit for bit.
 
-Trap 3 (dead tower-sync gate): the condition that re-sends the frozen tower weights after an
-engine's offload/onload cycle read a flag removed in a refactor, so the towers were never
-re-sent. ``_resync`` derives it from the model's structure (``has_towers``); with
-``tower_gate="removed_flag"`` it reads a flag that no longer exists, and the check that the
-engine's towers (``tower_sha256``) and image-prompt logprobs equal the trainer's fails.
+Trap 3 (dead tower-sync gate), the engine's half: after an offload/onload cycle the engine's
+towers are stale until a sync sends them again. Sent (``with_towers``), its ``tower_sha256`` and
+image-prompt logprobs equal the trainer's; not sent (what a dead gate does), it refuses to
+generate and names the stale tower tensors. The gate itself is grpo's ``towers_due`` (keyed on
+``has_towers``), tested against this engine in
+``integration_tests/test_integration_grpo_tower_sync.py``.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import httpx
 import pytest
@@ -180,22 +181,14 @@ def test_release_frees_the_weights_and_resume_needs_every_tensor_again(mm_dir: P
         engine.check_available()
 
 
-Gate = Literal["structure", "removed_flag"]
-
-
-def _resync(model: DecoderModel, url: str, version: int, *, tower_gate: Gate) -> None:
-    """The trainer's sync after an engine onload: the trained decoder weights, plus the frozen
-    towers when the gate says so. ``structure`` keys the gate on the model (``has_towers``);
-    ``removed_flag`` is the trap: a config flag a refactor removed, so always False."""
+def _resync(model: DecoderModel, url: str, version: int, *, with_towers: bool) -> None:
+    """A full sync after an engine onload: the trained decoder weights, and the frozen towers
+    when ``with_towers``."""
     hf = model.hf_state_dict()
     towers = set(tower_parameter_names(model))
-    send = {n: t for n, t in hf.items() if n not in towers}
-    if tower_gate == "structure":
-        send_towers = has_towers(model)
-    else:
-        send_towers = bool(getattr(model.config, "resend_frozen_towers", False))
-    if send_towers:
-        send.update({n: hf[n] for n in towers})
+    assert towers
+    assert has_towers(model)
+    send = {n: t for n, t in hf.items() if with_towers or n not in towers}
     with WeightPushClient(url, timeout_s=60) as client:
         result = push_weights(client, send, weight_version=version, with_sha256=True)
     assert result.success, result.message
@@ -215,8 +208,10 @@ def _check_engine_equals_trainer(url: str, model: DecoderModel) -> None:
     assert served == trainer
 
 
-@pytest.mark.parametrize("tower_gate", ["structure", "removed_flag"])
-def test_trap3_towers_are_resent_after_an_offload_cycle(mm_dir: Path, tower_gate: Gate) -> None:
+@pytest.mark.parametrize("with_towers", [True, False], ids=["towers-resent", "towers-not-resent"])
+def test_trap3_an_engine_serves_again_only_once_its_towers_are_resent(
+    mm_dir: Path, with_towers: bool
+) -> None:
     trainer = load_pretrained(mm_dir)
     gen = torch.Generator().manual_seed(11)
     with torch.no_grad():  # a few "training steps": the decoder moved, the frozen towers not
@@ -224,15 +219,15 @@ def test_trap3_towers_are_resent_after_an_offload_cycle(mm_dir: Path, tower_gate
             if p.requires_grad:
                 p.add_((torch.randn(p.shape, generator=gen) * 0.02).to(p.dtype))
     with AppServer(build_app(EngineConfig(model_path=str(mm_dir))), timeout_s=60) as s:
-        _resync(trainer, s.url, 1, tower_gate="structure")  # the first sync sends everything
+        _resync(trainer, s.url, 1, with_towers=True)  # the first sync sends everything
         _check_engine_equals_trainer(s.url, trainer)
         with WeightPushClient(s.url, timeout_s=60) as client:  # the trainer's offload cycle
             assert client.release_memory_occupation()["released"] == ["kv_cache", "weights"]
             assert httpx.post(f"{s.url}/generate", json={"text": "a"}).status_code == 503
             assert httpx.get(f"{s.url}/weights_checksum").status_code == 503
             assert client.resume_memory_occupation()["stale_tensors"] > 0
-        _resync(trainer, s.url, 2, tower_gate=tower_gate)
-        if tower_gate == "structure":
+        _resync(trainer, s.url, 2, with_towers=with_towers)
+        if with_towers:
             _check_engine_equals_trainer(s.url, trainer)
             assert httpx.get(f"{s.url}/server_info").json()["weights_serviceable"] is True
         else:
