@@ -83,11 +83,6 @@ class MediaTower(nn.Module):
         """Follow ``mode`` only when unfrozen: a frozen tower stays in eval mode."""
         return super().train(mode and not self.frozen)
 
-    @property
-    def hf_prefix(self) -> str:
-        """``model.vision_tower.`` or ``model.audio_tower.``."""
-        return TOWER_PREFIX[self.kind]
-
     def encode(self, ops: type[FastOps], features: Tensor) -> Tensor:
         """``features[N, in_features]`` fp32 -> embeddings ``[N, out_features]`` fp32."""
         x = ops.linear(features, self.input_proj)

@@ -313,7 +313,6 @@ class ExpertParallelMoe(nn.Module):
         self.lora_A = nn.ParameterDict()
         self.lora_B = nn.ParameterDict()
         self.lora_config: LoraConfig | None = None
-        self.lora_enabled = True
         for name, param in self.named_parameters():
             self._mark(name, param)
         self._check_expert_dp()
@@ -434,7 +433,7 @@ class ExpertParallelMoe(nn.Module):
 
     def _with_lora(self, x: Tensor, y: Tensor, key: str, index: int) -> Tensor:
         """``y + lora_delta(x)`` for LoRA site ``key`` (expert ``index``), as ``LoraRouting``."""
-        if key not in self.lora_A or not self.lora_enabled or self.lora_config is None:
+        if key not in self.lora_A or self.lora_config is None:
             return y
         a, b = self.lora_A[key], self.lora_B[key]
         if a.ndim == 3:
