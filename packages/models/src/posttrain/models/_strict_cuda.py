@@ -140,8 +140,10 @@ def _row_attention_backward(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Recompute each key row's probabilities in fp32 torch and form the three gradients.
 
-    Queries are grouped by key row (``kstart``); rows own disjoint key slots, so ``dk``/``dv``
-    slices are written by one group each, in a fixed order: deterministic, no atomics.
+    Queries are grouped into runs of consecutive tokens with the same key row (``kstart``: a
+    packed segment is one run); the runs, their ends and key lengths reach the host in one
+    transfer per call (not one sync per segment). Runs are processed in order and write
+    ``dk``/``dv`` slices of their own key row: deterministic, no atomics.
     """
     _, heads, hd = q.shape
     kv_heads = keys.shape[1]
@@ -149,15 +151,18 @@ def _row_attention_backward(
     dq = torch.zeros_like(q)
     dk = torch.zeros(keys.shape, dtype=torch.float32, device=keys.device)
     dv = torch.zeros(values.shape, dtype=torch.float32, device=values.device)
-    for start in torch.unique(kstart).tolist():
-        members = (kstart == start).nonzero().flatten()
-        length = int(pos[members].max()) + 1
+    starts, counts = torch.unique_consecutive(kstart, return_counts=True)
+    run = torch.repeat_interleave(torch.arange(counts.numel(), device=pos.device), counts)
+    longest = torch.zeros_like(starts).scatter_reduce(0, run, pos.to(starts.dtype), "amax")
+    table = torch.stack([starts, counts.cumsum(0), longest + 1]).tolist()  # one sync
+    begin = 0
+    for start, end, length in zip(*table, strict=True):
         kk, vv = keys[start : start + length].float(), values[start : start + length].float()
         slots = torch.arange(length, device=q.device)
         step = max(1, _BACKWARD_CHUNK // (heads * length))
-        for i in range(0, members.numel(), step):
-            idx = members[i : i + step]
-            n = idx.numel()
+        for i in range(begin, end, step):
+            idx = slice(i, min(i + step, end))
+            n = idx.stop - i
             qq = q[idx].reshape(n, kv_heads, group, hd)
             do = grad[idx].reshape(n, kv_heads, group, hd)
             oo = out[idx].reshape(n, kv_heads, group, hd)
@@ -173,6 +178,7 @@ def _row_attention_backward(
             ds = probs * (dp - (do * oo).sum(-1, keepdim=True)) * scale
             dq[idx] = torch.einsum("nkgl,lkd->nkgd", ds, kk).reshape(n, heads, hd)
             dk[start : start + length] += torch.einsum("nkgl,nkgd->lkd", ds, qq)
+        begin = end
     return dq, dk.to(keys.dtype), dv.to(values.dtype)
 
 
