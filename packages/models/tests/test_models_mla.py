@@ -325,6 +325,20 @@ def test_absorbed_decode_is_close_to_training_but_not_bitwise_in_strict(name: st
     assert not all(torch.equal(a, b) for a, b in zip(strict_absorbed, strict_train, strict=True))
 
 
+def test_bf16_parameters_keep_strict_train_equal_to_decode() -> None:
+    attn, _ = hf_attention("deepseek-q-proj-yarn")
+    module = MlaAttention(MlaSpec.from_hf_dict(hf_config("deepseek-q-proj-yarn").to_dict()),
+                          dtype=torch.bfloat16)  # fmt: skip
+    module.load_hf_state_dict({k: v.bfloat16() for k, v in attn.state_dict().items()})
+    lengths = [6, 10]
+    x = torch.randn(sum(lengths), SHAPE["hidden_size"], generator=torch.Generator().manual_seed(8))
+    with torch.no_grad():
+        want = train(module, StrictOps, x, lengths).split(lengths)
+    got = decode(module, StrictOps, list(x.split(lengths)), [4, 1])
+    assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+    assert want[0].dtype == torch.float32  # fp32 activations whatever the parameter dtype
+
+
 @settings(max_examples=15, deadline=None)
 @given(
     lengths=st.lists(st.integers(1, 12), min_size=1, max_size=5),
