@@ -455,3 +455,14 @@ def test_cache_rows_capacity_and_reset() -> None:
             cos=torch.zeros(3, 4),
             sin=torch.zeros(3, 4),
         )
+    with pytest.raises(CacheError, match=r"positions must lie in \[0, 8\)"):
+        module.forward_cached(
+            StrictOps,
+            torch.zeros(1, 32),
+            cache,
+            0,
+            rows=torch.zeros(1, dtype=torch.long),
+            pos=torch.full((1,), 8),
+            cos=torch.zeros(1, 4),
+            sin=torch.zeros(1, 4),
+        )

@@ -59,6 +59,7 @@ from torch import Tensor, nn
 
 from posttrain.models._blocks import PackedLayout, attend_buffers
 from posttrain.models._errors import (
+    CacheError,
     MissingTensorError,
     ModelInputError,
     TensorSpecMismatchError,
@@ -259,9 +260,11 @@ class MlaAttention(nn.Module):
                 f"forward_cached: {x.shape[0]} tokens, {rows.shape[0]} rows and "
                 f"{pos.shape[0]} positions"
             )
+        buf = cache.kv[layer]
+        if x.shape[0] and not 0 <= int(pos.min()) <= int(pos.max()) < buf.shape[1]:
+            raise CacheError(f"forward_cached: positions must lie in [0, {buf.shape[1]})")
         lin = linear or self.default_linear(ops)
         proj = self.project(ops, x, cos, sin, lin)
-        buf = cache.kv[layer]
         buf[rows, pos] = torch.cat([proj.latent, proj.rope_key], dim=-1).to(buf.dtype)
         if absorbed is None:
             absorbed = ops is FastOps
