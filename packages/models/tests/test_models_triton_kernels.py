@@ -352,3 +352,53 @@ def test_model_backward_matches_cpu_strict(device: str) -> None:
     assert grads[0].keys() == grads[1].keys()
     for n, g in grads[1].items():
         assert float((grads[0][n] - g).norm()) <= 1e-4 * float(g.norm()) + 1e-7, n
+
+
+@kernel_test
+def test_mla_strict_train_equals_expanded_decode(device: str) -> None:
+    """MLA (``_mla``) on the Triton kernels: heads zero-padded to one width for ``attend_rows``
+    (v_head_dim 6 < qk_head_dim 12), training == expanded decode bit for bit, CPU-strict close."""
+    from posttrain.models import PackedLayout, StrictOps
+    from posttrain.models._mla import MlaAttention
+    from posttrain.models._mla_cache import MlaCache
+    from posttrain.models._mla_config import MlaSpec
+    from posttrain.models._strict_cuda import CudaStrictOps
+
+    spec = MlaSpec(hidden_size=32, num_heads=4, q_lora_rank=12, kv_lora_rank=16,
+                   qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6)  # fmt: skip
+    module = MlaAttention(spec)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.add_(0.2 * torch.randn(p.shape, generator=gen))
+    cpu_module, module = module, MlaAttention(spec).to(device)
+    module.load_hf_state_dict({k: v.to(device) for k, v in cpu_module.hf_state_dict().items()})
+    lengths, cap = [9, 5], 16
+    x = torch.randn(sum(lengths), 32, generator=gen)
+    seg = torch.tensor([0] * 9 + [1] * 5)
+    pos = torch.cat([torch.arange(9), torch.arange(5)])
+    cos_t, sin_t = spec.rope_tables(cap)
+    outs = {}
+    for name, ops, m in (("cuda", CudaStrictOps, module), ("cpu", StrictOps, cpu_module)):
+        dev = next(m.parameters()).device
+        layout = PackedLayout(seg.to(dev), pos.to(dev), 2, cap)
+        with torch.no_grad():
+            outs[name] = m.forward_packed(
+                ops, x.to(dev), layout, cos=cos_t[pos].to(dev), sin=sin_t[pos].to(dev)
+            ).cpu()
+    assert float((outs["cuda"] - outs["cpu"]).abs().max()) < 1e-5
+    cache = MlaCache(spec, 1, 2, cap, device=device)
+    done, got = [0, 0], [[], []]
+    while live := [j for j in (0, 1) if done[j] < lengths[j]]:
+        n = 4 if done == [0, 0] else 1
+        parts = [x.split(lengths)[j][done[j] : done[j] + n] for j in live]
+        rows, p = cache.placement(live, [len(q) for q in parts])
+        with torch.no_grad():
+            y = module.forward_cached(CudaStrictOps, torch.cat(parts).to(device), cache, 0,
+                                      rows=rows, pos=p, cos=cos_t[p.cpu()].to(device),
+                                      sin=sin_t[p.cpu()].to(device))  # fmt: skip
+        cache.advance(live, [len(q) for q in parts])
+        for j, piece in zip(live, y.cpu().split([len(q) for q in parts]), strict=True):
+            got[j].append(piece)
+            done[j] += len(piece)
+    assert torch.equal(torch.cat([torch.cat(g) for g in got]), outs["cuda"])
