@@ -72,6 +72,13 @@ from posttrain.models._errors import (
     TensorSpecMismatchError,
     UnknownTensorError,
 )
+from posttrain.models._families import (
+    Family,
+    architecture_of,
+    family_named,
+    register_family,
+    supported_architectures,
+)
 from posttrain.models._lora import LoraAdapter
 from posttrain.models._media import (
     MediaBatch,
@@ -105,6 +112,7 @@ from posttrain.models._model import (
     strict_ops_for,
 )
 from posttrain.models._ops import FastOps, StrictOps
+from posttrain.models._rope import RopeScaling
 from posttrain.models._sites import LinearSite
 from posttrain.models._tokenizer import (
     CHAT_TEMPLATE,
@@ -130,6 +138,7 @@ __all__ = [
     "CheckpointError",
     "DecoderModel",
     "DuplicateTensorError",
+    "Family",
     "FastOps",
     "KVCache",
     "LinearSite",
@@ -148,6 +157,7 @@ __all__ = [
     "ModelsError",
     "Numerics",
     "PackedLayout",
+    "RopeScaling",
     "Step",
     "StrictKernels",
     "StrictOps",
@@ -156,6 +166,7 @@ __all__ = [
     "TokenLayout",
     "UnknownTensorError",
     "WeightGroup",
+    "architecture_of",
     "attend",
     "attend_buffers",
     "build_model",
@@ -170,6 +181,7 @@ __all__ = [
     "encode_png_base64",
     "encode_wav_base64",
     "expand_media_tokens",
+    "family_named",
     "from_hf_state_dict",
     "has_towers",
     "load_config",
@@ -181,12 +193,14 @@ __all__ = [
     "packed_logprobs",
     "parity",
     "read_media_bytes",
+    "register_family",
     "rel_logits_of",
     "residual_sconv",
     "save_hf_weights",
     "save_pretrained",
     "sentinel_id",
     "strict_ops_for",
+    "supported_architectures",
     "to_hf_state_dict",
     "tower_parameter_names",
     "weight_groups",
