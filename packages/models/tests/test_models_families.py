@@ -225,3 +225,20 @@ def test_kv_capacity_is_its_own_setting() -> None:
     assert small.to_hf_dict() == cfg.to_hf_dict()  # not part of config.json
     with pytest.raises(ModelConfigError, match="kv_capacity"):
         cfg.replace(kv_capacity=0)
+
+
+def test_hub_id_is_read_from_the_local_cache_only(tmp_path: Path) -> None:
+    from posttrain.models import CheckpointError, resolve_model_dir
+
+    cache = tmp_path / "hub"
+    snap = cache / "models--acme--tiny-llama" / "snapshots" / "0123abcd"
+    snap.mkdir(parents=True)
+    (cache / "models--acme--tiny-llama" / "refs").mkdir()
+    (cache / "models--acme--tiny-llama" / "refs" / "main").write_text("0123abcd")
+    cfg = ModelConfig.tiny(num_experts=0, mlp_only_layers=(), family="llama", qk_norm=False)
+    (snap / "config.json").write_text(json.dumps(cfg.to_hf_dict()))
+    assert resolve_model_dir("acme/tiny-llama", cache_dir=cache) == snap
+    with pytest.raises(CheckpointError, match="hf download acme/absent"):
+        resolve_model_dir("acme/absent", cache_dir=cache)
+    with pytest.raises(CheckpointError, match="neither a local directory nor a hub id"):
+        resolve_model_dir(str(tmp_path / "missing"), cache_dir=cache)

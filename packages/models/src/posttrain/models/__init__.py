@@ -79,6 +79,7 @@ from posttrain.models._families import (
     register_family,
     supported_architectures,
 )
+from posttrain.models._hub import is_hub_id, resolve_model_dir
 from posttrain.models._lora import LoraAdapter
 from posttrain.models._media import (
     MediaBatch,
@@ -184,6 +185,7 @@ __all__ = [
     "family_named",
     "from_hf_state_dict",
     "has_towers",
+    "is_hub_id",
     "load_config",
     "load_hf_tensors",
     "load_pretrained",
@@ -196,6 +198,7 @@ __all__ = [
     "register_family",
     "rel_logits_of",
     "residual_sconv",
+    "resolve_model_dir",
     "save_hf_weights",
     "save_pretrained",
     "sentinel_id",
