@@ -257,10 +257,12 @@ def build_policy(cfg: GrpoConfig) -> Policy:
         return build_megatron_policy(cfg)
     if cfg.model_path is None:
         raise GrpoConfigError("model_path is required to train (--model-path)")
-    model = load_pretrained(cfg.model_path, numerics=Numerics(cfg.numerics))
+    numerics, capacity = Numerics(cfg.numerics), cfg.context_length
+    model = load_pretrained(cfg.model_path, numerics=numerics, kv_capacity=capacity)
     ref = None
     if cfg.use_kl_loss and cfg.train == "full":
-        ref = load_pretrained(cfg.model_path, numerics=Numerics(cfg.numerics)).requires_grad_(False)
+        ref = load_pretrained(cfg.model_path, numerics=numerics, kv_capacity=capacity)
+        ref.requires_grad_(False)
     return shard_policy(model, cfg, device=torch.device("cpu"), ref_model=ref)
 
 
@@ -445,7 +447,7 @@ def _pack_context_parallel(
             raise GrpoInputError(
                 f"sample {i} of the micro-batch has {n} tokens; context parallel pads it to {p} "
                 f"(a multiple of 2 x context_parallel_size={cp_size}), more than the model's "
-                f"max_position_embeddings={capacity}"
+                f"KV capacity {capacity} (--context-length)"
             )
     ids: list[int] = []
     mask: list[int] = []
@@ -500,7 +502,7 @@ def _context_parallel_objective(
     group = policy.parallel.cp_group
     batch = _pack_context_parallel(
         part, policy.cp_size, settings,
-        capacity=policy.model.config.max_position_embeddings,
+        capacity=policy.model.config.capacity,
         global_batch_size=global_batch_size, global_token_count=global_token_count,
     )  # fmt: skip
     out = cp.forward_context_parallel(

@@ -92,7 +92,7 @@ def load_tensor_parallel_model(
     if cfg.model_path is None:
         raise GrpoConfigError("model_path is required to train (--model-path)")
     model = TensorParallelDecoder(
-        load_config(cfg.model_path), groups,
+        load_config(cfg.model_path, kv_capacity=cfg.context_length), groups,
         sequence_parallel=cfg.sequence_parallel, numerics=Numerics(cfg.numerics), device=device,
     )  # fmt: skip
     model.load_hf_state_dict(load_hf_tensors(cfg.model_path))
