@@ -42,7 +42,11 @@ Departures from the obvious:
   ``precision="bf16"`` FSDP2 keeps the fp32 shards and casts a compute copy), so a write into
   the parameters after the optimizer exists (a resume) is what the next step starts from (G8;
   trap 1 of issue 25, ``tests/test_grpo_resume_masters.py``, which also shows masters
-  snapshotted before the load would be caught).
+  snapshotted before the load would be caught). Full training of a bf16 (or fp16) checkpoint
+  upcasts the parameters to fp32 before sharding: they are the fp32 masters, FSDP's compute
+  copy is in the checkpoint's dtype (what the engine serves, so strict parity holds), the
+  weight sync converts with ``to_hf_state_dict`` (the checkpoint's dtype) and checkpoints keep
+  the fp32 masters (``tests/test_grpo_masters.py``). LoRA factors are fp32 as before.
 * ``--backend megatron`` (``posttrain.grpo.megatron``) builds a ``TensorParallelDecoder``
   instead (tensor / sequence / expert parallel on megatron-core's parallel linears); the step is
   the same code (``compute_gradients``), with no FSDP: gradients add up over micro-batches and
@@ -266,6 +270,9 @@ def build_policy(cfg: GrpoConfig) -> Policy:
     return shard_policy(model, cfg, device=torch.device("cpu"), ref_model=ref)
 
 
+_LOW_PRECISION_DTYPES = (torch.bfloat16, torch.float16)
+
+
 def shard_policy(
     model: DecoderModel,
     cfg: GrpoConfig,
@@ -296,6 +303,13 @@ def shard_policy(
         handle = attach_lora(model, lcfg, targets, LoraGroups(dp=dist.group.WORLD))
         ignored = set(handle.parameters())
     param_dtype = torch.bfloat16 if cfg.precision == "bf16" else None
+    if cfg.train == "full" and model.config.dtype in _LOW_PRECISION_DTYPES:
+        # fp32 masters for a bf16/fp16 checkpoint: the optimizer updates fp32 parameters (an
+        # update below the checkpoint dtype's resolution still accumulates), FSDP casts the
+        # compute copy back to the checkpoint dtype (the engine's weights: strict parity holds),
+        # checkpoints hold the fp32 masters, and ``to_hf_state_dict`` gives the config's dtype.
+        param_dtype = model.config.dtype
+        model.float()
     apply_hsdp(
         model,
         mesh,

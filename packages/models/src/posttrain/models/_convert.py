@@ -296,6 +296,9 @@ def to_hf_state_dict(
 ) -> dict[str, Tensor]:
     """In-memory names -> HF names (split fused blocks, unstack experts); all used once.
 
+    Tensors come out in the HF layout's dtype: ``config.torch_dtype`` (or a group's fixed
+    dtype). Only fp32 tensors are rounded to it (a trainer's fp32 master weights of a bf16
+    checkpoint); any other dtype mismatch raises ``TensorSpecMismatchError``.
     With ``stacked_experts`` the expert groups keep the stacked ``transformers`` v5 form.
     """
     given = _pairs(tensors)
@@ -308,13 +311,27 @@ def to_hf_state_dict(
     for g in groups:
         if g.name not in given:
             raise MissingTensorError(f"in-memory tensor {g.name!r} is missing")
-        value = given[g.name]
+        value = _to_layout_dtype(g, given[g.name], config)
         _check(g.name, value, g.shape, None)
         if stacked_experts and g.stacked_name is not None:
             out[g.stacked_name] = value
         else:
             out.update(zip(g.hf_names, _split(g, value), strict=True))
     return out
+
+
+def _to_layout_dtype(g: WeightGroup, value: Tensor, config: ModelConfig) -> Tensor:
+    """``value`` in the group's HF dtype: fp32 masters rounded to it, anything else as is
+    when it already matches, else a ``TensorSpecMismatchError``."""
+    want = getattr(torch, g.dtype) if g.dtype is not None else config.dtype
+    if value.dtype == want:
+        return value
+    if value.dtype == torch.float32:
+        return value.to(want)
+    raise TensorSpecMismatchError(
+        f"in-memory tensor {g.name!r} is {value.dtype}; the layout holds {want} "
+        "(only fp32 masters are rounded to it)"
+    )
 
 
 def _split(g: WeightGroup, value: Tensor) -> list[Tensor]:

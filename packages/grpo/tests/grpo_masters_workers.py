@@ -1,0 +1,75 @@
+"""Rank function for ``test_grpo_masters.py``: full training of a bf16 checkpoint."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from posttrain.fsdp_mesh import iter_full_state_dict
+from posttrain.grpo import checkpoint
+from posttrain.grpo.config import GrpoConfig
+from posttrain.grpo.trainer import (
+    Policy,
+    TrainSample,
+    build_policy,
+    compute_gradients,
+    train_step,
+)
+from posttrain.models import DecoderModel, load_pretrained, to_hf_state_dict
+
+PROMPT, RESPONSE, N = 5, 4, 4
+
+
+def samples(ckpt: str, seed: int, model: DecoderModel | None = None) -> list[TrainSample]:
+    """Four samples with ``model``'s logprobs (default: the checkpoint's) as the rollout's and
+    mixed advantages."""
+    model = load_pretrained(ckpt) if model is None else model
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(N):
+        toks = torch.randint(4, 90, (PROMPT + RESPONSE,), generator=gen).tolist()
+        with torch.no_grad():
+            lp = model.forward_logprobs(torch.tensor(toks), [len(toks)])[PROMPT:].tolist()
+        out.append(TrainSample(tokens=toks, prompt_len=PROMPT, loss_mask=[1] * RESPONSE,
+                               rollout_logprobs=lp, advantages=[(-1.0) ** i] * RESPONSE))  # fmt: skip
+    return out
+
+
+def weights(policy: Policy) -> dict[str, Tensor]:
+    return {k: v.clone() for k, v in iter_full_state_dict(policy.model)}
+
+
+def bf16_full_training(rank: int, world: int, ckpt: str, out: str, lr: float) -> dict[str, Any]:
+    """Three steps at ``lr`` (run A, checkpointed after the first); the same last two steps
+    from a fresh policy resumed from that checkpoint; what the engine would be sent."""
+    torch.set_num_threads(1)
+    cfg = GrpoConfig(model_path=Path(ckpt), train="full", replicate=1, shard=world, lr=lr,
+                     seed=0, max_grad_norm=1e9)  # fmt: skip
+    batches = [samples(ckpt, s)[rank::world] for s in (1, 2, 3)]
+    step = {"global_batch_size": N, "global_token_count": N * RESPONSE}
+    run_a = build_policy(cfg)
+    initial = weights(run_a)
+    train_step(run_a, batches[0], cfg, **step)
+    path = checkpoint.save(Path(out), 1, run_a, {"next_step": 2})
+    for batch in batches[1:]:
+        train_step(run_a, batch, cfg, **step)
+    final = weights(run_a)
+    sent = to_hf_state_dict(final, run_a.model.config)  # what the weight sync converts
+    engine = load_pretrained(ckpt)
+    engine.load_hf_state_dict(sent)  # in the engine's dtype: it takes them as they are
+    served = samples(ckpt, 4, engine)[rank::world]
+    parity = compute_gradients(run_a, served, cfg, **step)  # the trainer's forward vs engine's
+    resumed = build_policy(cfg)
+    checkpoint.load(path, resumed)
+    for batch in batches[1:]:
+        train_step(resumed, batch, cfg, **step)
+    return {
+        "initial": initial,
+        "final": final,
+        "resumed": weights(resumed),
+        "sent_dtypes": sorted({str(t.dtype) for t in sent.values()}),
+        "parity": parity,
+    }
