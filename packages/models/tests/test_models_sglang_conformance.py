@@ -58,19 +58,29 @@ FAMILY_CASES: dict[str, tuple[dict[str, Any], str]] = {
         "Qwen3ForCausalLM",
     ),
     "qwen2.5-bias-tied": (
-        {**_DENSE, "family": "qwen2", "qk_norm": False, "qkv_bias": True,
-         "tie_word_embeddings": True},
+        {
+            **_DENSE,
+            "family": "qwen2",
+            "qk_norm": False,
+            "qkv_bias": True,
+            "tie_word_embeddings": True,
+        },
         "Qwen2ForCausalLM",
-    ),  # fmt: skip
+    ),
     "llama3": (
         {**_DENSE, "family": "llama", "qk_norm": False, "rope_scaling": "llama3"},
         "LlamaForCausalLM",
     ),
     "mistral-window": (
-        {**_DENSE, "family": "mistral", "qk_norm": False,
-         "sliding_window_layers": (0, 1, 2, 3), "sliding_window_size": 16},
+        {
+            **_DENSE,
+            "family": "mistral",
+            "qk_norm": False,
+            "sliding_window_layers": (0, 1, 2, 3),
+            "sliding_window_size": 16,
+        },
         "MistralForCausalLM",
-    ),  # fmt: skip
+    ),
 }
 
 
