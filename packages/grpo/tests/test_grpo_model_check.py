@@ -97,6 +97,14 @@ def test_lora_targets_must_exist_in_the_architecture(tmp_path: Path) -> None:
     assert err.value.field == "lora_targets"
 
 
+def test_megatron_refuses_qkv_biases(tmp_path: Path) -> None:
+    ckpt = write_config(tmp_path, "Qwen2Config", "Qwen2ForCausalLM")
+    check_model(GrpoConfig(model_path=ckpt))
+    with pytest.raises(GrpoConfigError, match="q/k/v biases") as err:
+        check_model(GrpoConfig(model_path=ckpt, backend="megatron", shard=1))
+    assert err.value.field == "backend"
+
+
 def test_a_hub_id_comes_from_the_local_cache_or_is_refused(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:

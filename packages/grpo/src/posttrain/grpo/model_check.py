@@ -6,8 +6,8 @@ given, and applies ``posttrain.models``' family gate: an architecture or a featu
 decoder does not compute exactly (a rope type, MLA, Gemma's norms, ...) fails here, in about a
 second, with a ``GrpoConfigError`` naming the flag, the architecture and the feature, rather
 than after the engines and trainer ranks have started. It also checks that every
-``--lora-targets`` name exists in that architecture and that ``--context-length`` is set
-where the model asks for more positions than it has.
+``--lora-targets`` name exists in that architecture, and refuses q/k/v biases (Qwen2) on the
+megatron backend, whose parallel linears have none.
 
 ``resolve_model_paths(config)`` gives the config back with hub ids replaced by their cached
 directories (what the trainer and the engines load). ``--dry-run`` runs ``check_model``;
@@ -53,7 +53,16 @@ def check_model(config: GrpoConfig) -> None:
         except (ModelConfigError, ModelsError) as exc:
             field = flag[2:].replace("-", "_")
             raise GrpoConfigError(f"{flag} {location}: {exc}", field=field) from None
-        if flag != "--model-path" or config.train != "lora":
+        if flag != "--model-path":
+            continue
+        if config.backend == "megatron" and model.qkv_bias:
+            # the megatron backend's parallel qkv linear has no bias: it would be dropped
+            raise GrpoConfigError(
+                f"--backend megatron: {location} has q/k/v biases ({model.family} family), "
+                "which the megatron backend's parallel linears do not build; use --backend fsdp",
+                field="backend",
+            )
+        if config.train != "lora":
             continue
         leaves = {name.rsplit(".", 1)[-1] for name in lora_targets(model)}
         missing = [t for t in config.lora_targets if t.rsplit(".", 1)[-1] not in leaves]
