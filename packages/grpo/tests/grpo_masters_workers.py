@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from grpo_resume_workers import RESPONSE, N, _samples
 from torch import Tensor
 
 from posttrain.fsdp_mesh import iter_full_state_dict
@@ -13,29 +14,11 @@ from posttrain.grpo import checkpoint
 from posttrain.grpo.config import GrpoConfig
 from posttrain.grpo.trainer import (
     Policy,
-    TrainSample,
     build_policy,
     compute_gradients,
     train_step,
 )
-from posttrain.models import DecoderModel, load_pretrained, to_hf_state_dict
-
-PROMPT, RESPONSE, N = 5, 4, 4
-
-
-def samples(ckpt: str, seed: int, model: DecoderModel | None = None) -> list[TrainSample]:
-    """Four samples with ``model``'s logprobs (default: the checkpoint's) as the rollout's and
-    mixed advantages."""
-    model = load_pretrained(ckpt) if model is None else model
-    gen = torch.Generator().manual_seed(seed)
-    out = []
-    for i in range(N):
-        toks = torch.randint(4, 90, (PROMPT + RESPONSE,), generator=gen).tolist()
-        with torch.no_grad():
-            lp = model.forward_logprobs(torch.tensor(toks), [len(toks)])[PROMPT:].tolist()
-        out.append(TrainSample(tokens=toks, prompt_len=PROMPT, loss_mask=[1] * RESPONSE,
-                               rollout_logprobs=lp, advantages=[(-1.0) ** i] * RESPONSE))  # fmt: skip
-    return out
+from posttrain.models import load_pretrained, to_hf_state_dict
 
 
 def weights(policy: Policy) -> dict[str, Tensor]:
@@ -48,7 +31,7 @@ def bf16_full_training(rank: int, world: int, ckpt: str, out: str, lr: float) ->
     torch.set_num_threads(1)
     cfg = GrpoConfig(model_path=Path(ckpt), train="full", replicate=1, shard=world, lr=lr,
                      seed=0, max_grad_norm=1e9)  # fmt: skip
-    batches = [samples(ckpt, s)[rank::world] for s in (1, 2, 3)]
+    batches = [_samples(ckpt, s)[rank::world] for s in (1, 2, 3)]
     step = {"global_batch_size": N, "global_token_count": N * RESPONSE}
     run_a = build_policy(cfg)
     initial = weights(run_a)
@@ -60,7 +43,7 @@ def bf16_full_training(rank: int, world: int, ckpt: str, out: str, lr: float) ->
     sent = to_hf_state_dict(final, run_a.model.config)  # what the weight sync converts
     engine = load_pretrained(ckpt)
     engine.load_hf_state_dict(sent)  # in the engine's dtype: it takes them as they are
-    served = samples(ckpt, 4, engine)[rank::world]
+    served = _samples(ckpt, 4, engine)[rank::world]
     parity = compute_gradients(run_a, served, cfg, **step)  # the trainer's forward vs engine's
     resumed = build_policy(cfg)
     checkpoint.load(path, resumed)

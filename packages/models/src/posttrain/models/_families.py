@@ -287,16 +287,18 @@ def _read_qwen3(data: dict[str, Any], arch: str) -> dict[str, Any]:
 
 
 def _write_qwen3(config: ModelConfig) -> dict[str, Any]:
-    out = _hf_common(config, _FAMILIES["qwen3"])
+    return _write_qwen(config, "qwen3") | {"attention_bias": False}
+
+
+def _write_qwen(config: ModelConfig, name: str) -> dict[str, Any]:
+    """Qwen2's and Qwen3's shared fields: one full-attention type per layer, no window."""
     n = config.num_hidden_layers
-    out.update(
-        attention_bias=False,
-        use_sliding_window=False,
-        sliding_window=None,
-        max_window_layers=n,
-        layer_types=["full_attention"] * n,
-    )
-    return out
+    return _hf_common(config, _FAMILIES[name]) | {
+        "use_sliding_window": False,
+        "sliding_window": None,
+        "max_window_layers": n,
+        "layer_types": ["full_attention"] * n,
+    }
 
 
 def _read_qwen2(data: dict[str, Any], arch: str) -> dict[str, Any]:
@@ -305,15 +307,7 @@ def _read_qwen2(data: dict[str, Any], arch: str) -> dict[str, Any]:
 
 
 def _write_qwen2(config: ModelConfig) -> dict[str, Any]:
-    out = _hf_common(config, _FAMILIES["qwen2"])
-    n = config.num_hidden_layers
-    out.update(
-        use_sliding_window=False,
-        sliding_window=None,
-        max_window_layers=n,
-        layer_types=["full_attention"] * n,
-    )
-    return out
+    return _write_qwen(config, "qwen2")
 
 
 def _read_llama(data: dict[str, Any], arch: str) -> dict[str, Any]:
