@@ -12,6 +12,7 @@ from torch import Tensor
 from posttrain.fsdp_mesh import iter_full_state_dict
 from posttrain.grpo import checkpoint
 from posttrain.grpo.config import GrpoConfig
+from posttrain.grpo.masters import MasterAdamW
 from posttrain.grpo.trainer import (
     Policy,
     build_policy,
@@ -22,15 +23,27 @@ from posttrain.models import load_pretrained, to_hf_state_dict
 
 
 def weights(policy: Policy) -> dict[str, Tensor]:
+    """The fp32 masters: FSDP's parameters, or the megatron backend's ``MasterAdamW`` copies."""
+    if isinstance(policy.optimizer, MasterAdamW):
+        return {f"master.{i}": m.clone() for i, m in enumerate(policy.optimizer.masters)}
     return {k: v.clone() for k, v in iter_full_state_dict(policy.model)}
 
 
-def bf16_full_training(rank: int, world: int, ckpt: str, out: str, lr: float) -> dict[str, Any]:
+def sent_weights(policy: Policy, final: dict[str, Tensor]) -> dict[str, Tensor]:
+    """What the weight sync converts (HF names, the engine's dtype)."""
+    if policy.backend == "megatron":
+        return policy.model.hf_state_dict()
+    return to_hf_state_dict(final, policy.model.config)
+
+
+def bf16_full_training(
+    rank: int, world: int, ckpt: str, out: str, lr: float, backend: str
+) -> dict[str, Any]:
     """Three steps at ``lr`` (run A, checkpointed after the first); the same last two steps
     from a fresh policy resumed from that checkpoint; what the engine would be sent."""
     torch.set_num_threads(1)
     cfg = GrpoConfig(model_path=Path(ckpt), train="full", replicate=1, shard=world, lr=lr,
-                     seed=0, max_grad_norm=1e9)  # fmt: skip
+                     seed=0, max_grad_norm=1e9, backend=backend)  # type: ignore[arg-type]  # fmt: skip
     batches = [_samples(ckpt, s)[rank::world] for s in (1, 2, 3)]
     step = {"global_batch_size": N, "global_token_count": N * RESPONSE}
     run_a = build_policy(cfg)
@@ -40,7 +53,7 @@ def bf16_full_training(rank: int, world: int, ckpt: str, out: str, lr: float) ->
     for batch in batches[1:]:
         train_step(run_a, batch, cfg, **step)
     final = weights(run_a)
-    sent = to_hf_state_dict(final, run_a.model.config)  # what the weight sync converts
+    sent = sent_weights(run_a, final)
     engine = load_pretrained(ckpt)
     engine.load_hf_state_dict(sent)  # in the engine's dtype: it takes them as they are
     served = _samples(ckpt, 4, engine)[rank::world]
