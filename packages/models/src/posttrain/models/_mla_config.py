@@ -42,13 +42,7 @@ from typing import Any
 from torch import Tensor
 
 from posttrain.models._errors import ModelConfigError
-from posttrain.models._rope import (
-    default_inv_freq,
-    tables_of,
-    yarn_attention_factor,
-    yarn_get_mscale,
-    yarn_inv_freq,
-)
+from posttrain.models._rope import RopeScaling, default_inv_freq, tables_of, yarn_get_mscale
 
 DEFAULT_LATENT_NORM_EPS = 1e-6
 """The eps transformers gives ``q_a_layernorm`` / ``kv_a_layernorm`` (its RMSNorm default)."""
@@ -147,13 +141,27 @@ class MlaRope:
         )
 
     @property
+    def scaling(self) -> RopeScaling | None:
+        """The YaRN scaling as ``_rope``'s ``RopeScaling`` (None for the default rope)."""
+        if self.rope_type != "yarn":
+            return None
+        return RopeScaling(
+            rope_type="yarn",
+            factor=self.factor,
+            original_max_position_embeddings=self.original_max_position_embeddings,
+            beta_fast=self.beta_fast,
+            beta_slow=self.beta_slow,
+            mscale=self.mscale,
+            mscale_all_dim=self.mscale_all_dim,
+            attention_factor=self.attention_factor,
+            truncate=self.truncate,
+        )
+
+    @property
     def cos_sin_factor(self) -> float:
         """The factor transformers multiplies into cos and sin (YaRN's ``attention_factor``)."""
-        if self.rope_type != "yarn":
-            return 1.0
-        return yarn_attention_factor(
-            self.factor, self.mscale, self.mscale_all_dim, self.attention_factor
-        )
+        scaling = self.scaling
+        return 1.0 if scaling is None else scaling.cos_sin_factor
 
     @property
     def softmax_mscale(self) -> float:
@@ -164,19 +172,10 @@ class MlaRope:
 
     def inv_freq(self, dim: int) -> Tensor:
         """Inverse frequencies ``[dim // 2]`` in fp64 (transformers computes them in fp32)."""
-        extrapolation = default_inv_freq(dim, self.rope_theta)
-        if self.rope_type == "default":
-            return extrapolation
-        return yarn_inv_freq(
-            extrapolation,
-            dim=dim,
-            theta=self.rope_theta,
-            factor=self.factor,
-            original=self.original_max_position_embeddings,
-            beta_fast=self.beta_fast,
-            beta_slow=self.beta_slow,
-            truncate=self.truncate,
-        )
+        scaling = self.scaling
+        if scaling is None:
+            return default_inv_freq(dim, self.rope_theta)
+        return scaling.inv_freq(dim, self.rope_theta)
 
     def tables(self, dim: int, capacity: int) -> tuple[Tensor, Tensor]:
         """cos/sin ``[capacity, dim]`` fp32 in rotate-half layout, computed in fp64."""
