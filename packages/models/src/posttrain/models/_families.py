@@ -369,52 +369,24 @@ register_family(
     "PosttrainMultimodalForCausalLM",
     "posttrain_multimodal",
 )
-register_family(
-    Family(
-        name="qwen3",
-        architecture="Qwen3ForCausalLM",
-        model_type="qwen3",
-        qk_norm=True,
-        qkv_bias=False,
-        experts=False,
-        read=_read_qwen3,
-        write=_write_qwen3,
-    )
+# The dense families: (name = model_type, architecture, q/k norm, q/k/v bias, read, write).
+_DENSE_FAMILIES: tuple[tuple[str, str, bool, bool, Reader, Writer], ...] = (
+    ("qwen3", "Qwen3ForCausalLM", True, False, _read_qwen3, _write_qwen3),
+    ("qwen2", "Qwen2ForCausalLM", False, True, _read_qwen2, _write_qwen2),
+    ("llama", "LlamaForCausalLM", False, False, _read_llama, _write_llama),
+    ("mistral", "MistralForCausalLM", False, False, _read_mistral, _write_mistral),
 )
-register_family(
-    Family(
-        name="qwen2",
-        architecture="Qwen2ForCausalLM",
-        model_type="qwen2",
-        qk_norm=False,
-        qkv_bias=True,
-        experts=False,
-        read=_read_qwen2,
-        write=_write_qwen2,
+for _name, _arch, _qk_norm, _bias, _read, _write in _DENSE_FAMILIES:
+    register_family(
+        Family(
+            name=_name,
+            architecture=_arch,
+            model_type=_name,
+            qk_norm=_qk_norm,
+            qkv_bias=_bias,
+            experts=False,
+            read=_read,
+            write=_write,
+            sliding_window=_name == "mistral",
+        )
     )
-)
-register_family(
-    Family(
-        name="llama",
-        architecture="LlamaForCausalLM",
-        model_type="llama",
-        qk_norm=False,
-        qkv_bias=False,
-        experts=False,
-        read=_read_llama,
-        write=_write_llama,
-    )
-)
-register_family(
-    Family(
-        name="mistral",
-        architecture="MistralForCausalLM",
-        model_type="mistral",
-        qk_norm=False,
-        qkv_bias=False,
-        experts=False,
-        read=_read_mistral,
-        write=_write_mistral,
-        sliding_window=True,
-    )
-)
