@@ -36,7 +36,7 @@ def test_a_rank_that_fails_is_one_run_error_naming_the_rank_and_cause(tmp_path: 
         run(cfg)
     assert "Traceback" not in str(info.value)  # one line for the CLI, not the rank's stack
     # a model path that does not exist fails before any rank starts (the model gate)
-    with pytest.raises(GrpoConfigError, match="--model-path.*missing"):
+    with pytest.raises(GrpoConfigError, match=r"--model-path.*missing"):
         run(GrpoConfig(**{**cfg.to_dict(), "model_path": tmp_path / "missing"}))
 
 
