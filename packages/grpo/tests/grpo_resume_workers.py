@@ -24,15 +24,16 @@ from posttrain.grpo import checkpoint
 from posttrain.grpo.config import GrpoConfig
 from posttrain.grpo.trainer import Policy, TrainSample, build_policy, train_step
 from posttrain.lora import export_adapter
-from posttrain.models import load_pretrained
+from posttrain.models import DecoderModel, load_pretrained
 
 PROMPT, RESPONSE, N = 5, 4, 4
 VARIANTS = ("no_masters", "masters_after_load", "masters_before_load")
 
 
-def _samples(ckpt: str, seed: int) -> list[TrainSample]:
-    """Four samples with the checkpoint's own logprobs as the rollout's and mixed advantages."""
-    model = load_pretrained(ckpt)
+def _samples(ckpt: str, seed: int, model: DecoderModel | None = None) -> list[TrainSample]:
+    """Four samples with ``model``'s logprobs (default: the checkpoint's) as the rollout's and
+    mixed advantages."""
+    model = load_pretrained(ckpt) if model is None else model
     gen = torch.Generator().manual_seed(seed)
     out = []
     for i in range(N):

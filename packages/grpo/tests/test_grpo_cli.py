@@ -29,8 +29,13 @@ def one_error_line(err: str) -> str:
     return lines[0]
 
 
-def test_dry_run_prints_the_resolved_config(capsys: pytest.CaptureFixture[str]) -> None:
-    code, out, _ = run_cli(capsys, "--dry-run", "--model-path", "/ckpt/m", "--lr", "3e-6")
+def test_dry_run_prints_the_resolved_config(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    from posttrain.models import ModelConfig
+
+    ckpt = write_hf_config(tmp_path, **ModelConfig.tiny().to_hf_dict())
+    code, out, _ = run_cli(capsys, "--dry-run", "--model-path", str(ckpt), "--lr", "3e-6")
     assert code == 0
     assert "the config is valid; nothing was started" in out
     assert "* --lr" in out
@@ -51,7 +56,7 @@ def test_launch_style_argv(capsys: pytest.CaptureFixture[str]) -> None:
         "--model-path", "Qwen/Qwen3-8B", "--rollout-url", "http://10.0.0.1:8100",
         "--backend", "fsdp", "--replicate", "2", "--shard", "8", "--bf16",
         "--lora-targets", "q_proj, v_proj", "--teacher-url", "http://10.0.0.2:30000",
-        "--no-std-normalize", "--dry-run", "--json",
+        "--no-std-normalize", "--dry-run", "--json", "--no-model-check",
     ]  # fmt: skip
     code, out, _ = run_cli(capsys, *argv)
     assert code == 0

@@ -18,15 +18,26 @@ pytestmark = pytest.mark.multiproc
 
 @pytest.mark.timeout(120)
 def test_a_rank_that_fails_is_one_run_error_naming_the_rank_and_cause(tmp_path: Path) -> None:
+    import json
+
+    from posttrain.grpo import GrpoConfigError
+    from posttrain.models import ModelConfig
+
+    no_weights = tmp_path / "no-weights"  # the model gate reads config.json only: ranks start
+    no_weights.mkdir()
+    (no_weights / "config.json").write_text(json.dumps(ModelConfig.tiny().to_hf_dict()))
     cfg = GrpoConfig(
-        model_path=tmp_path / "missing",
+        model_path=no_weights,
         rollout_url="http://127.0.0.1:9",
         engine_urls=("http://127.0.0.1:9",),
         out_dir=tmp_path / "out",
     )
-    with pytest.raises(GrpoRunError, match=r"trainer rank [01]: .*missing/config\.json") as info:
+    with pytest.raises(GrpoRunError, match=r"trainer rank [01]: .*model\.safetensors") as info:
         run(cfg)
     assert "Traceback" not in str(info.value)  # one line for the CLI, not the rank's stack
+    # a model path that does not exist fails before any rank starts (the model gate)
+    with pytest.raises(GrpoConfigError, match=r"--model-path.*missing"):
+        run(GrpoConfig(**{**cfg.to_dict(), "model_path": tmp_path / "missing"}))
 
 
 def _sample(index: int, *, aborted: bool = False) -> Sample:

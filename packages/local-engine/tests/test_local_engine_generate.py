@@ -317,14 +317,38 @@ def test_bearer_token_guards_state_changing_routes(engine) -> None:  # type: ign
         assert c.post("/flush_cache", headers={"Authorization": "Bearer wrong"}).status_code == 401
 
 
-@pytest.mark.parametrize("layout", ["mellum", "qwen3_moe_all_moe", "qwen3_moe_mlp_only_layers"])
+_DENSE: dict[str, Any] = {"num_experts": 0, "mlp_only_layers": ()}
+_FAMILY_LAYOUTS: dict[str, dict[str, Any]] = {
+    "qwen3_moe_all_moe": {"mlp_only_layers": ()},
+    "qwen3_yarn": {**_DENSE, "family": "qwen3", "rope_scaling": "yarn"},
+    "qwen2": {**_DENSE, "family": "qwen2", "qk_norm": False, "qkv_bias": True},
+    "llama3": {**_DENSE, "family": "llama", "qk_norm": False, "rope_scaling": "llama3"},
+    "mistral": {
+        **_DENSE,
+        "family": "mistral",
+        "qk_norm": False,
+        "sliding_window_layers": (0, 1, 2, 3),
+        "sliding_window_size": 3,
+    },
+}
+
+
+@pytest.mark.parametrize(
+    "layout", ["mellum", "qwen3_moe_mlp_only_layers", *sorted(_FAMILY_LAYOUTS)]
+)
 def test_serves_every_checkpoint_layout(engine, tmp_path, trainer_lp, layout: str) -> None:  # type: ignore[no-untyped-def]
-    """Dense+MoE (mellum), all-MoE (qwen3_moe) and pre-mellum qwen3_moe + mlp_only_layers dirs."""
+    """Dense+MoE (mellum), all-MoE (qwen3_moe), pre-mellum qwen3_moe + mlp_only_layers dirs,
+    and each dense family (Qwen3 + YaRN, Qwen2 with q/k/v bias, Llama 3 rope, Mistral window)."""
     import json
 
-    from posttrain.models import ModelConfig, build_model, load_pretrained
+    from posttrain.models import ModelConfig, RopeScaling, build_model, load_pretrained
 
-    changes = {"mlp_only_layers": ()} if layout == "qwen3_moe_all_moe" else {}
+    changes = dict(_FAMILY_LAYOUTS.get(layout, {}))
+    rope = changes.pop("rope_scaling", None)
+    if rope is not None:
+        changes["rope_scaling"] = RopeScaling(
+            rope_type=rope, factor=4.0, original_max_position_embeddings=8
+        )
     cfg = ModelConfig.tiny(torch_dtype="bfloat16", max_position_embeddings=48, **changes)
     build_model(cfg, seed=3).save_pretrained(tmp_path)
     if layout == "qwen3_moe_mlp_only_layers":
@@ -348,3 +372,23 @@ def test_serves_every_checkpoint_layout(engine, tmp_path, trainer_lp, layout: st
     lps = [e[0] for e in r.json()["meta_info"]["output_token_logprobs"]]
     expected = trainer_lp(load_pretrained(tmp_path), prompt + out)[len(prompt) :]
     assert lps == expected
+
+
+def test_context_length_sets_the_kv_capacity(engine) -> None:  # type: ignore[no-untyped-def]
+    """``--context-length`` (SGLang's flag) is the KV capacity, not max_position_embeddings."""
+    prompt = list(range(4, 22))  # 18 tokens
+    with engine(context_length=20) as c:
+        info = c.get("/server_info").json()
+        r = c.post(
+            "/generate",
+            json={"input_ids": prompt, "sampling_params": {"max_new_tokens": 10}},
+        )
+        too_long = c.post(
+            "/generate",
+            json={"input_ids": list(range(4, 25)), "sampling_params": {"max_new_tokens": 1}},
+        )
+    assert info["context_length"] == 20
+    assert r.status_code == 200, r.text
+    assert r.json()["meta_info"]["completion_tokens"] <= 2
+    assert too_long.status_code == 400, too_long.text
+    assert "20" in too_long.text

@@ -107,6 +107,10 @@ def probe(path: str) -> dict[str, Any]:
         pre = f"model.layers.{i}."
         qkv = [pre + f"self_attn.{x}_proj.weight" for x in "qkv"]
         checks[pre + "qkv"] = holds(layer.self_attn.qkv_proj.weight.data, *qkv)
+        bias = getattr(layer.self_attn.qkv_proj, "bias", None)
+        if bias is not None:  # Qwen2's q/k/v biases, fused in the same order
+            names = [pre + f"self_attn.{x}_proj.bias" for x in "qkv"]
+            checks[pre + "qkv_bias"] = holds(bias.data, *names)
         if hasattr(mlp, "experts"):
             for e in range(mlp.experts.w13_weight.shape[0]):
                 ex = pre + f"mlp.experts.{e}."

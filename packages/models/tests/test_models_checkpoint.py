@@ -125,7 +125,8 @@ def test_load_errors_name_the_file_or_tensor(tmp_path: Path) -> None:
     )
     with pytest.raises(TensorSpecMismatchError, match=r"model\.norm\.weight.*bfloat16"):
         load_pretrained(tmp_path)
-    bad = {**cfg.to_hf_dict(), "rope_scaling": {"type": "yarn", "factor": 2.0}}
+    moe = cfg.replace(mlp_only_layers=()).to_hf_dict()  # qwen3_moe (no dense layer)
+    bad = {**moe, "rope_scaling": {"type": "dynamic", "factor": 2.0}}
     (tmp_path / "config.json").write_text(json.dumps(bad))
-    with pytest.raises(ModelConfigError, match="rope_scaling"):
+    with pytest.raises(ModelConfigError, match=r"Qwen3MoeForCausalLM.*rope_type='dynamic'"):
         load_config(tmp_path)

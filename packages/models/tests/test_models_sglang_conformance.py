@@ -1,4 +1,5 @@
-"""Optional: SGLang's own model class builds our checkpoints as written and loads every tensor.
+"""Optional: SGLang's own model class builds our checkpoints as written and loads every tensor
+(Qwen3-MoE / Mellum, and each dense family: Qwen3, Qwen2.5, Llama 3, Mistral).
 
 Runs where ``sglang`` imports: CI runs it in the side environment ``.ci/sglang-conformance``
 builds (pinned sglang 0.5.23 ``--no-deps`` plus the light packages it imports), where it must
@@ -45,6 +46,54 @@ CASES: dict[str, tuple[dict[str, Any], str]] = {
     "all-moe": ({"mlp_only_layers": ()}, "Qwen3MoeForCausalLM"),
 }
 OLD_LAYOUT = "old-qwen3-moe-dense-first"
+_DENSE: dict[str, Any] = {"num_experts": 0, "mlp_only_layers": ()}
+# Each dense family in its own HF layout (issue 33), with the SGLang class that must take it.
+FAMILY_CASES: dict[str, tuple[dict[str, Any], str]] = {
+    "qwen3-dense-tied": (
+        {**_DENSE, "family": "qwen3", "tie_word_embeddings": True},
+        "Qwen3ForCausalLM",
+    ),
+    "qwen3-yarn-bf16": (
+        {**_DENSE, "family": "qwen3", "torch_dtype": "bfloat16", "rope_scaling": "yarn"},
+        "Qwen3ForCausalLM",
+    ),
+    "qwen2.5-bias-tied": (
+        {
+            **_DENSE,
+            "family": "qwen2",
+            "qk_norm": False,
+            "qkv_bias": True,
+            "tie_word_embeddings": True,
+        },
+        "Qwen2ForCausalLM",
+    ),
+    "llama3": (
+        {**_DENSE, "family": "llama", "qk_norm": False, "rope_scaling": "llama3"},
+        "LlamaForCausalLM",
+    ),
+    "mistral-window": (
+        {
+            **_DENSE,
+            "family": "mistral",
+            "qk_norm": False,
+            "sliding_window_layers": (0, 1, 2, 3),
+            "sliding_window_size": 16,
+        },
+        "MistralForCausalLM",
+    ),
+}
+
+
+def _family_config(changes: dict[str, Any]) -> ModelConfig:
+    from posttrain.models import RopeScaling
+
+    changes = dict(changes)
+    rope = changes.pop("rope_scaling", None)
+    if rope is not None:
+        changes["rope_scaling"] = RopeScaling(
+            rope_type=rope, factor=4.0, original_max_position_embeddings=16
+        )
+    return ModelConfig.tiny(**changes)
 
 
 @pytest.fixture(scope="module")
@@ -53,10 +102,12 @@ def probed(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]
     root = tmp_path_factory.mktemp("sglang")
     for name, (changes, _) in CASES.items():
         save_pretrained(build_model(ModelConfig.tiny(**changes), seed=0), root / name)
+    for name, (changes, _) in FAMILY_CASES.items():
+        save_pretrained(build_model(_family_config(changes), seed=0), root / name)
     old = ModelConfig.tiny()
     save_pretrained(build_model(old, seed=0), root / OLD_LAYOUT)
     (root / OLD_LAYOUT / "config.json").write_text(json.dumps(old.to_qwen3_moe_hf_dict()))
-    paths = [str(root / n) for n in [*CASES, OLD_LAYOUT]]
+    paths = [str(root / n) for n in [*CASES, *FAMILY_CASES, OLD_LAYOUT]]
     done = subprocess.run(
         [sys.executable, str(PROBE), str(_free_port()), *paths],
         capture_output=True,
@@ -70,7 +121,7 @@ def probed(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]
         if line.startswith("PROBE "):
             path, _, payload = line.removeprefix("PROBE ").partition(" ")
             results[Path(path).name] = json.loads(payload)
-    assert set(results) == {*CASES, OLD_LAYOUT}, done.stdout[-2000:]
+    assert set(results) == {*CASES, *FAMILY_CASES, OLD_LAYOUT}, done.stdout[-2000:]
     return results
 
 
@@ -115,6 +166,23 @@ def test_sglang_builds_and_loads_our_checkpoint_exactly(
     assert result["unwritten"] == []
     assert result["unused"] == []
     assert result["fused_ok"], result["fused_bad"]
+
+
+@pytest.mark.parametrize("name", sorted(FAMILY_CASES))
+def test_sglang_loads_each_family_as_we_write_it(
+    probed: dict[str, dict[str, Any]], name: str
+) -> None:
+    """Qwen3 (tied, YaRN), Qwen2.5 (q/k/v bias), Llama 3 and Mistral: SGLang's class for the
+    architecture we write builds it and every parameter is written from exactly our tensors."""
+    changes, architecture = FAMILY_CASES[name]
+    result = probed[name]
+    assert result["architecture"] == architecture
+    assert result["unwritten"] == []
+    assert result["unused"] == []
+    assert result["fused_ok"], result["fused_bad"]
+    cfg = _family_config(changes)
+    assert ("model.layers.0.self_attn.qkv_proj.bias" in result["params"]) is cfg.qkv_bias
+    assert ("model.layers.0.self_attn.q_norm.weight" in result["params"]) is cfg.qk_norm
 
 
 def test_old_qwen3_moe_layout_with_a_dense_layer_does_not_load_in_sglang(

@@ -54,6 +54,7 @@ from posttrain.grpo.config import (
     field_type,
     parse_moe_layer_freq,
 )
+from posttrain.grpo.model_check import check_model
 from posttrain.interface import PosttrainError
 
 PROG = "python -m posttrain.grpo"
@@ -119,6 +120,15 @@ def _extra_parameters() -> list[inspect.Parameter]:
     return [
         _option("bf16", bool, False, "train in bf16 (Megatron's spelling of --precision bf16)"),
         _option("as_json", bool, False, "with --dry-run: print the config as JSON", "--json"),
+        _option(
+            "model_check",
+            bool,
+            True,
+            "with --dry-run: read --model-path's config.json (a directory, or a hub id from the "
+            "local Hugging Face cache) and refuse an unsupported architecture or feature; "
+            "--no-model-check validates the flags only (a plan for machines that hold the model)",
+            "--model-check/--no-model-check",
+        ),
         _option("fp16", bool, False, "refused: fp16 training is not supported"),
         *(
             _option(name, str | None, None, "refused: needs Transformer Engine's fp8/fp4 linears")
@@ -201,6 +211,8 @@ def _command(**values: Any) -> None:
     if not config.dry_run:
         run(config)
         return
+    if values.get("model_check", True):
+        check_model(config)  # the model gate: an unsupported checkpoint fails here, in a second
     out = Console(highlight=False, soft_wrap=True)
     if values.get("as_json"):
         out.print(json.dumps(config.to_dict(), indent=2), markup=False)

@@ -73,6 +73,7 @@ class GrpoConfig:
     moe_layer_freq: tuple[int, ...] | None = None
     precision: Precision = "fp32"
     numerics: Numerics = "strict"
+    context_length: int | None = None
     # The schedule.
     steps: int = 20
     seed: int = 0
@@ -164,7 +165,7 @@ class GrpoConfig:
                 )
         for name in ("checkpoint_every", "opd_top_k", "seed", "micro_batch_size"):
             _check_int(name, getattr(self, name), minimum=0)
-        for name in ("num_layers", "num_experts"):
+        for name in ("num_layers", "num_experts", "context_length"):
             if getattr(self, name) is not None:
                 _check_int(name, getattr(self, name), minimum=1)
         for name in (
@@ -375,6 +376,8 @@ HELP: dict[str, str] = {
     "moe_layer_freq": "declared per-layer MoE pattern, 1 = MoE layer, e.g. [0]*1+[1]*46",
     "precision": "trainer activation precision",
     "numerics": "strict: engine-identical kernels; fast: stock torch ops",
+    "context_length": "KV capacity: tokens per sample, prompt and output together (default: the "
+    "model's max_position_embeddings); a launch passes the same to its engines",
     "steps": "GRPO steps",
     "seed": "seed of every random choice (data order, sampling, init)",
     "prompts_per_step": "prompts per step",

@@ -71,6 +71,7 @@ from posttrain.grpo._errors import GrpoConfigError, GrpoRunError
 from posttrain.grpo.advantages import group_normalized_advantages
 from posttrain.grpo.config import GrpoConfig
 from posttrain.grpo.metrics import MetricsLog, write_report
+from posttrain.grpo.model_check import check_model, resolve_model_paths
 from posttrain.grpo.rewards import PromptStream, Task, build_task
 from posttrain.grpo.rollout import RolloutSettings, run_rollout
 from posttrain.grpo.sync import (
@@ -113,6 +114,8 @@ def run(
         return {"dry_run": True, "config": config.to_dict()}
     plugged = Plugged(task=task, engine=engine, weight_sinks=tuple(weight_sinks))
     _check_runnable(config, plugged)
+    config = resolve_model_paths(config)  # hub ids -> their cached directories
+    check_model(config)  # before any rank or engine starts
     if "RANK" in os.environ or config.world_size == 1:
         return _run_rank(config, plugged)
     return _spawn_ranks(config, plugged)

@@ -274,8 +274,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     prep.add_argument("--seed", type=int, default=0)
     prep.add_argument("--nvfp4", action="store_true", help="also the NVFP4 copy of the policy")
     prep.add_argument("--task", default="addition", help=f"one of {', '.join(RECIPES)}")
+    prep.add_argument(
+        "--settings-only",
+        action="store_true",
+        help="print the task's trainer settings only, writing no checkpoint (a run that "
+        "trains the user's own --model-path)",
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
+    if args.settings_only:
+        if args.task not in RECIPES:
+            print(f"error: task={args.task!r} has no embedded recipe", file=sys.stderr)
+            return 2
+        settings = {
+            k: list(v) if isinstance(v, tuple) else v for k, v in RECIPES[args.task].items()
+        }
+        print(json.dumps({"task": args.task, "recipe": settings}))
+        return 0
     try:
         paths = prepare(
             args.cache or cache_dir(), args.seed, nvfp4=args.nvfp4, task=args.task,

@@ -42,7 +42,11 @@ Departures from the obvious:
   ``precision="bf16"`` FSDP2 keeps the fp32 shards and casts a compute copy), so a write into
   the parameters after the optimizer exists (a resume) is what the next step starts from (G8;
   trap 1 of issue 25, ``tests/test_grpo_resume_masters.py``, which also shows masters
-  snapshotted before the load would be caught).
+  snapshotted before the load would be caught). Full training of a bf16 (or fp16) checkpoint
+  upcasts the parameters to fp32 before sharding: they are the fp32 masters, FSDP's compute
+  copy is in the checkpoint's dtype (what the engine serves, so strict parity holds), the
+  weight sync converts with ``to_hf_state_dict`` (the checkpoint's dtype) and checkpoints keep
+  the fp32 masters (``tests/test_grpo_masters.py``). LoRA factors are fp32 as before.
 * ``--backend megatron`` (``posttrain.grpo.megatron``) builds a ``TensorParallelDecoder``
   instead (tensor / sequence / expert parallel on megatron-core's parallel linears); the step is
   the same code (``compute_gradients``), with no FSDP: gradients add up over micro-batches and
@@ -257,11 +261,16 @@ def build_policy(cfg: GrpoConfig) -> Policy:
         return build_megatron_policy(cfg)
     if cfg.model_path is None:
         raise GrpoConfigError("model_path is required to train (--model-path)")
-    model = load_pretrained(cfg.model_path, numerics=Numerics(cfg.numerics))
+    numerics, capacity = Numerics(cfg.numerics), cfg.context_length
+    model = load_pretrained(cfg.model_path, numerics=numerics, kv_capacity=capacity)
     ref = None
     if cfg.use_kl_loss and cfg.train == "full":
-        ref = load_pretrained(cfg.model_path, numerics=Numerics(cfg.numerics)).requires_grad_(False)
+        ref = load_pretrained(cfg.model_path, numerics=numerics, kv_capacity=capacity)
+        ref.requires_grad_(False)
     return shard_policy(model, cfg, device=torch.device("cpu"), ref_model=ref)
+
+
+_LOW_PRECISION_DTYPES = (torch.bfloat16, torch.float16)
 
 
 def shard_policy(
@@ -294,6 +303,13 @@ def shard_policy(
         handle = attach_lora(model, lcfg, targets, LoraGroups(dp=dist.group.WORLD))
         ignored = set(handle.parameters())
     param_dtype = torch.bfloat16 if cfg.precision == "bf16" else None
+    if cfg.train == "full" and model.config.dtype in _LOW_PRECISION_DTYPES:
+        # fp32 masters for a bf16/fp16 checkpoint: the optimizer updates fp32 parameters (an
+        # update below the checkpoint dtype's resolution still accumulates), FSDP casts the
+        # compute copy back to the checkpoint dtype (the engine's weights: strict parity holds),
+        # checkpoints hold the fp32 masters, and ``to_hf_state_dict`` gives the config's dtype.
+        param_dtype = model.config.dtype
+        model.float()
     apply_hsdp(
         model,
         mesh,
@@ -445,7 +461,7 @@ def _pack_context_parallel(
             raise GrpoInputError(
                 f"sample {i} of the micro-batch has {n} tokens; context parallel pads it to {p} "
                 f"(a multiple of 2 x context_parallel_size={cp_size}), more than the model's "
-                f"max_position_embeddings={capacity}"
+                f"KV capacity {capacity} (--context-length)"
             )
     ids: list[int] = []
     mask: list[int] = []
@@ -500,7 +516,7 @@ def _context_parallel_objective(
     group = policy.parallel.cp_group
     batch = _pack_context_parallel(
         part, policy.cp_size, settings,
-        capacity=policy.model.config.max_position_embeddings,
+        capacity=policy.model.config.capacity,
         global_batch_size=global_batch_size, global_token_count=global_token_count,
     )  # fmt: skip
     out = cp.forward_context_parallel(

@@ -94,6 +94,26 @@ def grpo_command(
             "the step [default: 120]",
         ),
     ] = None,
+    model_path: Annotated[
+        Path | None,
+        typer.Option(
+            "--model-path",
+            metavar="DIR",
+            help="train your own checkpoint instead of the recipe's tiny policy: a Hugging Face "
+            "directory (Qwen3, Qwen3-MoE, Qwen2/2.5, Llama 3.x, Mistral) with its tokenizer; "
+            "the engines serve it and the trainer trains it [default: the recipe's]",
+        ),
+    ] = None,
+    context_length: Annotated[
+        int | None,
+        typer.Option(
+            "--context-length",
+            min=1,
+            metavar="N",
+            help="KV capacity of the engines and the trainer, prompt and output together "
+            "[default: the model's max_position_embeddings]",
+        ),
+    ] = None,
     verbose: Annotated[
         bool,
         typer.Option("--verbose", help="stream every server's log to the terminal [default: off]"),
@@ -117,9 +137,14 @@ def grpo_command(
             out=out,
             trainer_args=tuple(ctx.args),
             turn_timeout_s=turn_timeout,
+            model_path=model_path,
+            context_length=context_length,
         )
         _err.print(
-            "posttrain grpo: preparing the recipe's checkpoints (a first run warms up a tiny "
+            f"posttrain grpo: training {cfg.model_path}; starting the engines, sgl-router, the "
+            f"session router and the trainer; metrics and plots go to {cfg.out}"
+            if cfg.model_path is not None
+            else "posttrain grpo: preparing the recipe's checkpoints (a first run warms up a tiny "
             "model, about 30 s), then starting the engines, sgl-router, the session router and "
             f"the trainer; metrics and plots go to {cfg.out}",
             highlight=False,

@@ -17,6 +17,12 @@
 ``--upstream-timeout-s`` and the trainer's ``--turn-timeout-s``. A turn past it (a frozen
 engine) is an aborted sample the step leaves out, not a failed run.
 
+``--model-path DIR`` trains the user's own checkpoint (any family ``posttrain.models``
+supports) instead of the recipe's policy: the recipe step only gives the task's settings, the
+engines serve DIR (with its tokenizer), the trainer trains it, the LoRA targets are the recipe's
+that exist in DIR's architecture, and the trainer's ``--dry-run`` applies the model gate before
+any process starts. ``--context-length N`` is the KV capacity of the engines and the trainer.
+
 Launch never imports posttrain.grpo: both the recipe and the trainer are ``python -m``
 commands, so the CLI stays light. They run on this interpreter (``sys.executable``), as every
 process of the stack does (``LocalRunner``): the ``python`` on PATH may be another one. Flags
@@ -72,6 +78,8 @@ class GrpoRecipeConfig:
     trainer_args: tuple[str, ...] = ()
     ready_timeout_s: float = 300.0
     turn_timeout_s: float | None = None  # None: the trainer's and the session router's defaults
+    model_path: Path | None = None  # None: the recipe's own tiny policy
+    context_length: int | None = None  # None: the model's max_position_embeddings
 
     def __post_init__(self) -> None:
         if self.train not in ("lora", "full"):
@@ -90,6 +98,24 @@ class GrpoRecipeConfig:
             raise LaunchConfigError(
                 f"--turn-timeout must be a finite number of seconds > 0, got {self.turn_timeout_s}"
             )
+        if self.context_length is not None and self.context_length < 1:
+            raise LaunchConfigError(f"--context-length must be >= 1, got {self.context_length}")
+        if self.model_path is not None:
+            if not (Path(self.model_path) / "config.json").is_file():
+                raise LaunchConfigError(
+                    f"--model-path {self.model_path}: not a checkpoint directory (no config.json)"
+                )
+            if self.rollout_quant != "none":
+                raise LaunchConfigError(
+                    "--rollout-quant nvfp4 serves the recipe's own NVFP4 conversion; with "
+                    "--model-path, convert DIR with posttrain-quant-convert and train it with "
+                    "python -m posttrain.grpo --engine-model-path"
+                )
+            if self.opd and self.teacher_url is None:
+                raise LaunchConfigError(
+                    "--opd with --model-path needs --teacher URL: the recipe's teacher speaks "
+                    "the recipe's vocabulary, not DIR's"
+                )
         if self.teacher_url is not None and not self.teacher_url.startswith(
             ("http://", "https://")
         ):
@@ -104,6 +130,8 @@ def prepare_recipe(
             "--task", cfg.task]  # fmt: skip
     if cfg.rollout_quant == "nvfp4":
         argv.append("--nvfp4")
+    if cfg.model_path is not None:  # the user's model: the task's settings, no checkpoints
+        argv.append("--settings-only")
     sink("recipe", " ".join(argv))
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             preexec_fn=_set_pdeathsig)  # fmt: skip
@@ -135,7 +163,7 @@ def trainer_argv(cfg: GrpoRecipeConfig, recipe: dict[str, Any], urls: dict[str, 
         settings["lr"] = settings.get("full_lr", settings["lr"])
     argv = [
         python, "-m", "posttrain.grpo",
-        "--model-path", recipe["policy"],
+        "--model-path", policy_path(cfg, recipe),
         "--rollout-url", urls["session-router"],
         "--engine-urls", ",".join(urls[n] for n in engine_names),
         "--train", cfg.train,
@@ -148,7 +176,12 @@ def trainer_argv(cfg: GrpoRecipeConfig, recipe: dict[str, Any], urls: dict[str, 
     for key in ("prompts_per_step", "samples_per_prompt", "max_new_tokens", "temperature", "lr",
                 "lora_r", "lora_alpha", "max_grad_norm", "steps"):  # fmt: skip
         argv += ["--" + key.replace("_", "-"), str(settings[key])]
-    argv += ["--lora-targets", ",".join(settings["lora_targets"])]
+    targets = list(settings["lora_targets"])
+    if cfg.model_path is not None:
+        targets = lora_targets_for(cfg.model_path, targets)
+    argv += ["--lora-targets", ",".join(targets)]
+    if cfg.context_length is not None:
+        argv += ["--context-length", str(cfg.context_length)]
     teacher = cfg.teacher_url or urls.get(TEACHER)
     if cfg.opd:
         argv += ["--opd", "--teacher-url", str(teacher), "--opd-top-k", str(settings["opd_top_k"]),
@@ -167,13 +200,63 @@ def trainer_argv(cfg: GrpoRecipeConfig, recipe: dict[str, Any], urls: dict[str, 
     return argv + list(cfg.trainer_args)
 
 
+def policy_path(cfg: GrpoRecipeConfig, recipe: dict[str, Any]) -> str:
+    """The checkpoint the engines serve and the trainer trains: ``--model-path`` or the
+    recipe's policy."""
+    return str(cfg.model_path) if cfg.model_path is not None else str(recipe["policy"])
+
+
+_MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")
+_EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
+
+
+def lora_targets_for(model_dir: Path, wanted: list[str]) -> list[str]:
+    """The ``wanted`` LoRA targets that are linears of ``model_dir``'s architecture: the MLP's
+    ``gate_proj``/``up_proj``/``down_proj`` only where some layer has a dense MLP (a routed
+    expert's projections are not LoRA sites); the attention projections always."""
+    hf = json.loads((Path(model_dir) / "config.json").read_text())
+    experts = max(int(hf.get(k) or 0) for k in _EXPERT_KEYS)
+    types = hf.get("mlp_layer_types")
+    step = hf.get("decoder_sparse_step") or 1
+    dense = (
+        not experts
+        or (isinstance(types, list) and "dense" in types)
+        or bool(hf.get("mlp_only_layers"))
+        or (isinstance(step, int) and step > 1)
+    )
+    return [t for t in wanted if dense or t not in _MLP_TARGETS]
+
+
+def check_trainer(
+    cfg: GrpoRecipeConfig, recipe: dict[str, Any], sink: LogSink, *, python: str
+) -> None:
+    """The trainer's ``--dry-run`` on the run's own flags: an unsupported ``--model-path`` (an
+    architecture or a feature the decoder does not compute exactly) fails here, in seconds,
+    before any engine starts."""
+    placeholder = {"session-router": "http://127.0.0.1:9"}
+    argv = trainer_argv(cfg, recipe, placeholder, [], python=python)
+    at = argv.index("--engine-urls")
+    argv = [*argv[:at], *argv[at + 2 :], "--dry-run"]
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=300, check=False)
+    for line in proc.stderr.splitlines():
+        sink("trainer", line)
+    if proc.returncode != 0:
+        lines = [line for line in proc.stderr.splitlines() if line.strip()]
+        raise LaunchConfigError(
+            lines[-1] if lines else f"the trainer's --dry-run failed ({proc.returncode})"
+        )
+
+
 def run_grpo(cfg: GrpoRecipeConfig, sink: LogSink, *, python: str = sys.executable) -> int:
     """Prepare, start the stack, run the trainer in the foreground, stop everything.
 
     ``python`` runs the recipe, every process of the stack and the trainer (default: this one).
     """
     recipe = prepare_recipe(cfg, sink, python=python)
-    served = recipe["policy_nvfp4"] if cfg.rollout_quant == "nvfp4" else recipe["policy"]
+    policy = policy_path(cfg, recipe)
+    served = recipe["policy_nvfp4"] if cfg.rollout_quant == "nvfp4" else policy
+    if cfg.model_path is not None:
+        check_trainer(cfg, recipe, sink, python=python)  # the model gate, before any process
     key = new_api_key()
     key_file = write_key_file(key, f"grpo-{os.getpid()}")
     sink("launcher", f"api-key-file {key_file}")
@@ -181,7 +264,7 @@ def run_grpo(cfg: GrpoRecipeConfig, sink: LogSink, *, python: str = sys.executab
         plan = build_local_stack(
             LocalStackConfig(
                 model_path=served,
-                tokenizer_path=recipe["policy"],
+                tokenizer_path=policy,
                 engines=cfg.engines,
                 engine_kind=EngineKind.LOCAL,
                 lora_adapter=ADAPTER if cfg.train == "lora" else None,
@@ -191,6 +274,9 @@ def run_grpo(cfg: GrpoRecipeConfig, sink: LogSink, *, python: str = sys.executab
                 ready_timeout_s=cfg.ready_timeout_s,
                 turn_timeout_s=cfg.turn_timeout_s,
                 api_key=key,
+                engine_args=()
+                if cfg.context_length is None
+                else ("--context-length", str(cfg.context_length)),
             )
         )
         return _run_stack_and_trainer(cfg, recipe, plan, sink, key, key_file, python)

@@ -49,6 +49,7 @@ class EngineConfig:
     lora_paths: dict[str, str] = field(default_factory=dict)
     random_seed: int = 0
     numerics: Literal["strict", "fast"] = "strict"
+    context_length: int | None = None
     max_running_requests: int = 8
     max_queued_requests: int = 256
     max_request_bytes: int = 32 * 1024 * 1024
@@ -63,6 +64,8 @@ class EngineConfig:
         for name in ("max_loras_per_batch", "max_running_requests", "max_queued_requests"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"--{name.replace('_', '-')} must be positive")
+        if self.context_length is not None and self.context_length <= 0:
+            raise ConfigError(f"--context-length {self.context_length} must be positive")
         if not 0 < self.port < 65536:
             raise ConfigError(f"--port {self.port} is not a TCP port")
 
@@ -139,6 +142,9 @@ def build_parser() -> argparse.ArgumentParser:
         default="strict",
         help="strict: batch-invariant fp32 kernels, logprobs equal the trainer's bit for bit",
     )
+    add("--context-length", type=int, default=None, metavar="N",
+        help="KV capacity: tokens per sequence, prompt and output together (default: the "
+        "model's max_position_embeddings)")  # fmt: skip
     add("--max-running-requests", type=int, default=8, help="prompts decoded together (batch)")
     add("--max-queued-requests", type=int, default=256,
         help="prompts waiting; past it a request gets 503 at once")  # fmt: skip
@@ -168,6 +174,7 @@ def parse_args(argv: Sequence[str] | None = None) -> EngineConfig:
             lora_paths=dict(a.lora_paths),
             random_seed=a.random_seed,
             numerics=a.numerics,
+            context_length=a.context_length,
             max_running_requests=a.max_running_requests,
             max_queued_requests=a.max_queued_requests,
             max_request_bytes=a.max_request_bytes,

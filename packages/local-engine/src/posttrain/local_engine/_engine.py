@@ -125,7 +125,7 @@ class Engine:
     ) -> None:
         self.model = model
         self.vocab_size = model.config.vocab_size
-        self.max_context = model.config.max_position_embeddings
+        self.max_context = model.config.capacity
         self.eos_token_ids = tuple(eos_token_ids)
         self.lora_targets = model.lora_targets()
         self._specs = {

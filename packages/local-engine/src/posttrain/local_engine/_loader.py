@@ -101,11 +101,14 @@ def read_checkpoint(
 
 
 def load_model(
-    model_dir: str | Path, *, numerics: str = "strict"
+    model_dir: str | Path, *, numerics: str = "strict", context_length: int | None = None
 ) -> tuple[DecoderModel, NVFP4Report | None]:
-    """The model of a checkpoint directory, ready to serve."""
+    """The model of a checkpoint directory, ready to serve; ``context_length`` is its KV
+    capacity (``ModelConfig.kv_capacity``; None keeps ``max_position_embeddings``)."""
     try:
         config = load_config(model_dir)
+        if context_length is not None:
+            config = config.replace(kv_capacity=context_length)
         model = DecoderModel(config, numerics=Numerics(numerics))
     except ModelsError as e:
         raise CheckpointError(f"{model_dir}: {e}") from e

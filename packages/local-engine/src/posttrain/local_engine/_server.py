@@ -35,7 +35,9 @@ def load_config_dict(model_path: str) -> dict[str, Any]:
 
 def build_app(config: EngineConfig) -> Starlette:
     """Load the checkpoint, its tokenizer and the startup adapters; return the ASGI app."""
-    model, report = load_model(config.model_path, numerics=config.numerics)
+    model, report = load_model(
+        config.model_path, numerics=config.numerics, context_length=config.context_length
+    )
     codec = load_codec(config.model_path)
     eos: list[int] = list(codec.eos_token_ids) if codec is not None else []
     if model.config.eos_token_id is not None and model.config.eos_token_id not in eos:

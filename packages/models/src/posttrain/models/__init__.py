@@ -72,6 +72,14 @@ from posttrain.models._errors import (
     TensorSpecMismatchError,
     UnknownTensorError,
 )
+from posttrain.models._families import (
+    Family,
+    architecture_of,
+    family_named,
+    register_family,
+    supported_architectures,
+)
+from posttrain.models._hub import is_hub_id, resolve_model_dir
 from posttrain.models._lora import LoraAdapter
 from posttrain.models._media import (
     MediaBatch,
@@ -105,6 +113,7 @@ from posttrain.models._model import (
     strict_ops_for,
 )
 from posttrain.models._ops import FastOps, StrictOps
+from posttrain.models._rope import RopeScaling
 from posttrain.models._sites import LinearSite
 from posttrain.models._tokenizer import (
     CHAT_TEMPLATE,
@@ -130,6 +139,7 @@ __all__ = [
     "CheckpointError",
     "DecoderModel",
     "DuplicateTensorError",
+    "Family",
     "FastOps",
     "KVCache",
     "LinearSite",
@@ -148,6 +158,7 @@ __all__ = [
     "ModelsError",
     "Numerics",
     "PackedLayout",
+    "RopeScaling",
     "Step",
     "StrictKernels",
     "StrictOps",
@@ -156,6 +167,7 @@ __all__ = [
     "TokenLayout",
     "UnknownTensorError",
     "WeightGroup",
+    "architecture_of",
     "attend",
     "attend_buffers",
     "build_model",
@@ -170,8 +182,10 @@ __all__ = [
     "encode_png_base64",
     "encode_wav_base64",
     "expand_media_tokens",
+    "family_named",
     "from_hf_state_dict",
     "has_towers",
+    "is_hub_id",
     "load_config",
     "load_hf_tensors",
     "load_pretrained",
@@ -181,12 +195,15 @@ __all__ = [
     "packed_logprobs",
     "parity",
     "read_media_bytes",
+    "register_family",
     "rel_logits_of",
     "residual_sconv",
+    "resolve_model_dir",
     "save_hf_weights",
     "save_pretrained",
     "sentinel_id",
     "strict_ops_for",
+    "supported_architectures",
     "to_hf_state_dict",
     "tower_parameter_names",
     "weight_groups",

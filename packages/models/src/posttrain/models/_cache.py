@@ -1,7 +1,7 @@
 """The KV cache of incremental decode: fixed-capacity fp32 buffers per layer and row.
 
 Rows are independent sequences (an engine's concurrent requests). A row's buffer has
-exactly ``C = max_position_embeddings`` slots because strict attention reduces over that
+exactly ``C = config.capacity`` slots because strict attention reduces over that
 fixed capacity on every path; a reset zeroes the row so stale values never linger.
 Layers may differ in shape (sliding-window layers have their own heads and head dim).
 
@@ -21,8 +21,8 @@ from posttrain.models._errors import CacheError
 class KVCache:
     """Per-layer fp32 key/value buffers ``[num_rows, C, kv_heads, head_dim]`` and row lengths.
 
-    The capacity ``C`` is the model's ``max_position_embeddings``: strict attention reduces
-    over exactly ``C`` slots on every path, so it is not a free choice.
+    The capacity ``C`` is the model's ``config.capacity`` (``kv_capacity``, else
+    ``max_position_embeddings``): positions lie in ``[0, C)``.
     """
 
     def __init__(
@@ -30,7 +30,7 @@ class KVCache:
     ) -> None:
         if num_rows <= 0:
             raise CacheError(f"a KV cache needs at least one row, got num_rows={num_rows}")
-        cap = config.max_position_embeddings
+        cap = config.capacity
         shapes = [
             (num_rows, cap, s.num_kv_heads, s.head_dim)
             for s in (config.attention_shape(i) for i in range(config.num_hidden_layers))

@@ -22,6 +22,7 @@ from torch import Tensor
 from posttrain.formats import write_bytes_atomic
 from posttrain.models._config import ModelConfig
 from posttrain.models._errors import CheckpointError
+from posttrain.models._hub import resolve_model_dir
 from posttrain.models._model import DecoderModel, Numerics
 
 if TYPE_CHECKING:
@@ -60,23 +61,25 @@ def save_hf_weights(path: str | Path, tensors: dict[str, Tensor], config: ModelC
     return out
 
 
-def load_config(path: str | Path) -> ModelConfig:
-    """Read ``config.json`` from a model directory."""
-    file = Path(path) / CONFIG_NAME
+def load_config(path: str | Path, *, kv_capacity: int | None = None) -> ModelConfig:
+    """Read ``config.json`` from a model directory (or a cached hub id, see ``_hub``) through
+    the family gate; ``kv_capacity`` sets ``ModelConfig.kv_capacity``."""
+    file = resolve_model_dir(path) / CONFIG_NAME
     try:
         data: dict[str, Any] = json.loads(file.read_text())
     except FileNotFoundError as exc:
         raise CheckpointError(f"{file} does not exist") from exc
     except json.JSONDecodeError as exc:
         raise CheckpointError(f"{file} is not valid JSON: {exc}") from exc
-    return ModelConfig.from_hf_dict(data)
+    config = ModelConfig.from_hf_dict(data)
+    return config if kv_capacity is None else config.replace(kv_capacity=kv_capacity)
 
 
 def load_hf_tensors(path: str | Path) -> dict[str, torch.Tensor]:
     """All tensors of a model directory under their HF names (single file or shards)."""
     from safetensors import safe_open
 
-    root = Path(path)
+    root = resolve_model_dir(path)
     if (root / INDEX_NAME).exists():
         index = json.loads((root / INDEX_NAME).read_text())
         files = sorted(set(index.get("weight_map", {}).values()))
@@ -97,13 +100,16 @@ def load_hf_tensors(path: str | Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def load_pretrained(path: str | Path, *, numerics: Numerics = Numerics.STRICT) -> DecoderModel:
-    """Build a model from a directory written by ``save_pretrained`` (or any Qwen3-MoE dir).
+def load_pretrained(
+    path: str | Path, *, numerics: Numerics = Numerics.STRICT, kv_capacity: int | None = None
+) -> DecoderModel:
+    """Build a model from a directory written by ``save_pretrained`` (or any supported
+    family's HF directory, or a cached hub id); ``kv_capacity``: see ``ModelConfig``.
 
     Tensors must have exactly the config's dtype; a dtype change raises
     ``TensorSpecMismatchError`` rather than being cast (G1).
     """
-    config = load_config(path)
+    config = load_config(path, kv_capacity=kv_capacity)
     model = DecoderModel(config, numerics=numerics)
     model.load_hf_state_dict(load_hf_tensors(path))
     return model

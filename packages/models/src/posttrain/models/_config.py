@@ -14,11 +14,13 @@ are nearly the identity. Departures from the HF class:
   every layer ``full_attention`` with one default RoPE. A config without a dense layer (or
   without experts) stays ``qwen3_moe``. ``from_hf_dict`` reads both, and the older Qwen3-MoE
   checkpoints with ``mlp_only_layers``.
-* ``max_position_embeddings`` is also the capacity ``C`` of the fixed-size key buffer
-  that strict attention reduces over (see ``_ops``), so keep it small for tiny models.
-* Features the strict kernels do not implement are refused, not ignored:
-  ``attention_bias``, Qwen3's own sliding windows (``use_sliding_window``), rope scaling,
-  activations other than SiLU.
+* The KV capacity ``C`` (``capacity``: ``kv_capacity``, else ``max_position_embeddings``)
+  is a runtime setting: the length of KV-cache rows and rope tables. A training forward
+  only reduces over the slots its positions reach, so a large ``C`` costs memory in the
+  engine's cache, not time in the trainer.
+* Other families (Qwen3, Qwen2/2.5, Llama 3.x, Mistral) are read and written by
+  ``_families`` (``family``, ``qk_norm``, ``qkv_bias``, ``rope_scaling``); what the strict
+  kernels do not implement is refused there, by architecture and feature, not ignored.
 
 Optional Inkling-style blocks (all off by default; a config with none of them writes the
 same ``config.json`` as before, so existing checkpoints are unchanged):
@@ -59,6 +61,7 @@ from typing import Any, NamedTuple
 import torch
 
 from posttrain.models._errors import ModelConfigError
+from posttrain.models._rope import RopeScaling, read_rope
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _SOFTMAX_SCALES = ("rsqrt_head_dim", "inv_head_dim")
@@ -135,6 +138,14 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_id: int | None = None
     pad_token_id: int | None = None
+    # ---- the HF family (``_families``) and its switches
+    family: str = "qwen3_moe"
+    qk_norm: bool = True
+    qkv_bias: bool = False
+    rope_scaling: RopeScaling | None = None
+    kv_capacity: int | None = None
+    """Key/value slots per sequence (``capacity``); None = ``max_position_embeddings``. A
+    runtime setting (engine and trainer), not written to ``config.json``."""
     # ---- optional Inkling-style blocks (see the module docstring); defaults = off
     sconv_kernel_size: int = 0
     rel_pos_dim: int = 0
@@ -207,8 +218,38 @@ class ModelConfig:
             )
         if not self.rms_norm_eps > 0:
             raise ModelConfigError(f"ModelConfig.rms_norm_eps={self.rms_norm_eps} must be > 0")
+        if self.kv_capacity is not None and (
+            not _is_int(self.kv_capacity) or self.kv_capacity <= 0
+        ):
+            raise ModelConfigError(
+                f"ModelConfig.kv_capacity must be a positive int or None, got {self.kv_capacity!r}"
+            )
+        for name in ("qk_norm", "qkv_bias"):
+            if not isinstance(getattr(self, name), bool):
+                raise ModelConfigError(
+                    f"ModelConfig.{name} must be a bool, got {getattr(self, name)!r}"
+                )
+        if self.rope_scaling is not None and not isinstance(self.rope_scaling, RopeScaling):
+            raise ModelConfigError(
+                f"ModelConfig.rope_scaling must be a RopeScaling or None, got {self.rope_scaling!r}"
+            )
         self._validate_extensions()
         self._validate_towers()
+        from posttrain.models._families import family_named
+
+        family_named(self.family).check(self)
+
+    @property
+    def capacity(self) -> int:
+        """Key/value slots per sequence: ``kv_capacity``, else ``max_position_embeddings``.
+
+        Positions run in ``[0, capacity)``; rope tables and KV-cache rows have this length.
+        A training forward's cost does not grow with it (see ``PackedLayout``)."""
+        return self.kv_capacity if self.kv_capacity is not None else self.max_position_embeddings
+
+    def extension_fields_on(self) -> list[str]:
+        """The optional-block fields not at their "off" default."""
+        return [k for k, v in _EXTENSION_DEFAULTS.items() if getattr(self, k) != v]
 
     def _validate_towers(self) -> None:
         """Each multimodal tower field, with a ModelConfigError naming it."""
@@ -381,7 +422,7 @@ class ModelConfig:
     @property
     def uses_extensions(self) -> bool:
         """Whether any optional Inkling-style block is on (the config is not plain Qwen3-MoE)."""
-        return any(getattr(self, k) != v for k, v in _EXTENSION_DEFAULTS.items())
+        return bool(self.extension_fields_on())
 
     @property
     def swa_shape(self) -> AttentionShape:
@@ -526,9 +567,15 @@ class ModelConfig:
         return kinds == {"dense", "moe"}
 
     def to_hf_dict(self) -> dict[str, Any]:
-        """The ``config.json`` dict: ``qwen3_moe``, or ``mellum`` when dense and MoE layers mix,
-        or ``posttrain_inkling`` (a ``qwen3_moe`` dict plus the block fields) when optional
-        blocks are on."""
+        """The ``config.json`` dict in the family's own layout (``_families``)."""
+        from posttrain.models._families import family_named
+
+        return family_named(self.family).write(self)
+
+    def to_qwen3_moe_family_dict(self) -> dict[str, Any]:
+        """The Qwen3-MoE family's dict: ``qwen3_moe``, or ``mellum`` when dense and MoE layers
+        mix, or ``posttrain_inkling`` (a ``qwen3_moe`` dict plus the block fields) when
+        optional blocks are on."""
         if self.uses_extensions or self.has_towers:
             out = self.to_qwen3_moe_hf_dict()
             out["architectures"] = ["InklingForCausalLM"]
@@ -551,7 +598,9 @@ class ModelConfig:
         # ignore them for mellum) so the config reads back field for field
         for key in ("rope_theta", "rope_scaling"):
             del data[key]
-        rope = {"rope_type": "default", "rope_theta": self.rope_theta}
+        rope: dict[str, Any] = {"rope_type": "default", "rope_theta": self.rope_theta}
+        if self.rope_scaling is not None:
+            rope = {**self.rope_scaling.to_hf_dict(), "rope_theta": self.rope_theta}
         data.update(
             architectures=["MellumForCausalLM"],
             model_type="mellum",
@@ -587,7 +636,7 @@ class ModelConfig:
             "mlp_only_layers": list(self.mlp_only_layers),
             "rms_norm_eps": self.rms_norm_eps,
             "rope_theta": self.rope_theta,
-            "rope_scaling": None,
+            "rope_scaling": None if self.rope_scaling is None else self.rope_scaling.to_hf_dict(),
             "max_position_embeddings": self.max_position_embeddings,
             "tie_word_embeddings": self.tie_word_embeddings,
             "initializer_range": self.initializer_range,
@@ -604,48 +653,54 @@ class ModelConfig:
 
     @classmethod
     def from_hf_dict(cls, data: dict[str, Any]) -> ModelConfig:
-        """Read a Qwen3-MoE or Mellum ``config.json`` dict; unsupported features raise ModelConfigError."""
-        data = dict(data)
-        if data.get("model_type") == "mellum" or "mlp_layer_types" in data:
-            data = _mellum_to_qwen3_moe(data)
-        for key, ok in (
-            ("hidden_act", "silu"),
-            ("attention_bias", False),
-            ("use_sliding_window", False),
-        ):
-            if key in data and data[key] not in (ok, None):
-                raise ModelConfigError(f"config.json {key}={data[key]!r} is not supported")
-        if data.get("rope_scaling"):
-            raise ModelConfigError(f"config.json rope_scaling={data['rope_scaling']!r} unsupported")
-        if "rope_theta" not in data and isinstance(data.get("rope_parameters"), dict):
-            data["rope_theta"] = data["rope_parameters"].get("rope_theta", 10000.0)
-        if "num_experts" not in data and "num_local_experts" in data:
-            data["num_experts"] = data["num_local_experts"]
-        if "head_dim" not in data or data["head_dim"] is None:
-            data["head_dim"] = data["hidden_size"] // data["num_attention_heads"]
-        if "dtype" in data and "torch_dtype" not in data:
-            data["torch_dtype"] = data["dtype"]
-        names = {f.name for f in dataclasses.fields(cls)}
-        required = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers")
-        for key in required:
-            if key not in data:
-                raise ModelConfigError(f"config.json lacks the required field {key!r}")
-        kwargs: dict[str, Any] = {k: data[k] for k in names if k in data}
-        kwargs.setdefault("num_key_value_heads", data["num_attention_heads"])
-        kwargs.setdefault("moe_intermediate_size", 0)
-        kwargs.setdefault("num_experts", 0)
-        kwargs.setdefault("num_experts_per_tok", 1)
-        kwargs["mlp_only_layers"] = tuple(int(i) for i in kwargs.get("mlp_only_layers") or ())
-        swa_layers = kwargs.get("sliding_window_layers") or ()
-        if not isinstance(swa_layers, list | tuple):
-            raise ModelConfigError(
-                f"config.json sliding_window_layers={swa_layers!r} must be a list of layer indices"
-            )
-        kwargs["sliding_window_layers"] = tuple(swa_layers)
-        kwargs["rope_theta"] = float(kwargs.get("rope_theta", 10000.0))
-        if isinstance(kwargs.get("eos_token_id"), list):
-            kwargs["eos_token_id"] = kwargs["eos_token_id"][0]
-        return cls(**kwargs)
+        """Read a ``config.json`` dict through the family gate (``_families``): what is not
+        computed exactly raises a ModelConfigError naming the architecture and the feature."""
+        from posttrain.models._families import config_from_hf
+
+        return config_from_hf(data)
+
+
+def qwen3_moe_kwargs(data: dict[str, Any], arch: str) -> dict[str, Any]:
+    """``ModelConfig`` keyword arguments of a Qwen3-MoE, Mellum or posttrain ``config.json``."""
+    data = dict(data)
+    if data.get("model_type") == "mellum" or "mlp_layer_types" in data:
+        data = _mellum_to_qwen3_moe(data)
+    for key, ok in (
+        ("hidden_act", "silu"),
+        ("attention_bias", False),
+        ("use_sliding_window", False),
+    ):
+        if key in data and data[key] not in (ok, None):
+            raise ModelConfigError(f"{arch}: config.json {key}={data[key]!r} is not supported")
+    data["rope_theta"], data["rope_scaling"] = read_rope(data, arch)
+    if "num_experts" not in data and "num_local_experts" in data:
+        data["num_experts"] = data["num_local_experts"]
+    if "head_dim" not in data or data["head_dim"] is None:
+        data["head_dim"] = data["hidden_size"] // data["num_attention_heads"]
+    if "dtype" in data and "torch_dtype" not in data:
+        data["torch_dtype"] = data["dtype"]
+    skip = {"family", "qk_norm", "qkv_bias", "kv_capacity"}
+    names = {f.name for f in dataclasses.fields(ModelConfig)} - skip
+    required = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers")
+    for key in required:
+        if key not in data:
+            raise ModelConfigError(f"{arch}: config.json lacks the required field {key!r}")
+    kwargs: dict[str, Any] = {k: data[k] for k in names if k in data}
+    kwargs.setdefault("num_key_value_heads", data["num_attention_heads"])
+    kwargs.setdefault("moe_intermediate_size", 0)
+    kwargs.setdefault("num_experts", 0)
+    kwargs.setdefault("num_experts_per_tok", 1)
+    kwargs["mlp_only_layers"] = tuple(int(i) for i in kwargs.get("mlp_only_layers") or ())
+    swa_layers = kwargs.get("sliding_window_layers") or ()
+    if not isinstance(swa_layers, list | tuple):
+        raise ModelConfigError(
+            f"config.json sliding_window_layers={swa_layers!r} must be a list of layer indices"
+        )
+    kwargs["sliding_window_layers"] = tuple(swa_layers)
+    kwargs["rope_theta"] = float(kwargs.get("rope_theta", 10000.0))
+    if isinstance(kwargs.get("eos_token_id"), list):
+        kwargs["eos_token_id"] = kwargs["eos_token_id"][0]
+    return kwargs
 
 
 def _mellum_to_qwen3_moe(data: dict[str, Any]) -> dict[str, Any]:
@@ -670,11 +725,9 @@ def _mellum_to_qwen3_moe(data: dict[str, Any]) -> dict[str, Any]:
     if data.get("num_mtp_layers"):
         raise ModelConfigError(f"config.json num_mtp_layers={data['num_mtp_layers']} unsupported")
     rope = (data.get("rope_parameters") or {}).get("full_attention") or {}
-    if rope.get("rope_type", "default") != "default":
-        raise ModelConfigError(f"config.json rope_parameters.full_attention={rope!r} unsupported")
     out = {k: v for k, v in data.items() if k not in ("rope_parameters", "layer_types")}
     del out["mlp_layer_types"]
-    out["rope_theta"] = float(rope.get("rope_theta", 10000.0))
+    out["rope_parameters"] = rope
     dense = [i for i, t in enumerate(types) if t == "dense"]
     if "mlp_only_layers" in data or "decoder_sparse_step" in data:  # written by to_hf_dict
         step = data.get("decoder_sparse_step", 1)

@@ -1,4 +1,7 @@
-"""Weight-name conversion between the fused in-memory layout and the Qwen3-MoE HF layout.
+"""Weight-name conversion between the fused in-memory layout and the HF layout of each family.
+
+Qwen3, Qwen3-MoE, Qwen2/2.5, Llama and Mistral share these names; Qwen2 adds the
+``q/k/v_proj.bias`` tensors and has no ``q/k_norm`` (nor have Llama and Mistral).
 
 The conversion is a list of ``WeightGroup``s: one in-memory tensor and the HF tensors it is
 made of, with how (``copy``; ``cat``: row blocks concatenated; ``experts_cat``: per-expert
@@ -11,7 +14,8 @@ match; nothing is cast (G1).
     embedding                       model.embed_tokens.weight
     layers.{i}.attn_norm            model.layers.{i}.input_layernorm.weight
     layers.{i}.qkv                  ...self_attn.{q,k,v}_proj.weight       (cat rows)
-    layers.{i}.q_norm / k_norm      ...self_attn.{q,k}_norm.weight
+    layers.{i}.qkv_bias             ...self_attn.{q,k,v}_proj.bias         (cat; qkv_bias only)
+    layers.{i}.q_norm / k_norm      ...self_attn.{q,k}_norm.weight          (qk_norm only)
     layers.{i}.proj                 ...self_attn.o_proj.weight
     layers.{i}.mlp_norm             model.layers.{i}.post_attention_layernorm.weight
     layers.{i}.fc1 / fc2            ...mlp.{gate,up}_proj.weight (cat) / mlp.down_proj.weight
@@ -111,9 +115,23 @@ def weight_groups(config: ModelConfig) -> list[WeightGroup]:
                 shape=(nq + 2 * nk + nr, h),
                 hf_shapes=qkv_shapes,
             ),
-            _copy(p + "q_norm", a + "q_norm.weight", (norm_q,)),
-            _copy(p + "k_norm", a + "k_norm.weight", (norm_k,)),
         ]
+        if c.qkv_bias:
+            groups.append(
+                WeightGroup(
+                    name=p + "qkv_bias",
+                    hf_names=(a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias"),
+                    kind="cat",
+                    shape=(nq + 2 * nk,),
+                    hf_shapes=((nq,), (nk,), (nk,)),
+                    linear=False,
+                )
+            )
+        if c.qk_norm:
+            groups += [
+                _copy(p + "q_norm", a + "q_norm.weight", (norm_q,)),
+                _copy(p + "k_norm", a + "k_norm.weight", (norm_k,)),
+            ]
         if nr:
             extent = c.rel_extent(i)
             groups.append(
@@ -278,6 +296,9 @@ def to_hf_state_dict(
 ) -> dict[str, Tensor]:
     """In-memory names -> HF names (split fused blocks, unstack experts); all used once.
 
+    Tensors come out in the HF layout's dtype: ``config.torch_dtype`` (or a group's fixed
+    dtype). Only fp32 tensors are rounded to it (a trainer's fp32 master weights of a bf16
+    checkpoint); any other dtype mismatch raises ``TensorSpecMismatchError``.
     With ``stacked_experts`` the expert groups keep the stacked ``transformers`` v5 form.
     """
     given = _pairs(tensors)
@@ -290,13 +311,27 @@ def to_hf_state_dict(
     for g in groups:
         if g.name not in given:
             raise MissingTensorError(f"in-memory tensor {g.name!r} is missing")
-        value = given[g.name]
+        value = _to_layout_dtype(g, given[g.name], config)
         _check(g.name, value, g.shape, None)
         if stacked_experts and g.stacked_name is not None:
             out[g.stacked_name] = value
         else:
             out.update(zip(g.hf_names, _split(g, value), strict=True))
     return out
+
+
+def _to_layout_dtype(g: WeightGroup, value: Tensor, config: ModelConfig) -> Tensor:
+    """``value`` in the group's HF dtype: fp32 masters rounded to it, anything else as is
+    when it already matches, else a ``TensorSpecMismatchError``."""
+    want = getattr(torch, g.dtype) if g.dtype is not None else config.dtype
+    if value.dtype == want:
+        return value
+    if value.dtype == torch.float32:
+        return value.to(want)
+    raise TensorSpecMismatchError(
+        f"in-memory tensor {g.name!r} is {value.dtype}; the layout holds {want} "
+        "(only fp32 masters are rounded to it)"
+    )
 
 
 def _split(g: WeightGroup, value: Tensor) -> list[Tensor]:

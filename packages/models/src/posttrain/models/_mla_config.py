@@ -39,22 +39,15 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 from torch import Tensor
 
 from posttrain.models._errors import ModelConfigError
+from posttrain.models._rope import RopeScaling, default_inv_freq, tables_of, yarn_get_mscale
 
 DEFAULT_LATENT_NORM_EPS = 1e-6
 """The eps transformers gives ``q_a_layernorm`` / ``kv_a_layernorm`` (its RMSNorm default)."""
 
 _ROPE_TYPES = ("default", "yarn")
-
-
-def yarn_get_mscale(scale: float, mscale: float = 1.0) -> float:
-    """YaRN's magnitude correction ``0.1 * mscale * ln(scale) + 1`` (1 for ``scale <= 1``)."""
-    if scale <= 1:
-        return 1.0
-    return 0.1 * mscale * math.log(scale) + 1.0
 
 
 def _number(hf: Mapping[str, Any], key: str, default: float | None = None) -> float | None:
@@ -148,17 +141,27 @@ class MlaRope:
         )
 
     @property
+    def scaling(self) -> RopeScaling | None:
+        """The YaRN scaling as ``_rope``'s ``RopeScaling`` (None for the default rope)."""
+        if self.rope_type != "yarn":
+            return None
+        return RopeScaling(
+            rope_type="yarn",
+            factor=self.factor,
+            original_max_position_embeddings=self.original_max_position_embeddings,
+            beta_fast=self.beta_fast,
+            beta_slow=self.beta_slow,
+            mscale=self.mscale,
+            mscale_all_dim=self.mscale_all_dim,
+            attention_factor=self.attention_factor,
+            truncate=self.truncate,
+        )
+
+    @property
     def cos_sin_factor(self) -> float:
         """The factor transformers multiplies into cos and sin (YaRN's ``attention_factor``)."""
-        if self.rope_type != "yarn":
-            return 1.0
-        if self.attention_factor is not None:
-            return self.attention_factor
-        if self.mscale and self.mscale_all_dim:
-            return yarn_get_mscale(self.factor, self.mscale) / yarn_get_mscale(
-                self.factor, self.mscale_all_dim
-            )
-        return yarn_get_mscale(self.factor)
+        scaling = self.scaling
+        return 1.0 if scaling is None else scaling.cos_sin_factor
 
     @property
     def softmax_mscale(self) -> float:
@@ -169,33 +172,14 @@ class MlaRope:
 
     def inv_freq(self, dim: int) -> Tensor:
         """Inverse frequencies ``[dim // 2]`` in fp64 (transformers computes them in fp32)."""
-        exponents = torch.arange(0, dim, 2, dtype=torch.float64) / dim
-        extrapolation = 1.0 / self.rope_theta**exponents
-        if self.rope_type == "default":
-            return extrapolation
-        # YaRN: frequencies below the correction range are interpolated (divided by factor),
-        # those above kept, with a linear ramp between (transformers' formula, in fp64).
-        base, original = self.rope_theta, self.original_max_position_embeddings
-
-        def correction_dim(rotations: float) -> float:
-            return (dim * math.log(original / (rotations * 2 * math.pi))) / (2 * math.log(base))
-
-        low, high = correction_dim(self.beta_fast), correction_dim(self.beta_slow)
-        if self.truncate:
-            low, high = math.floor(low), math.ceil(high)
-        low, high = max(low, 0), min(high, dim - 1)
-        if low == high:
-            high += 0.001  # transformers' guard against a zero-width ramp
-        ramp = ((torch.arange(dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
-        keep = 1.0 - ramp
-        return extrapolation / self.factor * (1.0 - keep) + extrapolation * keep
+        scaling = self.scaling
+        if scaling is None:
+            return default_inv_freq(dim, self.rope_theta)
+        return scaling.inv_freq(dim, self.rope_theta)
 
     def tables(self, dim: int, capacity: int) -> tuple[Tensor, Tensor]:
         """cos/sin ``[capacity, dim]`` fp32 in rotate-half layout, computed in fp64."""
-        freqs = torch.arange(capacity, dtype=torch.float64)[:, None] * self.inv_freq(dim)[None, :]
-        emb = torch.cat([freqs, freqs], dim=-1)
-        factor = self.cos_sin_factor
-        return (emb.cos() * factor).float(), (emb.sin() * factor).float()
+        return tables_of(self.inv_freq(dim), capacity, self.cos_sin_factor)
 
 
 def config_int(hf: Mapping[str, Any], key: str) -> int:

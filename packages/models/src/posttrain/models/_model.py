@@ -7,7 +7,7 @@ packed segments, ``extend``/``prefill``/``decode_step`` over cache rows, and
 ``_forward`` on a flat list of tokens, each with a segment and a position; the only steps
 that look at other tokens (attention and the optional short convolutions) go through a
 ``TokenLayout`` (``_blocks``). Keys and values are written into a per-row buffer of fixed
-capacity ``C = max_position_embeddings`` and each query attends over all ``C`` slots with a
+capacity ``C = config.capacity`` and each query attends over all ``C`` slots with a
 mask, so in strict mode a token's bits do not depend on how many tokens came in the same call
 (see ``_ops``). As an optimisation that keeps every bit, a chunk of queries reduces over the
 first ``2**ceil(log2(max pos + 1))`` slots only: the rest are masked exact zeros, and
@@ -51,7 +51,8 @@ from posttrain.models._config import ModelConfig
 from posttrain.models._errors import CacheError, ModelInputError
 from posttrain.models._lora import AdapterArg, LoraAdapter, LoraRouting
 from posttrain.models._media import MediaBatch, MediaKind, check_media_positions
-from posttrain.models._ops import FastOps, StrictOps, apply_rope, rope_tables
+from posttrain.models._ops import FastOps, StrictOps, apply_rope
+from posttrain.models._rope import rope_tables
 from posttrain.models._sites import LinearSite
 from posttrain.models._towers import MediaTower, build_towers, image_patches, mel_features
 
@@ -104,6 +105,7 @@ class _Layer(nn.Module):
 
     attn_norm: nn.Parameter
     qkv: nn.Parameter
+    qkv_bias: nn.Parameter
     q_norm: nn.Parameter
     k_norm: nn.Parameter
     proj: nn.Parameter
@@ -125,9 +127,12 @@ class _Layer(nn.Module):
         self.is_moe = config.is_moe_layer(index)
         self.attn_norm = nn.Parameter(torch.ones(h, dtype=dt))
         self.qkv = nn.Parameter(torch.zeros(nq + 2 * nkv + nr, h, dtype=dt))
-        per_head = config.qk_norm_per_head
-        self.q_norm = nn.Parameter(torch.ones(nq if per_head else hd, dtype=dt))
-        self.k_norm = nn.Parameter(torch.ones(nkv if per_head else hd, dtype=dt))
+        if config.qkv_bias:
+            self.qkv_bias = nn.Parameter(torch.zeros(nq + 2 * nkv, dtype=dt))
+        if config.qk_norm:
+            per_head = config.qk_norm_per_head
+            self.q_norm = nn.Parameter(torch.ones(nq if per_head else hd, dtype=dt))
+            self.k_norm = nn.Parameter(torch.ones(nkv if per_head else hd, dtype=dt))
         if config.rel_pos_dim:
             extent = config.rel_extent(index)
             table = torch.zeros(config.rel_pos_dim, extent, dtype=dt)
@@ -271,12 +276,13 @@ class DecoderModel(nn.Module):
         self._lora_targets = lora_targets(config)
         self.sites = nn.ModuleDict()
         self._add_sites()
-        cos, sin = rope_tables(config.head_dim, config.max_position_embeddings, config.rope_theta)
+        cap, theta, scaling = config.capacity, config.rope_theta, config.rope_scaling
+        cos, sin = rope_tables(config.head_dim, cap, theta, scaling)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         swa_hd = config.swa_shape.head_dim
         if config.sliding_window_layers and swa_hd != config.head_dim:
-            cos, sin = rope_tables(swa_hd, config.max_position_embeddings, config.rope_theta)
+            cos, sin = rope_tables(swa_hd, cap, theta, scaling)
             self.register_buffer("rope_cos_swa", cos, persistent=False)
             self.register_buffer("rope_sin_swa", sin, persistent=False)
 
@@ -321,7 +327,10 @@ class DecoderModel(nn.Module):
         """
         ids, seg, pos = self._pack(input_ids, segment_lengths)
         routing = LoraRouting(lora, seg, len(segment_lengths), self._lora_targets)
-        layout = PackedLayout(seg, pos, len(segment_lengths), self.config.max_position_embeddings)
+        # buffers only as long as the longest segment needs (rounded up to a power of two, as
+        # attend_buffers reduces): the same bits as full capacity, at a cost independent of it
+        width = min(self.config.capacity, 1 << int(pos.max()).bit_length())
+        layout = PackedLayout(seg, pos, len(segment_lengths), width)
         if inputs_embeds is not None:
             if media is not None:
                 raise ModelInputError("pass media or inputs_embeds, not both")
@@ -403,7 +412,7 @@ class DecoderModel(nn.Module):
             )
         if ids.numel() == 0:
             raise ModelInputError("input_ids is empty: a forward needs at least one token")
-        cap = self.config.max_position_embeddings
+        cap = self.config.capacity
         if int(layout.pos.min()) < 0 or int(layout.pos.max()) >= cap:
             raise ModelInputError(f"layout positions must lie in [0, {cap})")
         if int(layout.seg.min()) < 0:
@@ -594,6 +603,7 @@ class DecoderModel(nn.Module):
             if cfg.rel_pos_dim:
                 qkv += ((a + "r_proj", shape.num_heads * cfg.rel_pos_dim),)
             specs = {"qkv": qkv, "proj": ((a + "o_proj", cfg.hidden_size),)}
+            biases = {"qkv": "qkv_bias"} if cfg.qkv_bias else {}
             if isinstance(layer, MoeLayer):
                 specs["router"] = ((m + "gate", cfg.num_experts + cfg.n_shared_experts),)
             else:
@@ -601,7 +611,9 @@ class DecoderModel(nn.Module):
                 specs["fc1"] = ((m + "gate_proj", i), (m + "up_proj", i))
                 specs["fc2"] = ((m + "down_proj", cfg.hidden_size),)
             for param, parts in specs.items():
-                layer.sites[param] = LinearSite(self, layer, param, parts=parts)
+                layer.sites[param] = LinearSite(
+                    self, layer, param, parts=parts, bias=biases.get(param)
+                )
         head = "embedding" if self.output is None else "output"
         self.sites["lm_head"] = LinearSite(self, self, head, parts=(("lm_head", cfg.vocab_size),))
 
@@ -617,7 +629,7 @@ class DecoderModel(nn.Module):
     def _pack(self, input_ids: Tensor, lengths: Sequence[int]) -> tuple[Tensor, Tensor, Tensor]:
         dev = self.embedding.device
         ids = self._check_ids(input_ids.reshape(-1).long().to(dev))
-        cap = self.config.max_position_embeddings
+        cap = self.config.capacity
         if ids.numel() == 0:
             raise ModelInputError("input_ids is empty: a forward needs at least one token")
         for j, n in enumerate(lengths):
@@ -710,12 +722,14 @@ class DecoderModel(nn.Module):
         if cfg.sconv_kernel_size:
             k_raw = layout.sconv(ops, i, "k", k_raw, layer.k_conv)
             v_raw = layout.sconv(ops, i, "v", v_raw, layer.v_conv)
-        q_w: Tensor = layer.q_norm
-        k_w: Tensor = layer.k_norm
-        if cfg.qk_norm_per_head:
-            q_w, k_w = q_w.reshape(nh, hd), k_w.reshape(nkv, hd)
-        q = ops.rms_norm(qkv[:, :nq].reshape(t, nh, hd), q_w, cfg.rms_norm_eps)
-        k = ops.rms_norm(k_raw.reshape(t, nkv, hd), k_w, cfg.rms_norm_eps)
+        q, k = qkv[:, :nq].reshape(t, nh, hd), k_raw.reshape(t, nkv, hd)
+        if cfg.qk_norm:
+            q_w: Tensor = layer.q_norm
+            k_w: Tensor = layer.k_norm
+            if cfg.qk_norm_per_head:
+                q_w, k_w = q_w.reshape(nh, hd), k_w.reshape(nkv, hd)
+            q = ops.rms_norm(q, q_w, cfg.rms_norm_eps)
+            k = ops.rms_norm(k, k_w, cfg.rms_norm_eps)
         v = v_raw.reshape(t, nkv, hd)
         cos_t, sin_t = self._rope(hd)
         cos, sin = cos_t[layout.pos], sin_t[layout.pos]

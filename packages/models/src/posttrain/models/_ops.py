@@ -296,14 +296,6 @@ class StrictOps(FastOps):
         return acc
 
 
-def rope_tables(head_dim: int, capacity: int, theta: float) -> tuple[Tensor, Tensor]:
-    """cos/sin tables ``[capacity, head_dim]`` (HF rotate-half layout), computed in fp64."""
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
-    freqs = torch.arange(capacity, dtype=torch.float64)[:, None] * inv_freq[None, :]
-    emb = torch.cat([freqs, freqs], dim=-1)
-    return emb.cos().float(), emb.sin().float()
-
-
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """``x * cos + rotate_half(x) * sin`` for ``x[T, heads, hd]`` and ``cos/sin[T, hd]``."""
     half = x.shape[-1] // 2

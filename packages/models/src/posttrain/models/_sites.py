@@ -5,7 +5,8 @@ not as one ``nn.Linear`` per HF module. A ``LinearSite`` is the module view of o
 weight: ``forward(x) = linear_kernel(x, weight)``, with ``linear_kernel`` the model's current
 kernel (``StrictOps.linear`` in strict numerics) and ``weight`` read from the owning layer at
 call time. The site owns no parameter, so names, checkpoints, conversion and FSDP sharding see
-exactly the parameters they saw before.
+exactly the parameters they saw before. A site may add a bias parameter of its owner
+(Qwen2's ``q/k/v_proj.bias``, fused as ``qkv_bias``) after the kernel, as ``nn.Linear`` does.
 
 Why: a wrapper that adds to a linear's output (``lora-core``'s ``LoraLinear``) can replace a
 site and reach the model's own kernel through ``linear_kernel``, so a trainer's LoRA forward
@@ -26,7 +27,7 @@ if TYPE_CHECKING:
 
 
 class LinearSite(nn.Module):
-    """``y = linear_kernel(x, weight)`` for one fused weight of the decoder (see the module doc)."""
+    """``y = linear_kernel(x, weight) (+ bias)`` for one fused weight of the decoder (see the module doc)."""
 
     in_features: int
     out_features: int
@@ -40,6 +41,7 @@ class LinearSite(nn.Module):
         param: str,
         *,
         parts: tuple[tuple[str, int], ...],
+        bias: str | None = None,
     ) -> None:
         super().__init__()
         # Plain references, not submodules: the model and the owning layer hold this site.
@@ -47,6 +49,7 @@ class LinearSite(nn.Module):
         object.__setattr__(self, "_owner", owner)
         self.param = param
         self.parts = parts
+        self.bias_param = bias
         weight = self.weight
         self.out_features, self.in_features = int(weight.shape[0]), int(weight.shape[1])
 
@@ -61,8 +64,18 @@ class LinearSite(nn.Module):
         """The model's ``linear(x, w) = x @ w.T`` in its current numerics."""
         return self._model.ops.linear
 
+    @property
+    def bias(self) -> Tensor | None:
+        """The owning layer's bias parameter (``bias=`` at construction), or None."""
+        if self.bias_param is None:
+            return None
+        value: Tensor = getattr(self._owner, self.bias_param)
+        return value
+
     def forward(self, x: Tensor) -> Tensor:
-        return self.linear_kernel(x, self.weight)
+        y = self.linear_kernel(x, self.weight)
+        bias = self.bias
+        return y if bias is None else y + bias.to(y.dtype)
 
     def extra_repr(self) -> str:
         names = ", ".join(f"{n}[{rows}]" for n, rows in self.parts)

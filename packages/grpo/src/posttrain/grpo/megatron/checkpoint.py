@@ -29,6 +29,7 @@ from posttrain.formats import write_text_atomic
 from posttrain.fsdp_mesh import save_files_checkpoint
 from posttrain.grpo._errors import GrpoRunError
 from posttrain.grpo.checkpoint import rng_file
+from posttrain.grpo.masters import MasterAdamW
 from posttrain.grpo.megatron.model import TensorParallelDecoder
 from posttrain.grpo.trainer import Policy
 from posttrain.lora import export_adapter, load_peft, save_peft
@@ -94,6 +95,8 @@ def load(path: Path, policy: Policy) -> bool:
         load_peft(policy.lora, path / "adapter", strict=True)
     else:
         model.load_hf_state_dict(load_hf_tensors(path / "model"))
+        if isinstance(policy.optimizer, MasterAdamW):  # masters follow the loaded weights
+            policy.optimizer.sync_from_parameters()
     if saved != _layout(model):
         if rank == 0:
             _log.warning(

@@ -26,6 +26,7 @@ import torch.distributed as dist
 from posttrain.fsdp_mesh import build_fsdp_mesh
 from posttrain.grpo._errors import GrpoConfigError
 from posttrain.grpo.config import GrpoConfig
+from posttrain.grpo.masters import MasterAdamW, needs_masters
 from posttrain.grpo.megatron.groups import ParallelGroups, build_parallel_groups
 from posttrain.grpo.megatron.model import TensorParallelDecoder
 from posttrain.grpo.trainer import DataContextParallel, Policy
@@ -92,7 +93,7 @@ def load_tensor_parallel_model(
     if cfg.model_path is None:
         raise GrpoConfigError("model_path is required to train (--model-path)")
     model = TensorParallelDecoder(
-        load_config(cfg.model_path), groups,
+        load_config(cfg.model_path, kv_capacity=cfg.context_length), groups,
         sequence_parallel=cfg.sequence_parallel, numerics=Numerics(cfg.numerics), device=device,
     )  # fmt: skip
     model.load_hf_state_dict(load_hf_tensors(cfg.model_path))
@@ -122,7 +123,11 @@ def build_megatron_policy(cfg: GrpoConfig, *, device: torch.device | None = None
         if handle is not None
         else [p for p in model.parameters() if p.requires_grad]
     )
-    optimizer = torch.optim.AdamW(trainable, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    optimizer: torch.optim.Optimizer
+    if handle is None and needs_masters(trainable):  # fp32 masters of a bf16/fp16 checkpoint
+        optimizer = MasterAdamW(trainable, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    else:
+        optimizer = torch.optim.AdamW(trainable, lr=cfg.lr, weight_decay=cfg.weight_decay)
     world = dist.get_world_size()
     # A world-wide (1 x world) mesh: only the checkpoint commit protocol uses it (its barrier
     # group and meta.json); nothing is sharded by FSDP on this backend.

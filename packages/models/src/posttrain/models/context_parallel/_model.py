@@ -60,7 +60,7 @@ class ContextParallelLayout(PackedLayout):
     """This rank's tokens of a packed batch split over a CP group (see the module docstring).
 
     ``shard`` is this rank's ``SequenceShard`` (``bind_shard``); ``capacity`` the model's
-    ``max_position_embeddings``; ``device`` where the model runs (positions move there).
+    ``config.capacity``; ``device`` where the model runs (positions move there).
     """
 
     def __init__(
@@ -163,11 +163,11 @@ def forward_context_parallel(
         raise ModelInputError(
             f"input_ids has {ids.shape[0]} tokens but segment_lengths sum to {sum(lengths)}"
         )
-    capacity = model.config.max_position_embeddings
+    capacity = model.config.capacity
     for i, n in enumerate(lengths):
         if n > capacity:
             raise ModelInputError(
-                f"segment {i} has {n} tokens, more than max_position_embeddings={capacity}"
+                f"segment {i} has {n} tokens, more than the KV capacity {capacity}"
             )
     cp_size = 1 if group is None else dist.get_world_size(group)
     shard = bind_shard(shard_for_context_parallel(lengths, cp_size, layout), group)

@@ -1,0 +1,126 @@
+"""The model gate at ``--dry-run``: an unsupported checkpoint fails in a second, by name."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+import transformers
+
+from posttrain.grpo import GrpoConfig, GrpoConfigError
+from posttrain.grpo.cli import main
+from posttrain.grpo.model_check import check_model, resolve_model_paths
+from posttrain.models import ModelConfig
+
+SHAPE = {
+    "vocab_size": 96,
+    "hidden_size": 32,
+    "intermediate_size": 48,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 8,
+}
+
+
+def write_config(path: Path, cls: str, arch: str, **extra: object) -> Path:
+    config = getattr(transformers, cls)(**(SHAPE | extra))
+    config.architectures = [arch]
+    config.save_pretrained(str(path))
+    return path
+
+
+def error_line(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
+    code = main([*argv, "--dry-run"])
+    out, err = capsys.readouterr()
+    assert code == 2, (out, err)
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1, err
+    assert "Traceback" not in err
+    return lines[0]
+
+
+@pytest.mark.parametrize(
+    ("cls", "arch", "extra", "feature"),
+    [
+        ("Gemma2Config", "Gemma2ForCausalLM", {}, "soft-capping"),
+        ("DeepseekV3Config", "DeepseekV3ForCausalLM", {"kv_lora_rank": 16}, "MLA"),
+        ("Glm4MoeLiteConfig", "Glm4MoeLiteForCausalLM", {"kv_lora_rank": 16}, "MLA"),
+        (
+            "Qwen3Config",
+            "Qwen3ForCausalLM",
+            {"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}},
+            "rope_type='dynamic'",
+        ),
+    ],
+)
+def test_dry_run_refuses_an_unsupported_model_by_name(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    cls: str,
+    arch: str,
+    extra: dict[str, object],
+    feature: str,
+) -> None:
+    ckpt = write_config(tmp_path, cls, arch, **extra)
+    start = time.monotonic()
+    line = error_line(capsys, "--model-path", str(ckpt))
+    assert time.monotonic() - start < 30  # no stack started (a generous bound on a busy box)
+    assert arch in line
+    assert feature in line
+    assert "--model-path" in line
+
+
+def test_dry_run_accepts_each_supported_family(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    for cls, arch in (
+        ("LlamaConfig", "LlamaForCausalLM"),
+        ("Qwen2Config", "Qwen2ForCausalLM"),
+        ("MistralConfig", "MistralForCausalLM"),
+        ("Qwen3Config", "Qwen3ForCausalLM"),
+    ):
+        ckpt = write_config(tmp_path / arch, cls, arch)
+        code = main(["--model-path", str(ckpt), "--context-length", "32", "--dry-run"])
+        out, err = capsys.readouterr()
+        assert code == 0, err
+        assert "the config is valid" in out
+
+
+def test_lora_targets_must_exist_in_the_architecture(tmp_path: Path) -> None:
+    ckpt = write_config(tmp_path, "LlamaConfig", "LlamaForCausalLM")
+    check_model(GrpoConfig(model_path=ckpt, lora_targets=("q_proj", "gate_proj")))
+    with pytest.raises(GrpoConfigError, match=r"--lora-targets gate: no such linear") as err:
+        check_model(GrpoConfig(model_path=ckpt, lora_targets=("q_proj", "gate")))
+    assert err.value.field == "lora_targets"
+
+
+def test_megatron_refuses_qkv_biases(tmp_path: Path) -> None:
+    ckpt = write_config(tmp_path, "Qwen2Config", "Qwen2ForCausalLM")
+    check_model(GrpoConfig(model_path=ckpt))
+    with pytest.raises(GrpoConfigError, match="q/k/v biases") as err:
+        check_model(GrpoConfig(model_path=ckpt, backend="megatron", shard=1))
+    assert err.value.field == "backend"
+
+
+def test_a_hub_id_comes_from_the_local_cache_or_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    cache = tmp_path / "hub"
+    repo = cache / "models--acme--tiny"
+    (repo / "snapshots" / "abc").mkdir(parents=True)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("abc")
+    cfg = ModelConfig.tiny(
+        num_experts=0, mlp_only_layers=(), family="qwen2", qk_norm=False, qkv_bias=True
+    )
+    (repo / "snapshots" / "abc" / "config.json").write_text(json.dumps(cfg.to_hf_dict()))
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(cache))
+    config = GrpoConfig(model_path=Path("acme/tiny"))
+    check_model(config)
+    assert resolve_model_paths(config).model_path == repo / "snapshots" / "abc"
+    line = error_line(capsys, "--model-path", "acme/not-cached")
+    assert "hf download acme/not-cached" in line
