@@ -4,7 +4,7 @@ Read top to bottom, one step is::
 
     prompts  = stream.take(prompts_per_step)                 # seeded epochs: resumable
     samples  = rollout(session-router, prompts, n)           # exact ids + engine logprobs
-    rewards  = task.reward(sample) for each sample           # interface RewardFunction
+    rewards  = score_samples(task.reward, samples)           # RewardFunction / --reward
     adv      = group_normalized_advantages(rewards, groups)  # GRPO, per sample
     adv_t    = apply_opd(adv_t, coef, teacher rkl)           # optional: teacher's reverse KL
     metrics  = train_step(policy, my share of samples)       # every rank, FSDP/HSDP (+ LoRA)
@@ -66,13 +66,15 @@ import torch
 import torch.distributed as dist
 
 from posttrain.formats import write_text_atomic
-from posttrain.grpo import checkpoint, readmit
+from posttrain.grpo import checkpoint, data, readmit
 from posttrain.grpo._errors import GrpoConfigError, GrpoRunError
 from posttrain.grpo.advantages import group_normalized_advantages
 from posttrain.grpo.config import GrpoConfig
+from posttrain.grpo.data import task_from_config
 from posttrain.grpo.metrics import MetricsLog, write_report
-from posttrain.grpo.rewards import PromptStream, Task, build_task
+from posttrain.grpo.rewards import PromptStream, Task
 from posttrain.grpo.rollout import RolloutSettings, run_rollout
+from posttrain.grpo.scoring import StepScores, score_samples
 from posttrain.grpo.sync import (
     SyncResult,
     SyncTarget,
@@ -162,8 +164,10 @@ def _train(cfg: GrpoConfig, plugged: Plugged) -> dict[str, Any] | None:
     lead = rank == 0
     policy = build_policy(cfg)
     # Only rank 0 rolls out and scores: the tokenizer, task and prompt stream live there.
-    task = (plugged.task or build_task(cfg.task, _decoder(cfg))) if lead else None
+    decode = _decoder(cfg) if lead else None
+    task = (plugged.task or task_from_config(cfg, decode)) if lead and decode else None
     stream = PromptStream(task.prompts, seed=cfg.seed) if task is not None else None
+    fingerprint = data.fingerprint(task.prompts) if task is not None else None
     out = Path(cfg.out_dir)
     ckpt_root = out / "checkpoints"
     start = 0
@@ -172,6 +176,12 @@ def _train(cfg: GrpoConfig, plugged: Plugged) -> dict[str, Any] | None:
         start = int(extra["next_step"])
         if stream is not None:
             stream.position = int(extra["data_position"])
+            saved = extra.get("data_fingerprint")
+            if saved is not None and saved != fingerprint:
+                raise GrpoRunError(
+                    f"--resume {cfg.resume}: the prompts differ from the checkpoint's (data "
+                    f"fingerprint {fingerprint}, saved {saved}); resume with the same data"
+                )
     if lead:
         out.mkdir(parents=True, exist_ok=True)
         write_text_atomic(out / "config.json", json.dumps(cfg.to_dict(), indent=2))
@@ -195,9 +205,9 @@ def _train(cfg: GrpoConfig, plugged: Plugged) -> dict[str, Any] | None:
             t_step = time.perf_counter()
             batch = (
                 _rollout_and_score(
-                    cfg, task, stream, step, version, api_key, opd_mode, plugged.engine
+                    cfg, task, stream, step, version, api_key, opd_mode, plugged.engine, decode
                 )
-                if task is not None and stream is not None
+                if task is not None and stream is not None and decode is not None
                 else None
             )
             batch = _broadcast(batch)
@@ -235,7 +245,8 @@ def _train(cfg: GrpoConfig, plugged: Plugged) -> dict[str, Any] | None:
             every = cfg.checkpoint_every
             if last or (every and (step + 1) % every == 0):
                 position = stream.position if stream is not None else 0
-                extra = {"next_step": step + 1, "data_position": position}
+                extra = {"next_step": step + 1, "data_position": position,
+                         "data_fingerprint": fingerprint}  # fmt: skip
                 extra = _broadcast(extra)
                 checkpoint.save(ckpt_root, step, policy, extra)
             times["checkpoint"] = time.perf_counter() - t0
@@ -261,6 +272,7 @@ def _rollout_and_score(
     api_key: str | None,
     opd_mode: dict[str, bool],
     engine: RolloutEngine | None = None,
+    decode: Callable[[Sequence[int]], str] | None = None,
 ) -> dict[str, Any] | str:
     """Rank 0: the step's samples, rewards, advantages and stats, or an error message."""
     try:
@@ -286,8 +298,9 @@ def _rollout_and_score(
         if cfg.train == "full":  # an adapter push leaves an engine's weight version as it was
             samples, stale = _drop_stale(samples, step, version)
         t0 = time.perf_counter()
-        for s in samples:
-            s.reward = float(task.reward(s))
+        assert decode is not None
+        scored = score_samples(task.reward, samples, {p.index: p for p in prompts}, decode)
+        samples = _drop_failed(scored, step)
         times["reward"] = time.perf_counter() - t0
         t0 = time.perf_counter()
         rewards = torch.tensor([float(s.reward or 0.0) for s in samples])
@@ -305,6 +318,7 @@ def _rollout_and_score(
             times["opd"] = time.perf_counter() - t0
         stats.update(_rollout_stats(samples, rewards, times["rollout"]))
         stats["aborted_samples"] = float(len(aborted))
+        stats.update(scored.metrics)
         if stale is not None:
             stats["stale_samples"] = float(len(stale))
         train = [
@@ -332,6 +346,26 @@ def _drop_aborted(samples: list[Sample], step: int) -> tuple[list[Sample], list[
         describe=lambda s: f"(session {s.metadata.get('session_id')}): "
         f"{s.metadata.get('abort_reason')}",
     )  # fmt: skip
+
+
+def _drop_failed(scored: StepScores, step: int) -> list[Sample]:
+    """The samples whose reward succeeded; a warning names each failed one, and a step where
+    every reward failed is a ``GrpoRunError``."""
+    if not scored.failed:
+        return scored.kept
+    named = "; ".join(
+        f"prompt {s.metadata.get('prompt_index')} sample {s.index}: {failure}"
+        for s, failure in scored.failed[:8]
+    )
+    if not scored.kept:
+        raise GrpoRunError(
+            f"the reward failed on every one of the {len(scored.failed)} samples: {named}"
+        )
+    _log.warning(
+        "step %d: the reward failed on %d of %d samples, left out of the step: %s",
+        step, len(scored.failed), len(scored.failed) + len(scored.kept), named,
+    )  # fmt: skip
+    return scored.kept
 
 
 def _drop_stale(
