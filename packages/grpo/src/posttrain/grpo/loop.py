@@ -66,7 +66,7 @@ import torch
 import torch.distributed as dist
 
 from posttrain.formats import write_text_atomic
-from posttrain.grpo import checkpoint, data, readmit
+from posttrain.grpo import checkpoint, data, inputs_check, readmit
 from posttrain.grpo._errors import GrpoConfigError, GrpoRunError
 from posttrain.grpo.advantages import group_normalized_advantages
 from posttrain.grpo.config import GrpoConfig
@@ -115,6 +115,11 @@ def run(
         return {"dry_run": True, "config": config.to_dict()}
     plugged = Plugged(task=task, engine=engine, weight_sinks=tuple(weight_sinks))
     _check_runnable(config, plugged)
+    # The user's data, reward and eval sets, before anything starts or is written.
+    if task is None:
+        inputs_check.check_inputs(config)
+    else:
+        inputs_check.check_eval(config)
     if "RANK" in os.environ or config.world_size == 1:
         return _run_rank(config, plugged)
     return _spawn_ranks(config, plugged)

@@ -70,6 +70,7 @@ class GrpoRecipeConfig:
     out: Path = Path("runs/grpo")
     engines: int = 2
     trainer_args: tuple[str, ...] = ()
+    data_args: tuple[str, ...] = ()  # the user's data/reward/eval flags (``data_flags``)
     ready_timeout_s: float = 300.0
     turn_timeout_s: float | None = None  # None: the trainer's and the session router's defaults
 
@@ -94,6 +95,39 @@ class GrpoRecipeConfig:
             ("http://", "https://")
         ):
             raise LaunchConfigError(f"--teacher must be an http(s) URL, got {self.teacher_url!r}")
+
+
+def data_flags(**values: Any) -> tuple[str, ...]:
+    """The trainer flags of the user's data, reward and eval options (None: not given; a list:
+    the flag repeated; a bool: ``--flag`` / ``--no-flag``)."""
+    out: list[str] = []
+    for name, value in values.items():
+        flag = "--" + name.replace("_", "-")
+        if value is None:
+            continue
+        if isinstance(value, bool):
+            out.append(flag if value else "--no-" + flag[2:])
+        elif isinstance(value, list | tuple):
+            for item in value:
+                out += [flag, str(item)]
+        else:
+            out += [flag, str(value)]
+    return tuple(out)
+
+
+def check_trainer_inputs(cfg: GrpoRecipeConfig, sink: LogSink, *, python: str) -> None:
+    """The trainer's ``--dry-run`` on the user's data/reward/eval flags, before anything starts;
+    its one-line error becomes a ``GrpoRunError``."""
+    if not cfg.data_args:
+        return
+    argv = [python, "-m", "posttrain.grpo", "--task", cfg.task, *cfg.data_args,
+            *cfg.trainer_args, "--dry-run"]  # fmt: skip
+    sink("launcher", "checking inputs: " + " ".join(argv))
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=300, check=False)
+    if proc.returncode != 0:
+        lines = [line for line in proc.stderr.splitlines() if line.strip()]
+        message = lines[-1] if lines else f"exit code {proc.returncode}"
+        raise GrpoRunError(message.removeprefix("error: "))
 
 
 def prepare_recipe(
@@ -164,7 +198,7 @@ def trainer_argv(cfg: GrpoRecipeConfig, recipe: dict[str, Any], urls: dict[str, 
         argv += ["--api-key-file", str(key_file)]
     if "router" in urls:  # a lost engine is deregistered there until it is re-admitted
         argv += ["--router-url", urls["router"]]
-    return argv + list(cfg.trainer_args)
+    return argv + list(cfg.data_args) + list(cfg.trainer_args)
 
 
 def run_grpo(cfg: GrpoRecipeConfig, sink: LogSink, *, python: str = sys.executable) -> int:
@@ -172,6 +206,7 @@ def run_grpo(cfg: GrpoRecipeConfig, sink: LogSink, *, python: str = sys.executab
 
     ``python`` runs the recipe, every process of the stack and the trainer (default: this one).
     """
+    check_trainer_inputs(cfg, sink, python=python)
     recipe = prepare_recipe(cfg, sink, python=python)
     served = recipe["policy_nvfp4"] if cfg.rollout_quant == "nvfp4" else recipe["policy"]
     key = new_api_key()
