@@ -66,7 +66,7 @@ import torch
 import torch.distributed as dist
 
 from posttrain.formats import write_text_atomic
-from posttrain.grpo import checkpoint, data, inputs_check, readmit
+from posttrain.grpo import checkpoint, data, evaluation, inputs_check, readmit
 from posttrain.grpo._errors import GrpoConfigError, GrpoRunError
 from posttrain.grpo.advantages import group_normalized_advantages
 from posttrain.grpo.config import GrpoConfig
@@ -173,6 +173,7 @@ def _train(cfg: GrpoConfig, plugged: Plugged) -> dict[str, Any] | None:
     task = (plugged.task or task_from_config(cfg, decode)) if lead and decode else None
     stream = PromptStream(task.prompts, seed=cfg.seed) if task is not None else None
     fingerprint = data.fingerprint(task.prompts) if task is not None else None
+    evals = data.eval_sets(cfg) if task is not None else {}
     out = Path(cfg.out_dir)
     ckpt_root = out / "checkpoints"
     start = 0
@@ -245,6 +246,11 @@ def _train(cfg: GrpoConfig, plugged: Plugged) -> dict[str, Any] | None:
             target, lost = _set_aside(cfg, target, lost, synced, lead, f"step {step}")
             target, lost = _readmit(cfg, target, lost, synced, lead, f"step {step}")
             times["sync"] = time.perf_counter() - t0
+            if evaluation.due(cfg, step):  # every rank knows when: one broadcast of the outcome
+                t0 = time.perf_counter()
+                metrics.update(_evaluate(cfg, task, evals, decode, step, version, api_key,
+                                         plugged.engine))  # fmt: skip
+                times["eval"] = time.perf_counter() - t0
             t0 = time.perf_counter()
             last = step == cfg.steps - 1
             every = cfg.checkpoint_every
@@ -323,6 +329,7 @@ def _rollout_and_score(
             times["opd"] = time.perf_counter() - t0
         stats.update(_rollout_stats(samples, rewards, times["rollout"]))
         stats["aborted_samples"] = float(len(aborted))
+        stats["epoch"] = stream.position / len(task.prompts)
         stats.update(scored.metrics)
         if stale is not None:
             stats["stale_samples"] = float(len(stale))
@@ -351,6 +358,32 @@ def _drop_aborted(samples: list[Sample], step: int) -> tuple[list[Sample], list[
         describe=lambda s: f"(session {s.metadata.get('session_id')}): "
         f"{s.metadata.get('abort_reason')}",
     )  # fmt: skip
+
+
+def _evaluate(
+    cfg: GrpoConfig,
+    task: Task | None,
+    evals: dict[str, Any],
+    decode: Callable[[Sequence[int]], str] | None,
+    step: int,
+    version: int,
+    api_key: str | None,
+    engine: RolloutEngine | None,
+) -> dict[str, float]:
+    """Rank 0 evaluates (``evaluation``); every rank gets the metrics or raises its error."""
+    outcome: dict[str, float] | str = {}
+    if task is not None and decode is not None:
+        try:
+            outcome = evaluation.evaluate(
+                cfg, evals, task.reward, decode, step=step, version=version, api_key=api_key,
+                engine=engine,
+            )  # fmt: skip
+        except Exception as exc:  # every rank must hear about it
+            outcome = f"step {step}: eval: {type(exc).__name__}: {exc}"
+    outcome = _broadcast(outcome)
+    if isinstance(outcome, str):
+        raise GrpoRunError(outcome)
+    return outcome
 
 
 def _drop_failed(scored: StepScores, step: int) -> list[Sample]:

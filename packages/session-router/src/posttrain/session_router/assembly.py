@@ -78,6 +78,8 @@ CONSUMED_KEYS = frozenset(
         "text",
         "return_meta_info",
         "sampling_params",
+        "prompt",
+        "echo",
     }
 )
 FORCED_TOP_LEVEL = ("input_ids", "return_logprob", "logprob_start_len", "return_text_in_logprobs")
@@ -146,6 +148,46 @@ def parse_chat_body(raw: bytes, defaults: Mapping[str, Any] | None = None) -> Ch
         stream=bool(body.get("stream", False)),
         template_kwargs=merge_template_kwargs(body.get("chat_template_kwargs"), defaults),
     )
+
+
+def parse_completion_body(raw: bytes, vocab_size: int) -> tuple[ChatRequest, str | list[int]]:
+    """Parse an OpenAI completions body (a raw prompt: a text, or token ids below
+    ``vocab_size``); the request (no messages) and the prompt. Failures are 400s naming the field.
+    """
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise BadChatRequestError(f"invalid JSON body: {exc}") from exc
+    if not isinstance(body, dict):
+        raise BadChatRequestError(
+            f"invalid JSON body: expected an object, got {type(body).__name__}"
+        )
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]  # OpenAI's list of one prompt
+    if isinstance(prompt, str):
+        if not prompt:
+            raise BadChatRequestError("prompt: must be a non-empty text or list of token ids")
+    elif isinstance(prompt, list) and prompt:
+        for i, t in enumerate(prompt):
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size:
+                raise BadChatRequestError(
+                    f"prompt[{i}]: must be a token id in [0, {vocab_size}), got {t!r}"
+                )
+    else:
+        raise BadChatRequestError(
+            f"prompt: must be a non-empty text or list of token ids, got {_kind(prompt)}"
+        )
+    n = body.get("n", 1)
+    if n not in (1, None):
+        raise BadChatRequestError(f"n: only 1 choice per turn is supported, got {n!r}")
+    if body.get("echo"):
+        raise BadChatRequestError("echo: not supported (the prompt is not returned)")
+    request = ChatRequest(
+        body=body, messages=[], tools=None, stream=bool(body.get("stream", False)),
+        template_kwargs={},
+    )  # fmt: skip
+    return request, prompt
 
 
 def _kind(value: Any) -> str:
