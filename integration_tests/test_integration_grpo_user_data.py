@@ -20,6 +20,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import shutil
 import signal
 import subprocess
 import time
@@ -27,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from grpo_runs import grpo_argv, grpo_env, records, run_grpo
+from grpo_runs import grpo_argv, grpo_env, prepared_recipe, records, run_grpo
 
 from posttrain.grpo.data import load_prompts
 from posttrain.grpo.rewards import PromptStream
@@ -151,3 +152,38 @@ def test_user_data_and_reward_train_evaluate_and_resume_mid_epoch(
         mean = sum(c["reward"] for c in block) / 3
         assert record["eval/held_out/reward_mean"] == pytest.approx(mean)
         assert record["eval/held_out/pass@1"] == pytest.approx(mean)
+
+
+def test_a_base_model_learns_from_raw_text_prompts(recipe_cache: Path, tmp_path: Path) -> None:
+    """A base model (its tokenizer has no chat template) trained on raw text prompts: the toy
+    task's rows written as the text the model reads (the recipe's prompt format spelled out),
+    sent as-is through the session router's ``/v1/completions``, scored by ``--reward exact``."""
+    recipe = prepared_recipe(recipe_cache)
+    base = tmp_path / "base-model"
+    shutil.copytree(recipe["policy"], base)
+    (base / "chat_template.jinja").unlink()  # a base model: no chat template at all
+    rows = [
+        {"text": f"<|im_start|>user\n{a}+{b}=<|im_end|>\n<|im_start|>assistant\n",
+         "answer": str(a + b)}
+        for a in range(10) for b in range(10) if a + b <= 9
+    ]  # fmt: skip
+    data = tmp_path / "raw.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "run"
+    summary = run_grpo(
+        recipe_cache, out, "--steps", "6", "--prompt-data", str(data), "--input-key", "text",
+        "--label-key", "answer", "--no-apply-chat-template", "--reward", "exact",
+        trainer=("--model-path", str(base)),
+    )  # fmt: skip
+    assert summary["train_rollout_logprob_abs_diff_all_zero"] is True
+    assert summary["reward_gain"] >= 0.2, summary
+    # and with the chat template asked for, the base model is refused before anything starts
+    refused = subprocess.run(
+        grpo_argv(tmp_path / "refused", "--prompt-data", str(data), "--input-key", "text",
+                  "--label-key", "answer", "--reward", "exact",
+                  trainer=("--model-path", str(base))),
+        env=grpo_env(recipe_cache), capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert refused.returncode != 0
+    assert "no chat template (a base model); give --no-apply-chat-template" in refused.stderr
+    assert not (tmp_path / "refused").exists()
