@@ -253,6 +253,16 @@ def load_prompts(
     )  # fmt: skip
 
 
+def config_prompts(
+    cfg: GrpoConfig, path: Path | str, *, flag: str = "--prompt-data"
+) -> tuple[Prompt, ...]:
+    """``load_prompts`` with the config's keys, chat-template choice and system prompt."""
+    return load_prompts(
+        path, input_key=cfg.input_key, label_key=cfg.label_key, metadata_key=cfg.metadata_key,
+        apply_chat_template=cfg.apply_chat_template, system_prompt=cfg.system_prompt, flag=flag,
+    )  # fmt: skip
+
+
 def fingerprint(prompts: Sequence[Prompt]) -> str:
     """A hash of what the prompts ask and what the reward reads (order included)."""
     digest = hashlib.sha256()
@@ -272,11 +282,7 @@ def task_from_config(cfg: GrpoConfig, decode: Callable[[Sequence[int]], str]) ->
                 "--prompt-data needs --reward (e.g. --reward math, or module:function)",
                 field="reward",
             )
-        prompts = load_prompts(
-            cfg.prompt_data, input_key=cfg.input_key, label_key=cfg.label_key,
-            metadata_key=cfg.metadata_key, apply_chat_template=cfg.apply_chat_template,
-            system_prompt=cfg.system_prompt,
-        )  # fmt: skip
+        prompts = config_prompts(cfg, cfg.prompt_data)
         scorer = Scorer.from_specs(cfg.reward, max_new_tokens=cfg.max_new_tokens)
         return Task(name=Path(cfg.prompt_data).stem, prompts=prompts, reward=scorer)
     task = build_task(cfg.task, decode)
@@ -293,9 +299,5 @@ def eval_sets(cfg: GrpoConfig) -> dict[str, tuple[Prompt, ...]]:
         name = Path(path).stem or "eval"
         while name in out:
             name += "_"
-        out[name] = load_prompts(
-            path, input_key=cfg.input_key, label_key=cfg.label_key,
-            metadata_key=cfg.metadata_key, apply_chat_template=cfg.apply_chat_template,
-            system_prompt=cfg.system_prompt, flag="--eval-data",
-        )  # fmt: skip
+        out[name] = config_prompts(cfg, path, flag="--eval-data")
     return out

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from posttrain.grpo._errors import GrpoConfigError
 from posttrain.grpo.config import GrpoConfig
-from posttrain.grpo.data import eval_sets, load_prompts
+from posttrain.grpo.data import config_prompts, eval_sets
 from posttrain.grpo.rewards import TASK_NAMES, Prompt, build_task
 from posttrain.grpo.scoring import Scorer, reward_input, score
 from posttrain.interface import Sample
@@ -31,11 +31,7 @@ from posttrain.interface import Sample
 
 def _prompts(config: GrpoConfig) -> tuple[Prompt, ...]:
     if config.prompt_data is not None:
-        return load_prompts(
-            config.prompt_data, input_key=config.input_key, label_key=config.label_key,
-            metadata_key=config.metadata_key,
-            apply_chat_template=config.apply_chat_template, system_prompt=config.system_prompt,
-        )  # fmt: skip
+        return config_prompts(config, config.prompt_data)
     if config.task not in TASK_NAMES:
         raise GrpoConfigError(
             f"--task {config.task!r} is not one of {', '.join(TASK_NAMES)}; for your own "

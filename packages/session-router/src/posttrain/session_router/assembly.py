@@ -122,14 +122,7 @@ class ChatRequest:
 
 def parse_chat_body(raw: bytes, defaults: Mapping[str, Any] | None = None) -> ChatRequest:
     """Parse and validate a chat completion body; every failure is a ``BadChatRequestError`` (400)."""
-    try:
-        body = orjson.loads(raw)
-    except orjson.JSONDecodeError as exc:
-        raise BadChatRequestError(f"invalid JSON body: {exc}") from exc
-    if not isinstance(body, dict):
-        raise BadChatRequestError(
-            f"invalid JSON body: expected an object, got {type(body).__name__}"
-        )
+    body = _body_object(raw)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise BadChatRequestError("messages: must be a non-empty list")
@@ -138,9 +131,7 @@ def parse_chat_body(raw: bytes, defaults: Mapping[str, Any] | None = None) -> Ch
     tools = body.get("tools")
     if tools is not None and not isinstance(tools, list):
         raise BadChatRequestError("tools: must be a list")
-    n = body.get("n", 1)
-    if n not in (1, None):
-        raise BadChatRequestError(f"n: only 1 choice per turn is supported, got {n!r}")
+    _one_choice(body)
     return ChatRequest(
         body=body,
         messages=messages,
@@ -154,14 +145,7 @@ def parse_completion_body(raw: bytes, vocab_size: int) -> tuple[ChatRequest, str
     """Parse an OpenAI completions body (a raw prompt: a text, or token ids below
     ``vocab_size``); the request (no messages) and the prompt. Failures are 400s naming the field.
     """
-    try:
-        body = orjson.loads(raw)
-    except orjson.JSONDecodeError as exc:
-        raise BadChatRequestError(f"invalid JSON body: {exc}") from exc
-    if not isinstance(body, dict):
-        raise BadChatRequestError(
-            f"invalid JSON body: expected an object, got {type(body).__name__}"
-        )
+    body = _body_object(raw)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
         prompt = prompt[0]  # OpenAI's list of one prompt
@@ -178,9 +162,7 @@ def parse_completion_body(raw: bytes, vocab_size: int) -> tuple[ChatRequest, str
         raise BadChatRequestError(
             f"prompt: must be a non-empty text or list of token ids, got {_kind(prompt)}"
         )
-    n = body.get("n", 1)
-    if n not in (1, None):
-        raise BadChatRequestError(f"n: only 1 choice per turn is supported, got {n!r}")
+    _one_choice(body)
     if body.get("echo"):
         raise BadChatRequestError("echo: not supported (the prompt is not returned)")
     request = ChatRequest(
@@ -188,6 +170,25 @@ def parse_completion_body(raw: bytes, vocab_size: int) -> tuple[ChatRequest, str
         template_kwargs={},
     )  # fmt: skip
     return request, prompt
+
+
+def _body_object(raw: bytes) -> dict[str, Any]:
+    """The request body as a JSON object (400 otherwise)."""
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise BadChatRequestError(f"invalid JSON body: {exc}") from exc
+    if not isinstance(body, dict):
+        raise BadChatRequestError(
+            f"invalid JSON body: expected an object, got {type(body).__name__}"
+        )
+    return body
+
+
+def _one_choice(body: Mapping[str, Any]) -> None:
+    n = body.get("n", 1)
+    if n not in (1, None):
+        raise BadChatRequestError(f"n: only 1 choice per turn is supported, got {n!r}")
 
 
 def _kind(value: Any) -> str:
