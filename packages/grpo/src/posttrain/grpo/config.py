@@ -386,7 +386,7 @@ HELP: dict[str, str] = {
     "reward": "reward: math, exact, regex=PATTERN, length, module:function or "
     "path/file.py:function, each optionally :WEIGHT; repeat to sum (default: the task's)",
     "eval_data": "evaluation datasets (same format and keys as --prompt-data)",
-    "eval_every": "evaluate every N steps and after the last (0: never)",
+    "eval_every": "evaluate --eval-data every N steps and after the last (0: after the last only)",
     "eval_samples_per_prompt": "samples per eval prompt: 1 is greedy, k > 1 sampled (pass@k)",
     "backend": "trainer backend: fsdp (HSDP) or megatron (tensor/sequence/expert parallel on "
     "megatron-core)",

@@ -149,7 +149,11 @@ def grpo_command(
     ] = None,
     eval_every: Annotated[
         int | None,
-        typer.Option("--eval-every", metavar="N", help="evaluate every N steps [default: 0]"),
+        typer.Option(
+            "--eval-every",
+            metavar="N",
+            help="evaluate every N steps and after the last [default: 0: after the last only]",
+        ),
     ] = None,
     eval_samples_per_prompt: Annotated[
         int | None,
