@@ -1,15 +1,19 @@
-"""``posttrain grpo`` on the user's data and reward: a JSONL (then the same rows as parquet),
-a reward given as ``file.py:function``, an eval set, a SIGKILL and a ``--resume`` mid-epoch.
+"""``posttrain grpo`` on the user's data and reward, with a base model: a JSONL (then the same
+rows as parquet) of raw text prompts, a reward given as ``file.py:function``, an eval set, a
+SIGKILL and a ``--resume`` mid-epoch.
 
 Real processes throughout (the recipe's engines, sgl-router, the session router, two gloo
-trainer ranks). The user's reward appends every call (its pid, the prompt, the response, the
-label, what it returned) to a log the test reads back:
+trainer ranks). The trainer's model is the recipe's policy with its chat template removed (a
+base model); the rows are the toy task written as the text that model reads, sent as they are
+(``--no-apply-chat-template``: the session router's ``/v1/completions``), and the run learns.
+The user's reward appends every call (its pid, the prompt, the response, the label, what it
+returned) to a log the test reads back:
 
 * each step's logged ``reward_mean`` equals the user function applied again, by the test, to
   that step's decoded samples; ``train_rollout_logprob_abs_diff`` is 0 on every step;
 * the eval set is scored at the steps ``--eval-every`` names, and its logged mean and pass@1
   equal the reward log's;
-* the run killed (SIGKILL of the trainer) after its first checkpoint (step 0), mid-epoch, resumed
+* the run killed (SIGKILL of the trainer) after its first checkpoint (step 2), mid-epoch, resumed
   from it (on the parquet copy: the data fingerprint is the rows', not the file's) draws the
   same prompts in the same order as the seeded epochs (``PromptStream``) say an uninterrupted
   run does.
@@ -35,12 +39,12 @@ from posttrain.grpo.rewards import PromptStream
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiproc, pytest.mark.timeout(600)]
 
-STEPS, PROMPTS, SAMPLES = 3, 2, 4
+STEPS, PROMPTS, SAMPLES = 6, 8, 8
 REWARD = """
 import json, os
 
 def score(response, label, metadata, prompt):
-    value = 1.0 if response.strip() == label else 0.0
+    value = 1.0 if response == label else 0.0
     with open(os.environ["REWARD_LOG"], "a") as log:
         log.write(json.dumps({"pid": os.getpid(), "split": metadata["split"], "prompt": prompt,
                               "response": response, "label": label, "reward": value}) + "\\n")
@@ -49,8 +53,15 @@ def score(response, label, metadata, prompt):
 
 
 def _rows(pairs: list[tuple[int, int]], split: str) -> list[dict[str, Any]]:
-    return [{"prompt": f"{a}+{b}=", "label": str(a + b), "meta": {"split": split}}
+    """The toy task as raw text: the prompt format the recipe's model reads, spelled out."""
+    return [{"prompt": f"<|im_start|>user\n{a}+{b}=<|im_end|>\n<|im_start|>assistant\n",
+             "label": str(a + b), "meta": {"split": split}}
             for a, b in pairs]  # fmt: skip
+
+
+def _logged(out: Path) -> list[str]:
+    path = out / "metrics.jsonl"
+    return [x for x in path.read_text().splitlines() if x.strip()] if path.exists() else []
 
 
 def trainer_pid(launcher_pid: int) -> int:
@@ -61,18 +72,24 @@ def trainer_pid(launcher_pid: int) -> int:
     raise AssertionError(f"no trainer among the launcher's children {children}")
 
 
-def test_user_data_and_reward_train_evaluate_and_resume_mid_epoch(
+def test_a_base_model_learns_on_user_data_and_reward_evaluates_and_resumes_mid_epoch(
     recipe_cache: Path, tmp_path: Path
 ) -> None:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    train = _rows([(a, b) for a in range(5) for b in range(4)], "train")  # 20: 2.5 epochs of 8
+    recipe = prepared_recipe(recipe_cache)
+    base = tmp_path / "base-model"
+    shutil.copytree(recipe["policy"], base)
+    (base / "chat_template.jinja").unlink()  # a base model: no chat template
+    pairs = [(a, b) for a in range(10) for b in range(10) if a + b <= 9]
+    held_out = [(6, 1), (7, 2), (3, 5)]
+    train = _rows([p for p in pairs if p not in held_out], "train")  # 52: ~6.5 steps an epoch
     jsonl, parquet = tmp_path / "train.jsonl", tmp_path / "train.parquet"
     jsonl.write_text("".join(json.dumps(r) + "\n" for r in train))
     pq.write_table(pa.Table.from_pylist(train), parquet)
     evals = tmp_path / "held_out.jsonl"
-    evals.write_text("".join(json.dumps(r) + "\n" for r in _rows([(6, 1), (7, 2), (3, 5)], "eval")))
+    evals.write_text("".join(json.dumps(r) + "\n" for r in _rows(held_out, "eval")))
     reward_file = tmp_path / "my_reward.py"
     reward_file.write_text(REWARD)
     log_path = tmp_path / "reward_log.jsonl"
@@ -80,9 +97,8 @@ def test_user_data_and_reward_train_evaluate_and_resume_mid_epoch(
     out = tmp_path / "run"
     flags = ("--steps", str(STEPS), "--input-key", "prompt", "--label-key", "label",
              "--metadata-key", "meta", "--reward", f"{reward_file}:score",
-             "--eval-data", str(evals), "--eval-every", "2")  # fmt: skip
-    trainer = ("--prompts-per-step", str(PROMPTS), "--samples-per-prompt", str(SAMPLES),
-               "--checkpoint-every", "1")  # fmt: skip
+             "--no-apply-chat-template", "--eval-data", str(evals), "--eval-every", "3")  # fmt: skip
+    trainer = ("--model-path", str(base), "--checkpoint-every", "3")
 
     try:
         with (tmp_path / "killed.log").open("wb") as log:
@@ -90,9 +106,11 @@ def test_user_data_and_reward_train_evaluate_and_resume_mid_epoch(
                 grpo_argv(out, "--prompt-data", str(jsonl), *flags, trainer=trainer),
                 env=grpo_env(recipe_cache), stdout=log, stderr=subprocess.STDOUT,
             )  # fmt: skip
-        marker = out / "checkpoints" / "iter_0000000" / "meta.json"
+        marker = out / "checkpoints" / "iter_0000002" / "meta.json"
         deadline = time.monotonic() + 300
-        while not marker.exists() and proc.poll() is None and time.monotonic() < deadline:
+        while proc.poll() is None and time.monotonic() < deadline:  # step 2 saved and logged
+            if marker.exists() and len(_logged(out)) == 3:
+                break
             time.sleep(0.05)
         assert marker.exists(), (tmp_path / "killed.log").read_text(errors="replace")[-4000:]
         os.kill(trainer_pid(proc.pid), signal.SIGKILL)
@@ -105,6 +123,7 @@ def test_user_data_and_reward_train_evaluate_and_resume_mid_epoch(
     got = records(out)
     assert [r["step"] for r in got] == list(range(STEPS))
     assert summary["train_rollout_logprob_abs_diff_all_zero"] is True
+    assert summary["reward_gain"] >= 0.2, summary  # the base model learns
     calls = [json.loads(line) for line in log_path.read_text().splitlines()]
     # --dry-run's reward check (the launcher's and the trainer's) calls the reward once per
     # process; the two trainers' rank 0 call it for every sample
@@ -114,18 +133,16 @@ def test_user_data_and_reward_train_evaluate_and_resume_mid_epoch(
     assert len(pids) == 2, pids
     killed = [c for c in calls if c["pid"] == pids[0] and c["split"] == "train"]
     resumed = [c for c in calls if c["pid"] == pids[1] and c["split"] == "train"]
-    assert len(resumed) == (STEPS - 1) * per_step  # the resumed run began at step 1
-    steps = [killed[:per_step]] + [
-        resumed[i * per_step : (i + 1) * per_step] for i in range(STEPS - 1)
-    ]
+    assert len(resumed) == (STEPS - 3) * per_step  # the resumed run began at step 3
+    steps = [killed[i * per_step : (i + 1) * per_step] for i in range(3)]
+    steps += [resumed[i * per_step : (i + 1) * per_step] for i in range(STEPS - 3)]
 
     # the same prompts in the same order as the seeded epochs of an uninterrupted run
-    prompts = load_prompts(jsonl, input_key="prompt", label_key="label")
+    prompts = load_prompts(jsonl, input_key="prompt", label_key="label", apply_chat_template=False)
     stream = PromptStream(prompts, seed=0)
     for step, step_calls in enumerate(steps):
-        want = [p.messages[-1]["content"] for p in stream.take(PROMPTS)]
-        seen = [c["prompt"][-1]["content"] for c in step_calls[::SAMPLES]]
-        assert seen == want, step
+        want = [p.text for p in stream.take(PROMPTS)]
+        assert [c["prompt"] for c in step_calls[::SAMPLES]] == want, step
 
     # each step's logged mean is the user function applied again to its decoded samples
     spec = importlib.util.spec_from_file_location("my_reward_again", reward_file)
@@ -143,47 +160,12 @@ def test_user_data_and_reward_train_evaluate_and_resume_mid_epoch(
     finally:
         del os.environ["REWARD_LOG"]
 
-    # the eval set after step 1 (--eval-every 2) and the last, greedy: pass@1 = the 0/1 mean
+    # the eval set after steps 2 and 5 (--eval-every 3), greedy: pass@1 = the 0/1 mean
     evaluated = [r["step"] for r in got if "eval/held_out/reward_mean" in r]
-    assert evaluated == [1, 2]
-    eval_calls = [c for c in calls if c["split"] == "eval" and c["pid"] == pids[1]]
-    assert len(eval_calls) == 6
-    for record, block in zip(got[1:], (eval_calls[:3], eval_calls[3:]), strict=True):
+    assert evaluated == [2, 5]
+    blocks = [[c for c in calls if c["split"] == "eval" and c["pid"] == pid] for pid in pids]
+    assert [len(b) for b in blocks] == [3, 3]
+    for record, block in zip((got[2], got[5]), blocks, strict=True):
         mean = sum(c["reward"] for c in block) / 3
         assert record["eval/held_out/reward_mean"] == pytest.approx(mean)
         assert record["eval/held_out/pass@1"] == pytest.approx(mean)
-
-
-def test_a_base_model_learns_from_raw_text_prompts(recipe_cache: Path, tmp_path: Path) -> None:
-    """A base model (its tokenizer has no chat template) trained on raw text prompts: the toy
-    task's rows written as the text the model reads (the recipe's prompt format spelled out),
-    sent as-is through the session router's ``/v1/completions``, scored by ``--reward exact``."""
-    recipe = prepared_recipe(recipe_cache)
-    base = tmp_path / "base-model"
-    shutil.copytree(recipe["policy"], base)
-    (base / "chat_template.jinja").unlink()  # a base model: no chat template at all
-    rows = [
-        {"text": f"<|im_start|>user\n{a}+{b}=<|im_end|>\n<|im_start|>assistant\n",
-         "answer": str(a + b)}
-        for a in range(10) for b in range(10) if a + b <= 9
-    ]  # fmt: skip
-    data = tmp_path / "raw.jsonl"
-    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    out = tmp_path / "run"
-    summary = run_grpo(
-        recipe_cache, out, "--steps", "6", "--prompt-data", str(data), "--input-key", "text",
-        "--label-key", "answer", "--no-apply-chat-template", "--reward", "exact",
-        trainer=("--model-path", str(base)),
-    )  # fmt: skip
-    assert summary["train_rollout_logprob_abs_diff_all_zero"] is True
-    assert summary["reward_gain"] >= 0.2, summary
-    # and with the chat template asked for, the base model is refused before anything starts
-    refused = subprocess.run(
-        grpo_argv(tmp_path / "refused", "--prompt-data", str(data), "--input-key", "text",
-                  "--label-key", "answer", "--reward", "exact",
-                  trainer=("--model-path", str(base))),
-        env=grpo_env(recipe_cache), capture_output=True, text=True, timeout=120, check=False,
-    )  # fmt: skip
-    assert refused.returncode != 0
-    assert "no chat template (a base model); give --no-apply-chat-template" in refused.stderr
-    assert not (tmp_path / "refused").exists()
