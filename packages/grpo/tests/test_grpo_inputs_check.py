@@ -107,3 +107,25 @@ def test_good_inputs_pass(files: dict[str, Path], capsys: pytest.CaptureFixture[
         reward=("exact",), apply_chat_template=False,
     )  # fmt: skip
     inputs_check.check_data(base_raw)
+
+
+def test_prompts_longer_than_the_context_are_refused(tmp_path: Path) -> None:
+    from posttrain.models import ModelConfig, build_model, build_tokenizer, save_pretrained
+
+    model = tmp_path / "tiny"
+    config = ModelConfig.tiny(max_position_embeddings=32)
+    save_pretrained(build_model(config, seed=0), model, tokenizer=build_tokenizer())
+    data = tmp_path / "d.jsonl"
+    data.write_text(
+        json.dumps({"q": "1+1=", "a": "2"}) + "\n" + json.dumps({"q": "x" * 40, "a": "1"}) + "\n"
+    )
+    cfg = GrpoConfig(model_path=model, prompt_data=data, input_key="q", label_key="a",
+                     reward=("exact",), max_new_tokens=4)  # fmt: skip
+    with pytest.raises(GrpoConfigError) as err:
+        inputs_check.check_data(cfg)
+    assert f"--prompt-data {data} row 2: the prompt is" in str(err.value)
+    assert "does not fit the model's context of 32" in str(err.value)
+    raw = GrpoConfig(model_path=model, prompt_data=data, input_key="q", label_key="a",
+                     reward=("exact",), max_new_tokens=4, apply_chat_template=False)  # fmt: skip
+    with pytest.raises(GrpoConfigError, match="row 2: the prompt is 40 tokens"):
+        inputs_check.check_data(raw)

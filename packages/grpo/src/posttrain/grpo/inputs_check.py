@@ -6,7 +6,8 @@ naming the flag, the file, the row or the keys:
 * ``check_data``: ``--prompt-data`` exists, parses, is not empty, every row has
   ``--input-key`` (and ``--label-key`` / ``--metadata-key``) in the right shape; a
   ``--prompt-data`` run names a ``--reward``; with ``--apply-chat-template`` a local
-  ``--model-path`` has a chat template (else ``--no-apply-chat-template`` is named);
+  ``--model-path`` has a chat template (else ``--no-apply-chat-template`` is named); every
+  prompt, tokenized as it will be sent, leaves ``--max-new-tokens`` of the model's context;
 * ``check_reward``: every ``--reward`` imports and has a signature a reward can be called
   with, then is called once on the first prompt with its label as the response: it must
   return a finite number (or ``{"reward": finite, ...}``) and not raise;
@@ -53,6 +54,40 @@ def check_data(config: GrpoConfig) -> None:
     chat = any(p.text is None for p in prompts)
     if chat and config.apply_chat_template and config.model_path is not None:
         _check_chat_template(Path(config.model_path))
+    if config.model_path is not None:
+        _check_lengths(config, Path(config.model_path), prompts)
+
+
+def _check_lengths(config: GrpoConfig, root: Path, prompts: tuple[Prompt, ...]) -> None:
+    """Every prompt plus ``--max-new-tokens`` fits the model's context (a local checkpoint's
+    ``max_position_embeddings``), tokenized as the session router will (template or raw)."""
+    try:
+        context = json.loads((root / "config.json").read_text()).get("max_position_embeddings")
+    except (OSError, ValueError):
+        return  # a hub id, or no config: the engines decide
+    if not isinstance(context, int) or not (root / "tokenizer.json").is_file():
+        return
+    if any(p.media for p in prompts):
+        return  # media placeholders expand on the engine; their length is the engine's to check
+    from transformers import PreTrainedTokenizerFast
+
+    tok = PreTrainedTokenizerFast.from_pretrained(str(root))
+    flag = "--prompt-data" if config.prompt_data is not None else "--task"
+    where = config.prompt_data if config.prompt_data is not None else config.task
+    for p in prompts:
+        if p.text is not None:
+            length = len(tok.encode(p.text, add_special_tokens=False))
+        else:
+            rendered = tok.apply_chat_template(
+                [dict(m) for m in p.messages], add_generation_prompt=True, tokenize=False
+            )
+            length = len(tok.encode(str(rendered), add_special_tokens=False))
+        if length + config.max_new_tokens > context:
+            raise GrpoConfigError(
+                f"{flag} {where} row {p.index + 1}: the prompt is {length} tokens; with "
+                f"--max-new-tokens {config.max_new_tokens} it does not fit the model's context "
+                f"of {context} (max_position_embeddings in {root / 'config.json'})"
+            )
 
 
 def _check_chat_template(root: Path) -> None:
