@@ -173,3 +173,17 @@ def test_score_samples_keeps_legacy_rewards_and_counts_failures(user_file: Path)
     assert [s.index for s in user.kept] == [0, 2]
     assert user.metrics["reward_failed/RuntimeError"] == 1.0
     assert not any(math.isnan(v) for v in user.metrics.values())
+
+
+def test_a_protocol_reward_with_its_own_parameter_name_still_binds() -> None:
+    """Today's ``RewardFunction`` callers: ``__call__(self, s)`` gets the sample."""
+
+    class Legacy:
+        def __call__(self, s: Sample) -> float:
+            return float(len(s.response_ids))
+
+    prompts = {0: Prompt(index=0, messages=({"role": "user", "content": "q"},))}
+    scored = score_samples(Legacy(), [_sample([1, 2], 0)], prompts, _decode)
+    assert [s.reward for s in scored.kept] == [2.0]
+    with pytest.raises(GrpoConfigError, match="parameter 'x' is not one"):
+        score_samples(lambda x, y: 1.0, [_sample([1], 0)], prompts, _decode)

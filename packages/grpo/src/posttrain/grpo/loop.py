@@ -74,7 +74,7 @@ from posttrain.grpo.data import task_from_config
 from posttrain.grpo.metrics import MetricsLog, write_report
 from posttrain.grpo.rewards import PromptStream, Task
 from posttrain.grpo.rollout import RolloutSettings, run_rollout
-from posttrain.grpo.scoring import StepScores, score_samples
+from posttrain.grpo.scoring import StepScores, as_bound, score_samples
 from posttrain.grpo.sync import (
     SyncResult,
     SyncTarget,
@@ -119,6 +119,7 @@ def run(
     if task is None:
         inputs_check.check_inputs(config)
     else:
+        as_bound(task.reward)  # a reward whose parameters bind, or a GrpoConfigError now
         inputs_check.check_eval(config)
     if "RANK" in os.environ or config.world_size == 1:
         return _run_rank(config, plugged)

@@ -123,6 +123,7 @@ class BoundReward:
     weight: float = 1.0
     params: tuple[str, ...] = ()
     batched: bool = False
+    positional_sample: bool = False  # the Protocol's form, ``f(sample)``, whatever its name
 
 
 def bind(fn: Any, *, name: str, weight: float = 1.0) -> BoundReward:
@@ -300,7 +301,7 @@ def _arguments(reward: BoundReward, inputs: Sequence[RewardInput]) -> dict[str, 
 
 
 async def _call(reward: BoundReward, kwargs: dict[str, Any]) -> Any:
-    value = reward.fn(**kwargs)
+    value = reward.fn(kwargs["sample"]) if reward.positional_sample else reward.fn(**kwargs)
     if inspect.isawaitable(value):
         value = await value
     return value
@@ -405,8 +406,17 @@ def as_bound(reward: Any) -> tuple[BoundReward, ...]:
     name (a ``RewardFunction`` taking ``sample`` binds as it always did)."""
     if isinstance(reward, Scorer):
         return reward.rewards
-    name = getattr(reward, "__name__", type(reward).__name__)
-    return (bind(reward, name=str(name)),)
+    name = str(getattr(reward, "__name__", type(reward).__name__))
+    try:
+        return (bind(reward, name=name),)
+    except GrpoConfigError:
+        # Today's RewardFunction callers: one positional parameter, the sample, by any name.
+        sig = inspect.signature(reward)
+        required = [p for p in sig.parameters.values() if p.default is p.empty
+                    and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]  # fmt: skip
+        if len(required) != 1:
+            raise
+        return (BoundReward(name=name, fn=reward, params=("sample",), positional_sample=True),)
 
 
 # --------------------------------------------------------------------------- a step's samples
