@@ -84,7 +84,10 @@ class GrpoRecipeConfig:
         if self.steps is not None and self.steps < 1:
             raise LaunchConfigError(f"--steps must be >= 1, got {self.steps}")
         if not self.task or not self.task.replace("_", "").isalnum():
-            raise LaunchConfigError(f"--task must be a task name, got {self.task!r}")
+            raise LaunchConfigError(
+                f"--task must be a task name, got {self.task!r}; for your own prompts give "
+                "--prompt-data FILE (with --input-key, --label-key, --reward)"
+            )
         if self.engines < 1:
             raise LaunchConfigError(f"--engines must be >= 1, got {self.engines}")
         if self.turn_timeout_s is not None and not 0 < self.turn_timeout_s < math.inf:
