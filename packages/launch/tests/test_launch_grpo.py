@@ -175,9 +175,15 @@ def test_data_and_reward_flags_reach_the_trainer() -> None:
     ]  # fmt: skip
 
 
-def test_bad_data_is_refused_before_anything_starts(tmp_path: Path) -> None:
+def test_bad_data_is_refused_before_anything_starts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     missing = tmp_path / "missing.jsonl"
     out = tmp_path / "out"
+    prepared: list[object] = []  # the recipe's prepare step runs beside the check: not here
+    monkeypatch.setattr(
+        "posttrain.launch.grpo.prepare_recipe", lambda *a, **k: prepared.append(a) or {}
+    )
     result = CliRunner().invoke(
         app, ["grpo", "--prompt-data", str(missing), "--reward", "math", "--out", str(out)]
     )
@@ -185,3 +191,4 @@ def test_bad_data_is_refused_before_anything_starts(tmp_path: Path) -> None:
     assert f"--prompt-data {missing}: no such file or directory" in result.output
     assert "Traceback" not in result.output
     assert not out.exists()
+    assert len(prepared) == 1  # and no stack was started after it

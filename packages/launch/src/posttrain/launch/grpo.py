@@ -118,17 +118,35 @@ def data_flags(**values: Any) -> tuple[str, ...]:
     return tuple(out)
 
 
-def check_trainer_inputs(cfg: GrpoRecipeConfig, sink: LogSink, *, python: str) -> None:
-    """The trainer's ``--dry-run`` on the user's data/reward/eval flags, before anything starts;
-    its one-line error becomes a ``GrpoRunError``."""
+def start_input_check(
+    cfg: GrpoRecipeConfig, sink: LogSink, *, python: str
+) -> subprocess.Popen[str] | None:
+    """Start the trainer's ``--dry-run`` on the user's data/reward/eval flags (None without
+    them); it runs beside the recipe's prepare step, and ``finish_input_check`` reads it before
+    the stack starts."""
     if not cfg.data_args:
-        return
+        return None
     argv = [python, "-m", "posttrain.grpo", "--task", cfg.task, *cfg.data_args,
             *cfg.trainer_args, "--dry-run"]  # fmt: skip
     sink("launcher", "checking inputs: " + " ".join(argv))
-    proc = subprocess.run(argv, capture_output=True, text=True, timeout=300, check=False)
+    return subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=_set_pdeathsig)  # fmt: skip
+
+
+def finish_input_check(proc: subprocess.Popen[str] | None) -> None:
+    """Wait for ``start_input_check``'s dry-run; its one-line error becomes a ``GrpoRunError``."""
+    if proc is None:
+        return
+    try:
+        _, err = proc.communicate(timeout=300)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        raise GrpoRunError(
+            "the trainer's --dry-run of the inputs did not finish in 300 s"
+        ) from None
     if proc.returncode != 0:
-        lines = [line for line in proc.stderr.splitlines() if line.strip()]
+        lines = [line for line in err.splitlines() if line.strip()]
         message = lines[-1] if lines else f"exit code {proc.returncode}"
         raise GrpoRunError(message.removeprefix("error: "))
 
@@ -209,8 +227,18 @@ def run_grpo(cfg: GrpoRecipeConfig, sink: LogSink, *, python: str = sys.executab
 
     ``python`` runs the recipe, every process of the stack and the trainer (default: this one).
     """
-    check_trainer_inputs(cfg, sink, python=python)
-    recipe = prepare_recipe(cfg, sink, python=python)
+    checking = start_input_check(cfg, sink, python=python)  # beside the prepare step
+    try:
+        recipe = prepare_recipe(cfg, sink, python=python)
+    except GrpoRunError:
+        finish_input_check(checking)  # a bad input is what the user must hear about first
+        raise
+    except BaseException:  # interrupted: the check is not waited for
+        if checking is not None:
+            checking.kill()
+            checking.wait()
+        raise
+    finish_input_check(checking)
     served = recipe["policy_nvfp4"] if cfg.rollout_quant == "nvfp4" else recipe["policy"]
     key = new_api_key()
     key_file = write_key_file(key, f"grpo-{os.getpid()}")
