@@ -10,7 +10,7 @@ from typer.testing import CliRunner
 
 from posttrain.launch import LaunchConfigError
 from posttrain.launch.cli import app
-from posttrain.launch.grpo import ADAPTER, GrpoRecipeConfig, trainer_argv
+from posttrain.launch.grpo import ADAPTER, GrpoRecipeConfig, data_flags, trainer_argv
 from posttrain.launch.stack import LocalStackConfig, build_local_stack, policy_engine_names
 
 RECIPE = {
@@ -158,3 +158,37 @@ def test_turn_timeout_reaches_the_trainer_and_the_session_router() -> None:
             GrpoRecipeConfig(turn_timeout_s=bad)
         with pytest.raises(LaunchConfigError, match="turn_timeout_s="):
             build_local_stack(LocalStackConfig(model_path="/m", turn_timeout_s=bad))
+
+
+def test_data_and_reward_flags_reach_the_trainer() -> None:
+    flags = data_flags(
+        prompt_data=Path("d.jsonl"), input_key="question", label_key="answer",
+        apply_chat_template=False, reward=["math:0.9", "length:0.1"], eval_data=["e.jsonl"],
+        eval_every=2, metadata_key=None,
+    )  # fmt: skip
+    argv = trainer_argv(GrpoRecipeConfig(data_args=flags), RECIPE, URLS, ["engine-0"])
+    tail = argv[argv.index("--prompt-data") :]
+    assert tail == [
+        "--prompt-data", "d.jsonl", "--input-key", "question", "--label-key", "answer",
+        "--no-apply-chat-template", "--reward", "math:0.9", "--reward", "length:0.1",
+        "--eval-data", "e.jsonl", "--eval-every", "2",
+    ]  # fmt: skip
+
+
+def test_bad_data_is_refused_before_anything_starts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    missing = tmp_path / "missing.jsonl"
+    out = tmp_path / "out"
+    prepared: list[object] = []  # the recipe's prepare step runs beside the check: not here
+    monkeypatch.setattr(
+        "posttrain.launch.grpo.prepare_recipe", lambda *a, **k: prepared.append(a) or {}
+    )
+    result = CliRunner().invoke(
+        app, ["grpo", "--prompt-data", str(missing), "--reward", "math", "--out", str(out)]
+    )
+    assert result.exit_code != 0
+    assert f"--prompt-data {missing}: no such file or directory" in result.output
+    assert "Traceback" not in result.output
+    assert not out.exists()
+    assert len(prepared) == 1  # and no stack was started after it

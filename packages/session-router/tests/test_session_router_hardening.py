@@ -147,12 +147,16 @@ def test_admin_routes_are_not_proxied(run_app: Any) -> None:
             ("POST", "load_lora_adapter"),
             ("POST", "add_worker"),
             ("POST", "remove_worker"),
-            ("POST", "v1/completions"),
             ("GET", "../health"),
         ]:
             r = await c.request(method, f"/sessions/{sid}/{path}", json={"url": "http://x"})
             assert r.status_code == 404, (method, path, r.text)
             assert "error" in r.json()
+        # v1/completions is the session server's own raw-prompt turn, never a raw proxy: a body
+        # without a prompt is its 400, and nothing goes upstream
+        r = await c.post(f"/sessions/{sid}/v1/completions", json={"url": "http://x"})
+        assert r.status_code == 400
+        assert "prompt: must be a non-empty text or list of token ids" in r.json()["error"]
         # an allow-listed route with another method is 405, never forwarded either
         r = await c.delete(f"/sessions/{sid}/generate")
         assert r.status_code == 405

@@ -321,8 +321,9 @@ def test_template_loading_errors(tmp_path: Any, tok_dir: Any) -> None:
     with pytest.raises(ConfigError, match=r"tokenizer\.json does not exist"):
         ChatTokenizer.from_dir(tmp_path)
     (tmp_path / "tokenizer.json").write_bytes((tok_dir / "tokenizer.json").read_bytes())
-    with pytest.raises(ConfigError, match="no chat template"):
-        ChatTokenizer.from_dir(tmp_path)
+    base = ChatTokenizer.from_dir(tmp_path)  # a base model: raw prompts only
+    with pytest.raises(BadChatRequestError, match=r"no chat template \(a base model\)"):
+        base.render([{"role": "user", "content": "a"}], add_generation_prompt=True)
     (tmp_path / "chat_template.jinja").write_text("{% for m in messages %}{{ m['content'] }")
     with pytest.raises(ConfigError, match="does not compile"):
         ChatTokenizer.from_dir(tmp_path)

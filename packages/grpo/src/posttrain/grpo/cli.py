@@ -54,6 +54,7 @@ from posttrain.grpo.config import (
     field_type,
     parse_moe_layer_freq,
 )
+from posttrain.grpo.inputs_check import check_inputs
 from posttrain.grpo.model_check import check_model
 from posttrain.interface import PosttrainError
 
@@ -79,6 +80,8 @@ _REFUSED_RECIPES: dict[str, str] = {
 
 # Tuple-of-names fields, given on the command line as one comma-separated value.
 _LIST_FIELDS = ("lora_targets", "engine_urls")
+# Tuple fields given by repeating the flag (a reward spec or a path may hold commas).
+_REPEATED_FIELDS = ("reward", "eval_data")
 
 
 def _flag(name: str) -> str:
@@ -103,6 +106,8 @@ def _config_parameter(name: str) -> inspect.Parameter:
     help_text = HELP[name]
     if name in _LIST_FIELDS:
         return _option(name, str, ",".join(default), help_text + " (comma-separated)")
+    if name in _REPEATED_FIELDS:
+        return _option(name, list[str] | None, None, help_text + " (repeatable)", show=False)
     if name == "moe_layer_freq":
         return _option(name, str | None, None, help_text)
     if name == "precision":
@@ -163,6 +168,10 @@ def build_config(
         listed = values.get(name)
         if isinstance(listed, str):
             kwargs[name] = tuple(t.strip() for t in listed.split(",") if t.strip())
+    for name in _REPEATED_FIELDS:
+        kwargs[name] = tuple(values.get(name) or ())
+    if values.get("label_key") == "":  # --label-key '': rows without a label
+        kwargs["label_key"] = None
     freq = values.get("moe_layer_freq")
     if isinstance(freq, str):
         kwargs["moe_layer_freq"] = parse_moe_layer_freq(freq, num_layers=values.get("num_layers"))
@@ -213,6 +222,7 @@ def _command(**values: Any) -> None:
         return
     if values.get("model_check", True):
         check_model(config)  # the model gate: an unsupported checkpoint fails here, in a second
+    check_inputs(config)  # the data, the reward and the eval sets, before anything starts
     out = Console(highlight=False, soft_wrap=True)
     if values.get("as_json"):
         out.print(json.dumps(config.to_dict(), indent=2), markup=False)

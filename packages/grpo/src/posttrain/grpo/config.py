@@ -52,6 +52,17 @@ class GrpoConfig:
     readmit_lost_engines: bool = True
     api_key_file: Path | None = None
     task: str = "addition"
+    # The user's data and reward (``data``, ``scoring``); --prompt-data replaces --task.
+    prompt_data: Path | None = None
+    input_key: str = "prompt"
+    label_key: str | None = "label"
+    metadata_key: str | None = None
+    apply_chat_template: bool = True
+    system_prompt: str | None = None
+    reward: tuple[str, ...] = ()
+    eval_data: tuple[str, ...] = ()
+    eval_every: int = 0
+    eval_samples_per_prompt: int = 1
     backend: Backend = "fsdp"
     train: TrainMode = "lora"
     lora_r: int = 8
@@ -124,7 +135,16 @@ class GrpoConfig:
             )
         self.lora_targets = tuple(self.lora_targets)
         self.engine_urls = tuple(self.engine_urls)
-        for name in ("model_path", "engine_model_path", "out_dir", "resume", "api_key_file"):
+        for name in ("reward", "eval_data"):
+            value = getattr(self, name)
+            if isinstance(value, str):
+                raise GrpoConfigError(
+                    f"{name}={value!r} must be a tuple of strings, not one string", field=name
+                )
+            setattr(self, name, tuple(str(v) for v in value))
+        for name in (
+            "model_path", "engine_model_path", "out_dir", "resume", "api_key_file", "prompt_data",
+        ):  # fmt: skip
             value = getattr(self, name)
             if isinstance(value, str):
                 setattr(self, name, Path(value))
@@ -155,7 +175,7 @@ class GrpoConfig:
             "lora_r", "replicate", "shard", "tensor_model_parallel_size",
             "expert_model_parallel_size", "pipeline_model_parallel_size",
             "context_parallel_size", "steps",
-            "prompts_per_step", "samples_per_prompt", "max_new_tokens",
+            "prompts_per_step", "samples_per_prompt", "max_new_tokens", "eval_samples_per_prompt",
         ):  # fmt: skip
             _check_int(name, getattr(self, name), minimum=1)
         for name in (f.name for f in fields(self) if f.type == "bool"):  # every bool field
@@ -163,7 +183,7 @@ class GrpoConfig:
                 raise GrpoConfigError(
                     f"{name} must be a bool, got {getattr(self, name)!r}", field=name
                 )
-        for name in ("checkpoint_every", "opd_top_k", "seed", "micro_batch_size"):
+        for name in ("checkpoint_every", "opd_top_k", "seed", "micro_batch_size", "eval_every"):
             _check_int(name, getattr(self, name), minimum=0)
         for name in ("num_layers", "num_experts", "context_length"):
             if getattr(self, name) is not None:
@@ -200,6 +220,10 @@ class GrpoConfig:
             )
         if not isinstance(self.task, str) or not self.task:
             raise GrpoConfigError(f"task must be a non-empty name, got {self.task!r}", field="task")
+        for name in ("input_key", "label_key", "metadata_key"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise GrpoConfigError(f"{name} must be a non-empty key, got {value!r}", field=name)
         if self.train == "lora" and not self.lora_targets:
             raise GrpoConfigError(
                 "lora_targets is empty; LoRA training needs at least one target",
@@ -352,6 +376,19 @@ HELP: dict[str, str] = {
     "back each that answers, after it took the current weights (off: a lost engine stays out "
     "of the syncs for good)",
     "task": "prompt set and reward (the embedded recipe's: addition)",
+    "prompt_data": "prompt dataset (JSONL, JSON, parquet or a datasets save_to_disk directory); "
+    "replaces --task's prompts",
+    "input_key": "row key of the prompt (a text or a list of chat messages)",
+    "label_key": "row key of the label the reward reads (none: no label)",
+    "metadata_key": "row key of an object handed to the reward as metadata",
+    "apply_chat_template": "render prompts with the model's chat template (off: raw text "
+    "prompts, for base models without one)",
+    "system_prompt": "system message before each prompt (raw text: a line before it)",
+    "reward": "reward: math, exact, regex=PATTERN, length, module:function or "
+    "path/file.py:function, each optionally :WEIGHT; repeat to sum (default: the task's)",
+    "eval_data": "evaluation datasets (same format and keys as --prompt-data)",
+    "eval_every": "evaluate --eval-data every N steps and after the last (0: after the last only)",
+    "eval_samples_per_prompt": "samples per eval prompt: 1 is greedy, k > 1 sampled (pass@k)",
     "backend": "trainer backend: fsdp (HSDP) or megatron (tensor/sequence/expert parallel on "
     "megatron-core)",
     "train": "train a LoRA adapter or every parameter",

@@ -4,7 +4,7 @@ Read top to bottom, one step is::
 
     prompts  = stream.take(prompts_per_step)                 # seeded epochs: resumable
     samples  = rollout(session-router, prompts, n)           # exact ids + engine logprobs
-    rewards  = task.reward(sample) for each sample           # interface RewardFunction
+    rewards  = score_samples(task.reward, samples)           # RewardFunction / --reward
     adv      = group_normalized_advantages(rewards, groups)  # GRPO, per sample
     adv_t    = apply_opd(adv_t, coef, teacher rkl)           # optional: teacher's reverse KL
     metrics  = train_step(policy, my share of samples)       # every rank, FSDP/HSDP (+ LoRA)
@@ -66,14 +66,16 @@ import torch
 import torch.distributed as dist
 
 from posttrain.formats import write_text_atomic
-from posttrain.grpo import checkpoint, readmit
+from posttrain.grpo import checkpoint, data, evaluation, inputs_check, readmit
 from posttrain.grpo._errors import GrpoConfigError, GrpoRunError
 from posttrain.grpo.advantages import group_normalized_advantages
 from posttrain.grpo.config import GrpoConfig
+from posttrain.grpo.data import task_from_config
 from posttrain.grpo.metrics import MetricsLog, write_report
 from posttrain.grpo.model_check import check_model, resolve_model_paths
-from posttrain.grpo.rewards import PromptStream, Task, build_task
+from posttrain.grpo.rewards import PromptStream, Task
 from posttrain.grpo.rollout import RolloutSettings, run_rollout
+from posttrain.grpo.scoring import StepScores, as_bound, score_samples
 from posttrain.grpo.sync import (
     SyncResult,
     SyncTarget,
@@ -116,6 +118,12 @@ def run(
     _check_runnable(config, plugged)
     config = resolve_model_paths(config)  # hub ids -> their cached directories
     check_model(config)  # before any rank or engine starts
+    # The user's data, reward and eval sets, before anything starts or is written.
+    if task is None:
+        inputs_check.check_inputs(config)
+    else:
+        as_bound(task.reward)  # a reward whose parameters bind, or a GrpoConfigError now
+        inputs_check.check_eval(config)
     if "RANK" in os.environ or config.world_size == 1:
         return _run_rank(config, plugged)
     return _spawn_ranks(config, plugged)
@@ -165,8 +173,11 @@ def _train(cfg: GrpoConfig, plugged: Plugged) -> dict[str, Any] | None:
     lead = rank == 0
     policy = build_policy(cfg)
     # Only rank 0 rolls out and scores: the tokenizer, task and prompt stream live there.
-    task = (plugged.task or build_task(cfg.task, _decoder(cfg))) if lead else None
+    decode = _decoder(cfg) if lead else None
+    task = (plugged.task or task_from_config(cfg, decode)) if lead and decode else None
     stream = PromptStream(task.prompts, seed=cfg.seed) if task is not None else None
+    fingerprint = data.fingerprint(task.prompts) if task is not None else None
+    evals = data.eval_sets(cfg) if task is not None else {}
     out = Path(cfg.out_dir)
     ckpt_root = out / "checkpoints"
     start = 0
@@ -175,6 +186,12 @@ def _train(cfg: GrpoConfig, plugged: Plugged) -> dict[str, Any] | None:
         start = int(extra["next_step"])
         if stream is not None:
             stream.position = int(extra["data_position"])
+            saved = extra.get("data_fingerprint")
+            if saved is not None and saved != fingerprint:
+                raise GrpoRunError(
+                    f"--resume {cfg.resume}: the prompts differ from the checkpoint's (data "
+                    f"fingerprint {fingerprint}, saved {saved}); resume with the same data"
+                )
     if lead:
         out.mkdir(parents=True, exist_ok=True)
         write_text_atomic(out / "config.json", json.dumps(cfg.to_dict(), indent=2))
@@ -198,9 +215,9 @@ def _train(cfg: GrpoConfig, plugged: Plugged) -> dict[str, Any] | None:
             t_step = time.perf_counter()
             batch = (
                 _rollout_and_score(
-                    cfg, task, stream, step, version, api_key, opd_mode, plugged.engine
+                    cfg, task, stream, step, version, api_key, opd_mode, plugged.engine, decode
                 )
-                if task is not None and stream is not None
+                if task is not None and stream is not None and decode is not None
                 else None
             )
             batch = _broadcast(batch)
@@ -233,12 +250,18 @@ def _train(cfg: GrpoConfig, plugged: Plugged) -> dict[str, Any] | None:
             target, lost = _set_aside(cfg, target, lost, synced, lead, f"step {step}")
             target, lost = _readmit(cfg, target, lost, synced, lead, f"step {step}")
             times["sync"] = time.perf_counter() - t0
+            if evaluation.due(cfg, step):  # every rank knows when: one broadcast of the outcome
+                t0 = time.perf_counter()
+                metrics.update(_evaluate(cfg, task, evals, decode, step, version, api_key,
+                                         plugged.engine))  # fmt: skip
+                times["eval"] = time.perf_counter() - t0
             t0 = time.perf_counter()
             last = step == cfg.steps - 1
             every = cfg.checkpoint_every
             if last or (every and (step + 1) % every == 0):
                 position = stream.position if stream is not None else 0
-                extra = {"next_step": step + 1, "data_position": position}
+                extra = {"next_step": step + 1, "data_position": position,
+                         "data_fingerprint": fingerprint}  # fmt: skip
                 extra = _broadcast(extra)
                 checkpoint.save(ckpt_root, step, policy, extra)
             times["checkpoint"] = time.perf_counter() - t0
@@ -264,6 +287,7 @@ def _rollout_and_score(
     api_key: str | None,
     opd_mode: dict[str, bool],
     engine: RolloutEngine | None = None,
+    decode: Callable[[Sequence[int]], str] | None = None,
 ) -> dict[str, Any] | str:
     """Rank 0: the step's samples, rewards, advantages and stats, or an error message."""
     try:
@@ -289,8 +313,9 @@ def _rollout_and_score(
         if cfg.train == "full":  # an adapter push leaves an engine's weight version as it was
             samples, stale = _drop_stale(samples, step, version)
         t0 = time.perf_counter()
-        for s in samples:
-            s.reward = float(task.reward(s))
+        assert decode is not None
+        scored = score_samples(task.reward, samples, {p.index: p for p in prompts}, decode)
+        samples = _drop_failed(scored, step)
         times["reward"] = time.perf_counter() - t0
         t0 = time.perf_counter()
         rewards = torch.tensor([float(s.reward or 0.0) for s in samples])
@@ -308,6 +333,8 @@ def _rollout_and_score(
             times["opd"] = time.perf_counter() - t0
         stats.update(_rollout_stats(samples, rewards, times["rollout"]))
         stats["aborted_samples"] = float(len(aborted))
+        stats["epoch"] = stream.position / len(task.prompts)
+        stats.update(scored.metrics)
         if stale is not None:
             stats["stale_samples"] = float(len(stale))
         train = [
@@ -335,6 +362,52 @@ def _drop_aborted(samples: list[Sample], step: int) -> tuple[list[Sample], list[
         describe=lambda s: f"(session {s.metadata.get('session_id')}): "
         f"{s.metadata.get('abort_reason')}",
     )  # fmt: skip
+
+
+def _evaluate(
+    cfg: GrpoConfig,
+    task: Task | None,
+    evals: dict[str, Any],
+    decode: Callable[[Sequence[int]], str] | None,
+    step: int,
+    version: int,
+    api_key: str | None,
+    engine: RolloutEngine | None,
+) -> dict[str, float]:
+    """Rank 0 evaluates (``evaluation``); every rank gets the metrics or raises its error."""
+    outcome: dict[str, float] | str = {}
+    if task is not None and decode is not None:
+        try:
+            outcome = evaluation.evaluate(
+                cfg, evals, task.reward, decode, step=step, version=version, api_key=api_key,
+                engine=engine,
+            )  # fmt: skip
+        except Exception as exc:  # every rank must hear about it
+            outcome = f"step {step}: eval: {type(exc).__name__}: {exc}"
+    outcome = _broadcast(outcome)
+    if isinstance(outcome, str):
+        raise GrpoRunError(outcome)
+    return outcome
+
+
+def _drop_failed(scored: StepScores, step: int) -> list[Sample]:
+    """The samples whose reward succeeded; a warning names each failed one, and a step where
+    every reward failed is a ``GrpoRunError``."""
+    if not scored.failed:
+        return scored.kept
+    named = "; ".join(
+        f"prompt {s.metadata.get('prompt_index')} sample {s.index}: {failure}"
+        for s, failure in scored.failed[:8]
+    )
+    if not scored.kept:
+        raise GrpoRunError(
+            f"the reward failed on every one of the {len(scored.failed)} samples: {named}"
+        )
+    _log.warning(
+        "step %d: the reward failed on %d of %d samples, left out of the step: %s",
+        step, len(scored.failed), len(scored.failed) + len(scored.kept), named,
+    )  # fmt: skip
+    return scored.kept
 
 
 def _drop_stale(

@@ -179,7 +179,8 @@ def write_report(
 
 
 def plot_rewards(records: Sequence[Mapping[str, Any]], path: Path) -> None:
-    """Reward mean (± std) per step, and the OPD reverse KL when present, as a PNG."""
+    """Reward mean (± std) per step, each eval metric (``eval/<set>/...``) at the steps it was
+    measured, and the OPD reverse KL when present, as a PNG."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -193,6 +194,10 @@ def plot_rewards(records: Sequence[Mapping[str, Any]], path: Path) -> None:
     ax.plot(steps, mean, marker="o", label="reward mean")
     ax.fill_between(steps, [m - s for m, s in zip(mean, std, strict=True)],
                     [m + s for m, s in zip(mean, std, strict=True)], alpha=0.2)  # fmt: skip
+    for key in sorted({k for r in records for k in r if k.startswith("eval/")}):
+        points = [(int(r["step"]), float(r[key])) for r in records if key in r]
+        ax.plot([p[0] for p in points], [p[1] for p in points], marker="s", linestyle=":",
+                label=key)  # fmt: skip
     ax.set_xlabel("step")
     ax.set_ylabel("reward")
     ax.set_ylim(-0.05, 1.05)

@@ -28,28 +28,41 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from posttrain.grpo._errors import GrpoConfigError
-from posttrain.interface import MediaKind, MediaRef, RewardFunction, Sample
+from posttrain.interface import MediaKind, MediaRef, Sample
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Prompt:
     """One prompt: its position in the task, the chat messages, and what the reward reads;
     ``media`` are the images and audio its sentinels stand for (sent as ``image_data`` /
-    ``audio_data``)."""
+    ``audio_data``).
+
+    ``text`` (instead of ``messages``) is a raw text prompt, sent without a chat template (the
+    session router's completions path, for base models). ``label`` and ``row_metadata`` are
+    what a ``--prompt-data`` row gives the reward (``RewardInput.label`` / ``.metadata``);
+    ``metadata`` travels with the rollout on the sample.
+    """
 
     index: int
-    messages: tuple[dict[str, str], ...]
+    messages: tuple[dict[str, str], ...] = ()
     metadata: dict[str, Any] = field(default_factory=dict)
     media: tuple[MediaRef, ...] = ()
+    text: str | None = None
+    label: Any = None
+    row_metadata: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class Task:
-    """A named prompt set and the reward that scores its samples."""
+    """A named prompt set and the reward that scores its samples.
+
+    ``reward``: a ``RewardFunction`` (parameters bound by name, ``posttrain.grpo.scoring``) or
+    a ``scoring.Scorer`` (what ``--reward`` builds).
+    """
 
     name: str
     prompts: tuple[Prompt, ...]
-    reward: RewardFunction
+    reward: Any  # RewardFunction | scoring.Scorer
 
 
 class ExactAnswerReward:
@@ -79,6 +92,7 @@ def addition_prompts() -> tuple[Prompt, ...]:
             index=i,
             messages=({"role": "user", "content": f"{a}+{b}="},),
             metadata={"answer": str(a + b)},
+            label=str(a + b),
         )
         for i, (a, b) in enumerate(pairs)
     )
@@ -127,6 +141,7 @@ def shapes_prompts() -> tuple[Prompt, ...]:
                         index=len(prompts),
                         messages=({"role": "user", "content": image_sentinel + question},),
                         metadata={"answer": answer},
+                        label=answer,
                         media=(MediaRef(kind=MediaKind.IMAGE, ref=ref),),
                     )
                 )

@@ -1,7 +1,8 @@
 """Rollouts: n samples per prompt, each through its own session-router session.
 
 Per sample, session-router's ``SessionRolloutClient`` (the interface's ``RolloutEngine``) opens
-a session created with the served weight version, sends one OpenAI chat turn, collects the
+a session created with the served weight version, sends one OpenAI chat turn (a raw text
+prompt, ``Prompt.text``, goes to the session's ``/v1/completions`` instead), collects the
 session's training sample (samples/1: the engine's exact token ids and logprobs) and deletes the
 session. The session router renders the chat template, routes by session id through sgl-router
 and, when it serves the trained adapter, adds ``lora_path`` and ``extra_key`` (from the
@@ -94,6 +95,7 @@ async def rollout(
                     weight_version=settings.weight_version,
                     metadata={**prompt.metadata, "prompt_index": prompt.index},
                     media=prompt.media,
+                    prompt=prompt.text,  # a raw text prompt: no chat template (base models)
                 )
             except (PosttrainError, httpx.HTTPError) as exc:
                 raise GrpoRunError(
@@ -149,6 +151,11 @@ async def engine_rollout(
     """``samples_per_prompt`` samples per prompt from ``engine``, in (prompt, sample) order."""
     gate = asyncio.Semaphore(settings.concurrency)
     name = type(engine).__name__
+    if any(p.text is not None for p in prompts):
+        raise GrpoRunError(
+            f"rollout: engine {name} is a RolloutEngine, whose rollout takes chat messages; raw "
+            "text prompts (--no-apply-chat-template) roll out through the session router"
+        )
     if any(p.media for p in prompts):
         raise GrpoRunError(
             f"rollout: engine {name} is a RolloutEngine, whose rollout takes no media; a "

@@ -52,7 +52,13 @@ from posttrain.interface._media import (
     media_from_request,
     media_request_fields,
 )
-from posttrain.interface._protocols import RewardFunction, RolloutEngine, TeacherScorer, WeightSink
+from posttrain.interface._protocols import (
+    RewardFunction,
+    RewardInput,
+    RolloutEngine,
+    TeacherScorer,
+    WeightSink,
+)
 from posttrain.interface._samples import (
     PositionScores,
     Sample,
@@ -126,6 +132,7 @@ __all__ = [
     "PosttrainError",
     "ProcessError",
     "RewardFunction",
+    "RewardInput",
     "RolloutEngine",
     "Sample",
     "SampleGroup",

@@ -8,11 +8,15 @@ of SGLang, a local CPU engine and a test double are interchangeable. Each is
 - ``TeacherScorer``: ``posttrain.opd.TeacherScoringClient``;
 - ``WeightSink``: ``posttrain.formats.WeightPushClient`` (wsync/1 over HTTP or shared memory);
 - ``RewardFunction``: the reward functions of ``posttrain.grpo``.
+
+``RewardInput`` is what a text-level reward reads (the decoded response, the prompt, the label,
+the row's metadata and the sample); it returns a finite number or ``{"reward": x, **metrics}``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 from posttrain.interface._samples import Sample, TeacherScores
@@ -51,9 +55,33 @@ class TeacherScorer(Protocol):
 
 @runtime_checkable
 class RewardFunction(Protocol):
-    """Maps a finished sample to a scalar reward."""
+    """Maps a finished sample to a scalar reward.
+
+    The Protocol's signature is the original form (one ``sample`` in, a float out), which keeps
+    working. ``posttrain.grpo`` binds a reward's parameters by name, so a reward may instead
+    take any of ``response`` (decoded text), ``prompt``, ``label``, ``metadata``, ``sample``
+    and ``input`` (a ``RewardInput``), or their plurals (``responses``, ..., ``inputs``) to
+    score a whole step's samples in one call; it may be ``async``; it returns a finite number
+    or ``{"reward": x, **extra_metrics}`` (one per sample when batched).
+    """
 
     def __call__(self, sample: Sample) -> float: ...
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class RewardInput:
+    """What a reward reads about one finished sample.
+
+    ``prompt`` is the prompt as the data gave it: a text, or the chat messages. ``label`` is the
+    row's label (``--label-key``; None without one), ``metadata`` its metadata
+    (``--metadata-key``; empty without one).
+    """
+
+    response: str
+    prompt: str | tuple[Mapping[str, Any], ...]
+    label: Any = None
+    metadata: Mapping[str, Any] = field(default_factory=dict)
+    sample: Sample | None = None
 
 
 @runtime_checkable

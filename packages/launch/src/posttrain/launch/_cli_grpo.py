@@ -118,9 +118,74 @@ def grpo_command(
         bool,
         typer.Option("--verbose", help="stream every server's log to the terminal [default: off]"),
     ] = False,
+    prompt_data: Annotated[
+        Path | None,
+        typer.Option(
+            "--prompt-data",
+            metavar="PATH",
+            help="your prompts: JSONL, JSON, parquet or a datasets save_to_disk directory "
+            "(replaces --task's prompts; needs --reward) [default: none]",
+        ),
+    ] = None,
+    input_key: Annotated[
+        str | None,
+        typer.Option("--input-key", metavar="KEY", help="row key of the prompt [default: prompt]"),
+    ] = None,
+    label_key: Annotated[
+        str | None,
+        typer.Option("--label-key", metavar="KEY", help="row key of the label [default: label]"),
+    ] = None,
+    metadata_key: Annotated[
+        str | None,
+        typer.Option(
+            "--metadata-key", metavar="KEY", help="row key of the reward's metadata [default: none]"
+        ),
+    ] = None,
+    apply_chat_template: Annotated[
+        bool | None,
+        typer.Option(
+            "--apply-chat-template/--no-apply-chat-template",
+            help="render prompts with the chat template, or send raw text (base models) "
+            "[default: apply]",
+            show_default=False,
+        ),
+    ] = None,
+    system_prompt: Annotated[
+        str | None,
+        typer.Option("--system-prompt", metavar="TEXT", help="system message before each prompt"),
+    ] = None,
+    reward: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--reward",
+            metavar="SPEC",
+            help="math, exact, regex=PATTERN, length, module:function or path/file.py:function, "
+            "each optionally :WEIGHT; repeat to sum [default: the task's]",
+        ),
+    ] = None,
+    eval_data: Annotated[
+        list[str] | None,
+        typer.Option("--eval-data", metavar="PATH", help="an evaluation set (repeatable)"),
+    ] = None,
+    eval_every: Annotated[
+        int | None,
+        typer.Option(
+            "--eval-every",
+            metavar="N",
+            help="evaluate every N steps and after the last [default: 0: after the last only]",
+        ),
+    ] = None,
+    eval_samples_per_prompt: Annotated[
+        int | None,
+        typer.Option(
+            "--eval-samples-per-prompt",
+            metavar="K",
+            help="1: greedy; K > 1: sampled, pass@K [default: 1]",
+        ),
+    ] = None,
 ) -> None:
     """Run the embedded CPU GRPO recipe: tiny Dense/MoE policy, toy task, engines, trainer."""
-    from posttrain.launch.grpo import GrpoRecipeConfig, run_grpo
+    from posttrain.launch.grpo import GrpoRecipeConfig, data_flags, run_grpo
 
     sink, kept = (console_sink(_err), None) if verbose else tail_sink()
     _stop_on_signals()
@@ -136,6 +201,18 @@ def grpo_command(
             resume=resume,
             out=out,
             trainer_args=tuple(ctx.args),
+            data_args=data_flags(
+                prompt_data=prompt_data,
+                input_key=input_key,
+                label_key=label_key,
+                metadata_key=metadata_key,
+                apply_chat_template=apply_chat_template,
+                system_prompt=system_prompt,
+                reward=reward,
+                eval_data=eval_data,
+                eval_every=eval_every,
+                eval_samples_per_prompt=eval_samples_per_prompt,
+            ),
             turn_timeout_s=turn_timeout,
             model_path=model_path,
             context_length=context_length,

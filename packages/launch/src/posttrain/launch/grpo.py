@@ -76,6 +76,7 @@ class GrpoRecipeConfig:
     out: Path = Path("runs/grpo")
     engines: int = 2
     trainer_args: tuple[str, ...] = ()
+    data_args: tuple[str, ...] = ()  # the user's data/reward/eval flags (``data_flags``)
     ready_timeout_s: float = 300.0
     turn_timeout_s: float | None = None  # None: the trainer's and the session router's defaults
     model_path: Path | None = None  # None: the recipe's own tiny policy
@@ -91,7 +92,10 @@ class GrpoRecipeConfig:
         if self.steps is not None and self.steps < 1:
             raise LaunchConfigError(f"--steps must be >= 1, got {self.steps}")
         if not self.task or not self.task.replace("_", "").isalnum():
-            raise LaunchConfigError(f"--task must be a task name, got {self.task!r}")
+            raise LaunchConfigError(
+                f"--task must be a task name, got {self.task!r}; for your own prompts give "
+                "--prompt-data FILE (with --input-key, --label-key, --reward)"
+            )
         if self.engines < 1:
             raise LaunchConfigError(f"--engines must be >= 1, got {self.engines}")
         if self.turn_timeout_s is not None and not 0 < self.turn_timeout_s < math.inf:
@@ -120,6 +124,57 @@ class GrpoRecipeConfig:
             ("http://", "https://")
         ):
             raise LaunchConfigError(f"--teacher must be an http(s) URL, got {self.teacher_url!r}")
+
+
+def data_flags(**values: Any) -> tuple[str, ...]:
+    """The trainer flags of the user's data, reward and eval options (None: not given; a list:
+    the flag repeated; a bool: ``--flag`` / ``--no-flag``)."""
+    out: list[str] = []
+    for name, value in values.items():
+        flag = "--" + name.replace("_", "-")
+        if value is None:
+            continue
+        if isinstance(value, bool):
+            out.append(flag if value else "--no-" + flag[2:])
+        elif isinstance(value, list | tuple):
+            for item in value:
+                out += [flag, str(item)]
+        else:
+            out += [flag, str(value)]
+    return tuple(out)
+
+
+def start_input_check(
+    cfg: GrpoRecipeConfig, sink: LogSink, *, python: str
+) -> subprocess.Popen[str] | None:
+    """Start the trainer's ``--dry-run`` on the user's data/reward/eval flags (None without
+    them); it runs beside the recipe's prepare step, and ``finish_input_check`` reads it before
+    the stack starts."""
+    if not cfg.data_args:
+        return None
+    argv = [python, "-m", "posttrain.grpo", "--task", cfg.task, *cfg.data_args,
+            *cfg.trainer_args, "--no-model-check", "--dry-run"]  # fmt: skip
+    sink("launcher", "checking inputs: " + " ".join(argv))
+    return subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=_set_pdeathsig)  # fmt: skip
+
+
+def finish_input_check(proc: subprocess.Popen[str] | None) -> None:
+    """Wait for ``start_input_check``'s dry-run; its one-line error becomes a ``GrpoRunError``."""
+    if proc is None:
+        return
+    try:
+        _, err = proc.communicate(timeout=300)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        raise GrpoRunError(
+            "the trainer's --dry-run of the inputs did not finish in 300 s"
+        ) from None
+    if proc.returncode != 0:
+        lines = [line for line in err.splitlines() if line.strip()]
+        message = lines[-1] if lines else f"exit code {proc.returncode}"
+        raise GrpoRunError(message.removeprefix("error: "))
 
 
 def prepare_recipe(
@@ -197,7 +252,7 @@ def trainer_argv(cfg: GrpoRecipeConfig, recipe: dict[str, Any], urls: dict[str, 
         argv += ["--api-key-file", str(key_file)]
     if "router" in urls:  # a lost engine is deregistered there until it is re-admitted
         argv += ["--router-url", urls["router"]]
-    return argv + list(cfg.trainer_args)
+    return argv + list(cfg.data_args) + list(cfg.trainer_args)
 
 
 def policy_path(cfg: GrpoRecipeConfig, recipe: dict[str, Any]) -> str:
@@ -252,7 +307,18 @@ def run_grpo(cfg: GrpoRecipeConfig, sink: LogSink, *, python: str = sys.executab
 
     ``python`` runs the recipe, every process of the stack and the trainer (default: this one).
     """
-    recipe = prepare_recipe(cfg, sink, python=python)
+    checking = start_input_check(cfg, sink, python=python)  # beside the prepare step
+    try:
+        recipe = prepare_recipe(cfg, sink, python=python)
+    except GrpoRunError:
+        finish_input_check(checking)  # a bad input is what the user must hear about first
+        raise
+    except BaseException:  # interrupted: the check is not waited for
+        if checking is not None:
+            checking.kill()
+            checking.wait()
+        raise
+    finish_input_check(checking)
     policy = policy_path(cfg, recipe)
     served = recipe["policy_nvfp4"] if cfg.rollout_quant == "nvfp4" else policy
     if cfg.model_path is not None:

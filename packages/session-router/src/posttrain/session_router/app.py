@@ -6,6 +6,8 @@
     GET    /sessions/{id}                          records and TITO metadata
     DELETE /sessions/{id}                          204; waits for an in-flight prepare/commit
     POST   /sessions/{id}/v1/chat/completions      one TITO turn (OpenAI compatible)
+    POST   /sessions/{id}/v1/completions           one raw-prompt turn: a text or token ids,
+                                                   no chat template (base models)
     POST   /sessions/{id}/samples                  assembled samples (samples/1: posttrain.formats)
     *      /sessions/{id}/{path}                   raw proxy with the routing key, not recorded,
                                                    for the upstream routes in PROXY_ROUTES only
@@ -69,10 +71,17 @@ from posttrain.session_router.assembly import (
     build_generate_body,
     forward_headers,
     parse_chat_body,
+    parse_completion_body,
 )
 from posttrain.session_router.config import SessionRouterConfig
 from posttrain.session_router.dispatch import App, Routes
-from posttrain.session_router.openai_reply import SSE_HEADERS, chat_completion, dumps, fake_stream
+from posttrain.session_router.openai_reply import (
+    SSE_HEADERS,
+    chat_completion,
+    dumps,
+    fake_stream,
+    text_completion,
+)
 from posttrain.session_router.samples import assemble_samples
 from posttrain.session_router.server import BodyTooLargeError, SessionServer
 from posttrain.session_router.template import ChatTokenizer, NotCachedError
@@ -82,6 +91,7 @@ from posttrain.session_router.tito import (
     TurnRecord,
     commit_turn,
     parse_generate_reply,
+    prepare_raw_turn,
     prepare_turn,
 )
 from posttrain.session_router.upstream import Upstream, UpstreamReply
@@ -265,6 +275,32 @@ async def chat(request: Request) -> Response:
         left.cancel()
 
 
+async def completion(request: Request) -> Response:
+    """A raw-prompt turn (OpenAI completions): the text tokenized as it is (no chat template),
+    or the token ids given; recorded like a chat turn, so ``/samples`` assembles it."""
+    server, tok = _server(request), _server(request).tok
+    session_id = request.path_params["session_id"]
+    state = server.get(session_id)
+    raw = await server.read_body(request)
+    req, prompt = parse_completion_body(raw, tok.tokenizer.get_vocab_size())
+    if isinstance(prompt, str):
+        try:
+            prompt_ids = tok.encode(prompt, max_uncached_chars=_INLINE_TOKENIZE_CHARS)
+        except NotCachedError:
+            prompt_ids = await asyncio.to_thread(tok.encode, prompt)
+    else:
+        prompt_ids = prompt
+    async with state.lock:
+        if state.closing:
+            raise SessionNotFoundError(session_id)
+        prepared = prepare_raw_turn(state, prompt_ids)
+    left: asyncio.Future[Any] = asyncio.ensure_future(request.receive())
+    try:
+        return await _generate_and_commit(request, server, state, req, prepared, left, raw=True)
+    finally:
+        left.cancel()
+
+
 def _client_left(left: asyncio.Future[Any]) -> bool:
     if not left.done() or left.cancelled() or left.exception() is not None:
         return False
@@ -279,8 +315,11 @@ async def _generate_and_commit(
     req: ChatRequest,
     prepared: PreparedTurn,
     left: asyncio.Future[Any],
+    *,
+    raw: bool = False,
 ) -> Response:
-    """The upstream call, the reply checks and the commit of one prepared turn."""
+    """The upstream call, the reply checks and the commit of one prepared turn (``raw``: a
+    completions turn, answered as a ``text_completion``)."""
     cfg, tok, session_id = server.cfg, server.tok, state.session_id
     body = build_generate_body(
         req.body, cfg, prepared.prompt_ids, weight_version=state.weight_version
@@ -312,9 +351,8 @@ async def _generate_and_commit(
         url=upstream.url,
         with_media="image_data" in body or "audio_data" in body,
     )
-    completion = chat_completion(
-        reply, body=req.body, prompt_tokens=len(prepared.prompt_ids), tok=tok
-    )
+    shape = text_completion if raw else chat_completion
+    completion = shape(reply, body=req.body, prompt_tokens=len(prepared.prompt_ids), tok=tok)
     record = TurnRecord(
         timestamp=time.time(),
         request_timestamp=request_ts,
@@ -339,7 +377,7 @@ async def _generate_and_commit(
             prepared,
             reply,
             record,
-            dict(completion["choices"][0]["message"]),
+            {"role": "assistant", "content": reply.text},
             max_trim_tokens=cfg.max_trim_tokens,
         )
     server.metrics.turns.labels("committed" if committed else "not_committed").inc()
@@ -441,6 +479,7 @@ def create_app(
         sid, {"GET": _handled("get", get_session), "DELETE": _handled("delete", delete_session)}
     )
     routes.add(f"{sid}/v1/chat/completions", {"POST": _handled("chat", chat)})
+    routes.add(f"{sid}/v1/completions", {"POST": _handled("completion", completion)})
     routes.add(f"{sid}/samples", {"POST": _handled("samples", samples)})
     for path, methods in PROXY_ROUTES.items():
         proxied = _handled("proxy", functools.partial(proxy, path=path))

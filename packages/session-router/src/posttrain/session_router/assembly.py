@@ -78,6 +78,8 @@ CONSUMED_KEYS = frozenset(
         "text",
         "return_meta_info",
         "sampling_params",
+        "prompt",
+        "echo",
     }
 )
 FORCED_TOP_LEVEL = ("input_ids", "return_logprob", "logprob_start_len", "return_text_in_logprobs")
@@ -120,14 +122,7 @@ class ChatRequest:
 
 def parse_chat_body(raw: bytes, defaults: Mapping[str, Any] | None = None) -> ChatRequest:
     """Parse and validate a chat completion body; every failure is a ``BadChatRequestError`` (400)."""
-    try:
-        body = orjson.loads(raw)
-    except orjson.JSONDecodeError as exc:
-        raise BadChatRequestError(f"invalid JSON body: {exc}") from exc
-    if not isinstance(body, dict):
-        raise BadChatRequestError(
-            f"invalid JSON body: expected an object, got {type(body).__name__}"
-        )
+    body = _body_object(raw)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise BadChatRequestError("messages: must be a non-empty list")
@@ -136,9 +131,7 @@ def parse_chat_body(raw: bytes, defaults: Mapping[str, Any] | None = None) -> Ch
     tools = body.get("tools")
     if tools is not None and not isinstance(tools, list):
         raise BadChatRequestError("tools: must be a list")
-    n = body.get("n", 1)
-    if n not in (1, None):
-        raise BadChatRequestError(f"n: only 1 choice per turn is supported, got {n!r}")
+    _one_choice(body)
     return ChatRequest(
         body=body,
         messages=messages,
@@ -146,6 +139,56 @@ def parse_chat_body(raw: bytes, defaults: Mapping[str, Any] | None = None) -> Ch
         stream=bool(body.get("stream", False)),
         template_kwargs=merge_template_kwargs(body.get("chat_template_kwargs"), defaults),
     )
+
+
+def parse_completion_body(raw: bytes, vocab_size: int) -> tuple[ChatRequest, str | list[int]]:
+    """Parse an OpenAI completions body (a raw prompt: a text, or token ids below
+    ``vocab_size``); the request (no messages) and the prompt. Failures are 400s naming the field.
+    """
+    body = _body_object(raw)
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]  # OpenAI's list of one prompt
+    if isinstance(prompt, str):
+        if not prompt:
+            raise BadChatRequestError("prompt: must be a non-empty text or list of token ids")
+    elif isinstance(prompt, list) and prompt:
+        for i, t in enumerate(prompt):
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab_size:
+                raise BadChatRequestError(
+                    f"prompt[{i}]: must be a token id in [0, {vocab_size}), got {t!r}"
+                )
+    else:
+        raise BadChatRequestError(
+            f"prompt: must be a non-empty text or list of token ids, got {_kind(prompt)}"
+        )
+    _one_choice(body)
+    if body.get("echo"):
+        raise BadChatRequestError("echo: not supported (the prompt is not returned)")
+    request = ChatRequest(
+        body=body, messages=[], tools=None, stream=bool(body.get("stream", False)),
+        template_kwargs={},
+    )  # fmt: skip
+    return request, prompt
+
+
+def _body_object(raw: bytes) -> dict[str, Any]:
+    """The request body as a JSON object (400 otherwise)."""
+    try:
+        body = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        raise BadChatRequestError(f"invalid JSON body: {exc}") from exc
+    if not isinstance(body, dict):
+        raise BadChatRequestError(
+            f"invalid JSON body: expected an object, got {type(body).__name__}"
+        )
+    return body
+
+
+def _one_choice(body: Mapping[str, Any]) -> None:
+    n = body.get("n", 1)
+    if n not in (1, None):
+        raise BadChatRequestError(f"n: only 1 choice per turn is supported, got {n!r}")
 
 
 def _kind(value: Any) -> str:

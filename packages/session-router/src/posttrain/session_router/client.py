@@ -7,7 +7,7 @@ by ``posttrain.formats``, optionally overlaid on the driver's own sample) and ``
 deletes the session.
 
 ``SessionRolloutClient`` implements the interface's ``RolloutEngine`` for single-turn chat
-rollouts: one session per rollout (create, one chat turn, collect, delete, the delete even when
+rollouts (or raw-prompt ones, ``prompt=``, for base models without a chat template): one session per rollout (create, one chat turn, collect, delete, the delete even when
 a step failed), so each sample carries exactly the engine's token ids and logprobs, and its
 session's id in ``metadata["session_id"]``.
 ``rollout_group`` draws the n samples of one prompt concurrently (a GRPO group).
@@ -179,8 +179,12 @@ class SessionRolloutClient:
         weight_version: int | None = None,
         metadata: Mapping[str, Any] | None = None,
         media: Sequence[MediaRef] = (),
+        prompt: str | Sequence[int] | None = None,
     ) -> Sample:
         """One sample for ``messages``: the turn's token ids, logprobs and loss mask.
+
+        ``prompt`` (with ``messages`` empty) is a raw prompt instead, a text or token ids sent
+        to ``/sessions/{id}/v1/completions`` without a chat template (a base model).
 
         ``media`` (the prompt's images and audio, one per sentinel in its text) is sent as
         ``image_data``/``audio_data`` and comes back on the sample.
@@ -195,12 +199,12 @@ class SessionRolloutClient:
             reply = _check(await self._client.post("/sessions", json=_create_body(weight_version)))
             session_id = str(reply.json()["session_id"])
             try:
-                body = {
-                    **dict(sampling_params or {}),
-                    **media_request_fields(media),
-                    "messages": list(messages),
-                }
-                aborted = await self._turn(session_id, body)
+                body = {**dict(sampling_params or {}), **media_request_fields(media)}
+                if prompt is not None:
+                    body["prompt"] = prompt if isinstance(prompt, str) else list(prompt)
+                else:
+                    body["messages"] = list(messages)
+                aborted = await self._turn(session_id, body, raw=prompt is not None)
                 if aborted is None:
                     reply = _check(
                         await self._client.post(
@@ -232,10 +236,14 @@ class SessionRolloutClient:
         sample.metadata.setdefault("session_id", session_id)  # which session drew it
         return sample
 
-    async def _turn(self, session_id: str, body: dict[str, Any]) -> str | None:
-        """Send one chat turn: None when it was answered, else why it was aborted (only with
-        ``turn_timeout_s``: no reply within it, or the session server's upstream 504)."""
-        url = f"/sessions/{session_id}/v1/chat/completions"
+    async def _turn(
+        self, session_id: str, body: dict[str, Any], *, raw: bool = False
+    ) -> str | None:
+        """Send one chat (or, ``raw``, completions) turn: None when it was answered, else why it
+        was aborted (only with ``turn_timeout_s``: no reply within it, or the session server's
+        upstream 504)."""
+        route = "v1/completions" if raw else "v1/chat/completions"
+        url = f"/sessions/{session_id}/{route}"
         if self.turn_timeout_s is None:
             _check(await self._client.post(url, json=body), session_id)
             return None

@@ -68,9 +68,34 @@ def chat_completion(
     }
 
 
+def text_completion(
+    reply: ParsedReply,
+    *,
+    body: Mapping[str, Any],
+    prompt_tokens: int,
+    tok: ChatTokenizer,
+) -> dict[str, Any]:
+    """The ``text_completion`` object for one raw-prompt turn (the chat one's fields, with
+    ``text`` in place of ``message``)."""
+    chat = chat_completion(reply, body=body, prompt_tokens=prompt_tokens, tok=tok)
+    choice = dict(chat["choices"][0])
+    choice["text"] = choice.pop("message")["content"]
+    if body.get("logprobs"):
+        content = choice["logprobs"]["content"]
+        choice["logprobs"] = {
+            "tokens": [c["token"] for c in content],
+            "token_logprobs": [c["logprob"] for c in content],
+        }
+    return {**chat, "id": f"cmpl-{chat['id'][8:]}", "object": "text_completion",
+            "choices": [choice]}  # fmt: skip
+
+
 def fake_stream(completion: Mapping[str, Any]) -> bytes:
     """The whole SSE body for a non-streamed completion: one chunk, then ``[DONE]``."""
     choice = completion["choices"][0]
+    if completion["object"] == "text_completion":  # completions stream the choice as it is
+        chunk = {**completion, "choices": [dict(choice)]}
+        return b"data: " + dumps(chunk) + b"\n\ndata: [DONE]\n\n"
     chunk = {
         "id": completion["id"],
         "object": "chat.completion.chunk",

@@ -123,7 +123,7 @@ class ChatTokenizer:
     def __init__(
         self,
         tokenizer: Tokenizer,
-        chat_template: str,
+        chat_template: str | None,
         *,
         special_tokens: Mapping[str, str] | None = None,
         stop_token_ids: Sequence[int] = (),
@@ -151,10 +151,13 @@ class ChatTokenizer:
         env.filters["tojson"] = _tojson
         env.globals["raise_exception"] = _raise_exception
         env.globals["strftime_now"] = lambda fmt: datetime.now(UTC).strftime(fmt)
-        try:
-            self._template = env.from_string(chat_template)
-        except TemplateError as exc:
-            raise ConfigError(f"chat template of {source} does not compile: {exc}") from exc
+        # None: a base model's tokenizer; only raw prompts (/v1/completions) can be served.
+        self._template: Any = None
+        if chat_template is not None:
+            try:
+                self._template = env.from_string(chat_template)
+            except TemplateError as exc:
+                raise ConfigError(f"chat template of {source} does not compile: {exc}") from exc
         self.stop_token_ids = frozenset(int(i) for i in stop_token_ids)
 
     @classmethod
@@ -210,6 +213,11 @@ class ChatTokenizer:
         template_kwargs: Mapping[str, Any] | None = None,
     ) -> str:
         """Render messages with the chat template; any template failure is a 400 naming the source."""
+        if self._template is None:
+            raise BadChatRequestError(
+                f"the tokenizer of {self.source} has no chat template (a base model): send raw "
+                "prompts to /sessions/{id}/v1/completions instead of chat messages"
+            )
         context: dict[str, Any] = dict(self.special_tokens)
         context.update(template_kwargs or {})
         context.update(
@@ -218,7 +226,7 @@ class ChatTokenizer:
             add_generation_prompt=add_generation_prompt,
         )
         try:
-            return self._template.render(**context)
+            return str(self._template.render(**context))
         except TemplateError as exc:
             raise BadChatRequestError(
                 f"chat template of {self.source} rejected the messages: {exc}"
@@ -318,7 +326,8 @@ class ChatTokenizer:
         return full[len(base) :]
 
 
-def _read_chat_template(root: Path, config: Mapping[str, Any]) -> str:
+def _read_chat_template(root: Path, config: Mapping[str, Any]) -> str | None:
+    """The chat template of ``root``; None when it has none (a base model's tokenizer)."""
     jinja_file = root / "chat_template.jinja"
     if jinja_file.is_file():
         return jinja_file.read_text(encoding="utf-8")
@@ -326,9 +335,11 @@ def _read_chat_template(root: Path, config: Mapping[str, Any]) -> str:
     if isinstance(template, list):
         named = {t.get("name"): t.get("template") for t in template if isinstance(t, Mapping)}
         template = named.get("default")
+    if template is None:
+        return None
     if not isinstance(template, str):
         raise ConfigError(
-            f"tokenizer: no chat template in {root} (neither chat_template.jinja nor "
-            "tokenizer_config.json's chat_template)"
+            f"tokenizer: the chat template in {root}'s tokenizer_config.json is a "
+            f"{type(template).__name__}, not a string (or a list with a 'default' entry)"
         )
     return template

@@ -265,6 +265,25 @@ def prepare_turn(
     )
 
 
+def prepare_raw_turn(state: SessionState, prompt_ids: Sequence[int]) -> PreparedTurn:
+    """A raw-prompt turn (no chat template): ``prompt_ids`` as they are. On a session with
+    turns they must continue its tokens (``accumulated_token_ids``); else a 400."""
+    ids = list(prompt_ids)
+    acc = state.accumulated_token_ids
+    if ids[: len(acc)] != acc:
+        raise BadChatRequestError(
+            f"prompt: a raw turn must continue the session's {len(acc)} tokens (send its "
+            "accumulated_token_ids followed by the new ones); open a new session otherwise"
+        )
+    return PreparedTurn(
+        prompt_ids=ids,
+        keep_checkpoints=len(state.checkpoints),
+        version=state.version,
+        request_messages=list(state.messages),
+        trimmed=0,
+    )
+
+
 def parse_generate_reply(
     reply: Any, *, prompt_len: int, url: str, with_media: bool = False
 ) -> ParsedReply:
