@@ -65,6 +65,9 @@ def _check_lengths(config: GrpoConfig, root: Path, prompts: tuple[Prompt, ...]) 
         context = json.loads((root / "config.json").read_text()).get("max_position_embeddings")
     except (OSError, ValueError):
         return  # a hub id, or no config: the engines decide
+    source = f"max_position_embeddings in {root / 'config.json'}"
+    if config.context_length is not None:  # the KV capacity the run asked for
+        context, source = config.context_length, "--context-length"
     if not isinstance(context, int) or not (root / "tokenizer.json").is_file():
         return
     if any(p.media for p in prompts):
@@ -92,7 +95,7 @@ def _check_lengths(config: GrpoConfig, root: Path, prompts: tuple[Prompt, ...]) 
             raise GrpoConfigError(
                 f"{flag} {where} row {p.index + 1}: the prompt is {length} tokens; with "
                 f"--max-new-tokens {config.max_new_tokens} it does not fit the model's context "
-                f"of {context} (max_position_embeddings in {root / 'config.json'})"
+                f"of {context} ({source})"
             )
 
 
