@@ -106,7 +106,13 @@ if TYPE_CHECKING:
         tensors_sha256,
         unpack_bucket,
     )
-    from posttrain.formats._finite import check_finite, count_non_finite
+    from posttrain.formats._finite import (
+        DEFAULT_MAX_ABS_WEIGHT,
+        MAX_ABS_WEIGHT_ENV,
+        check_finite,
+        count_non_finite,
+        max_abs_weight,
+    )
     from posttrain.formats._lora_delta import LinearKernel, lora_delta, matmul_kernel
     from posttrain.formats._nvfp4 import (
         E2M1_VALUES,
@@ -182,7 +188,13 @@ _NEEDS_TORCH = {
         "unpack_bucket",
     ),
     "_weight_push": ("ShmRing", "WeightPushClient", "push_weights"),
-    "_finite": ("check_finite", "count_non_finite"),
+    "_finite": (
+        "DEFAULT_MAX_ABS_WEIGHT",
+        "MAX_ABS_WEIGHT_ENV",
+        "check_finite",
+        "count_non_finite",
+        "max_abs_weight",
+    ),
     "_lora_delta": ("LinearKernel", "lora_delta", "matmul_kernel"),
     "_nvfp4": (
         "E2M1_VALUES",
@@ -238,9 +250,11 @@ __all__ = [
     "ADAPTER_LOAD_FORMATS",
     "ADAPTER_WEIGHTS_FILE",
     "ALL_LINEAR",
+    "DEFAULT_MAX_ABS_WEIGHT",
     "DTYPES",
     "E2M1_VALUES",
     "GROUP_SIZE",
+    "MAX_ABS_WEIGHT_ENV",
     "MEDIA_SAMPLES_FORMAT",
     "MOE_CONVENTIONS",
     "PEFT_KEY_PREFIX",
@@ -294,6 +308,7 @@ __all__ = [
     "fsync_tree",
     "lora_delta",
     "matmul_kernel",
+    "max_abs_weight",
     "module_is_targeted",
     "nvfp4_config_sections",
     "nvfp4_layout",
