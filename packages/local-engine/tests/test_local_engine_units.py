@@ -215,17 +215,19 @@ def test_adapters_from_tensors_are_checked_by_the_formats_reader(
     assert "adapter 'poisoned'" in str(info.value)
 
 
-def test_a_small_body_that_names_media_is_decoded_off_the_event_loop() -> None:
+def test_off_loop_parsing_is_decided_by_body_size_alone() -> None:
+    """Issue 35: never by a key found in the raw bytes (``image\\u005fdata`` escapes it); a
+    request naming media goes to the media pool after parsing (test_local_engine_hostile_media)."""
     import asyncio
     import threading
 
-    from posttrain.local_engine._http import off_loop_if_large
+    from posttrain.local_engine._http import INLINE_BODY_BYTES, off_loop_if_large
 
     async def thread_of(raw: bytes) -> int:
         return await off_loop_if_large(raw, threading.get_ident)
 
     loop_thread = threading.get_ident()
-    assert asyncio.run(thread_of(b'{"text": "hi"}')) == loop_thread  # small, no media: inline
-    for key in ("image_data", "audio_data"):  # a short file path may be a large decode
-        raw = b'{"text": "hi", "%s": "/tmp/x.png"}' % key.encode()
-        assert asyncio.run(thread_of(raw)) != loop_thread
+    for raw in (b'{"text": "hi"}', b'{"text": "hi", "image_data": "/tmp/x.png"}'):
+        assert asyncio.run(thread_of(raw)) == loop_thread
+    big = b'{"text": "%s"}' % (b"a" * INLINE_BODY_BYTES)
+    assert asyncio.run(thread_of(big)) != loop_thread

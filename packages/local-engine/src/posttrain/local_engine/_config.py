@@ -25,6 +25,7 @@ generation and information stay open, as sgl-router in front sends no key.
 from __future__ import annotations
 
 import argparse
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
@@ -54,15 +55,24 @@ class EngineConfig:
     max_request_bytes: int = 32 * 1024 * 1024
     max_update_bytes: int = 4 * 1024 * 1024 * 1024
     shm_dir: str = "/dev/shm"
+    allowed_media_dir: str | None = None
+    max_media_bytes: int = 64 * 1024 * 1024
+    media_timeout_s: float = 10.0
+    media_workers: int = 2
     num_threads: int = 1
     log_level: str = "warning"
 
     def __post_init__(self) -> None:
         if self.lora_paths and not self.enable_lora:
             raise ConfigError("--lora-paths needs --enable-lora")
-        for name in ("max_loras_per_batch", "max_running_requests", "max_queued_requests"):
+        for name in ("max_loras_per_batch", "max_running_requests", "max_queued_requests",
+                     "max_media_bytes", "media_workers"):  # fmt: skip
             if getattr(self, name) <= 0:
                 raise ConfigError(f"--{name.replace('_', '-')} must be positive")
+        if not self.media_timeout_s > 0:
+            raise ConfigError("--media-timeout-s must be positive")
+        if self.allowed_media_dir is not None and not os.path.isdir(self.allowed_media_dir):
+            raise ConfigError(f"--allowed-media-dir {self.allowed_media_dir}: not a directory")
         if not 0 < self.port < 65536:
             raise ConfigError(f"--port {self.port} is not a TCP port")
 
@@ -146,6 +156,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="largest JSON request body; bigger is 413 before it is parsed")  # fmt: skip
     add("--shm-dir", default="/dev/shm", metavar="DIR",
         help="the only directory weight-update rings may be mapped from")  # fmt: skip
+    add("--allowed-media-dir", default=None, metavar="DIR",
+        help="the only directory image_data/audio_data file paths may name (regular files, "
+        "no symlinks); without it file-path media is refused (default: none)")  # fmt: skip
+    add("--max-media-bytes", type=int, default=64 * 1024 * 1024, metavar="BYTES",
+        help="largest media file a path may name")  # fmt: skip
+    add("--media-timeout-s", type=float, default=10.0, metavar="S",
+        help="deadline for reading and decoding one request's media")  # fmt: skip
+    add("--media-workers", type=int, default=2, metavar="N",
+        help="threads that decode media (a pool of their own, apart from weight routes)")  # fmt: skip
     add("--num-threads", type=int, default=1, metavar="N", help="torch CPU threads")
     add("--log-level", default="warning", help="uvicorn log level")
     return p
@@ -172,6 +191,10 @@ def parse_args(argv: Sequence[str] | None = None) -> EngineConfig:
             max_queued_requests=a.max_queued_requests,
             max_request_bytes=a.max_request_bytes,
             shm_dir=a.shm_dir,
+            allowed_media_dir=a.allowed_media_dir,
+            max_media_bytes=a.max_media_bytes,
+            media_timeout_s=a.media_timeout_s,
+            media_workers=a.media_workers,
             num_threads=a.num_threads,
             log_level=a.log_level,
         )
