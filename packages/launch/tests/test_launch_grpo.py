@@ -56,13 +56,18 @@ def test_the_key_reaches_the_trainer_as_a_file_and_every_keyed_component() -> No
     assert not any("secret" in tok for tok in argv)
     plan = build_local_stack(
         LocalStackConfig(
-            model_path="/m", lora_adapter=ADAPTER, teacher_model_path="/t", api_key="secret"
+            model_path="/m",
+            lora_adapter=ADAPTER,
+            teacher_model_path="/t",
+            api_key="secret",
+            api_key_file="/k/grpo.key",
         )
     )
     procs = {p.name: p.argv for p in plan.processes}
     for name in ("engine-0", "engine-1", "teacher", "session-router"):
-        assert procs[name][procs[name].index("--api-key") + 1] == "secret", name
-    assert "--api-key" not in procs["router"]  # sgl-router takes none (keys.py says why)
+        assert procs[name][procs[name].index("--api-key-file") + 1] == "/k/grpo.key", name
+        assert not any("secret" in tok for tok in procs[name]), name
+    assert "--api-key-file" not in procs["router"]  # sgl-router takes none (keys.py says why)
 
 
 def test_modes_and_user_flags_last() -> None:

@@ -5,6 +5,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -231,3 +233,20 @@ def test_off_loop_parsing_is_decided_by_body_size_alone() -> None:
         assert asyncio.run(thread_of(raw)) == loop_thread
     big = b'{"text": "%s"}' % (b"a" * INLINE_BODY_BYTES)
     assert asyncio.run(thread_of(big)) != loop_thread
+
+
+def test_the_api_key_comes_from_a_file_or_the_environment(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 35, finding 7: ``--api-key-file`` / $POSTTRAIN_API_KEY, so argv holds no key."""
+    from posttrain.local_engine._config import parse_args
+
+    key = tmp_path / "k"
+    key.write_text("s3cret\n")
+    assert parse_args(["--model-path", "/m", "--api-key-file", str(key)]).api_key == "s3cret"
+    monkeypatch.setenv("POSTTRAIN_API_KEY", "from-env")
+    assert parse_args(["--model-path", "/m"]).api_key == "from-env"
+    (tmp_path / "two").write_text("a b")
+    for bad in (str(tmp_path / "two"), str(tmp_path / "missing")):
+        with pytest.raises(SystemExit):
+            parse_args(["--model-path", "/m", "--api-key-file", bad])

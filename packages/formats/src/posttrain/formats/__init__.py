@@ -93,6 +93,7 @@ if TYPE_CHECKING:
         tensor_sha256,
         verify_adapter_checksums,
     )
+    from posttrain.formats._api_key import API_KEY_ENV, resolve_api_key
     from posttrain.formats._buckets import (
         DTYPES,
         bucket_body_manifest,
@@ -188,6 +189,7 @@ _NEEDS_TORCH = {
         "unpack_bucket",
     ),
     "_weight_push": ("ShmRing", "WeightPushClient", "push_weights"),
+    "_api_key": ("API_KEY_ENV", "resolve_api_key"),
     "_finite": (
         "DEFAULT_MAX_ABS_WEIGHT",
         "MAX_ABS_WEIGHT_ENV",
@@ -250,6 +252,7 @@ __all__ = [
     "ADAPTER_LOAD_FORMATS",
     "ADAPTER_WEIGHTS_FILE",
     "ALL_LINEAR",
+    "API_KEY_ENV",
     "DEFAULT_MAX_ABS_WEIGHT",
     "DTYPES",
     "E2M1_VALUES",
@@ -325,6 +328,7 @@ __all__ = [
     "read_peft_adapter",
     "replace_directory",
     "request_fields",
+    "resolve_api_key",
     "safetensors_header",
     "serves_lora",
     "stack_expert_adapter",

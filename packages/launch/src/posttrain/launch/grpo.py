@@ -191,6 +191,7 @@ def run_grpo(cfg: GrpoRecipeConfig, sink: LogSink, *, python: str = sys.executab
                 ready_timeout_s=cfg.ready_timeout_s,
                 turn_timeout_s=cfg.turn_timeout_s,
                 api_key=key,
+                api_key_file=str(key_file),
             )
         )
         return _run_stack_and_trainer(cfg, recipe, plan, sink, key, key_file, python)

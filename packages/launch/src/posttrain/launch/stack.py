@@ -71,6 +71,9 @@ class LocalStackConfig:
     session_router_port: int = 0
     router_metrics_port: int = 0  # 0: pick a free port
     api_key: str | None = None  # None: no component requires a key
+    # Where the engines and the session router read the key (--api-key-file); None with a key:
+    # $POSTTRAIN_API_KEY in their environment. Never argv (ps would show it).
+    api_key_file: str | None = None
     ready_timeout_s: float = 300.0
     turn_timeout_s: float | None = None  # the session router's --upstream-timeout-s; None: its own
     engine_args: tuple[str, ...] = ()
@@ -89,6 +92,13 @@ def default_engine_kind(detection: Detection | None = None) -> EngineKind:
 def policy_engine_names(plan: Plan) -> list[str]:
     """The engines behind the router (every engine process but the teacher), in start order."""
     return [p.name for p in plan.processes if p.role is Role.ENGINE and p.name != TEACHER]
+
+
+def _key_env(cfg: LocalStackConfig) -> dict[str, str]:
+    """The key through the environment when there is no key file (never through argv)."""
+    from posttrain.formats import API_KEY_ENV  # the "local" extra: what a local stack runs
+
+    return {API_KEY_ENV: cfg.api_key} if cfg.api_key and not cfg.api_key_file else {}
 
 
 def build_local_stack(cfg: LocalStackConfig) -> Plan:
@@ -135,8 +145,9 @@ def build_local_stack(cfg: LocalStackConfig) -> Plan:
         args.set("--model-path", model_path, source=src)
         args.set("--host", LOCAL_HOST, source=src)
         args.set("--port", port, source=src)
-        if cfg.api_key and cfg.engine_kind is EngineKind.LOCAL:
-            args.set("--api-key", cfg.api_key, source="local stack (per-stack key)")
+        keyed = bool(cfg.api_key or cfg.api_key_file) and cfg.engine_kind is EngineKind.LOCAL
+        if keyed and cfg.api_key_file:
+            args.set("--api-key-file", cfg.api_key_file, source="local stack (per-stack key)")
         if name != TEACHER and (cfg.loras or cfg.lora_adapter):
             # Both engines take SGLang's spelling; --lora-paths is one nargs="+" flag
             # (repeating it would keep only the last occurrence).
@@ -153,6 +164,8 @@ def build_local_stack(cfg: LocalStackConfig) -> Plan:
                 # One GPU per SGLang engine (engine i on GPU i); the CPU engine needs none.
                 env={"CUDA_VISIBLE_DEVICES": str(i)}
                 if cfg.engine_kind is EngineKind.SGLANG
+                else _key_env(cfg)
+                if keyed
                 else {},
                 stage=0,
                 readiness=Readiness(
@@ -196,8 +209,8 @@ def build_local_stack(cfg: LocalStackConfig) -> Plan:
     session.set("--tokenizer", cfg.tokenizer_path or cfg.model_path, source="local stack")
     session.set("--host", LOCAL_HOST, source="local stack")
     session.set("--port", session_port, source="local stack")
-    if cfg.api_key:
-        session.set("--api-key", cfg.api_key, source="local stack (per-stack key)")
+    if cfg.api_key_file:
+        session.set("--api-key-file", cfg.api_key_file, source="local stack (per-stack key)")
     if served is not None:
         session.set("--lora-adapter", served, source="local stack (--lora)")
     if cfg.turn_timeout_s is not None:
@@ -214,6 +227,7 @@ def build_local_stack(cfg: LocalStackConfig) -> Plan:
             name="session-router",
             role=Role.SESSION_ROUTER,
             argv=(PYTHON, "-m", SESSION_ROUTER_MODULE, *session.argv()),
+            env=_key_env(cfg),
             stage=1,
             readiness=Readiness(
                 url=f"http://{LOCAL_HOST}:{session_port}/health", timeout_s=cfg.ready_timeout_s

@@ -15,7 +15,9 @@ test parses it with SGLang's own ``ServerArgs``), and ``--lora-paths NAME=PATH .
 several values after one flag, which click/typer options cannot express. ``--help`` gives
 every option a help text and its default.
 
-Auth model: ``--api-key`` is optional. Without it any process that can reach the port may
+Auth model: a key is optional; it comes from ``--api-key-file FILE`` or
+``$POSTTRAIN_API_KEY`` (``posttrain.formats.resolve_api_key``), so ``ps`` never shows it;
+SGLang's ``--api-key KEY`` is still taken, with the key in argv. Without it any process that can reach the port may
 load weights and adapters from any path the engine can read, so the engine binds
 127.0.0.1 by default and ``posttrain up``/``demo`` pass a key. With it, the routes that
 change state (weights, adapters, pause/continue, flush) need ``Authorization: Bearer KEY``;
@@ -30,6 +32,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
+from posttrain.formats import FormatsConfigError, resolve_api_key
 from posttrain.interface import ConfigError
 
 __all__ = ["EngineConfig", "build_parser", "parse_args"]
@@ -126,7 +129,10 @@ def build_parser() -> argparse.ArgumentParser:
     add("--api-key", default=None, metavar="KEY",
         help="bearer token the state-changing routes then require (weights, adapters, pause, "
         "flush); generation and info stay open. Without it any local process may reload "
-        "weights (default: none)")  # fmt: skip
+        "weights. It shows in ps: prefer --api-key-file or $POSTTRAIN_API_KEY (default: none)")  # fmt: skip
+    add("--api-key-file", default=None, metavar="FILE",
+        help="file holding the bearer token (one token); without it and without --api-key, "
+        "$POSTTRAIN_API_KEY if set (default: none)")  # fmt: skip
     add("--served-model-name", default=None, metavar="NAME",
         help="model id reported by /v1/models (default: the model path)")  # fmt: skip
     add("--enable-lora", action="store_true", help="serve LoRA adapters by name (lora_path)")
@@ -174,12 +180,18 @@ def parse_args(argv: Sequence[str] | None = None) -> EngineConfig:
     """Parse the command line into an EngineConfig (errors exit with status 2, like argparse)."""
     p = build_parser()
     a = p.parse_args(argv)
+    if a.api_key is not None and a.api_key_file is not None:
+        p.error("give --api-key or --api-key-file, not both")
+    try:
+        api_key = a.api_key if a.api_key is not None else resolve_api_key(a.api_key_file)
+    except FormatsConfigError as e:
+        p.error(str(e))
     try:
         return EngineConfig(
             model_path=a.model_path,
             host=a.host,
             port=a.port,
-            api_key=a.api_key,
+            api_key=api_key,
             served_model_name=a.served_model_name,
             enable_lora=a.enable_lora,
             max_loras_per_batch=a.max_loras_per_batch,
