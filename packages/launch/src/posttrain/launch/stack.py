@@ -18,14 +18,13 @@ engine, not behind the router: the teacher on-policy distillation scores against
 
 Faults: an engine that dies mid-rollout is failed over by sgl-router itself. A request whose
 worker refuses or drops the connection is retried (``--retry-max-retries ROUTER_RETRIES``,
-backoff from 50 ms). Under the manual policy a session's routing key sticks to its worker, so
-a retry goes to the *same* dead engine until that worker's circuit breaker opens; only then is
-the key given to a live engine. sgl-router's default threshold (10 failures) is above its
-default retry budget (5 attempts), so a request alone on an engine that died failed with a 500
-(reproduced: 5 failures, circuit still closed). The stack sets ``--cb-failure-threshold
-ROUTER_CB_FAILURES`` (3) below the retry budget: any request fails over within its own
-retries. The price: an engine that fails 3 requests in a row is skipped for
-``--cb-timeout-duration-secs`` (60 s) before it is tried again. A session's turn is committed
+backoff from ``ROUTER_RETRY_BACKOFF_MS``, doubling). Under the manual policy a session's routing
+key sticks to its worker, so a retry goes to the *same* dead engine until that worker is no
+longer available; only then is the key given to a live engine. The stack makes that the
+health check's call (every ``ROUTER_HEALTH_INTERVAL_S``, out after ``ROUTER_HEALTH_FAILURES``
+failed probe), with retries spanning longer than that, and turns sgl-router's circuit breaker
+off (``--disable-circuit-breaker``): the breaker counted client errors (400s) as engine
+failures, so a few bad requests took every engine out for a minute (issue 35). A session's turn is committed
 once, by the session router, when a reply arrives, so a retried request never makes a second
 sample. ``turn_timeout_s`` (``posttrain grpo
 --turn-timeout``) becomes the session router's ``--upstream-timeout-s``: a frozen engine's turn
@@ -52,9 +51,19 @@ TEACHER = "teacher"
 """The name of the teacher engine's process (and URL key): the one engine not behind the router."""
 ROUTER_RETRIES = 5
 """sgl-router's ``--retry-max-retries``: attempts per request."""
-ROUTER_CB_FAILURES = 3
-"""sgl-router's ``--cb-failure-threshold``: below ``ROUTER_RETRIES``, so a request whose engine
-died opens that engine's circuit (and moves to a live one) within its own retries."""
+ROUTER_HEALTH_INTERVAL_S = 1
+"""sgl-router's ``--health-check-interval-secs``: how often each engine's /health is probed."""
+ROUTER_HEALTH_FAILURES = 1
+"""sgl-router's ``--health-failure-threshold``: failed probes before an engine is out."""
+ROUTER_RETRY_BACKOFF_MS = 500
+"""sgl-router's ``--retry-initial-backoff-ms`` (doubling, capped at 4 s): the retries of a
+request on a dead engine span ~7.5 s, longer than the health check takes to mark it
+unhealthy, so the request fails over within its own retries.
+
+sgl-router's circuit breaker is off (``--disable-circuit-breaker``): it counted client errors
+(a 400 for a bad request) as engine failures, so three bad requests took an engine out of the
+router for a minute (issue 35). Failover is the health check's job: a dead engine stops
+answering ``/health``; a client's bad request does not change that."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -182,14 +191,24 @@ def build_local_stack(cfg: LocalStackConfig) -> Plan:
     router.set("--prometheus-host", LOCAL_HOST, source="local stack")
     router.set("--prometheus-port", metrics_port, source="local stack (a free port, not 29000)")
     router.set("--log-level", "warn", source="local stack")
-    router.set("--health-check-interval-secs", 5, source="local stack")
+    router.set(
+        "--health-check-interval-secs", ROUTER_HEALTH_INTERVAL_S,
+        source="local stack (a dead engine is out within a second)",
+    )  # fmt: skip
+    router.set("--health-failure-threshold", ROUTER_HEALTH_FAILURES, source="local stack")
     router.set(
         "--retry-max-retries", ROUTER_RETRIES,
         source="local stack (a dead engine's requests fail over to the others)",
     )  # fmt: skip
     router.set(
-        "--cb-failure-threshold", ROUTER_CB_FAILURES,
-        source=f"local stack (< --retry-max-retries {ROUTER_RETRIES}: a sticky request fails over)",
+        "--retry-initial-backoff-ms", ROUTER_RETRY_BACKOFF_MS,
+        source="local stack (retries outlast the health check: a sticky request fails over)",
+    )  # fmt: skip
+    router.set("--retry-backoff-multiplier", 2, source="local stack")
+    router.set("--retry-max-backoff-ms", 4000, source="local stack")
+    router.set(
+        "--disable-circuit-breaker",
+        source="local stack (client 4xx must not take an engine out; the health check fails over)",
     )  # fmt: skip
     router.extend_user(cfg.router_args)
     processes.append(
