@@ -107,6 +107,6 @@ def test_two_stacks_side_by_side_with_29000_taken_and_keys_required(tmp_path: Pa
         squatter.close()
     for stack, err in zip(stacks, errs, strict=True):
         assert stack.proc.returncode == 0, err[-4000:]
-        assert "--api-key <the stack's API key>" in err
+        assert "--api-key-file " in err  # the key file's path in argv (issue 35), never the key
         assert stack.key not in err  # the key file's path is printed, never the key
         assert "Address already in use" not in err
