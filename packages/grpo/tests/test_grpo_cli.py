@@ -30,7 +30,7 @@ def one_error_line(err: str) -> str:
 
 
 def test_dry_run_prints_the_resolved_config(capsys: pytest.CaptureFixture[str]) -> None:
-    code, out, _ = run_cli(capsys, "--dry-run", "--model-path", "/ckpt/m", "--lr", "3e-6")
+    code, out, _ = run_cli(capsys, "--dry-run", "--model-path", "org/m", "--lr", "3e-6")
     assert code == 0
     assert "the config is valid; nothing was started" in out
     assert "* --lr" in out

@@ -24,6 +24,10 @@ the flag and a remedy, where it does not:
 - ``--num-layers``, ``--num-experts``, ``--moe-layer-freq`` are checked against the
   checkpoint's ``config.json`` when ``--model-path`` is a local directory.
 
+Before anything starts (and for ``--dry-run``), ``preflight.run_preflight`` runs every check
+in ``preflight.CHECKS``: model config, task, output directory, key file, resume checkpoint;
+each failure is one ``error: --flag: ...`` line.
+
 Errors: every ``PosttrainError`` and every usage error (unknown flag, bad value) ends the
 command with exit code 2 and one ``error: ...`` line on stderr. Any other exception is a bug:
 one line and exit code 1 (``POSTTRAIN_TRACEBACK=1`` shows the traceback).
@@ -54,6 +58,7 @@ from posttrain.grpo.config import (
     field_type,
     parse_moe_layer_freq,
 )
+from posttrain.grpo.preflight import PreflightError, run_preflight
 from posttrain.interface import PosttrainError
 
 PROG = "python -m posttrain.grpo"
@@ -198,6 +203,8 @@ def run(config: GrpoConfig) -> None:
 def _command(**values: Any) -> None:
     """Validate the options; with --dry-run print the resolved config, else run GRPO."""
     config = build_config(values)
+    # Every check the run makes before it starts a process (preflight.CHECKS), dry run or not.
+    run_preflight(config)
     if not config.dry_run:
         run(config)
         return
@@ -263,6 +270,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         result = command.main(args=args, prog_name=PROG, standalone_mode=False)
     except typer.exceptions.TyperException as exc:  # unknown flag, bad value: the parser's words
         _fail(exc.format_message())
+        return 2
+    except PreflightError as exc:  # one line per failed check, each naming its flag
+        for line in exc.failures:
+            _fail(line)
         return 2
     except GrpoConfigError as exc:
         named = exc.field is None or str(exc).startswith("--")
