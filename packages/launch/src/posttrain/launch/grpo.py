@@ -178,6 +178,10 @@ def run_grpo(cfg: GrpoRecipeConfig, sink: LogSink, *, python: str = sys.executab
     key_file = write_key_file(key, f"grpo-{os.getpid()}")
     sink("launcher", f"api-key-file {key_file}")
     try:
+        # The trainer's own checks (model, task, out-dir, --resume) before any process starts.
+        failed = _trainer_preflight(cfg, recipe, key_file, python)
+        if failed:
+            return failed
         plan = build_local_stack(
             LocalStackConfig(
                 model_path=served,
@@ -197,6 +201,22 @@ def run_grpo(cfg: GrpoRecipeConfig, sink: LogSink, *, python: str = sys.executab
         return _run_stack_and_trainer(cfg, recipe, plan, sink, key, key_file, python)
     finally:
         remove_key_file(key_file)
+
+
+def _trainer_preflight(
+    cfg: GrpoRecipeConfig, recipe: dict[str, Any], key_file: Path, python: str
+) -> int:
+    """``python -m posttrain.grpo ... --dry-run`` with the run's own flags (stand-in URLs: no
+    stack is up yet); its exit code, its ``error:`` lines passed on to stderr."""
+    stand_in = dict.fromkeys(
+        ("session-router", "router", "engine-0", TEACHER), "http://127.0.0.1:9"
+    )
+    argv = trainer_argv(cfg, recipe, stand_in, ["engine-0"], key_file, python=python)
+    done = subprocess.run([*argv, "--dry-run"], capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        sys.stderr.write(done.stderr)
+        sys.stderr.flush()
+    return done.returncode
 
 
 def _run_stack_and_trainer(
