@@ -128,7 +128,7 @@ def optimizer_state_dict(
     return {"state": state, "param_groups": groups}
 
 
-def shape_device(param: torch.Tensor) -> torch.device:
+def _local_device(param: torch.Tensor) -> torch.device:
     """The device of ``param``'s local data (a DTensor's shard, or the tensor itself)."""
     return getattr(param, "_local_tensor", param).device
 
@@ -164,7 +164,7 @@ def load_optimizer(path: Path, optimizer: torch.optim.Optimizer) -> None:
                 from torch.distributed.tensor import DTensor
 
                 entries[key] = DTensor.from_local(
-                    t.to(shape_device(param)), param.device_mesh, param.placements,
+                    t.to(_local_device(param)), param.device_mesh, param.placements,
                     shape=param.shape, stride=param.stride(),
                 )  # fmt: skip
     try:
