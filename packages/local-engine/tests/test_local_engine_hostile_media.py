@@ -217,3 +217,18 @@ def test_non_finite_logprobs_are_null_never_a_500(
         assert r.status_code == 200, r.text
         lps = [e[0] for e in r.json()["meta_info"]["input_token_logprobs"]]
         assert None in lps[1:]
+
+
+def test_a_non_json_config_is_a_checkpoint_error_not_an_nvfp4_one(
+    closed: Any, mm_dir: Path, tmp_path: Path
+) -> None:
+    """The minor finding: ``/update_weights_from_disk`` named NVFP4 for a plain checkpoint."""
+    bad = tmp_path / "ck"
+    shutil.copytree(mm_dir, bad)
+    (bad / "config.json").write_text("{not json")
+    r = httpx.post(f"{closed.url}/update_weights_from_disk", json={"model_path": str(bad)},
+                   timeout=60)  # fmt: skip
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["type"] == "CheckpointError", err
+    assert "config.json: not valid JSON" in err["message"]
