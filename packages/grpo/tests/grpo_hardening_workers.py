@@ -64,3 +64,20 @@ def load_each(rank: int, world: int, ckpt: str, train: str, dirs: list[str]) -> 
             continue
         out.append({"extra": extra, **_digest(policy)})
     return out
+
+
+def poisoned_full_round_trip(rank: int, world: int, ckpt: str, out: str, value: float) -> str:
+    """Save full weights with one entry set to ``value`` (through DCP, manifest and all), then
+    load them into a fresh policy: the GrpoRunError's message (the load must refuse)."""
+    torch.set_num_threads(1)
+    policy = build_policy(_cfg(ckpt, "full", world))
+    with torch.no_grad():
+        name, param = next(iter(policy.model.named_parameters()))
+        getattr(param, "_local_tensor", param).view(-1)[0] = value
+    path = checkpoint.save(Path(out), 1, policy, {"next_step": 2, "data_position": 0})
+    fresh = build_policy(_cfg(ckpt, "full", world))
+    try:
+        checkpoint.load(path, fresh)
+    except GrpoRunError as exc:
+        return f"{name}: {exc}"
+    return "loaded"

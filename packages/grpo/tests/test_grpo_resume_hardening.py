@@ -10,6 +10,7 @@ rewritten to match) must never run: the plant would create a marker directory.
 
 from __future__ import annotations
 
+import math
 import os
 import pickle
 import shutil
@@ -202,3 +203,15 @@ def test_garbled_state_with_a_matching_manifest_is_a_named_error(
             assert isinstance(result, str), f"{d}: truncated state loaded"
             assert "Traceback" not in result, result
             assert result.startswith("--resume"), result
+
+
+@pytest.mark.parametrize(("value", "words"), [(math.nan, "non-finite"), (8.4e37, "magnitude")])
+def test_sharded_weights_that_are_not_finite_or_extreme_are_refused_at_load(
+    tiny: str, tmp_path: Path, value: float, words: str
+) -> None:
+    """DCP-sharded weights are checked right after the load, before any sync could send them."""
+    got = run_workers(workers.poisoned_full_round_trip, 1, args=(tiny, str(tmp_path), value),
+                      timeout_s=240)[0]  # fmt: skip
+    assert got != "loaded"
+    assert words in got, got
+    assert "--resume" in got, got

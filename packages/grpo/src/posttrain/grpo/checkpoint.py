@@ -141,12 +141,22 @@ def verify(path: Path) -> CheckpointMeta:
 
 
 def _check_loaded(path: Path, policy: Policy) -> None:
-    """The weights a DCP load put into the live (sharded) parameters: finite and bounded."""
+    """The weights a DCP load put into the live (sharded) parameters: finite and bounded, on
+    every rank's shard; every rank raises (one rank's refusal never leaves others waiting)."""
     params = (
         (name, getattr(p, "_local_tensor", p).detach())
         for name, p in policy.model.named_parameters()
     )
-    check_finite(params, what=f"--resume {path}", error=GrpoRunError)
+    mine = ""
+    try:
+        check_finite(params, what=f"--resume {path}", error=GrpoRunError)
+    except GrpoRunError as exc:
+        mine = str(exc)
+    every: list[str] = [""] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    refused = [m for m in every if m]
+    if refused:
+        raise GrpoRunError(refused[0])
 
 
 def load(path: Path, policy: Policy) -> dict[str, Any]:
