@@ -15,8 +15,8 @@ request is still being decoded then.
   trained), the run completes, and the run names the dead engine (the weight sync's warning and
   ``sync_engines_lost``).
 * SIGKILL of an engine holding a single request (no GRPO loop: two session rollouts): it fails
-  over within its own retries, because the stack sets sgl-router's ``--cb-failure-threshold``
-  below ``--retry-max-retries`` (with the binary's defaults it failed with a 500).
+  over within its own retries, because the stack's health check (1 s) marks the dead engine
+  out before the retries (backoff from 500 ms, doubling) run out; the circuit breaker is off.
 * SIGSTOP: the turns engine 1 holds get no reply within the run's ``turn_timeout_s`` (the
   session router's ``--upstream-timeout-s`` is the same deadline): their samples come back
   ``aborted``, are left out of the step (the trainer sees only the completed ones), the step
@@ -259,10 +259,10 @@ def test_an_engine_killed_mid_rollout_fails_over_and_the_step_counts_each_sample
 
 def test_a_request_alone_on_an_engine_killed_mid_generation_fails_over(model_dir: Path) -> None:
     """The router's manual policy keeps a session on its engine, retries included, until that
-    engine's circuit opens: with sgl-router's defaults (10 failures to open, 5 attempts) a lone
-    request on a dead engine failed with a 500. The stack's threshold (3) is below its retries."""
+    engine is unavailable: with sgl-router's defaults a lone request on a dead engine failed
+    with a 500. The stack's breaker is off (client 4xx must not trip it, issue 35): the health
+    check marks the dead engine out within a second and the retries span longer than that."""
     with local_stack(model_dir, lora=False) as stack:
-        dead = stack.urls["engine-1"]
         messages = [{"role": "user", "content": "12+30="}]
 
         async def rollouts() -> list[Sample]:
@@ -284,12 +284,6 @@ def test_a_request_alone_on_an_engine_killed_mid_generation_fails_over(model_dir
         ended = {SampleStatus.COMPLETED, SampleStatus.TRUNCATED}  # EOS or the token cap
         assert all(s.status in ended for s in samples)
         assert [s.response_length > 0 for s in samples] == [True, True]
-        failures = stack.router_metric(
-            "smg_worker_cb_outcomes_total", worker=dead, outcome="failure"
-        )
-        # the circuit opened within the retries: 3 failures, plus one in flight per other
-        # request that was on the engine when it died
-        assert 1 <= failures <= 3 + (active - 1)
         assert stack.session_metric("session_router_turns_total", outcome="committed") == 2
 
 

@@ -49,8 +49,8 @@ def test_lora_on_an_hsdp_mesh_with_the_launchers_teacher(
     last = tmp_path / "checkpoints" / "iter_0000001"
     meta = json.loads((last / "meta.json").read_text())
     assert (meta["replicate"], meta["shard"], meta["world_size"]) == (2, 1, 2)
-    assert (last / "rng_rank0.pt").is_file()
-    assert (last / "rng_rank1.pt").is_file()
+    assert (last / "rng_rank0.safetensors").is_file()
+    assert (last / "rng_rank1.safetensors").is_file()
     factors = load_file(str(last / "adapter" / "adapter_model.safetensors"))
     b = {k: v for k, v in factors.items() if ".lora_B." in k}
     assert len(b) == len(factors) // 2

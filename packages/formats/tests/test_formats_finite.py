@@ -47,3 +47,22 @@ def test_check_finite_raises_the_callers_error_naming_the_first_bad_tensor() -> 
         check_finite(
             [("good", good), ("bad", bad), ("worse", bad)], what="bucket 0", error=RefusedError
         )
+
+
+def test_a_finite_but_extreme_value_is_refused_with_the_bound_named(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Issue 35, finding 6: 3e38 is finite but overflows the first matmul."""
+    from posttrain.formats import max_abs_weight
+
+    t = torch.zeros(4, 4, dtype=torch.bfloat16)
+    t[1, 2] = 3e38
+    with pytest.raises(ValueError, match=r"'w' holds a value of magnitude 3e\+38.*1e\+04"):
+        check_finite([("w", t)], what="push", error=ValueError)
+    check_finite([("w", t)], what="push", error=ValueError, max_abs=float("inf"))
+    monkeypatch.setenv("POSTTRAIN_MAX_ABS_WEIGHT", "1e39")
+    assert max_abs_weight() == 1e39
+    check_finite([("w", t)], what="push", error=ValueError)
+    monkeypatch.setenv("POSTTRAIN_MAX_ABS_WEIGHT", "-1")
+    with pytest.raises(ValueError, match="POSTTRAIN_MAX_ABS_WEIGHT"):
+        max_abs_weight()

@@ -89,7 +89,7 @@ def test_files_checkpoint_commits_all_or_nothing(tmp_path: Path) -> None:
         assert rank_out["error"] == "disk full"
         assert rank_out["latest"] == 1  # the failed step 2 never became current
         assert rank_out["meta"] == (1, {"k": 1})
-        assert rank_out["step1"] == ["meta.json", "part0.bin", "part1.bin"]
+        assert rank_out["step1"] == ["manifest.json", "meta.json", "part0.bin", "part1.bin"]
         assert rank_out["step2_committed"] is False
 
 

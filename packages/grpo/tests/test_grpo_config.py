@@ -139,14 +139,19 @@ def test_parse_moe_layer_freq_refuses(text: str) -> None:
         parse_moe_layer_freq(text)
 
 
-def test_the_api_key_comes_from_a_file_and_a_bad_one_is_named(tmp_path: Path) -> None:
+def test_the_api_key_comes_from_a_file_and_a_bad_one_is_named(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("POSTTRAIN_API_KEY", raising=False)
     assert GrpoConfig().api_key() is None
+    monkeypatch.setenv("POSTTRAIN_API_KEY", "from-env")
+    assert GrpoConfig().api_key() == "from-env"  # the environment, when no file is given
     key = tmp_path / "stack.key"
     key.write_text("f00d\n")
     assert GrpoConfig(api_key_file=str(key)).api_key() == "f00d"  # type: ignore[arg-type]
     for content in ("", "two words\n"):
         key.write_text(content)
-        with pytest.raises(GrpoConfigError, match="must hold one token") as info:
+        with pytest.raises(GrpoConfigError, match="must hold exactly one token") as info:
             GrpoConfig(api_key_file=key).api_key()
         assert info.value.field == "api_key_file"
     with pytest.raises(GrpoConfigError, match="cannot be read"):

@@ -56,13 +56,18 @@ def test_the_key_reaches_the_trainer_as_a_file_and_every_keyed_component() -> No
     assert not any("secret" in tok for tok in argv)
     plan = build_local_stack(
         LocalStackConfig(
-            model_path="/m", lora_adapter=ADAPTER, teacher_model_path="/t", api_key="secret"
+            model_path="/m",
+            lora_adapter=ADAPTER,
+            teacher_model_path="/t",
+            api_key="secret",
+            api_key_file="/k/grpo.key",
         )
     )
     procs = {p.name: p.argv for p in plan.processes}
     for name in ("engine-0", "engine-1", "teacher", "session-router"):
-        assert procs[name][procs[name].index("--api-key") + 1] == "secret", name
-    assert "--api-key" not in procs["router"]  # sgl-router takes none (keys.py says why)
+        assert procs[name][procs[name].index("--api-key-file") + 1] == "/k/grpo.key", name
+        assert not any("secret" in tok for tok in procs[name]), name
+    assert "--api-key-file" not in procs["router"]  # sgl-router takes none (keys.py says why)
 
 
 def test_modes_and_user_flags_last() -> None:
@@ -149,7 +154,8 @@ def test_turn_timeout_reaches_the_trainer_and_the_session_router() -> None:
     assert _flag(list(procs["session-router"]), "--upstream-timeout-s") == "7.5"
     # sgl-router retries a dead engine's requests on the others (the engine-fault tests).
     assert _flag(list(procs["router"]), "--retry-max-retries") == "5"
-    assert _flag(list(procs["router"]), "--cb-failure-threshold") == "3"  # < the retries
+    assert "--disable-circuit-breaker" in procs["router"]  # client 4xx never take an engine out
+    assert "--cb-failure-threshold" not in procs["router"]
     plain = build_local_stack(LocalStackConfig(model_path="/m"))
     session = next(p.argv for p in plain.processes if p.name == "session-router")
     assert "--upstream-timeout-s" not in session  # the session router's own default

@@ -96,11 +96,20 @@ def test_every_port_is_free_or_given_and_the_metrics_port_binds_loopback() -> No
 
 
 def test_the_key_goes_to_local_engines_and_the_session_router_only() -> None:
-    plan = build_local_stack(LocalStackConfig(model_path="/m", engines=2, api_key="k3y"))
+    """Issue 35, finding 7: by file (or environment), never in argv."""
+    plan = build_local_stack(
+        LocalStackConfig(model_path="/m", engines=2, api_key="k3y", api_key_file="/k/s.key")
+    )
     for engine in plan.by_role(Role.ENGINE):
-        assert _value(engine.argv, "--api-key") == "k3y"
-    assert _value(plan.process("session-router").argv, "--api-key") == "k3y"
-    assert "--api-key" not in plan.process("router").argv  # see keys.py: the router takes none
+        assert _value(engine.argv, "--api-key-file") == "/k/s.key"
+    assert _value(plan.process("session-router").argv, "--api-key-file") == "/k/s.key"
+    assert all("k3y" not in tok for p in plan.processes for tok in p.argv)
+    assert all("--api-key" not in p.argv for p in plan.processes)
+    assert "--api-key-file" not in plan.process("router").argv  # keys.py: the router takes none
+    by_env = build_local_stack(LocalStackConfig(model_path="/m", engines=1, api_key="k3y"))
+    assert all("k3y" not in tok for p in by_env.processes for tok in p.argv)
+    assert by_env.process("session-router").env["POSTTRAIN_API_KEY"] == "k3y"
+    assert by_env.by_role(Role.ENGINE)[0].env["POSTTRAIN_API_KEY"] == "k3y"
     sglang = build_local_stack(
         LocalStackConfig(model_path="/m", engines=1, engine_kind=EngineKind.SGLANG, api_key="k")
     )

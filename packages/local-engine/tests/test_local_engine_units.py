@@ -5,6 +5,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -215,17 +217,36 @@ def test_adapters_from_tensors_are_checked_by_the_formats_reader(
     assert "adapter 'poisoned'" in str(info.value)
 
 
-def test_a_small_body_that_names_media_is_decoded_off_the_event_loop() -> None:
+def test_off_loop_parsing_is_decided_by_body_size_alone() -> None:
+    """Issue 35: never by a key found in the raw bytes (``image\\u005fdata`` escapes it); a
+    request naming media goes to the media pool after parsing (test_local_engine_hostile_media)."""
     import asyncio
     import threading
 
-    from posttrain.local_engine._http import off_loop_if_large
+    from posttrain.local_engine._http import INLINE_BODY_BYTES, off_loop_if_large
 
     async def thread_of(raw: bytes) -> int:
         return await off_loop_if_large(raw, threading.get_ident)
 
     loop_thread = threading.get_ident()
-    assert asyncio.run(thread_of(b'{"text": "hi"}')) == loop_thread  # small, no media: inline
-    for key in ("image_data", "audio_data"):  # a short file path may be a large decode
-        raw = b'{"text": "hi", "%s": "/tmp/x.png"}' % key.encode()
-        assert asyncio.run(thread_of(raw)) != loop_thread
+    for raw in (b'{"text": "hi"}', b'{"text": "hi", "image_data": "/tmp/x.png"}'):
+        assert asyncio.run(thread_of(raw)) == loop_thread
+    big = b'{"text": "%s"}' % (b"a" * INLINE_BODY_BYTES)
+    assert asyncio.run(thread_of(big)) != loop_thread
+
+
+def test_the_api_key_comes_from_a_file_or_the_environment(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 35, finding 7: ``--api-key-file`` / $POSTTRAIN_API_KEY, so argv holds no key."""
+    from posttrain.local_engine._config import parse_args
+
+    key = tmp_path / "k"
+    key.write_text("s3cret\n")
+    assert parse_args(["--model-path", "/m", "--api-key-file", str(key)]).api_key == "s3cret"
+    monkeypatch.setenv("POSTTRAIN_API_KEY", "from-env")
+    assert parse_args(["--model-path", "/m"]).api_key == "from-env"
+    (tmp_path / "two").write_text("a b")
+    for bad in (str(tmp_path / "two"), str(tmp_path / "missing")):
+        with pytest.raises(SystemExit):
+            parse_args(["--model-path", "/m", "--api-key-file", bad])

@@ -24,6 +24,7 @@ from posttrain.models import (
     DecoderModel,
     MediaBatch,
     MediaError,
+    MediaFiles,
     MediaItem,
     MediaKind,
     MissingTensorError,
@@ -318,8 +319,6 @@ def test_bad_image_files_are_media_errors(tmp_path: Path, monkeypatch: pytest.Mo
     engine's 400), never an exception that escapes as a 500."""
     from PIL import Image
 
-    from posttrain.models import _media_io
-
     png = base64.b64decode(encode_png_base64(_image(6, 10, 3).data))
     monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 10)  # 60 pixels > 2x the limit: a bomb
     with pytest.raises(MediaError, match="not a readable image"):
@@ -330,9 +329,9 @@ def test_bad_image_files_are_media_errors(tmp_path: Path, monkeypatch: pytest.Mo
         decode_image(base64.b64encode(broken).decode())
     path = tmp_path / "big.png"
     path.write_bytes(png)
-    monkeypatch.setattr(_media_io, "MAX_MEDIA_FILE_BYTES", len(png) - 1)
+    small = MediaFiles(any_path=True, max_bytes=len(png) - 1)
     with pytest.raises(MediaError, match=rf"image_data: .*big.png.* is {len(png)} bytes"):
-        decode_image(str(path))
+        decode_image(str(path), files=small)
 
 
 def test_audio_references_decode_to_mel_bins(tmp_path: Path) -> None:

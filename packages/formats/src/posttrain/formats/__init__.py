@@ -93,6 +93,7 @@ if TYPE_CHECKING:
         tensor_sha256,
         verify_adapter_checksums,
     )
+    from posttrain.formats._api_key import API_KEY_ENV, resolve_api_key
     from posttrain.formats._buckets import (
         DTYPES,
         bucket_body_manifest,
@@ -106,7 +107,13 @@ if TYPE_CHECKING:
         tensors_sha256,
         unpack_bucket,
     )
-    from posttrain.formats._finite import check_finite, count_non_finite
+    from posttrain.formats._finite import (
+        DEFAULT_MAX_ABS_WEIGHT,
+        MAX_ABS_WEIGHT_ENV,
+        check_finite,
+        count_non_finite,
+        max_abs_weight,
+    )
     from posttrain.formats._lora_delta import LinearKernel, lora_delta, matmul_kernel
     from posttrain.formats._nvfp4 import (
         E2M1_VALUES,
@@ -182,7 +189,14 @@ _NEEDS_TORCH = {
         "unpack_bucket",
     ),
     "_weight_push": ("ShmRing", "WeightPushClient", "push_weights"),
-    "_finite": ("check_finite", "count_non_finite"),
+    "_api_key": ("API_KEY_ENV", "resolve_api_key"),
+    "_finite": (
+        "DEFAULT_MAX_ABS_WEIGHT",
+        "MAX_ABS_WEIGHT_ENV",
+        "check_finite",
+        "count_non_finite",
+        "max_abs_weight",
+    ),
     "_lora_delta": ("LinearKernel", "lora_delta", "matmul_kernel"),
     "_nvfp4": (
         "E2M1_VALUES",
@@ -238,9 +252,12 @@ __all__ = [
     "ADAPTER_LOAD_FORMATS",
     "ADAPTER_WEIGHTS_FILE",
     "ALL_LINEAR",
+    "API_KEY_ENV",
+    "DEFAULT_MAX_ABS_WEIGHT",
     "DTYPES",
     "E2M1_VALUES",
     "GROUP_SIZE",
+    "MAX_ABS_WEIGHT_ENV",
     "MEDIA_SAMPLES_FORMAT",
     "MOE_CONVENTIONS",
     "PEFT_KEY_PREFIX",
@@ -294,6 +311,7 @@ __all__ = [
     "fsync_tree",
     "lora_delta",
     "matmul_kernel",
+    "max_abs_weight",
     "module_is_targeted",
     "nvfp4_config_sections",
     "nvfp4_layout",
@@ -310,6 +328,7 @@ __all__ = [
     "read_peft_adapter",
     "replace_directory",
     "request_fields",
+    "resolve_api_key",
     "safetensors_header",
     "serves_lora",
     "stack_expert_adapter",

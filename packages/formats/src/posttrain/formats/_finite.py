@@ -14,16 +14,51 @@ The bad values are counted only when there are some, for the message.
 
 Integer and bool tensors (NVFP4 codes, indices) cannot hold NaN and are skipped; float8 types
 are widened to fp32 first (exact), since ``aminmax`` has no float8 kernel.
+
+Finite is not enough: a weight of 3e38 is finite, yet the first matmul overflows and every
+logprob after it is garbage. ``check_finite`` therefore also refuses any value whose magnitude
+exceeds a bound, from the same ``aminmax`` pass: ``max_abs`` when the caller gives one, else
+``max_abs_weight()`` (``$POSTTRAIN_MAX_ABS_WEIGHT``, default 1e4, far above any trained
+weight, far below what overflows bf16/fp32 compute).
 """
 
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable, Iterable
 
 import torch
 
-__all__ = ["check_finite", "count_non_finite", "value_range"]
+__all__ = [
+    "DEFAULT_MAX_ABS_WEIGHT",
+    "MAX_ABS_WEIGHT_ENV",
+    "check_finite",
+    "count_non_finite",
+    "max_abs_weight",
+    "value_range",
+]
+
+DEFAULT_MAX_ABS_WEIGHT = 1e4
+MAX_ABS_WEIGHT_ENV = "POSTTRAIN_MAX_ABS_WEIGHT"
+
+
+def max_abs_weight() -> float:
+    """The magnitude bound for weights: ``$POSTTRAIN_MAX_ABS_WEIGHT`` or 1e4.
+
+    A value that is not a positive number is a ``ValueError`` naming the variable.
+    """
+    raw = os.environ.get(MAX_ABS_WEIGHT_ENV)
+    if raw is None or raw.strip() == "":
+        return DEFAULT_MAX_ABS_WEIGHT
+    try:
+        bound = float(raw)
+    except ValueError:
+        bound = math.nan
+    if not bound > 0:
+        raise ValueError(f"${MAX_ABS_WEIGHT_ENV}={raw!r}: must be a positive number (or inf)")
+    return bound
+
 
 _WIDEN = frozenset({torch.float8_e4m3fn, torch.float8_e5m2})
 
@@ -54,16 +89,28 @@ def check_finite(
     *,
     what: str,
     error: Callable[[str], Exception],
+    max_abs: float | None = None,
 ) -> None:
-    """Raise ``error(message)`` naming the first tensor of ``what`` that holds NaN or Inf.
+    """Raise ``error(message)`` naming the first tensor of ``what`` that holds NaN or Inf, or a
+    value of magnitude above ``max_abs`` (default ``max_abs_weight()``; ``math.inf``: none).
 
     ``error`` is the caller's class (an engine's ``NonFiniteWeightsError``): the caller knows
     which of its errors a refused tensor is.
     """
+    bound = max_abs_weight() if max_abs is None else max_abs
     for name, t in tensors:
-        bad = count_non_finite(t)
-        if bad:
+        if not t.is_floating_point() or t.numel() == 0:
+            continue
+        low, high = value_range(t)
+        if not (math.isfinite(low) and math.isfinite(high)):
+            bad = count_non_finite(t)
             raise error(
                 f"{what}: tensor {name!r} holds {bad} non-finite value(s) (NaN or Inf) of "
                 f"{t.numel()}; refused, nothing was changed"
+            )
+        peak = max(abs(low), abs(high))
+        if peak > bound:
+            raise error(
+                f"{what}: tensor {name!r} holds a value of magnitude {peak:.3g}, above the "
+                f"bound {bound:.3g} (${MAX_ABS_WEIGHT_ENV}); refused, nothing was changed"
             )

@@ -16,6 +16,8 @@ from posttrain.fsdp_mesh._checkpoint import (
     read_meta,
     save_checkpoint,
     save_files_checkpoint,
+    verify_checkpoint,
+    write_manifest,
 )
 from posttrain.fsdp_mesh._clip import clip_grad_norm, grad_norm, scale_grads_to_norm
 from posttrain.fsdp_mesh._comm_count import CollectiveCall, CollectiveLog, count_collectives
@@ -67,4 +69,6 @@ __all__ = [
     "save_checkpoint",
     "save_files_checkpoint",
     "scale_grads_to_norm",
+    "verify_checkpoint",
+    "write_manifest",
 ]

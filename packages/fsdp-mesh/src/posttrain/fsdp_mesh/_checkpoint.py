@@ -5,6 +5,7 @@ Layout under ``root``::
     iter_0000042/                      one DCP checkpoint: {"model": ..., "optim": ...}
         .metadata, __*_*.distcp        written by every rank (its own shards only)
         meta.json                      step, layout it was saved with, torch version, extra
+        manifest.json                  sha256 and size of every other file (checked at load)
     latest_checkpointed_iteration.txt  the newest complete step
 
 DCP stores each tensor's global shape and each shard's offsets, so a checkpoint saved with one
@@ -16,13 +17,21 @@ tracker. Both steps are ``posttrain.formats``' atomic writes (``replace_director
 tree and swaps it in; ``write_text_atomic``: temp name, fsync, rename, fsync of the directory).
 A crash mid-save therefore never leaves a directory that looks complete. Replicas of a shard
 are deduplicated by DCP's planner (one writer per shard).
+
+Loading runs no code from the checkpoint: ``verify_checkpoint`` first checks ``manifest.json``
+(every file listed, a regular file of the listed size and sha256, nothing unlisted; a
+checkpoint without a manifest was written before it existed and is refused by name), then DCP
+reads through ``_dcp_safe`` (allow-list unpickler for ``.metadata``, ``weights_only`` for
+values).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
+import stat
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -38,11 +47,14 @@ from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from posttrain.formats import replace_directory, write_text_atomic
+from posttrain.fsdp_mesh._dcp_safe import SafeFileSystemReader, SafeLoadPlanner
 from posttrain.fsdp_mesh._errors import CheckpointError, MeshConfigError
 from posttrain.fsdp_mesh._mesh import FsdpMesh
 
 TRACKER = "latest_checkpointed_iteration.txt"
 META = "meta.json"
+MANIFEST = "manifest.json"
+MANIFEST_FORMAT = "posttrain-checkpoint-manifest/1"
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -146,10 +158,103 @@ def save_files_checkpoint(
             extra=dict(extra or {}),
         )
         write_text_atomic(tmp / META, json.dumps(asdict(meta), indent=2, sort_keys=True))
+        write_manifest(tmp)
         replace_directory(tmp, final)
         write_text_atomic(final.parent / TRACKER, f"{step}\n")
     dist.barrier(group=group)
     return final
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _files(path: Path) -> dict[str, Path]:
+    """Every entry under ``path`` (recursively) but the manifest, by relative POSIX name."""
+    return {
+        p.relative_to(path).as_posix(): p
+        for p in sorted(path.rglob("*"))
+        if not (p.is_dir() and not p.is_symlink()) and p.relative_to(path).as_posix() != MANIFEST
+    }
+
+
+def write_manifest(path: str | os.PathLike[str]) -> None:
+    """Write ``manifest.json`` into checkpoint directory ``path``: sha256 and size per file."""
+    root = Path(path)
+    files = {
+        name: {"sha256": _sha256(p), "bytes": p.stat().st_size} for name, p in _files(root).items()
+    }
+    doc = {"format": MANIFEST_FORMAT, "files": files}
+    write_text_atomic(root / MANIFEST, json.dumps(doc, indent=1, sort_keys=True))
+
+
+def _read_manifest(root: Path) -> dict[str, dict[str, Any]]:
+    manifest = root / MANIFEST
+    if not manifest.is_file() or manifest.is_symlink():
+        raise CheckpointError(
+            f"{root}: {MANIFEST} is missing: a checkpoint written before posttrain checked "
+            "checkpoints (its state files may hold pickles, which are never loaded), or not a "
+            "checkpoint at all; refused"
+        )
+    try:
+        doc = json.loads(manifest.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError):
+        raise CheckpointError(f"{manifest} is not valid JSON; refused") from None
+    files = doc.get("files") if isinstance(doc, dict) else None
+    if (
+        not isinstance(doc, dict)
+        or doc.get("format") != MANIFEST_FORMAT
+        or not isinstance(files, dict)
+    ):
+        raise CheckpointError(f"{manifest} is not a {MANIFEST_FORMAT} manifest; refused")
+    for name, entry in files.items():
+        if (
+            not isinstance(entry, dict)
+            or not isinstance(entry.get("sha256"), str)
+            or not isinstance(entry.get("bytes"), int)
+            or name.startswith("/")
+            or ".." in name.split("/")
+        ):
+            raise CheckpointError(f"{manifest}: entry {name!r} is malformed; refused")
+    return files
+
+
+def verify_checkpoint(path: str | os.PathLike[str]) -> CheckpointMeta:
+    """Check checkpoint directory ``path`` against its manifest and read its ``meta.json``.
+
+    Refuses, naming the file: a missing manifest, a listed file that is missing, not a regular
+    file (a symlink, say), of another size or sha256, and any file the manifest does not list.
+    Reads every byte once; runs nothing.
+    """
+    root = Path(path)
+    if not root.is_dir():
+        raise CheckpointError(f"{root} is not a checkpoint directory")
+    listed = _read_manifest(root)
+    present = _files(root)
+    for name in sorted(present.keys() - listed.keys()):
+        raise CheckpointError(f"{root}: {name} is not in {MANIFEST} (added or renamed); refused")
+    for name, entry in sorted(listed.items()):
+        file = root / name
+        try:
+            st = os.lstat(file)
+        except OSError:
+            raise CheckpointError(f"{root}: {name} is missing (listed in {MANIFEST})") from None
+        if not stat.S_ISREG(st.st_mode):
+            raise CheckpointError(f"{root}: {name} is not a regular file; refused")
+        if st.st_size != entry["bytes"]:
+            raise CheckpointError(
+                f"{root}: {name} has {st.st_size} bytes, {MANIFEST} says {entry['bytes']} "
+                "(truncated or replaced); refused"
+            )
+        if _sha256(file) != entry["sha256"]:
+            raise CheckpointError(
+                f"{root}: {name} does not match its sha256 in {MANIFEST} (changed); refused"
+            )
+    return read_meta(root)
 
 
 def read_meta(path: str | os.PathLike[str]) -> CheckpointMeta:
@@ -159,9 +264,16 @@ def read_meta(path: str | os.PathLike[str]) -> CheckpointMeta:
         raise CheckpointError(f"{path} is not a complete checkpoint: {META} is missing")
     try:
         data = json.loads(meta_path.read_text(encoding="utf-8"))
-        return CheckpointMeta(**data)
-    except (ValueError, TypeError) as exc:
-        raise CheckpointError(f"{meta_path} is malformed: {exc}") from exc
+        meta = CheckpointMeta(**data)
+    except (ValueError, TypeError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{meta_path} is malformed: {exc}") from None
+    for name in ("step", "world_size", "replicate", "shard"):
+        value = getattr(meta, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise CheckpointError(f"{meta_path}: {name} is {value!r}, not a non-negative int")
+    if not isinstance(meta.extra, dict):
+        raise CheckpointError(f"{meta_path}: extra is not an object")
+    return meta
 
 
 def load_checkpoint(
@@ -178,12 +290,18 @@ def load_checkpoint(
         if step is None:
             raise CheckpointError(f"no checkpoint in {root}: {TRACKER} is missing")
     path = checkpoint_dir(root, step)
-    meta = read_meta(path)
+    meta = verify_checkpoint(path)
     state = _state(model, optimizer)
     try:
-        dcp_load(state, checkpoint_id=str(path), process_group=mesh.dp_group)
-    except (CheckpointException, RuntimeError, KeyError) as exc:
-        raise CheckpointError(f"rank {dist.get_rank()}: cannot load {path}: {exc}") from exc
+        dcp_load(
+            state, storage_reader=SafeFileSystemReader(str(path)), planner=SafeLoadPlanner(),
+            process_group=mesh.dp_group,
+        )  # fmt: skip
+    except CheckpointException as exc:  # DCP's wrapper of every rank's failure
+        causes = "; ".join(str(failure) for failure, _ in exc.failures.values())
+        raise CheckpointError(f"rank {dist.get_rank()}: cannot load {path}: {causes}") from None
+    except (CheckpointError, RuntimeError, KeyError, ValueError, OSError) as exc:
+        raise CheckpointError(f"rank {dist.get_rank()}: cannot load {path}: {exc}") from None
     if optimizer is None:
         set_state_dict(model, [], model_state_dict=state["model"], optim_state_dict={})
     else:

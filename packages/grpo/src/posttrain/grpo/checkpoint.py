@@ -4,11 +4,20 @@ Layout under ``<out>/checkpoints`` (the ``fsdp-mesh`` layout and ``meta.json`` i
 
     iter_0000004/
         meta.json                 fsdp-mesh's CheckpointMeta; ``extra``: data position, config
+        manifest.json             sha256 and size of every other file (fsdp-mesh)
         adapter/                  adapter training: the PEFT adapter in fp32 (save_peft)
-        optim.pt                  adapter training: the optimizer state (replicated: rank 0)
+        optim.safetensors         adapter training: the optimizer state (replicated: rank 0)
         .metadata, *.distcp       full training: DCP shards of model + optimizer (every rank)
-        rng_rank{r}.pt            each rank's torch RNG state
+        rng_rank{r}.safetensors   each rank's torch RNG state
     latest_checkpointed_iteration.txt
+
+Nothing in a checkpoint is unpickled: optimizer and RNG states are ``_state_files`` (safetensors
+plus JSON), DCP is read through fsdp-mesh's allow-list reader. ``verify`` (run by ``load``
+and by the preflight before anything starts) checks the manifest (a tampered, truncated,
+swapped or added file is refused by name; a checkpoint from before manifests is refused), and
+adapter or model weights pass the same finiteness and magnitude check as an engine push;
+DCP-sharded weights are checked the same way right after they are loaded, before the first
+sync.
 
 Both modes commit through ``fsdp-mesh`` (``save_checkpoint`` with DCP shards,
 ``save_files_checkpoint`` for the adapter): every file, the RNG states included, is written
@@ -25,28 +34,33 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
+from posttrain.formats import check_finite
 from posttrain.fsdp_mesh import (
     CheckpointError,
+    CheckpointMeta,
     checkpoint_dir,
     latest_step,
     load_checkpoint,
-    read_meta,
     save_checkpoint,
     save_files_checkpoint,
+    verify_checkpoint,
 )
 from posttrain.grpo._errors import GrpoRunError
+from posttrain.grpo._state_files import load_optimizer, load_rng, save_optimizer, save_rng
 from posttrain.grpo.trainer import Policy
+from posttrain.interface import PosttrainError
 from posttrain.lora import export_adapter, load_peft, save_peft
 
 TRACKER = "latest_checkpointed_iteration.txt"
+OPTIM = "optim.safetensors"
+_WEIGHT_DIRS = ("adapter", "model")  # adapter training; the megatron backend's full weights
 
 
 def rng_file(path: Path, rank: int) -> Path:
     """Rank ``rank``'s torch RNG state in checkpoint directory ``path`` (both backends)."""
-    return path / f"rng_rank{rank}.pt"
+    return path / f"rng_rank{rank}.safetensors"
 
 
 def save(root: Path, step: int, policy: Policy, extra: dict[str, Any]) -> Path:
@@ -58,7 +72,7 @@ def save(root: Path, step: int, policy: Policy, extra: dict[str, Any]) -> Path:
     rank = dist.get_rank()
 
     def write_rng(staged: Path) -> None:
-        torch.save(torch.get_rng_state(), rng_file(staged, rank))
+        save_rng(rng_file(staged, rank))
 
     if policy.lora is None:
         return save_checkpoint(
@@ -75,7 +89,7 @@ def save(root: Path, step: int, policy: Policy, extra: dict[str, Any]) -> Path:
                 staged / "adapter", adapter, policy.lora_config,
                 target_modules=policy.target_modules,
             )  # fmt: skip
-            torch.save(policy.optimizer.state_dict(), staged / "optim.pt")
+            save_optimizer(staged / OPTIM, policy.optimizer)
 
     return save_files_checkpoint(root, step, policy.mesh, write_adapter, extra=extra)
 
@@ -87,7 +101,10 @@ def find(path: Path) -> Path:
     if (path / "meta.json").is_file():
         return path
     for root in (path, path / "checkpoints"):
-        step = latest_step(root) if root.is_dir() else None
+        try:
+            step = latest_step(root) if root.is_dir() else None
+        except (CheckpointError, OSError, UnicodeDecodeError) as exc:
+            raise GrpoRunError(f"--resume {path}: {TRACKER} is unreadable ({exc})") from None
         if step is not None:
             return checkpoint_dir(root, step)
     raise GrpoRunError(
@@ -96,26 +113,85 @@ def find(path: Path) -> Path:
     )
 
 
+def _weight_files(path: Path) -> list[Path]:
+    return sorted(f for d in _WEIGHT_DIRS for f in (path / d).glob("*.safetensors"))
+
+
+def verify(path: Path) -> CheckpointMeta:
+    """Check checkpoint ``path`` before anything starts: the manifest (every file's sha256 and
+    size, nothing unlisted), ``meta.json``, and every safetensors weight file's values (finite,
+    within the push magnitude bound). Each failure is a ``GrpoRunError`` naming the file."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        meta = verify_checkpoint(path)
+    except CheckpointError as exc:
+        raise GrpoRunError(f"--resume: {exc}") from None
+    for file in _weight_files(path):
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                names = list(f.keys())
+                check_finite(
+                    ((n, f.get_tensor(n)) for n in names),
+                    what=f"--resume {file.relative_to(path)}", error=GrpoRunError,
+                )  # fmt: skip
+        except (SafetensorError, OSError, ValueError) as exc:
+            raise GrpoRunError(f"--resume {file}: unreadable weights ({exc})") from None
+    return meta
+
+
+def _check_loaded(path: Path, policy: Policy) -> None:
+    """The weights a DCP load put into the live (sharded) parameters: finite and bounded, on
+    every rank's shard; every rank raises (one rank's refusal never leaves others waiting)."""
+    params = (
+        (name, getattr(p, "_local_tensor", p).detach())
+        for name, p in policy.model.named_parameters()
+    )
+    mine = ""
+    try:
+        check_finite(params, what=f"--resume {path}", error=GrpoRunError)
+    except GrpoRunError as exc:
+        mine = str(exc)
+    every: list[str] = [""] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    refused = [m for m in every if m]
+    if refused:
+        raise GrpoRunError(refused[0])
+
+
 def load(path: Path, policy: Policy) -> dict[str, Any]:
     """Restore weights, optimizer and RNG into the live policy (collective); returns ``extra``."""
     rank = dist.get_rank()
+    meta = verify(path)
     try:
-        meta = read_meta(path)
-    except CheckpointError as exc:
-        raise GrpoRunError(f"--resume: {exc}") from exc
-    if policy.backend == "megatron":
-        from posttrain.grpo.megatron import checkpoint as megatron_checkpoint
+        if policy.backend == "megatron":
+            from posttrain.grpo.megatron import checkpoint as megatron_checkpoint
 
-        megatron_checkpoint.load(path, policy)
-        return dict(meta.extra)
-    if policy.lora is None:
-        load_checkpoint(path.parent, policy.model, policy.mesh, policy.optimizer, step=meta.step)
-    else:
-        load_peft(policy.lora, path / "adapter", strict=True)
-        policy.optimizer.load_state_dict(torch.load(path / "optim.pt", weights_only=False))
+            megatron_checkpoint.load(path, policy)
+            return dict(meta.extra)
+        if policy.lora is None:
+            load_checkpoint(
+                path.parent, policy.model, policy.mesh, policy.optimizer, step=meta.step
+            )
+            _check_loaded(path, policy)
+        else:
+            load_peft(policy.lora, path / "adapter", strict=True)
+            load_optimizer(path / OPTIM, policy.optimizer)
+    except CheckpointError as exc:
+        raise GrpoRunError(f"--resume: {exc}") from None
+    except GrpoRunError as exc:
+        msg = str(exc)
+        raise GrpoRunError(
+            msg if msg.startswith("--resume") else f"--resume {path}: {msg}"
+        ) from None
+    except PosttrainError as exc:  # an adapter or model file the lora/models readers refuse
+        raise GrpoRunError(f"--resume {path}: {exc}") from None
     if meta.world_size == dist.get_world_size():
         rng = rng_file(path, rank)
         if not rng.is_file():
             raise GrpoRunError(f"--resume {path}: {rng.name} is missing (rank {rank}'s RNG state)")
-        torch.set_rng_state(torch.load(rng, weights_only=False))
+        try:
+            load_rng(rng)
+        except GrpoRunError as exc:
+            raise GrpoRunError(f"--resume {path}: {exc}") from None
     return dict(meta.extra)

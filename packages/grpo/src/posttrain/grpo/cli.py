@@ -24,6 +24,10 @@ the flag and a remedy, where it does not:
 - ``--num-layers``, ``--num-experts``, ``--moe-layer-freq`` are checked against the
   checkpoint's ``config.json`` when ``--model-path`` is a local directory.
 
+Before anything starts (and for ``--dry-run``), ``preflight.run_preflight`` runs every check
+in ``preflight.CHECKS``: model config, task, output directory, key file, resume checkpoint;
+each failure is one ``error: --flag: ...`` line.
+
 Errors: every ``PosttrainError`` and every usage error (unknown flag, bad value) ends the
 command with exit code 2 and one ``error: ...`` line on stderr. Any other exception is a bug:
 one line and exit code 1 (``POSTTRAIN_TRACEBACK=1`` shows the traceback).
@@ -54,8 +58,7 @@ from posttrain.grpo.config import (
     field_type,
     parse_moe_layer_freq,
 )
-from posttrain.grpo.inputs_check import check_inputs
-from posttrain.grpo.model_check import check_model
+from posttrain.grpo.preflight import PreflightError, run_preflight
 from posttrain.interface import PosttrainError
 
 PROG = "python -m posttrain.grpo"
@@ -218,11 +221,11 @@ def _command(**values: Any) -> None:
     """Validate the options; with --dry-run print the resolved config, else run GRPO."""
     config = build_config(values)
     if not config.dry_run:
-        run(config)
+        run(config)  # loop.run runs the preflight checks before it starts any process
         return
-    if values.get("model_check", True):
-        check_model(config)  # the model gate: an unsupported checkpoint fails here, in a second
-    check_inputs(config)  # the data, the reward and the eval sets, before anything starts
+    # Every check the run makes before it starts a process (preflight.CHECKS): the model gate
+    # (unless --no-model-check), the data, the reward, the eval sets, the out dir, the resume.
+    run_preflight(config, skip=() if values.get("model_check", True) else ("model",))
     out = Console(highlight=False, soft_wrap=True)
     if values.get("as_json"):
         out.print(json.dumps(config.to_dict(), indent=2), markup=False)
@@ -285,6 +288,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         result = command.main(args=args, prog_name=PROG, standalone_mode=False)
     except typer.exceptions.TyperException as exc:  # unknown flag, bad value: the parser's words
         _fail(exc.format_message())
+        return 2
+    except PreflightError as exc:  # one line per failed check, each naming its flag
+        for line in exc.failures:
+            _fail(line)
         return 2
     except GrpoConfigError as exc:
         named = exc.field is None or str(exc).startswith("--")

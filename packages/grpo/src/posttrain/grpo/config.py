@@ -154,21 +154,14 @@ class GrpoConfig:
         self._check_together()
 
     def api_key(self) -> str | None:
-        """The bearer token in ``api_key_file`` (None without one); refused when unreadable."""
-        if self.api_key_file is None:
-            return None
+        """The bearer token: ``api_key_file``'s, else ``$POSTTRAIN_API_KEY``, else None
+        (``posttrain.formats.resolve_api_key``); refused when unreadable or not one token."""
+        from posttrain.formats import FormatsConfigError, resolve_api_key
+
         try:
-            key = self.api_key_file.read_text(encoding="utf-8").strip()
-        except (OSError, UnicodeDecodeError) as exc:
-            raise GrpoConfigError(
-                f"api_key_file {str(self.api_key_file)!r} cannot be read: {exc}",
-                field="api_key_file",
-            ) from exc
-        if not key or any(c.isspace() for c in key):
-            raise GrpoConfigError(
-                f"api_key_file {str(self.api_key_file)!r} must hold one token", field="api_key_file"
-            )
-        return key
+            return resolve_api_key(self.api_key_file, flag="--api-key-file")
+        except FormatsConfigError as exc:
+            raise GrpoConfigError(str(exc), field="api_key_file") from None
 
     def _check_ranges(self) -> None:
         for name in (

@@ -66,13 +66,14 @@ import torch
 import torch.distributed as dist
 
 from posttrain.formats import write_text_atomic
-from posttrain.grpo import checkpoint, data, evaluation, inputs_check, readmit
+from posttrain.grpo import checkpoint, data, evaluation, readmit
 from posttrain.grpo._errors import GrpoConfigError, GrpoRunError
 from posttrain.grpo.advantages import group_normalized_advantages
 from posttrain.grpo.config import GrpoConfig
 from posttrain.grpo.data import task_from_config
 from posttrain.grpo.metrics import MetricsLog, write_report
-from posttrain.grpo.model_check import check_model, resolve_model_paths
+from posttrain.grpo.model_check import resolve_model_paths
+from posttrain.grpo.preflight import run_preflight
 from posttrain.grpo.rewards import PromptStream, Task
 from posttrain.grpo.rollout import RolloutSettings, run_rollout
 from posttrain.grpo.scoring import StepScores, as_bound, score_samples
@@ -115,15 +116,14 @@ def run(
     if config.dry_run:
         return {"dry_run": True, "config": config.to_dict()}
     plugged = Plugged(task=task, engine=engine, weight_sinks=tuple(weight_sinks))
+    # Every preflight check (the model gate, the user's data, reward and eval sets, the out dir,
+    # the resume checkpoint) before any rank or engine starts and before anything is written;
+    # a plugged task brings its own prompts and reward.
+    run_preflight(config, skip=("data", "reward") if task is not None else ())
     _check_runnable(config, plugged)
     config = resolve_model_paths(config)  # hub ids -> their cached directories
-    check_model(config)  # before any rank or engine starts
-    # The user's data, reward and eval sets, before anything starts or is written.
-    if task is None:
-        inputs_check.check_inputs(config)
-    else:
+    if task is not None:
         as_bound(task.reward)  # a reward whose parameters bind, or a GrpoConfigError now
-        inputs_check.check_eval(config)
     if "RANK" in os.environ or config.world_size == 1:
         return _run_rank(config, plugged)
     return _spawn_ranks(config, plugged)

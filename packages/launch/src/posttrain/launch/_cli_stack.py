@@ -103,6 +103,9 @@ def up_command(
     except ValueError:
         _fail(ValueError(f"--engine {engine!r} is not one of local-engine, sglang"))
     key = new_api_key() if api_key else None
+    key_file = None
+    if key is not None and not dry_run:  # the file exists before any process reads it
+        key_file = write_key_file(key, f"stack-{os.getpid()}")
     try:
         plan = build_local_stack(
             LocalStackConfig(
@@ -115,18 +118,25 @@ def up_command(
                 router_port=router_port,
                 router_metrics_port=router_metrics_port,
                 api_key="<a random key made at start>" if key and dry_run else key,
+                api_key_file=(
+                    "<the key file made at start>"
+                    if key and dry_run
+                    else None
+                    if key_file is None
+                    else str(key_file)
+                ),
             )
         )
     except LaunchError as exc:
+        if key_file is not None:
+            remove_key_file(key_file)
         _fail(exc)
     if dry_run:
         DryRun(plan, console=_out).run()
         return
     _stop_on_signals()
-    key_file = None
     try:
-        if key is not None:
-            key_file = write_key_file(key, f"stack-{os.getpid()}")
+        if key_file is not None:
             _err.print(f"API key of this stack: {key_file} (mode 0600; removed at stop)")
         with LocalRunner(plan, sink=console_sink(_err), api_key=key) as runner:
             with StackProgress(_err) as progress:

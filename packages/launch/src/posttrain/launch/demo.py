@@ -108,17 +108,18 @@ def run_demo(cfg: DemoConfig, sink: LogSink, progress: StackProgress | None = No
             sink("demo", f"writing a tiny Dense/MoE checkpoint (seed {cfg.seed}) to {model_path}")
             with _step(progress, f"writing a tiny Dense/MoE checkpoint (seed {cfg.seed})"):
                 write_tiny_checkpoint(model_path, cfg.seed)
-        plan = build_local_stack(
-            LocalStackConfig(
-                model_path=str(model_path),
-                engines=cfg.engines,
-                engine_kind=EngineKind.LOCAL,
-                ready_timeout_s=cfg.ready_timeout_s,
-                api_key=key,
-            )
-        )
         key_file = write_key_file(key, f"demo-{os.getpid()}")
         try:
+            plan = build_local_stack(
+                LocalStackConfig(
+                    model_path=str(model_path),
+                    engines=cfg.engines,
+                    engine_kind=EngineKind.LOCAL,
+                    ready_timeout_s=cfg.ready_timeout_s,
+                    api_key=key,
+                    api_key_file=str(key_file),
+                )
+            )
             events = None if progress is None else progress.on_event
             with LocalRunner(plan, sink=sink, api_key=key, on_event=events) as runner:
                 runner.start()

@@ -282,26 +282,6 @@ def lora_targets_for(model_dir: Path, wanted: list[str]) -> list[str]:
     return [t for t in wanted if dense or t not in _MLP_TARGETS]
 
 
-def check_trainer(
-    cfg: GrpoRecipeConfig, recipe: dict[str, Any], sink: LogSink, *, python: str
-) -> None:
-    """The trainer's ``--dry-run`` on the run's own flags: an unsupported ``--model-path`` (an
-    architecture or a feature the decoder does not compute exactly) fails here, in seconds,
-    before any engine starts."""
-    placeholder = {"session-router": "http://127.0.0.1:9"}
-    argv = trainer_argv(cfg, recipe, placeholder, [], python=python)
-    at = argv.index("--engine-urls")
-    argv = [*argv[:at], *argv[at + 2 :], "--dry-run"]
-    proc = subprocess.run(argv, capture_output=True, text=True, timeout=300, check=False)
-    for line in proc.stderr.splitlines():
-        sink("trainer", line)
-    if proc.returncode != 0:
-        lines = [line for line in proc.stderr.splitlines() if line.strip()]
-        raise LaunchConfigError(
-            lines[-1] if lines else f"the trainer's --dry-run failed ({proc.returncode})"
-        )
-
-
 def run_grpo(cfg: GrpoRecipeConfig, sink: LogSink, *, python: str = sys.executable) -> int:
     """Prepare, start the stack, run the trainer in the foreground, stop everything.
 
@@ -321,12 +301,15 @@ def run_grpo(cfg: GrpoRecipeConfig, sink: LogSink, *, python: str = sys.executab
     finish_input_check(checking)
     policy = policy_path(cfg, recipe)
     served = recipe["policy_nvfp4"] if cfg.rollout_quant == "nvfp4" else policy
-    if cfg.model_path is not None:
-        check_trainer(cfg, recipe, sink, python=python)  # the model gate, before any process
     key = new_api_key()
     key_file = write_key_file(key, f"grpo-{os.getpid()}")
     sink("launcher", f"api-key-file {key_file}")
     try:
+        # The trainer's own checks (the model gate, data, reward, out-dir, --resume) before any
+        # process starts: an unsupported --model-path fails here, in seconds.
+        failed = _trainer_preflight(cfg, recipe, key_file, python)
+        if failed:
+            return failed
         plan = build_local_stack(
             LocalStackConfig(
                 model_path=served,
@@ -343,11 +326,28 @@ def run_grpo(cfg: GrpoRecipeConfig, sink: LogSink, *, python: str = sys.executab
                 engine_args=()
                 if cfg.context_length is None
                 else ("--context-length", str(cfg.context_length)),
+                api_key_file=str(key_file),
             )
         )
         return _run_stack_and_trainer(cfg, recipe, plan, sink, key, key_file, python)
     finally:
         remove_key_file(key_file)
+
+
+def _trainer_preflight(
+    cfg: GrpoRecipeConfig, recipe: dict[str, Any], key_file: Path, python: str
+) -> int:
+    """``python -m posttrain.grpo ... --dry-run`` with the run's own flags (stand-in URLs: no
+    stack is up yet); its exit code, its ``error:`` lines passed on to stderr."""
+    stand_in = dict.fromkeys(
+        ("session-router", "router", "engine-0", TEACHER), "http://127.0.0.1:9"
+    )
+    argv = trainer_argv(cfg, recipe, stand_in, ["engine-0"], key_file, python=python)
+    done = subprocess.run([*argv, "--dry-run"], capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        sys.stderr.write(done.stderr)
+        sys.stderr.flush()
+    return done.returncode
 
 
 def _run_stack_and_trainer(

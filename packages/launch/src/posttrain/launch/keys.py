@@ -14,9 +14,11 @@ Departures, both because of what the other side accepts today:
   127.0.0.1 only.
 - SGLang engines get no key: SGLang's ``--api-key`` guards every route, generation included,
   and the router in front does not send one.
-- The key travels in the children's argv (the engines take no key file), so another user of
-  the machine who can read ``/proc/<pid>/cmdline`` can read it; it keeps other local programs
-  of a careless setup out, not a hostile user of a shared host.
+
+The key reaches the children by file, never argv: local engines and the session router get
+``--api-key-file <this file>`` (``posttrain.formats.resolve_api_key`` reads it; without a file
+a stack passes ``$POSTTRAIN_API_KEY`` in their environment, which only their owner can read),
+so ``ps`` and ``/proc/<pid>/cmdline`` show the path, not the key.
 """
 
 from __future__ import annotations

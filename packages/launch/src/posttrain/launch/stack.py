@@ -18,14 +18,13 @@ engine, not behind the router: the teacher on-policy distillation scores against
 
 Faults: an engine that dies mid-rollout is failed over by sgl-router itself. A request whose
 worker refuses or drops the connection is retried (``--retry-max-retries ROUTER_RETRIES``,
-backoff from 50 ms). Under the manual policy a session's routing key sticks to its worker, so
-a retry goes to the *same* dead engine until that worker's circuit breaker opens; only then is
-the key given to a live engine. sgl-router's default threshold (10 failures) is above its
-default retry budget (5 attempts), so a request alone on an engine that died failed with a 500
-(reproduced: 5 failures, circuit still closed). The stack sets ``--cb-failure-threshold
-ROUTER_CB_FAILURES`` (3) below the retry budget: any request fails over within its own
-retries. The price: an engine that fails 3 requests in a row is skipped for
-``--cb-timeout-duration-secs`` (60 s) before it is tried again. A session's turn is committed
+backoff from ``ROUTER_RETRY_BACKOFF_MS``, doubling). Under the manual policy a session's routing
+key sticks to its worker, so a retry goes to the *same* dead engine until that worker is no
+longer available; only then is the key given to a live engine. The stack makes that the
+health check's call (every ``ROUTER_HEALTH_INTERVAL_S``, out after ``ROUTER_HEALTH_FAILURES``
+failed probe), with retries spanning longer than that, and turns sgl-router's circuit breaker
+off (``--disable-circuit-breaker``): the breaker counted client errors (400s) as engine
+failures, so a few bad requests took every engine out for a minute (issue 35). A session's turn is committed
 once, by the session router, when a reply arrives, so a retried request never makes a second
 sample. ``turn_timeout_s`` (``posttrain grpo
 --turn-timeout``) becomes the session router's ``--upstream-timeout-s``: a frozen engine's turn
@@ -52,9 +51,19 @@ TEACHER = "teacher"
 """The name of the teacher engine's process (and URL key): the one engine not behind the router."""
 ROUTER_RETRIES = 5
 """sgl-router's ``--retry-max-retries``: attempts per request."""
-ROUTER_CB_FAILURES = 3
-"""sgl-router's ``--cb-failure-threshold``: below ``ROUTER_RETRIES``, so a request whose engine
-died opens that engine's circuit (and moves to a live one) within its own retries."""
+ROUTER_HEALTH_INTERVAL_S = 1
+"""sgl-router's ``--health-check-interval-secs``: how often each engine's /health is probed."""
+ROUTER_HEALTH_FAILURES = 1
+"""sgl-router's ``--health-failure-threshold``: failed probes before an engine is out."""
+ROUTER_RETRY_BACKOFF_MS = 500
+"""sgl-router's ``--retry-initial-backoff-ms`` (doubling, capped at 4 s): the retries of a
+request on a dead engine span ~7.5 s, longer than the health check takes to mark it
+unhealthy, so the request fails over within its own retries.
+
+sgl-router's circuit breaker is off (``--disable-circuit-breaker``): it counted client errors
+(a 400 for a bad request) as engine failures, so three bad requests took an engine out of the
+router for a minute (issue 35). Failover is the health check's job: a dead engine stops
+answering ``/health``; a client's bad request does not change that."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -71,6 +80,9 @@ class LocalStackConfig:
     session_router_port: int = 0
     router_metrics_port: int = 0  # 0: pick a free port
     api_key: str | None = None  # None: no component requires a key
+    # Where the engines and the session router read the key (--api-key-file); None with a key:
+    # $POSTTRAIN_API_KEY in their environment. Never argv (ps would show it).
+    api_key_file: str | None = None
     ready_timeout_s: float = 300.0
     turn_timeout_s: float | None = None  # the session router's --upstream-timeout-s; None: its own
     engine_args: tuple[str, ...] = ()
@@ -89,6 +101,13 @@ def default_engine_kind(detection: Detection | None = None) -> EngineKind:
 def policy_engine_names(plan: Plan) -> list[str]:
     """The engines behind the router (every engine process but the teacher), in start order."""
     return [p.name for p in plan.processes if p.role is Role.ENGINE and p.name != TEACHER]
+
+
+def _key_env(cfg: LocalStackConfig) -> dict[str, str]:
+    """The key through the environment when there is no key file (never through argv)."""
+    from posttrain.formats import API_KEY_ENV  # the "local" extra: what a local stack runs
+
+    return {API_KEY_ENV: cfg.api_key} if cfg.api_key and not cfg.api_key_file else {}
 
 
 def build_local_stack(cfg: LocalStackConfig) -> Plan:
@@ -135,8 +154,9 @@ def build_local_stack(cfg: LocalStackConfig) -> Plan:
         args.set("--model-path", model_path, source=src)
         args.set("--host", LOCAL_HOST, source=src)
         args.set("--port", port, source=src)
-        if cfg.api_key and cfg.engine_kind is EngineKind.LOCAL:
-            args.set("--api-key", cfg.api_key, source="local stack (per-stack key)")
+        keyed = bool(cfg.api_key or cfg.api_key_file) and cfg.engine_kind is EngineKind.LOCAL
+        if keyed and cfg.api_key_file:
+            args.set("--api-key-file", cfg.api_key_file, source="local stack (per-stack key)")
         if name != TEACHER and (cfg.loras or cfg.lora_adapter):
             # Both engines take SGLang's spelling; --lora-paths is one nargs="+" flag
             # (repeating it would keep only the last occurrence).
@@ -153,6 +173,8 @@ def build_local_stack(cfg: LocalStackConfig) -> Plan:
                 # One GPU per SGLang engine (engine i on GPU i); the CPU engine needs none.
                 env={"CUDA_VISIBLE_DEVICES": str(i)}
                 if cfg.engine_kind is EngineKind.SGLANG
+                else _key_env(cfg)
+                if keyed
                 else {},
                 stage=0,
                 readiness=Readiness(
@@ -169,14 +191,24 @@ def build_local_stack(cfg: LocalStackConfig) -> Plan:
     router.set("--prometheus-host", LOCAL_HOST, source="local stack")
     router.set("--prometheus-port", metrics_port, source="local stack (a free port, not 29000)")
     router.set("--log-level", "warn", source="local stack")
-    router.set("--health-check-interval-secs", 5, source="local stack")
+    router.set(
+        "--health-check-interval-secs", ROUTER_HEALTH_INTERVAL_S,
+        source="local stack (a dead engine is out within a second)",
+    )  # fmt: skip
+    router.set("--health-failure-threshold", ROUTER_HEALTH_FAILURES, source="local stack")
     router.set(
         "--retry-max-retries", ROUTER_RETRIES,
         source="local stack (a dead engine's requests fail over to the others)",
     )  # fmt: skip
     router.set(
-        "--cb-failure-threshold", ROUTER_CB_FAILURES,
-        source=f"local stack (< --retry-max-retries {ROUTER_RETRIES}: a sticky request fails over)",
+        "--retry-initial-backoff-ms", ROUTER_RETRY_BACKOFF_MS,
+        source="local stack (retries outlast the health check: a sticky request fails over)",
+    )  # fmt: skip
+    router.set("--retry-backoff-multiplier", 2, source="local stack")
+    router.set("--retry-max-backoff-ms", 4000, source="local stack")
+    router.set(
+        "--disable-circuit-breaker",
+        source="local stack (client 4xx must not take an engine out; the health check fails over)",
     )  # fmt: skip
     router.extend_user(cfg.router_args)
     processes.append(
@@ -196,8 +228,8 @@ def build_local_stack(cfg: LocalStackConfig) -> Plan:
     session.set("--tokenizer", cfg.tokenizer_path or cfg.model_path, source="local stack")
     session.set("--host", LOCAL_HOST, source="local stack")
     session.set("--port", session_port, source="local stack")
-    if cfg.api_key:
-        session.set("--api-key", cfg.api_key, source="local stack (per-stack key)")
+    if cfg.api_key_file:
+        session.set("--api-key-file", cfg.api_key_file, source="local stack (per-stack key)")
     if served is not None:
         session.set("--lora-adapter", served, source="local stack (--lora)")
     if cfg.turn_timeout_s is not None:
@@ -214,6 +246,7 @@ def build_local_stack(cfg: LocalStackConfig) -> Plan:
             name="session-router",
             role=Role.SESSION_ROUTER,
             argv=(PYTHON, "-m", SESSION_ROUTER_MODULE, *session.argv()),
+            env=_key_env(cfg),
             stage=1,
             readiness=Readiness(
                 url=f"http://{LOCAL_HOST}:{session_port}/health", timeout_s=cfg.ready_timeout_s

@@ -22,7 +22,9 @@ state (weights, adapters, pause), so an sgl-router in front needs no key to
 generate or probe health.
 
 The event loop only routes: a body over ``INLINE_BODY_BYTES`` is decoded,
-validated and tokenized in a thread, generation runs on the scheduler's worker
+validated and tokenized in a thread (by size alone), a request naming media is prepared in the
+media pool (``_media``: ``--media-workers`` threads, ``--media-timeout-s``, file paths only
+inside ``--allowed-media-dir``), generation runs on the scheduler's worker
 thread, and a text that cannot fit the context is refused from its length in
 characters before it is tokenized (``tasks_from_generate``), so a 10 MB prompt
 gets its 400 at once and ``/health`` keeps answering meanwhile.
@@ -61,10 +63,12 @@ from posttrain.local_engine._http import (
     json_body,
     off_loop_if_large,
 )
+from posttrain.local_engine._media import MediaPool
 from posttrain.local_engine._requests import (
     TextCodec,
     check_text_fits,
     drop_neutral_sglang_keys,
+    json_logprob,
     media_refs,
     meta_info,
     prompt_media,
@@ -75,7 +79,7 @@ from posttrain.local_engine._requests import (
 from posttrain.local_engine._routes_weights import weight_routes
 from posttrain.local_engine._scheduler import BatchScheduler
 from posttrain.local_engine._transports import ShmMaps
-from posttrain.models import MediaBatch
+from posttrain.models import MediaBatch, MediaFiles
 
 __all__ = ["ServerContext", "create_app"]
 
@@ -94,6 +98,11 @@ def create_app(ctx: ServerContext) -> Starlette:
         max_keys=cfg.max_loras_per_batch,
     )
     shm = ShmMaps(cfg.shm_dir)
+    media = MediaPool(
+        MediaFiles.engine(cfg.allowed_media_dir, max_bytes=cfg.max_media_bytes,
+                          timeout_s=cfg.media_timeout_s),
+        workers=cfg.media_workers, timeout_s=cfg.media_timeout_s,
+    )  # fmt: skip
     next_seed = seed_counter(cfg.random_seed)
 
     def no_text(tok: int) -> str | None:
@@ -234,18 +243,24 @@ def create_app(ctx: ServerContext) -> Starlette:
         t0 = time.perf_counter()
         raw = await body_bytes(request, cfg.max_request_bytes)
 
-        def prepare() -> tuple[GenerateRequest, list[GenTask], list[dict[str, Any]]]:
-            req = GenerateRequest.parse(drop_neutral_sglang_keys(decode_json(raw)))
-            tasks, options = tasks_from_generate(
+        req = await off_loop_if_large(
+            raw, lambda: GenerateRequest.parse(drop_neutral_sglang_keys(decode_json(raw)))
+        )
+
+        def prepare() -> tuple[list[GenTask], list[dict[str, Any]]]:
+            return tasks_from_generate(
                 req,
                 codec=ctx.codec,
                 next_seed=next_seed,
                 max_context=engine.max_context,
                 model_config=engine.model.config,
+                media_files=media.files,
             )
-            return req, tasks, options
 
-        req, tasks, options = await off_loop_if_large(raw, prepare)
+        if req.image_data is not None or req.audio_data is not None:
+            tasks, options = await media.run(prepare, field=_media_field(req))
+        else:
+            tasks, options = await off_loop_if_large(raw, prepare)
         results = await run_tasks(tasks)
         dt = time.perf_counter() - t0
         items = [
@@ -262,14 +277,15 @@ def create_app(ctx: ServerContext) -> Starlette:
         ]
         return JSONResponse(items if req.is_batch else items[0])
 
-    def chat_prompt(
-        raw: bytes,
-    ) -> tuple[ChatCompletionRequest, list[int], MediaBatch | None]:
+    def chat_request(raw: bytes) -> ChatCompletionRequest:
         req = ChatCompletionRequest.parse(decode_json(raw))
         if req.stream:
             raise WireFormatError(
                 "stream: streaming is not supported by local-engine", field="stream"
             )
+        return req
+
+    def chat_prompt(req: ChatCompletionRequest) -> tuple[list[int], MediaBatch | None]:
         if req.input_ids is not None:
             ids = list(req.input_ids)
         else:
@@ -281,13 +297,16 @@ def create_app(ctx: ServerContext) -> Starlette:
             ids = ctx.codec.encode(text)
         images = media_refs(req.image_data, 0, 1, "image_data", False)
         audio = media_refs(req.audio_data, 0, 1, "audio_data", False)
-        ids, media = prompt_media(ids, images, audio, engine.model.config)
-        return req, ids, media
+        return prompt_media(ids, images, audio, engine.model.config, files=media.files)
 
     async def chat(request: Request) -> Response:
         t0 = time.perf_counter()
         raw = await body_bytes(request, cfg.max_request_bytes)
-        req, ids, media = await off_loop_if_large(raw, lambda: chat_prompt(raw))
+        req = await off_loop_if_large(raw, lambda: chat_request(raw))
+        if req.image_data is not None or req.audio_data is not None:
+            ids, items = await media.run(lambda: chat_prompt(req), field=_media_field(req))
+        else:
+            ids, items = await off_loop_if_large(raw, lambda: chat_prompt(req))
         sp = SamplingParams(
             temperature=req.temperature,
             top_p=req.top_p,
@@ -312,7 +331,7 @@ def create_app(ctx: ServerContext) -> Starlette:
             top_logprobs_num=req.top_logprobs or 0,
             lora_name=req.lora_path,
             rid=req.rid or uuid.uuid4().hex,
-            media=media,
+            media=items,
         )
         (res,) = await run_tasks([task])
         text = output_text(res, True)
@@ -328,12 +347,12 @@ def create_app(ctx: ServerContext) -> Starlette:
                 "content": [
                     {
                         "token": _tok_str(ctx.codec, tok),
-                        "logprob": lp,
+                        "logprob": json_logprob(lp),
                         "bytes": list(_tok_str(ctx.codec, tok).encode()),
                         "top_logprobs": [
                             {
                                 "token": _tok_str(ctx.codec, t),
-                                "logprob": v,
+                                "logprob": json_logprob(v),
                                 "bytes": list(_tok_str(ctx.codec, t).encode()),
                             }
                             for v, t in (top or [])
@@ -385,6 +404,7 @@ def create_app(ctx: ServerContext) -> Starlette:
             yield
         finally:
             await sched.stop()
+            media.shutdown()
 
     def g(handler: Handler, *, state_changing: bool = False) -> Handler:
         return guard(handler, api_key=cfg.api_key, state_changing=state_changing)
@@ -406,6 +426,10 @@ def create_app(ctx: ServerContext) -> Starlette:
     ]
     handlers = {HTTPException: http_exception_response, Exception: http_exception_response}
     return Starlette(routes=routes, lifespan=lifespan, exception_handlers=handlers)
+
+
+def _media_field(req: GenerateRequest | ChatCompletionRequest) -> str:
+    return "image_data" if req.image_data is not None else "audio_data"
 
 
 def _tok_str(codec: TextCodec | None, tok: int) -> str:

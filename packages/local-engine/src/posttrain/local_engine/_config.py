@@ -15,7 +15,9 @@ test parses it with SGLang's own ``ServerArgs``), and ``--lora-paths NAME=PATH .
 several values after one flag, which click/typer options cannot express. ``--help`` gives
 every option a help text and its default.
 
-Auth model: ``--api-key`` is optional. Without it any process that can reach the port may
+Auth model: a key is optional; it comes from ``--api-key-file FILE`` or
+``$POSTTRAIN_API_KEY`` (``posttrain.formats.resolve_api_key``), so ``ps`` never shows it;
+SGLang's ``--api-key KEY`` is still taken, with the key in argv. Without it any process that can reach the port may
 load weights and adapters from any path the engine can read, so the engine binds
 127.0.0.1 by default and ``posttrain up``/``demo`` pass a key. With it, the routes that
 change state (weights, adapters, pause/continue, flush) need ``Authorization: Bearer KEY``;
@@ -25,10 +27,12 @@ generation and information stay open, as sgl-router in front sends no key.
 from __future__ import annotations
 
 import argparse
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
+from posttrain.formats import FormatsConfigError, resolve_api_key
 from posttrain.interface import ConfigError
 
 __all__ = ["EngineConfig", "build_parser", "parse_args"]
@@ -55,17 +59,26 @@ class EngineConfig:
     max_request_bytes: int = 32 * 1024 * 1024
     max_update_bytes: int = 4 * 1024 * 1024 * 1024
     shm_dir: str = "/dev/shm"
+    allowed_media_dir: str | None = None
+    max_media_bytes: int = 64 * 1024 * 1024
+    media_timeout_s: float = 10.0
+    media_workers: int = 2
     num_threads: int = 1
     log_level: str = "warning"
 
     def __post_init__(self) -> None:
         if self.lora_paths and not self.enable_lora:
             raise ConfigError("--lora-paths needs --enable-lora")
-        for name in ("max_loras_per_batch", "max_running_requests", "max_queued_requests"):
+        for name in ("max_loras_per_batch", "max_running_requests", "max_queued_requests",
+                     "max_media_bytes", "media_workers"):  # fmt: skip
             if getattr(self, name) <= 0:
                 raise ConfigError(f"--{name.replace('_', '-')} must be positive")
         if self.context_length is not None and self.context_length <= 0:
             raise ConfigError(f"--context-length {self.context_length} must be positive")
+        if not self.media_timeout_s > 0:
+            raise ConfigError("--media-timeout-s must be positive")
+        if self.allowed_media_dir is not None and not os.path.isdir(self.allowed_media_dir):
+            raise ConfigError(f"--allowed-media-dir {self.allowed_media_dir}: not a directory")
         if not 0 < self.port < 65536:
             raise ConfigError(f"--port {self.port} is not a TCP port")
 
@@ -119,7 +132,10 @@ def build_parser() -> argparse.ArgumentParser:
     add("--api-key", default=None, metavar="KEY",
         help="bearer token the state-changing routes then require (weights, adapters, pause, "
         "flush); generation and info stay open. Without it any local process may reload "
-        "weights (default: none)")  # fmt: skip
+        "weights. It shows in ps: prefer --api-key-file or $POSTTRAIN_API_KEY (default: none)")  # fmt: skip
+    add("--api-key-file", default=None, metavar="FILE",
+        help="file holding the bearer token (one token); without it and without --api-key, "
+        "$POSTTRAIN_API_KEY if set (default: none)")  # fmt: skip
     add("--served-model-name", default=None, metavar="NAME",
         help="model id reported by /v1/models (default: the model path)")  # fmt: skip
     add("--enable-lora", action="store_true", help="serve LoRA adapters by name (lora_path)")
@@ -152,6 +168,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="largest JSON request body; bigger is 413 before it is parsed")  # fmt: skip
     add("--shm-dir", default="/dev/shm", metavar="DIR",
         help="the only directory weight-update rings may be mapped from")  # fmt: skip
+    add("--allowed-media-dir", default=None, metavar="DIR",
+        help="the only directory image_data/audio_data file paths may name (regular files, "
+        "no symlinks); without it file-path media is refused (default: none)")  # fmt: skip
+    add("--max-media-bytes", type=int, default=64 * 1024 * 1024, metavar="BYTES",
+        help="largest media file a path may name")  # fmt: skip
+    add("--media-timeout-s", type=float, default=10.0, metavar="S",
+        help="deadline for reading and decoding one request's media")  # fmt: skip
+    add("--media-workers", type=int, default=2, metavar="N",
+        help="threads that decode media (a pool of their own, apart from weight routes)")  # fmt: skip
     add("--num-threads", type=int, default=1, metavar="N", help="torch CPU threads")
     add("--log-level", default="warning", help="uvicorn log level")
     return p
@@ -161,12 +186,18 @@ def parse_args(argv: Sequence[str] | None = None) -> EngineConfig:
     """Parse the command line into an EngineConfig (errors exit with status 2, like argparse)."""
     p = build_parser()
     a = p.parse_args(argv)
+    if a.api_key is not None and a.api_key_file is not None:
+        p.error("give --api-key or --api-key-file, not both")
+    try:
+        api_key = a.api_key if a.api_key is not None else resolve_api_key(a.api_key_file)
+    except FormatsConfigError as e:
+        p.error(str(e))
     try:
         return EngineConfig(
             model_path=a.model_path,
             host=a.host,
             port=a.port,
-            api_key=a.api_key,
+            api_key=api_key,
             served_model_name=a.served_model_name,
             enable_lora=a.enable_lora,
             max_loras_per_batch=a.max_loras_per_batch,
@@ -179,6 +210,10 @@ def parse_args(argv: Sequence[str] | None = None) -> EngineConfig:
             max_queued_requests=a.max_queued_requests,
             max_request_bytes=a.max_request_bytes,
             shm_dir=a.shm_dir,
+            allowed_media_dir=a.allowed_media_dir,
+            max_media_bytes=a.max_media_bytes,
+            media_timeout_s=a.media_timeout_s,
+            media_workers=a.media_workers,
             num_threads=a.num_threads,
             log_level=a.log_level,
         )

@@ -141,15 +141,13 @@ def decode_json(raw: bytes) -> Any:
         ) from None
 
 
-_MEDIA_KEYS = (b'"image_data"', b'"audio_data"')
-
-
 async def off_loop_if_large(raw: bytes, work: Callable[[], X]) -> X:
     """Run ``work`` (decoding, tokenizing ``raw``) inline for a small body, in a thread otherwise.
 
-    A body that names media always goes to a thread: a short file path can stand for an image
-    to decode or a WAV whose mel bins the strict kernels compute."""
-    if len(raw) > INLINE_BODY_BYTES or any(key in raw for key in _MEDIA_KEYS):
+    By the body's size only, never by a key found in the raw bytes (JSON can escape any key).
+    Media work never comes here: the routes send a parsed request that names media to the
+    media pool (``_media.MediaPool``)."""
+    if len(raw) > INLINE_BODY_BYTES:
         return await asyncio.to_thread(work)
     return work()
 

@@ -19,6 +19,7 @@ or garbage safetensors file, a malformed index and NaN/Inf weights all become a
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -73,6 +74,12 @@ def read_checkpoint(
     d = Path(model_dir)
     if not d.is_dir():
         raise CheckpointError(f"model_path {str(d)!r} is not a directory")
+    config_file = d / "config.json"
+    try:  # a plain checkpoint's broken config.json is a checkpoint error, not an NVFP4 one
+        json.loads(config_file.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        why = "missing or unreadable" if isinstance(e, OSError) else "not valid JSON"
+        raise CheckpointError(f"{config_file}: {why}") from None
     try:
         declared = read_nvfp4_quant_config(d)
         tensors = load_hf_tensors(d)

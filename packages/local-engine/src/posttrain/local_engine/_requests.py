@@ -19,6 +19,7 @@ sentinels, or media for a model without the tower: a 400 naming the field.
 from __future__ import annotations
 
 import itertools
+import math
 import uuid
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
@@ -29,6 +30,7 @@ from posttrain.local_engine._sampling import SamplingConfig
 from posttrain.models import (
     MediaBatch,
     MediaError,
+    MediaFiles,
     ModelConfig,
     decode_media,
     expand_media_tokens,
@@ -204,12 +206,15 @@ def prompt_media(
     config: ModelConfig | None,
     *,
     where: str = "",
+    files: MediaFiles | None = None,
 ) -> tuple[list[int], MediaBatch | None]:
     """Decode a prompt's media and expand its sentinels: ``(expanded ids, MediaBatch)``.
 
     A model without towers (``config`` None or text-only) passes the prompt through unchanged
     and refuses any media; a multimodal model always expands, so a sentinel without its item
-    is refused too. Errors are 400s naming ``image_data`` / ``audio_data``.
+    is refused too. Errors are 400s naming ``image_data`` / ``audio_data``. The sentinel
+    counts are checked before any reference is read or decoded; ``files`` is the engine's
+    file-path policy (``MediaFiles``).
     """
     if config is None or not config.has_towers:
         for field, refs in (("image_data", images), ("audio_data", audio)):
@@ -220,8 +225,24 @@ def prompt_media(
                     field=field,
                 )
         return prompt, None
+    for field, refs, token, has_tower in (
+        ("image_data", images, config.image_token_id, config.has_vision_tower),
+        ("audio_data", audio, config.audio_token_id, config.has_audio_tower),
+    ):
+        if refs and not has_tower:
+            kind = "vision" if field == "image_data" else "audio"
+            raise WireFormatError(f"{where}{field}: this model has no {kind} tower", field=field)
+        found = 0 if token is None else sum(1 for t in prompt if t == token)
+        if found != len(refs):
+            raise WireFormatError(
+                f"{where}{field}: the prompt has {found} {field[:5]} sentinel token(s) but "
+                f"{len(refs)} {field[:5]} item(s) were given; nothing was decoded",
+                field=field,
+            )
+    if files is None:
+        files = MediaFiles.engine(None)
     try:
-        items = decode_media(config, images=images, audio=audio)
+        items = decode_media(config, images=images, audio=audio, files=files)
         ids, batch = expand_media_tokens(prompt, items, config)
     except MediaError as exc:
         field = f"{exc.kind or 'image'}_data"
@@ -238,6 +259,7 @@ def tasks_from_generate(
     next_seed: Callable[[], int],
     max_context: int | None = None,
     model_config: ModelConfig | None = None,
+    media_files: MediaFiles | None = None,
 ) -> tuple[list[GenTask], list[dict[str, Any]]]:
     """Tasks for every prompt of a request, plus per-item output options.
 
@@ -273,6 +295,7 @@ def tasks_from_generate(
             media_refs(req.audio_data, i, n, "audio_data", batch),
             model_config,
             where=where,
+            files=media_files,
         )
         tasks.append(
             GenTask(
@@ -303,12 +326,18 @@ def tasks_from_generate(
     return tasks, options
 
 
+def json_logprob(lp: float | None) -> float | None:
+    """A logprob as a reply carries it: a finite float, or ``null`` for NaN/Inf (documented
+    in the README: JSON has no NaN/Infinity, and a 500 for a reply's number helps no one)."""
+    return lp if lp is not None and math.isfinite(lp) else None
+
+
 def _entries(
     rows: Sequence[tuple[float | None, int]] | None, text: Callable[[int], str | None]
 ) -> list[list[Any]] | None:
     if rows is None:
         return None
-    return [[lp, tok, text(tok)] for lp, tok in rows]
+    return [[json_logprob(lp), tok, text(tok)] for lp, tok in rows]
 
 
 def _nested(
@@ -316,7 +345,9 @@ def _nested(
 ) -> list[list[list[Any]] | None] | None:
     if rows is None:
         return None
-    return [None if r is None else [[lp, tok, text(tok)] for lp, tok in r] for r in rows]
+    return [
+        None if r is None else [[json_logprob(lp), tok, text(tok)] for lp, tok in r] for r in rows
+    ]
 
 
 def meta_info(

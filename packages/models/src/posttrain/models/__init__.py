@@ -89,6 +89,7 @@ from posttrain.models._media import (
     expand_media_tokens,
     sentinel_id,
 )
+from posttrain.models._media_files import MAX_MEDIA_FILE_BYTES, MediaFiles
 from posttrain.models._media_io import (
     AUDIO_HOP,
     AUDIO_N_FFT,
@@ -130,6 +131,7 @@ __all__ = [
     "AUDIO_N_FFT",
     "AUDIO_SAMPLE_RATE",
     "CHAT_TEMPLATE",
+    "MAX_MEDIA_FILE_BYTES",
     "MEDIA_TOKENS",
     "MULTIMODAL_VOCAB_SIZE",
     "VOCAB_SIZE",
@@ -147,6 +149,7 @@ __all__ = [
     "LoraError",
     "MediaBatch",
     "MediaError",
+    "MediaFiles",
     "MediaItem",
     "MediaKind",
     "MediaSpan",

@@ -42,6 +42,7 @@ from posttrain.interface import MediaRef
 from posttrain.models._config import ModelConfig
 from posttrain.models._errors import MediaError
 from posttrain.models._media import MediaItem, MediaKind
+from posttrain.models._media_files import MediaFiles, read_media_file
 from posttrain.models._ops import StrictOps, log_strict
 
 AUDIO_SAMPLE_RATE = 16000
@@ -51,8 +52,6 @@ AUDIO_N_FFT = 400
 AUDIO_HOP = 160
 """Samples between frame starts (10 ms at 16 kHz)."""
 _LOG_FLOOR, _LOG_SPAN = -23.0, 33.0  # ln-power range mapped onto the 256 levels
-MAX_MEDIA_FILE_BYTES = 64 << 20
-"""The largest media file a path reference may name (read whole into memory): 64 MiB."""
 _MAX_PATH_CHARS = 4096
 
 
@@ -60,8 +59,10 @@ def _short(ref: str) -> str:
     return ref if len(ref) <= 48 else f"{ref[:40]}...({len(ref)} chars)"
 
 
-def read_media_bytes(ref: str, *, field: str = "media") -> bytes:
-    """The bytes behind a reference: a file path, a ``data:`` URL or bare base64."""
+def read_media_bytes(ref: str, *, field: str = "media", files: MediaFiles | None = None) -> bytes:
+    """The bytes behind a reference: a file path (as ``files`` allows: ``_media_files``;
+    default ``MediaFiles.trusted()``), a ``data:`` URL or bare base64."""
+    files = MediaFiles.trusted() if files is None else files
     if not isinstance(ref, str) or not ref:
         raise MediaError(f"{field}: a media reference must be a non-empty string")
     if ref.startswith("data:"):
@@ -69,6 +70,17 @@ def read_media_bytes(ref: str, *, field: str = "media") -> bytes:
         if not sep or not head.endswith(";base64"):
             raise MediaError(f"{field}: data URL {_short(ref)!r} is not ';base64,'-encoded")
         return _b64(payload, field)
+    if not files.any_path:  # an engine: a refusal says nothing about the disk
+        data = read_media_file(ref, files) if files.allowed_dir is not None else None
+        if data is not None:
+            return data
+        try:
+            return _b64(ref, field)
+        except MediaError:
+            raise MediaError(
+                f"{field}: not valid base64, and this file-path media is not allowed (an engine "
+                "reads only regular files inside its --allowed-media-dir)"
+            ) from None
     if len(ref) <= _MAX_PATH_CHARS:
         path = Path(ref)
         try:
@@ -78,14 +90,20 @@ def read_media_bytes(ref: str, *, field: str = "media") -> bytes:
         if is_file:
             try:
                 size = path.stat().st_size
-                if size > MAX_MEDIA_FILE_BYTES:
-                    raise MediaError(
-                        f"{field}: {ref!r} is {size} bytes, more than a media file may be "
-                        f"({MAX_MEDIA_FILE_BYTES})"
-                    )
-                return path.read_bytes()
             except OSError as exc:
                 raise MediaError(f"{field}: cannot read {ref!r}: {exc}") from exc
+            if size > files.max_bytes:
+                raise MediaError(
+                    f"{field}: {ref!r} is {size} bytes, more than a media file may be "
+                    f"({files.max_bytes})"
+                )
+            data = read_media_file(ref, files)
+            if data is None:
+                raise MediaError(
+                    f"{field}: cannot read {ref!r} as a regular file of at most "
+                    f"{files.max_bytes} bytes within {files.timeout_s:g} s"
+                )
+            return data
     return _b64(ref, field)
 
 
@@ -102,7 +120,11 @@ def _b64(payload: str, field: str) -> bytes:
 
 
 def decode_image(
-    ref: str, *, field: str = "image_data", max_pixels: int | None = None
+    ref: str,
+    *,
+    field: str = "image_data",
+    max_pixels: int | None = None,
+    files: MediaFiles | None = None,
 ) -> MediaItem:
     """An image reference -> ``MediaItem(IMAGE, [H, W, 3] uint8)`` (RGB).
 
@@ -110,7 +132,7 @@ def decode_image(
     """
     from PIL import Image, UnidentifiedImageError
 
-    raw = read_media_bytes(ref, field=field)
+    raw = read_media_bytes(ref, field=field, files=files)
     try:
         with Image.open(io.BytesIO(raw)) as img:
             w, h = img.size
@@ -133,11 +155,16 @@ def decode_image(
 
 
 def decode_audio(
-    ref: str, *, num_mel_bins: int, field: str = "audio_data", max_frames: int | None = None
+    ref: str,
+    *,
+    num_mel_bins: int,
+    field: str = "audio_data",
+    max_frames: int | None = None,
+    files: MediaFiles | None = None,
 ) -> MediaItem:
     """An audio reference (WAV or NPY, see the module doc) -> ``MediaItem(AUDIO, [frames,
     num_mel_bins] uint8)``. ``max_frames``: refuse a longer clip before computing its bins."""
-    raw = read_media_bytes(ref, field=field)
+    raw = read_media_bytes(ref, field=field, files=files)
     if raw[:4] == b"RIFF" and raw[8:12] == b"WAVE":
         samples = _read_wav(raw, field)
         frames = 1 + (samples.shape[0] - AUDIO_N_FFT) // AUDIO_HOP
@@ -183,7 +210,25 @@ def _read_wav(raw: bytes, field: str) -> Tensor:
 
 def _read_npy(raw: bytes, field: str) -> Tensor:
     import numpy as np
+    from numpy.lib import format as npy_format
 
+    buf = io.BytesIO(raw)
+    try:  # the header alone first: its shape is bounded by the bytes that follow it
+        major, _ = npy_format.read_magic(buf)
+        read_header = (
+            npy_format.read_array_header_1_0 if major == 1 else npy_format.read_array_header_2_0
+        )
+        shape, _, dtype = read_header(buf)
+    except (ValueError, OSError, EOFError, TypeError, SyntaxError) as exc:
+        raise MediaError(f"{field}: unreadable .npy header ({exc})") from None
+    count = math.prod(int(d) for d in shape)
+    available = len(raw) - buf.tell()
+    if dtype.itemsize == 0 or count * dtype.itemsize != available:
+        raise MediaError(
+            f"{field}: the .npy header declares shape {list(shape)} ({count} values of "
+            f"{dtype.itemsize} byte(s)) but {available} data bytes follow; refused before "
+            "allocating"
+        )
     try:
         arr = np.load(io.BytesIO(raw), allow_pickle=False)
     except (ValueError, OSError, EOFError) as exc:
@@ -274,10 +319,15 @@ def encode_npy_base64(mel: Tensor) -> str:
 
 
 def decode_media(
-    config: ModelConfig, *, images: Sequence[str] = (), audio: Sequence[str] = ()
+    config: ModelConfig,
+    *,
+    images: Sequence[str] = (),
+    audio: Sequence[str] = (),
+    files: MediaFiles | None = None,
 ) -> list[MediaItem]:
     """Decode SGLang-style references for ``config``'s model: ``images`` (``image_data``) then
-    ``audio`` (``audio_data``), in that order; ready for ``expand_media_tokens``.
+    ``audio`` (``audio_data``), in that order; ready for ``expand_media_tokens``. ``files``:
+    which file paths may be read (``MediaFiles``; default: trusted, any regular file).
 
     A model without the matching tower refuses the field (``MediaError`` naming
     ``image_data[i]`` / ``audio_data[i]``), as does an item that does not fit the tower.
@@ -292,7 +342,7 @@ def decode_media(
                         raise MediaError(f"{field}: the model has no vision tower (text-only)")
                     p = config.vision_patch_size
                     cap = config.max_position_embeddings * p * p
-                    item = decode_image(ref, field=field, max_pixels=cap)
+                    item = decode_image(ref, field=field, max_pixels=cap, files=files)
                 else:
                     if not config.has_audio_tower:
                         raise MediaError(f"{field}: the model has no audio tower")
@@ -301,6 +351,7 @@ def decode_media(
                         num_mel_bins=config.audio_num_mel_bins,
                         field=field,
                         max_frames=config.max_position_embeddings,
+                        files=files,
                     )
                 try:
                     item.num_tokens(config)

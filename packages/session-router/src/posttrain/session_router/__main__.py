@@ -2,7 +2,7 @@
 
     python -m posttrain.session_router --upstream ROUTER_URL --tokenizer PATH
         [--lora-adapter NAME [--lora-weight-version N]] [--host 127.0.0.1] [--port P]
-        [--api-key KEY] [--session-ttl-s S] [--upstream-timeout-s S] [--encode-cache-tokens N]
+        [--api-key-file FILE] [--session-ttl-s S] [--upstream-timeout-s S] [--encode-cache-tokens N]
         [--allocator {mimalloc,system}]
 
 The allocator is settled first (allocator.py: a re-exec with mimalloc preloaded, before anything

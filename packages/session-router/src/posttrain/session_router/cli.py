@@ -2,7 +2,7 @@
 
     python -m posttrain.session_router --upstream ROUTER_URL --tokenizer PATH
         [--lora-adapter NAME [--lora-weight-version N]] [--host 127.0.0.1] [--port P]
-        [--api-key KEY] [--session-ttl-s S] [--upstream-timeout-s S] [--encode-cache-tokens N]
+        [--api-key-file FILE] [--session-ttl-s S] [--upstream-timeout-s S] [--encode-cache-tokens N]
         [--allocator {mimalloc,system}]
 
 Before serving, the passthrough probe checks that the upstream router forwards every field this
@@ -26,6 +26,7 @@ from collections.abc import Sequence
 import httpx
 import uvicorn
 
+from posttrain.formats import FormatsConfigError, resolve_api_key
 from posttrain.interface import PosttrainError
 from posttrain.session_router._errors import RouterIncompatible
 from posttrain.session_router.allocator import ALLOCATORS, DEFAULT_ALLOCATOR
@@ -96,7 +97,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--api-key",
         default=None,
         metavar="KEY",
-        help="bearer token every route then requires (default: no token)",
+        help="bearer token every route then requires; it shows in ps: prefer --api-key-file "
+        "or $POSTTRAIN_API_KEY (default: no token)",
+    )
+    p.add_argument(
+        "--api-key-file",
+        default=None,
+        metavar="FILE",
+        help="file holding the bearer token (one token); without it and without --api-key, "
+        "$POSTTRAIN_API_KEY if set (default: none)",
     )
     p.add_argument(
         "--session-ttl-s",
@@ -148,12 +157,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     """
     args = parse_args(argv)
     try:
+        if args.api_key is not None and args.api_key_file is not None:
+            print("error: give --api-key or --api-key-file, not both", file=sys.stderr)
+            return 2
+        api_key = args.api_key if args.api_key is not None else resolve_api_key(args.api_key_file)
         cfg = SessionRouterConfig(
             upstream_url=args.upstream,
             tokenizer=args.tokenizer,
             lora_adapter=args.lora_adapter,
             lora_weight_version=args.lora_weight_version,
-            api_key=args.api_key,
+            api_key=api_key,
             session_ttl_s=args.session_ttl_s,
             upstream_timeout_s=args.upstream_timeout_s,
             encode_cache_tokens=args.encode_cache_tokens,
@@ -166,7 +179,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"upstream {cfg.upstream_url} has no /workers API: not a router, probe skipped",
                 file=sys.stderr,
             )
-    except RouterIncompatible as exc:
+    except (RouterIncompatible, FormatsConfigError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except (PosttrainError, httpx.HTTPError) as exc:

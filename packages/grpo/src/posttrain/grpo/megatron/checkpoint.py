@@ -8,7 +8,9 @@ interrupted save never looks complete; ``meta.json`` as on the fsdp backend)::
                                                  ``posttrain.models.load_pretrained`` opens
     adapter/                                     adapter training: the PEFT adapter (rank 0)
     layout.json                                  world size, tp, ep, sequence parallel
-    optim_rank{r}.pt, rng_rank{r}.pt             each rank's optimizer state (its shards) and RNG
+    optim_rank{r}.safetensors, rng_rank{r}.safetensors
+                                                 each rank's optimizer state (its shards) and
+                                                 RNG (``_state_files``: no pickle)
 
 The weights carry no layout: they load under any (TP, EP, DP) split (``load``). The
 optimizer state is per rank and only restored under the layout it was saved with; under
@@ -22,12 +24,12 @@ import logging
 from pathlib import Path
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
 from posttrain.formats import write_text_atomic
 from posttrain.fsdp_mesh import save_files_checkpoint
 from posttrain.grpo._errors import GrpoRunError
+from posttrain.grpo._state_files import load_optimizer, load_rng, save_optimizer, save_rng
 from posttrain.grpo.checkpoint import rng_file
 from posttrain.grpo.masters import MasterAdamW
 from posttrain.grpo.megatron.model import TensorParallelDecoder
@@ -40,7 +42,7 @@ LAYOUT = "layout.json"
 
 
 def _optim_file(path: Path, rank: int) -> Path:
-    return path / f"optim_rank{rank}.pt"
+    return path / f"optim_rank{rank}.safetensors"
 
 
 def _model(policy: Policy) -> TensorParallelDecoder:
@@ -67,8 +69,8 @@ def save(root: Path, step: int, policy: Policy, extra: dict[str, Any]) -> Path:
         weights = model.hf_state_dict()  # collective over TP
 
     def write(staged: Path) -> None:
-        torch.save(torch.get_rng_state(), rng_file(staged, rank))
-        torch.save(policy.optimizer.state_dict(), _optim_file(staged, rank))
+        save_rng(rng_file(staged, rank))
+        save_optimizer(_optim_file(staged, rank), policy.optimizer)
         if rank != 0:
             return
         write_text_atomic(staged / LAYOUT, json.dumps(_layout(model), indent=2))
@@ -90,7 +92,10 @@ def load(path: Path, policy: Policy) -> bool:
     layout_file = path / LAYOUT
     if not layout_file.is_file():
         raise GrpoRunError(f"--resume {path}: {LAYOUT} is missing (not a megatron checkpoint)")
-    saved = json.loads(layout_file.read_text())
+    try:
+        saved = json.loads(layout_file.read_text())
+    except (ValueError, UnicodeDecodeError):
+        raise GrpoRunError(f"--resume {path}: {LAYOUT} is not valid JSON") from None
     if policy.lora is not None:
         load_peft(policy.lora, path / "adapter", strict=True)
     else:
@@ -108,6 +113,9 @@ def load(path: Path, policy: Policy) -> bool:
     for file in (optim, rng):
         if not file.is_file():
             raise GrpoRunError(f"--resume {path}: {file.name} is missing (rank {rank}'s state)")
-    policy.optimizer.load_state_dict(torch.load(optim, weights_only=False))
-    torch.set_rng_state(torch.load(rng, weights_only=False))
+    try:
+        load_optimizer(optim, policy.optimizer)
+        load_rng(rng)
+    except GrpoRunError as exc:
+        raise GrpoRunError(f"--resume {path}: {exc}") from None
     return True
