@@ -2,7 +2,7 @@
 
 A tiny Llama 3 (``llama3`` rope, no q/k norm) and a tiny Qwen2.5 (q/k/v bias, tied embeddings)
 checkpoint, each with the local tokenizer, go through the whole command: the engines serve DIR,
-the trainer trains it (full weights over wsync/1, or a LoRA adapter on the targets that exist
+the trainer trains it (full weights over SGLang's distributed update, or a LoRA adapter on the targets that exist
 in that architecture), and the trainer's recomputed logprobs equal the engines' exactly at
 every step. Kept short: two steps of 2 x 4 samples, one trainer rank.
 """

@@ -7,7 +7,7 @@ Each runs the whole embedded recipe for a few steps with real processes (see
   trains its half of the batch, gradients all-reduced over the replicate dimension), with OPD
   against the teacher engine ``posttrain grpo --opd`` starts itself: both ranks checkpoint,
   every B factor (zero at the start) moved, parity stays exact, the teacher signal is there.
-* ``--train full``: weights go to the engines over wsync/1 every step and the trainer's
+* ``--train full``: weights go to the engines over SGLang's distributed update every step and the trainer's
   recomputed logprobs still equal the engine's exactly; the reward rises; a run resumed from
   its DCP checkpoint of step 1 repeats steps 2 and 3 bit for bit.
 * ``--opd``: in ``test_integration_grpo_teacher_faults`` (the teacher behind a fault injector:

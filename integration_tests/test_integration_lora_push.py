@@ -17,8 +17,10 @@ import httpx
 import pytest
 import torch
 
+from posttrain.formats import EngineClient, adapter_push_body, tensor_sha256
+from posttrain.interface import EngineError
 from posttrain.interface.testing import ServerProcess, free_port
-from posttrain.lora import AdapterClient, AdapterPushError, LoraServing, request_fields, serves_lora
+from posttrain.lora import AdapterClient, LoraServing, request_fields, serves_lora
 from posttrain.models import LoraAdapter, load_pretrained
 from posttrain.models.__main__ import init_checkpoint
 
@@ -102,18 +104,13 @@ def test_checksum_mismatch_is_refused_and_nothing_loads(checkpoint: Path, engine
     tensors = _adapter_tensors(checkpoint)
     config = {"peft_type": "LORA", "r": R, "lora_alpha": ALPHA, "target_modules": ["q_proj"]}
 
-    def tampering(named: dict[str, torch.Tensor]) -> tuple[str, str | None]:
-        from posttrain.formats import encode_safetensors_b64
-
-        changed = dict(named)
-        key = next(iter(changed))
-        changed[key] = changed[key] + 1.0  # bytes on the wire differ from the checksums sent
-        return encode_safetensors_b64(changed)
-
-    with (
-        AdapterClient(engine_url, serializer=tampering) as client,
-        pytest.raises(AdapterPushError, match="expected_checksums"),
-    ):
-        client.load_from_tensors("tampered", tensors, config)
+    # bytes on the wire that differ from the checksums sent (a corrupting hop)
+    changed = dict(tensors)
+    key = next(iter(changed))
+    changed[key] = changed[key] + 1.0
+    sums = {k: tensor_sha256(v) for k, v in tensors.items()}
+    body = adapter_push_body("tampered", config, changed, expected_checksums=sums)
+    with EngineClient(engine_url) as client, pytest.raises(EngineError, match="expected_checksums"):
+        client.post("/load_lora_adapter_from_tensors", body)
     info = httpx.get(f"{engine_url}/server_info", timeout=10.0).json()
     assert "tampered" not in info["loaded_adapters"]

@@ -1,17 +1,17 @@
-"""A wsync/1 weight push cut halfway: the engine keeps serving the old version, the next succeeds.
+"""A weight push cut halfway: the engine keeps serving the old version, the next succeeds.
 
-The trainer side is formats' ``WeightPushClient`` / ``push_weights`` (what grpo's full-weight
-sync calls), the engine a real ``posttrain.local_engine`` process, and between them a TCP
-proxy (``faults.CuttingProxy``) that drops the connection as a dying trainer host would:
+The trainer side is formats' ``push_distributed`` (what grpo's full-weight sync calls: SGLang's
+``/init_weights_update_group``, per bucket ``/update_weights_from_distributed`` with a gloo
+broadcast, ``/destroy_weights_update_group``), the engine a real ``posttrain.local_engine``
+process, and between them, on the HTTP side, a TCP proxy (``faults.CuttingProxy``) that drops
+the connection as a dying trainer host would, just before the request of the update's last
+bucket (the one that ends it): every earlier bucket was received and staged.
 
-1. in the middle of a bucket's body (about half the update's bytes sent), and
-2. after every bucket was sent and staged, just before ``/end_weight_update``.
-
-After each cut the trainer's call raised a posttrain error, and the engine still reports the
-old weight version, the same weight digest and, for a fixed greedy prompt, the same tokens and
-logprobs bit for bit: nothing was applied (all or nothing). The next push, straight to the
-engine, succeeds: the new version is served, the engine's digest is that of the pushed tensors
-and the logprobs change.
+After the cut the trainer's call raised a posttrain error naming the route, and the engine still
+reports the old weight version, the same weight digest and, for a fixed greedy prompt, the same
+tokens and logprobs bit for bit: nothing was applied (all or nothing). The next push, straight
+to the engine, forms the group again and succeeds: the new version is served, the engine's
+digest is that of the pushed tensors and the logprobs change.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import pytest
 import torch
 from faults import CuttingProxy
 
-from posttrain.formats import WeightPushClient, push_weights, tensors_sha256
+from posttrain.formats import EngineClient, push_distributed, tensors_sha256
 from posttrain.interface import PosttrainError
 from posttrain.interface.testing import ServerProcess, free_port
 from posttrain.models import load_pretrained
@@ -83,49 +83,33 @@ def _served(url: str) -> tuple[int | None, str, list[int], list[float]]:
     )
 
 
-def _cut_push(
-    url: str, tensors: dict[str, torch.Tensor], version: int, proxy: CuttingProxy
-) -> None:
-    with proxy, WeightPushClient(proxy.url, timeout_s=60.0) as client:
-        with pytest.raises(PosttrainError, match=proxy.url.removeprefix("http://")):
-            push_weights(client, tensors, weight_version=version, bucket_bytes=BUCKET_BYTES)
-        assert proxy.cut.is_set()
-    assert url != proxy.url
+def _push(url: str, tensors: dict[str, torch.Tensor], version: int, timeout_s: float) -> None:
+    with EngineClient(url, timeout_s=timeout_s) as client:
+        push_distributed(
+            [client], list(tensors.items()), weight_version=version,
+            bucket_bytes=BUCKET_BYTES, timeout_s=timeout_s,
+        )  # fmt: skip
 
 
 def test_interrupted_push_leaves_the_old_version_serving(
     checkpoint: Path, engine: tuple[str, int]
 ) -> None:
     url, port = engine
-    first, second = _perturbed(checkpoint, seed=1), _perturbed(checkpoint, seed=2)
+    first = _perturbed(checkpoint, seed=1)
     total = sum(t.numel() * t.element_size() for t in first.values())
     assert total > 4 * BUCKET_BYTES  # several buckets: "halfway" is between them
     before = _served(url)
 
-    # 1. Cut in the middle of the update's bytes: some buckets staged, one half-sent.
-    midway = CuttingProxy(("127.0.0.1", port), cut_after_bytes=total // 2)
-    _cut_push(url, first, 1, midway)
-    assert 0 < midway.forwarded < total
+    # Cut just before the last bucket's request: every other bucket received and staged.
+    cut = CuttingProxy(("127.0.0.1", port), cut_before=b'"flush_cache":true')
+    with cut, pytest.raises(PosttrainError, match="/update_weights_from_distributed"):
+        _push(cut.url, first, 1, timeout_s=10.0)  # the last broadcast waits out its timeout
+    assert cut.cut.is_set()
     assert _served(url) == before  # version, digest, tokens and logprobs: bit for bit
 
-    # The next push succeeds (the same version: the cut one was never installed).
-    with WeightPushClient(url, timeout_s=60.0) as client:
-        result = push_weights(client, first, weight_version=1, bucket_bytes=BUCKET_BYTES)
-    assert result.success
-    after_first = _served(url)
-    assert after_first[0] == 1
-    assert after_first[1] == tensors_sha256(first)  # every tensor arrived, exactly as sent
-    assert after_first[3] != before[3]
-
-    # 2. Every bucket sent and staged, the connection gone before the update was ended.
-    unended = CuttingProxy(("127.0.0.1", port), cut_before=b"POST /end_weight_update")
-    _cut_push(url, second, 2, unended)
-    assert unended.forwarded > total  # every bucket (with its framing) went through
-    assert _served(url) == after_first
-
-    with WeightPushClient(url, timeout_s=60.0) as client:
-        assert push_weights(client, second, weight_version=2, bucket_bytes=BUCKET_BYTES).success
-    final = _served(url)
-    assert final[0] == 2
-    assert final[1] == tensors_sha256(second)
-    assert final[3] != after_first[3]
+    # The next push forms the group again and succeeds (the same version: never installed).
+    _push(url, first, 1, timeout_s=60.0)
+    after = _served(url)
+    assert after[0] == 1
+    assert after[1] == tensors_sha256(first)  # every tensor arrived, exactly as sent
+    assert after[3] != before[3]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -162,3 +163,26 @@ def cp_step(rank: int, world: int, ckpt: str, cp_size: int, options: dict[str, A
         weights = dict(iter_full_state_dict(policy.model))
     dist.barrier()
     return {"metrics": metrics, "weights": weights, "samples": [len(s.tokens) for s in mine]}
+
+
+class RecordingSink:
+    """An in-process ``WeightSink`` (a user's engine): keeps what arrives, or refuses."""
+
+    def __init__(self, refuse: str | None = None) -> None:
+        self.refuse = refuse
+        self.version: int | None = None
+        self.lora_name: str | None = None
+        self.received: dict[str, torch.Tensor] = {}
+
+    def update_weights(
+        self,
+        tensors: Mapping[str, Any],
+        *,
+        weight_version: int,
+        lora_name: str | None = None,
+        lora_config: Mapping[str, Any] | None = None,
+    ) -> None:
+        if self.refuse:
+            raise RuntimeError(self.refuse)
+        self.received = {k: v.clone() for k, v in tensors.items()}
+        self.version, self.lora_name = weight_version, lora_name

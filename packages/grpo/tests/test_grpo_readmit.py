@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from posttrain.grpo.readmit import answering, is_stale, turn_versions
-from posttrain.interface import BucketManifest, Sample, WeightUpdateBegin, WeightUpdateResult
+from posttrain.interface import Sample
 from posttrain.interface.processes import free_port
 from posttrain.interface.testing import run_workers
 
@@ -80,7 +80,8 @@ def test_a_sample_any_turn_of_which_came_from_another_version_is_stale() -> None
 
 def _sync_with_readmission(rank: int, world: int, ckpt: str, dead: str) -> dict[str, object]:
     """One trainer rank: a full-weight sync to an in-process sink that also re-admits ``dead``
-    (nothing listens there); then a LoRA sync that would re-admit without a base checkpoint."""
+    (nothing listens there: forming its update group fails at once); then a LoRA sync that
+    would re-admit without a base checkpoint."""
     import torch
 
     from posttrain.grpo import GrpoRunError
@@ -89,10 +90,12 @@ def _sync_with_readmission(rank: int, world: int, ckpt: str, dead: str) -> dict[
     from posttrain.grpo.trainer import build_policy
 
     torch.set_num_threads(1)
-    sink = _KeepingSink()
+    from grpo_workers import RecordingSink
+
+    sink = RecordingSink()
     policy = build_policy(GrpoConfig(model_path=Path(ckpt), train="full", replicate=1, shard=1))
-    synced = sync_weights(policy, SyncTarget(engine_urls=(), sinks=(sink,), timeout_s=2.0), 3,
-                          first=False, readmit=(dead,))  # fmt: skip
+    target = SyncTarget(engine_urls=(), sinks=(sink,), timeout_s=10.0)
+    synced = sync_weights(policy, target, 3, first=False, readmit=(dead,))
     lora = build_policy(GrpoConfig(model_path=Path(ckpt), train="lora", replicate=1, shard=1))
     try:
         sync_weights(lora, SyncTarget(engine_urls=(), sinks=(sink,)), 4, readmit=(dead,))
@@ -100,34 +103,13 @@ def _sync_with_readmission(rank: int, world: int, ckpt: str, dead: str) -> dict[
     except GrpoRunError as exc:
         refused = str(exc)
     return {"metrics": synced.metrics, "readmitted": synced.readmitted,
-            "failed": synced.readmit_failed, "sink_version": sink.version, "refused": refused}  # fmt: skip
-
-
-class _KeepingSink:
-    """An in-process ``WeightSink`` that accepts every update and keeps its version."""
-
-    def __init__(self) -> None:
-        self.version: int | None = None
-
-    def begin(self, header: WeightUpdateBegin) -> None:
-        self.version = header.weight_version
-
-    def send_bucket(
-        self, manifest: BucketManifest, payload: bytes | bytearray | memoryview
-    ) -> None:
-        return
-
-    def end(self, update_id: str) -> WeightUpdateResult:
-        return WeightUpdateResult(success=True, weight_version=self.version)
-
-    def abort(self, update_id: str) -> None:
-        self.version = None
+            "failed": synced.readmit_failed, "live_version": sink.version, "refused": refused}  # fmt: skip
 
 
 def test_a_failed_readmission_leaves_the_engine_lost_and_the_step_goes_on(tiny_ckpt: str) -> None:
     dead = f"http://127.0.0.1:{free_port()}"
     (out,) = run_workers(_sync_with_readmission, 1, args=(tiny_ckpt, dead), timeout_s=120)
-    assert out["sink_version"] == 3  # the live target took the update
+    assert out["live_version"] == 3  # the live target took the update
     assert out["readmitted"] == ()
     ((url, why),) = out["failed"]
     assert url == dead

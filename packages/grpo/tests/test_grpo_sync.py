@@ -10,8 +10,8 @@ from types import SimpleNamespace
 import httpx
 import pytest
 import torch
+from grpo_workers import RecordingSink
 
-from posttrain.formats import unpack_bucket
 from posttrain.grpo import GrpoRunError
 from posttrain.grpo.sync import (
     SyncTarget,
@@ -20,13 +20,7 @@ from posttrain.grpo.sync import (
     push_each,
     unreachable,
 )
-from posttrain.interface import (
-    BucketManifest,
-    TransportError,
-    WeightSink,
-    WeightUpdateBegin,
-    WeightUpdateResult,
-)
+from posttrain.interface import TransportError, WeightSink
 from posttrain.lora import AdapterClient, AdapterPushError
 
 
@@ -127,41 +121,16 @@ def test_unreachable_follows_the_raise_from_chain() -> None:
     assert not unreachable(ValueError("x"))
 
 
-class Sink:
-    """An in-process ``WeightSink`` (a user's engine): keeps what arrives, or refuses at end."""
-
-    def __init__(self, refuse: str | None = None) -> None:
-        self.refuse = refuse
-        self.header: WeightUpdateBegin | None = None
-        self.received: dict[str, torch.Tensor] = {}
-
-    def begin(self, header: WeightUpdateBegin) -> None:
-        self.header = header
-
-    def send_bucket(
-        self, manifest: BucketManifest, payload: bytes | bytearray | memoryview
-    ) -> None:
-        self.received.update({k: v.clone() for k, v in unpack_bucket(manifest, payload).items()})
-
-    def end(self, update_id: str) -> WeightUpdateResult:
-        assert self.header is not None
-        if self.refuse:
-            return WeightUpdateResult(success=False, message=self.refuse)
-        return WeightUpdateResult(success=True, weight_version=self.header.weight_version)
-
-    def abort(self, update_id: str) -> None:
-        self.header = None
-
-
 def test_a_weight_sink_gets_the_full_weights_or_its_refusal_is_a_run_error() -> None:
     full = SimpleNamespace(lora=None)  # what _push_to_sink reads of a full-training policy
     target = SyncTarget(engine_urls=())
     tensors = {"model.embed_tokens.weight": torch.randn(5, 3), "lm_head.weight": torch.ones(5, 3)}
-    sink = Sink()
+    sink = RecordingSink()
     assert isinstance(sink, WeightSink)
     _push_to_sink(sink, full, target, tensors, 4)  # type: ignore[arg-type]
-    assert sink.header is not None
-    assert (sink.header.kind, sink.header.weight_version) == ("base", 4)
+    assert (sink.version, sink.lora_name) == (4, None)
     assert all(torch.equal(sink.received[k], v) for k, v in tensors.items())
-    with pytest.raises(GrpoRunError, match="Sink refused version 5: disk full"):
-        _push_to_sink(Sink(refuse="disk full"), full, target, tensors, 5)  # type: ignore[arg-type]
+    with pytest.raises(
+        GrpoRunError, match="RecordingSink refused version 5: RuntimeError: disk full"
+    ):
+        _push_to_sink(RecordingSink(refuse="disk full"), full, target, tensors, 5)  # type: ignore[arg-type]

@@ -274,3 +274,30 @@ def test_backend_given_in_engine_args_also_switches_rules_off(spelling: tuple[st
         assert RAGGED not in argv
         assert flag_value(argv, "--attention-backend") == "trtllm_mla"
         assert sum(t.startswith("--attention-backend") for t in argv) == 1  # the user's, untouched
+
+
+def test_plans_pass_train_and_the_weight_sync_mode_and_lora_engines_enable_lora() -> None:
+    lora = plan_for("qwen3-8b", Hardware.H100)
+    trainer = list(lora.by_role(Role.TRAINER)[0].argv)
+    assert flag_value(trainer, "--train") == "lora"
+    assert flag_value(trainer, "--weight-sync-backend") == "nccl"
+    assert flag_value(trainer, "--lora-sync") == "tensors"
+    engine = engine_argv(lora)
+    assert "--enable-lora" in engine
+    assert flag_value(engine, "--max-lora-rank") == "8"
+    i = engine.index("--lora-target-modules")
+    assert engine[i + 1 : i + 5] == ["q_proj", "k_proj", "v_proj", "o_proj"]
+    assert "--enable-lora" in lora.explain()
+    # the user's trainer LoRA settings reach the engines
+    mine = plan_for("qwen3-8b", Hardware.H100, trainer_args=("--lora-r", "32", "--lora-targets",
+                                                           "q_proj,o_proj"))  # fmt: skip
+    engine = engine_argv(mine)
+    assert flag_value(engine, "--max-lora-rank") == "32"
+    i = engine.index("--lora-target-modules")
+    assert engine[i + 1 : i + 3] == ["q_proj", "o_proj"]
+    full = plan_for("qwen3-8b", Hardware.H100, train="full")
+    assert flag_value(list(full.by_role(Role.TRAINER)[0].argv), "--train") == "full"
+    assert flag_value(list(full.by_role(Role.TRAINER)[0].argv), "--weight-sync") == "distributed"
+    assert "--enable-lora" not in engine_argv(full)
+    with pytest.raises(LaunchConfigError, match="train"):
+        plan_for("qwen3-8b", Hardware.H100, train="qlora")

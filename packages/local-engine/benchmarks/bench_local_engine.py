@@ -1,4 +1,4 @@
-"""Benchmark: requests/s and tokens/s of the CPU engine, weight-update GB/s per transport vs memcpy.
+"""Benchmark: requests/s and tokens/s of the CPU engine, weight-update GB/s per route vs memcpy.
 
 Run from the repository root:
 
@@ -7,10 +7,11 @@ Run from the repository root:
 Part 1 starts two engine processes on one tiny checkpoint, one with batching
 (``--max-running-requests 8``) and one without (``1``), and sends the same load
 (N requests, C concurrent, 16 new tokens each) to both, interleaved, R times.
-Part 2 starts one engine on a larger dense checkpoint and times full weight updates
-(begin -> buckets -> end, including the engine's staging and commit copies) over
-shared memory and HTTP (safetensors bytes), interleaved with a plain memcpy of the
-same bytes in the pushing process; each update's engine checksum is verified.
+Part 2 starts one engine on a larger dense checkpoint and times full weight updates over
+SGLang's routes: the distributed update (group formed, buckets broadcast over gloo, staged,
+committed, group destroyed) and from disk (a checkpoint written, then
+``/update_weights_from_disk``), interleaved with a plain memcpy of the same bytes in the
+pushing process; each update's engine checksum is verified.
 Medians are reported with ratios side by side; the JSON goes to stdout.
 """
 
@@ -29,7 +30,7 @@ from typing import Any
 import httpx
 import torch
 
-from posttrain.formats import ShmRing, WeightPushClient, push_weights, tensors_sha256
+from posttrain.formats import EngineClient, push_distributed, tensors_sha256, write_safetensors
 from posttrain.interface.testing import ServerProcess, free_port
 from posttrain.models import ModelConfig, build_model, build_tokenizer
 
@@ -129,28 +130,34 @@ def bench_weight_update(tmp: Path, payload_mb: int, reps: int) -> dict[str, Any]
     flat_src = torch.cat([t.reshape(-1).view(torch.uint8) for t in versions[0].values()])
     flat_dst = torch.empty_like(flat_src)
     server, url = _engine(ckpt)
-    times: dict[str, list[float]] = {"memcpy": [], "shm": [], "http": []}
+    times: dict[str, list[float]] = {"memcpy": [], "distributed": [], "disk": []}
     version = 0
     try:
         server.start()
-        # The ring is created and mapped once and reused by every update, as a trainer would.
-        with WeightPushClient(url, timeout_s=600) as client, ShmRing(64 * 2**20) as ring:
+        with EngineClient(url, timeout_s=600) as client:
             for rep in range(reps + 1):  # the first round warms up and is dropped
-                for mode in ("memcpy", "shm", "http"):
+                for mode in ("memcpy", "distributed", "disk"):
                     t0 = time.perf_counter()
                     if mode == "memcpy":
                         flat_dst.copy_(flat_src)
                     else:
                         version += 1
                         w = versions[version % 2]
-                        push_weights(
-                            client,
-                            w,
-                            weight_version=version,
-                            transport=mode,  # type: ignore[arg-type]
-                            bucket_bytes=64 * 2**20,
-                            ring=ring,
-                        )
+                        if mode == "distributed":
+                            push_distributed(
+                                [client], list(w.items()), weight_version=version,
+                                bucket_bytes=64 * 2**20, timeout_s=600,
+                            )  # fmt: skip
+                        else:
+                            out = ckpt.parent / f"update-{version}"
+                            out.mkdir()
+                            (out / "config.json").write_bytes((ckpt / "config.json").read_bytes())
+                            with open(out / "model.safetensors", "wb") as f:
+                                write_safetensors(f, w)
+                            client.post(
+                                "/update_weights_from_disk",
+                                {"model_path": str(out), "weight_version": str(version)},
+                            )
                     dt = time.perf_counter() - t0
                     if mode != "memcpy":
                         got = httpx.get(f"{url}/weights_checksum", timeout=120).json()["sha256"]
@@ -165,9 +172,9 @@ def bench_weight_update(tmp: Path, payload_mb: int, reps: int) -> dict[str, Any]
         "bucket_bytes": 64 * 2**20,
         "reps": reps,
         "GB_per_s": gbps,
-        "shm_over_memcpy": gbps["shm"] / gbps["memcpy"],
-        "http_over_memcpy": gbps["http"] / gbps["memcpy"],
-        "shm_over_http": gbps["shm"] / gbps["http"],
+        "distributed_over_memcpy": gbps["distributed"] / gbps["memcpy"],
+        "disk_over_memcpy": gbps["disk"] / gbps["memcpy"],
+        "distributed_over_disk": gbps["distributed"] / gbps["disk"],
         "checksums_verified": True,
     }
 

@@ -307,7 +307,11 @@ def test_bearer_token_guards_state_changing_routes(engine) -> None:  # type: ign
         )
         for path in (
             "/pause_generation",
-            "/begin_weight_update",
+            "/init_weights_update_group",
+            "/update_weights_from_distributed",
+            "/destroy_weights_update_group",
+            "/update_weight_version",
+            "/update_weights_from_tensor",
             "/update_weights_from_disk",
             "/flush_cache",
         ):

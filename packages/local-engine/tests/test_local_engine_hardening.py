@@ -5,7 +5,6 @@ version show nothing changed, and generation still answers."""
 
 from __future__ import annotations
 
-import base64
 import json
 import math
 import os
@@ -21,10 +20,10 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from safetensors.torch import load_file, save, save_file
+from safetensors.torch import load_file, save_file
 
-from posttrain.formats import WeightPushClient, push_weights
-from posttrain.interface import EngineError, GenerateRequest, PosttrainError
+from posttrain.formats import adapter_push_body
+from posttrain.interface import GenerateRequest, PosttrainError
 from posttrain.local_engine import EngineConfig, create_app
 from posttrain.local_engine._codec import load_codec
 from posttrain.local_engine._context import ServerContext
@@ -115,77 +114,6 @@ def test_all_nan_checkpoint_from_disk_is_refused(engine, ckpt_dir: Path, tmp_pat
         _assert_serving(c, before)
 
 
-@pytest.mark.parametrize("transport", ["http", "shm"])
-def test_one_nan_tensor_over_wsync_is_refused(engine, other_weights, transport: str) -> None:  # type: ignore[no-untyped-def]
-    poisoned = {k: v.clone() for k, v in other_weights.items()}
-    victim = sorted(poisoned)[len(poisoned) // 2]
-    poisoned[victim].view(-1)[3] = math.inf
-    with engine() as c:
-        pusher = WeightPushClient("http://testserver", http=c)
-        before = _state(c)
-        with pytest.raises(EngineError, match=victim) as info:
-            push_weights(pusher, poisoned, weight_version=1, transport=transport, bucket_bytes=4096)
-        assert info.value.status == 400
-        assert "NonFiniteWeightsError" in str(info.value) or "non-finite" in str(info.value)
-        _assert_serving(c, before)
-        # the refusal ended that update; a clean one with the same version then succeeds
-        assert push_weights(pusher, other_weights, weight_version=1, transport=transport).success
-        assert _state(c)[1] == 1
-
-
-def test_nan_adapters_are_refused_on_every_path(engine, reference, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
-    good = _adapter_tensors(reference.lora_targets())
-    bad = _adapter_tensors(reference.lora_targets(), poison=True)
-    good_dir, bad_dir = tmp_path / "good", tmp_path / "bad"
-    for d, t in ((good_dir, good), (bad_dir, bad)):
-        d.mkdir()
-        (d / "adapter_config.json").write_text(json.dumps(PEFT_CONFIG))
-        save_file(t, str(d / "adapter_model.safetensors"))
-    with engine(enable_lora=True, lora_paths={"a": str(good_dir)}) as c:
-        before_base = _state(c)
-        served = _gen(c, "a")["output_ids"]
-        # by path
-        r = c.post("/load_lora_adapter", json={"lora_name": "a", "lora_path": str(bad_dir)})
-        _assert_refused(r, 400, "NonFiniteWeightsError", "adapter 'a'", "lora_B")
-        # from tensors, raw safetensors body and the JSON (base64) form
-        raw = save(bad, metadata={"lora_name": "a", "config_dict": json.dumps(PEFT_CONFIG)})
-        r = c.post("/load_lora_adapter_from_tensors", content=raw)
-        _assert_refused(r, 400, "NonFiniteWeightsError")
-        body = {
-            "lora_name": "a",
-            "config_dict": PEFT_CONFIG,
-            "serialized_tensors": base64.b64encode(save(bad)).decode(),
-        }
-        r = c.post("/load_lora_adapter_from_tensors", json=body)
-        _assert_refused(r, 400, "NonFiniteWeightsError")
-        # a wsync/1 session of kind lora
-        pusher = WeightPushClient("http://testserver", http=c)
-        with pytest.raises(EngineError, match="non-finite"):
-            push_weights(
-                pusher, bad, weight_version=1, kind="lora", lora_name="a", lora_config=PEFT_CONFIG
-            )
-        # an adapter whose scaling is not finite: its config is refused, naming lora_alpha
-        for alpha in ("inf", math.inf):  # a string, and JSON's Infinity
-            inf_cfg = {**PEFT_CONFIG, "lora_alpha": alpha}
-            raw = save(good, metadata={"lora_name": "a", "config_dict": json.dumps(inf_cfg)})
-            r = c.post("/load_lora_adapter_from_tensors", content=raw)
-            _assert_refused(r, 400, "AdapterError", "lora_alpha")
-        # a corrupt weights file and a config that is a JSON list: named, not a 500
-        broken = tmp_path / "broken"
-        shutil.copytree(good_dir, broken)
-        (broken / "adapter_model.safetensors").write_bytes(b"\x10" * 64)
-        r = c.post("/load_lora_adapter", json={"lora_name": "a", "lora_path": str(broken)})
-        _assert_refused(r, 400, "AdapterError", "safetensors")
-        shutil.copy(good_dir / "adapter_model.safetensors", broken / "adapter_model.safetensors")
-        (broken / "adapter_config.json").write_text("[1, 2]")
-        r = c.post("/load_lora_adapter", json={"lora_name": "a", "lora_path": str(broken)})
-        _assert_refused(r, 400, "AdapterError")
-        # the adapter that was loaded still serves, unchanged; so does the base
-        assert _gen(c, "a")["output_ids"] == served
-        _assert_serving(c, before_base)
-        assert c.get("/v1/models").json()["data"][1]["root"] == str(good_dir)
-
-
 def test_a_nan_checkpoint_does_not_start(ckpt_dir: Path, tmp_path: Path) -> None:
     tensors = load_file(ckpt_dir / "model.safetensors")
     name = sorted(tensors)[0]
@@ -273,19 +201,6 @@ def test_read_checkpoint_names_the_directory(ckpt_dir: Path, tmp_path: Path) -> 
             continue  # a readable checkpoint of the wrong shape is the engine's to refuse
         with pytest.raises(PosttrainError, match=str(path.name)):
             read_checkpoint(path, {})
-
-
-def test_every_error_is_json_with_a_type(engine) -> None:  # type: ignore[no-untyped-def]
-    with engine() as c:
-        _assert_refused(c.get("/no_such_route"), 404, "NotFound")
-        _assert_refused(c.get("/generate"), 405, "MethodNotAllowed")
-        _assert_refused(c.post("/generate", content=b"{not json"), 400, "WireFormatError")
-        _assert_refused(c.post("/generate", content=b"[" * 100_000), 400, "WireFormatError")
-        _assert_refused(c.post("/generate", json=[1, 2]), 400, "WireFormatError")
-        shm = {"manifest": {}, "shm_path": "/dev/shm/x", "slot": "zero"}
-        assert c.post("/update_weights_from_shm", json=shm).status_code == 400
-        r = c.post("/update_weights_from_shm", json={**shm, "manifest": None})
-        _assert_refused(r, 400, "WireFormatError")
 
 
 def test_an_unexpected_exception_is_a_json_500_and_the_engine_serves_on(ckpt_dir: Path) -> None:
@@ -452,20 +367,6 @@ def served_engine(ckpt_dir: Path) -> Iterator[Any]:
         yield c
 
 
-@settings(
-    max_examples=150,
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
-)
-@given(body=_generate_bodies, route=st.sampled_from(["/generate", "/v1/chat/completions", "/update_weights_from_disk", "/begin_weight_update", "/update_weights_from_shm", "/end_weight_update", "/abort_weight_update", "/pause_generation"]))  # fmt: skip
-def test_fuzz_every_route_answers_json(body: Any, route: str, served_engine: Any) -> None:
-    r = served_engine.post(route, content=json.dumps(body).encode())
-    assert r.status_code in (200, 400, 409, 413, 503), (route, body, r.status_code, r.text)
-    if r.status_code != 200:
-        assert r.json()["error"]["type"]
-    served_engine.post("/continue_generation")  # a fuzzed pause must not starve later examples
-
-
 # ---- --help ---------------------------------------------------------------------------------
 
 
@@ -478,3 +379,76 @@ def test_help_gives_every_option_a_text_and_its_default() -> None:
     shown = {"--port": "30000", "--host": "127.0.0.1", "--max-running-requests": "8"}
     assert all(f"{flag} " in text and f"(default: {v})" in text for flag, v in shown.items())
     assert "state-changing" in text
+
+
+def test_nan_adapters_are_refused_on_every_path(engine, reference, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    good = _adapter_tensors(reference.lora_targets())
+    bad = _adapter_tensors(reference.lora_targets(), poison=True)
+    good_dir, bad_dir = tmp_path / "good", tmp_path / "bad"
+    for d, t in ((good_dir, good), (bad_dir, bad)):
+        d.mkdir()
+        (d / "adapter_config.json").write_text(json.dumps(PEFT_CONFIG))
+        save_file(t, str(d / "adapter_model.safetensors"))
+    with engine(enable_lora=True, lora_paths={"a": str(good_dir)}) as c:
+        before_base = _state(c)
+        served = _gen(c, "a")["output_ids"]
+        # by path
+        r = c.post("/load_lora_adapter", json={"lora_name": "a", "lora_path": str(bad_dir)})
+        _assert_refused(r, 400, "NonFiniteWeightsError", "adapter 'a'", "lora_B")
+        # from tensors, in SGLang's body (serialized_named_tensors)
+        body = adapter_push_body("a", PEFT_CONFIG, bad).to_dict()
+        r = c.post("/load_lora_adapter_from_tensors", json=body)
+        _assert_refused(r, 400, "NonFiniteWeightsError")
+        # an adapter whose scaling is not finite: its config is refused, naming lora_alpha
+        inf_cfg = {**PEFT_CONFIG, "lora_alpha": "inf"}
+        r = c.post(
+            "/load_lora_adapter_from_tensors", json=adapter_push_body("a", inf_cfg, good).to_dict()
+        )
+        _assert_refused(r, 400, "AdapterError", "lora_alpha")
+        # a corrupt weights file and a config that is a JSON list: named, not a 500
+        broken = tmp_path / "broken"
+        shutil.copytree(good_dir, broken)
+        (broken / "adapter_model.safetensors").write_bytes(b"\x10" * 64)
+        r = c.post("/load_lora_adapter", json={"lora_name": "a", "lora_path": str(broken)})
+        _assert_refused(r, 400, "AdapterError", "safetensors")
+        shutil.copy(good_dir / "adapter_model.safetensors", broken / "adapter_model.safetensors")
+        (broken / "adapter_config.json").write_text("[1, 2]")
+        r = c.post("/load_lora_adapter", json={"lora_name": "a", "lora_path": str(broken)})
+        _assert_refused(r, 400, "AdapterError")
+        # the adapter that was loaded still serves, unchanged; so does the base
+        assert _gen(c, "a")["output_ids"] == served
+        _assert_serving(c, before_base)
+        assert c.get("/v1/models").json()["data"][1]["root"] == str(good_dir)
+
+
+def test_every_error_is_json_with_a_type(engine) -> None:  # type: ignore[no-untyped-def]
+    with engine() as c:
+        _assert_refused(c.get("/no_such_route"), 404, "NotFound")
+        _assert_refused(c.get("/generate"), 405, "MethodNotAllowed")
+        _assert_refused(c.post("/generate", content=b"{not json"), 400, "WireFormatError")
+        _assert_refused(c.post("/generate", content=b"[" * 100_000), 400, "WireFormatError")
+        _assert_refused(c.post("/generate", json=[1, 2]), 400, "WireFormatError")
+        bucket = {"names": ["x"], "dtypes": ["bfloat16"], "shapes": [[2]]}
+        r = c.post("/update_weights_from_distributed", json={**bucket, "shapes": [["two"]]})
+        _assert_refused(r, 400, "WireFormatError")
+        r = c.post("/update_weights_from_distributed", json=bucket)  # no group joined
+        _assert_refused(r, 400, "UpdateSessionError", "not joined")
+        init = {"master_address": "127.0.0.1", "master_port": 1, "rank_offset": 1,
+                "world_size": 2, "backend": "nccl"}  # fmt: skip
+        _assert_refused(
+            c.post("/init_weights_update_group", json=init), 400, "UpdateSessionError", "gloo"
+        )
+
+
+@settings(
+    max_examples=150,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
+@given(body=_generate_bodies, route=st.sampled_from(["/generate", "/v1/chat/completions", "/update_weights_from_disk", "/update_weights_from_distributed", "/destroy_weights_update_group", "/update_weight_version", "/update_weights_from_tensor", "/load_lora_adapter_from_tensors", "/pause_generation"]))  # fmt: skip
+def test_fuzz_every_route_answers_json(body: Any, route: str, served_engine: Any) -> None:
+    r = served_engine.post(route, content=json.dumps(body).encode())
+    assert r.status_code in (200, 400, 409, 413, 503), (route, body, r.status_code, r.text)
+    if r.status_code != 200:
+        assert r.json()["error"]["type"]
+    served_engine.post("/continue_generation")  # a fuzzed pause must not starve later examples

@@ -21,7 +21,7 @@ import httpx
 import pytest
 import torch
 
-from posttrain.formats import WeightPushClient, push_weights, tensors_sha256
+from posttrain.formats import EngineClient, push_distributed, tensors_sha256
 from posttrain.interface.testing import AppServer
 from posttrain.local_engine import EngineConfig, build_app
 from posttrain.local_engine._engine import Engine
@@ -189,9 +189,8 @@ def _resync(model: DecoderModel, url: str, version: int, *, with_towers: bool) -
     assert towers
     assert has_towers(model)
     send = {n: t for n, t in hf.items() if with_towers or n not in towers}
-    with WeightPushClient(url, timeout_s=60) as client:
-        result = push_weights(client, send, weight_version=version, with_sha256=True)
-    assert result.success, result.message
+    with EngineClient(url, timeout_s=60) as client:
+        push_distributed([client], list(send.items()), weight_version=version, timeout_s=60)
 
 
 def _check_engine_equals_trainer(url: str, model: DecoderModel) -> None:
@@ -221,11 +220,12 @@ def test_trap3_an_engine_serves_again_only_once_its_towers_are_resent(
     with AppServer(build_app(EngineConfig(model_path=str(mm_dir))), timeout_s=60) as s:
         _resync(trainer, s.url, 1, with_towers=True)  # the first sync sends everything
         _check_engine_equals_trainer(s.url, trainer)
-        with WeightPushClient(s.url, timeout_s=60) as client:  # the trainer's offload cycle
-            assert client.release_memory_occupation()["released"] == ["kv_cache", "weights"]
+        with EngineClient(s.url, timeout_s=60) as client:  # the trainer's offload cycle
+            released = client.post("/release_memory_occupation", {"tags": None})
+            assert released["released"] == ["kv_cache", "weights"]
             assert httpx.post(f"{s.url}/generate", json={"text": "a"}).status_code == 503
             assert httpx.get(f"{s.url}/weights_checksum").status_code == 503
-            assert client.resume_memory_occupation()["stale_tensors"] > 0
+            assert client.post("/resume_memory_occupation", {"tags": None})["stale_tensors"] > 0
         _resync(trainer, s.url, 2, with_towers=with_towers)
         if with_towers:
             _check_engine_equals_trainer(s.url, trainer)
@@ -252,22 +252,17 @@ def test_memory_routes_refuse_bad_tags(server: Any) -> None:
 
 
 def test_a_release_between_an_update_and_its_install_refuses_the_install(mm_dir: Path) -> None:
-    """The update route ends a session, then installs it between batches: a release in that
-    gap leaves nothing to write into, so the install is refused by name (not a crash), and
-    the engine keeps its version."""
-    from posttrain.formats import pack_bucket, unpack_bucket
+    """The distributed route stages an update, then installs it between batches: a release in
+    that gap leaves nothing to write into, so the install is refused by name (not a crash),
+    and the engine keeps its version."""
     from posttrain.local_engine._errors import UpdateSessionError
 
     model = load_pretrained(mm_dir)
     engine = Engine(model)
     name, tensor = next(iter(model.hf_state_dict().items()))
-    engine.begin_update(update_id="u", weight_version=1, kind="base",
-                        expected=[(name, tensor.dtype, tuple(tensor.shape))])  # fmt: skip
-    manifest, buf = pack_bucket([(name, tensor)], update_id="u", weight_version=1)
-    engine.add_bucket(manifest, unpack_bucket(manifest, buf))
-    result, session = engine.finish_update("u")
-    assert result.success
+    update = engine.new_update()
+    update.add({name: tensor.detach().clone()})
     engine.release_memory(["weights"])
-    with pytest.raises(UpdateSessionError, match="'u': the weights were released before it"):
-        engine.commit(session)
+    with pytest.raises(UpdateSessionError, match="the weights were released before"):
+        engine.commit_staged(update, 1, dict(update.staged))
     assert engine.weight_version != 1

@@ -18,7 +18,7 @@ from typing import Any
 import httpx
 import pytest
 
-from posttrain.formats import WeightPushClient, push_weights, tensors_sha256
+from posttrain.formats import EngineClient, push_distributed, tensors_sha256
 from posttrain.interface.testing import ServerProcess, free_port
 
 pytestmark = [pytest.mark.multiproc, pytest.mark.slow, pytest.mark.timeout(150)]
@@ -142,12 +142,10 @@ def test_router_registers_routes_removes_and_readds_engines(  # type: ignore[no-
             generate(20 + s)
         assert _served(urls[0]) > frozen
 
-        # weight updates across processes: HTTP to one engine, shared memory to the other
-        for url, transport in zip(urls, ("http", "shm"), strict=True):
-            with WeightPushClient(url) as client:
-                assert push_weights(
-                    client, other_weights, weight_version=1, transport=transport
-                ).success
+        # weight updates across processes: SGLang's distributed update to both engines at once
+        clients = [EngineClient(url) for url in urls]
+        push_distributed(clients, list(other_weights.items()), weight_version=1, timeout_s=60)
+        for url in urls:
             assert httpx.get(f"{url}/weights_checksum").json()["sha256"] == tensors_sha256(
                 other_weights
             )

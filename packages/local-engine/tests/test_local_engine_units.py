@@ -11,17 +11,16 @@ import pytest
 import torch
 
 import posttrain.formats as formats
-from posttrain.formats import pack_bucket, unpack_bucket
 from posttrain.interface import IncompleteUpdateError, StaleVersionError
 from posttrain.local_engine import (
     CheckpointError,
+    NonFiniteWeightsError,
     NVFP4FormatError,
-    UpdateSessionError,
     parse_args,
 )
 from posttrain.local_engine._loader import read_checkpoint
 from posttrain.local_engine._sampling import SamplingConfig, pick_token, top_logprobs
-from posttrain.local_engine._update import TensorSpec, UpdateSession, check_version_increases
+from posttrain.local_engine._update import StagedUpdate, TensorSpec, check_version_increases
 
 
 def test_nvfp4_checkpoint_reads_dequantized_with_a_report(tmp_path) -> None:  # type: ignore[no-untyped-def]
@@ -55,50 +54,34 @@ def test_nvfp4_checkpoint_reads_dequantized_with_a_report(tmp_path) -> None:  # 
     assert isinstance(info.value, formats.NVFP4FormatError)
 
 
-def _session(**kw: object) -> UpdateSession:
-    expected = {
-        "a": TensorSpec(torch.bfloat16, (2,)),
-        "b": TensorSpec(torch.float32, (3,)),
-    }
-    return UpdateSession(update_id="u", weight_version=2, kind="base", expected=expected, **kw)  # type: ignore[arg-type]
+def _staged() -> StagedUpdate:
+    specs = {"a": TensorSpec(torch.bfloat16, (2,)), "b": TensorSpec(torch.float32, (3,))}
+    return StagedUpdate(specs=specs)
 
 
-def _bucket(items: list[tuple[str, torch.Tensor]], index: int, last: bool):  # type: ignore[no-untyped-def]
-    m, buf = pack_bucket(items, update_id="u", weight_version=2, bucket_index=index, is_last=last)
-    return m, unpack_bucket(m, buf)
-
-
-def test_session_complete_and_faults() -> None:
-    s = _session()
-    s.add_bucket(*_bucket([("a", torch.ones(2, dtype=torch.bfloat16))], 0, False))
-    s.add_bucket(*_bucket([("b", torch.ones(3))], 1, True))
-    assert s.finish().success
-    # missing
-    s = _session()
-    s.add_bucket(*_bucket([("a", torch.ones(2, dtype=torch.bfloat16))], 0, True))
-    r = s.finish()
-    assert not r.success
-    assert r.missing == ["b"]
-    # unknown
-    s = _session()
-    with pytest.raises(IncompleteUpdateError, match="'zz' is not expected"):
-        s.add_bucket(*_bucket([("zz", torch.ones(2))], 0, True))
-    assert s.finish().unexpected == ["zz"]
-    # duplicate across buckets
-    s = _session()
-    s.add_bucket(*_bucket([("a", torch.ones(2, dtype=torch.bfloat16))], 0, False))
+def test_staged_update_checks_every_bucket_and_a_fault_fails_it_whole() -> None:
+    s = _staged()
+    s.add({"a": torch.ones(2, dtype=torch.bfloat16)})
+    s.add({"b": torch.ones(3)})
+    assert (s.buckets, sorted(s.staged), s.failed) == (2, ["a", "b"], None)
+    for bucket, match in [
+        ({"zz": torch.ones(2)}, "'zz' is not a weight"),
+        ({"a": torch.ones(2)}, "float32"),  # wrong dtype: no implicit cast
+        ({"a": torch.ones(3, dtype=torch.bfloat16)}, r"\[3\]"),
+        ({"b": torch.tensor([1.0, float("inf"), 0.0])}, "Inf"),
+    ]:
+        s = _staged()
+        s.add({"a": torch.ones(2, dtype=torch.bfloat16)} if "a" not in bucket else {})
+        with pytest.raises((IncompleteUpdateError, NonFiniteWeightsError), match=match):
+            s.add(bucket)
+        assert s.failed is not None
+        assert s.staged == {}  # nothing of a failed update is kept
+        with pytest.raises(IncompleteUpdateError, match="already refused"):
+            s.add({"b": torch.ones(3)})  # its later buckets are dropped too
+    s = _staged()
+    s.add({"a": torch.ones(2, dtype=torch.bfloat16)})
     with pytest.raises(IncompleteUpdateError, match="twice"):
-        s.add_bucket(*_bucket([("a", torch.ones(2, dtype=torch.bfloat16))], 1, True))
-    assert s.finish().duplicates == ["a"]
-    # wrong dtype: no implicit cast
-    s = _session()
-    with pytest.raises(IncompleteUpdateError, match="float32"):
-        s.add_bucket(*_bucket([("a", torch.ones(2))], 0, True))
-    assert not s.finish().success
-    # out-of-order bucket
-    s = _session()
-    with pytest.raises(UpdateSessionError, match="expected bucket 0"):
-        s.add_bucket(*_bucket([("a", torch.ones(2, dtype=torch.bfloat16))], 1, True))
+        s.add({"a": torch.ones(2, dtype=torch.bfloat16)})
 
 
 def test_versions_must_increase() -> None:

@@ -3,7 +3,7 @@
 Models are built from ``transformers`` configs on the meta device (no weights are allocated),
 LoRA is attached with ``attach_lora`` on all linear projections, and bytes are counted in the
 export dtype (bf16) for both. A small model is also built for real and both payloads are
-serialized (base64 safetensors, the ``AdapterClient`` default) to time them side by side.
+serialized (SGLang's serialized_named_tensors form, what ``AdapterClient`` sends) to time them side by side.
 Prints one JSON object. Run: ``python packages/lora-core/benchmarks/bench_sync_bytes.py``.
 """
 
@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from posttrain.formats import encode_safetensors_b64
+from posttrain.formats import serialize_named_tensors
 from posttrain.lora import LoraConfig, attach_lora, export_adapter
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -75,7 +75,7 @@ def timed_serialize(r: int) -> dict[str, Any]:
         times, size = [], 0
         for _ in range(5):
             t0 = time.perf_counter()
-            payload, _ = encode_safetensors_b64(fn())
+            payload = serialize_named_tensors(fn())
             times.append(time.perf_counter() - t0)
             size = len(payload)
         out[label] = {"payload_bytes": size, "median_s": statistics.median(times)}

@@ -7,7 +7,6 @@ and echoes the checksums of what it stored, so checksum mismatches are real.
 
 from __future__ import annotations
 
-import base64
 import contextlib
 import json
 import threading
@@ -19,9 +18,12 @@ from typing import Any
 import httpx
 import pytest
 import torch
-from safetensors.torch import load as safetensors_load
 
-from posttrain.formats import tensor_sha256
+from posttrain.formats import (
+    LoadLoraAdapterFromTensorsReq,
+    deserialize_named_tensors,
+    tensor_sha256,
+)
 from posttrain.interface import TransportError
 from posttrain.lora import (
     AdapterClient,
@@ -36,7 +38,7 @@ from posttrain.lora import (
 class FakeEngine:
     def __init__(self) -> None:
         self.adapters: dict[str, dict[str, torch.Tensor] | str] = {}
-        self.capabilities: list[str] = ["checksums", "upsert"]
+        self.capabilities: list[str] = ["checksums"]
         self.enable_lora = True
         self.corrupt = False  # flip one byte of what it stores
         self.delay_s = 0.0
@@ -98,13 +100,11 @@ def make_handler(engine: FakeEngine) -> type[BaseHTTPRequestHandler]:
                 del engine.adapters[name]
                 self.reply(200, {"success": True, "loaded_adapters": sorted(engine.adapters)})
             elif self.path == "/load_lora_adapter_from_tensors":
-                if body.get("load_format") != "safetensors_b64":
-                    self.fail(f"unsupported load_format {body.get('load_format')}")
-                    return
-                if name in engine.adapters and not body.get("upsert"):
+                if name in engine.adapters:
                     self.fail(f"LoRA adapter {name} is already loaded")
                     return
-                tensors = safetensors_load(base64.b64decode(body["serialized_tensors"]))
+                req = LoadLoraAdapterFromTensorsReq.parse(body)  # SGLang's body, exactly
+                tensors = deserialize_named_tensors(req.serialized_named_tensors[0])
                 if engine.corrupt:
                     k = sorted(tensors)[0]
                     tensors[k] = tensors[k].clone()
@@ -159,7 +159,6 @@ def test_load_by_path_and_unload(engine: tuple[FakeEngine, str]) -> None:
         caps = client.capabilities()
         assert caps.lora_enabled
         assert caps.checksums
-        assert caps.upsert
         assert caps.max_lora_rank == 8
         reply = client.load_from_path("policy", "/ckpt/adapter")
         assert reply["loaded_adapters"] == ["policy"]
@@ -171,7 +170,7 @@ def test_load_by_path_and_unload(engine: tuple[FakeEngine, str]) -> None:
         assert client.unload("policy") is False  # "not loaded" is the one refusal ignored
 
 
-def test_push_from_tensors_upserts_and_verifies(engine: tuple[FakeEngine, str]) -> None:
+def test_push_unloads_then_loads_in_sglangs_body(engine: tuple[FakeEngine, str]) -> None:
     state, url = engine
     with AdapterClient(url, timeout=5.0) as client:
         client.push("policy", TENSORS, CONFIG)
@@ -179,17 +178,6 @@ def test_push_from_tensors_upserts_and_verifies(engine: tuple[FakeEngine, str]) 
     stored = state.adapters["policy"]
     assert isinstance(stored, dict)
     assert all(torch.equal(stored[k], TENSORS[k] * 2) for k in TENSORS)
-    assert state.calls == ["/load_lora_adapter_from_tensors"] * 2  # upsert: no unload window
-
-
-def test_push_without_upsert_unloads_first(engine: tuple[FakeEngine, str]) -> None:
-    state, url = engine
-    state.capabilities = ["checksums"]
-    with AdapterClient(url, timeout=5.0) as client:
-        client.push("policy", TENSORS, CONFIG)
-        client.push("policy", TENSORS, CONFIG)
-        with pytest.raises(AdapterPushError, match="upsert"):
-            client.load_from_tensors("policy", TENSORS, CONFIG, upsert=True)
     assert state.calls == ["/unload_lora_adapter", "/load_lora_adapter_from_tensors"] * 2
 
 
@@ -203,7 +191,7 @@ def test_checksum_mismatch_is_an_error(engine: tuple[FakeEngine, str]) -> None:
         client.push("policy", TENSORS, CONFIG)
     assert "policy" not in state.adapters
     # an engine that does not verify but echoes what it stored: the client compares itself
-    state.capabilities = ["upsert"]
+    state.capabilities = []
     with (
         AdapterClient(url, timeout=5.0) as client,
         pytest.raises(ChecksumMismatchError, match="differs"),
@@ -213,11 +201,6 @@ def test_checksum_mismatch_is_an_error(engine: tuple[FakeEngine, str]) -> None:
 
 def test_success_false_and_missing_capability(engine: tuple[FakeEngine, str]) -> None:
     state, url = engine
-    with (
-        AdapterClient(url, timeout=5.0, serializer=lambda t: ("x", "flattened_bucket")) as client,
-        pytest.raises(AdapterPushError, match="unsupported load_format"),
-    ):
-        client.load_from_tensors("policy", TENSORS, CONFIG)
     with (
         AdapterClient(url, timeout=5.0) as client,
         pytest.raises(AdapterPushError, match="max_lora_rank"),

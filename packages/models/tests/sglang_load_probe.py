@@ -38,7 +38,7 @@ def _install_kernel_stand_in() -> None:
     sys.modules.setdefault("vllm._custom_ops", ops)
 
 
-def _init_single_rank(path: str, port: int) -> None:
+def _init_single_rank(path: str, port: int, **server_args: Any) -> None:
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0"
     )
@@ -53,7 +53,7 @@ def _init_single_rank(path: str, port: int) -> None:
     init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo")
     reset_context()
     publish(
-        ServerArgs(model_path=path, tp_size=1, ep_size=1, pp_size=1, device="cpu"),
+        ServerArgs(model_path=path, tp_size=1, ep_size=1, pp_size=1, device="cpu", **server_args),
         role="test",
         ranks=SpawnRanks(world_rank=0),
     )

@@ -7,10 +7,14 @@ and httpx (for the one client it owns).
 - LoRA request fields: ``LoraServing``, ``serves_lora``, ``request_fields(name, version)``
   (``lora_path`` + ``extra_key``) and ``apply_lora_fields``, the one writer of those keys.
 - samples/1 and samples/2 (with media references): ``encode_samples`` / ``decode_samples`` (numpy + safetensors; no server, no torch).
-- wsync/1: ``pack_bucket`` / ``unpack_bucket`` (256-byte aligned offsets),
-  ``encode_bucket_body`` / ``decode_bucket_body`` (a bucket over HTTP; ``bucket_body_manifest``
-  reads its manifest alone), and the trainer-side
-  ``WeightSink`` client ``WeightPushClient`` with ``push_weights`` and ``ShmRing``.
+- SGLang's weight-update protocol: the request bodies as SGLang's ``io_struct`` declares them
+  (``InitWeightsUpdateGroupReq``, ``UpdateWeightsFromDistributedReq``,
+  ``DestroyWeightsUpdateGroupReq``, ``UpdateWeightsFromTensorReq``, ``UpdateWeightFromDiskReq``,
+  ``LoadLoraAdapterReq``, ``LoadLoraAdapterFromTensorsReq``, ``UpdateWeightVersionReq``), the
+  update group both sides join (``join_update_group`` / ``UpdateGroup``), buckets
+  (``plan_buckets``, ``bucket_request``), named tensors by value (``serialize_named_tensors``,
+  ``deserialize_named_tensors``: a restricted unpickler) and one client per engine
+  (``EngineClient``, errors naming engine, route and SGLang's message).
 
 - NVFP4 tensors (ModelOpt layout): ``nvfp4_layout`` (names, dtypes, shapes),
   ``pack_e2m1_codes`` / ``unpack_e2m1_codes`` / ``e2m1_code_values``, ``dequantize_nvfp4``,
@@ -25,8 +29,8 @@ and httpx (for the one client it owns).
 - The LoRA forward: ``lora_delta`` computes ``linear(reduce(linear(x, A)), B) * scaling`` with
   the caller's kernel (``LinearKernel``; ``matmul_kernel`` by default), the one op order the
   trainer (``lora-core``) and the engines (``models``' adapter hook) share.
-- The adapter push payload (``/load_lora_adapter_from_tensors``): ``adapter_push_body`` with
-  ``encode_safetensors_b64`` and ``tensor_sha256`` checksums (``lora-core``'s client writes it),
+- The adapter push payload (``/load_lora_adapter_from_tensors``, SGLang's body):
+  ``adapter_push_body`` with ``tensor_sha256`` checksums (``lora-core``'s client writes it),
   ``decode_adapter_payload`` and ``verify_adapter_checksums`` (the engine reads it).
 - Finite weights: ``check_finite`` / ``count_non_finite``, the one NaN/Inf check (one
   ``aminmax`` pass) that the PEFT and NVFP4 readers and the engines run.
@@ -61,12 +65,14 @@ from posttrain.formats._errors import (
     BucketFormatError,
     FormatsConfigError,
     FormatsError,
+    NamedTensorsError,
     NVFP4FormatError,
     PeftConfigError,
     PeftFormatError,
     PeftNonFiniteError,
     PeftTensorError,
     SamplesFormatError,
+    UpdateGroupError,
 )
 from posttrain.formats._lora_fields import (
     LoraServing,
@@ -85,28 +91,27 @@ from posttrain.formats._samples_wire import (
 
 if TYPE_CHECKING:
     from posttrain.formats._adapter_payload import (
-        ADAPTER_LOAD_FORMATS,
         AdapterPayload,
         adapter_push_body,
         decode_adapter_payload,
-        encode_safetensors_b64,
         tensor_sha256,
         verify_adapter_checksums,
     )
     from posttrain.formats._api_key import API_KEY_ENV, resolve_api_key
     from posttrain.formats._buckets import (
         DTYPES,
-        bucket_body_manifest,
-        decode_bucket_body,
+        bucket_request,
         dtype_from_name,
         dtype_name,
-        encode_bucket_body,
-        expected_tensors,
-        pack_bucket,
         plan_buckets,
         tensors_sha256,
-        unpack_bucket,
     )
+    from posttrain.formats._distributed_update import (
+        DEFAULT_BUCKET_BYTES,
+        free_port,
+        push_distributed,
+    )
+    from posttrain.formats._engine_client import EngineClient, reply_message
     from posttrain.formats._finite import (
         DEFAULT_MAX_ABS_WEIGHT,
         MAX_ABS_WEIGHT_ENV,
@@ -115,6 +120,10 @@ if TYPE_CHECKING:
         max_abs_weight,
     )
     from posttrain.formats._lora_delta import LinearKernel, lora_delta, matmul_kernel
+    from posttrain.formats._named_tensors import (
+        deserialize_named_tensors,
+        serialize_named_tensors,
+    )
     from posttrain.formats._nvfp4 import (
         E2M1_VALUES,
         GROUP_SIZE,
@@ -162,33 +171,37 @@ if TYPE_CHECKING:
         tensor_bytes,
         write_safetensors,
     )
-    from posttrain.formats._weight_push import ShmRing, WeightPushClient, push_weights
+    from posttrain.formats._sglang_requests import (
+        DEFAULT_GROUP_NAME,
+        DestroyWeightsUpdateGroupReq,
+        InitWeightsUpdateGroupReq,
+        LoadLoraAdapterFromTensorsReq,
+        LoadLoraAdapterReq,
+        UpdateWeightFromDiskReq,
+        UpdateWeightsFromDistributedReq,
+        UpdateWeightsFromTensorReq,
+        UpdateWeightVersionReq,
+        version_string,
+    )
+    from posttrain.formats._update_group import UpdateGroup, join_update_group
 
 # Module -> the names that need torch (see the docstring): loaded by __getattr__ on first use.
 _NEEDS_TORCH = {
     "_adapter_payload": (
-        "ADAPTER_LOAD_FORMATS",
         "AdapterPayload",
         "adapter_push_body",
         "decode_adapter_payload",
-        "encode_safetensors_b64",
         "tensor_sha256",
         "verify_adapter_checksums",
     ),
     "_buckets": (
         "DTYPES",
-        "bucket_body_manifest",
-        "decode_bucket_body",
+        "bucket_request",
         "dtype_from_name",
         "dtype_name",
-        "encode_bucket_body",
-        "expected_tensors",
-        "pack_bucket",
         "plan_buckets",
         "tensors_sha256",
-        "unpack_bucket",
     ),
-    "_weight_push": ("ShmRing", "WeightPushClient", "push_weights"),
     "_api_key": ("API_KEY_ENV", "resolve_api_key"),
     "_finite": (
         "DEFAULT_MAX_ABS_WEIGHT",
@@ -197,6 +210,22 @@ _NEEDS_TORCH = {
         "count_non_finite",
         "max_abs_weight",
     ),
+    "_engine_client": ("EngineClient", "reply_message"),
+    "_distributed_update": ("DEFAULT_BUCKET_BYTES", "free_port", "push_distributed"),
+    "_named_tensors": ("deserialize_named_tensors", "serialize_named_tensors"),
+    "_sglang_requests": (
+        "DEFAULT_GROUP_NAME",
+        "DestroyWeightsUpdateGroupReq",
+        "InitWeightsUpdateGroupReq",
+        "LoadLoraAdapterFromTensorsReq",
+        "LoadLoraAdapterReq",
+        "UpdateWeightFromDiskReq",
+        "UpdateWeightsFromDistributedReq",
+        "UpdateWeightsFromTensorReq",
+        "UpdateWeightVersionReq",
+        "version_string",
+    ),
+    "_update_group": ("UpdateGroup", "join_update_group"),
     "_lora_delta": ("LinearKernel", "lora_delta", "matmul_kernel"),
     "_nvfp4": (
         "E2M1_VALUES",
@@ -249,10 +278,11 @@ _NEEDS_TORCH = {
 
 __all__ = [
     "ADAPTER_CONFIG_FILE",
-    "ADAPTER_LOAD_FORMATS",
     "ADAPTER_WEIGHTS_FILE",
     "ALL_LINEAR",
     "API_KEY_ENV",
+    "DEFAULT_BUCKET_BYTES",
+    "DEFAULT_GROUP_NAME",
     "DEFAULT_MAX_ABS_WEIGHT",
     "DTYPES",
     "E2M1_VALUES",
@@ -270,52 +300,60 @@ __all__ = [
     "AtomicFile",
     "BucketFormatError",
     "DecodedSamples",
+    "DestroyWeightsUpdateGroupReq",
+    "EngineClient",
     "FormatsConfigError",
     "FormatsError",
+    "InitWeightsUpdateGroupReq",
     "LinearKernel",
+    "LoadLoraAdapterFromTensorsReq",
+    "LoadLoraAdapterReq",
     "LoraServing",
     "MoeConvention",
     "NVFP4FormatError",
     "NVFP4Part",
     "NVFP4QuantConfig",
     "NVFP4TensorSpec",
+    "NamedTensorsError",
     "PeftAdapter",
     "PeftConfigError",
     "PeftFormatError",
     "PeftNonFiniteError",
     "PeftTensorError",
     "SamplesFormatError",
-    "ShmRing",
-    "WeightPushClient",
+    "UpdateGroup",
+    "UpdateGroupError",
+    "UpdateWeightFromDiskReq",
+    "UpdateWeightVersionReq",
+    "UpdateWeightsFromDistributedReq",
+    "UpdateWeightsFromTensorReq",
     "adapter_push_body",
     "apply_lora_fields",
     "atomic_directory",
-    "bucket_body_manifest",
+    "bucket_request",
     "build_peft_adapter",
     "check_finite",
     "count_non_finite",
     "decode_adapter_payload",
-    "decode_bucket_body",
     "decode_samples",
     "dequantize_nvfp4",
     "dequantize_nvfp4_state_dict",
+    "deserialize_named_tensors",
     "dtype_from_name",
     "dtype_name",
     "e2m1_code_values",
-    "encode_bucket_body",
-    "encode_safetensors_b64",
     "encode_samples",
-    "expected_tensors",
     "expert_modules",
+    "free_port",
     "fsync_dir",
     "fsync_tree",
+    "join_update_group",
     "lora_delta",
     "matmul_kernel",
     "max_abs_weight",
     "module_is_targeted",
     "nvfp4_config_sections",
     "nvfp4_layout",
-    "pack_bucket",
     "pack_e2m1_codes",
     "parse_peft_config",
     "parse_peft_key",
@@ -323,22 +361,24 @@ __all__ = [
     "peft_key",
     "peft_modules",
     "plan_buckets",
-    "push_weights",
+    "push_distributed",
     "read_nvfp4_quant_config",
     "read_peft_adapter",
     "replace_directory",
+    "reply_message",
     "request_fields",
     "resolve_api_key",
     "safetensors_header",
+    "serialize_named_tensors",
     "serves_lora",
     "stack_expert_adapter",
     "tensor_bytes",
     "tensor_sha256",
     "tensors_sha256",
-    "unpack_bucket",
     "unpack_e2m1_codes",
     "unstack_expert_adapter",
     "verify_adapter_checksums",
+    "version_string",
     "write_bytes_atomic",
     "write_peft_adapter",
     "write_safetensors",

@@ -4,8 +4,12 @@
     └── FormatsError                 a payload, file or request in one of our formats is invalid
         ├── FormatsConfigError (ConfigError)      a bad argument: adapter name, bucket size, ring
         ├── SamplesFormatError (WireFormatError)  a samples/1 payload is malformed (.field)
-        ├── BucketFormatError (WireFormatError)   a wsync/1 bucket disagrees with its manifest
-        │                                         or its bytes (.field)
+        ├── BucketFormatError (WireFormatError)   a bucket's names, dtypes and shapes disagree
+        │                                         (.field)
+        ├── NamedTensorsError (WireFormatError)   a serialized-named-tensors payload is not
+        │                                         plain named tensors (refused unread)
+        ├── UpdateGroupError                      a weight-update group cannot be formed or a
+        │                                         broadcast in it failed
         ├── AdapterPayloadError (WireFormatError) an adapter push body is malformed, or a
         │                                         tensor disagrees with its checksum (.field)
         ├── NVFP4FormatError         an NVFP4 tensor group (weight, weight_scale, weight_scale_2)
@@ -21,7 +25,7 @@
                 └── PeftNonFiniteError   a factor holds NaN or Inf
 
 An engine answering a weight push badly raises the interface's ``EngineError``,
-``IncompleteUpdateError`` or ``StaleVersionError`` (the wsync/1 contract names them).
+naming the engine, the route and SGLang's message (``EngineClient``).
 
 Atomic writes raise the operating system's ``OSError`` (disk full, permission): the caller
 knows which of its files that was and maps it to its own error; the target is left as it was.
@@ -45,7 +49,15 @@ class SamplesFormatError(FormatsError, WireFormatError):
 
 
 class BucketFormatError(FormatsError, WireFormatError):
-    """A wsync/1 bucket's bytes, tensors or manifest disagree; ``field`` names which."""
+    """A bucket's tensors and its names, dtypes or shapes disagree; ``field`` names which."""
+
+
+class NamedTensorsError(FormatsError, WireFormatError):
+    """A serialized-named-tensors payload holds something other than plain named tensors."""
+
+
+class UpdateGroupError(FormatsError):
+    """A weight-update group cannot be formed (rendezvous, backend) or a broadcast failed."""
 
 
 class AdapterPayloadError(FormatsError, WireFormatError):

@@ -10,7 +10,7 @@ Why not the safetensors library's torch writer: it needs numpy (for a data point
 in memory together (quant-convert lays the header out first, then appends tensors one at a
 time). Reading stays with the library, whose parser bounds-checks the header against the file;
 only ``safetensors_metadata`` reads the header's ``__metadata__`` alone, so that a receiver
-learns what a body is (a wsync/1 bucket's manifest, an adapter's name) before decoding it.
+learns what a body is (a checkpoint's metadata) before decoding it.
 """
 
 from __future__ import annotations

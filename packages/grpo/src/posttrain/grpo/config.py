@@ -34,6 +34,9 @@ KlType = Literal["k1", "k2", "k3", "low_var_kl"]
 TisMode = Literal["off", "tis", "icepop"]
 LossAggregation = Literal["token_mean", "seq_mean_token_mean"]
 RolloutQuant = Literal["none", "nvfp4"]
+WeightSyncBackend = Literal["gloo", "nccl"]
+WeightSyncMode = Literal["distributed", "disk"]
+LoraSyncMode = Literal["tensors", "disk"]
 
 DEFAULT_LORA_TARGETS: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
 DEFAULT_OUT_DIR = Path("runs/grpo")
@@ -117,6 +120,11 @@ class GrpoConfig:
     opd_top_k: int = 0
     # Rollout weights, output, resumption.
     rollout_quant: RolloutQuant = "none"
+    weight_sync: WeightSyncMode = "distributed"
+    lora_sync: LoraSyncMode = "tensors"
+    sync_dir: Path | None = None  # disk syncs: a directory the engines read too
+    weight_sync_backend: WeightSyncBackend = "gloo"
+    weight_sync_address: str = "127.0.0.1"
     offload_engines: bool = False
     out_dir: Path = DEFAULT_OUT_DIR
     resume: Path | None = None
@@ -144,6 +152,7 @@ class GrpoConfig:
             setattr(self, name, tuple(str(v) for v in value))
         for name in (
             "model_path", "engine_model_path", "out_dir", "resume", "api_key_file", "prompt_data",
+            "sync_dir",
         ):  # fmt: skip
             value = getattr(self, name)
             if isinstance(value, str):
@@ -435,6 +444,14 @@ HELP: dict[str, str] = {
     "opd_kl_coef": "OPD coefficient: A = A - coef * reverse_kl",
     "opd_top_k": "OPD top-k (0: sampled tokens only)",
     "rollout_quant": "re-quantize synced weights for the engines",
+    "weight_sync": "full weights: distributed (SGLang's update group; no shared disk) or disk "
+    "(a checkpoint in --sync-dir, /update_weights_from_disk)",
+    "lora_sync": "the adapter: tensors (in the request; no shared disk) or disk (a PEFT "
+    "directory in --sync-dir, /load_lora_adapter)",
+    "sync_dir": "directory the disk syncs write and the engines read (default: OUT_DIR/sync)",
+    "weight_sync_backend": "backend of SGLang's weight-update group (gloo: CPU, nccl: GPU)",
+    "weight_sync_address": "address the trainer's rank 0 hosts the weight-update group on "
+    "(one the engines reach)",
     "offload_engines": "release the engines' memory while the trainer steps, resume it before "
     "the weight sync (SGLang's release/resume_memory_occupation; every weight is re-sent)",
     "out_dir": "directory for metrics, checkpoints and plots",

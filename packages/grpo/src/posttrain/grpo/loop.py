@@ -8,7 +8,7 @@ Read top to bottom, one step is::
     adv      = group_normalized_advantages(rewards, groups)  # GRPO, per sample
     adv_t    = apply_opd(adv_t, coef, teacher rkl)           # optional: teacher's reverse KL
     metrics  = train_step(policy, my share of samples)       # every rank, FSDP/HSDP (+ LoRA)
-    sync_weights(policy, engines, version + 1)               # adapter push or wsync/1
+    sync_weights(policy, engines, version + 1)               # adapter push or SGLang's update
     checkpoint.save(...) every ``checkpoint_every`` steps    # and at the end
 
 Rank 0 talks HTTP (rollouts, rewards, teacher, weight pushes) and hands each rank its share of
@@ -144,7 +144,7 @@ def _check_runnable(cfg: GrpoConfig, plugged: Plugged) -> None:
         if not isinstance(sink, WeightSink):
             raise GrpoConfigError(
                 f"weight_sinks[{k}] is a {type(sink).__name__}, not a "
-                "posttrain.interface.WeightSink (begin, send_bucket, end, abort)"
+                "posttrain.interface.WeightSink (update_weights)"
             )
     if not cfg.engine_urls and not plugged.weight_sinks:
         raise GrpoConfigError(
@@ -200,6 +200,9 @@ def _train(cfg: GrpoConfig, plugged: Plugged) -> dict[str, Any] | None:
         engine_urls=tuple(cfg.engine_urls), lora_name=cfg.lora_name,
         rollout_quant=cfg.rollout_quant, timeout_s=cfg.rollout_timeout_s, api_key=api_key,
         sinks=plugged.weight_sinks, base_model_path=_served_base(cfg),
+        weight_sync_backend=cfg.weight_sync_backend, weight_sync_address=cfg.weight_sync_address,
+        weight_sync=cfg.weight_sync, lora_sync=cfg.lora_sync,
+        sync_dir=str(cfg.sync_dir or out / "sync"),
     )  # fmt: skip
     version = _broadcast(_first_version(target) if lead else 0)
     if isinstance(version, str):

@@ -6,13 +6,20 @@
   The base is never re-sent.
 * Full training: ``iter_full_state_dict`` gathers every parameter (collective), ``models``'
   converter renames them to the HF layout (the megatron backend: ``hf_state_dict`` gathers the
-  tensor-parallel shards straight to HF names), and rank 0 sends them over wsync/1 with a sha256 per
-  bucket, at a weight version that increases on every engine.
+  tensor-parallel shards straight to HF names), and rank 0 sends them with SGLang's own
+  distributed update (``posttrain.formats.push_distributed``: ``/init_weights_update_group``,
+  per bucket ``/update_weights_from_distributed`` while rank 0 broadcasts, then
+  ``/destroy_weights_update_group``; gloo on CPU, nccl on GPU), at a weight version that
+  increases on every engine. The group is formed per sync with the engines that answer, so a
+  lost or re-admitted engine needs nothing more. A failed update is ended on every engine it
+  began on (the group is destroyed there, which drops what was staged), so they keep serving
+  their old weights; the error names the engine, the route and the engine's message.
 * ``rollout_quant=nvfp4``: the HF tensors go through ``quant_convert.quantize_named_params``
   (routed experts to NVFP4, the same selection as the converted checkpoint the engines
-  started from). The CPU engine takes base updates in its model dtype, so the NVFP4 tensors
-  travel dequantized (``E2M1 * scale * scale_2``, rounded once): the values an NVFP4 engine
-  computes with. The trainer's own weights stay full precision, which is the point: the
+  started from) and travel packed, under the converted checkpoint's names, dtypes and shapes
+  (uint8 codes, fp8 ``weight_scale``, fp32 ``weight_scale_2``): what SGLang's
+  ``modelopt_fp4`` loader takes. The CPU engine dequantizes them at commit
+  (``E2M1 * scale * scale_2``, rounded once): the values an NVFP4 engine computes with. The trainer's own weights stay full precision, which is the point: the
   train/rollout mismatch is real and TIS corrects it.
 
 Frozen media towers and engine offload (issue 25): the towers never change during training, so
@@ -44,8 +51,9 @@ failure (a refused adapter, a checksum mismatch, a stale version) still fails th
 does losing every engine.
 
 Besides engine URLs, a ``SyncTarget`` may hold in-process ``WeightSink``s (the interface
-Protocol: a user's own engine): each gets the same update through ``push_weights``, the adapter
-as a ``kind="lora"`` update named ``lora_name`` with its PEFT config, full weights as ``base``.
+Protocol: a user's own engine): each gets the same tensors through ``update_weights``, the
+adapter with its name and PEFT config, full weights as they are; one that raises fails the step
+with an error naming it.
 
 Departure from a colocated GPU sync: no CUDA IPC and no pause/flush here, because the loop
 never syncs while a rollout is in flight (a step's rollouts finish before training starts).
@@ -53,19 +61,28 @@ never syncs while a rollout is in flight (a step's rollouts finish before traini
 
 from __future__ import annotations
 
+import json
+import shutil
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import httpx
 import torch
 import torch.distributed as dist
 
-from posttrain.formats import WeightPushClient, dequantize_nvfp4_state_dict, push_weights
+from posttrain.formats import (
+    EngineClient,
+    UpdateWeightFromDiskReq,
+    atomic_directory,
+    push_distributed,
+    write_safetensors,
+)
 from posttrain.fsdp_mesh import iter_full_state_dict
 from posttrain.grpo._errors import GrpoRunError
 from posttrain.grpo.trainer import Policy
-from posttrain.interface import UpdateWeightsFromDiskRequest, WeightSink, parse_weight_version
+from posttrain.interface import WeightSink, parse_weight_version
 from posttrain.lora import AdapterClient, export_adapter
 from posttrain.models import has_towers, to_hf_state_dict, tower_parameter_names
 from posttrain.quant_convert import QuantPolicy, quantize_named_params
@@ -84,6 +101,18 @@ class SyncTarget:
     api_key: str | None = None  # the engines' bearer token for their weight routes
     sinks: tuple[WeightSink, ...] = field(default_factory=tuple)
     base_model_path: str | None = None  # the checkpoint an engine reloads its base from
+    weight_sync: str = "distributed"  # full weights: distributed (update group) or disk
+    lora_sync: str = "tensors"  # the adapter: tensors (in the request) or disk (a PEFT dir)
+    sync_dir: str | None = None  # where disk syncs write (a directory the engines read)
+    weight_sync_backend: str = "gloo"  # the update group's backend: gloo (CPU) or nccl (GPU)
+    weight_sync_address: str = "127.0.0.1"  # where the trainer's rank 0 hosts the group
+    bucket_bytes: int = 256 * 1024 * 1024
+
+    def client(self, url: str) -> EngineClient:
+        """A client for the engine at ``url``."""
+        return EngineClient(
+            url, api_key=self.api_key, timeout_s=self.timeout_s, transport=self.transport
+        )
 
 
 def engine_weight_version(
@@ -183,6 +212,8 @@ def sync_weights(
         with_towers = towers_due(policy, first=first, engines_resumed=engines_resumed)
         # a re-admitted engine is treated as a resumed one: the towers go to it too
         gather_towers = with_towers or (bool(readmit) and has_towers(policy.model))
+        if target.weight_sync == "disk":  # a disk update is a whole checkpoint, towers too
+            with_towers = gather_towers = has_towers(policy.model)
     else:  # the adapter never touches the towers: they come back only with a base reload
         with_towers = reload_base and has_towers(policy.model)
         gather_towers = with_towers
@@ -221,35 +252,73 @@ def sync_weights(
     # (error, bytes sent, lost, re-admitted, re-admission failures), decided on rank 0
     outcome: list[Any] = [None, 0.0, [], [], []]
 
-    def push(url: str) -> None:
-        send(url, tensors, reload=reload_base)
+    def push_full(urls: Sequence[str], tensors: dict[str, torch.Tensor]) -> None:
+        if target.weight_sync == "disk":
+            path = _write_sync_checkpoint(target, tensors, version)
+            body = UpdateWeightFromDiskReq(model_path=path, weight_version=str(version))
+            for url in urls:
+                with target.client(url) as client:
+                    client.post("/update_weights_from_disk", body)
+            return
+        clients = [target.client(url) for url in urls]
+        try:
+            push_distributed(
+                clients,
+                list(tensors.items()),
+                weight_version=version,
+                backend=target.weight_sync_backend,
+                master_address=target.weight_sync_address,
+                bucket_bytes=target.bucket_bytes,
+                timeout_s=target.timeout_s,
+            )
+        finally:
+            for c in clients:
+                c.close()
 
-    def send(url: str, tensors: dict[str, torch.Tensor], *, reload: bool) -> None:
+    def push_adapter(url: str, tensors: dict[str, torch.Tensor], *, reload: bool) -> None:
         if reload:
             _reload_base(url, target)
-        if policy.lora is not None:
-            assert policy.lora_config is not None
-            config = policy.lora_config.peft_config(policy.target_modules)
-            with AdapterClient(
-                url, transport=target.transport, timeout=target.timeout_s, api_key=target.api_key
-            ) as client:
+        assert policy.lora_config is not None
+        config = policy.lora_config.peft_config(policy.target_modules)
+        with AdapterClient(
+            url, transport=target.transport, timeout=target.timeout_s, api_key=target.api_key
+        ) as client:
+            if target.lora_sync == "disk":
+                path = _write_sync_adapter(target, tensors, config, version)
+                client.unload(target.lora_name)
+                client.load_from_path(target.lora_name, path)
+            else:
                 client.push(target.lora_name, tensors, config)
+
+    def send_all(urls: Sequence[str]) -> list[tuple[str, str]]:
+        """Push to ``urls``; returns the unreachable ones (left out of the push)."""
+        if policy.lora is not None:
+            return push_each(urls, lambda url: push_adapter(url, tensors, reload=reload_base))
+        live = [url for url in urls if _answers(url, target)]
+        lost = [(url, "no answer to /health") for url in urls if url not in live]
+        if urls and not live:
+            raise GrpoRunError(f"weight sync: no engine could be reached ({list(urls)})")
+        if reload_base:
+            for url in live:
+                _reload_base(url, target)
+        push_full(live, tensors)
+        return lost
+
+    def send_readmit(url: str) -> None:
+        if policy.lora is not None:
+            push_adapter(url, readmit_tensors, reload=True)
         else:
-            with WeightPushClient(
-                url, timeout_s=target.timeout_s, transport=target.transport,
-                api_key=target.api_key,
-            ) as client:  # fmt: skip
-                push_weights(client, tensors, weight_version=version, with_sha256=True)
+            push_full([url], readmit_tensors)
 
     if dist.get_rank() == 0:
         outcome[1] = float(sum(t.numel() * t.element_size() for t in tensors.values()))
         try:
-            outcome[2] = push_each(target.engine_urls, push)
+            outcome[2] = send_all(target.engine_urls)
             for sink in target.sinks:
                 _push_to_sink(sink, policy, target, tensors, version)
             for url in readmit:  # after the live engines: a slow one never delays them
                 try:
-                    send(url, readmit_tensors, reload=policy.lora is not None)
+                    send_readmit(url)
                 except Exception as exc:  # it stays lost; the next sync tries again
                     outcome[4].append((url, f"{type(exc).__name__}: {exc}"))
                 else:
@@ -277,30 +346,72 @@ def sync_weights(
     )
 
 
+def _sync_path(target: SyncTarget, kind: str, version: int) -> Path:
+    if target.sync_dir is None:
+        raise GrpoRunError(f"weight sync: {kind} over disk needs sync_dir (--sync-dir)")
+    root = Path(target.sync_dir).resolve()
+    root.mkdir(parents=True, exist_ok=True)
+    for old in root.glob(f"{kind}-v*"):  # earlier versions: the engines took them already
+        shutil.rmtree(old, ignore_errors=True)
+    return root / f"{kind}-v{version}"
+
+
+def _save(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    with open(path, "wb") as f:
+        write_safetensors(f, {k: v.detach().cpu().contiguous() for k, v in tensors.items()})
+
+
+def _write_sync_checkpoint(
+    target: SyncTarget, tensors: dict[str, torch.Tensor], version: int
+) -> str:
+    """The update as a checkpoint directory the engines read (``config.json`` of the served
+    checkpoint, the tensors in ``model.safetensors``), written atomically."""
+    if target.base_model_path is None:
+        raise GrpoRunError("weight sync over disk: base_model_path (the served checkpoint) unset")
+    path = _sync_path(target, "weights", version)
+    with atomic_directory(path) as staging:
+        shutil.copy(Path(target.base_model_path) / "config.json", staging / "config.json")
+        _save(tensors, staging / "model.safetensors")
+    return str(path)
+
+
+def _write_sync_adapter(
+    target: SyncTarget, tensors: dict[str, torch.Tensor], config: dict[str, Any], version: int
+) -> str:
+    """The adapter as a PEFT directory the engines read, written atomically."""
+    path = _sync_path(target, "adapter", version)
+    with atomic_directory(path) as staging:
+        (staging / "adapter_config.json").write_text(json.dumps(config, indent=2))
+        _save(tensors, staging / "adapter_model.safetensors")
+    return str(path)
+
+
+def _answers(url: str, target: SyncTarget) -> bool:
+    """Whether the engine at ``url`` answers ``/health`` (a short probe before a group forms)."""
+    try:
+        with httpx.Client(timeout=min(10.0, target.timeout_s), transport=target.transport) as c:
+            return c.get(f"{url.rstrip('/')}/health").status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
 def _reload_base(url: str, target: SyncTarget) -> None:
     """Have the engine at ``url`` reload its base weights (towers included) from the
     checkpoint, as after an offload it holds none (``/update_weights_from_disk``)."""
-    body = UpdateWeightsFromDiskRequest(model_path=str(target.base_model_path))
-    with WeightPushClient(
-        url, timeout_s=target.timeout_s, transport=target.transport, api_key=target.api_key
-    ) as client:
-        client.post("/update_weights_from_disk", json=body.model_dump(exclude_none=True))
+    body = UpdateWeightFromDiskReq(model_path=str(target.base_model_path))
+    with target.client(url) as client:
+        client.post("/update_weights_from_disk", body)
 
 
 def set_engine_memory(target: SyncTarget, *, resident: bool) -> list[tuple[str, str]]:
     """Release (``resident=False``) or resume every engine's memory, SGLang's
-    ``/release_memory_occupation`` / ``/resume_memory_occupation`` (all tags, through
-    ``WeightPushClient``); rank 0 only. Returns the engines that could not be reached (as
-    ``push_each``)."""
+    ``/release_memory_occupation`` / ``/resume_memory_occupation`` (all tags); rank 0 only.
+    Returns the engines that could not be reached (as ``push_each``)."""
+    route = "/resume_memory_occupation" if resident else "/release_memory_occupation"
 
     def call(url: str) -> None:
-        with WeightPushClient(
-            url, timeout_s=target.timeout_s, transport=target.transport, api_key=target.api_key
-        ) as client:
-            if resident:
-                client.resume_memory_occupation()
-            else:
-                client.release_memory_occupation()
+        with target.client(url) as client:
+            client.post(route, {"tags": None})
 
     return push_each(target.engine_urls, call)
 
@@ -312,40 +423,41 @@ def _push_to_sink(
     tensors: dict[str, torch.Tensor],
     version: int,
 ) -> None:
-    if policy.lora is None:
-        result = push_weights(sink, tensors, weight_version=version, with_sha256=True)
-    else:
+    lora_config = None
+    if policy.lora is not None:
         assert policy.lora_config is not None
-        config = policy.lora_config.peft_config(policy.target_modules)
-        result = push_weights(
-            sink, tensors, weight_version=version, kind="lora", lora_name=target.lora_name,
-            lora_config=config, with_sha256=True,
-        )  # fmt: skip
-    if not result.success:
-        raise GrpoRunError(f"{type(sink).__name__} refused version {version}: {result.message}")
+        lora_config = policy.lora_config.peft_config(policy.target_modules)
+    try:
+        sink.update_weights(
+            tensors,
+            weight_version=version,
+            lora_name=None if lora_config is None else target.lora_name,
+            lora_config=lora_config,
+        )
+    except Exception as exc:
+        raise GrpoRunError(
+            f"{type(sink).__name__} refused version {version}: {type(exc).__name__}: {exc}"
+        ) from exc
 
 
 def _engine_tensors(
     tensors: dict[str, torch.Tensor], policy: Policy, target: SyncTarget, *, with_towers: bool
 ) -> dict[str, torch.Tensor]:
     """The HF-named tensors an engine loads (the frozen towers only ``with_towers``); for
-    NVFP4 rollouts, each NVFP4-selected weight is replaced by its dequantized value (what an
-    NVFP4 engine computes with)."""
+    NVFP4 rollouts, each NVFP4-selected weight is replaced by its packed NVFP4 tensors (uint8
+    codes, fp8 ``weight_scale``, ``weight_scale_2``) under the converted checkpoint's names and
+    shapes, what an SGLang ``modelopt_fp4`` engine loads (the local engine dequantizes them)."""
     if not with_towers:
         tensors = _without_towers(tensors, policy)
     if target.rollout_quant != "nvfp4":
         return tensors
-    quantized = dict(
+    return dict(
         quantize_named_params(
             tensors.items(),
             num_layers=policy.model.config.num_hidden_layers,
             policy=QuantPolicy(num_layers_at_end_in_bf16=0),
         )
     )
-    values, _ = dequantize_nvfp4_state_dict(
-        quantized, dtypes={name: t.dtype for name, t in tensors.items()}
-    )
-    return values
 
 
 def _without_towers(tensors: dict[str, torch.Tensor], policy: Policy) -> dict[str, torch.Tensor]:

@@ -74,16 +74,6 @@ from posttrain.interface._specs import (
     NVFP4Precision,
     ScaleRounding,
 )
-from posttrain.interface._weight_sync import (
-    BUCKET_ALIGNMENT,
-    WIRE_DTYPES,
-    BucketManifest,
-    ExpectedTensor,
-    ShmBucketRequest,
-    TensorEntry,
-    WeightUpdateBegin,
-    WeightUpdateResult,
-)
 from posttrain.interface._weight_version import is_weight_version, parse_weight_version
 from posttrain.interface._wire_base import WireModel
 from posttrain.interface._wire_sglang import (
@@ -105,16 +95,12 @@ from posttrain.interface._wire_sglang import (
 )
 
 __all__ = [
-    "BUCKET_ALIGNMENT",
-    "WIRE_DTYPES",
-    "BucketManifest",
     "ChatChoice",
     "ChatCompletionRequest",
     "ChatCompletionResponse",
     "ChatMessage",
     "ConfigError",
     "EngineError",
-    "ExpectedTensor",
     "FinishReason",
     "FourOverSix",
     "GenerateMetaInfo",
@@ -140,11 +126,9 @@ __all__ = [
     "SamplingParams",
     "ScaleRounding",
     "ServerStartError",
-    "ShmBucketRequest",
     "StaleVersionError",
     "TeacherScorer",
     "TeacherScores",
-    "TensorEntry",
     "ToolCall",
     "TransportError",
     "UnloadLoraAdapterRequest",
@@ -153,8 +137,6 @@ __all__ = [
     "Usage",
     "WeightSink",
     "WeightSyncError",
-    "WeightUpdateBegin",
-    "WeightUpdateResult",
     "WireFormatError",
     "WireModel",
     "WorkerCrashedError",

@@ -6,7 +6,7 @@ of SGLang, a local CPU engine and a test double are interchangeable. Each is
 
 - ``RolloutEngine``: ``posttrain.session_router.SessionRolloutClient`` (one session per rollout);
 - ``TeacherScorer``: ``posttrain.opd.TeacherScoringClient``;
-- ``WeightSink``: ``posttrain.formats.WeightPushClient`` (wsync/1 over HTTP or shared memory);
+- ``WeightSink``: an engine in the trainer's process (grpo's loop hands it every update);
 - ``RewardFunction``: the reward functions of ``posttrain.grpo``.
 
 ``RewardInput`` is what a text-level reward reads (the decoded response, the prompt, the label,
@@ -20,7 +20,6 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 from posttrain.interface._samples import Sample, TeacherScores
-from posttrain.interface._weight_sync import BucketManifest, WeightUpdateBegin, WeightUpdateResult
 
 
 @runtime_checkable
@@ -86,18 +85,18 @@ class RewardInput:
 
 @runtime_checkable
 class WeightSink(Protocol):
-    """Receives a weight update (``wsync/1``): begin, buckets, end; or abort.
-
-    ``payload`` holds the bucket's packed bytes (``manifest.total_bytes`` of them, tensors at
-    the manifest's aligned offsets).
+    """Takes every weight update in the trainer's process (engines elsewhere take SGLang's
+    routes). ``tensors`` by name: with ``lora_name`` None every weight the update carries, in
+    the HF checkpoint layout; else the PEFT adapter ``lora_name`` (its ``adapter_config.json``
+    dict in ``lora_config``). Raising refuses the update: the sink keeps what it served, and
+    the run stops with an error naming it.
     """
 
-    def begin(self, header: WeightUpdateBegin) -> None: ...
-
-    def send_bucket(
-        self, manifest: BucketManifest, payload: bytes | bytearray | memoryview
+    def update_weights(
+        self,
+        tensors: Mapping[str, Any],
+        *,
+        weight_version: int,
+        lora_name: str | None = None,
+        lora_config: Mapping[str, Any] | None = None,
     ) -> None: ...
-
-    def end(self, update_id: str) -> WeightUpdateResult: ...
-
-    def abort(self, update_id: str) -> None: ...

@@ -1,6 +1,6 @@
 """The one weight-version type: a non-negative ``int``, or ``None`` before any versioned update.
 
-``Sample.weight_version``, every wsync/1 message, ``WeightUpdateResult`` and what the engines
+``Sample.weight_version``, every weight update and what the engines
 report (``/model_info``, ``/server_info``, ``meta_info`` of ``/generate``) all use it.
 
 Why an int and not SGLang's string: a version is compared and subtracted, never just shown.

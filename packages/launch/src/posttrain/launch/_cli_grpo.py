@@ -31,7 +31,7 @@ def grpo_command(
             "--train",
             metavar="MODE",
             help="lora (adapter only, pushed as a LoRA) or full "
-            "(every weight, synced over wsync/1)",
+            "(every weight, synced with SGLang's distributed weight update)",
         ),
     ] = "lora",
     task: Annotated[

@@ -136,6 +136,15 @@ def plan_command(
             "--trainer-arg", metavar="ARGS", help="extra trainer flags (repeatable) [default: none]"
         ),
     ] = None,
+    train: Annotated[
+        str,
+        typer.Option(
+            "--train",
+            metavar="MODE",
+            help="lora (the engines serve the trained adapter: --enable-lora) or full "
+            "(every weight synced)",
+        ),
+    ] = "lora",
 ) -> None:
     """Print the launch plan for a model on a hardware profile (nothing is started)."""
     try:
@@ -151,6 +160,7 @@ def plan_command(
             router_args=_split(router_arg),
             session_router_args=_split(session_router_arg),
             trainer_args=_split(trainer_arg),
+            train=train,  # type: ignore[arg-type]  # checked by build_plan
         )
         plan = build_plan(cfg)
     except LaunchError as exc:

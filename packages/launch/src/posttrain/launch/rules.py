@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Literal
 
 from posttrain.launch._errors import LaunchConfigError, UnsupportedHardwareError
 from posttrain.launch.args import Args
@@ -37,6 +38,10 @@ from posttrain.launch.tables import (
     TrainerBackend,
 )
 
+TrainMode = Literal["lora", "full"]
+TRAINER_LORA_R = 8  # posttrain.grpo's --lora-r default
+TRAINER_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")  # its --lora-targets default
+
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class LaunchConfig:
@@ -56,6 +61,7 @@ class LaunchConfig:
     session_router_port: int = 8100
     rendezvous_port: int = 29400
     trainer_module: str = "posttrain.grpo"
+    train: TrainMode = "lora"  # what the trainer trains: the adapter or every weight
     engine_args: tuple[str, ...] = ()
     router_args: tuple[str, ...] = ()
     session_router_args: tuple[str, ...] = ()
@@ -124,6 +130,8 @@ class RoleArgs:
 def resolve_config(cfg: LaunchConfig) -> Resolved:
     """Apply the tables and validate; every error names the field and value at fault."""
     model, hw = cfg.model, cfg.hardware
+    if cfg.train not in ("lora", "full"):
+        raise LaunchConfigError(f"train: {cfg.train!r} is not lora or full")
     nodes_ok = SUPPORTED_NODES[model.id][hw]
     if cfg.nodes not in nodes_ok:
         offered = sorted(nodes_ok)
@@ -286,6 +294,61 @@ def _base_trainer(r: Resolved, a: RoleArgs, src: str) -> None:
             a.trainer_env["CUDA_DEVICE_MAX_CONNECTIONS"] = ("1", src + " (megatron overlap)")
 
 
+def _user_trainer_value(cfg: LaunchConfig, flag: str) -> str | None:
+    """The last value the user's trainer args give ``flag`` (``--flag v`` or ``--flag=v``)."""
+    found = None
+    args = cfg.trainer_args
+    for i, tok in enumerate(args):
+        if tok == flag and i + 1 < len(args):
+            found = args[i + 1]
+        elif tok.startswith(flag + "="):
+            found = tok.split("=", 1)[1]
+    return found
+
+
+def _weight_sync(r: Resolved, a: RoleArgs, src: str) -> None:
+    cfg = r.cfg
+    a.trainer.set(
+        "--train", cfg.train,
+        source=f"{src} (lora: only the adapter travels to the engines; full: every weight)",
+    )  # fmt: skip
+    if cfg.train == "lora":
+        a.trainer.set(
+            "--lora-sync", "tensors",
+            source=f"{src} (the adapter travels in SGLang's load_lora_adapter_from_tensors "
+            "body: no disk shared between trainer and engines needed)",
+        )  # fmt: skip
+    else:
+        a.trainer.set(
+            "--weight-sync", "distributed",
+            source=f"{src} (disaggregated engines: SGLang's update group, no shared disk)",
+        )  # fmt: skip
+    if r.hardware.gpus_per_node:
+        a.trainer.set(
+            "--weight-sync-backend", "nccl",
+            source=f"{src} (engines on their own GPUs: SGLang's distributed weight update, "
+            "the trainer's rank 0 broadcasting over NCCL)",
+        )  # fmt: skip
+    else:
+        a.trainer.set(
+            "--weight-sync-backend", "gloo",
+            source=f"{src} (CPU engines: the update group over gloo)",
+        )  # fmt: skip
+    a.trainer.set(
+        "--weight-sync-address", "{node_ip}",
+        source=f"{src} (the update group is hosted by the trainer's rank 0, on its own node)",
+    )  # fmt: skip
+    if cfg.train != "lora" or not _is_sglang(r):
+        return
+    rank = _user_trainer_value(cfg, "--lora-r") or TRAINER_LORA_R
+    targets = _user_trainer_value(cfg, "--lora-targets")
+    modules = tuple(targets.split(",")) if targets else TRAINER_LORA_TARGETS
+    why = f"{src} (the trainer trains a LoRA adapter: the engines must serve it)"
+    a.engine.set("--enable-lora", source=why)
+    a.engine.set("--max-lora-rank", rank, source=f"{why}; the trainer's --lora-r")
+    a.engine.set("--lora-target-modules", *modules, source=f"{why}; the trainer's --lora-targets")
+
+
 def _precision(r: Resolved, a: RoleArgs, src: str) -> None:
     p = r.precision
     if r.deferred_precision is not None:
@@ -330,6 +393,7 @@ RULES: tuple[Rule, ...] = (
     Rule("base_router", lambda r: True, _base_router),
     Rule("base_session_router", lambda r: True, _base_session_router),
     Rule("base_trainer", lambda r: True, _base_trainer),
+    Rule("weight_sync", lambda r: True, _weight_sync),
     Rule("precision", lambda r: True, _precision),
     Rule(
         "family_attention_backend",

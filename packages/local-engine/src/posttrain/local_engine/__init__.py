@@ -3,9 +3,10 @@
 Run it as ``python -m posttrain.local_engine --model-path DIR --port P`` (SGLang's flag
 names), or build the ASGI app in-process with ``build_app``. In strict numerics the
 logprobs it reports equal the trainer's ``forward_logprobs`` bit for bit, with and
-without LoRA adapters and across weight updates. It is the server side of the wsync/1
-weight-update protocol (HTTP safetensors or shared memory); the trainer side
-(``push_weights``, ``WeightPushClient``) and the bucket format are ``posttrain.formats``'.
+without LoRA adapters and across weight updates. It serves SGLang's own
+weight-update routes (the distributed update group over gloo, from disk, LoRA from tensors);
+the trainer side (``push_distributed``, ``EngineClient``) and the request bodies are
+``posttrain.formats``'.
 
 Error tree: see ``posttrain.local_engine._errors`` (rooted in ``PosttrainError``).
 """

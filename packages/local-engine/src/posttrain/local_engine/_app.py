@@ -5,9 +5,10 @@ Routes (SGLang names): ``GET /health``, ``/health_generate``, ``/model_info``,
 ``POST /generate``, ``/v1/chat/completions``, ``/load_lora_adapter``,
 ``/unload_lora_adapter``, ``/load_lora_adapter_from_tensors``,
 ``/update_weights_from_disk``, ``/flush_cache``, ``/pause_generation``,
-``/continue_generation``; the wsync/1 session ``/begin_weight_update``,
-``/update_weights_from_safetensors``, ``/update_weights_from_shm``,
-``/end_weight_update``, ``/abort_weight_update``; ``GET /weights_checksum``;
+``/continue_generation``; SGLang's weight-update routes ``/init_weights_update_group``,
+``/update_weights_from_distributed``, ``/destroy_weights_update_group``,
+``/update_weight_version`` (``/update_weights_from_tensor`` refused by name); ``GET
+/weights_checksum``;
 ``/release_memory_occupation``, ``/resume_memory_occupation``. The adapter, weight and memory
 routes live in ``_routes_weights``, the error mapping in ``_http``. ``/generate`` and chat take
 SGLang's ``image_data`` / ``audio_data`` for multimodal checkpoints (``_requests.prompt_media``).
@@ -16,8 +17,7 @@ Errors are JSON ``{"error": {"message", "type", "field", "code"}}``: 400 for a
 malformed body or field (named), 401 for a missing bearer token on a
 state-changing route, 404/405 for an unknown route or method, 409 for a stale
 weight version, 413 for an oversize request, 500 (``InternalServerError``) for
-a bug, 503 when the queue is full or the weights are invalid after an abandoned
-update. Departure from SGLang: ``--api-key`` guards only routes that change
+a bug, 503 when the queue is full or the weights are invalid (released and not re-sent). Departure from SGLang: ``--api-key`` guards only routes that change
 state (weights, adapters, pause), so an sgl-router in front needs no key to
 generate or probe health.
 
@@ -78,7 +78,6 @@ from posttrain.local_engine._requests import (
 )
 from posttrain.local_engine._routes_weights import weight_routes
 from posttrain.local_engine._scheduler import BatchScheduler
-from posttrain.local_engine._transports import ShmMaps
 from posttrain.models import MediaBatch, MediaFiles
 
 __all__ = ["ServerContext", "create_app"]
@@ -97,7 +96,6 @@ def create_app(ctx: ServerContext) -> Starlette:
         max_batch=cfg.max_running_requests,
         max_keys=cfg.max_loras_per_batch,
     )
-    shm = ShmMaps(cfg.shm_dir)
     media = MediaPool(
         MediaFiles.engine(cfg.allowed_media_dir, max_bytes=cfg.max_media_bytes,
                           timeout_s=cfg.media_timeout_s),
@@ -174,12 +172,11 @@ def create_app(ctx: ServerContext) -> Starlette:
             "memory_released": engine.released_tags,
             "stale_tensors": len(engine.stale_tensors),
             "unavailable_reason": engine.unavailable_reason,
-            "weight_update_protocol": "wsync/1",
-            "weight_update_transports": ["disk", "http_safetensors", "shm"],
+            "weight_update_routes": ["distributed", "disk"],
             "loaded_adapters": engine.adapters.names(),
             # What posttrain.lora.AdapterClient probes: verified pushes, and replacing an
             # adapter under its name (every load here replaces atomically).
-            "lora_capabilities": ["checksums", "upsert"] if cfg.enable_lora else [],
+            "lora_capabilities": ["checksums"] if cfg.enable_lora else [],
             "version": f"posttrain-local-engine {VERSION}",
             "engine": "posttrain-local-engine",
             "internal_states": [
@@ -422,7 +419,7 @@ def create_app(ctx: ServerContext) -> Starlette:
         Route("/flush_cache", g(flush_cache, state_changing=True), methods=["GET", "POST"]),
         Route("/pause_generation", g(pause, state_changing=True), methods=["POST"]),
         Route("/continue_generation", g(resume, state_changing=True), methods=["POST"]),
-        *weight_routes(ctx, sched, shm),
+        *weight_routes(ctx, sched),
     ]
     handlers = {HTTPException: http_exception_response, Exception: http_exception_response}
     return Starlette(routes=routes, lifespan=lifespan, exception_handlers=handlers)

@@ -58,11 +58,11 @@ class EngineConfig:
     max_queued_requests: int = 256
     max_request_bytes: int = 32 * 1024 * 1024
     max_update_bytes: int = 4 * 1024 * 1024 * 1024
-    shm_dir: str = "/dev/shm"
     allowed_media_dir: str | None = None
     max_media_bytes: int = 64 * 1024 * 1024
     media_timeout_s: float = 10.0
     media_workers: int = 2
+    update_group_timeout_s: float = 300.0
     num_threads: int = 1
     log_level: str = "warning"
 
@@ -166,8 +166,6 @@ def build_parser() -> argparse.ArgumentParser:
         help="prompts waiting; past it a request gets 503 at once")  # fmt: skip
     add("--max-request-bytes", type=int, default=32 * 1024 * 1024, metavar="BYTES",
         help="largest JSON request body; bigger is 413 before it is parsed")  # fmt: skip
-    add("--shm-dir", default="/dev/shm", metavar="DIR",
-        help="the only directory weight-update rings may be mapped from")  # fmt: skip
     add("--allowed-media-dir", default=None, metavar="DIR",
         help="the only directory image_data/audio_data file paths may name (regular files, "
         "no symlinks); without it file-path media is refused (default: none)")  # fmt: skip
@@ -177,6 +175,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="deadline for reading and decoding one request's media")  # fmt: skip
     add("--media-workers", type=int, default=2, metavar="N",
         help="threads that decode media (a pool of their own, apart from weight routes)")  # fmt: skip
+    add("--update-group-timeout", type=float, default=300.0, metavar="S",
+        help="how long joining a weight-update group or one broadcast in it may take")  # fmt: skip
     add("--num-threads", type=int, default=1, metavar="N", help="torch CPU threads")
     add("--log-level", default="warning", help="uvicorn log level")
     return p
@@ -209,11 +209,11 @@ def parse_args(argv: Sequence[str] | None = None) -> EngineConfig:
             max_running_requests=a.max_running_requests,
             max_queued_requests=a.max_queued_requests,
             max_request_bytes=a.max_request_bytes,
-            shm_dir=a.shm_dir,
             allowed_media_dir=a.allowed_media_dir,
             max_media_bytes=a.max_media_bytes,
             media_timeout_s=a.media_timeout_s,
             media_workers=a.media_workers,
+            update_group_timeout_s=a.update_group_timeout,
             num_threads=a.num_threads,
             log_level=a.log_level,
         )

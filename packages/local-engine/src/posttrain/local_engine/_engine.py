@@ -24,11 +24,9 @@ from typing import Any
 
 import torch
 
-from posttrain.formats import tensors_sha256
+from posttrain.formats import NVFP4FormatError, dequantize_nvfp4_state_dict, tensors_sha256
 from posttrain.interface import (
-    BucketManifest,
     IncompleteUpdateError,
-    WeightUpdateResult,
     WireFormatError,
 )
 from posttrain.local_engine._errors import UnavailableError, UpdateSessionError
@@ -36,10 +34,9 @@ from posttrain.local_engine._lora import (
     LoraAdapter,
     LoraRegistry,
     adapter_from_tensors,
-    expected_lora_tensors,
 )
 from posttrain.local_engine._sampling import SamplingConfig, pick_token, top_logprobs
-from posttrain.local_engine._update import TensorSpec, UpdateSession, check_version_increases
+from posttrain.local_engine._update import StagedUpdate, TensorSpec, check_version_increases
 from posttrain.models import DecoderModel, MediaBatch, tower_parameter_names
 from posttrain.models import LoraAdapter as ModelLora
 
@@ -104,7 +101,6 @@ generates, as in SGLang."""
 class _WeightState:
     version: int | None = None
     unavailable: str | None = None
-    session: UpdateSession | None = None
     history: list[str] = field(default_factory=list)
     released: set[str] = field(default_factory=set)
     """Memory tags released and not yet resumed."""
@@ -131,12 +127,12 @@ class Engine:
         self._specs = {
             k: TensorSpec(v.dtype, tuple(v.shape)) for k, v in model.hf_state_dict().items()
         }
+        self._update_specs = self._specs  # an NVFP4 checkpoint's engine: take_nvfp4_updates
         self.decode_text = decode_text
         self.adapters = LoraRegistry(max_loras=max_loras)
         self._w = _WeightState()
         self._update_lock = threading.Lock()
         self.abort_running = threading.Event()
-        self._staging: dict[str, torch.Tensor] = {}
         self.generated_tokens = 0
 
     # ---- state -------------------------------------------------------------------------
@@ -189,14 +185,8 @@ class Engine:
         wanted = self._memory_tags(tags)
         if "weights" in wanted and "weights" not in self._w.released:
             with self._update_lock:
-                if self._w.session is not None:
-                    raise UpdateSessionError(
-                        f"update {self._w.session.update_id!r} is open: end or abort it before "
-                        "releasing the weights"
-                    )
                 for param in self.model.parameters():
                     param.data = torch.empty(0, dtype=param.dtype, device=param.device)
-                self._staging.clear()
         self._w.released |= set(wanted)
         self._w.history.append(f"released {sorted(wanted)}")
         return sorted(self._w.released)
@@ -205,7 +195,7 @@ class Engine:
         """Re-allocate what ``tags`` name (None = all released); worker thread.
 
         Resumed weights are zero-filled and **not valid**: every base tensor is marked stale
-        and generation answers 503 until updates (wsync/1 or ``/update_weights_from_disk``)
+        and generation answers 503 until updates (``/update_weights_from_distributed`` or from disk)
         have sent each of them again, towers included. Returns the tags still released.
         """
         wanted = set(self._memory_tags(tags)) if tags is not None else set(self._w.released)
@@ -479,164 +469,64 @@ class Engine:
 
     # ---- weight updates ------------------------------------------------------------------
 
-    def begin_update(
-        self,
-        *,
-        update_id: str,
-        weight_version: int,
-        kind: str,
-        expected: Sequence[tuple[str, torch.dtype, tuple[int, ...]]],
-        lora_name: str | None = None,
-        lora_config: Mapping[str, Any] | None = None,
-    ) -> None:
-        """Open a session; a stale version or an unknown expected tensor is refused at once.
+    def take_nvfp4_updates(self, wire: Mapping[str, tuple[torch.dtype, tuple[int, ...]]]) -> None:
+        """Served from an NVFP4 checkpoint: updates carry its NVFP4 tensors (packed codes,
+        ``weight_scale``, ``weight_scale_2``, ``input_scale``) for the weights it dequantized,
+        as an SGLang ``modelopt_fp4`` engine takes them; they are dequantized at commit."""
+        modules = {n.rsplit(".", 1)[0] for n in wire}
+        specs = {n: s for n, s in self._specs.items() if n.removesuffix(".weight") not in modules}
+        specs.update({n: TensorSpec(d, shape) for n, (d, shape) in wire.items()})
+        self._update_specs = specs
 
-        An open session that was never ended is replaced (and the engine marked
-        unavailable, since that update is lost).
-        """
+    def new_update(self) -> StagedUpdate:
+        """An empty staging area for a distributed update, against the specs updates carry."""
+        if "weights" in self._w.released:
+            raise UpdateSessionError(
+                "weights are released: /resume_memory_occupation before updating them"
+            )
+        return StagedUpdate(specs=self._update_specs)
+
+    def served_tensors(self, update: StagedUpdate) -> dict[str, torch.Tensor]:
+        """A completed update's tensors as the model holds them: NVFP4 groups dequantized to
+        the served dtype (a group missing a part is refused, naming it). Off the worker."""
+        if self._update_specs is self._specs:
+            return dict(update.staged)
+        dtypes = {n: s.dtype for n, s in self._specs.items()}
+        try:
+            tensors, _ = dequantize_nvfp4_state_dict(update.staged, dtypes=dtypes)
+        except NVFP4FormatError as exc:
+            raise IncompleteUpdateError(f"NVFP4 update: {exc}") from exc
+        return tensors
+
+    def commit_staged(
+        self, update: StagedUpdate, version: int | None, tensors: Mapping[str, torch.Tensor]
+    ) -> None:
+        """Install a completed update's ``tensors`` (``served_tensors``; worker thread, between
+        batches); the version is checked first, so a stale one changes nothing."""
         with self._update_lock:
-            check_version_increases(self._w.version, weight_version)
+            if version is not None:
+                check_version_increases(self._w.version, version)
             if "weights" in self._w.released:
                 raise UpdateSessionError(
-                    "weights are released: /resume_memory_occupation before updating them"
+                    "the weights were released before the update was installed; "
+                    "/resume_memory_occupation, then send it again"
                 )
-            specs = self._specs
-            if kind == "lora":
-                if not lora_name or lora_config is None:
-                    raise UpdateSessionError("a lora update needs lora_name and lora_config")
-                allowed = expected_lora_tensors(lora_name, lora_config, self.lora_targets)
-            else:
-                allowed = specs
-            exp: dict[str, TensorSpec] = {}
-            for name, dtype, shape in expected:
-                spec = allowed.get(name)
-                if spec is None:
-                    raise UpdateSessionError(f"expected tensor {name!r} is unknown to this engine")
-                if kind == "base" and (spec.dtype != dtype or spec.shape != shape):
-                    raise UpdateSessionError(
-                        f"expected tensor {name!r}: {dtype} {list(shape)} differs from the engine's "
-                        f"{spec.dtype} {list(spec.shape)}"
-                    )
-                if kind == "lora" and spec.shape != shape:
-                    raise UpdateSessionError(
-                        f"expected tensor {name!r}: shape {list(shape)}, adapter config implies "
-                        f"{list(spec.shape)}"
-                    )
-                exp[name] = TensorSpec(dtype, shape)
-            if not expected:
-                exp = dict(allowed) if kind == "base" else {}
-            if not exp:
-                raise UpdateSessionError(f"update {update_id!r} expects no tensors")
-            if self._w.session is not None:
-                self.mark_failed(f"update {self._w.session.update_id!r} was never ended")
-            self._w.session = UpdateSession(
-                update_id=update_id,
-                weight_version=weight_version,
-                kind=kind,
-                expected=exp,
-                lora_name=lora_name,
-                lora_config=dict(lora_config or {}),
-                pool=self._staging if kind == "base" else {},
-            )
-
-    def _session(self, update_id: str) -> UpdateSession:
-        s = self._w.session
-        if s is None:
-            raise UpdateSessionError(f"update {update_id!r}: no weight update is open")
-        if s.update_id != update_id:
-            raise UpdateSessionError(
-                f"update_id {update_id!r} is not the open update {s.update_id!r}"
-            )
-        return s
+            self.model.load_hf_state_dict(dict(tensors), partial=True)
+            self._w.stale -= set(tensors)
+            if version is not None:
+                self._w.version = version
+            self._w.unavailable = None
 
     def mark_failed(self, why: str) -> None:
         """Refuse to generate (503) until a full update succeeds."""
         self._w.unavailable = why
         self._w.history.append(why)
 
-    def _refuse(self, s: UpdateSession, why: str) -> None:
-        """End the open session as refused: staging is dropped, the live weights still serve."""
-        s.failed = s.failed or why
-        self._w.session = None
-        self._w.history.append(f"update {s.update_id!r} refused: {why}")
-
-    def add_bucket(
-        self, manifest: BucketManifest, tensors: Mapping[str, torch.Tensor], *, owned: bool = False
-    ) -> None:
-        """Stage one bucket; a fault refuses the whole update (the engine keeps serving)."""
+    def set_weight_version(self, version: int) -> None:
+        """``/update_weight_version``: relabel the served weights (the version must increase)."""
         with self._update_lock:
-            s = self._session(manifest.update_id)
-            try:
-                s.add_bucket(manifest, tensors, owned=owned)
-            except Exception as e:
-                self._refuse(s, str(e))
-                raise
-
-    def fail_update(self, update_id: str, why: str) -> None:
-        """A transport could not read a bucket of ``update_id`` (a body or slot whose tensors do
-        not decode, a digest mismatch): refuse that update if it is the open one."""
-        with self._update_lock:
-            s = self._w.session
-            if s is not None and s.update_id == update_id:
-                self._refuse(s, why)
-
-    def finish_update(self, update_id: str) -> tuple[WeightUpdateResult, UpdateSession]:
-        """Close the session and decide; the caller commits a success between batches."""
-        with self._update_lock:
-            s = self._session(update_id)
-            self._w.session = None
-            result = s.finish()
-            if not result.success:
-                self.mark_failed(result.message)
-            return result, s
-
-    def session_adapter(self, session: UpdateSession) -> LoraAdapter | None:
-        """The adapter a successful lora session installs (None for a base session).
-
-        Built from the staged factors off the worker thread, so that their one check (names,
-        shapes, NaN/Inf: ``adapter_from_tensors``) runs while generation goes on; a refusal
-        here changes nothing, and the engine keeps serving what it served.
-        """
-        if session.kind != "lora":
-            return None
-        assert session.lora_name is not None
-        try:
-            return adapter_from_tensors(
-                session.lora_name, session.lora_config, session.staged, self.lora_targets
-            )
-        except Exception as e:
-            self._w.history.append(f"update {session.update_id!r} refused: {e}")
-            raise
-
-    def commit(self, session: UpdateSession, adapter: LoraAdapter | None = None) -> None:
-        """Install a successful session (worker thread, between batches): its base tensors,
-        or the adapter ``session_adapter`` built from it.
-
-        Holds the update lock: the staging buffers are reused by the next session.
-        """
-        with self._update_lock:
-            if session.kind == "lora":
-                assert adapter is not None, "a lora session commits the adapter built from it"
-                self.put_adapter(adapter)
-            else:
-                if "weights" in self._w.released:  # released between the session's end and now
-                    raise UpdateSessionError(
-                        f"update {session.update_id!r}: the weights were released before it "
-                        "was installed; /resume_memory_occupation, then send it again"
-                    )
-                self.model.load_hf_state_dict(dict(session.staged), partial=True)
-                self._w.stale -= set(session.staged)
-            self._w.version = session.weight_version
-            self._w.unavailable = None
-
-    def abort_update(self, update_id: str | None) -> bool:
-        with self._update_lock:
-            s = self._w.session
-            if s is None or (update_id is not None and s.update_id != update_id):
-                return False
-            self._w.session = None
-            self.mark_failed(f"update {s.update_id!r} aborted")
-            return True
+            check_version_increases(self._w.version, version)
+            self._w.version = version
 
     def check_full_state(self, tensors: Mapping[str, torch.Tensor]) -> None:
         """Refuse a full state that is not exactly the served model's (names, dtypes, shapes).

@@ -50,6 +50,9 @@ class NVFP4Report:
     kv_cache_quant_algo: str | None = None
     dequantized: list[str] = field(default_factory=list)
     activation_quantization: str = "not simulated (input_scale ignored)"
+    wire: dict[str, tuple[torch.dtype, tuple[int, ...]]] = field(default_factory=dict)
+    """The checkpoint's own NVFP4 tensors (packed codes, scales) by name: what a weight update
+    sends for a dequantized weight, as it would to an SGLang ``modelopt_fp4`` engine."""
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -83,8 +86,16 @@ def read_checkpoint(
     try:
         declared = read_nvfp4_quant_config(d)
         tensors = load_hf_tensors(d)
+        wire: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
         if declared is not None:
+            raw = tensors
             tensors, done = dequantize_nvfp4_state_dict(tensors, dtypes=specs)
+            modules = {n.removesuffix(".weight") for n in done}
+            wire = {
+                k: (t.dtype, tuple(t.shape))
+                for k, t in raw.items()
+                if k.rsplit(".", 1)[0] in modules
+            }
     except FormatsNVFP4Error as e:
         raise NVFP4FormatError(str(e)) from e
     except ModelsError as e:
@@ -103,6 +114,7 @@ def read_checkpoint(
         exclude_modules=list(declared.exclude_modules),
         kv_cache_quant_algo=declared.kv_cache_quant_algo,
         dequantized=list(done),
+        wire=wire,
     )
     return tensors, report
 

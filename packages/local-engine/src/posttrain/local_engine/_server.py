@@ -48,6 +48,8 @@ def build_app(config: EngineConfig) -> Starlette:
         decode_text=None if codec is None else codec.decode,
         max_loras=config.adapter_limit,
     )
+    if report is not None:
+        engine.take_nvfp4_updates(report.wire)
     for name, path in config.lora_paths.items():
         engine.put_adapter(load_peft_adapter(name, path, engine.lora_targets))
     specs = {k: s.dtype for k, s in engine.param_specs().items()}

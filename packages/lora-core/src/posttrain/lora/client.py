@@ -1,22 +1,22 @@
 """``AdapterClient``: push LoRA adapters to an SGLang-compatible engine over HTTP.
 
 Routes (SGLang's): ``POST /load_lora_adapter {lora_name, lora_path, pinned}``,
-``POST /load_lora_adapter_from_tensors {lora_name, config_dict, serialized_tensors, load_format,
-pinned, expected_checksums?, upsert?}``, ``POST /unload_lora_adapter {lora_name}``; replies
+``POST /load_lora_adapter_from_tensors {lora_name, config_dict, serialized_named_tensors,
+pinned, expected_checksums?}`` (SGLang's ``LoadLoRAAdapterFromTensorsReqInput``: one serialized
+copy per TP rank, ``tp_size`` of them), ``POST /unload_lora_adapter {lora_name}``; replies
 ``{success, error_message, loaded_adapters}`` (HTTP 400 on failure). Capabilities come from
 ``GET /server_info`` (``enable_lora`` / ``lora_paths``, ``max_lora_rank``) plus an optional
-``lora_capabilities`` list (``"checksums"``, ``"upsert"``) that forks and posttrain's local engine
-report; features not reported are not used.
+``lora_capabilities`` list (``"checksums"``) that posttrain's local engine reports; replacing
+an adapter is unload then load (SGLang's body has no upsert).
 
 Departures: ``unload`` ignores only a "not loaded" / "not found" refusal (swallowing every
 error hides real failures); checksums are sha256 of each tensor's raw bytes, sent as
-``expected_checksums`` and compared against any the engine echoes. The default tensor encoding
-is base64 safetensors (``load_format="safetensors_b64"``, what the local engine reads); pass
-``serializer=`` to use SGLang's CUDA-IPC serializer instead.
+``expected_checksums`` and compared against any the engine echoes. The tensors travel by value
+(a pickle of CPU tensors, which SGLang's safe unpickler and posttrain's restricted one read),
+so the push needs no shared disk or GPU.
 
-The body, its default encoding and the checksums (``adapter_push_body``,
-``encode_safetensors_b64``, ``tensor_sha256``) live in ``posttrain.formats``, which the engine
-decodes with too.
+The body and the checksums (``adapter_push_body``, ``tensor_sha256``) live in
+``posttrain.formats``, which the engine decodes with too.
 
 The per-request LoRA fields (``LoraServing``, ``serves_lora``, ``request_fields``) live in
 ``posttrain.formats``, their one home shared with the session router; ``posttrain.lora``
@@ -25,18 +25,17 @@ re-exports them.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import httpx
 import torch
 
-from posttrain.formats import adapter_push_body, encode_safetensors_b64, tensor_sha256
+from posttrain.formats import adapter_push_body, tensor_sha256
 from posttrain.interface import TransportError
 from posttrain.lora._errors import AdapterPushError, ChecksumMismatchError
 
-Serializer = Callable[[Mapping[str, torch.Tensor]], tuple[str, str | None]]
 _NOT_LOADED = ("not loaded", "not found", "does not exist", "no lora adapter")
 
 
@@ -47,7 +46,6 @@ class AdapterCapabilities:
     lora_enabled: bool
     max_lora_rank: int | None
     checksums: bool
-    upsert: bool
 
 
 class AdapterClient:
@@ -60,11 +58,12 @@ class AdapterClient:
         transport: httpx.BaseTransport | None = None,
         timeout: float = 60.0,
         api_key: str | None = None,
-        serializer: Serializer = encode_safetensors_b64,
+        tp_size: int = 1,
     ) -> None:
+        """``tp_size``: the engine's tensor-parallel size (one serialized copy per rank)."""
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.base_url = base_url.rstrip("/")
-        self._serializer = serializer
+        self.tp_size = tp_size
         self._caps: AdapterCapabilities | None = None
         self._http = httpx.Client(
             base_url=self.base_url, transport=transport, timeout=timeout, headers=headers
@@ -132,7 +131,6 @@ class AdapterClient:
             lora_enabled=bool(info.get("enable_lora") or info.get("lora_paths")),
             max_lora_rank=int(rank) if rank is not None else None,
             checksums="checksums" in extra,
-            upsert="upsert" in extra,
         )
         return self._caps
 
@@ -162,26 +160,19 @@ class AdapterClient:
         tensors: Mapping[str, torch.Tensor],
         config_dict: Mapping[str, Any],
         *,
-        upsert: bool = False,
         pinned: bool = False,
     ) -> dict[str, Any]:
         """Send an adapter's tensors; with checksum support the engine verifies every tensor."""
         caps = self._require_lora(int(config_dict.get("r", 0)) or None)
-        if upsert and not caps.upsert:
-            raise AdapterPushError(
-                f"{self.base_url}: engine lacks the upsert capability", url=self.base_url
-            )
-        payload, load_format = self._serializer(tensors)
         ours = {k: tensor_sha256(v) for k, v in tensors.items()} if caps.checksums else {}
         body = adapter_push_body(
             name,
             config_dict,
-            payload,
-            load_format=load_format,
+            tensors,
+            tp_size=self.tp_size,
             expected_checksums=ours,
-            upsert=upsert,
             pinned=pinned,
-        )
+        ).to_dict()
         reply = self._post("/load_lora_adapter_from_tensors", body, f"load adapter {name!r}")
         theirs = reply.get("checksums")
         if isinstance(theirs, dict):  # an engine that echoes what it stored: compare always
@@ -208,10 +199,7 @@ class AdapterClient:
     def push(
         self, name: str, tensors: Mapping[str, torch.Tensor], config_dict: Mapping[str, Any]
     ) -> dict[str, Any]:
-        """Replace the engine's adapter ``name``: upsert in place where supported, else
-        unload (ignoring "not loaded") then load."""
-        caps = self._require_lora()
-        if caps.upsert:
-            return self.load_from_tensors(name, tensors, config_dict, upsert=True)
+        """Replace the engine's adapter ``name``: unload (ignoring "not loaded"), then load."""
+        self._require_lora()
         self.unload(name)
         return self.load_from_tensors(name, tensors, config_dict)
