@@ -412,6 +412,13 @@ def row_attention(
     group = heads // kv_heads
     block_m = max(t.block_m, triton.next_power_of_2(group))
     tokens_per_tile = 1 << ((block_m // group).bit_length() - 1)  # a power of two
+    hd_pad = max(16, triton.next_power_of_2(hd))
+    block_n, stages = t.block_n, t.num_stages
+    if hd_pad > 128 and tiling is None:
+        # Head dims above 128 (MLA's 192 = 128 nope + 64 rope) pad to 256: the default tiles
+        # need 384 KiB of shared memory (an H100/H200 SM has 227 KiB). Half the key block and
+        # one stage fit. It depends on the head dim only, so train and decode still share it.
+        block_n, stages = 32, 1
     out = torch.empty((n_tok, heads, hd), dtype=torch.float32, device=q.device)
     if n_tok == 0:
         return out
@@ -439,10 +446,10 @@ def row_attention(
         TOK=tokens_per_tile,
         HAS_WINDOW=window is not None,
         BLOCK_M=block_m,
-        BLOCK_N=t.block_n,
-        HD_PAD=max(16, triton.next_power_of_2(hd)),
+        BLOCK_N=block_n,
+        HD_PAD=hd_pad,
         PRECISION=t.precision if t.precision != "auto" else ("ieee" if hd <= 64 else "tf32x3"),
         num_warps=t.num_warps,
-        num_stages=t.num_stages,
+        num_stages=stages,
     )
     return out
