@@ -142,20 +142,20 @@ def sync_full(rank: int, world: int, ckpt: str, tp: int, sp: bool) -> Any:
     """A TP=``tp`` full-training policy pushes its weights to an in-process sink (rank 0 sends):
     what the sink received."""
     torch.set_num_threads(1)
-    from test_grpo_sync import Sink
+    from grpo_workers import RecordingSink
 
-    from posttrain.grpo.sync import SyncTarget, sync_weights
+    from posttrain.grpo.fleet import EngineFleet, SyncTarget
 
     cfg = config(ckpt, world, "full", backend="megatron", tensor_model_parallel_size=tp,
                  sequence_parallel=sp)  # fmt: skip
     policy = build_policy(cfg)
-    sink = Sink()
-    result = sync_weights(policy, SyncTarget(engine_urls=(), sinks=(sink,)), 7)
+    sink = RecordingSink()
+    with EngineFleet(SyncTarget(engine_urls=(), sinks=(sink,))) as fleet:
+        result = fleet.push(policy, 7)
     dist.barrier()
     if rank:
         return None
-    assert sink.header is not None
-    return {"received": sink.received, "version": sink.header.weight_version,
+    return {"received": sink.received, "version": sink.version,
             "bytes": result.metrics["sync_bytes"]}  # fmt: skip
 
 

@@ -108,6 +108,7 @@ if TYPE_CHECKING:
     )
     from posttrain.formats._distributed_update import (
         DEFAULT_BUCKET_BYTES,
+        WeightUpdateGroup,
         free_port,
         push_distributed,
     )
@@ -211,7 +212,12 @@ _NEEDS_TORCH = {
         "max_abs_weight",
     ),
     "_engine_client": ("EngineClient", "reply_message"),
-    "_distributed_update": ("DEFAULT_BUCKET_BYTES", "free_port", "push_distributed"),
+    "_distributed_update": (
+        "DEFAULT_BUCKET_BYTES",
+        "WeightUpdateGroup",
+        "free_port",
+        "push_distributed",
+    ),
     "_named_tensors": ("deserialize_named_tensors", "serialize_named_tensors"),
     "_sglang_requests": (
         "DEFAULT_GROUP_NAME",
@@ -327,6 +333,7 @@ __all__ = [
     "UpdateWeightVersionReq",
     "UpdateWeightsFromDistributedReq",
     "UpdateWeightsFromTensorReq",
+    "WeightUpdateGroup",
     "adapter_push_body",
     "apply_lora_fields",
     "atomic_directory",
