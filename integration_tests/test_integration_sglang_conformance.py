@@ -208,12 +208,14 @@ def test_an_nvfp4_update_loads_through_sglangs_modelopt_fp4_model(tmp_path: Path
     """The engines start from quant-convert's checkpoint; grpo's sync quantizes each update
     with the same selection (``quantize_named_params``) and sends the packed tensors: SGLang's
     own model class with its ``ModelOptFp4Config`` takes every one into a parameter of the
-    right shape, and every parameter a checkpoint load writes gets written."""
+    right shape, and every parameter a checkpoint load writes gets written, ``input_scale``
+    included (the served checkpoint's values, read back as grpo's fleet reads them)."""
     from posttrain.quant_convert import (
         ConvertOptions,
         QuantPolicy,
         convert_checkpoint,
         quantize_named_params,
+        read_input_scales,
     )
 
     cfg = ModelConfig.tiny(torch_dtype="bfloat16", mlp_only_layers=())
@@ -224,10 +226,12 @@ def test_an_nvfp4_update_loads_through_sglangs_modelopt_fp4_model(tmp_path: Path
     trained = build_model(cfg, seed=1)  # the weights after some steps
     hf = to_hf_state_dict(dict(trained.state_dict()), cfg)
     update = quantize_named_params(
-        hf.items(), num_layers=cfg.num_hidden_layers, policy=QuantPolicy()
-    )  # what grpo's sync sends for rollout_quant=nvfp4
+        hf.items(), num_layers=cfg.num_hidden_layers, policy=QuantPolicy(),
+        input_scales=read_input_scales(ckpt),
+    )  # what grpo's sync sends for rollout_quant=nvfp4  # fmt: skip
     names = {n for n, _ in update}
     assert any(n.endswith(".weight_scale_2") for n in names)
+    assert any(n.endswith(".input_scale") for n in names)
     save_file(_received(update), str(ckpt / "update.safetensors"))
     result = _probe(NVFP4_PROBE, ckpt)
     assert result["mismatched"] == []

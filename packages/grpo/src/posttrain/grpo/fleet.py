@@ -113,7 +113,12 @@ from posttrain.interface import (
 )
 from posttrain.lora import AdapterClient, export_adapter
 from posttrain.models import has_towers, to_hf_state_dict, tower_parameter_names
-from posttrain.quant_convert import QuantPolicy, quantize_named_params
+from posttrain.quant_convert import (
+    QuantConvertError,
+    QuantPolicy,
+    quantize_named_params,
+    read_input_scales,
+)
 from posttrain.session_router import RouterHandle
 
 __all__ = [
@@ -252,6 +257,7 @@ class EngineFleet:
         self._clients: dict[str, EngineClient] = {}
         self._adapters: dict[str, AdapterClient] = {}
         self._group: WeightUpdateGroup | None = None
+        self._scales: dict[str, torch.Tensor] | None = None  # NVFP4: the served input_scales
 
     def __enter__(self) -> EngineFleet:
         return self
@@ -427,7 +433,9 @@ class EngineFleet:
         elif policy.backend == "megatron":
             hf = policy.model.hf_state_dict()  # collective over TP: shards gathered to HF names
             tensors = (
-                _engine_tensors(hf, policy, target, with_towers=gather_towers)
+                _engine_tensors(
+                    hf, policy, target, with_towers=gather_towers, scales=self._input_scales()
+                )
                 if dist.get_rank() == 0
                 else {}
             )
@@ -437,7 +445,7 @@ class EngineFleet:
             tensors = (
                 _engine_tensors(
                     to_hf_state_dict(full, policy.model.config), policy, target,
-                    with_towers=gather_towers,
+                    with_towers=gather_towers, scales=self._input_scales(),
                 )
                 if dist.get_rank() == 0
                 else {}
@@ -608,6 +616,23 @@ class EngineFleet:
                 timeout_s=min(HEALTH_TIMEOUT_S, self.target.timeout_s),
             )
 
+    def _input_scales(self) -> dict[str, torch.Tensor]:
+        """NVFP4 rollouts: the served checkpoint's ``input_scale`` tensors (read once), which
+        every update carries again; none otherwise."""
+        if self.target.rollout_quant != "nvfp4":
+            return {}
+        if self._scales is None:
+            if self.target.base_model_path is None:
+                raise GrpoRunError(
+                    "weight sync: --rollout-quant nvfp4 needs the served checkpoint "
+                    "(SyncTarget.base_model_path) to read its input_scale tensors"
+                )
+            try:
+                self._scales = read_input_scales(self.target.base_model_path)
+            except QuantConvertError as exc:
+                raise GrpoRunError(f"weight sync: the served NVFP4 checkpoint: {exc}") from exc
+        return self._scales
+
     def _reload_base(self, url: str) -> None:
         """Have the engine reload its base weights (towers included) from the checkpoint, as
         after an offload it holds none (``/update_weights_from_disk``)."""
@@ -768,12 +793,18 @@ def _push_to_sink(
 
 
 def _engine_tensors(
-    tensors: dict[str, torch.Tensor], policy: Policy, target: SyncTarget, *, with_towers: bool
+    tensors: dict[str, torch.Tensor],
+    policy: Policy,
+    target: SyncTarget,
+    *,
+    with_towers: bool,
+    scales: dict[str, torch.Tensor],
 ) -> dict[str, torch.Tensor]:
     """The HF-named tensors an engine loads (the frozen towers only ``with_towers``); for
     NVFP4 rollouts, each NVFP4-selected weight is replaced by its packed NVFP4 tensors (uint8
-    codes, fp8 ``weight_scale``, ``weight_scale_2``) under the converted checkpoint's names and
-    shapes, what an SGLang ``modelopt_fp4`` engine loads (the local engine dequantizes them)."""
+    codes, fp8 ``weight_scale``, ``weight_scale_2``, and the served checkpoint's ``input_scale``
+    from ``scales``) under the converted checkpoint's names and shapes, what an SGLang
+    ``modelopt_fp4`` engine loads (the local engine dequantizes them)."""
     if not with_towers:
         tensors = _without_towers(tensors, policy)
     if target.rollout_quant != "nvfp4":
@@ -783,6 +814,7 @@ def _engine_tensors(
             tensors.items(),
             num_layers=policy.model.config.num_hidden_layers,
             policy=QuantPolicy(num_layers_at_end_in_bf16=0),
+            input_scales=scales,
         )
     )
 
