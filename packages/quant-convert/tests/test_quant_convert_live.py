@@ -52,7 +52,8 @@ def test_live_equals_converter_with_read_back_exclusions(tmp_path: Path) -> None
     assert all(torch.equal(_bytes(same[k]), _bytes(out[k])) for k in out)
     # with the served checkpoint's input_scales read back: every tensor it holds, bit for bit
     scales = qc.read_input_scales(tmp_path / "dst")
-    assert scales and set(scales) == {k for k in served if k.endswith(".input_scale")}
+    assert scales
+    assert set(scales) == {k for k in served if k.endswith(".input_scale")}
     full = dict(
         quantize_named_params(
             source.items(), num_layers=3, exclude_modules=ignore, input_scales=scales
