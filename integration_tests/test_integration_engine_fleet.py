@@ -102,7 +102,9 @@ def _fleet_run(rank: int, world: int, ckpt: str, a: str, b: str) -> dict[str, An
         step("first", first)
         step("second", first + 1)
         fleet._set_aside(((b, "set aside by the test"),), "test")  # as if b had not answered
+        fleet.readmit_lost = False  # not probed: it stays out
         step("without-b", first + 2)
+        fleet.readmit_lost = True
         step("readmit-b", first + 3)  # b answers /health: re-admitted
     out["close"] = wire.take()
     out["first_version"] = first

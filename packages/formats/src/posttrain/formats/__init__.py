@@ -184,6 +184,12 @@ if TYPE_CHECKING:
         UpdateWeightVersionReq,
         version_string,
     )
+    from posttrain.formats._tensor_update import (
+        FLATTENED_BUCKET,
+        flatten_bucket,
+        serialize_for_engine,
+        tensor_update_requests,
+    )
     from posttrain.formats._update_group import UpdateGroup, join_update_group
 
 # Module -> the names that need torch (see the docstring): loaded by __getattr__ on first use.
@@ -232,6 +238,12 @@ _NEEDS_TORCH = {
         "version_string",
     ),
     "_update_group": ("UpdateGroup", "join_update_group"),
+    "_tensor_update": (
+        "FLATTENED_BUCKET",
+        "flatten_bucket",
+        "serialize_for_engine",
+        "tensor_update_requests",
+    ),
     "_lora_delta": ("LinearKernel", "lora_delta", "matmul_kernel"),
     "_nvfp4": (
         "E2M1_VALUES",
@@ -292,6 +304,7 @@ __all__ = [
     "DEFAULT_MAX_ABS_WEIGHT",
     "DTYPES",
     "E2M1_VALUES",
+    "FLATTENED_BUCKET",
     "GROUP_SIZE",
     "MAX_ABS_WEIGHT_ENV",
     "MEDIA_SAMPLES_FORMAT",
@@ -351,6 +364,7 @@ __all__ = [
     "e2m1_code_values",
     "encode_samples",
     "expert_modules",
+    "flatten_bucket",
     "free_port",
     "fsync_dir",
     "fsync_tree",
@@ -376,11 +390,13 @@ __all__ = [
     "request_fields",
     "resolve_api_key",
     "safetensors_header",
+    "serialize_for_engine",
     "serialize_named_tensors",
     "serves_lora",
     "stack_expert_adapter",
     "tensor_bytes",
     "tensor_sha256",
+    "tensor_update_requests",
     "tensors_sha256",
     "unpack_e2m1_codes",
     "unstack_expert_adapter",

@@ -22,7 +22,11 @@ What a sync sends:
   engine, or as a checkpoint in ``sync_dir`` read with ``/update_weights_from_disk``
   (``weight_sync=disk``). The update group (``posttrain.formats.WeightUpdateGroup``: gloo on
   CPU, nccl on GPU) is formed once, at the first sync, with the engines that answer, kept for
-  every later sync, and destroyed at ``close`` (the end of the run). It is formed again only
+  every later sync, and destroyed at ``close`` (the end of the run). Engines colocated on the
+  trainer's GPUs take ``weight_sync=tensor``: each bucket flattened into one GPU tensor
+  (SGLang's ``flattened_bucket``) and handed over as a CUDA IPC handle in SGLang's
+  ``/update_weights_from_tensor`` body (``posttrain.formats.tensor_update_requests``); the
+  CPU engine refuses that route by name. It is formed again only
   when its members change: an engine is lost (the group leaves it out), a lost engine is
   re-admitted (the group takes it in), or an update failed (a broadcast may have stopped
   midway). A failed update is ended on every engine it began on (the group is destroyed there,
@@ -99,6 +103,7 @@ from posttrain.formats import (
     UpdateWeightFromDiskReq,
     WeightUpdateGroup,
     atomic_directory,
+    tensor_update_requests,
     write_safetensors,
 )
 from posttrain.fsdp_mesh import iter_full_state_dict
@@ -553,15 +558,22 @@ class EngineFleet:
         if not readmit:
             self._send(live, tensors, version)
             return [lost, [], []]
-        try:
-            self._send([*live, *readmit], readmit_tensors, version)
+        try:  # in a group formed anew: a re-admitted engine never reuses one from before
+            self._send([*live, *readmit], readmit_tensors, version, reform=True)
         except Exception as exc:  # without them, then: a re-admission never fails the step
             why = f"{type(exc).__name__}: {exc}"
             self._send(live, tensors, version)
             return [lost, [], [(url, why) for url in readmit]]
         return [lost, list(readmit), []]
 
-    def _send(self, urls: Sequence[str], tensors: dict[str, torch.Tensor], version: int) -> None:
+    def _send(
+        self,
+        urls: Sequence[str],
+        tensors: dict[str, torch.Tensor],
+        version: int,
+        *,
+        reform: bool = False,
+    ) -> None:
         """One full update to ``urls``: a checkpoint read from disk, or through the update
         group (formed anew when its members are not ``urls``, or after a failed update; the
         old one destroyed on those of its engines that stay, as one that left may be frozen
@@ -576,11 +588,14 @@ class EngineFleet:
             return
         if not urls:
             return
+        if target.weight_sync == "tensor":
+            self._send_handles(urls, tensors, version)
+            return
         group = self._group
-        if group is None or not group.usable or group.urls != tuple(urls):
+        if reform or group is None or not group.usable or group.urls != tuple(urls):
             self._drop_group(leave_out=[u for u in group.urls if u not in urls] if group else ())
             for url in urls:
-                if group is None or url not in group.urls:  # a group it may hold from before
+                if group is None or url not in group.urls:  # it may hold one from before
                     self._leave_stale_group(url)
             group = self._group = WeightUpdateGroup.form(
                 [self.client(url) for url in urls],
@@ -597,6 +612,33 @@ class EngineFleet:
             raise
         for url in urls:
             self.versions[url] = version
+
+    def _send_handles(
+        self, urls: Sequence[str], tensors: dict[str, torch.Tensor], version: int
+    ) -> None:
+        """Colocated engines (``weight_sync=tensor``): each bucket flattened into one tensor on
+        the trainer's GPU and handed over as a CUDA IPC handle in SGLang's
+        ``/update_weights_from_tensor`` body; the engine maps the trainer's memory, so the
+        buckets stay alive here until every engine answered."""
+        device = (
+            torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+        )
+        if device is None:
+            raise GrpoRunError(
+                "weight sync: --weight-sync tensor hands colocated engines CUDA IPC handles to "
+                "the trainer's GPU memory, and this trainer has no GPU; use --weight-sync "
+                "distributed (or disk)"
+            )
+        on_gpu = [(n, t.detach().to(device)) for n, t in tensors.items()]
+        requests, held = tensor_update_requests(
+            on_gpu, weight_version=version, bucket_bytes=self.target.bucket_bytes
+        )
+        torch.cuda.synchronize(device)  # the copies are done before an engine maps them
+        for url in urls:
+            for request in requests:
+                self.client(url).post("/update_weights_from_tensor", request)
+            self.versions[url] = version
+        del held
 
     def _drop_group(self, *, leave_out: Sequence[str] = ()) -> None:
         """Destroy the update group (on its engines but ``leave_out``), if one is formed."""
