@@ -54,12 +54,12 @@ def _sync_over_disk(rank: int, world: int, ckpt: str, url: str, sync_dir: str) -
         for p in full.model.parameters():
             p.add_(0.01)
     with EngineFleet(target) as fleet:
-        fleet.push(full, 5)
+        fleet.sync(full, 5, first=True)
     gathered = dict(iter_full_state_dict(full.model))
     expected = tensors_sha256(to_hf_state_dict(gathered, full.model.config))
     lora = build_policy(GrpoConfig(model_path=Path(ckpt), train="lora", replicate=1, shard=1))
     with EngineFleet(target) as fleet:
-        fleet.push(lora, 6)
+        fleet.sync(lora, 6, first=True)
     return {"expected_sha": expected}
 
 

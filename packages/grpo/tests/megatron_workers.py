@@ -151,7 +151,7 @@ def sync_full(rank: int, world: int, ckpt: str, tp: int, sp: bool) -> Any:
     policy = build_policy(cfg)
     sink = RecordingSink()
     with EngineFleet(SyncTarget(engine_urls=(), sinks=(sink,))) as fleet:
-        result = fleet.push(policy, 7)
+        result = fleet.sync(policy, 7, first=True)
     dist.barrier()
     if rank:
         return None

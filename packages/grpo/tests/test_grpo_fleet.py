@@ -235,11 +235,11 @@ def _sync_with_readmission(rank: int, world: int, ckpt: str, dead: str) -> dict[
     policy = build_policy(GrpoConfig(model_path=Path(ckpt), train="full", replicate=1, shard=1))
     target = SyncTarget(engine_urls=(), sinks=(sink,), timeout_s=10.0)
     with EngineFleet(target) as fleet:
-        synced = fleet.push(policy, 3, first=False, readmit=(dead,))
+        synced = fleet.sync(policy, 3, readmit=(dead,))
     lora = build_policy(GrpoConfig(model_path=Path(ckpt), train="lora", replicate=1, shard=1))
     try:
         with EngineFleet(SyncTarget(engine_urls=(), sinks=(sink,))) as fleet:
-            fleet.push(lora, 4, readmit=(dead,))
+            fleet.sync(lora, 4, first=True, readmit=(dead,))
         refused = ""
     except GrpoRunError as exc:
         refused = str(exc)

@@ -5,7 +5,7 @@ weight routes, the adapter pushes through lora-core's ``AdapterClient`` borrowin
 connection, the ``/health`` probes and ``/model_info`` all go through it), the weight version
 each engine took, the weight-update group, which engines are lost, and their sgl-router
 registration. The loop hands it the policy and a version; it does the rest. Its collective
-methods (``first_version``, ``sync``, ``push``, ``set_memory``) run on every trainer rank:
+methods (``first_version``, ``sync``, ``set_memory``) run on every trainer rank:
 rank 0 talks to the engines and every rank learns the outcome.
 
 What a sync sends:
@@ -235,10 +235,37 @@ def _lead() -> bool:
     return not dist.is_initialized() or dist.get_rank() == 0
 
 
+def _decided_on_lead(compute: Callable[[], Any], *, when: str | None = None) -> Any:
+    """``compute()`` on rank 0, its result on every rank; a ``GrpoRunError`` there is raised on
+    every rank (prefixed with ``when``), so none waits for a broadcast that never comes."""
+    outcome: tuple[bool, Any] = (True, None)
+    if _lead():
+        try:
+            outcome = (True, compute())
+        except GrpoRunError as exc:
+            outcome = (False, f"{when}: {exc}" if when else str(exc))
+    ok, value = _broadcast(outcome)
+    if not ok:
+        raise GrpoRunError(value)
+    return value
+
+
 def _broadcast(obj: Any) -> Any:
     box = [obj]
     dist.broadcast_object_list(box, src=0)
     return box[0]
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class _Outgoing:
+    """One sync's tensors on rank 0: for the live engines, and for the re-admitted ones (the
+    towers included where the model has them)."""
+
+    version: int
+    tensors: dict[str, torch.Tensor]
+    readmit_tensors: dict[str, torch.Tensor]
+    readmit: tuple[str, ...]
+    reload_base: bool
 
 
 class EngineFleet:
@@ -338,16 +365,22 @@ class EngineFleet:
     def first_version(self) -> int:
         """One past the highest weight version any engine reports (versions must increase);
         collective: rank 0 asks, every rank gets it (or raises the same error)."""
-        outcome: int | str = 0
-        if dist.get_rank() == 0:
-            try:
-                outcome = max((self.weight_version(u) for u in self.engine_urls), default=0) + 1
-            except GrpoRunError as exc:
-                outcome = str(exc)
-        outcome = _broadcast(outcome)
-        if isinstance(outcome, str):
-            raise GrpoRunError(outcome)
-        return int(outcome)
+        highest = _decided_on_lead(
+            lambda: max((self.weight_version(u) for u in self.engine_urls), default=0)
+        )
+        return int(highest) + 1
+
+    def set_memory(self, *, resident: bool, when: str) -> None:
+        """Release (``resident=False``) or resume every live engine's memory, SGLang's
+        ``/release_memory_occupation`` / ``/resume_memory_occupation`` (all tags); collective.
+        An unreachable engine is set aside as a lost one."""
+        route = "/resume_memory_occupation" if resident else "/release_memory_occupation"
+
+        def call(url: str) -> None:
+            self.client(url).post(route, {"tags": None})
+
+        gone = _decided_on_lead(lambda: push_each(self.engine_urls, call), when=when)
+        self._set_aside(tuple((str(u), str(w)) for u, w in gone), when)
 
     def sync(
         self,
@@ -356,62 +389,43 @@ class EngineFleet:
         *,
         first: bool = False,
         engines_resumed: bool = False,
+        readmit: Sequence[str] | None = None,
         when: str = "sync",
     ) -> SyncResult:
-        """The loop's weight sync (collective): probe the lost engines (``readmit_lost``),
-        ``push`` to the live ones and re-admit those that answer, set aside the engines it
-        could not reach (router deregistration, a warning each) and take back the re-admitted
-        ones (router registration). ``when`` names the step in warnings and errors."""
-        lead = dist.get_rank() == 0
-        back = _broadcast(self.answering(self.lost) if lead and self.readmit_lost else [])
-        synced = self.push(
-            policy, version, first=first, engines_resumed=engines_resumed, readmit=back
+        """Push the current weights to every live engine at ``version`` (collective; rank 0
+        sends), then set aside the engines it could not reach (router deregistration, a warning
+        each) and take back the re-admitted ones (router registration).
+
+        ``first``: the run's first sync (the engines may hold other weights than the trainer's);
+        ``engines_resumed``: the engines went through an offload/onload cycle since the last
+        sync. Either way the frozen towers go too. ``readmit``: the lost engines to re-admit
+        (default: those that answer ``/health`` now, when ``readmit_lost``); each gets what a
+        resumed engine gets (full weights with the towers, or a base reload and the adapter),
+        and a failure there only leaves it lost. ``when`` names the step in warnings and
+        errors. Returns, on every rank, ``{"sync_bytes": ..., "sync_towers": 0|1,
+        "sync_engines_lost": ..., "sync_engines_readmitted": ...}``, the engines that could not
+        be reached and the re-admitted ones.
+        """
+        if readmit is None:
+            probe = self.readmit_lost and _lead()
+            readmit = _broadcast(self.answering(self.lost) if probe else [])
+        synced = self._push(
+            policy, version, first=first, engines_resumed=engines_resumed, readmit=readmit
         )
         self._set_aside(synced.lost, when)
         self._take_back(synced, when)
         return synced
 
-    def set_memory(self, *, resident: bool, when: str) -> None:
-        """Release (``resident=False``) or resume every live engine's memory, SGLang's
-        ``/release_memory_occupation`` / ``/resume_memory_occupation`` (all tags); collective.
-        An unreachable engine is set aside as a lost one."""
-        route = "/resume_memory_occupation" if resident else "/release_memory_occupation"
-        outcome: Any = None
-
-        def call(url: str) -> None:
-            self.client(url).post(route, {"tags": None})
-
-        if dist.get_rank() == 0:
-            try:
-                outcome = push_each(self.engine_urls, call)
-            except GrpoRunError as exc:
-                outcome = f"{when}: {exc}"
-        outcome = _broadcast(outcome)
-        if isinstance(outcome, str):
-            raise GrpoRunError(outcome)
-        self._set_aside(tuple((str(u), str(w)) for u, w in outcome), when)
-
-    def push(
+    def _push(
         self,
         policy: Policy,
         version: int,
         *,
-        first: bool = True,
-        engines_resumed: bool = False,
-        readmit: Sequence[str] = (),
+        first: bool,
+        engines_resumed: bool,
+        readmit: Sequence[str],
     ) -> SyncResult:
-        """Push the current weights to every live engine at ``version`` (collective; rank 0
-        sends); the fleet's membership is left as it is (``sync`` updates it).
-
-        ``first``: the run's first sync (the engines may hold other weights than the trainer's);
-        ``engines_resumed``: the engines went through an offload/onload cycle since the last
-        sync. Either way the frozen towers go too. ``readmit``: lost engines that answer again;
-        each gets what a resumed engine gets (full weights with the towers, or a base reload and
-        the adapter), and a failure there only leaves it lost. Returns, on every rank,
-        ``{"sync_bytes": ..., "sync_towers": 0|1, "sync_engines_lost": ...,
-        "sync_engines_readmitted": ...}``, the engines that could not be reached and the
-        re-admitted ones.
-        """
+        """``sync``'s push; the fleet's membership is left as it is."""
         target = self.target
         readmit = tuple(url for url in readmit if url not in self.engine_urls)
         reload_base = policy.lora is not None and engines_resumed
@@ -463,14 +477,14 @@ class EngineFleet:
         if dist.get_rank() == 0:
             outcome[1] = float(sum(t.numel() * t.element_size() for t in tensors.values()))
             try:
+                update = _Outgoing(
+                    version=version, tensors=tensors, readmit_tensors=readmit_tensors,
+                    readmit=tuple(readmit), reload_base=reload_base,
+                )  # fmt: skip
                 if policy.lora is not None:
-                    outcome[2:] = self._push_adapters(
-                        policy, version, tensors, readmit_tensors, readmit, reload_base
-                    )
+                    outcome[2:] = self._push_adapters(policy, update)
                 else:
-                    outcome[2:] = self._push_full(
-                        version, tensors, readmit_tensors, readmit, reload_base
-                    )
+                    outcome[2:] = self._push_full(update)
                 for sink in target.sinks:
                     _push_to_sink(sink, policy, target, tensors, version)
             except Exception as exc:  # reported to every rank below, so none waits forever
@@ -497,18 +511,10 @@ class EngineFleet:
 
     # --- rank 0: the pushes ---------------------------------------------------------------
 
-    def _push_adapters(
-        self,
-        policy: Policy,
-        version: int,
-        tensors: dict[str, torch.Tensor],
-        readmit_tensors: dict[str, torch.Tensor],
-        readmit: Sequence[str],
-        reload_base: bool,
-    ) -> list[list[Any]]:
+    def _push_adapters(self, policy: Policy, update: _Outgoing) -> list[list[Any]]:
         """The adapter to every live engine, then to each re-admitted one (after a base
         reload); returns [lost, re-admitted, re-admission failures]."""
-        target = self.target
+        target, version = self.target, update.version
         assert policy.lora_config is not None
         config = policy.lora_config.peft_config(policy.target_modules)
 
@@ -524,26 +530,21 @@ class EngineFleet:
                 adapters.push(target.lora_name, tensors, config)
             self.versions[url] = version
 
-        lost = push_each(self.engine_urls, lambda url: push(url, tensors, reload=reload_base))
+        lost = push_each(
+            self.engine_urls, lambda url: push(url, update.tensors, reload=update.reload_base)
+        )
         readmitted: list[str] = []
         failed: list[tuple[str, str]] = []
-        for url in readmit:  # after the live engines: a slow one never delays them
+        for url in update.readmit:  # after the live engines: a slow one never delays them
             try:
-                push(url, readmit_tensors, reload=True)
+                push(url, update.readmit_tensors, reload=True)
             except Exception as exc:  # it stays lost; the next sync tries again
                 failed.append((url, f"{type(exc).__name__}: {exc}"))
             else:
                 readmitted.append(url)
         return [lost, readmitted, failed]
 
-    def _push_full(
-        self,
-        version: int,
-        tensors: dict[str, torch.Tensor],
-        readmit_tensors: dict[str, torch.Tensor],
-        readmit: Sequence[str],
-        reload_base: bool,
-    ) -> list[list[Any]]:
+    def _push_full(self, update: _Outgoing) -> list[list[Any]]:
         """Full weights to the live engines that answer ``/health``, and to the re-admitted
         ones (in one group formed anew with them, the towers going to every engine); returns
         [lost, re-admitted, re-admission failures]."""
@@ -552,19 +553,21 @@ class EngineFleet:
         lost = [(url, "no answer to /health") for url in urls if url not in live]
         if urls and not live:
             raise GrpoRunError(f"weight sync: no engine could be reached ({list(urls)})")
-        if reload_base:
+        if update.reload_base:
             for url in live:
                 self._reload_base(url)
-        if not readmit:
-            self._send(live, tensors, version)
+        if not update.readmit:
+            self._send(live, update.tensors, update.version)
             return [lost, [], []]
         try:  # in a group formed anew: a re-admitted engine never reuses one from before
-            self._send([*live, *readmit], readmit_tensors, version, reform=True)
+            self._send(
+                [*live, *update.readmit], update.readmit_tensors, update.version, reform=True
+            )
         except Exception as exc:  # without them, then: a re-admission never fails the step
             why = f"{type(exc).__name__}: {exc}"
-            self._send(live, tensors, version)
-            return [lost, [], [(url, why) for url in readmit]]
-        return [lost, list(readmit), []]
+            self._send(live, update.tensors, update.version)
+            return [lost, [], [(url, why) for url in update.readmit]]
+        return [lost, list(update.readmit), []]
 
     def _send(
         self,
@@ -745,29 +748,30 @@ class EngineFleet:
 def deregister(router_url: str, url: str, *, timeout_s: float) -> None:
     """Remove engine ``url`` from the sgl-router at ``router_url`` (nothing to do when it is
     not registered); a router that fails is a ``GrpoRunError`` naming both."""
-    with RouterHandle(router_url, timeout_s=timeout_s) as router:
-        try:
-            if url.rstrip("/") in router.workers():
-                router.remove_worker(url, timeout_s=timeout_s)
-        except Exception as exc:  # RouterStartError, httpx errors: the router failed
-            raise GrpoRunError(
-                f"deregistering lost engine {url} from router {router_url}: "
-                f"{type(exc).__name__}: {exc}"
-            ) from exc
+    _router_membership(router_url, url, member=False, timeout_s=timeout_s)
 
 
 def register(router_url: str, url: str, *, timeout_s: float) -> None:
     """Register engine ``url`` with the sgl-router at ``router_url`` again and wait until the
     router lists it healthy; a router that fails is a ``GrpoRunError`` naming both."""
+    _router_membership(router_url, url, member=True, timeout_s=timeout_s)
+
+
+def _router_membership(router_url: str, url: str, *, member: bool, timeout_s: float) -> None:
     with RouterHandle(router_url, timeout_s=timeout_s) as router:
         try:
-            if url.rstrip("/") not in router.workers():
+            listed = url.rstrip("/") in router.workers()
+            if member and not listed:
                 router.add_worker(url, timeout_s=timeout_s)
+            elif listed and not member:
+                router.remove_worker(url, timeout_s=timeout_s)
         except Exception as exc:  # RouterStartError, httpx errors: the router failed
-            raise GrpoRunError(
-                f"registering re-admitted engine {url} with router {router_url}: "
-                f"{type(exc).__name__}: {exc}"
-            ) from exc
+            what = (
+                f"registering re-admitted engine {url} with"
+                if member
+                else f"deregistering lost engine {url} from"
+            )
+            raise GrpoRunError(f"{what} router {router_url}: {type(exc).__name__}: {exc}") from exc
 
 
 def _sync_path(target: SyncTarget, kind: str, version: int) -> Path:
