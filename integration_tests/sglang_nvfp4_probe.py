@@ -4,8 +4,8 @@ dtypes and shapes). Run as ``python sglang_nvfp4_probe.py <port> <checkpoint dir
 ``test_integration_sglang_conformance.py``, in a child process (SGLang's process-wide state).
 
 Prints one ``PROBE <json>`` line: ``unwritten`` (SGLang parameters no loader was called for;
-the swizzled block scales are derived after loading and ``input_scale`` is the one the engine
-loaded from its checkpoint, so neither is counted), ``unused`` (update tensors no loader took)
+the swizzled block scales are derived after loading, so they are not counted; ``input_scale``
+is: an update carries the served checkpoint's), ``unused`` (update tensors no loader took)
 and ``mismatched`` (a loader refused a tensor: its error). The MoE layers are built with the
 marlin runner backend, the one SGLang offers for NVFP4 below Blackwell; nothing runs a forward.
 """
@@ -67,7 +67,7 @@ def probe(path: str) -> dict[str, Any]:
             yield name, tensors[name]
 
     model.load_weights(feed())
-    derived = ("_blockscale_swizzled", "input_scale")
+    derived = ("_blockscale_swizzled",)
     return {
         "architecture": arch,
         "unwritten": sorted(n for n in params if n not in written and not n.endswith(derived)),

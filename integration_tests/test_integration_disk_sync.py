@@ -40,7 +40,7 @@ def _sync_over_disk(rank: int, world: int, ckpt: str, url: str, sync_dir: str) -
     from posttrain.formats import tensors_sha256
     from posttrain.fsdp_mesh import iter_full_state_dict
     from posttrain.grpo.config import GrpoConfig
-    from posttrain.grpo.sync import SyncTarget, sync_weights
+    from posttrain.grpo.fleet import EngineFleet, SyncTarget
     from posttrain.grpo.trainer import build_policy
     from posttrain.models import to_hf_state_dict
 
@@ -53,11 +53,13 @@ def _sync_over_disk(rank: int, world: int, ckpt: str, url: str, sync_dir: str) -
     with torch.no_grad():
         for p in full.model.parameters():
             p.add_(0.01)
-    sync_weights(full, target, 5)
+    with EngineFleet(target) as fleet:
+        fleet.sync(full, 5, first=True)
     gathered = dict(iter_full_state_dict(full.model))
     expected = tensors_sha256(to_hf_state_dict(gathered, full.model.config))
     lora = build_policy(GrpoConfig(model_path=Path(ckpt), train="lora", replicate=1, shard=1))
-    sync_weights(lora, target, 6)
+    with EngineFleet(target) as fleet:
+        fleet.sync(lora, 6, first=True)
     return {"expected_sha": expected}
 
 

@@ -8,7 +8,7 @@ as soon as that sync returned: the sync loses it (no reply within the target's t
 
 * With re-admission (the default, and ``router_url``): the loop deregisters engine 1 from
   sgl-router, probes it at the next sync, pushes it the current weights and only then registers
-  it again. At that moment (a spy on ``readmit.register``) engine 1 holds the trainer's weight
+  it again. At that moment (a spy on ``fleet.register``) engine 1 holds the trainer's weight
   version and its ``/weights_checksum`` equals the digest of the trainer's own HF tensors, and
   sgl-router does not list it yet. Every sample of every step was produced at the trainer's
   version (no stale sample), ``train_rollout_logprob_abs_diff`` is 0 at every step, and the
@@ -40,8 +40,8 @@ import torch
 from faults import save_fault_model
 from prometheus_client.parser import text_string_to_metric_families
 
+import posttrain.grpo.fleet as grpo_fleet
 import posttrain.grpo.loop as grpo_loop
-import posttrain.grpo.readmit as grpo_readmit
 from posttrain.formats import tensors_sha256
 from posttrain.fsdp_mesh import iter_full_state_dict
 from posttrain.grpo import GrpoConfig
@@ -105,27 +105,27 @@ def local_stack(model_dir: Path, train: str) -> Iterator[tuple[LocalRunner, str]
 
 
 class FreezeAtFirstStepSync:
-    """Wraps the loop's ``sync_weights``: SIGSTOP engine 1 just before the sync after step 0,
+    """Wraps the fleet's ``sync``: SIGSTOP engine 1 just before the sync after step 0,
     SIGCONT once it returned. Records every call's version and the policy."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch, pid: int) -> None:
         self.pid = pid
         self.versions: list[int] = []
         self.policy: Any = None
-        real = grpo_loop.sync_weights
+        real = grpo_fleet.EngineFleet.sync
 
-        def sync_weights(policy: Any, target: Any, version: int, **kwargs: Any) -> Any:
+        def sync(fleet: Any, policy: Any, version: int, **kwargs: Any) -> Any:
             self.policy = policy
             self.versions.append(version)
             if len(self.versions) != 2:
-                return real(policy, target, version, **kwargs)
+                return real(fleet, policy, version, **kwargs)
             os.kill(self.pid, signal.SIGSTOP)
             try:
-                return real(policy, target, version, **kwargs)
+                return real(fleet, policy, version, **kwargs)
             finally:
                 os.kill(self.pid, signal.SIGCONT)
 
-        monkeypatch.setattr(grpo_loop, "sync_weights", sync_weights)
+        monkeypatch.setattr(grpo_fleet.EngineFleet, "sync", sync)
 
     def trainer_sha256(self) -> str | None:
         """The digest of the trainer's weights as HF tensors (what the engine digests); None
@@ -166,7 +166,7 @@ def _run(
         frozen = urls["engine-1"]
         pid = next(rp.pid for rp in runner.running if rp.spec.name == "engine-1")
         freezer = FreezeAtFirstStepSync(monkeypatch, pid)
-        real_register, real_deregister = grpo_readmit.register, grpo_readmit.deregister
+        real_register, real_deregister = grpo_fleet.register, grpo_fleet.deregister
 
         def deregister(router_url: str, url: str, *, timeout_s: float) -> None:
             real_deregister(router_url, url, timeout_s=timeout_s)
@@ -182,8 +182,8 @@ def _run(
             })  # fmt: skip
             real_register(router_url, url, timeout_s=timeout_s)
 
-        monkeypatch.setattr(grpo_readmit, "register", register)
-        monkeypatch.setattr(grpo_readmit, "deregister", deregister)
+        monkeypatch.setattr(grpo_fleet, "register", register)
+        monkeypatch.setattr(grpo_fleet, "deregister", deregister)
         cfg = GrpoConfig(
             model_path=model_dir, rollout_url=urls["session-router"],
             engine_urls=(urls["engine-0"], frozen), train=train, replicate=1, shard=1,

@@ -126,6 +126,51 @@ def test_every_body_we_send_is_accepted_by_sglangs_classes() -> None:
     assert all(torch.equal(read[k], v) for k, v in lora.items())
 
 
+def test_colocated_tensor_updates_read_back_through_sglangs_deserializer() -> None:
+    """``weight_sync=tensor``: the bodies validate as ``UpdateWeightsFromTensorReqInput``, and
+    SGLang's ``MultiprocessingSerializer`` (its safe unpickler) reads each bucket back, here on
+    CPU tensors (shared-memory handles where a GPU's are CUDA IPC ones): flattened buckets
+    through its ``FlattenedTensorBucket``, plain ones as ``(name, tensor)`` pairs, to exactly
+    the names and values we sent, every dtype at its alignment."""
+    from sglang.srt.utils.common import MultiprocessingSerializer
+    from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
+
+    from posttrain.formats import FLATTENED_BUCKET, tensor_update_requests
+
+    _, tensors = _full_update()
+    tensors += [("odd.bytes", torch.arange(7, dtype=torch.uint8)),
+                ("fp8.scale", torch.full((3,), 0.5).to(torch.float8_e4m3fn))]  # fmt: skip
+    sent = dict(tensors)
+    for flattened in (True, False):
+        requests, held = tensor_update_requests(
+            tensors, weight_version=9, tp_size=2, flattened=flattened, bucket_bytes=1 << 16
+        )
+        assert len(requests) > 1
+        read: dict[str, torch.Tensor] = {}
+        for k, ours in enumerate(requests):
+            got = _sglang_accepts(io_struct.UpdateWeightsFromTensorReqInput, ours)
+            last = k == len(requests) - 1
+            assert (got.flush_cache, got.weight_version) == (last, "9" if last else None)
+            assert got.load_format == (FLATTENED_BUCKET if flattened else None)
+            assert len(got.serialized_named_tensors) == 2  # one per TP rank
+            payload = MultiprocessingSerializer.deserialize(got.serialized_named_tensors[1])
+            if flattened:
+                bucket = FlattenedTensorBucket(
+                    flattened_tensor=payload["flattened_tensor"], metadata=payload["metadata"]
+                )
+                pairs = bucket.reconstruct_tensors()
+            else:
+                pairs = payload
+            for name, t in pairs:
+                assert name not in read
+                read[name] = t.clone()
+        del held
+        assert list(read) == list(sent)
+        for name, t in sent.items():
+            assert (read[name].dtype, read[name].shape) == (t.dtype, t.shape), name
+            assert torch.equal(read[name].view(torch.uint8), t.view(torch.uint8)), name
+
+
 def test_the_old_wsync_bodies_are_refused_by_sglang() -> None:
     """The negative control: what the trainer sent before (issue 32) does not parse."""
     with pytest.raises(pydantic.ValidationError):
@@ -208,12 +253,14 @@ def test_an_nvfp4_update_loads_through_sglangs_modelopt_fp4_model(tmp_path: Path
     """The engines start from quant-convert's checkpoint; grpo's sync quantizes each update
     with the same selection (``quantize_named_params``) and sends the packed tensors: SGLang's
     own model class with its ``ModelOptFp4Config`` takes every one into a parameter of the
-    right shape, and every parameter a checkpoint load writes gets written."""
+    right shape, and every parameter a checkpoint load writes gets written, ``input_scale``
+    included (the served checkpoint's values, read back as grpo's fleet reads them)."""
     from posttrain.quant_convert import (
         ConvertOptions,
         QuantPolicy,
         convert_checkpoint,
         quantize_named_params,
+        read_input_scales,
     )
 
     cfg = ModelConfig.tiny(torch_dtype="bfloat16", mlp_only_layers=())
@@ -224,10 +271,12 @@ def test_an_nvfp4_update_loads_through_sglangs_modelopt_fp4_model(tmp_path: Path
     trained = build_model(cfg, seed=1)  # the weights after some steps
     hf = to_hf_state_dict(dict(trained.state_dict()), cfg)
     update = quantize_named_params(
-        hf.items(), num_layers=cfg.num_hidden_layers, policy=QuantPolicy()
-    )  # what grpo's sync sends for rollout_quant=nvfp4
+        hf.items(), num_layers=cfg.num_hidden_layers, policy=QuantPolicy(),
+        input_scales=read_input_scales(ckpt),
+    )  # what grpo's sync sends for rollout_quant=nvfp4  # fmt: skip
     names = {n for n, _ in update}
     assert any(n.endswith(".weight_scale_2") for n in names)
+    assert any(n.endswith(".input_scale") for n in names)
     save_file(_received(update), str(ckpt / "update.safetensors"))
     result = _probe(NVFP4_PROBE, ckpt)
     assert result["mismatched"] == []

@@ -11,7 +11,8 @@ After the cut the trainer's call raised a posttrain error naming the route, and 
 reports the old weight version, the same weight digest and, for a fixed greedy prompt, the same
 tokens and logprobs bit for bit: nothing was applied (all or nothing). The next push, straight
 to the engine, forms the group again and succeeds: the new version is served, the engine's
-digest is that of the pushed tensors and the logprobs change.
+digest is that of the pushed tensors and the logprobs change. Then one group
+(``WeightUpdateGroup``, as grpo's engine fleet keeps it for a run) takes two updates in a row.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import pytest
 import torch
 from faults import CuttingProxy
 
-from posttrain.formats import EngineClient, push_distributed, tensors_sha256
+from posttrain.formats import EngineClient, WeightUpdateGroup, push_distributed, tensors_sha256
 from posttrain.interface import PosttrainError
 from posttrain.interface.testing import ServerProcess, free_port
 from posttrain.models import load_pretrained
@@ -113,3 +114,15 @@ def test_interrupted_push_leaves_the_old_version_serving(
     assert after[0] == 1
     assert after[1] == tensors_sha256(first)  # every tensor arrived, exactly as sent
     assert after[3] != before[3]
+
+    # One group kept for several updates (what a run's engine fleet does at every sync).
+    second = _perturbed(checkpoint, seed=2)
+    with EngineClient(url, timeout_s=60.0) as client:
+        group = WeightUpdateGroup.form([client], timeout_s=60.0)
+        try:
+            group.push(list(second.items()), weight_version=2, bucket_bytes=BUCKET_BYTES)
+            assert _served(url)[:2] == (2, tensors_sha256(second))
+            group.push(list(first.items()), weight_version=3, bucket_bytes=BUCKET_BYTES)
+        finally:
+            group.close()
+    assert _served(url)[:2] == (3, tensors_sha256(first))

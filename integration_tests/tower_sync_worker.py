@@ -17,8 +17,8 @@ import torch
 from posttrain.formats import tensors_sha256
 from posttrain.fsdp_mesh import iter_full_state_dict
 from posttrain.grpo.config import GrpoConfig
+from posttrain.grpo.fleet import EngineFleet, SyncTarget
 from posttrain.grpo.rewards import shapes_image
-from posttrain.grpo.sync import SyncTarget, set_engine_memory, sync_weights
 from posttrain.grpo.trainer import build_policy
 from posttrain.models import encode_png_base64, to_hf_state_dict, tower_parameter_names
 
@@ -44,14 +44,16 @@ def offload_cycle(rank: int, world: int, ckpt: str, url: str, train: str, gate: 
     torch.set_num_threads(1)
     cfg = GrpoConfig(model_path=Path(ckpt), train=train, replicate=1, shard=world, seed=0)  # type: ignore[arg-type]
     policy = build_policy(cfg)
-    version = int(httpx.get(f"{url}/model_info", timeout=10).json().get("weight_version") or 0)
     target = SyncTarget(engine_urls=(url,), base_model_path=ckpt, timeout_s=60)
-    first = sync_weights(policy, target, version + 1, first=True).metrics
-    later = sync_weights(policy, target, version + 2, first=False).metrics
-    assert set_engine_memory(target, resident=False) == []
-    assert set_engine_memory(target, resident=True) == []
-    resumed = gate == "structure"  # buggy_gate: the condition never sees the cycle
-    after = sync_weights(policy, target, version + 3, first=False, engines_resumed=resumed).metrics
+    with EngineFleet(target) as fleet:  # one update group for every sync of the cycle
+        version = fleet.first_version() - 1
+        first = fleet.sync(policy, version + 1, first=True).metrics
+        later = fleet.sync(policy, version + 2).metrics
+        fleet.set_memory(resident=False, when="offload")
+        fleet.set_memory(resident=True, when="onload")
+        assert fleet.engine_urls == (url,)
+        resumed = gate == "structure"  # buggy_gate: the condition never sees the cycle
+        after = fleet.sync(policy, version + 3, engines_resumed=resumed).metrics
     mine = None
     if train == "full":  # the trainer's own tower bytes, as the sync converts them
         hf = to_hf_state_dict(dict(iter_full_state_dict(policy.model)), policy.model.config)

@@ -142,3 +142,42 @@ def test_update_group_broadcasts_every_dtype_over_gloo() -> None:
     for p, (out, err) in zip(procs, outs, strict=True):
         assert p.returncode == 0, err[-2000:]
         assert out.strip() == "SAME"
+
+
+def test_tensor_update_buckets_are_flattened_aligned_and_end_the_update() -> None:
+    """``weight_sync=tensor``'s bodies: per bucket one uint8 tensor whose slices view back as
+    the tensors sent (each start 16-byte aligned), one payload per TP rank, the last bucket
+    carrying ``flush_cache`` and the version. (SGLang's own reader is the conformance test's.)"""
+    from posttrain.formats import (
+        FLATTENED_BUCKET,
+        flatten_bucket,
+        serialize_for_engine,
+        tensor_update_requests,
+    )
+
+    named = [
+        ("a", torch.arange(5, dtype=torch.uint8)),
+        ("b", torch.randn(3, 2).to(torch.bfloat16)),
+        ("c", torch.randn(7, dtype=torch.float64)),
+        ("d", torch.full((2,), 0.25).to(torch.float8_e4m3fn)),
+    ]
+    flat = flatten_bucket(named)
+    assert flat["flattened_tensor"].dtype == torch.uint8
+    for (name, t), meta in zip(named, flat["metadata"], strict=True):
+        assert (meta.name, meta.dtype, meta.shape) == (name, t.dtype, t.shape)
+        assert meta.start_idx % 16 == 0
+        assert meta.end_idx - meta.start_idx == meta.numel == t.numel() * t.element_size()
+        back = flat["flattened_tensor"][meta.start_idx : meta.end_idx].view(t.dtype)
+        assert torch.equal(back.reshape(t.shape).view(torch.uint8), t.view(torch.uint8))
+    requests, held = tensor_update_requests(named, weight_version=4, tp_size=3, bucket_bytes=64)
+    assert len(requests) == len(held) > 1
+    assert [r.flush_cache for r in requests] == [False] * (len(requests) - 1) + [True]
+    assert [r.weight_version for r in requests][-1] == "4"
+    assert {r.load_format for r in requests} == {FLATTENED_BUCKET}
+    assert all(len(r.serialized_named_tensors) == 3 for r in requests)
+    plain, _ = tensor_update_requests(named, weight_version=None, flattened=False)
+    assert plain[0].load_format is None
+    assert plain[0].weight_version is None
+    assert serialize_for_engine([]) == serialize_for_engine([])
+    with pytest.raises(ValueError, match="tp_size"):
+        tensor_update_requests(named, weight_version=1, tp_size=0)

@@ -144,13 +144,14 @@ def sync_full(rank: int, world: int, ckpt: str, tp: int, sp: bool) -> Any:
     torch.set_num_threads(1)
     from grpo_workers import RecordingSink
 
-    from posttrain.grpo.sync import SyncTarget, sync_weights
+    from posttrain.grpo.fleet import EngineFleet, SyncTarget
 
     cfg = config(ckpt, world, "full", backend="megatron", tensor_model_parallel_size=tp,
                  sequence_parallel=sp)  # fmt: skip
     policy = build_policy(cfg)
     sink = RecordingSink()
-    result = sync_weights(policy, SyncTarget(engine_urls=(), sinks=(sink,)), 7)
+    with EngineFleet(SyncTarget(engine_urls=(), sinks=(sink,))) as fleet:
+        result = fleet.sync(policy, 7, first=True)
     dist.barrier()
     if rank:
         return None

@@ -9,8 +9,7 @@ from pathlib import Path
 import pytest
 
 from posttrain.grpo import GrpoConfig, GrpoRunError
-from posttrain.grpo.loop import _drop_aborted, _drop_lost, _drop_stale, run
-from posttrain.grpo.sync import SyncResult, SyncTarget
+from posttrain.grpo.loop import _drop_aborted, _drop_stale, run
 from posttrain.interface import Sample, SampleStatus
 
 pytestmark = pytest.mark.multiproc
@@ -81,20 +80,3 @@ def test_stale_samples_are_left_out_of_the_step_and_named(
     assert "sample 1 (engine weight versions [3])" in message
     with pytest.raises(GrpoRunError, match="every one of the 1 samples came from weights other"):
         _drop_stale([samples[1]], step=2, version=4)
-
-
-def test_engines_a_sync_could_not_reach_leave_the_target(
-    caplog: pytest.LogCaptureFixture,
-) -> None:
-    target = SyncTarget(engine_urls=("http://a", "http://b", "http://c"))
-    synced = SyncResult(metrics={}, lost=(("http://b", "TransportError: refused"),))
-    with caplog.at_level(logging.WARNING, logger="posttrain.grpo"):
-        left = _drop_lost(target, synced, True, "step 3")
-        assert _drop_lost(target, synced, False, "step 3") == left  # other ranks: no log
-    assert left.engine_urls == ("http://a", "http://c")
-    (message,) = [r.getMessage() for r in caplog.records]
-    assert "weight sync (step 3): engine http://b is unreachable (TransportError: refused)" in (
-        message
-    )
-    assert "2 of 3 engines remain" in message
-    assert _drop_lost(target, SyncResult(metrics={}), True, "start") is target

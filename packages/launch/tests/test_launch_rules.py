@@ -299,5 +299,10 @@ def test_plans_pass_train_and_the_weight_sync_mode_and_lora_engines_enable_lora(
     assert flag_value(list(full.by_role(Role.TRAINER)[0].argv), "--train") == "full"
     assert flag_value(list(full.by_role(Role.TRAINER)[0].argv), "--weight-sync") == "distributed"
     assert "--enable-lora" not in engine_argv(full)
+    assert "--weight-sync tensor (CUDA IPC) needs engines colocated" in full.explain()
     with pytest.raises(LaunchConfigError, match="train"):
         plan_for("qwen3-8b", Hardware.H100, train="qlora")
+    # colocated engines' CUDA IPC sync: refused, as no plan puts engines on the trainer's GPUs
+    for spelling in (("--weight-sync", "tensor"), ("--weight-sync=tensor",)):
+        with pytest.raises(LaunchConfigError, match=r"--weight-sync tensor: .*never colocate"):
+            plan_for("qwen3-8b", Hardware.H100, train="full", trainer_args=spelling)

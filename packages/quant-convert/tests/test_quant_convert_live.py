@@ -50,6 +50,22 @@ def test_live_equals_converter_with_read_back_exclusions(tmp_path: Path) -> None
         assert torch.equal(_bytes(t), _bytes(served[k])), k
     same = dict(quantize_named_params(source.items(), num_layers=3, policy=policy))
     assert all(torch.equal(_bytes(same[k]), _bytes(out[k])) for k in out)
+    # with the served checkpoint's input_scales read back: every tensor it holds, bit for bit
+    scales = qc.read_input_scales(tmp_path / "dst")
+    assert scales
+    assert set(scales) == {k for k in served if k.endswith(".input_scale")}
+    full = dict(
+        quantize_named_params(
+            source.items(), num_layers=3, exclude_modules=ignore, input_scales=scales
+        )
+    )
+    assert set(full) == set(served)
+    for k, t in full.items():
+        assert (t.dtype, t.shape) == (served[k].dtype, served[k].shape), k
+        assert torch.equal(_bytes(t), _bytes(served[k])), k
+    bad = {k: torch.ones(3) for k in scales}
+    with pytest.raises(CheckpointError, match=r"input_scale: the served checkpoint's has shape"):
+        quantize_named_params(source.items(), num_layers=3, input_scales=bad)
 
 
 def test_live_raises_on_split_pair_and_honours_keep_patterns() -> None:

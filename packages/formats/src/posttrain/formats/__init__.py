@@ -108,6 +108,7 @@ if TYPE_CHECKING:
     )
     from posttrain.formats._distributed_update import (
         DEFAULT_BUCKET_BYTES,
+        WeightUpdateGroup,
         free_port,
         push_distributed,
     )
@@ -183,6 +184,12 @@ if TYPE_CHECKING:
         UpdateWeightVersionReq,
         version_string,
     )
+    from posttrain.formats._tensor_update import (
+        FLATTENED_BUCKET,
+        flatten_bucket,
+        serialize_for_engine,
+        tensor_update_requests,
+    )
     from posttrain.formats._update_group import UpdateGroup, join_update_group
 
 # Module -> the names that need torch (see the docstring): loaded by __getattr__ on first use.
@@ -211,7 +218,12 @@ _NEEDS_TORCH = {
         "max_abs_weight",
     ),
     "_engine_client": ("EngineClient", "reply_message"),
-    "_distributed_update": ("DEFAULT_BUCKET_BYTES", "free_port", "push_distributed"),
+    "_distributed_update": (
+        "DEFAULT_BUCKET_BYTES",
+        "WeightUpdateGroup",
+        "free_port",
+        "push_distributed",
+    ),
     "_named_tensors": ("deserialize_named_tensors", "serialize_named_tensors"),
     "_sglang_requests": (
         "DEFAULT_GROUP_NAME",
@@ -226,6 +238,12 @@ _NEEDS_TORCH = {
         "version_string",
     ),
     "_update_group": ("UpdateGroup", "join_update_group"),
+    "_tensor_update": (
+        "FLATTENED_BUCKET",
+        "flatten_bucket",
+        "serialize_for_engine",
+        "tensor_update_requests",
+    ),
     "_lora_delta": ("LinearKernel", "lora_delta", "matmul_kernel"),
     "_nvfp4": (
         "E2M1_VALUES",
@@ -286,6 +304,7 @@ __all__ = [
     "DEFAULT_MAX_ABS_WEIGHT",
     "DTYPES",
     "E2M1_VALUES",
+    "FLATTENED_BUCKET",
     "GROUP_SIZE",
     "MAX_ABS_WEIGHT_ENV",
     "MEDIA_SAMPLES_FORMAT",
@@ -327,6 +346,7 @@ __all__ = [
     "UpdateWeightVersionReq",
     "UpdateWeightsFromDistributedReq",
     "UpdateWeightsFromTensorReq",
+    "WeightUpdateGroup",
     "adapter_push_body",
     "apply_lora_fields",
     "atomic_directory",
@@ -344,6 +364,7 @@ __all__ = [
     "e2m1_code_values",
     "encode_samples",
     "expert_modules",
+    "flatten_bucket",
     "free_port",
     "fsync_dir",
     "fsync_tree",
@@ -369,11 +390,13 @@ __all__ = [
     "request_fields",
     "resolve_api_key",
     "safetensors_header",
+    "serialize_for_engine",
     "serialize_named_tensors",
     "serves_lora",
     "stack_expert_adapter",
     "tensor_bytes",
     "tensor_sha256",
+    "tensor_update_requests",
     "tensors_sha256",
     "unpack_e2m1_codes",
     "unstack_expert_adapter",

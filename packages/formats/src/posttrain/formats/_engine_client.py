@@ -51,6 +51,12 @@ class EngineClient:
         if http is not None:
             self._http.headers.update(headers)
 
+    @property
+    def http(self) -> httpx.Client:
+        """The HTTP client to this engine (base URL, bearer token and timeout set), for another
+        route-level client of the same engine to borrow (lora-core's ``AdapterClient``)."""
+        return self._http
+
     def close(self) -> None:
         self._http.close()
 

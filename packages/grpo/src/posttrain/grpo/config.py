@@ -35,7 +35,7 @@ TisMode = Literal["off", "tis", "icepop"]
 LossAggregation = Literal["token_mean", "seq_mean_token_mean"]
 RolloutQuant = Literal["none", "nvfp4"]
 WeightSyncBackend = Literal["gloo", "nccl"]
-WeightSyncMode = Literal["distributed", "disk"]
+WeightSyncMode = Literal["distributed", "disk", "tensor"]
 LoraSyncMode = Literal["tensors", "disk"]
 
 DEFAULT_LORA_TARGETS: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -444,8 +444,9 @@ HELP: dict[str, str] = {
     "opd_kl_coef": "OPD coefficient: A = A - coef * reverse_kl",
     "opd_top_k": "OPD top-k (0: sampled tokens only)",
     "rollout_quant": "re-quantize synced weights for the engines",
-    "weight_sync": "full weights: distributed (SGLang's update group; no shared disk) or disk "
-    "(a checkpoint in --sync-dir, /update_weights_from_disk)",
+    "weight_sync": "full weights: distributed (SGLang's update group; no shared disk), disk "
+    "(a checkpoint in --sync-dir, /update_weights_from_disk) or tensor (colocated engines on "
+    "the trainer's GPUs: CUDA IPC handles, /update_weights_from_tensor)",
     "lora_sync": "the adapter: tensors (in the request; no shared disk) or disk (a PEFT "
     "directory in --sync-dir, /load_lora_adapter)",
     "sync_dir": "directory the disk syncs write and the engines read (default: OUT_DIR/sync)",

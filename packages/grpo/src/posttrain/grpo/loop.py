@@ -8,7 +8,7 @@ Read top to bottom, one step is::
     adv      = group_normalized_advantages(rewards, groups)  # GRPO, per sample
     adv_t    = apply_opd(adv_t, coef, teacher rkl)           # optional: teacher's reverse KL
     metrics  = train_step(policy, my share of samples)       # every rank, FSDP/HSDP (+ LoRA)
-    sync_weights(policy, engines, version + 1)               # adapter push or SGLang's update
+    fleet.sync(policy, version + 1)                          # adapter push or SGLang's update
     checkpoint.save(...) every ``checkpoint_every`` steps    # and at the end
 
 Rank 0 talks HTTP (rollouts, rewards, teacher, weight pushes) and hands each rank its share of
@@ -23,7 +23,7 @@ Faults a cluster sees (integration_tests/test_integration_engine_faults.py):
   follows cannot reach it, logs a warning naming it, counts it in ``sync_engines_lost``,
   leaves it out of later syncs and deregisters it from sgl-router (``router_url``); it is probed
   at every later sync, and one that answers again takes the current weights before it is
-  registered again (``sync_engines_readmitted``; ``readmit.py``). In full-weight training a
+  registered again (``sync_engines_readmitted``; ``fleet.EngineFleet``). In full-weight training a
   sample any turn of which an engine produced at another weight version than the trainer's is
   left out of the step (``stale_samples``);
 * an engine freezes: a turn with no reply within ``turn_timeout_s`` comes back as an
@@ -50,7 +50,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import json
 import logging
 import math
@@ -66,26 +65,26 @@ import torch
 import torch.distributed as dist
 
 from posttrain.formats import write_text_atomic
-from posttrain.grpo import checkpoint, data, evaluation, readmit
+from posttrain.grpo import checkpoint, data, evaluation
 from posttrain.grpo._errors import GrpoConfigError, GrpoRunError
 from posttrain.grpo.advantages import group_normalized_advantages
 from posttrain.grpo.config import GrpoConfig
 from posttrain.grpo.data import task_from_config
+from posttrain.grpo.fleet import EngineFleet, SyncTarget, is_stale, turn_versions
 from posttrain.grpo.metrics import MetricsLog, write_report
 from posttrain.grpo.model_check import resolve_model_paths
 from posttrain.grpo.preflight import run_preflight
-from posttrain.grpo.rewards import PromptStream, Task
+from posttrain.grpo.rewards import Prompt, PromptStream, Task
 from posttrain.grpo.rollout import RolloutSettings, run_rollout
 from posttrain.grpo.scoring import StepScores, as_bound, score_samples
-from posttrain.grpo.sync import (
-    SyncResult,
-    SyncTarget,
-    engine_weight_version,
-    set_engine_memory,
-    sync_weights,
+from posttrain.grpo.trainer import Policy, TrainSample, build_policy, train_step
+from posttrain.interface import (
+    RolloutEngine,
+    Sample,
+    SampleStatus,
+    WeightSink,
+    WorkerError,
 )
-from posttrain.grpo.trainer import TrainSample, build_policy, train_step
-from posttrain.interface import RolloutEngine, Sample, SampleStatus, WeightSink, WorkerError
 from posttrain.interface.processes import free_port, run_workers
 
 _log = logging.getLogger("posttrain.grpo")
@@ -179,7 +178,6 @@ def _train(cfg: GrpoConfig, plugged: Plugged) -> dict[str, Any] | None:
     fingerprint = data.fingerprint(task.prompts) if task is not None else None
     evals = data.eval_sets(cfg) if task is not None else {}
     out = Path(cfg.out_dir)
-    ckpt_root = out / "checkpoints"
     start = 0
     if cfg.resume is not None:
         extra = checkpoint.load(checkpoint.find(cfg.resume), policy)
@@ -204,13 +202,31 @@ def _train(cfg: GrpoConfig, plugged: Plugged) -> dict[str, Any] | None:
         weight_sync=cfg.weight_sync, lora_sync=cfg.lora_sync,
         sync_dir=str(cfg.sync_dir or out / "sync"),
     )  # fmt: skip
-    version = _broadcast(_first_version(target) if lead else 0)
-    if isinstance(version, str):
-        raise GrpoRunError(version)
-    lost: tuple[str, ...] = ()  # engines a sync lost, out of the router until re-admitted
-    # v1 before the first rollout (and after a resume)
-    target, lost = _set_aside(cfg, target, lost, sync_weights(policy, target, version), lead,
-                              "start")  # fmt: skip
+    fleet = EngineFleet(target, router_url=cfg.router_url, readmit_lost=cfg.readmit_lost_engines)
+    with fleet:  # the update group lives as long as the run; destroyed on the way out
+        return _steps(cfg, policy, fleet, task, stream, evals, decode, plugged, out, start,
+                      fingerprint, api_key)  # fmt: skip
+
+
+def _steps(
+    cfg: GrpoConfig,
+    policy: Policy,
+    fleet: EngineFleet,
+    task: Task | None,
+    stream: PromptStream | None,
+    evals: dict[str, tuple[Prompt, ...]],
+    decode: Callable[[Sequence[int]], str] | None,
+    plugged: Plugged,
+    out: Path,
+    start: int,
+    fingerprint: str | None,
+    api_key: str | None,
+) -> dict[str, Any] | None:
+    """The steps from ``start`` (every rank; rank 0 logs them and returns the report)."""
+    lead = dist.get_rank() == 0
+    ckpt_root = out / "checkpoints"
+    version = fleet.first_version()
+    fleet.sync(policy, version, first=True, when="start")  # before the first rollout, and resumes
     log = MetricsLog(out, total_steps=cfg.steps, start_step=start) if lead else None
     opd_mode: dict[str, bool] = {}  # per-position scoring or not: probed once, on the first step
     with log if log is not None else contextlib.nullcontext():
@@ -228,9 +244,7 @@ def _train(cfg: GrpoConfig, plugged: Plugged) -> dict[str, Any] | None:
                 raise GrpoRunError(f"step {step}: {batch}")
             mine = policy.data_parallel_share(batch["train"])
             if cfg.offload_engines:  # the engines' memory is the trainer's while it steps
-                target, lost = _engine_memory(
-                    cfg, target, lost, lead, resident=False, when=f"step {step}"
-                )
+                fleet.set_memory(resident=False, when=f"step {step}")
             t0 = time.perf_counter()
             metrics = train_step(
                 policy, mine, cfg,
@@ -241,17 +255,11 @@ def _train(cfg: GrpoConfig, plugged: Plugged) -> dict[str, Any] | None:
             t0 = time.perf_counter()
             version += 1
             if cfg.offload_engines:
-                target, lost = _engine_memory(
-                    cfg, target, lost, lead, resident=True, when=f"step {step}"
-                )
-            back = _broadcast(_answering(cfg, target, lost) if lead else [])
-            synced = sync_weights(
-                policy, target, version, first=False, engines_resumed=cfg.offload_engines,
-                readmit=back,
-            )  # fmt: skip
+                fleet.set_memory(resident=True, when=f"step {step}")
+            synced = fleet.sync(
+                policy, version, engines_resumed=cfg.offload_engines, when=f"step {step}"
+            )
             metrics.update(synced.metrics)
-            target, lost = _set_aside(cfg, target, lost, synced, lead, f"step {step}")
-            target, lost = _readmit(cfg, target, lost, synced, lead, f"step {step}")
             times["sync"] = time.perf_counter() - t0
             if evaluation.due(cfg, step):  # every rank knows when: one broadcast of the outcome
                 t0 = time.perf_counter()
@@ -419,10 +427,10 @@ def _drop_stale(
     """(the samples to train on, those an engine produced at another weight version than
     ``version``: off-policy weights the trainer no longer holds); see ``_leave_out``."""
     return _leave_out(
-        samples, step, lambda s: readmit.is_stale(s, version),
+        samples, step, lambda s: is_stale(s, version),
         what=f"came from an engine not at weight version {version}",
         every=f"came from weights other than version {version}",
-        describe=lambda s: f"(engine weight versions {readmit.turn_versions(s)})",
+        describe=lambda s: f"(engine weight versions {turn_versions(s)})",
     )  # fmt: skip
 
 
@@ -457,122 +465,6 @@ def _served_base(cfg: GrpoConfig) -> str | None:
     """The checkpoint an engine reloads its base from: the one the engines serve."""
     path = cfg.engine_model_path or cfg.model_path
     return None if path is None else str(path)
-
-
-def _answering(cfg: GrpoConfig, target: SyncTarget, lost: Sequence[str]) -> list[str]:
-    """Rank 0: the lost engines that answer ``/health`` again (none unless
-    ``readmit_lost_engines``)."""
-    if not cfg.readmit_lost_engines or not lost:
-        return []
-    return readmit.answering(lost, timeout_s=target.timeout_s, transport=target.transport)
-
-
-def _on_router(
-    cfg: GrpoConfig,
-    lead: bool,
-    when: str,
-    action: Callable[..., None],
-    urls: Sequence[str],
-) -> None:
-    """Rank 0 applies ``action(router_url, url, timeout_s=...)`` (``readmit.register`` or
-    ``deregister``) to each engine when the run knows its sgl-router; a router that fails
-    fails the step on every rank."""
-    error: str | None = None
-    if lead and cfg.router_url is not None:
-        try:
-            for url in urls:
-                action(cfg.router_url, url, timeout_s=_ROUTER_TIMEOUT_S)
-        except GrpoRunError as exc:
-            error = f"{when}: {exc}"
-    error = _broadcast(error)
-    if error is not None:
-        raise GrpoRunError(error)
-
-
-def _set_aside(
-    cfg: GrpoConfig,
-    target: SyncTarget,
-    lost: tuple[str, ...],
-    synced: SyncResult,
-    lead: bool,
-    when: str,
-) -> tuple[SyncTarget, tuple[str, ...]]:
-    """``_drop_lost``, and the newly lost engines added to ``lost``; with ``router_url`` rank 0
-    deregisters each from sgl-router (a router that fails fails the step on every rank)."""
-    target = _drop_lost(target, synced, lead, when)
-    gone = tuple(url for url, _ in synced.lost if url not in lost)
-    if not gone:
-        return target, lost
-    _on_router(cfg, lead, when, readmit.deregister, gone)
-    return target, (*lost, *gone)
-
-
-def _readmit(
-    cfg: GrpoConfig,
-    target: SyncTarget,
-    lost: tuple[str, ...],
-    synced: SyncResult,
-    lead: bool,
-    when: str,
-) -> tuple[SyncTarget, tuple[str, ...]]:
-    """Bring back the engines the sync re-admitted (they hold its weights): rank 0 registers
-    each with sgl-router again (``router_url``), then every rank pushes to them at later syncs.
-    Those whose re-admission push failed stay lost (a warning names them)."""
-    if lead:
-        for url, why in synced.readmit_failed:
-            _log.warning("weight sync (%s): lost engine %s answers again but did not take the "
-                         "current weights (%s); it stays out", when, url, why)  # fmt: skip
-    if not synced.readmitted:
-        return target, lost
-    _on_router(cfg, lead, when, readmit.register, synced.readmitted)
-    back = tuple(url for url in synced.readmitted if url not in target.engine_urls)
-    if lead:
-        for url in back:
-            _log.warning("weight sync (%s): lost engine %s answers again and took the current "
-                         "weights; it is re-admitted", when, url)  # fmt: skip
-    target = dataclasses.replace(target, engine_urls=(*target.engine_urls, *back))
-    return target, tuple(url for url in lost if url not in synced.readmitted)
-
-
-def _engine_memory(
-    cfg: GrpoConfig,
-    target: SyncTarget,
-    lost: tuple[str, ...],
-    lead: bool,
-    *,
-    resident: bool,
-    when: str,
-) -> tuple[SyncTarget, tuple[str, ...]]:
-    """Release or resume every engine's memory (rank 0 asks; every rank learns the outcome);
-    an unreachable engine is set aside as a lost one."""
-    outcome: Any = None
-    if lead:
-        try:
-            outcome = set_engine_memory(target, resident=resident)
-        except GrpoRunError as exc:
-            outcome = f"{when}: {exc}"
-    outcome = _broadcast(outcome)
-    if isinstance(outcome, str):
-        raise GrpoRunError(outcome)
-    gone = tuple((str(u), str(w)) for u, w in outcome)
-    return _set_aside(cfg, target, lost, SyncResult(metrics={}, lost=gone), lead, when)
-
-
-def _drop_lost(target: SyncTarget, synced: SyncResult, lead: bool, when: str) -> SyncTarget:
-    """``target`` without the engines the sync could not reach (every rank got the same list);
-    rank 0 logs a warning naming each."""
-    if not synced.lost:
-        return target
-    gone = {url for url, _ in synced.lost}
-    left = tuple(url for url in target.engine_urls if url not in gone)
-    if lead:
-        for url, why in synced.lost:
-            _log.warning(
-                "weight sync (%s): engine %s is unreachable (%s); it is left out of later "
-                "syncs, %d of %d engines remain", when, url, why, len(left),
-                len(target.engine_urls),
-            )  # fmt: skip
-    return dataclasses.replace(target, engine_urls=left)
 
 
 def _apply_teacher(
@@ -678,19 +570,6 @@ def _decoder(cfg: GrpoConfig) -> Any:
         return str(tok.decode(list(ids), skip_special_tokens=True))
 
     return decode
-
-
-def _first_version(target: SyncTarget) -> int | str:
-    """One past the highest weight version any engine reports (versions must increase), or
-    the error message every rank raises."""
-    try:
-        versions = [
-            engine_weight_version(url, timeout_s=target.timeout_s, transport=target.transport)
-            for url in target.engine_urls
-        ]
-    except GrpoRunError as exc:
-        return str(exc)
-    return max(versions, default=0) + 1
 
 
 def _broadcast(obj: Any) -> Any:

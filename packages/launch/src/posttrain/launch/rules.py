@@ -319,9 +319,17 @@ def _weight_sync(r: Resolved, a: RoleArgs, src: str) -> None:
             "body: no disk shared between trainer and engines needed)",
         )  # fmt: skip
     else:
+        if _user_trainer_value(cfg, "--weight-sync") == "tensor":
+            raise LaunchConfigError(
+                "trainer args --weight-sync tensor: it hands CUDA IPC handles to engines "
+                "colocated on the trainer's own GPUs, and these plans never colocate them "
+                "(engines and trainer get separate GPUs); use --weight-sync distributed"
+            )
         a.trainer.set(
             "--weight-sync", "distributed",
-            source=f"{src} (disaggregated engines: SGLang's update group, no shared disk)",
+            source=f"{src} (disaggregated engines: SGLang's update group, no shared disk; "
+            "--weight-sync tensor (CUDA IPC) needs engines colocated on the trainer's GPUs, "
+            "which these plans never do)",
         )  # fmt: skip
     if r.hardware.gpus_per_node:
         a.trainer.set(

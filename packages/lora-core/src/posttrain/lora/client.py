@@ -59,19 +59,24 @@ class AdapterClient:
         timeout: float = 60.0,
         api_key: str | None = None,
         tp_size: int = 1,
+        http: httpx.Client | None = None,
     ) -> None:
-        """``tp_size``: the engine's tensor-parallel size (one serialized copy per rank)."""
+        """``tp_size``: the engine's tensor-parallel size (one serialized copy per rank).
+        ``http``: an HTTP client to the engine to borrow (its base URL ``base_url``, its
+        headers and timeout already set; the caller closes it) instead of opening one."""
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.base_url = base_url.rstrip("/")
         self.tp_size = tp_size
         self._caps: AdapterCapabilities | None = None
-        self._http = httpx.Client(
+        self._owned = http is None
+        self._http = http or httpx.Client(
             base_url=self.base_url, transport=transport, timeout=timeout, headers=headers
         )
 
     def close(self) -> None:
-        """Close the underlying HTTP client."""
-        self._http.close()
+        """Close the underlying HTTP client (unless borrowed)."""
+        if self._owned:
+            self._http.close()
 
     def __enter__(self) -> AdapterClient:
         return self

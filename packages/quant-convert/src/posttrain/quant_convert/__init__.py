@@ -19,7 +19,7 @@ from posttrain.quant_convert._errors import (
 )
 from posttrain.quant_convert.convert import ConversionReport, ProgressEvent, convert_checkpoint
 from posttrain.quant_convert.exclusions import ExclusionPlan, plan_exclusions
-from posttrain.quant_convert.live import quantize_named_params
+from posttrain.quant_convert.live import quantize_named_params, read_input_scales
 from posttrain.quant_convert.nvfp4 import (
     NVFP4Config,
     NVFP4Tensor,
@@ -53,4 +53,5 @@ __all__ = [
     "quantize_named_params",
     "quantize_nvfp4",
     "quantize_nvfp4_pair",
+    "read_input_scales",
 ]

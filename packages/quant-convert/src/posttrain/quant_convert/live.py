@@ -4,13 +4,17 @@ Same math (:func:`quantize_nvfp4` with one amax per gate/up pair; on CUDA, same-
 weights of a bucket go through the fused kernel in a few stacked launches), same selection
 (:func:`select_tensors`) and, when given, the exclusion entries read back from the served
 checkpoint, so the first checkpoint and every later update quantize identically. A bucket
-must carry both halves of a gate/up pair (raises otherwise); no ``input_scale`` is emitted
-(the engine keeps the one it loaded).
+must carry both halves of a gate/up pair (raises otherwise). ``input_scale`` (an activation
+scale, which a weight update does not change) is emitted beside each quantized weight whose
+module has one in ``input_scales``: the served checkpoint's own values
+(:func:`read_input_scales`), so an update carries every tensor the checkpoint holds for it,
+under the same names and shapes, with the values the engine started from.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
 
 import torch
 
@@ -18,10 +22,11 @@ from posttrain.formats import SAFETENSORS_DTYPES
 from posttrain.interface import NVFP4Precision
 from posttrain.quant_convert._errors import CheckpointError
 from posttrain.quant_convert.nvfp4 import NVFP4Config, quantize_nvfp4_many
+from posttrain.quant_convert.safetensors_io import ByteCounter, SafetensorsReader
 from posttrain.quant_convert.selection import QuantPolicy, TensorInfo, gate_up_role, select_tensors
 from posttrain.quant_convert.sglang_rules import build_modules, is_excluded
 
-__all__ = ["quantize_named_params"]
+__all__ = ["quantize_named_params", "read_input_scales"]
 
 
 def _excluded(infos: Sequence[TensorInfo], entries: Sequence[str]) -> set[str]:
@@ -46,9 +51,11 @@ def quantize_named_params(
     policy: QuantPolicy | None = None,
     cfg: NVFP4Config | NVFP4Precision | None = None,
     exclude_modules: Sequence[str] = (),
+    input_scales: Mapping[str, torch.Tensor] | None = None,
 ) -> list[tuple[str, torch.Tensor]]:
     """HF-named tensors in, the tensors an NVFP4 engine loads out (``.weight`` packed,
-    ``.weight_scale``, ``.weight_scale_2``); unselected tensors pass through unchanged."""
+    ``.weight_scale``, ``.weight_scale_2``, and ``.input_scale`` where ``input_scales`` holds
+    one under that name); unselected tensors pass through unchanged."""
     items = list(named)
     policy = policy or QuantPolicy()
     infos = [
@@ -75,7 +82,40 @@ def quantize_named_params(
     quantized = quantize_nvfp4_many(
         [(n, by_name[n]) for n, _ in items if n in chosen], partners=partner, cfg=cfg
     )
+    scales = input_scales or {}
     out: list[tuple[str, torch.Tensor]] = []
     for n, t in items:
-        out += quantized[n].named(n) if n in chosen else [(n, t)]
+        if n not in chosen:
+            out.append((n, t))
+            continue
+        # the layout's own names, input_scale included; its value is the served one, if any
+        for name, part in quantized[n].named(n, input_scale=1.0):
+            if not name.endswith(".input_scale"):
+                out.append((name, part))
+                continue
+            served = scales.get(name)
+            if served is None:
+                continue
+            if tuple(served.shape) != tuple(part.shape):
+                raise CheckpointError(
+                    f"{name}: the served checkpoint's has shape {list(served.shape)}, the "
+                    f"update's {list(part.shape)}"
+                )
+            out.append((name, served.to(part.dtype)))
+    return out
+
+
+def read_input_scales(model_dir: str | Path) -> dict[str, torch.Tensor]:
+    """Every ``*.input_scale`` tensor of a checkpoint directory (each a scalar, or one per
+    expert: only those bytes are read), by name; none for a checkpoint without them."""
+    root = Path(model_dir)
+    files = sorted(root.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{root}: no .safetensors files (the served checkpoint)")
+    out: dict[str, torch.Tensor] = {}
+    for file in files:
+        with SafetensorsReader(file, ByteCounter()) as reader:
+            for name in reader.entries:
+                if name.endswith(".input_scale"):
+                    out[name] = reader.read_tensor(name).clone()
     return out
