@@ -56,12 +56,16 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
 from posttrain.models._errors import ModelConfigError
 from posttrain.models._rope import RopeScaling, read_rope
+
+if TYPE_CHECKING:
+    from posttrain.models._ds_moe import DeepseekMoeSpec
+    from posttrain.models._mla_config import MlaSpec
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _SOFTMAX_SCALES = ("rsqrt_head_dim", "inv_head_dim")
@@ -85,6 +89,19 @@ _EXTENSION_DEFAULTS: dict[str, Any] = {
     "embedding_rms_norm": False,
     "logits_divisor": 1.0,
 }
+
+
+# The MLA / DeepSeek-routing fields (read and written by the MLA families only).
+_MLA_FIELDS = (
+    "q_lora_rank",
+    "kv_lora_rank",
+    "qk_nope_head_dim",
+    "qk_rope_head_dim",
+    "v_head_dim",
+    "rope_interleave",
+    "n_group",
+    "topk_group",
+)
 
 
 # Multimodal tower fields and their "off" defaults (a config at these values has no tower).
@@ -172,6 +189,18 @@ class ModelConfig:
     audio_num_mel_bins: int = 0
     audio_hidden_size: int = 0
     audio_intermediate_size: int = 0
+    # ---- multi-head latent attention (DeepSeek-V3 / GLM-4.x-Lite families; ``_mla``):
+    # ``kv_lora_rank`` 0 = off. With MLA, ``head_dim`` is ``qk_rope_head_dim`` (the HF alias)
+    # and the rope is ``rope_theta`` / ``rope_scaling`` on the rope part only.
+    q_lora_rank: int | None = None
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    rope_interleave: bool = True
+    # ---- DeepSeek-style group-limited routing (the MLA families; ``_ds_moe``)
+    n_group: int = 1
+    topk_group: int = 1
 
     def __post_init__(self) -> None:
         positive = (
@@ -235,6 +264,10 @@ class ModelConfig:
             )
         self._validate_extensions()
         self._validate_towers()
+        if self.kv_lora_rank:
+            self.mla_spec  # noqa: B018  (validates the MLA fields, naming the bad one)
+            if self.num_experts:
+                self.deepseek_moe_spec  # noqa: B018
         from posttrain.models._families import family_named
 
         family_named(self.family).check(self)
@@ -418,6 +451,86 @@ class ModelConfig:
                 raise ModelConfigError(
                     f"ModelConfig.{name} must be a finite number > 0, got {value!r}"
                 )
+
+    @property
+    def is_mla(self) -> bool:
+        """Whether attention is multi-head latent attention (``kv_lora_rank > 0``)."""
+        return self.kv_lora_rank > 0
+
+    @property
+    def mla_spec(self) -> MlaSpec:
+        """The MLA shape and rope of every layer (``_mla_config``); only with ``is_mla``."""
+        from posttrain.models._mla_config import MlaRope, MlaSpec
+
+        if not self.is_mla:
+            raise ModelConfigError("ModelConfig.mla_spec: kv_lora_rank is 0 (no MLA)")
+        if self.num_key_value_heads != self.num_attention_heads:
+            raise ModelConfigError(
+                "ModelConfig: MLA needs num_key_value_heads == num_attention_heads, got "
+                f"{self.num_key_value_heads} and {self.num_attention_heads}"
+            )
+        if self.head_dim != self.qk_rope_head_dim:
+            raise ModelConfigError(
+                f"ModelConfig: with MLA head_dim={self.head_dim} must equal "
+                f"qk_rope_head_dim={self.qk_rope_head_dim}"
+            )
+        s = self.rope_scaling
+        if s is None:
+            rope = MlaRope(rope_theta=self.rope_theta, interleave=self.rope_interleave)
+        elif s.rope_type != "yarn":
+            raise ModelConfigError(
+                f"ModelConfig: MLA rope_scaling type {s.rope_type!r} is not supported (yarn only)"
+            )
+        else:
+            rope = MlaRope(
+                rope_theta=self.rope_theta,
+                rope_type="yarn",
+                interleave=self.rope_interleave,
+                factor=s.factor,
+                original_max_position_embeddings=s.original_max_position_embeddings,
+                beta_fast=s.beta_fast,
+                beta_slow=s.beta_slow,
+                mscale=s.mscale,
+                mscale_all_dim=s.mscale_all_dim,
+                attention_factor=s.attention_factor,
+                truncate=s.truncate,
+            )
+        return MlaSpec(
+            hidden_size=self.hidden_size,
+            num_heads=self.num_attention_heads,
+            q_lora_rank=self.q_lora_rank,
+            kv_lora_rank=self.kv_lora_rank,
+            qk_nope_head_dim=self.qk_nope_head_dim,
+            qk_rope_head_dim=self.qk_rope_head_dim,
+            v_head_dim=self.v_head_dim,
+            rope=rope,
+        )
+
+    @property
+    def deepseek_moe_spec(self) -> DeepseekMoeSpec:
+        """The DeepSeek-style MoE block of the MLA families' MoE layers (``_ds_moe``)."""
+        from posttrain.models._ds_moe import DeepseekMoeSpec
+
+        return DeepseekMoeSpec(
+            hidden_size=self.hidden_size,
+            moe_intermediate_size=self.moe_intermediate_size,
+            n_routed_experts=self.num_experts,
+            num_experts_per_tok=self.num_experts_per_tok,
+            n_shared_experts=self.n_shared_experts,
+            n_group=self.n_group,
+            topk_group=self.topk_group,
+            norm_topk_prob=self.norm_topk_prob,
+            routed_scaling_factor=self.routed_scaling_factor,
+        )
+
+    @property
+    def first_k_dense_replace(self) -> int:
+        """Leading dense layers (DeepSeek's ``first_k_dense_replace``): ``mlp_only_layers``
+        must be exactly ``0 .. k-1`` for the MLA families (checked by their family)."""
+        k = 0
+        while k < self.num_hidden_layers and not self.is_moe_layer(k):
+            k += 1
+        return k
 
     @property
     def uses_extensions(self) -> bool:
@@ -679,7 +792,7 @@ def qwen3_moe_kwargs(data: dict[str, Any], arch: str) -> dict[str, Any]:
         data["head_dim"] = data["hidden_size"] // data["num_attention_heads"]
     if "dtype" in data and "torch_dtype" not in data:
         data["torch_dtype"] = data["dtype"]
-    skip = {"family", "qk_norm", "qkv_bias", "kv_capacity"}
+    skip = {"family", "qk_norm", "qkv_bias", "kv_capacity", *_MLA_FIELDS}
     names = {f.name for f in dataclasses.fields(ModelConfig)} - skip
     required = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers")
     for key in required:

@@ -96,6 +96,9 @@ def weight_groups(config: ModelConfig) -> list[WeightGroup]:
     if c.embedding_rms_norm:
         groups.append(_copy("embed_norm", "model.embed_norm.weight", (h,)))
     for i in range(c.num_hidden_layers):
+        if c.is_mla:
+            groups += _mla_layer_groups(c, i)
+            continue
         p, hp = f"layers.{i}.", f"model.layers.{i}."
         a = hp + "self_attn."
         nh, nkv, hd = c.attention_shape(i)
@@ -236,6 +239,102 @@ def weight_groups(config: ModelConfig) -> list[WeightGroup]:
         groups += _tower_groups(
             "audio", c.audio_num_mel_bins, c.audio_hidden_size, c.audio_intermediate_size, h
         )
+    return groups
+
+
+def _mla_layer_groups(c: ModelConfig, i: int) -> list[WeightGroup]:
+    """The groups of MLA layer ``i`` (``_model.MlaLayer``), in its parameter order."""
+    p, hp = f"layers.{i}.", f"model.layers.{i}."
+    a, m = hp + "self_attn.", hp + "mlp."
+    h, s, nh = c.hidden_size, c.mla_spec, c.num_attention_heads
+    groups = [
+        _copy(p + "attn_norm", hp + "input_layernorm.weight", (h,)),
+        _copy(p + "mlp_norm", hp + "post_attention_layernorm.weight", (h,)),
+    ]
+    moe = c.is_moe_layer(i)
+    if not moe:
+        im = c.intermediate_size
+        groups += [
+            WeightGroup(
+                name=p + "fc1",
+                hf_names=(m + "gate_proj.weight", m + "up_proj.weight"),
+                kind="cat",
+                shape=(2 * im, h),
+                hf_shapes=((im, h), (im, h)),
+            ),
+            _copy(p + "fc2", m + "down_proj.weight", (h, im)),
+        ]
+    q_rows = nh * s.qk_head_dim
+    attn: list[tuple[str, tuple[int, ...]]] = []
+    if s.q_lora_rank is None:
+        attn.append(("q_proj", (q_rows, h)))
+    else:
+        r = s.q_lora_rank
+        attn += [("q_a_proj", (r, h)), ("q_a_layernorm", (r,)), ("q_b_proj", (q_rows, r))]
+    attn += [
+        ("kv_a_proj_with_mqa", (s.cache_width, h)),
+        ("kv_a_layernorm", (s.kv_lora_rank,)),
+        ("kv_b_proj", (nh * (s.qk_nope_head_dim + s.v_head_dim), s.kv_lora_rank)),
+        ("o_proj", (h, nh * s.v_head_dim)),
+    ]
+    groups += [_copy(f"{p}self_attn.{n}", f"{a}{n}.weight", shape) for n, shape in attn]
+    if not moe:
+        return groups
+    # DeepSeek-style MoE (``_ds_moe.DeepseekMoe``): router and correction bias always fp32
+    # (transformers keeps them so); experts and shared experts are not LoRA targets
+    e, im, si = c.num_experts, c.moe_intermediate_size, c.deepseek_moe_spec.shared_intermediate_size
+    d = p + "moe."
+    fc1_names = [f"{m}experts.{j}.{w}_proj.weight" for j in range(e) for w in ("gate", "up")]
+    groups += [
+        WeightGroup(
+            name=d + "router",
+            hf_names=(m + "gate.weight",),
+            kind="copy",
+            shape=(e, h),
+            hf_shapes=((e, h),),
+            dtype="float32",
+            linear=False,
+        ),
+        WeightGroup(
+            name=d + "expert_bias",
+            hf_names=(m + "gate.e_score_correction_bias",),
+            kind="copy",
+            shape=(e,),
+            hf_shapes=((e,),),
+            dtype="float32",
+        ),
+        WeightGroup(
+            name=d + "experts_fc1",
+            hf_names=tuple(fc1_names),
+            kind="experts_cat",
+            shape=(e, 2 * im, h),
+            hf_shapes=((im, h),) * (2 * e),
+            stacked_name=m + "experts.gate_up_proj",
+            linear=False,
+        ),
+        WeightGroup(
+            name=d + "experts_fc2",
+            hf_names=tuple(f"{m}experts.{j}.down_proj.weight" for j in range(e)),
+            kind="experts",
+            shape=(e, h, im),
+            hf_shapes=((h, im),) * e,
+            stacked_name=m + "experts.down_proj",
+            linear=False,
+        ),
+    ]
+    if si:
+        sp = m + "shared_experts."
+        groups += [
+            WeightGroup(
+                name=d + "shared_fc1",
+                hf_names=(sp + "gate_proj.weight", sp + "up_proj.weight"),
+                kind="cat",
+                shape=(2 * si, h),
+                hf_shapes=((si, h), (si, h)),
+                linear=False,
+            ),
+            _copy(d + "shared_fc2", sp + "down_proj.weight", (h, si), linear=False),
+        ]
     return groups
 
 
