@@ -830,9 +830,15 @@ class DecoderModel(nn.Module):
         prefix = f"model.layers.{layer.index}."
         sites = layer.sites
 
+        n_tok = h.shape[0]
+        expanded_index: list[Tensor] = []  # decode: the token whose adapter each cached slot uses
+
         def linear(name: str, x: Tensor) -> Tensor:
             y = sites[name](x)
-            return lora.apply(ops, x, y, [(f"{prefix}self_attn.{name}", 0, y.shape[1])])
+            index = None
+            if x.shape[0] != n_tok:  # decode's kv_b expansion of cached latents [rows * W]
+                index = _cached_slot_tokens(layout, x.shape[0], expanded_index)
+            return lora.apply(ops, x, y, [(f"{prefix}self_attn.{name}", 0, y.shape[1])], index)
 
         a = ops.rms_norm(h, layer.attn_norm, cfg.rms_norm_eps)
         cos, sin = self.rope_cos[layout.pos], self.rope_sin[layout.pos]
@@ -923,6 +929,20 @@ class DecoderModel(nn.Module):
         act = ops.silu_mul(gu[:, :i], gu[:, i:])
         y = ops.linear(act, fc2)
         return lora.apply(ops, act, y, [(prefix + "down_proj", 0, hsz)], tok)
+
+
+def _cached_slot_tokens(layout: TokenLayout, slots: int, memo: list[Tensor]) -> Tensor:
+    """For decode's expansion of the cached latents of the call's rows (``MlaAttention``:
+    ``[rows used, W]`` flattened, rows ascending), the index of a token of each slot's row,
+    so the slot's ``kv_b_proj`` gets that row's adapter."""
+    if not memo:
+        rows = layout.buf_row if isinstance(layout, CacheLayout) else layout.seg
+        used, local = torch.unique(rows, return_inverse=True)
+        order = torch.arange(rows.shape[0], device=rows.device)
+        first = torch.full((used.shape[0],), rows.shape[0], dtype=torch.long, device=rows.device)
+        first = first.scatter_reduce(0, local, order, reduce="amin")
+        memo.append(first.repeat_interleave(slots // used.shape[0]))
+    return memo[0]
 
 
 def _segment_starts(lengths: Sequence[int]) -> list[int]:
