@@ -268,8 +268,16 @@ _EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
 def lora_targets_for(model_dir: Path, wanted: list[str]) -> list[str]:
     """The ``wanted`` LoRA targets that are linears of ``model_dir``'s architecture: the MLP's
     ``gate_proj``/``up_proj``/``down_proj`` only where some layer has a dense MLP (a routed
-    expert's projections are not LoRA sites); the attention projections always."""
+    expert's projections are not LoRA sites); the attention projections always. With MLA
+    (``kv_lora_rank``: DeepSeek-V3, GLM-4.x-MoE-Lite) the attention targets name MLA's own
+    projections: ``q_proj`` is ``q_a_proj`` + ``q_b_proj`` where ``q_lora_rank`` is set,
+    ``k_proj``/``v_proj`` are ``kv_a_proj_with_mqa`` + ``kv_b_proj``."""
     hf = json.loads((Path(model_dir) / "config.json").read_text())
+    if hf.get("kv_lora_rank"):
+        q = ["q_proj"] if hf.get("q_lora_rank") is None else ["q_a_proj", "q_b_proj"]
+        mla = {"q_proj": q, "k_proj": ["kv_a_proj_with_mqa", "kv_b_proj"]}
+        mla["v_proj"] = mla["k_proj"]
+        wanted = list(dict.fromkeys(n for t in wanted for n in mla.get(t, [t])))
     experts = max(int(hf.get(k) or 0) for k in _EXPERT_KEYS)
     types = hf.get("mlp_layer_types")
     step = hf.get("decoder_sparse_step") or 1
