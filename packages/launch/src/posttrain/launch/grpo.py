@@ -285,6 +285,7 @@ def lora_targets_for(model_dir: Path, wanted: list[str]) -> list[str]:
         not experts
         or (isinstance(types, list) and "dense" in types)
         or bool(hf.get("mlp_only_layers"))
+        or bool(hf.get("first_k_dense_replace"))  # DeepSeek-V3's leading dense layers
         or (isinstance(step, int) and step > 1)
     )
     return [t for t in wanted if dense or t not in _MLP_TARGETS]
