@@ -7,7 +7,8 @@ decoder does not compute exactly (a rope type, MLA, Gemma's norms, ...) fails he
 second, with a ``GrpoConfigError`` naming the flag, the architecture and the feature, rather
 than after the engines and trainer ranks have started. It also checks that every
 ``--lora-targets`` name exists in that architecture, and refuses q/k/v biases (Qwen2) on the
-megatron backend, whose parallel linears have none.
+megatron backend, whose parallel linears have none, and MLA models (DeepSeek-V3,
+GLM-4.x-MoE-Lite) there, which it does not build yet.
 
 ``resolve_model_paths(config)`` gives the config back with hub ids replaced by their cached
 directories (what the trainer and the engines load). ``--dry-run`` runs ``check_model``;
@@ -60,6 +61,13 @@ def check_model(config: GrpoConfig) -> None:
             raise GrpoConfigError(
                 f"--backend megatron: {location} has q/k/v biases ({model.family} family), "
                 "which the megatron backend's parallel linears do not build; use --backend fsdp",
+                field="backend",
+            )
+        if config.backend == "megatron" and model.is_mla:
+            # the megatron backend splits qkv/proj/fc1/fc2 over TP: it has no MLA layers yet
+            raise GrpoConfigError(
+                f"--backend megatron: {location} is {model.family} (multi-head latent "
+                "attention), which the megatron backend does not build yet; use --backend fsdp",
                 field="backend",
             )
         if config.train != "lora":

@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from posttrain.launch._errors import LaunchConfigError, LaunchError
+from posttrain.launch.catalog import mla_lora_targets
 from posttrain.launch.keys import new_api_key, remove_key_file, write_key_file
 from posttrain.launch.plan import Plan
 from posttrain.launch.runners import LocalRunner, LogSink, _set_pdeathsig
@@ -274,10 +275,7 @@ def lora_targets_for(model_dir: Path, wanted: list[str]) -> list[str]:
     ``k_proj``/``v_proj`` are ``kv_a_proj_with_mqa`` + ``kv_b_proj``."""
     hf = json.loads((Path(model_dir) / "config.json").read_text())
     if hf.get("kv_lora_rank"):
-        q = ["q_proj"] if hf.get("q_lora_rank") is None else ["q_a_proj", "q_b_proj"]
-        mla = {"q_proj": q, "k_proj": ["kv_a_proj_with_mqa", "kv_b_proj"]}
-        mla["v_proj"] = mla["k_proj"]
-        wanted = list(dict.fromkeys(n for t in wanted for n in mla.get(t, [t])))
+        wanted = mla_lora_targets(wanted, q_lora=hf.get("q_lora_rank") is not None)
     experts = max(int(hf.get(k) or 0) for k in _EXPERT_KEYS)
     types = hf.get("mlp_layer_types")
     step = hf.get("decoder_sparse_step") or 1

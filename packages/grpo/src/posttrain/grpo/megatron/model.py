@@ -77,7 +77,14 @@ _UNSHARDED_EXTENSIONS = ("sconv_kernel_size", "rel_pos_dim", "qk_norm_per_head")
 
 
 def check_tensor_parallel_config(config: ModelConfig, tp_size: int) -> None:
-    """Refuse a model that ``tp_size`` cannot split (see the module docstring)."""
+    """Refuse a model that ``tp_size`` cannot split (see the module docstring), and MLA models
+    (DeepSeek-V3, GLM-4.x-MoE-Lite), which the megatron backend does not build yet."""
+    if config.is_mla:
+        raise GrpoConfigError(
+            f"the model is {config.family} (multi-head latent attention), which the megatron "
+            "backend does not build yet; train it with the fsdp backend",
+            field="backend",
+        )
     if tp_size == 1:
         return
     where = f"tensor_model_parallel_size={tp_size}"
