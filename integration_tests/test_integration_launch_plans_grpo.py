@@ -125,9 +125,7 @@ def test_every_catalog_plan_passes_grpo_dry_run(
         dry_run(spec, plan, monkeypatch, capsys)
 
 
-@pytest.mark.parametrize(
-    "name", sorted(n for n in PLANS if n.split("/")[0] in REAL_SHAPE_CONFIGS)
-)
+@pytest.mark.parametrize("name", sorted(n for n in PLANS if n.split("/")[0] in REAL_SHAPE_CONFIGS))
 def test_plans_pass_the_model_gate_on_a_real_shape_config(
     name: str,
     tmp_path: Path,
@@ -142,7 +140,8 @@ def test_plans_pass_the_model_gate_on_a_real_shape_config(
     plan = PLANS[name]
     model_dir = write_real_shape_config(name.split("/")[0], tmp_path / "model")
     config = load_config(model_dir)
-    assert config.is_mla and config.num_experts == get_model(name.split("/")[0]).num_experts
+    assert config.is_mla
+    assert config.num_experts == get_model(name.split("/")[0]).num_experts
     for spec in plan.by_role(Role.TRAINER):
         dry_run(spec, plan, monkeypatch, capsys, model_dir=model_dir)
 

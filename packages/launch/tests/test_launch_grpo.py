@@ -212,5 +212,8 @@ def test_lora_targets_for_mla_name_mla_projections(tmp_path: Path) -> None:
           "first_k_dense_replace": 0}  # fmt: skip
     (tmp_path / "config.json").write_text(json.dumps(ds))
     assert lora_targets_for(tmp_path, recipe) == [
-        "q_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"
+        "q_proj",
+        "kv_a_proj_with_mqa",
+        "kv_b_proj",
+        "o_proj",
     ]

@@ -70,7 +70,9 @@ def _adapter(targets: dict[str, tuple[int, int]], root: Path) -> dict[str, torch
     for module, (d_in, d_out) in sorted(targets.items()):
         if module.endswith(_TARGETS):
             out[f"base_model.model.{module}.lora_A.weight"] = torch.randn(2, d_in, generator=gen)
-            out[f"base_model.model.{module}.lora_B.weight"] = torch.randn(d_out, 2, generator=gen) * 0.3
+            out[f"base_model.model.{module}.lora_B.weight"] = (
+                torch.randn(d_out, 2, generator=gen) * 0.3
+            )
     root.mkdir()
     (root / "adapter_config.json").write_text(json.dumps(_PEFT))
     save_file(out, str(root / "adapter_model.safetensors"))
@@ -81,7 +83,8 @@ def test_engine_logprobs_equal_the_trainer_with_and_without_adapter(
     glm_dir: Path, tmp_path: Path
 ) -> None:
     trainer = load_pretrained(glm_dir)
-    assert trainer.config.family == "glm4_moe_lite" and trainer.config.is_mla
+    assert trainer.config.family == "glm4_moe_lite"
+    assert trainer.config.is_mla
     tensors = _adapter(trainer.lora_targets(), tmp_path / "adapter")
     names = {k.split(".lora_")[0].rsplit(".", 1)[-1] for k in tensors}
     assert names == set(_TARGETS)  # every MLA projection that exists, and the dense MLP

@@ -67,11 +67,16 @@ def _mla_checks(layer: Any, pre: str, holds: Any) -> dict[str, bool]:
         names = (a + "q_a_proj.weight", a + "kv_a_proj_with_mqa.weight")
         checks[pre + "qkv_a"] = holds(fused.weight.data, *names)
     else:
-        checks[pre + "kv_a"] = holds(attn.kv_a_proj_with_mqa.weight.data, a + "kv_a_proj_with_mqa.weight")
+        checks[pre + "kv_a"] = holds(
+            attn.kv_a_proj_with_mqa.weight.data, a + "kv_a_proj_with_mqa.weight"
+        )
     checks[pre + "kv_b"] = holds(attn.kv_b_proj.weight.data, a + "kv_b_proj.weight")
     shared = getattr(layer.mlp, "shared_experts", None)
     if shared is not None:
-        names = (pre + "mlp.shared_experts.gate_proj.weight", pre + "mlp.shared_experts.up_proj.weight")
+        names = (
+            pre + "mlp.shared_experts.gate_proj.weight",
+            pre + "mlp.shared_experts.up_proj.weight",
+        )
         checks[pre + "shared_gate_up"] = holds(shared.gate_up_proj.weight.data, *names)
     return checks
 

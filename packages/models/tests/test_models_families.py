@@ -119,7 +119,12 @@ SUPPORTED: dict[str, tuple[str, dict[str, Any], str, Callable[[Path], None] | No
     "llama": ("LlamaConfig", {}, "llama", None),
     "mistral": ("MistralConfig", {"sliding_window": 8}, "mistral", None),
     # MLA + DeepSeek-style MoE: a dense first layer, then 8 routed experts in 2 groups
-    "deepseek-v3": ("DeepseekV3Config", _MLA | {"n_group": 2, "topk_group": 1}, "deepseek_v3", None),
+    "deepseek-v3": (
+        "DeepseekV3Config",
+        _MLA | {"n_group": 2, "topk_group": 1},
+        "deepseek_v3",
+        None,
+    ),
     "deepseek-v3-yarn-no-q-lora": (
         "DeepseekV3Config",
         _MLA

@@ -268,7 +268,9 @@ def _base_trainer(r: Resolved, a: RoleArgs, src: str) -> None:
         f"http://{{node_ip:0}}:{r.cfg.router_port}",
         source=src + " (a lost engine is deregistered there until it has the weights again)",
     )
-    why = " (MLA: the megatron backend has no MLA layers yet)" if m.attention is Attention.MLA else ""
+    why = (
+        " (MLA: the megatron backend has no MLA layers yet)" if m.attention is Attention.MLA else ""
+    )
     a.trainer.set(
         "--backend", r.trainer_backend.value, source=src + (why or " (trainer backend table)")
     )

@@ -870,7 +870,9 @@ class DecoderModel(nn.Module):
             return h + out
         return h + self._dense(layer, m, lora, prefix)
 
-    def _dense(self, layer: DenseLayer | MlaLayer, m: Tensor, lora: LoraRouting, prefix: str) -> Tensor:
+    def _dense(
+        self, layer: DenseLayer | MlaLayer, m: Tensor, lora: LoraRouting, prefix: str
+    ) -> Tensor:
         ops, i = self.ops, self.config.intermediate_size
         gu = layer.sites["fc1"](m)
         gu = lora.apply(
