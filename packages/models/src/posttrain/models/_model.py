@@ -633,8 +633,8 @@ class DecoderModel(nn.Module):
         for name in MLA_PROJECTIONS:
             weight = getattr(attn, name, None)
             if weight is not None:
-                parts = ((a + name, int(weight.shape[0])),)
-                layer.sites[name] = LinearSite(self, attn, name, parts=parts)
+                rows = ((a + name, int(weight.shape[0])),)
+                layer.sites[name] = LinearSite(self, attn, name, parts=rows)
         if not layer.is_moe:
             m, i = f"model.layers.{layer.index}.mlp.", cfg.intermediate_size
             parts = ((m + "gate_proj", i), (m + "up_proj", i))
