@@ -36,6 +36,20 @@ Optional blocks (``ModelConfig`` extension fields) add, when on:
     layers.{i}.expert_bias          ...mlp.gate.e_score_correction_bias     (fp32, frozen)
     layers.{i}.shared_fc1 / fc2     ...mlp.shared_experts.{s}.{gate,up,down}_proj.weight
 
+MLA families (``deepseek_v3``, ``glm4_moe_lite``: ``_model.MlaLayer``), per layer:
+
+    layers.{i}.attn_norm / mlp_norm    ...input_layernorm / post_attention_layernorm.weight
+    layers.{i}.fc1 / fc2               ...mlp.{gate,up}_proj (cat) / mlp.down_proj (dense layers)
+    layers.{i}.self_attn.{n}           ...self_attn.{n}.weight for n in q_proj or q_a_proj,
+                                       q_a_layernorm, q_b_proj; kv_a_proj_with_mqa,
+                                       kv_a_layernorm, kv_b_proj, o_proj
+    layers.{i}.moe.router              ...mlp.gate.weight                     (fp32 always)
+    layers.{i}.moe.expert_bias         ...mlp.gate.e_score_correction_bias    (fp32 always)
+    layers.{i}.moe.experts_fc1 / fc2   ...mlp.experts.{e}.{gate,up,down}_proj.weight
+    layers.{i}.moe.shared_fc1 / fc2    ...mlp.shared_experts.{gate,up}_proj (cat) / down_proj
+
+The MoE tensors of MLA layers are not LoRA targets (their forward has no LoRA hook).
+
 Multimodal towers (``ModelConfig`` tower fields, see ``_towers``) add, when on, with
 ``T`` = ``vision_tower`` (input ``patch_embed``) or ``audio_tower`` (input ``frame_embed``):
 

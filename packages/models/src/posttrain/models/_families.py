@@ -5,7 +5,7 @@
 ``qkv_bias``, rope, experts, sliding window) and whose writer gives the family's own
 ``config.json`` back. Whatever a family cannot compute exactly is refused with a
 ``ModelConfigError`` naming the architecture and the feature: a rope type (``_rope``),
-``partial_rotary_factor``, an activation, a bias, a sliding window, MLA.
+``partial_rotary_factor``, an activation, a bias, a sliding window, DeepSeek-V2's routing.
 
 Families (same tensor names as Qwen3 in the HF layout; see ``_convert``):
 
@@ -16,9 +16,14 @@ Families (same tensor names as Qwen3 in the HF layout; see ``_convert``):
     llama      LlamaForCausalLM      no        no          no       (Llama 3.x: llama3 rope)
     mistral    MistralForCausalLM    no        no          no       sliding_window on every layer
 
-Refused by name: DeepSeek-V2/V3 and GLM-4.x-MoE-Lite (MLA: the attention modules exist in
-``_mla`` but are not wired into the decoder yet), Gemma 2/3 (pre- and post-feedforward norms,
-``1 + weight`` norms, logit soft-capping, alternating windows: a second decoder).
+MLA families (``Family.mla``; every layer is a ``_model.MlaLayer``: ``_mla`` attention, then
+a dense MLP on the leading ``first_k_dense_replace`` layers or a ``_ds_moe`` MoE):
+
+    deepseek_v3    DeepseekV3ForCausalLM   group-limited sigmoid routing, first_k_dense_replace
+    glm4_moe_lite  Glm4MoeLiteForCausalLM  (GLM-4.7-Flash) sigmoid routing, mlp_layer_types
+
+Refused by name: DeepSeek-V2 (softmax / greedy routing), Gemma 2/3 (pre- and post-feedforward
+norms, ``1 + weight`` norms, logit soft-capping, alternating windows: a second decoder).
 
 A config with neither ``architectures`` nor ``model_type`` is read as Qwen3-MoE (the layout
 this package wrote first). ``register_family`` adds a family.

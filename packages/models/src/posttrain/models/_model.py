@@ -18,6 +18,11 @@ at four sites per layer, a relative position bias from an extra projected stream
 layers with their own shape, a sigmoid router with a fixed expert bias and shared experts, an
 embedding RMSNorm and a logits divisor.
 
+MLA families (DeepSeek-V3, GLM-4.x-MoE-Lite; ``config.is_mla``): every layer is an
+``MlaLayer`` (``_mla.MlaAttention`` over the same layouts: ``forward_packed`` for training,
+``forward_cached`` over the ``MlaCache`` that ``KVCache`` holds for decode, then a dense MLP or
+``_ds_moe.DeepseekMoe``); its projections are ``LinearSite``s with the LoRA hook.
+
 Optional multimodal towers (``ModelConfig`` tower fields, ``_towers``): a frozen vision
 tower and/or audio tower whose outputs overwrite the embedding rows of the placeholder runs
 a ``MediaBatch`` records (``_media``). Only the tower forwards run under ``torch.no_grad``;
