@@ -474,27 +474,10 @@ class ModelConfig:
                 f"ModelConfig: with MLA head_dim={self.head_dim} must equal "
                 f"qk_rope_head_dim={self.qk_rope_head_dim}"
             )
-        s = self.rope_scaling
-        if s is None:
-            rope = MlaRope(rope_theta=self.rope_theta, interleave=self.rope_interleave)
-        elif s.rope_type != "yarn":
-            raise ModelConfigError(
-                f"ModelConfig: MLA rope_scaling type {s.rope_type!r} is not supported (yarn only)"
-            )
-        else:
-            rope = MlaRope(
-                rope_theta=self.rope_theta,
-                rope_type="yarn",
-                interleave=self.rope_interleave,
-                factor=s.factor,
-                original_max_position_embeddings=s.original_max_position_embeddings,
-                beta_fast=s.beta_fast,
-                beta_slow=s.beta_slow,
-                mscale=s.mscale,
-                mscale_all_dim=s.mscale_all_dim,
-                attention_factor=s.attention_factor,
-                truncate=s.truncate,
-            )
+        try:
+            rope = MlaRope.of(self.rope_theta, self.rope_interleave, self.rope_scaling)
+        except ModelConfigError as exc:
+            raise ModelConfigError(f"ModelConfig: {exc}") from exc
         return MlaSpec(
             hidden_size=self.hidden_size,
             num_heads=self.num_attention_heads,

@@ -168,39 +168,10 @@ def weight_groups(config: ModelConfig) -> list[WeightGroup]:
         m = hp + "mlp."
         if c.is_moe_layer(i):
             e, im, ns = c.num_experts, c.moe_intermediate_size, c.n_shared_experts
-            fc1_names: list[str] = []
-            for j in range(e):
-                fc1_names += [f"{m}experts.{j}.gate_proj.weight", f"{m}experts.{j}.up_proj.weight"]
             groups.append(_copy(p + "router", m + "gate.weight", (e + ns, h)))
             if c.router_score_function == "sigmoid":
-                groups.append(
-                    WeightGroup(
-                        name=p + "expert_bias",
-                        hf_names=(m + "gate.e_score_correction_bias",),
-                        kind="copy",
-                        shape=(e,),
-                        hf_shapes=((e,),),
-                        dtype="float32",
-                    )
-                )
-            groups += [
-                WeightGroup(
-                    name=p + "experts_fc1",
-                    hf_names=tuple(fc1_names),
-                    kind="experts_cat",
-                    shape=(e, 2 * im, h),
-                    hf_shapes=((im, h),) * (2 * e),
-                    stacked_name=m + "experts.gate_up_proj",
-                ),
-                WeightGroup(
-                    name=p + "experts_fc2",
-                    hf_names=tuple(f"{m}experts.{j}.down_proj.weight" for j in range(e)),
-                    kind="experts",
-                    shape=(e, h, im),
-                    hf_shapes=((h, im),) * e,
-                    stacked_name=m + "experts.down_proj",
-                ),
-            ]
+                groups.append(_expert_bias_group(p + "expert_bias", m, e))
+            groups += _routed_expert_groups(p, m, e, im, h)
             if ns:
                 si = c.shared_intermediate_size
                 shared_fc1: list[str] = []
@@ -226,17 +197,7 @@ def weight_groups(config: ModelConfig) -> list[WeightGroup]:
                     ),
                 ]
         else:
-            im = c.intermediate_size
-            groups += [
-                WeightGroup(
-                    name=p + "fc1",
-                    hf_names=(m + "gate_proj.weight", m + "up_proj.weight"),
-                    kind="cat",
-                    shape=(2 * im, h),
-                    hf_shapes=((im, h), (im, h)),
-                ),
-                _copy(p + "fc2", m + "down_proj.weight", (h, im)),
-            ]
+            groups += _dense_mlp_groups(p, m, h, c.intermediate_size)
         if width:
             groups.append(
                 _copy(p + "mlp_out_conv", hp + "mlp_out_conv.weight", (h, width), linear=False)
@@ -256,6 +217,59 @@ def weight_groups(config: ModelConfig) -> list[WeightGroup]:
     return groups
 
 
+def _dense_mlp_groups(p: str, m: str, h: int, im: int) -> list[WeightGroup]:
+    """A dense SwiGLU MLP: ``p + fc1`` = ``[gate_proj; up_proj]`` and ``p + fc2`` = ``down_proj``."""
+    return [
+        WeightGroup(
+            name=p + "fc1",
+            hf_names=(m + "gate_proj.weight", m + "up_proj.weight"),
+            kind="cat",
+            shape=(2 * im, h),
+            hf_shapes=((im, h), (im, h)),
+        ),
+        _copy(p + "fc2", m + "down_proj.weight", (h, im)),
+    ]
+
+
+def _expert_bias_group(name: str, m: str, e: int) -> WeightGroup:
+    """The sigmoid router's fixed correction bias (fp32 whatever the checkpoint dtype)."""
+    return WeightGroup(
+        name=name,
+        hf_names=(m + "gate.e_score_correction_bias",),
+        kind="copy",
+        shape=(e,),
+        hf_shapes=((e,),),
+        dtype="float32",
+    )
+
+
+def _routed_expert_groups(
+    p: str, m: str, e: int, im: int, h: int, *, linear: bool = True
+) -> list[WeightGroup]:
+    """Stacked routed experts: ``p + experts_fc1`` (per-expert ``[gate; up]``) and ``experts_fc2``."""
+    fc1_names = [f"{m}experts.{j}.{w}_proj.weight" for j in range(e) for w in ("gate", "up")]
+    return [
+        WeightGroup(
+            name=p + "experts_fc1",
+            hf_names=tuple(fc1_names),
+            kind="experts_cat",
+            shape=(e, 2 * im, h),
+            hf_shapes=((im, h),) * (2 * e),
+            stacked_name=m + "experts.gate_up_proj",
+            linear=linear,
+        ),
+        WeightGroup(
+            name=p + "experts_fc2",
+            hf_names=tuple(f"{m}experts.{j}.down_proj.weight" for j in range(e)),
+            kind="experts",
+            shape=(e, h, im),
+            hf_shapes=((h, im),) * e,
+            stacked_name=m + "experts.down_proj",
+            linear=linear,
+        ),
+    ]
+
+
 def _mla_layer_groups(c: ModelConfig, i: int) -> list[WeightGroup]:
     """The groups of MLA layer ``i`` (``_model.MlaLayer``), in its parameter order."""
     p, hp = f"layers.{i}.", f"model.layers.{i}."
@@ -267,17 +281,7 @@ def _mla_layer_groups(c: ModelConfig, i: int) -> list[WeightGroup]:
     ]
     moe = c.is_moe_layer(i)
     if not moe:
-        im = c.intermediate_size
-        groups += [
-            WeightGroup(
-                name=p + "fc1",
-                hf_names=(m + "gate_proj.weight", m + "up_proj.weight"),
-                kind="cat",
-                shape=(2 * im, h),
-                hf_shapes=((im, h), (im, h)),
-            ),
-            _copy(p + "fc2", m + "down_proj.weight", (h, im)),
-        ]
+        groups += _dense_mlp_groups(p, m, h, c.intermediate_size)
     q_rows = nh * s.qk_head_dim
     attn: list[tuple[str, tuple[int, ...]]] = []
     if s.q_lora_rank is None:
@@ -298,7 +302,6 @@ def _mla_layer_groups(c: ModelConfig, i: int) -> list[WeightGroup]:
     # (transformers keeps them so); experts and shared experts are not LoRA targets
     e, im, si = c.num_experts, c.moe_intermediate_size, c.deepseek_moe_spec.shared_intermediate_size
     d = p + "moe."
-    fc1_names = [f"{m}experts.{j}.{w}_proj.weight" for j in range(e) for w in ("gate", "up")]
     groups += [
         WeightGroup(
             name=d + "router",
@@ -309,32 +312,8 @@ def _mla_layer_groups(c: ModelConfig, i: int) -> list[WeightGroup]:
             dtype="float32",
             linear=False,
         ),
-        WeightGroup(
-            name=d + "expert_bias",
-            hf_names=(m + "gate.e_score_correction_bias",),
-            kind="copy",
-            shape=(e,),
-            hf_shapes=((e,),),
-            dtype="float32",
-        ),
-        WeightGroup(
-            name=d + "experts_fc1",
-            hf_names=tuple(fc1_names),
-            kind="experts_cat",
-            shape=(e, 2 * im, h),
-            hf_shapes=((im, h),) * (2 * e),
-            stacked_name=m + "experts.gate_up_proj",
-            linear=False,
-        ),
-        WeightGroup(
-            name=d + "experts_fc2",
-            hf_names=tuple(f"{m}experts.{j}.down_proj.weight" for j in range(e)),
-            kind="experts",
-            shape=(e, h, im),
-            hf_shapes=((h, im),) * e,
-            stacked_name=m + "experts.down_proj",
-            linear=False,
-        ),
+        _expert_bias_group(d + "expert_bias", m, e),
+        *_routed_expert_groups(d, m, e, im, h, linear=False),
     ]
     if si:
         sp = m + "shared_experts."
