@@ -116,20 +116,17 @@ def test_mla_models_pass_the_gate_with_their_own_lora_targets(
     assert "kv_b_proj" in line
 
 
-def test_megatron_refuses_mla_by_name(tmp_path: Path) -> None:
+def test_megatron_takes_mla_under_tensor_parallel_only(tmp_path: Path) -> None:
     ckpt = write_config(tmp_path, "Glm4MoeLiteConfig", "Glm4MoeLiteForCausalLM", **_GLM)
-    check_model(GrpoConfig(model_path=ckpt, train="full"))
-    with pytest.raises(
-        GrpoConfigError, match=r"multi-head latent attention.*--backend fsdp"
-    ) as err:
-        check_model(GrpoConfig(model_path=ckpt, train="full", backend="megatron", shard=1))
-    assert err.value.field == "backend"
-    from posttrain.grpo.megatron.model import check_tensor_parallel_config
-
-    with pytest.raises(GrpoConfigError, match="fsdp backend"):
-        check_tensor_parallel_config(
-            ModelConfig.from_hf_dict(json.loads((ckpt / "config.json").read_text())), 1
-        )
+    check_model(GrpoConfig(model_path=ckpt, train="full", backend="megatron", shard=1))
+    with pytest.raises(GrpoConfigError, match="DeepSeek-style experts") as err:
+        check_model(
+            GrpoConfig(
+                model_path=ckpt, train="full", backend="megatron", shard=2,
+                expert_model_parallel_size=2,
+            )
+        )  # fmt: skip
+    assert err.value.field == "expert_model_parallel_size"
 
 
 def test_megatron_refuses_qkv_biases(tmp_path: Path) -> None:
