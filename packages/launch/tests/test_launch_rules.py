@@ -118,7 +118,8 @@ def test_explicit_fp8_is_refused_without_transformer_engine(precision: Precision
 
 def test_gpu_plans_train_on_megatron_and_cpu_plans_on_fsdp() -> None:
     """GPU plans train on megatron, except MLA models (glm-4.7-flash): the megatron backend
-    has no MLA layers in this build, so they train on FSDP, with MLA's LoRA targets."""
+    has no expert parallel for them in this build, so they train on FSDP, with MLA's LoRA
+    targets."""
     from posttrain.launch.catalog import Attention, get_model
 
     for model_id, row in SUPPORTED_NODES.items():

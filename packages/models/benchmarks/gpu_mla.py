@@ -1,7 +1,7 @@
 """MLA + DeepSeek-style MoE: strict/fast training forward and decode tokens/s, and strict parity.
 
-The decoder does not build MLA layers yet (issue 36's wiring half), so this script stacks the
-new modules itself: embedding, then per layer ``x + MLA(rms(x))`` and ``x + MLP(rms(x))`` (the
+Written before the decoder built MLA layers (``gpu_mla_decoder.py`` measures the decoder's
+own path now), this script stacks the modules itself: embedding, then per layer ``x + MLA(rms(x))`` and ``x + MLP(rms(x))`` (the
 first layer a dense SwiGLU, the rest ``DeepseekMoe``), a final norm and an untied head, with
 the kernels of ``posttrain.models`` (strict: ``strict_ops_for(device)``, i.e. Triton
 ``CudaStrictOps`` on CUDA; fast: plain torch). ``--size 1b`` is GLM-4.7-Flash's attention

@@ -153,8 +153,8 @@ def resolve_config(cfg: LaunchConfig) -> Resolved:
         )
     backend = TRAINER_BACKEND[hw.generation]
     if model.attention is Attention.MLA:
-        # the megatron backend has no MLA layers in this build (the trainer's model gate
-        # refuses the pair); FSDP trains the decoder's MLA layers on any GPU
+        # the megatron backend keeps an MLA model's DeepSeek-style experts replicated (no
+        # expert parallel for it in this build): FSDP shards them on any GPU
         backend = TrainerBackend.FSDP
     recipe = DEFAULT_PRECISION[model.family][hw.generation]
     precision = cfg.precision or recipe
@@ -269,7 +269,7 @@ def _base_trainer(r: Resolved, a: RoleArgs, src: str) -> None:
         source=src + " (a lost engine is deregistered there until it has the weights again)",
     )
     why = (
-        " (MLA: the megatron backend has no MLA layers yet)" if m.attention is Attention.MLA else ""
+        " (MLA: megatron has no expert parallel for it yet)" if m.attention is Attention.MLA else ""
     )
     a.trainer.set(
         "--backend", r.trainer_backend.value, source=src + (why or " (trainer backend table)")
