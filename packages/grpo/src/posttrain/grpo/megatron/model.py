@@ -34,6 +34,14 @@ Expert parallel (``groups.ep_size > 1``): each MoE layer's router and experts be
 EP group, tokens dispatched with explicit all-to-alls, the model's own kernels); its routed
 experts are gathered over EP on export and sliced on load like the TP shards.
 
+MLA models (DeepSeek-V3, GLM-4.x-MoE-Lite: ``config.is_mla``) split their heads as
+megatron-core's MLA does: ``q_b_proj`` (or ``q_proj``) and ``kv_b_proj`` column parallel (their
+rows are head-major), ``o_proj`` row parallel; ``q_a_proj``, ``kv_a_proj_with_mqa``, the latent
+norms and the DeepSeek-style MoE replicated. The rope key, shared by all heads, is the one
+replicated activation read by per-rank heads only: ``RopeKeyGradSum`` sums its gradient over TP
+(the latents' gradients are summed by the column layers). Expert parallel and sequence parallel
+are refused for MLA (``expert_model_parallel_size``, ``sequence_parallel``).
+
 Refused under TP > 1 (a ``GrpoConfigError`` naming the field): head counts or the dense
 intermediate size that TP does not divide, and the Inkling-style blocks whose weights would need
 their own split (``sconv_kernel_size``, ``rel_pos_dim``, ``qk_norm_per_head``).
