@@ -47,22 +47,8 @@ FAMILIES = {
         **_DENSE, family="qwen2", qkv_bias=True, tie_word_embeddings=True, rope_theta=1e6
     ),
     # MLA + DeepSeek-style MoE: a dense first layer, then 4 routed experts and a shared one
-    "glm-4.7-flash": ModelConfig.tiny(
-        vocab_size=VOCAB_SIZE,
-        num_hidden_layers=2,
-        max_position_embeddings=64,
-        family="glm4_moe_lite",
-        qk_norm=False,
-        num_key_value_heads=4,
-        head_dim=4,
-        q_lora_rank=16,
-        kv_lora_rank=16,
-        qk_nope_head_dim=8,
-        qk_rope_head_dim=4,
-        v_head_dim=12,
-        router_score_function="sigmoid",
-        n_shared_experts=1,
-        routed_scaling_factor=1.8,
+    "glm-4.7-flash": ModelConfig.mla_tiny(
+        vocab_size=VOCAB_SIZE, num_hidden_layers=2, max_position_embeddings=64
     ),
 }
 SHORT = ("--steps", "2", "--context-length", "48")

@@ -27,22 +27,7 @@ if importlib.util.find_spec("megatron") is None:  # the grpo extra "megatron" (L
     pytest.skip("megatron-core is not installed", allow_module_level=True)
 pytestmark = [pytest.mark.multiproc, pytest.mark.slow, pytest.mark.timeout(300)]
 
-GLM = ModelConfig.tiny(
-    vocab_size=VOCAB_SIZE,
-    max_position_embeddings=64,
-    family="glm4_moe_lite",
-    qk_norm=False,
-    num_key_value_heads=4,
-    head_dim=4,
-    q_lora_rank=16,
-    kv_lora_rank=16,
-    qk_nope_head_dim=8,
-    qk_rope_head_dim=4,
-    v_head_dim=12,
-    router_score_function="sigmoid",
-    n_shared_experts=1,
-    routed_scaling_factor=1.8,
-)
+GLM = ModelConfig.mla_tiny(vocab_size=VOCAB_SIZE, max_position_embeddings=64)
 
 
 @pytest.fixture(scope="module")

@@ -217,8 +217,10 @@ def parity(model: MlaStack, strict: type[FastOps]) -> dict[str, Any]:
     return out
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
+def arguments(doc: str | None) -> tuple[argparse.Namespace, torch.device, dict[str, Any]]:
+    """The command line both MLA benchmarks take: ``(args, device, size)``, lengths clamped to
+    the size's capacity."""
+    parser = argparse.ArgumentParser(description=doc)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--size", choices=sorted(SIZES), default="1b")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16")
@@ -236,6 +238,11 @@ def main() -> None:
     size = SIZES[args.size]
     args.length = min(args.length, size["capacity"])
     args.prompt = min(args.prompt, size["capacity"] - args.steps - 1)
+    return args, device, size
+
+
+def main() -> None:
+    args, device, size = arguments(__doc__)
     model = MlaStack(size, getattr(torch, args.dtype)).to(device)
     init_weights(model, device, 0)
     strict = strict_ops_for(device)

@@ -30,7 +30,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from gpu_mla import SIZES, timed
+from gpu_mla import arguments, timed
 
 from posttrain.models import DecoderModel, ModelConfig, Numerics, RopeScaling, build_model
 from posttrain.models.parity import decoded_logprobs, packed_logprobs
@@ -116,24 +116,7 @@ def parity(model: DecoderModel) -> dict[str, Any]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--size", choices=sorted(SIZES), default="1b")
-    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16")
-    parser.add_argument("--segments", type=int, default=4)
-    parser.add_argument("--length", type=int, default=1024)
-    parser.add_argument("--rows", type=int, default=16)
-    parser.add_argument("--prompt", type=int, default=256)
-    parser.add_argument("--steps", type=int, default=32)
-    parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--no-backward", action="store_true", help="skip forward + backward")
-    args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-    device = torch.device(args.device)
-    size = SIZES[args.size]
-    args.length = min(args.length, size["capacity"])
-    args.prompt = min(args.prompt, size["capacity"] - args.steps - 1)
+    args, device, size = arguments(__doc__)
     model = build_model(config_of(size, args.dtype), seed=0, device=device)
     tokens = args.segments * args.length
     ids = torch.randint(0, size["vocab"], (tokens,), generator=torch.Generator().manual_seed(0))

@@ -48,20 +48,7 @@ CASES: dict[str, tuple[dict[str, Any], str]] = {
 }
 OLD_LAYOUT = "old-qwen3-moe-dense-first"
 _DENSE: dict[str, Any] = {"num_experts": 0, "mlp_only_layers": ()}
-_MLA: dict[str, Any] = {
-    "qk_norm": False,
-    "num_key_value_heads": 4,
-    "head_dim": 4,
-    "q_lora_rank": 16,
-    "kv_lora_rank": 16,
-    "qk_nope_head_dim": 8,
-    "qk_rope_head_dim": 4,
-    "v_head_dim": 12,
-    "num_experts": 8,
-    "router_score_function": "sigmoid",
-    "n_shared_experts": 1,
-    "routed_scaling_factor": 2.5,
-}
+_MLA: dict[str, Any] = {"num_experts": 8, "routed_scaling_factor": 2.5}  # over mla_tiny's
 # Each family in its own HF layout (issues 33, 36), with the SGLang class that must take it.
 FAMILY_CASES: dict[str, tuple[dict[str, Any], str]] = {
     "qwen3-dense-tied": (
@@ -118,6 +105,8 @@ def _family_config(changes: dict[str, Any]) -> ModelConfig:
         changes["rope_scaling"] = RopeScaling(
             rope_type=rope, factor=4.0, original_max_position_embeddings=16
         )
+    if changes.get("family") in ("deepseek_v3", "glm4_moe_lite"):
+        return ModelConfig.mla_tiny(**changes)
     return ModelConfig.tiny(**changes)
 
 

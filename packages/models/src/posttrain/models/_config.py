@@ -656,6 +656,29 @@ class ModelConfig:
         base.update(changes)
         return cls.tiny(**base)
 
+    @classmethod
+    def mla_tiny(cls, family: str = "glm4_moe_lite", **changes: Any) -> ModelConfig:
+        """``tiny`` as an MLA family (``glm4_moe_lite`` or ``deepseek_v3``): 4 heads (kv heads =
+        heads), query/kv latents of 16, nope 8 + rope 4 per head (``head_dim`` = the rope
+        part), values of 12; layer 0 dense, then 4 routed experts (top 2) and one shared
+        expert behind a sigmoid router scaled by 1.8."""
+        base: dict[str, Any] = {
+            "family": family,
+            "qk_norm": False,
+            "num_key_value_heads": 4,
+            "head_dim": 4,
+            "q_lora_rank": 16,
+            "kv_lora_rank": 16,
+            "qk_nope_head_dim": 8,
+            "qk_rope_head_dim": 4,
+            "v_head_dim": 12,
+            "router_score_function": "sigmoid",
+            "n_shared_experts": 1,
+            "routed_scaling_factor": 1.8,
+        }
+        base.update(changes)
+        return cls.tiny(**base)
+
     @property
     def has_dense_and_moe_layers(self) -> bool:
         """Whether some layers are dense and some MoE (written as ``mellum``, see module doc)."""
