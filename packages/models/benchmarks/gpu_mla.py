@@ -241,6 +241,39 @@ def arguments(doc: str | None) -> tuple[argparse.Namespace, torch.device, dict[s
     return args, device, size
 
 
+def run_cases(
+    cases: dict[str, dict[str, Callable[[], float]]],
+    reps: int,
+    device: torch.device,
+    report: dict[str, Any],
+) -> None:
+    """Each case's forms (``strict``, ``fast``, ...) warmed up, then timed interleaved ``reps``
+    times; medians and ``strict_over_fast`` into ``report["results"]``; the report printed."""
+    for case, fns in cases.items():
+        row: dict[str, float | str] = {}
+        for k, fn in list(fns.items()):
+            try:
+                fn()  # warm-up (Triton compiles here)
+            except Exception as exc:  # a reference form that does not run here is reported
+                row[f"{k}_error"] = f"{type(exc).__name__}: {exc}"[:300]
+                del fns[k]
+        samples: dict[str, list[float]] = {k: [] for k in fns}
+        for _ in range(reps):
+            for k, fn in fns.items():  # interleaved
+                samples[k].append(fn())
+        med = {k: statistics.median(v) for k, v in samples.items()}
+        row.update({f"{k}_tokens_per_s": round(v, 1) for k, v in med.items()})
+        if "strict" in med and "fast" in med:
+            row["strict_over_fast"] = round(med["strict"] / med["fast"], 4)
+        report["results"][case] = row
+        print(json.dumps({case: row}), file=sys.stderr, flush=True)  # progress
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    if device.type == "cuda":
+        report["peak_memory_gib"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
+    print(json.dumps(report, indent=1))
+
+
 def main() -> None:
     args, device, size = arguments(__doc__)
     model = MlaStack(size, getattr(torch, args.dtype)).to(device)
@@ -289,29 +322,7 @@ def main() -> None:
         "parity": parity(model, strict),
         "results": {},
     }
-    for case, fns in cases.items():
-        row: dict[str, float | str] = {}
-        for k, fn in list(fns.items()):
-            try:
-                fn()  # warm-up (Triton compiles here)
-            except Exception as exc:  # a reference form that does not run here is reported
-                row[f"{k}_error"] = f"{type(exc).__name__}: {exc}"[:300]
-                del fns[k]
-        samples: dict[str, list[float]] = {k: [] for k in fns}
-        for _ in range(args.reps):
-            for k, fn in fns.items():  # interleaved
-                samples[k].append(fn())
-        med = {k: statistics.median(v) for k, v in samples.items()}
-        row.update({f"{k}_tokens_per_s": round(v, 1) for k, v in med.items()})
-        if "strict" in med and "fast" in med:
-            row["strict_over_fast"] = round(med["strict"] / med["fast"], 4)
-        report["results"][case] = row
-        print(json.dumps({case: row}), file=sys.stderr, flush=True)  # progress
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-    if device.type == "cuda":
-        report["peak_memory_gib"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
-    print(json.dumps(report, indent=1))
+    run_cases(cases, args.reps, device, report)
 
 
 if __name__ == "__main__":

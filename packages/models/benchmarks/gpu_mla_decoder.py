@@ -23,14 +23,11 @@ Run from the repo root (prints one JSON object):
 from __future__ import annotations
 
 import argparse
-import json
-import statistics
-import sys
 from collections.abc import Callable
 from typing import Any
 
 import torch
-from gpu_mla import arguments, timed
+from gpu_mla import arguments, run_cases, timed
 
 from posttrain.models import DecoderModel, ModelConfig, Numerics, RopeScaling, build_model
 from posttrain.models.parity import decoded_logprobs, packed_logprobs
@@ -154,24 +151,13 @@ def main() -> None:
         "parity": parity(model),
         "results": {},
     }
-    for case, fn in cases.items():
-        fns = {n.value: with_numerics(n, fn) for n in (Numerics.STRICT, Numerics.FAST)}
-        for f in fns.values():
-            f()  # warm-up (Triton compiles here)
-        samples: dict[str, list[float]] = {k: [] for k in fns}
-        for _ in range(args.reps):
-            for k, f in fns.items():  # interleaved
-                samples[k].append(f())
-        med = {k: statistics.median(v) for k, v in samples.items()}
-        row: dict[str, float] = {f"{k}_tokens_per_s": round(v, 1) for k, v in med.items()}
-        row["strict_over_fast"] = round(med["strict"] / med["fast"], 4)
-        report["results"][case] = row
-        print(json.dumps({case: row}), file=sys.stderr, flush=True)  # progress
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-    if device.type == "cuda":
-        report["peak_memory_gib"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
-    print(json.dumps(report, indent=1))
+    run_cases(
+        {c: {n.value: with_numerics(n, fn) for n in (Numerics.STRICT, Numerics.FAST)}
+         for c, fn in cases.items()},
+        args.reps,
+        device,
+        report,
+    )  # fmt: skip
 
 
 if __name__ == "__main__":
