@@ -1,7 +1,8 @@
 """``posttrain grpo --model-path DIR``: the user's own checkpoint, served and trained (issue 33).
 
-A tiny Llama 3 (``llama3`` rope, no q/k norm) and a tiny Qwen2.5 (q/k/v bias, tied embeddings)
-checkpoint, each with the local tokenizer, go through the whole command: the engines serve DIR,
+A tiny Llama 3 (``llama3`` rope, no q/k norm), a tiny Qwen2.5 (q/k/v bias, tied embeddings)
+and a tiny GLM-4.7-Flash (MLA, DeepSeek-style MoE; full and LoRA) checkpoint, each with the
+local tokenizer, go through the whole command: the engines serve DIR,
 the trainer trains it (full weights over SGLang's distributed update, or a LoRA adapter on the targets that exist
 in that architecture), and the trainer's recomputed logprobs equal the engines' exactly at
 every step. Kept short: two steps of 2 x 4 samples, one trainer rank.
@@ -45,6 +46,10 @@ FAMILIES = {
     "qwen2.5": ModelConfig.tiny(
         **_DENSE, family="qwen2", qkv_bias=True, tie_word_embeddings=True, rope_theta=1e6
     ),
+    # MLA + DeepSeek-style MoE: a dense first layer, then 4 routed experts and a shared one
+    "glm-4.7-flash": ModelConfig.mla_tiny(
+        vocab_size=VOCAB_SIZE, num_hidden_layers=2, max_position_embeddings=64
+    ),
 }
 SHORT = ("--steps", "2", "--context-length", "48")
 TRAINER = ("--prompts-per-step", "2", "--samples-per-prompt", "4", "--shard", "1")
@@ -52,8 +57,8 @@ TRAINER = ("--prompts-per-step", "2", "--samples-per-prompt", "4", "--shard", "1
 
 @pytest.mark.parametrize(
     ("family", "train"),
-    [("llama3", "full"), ("qwen2.5", "lora")],
-    ids=["llama3-full", "qwen2.5-lora"],
+    [("llama3", "full"), ("qwen2.5", "lora"), ("glm-4.7-flash", "full"), ("glm-4.7-flash", "lora")],
+    ids=["llama3-full", "qwen2.5-lora", "glm-4.7-flash-full", "glm-4.7-flash-lora"],
 )
 def test_grpo_trains_the_users_model(
     recipe_cache: Path, tmp_path: Path, family: str, train: str
@@ -69,7 +74,12 @@ def test_grpo_trains_the_users_model(
     assert config["model_path"] == str(ckpt)
     assert config["train"] == train
     assert config["context_length"] == 48
-    if train == "lora":  # the recipe's targets that exist in a dense model: all seven
+    if train == "lora" and family == "glm-4.7-flash":  # MLA's projections, the dense MLP
+        assert config["lora_targets"] == [
+            "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj",
+            "gate_proj", "up_proj", "down_proj",
+        ]  # fmt: skip
+    elif train == "lora":  # the recipe's targets that exist in a dense model: all seven
         assert config["lora_targets"] == [
             "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"
         ]  # fmt: skip

@@ -61,12 +61,46 @@ def dry_run(
     plan: Plan,
     monkeypatch: pytest.MonkeyPatch,
     capsys: pytest.CaptureFixture[str],
+    model_dir: Path | None = None,
 ) -> None:
+    """The trainer's ``--dry-run`` on the plan's argv: flags only, or (``model_dir``) with
+    ``--model-path`` pointed at that directory and the model gate applied."""
     argv, world = trainer_call(spec, plan)
     monkeypatch.setenv("WORLD_SIZE", world)
-    code = grpo_main([*argv, "--dry-run", "--no-model-check"])  # flags only: no checkpoint here
+    if model_dir is None:
+        check = ["--no-model-check"]  # flags only: no checkpoint here
+    else:
+        argv[argv.index("--model-path") + 1] = str(model_dir)
+        check = []
+    code = grpo_main([*argv, "--dry-run", *check])
     _, err = capsys.readouterr()
     assert code == 0, f"{plan.name} {spec.name}: {argv} -> {err.strip()}"
+
+
+# Catalog models whose real shape a transformers config class gives: the catalog's numbers
+# (heads, layers, experts, leading dense layers) over the class's defaults, which are
+# GLM-4.7-Flash's (hidden 2048, q/kv latents 768/512, nope/rope/v 192/64/256, ...).
+REAL_SHAPE_CONFIGS = {"glm-4.7-flash": ("Glm4MoeLiteConfig", "Glm4MoeLiteForCausalLM")}
+
+
+def write_real_shape_config(model_id: str, directory: Path) -> Path:
+    """``directory/config.json`` for catalog model ``model_id`` (see ``REAL_SHAPE_CONFIGS``)."""
+    import transformers
+
+    spec = get_model(model_id)
+    cls_name, arch = REAL_SHAPE_CONFIGS[model_id]
+    moe = spec.num_layers - spec.first_k_dense
+    config = getattr(transformers, cls_name)(
+        num_attention_heads=spec.num_attention_heads,
+        num_key_value_heads=spec.num_key_value_heads,
+        num_hidden_layers=spec.num_layers,
+        n_routed_experts=spec.num_experts,
+        first_k_dense_replace=spec.first_k_dense,
+        mlp_layer_types=["dense"] * spec.first_k_dense + ["sparse"] * moe,
+    )
+    config.architectures = [arch]
+    config.save_pretrained(str(directory))
+    return directory
 
 
 PLANS = dict(catalog_plans())
@@ -89,6 +123,27 @@ def test_every_catalog_plan_passes_grpo_dry_run(
     assert trainers
     for spec in trainers:
         dry_run(spec, plan, monkeypatch, capsys)
+
+
+@pytest.mark.parametrize("name", sorted(n for n in PLANS if n.split("/")[0] in REAL_SHAPE_CONFIGS))
+def test_plans_pass_the_model_gate_on_a_real_shape_config(
+    name: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The glm-4.7-flash plans name a model the trainer builds: with the model gate on, the
+    plan's trainer argv passes ``--dry-run`` on a config of the catalog's shape (before MLA
+    was wired into the decoder, the gate refused it; the flags-only walk above passed)."""
+    from posttrain.models import load_config
+
+    plan = PLANS[name]
+    model_dir = write_real_shape_config(name.split("/")[0], tmp_path / "model")
+    config = load_config(model_dir)
+    assert config.is_mla
+    assert config.num_experts == get_model(name.split("/")[0]).num_experts
+    for spec in plan.by_role(Role.TRAINER):
+        dry_run(spec, plan, monkeypatch, capsys, model_dir=model_dir)
 
 
 @pytest.mark.parametrize("path", sorted(GOLDEN.glob("*.json")), ids=lambda p: p.stem)

@@ -46,8 +46,7 @@ def error_line(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
     ("cls", "arch", "extra", "feature"),
     [
         ("Gemma2Config", "Gemma2ForCausalLM", {}, "soft-capping"),
-        ("DeepseekV3Config", "DeepseekV3ForCausalLM", {"kv_lora_rank": 16}, "MLA"),
-        ("Glm4MoeLiteConfig", "Glm4MoeLiteForCausalLM", {"kv_lora_rank": 16}, "MLA"),
+        ("DeepseekV2Config", "DeepseekV2ForCausalLM", {"kv_lora_rank": 16}, "DeepSeek-V2"),
         (
             "Qwen3Config",
             "Qwen3ForCausalLM",
@@ -95,6 +94,39 @@ def test_lora_targets_must_exist_in_the_architecture(tmp_path: Path) -> None:
     with pytest.raises(GrpoConfigError, match=r"--lora-targets gate: no such linear") as err:
         check_model(GrpoConfig(model_path=ckpt, lora_targets=("q_proj", "gate")))
     assert err.value.field == "lora_targets"
+
+
+# GLM-4.7-Flash's layout at test size: MLA (kv heads = heads), a dense layer, then experts
+_GLM = {"num_key_value_heads": 4, "head_dim": 4, "q_lora_rank": 16, "kv_lora_rank": 16,
+        "qk_nope_head_dim": 8, "qk_rope_head_dim": 4, "v_head_dim": 12, "n_routed_experts": 4,
+        "num_experts_per_tok": 2, "moe_intermediate_size": 16}  # fmt: skip
+
+
+def test_mla_models_pass_the_gate_with_their_own_lora_targets(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    ckpt = write_config(tmp_path, "Glm4MoeLiteConfig", "Glm4MoeLiteForCausalLM", **_GLM)
+    mla = "q_a_proj,q_b_proj,kv_a_proj_with_mqa,kv_b_proj,o_proj"
+    code = main(["--model-path", str(ckpt), "--lora-targets", mla, "--dry-run"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert "the config is valid" in out
+    line = error_line(capsys, "--model-path", str(ckpt))  # the default q/k/v/o targets
+    assert "--lora-targets q_proj,k_proj,v_proj: no such linear" in line
+    assert "kv_b_proj" in line
+
+
+def test_megatron_takes_mla_under_tensor_parallel_only(tmp_path: Path) -> None:
+    ckpt = write_config(tmp_path, "Glm4MoeLiteConfig", "Glm4MoeLiteForCausalLM", **_GLM)
+    check_model(GrpoConfig(model_path=ckpt, train="full", backend="megatron", shard=1))
+    with pytest.raises(GrpoConfigError, match="DeepSeek-style experts") as err:
+        check_model(
+            GrpoConfig(
+                model_path=ckpt, train="full", backend="megatron", shard=2,
+                expert_model_parallel_size=2,
+            )
+        )  # fmt: skip
+    assert err.value.field == "expert_model_parallel_size"
 
 
 def test_megatron_refuses_qkv_biases(tmp_path: Path) -> None:

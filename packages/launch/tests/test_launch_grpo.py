@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -198,3 +199,27 @@ def test_bad_data_is_refused_before_anything_starts(
     assert "Traceback" not in result.output
     assert not out.exists()
     assert len(prepared) == 1  # and no stack was started after it
+
+
+def test_lora_targets_for_mla_name_mla_projections(tmp_path: Path) -> None:
+    """DeepSeek-V3 / GLM-4.x-Lite have no k_proj/v_proj: the recipe's attention targets become
+    MLA's own projections (q_a/q_b with a q latent, else q_proj; kv_a/kv_b; o_proj)."""
+    from posttrain.launch.grpo import lora_targets_for
+
+    recipe = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    glm = {"kv_lora_rank": 16, "q_lora_rank": 16, "n_routed_experts": 4,
+           "mlp_layer_types": ["dense", "sparse"]}  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(glm))
+    assert lora_targets_for(tmp_path, recipe) == [
+        "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj",
+        "gate_proj", "up_proj", "down_proj",
+    ]  # fmt: skip
+    ds = {"kv_lora_rank": 16, "q_lora_rank": None, "n_routed_experts": 4,
+          "first_k_dense_replace": 0}  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(ds))
+    assert lora_targets_for(tmp_path, recipe) == [
+        "q_proj",
+        "kv_a_proj_with_mqa",
+        "kv_b_proj",
+        "o_proj",
+    ]

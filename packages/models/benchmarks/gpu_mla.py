@@ -1,7 +1,7 @@
 """MLA + DeepSeek-style MoE: strict/fast training forward and decode tokens/s, and strict parity.
 
-The decoder does not build MLA layers yet (issue 36's wiring half), so this script stacks the
-new modules itself: embedding, then per layer ``x + MLA(rms(x))`` and ``x + MLP(rms(x))`` (the
+Written before the decoder built MLA layers (``gpu_mla_decoder.py`` measures the decoder's
+own path now), this script stacks the modules itself: embedding, then per layer ``x + MLA(rms(x))`` and ``x + MLP(rms(x))`` (the
 first layer a dense SwiGLU, the rest ``DeepseekMoe``), a final norm and an untied head, with
 the kernels of ``posttrain.models`` (strict: ``strict_ops_for(device)``, i.e. Triton
 ``CudaStrictOps`` on CUDA; fast: plain torch). ``--size 1b`` is GLM-4.7-Flash's attention
@@ -217,8 +217,10 @@ def parity(model: MlaStack, strict: type[FastOps]) -> dict[str, Any]:
     return out
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
+def arguments(doc: str | None) -> tuple[argparse.Namespace, torch.device, dict[str, Any]]:
+    """The command line both MLA benchmarks take: ``(args, device, size)``, lengths clamped to
+    the size's capacity."""
+    parser = argparse.ArgumentParser(description=doc)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--size", choices=sorted(SIZES), default="1b")
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16")
@@ -236,6 +238,44 @@ def main() -> None:
     size = SIZES[args.size]
     args.length = min(args.length, size["capacity"])
     args.prompt = min(args.prompt, size["capacity"] - args.steps - 1)
+    return args, device, size
+
+
+def run_cases(
+    cases: dict[str, dict[str, Callable[[], float]]],
+    reps: int,
+    device: torch.device,
+    report: dict[str, Any],
+) -> None:
+    """Each case's forms (``strict``, ``fast``, ...) warmed up, then timed interleaved ``reps``
+    times; medians and ``strict_over_fast`` into ``report["results"]``; the report printed."""
+    for case, fns in cases.items():
+        row: dict[str, float | str] = {}
+        for k, fn in list(fns.items()):
+            try:
+                fn()  # warm-up (Triton compiles here)
+            except Exception as exc:  # a reference form that does not run here is reported
+                row[f"{k}_error"] = f"{type(exc).__name__}: {exc}"[:300]
+                del fns[k]
+        samples: dict[str, list[float]] = {k: [] for k in fns}
+        for _ in range(reps):
+            for k, fn in fns.items():  # interleaved
+                samples[k].append(fn())
+        med = {k: statistics.median(v) for k, v in samples.items()}
+        row.update({f"{k}_tokens_per_s": round(v, 1) for k, v in med.items()})
+        if "strict" in med and "fast" in med:
+            row["strict_over_fast"] = round(med["strict"] / med["fast"], 4)
+        report["results"][case] = row
+        print(json.dumps({case: row}), file=sys.stderr, flush=True)  # progress
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    if device.type == "cuda":
+        report["peak_memory_gib"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
+    print(json.dumps(report, indent=1))
+
+
+def main() -> None:
+    args, device, size = arguments(__doc__)
     model = MlaStack(size, getattr(torch, args.dtype)).to(device)
     init_weights(model, device, 0)
     strict = strict_ops_for(device)
@@ -282,29 +322,7 @@ def main() -> None:
         "parity": parity(model, strict),
         "results": {},
     }
-    for case, fns in cases.items():
-        row: dict[str, float | str] = {}
-        for k, fn in list(fns.items()):
-            try:
-                fn()  # warm-up (Triton compiles here)
-            except Exception as exc:  # a reference form that does not run here is reported
-                row[f"{k}_error"] = f"{type(exc).__name__}: {exc}"[:300]
-                del fns[k]
-        samples: dict[str, list[float]] = {k: [] for k in fns}
-        for _ in range(args.reps):
-            for k, fn in fns.items():  # interleaved
-                samples[k].append(fn())
-        med = {k: statistics.median(v) for k, v in samples.items()}
-        row.update({f"{k}_tokens_per_s": round(v, 1) for k, v in med.items()})
-        if "strict" in med and "fast" in med:
-            row["strict_over_fast"] = round(med["strict"] / med["fast"], 4)
-        report["results"][case] = row
-        print(json.dumps({case: row}), file=sys.stderr, flush=True)  # progress
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-    if device.type == "cuda":
-        report["peak_memory_gib"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
-    print(json.dumps(report, indent=1))
+    run_cases(cases, args.reps, device, report)
 
 
 if __name__ == "__main__":

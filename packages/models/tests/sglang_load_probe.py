@@ -9,12 +9,19 @@ process. Prints one ``PROBE <dir> <json>`` line per checkpoint, the object holdi
 * ``params``: ``{name: shape}`` of the model SGLang builds (its fused names: ``qkv_proj``,
   ``gate_up_proj``, ``experts.w13_weight``, ...);
 * ``unwritten``: SGLang parameters still NaN after loading (every one is NaN-filled first);
-* ``unused``: checkpoint tensors no SGLang weight loader was called for;
+* ``unused``: checkpoint tensors no SGLang weight loader was called for (MLA: whose values
+  SGLang does not hold, under their own name or inside a checked fused parameter);
 * ``fused_ok``: spot checks that the fused tensors hold our tensors in SGLang's order.
 
 SGLang's rotary-embedding module imports a GPU kernel (``vllm._custom_ops.rotary_embedding``)
 when it is built without CUDA; a stand-in module that raises if called is installed for it.
-Nothing here runs a forward, so the kernel is never called.
+Nothing here runs a forward, so the kernel is never called. Likewise SGLang's CPU rope factory
+builds only DeepSeek's YaRN rope; the MLA attention (``deepseek_v2.py``) of a checkpoint with
+the default rope gets the device-independent factory (construction only, no weights in it).
+
+MLA checkpoints (DeepSeek-V3, GLM-4.x-MoE-Lite) are checked on SGLang's own fusions:
+``fused_qkv_a_proj_with_mqa = [q_a_proj; kv_a_proj_with_mqa]`` (with a query latent),
+``kv_b_proj``, the experts' ``w13``/``w2`` and the shared experts' ``gate_up_proj``.
 """
 
 from __future__ import annotations
@@ -36,6 +43,42 @@ def _install_kernel_stand_in() -> None:
     vllm._custom_ops = ops  # type: ignore[attr-defined]
     sys.modules.setdefault("vllm", vllm)
     sys.modules.setdefault("vllm._custom_ops", ops)
+
+
+def _install_mla_rope_stand_in() -> None:
+    import sglang.srt.models.deepseek_v2 as deepseek
+
+    original = deepseek.get_rope_wrapper
+
+    def rope(*args: Any, rope_scaling: Any = None, device: Any = None, **kwargs: Any) -> Any:
+        if rope_scaling is None:  # the CPU factory has DeepSeek's YaRN only
+            device = None
+        return original(*args, rope_scaling=rope_scaling, device=device, **kwargs)
+
+    deepseek.get_rope_wrapper = rope
+
+
+def _mla_checks(layer: Any, pre: str, holds: Any) -> dict[str, bool]:
+    """SGLang's MLA fusions hold our tensors (see the module doc)."""
+    attn, a = layer.self_attn, pre + "self_attn."
+    checks: dict[str, bool] = {}
+    fused = getattr(attn, "fused_qkv_a_proj_with_mqa", None)
+    if fused is not None:
+        names = (a + "q_a_proj.weight", a + "kv_a_proj_with_mqa.weight")
+        checks[pre + "qkv_a"] = holds(fused.weight.data, *names)
+    else:
+        checks[pre + "kv_a"] = holds(
+            attn.kv_a_proj_with_mqa.weight.data, a + "kv_a_proj_with_mqa.weight"
+        )
+    checks[pre + "kv_b"] = holds(attn.kv_b_proj.weight.data, a + "kv_b_proj.weight")
+    shared = getattr(layer.mlp, "shared_experts", None)
+    if shared is not None:
+        names = (
+            pre + "mlp.shared_experts.gate_proj.weight",
+            pre + "mlp.shared_experts.up_proj.weight",
+        )
+        checks[pre + "shared_gate_up"] = holds(shared.gate_up_proj.weight.data, *names)
+    return checks
 
 
 def _init_single_rank(path: str, port: int, **server_args: Any) -> None:
@@ -97,17 +140,26 @@ def probe(path: str) -> dict[str, Any]:
     unwritten = sorted(n for n, p in params.items() if bool(torch.isnan(p.data.float()).any()))
     checks: dict[str, bool] = {}
 
+    covered: set[str] = set()  # checkpoint tensors found, by value, in a fused parameter
+
     def holds(param: torch.Tensor, *names: str) -> bool:
         if not all(n in tensors for n in names):
             return False  # the checkpoint lacks what SGLang's layer needs
-        return torch.equal(param, torch.cat([tensors[n] for n in names]))
+        ok = torch.equal(param, torch.cat([tensors[n] for n in names]))
+        if ok:
+            covered.update(names)
+        return ok
 
     for i, layer in enumerate(model.model.layers):
         mlp = layer.mlp
         pre = f"model.layers.{i}."
-        qkv = [pre + f"self_attn.{x}_proj.weight" for x in "qkv"]
-        checks[pre + "qkv"] = holds(layer.self_attn.qkv_proj.weight.data, *qkv)
-        bias = getattr(layer.self_attn.qkv_proj, "bias", None)
+        if hasattr(layer.self_attn, "kv_b_proj"):
+            checks |= _mla_checks(layer, pre, holds)
+            bias = None
+        else:
+            qkv = [pre + f"self_attn.{x}_proj.weight" for x in "qkv"]
+            checks[pre + "qkv"] = holds(layer.self_attn.qkv_proj.weight.data, *qkv)
+            bias = getattr(layer.self_attn.qkv_proj, "bias", None)
         if bias is not None:  # Qwen2's q/k/v biases, fused in the same order
             names = [pre + f"self_attn.{x}_proj.bias" for x in "qkv"]
             checks[pre + "qkv_bias"] = holds(bias.data, *names)
@@ -120,6 +172,12 @@ def probe(path: str) -> dict[str, Any]:
         else:
             names = (pre + "mlp.gate_proj.weight", pre + "mlp.up_proj.weight")
             checks[pre + "gate_up"] = holds(mlp.gate_up_proj.weight.data, *names)
+    if any(hasattr(layer.self_attn, "kv_b_proj") for layer in model.model.layers):
+        # SGLang's DeepSeek loader fuses q_a/kv_a from a cache and loads on worker threads, so
+        # the loader trace cannot name the tensor it got: a tensor counts as used when SGLang
+        # holds its values, under its own name or inside a fused parameter checked above
+        same = {n for n, t in tensors.items() if n in params and torch.equal(params[n].data, t)}
+        used = same | covered
     return {
         "architecture": arch,
         "params": {n: list(p.shape) for n, p in params.items()},
@@ -133,6 +191,7 @@ def probe(path: str) -> dict[str, Any]:
 if __name__ == "__main__":
     port, paths = int(sys.argv[1]), sys.argv[2:]
     _install_kernel_stand_in()
+    _install_mla_rope_stand_in()
     _init_single_rank(paths[0], port)  # the server args only need some real checkpoint
     for path in paths:
         print(f"PROBE {path} " + json.dumps(probe(path)), flush=True)

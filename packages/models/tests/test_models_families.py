@@ -1,4 +1,4 @@
-"""The family gate against transformers: 12 tiny checkpoints written by transformers' own config
+"""The family gate against transformers: 15 tiny checkpoints written by transformers' own config
 and model classes (2 layers, random init).
 
 Each supported one loads into ours with per-token logprobs within 1e-5 of transformers' fp32
@@ -55,6 +55,22 @@ def _legacy_rope(path: Path) -> None:
     file.write_text(json.dumps(data))
 
 
+# The MLA shape (transformers' names): 4 heads (kv heads = heads), q/kv latents of 16,
+# nope 8 + rope 4 per query/key head, values of 12; head_dim is the rope part (its alias).
+_MLA: dict[str, Any] = {
+    "num_key_value_heads": 4,
+    "head_dim": 4,
+    "q_lora_rank": 16,
+    "kv_lora_rank": 16,
+    "qk_nope_head_dim": 8,
+    "qk_rope_head_dim": 4,
+    "v_head_dim": 12,
+    "n_routed_experts": 8,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 16,
+    "first_k_dense_replace": 1,
+}
+
 # name -> (config class, its kwargs, family we read it as, post-save rewrite)
 SUPPORTED: dict[str, tuple[str, dict[str, Any], str, Callable[[Path], None] | None]] = {
     "qwen3": ("Qwen3Config", {}, "qwen3", None),
@@ -102,22 +118,45 @@ SUPPORTED: dict[str, tuple[str, dict[str, Any], str, Callable[[Path], None] | No
     ),
     "llama": ("LlamaConfig", {}, "llama", None),
     "mistral": ("MistralConfig", {"sliding_window": 8}, "mistral", None),
+    # MLA + DeepSeek-style MoE: a dense first layer, then 8 routed experts in 2 groups
+    "deepseek-v3": (
+        "DeepseekV3Config",
+        _MLA | {"n_group": 2, "topk_group": 1},
+        "deepseek_v3",
+        None,
+    ),
+    "deepseek-v3-yarn-no-q-lora": (
+        "DeepseekV3Config",
+        _MLA
+        | {
+            "q_lora_rank": None,
+            "n_group": 4,
+            "topk_group": 2,
+            "rope_parameters": {
+                "rope_type": "yarn",
+                "factor": 4.0,
+                "original_max_position_embeddings": 16,
+                "mscale": 1.0,
+                "mscale_all_dim": 1.0,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "rope_theta": 10000.0,
+            },
+        },
+        "deepseek_v3",
+        None,
+    ),
+    "glm-4.7-flash": ("Glm4MoeLiteConfig", _MLA, "glm4_moe_lite", None),
 }
 
 # name -> (config class, kwargs, architecture, words the refusal must hold)
 REFUSED: dict[str, tuple[str, dict[str, Any], str, str]] = {
     "gemma2": ("Gemma2Config", {}, "Gemma2ForCausalLM", "soft-capping"),
-    "deepseek-v3": (
-        "DeepseekV3Config",
+    "deepseek-v2": (
+        "DeepseekV2Config",
         {"n_routed_experts": 4, "num_experts_per_tok": 2, "kv_lora_rank": 16, "q_lora_rank": 16},
-        "DeepseekV3ForCausalLM",
-        "MLA",
-    ),
-    "glm-4.7-flash": (
-        "Glm4MoeLiteConfig",
-        {"n_routed_experts": 4, "num_experts_per_tok": 2, "kv_lora_rank": 16, "q_lora_rank": 16},
-        "Glm4MoeLiteForCausalLM",
-        "MLA",
+        "DeepseekV2ForCausalLM",
+        "DeepSeek-V2",
     ),
 }
 
@@ -127,6 +166,8 @@ _ARCH = {
     "Qwen2Config": "Qwen2ForCausalLM",
     "LlamaConfig": "LlamaForCausalLM",
     "MistralConfig": "MistralForCausalLM",
+    "DeepseekV3Config": "DeepseekV3ForCausalLM",
+    "Glm4MoeLiteConfig": "Glm4MoeLiteForCausalLM",
 }
 
 
@@ -137,6 +178,11 @@ def write_hf_checkpoint(path: Path, name: str) -> tuple[transformers.PreTrainedM
     config.architectures = [_ARCH[cls_name]]
     torch.manual_seed(0)
     model = getattr(transformers, _ARCH[cls_name])(config).float().eval()
+    with torch.no_grad():  # DeepSeek-style routers: a nonzero correction bias steers the choice
+        for module in model.modules():
+            bias = getattr(module, "e_score_correction_bias", None)
+            if isinstance(bias, torch.Tensor):
+                bias.normal_(0.0, 0.1)
     model.save_pretrained(str(path))
     if rewrite is not None:
         rewrite(path)

@@ -1,5 +1,6 @@
 """Optional: SGLang's own model class builds our checkpoints as written and loads every tensor
-(Qwen3-MoE / Mellum, and each dense family: Qwen3, Qwen2.5, Llama 3, Mistral).
+(Qwen3-MoE / Mellum, each dense family: Qwen3, Qwen2.5, Llama 3, Mistral, and the MLA
+families: DeepSeek-V3, GLM-4.7-Flash).
 
 Runs where ``sglang`` imports: CI runs it in the side environment ``.ci/sglang-conformance``
 builds (pinned sglang 0.5.23 ``--no-deps`` plus the light packages it imports), where it must
@@ -47,7 +48,8 @@ CASES: dict[str, tuple[dict[str, Any], str]] = {
 }
 OLD_LAYOUT = "old-qwen3-moe-dense-first"
 _DENSE: dict[str, Any] = {"num_experts": 0, "mlp_only_layers": ()}
-# Each dense family in its own HF layout (issue 33), with the SGLang class that must take it.
+_MLA: dict[str, Any] = {"num_experts": 8, "routed_scaling_factor": 2.5}  # over mla_tiny's
+# Each family in its own HF layout (issues 33, 36), with the SGLang class that must take it.
 FAMILY_CASES: dict[str, tuple[dict[str, Any], str]] = {
     "qwen3-dense-tied": (
         {**_DENSE, "family": "qwen3", "tie_word_embeddings": True},
@@ -71,6 +73,16 @@ FAMILY_CASES: dict[str, tuple[dict[str, Any], str]] = {
         {**_DENSE, "family": "llama", "qk_norm": False, "rope_scaling": "llama3"},
         "LlamaForCausalLM",
     ),
+    # MLA + DeepSeek-style MoE (issue 36): SGLang's DeepseekV2 model code for both classes
+    "deepseek-v3-yarn": (
+        {**_MLA, "family": "deepseek_v3", "n_group": 2, "topk_group": 1, "rope_scaling": "yarn"},
+        "DeepseekV3ForCausalLM",
+    ),
+    "deepseek-v3-no-q-lora": (
+        {**_MLA, "family": "deepseek_v3", "q_lora_rank": None},
+        "DeepseekV3ForCausalLM",
+    ),
+    "glm-4.7-flash": ({**_MLA, "family": "glm4_moe_lite"}, "Glm4MoeLiteForCausalLM"),
     "mistral-window": (
         {
             **_DENSE,
@@ -93,6 +105,8 @@ def _family_config(changes: dict[str, Any]) -> ModelConfig:
         changes["rope_scaling"] = RopeScaling(
             rope_type=rope, factor=4.0, original_max_position_embeddings=16
         )
+    if changes.get("family") in ("deepseek_v3", "glm4_moe_lite"):
+        return ModelConfig.mla_tiny(**changes)
     return ModelConfig.tiny(**changes)
 
 
@@ -172,8 +186,9 @@ def test_sglang_builds_and_loads_our_checkpoint_exactly(
 def test_sglang_loads_each_family_as_we_write_it(
     probed: dict[str, dict[str, Any]], name: str
 ) -> None:
-    """Qwen3 (tied, YaRN), Qwen2.5 (q/k/v bias), Llama 3 and Mistral: SGLang's class for the
-    architecture we write builds it and every parameter is written from exactly our tensors."""
+    """Qwen3 (tied, YaRN), Qwen2.5 (q/k/v bias), Llama 3, Mistral, DeepSeek-V3 (YaRN, no query
+    latent) and GLM-4.7-Flash: SGLang's class for the architecture we write builds it and every
+    parameter is written from exactly our tensors."""
     changes, architecture = FAMILY_CASES[name]
     result = probed[name]
     assert result["architecture"] == architecture
@@ -183,6 +198,11 @@ def test_sglang_loads_each_family_as_we_write_it(
     cfg = _family_config(changes)
     assert ("model.layers.0.self_attn.qkv_proj.bias" in result["params"]) is cfg.qkv_bias
     assert ("model.layers.0.self_attn.q_norm.weight" in result["params"]) is cfg.qk_norm
+    if cfg.is_mla:  # SGLang fuses [q_a; kv_a] only with a query latent
+        fused = "model.layers.0.self_attn.fused_qkv_a_proj_with_mqa.weight" in result["params"]
+        assert fused is (cfg.q_lora_rank is not None)
+        assert "model.layers.1.mlp.experts.w13_weight" in result["params"]
+        assert "model.layers.1.mlp.gate.e_score_correction_bias" in result["params"]
 
 
 def test_old_qwen3_moe_layout_with_a_dense_layer_does_not_load_in_sglang(

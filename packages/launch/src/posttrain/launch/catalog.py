@@ -110,6 +110,17 @@ MODELS: dict[str, ModelSpec] = {
 }
 
 
+def mla_lora_targets(wanted: list[str], *, q_lora: bool = True) -> list[str]:
+    """LoRA target names for an MLA model (DeepSeek-V3, GLM-4.x-MoE-Lite), which has no
+    ``k_proj``/``v_proj``: ``q_proj`` is ``q_a_proj`` + ``q_b_proj`` with a query latent
+    (``q_lora``), ``k_proj``/``v_proj`` are ``kv_a_proj_with_mqa`` + ``kv_b_proj``; other
+    names stay. Order kept, duplicates dropped."""
+    q = ["q_a_proj", "q_b_proj"] if q_lora else ["q_proj"]
+    kv = ["kv_a_proj_with_mqa", "kv_b_proj"]
+    mla = {"q_proj": q, "k_proj": kv, "v_proj": kv}
+    return list(dict.fromkeys(n for t in wanted for n in mla.get(t, [t])))
+
+
 def get_model(model_id: str) -> ModelSpec:
     """Look a model id up; the error lists the ids that exist."""
     try:

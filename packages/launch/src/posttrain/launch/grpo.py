@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from posttrain.launch._errors import LaunchConfigError, LaunchError
+from posttrain.launch.catalog import mla_lora_targets
 from posttrain.launch.keys import new_api_key, remove_key_file, write_key_file
 from posttrain.launch.plan import Plan
 from posttrain.launch.runners import LocalRunner, LogSink, _set_pdeathsig
@@ -268,8 +269,13 @@ _EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
 def lora_targets_for(model_dir: Path, wanted: list[str]) -> list[str]:
     """The ``wanted`` LoRA targets that are linears of ``model_dir``'s architecture: the MLP's
     ``gate_proj``/``up_proj``/``down_proj`` only where some layer has a dense MLP (a routed
-    expert's projections are not LoRA sites); the attention projections always."""
+    expert's projections are not LoRA sites); the attention projections always. With MLA
+    (``kv_lora_rank``: DeepSeek-V3, GLM-4.x-MoE-Lite) the attention targets name MLA's own
+    projections: ``q_proj`` is ``q_a_proj`` + ``q_b_proj`` where ``q_lora_rank`` is set,
+    ``k_proj``/``v_proj`` are ``kv_a_proj_with_mqa`` + ``kv_b_proj``."""
     hf = json.loads((Path(model_dir) / "config.json").read_text())
+    if hf.get("kv_lora_rank"):
+        wanted = mla_lora_targets(wanted, q_lora=hf.get("q_lora_rank") is not None)
     experts = max(int(hf.get(k) or 0) for k in _EXPERT_KEYS)
     types = hf.get("mlp_layer_types")
     step = hf.get("decoder_sparse_step") or 1
@@ -277,6 +283,7 @@ def lora_targets_for(model_dir: Path, wanted: list[str]) -> list[str]:
         not experts
         or (isinstance(types, list) and "dense" in types)
         or bool(hf.get("mlp_only_layers"))
+        or bool(hf.get("first_k_dense_replace"))  # DeepSeek-V3's leading dense layers
         or (isinstance(step, int) and step > 1)
     )
     return [t for t in wanted if dense or t not in _MLP_TARGETS]

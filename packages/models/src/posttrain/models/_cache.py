@@ -16,10 +16,14 @@ import torch
 
 from posttrain.models._config import ModelConfig
 from posttrain.models._errors import CacheError
+from posttrain.models._mla_cache import MlaCache
 
 
 class KVCache:
     """Per-layer fp32 key/value buffers ``[num_rows, C, kv_heads, head_dim]`` and row lengths.
+
+    For an MLA model (``config.is_mla``) the buffers are those of an ``MlaCache`` (``mla``):
+    ``keys[layer][num_rows, C, kv_lora_rank + qk_rope_head_dim]``, no ``values``.
 
     The capacity ``C`` is the model's ``config.capacity`` (``kv_capacity``, else
     ``max_position_embeddings``): positions lie in ``[0, C)``.
@@ -31,13 +35,20 @@ class KVCache:
         if num_rows <= 0:
             raise CacheError(f"a KV cache needs at least one row, got num_rows={num_rows}")
         cap = config.capacity
+        self.mla: MlaCache | None = None
+        self.lengths = [0] * num_rows
+        self.conv: list[dict[str, torch.Tensor]] = []
+        if config.is_mla:  # the compressed latent and rope key per token (``_mla_cache``)
+            self.mla = MlaCache(config.mla_spec, config.num_hidden_layers, num_rows, cap,
+                                device=device)  # fmt: skip
+            self.keys, self.values = self.mla.kv, []
+            return
         shapes = [
             (num_rows, cap, s.num_kv_heads, s.head_dim)
             for s in (config.attention_shape(i) for i in range(config.num_hidden_layers))
         ]
         self.keys = [torch.zeros(shape, device=device) for shape in shapes]
         self.values = [torch.zeros(shape, device=device) for shape in shapes]
-        self.conv: list[dict[str, torch.Tensor]] = []
         width = config.sconv_kernel_size
         if width:
             for i in range(config.num_hidden_layers):
@@ -49,7 +60,6 @@ class KVCache:
                         for site, c in channels.items()
                     }
                 )
-        self.lengths = [0] * num_rows
 
     def conv_state(self, layer: int, site: str) -> torch.Tensor:
         """The sconv state ``[num_rows, k - 1, channels]`` of ``site`` (k, v, attn, mlp)."""

@@ -56,12 +56,16 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
 from posttrain.models._errors import ModelConfigError
 from posttrain.models._rope import RopeScaling, read_rope
+
+if TYPE_CHECKING:
+    from posttrain.models._ds_moe import DeepseekMoeSpec
+    from posttrain.models._mla_config import MlaSpec
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _SOFTMAX_SCALES = ("rsqrt_head_dim", "inv_head_dim")
@@ -85,6 +89,19 @@ _EXTENSION_DEFAULTS: dict[str, Any] = {
     "embedding_rms_norm": False,
     "logits_divisor": 1.0,
 }
+
+
+# The MLA / DeepSeek-routing fields (read and written by the MLA families only).
+_MLA_FIELDS = (
+    "q_lora_rank",
+    "kv_lora_rank",
+    "qk_nope_head_dim",
+    "qk_rope_head_dim",
+    "v_head_dim",
+    "rope_interleave",
+    "n_group",
+    "topk_group",
+)
 
 
 # Multimodal tower fields and their "off" defaults (a config at these values has no tower).
@@ -172,6 +189,18 @@ class ModelConfig:
     audio_num_mel_bins: int = 0
     audio_hidden_size: int = 0
     audio_intermediate_size: int = 0
+    # ---- multi-head latent attention (DeepSeek-V3 / GLM-4.x-Lite families; ``_mla``):
+    # ``kv_lora_rank`` 0 = off. With MLA, ``head_dim`` is ``qk_rope_head_dim`` (the HF alias)
+    # and the rope is ``rope_theta`` / ``rope_scaling`` on the rope part only.
+    q_lora_rank: int | None = None
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    rope_interleave: bool = True
+    # ---- DeepSeek-style group-limited routing (the MLA families; ``_ds_moe``)
+    n_group: int = 1
+    topk_group: int = 1
 
     def __post_init__(self) -> None:
         positive = (
@@ -235,6 +264,10 @@ class ModelConfig:
             )
         self._validate_extensions()
         self._validate_towers()
+        if self.kv_lora_rank:
+            self.mla_spec  # noqa: B018  (validates the MLA fields, naming the bad one)
+            if self.num_experts:
+                self.deepseek_moe_spec  # noqa: B018
         from posttrain.models._families import family_named
 
         family_named(self.family).check(self)
@@ -420,6 +453,69 @@ class ModelConfig:
                 )
 
     @property
+    def is_mla(self) -> bool:
+        """Whether attention is multi-head latent attention (``kv_lora_rank > 0``)."""
+        return self.kv_lora_rank > 0
+
+    @property
+    def mla_spec(self) -> MlaSpec:
+        """The MLA shape and rope of every layer (``_mla_config``); only with ``is_mla``."""
+        from posttrain.models._mla_config import MlaRope, MlaSpec
+
+        if not self.is_mla:
+            raise ModelConfigError("ModelConfig.mla_spec: kv_lora_rank is 0 (no MLA)")
+        if self.num_key_value_heads != self.num_attention_heads:
+            raise ModelConfigError(
+                "ModelConfig: MLA needs num_key_value_heads == num_attention_heads, got "
+                f"{self.num_key_value_heads} and {self.num_attention_heads}"
+            )
+        if self.head_dim != self.qk_rope_head_dim:
+            raise ModelConfigError(
+                f"ModelConfig: with MLA head_dim={self.head_dim} must equal "
+                f"qk_rope_head_dim={self.qk_rope_head_dim}"
+            )
+        try:
+            rope = MlaRope.of(self.rope_theta, self.rope_interleave, self.rope_scaling)
+        except ModelConfigError as exc:
+            raise ModelConfigError(f"ModelConfig: {exc}") from exc
+        return MlaSpec(
+            hidden_size=self.hidden_size,
+            num_heads=self.num_attention_heads,
+            q_lora_rank=self.q_lora_rank,
+            kv_lora_rank=self.kv_lora_rank,
+            qk_nope_head_dim=self.qk_nope_head_dim,
+            qk_rope_head_dim=self.qk_rope_head_dim,
+            v_head_dim=self.v_head_dim,
+            rope=rope,
+        )
+
+    @property
+    def deepseek_moe_spec(self) -> DeepseekMoeSpec:
+        """The DeepSeek-style MoE block of the MLA families' MoE layers (``_ds_moe``)."""
+        from posttrain.models._ds_moe import DeepseekMoeSpec
+
+        return DeepseekMoeSpec(
+            hidden_size=self.hidden_size,
+            moe_intermediate_size=self.moe_intermediate_size,
+            n_routed_experts=self.num_experts,
+            num_experts_per_tok=self.num_experts_per_tok,
+            n_shared_experts=self.n_shared_experts,
+            n_group=self.n_group,
+            topk_group=self.topk_group,
+            norm_topk_prob=self.norm_topk_prob,
+            routed_scaling_factor=self.routed_scaling_factor,
+        )
+
+    @property
+    def first_k_dense_replace(self) -> int:
+        """Leading dense layers (DeepSeek's ``first_k_dense_replace``): ``mlp_only_layers``
+        must be exactly ``0 .. k-1`` for the MLA families (checked by their family)."""
+        k = 0
+        while k < self.num_hidden_layers and not self.is_moe_layer(k):
+            k += 1
+        return k
+
+    @property
     def uses_extensions(self) -> bool:
         """Whether any optional Inkling-style block is on (the config is not plain Qwen3-MoE)."""
         return bool(self.extension_fields_on())
@@ -560,6 +656,29 @@ class ModelConfig:
         base.update(changes)
         return cls.tiny(**base)
 
+    @classmethod
+    def mla_tiny(cls, family: str = "glm4_moe_lite", **changes: Any) -> ModelConfig:
+        """``tiny`` as an MLA family (``glm4_moe_lite`` or ``deepseek_v3``): 4 heads (kv heads =
+        heads), query/kv latents of 16, nope 8 + rope 4 per head (``head_dim`` = the rope
+        part), values of 12; layer 0 dense, then 4 routed experts (top 2) and one shared
+        expert behind a sigmoid router scaled by 1.8."""
+        base: dict[str, Any] = {
+            "family": family,
+            "qk_norm": False,
+            "num_key_value_heads": 4,
+            "head_dim": 4,
+            "q_lora_rank": 16,
+            "kv_lora_rank": 16,
+            "qk_nope_head_dim": 8,
+            "qk_rope_head_dim": 4,
+            "v_head_dim": 12,
+            "router_score_function": "sigmoid",
+            "n_shared_experts": 1,
+            "routed_scaling_factor": 1.8,
+        }
+        base.update(changes)
+        return cls.tiny(**base)
+
     @property
     def has_dense_and_moe_layers(self) -> bool:
         """Whether some layers are dense and some MoE (written as ``mellum``, see module doc)."""
@@ -679,7 +798,7 @@ def qwen3_moe_kwargs(data: dict[str, Any], arch: str) -> dict[str, Any]:
         data["head_dim"] = data["hidden_size"] // data["num_attention_heads"]
     if "dtype" in data and "torch_dtype" not in data:
         data["torch_dtype"] = data["dtype"]
-    skip = {"family", "qk_norm", "qkv_bias", "kv_capacity"}
+    skip = {"family", "qk_norm", "qkv_bias", "kv_capacity", *_MLA_FIELDS}
     names = {f.name for f in dataclasses.fields(ModelConfig)} - skip
     required = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers")
     for key in required:

@@ -36,6 +36,20 @@ Optional blocks (``ModelConfig`` extension fields) add, when on:
     layers.{i}.expert_bias          ...mlp.gate.e_score_correction_bias     (fp32, frozen)
     layers.{i}.shared_fc1 / fc2     ...mlp.shared_experts.{s}.{gate,up,down}_proj.weight
 
+MLA families (``deepseek_v3``, ``glm4_moe_lite``: ``_model.MlaLayer``), per layer:
+
+    layers.{i}.attn_norm / mlp_norm    ...input_layernorm / post_attention_layernorm.weight
+    layers.{i}.fc1 / fc2               ...mlp.{gate,up}_proj (cat) / mlp.down_proj (dense layers)
+    layers.{i}.self_attn.{n}           ...self_attn.{n}.weight for n in q_proj or q_a_proj,
+                                       q_a_layernorm, q_b_proj; kv_a_proj_with_mqa,
+                                       kv_a_layernorm, kv_b_proj, o_proj
+    layers.{i}.moe.router              ...mlp.gate.weight                     (fp32 always)
+    layers.{i}.moe.expert_bias         ...mlp.gate.e_score_correction_bias    (fp32 always)
+    layers.{i}.moe.experts_fc1 / fc2   ...mlp.experts.{e}.{gate,up,down}_proj.weight
+    layers.{i}.moe.shared_fc1 / fc2    ...mlp.shared_experts.{gate,up}_proj (cat) / down_proj
+
+The MoE tensors of MLA layers are not LoRA targets (their forward has no LoRA hook).
+
 Multimodal towers (``ModelConfig`` tower fields, see ``_towers``) add, when on, with
 ``T`` = ``vision_tower`` (input ``patch_embed``) or ``audio_tower`` (input ``frame_embed``):
 
@@ -96,6 +110,9 @@ def weight_groups(config: ModelConfig) -> list[WeightGroup]:
     if c.embedding_rms_norm:
         groups.append(_copy("embed_norm", "model.embed_norm.weight", (h,)))
     for i in range(c.num_hidden_layers):
+        if c.is_mla:
+            groups += _mla_layer_groups(c, i)
+            continue
         p, hp = f"layers.{i}.", f"model.layers.{i}."
         a = hp + "self_attn."
         nh, nkv, hd = c.attention_shape(i)
@@ -151,39 +168,10 @@ def weight_groups(config: ModelConfig) -> list[WeightGroup]:
         m = hp + "mlp."
         if c.is_moe_layer(i):
             e, im, ns = c.num_experts, c.moe_intermediate_size, c.n_shared_experts
-            fc1_names: list[str] = []
-            for j in range(e):
-                fc1_names += [f"{m}experts.{j}.gate_proj.weight", f"{m}experts.{j}.up_proj.weight"]
             groups.append(_copy(p + "router", m + "gate.weight", (e + ns, h)))
             if c.router_score_function == "sigmoid":
-                groups.append(
-                    WeightGroup(
-                        name=p + "expert_bias",
-                        hf_names=(m + "gate.e_score_correction_bias",),
-                        kind="copy",
-                        shape=(e,),
-                        hf_shapes=((e,),),
-                        dtype="float32",
-                    )
-                )
-            groups += [
-                WeightGroup(
-                    name=p + "experts_fc1",
-                    hf_names=tuple(fc1_names),
-                    kind="experts_cat",
-                    shape=(e, 2 * im, h),
-                    hf_shapes=((im, h),) * (2 * e),
-                    stacked_name=m + "experts.gate_up_proj",
-                ),
-                WeightGroup(
-                    name=p + "experts_fc2",
-                    hf_names=tuple(f"{m}experts.{j}.down_proj.weight" for j in range(e)),
-                    kind="experts",
-                    shape=(e, h, im),
-                    hf_shapes=((h, im),) * e,
-                    stacked_name=m + "experts.down_proj",
-                ),
-            ]
+                groups.append(_expert_bias_group(p + "expert_bias", m, e))
+            groups += _routed_expert_groups(p, m, e, im, h)
             if ns:
                 si = c.shared_intermediate_size
                 shared_fc1: list[str] = []
@@ -209,17 +197,7 @@ def weight_groups(config: ModelConfig) -> list[WeightGroup]:
                     ),
                 ]
         else:
-            im = c.intermediate_size
-            groups += [
-                WeightGroup(
-                    name=p + "fc1",
-                    hf_names=(m + "gate_proj.weight", m + "up_proj.weight"),
-                    kind="cat",
-                    shape=(2 * im, h),
-                    hf_shapes=((im, h), (im, h)),
-                ),
-                _copy(p + "fc2", m + "down_proj.weight", (h, im)),
-            ]
+            groups += _dense_mlp_groups(p, m, h, c.intermediate_size)
         if width:
             groups.append(
                 _copy(p + "mlp_out_conv", hp + "mlp_out_conv.weight", (h, width), linear=False)
@@ -236,6 +214,120 @@ def weight_groups(config: ModelConfig) -> list[WeightGroup]:
         groups += _tower_groups(
             "audio", c.audio_num_mel_bins, c.audio_hidden_size, c.audio_intermediate_size, h
         )
+    return groups
+
+
+def _dense_mlp_groups(p: str, m: str, h: int, im: int) -> list[WeightGroup]:
+    """A dense SwiGLU MLP: ``p + fc1`` = ``[gate_proj; up_proj]`` and ``p + fc2`` = ``down_proj``."""
+    return [
+        WeightGroup(
+            name=p + "fc1",
+            hf_names=(m + "gate_proj.weight", m + "up_proj.weight"),
+            kind="cat",
+            shape=(2 * im, h),
+            hf_shapes=((im, h), (im, h)),
+        ),
+        _copy(p + "fc2", m + "down_proj.weight", (h, im)),
+    ]
+
+
+def _expert_bias_group(name: str, m: str, e: int) -> WeightGroup:
+    """The sigmoid router's fixed correction bias (fp32 whatever the checkpoint dtype)."""
+    return WeightGroup(
+        name=name,
+        hf_names=(m + "gate.e_score_correction_bias",),
+        kind="copy",
+        shape=(e,),
+        hf_shapes=((e,),),
+        dtype="float32",
+    )
+
+
+def _routed_expert_groups(
+    p: str, m: str, e: int, im: int, h: int, *, linear: bool = True
+) -> list[WeightGroup]:
+    """Stacked routed experts: ``p + experts_fc1`` (per-expert ``[gate; up]``) and ``experts_fc2``."""
+    fc1_names = [f"{m}experts.{j}.{w}_proj.weight" for j in range(e) for w in ("gate", "up")]
+    return [
+        WeightGroup(
+            name=p + "experts_fc1",
+            hf_names=tuple(fc1_names),
+            kind="experts_cat",
+            shape=(e, 2 * im, h),
+            hf_shapes=((im, h),) * (2 * e),
+            stacked_name=m + "experts.gate_up_proj",
+            linear=linear,
+        ),
+        WeightGroup(
+            name=p + "experts_fc2",
+            hf_names=tuple(f"{m}experts.{j}.down_proj.weight" for j in range(e)),
+            kind="experts",
+            shape=(e, h, im),
+            hf_shapes=((h, im),) * e,
+            stacked_name=m + "experts.down_proj",
+            linear=linear,
+        ),
+    ]
+
+
+def _mla_layer_groups(c: ModelConfig, i: int) -> list[WeightGroup]:
+    """The groups of MLA layer ``i`` (``_model.MlaLayer``), in its parameter order."""
+    p, hp = f"layers.{i}.", f"model.layers.{i}."
+    a, m = hp + "self_attn.", hp + "mlp."
+    h, s, nh = c.hidden_size, c.mla_spec, c.num_attention_heads
+    groups = [
+        _copy(p + "attn_norm", hp + "input_layernorm.weight", (h,)),
+        _copy(p + "mlp_norm", hp + "post_attention_layernorm.weight", (h,)),
+    ]
+    moe = c.is_moe_layer(i)
+    if not moe:
+        groups += _dense_mlp_groups(p, m, h, c.intermediate_size)
+    q_rows = nh * s.qk_head_dim
+    attn: list[tuple[str, tuple[int, ...]]] = []
+    if s.q_lora_rank is None:
+        attn.append(("q_proj", (q_rows, h)))
+    else:
+        r = s.q_lora_rank
+        attn += [("q_a_proj", (r, h)), ("q_a_layernorm", (r,)), ("q_b_proj", (q_rows, r))]
+    attn += [
+        ("kv_a_proj_with_mqa", (s.cache_width, h)),
+        ("kv_a_layernorm", (s.kv_lora_rank,)),
+        ("kv_b_proj", (nh * (s.qk_nope_head_dim + s.v_head_dim), s.kv_lora_rank)),
+        ("o_proj", (h, nh * s.v_head_dim)),
+    ]
+    groups += [_copy(f"{p}self_attn.{n}", f"{a}{n}.weight", shape) for n, shape in attn]
+    if not moe:
+        return groups
+    # DeepSeek-style MoE (``_ds_moe.DeepseekMoe``): router and correction bias always fp32
+    # (transformers keeps them so); experts and shared experts are not LoRA targets
+    e, im, si = c.num_experts, c.moe_intermediate_size, c.deepseek_moe_spec.shared_intermediate_size
+    d = p + "moe."
+    groups += [
+        WeightGroup(
+            name=d + "router",
+            hf_names=(m + "gate.weight",),
+            kind="copy",
+            shape=(e, h),
+            hf_shapes=((e, h),),
+            dtype="float32",
+            linear=False,
+        ),
+        _expert_bias_group(d + "expert_bias", m, e),
+        *_routed_expert_groups(d, m, e, im, h, linear=False),
+    ]
+    if si:
+        sp = m + "shared_experts."
+        groups += [
+            WeightGroup(
+                name=d + "shared_fc1",
+                hf_names=(sp + "gate_proj.weight", sp + "up_proj.weight"),
+                kind="cat",
+                shape=(2 * si, h),
+                hf_shapes=((si, h), (si, h)),
+                linear=False,
+            ),
+            _copy(d + "shared_fc2", sp + "down_proj.weight", (h, si), linear=False),
+        ]
     return groups
 
 

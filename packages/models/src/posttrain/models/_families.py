@@ -5,7 +5,7 @@
 ``qkv_bias``, rope, experts, sliding window) and whose writer gives the family's own
 ``config.json`` back. Whatever a family cannot compute exactly is refused with a
 ``ModelConfigError`` naming the architecture and the feature: a rope type (``_rope``),
-``partial_rotary_factor``, an activation, a bias, a sliding window, MLA.
+``partial_rotary_factor``, an activation, a bias, a sliding window, DeepSeek-V2's routing.
 
 Families (same tensor names as Qwen3 in the HF layout; see ``_convert``):
 
@@ -16,9 +16,14 @@ Families (same tensor names as Qwen3 in the HF layout; see ``_convert``):
     llama      LlamaForCausalLM      no        no          no       (Llama 3.x: llama3 rope)
     mistral    MistralForCausalLM    no        no          no       sliding_window on every layer
 
-Refused by name: DeepSeek-V2/V3 and GLM-4.x-MoE-Lite (MLA: the attention modules exist in
-``_mla`` but are not wired into the decoder yet), Gemma 2/3 (pre- and post-feedforward norms,
-``1 + weight`` norms, logit soft-capping, alternating windows: a second decoder).
+MLA families (``Family.mla``; every layer is a ``_model.MlaLayer``: ``_mla`` attention, then
+a dense MLP on the leading ``first_k_dense_replace`` layers or a ``_ds_moe`` MoE):
+
+    deepseek_v3    DeepseekV3ForCausalLM   group-limited sigmoid routing, first_k_dense_replace
+    glm4_moe_lite  Glm4MoeLiteForCausalLM  (GLM-4.7-Flash) sigmoid routing, mlp_layer_types
+
+Refused by name: DeepSeek-V2 (softmax / greedy routing), Gemma 2/3 (pre- and post-feedforward
+norms, ``1 + weight`` norms, logit soft-capping, alternating windows: a second decoder).
 
 A config with neither ``architectures`` nor ``model_type`` is read as Qwen3-MoE (the layout
 this package wrote first). ``register_family`` adds a family.
@@ -57,6 +62,8 @@ class Family:
     """Whether a window on every layer (Mistral's ``sliding_window``) is part of the family."""
     extensions: bool = False
     """Whether posttrain's optional blocks and towers may be on (the Qwen3-MoE family)."""
+    mla: bool = False
+    """Whether attention is MLA and MoE layers route DeepSeek-style (``_mla``, ``_ds_moe``)."""
 
     def check(self, config: ModelConfig) -> None:
         """Refuse a ``ModelConfig`` whose switches this family's layout cannot express."""
@@ -67,12 +74,29 @@ class Family:
             raise ModelConfigError(f"{where} needs qkv_bias={self.qkv_bias}")
         if config.num_experts and not self.experts:
             raise ModelConfigError(f"{where} has no experts (num_experts={config.num_experts})")
+        if config.is_mla != self.mla:
+            raise ModelConfigError(
+                f"{where} needs kv_lora_rank {'> 0 (MLA)' if self.mla else '= 0 (no MLA)'}"
+            )
+        if not self.mla and (config.n_group, config.topk_group) != (1, 1):
+            raise ModelConfigError(f"{where} has no group-limited routing (n_group/topk_group)")
+        if self.mla and config.num_experts:
+            k = config.first_k_dense_replace
+            if config.layer_types != ("dense",) * k + ("moe",) * (config.num_hidden_layers - k):
+                raise ModelConfigError(
+                    f"{where}: the dense layers must be the first ones (first_k_dense_replace), "
+                    f"got layer types {list(config.layer_types)}"
+                )
+            if config.router_score_function != "sigmoid":
+                raise ModelConfigError(f"{where} routes with sigmoid scores")
         if self.extensions:
             return
         if config.has_towers:
             raise ModelConfigError(f"{where} has no media towers")
         window_only = set(config.sliding_window_layers) == set(range(config.num_hidden_layers))
         for key in config.extension_fields_on():
+            if self.mla and key in _MLA_ROUTING_FIELDS:
+                continue
             if self.sliding_window and window_only and key == "sliding_window_layers":
                 continue
             if self.sliding_window and window_only and key == "sliding_window_size":
@@ -80,23 +104,22 @@ class Family:
             raise ModelConfigError(f"{where} does not take the optional block field {key}")
 
 
+_MLA_ROUTING_FIELDS = ("router_score_function", "n_shared_experts", "routed_scaling_factor")
+"""The optional-block fields that the MLA families' DeepSeek-style MoE layers hold."""
+
 _FAMILIES: dict[str, Family] = {}
 _BY_NAME: dict[str, str] = {}  # architecture or model_type -> family name
 _REFUSED: dict[str, str] = {}  # architecture or model_type -> the missing feature
 
-_MLA = "MLA (multi-head latent attention) is not supported yet"
+_MLA = (
+    "DeepSeek-V2's MLA model (softmax or greedy routing, no e_score_correction_bias) is not "
+    "supported (DeepSeek-V3 and GLM-4.x-MoE-Lite are)"
+)
 _GEMMA = (
     "the Gemma decoder (pre/post-feedforward layernorms, 1 + weight RMSNorm, logit "
     "soft-capping, alternating sliding windows) is not supported"
 )
-for _name in (
-    "DeepseekV2ForCausalLM",
-    "deepseek_v2",
-    "DeepseekV3ForCausalLM",
-    "deepseek_v3",
-    "Glm4MoeLiteForCausalLM",
-    "glm4_moe_lite",
-):
+for _name in ("DeepseekV2ForCausalLM", "deepseek_v2"):
     _REFUSED[_name] = _MLA
 for _name in (
     "Gemma2ForCausalLM",
@@ -388,5 +411,109 @@ for _name, _arch, _qk_norm, _bias, _read, _write in _DENSE_FAMILIES:
             read=_read,
             write=_write,
             sliding_window=_name == "mistral",
+        )
+    )
+
+
+# ---------------------------------------------------------------- MLA families
+
+
+def _read_mla(data: dict[str, Any], arch: str) -> dict[str, Any]:
+    """DeepSeek-V3 / GLM-4.x-MoE-Lite: MLA shapes, DeepSeek-style routing, dense-first layers."""
+    from posttrain.models._ds_moe import DeepseekMoeSpec, mlp_layer_types
+    from posttrain.models._mla_config import MlaSpec
+
+    _required(arch, data, "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+    try:
+        spec = MlaSpec.from_hf_dict(data)
+        types = mlp_layer_types(data)
+        moe = DeepseekMoeSpec.from_hf_dict(data) if "moe" in types else None
+    except ModelConfigError as exc:
+        raise ModelConfigError(f"{arch}: {exc}") from exc
+    out = _common(data | {"head_dim": spec.qk_rope_head_dim}, arch)
+    out |= {
+        "qk_norm": False,
+        "qkv_bias": False,
+        "q_lora_rank": spec.q_lora_rank,
+        "kv_lora_rank": spec.kv_lora_rank,
+        "qk_nope_head_dim": spec.qk_nope_head_dim,
+        "qk_rope_head_dim": spec.qk_rope_head_dim,
+        "v_head_dim": spec.v_head_dim,
+        "rope_interleave": spec.rope.interleave,
+        "rope_theta": spec.rope.rope_theta,
+        "rope_scaling": spec.rope.scaling,
+    }
+    if moe is not None:
+        out |= {
+            "num_experts": moe.n_routed_experts,
+            "num_experts_per_tok": moe.num_experts_per_tok,
+            "moe_intermediate_size": moe.moe_intermediate_size,
+            "n_shared_experts": moe.n_shared_experts,
+            "n_group": moe.n_group,
+            "topk_group": moe.topk_group,
+            "norm_topk_prob": moe.norm_topk_prob,
+            "routed_scaling_factor": float(moe.routed_scaling_factor),
+            "router_score_function": "sigmoid",
+            "mlp_only_layers": tuple(i for i, t in enumerate(types) if t == "dense"),
+        }
+    return out
+
+
+def _write_mla(config: ModelConfig, name: str) -> dict[str, Any]:
+    out = _hf_common(config, _FAMILIES[name])
+    n = config.num_hidden_layers
+    out |= {
+        "q_lora_rank": config.q_lora_rank,
+        "kv_lora_rank": config.kv_lora_rank,
+        "qk_nope_head_dim": config.qk_nope_head_dim,
+        "qk_rope_head_dim": config.qk_rope_head_dim,
+        "v_head_dim": config.v_head_dim,
+        "rope_interleave": config.rope_interleave,
+        "attention_bias": False,
+        "pretraining_tp": 1,
+        "n_routed_experts": config.num_experts,
+        "num_experts_per_tok": config.num_experts_per_tok,
+        "moe_intermediate_size": config.moe_intermediate_size or config.intermediate_size,
+        "n_shared_experts": config.n_shared_experts,
+        "n_group": config.n_group,
+        "topk_group": config.topk_group,
+        "norm_topk_prob": config.norm_topk_prob,
+        "routed_scaling_factor": config.routed_scaling_factor,
+        "scoring_func": "sigmoid",
+        "topk_method": "noaux_tc",
+    }
+    if name == "deepseek_v3":
+        out["first_k_dense_replace"] = config.first_k_dense_replace if config.num_experts else n
+        out["moe_layer_freq"] = 1
+        out["num_nextn_predict_layers"] = 0
+    else:
+        out["first_k_dense_replace"] = config.first_k_dense_replace
+        out["mlp_layer_types"] = ["sparse" if t == "moe" else "dense" for t in config.layer_types]
+    return out
+
+
+def _write_deepseek_v3(config: ModelConfig) -> dict[str, Any]:
+    return _write_mla(config, "deepseek_v3")
+
+
+def _write_glm4_moe_lite(config: ModelConfig) -> dict[str, Any]:
+    return _write_mla(config, "glm4_moe_lite")
+
+
+for _name, _arch, _write in (
+    ("deepseek_v3", "DeepseekV3ForCausalLM", _write_deepseek_v3),
+    ("glm4_moe_lite", "Glm4MoeLiteForCausalLM", _write_glm4_moe_lite),
+):
+    register_family(
+        Family(
+            name=_name,
+            architecture=_arch,
+            model_type=_name,
+            qk_norm=False,
+            qkv_bias=False,
+            experts=True,
+            read=_read_mla,
+            write=_write,
+            mla=True,
         )
     )

@@ -140,6 +140,25 @@ class MlaRope:
             truncate=bool(truncate),
         )
 
+    @classmethod
+    def of(cls, rope_theta: float, interleave: bool, scaling: RopeScaling | None) -> MlaRope:
+        """The MLA rope of a decoder config's ``rope_theta`` / ``rope_scaling`` (None or YaRN;
+        the inverse of ``scaling``)."""
+        if scaling is None:
+            return cls(rope_theta=rope_theta, interleave=interleave)
+        if scaling.rope_type != "yarn":
+            raise ModelConfigError(
+                f"MLA rope_scaling type {scaling.rope_type!r} is not supported (yarn only)"
+            )
+        fields = ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow",
+                  "mscale", "mscale_all_dim", "attention_factor", "truncate")  # fmt: skip
+        return cls(
+            rope_theta=rope_theta,
+            rope_type="yarn",
+            interleave=interleave,
+            **{f: getattr(scaling, f) for f in fields},
+        )
+
     @property
     def scaling(self) -> RopeScaling | None:
         """The YaRN scaling as ``_rope``'s ``RopeScaling`` (None for the default rope)."""

@@ -18,6 +18,11 @@ at four sites per layer, a relative position bias from an extra projected stream
 layers with their own shape, a sigmoid router with a fixed expert bias and shared experts, an
 embedding RMSNorm and a logits divisor.
 
+MLA families (DeepSeek-V3, GLM-4.x-MoE-Lite; ``config.is_mla``): every layer is an
+``MlaLayer`` (``_mla.MlaAttention`` over the same layouts: ``forward_packed`` for training,
+``forward_cached`` over the ``MlaCache`` that ``KVCache`` holds for decode, then a dense MLP or
+``_ds_moe.DeepseekMoe``); its projections are ``LinearSite``s with the LoRA hook.
+
 Optional multimodal towers (``ModelConfig`` tower fields, ``_towers``): a frozen vision
 tower and/or audio tower whose outputs overwrite the embedding rows of the placeholder runs
 a ``MediaBatch`` records (``_media``). Only the tower forwards run under ``torch.no_grad``;
@@ -198,6 +203,39 @@ class MoeLayer(_Layer):
             self.shared_fc2 = nn.Parameter(torch.zeros(ns, h, si, dtype=dt))
 
 
+class MlaLayer(nn.Module):
+    """A DeepSeek-V3 / GLM-4.x-MoE-Lite layer: multi-head latent attention (``self_attn``,
+    ``_mla``), then a dense SwiGLU MLP (``fc1 = [gate; up]``, ``fc2``) or a DeepSeek-style MoE
+    (``moe``, ``_ds_moe``: group-limited sigmoid routing and ungated shared experts)."""
+
+    attn_norm: nn.Parameter
+    mlp_norm: nn.Parameter
+    fc1: nn.Parameter
+    fc2: nn.Parameter
+
+    def __init__(self, config: ModelConfig, index: int) -> None:
+        super().__init__()
+        from posttrain.models._ds_moe import DeepseekMoe
+        from posttrain.models._mla import MlaAttention
+
+        h, i, dt = config.hidden_size, config.intermediate_size, config.dtype
+        self.index = index
+        self.is_moe = config.is_moe_layer(index)
+        self.attn_norm = nn.Parameter(torch.ones(h, dtype=dt))
+        self.mlp_norm = nn.Parameter(torch.ones(h, dtype=dt))
+        if not self.is_moe:
+            self.fc1 = nn.Parameter(torch.zeros(2 * i, h, dtype=dt))
+            self.fc2 = nn.Parameter(torch.zeros(h, i, dtype=dt))
+        self.self_attn = MlaAttention(config.mla_spec, dtype=dt)
+        if self.is_moe:
+            self.moe = DeepseekMoe(config.deepseek_moe_spec, dtype=dt)
+        self.sites = nn.ModuleDict()  # filled by DecoderModel
+
+
+MLA_PROJECTIONS = ("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")
+"""The linear projections of MLA attention (``q_proj`` without ``q_lora_rank``, else ``q_a/q_b``)."""
+
+
 def moe_routing(
     ops: type[FastOps], cfg: ModelConfig, logits: Tensor, expert_bias: Tensor | None
 ) -> tuple[Tensor, Tensor]:
@@ -261,7 +299,11 @@ class DecoderModel(nn.Module):
         if config.embedding_rms_norm:
             self.embed_norm = nn.Parameter(torch.ones(h, dtype=dt))
         self.layers = nn.ModuleList(
-            MoeLayer(config, i) if config.is_moe_layer(i) else DenseLayer(config, i)
+            MlaLayer(config, i)
+            if config.is_mla
+            else MoeLayer(config, i)
+            if config.is_moe_layer(i)
+            else DenseLayer(config, i)
             for i in range(config.num_hidden_layers)
         )
         self.final_norm = nn.Parameter(torch.ones(h, dtype=dt))
@@ -277,7 +319,10 @@ class DecoderModel(nn.Module):
         self.sites = nn.ModuleDict()
         self._add_sites()
         cap, theta, scaling = config.capacity, config.rope_theta, config.rope_scaling
-        cos, sin = rope_tables(config.head_dim, cap, theta, scaling)
+        if config.is_mla:  # the rope part only, with MLA's YaRN factors (``_mla_config``)
+            cos, sin = config.mla_spec.rope_tables(cap)
+        else:
+            cos, sin = rope_tables(config.head_dim, cap, theta, scaling)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         swa_hd = config.swa_shape.head_dim
@@ -587,9 +632,28 @@ class DecoderModel(nn.Module):
 
     # ------------------------------------------------------------------ internals
 
+    def _add_mla_sites(self, layer: MlaLayer) -> None:
+        cfg, a = self.config, f"model.layers.{layer.index}.self_attn."
+        attn = layer.self_attn
+        for name in MLA_PROJECTIONS:
+            weight = getattr(attn, name, None)
+            if weight is not None:
+                rows = ((a + name, int(weight.shape[0])),)
+                layer.sites[name] = LinearSite(self, attn, name, parts=rows)
+        if not layer.is_moe:
+            m, i = f"model.layers.{layer.index}.mlp.", cfg.intermediate_size
+            parts = ((m + "gate_proj", i), (m + "up_proj", i))
+            layer.sites["fc1"] = LinearSite(self, layer, "fc1", parts=parts)
+            layer.sites["fc2"] = LinearSite(
+                self, layer, "fc2", parts=((m + "down_proj", cfg.hidden_size),)
+            )
+
     def _add_sites(self) -> None:
         cfg = self.config
         for layer in self.layers:
+            if isinstance(layer, MlaLayer):
+                self._add_mla_sites(layer)
+                continue
             assert isinstance(layer, _Layer)
             shape = cfg.attention_shape(layer.index)
             hd = shape.head_dim
@@ -662,6 +726,9 @@ class DecoderModel(nn.Module):
             h = ops.rms_norm(h, self.embed_norm, cfg.rms_norm_eps)
         h = self._scatter_sequence(h)
         for layer in self.layers:
+            if isinstance(layer, MlaLayer):
+                h = self._mla_layer(layer, h, layout, lora)
+                continue
             assert isinstance(layer, _Layer)
             prefix = f"model.layers.{layer.index}."
             h = h + self._attention(layer, h, layout, lora, prefix)
@@ -754,7 +821,63 @@ class DecoderModel(nn.Module):
             y = layout.sconv(ops, i, "attn", y, layer.attn_out_conv)
         return y
 
-    def _dense(self, layer: DenseLayer, m: Tensor, lora: LoraRouting, prefix: str) -> Tensor:
+    def _mla_layer(
+        self, layer: MlaLayer, h: Tensor, layout: TokenLayout, lora: LoraRouting
+    ) -> Tensor:
+        """The residual stream ``[T, H]`` after one MLA layer (attention, then its MLP or MoE).
+
+        Decode (a ``CacheLayout``) caches the compressed latent and rope key (``MlaCache``):
+        strict numerics use the expanded form (bit-identical to training), fast numerics the
+        absorbed form unless an adapter is active (absorption reads ``kv_b_proj`` directly,
+        past its LoRA delta).
+        """
+        cfg, ops = self.config, self.ops
+        prefix = f"model.layers.{layer.index}."
+        sites = layer.sites
+
+        n_tok = h.shape[0]
+        expanded_index: list[Tensor] = []  # decode: the token whose adapter each cached slot uses
+
+        def linear(name: str, x: Tensor) -> Tensor:
+            y = sites[name](x)
+            index = None
+            if x.shape[0] != n_tok:  # decode's kv_b expansion of cached latents [rows * W]
+                index = _cached_slot_tokens(layout, x.shape[0], expanded_index)
+            return lora.apply(ops, x, y, [(f"{prefix}self_attn.{name}", 0, y.shape[1])], index)
+
+        a = ops.rms_norm(h, layer.attn_norm, cfg.rms_norm_eps)
+        cos, sin = self.rope_cos[layout.pos], self.rope_sin[layout.pos]
+        attn = layer.self_attn
+        if isinstance(layout, CacheLayout):
+            if layout.cache.mla is None:
+                raise CacheError("an MLA model decodes with an MLA cache (model.new_kv_cache)")
+            y = attn.forward_cached(
+                ops,
+                a,
+                layout.cache.mla,
+                layer.index,
+                rows=layout.buf_row,
+                pos=layout.pos,
+                cos=cos,
+                sin=sin,
+                absorbed=False if lora.active else None,
+                linear=linear,
+            )
+        else:
+            assert isinstance(layout, PackedLayout)
+            y = attn.forward_packed(
+                ops, a, layout, cos=cos, sin=sin, layer=layer.index, linear=linear
+            )
+        h = h + y
+        m = ops.rms_norm(h, layer.mlp_norm, cfg.rms_norm_eps)
+        if layer.is_moe:
+            out: Tensor = layer.moe(ops, m)
+            return h + out
+        return h + self._dense(layer, m, lora, prefix)
+
+    def _dense(
+        self, layer: DenseLayer | MlaLayer, m: Tensor, lora: LoraRouting, prefix: str
+    ) -> Tensor:
         ops, i = self.ops, self.config.intermediate_size
         gu = layer.sites["fc1"](m)
         gu = lora.apply(
@@ -813,6 +936,20 @@ class DecoderModel(nn.Module):
         act = ops.silu_mul(gu[:, :i], gu[:, i:])
         y = ops.linear(act, fc2)
         return lora.apply(ops, act, y, [(prefix + "down_proj", 0, hsz)], tok)
+
+
+def _cached_slot_tokens(layout: TokenLayout, slots: int, memo: list[Tensor]) -> Tensor:
+    """For decode's expansion of the cached latents of the call's rows (``MlaAttention``:
+    ``[rows used, W]`` flattened, rows ascending), the index of a token of each slot's row,
+    so the slot's ``kv_b_proj`` gets that row's adapter."""
+    if not memo:
+        rows = layout.buf_row if isinstance(layout, CacheLayout) else layout.seg
+        used, local = torch.unique(rows, return_inverse=True)
+        order = torch.arange(rows.shape[0], device=rows.device)
+        first = torch.full((used.shape[0],), rows.shape[0], dtype=torch.long, device=rows.device)
+        first = first.scatter_reduce(0, local, order, reduce="amin")
+        memo.append(first.repeat_interleave(slots // used.shape[0]))
+    return memo[0]
 
 
 def _segment_starts(lengths: Sequence[int]) -> list[int]:

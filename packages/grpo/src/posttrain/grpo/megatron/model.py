@@ -34,6 +34,14 @@ Expert parallel (``groups.ep_size > 1``): each MoE layer's router and experts be
 EP group, tokens dispatched with explicit all-to-alls, the model's own kernels); its routed
 experts are gathered over EP on export and sliced on load like the TP shards.
 
+MLA models (DeepSeek-V3, GLM-4.x-MoE-Lite: ``config.is_mla``) split their heads as
+megatron-core's MLA does: ``q_b_proj`` (or ``q_proj``) and ``kv_b_proj`` column parallel (their
+rows are head-major), ``o_proj`` row parallel; ``q_a_proj``, ``kv_a_proj_with_mqa``, the latent
+norms and the DeepSeek-style MoE replicated. The rope key, shared by all heads, is the one
+replicated activation read by per-rank heads only: ``RopeKeyGradSum`` sums its gradient over TP
+(the latents' gradients are summed by the column layers). Expert parallel and sequence parallel
+are refused for MLA (``expert_model_parallel_size``, ``sequence_parallel``).
+
 Refused under TP > 1 (a ``GrpoConfigError`` naming the field): head counts or the dense
 intermediate size that TP does not divide, and the Inkling-style blocks whose weights would need
 their own split (``sconv_kernel_size``, ``rel_pos_dim``, ``qk_norm_per_head``).
@@ -43,9 +51,10 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 
 from posttrain.grpo._errors import GrpoConfigError, GrpoInputError
@@ -167,9 +176,14 @@ class TensorParallelDecoder(DecoderModel):
             return self.ops.linear
 
         h = config.hidden_size
+        if config.is_mla:
+            self._check_mla()
         for layer in self.layers:
             i: int = getattr(layer, "index")  # noqa: B009 (nn.Module's __getattr__ is untyped)
             sites: nn.ModuleDict = getattr(layer, "sites")  # noqa: B009
+            if config.is_mla:
+                self._split_mla(layer, i, mcfg, kernel)
+                continue
             nh, nkv, hd = config.attention_shape(i)
             a, m = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
             specs: list[tuple[str, str, tuple[tuple[str, int], ...]]] = [
@@ -202,6 +216,76 @@ class TensorParallelDecoder(DecoderModel):
                 self.shards[f"layers.{i}.{param}"] = Shard(
                     site, kind, tuple(rows for _, rows in parts)
                 )
+
+    def _check_mla(self) -> None:
+        """MLA (DeepSeek-V3, GLM-4.x-MoE-Lite) splits its heads over TP; its DeepSeek-style MoE
+        stays replicated, so expert parallel and sequence parallel are refused by field."""
+        family = self.full_config.family
+        if self.groups.ep_size > 1:
+            raise GrpoConfigError(
+                f"expert_model_parallel_size={self.groups.ep_size}: the megatron backend keeps "
+                f"the DeepSeek-style experts of {family} (MLA) replicated; use 1",
+                field="expert_model_parallel_size",
+            )
+        if self.sequence_parallel:
+            raise GrpoConfigError(
+                f"sequence_parallel: the megatron backend's MLA layers ({family}) take every "
+                "token on each TP rank; turn it off",
+                field="sequence_parallel",
+            )
+
+    def _split_mla(
+        self,
+        layer: nn.Module,
+        i: int,
+        mcfg: Any,
+        kernel: Callable[[], Callable[[Tensor, Tensor], Tensor]],
+    ) -> None:
+        """Split MLA layer ``i`` over TP by heads, as megatron-core's MLA does: ``q_b_proj`` (or
+        ``q_proj``) and ``kv_b_proj`` column parallel (rows are head-major), ``o_proj`` row
+        parallel; ``q_a_proj``, ``kv_a_proj_with_mqa`` and the latent norms replicated (they
+        compute the latents every head reads). A dense MLP splits as in the other layers."""
+        config, tp_group = self.full_config, self.groups.tp
+        s, h, nh = config.mla_spec, config.hidden_size, config.num_attention_heads
+        a, m = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
+        attn: nn.Module = getattr(layer, "self_attn")  # noqa: B009
+        sites: nn.ModuleDict = getattr(layer, "sites")  # noqa: B009
+        q = "q_proj" if s.q_lora_rank is None else "q_b_proj"
+        specs: list[tuple[nn.Module, str, str, int, tuple[tuple[str, int], ...], str]] = [
+            (attn, q, "column", s.q_lora_rank or h, ((a + q, nh * s.qk_head_dim),), "self_attn."),
+            (attn, "kv_b_proj", "column", s.kv_lora_rank,
+             ((a + "kv_b_proj", nh * (s.qk_nope_head_dim + s.v_head_dim)),), "self_attn."),
+            (attn, "o_proj", "row", nh * s.v_head_dim, ((a + "o_proj", h),), "self_attn."),
+        ]  # fmt: skip
+        if not config.is_moe_layer(i):
+            n = config.intermediate_size
+            specs += [
+                (layer, "fc1", "column", h, ((m + "gate_proj", n), (m + "up_proj", n)), ""),
+                (layer, "fc2", "row", n, ((m + "down_proj", h),), ""),
+            ]
+        # the rope key is shared by every head: its gradient is a sum over all heads, i.e.
+        # over the TP ranks (the latent's is summed by kv_b_proj's column layer)
+        if self.groups.tp_size > 1:
+            sites["kv_a_proj_with_mqa"] = RopeKeyGradSum(
+                sites["kv_a_proj_with_mqa"], s.kv_lora_rank, tp_group
+            )
+        for owner, param, kind, fan_in, parts, where in specs:
+            full = sum(rows for _, rows in parts)
+            delattr(owner, param)  # the megatron layer owns the weight now
+            linear: nn.Module
+            if kind == "column":
+                linear = KernelColumnParallelLinear(
+                    fan_in, full, config=mcfg, tp_group=tp_group, kernel=kernel
+                )
+            else:
+                linear = KernelRowParallelLinear(
+                    fan_in, h, config=mcfg, tp_group=tp_group, kernel=kernel
+                )
+            site = ParallelSite(linear, kind=kind, parts=parts)
+            sites[param] = site
+            self.shards[f"layers.{i}.{where}{param}"] = Shard(
+                site, kind, tuple(rows for _, rows in parts)
+            )
 
     def _split_experts(self, layer: nn.Module, index: int, numerics: Numerics) -> None:
         """Replace MoE layer ``index``'s router and experts by an ``ExpertParallelMoe``
@@ -414,6 +498,38 @@ class TensorParallelDecoder(DecoderModel):
         return torch.cat(
             [torch.cat([split[r][k] for r in range(tp)]) for k in range(len(local_parts))]
         )
+
+
+class _SumColumnsGrad(torch.autograd.Function):
+    """Identity forward; backward all-reduces the gradient's columns ``start:`` over ``group``."""
+
+    @staticmethod
+    def forward(ctx: Any, y: Tensor, start: int, group: Any) -> Tensor:
+        ctx.start, ctx.group = start, group
+        return y.view_as(y)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:
+        part = grad[:, ctx.start :].contiguous()
+        dist.all_reduce(part, group=ctx.group)
+        return torch.cat([grad[:, : ctx.start], part], dim=1), None, None
+
+
+class RopeKeyGradSum(nn.Module):
+    """MLA's replicated ``kv_a_proj_with_mqa`` site under TP: the output ``[latent | rope key]``
+    as computed, with the rope key's gradient summed over the TP group (each rank's heads add
+    their share, as megatron-core's MLA reduces it). ``base`` is the site itself."""
+
+    def __init__(self, base: nn.Module, start: int, group: Any) -> None:
+        super().__init__()
+        self.base = base
+        self.start = start
+        self.group = group
+
+    def forward(self, x: Tensor) -> Tensor:
+        y: Tensor = self.base(x)
+        out: Tensor = _SumColumnsGrad.apply(y, self.start, self.group)  # type: ignore[no-untyped-call]
+        return out
 
 
 _MOE_PARAMETERS = (
