@@ -362,6 +362,9 @@ def _weight_sync(r: Resolved, a: RoleArgs, src: str) -> None:
         return
     rank = _user_trainer_value(cfg, "--lora-r") or TRAINER_LORA_R
     targets = _user_trainer_value(cfg, "--lora-targets")
+    planned = a.trainer.get("--lora-targets")  # a rule's choice (MLA: its own projections)
+    if not targets and planned:
+        targets = planned[0]
     modules = tuple(targets.split(",")) if targets else TRAINER_LORA_TARGETS
     why = f"{src} (the trainer trains a LoRA adapter: the engines must serve it)"
     a.engine.set("--enable-lora", source=why)
