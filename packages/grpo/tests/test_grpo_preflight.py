@@ -109,10 +109,12 @@ def test_every_failure_is_reported_not_only_the_first(
 
 
 def test_a_real_run_runs_the_checks_before_anything_starts(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tiny: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """Without --dry-run the broken resume is refused before the loop is even imported."""
-    code = main(["--resume", str(tmp_path), "--out-dir", str(tmp_path / "out")])
+    """Without --dry-run the broken resume is refused before any process starts."""
+    code = main(["--model-path", str(tiny), "--rollout-url", "http://127.0.0.1:9",
+                 "--engine-urls", "http://127.0.0.1:9", "--resume", str(tmp_path),
+                 "--out-dir", str(tmp_path / "out")])  # fmt: skip
     _, err = capsys.readouterr()
     assert code == 2
     assert err.startswith("error: --resume"), err

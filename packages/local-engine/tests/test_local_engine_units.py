@@ -34,6 +34,7 @@ def test_nvfp4_checkpoint_reads_dequantized_with_a_report(tmp_path) -> None:  # 
         "norm.weight": torch.ones(4),
     }
     save_file(state, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text("{}")  # a checkpoint has one (its model's config)
     (tmp_path / "hf_quant_config.json").write_text(
         '{"quantization": {"quant_algo": "NVFP4", "group_size": 16, "exclude_modules": ["lm_head"],'
         ' "kv_cache_quant_algo": "FP8"}}'

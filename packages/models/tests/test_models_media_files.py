@@ -43,7 +43,7 @@ def test_without_an_allowed_dir_no_path_is_read_and_the_error_is_the_same(tmp_pa
     (message,) = messages
     assert "not allowed" in message
     assert "png" not in message
-    assert not any(ch.isdigit() for ch in message)  # no size, no dimensions
+    assert not any(ch.isdigit() for ch in message.replace("base64", ""))  # no size, no dimensions
 
 
 def test_inside_the_allowed_dir_a_regular_file_is_read(tmp_path: Path) -> None:

@@ -115,11 +115,11 @@ def run(
     if config.dry_run:
         return {"dry_run": True, "config": config.to_dict()}
     plugged = Plugged(task=task, engine=engine, weight_sinks=tuple(weight_sinks))
+    _check_runnable(config, plugged)  # the plugged parts and the fields a run cannot do without
     # Every preflight check (the model gate, the user's data, reward and eval sets, the out dir,
     # the resume checkpoint) before any rank or engine starts and before anything is written;
     # a plugged task brings its own prompts and reward.
     run_preflight(config, skip=("data", "reward") if task is not None else ())
-    _check_runnable(config, plugged)
     config = resolve_model_paths(config)  # hub ids -> their cached directories
     if task is not None:
         as_bound(task.reward)  # a reward whose parameters bind, or a GrpoConfigError now
