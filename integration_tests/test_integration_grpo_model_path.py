@@ -67,7 +67,7 @@ LEARN_STEPS = 8
 LEARN = ("--steps", str(LEARN_STEPS), "--context-length", "48")
 LEARN_TRAINER = ("--prompts-per-step", "8", "--samples-per-prompt", "8", "--shard", "1")
 FULL_LR = ("--lr", "4e-3")  # the recipe's full_lr (1e-3) learns too slowly for 8 steps
-LEARN_MARGIN = 0.15  # mean reward of the last two steps over step 0's (measured: +0.28..+0.53)
+LEARN_MARGIN = 0.15  # mean reward of the last two steps over step 0's (measured: +0.26..+0.53)
 
 
 @pytest.fixture(scope="module")
