@@ -175,16 +175,27 @@ def _task_prompts(task: str) -> tuple[Prompt, ...]:
     return build_task(task, lambda ids: "").prompts
 
 
-def warm_up(root: Path, seed: int, *, task: str = "addition", log: Any = None) -> dict[str, float]:
+def warm_up(
+    root: Path,
+    seed: int,
+    *,
+    task: str = "addition",
+    config: ModelConfig | None = None,
+    log: Any = None,
+) -> dict[str, float]:
     """Supervised warm-up; writes ``root/teacher`` and ``root/policy``; returns their accuracy.
 
     The teacher learns the task (clean labels) to ``TEACHER_ACCURACY``; the policy is that
     model after a few steps on random answers, until its accuracy falls to
     ``STUDENT_ACCURACY``: the skill is still latent in its weights, the kind of base RL with a
     verifiable reward brings back quickly.
+
+    ``config`` is the decoder to warm up (default: ``model_config(task)``); another family's
+    (a tiny Llama 3 or Qwen2.5 with the local vocabulary and ``max_position_embeddings`` >= the
+    task's prompts) gives a policy of that family with the same latent skill.
     """
     torch.manual_seed(seed)
-    config = model_config(task)
+    config = model_config(task) if config is None else config
     examples = _Examples(_task_prompts(task), config)
     model = build_model(config, seed=seed, numerics=Numerics.FAST)
     trainable = [p for p in model.parameters() if p.requires_grad]  # the towers stay frozen
