@@ -33,7 +33,9 @@ def test_bad_inputs_are_refused_before_anything_starts(tmp_path: Path, dry_run: 
     (broken / "optim.pt").write_bytes(b"\x80\x04not a checkpoint")
     out = tmp_path / "out"
     argv = ["--task", "chess", "--model-path", str(tmp_path / "missing"),
-            "--resume", str(broken), "--out-dir", str(out)]  # fmt: skip
+            "--resume", str(broken), "--out-dir", str(out),
+            # what a real run needs besides, so that the checks above are what refuses it
+            "--rollout-url", "http://127.0.0.1:9", "--engine-urls", "http://127.0.0.1:9"]  # fmt: skip
     done = _trainer(*argv, *(["--dry-run"] if dry_run else []))
     assert done.returncode == 2, done.stderr
     lines = done.stderr.strip().splitlines()
