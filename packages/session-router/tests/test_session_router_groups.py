@@ -78,7 +78,7 @@ def test_a_group_in_one_request_equals_one_session_per_sample(
                 singles = [
                     await client.rollout(
                         messages, sampling_params={**params, "seed": s}, weight_version=2
-                    )  # fmt: skip
+                    )
                     for s in seeds
                 ]
                 assert server.sessions == {}
@@ -100,7 +100,8 @@ def test_a_group_in_one_request_equals_one_session_per_sample(
         assert {b["extra_key"] for b in seen} == {"miles_lora:v2"}
         assert len(set(keys[:4])) == 4  # one session (routing key) per sample
         assert {g.metadata["session_id"] for g in group} == set(keys[:4])
-        assert len(raw) == 2 and raw[0].response_ids != raw[1].response_ids
+        assert len(raw) == 2
+        assert raw[0].response_ids != raw[1].response_ids
         assert raw[0].prompt_ids == chat_tok.encode("hello")  # no chat template
 
     asyncio.run(asyncio.wait_for(main(), timeout=30))

@@ -75,7 +75,7 @@ from posttrain.grpo.metrics import MetricsLog, write_report
 from posttrain.grpo.model_check import resolve_model_paths
 from posttrain.grpo.preflight import run_preflight
 from posttrain.grpo.rewards import Prompt, PromptStream, Task
-from posttrain.grpo.rollout import RolloutSettings, run_rollout
+from posttrain.grpo.rollout import Rollouts, RolloutSettings
 from posttrain.grpo.scoring import StepScores, as_bound, score_samples
 from posttrain.grpo.trainer import Policy, TrainSample, build_policy, train_step
 from posttrain.interface import (
@@ -229,14 +229,19 @@ def _steps(
     fleet.sync(policy, version, first=True, when="start")  # before the first rollout, and resumes
     log = MetricsLog(out, total_steps=cfg.steps, start_step=start) if lead else None
     opd_mode: dict[str, bool] = {}  # per-position scoring or not: probed once, on the first step
-    with log if log is not None else contextlib.nullcontext():
+    # Rank 0's rollout client and event loop: made once, reused by every step.
+    rollouts = Rollouts(engine=plugged.engine) if task is not None else None
+    with log if log is not None else contextlib.nullcontext(), rollouts or contextlib.nullcontext():
         for step in range(start, cfg.steps):
             t_step = time.perf_counter()
             batch = (
                 _rollout_and_score(
-                    cfg, task, stream, step, version, api_key, opd_mode, plugged.engine, decode
+                    cfg, task, stream, step, version, api_key, opd_mode, rollouts, decode
                 )
-                if task is not None and stream is not None and decode is not None
+                if task is not None
+                and stream is not None
+                and decode is not None
+                and rollouts is not None
                 else None
             )
             batch = _broadcast(batch)
@@ -297,7 +302,7 @@ def _rollout_and_score(
     version: int,
     api_key: str | None,
     opd_mode: dict[str, bool],
-    engine: RolloutEngine | None = None,
+    rollouts: Rollouts,
     decode: Callable[[Sequence[int]], str] | None = None,
 ) -> dict[str, Any] | str:
     """Rank 0: the step's samples, rewards, advantages and stats, or an error message."""
@@ -317,7 +322,7 @@ def _rollout_and_score(
             turn_timeout_s=min(cfg.turn_timeout_s, cfg.rollout_timeout_s),
             api_key=api_key,
         )
-        samples = run_rollout(settings, prompts, step=step, engine=engine)
+        samples = rollouts.run(settings, prompts, step=step)
         times["rollout"] = time.perf_counter() - t0
         samples, aborted = _drop_aborted(samples, step)
         stale: list[Sample] | None = None
