@@ -44,7 +44,6 @@ import contextlib
 import functools
 import hmac
 import logging
-import math
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from types import SimpleNamespace
@@ -82,7 +81,7 @@ from posttrain.session_router.assembly import (
     parse_chat_body,
     parse_completion_body,
 )
-from posttrain.session_router.config import SessionRouterConfig
+from posttrain.session_router.config import SessionRouterConfig, is_positive_seconds
 from posttrain.session_router.dispatch import App, Routes
 from posttrain.session_router.openai_reply import (
     SSE_HEADERS,
@@ -250,15 +249,21 @@ async def delete_session(request: Request) -> Response:
 
 
 async def chat(request: Request) -> Response:
+    return await _one_turn(request, raw=False)
+
+
+async def _one_turn(request: Request, *, raw: bool) -> Response:
+    """A chat turn, or (``raw``) a completions turn, on the request's session."""
     server = _server(request)
     state = server.get(request.path_params["session_id"])
-    req, prepared = await _prepare_chat(server, state, await server.read_body(request))
+    prepare = _prepare_completion if raw else _prepare_chat
+    req, prepared = await prepare(server, state, await server.read_body(request))
     # The client may leave while the upstream generates. One task waits for its disconnect
     # (~9 us a turn; polling Request.is_disconnected costs ~38 us), read before committing.
     left: asyncio.Future[Any] = asyncio.ensure_future(request.receive())
     try:
         return await _generate_and_commit(request.headers.items(), server, state, req, prepared,
-                                          left)  # fmt: skip
+                                          left, raw=raw)  # fmt: skip
     finally:
         left.cancel()
 
@@ -294,15 +299,7 @@ async def _prepare_chat(
 async def completion(request: Request) -> Response:
     """A raw-prompt turn (OpenAI completions): the text tokenized as it is (no chat template),
     or the token ids given; recorded like a chat turn, so ``/samples`` assembles it."""
-    server = _server(request)
-    state = server.get(request.path_params["session_id"])
-    req, prepared = await _prepare_completion(server, state, await server.read_body(request))
-    left: asyncio.Future[Any] = asyncio.ensure_future(request.receive())
-    try:
-        return await _generate_and_commit(request.headers.items(), server, state, req, prepared,
-                                          left, raw=True)  # fmt: skip
-    finally:
-        left.cancel()
+    return await _one_turn(request, raw=True)
 
 
 async def _prepare_completion(
@@ -536,12 +533,7 @@ def _group_fields(
     if not isinstance(metadata, dict):
         raise BadChatRequestError("metadata: must be an object")
     deadline = body.get("turn_timeout_s")
-    if deadline is not None and (
-        isinstance(deadline, bool)
-        or not isinstance(deadline, int | float)
-        or not math.isfinite(deadline)
-        or deadline <= 0
-    ):
+    if deadline is not None and not is_positive_seconds(deadline):
         raise BadChatRequestError(
             f"turn_timeout_s: must be a finite number > 0 or null, got {deadline!r}"
         )

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -43,6 +42,7 @@ from posttrain.interface import (
     media_request_fields,
 )
 from posttrain.session_router._errors import SampleAssemblyError, SessionNotFoundError
+from posttrain.session_router.config import is_positive_seconds
 
 
 def _check(reply: httpx.Response, session_id: str | None = None) -> httpx.Response:
@@ -147,12 +147,7 @@ class SessionRolloutClient:
     ) -> None:
         if max_concurrency < 1:
             raise ConfigError(f"max_concurrency must be >= 1, got {max_concurrency}")
-        if turn_timeout_s is not None and (
-            isinstance(turn_timeout_s, bool)
-            or not isinstance(turn_timeout_s, int | float)
-            or not math.isfinite(turn_timeout_s)
-            or turn_timeout_s <= 0
-        ):
+        if turn_timeout_s is not None and not is_positive_seconds(turn_timeout_s):
             raise ConfigError(
                 f"turn_timeout_s must be a finite number > 0 or None, got {turn_timeout_s!r}"
             )
