@@ -236,7 +236,7 @@ def test_an_engine_killed_mid_rollout_fails_over_and_the_step_counts_each_sample
         assert stack.router_metric("smg_worker_cb_outcomes_total", worker=dead, outcome="failure")
         committed = stack.session_metric("session_router_turns_total", outcome="committed")
         failed = stack.session_metric("session_router_turns_total", outcome="upstream_error")
-        created = stack.session_metric("session_router_requests_total", route="create")
+        created = stack.session_metric("session_router_sessions_created_total")
     assert summary is not None
     assert len(spy.rollouts) == len(spy.trained) == 2
     for samples, trained in zip(spy.rollouts, spy.trained, strict=True):

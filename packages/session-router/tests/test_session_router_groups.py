@@ -15,6 +15,7 @@ from typing import Any
 
 import httpx
 import pytest
+from prometheus_client import generate_latest
 
 from posttrain.interface import ConfigError, SampleStatus, TransportError
 from posttrain.session_router import ChatTokenizer, SessionRolloutClient, create_app
@@ -84,8 +85,10 @@ def test_a_group_in_one_request_equals_one_session_per_sample(
                 assert server.sessions == {}
                 raw = await client.rollout_n([], 2, seeds=[1, 2], prompt="hello",
                                              weight_version=2)  # fmt: skip
+            metrics = generate_latest(server.metrics.registry).decode()
         finally:
             await server.aclose()
+        assert "session_router_sessions_created_total 10.0" in metrics  # 4 + 4 + 2 sessions
         assert len(group) == 4
         for g, s in zip(group, singles, strict=True):
             assert g.prompt_ids == s.prompt_ids
