@@ -21,7 +21,7 @@ What it measures (CPU by default; docs/benchmarks/grpo.md, "GRPO side by side wi
 
 Needs TRL, which is in the ``bench-trl`` dependency group (CI never installs it)::
 
-    uv run --group bench-trl python packages/grpo/benchmarks/bench_vs_trl.py
+    uv run --group bench-trl python packages/grpo/benchmarks/bench_vs_trl.py   # --trl-threads 1 by default
 
 The TRL side runs in a child process of this script (``--side trl``), so neither side's
 imports, threads or allocator state leak into the other's timing.
