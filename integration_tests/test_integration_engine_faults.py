@@ -23,7 +23,7 @@ request is still being decoded then.
   completes and ``aborted_samples`` counts them. The engine gets SIGCONT before it is stopped.
 
 The loop runs in this process so the test can read the step's samples (a spy that records what
-the real ``run_rollout`` returned and what the real ``train_step`` was given); the rank's
+the real ``Rollouts.run`` returned and what the real ``train_step`` was given); the rank's
 environment (RANK, WORLD_SIZE, MASTER_*) is set through ``monkeypatch`` and restored after.
 Every process is stopped by pid (``LocalRunner.stop``) in a ``finally``; every wait is bounded.
 """
@@ -162,15 +162,15 @@ class Striker:
 
 
 class Spy:
-    """Records what the loop's real ``run_rollout`` returned and what ``train_step`` was given."""
+    """Records what the loop's real ``Rollouts.run`` returned and what ``train_step`` was given."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.rollouts: list[list[Sample]] = []
         self.trained: list[list[Any]] = []
-        real_rollout, real_train = grpo_loop.run_rollout, grpo_loop.train_step
+        real_rollout, real_train = grpo_loop.Rollouts.run, grpo_loop.train_step
 
-        def run_rollout(*args: Any, **kwargs: Any) -> list[Sample]:
-            samples = real_rollout(*args, **kwargs)
+        def run_rollout(rollouts: Any, *args: Any, **kwargs: Any) -> list[Sample]:
+            samples = real_rollout(rollouts, *args, **kwargs)
             self.rollouts.append(list(samples))
             return samples
 
@@ -178,7 +178,7 @@ class Spy:
             self.trained.append(list(mine))
             return real_train(policy, mine, *args, **kwargs)
 
-        monkeypatch.setattr(grpo_loop, "run_rollout", run_rollout)
+        monkeypatch.setattr(grpo_loop.Rollouts, "run", run_rollout)
         monkeypatch.setattr(grpo_loop, "train_step", train_step)
 
 
@@ -236,7 +236,7 @@ def test_an_engine_killed_mid_rollout_fails_over_and_the_step_counts_each_sample
         assert stack.router_metric("smg_worker_cb_outcomes_total", worker=dead, outcome="failure")
         committed = stack.session_metric("session_router_turns_total", outcome="committed")
         failed = stack.session_metric("session_router_turns_total", outcome="upstream_error")
-        created = stack.session_metric("session_router_requests_total", route="create")
+        created = stack.session_metric("session_router_sessions_created_total")
     assert summary is not None
     assert len(spy.rollouts) == len(spy.trained) == 2
     for samples, trained in zip(spy.rollouts, spy.trained, strict=True):

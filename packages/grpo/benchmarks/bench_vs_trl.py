@@ -21,7 +21,7 @@ What it measures (CPU by default; docs/benchmarks/grpo.md, "GRPO side by side wi
 
 Needs TRL, which is in the ``bench-trl`` dependency group (CI never installs it)::
 
-    uv run --group bench-trl python packages/grpo/benchmarks/bench_vs_trl.py
+    uv run --group bench-trl python packages/grpo/benchmarks/bench_vs_trl.py   # --trl-threads 1 by default
 
 The TRL side runs in a child process of this script (``--side trl``), so neither side's
 imports, threads or allocator state leak into the other's timing.
@@ -146,13 +146,15 @@ def load_check(policy: Path, prompts: Sequence[Prompt], count: int = 8) -> dict[
 # --------------------------------------------------------------------------- our side
 
 
-def run_ours(s: BenchSettings, seed: int, out: Path) -> dict[str, Any]:
-    """``posttrain grpo --train full`` for ``s.steps`` steps; per-step times and rewards."""
+def run_ours(s: BenchSettings, seed: int, out: Path, extra: Sequence[str] = ()) -> dict[str, Any]:
+    """``posttrain grpo --train full`` for ``s.steps`` steps; per-step times and rewards.
+
+    ``extra``: more trainer flags (e.g. ``--off-policy-overlap --tis tis``), after the seed."""
     argv = [
         sys.executable, "-m", "posttrain.launch", "grpo", "--train", "full",
         "--steps", str(s.steps), "--seed", str(RECIPE_SEED), "--out", str(out),
         # The recipe's settings already are ``s``; the run seed goes to the trainer (last wins).
-        "--", "--seed", str(seed),
+        "--", "--seed", str(seed), *extra,
     ]  # fmt: skip
     started = time.perf_counter()
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=1800, check=False)
@@ -371,8 +373,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--reward-window", type=int, default=4, help="last steps averaged")
     parser.add_argument("--out", type=Path, default=Path("/tmp/bench-vs-trl"))
     parser.add_argument(
-        "--trl-threads", type=int, default=0,
-        help="torch threads of the TRL process (default 0: torch's default, one per core)",
+        "--trl-threads", type=int, default=1,
+        help="torch threads of the TRL process (default 1, as each of our processes runs; "
+        "0: torch's default, one per core)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--ours-args", default="",
+        help="more flags for our trainer, space-separated (e.g. '--off-policy-overlap --tis tis')",
     )  # fmt: skip
     parser.add_argument("--side", choices=("both", "trl"), default="both", help=argparse.SUPPRESS)
     parser.add_argument("--seed", type=int, default=1, help=argparse.SUPPRESS)
@@ -392,14 +399,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"load check: {json.dumps(check)}", flush=True)
     pairs: list[RunPair] = []
     for seed in (int(x) for x in args.seeds.split(",")):
+        # Interleaved (ours, TRL, ours, TRL, ...), the load average beside each run: the
+        # machine may be shared, and a loaded machine slows whichever side runs then.
         load = os.getloadavg()
-        ours = run_ours(settings, seed, args.out / f"ours-seed{seed}")
-        ours["load_average_before"] = load
+        ours = run_ours(settings, seed, args.out / f"ours-seed{seed}", args.ours_args.split())
+        ours["load_average_before"], ours["load_average_after"] = load, os.getloadavg()
         print(f"seed {seed} ours: {json.dumps(ours)}", flush=True)
         load = os.getloadavg()
         theirs = run_trl(settings, seed, args.out / f"trl-seed{seed}", args.trl_threads)
-        theirs["load_average_before"] = load
+        theirs["load_average_before"], theirs["load_average_after"] = load, os.getloadavg()
         print(f"seed {seed} trl:  {json.dumps(theirs)}", flush=True)
+        print(f"seed {seed} load average (1 min) before/after: ours "
+              f"{ours['load_average_before'][0]:.1f}/{ours['load_average_after'][0]:.1f}, TRL "
+              f"{theirs['load_average_before'][0]:.1f}/{theirs['load_average_after'][0]:.1f}",
+              flush=True)  # fmt: skip
         pair = RunPair(seed, ours, theirs)
         pair.summary = summarize(pair, args.reward_window)
         print(f"seed {seed} summary: {json.dumps(pair.summary)}", flush=True)
@@ -412,6 +425,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "load_check": check,
         "runs": [asdict(p) for p in pairs],
         "step_time_ratio_ours_over_trl": ratios,
+        "trl_threads": args.trl_threads,
+        "ours_args": args.ours_args.split(),
         "load_average": os.getloadavg(),
     }
     (args.out / "results.json").write_text(json.dumps(report, indent=2))

@@ -1,4 +1,4 @@
-"""Rollout requests: one session per sample, deterministic seeds, versioned sessions, cleaned up.
+"""Rollout requests: one group request per prompt, deterministic per-sample seeds, versioned.
 
 The session server here is ``httpx.MockTransport`` standing in for the session router's routes
 (its real behaviour is covered by the integration tests); it lets a test see every request
@@ -17,43 +17,48 @@ import pytest
 
 from posttrain.formats import encode_samples
 from posttrain.grpo import GrpoConfig, GrpoConfigError, GrpoRunError
+from posttrain.grpo import rollout as rollout_module
 from posttrain.grpo.loop import run
 from posttrain.grpo.rewards import Prompt
-from posttrain.grpo.rollout import RolloutSettings, run_rollout, sampling_seed
+from posttrain.grpo.rollout import Rollouts, RolloutSettings, run_rollout, sampling_seed
 from posttrain.interface import RolloutEngine, Sample, SampleStatus
+from posttrain.session_router import SessionRolloutClient
 
 
 class FakeSessions:
+    """The session router's ``POST /rollouts``: one session per sample (``s1``, ``s2``, ...)."""
+
     def __init__(self, fail_chat: bool = False, time_out: frozenset[str] = frozenset()) -> None:
         self.requests: list[tuple[str, str, Any]] = []
         self.auth: list[str | None] = []
-        self.open: set[str] = set()
         self.fail_chat = fail_chat
-        self.time_out = time_out  # sessions whose turn the session server answers 504
+        self.time_out = time_out  # sessions whose turn gets no reply (the upstream's 504)
         self.count = 0
 
     def __call__(self, request: httpx.Request) -> httpx.Response:
         body = json.loads(request.content) if request.content else None
         self.requests.append((request.method, request.url.path, body))
         self.auth.append(request.headers.get("authorization"))
-        parts = request.url.path.strip("/").split("/")
-        if request.method == "POST" and parts == ["sessions"]:
+        assert (request.method, request.url.path) == ("POST", "/rollouts")
+        if self.fail_chat:
+            return httpx.Response(502, json={"error": "sample 0: upstream answered 500"})
+        out = []
+        for _ in range(body["n"]):
             self.count += 1
             sid = f"s{self.count}"
-            self.open.add(sid)
-            return httpx.Response(200, json={"session_id": sid})
-        if request.method == "DELETE":
-            self.open.discard(parts[1])
-            return httpx.Response(204)
-        if parts[-1] == "completions":
-            if self.fail_chat:
-                return httpx.Response(502, json={"error": "upstream answered 500"})
-            if parts[1] in self.time_out:
-                return httpx.Response(504, json={"error": "upstream timeout: no reply in 3 s"})
-            return httpx.Response(200, json={"choices": [{"message": {"content": "5"}}]})
-        sample = Sample(prompt_ids=[2, 3], response_ids=[50, 3], rollout_logprobs=[-0.5, -0.25],
-                        loss_mask=[1, 1], metadata=body["metadata"])  # fmt: skip
-        return httpx.Response(200, content=encode_samples([sample]))
+            meta = {**body["metadata"], "session_id": sid}
+            if sid in self.time_out:
+                if "turn_timeout_s" not in body:
+                    return httpx.Response(504, json={"error": "upstream timeout: no reply in 3 s"})
+                out.append(Sample(prompt_ids=[], response_ids=[], rollout_logprobs=[],
+                                  loss_mask=[], status=SampleStatus.ABORTED,
+                                  metadata={**meta, "abort_reason": "upstream call timed out "
+                                            "(504)"}))  # fmt: skip
+                continue
+            out.append(Sample(prompt_ids=[2, 3], response_ids=[50, 3],
+                              rollout_logprobs=[-0.5, -0.25], loss_mask=[1, 1],
+                              metadata=meta))  # fmt: skip
+        return httpx.Response(200, content=encode_samples(out))
 
 
 def _settings(**changes: Any) -> RolloutSettings:
@@ -66,7 +71,7 @@ PROMPTS = [Prompt(index=i, messages=({"role": "user", "content": f"{i}+1="},),
                   metadata={"answer": str(i + 1)}) for i in (4, 9)]  # fmt: skip
 
 
-def test_one_session_per_sample_in_order_with_seeds_and_the_weight_version() -> None:
+def test_one_group_request_per_prompt_in_order_with_seeds_and_the_weight_version() -> None:
     fake = FakeSessions()
     out = run_rollout(_settings(weight_version=3, top_logprobs=4), PROMPTS, step=2,
                       transport=httpx.MockTransport(fake))  # fmt: skip
@@ -80,23 +85,24 @@ def test_one_session_per_sample_in_order_with_seeds_and_the_weight_version() -> 
     ]
     assert [s.metadata["prompt_index"] for s in out] == [4, 4, 4, 9, 9, 9]
     assert out[0].metadata["answer"] == "5"
-    chats = [b for m, p, b in fake.requests if p.endswith("/completions")]
-    assert len(chats) == 6
+    groups = sorted((b for _, _, b in fake.requests), key=lambda b: b["metadata"]["prompt_index"])
+    assert len(groups) == 2  # one request per prompt, not four per sample
     assert fake.count == 6
-    assert not fake.open
-    seeds = sorted(b["seed"] for b in chats)
-    assert seeds == sorted(sampling_seed(7, 2, p, j) for p in (4, 9) for j in range(3))
-    assert len(set(seeds)) == 6
-    # each session is opened with the served version: the session router derives the adapter's
-    # lora_path and extra_key from it (posttrain.formats.apply_lora_fields), never the client
-    opens = [b for m, p, b in fake.requests if m == "POST" and p == "/sessions"]
-    assert opens == [{"weight_version": 3}] * 6
-    for b in chats:
-        assert "lora_path" not in b
-        assert "extra_key" not in b
-        assert b["top_logprobs"] == 4
-        assert b["logprobs"] is True
-        assert b["max_tokens"] == 4
+    for p, b in zip((4, 9), groups, strict=True):
+        assert b["n"] == 3
+        assert b["seeds"] == [sampling_seed(7, 2, p, j) for j in range(3)]  # sample j's seed
+        # each session is opened with the served version: the session router derives the
+        # adapter's lora_path and extra_key from it (posttrain.formats.apply_lora_fields)
+        assert b["weight_version"] == 3
+        turn = b["turn"]
+        assert turn["messages"] == [{"role": "user", "content": f"{p}+1="}]
+        assert "lora_path" not in turn
+        assert "extra_key" not in turn
+        assert "seed" not in turn
+        assert turn["top_logprobs"] == 4
+        assert turn["logprobs"] is True
+        assert turn["max_tokens"] == 4
+    assert len({s for b in groups for s in b["seeds"]}) == 6
 
 
 def test_every_request_carries_the_stack_key_when_given() -> None:
@@ -117,15 +123,13 @@ def test_seeds_depend_only_on_seed_step_prompt_sample() -> None:
     assert 0 <= sampling_seed(123, 4, 5, 6) < 2**31
 
 
-def test_a_failed_turn_names_the_url_and_still_closes_its_session() -> None:
+def test_a_failed_turn_names_the_url_and_the_prompt() -> None:
     fake = FakeSessions(fail_chat=True)
     with pytest.raises(
         GrpoRunError,
-        match=r"http://sr failed .*POST /sessions/s\d/v1/chat/completions answered 502",
+        match=r"http://sr failed for prompt \d: .*POST /rollouts answered 502.*sample 0",
     ):
         run_rollout(_settings(), PROMPTS, step=0, transport=httpx.MockTransport(fake))
-    assert fake.count >= 1
-    assert not fake.open
 
 
 def test_transport_errors_are_run_errors() -> None:
@@ -138,26 +142,49 @@ def test_transport_errors_are_run_errors() -> None:
 
 def test_a_turn_past_the_deadline_is_an_aborted_sample_in_its_place() -> None:
     fake = FakeSessions(time_out=frozenset({"s2", "s5"}))
-    out = run_rollout(_settings(turn_timeout_s=3.0), PROMPTS, step=0,
+    out = run_rollout(_settings(turn_timeout_s=3.0), PROMPTS[:1], step=0,
                       transport=httpx.MockTransport(fake))  # fmt: skip
-    assert [(s.group_index, s.index) for s in out] == [
-        (0, 0),
-        (0, 1),
-        (0, 2),
-        (1, 3),
-        (1, 4),
-        (1, 5),
-    ]
+    out += run_rollout(_settings(turn_timeout_s=3.0), PROMPTS[1:], step=0,
+                       transport=httpx.MockTransport(fake))  # fmt: skip
+    assert [s.index for s in out] == [0, 1, 2, 0, 1, 2]
     aborted = [s for s in out if s.status is SampleStatus.ABORTED]
     assert [s.metadata["session_id"] for s in aborted] == ["s2", "s5"]
     assert [s.metadata["prompt_index"] for s in aborted] == [4, 9]
     assert all("504" in s.metadata["abort_reason"] and s.response_ids == [] for s in aborted)
     assert sum(s.status is SampleStatus.COMPLETED for s in out) == 4
-    assert not fake.open  # the aborted sessions were deleted too
+    assert all(b["turn_timeout_s"] == 3.0 for _, _, b in fake.requests)
     # Without a turn deadline the same 504 fails the rollout.
     with pytest.raises(GrpoRunError, match="answered 504"):
         run_rollout(_settings(), PROMPTS, step=0,
                     transport=httpx.MockTransport(FakeSessions(time_out=frozenset({"s1"}))))  # fmt: skip
+
+
+def test_one_client_and_loop_serve_every_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    fake = FakeSessions()
+    made: list[SessionRolloutClient] = []
+
+    class Counted(SessionRolloutClient):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            made.append(self)
+
+    monkeypatch.setattr(rollout_module, "SessionRolloutClient", Counted)
+    loops: list[asyncio.AbstractEventLoop] = []
+    real = rollout_module.rollout
+
+    async def spy(*args: Any, **kwargs: Any) -> list[Sample]:
+        loops.append(asyncio.get_running_loop())
+        return await real(*args, **kwargs)
+
+    monkeypatch.setattr(rollout_module, "rollout", spy)
+    with Rollouts(transport=httpx.MockTransport(fake)) as rollouts:
+        first = rollouts.run(_settings(weight_version=0), PROMPTS, step=0)
+        second = rollouts.run(_settings(weight_version=1), PROMPTS, step=1)
+    assert len(made) == 1  # one client for both steps
+    assert loops[0] is loops[1]  # and one event loop
+    assert len(first) == len(second) == 6
+    assert [b["weight_version"] for _, _, b in fake.requests] == [0, 0, 1, 1]
+    assert first[0].metadata["session_id"] != second[0].metadata["session_id"]
 
 
 class OwnEngine:

@@ -126,6 +126,8 @@ class GrpoConfig:
     weight_sync_backend: WeightSyncBackend = "gloo"
     weight_sync_address: str = "127.0.0.1"
     offload_engines: bool = False
+    # Off-policy: step s+1's rollouts run while step s trains (one step stale, TIS applied).
+    off_policy_overlap: bool = False
     out_dir: Path = DEFAULT_OUT_DIR
     resume: Path | None = None
     checkpoint_every: int = 0
@@ -256,6 +258,18 @@ class GrpoConfig:
             raise GrpoConfigError(
                 f"tis_clip_low={self.tis_clip_low} must be < tis_clip_high={self.tis_clip_high}",
                 field="tis_clip_low",
+            )
+        if self.off_policy_overlap and self.tis == "off":
+            raise GrpoConfigError(
+                "off_policy_overlap trains on samples one weight version stale: it needs "
+                "importance weighting against the engine's logprobs (--tis tis or --tis icepop)",
+                field="off_policy_overlap",
+            )
+        if self.off_policy_overlap and self.offload_engines:
+            raise GrpoConfigError(
+                "off_policy_overlap rolls out while the trainer steps, when offload_engines "
+                "has released the engines' memory; use one or the other",
+                field="off_policy_overlap",
             )
         if self.teacher_url is not None and not self.opd:
             raise GrpoConfigError(
@@ -455,6 +469,8 @@ HELP: dict[str, str] = {
     "(one the engines reach)",
     "offload_engines": "release the engines' memory while the trainer steps, resume it before "
     "the weight sync (SGLang's release/resume_memory_occupation; every weight is re-sent)",
+    "off_policy_overlap": "off-policy: roll out the next step while the trainer steps (its "
+    "samples one weight version stale; needs --tis tis or icepop; metric rollout_staleness)",
     "out_dir": "directory for metrics, checkpoints and plots",
     "resume": "checkpoint directory to continue from",
     "checkpoint_every": "checkpoint every N steps (0: only at the end)",

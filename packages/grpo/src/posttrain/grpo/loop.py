@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import math
@@ -73,9 +74,10 @@ from posttrain.grpo.data import task_from_config
 from posttrain.grpo.fleet import EngineFleet, SyncTarget, is_stale, turn_versions
 from posttrain.grpo.metrics import MetricsLog, write_report
 from posttrain.grpo.model_check import resolve_model_paths
+from posttrain.grpo.overlap import StepBatches
 from posttrain.grpo.preflight import run_preflight
 from posttrain.grpo.rewards import Prompt, PromptStream, Task
-from posttrain.grpo.rollout import RolloutSettings, run_rollout
+from posttrain.grpo.rollout import Rollouts, RolloutSettings
 from posttrain.grpo.scoring import StepScores, as_bound, score_samples
 from posttrain.grpo.trainer import Policy, TrainSample, build_policy, train_step
 from posttrain.interface import (
@@ -229,22 +231,33 @@ def _steps(
     fleet.sync(policy, version, first=True, when="start")  # before the first rollout, and resumes
     log = MetricsLog(out, total_steps=cfg.steps, start_step=start) if lead else None
     opd_mode: dict[str, bool] = {}  # per-position scoring or not: probed once, on the first step
-    with log if log is not None else contextlib.nullcontext():
+    # Rank 0's rollout client and event loop: made once, reused by every step.
+    rollouts = Rollouts(engine=plugged.engine) if task is not None else None
+    batches: StepBatches | None = None
+    if task is not None and stream is not None and decode is not None and rollouts is not None:
+        batches = StepBatches(
+            functools.partial(_rollout_and_score, cfg, task, stream, api_key=api_key,
+                              opd_mode=opd_mode, rollouts=rollouts, decode=decode),
+            overlap=cfg.off_policy_overlap, steps=cfg.steps,
+        )  # fmt: skip
+    with contextlib.ExitStack() as scope:
+        if log is not None:
+            scope.enter_context(log)
+        if rollouts is not None:
+            scope.enter_context(rollouts)
+        if batches is not None:
+            scope.callback(batches.close)  # before the rollout client closes
         for step in range(start, cfg.steps):
             t_step = time.perf_counter()
-            batch = (
-                _rollout_and_score(
-                    cfg, task, stream, step, version, api_key, opd_mode, plugged.engine, decode
-                )
-                if task is not None and stream is not None and decode is not None
-                else None
-            )
+            batch = batches.get(step, version) if batches is not None else None
             batch = _broadcast(batch)
             if isinstance(batch, str):
                 raise GrpoRunError(f"step {step}: {batch}")
             mine = policy.data_parallel_share(batch["train"])
             if cfg.offload_engines:  # the engines' memory is the trainer's while it steps
                 fleet.set_memory(resident=False, when=f"step {step}")
+            if batches is not None and stream is not None:  # --off-policy-overlap only
+                batches.start_next(step, version, stream.position)
             t0 = time.perf_counter()
             metrics = train_step(
                 policy, mine, cfg,
@@ -252,6 +265,8 @@ def _steps(
                 global_token_count=max(1, batch["masked_tokens"]),
             )  # fmt: skip
             times = {**batch["times"], "train": time.perf_counter() - t0}
+            if batches is not None and batches.overlap:  # the next rollout, before weights change
+                times["rollout_wait"] = batches.wait()
             t0 = time.perf_counter()
             version += 1
             if cfg.offload_engines:
@@ -271,6 +286,8 @@ def _steps(
             every = cfg.checkpoint_every
             if last or (every and (step + 1) % every == 0):
                 position = stream.position if stream is not None else 0
+                if batches is not None:
+                    position = batches.data_position(position)
                 extra = {"next_step": step + 1, "data_position": position,
                          "data_fingerprint": fingerprint}  # fmt: skip
                 extra = _broadcast(extra)
@@ -295,9 +312,10 @@ def _rollout_and_score(
     stream: PromptStream,
     step: int,
     version: int,
+    *,
     api_key: str | None,
     opd_mode: dict[str, bool],
-    engine: RolloutEngine | None = None,
+    rollouts: Rollouts,
     decode: Callable[[Sequence[int]], str] | None = None,
 ) -> dict[str, Any] | str:
     """Rank 0: the step's samples, rewards, advantages and stats, or an error message."""
@@ -317,7 +335,7 @@ def _rollout_and_score(
             turn_timeout_s=min(cfg.turn_timeout_s, cfg.rollout_timeout_s),
             api_key=api_key,
         )
-        samples = run_rollout(settings, prompts, step=step, engine=engine)
+        samples = rollouts.run(settings, prompts, step=step)
         times["rollout"] = time.perf_counter() - t0
         samples, aborted = _drop_aborted(samples, step)
         stale: list[Sample] | None = None

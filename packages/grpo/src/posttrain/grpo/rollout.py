@@ -1,10 +1,13 @@
 """Rollouts: n samples per prompt, each through its own session-router session.
 
-Per sample, session-router's ``SessionRolloutClient`` (the interface's ``RolloutEngine``) opens
-a session created with the served weight version, sends one OpenAI chat turn (a raw text
-prompt, ``Prompt.text``, goes to the session's ``/v1/completions`` instead), collects the
-session's training sample (samples/1: the engine's exact token ids and logprobs) and deletes the
-session. The session router renders the chat template, routes by session id through sgl-router
+Per prompt, session-router's ``SessionRolloutClient.rollout_n`` sends one ``POST /rollouts``
+carrying the group: the session router opens one session per sample, created with the served
+weight version, sends its one OpenAI chat turn (a raw text prompt, ``Prompt.text``, goes the
+``/v1/completions`` way instead) with the sample's own seed, assembles the session's training
+sample (samples/1: the engine's exact token ids and logprobs) and deletes the session; every
+group of a step goes at once, so the engines see the whole step's turns together and batch
+them. One HTTP request per prompt, not four per sample; the client and its event loop live for
+the whole run (``Rollouts``), so its keep-alive connections are reused step after step. The session router renders the chat template, routes by session id through sgl-router
 and, when it serves the trained adapter, adds ``lora_path`` and ``extra_key`` (from the
 session's weight version, ``posttrain.formats.apply_lora_fields``) to every upstream request,
 so prefix caches never mix adapter versions.
@@ -15,8 +18,8 @@ sampling seed is a hash of (run seed, step, prompt index, sample index), sent as
 it drops ``sampling_params.seed``). With strict kernels the engine's tokens then do not depend
 on batching or on which engine served the session.
 
-Every request is bounded: a finite timeout per HTTP call and at most ``concurrency`` sessions
-in flight. A turn with no reply within ``turn_timeout_s`` (an engine that froze) comes back as a
+Every request is bounded: a finite timeout per HTTP call and at most ``concurrency`` group
+requests in flight (``engine_rollout``: samples). A turn with no reply within ``turn_timeout_s`` (an engine that froze) comes back as a
 sample with status ``aborted`` and no tokens (``SessionRolloutClient``); the loop leaves it out
 of the step. Any other failure of a sample fails the rollout.
 
@@ -76,35 +79,58 @@ async def rollout(
     *,
     step: int,
     transport: httpx.AsyncBaseTransport | None = None,
+    client: SessionRolloutClient | None = None,
 ) -> list[Sample]:
-    """``samples_per_prompt`` samples per prompt, in (prompt, sample) order."""
-    async with SessionRolloutClient(
+    """``samples_per_prompt`` samples per prompt, in (prompt, sample) order.
+
+    Each prompt's group is one ``POST /rollouts`` (``SessionRolloutClient.rollout_n``): its n
+    samples, with their own seeds, run as n sessions on the session router, every group of the
+    step at once. ``client`` is a client kept across steps (``Rollouts``); without it one is
+    opened for this call.
+    """
+    if client is None:
+        async with _session_client(settings, transport) as own:
+            return await rollout(settings, prompts, step=step, client=own)
+
+    async def group(g: int, prompt: Prompt) -> list[Sample]:
+        seeds = [
+            sampling_seed(settings.seed, step, prompt.index, j)
+            for j in range(settings.samples_per_prompt)
+        ]
+        try:
+            out = await client.rollout_n(
+                prompt.messages,
+                settings.samples_per_prompt,
+                seeds=seeds,
+                sampling_params=_sampling_params(settings, step, prompt, None),
+                weight_version=settings.weight_version,
+                metadata={**prompt.metadata, "prompt_index": prompt.index},
+                media=prompt.media,
+                prompt=prompt.text,  # a raw text prompt: no chat template (base models)
+            )
+        except (PosttrainError, httpx.HTTPError) as exc:
+            raise GrpoRunError(
+                f"rollout: {settings.url} failed for prompt {prompt.index}: "
+                f"{type(exc).__name__}: {exc}"
+            ) from exc
+        return [_placed(s, settings, g, j) for j, s in enumerate(out)]
+
+    groups = await asyncio.gather(*(group(g, p) for g, p in enumerate(prompts)))
+    return [s for samples in groups for s in samples]
+
+
+def _session_client(
+    settings: RolloutSettings, transport: httpx.AsyncBaseTransport | None
+) -> SessionRolloutClient:
+    """A session-router client for ``settings`` (its bounds: ``concurrency`` groups in flight)."""
+    return SessionRolloutClient(
         settings.url,
         api_key=settings.api_key,
         timeout_s=settings.timeout_s,
         max_concurrency=settings.concurrency,
         turn_timeout_s=settings.turn_timeout_s,
         transport=transport,
-    ) as client:
-
-        async def one(prompt: Prompt, group: int, sample: int) -> Sample:
-            try:
-                out = await client.rollout(
-                    prompt.messages,
-                    sampling_params=_sampling_params(settings, step, prompt, sample),
-                    weight_version=settings.weight_version,
-                    metadata={**prompt.metadata, "prompt_index": prompt.index},
-                    media=prompt.media,
-                    prompt=prompt.text,  # a raw text prompt: no chat template (base models)
-                )
-            except (PosttrainError, httpx.HTTPError) as exc:
-                raise GrpoRunError(
-                    f"rollout: {settings.url} failed for prompt {prompt.index} sample "
-                    f"{sample}: {type(exc).__name__}: {exc}"
-                ) from exc
-            return _placed(out, settings, group, sample)
-
-        return await _every_sample(settings, prompts, one)
+    )
 
 
 async def _every_sample(
@@ -128,14 +154,16 @@ def _placed(out: Sample, settings: RolloutSettings, group: int, sample: int) -> 
 
 
 def _sampling_params(
-    settings: RolloutSettings, step: int, prompt: Prompt, sample: int
+    settings: RolloutSettings, step: int, prompt: Prompt, sample: int | None
 ) -> dict[str, Any]:
+    """The turn's sampling fields; ``sample`` None: no seed (a group sends one per sample)."""
     params: dict[str, Any] = {
         "max_tokens": settings.max_new_tokens,
         "temperature": settings.temperature,
-        "seed": sampling_seed(settings.seed, step, prompt.index, sample),
         "logprobs": True,
     }
+    if sample is not None:
+        params["seed"] = sampling_seed(settings.seed, step, prompt.index, sample)
     if settings.top_logprobs:
         params["top_logprobs"] = settings.top_logprobs
     return params
@@ -186,6 +214,59 @@ async def engine_rollout(
     return await _every_sample(settings, prompts, one)
 
 
+class Rollouts:
+    """Rank 0's rollouts for a whole run: one event loop and one keep-alive session-router
+    client (or the plugged ``engine``), made once and reused by every step (``close()`` ends
+    them). Rebuilding them per step cost a loop, a client and new connections each step."""
+
+    def __init__(
+        self,
+        *,
+        transport: httpx.AsyncBaseTransport | None = None,
+        engine: RolloutEngine | None = None,
+    ) -> None:
+        self._runner = asyncio.Runner()
+        self._transport = transport
+        self._engine = engine
+        self._client: SessionRolloutClient | None = None
+        self._client_for: tuple[Any, ...] | None = None
+
+    def __enter__(self) -> Rollouts:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def run(
+        self, settings: RolloutSettings, prompts: Sequence[Prompt], *, step: int
+    ) -> list[Sample]:
+        """One step's samples (``rollout``, or ``engine_rollout`` with a plugged engine)."""
+        if self._engine is not None:
+            return self._runner.run(engine_rollout(self._engine, settings, prompts, step=step))
+        return self._runner.run(self._rollout(settings, prompts, step))
+
+    async def _rollout(
+        self, settings: RolloutSettings, prompts: Sequence[Prompt], step: int
+    ) -> list[Sample]:
+        # The client's own settings; the weight version and seeds travel per request.
+        key = (settings.url, settings.api_key, settings.timeout_s, settings.concurrency,
+               settings.turn_timeout_s)  # fmt: skip
+        if self._client is None or self._client_for != key:
+            if self._client is not None:
+                await self._client.aclose()
+            self._client, self._client_for = _session_client(settings, self._transport), key
+        return await rollout(settings, prompts, step=step, client=self._client)
+
+    def close(self) -> None:
+        """Close the client's connections and the event loop."""
+        try:
+            if self._client is not None:
+                self._runner.run(self._client.aclose())
+                self._client = None
+        finally:
+            self._runner.close()
+
+
 def run_rollout(
     settings: RolloutSettings,
     prompts: Sequence[Prompt],
@@ -194,8 +275,7 @@ def run_rollout(
     transport: httpx.AsyncBaseTransport | None = None,
     engine: RolloutEngine | None = None,
 ) -> list[Sample]:
-    """``rollout`` (or, given ``engine``, ``engine_rollout``) from synchronous code (one event
-    loop per step)."""
-    if engine is not None:
-        return asyncio.run(engine_rollout(engine, settings, prompts, step=step))
-    return asyncio.run(rollout(settings, prompts, step=step, transport=transport))
+    """``rollout`` (or, given ``engine``, ``engine_rollout``) from synchronous code, once (a loop
+    of several steps keeps a ``Rollouts``)."""
+    with Rollouts(transport=transport, engine=engine) as rollouts:
+        return rollouts.run(settings, prompts, step=step)

@@ -9,6 +9,8 @@
     POST   /sessions/{id}/v1/completions           one raw-prompt turn: a text or token ids,
                                                    no chat template (base models)
     POST   /sessions/{id}/samples                  assembled samples (samples/1: posttrain.formats)
+    POST   /rollouts      {"n", "turn", "seeds"}   a group: n one-turn samples, each its own
+                                                   session (created, run, assembled, deleted)
     *      /sessions/{id}/{path}                   raw proxy with the routing key, not recorded,
                                                    for the upstream routes in PROXY_ROUTES only
 
@@ -43,7 +45,7 @@ import functools
 import hmac
 import logging
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from types import SimpleNamespace
 from typing import Any
 
@@ -54,7 +56,13 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from posttrain.formats import encode_samples
-from posttrain.interface import ConfigError, PosttrainError, is_weight_version
+from posttrain.interface import (
+    ConfigError,
+    PosttrainError,
+    Sample,
+    SampleStatus,
+    is_weight_version,
+)
 from posttrain.session_router._errors import (
     BadChatRequestError,
     SampleAssemblyError,
@@ -73,7 +81,7 @@ from posttrain.session_router.assembly import (
     parse_chat_body,
     parse_completion_body,
 )
-from posttrain.session_router.config import SessionRouterConfig
+from posttrain.session_router.config import SessionRouterConfig, is_positive_seconds
 from posttrain.session_router.dispatch import App, Routes
 from posttrain.session_router.openai_reply import (
     SSE_HEADERS,
@@ -82,7 +90,7 @@ from posttrain.session_router.openai_reply import (
     fake_stream,
     text_completion,
 )
-from posttrain.session_router.samples import assemble_samples
+from posttrain.session_router.samples import AssembledSamples, assemble_samples
 from posttrain.session_router.server import BodyTooLargeError, SessionServer
 from posttrain.session_router.template import ChatTokenizer, NotCachedError
 from posttrain.session_router.tito import (
@@ -241,14 +249,34 @@ async def delete_session(request: Request) -> Response:
 
 
 async def chat(request: Request) -> Response:
-    server, cfg, tok = _server(request), _server(request).cfg, _server(request).tok
-    session_id = request.path_params["session_id"]
-    state = server.get(session_id)
-    raw = await server.read_body(request)
+    return await _one_turn(request, raw=False)
+
+
+async def _one_turn(request: Request, *, raw: bool) -> Response:
+    """A chat turn, or (``raw``) a completions turn, on the request's session."""
+    server = _server(request)
+    state = server.get(request.path_params["session_id"])
+    prepare = _prepare_completion if raw else _prepare_chat
+    req, prepared = await prepare(server, state, await server.read_body(request))
+    # The client may leave while the upstream generates. One task waits for its disconnect
+    # (~9 us a turn; polling Request.is_disconnected costs ~38 us), read before committing.
+    left: asyncio.Future[Any] = asyncio.ensure_future(request.receive())
+    try:
+        return await _generate_and_commit(request.headers.items(), server, state, req, prepared,
+                                          left, raw=raw)  # fmt: skip
+    finally:
+        left.cancel()
+
+
+async def _prepare_chat(
+    server: SessionServer, state: SessionState, raw: bytes
+) -> tuple[ChatRequest, PreparedTurn]:
+    """Parse a chat body and prepare its turn on ``state`` (rendered and tokenized)."""
+    cfg, tok = server.cfg, server.tok
     req = parse_chat_body(raw, cfg.chat_template_kwargs)
     async with state.lock:
         if state.closing:
-            raise SessionNotFoundError(session_id)
+            raise SessionNotFoundError(state.session_id)
         prepare = functools.partial(
             prepare_turn,
             state,
@@ -263,25 +291,22 @@ async def chat(request: Request) -> Response:
         # Tokenizing a long uncached text takes milliseconds: off the event loop then, so other
         # sessions' turns proceed (prepare_turn only reads the state, and we hold its lock).
         try:
-            prepared = prepare(max_uncached_chars=_INLINE_TOKENIZE_CHARS)
+            return req, prepare(max_uncached_chars=_INLINE_TOKENIZE_CHARS)
         except NotCachedError:
-            prepared = await asyncio.to_thread(prepare)
-    # The client may leave while the upstream generates. One task waits for its disconnect
-    # (~9 us a turn; polling Request.is_disconnected costs ~38 us), read before committing.
-    left: asyncio.Future[Any] = asyncio.ensure_future(request.receive())
-    try:
-        return await _generate_and_commit(request, server, state, req, prepared, left)
-    finally:
-        left.cancel()
+            return req, await asyncio.to_thread(prepare)
 
 
 async def completion(request: Request) -> Response:
     """A raw-prompt turn (OpenAI completions): the text tokenized as it is (no chat template),
     or the token ids given; recorded like a chat turn, so ``/samples`` assembles it."""
-    server, tok = _server(request), _server(request).tok
-    session_id = request.path_params["session_id"]
-    state = server.get(session_id)
-    raw = await server.read_body(request)
+    return await _one_turn(request, raw=True)
+
+
+async def _prepare_completion(
+    server: SessionServer, state: SessionState, raw: bytes
+) -> tuple[ChatRequest, PreparedTurn]:
+    """Parse a completions body and prepare its raw turn on ``state``."""
+    tok = server.tok
     req, prompt = parse_completion_body(raw, tok.tokenizer.get_vocab_size())
     if isinstance(prompt, str):
         try:
@@ -292,13 +317,8 @@ async def completion(request: Request) -> Response:
         prompt_ids = prompt
     async with state.lock:
         if state.closing:
-            raise SessionNotFoundError(session_id)
-        prepared = prepare_raw_turn(state, prompt_ids)
-    left: asyncio.Future[Any] = asyncio.ensure_future(request.receive())
-    try:
-        return await _generate_and_commit(request, server, state, req, prepared, left, raw=True)
-    finally:
-        left.cancel()
+            raise SessionNotFoundError(state.session_id)
+        return req, prepare_raw_turn(state, prompt_ids)
 
 
 def _client_left(left: asyncio.Future[Any]) -> bool:
@@ -309,7 +329,7 @@ def _client_left(left: asyncio.Future[Any]) -> bool:
 
 
 async def _generate_and_commit(
-    request: Request,
+    headers: Iterable[tuple[str, str]],
     server: SessionServer,
     state: SessionState,
     req: ChatRequest,
@@ -330,8 +350,7 @@ async def _generate_and_commit(
         "POST",
         "/generate",
         content=dumps(body),
-        headers=forward_headers(request.headers.items(), session_id)
-        | {"content-type": "application/json"},
+        headers=forward_headers(list(headers), session_id) | {"content-type": "application/json"},
     )
     server.metrics.upstream_seconds.observe(time.perf_counter() - started)
     if upstream.status_code != 200:
@@ -400,24 +419,192 @@ async def samples(request: Request) -> Response:
         raise BadChatRequestError(f"max_seq_len: must be an int or null, got {max_seq_len!r}")
     if not isinstance(metadata, dict):
         raise BadChatRequestError("metadata: must be an object")
-    async with state.lock:
-        records, accumulated = list(state.records), state.accumulated_token_ids
-        session_meta = {"session_id": state.session_id, "rollbacks": state.rollbacks}
     try:
-        result = assemble_samples(
-            records,
-            accumulated,
-            max_trim_tokens=server.cfg.max_trim_tokens,
-            max_seq_len=max_seq_len,
-            metadata=metadata,
-            session_metadata=session_meta,
-        )
+        result = await _assemble(server, state, max_seq_len, metadata)
     except (SampleAssemblyError, ConfigError) as exc:  # ConfigError: Sample validation
         return Response(str(exc), status_code=422, media_type="text/plain")
     data = encode_samples(
         result.samples, session_metadata=result.session_metadata, empty_reason=result.empty_reason
     )
     return Response(data, media_type="application/octet-stream")
+
+
+async def _assemble(
+    server: SessionServer,
+    state: SessionState,
+    max_seq_len: int | None,
+    metadata: Mapping[str, Any],
+) -> AssembledSamples:
+    """The session's records assembled into 0 or 1 training sample."""
+    async with state.lock:
+        records, accumulated = list(state.records), state.accumulated_token_ids
+        session_meta = {"session_id": state.session_id, "rollbacks": state.rollbacks}
+    return assemble_samples(
+        records,
+        accumulated,
+        max_trim_tokens=server.cfg.max_trim_tokens,
+        max_seq_len=max_seq_len,
+        metadata=metadata,
+        session_metadata=session_meta,
+    )
+
+
+_MAX_GROUP = 4096  # samples in one POST /rollouts
+
+
+class _SampleTurnFailedError(Exception):
+    """One sample's turn of a group got an error reply: the group answers it, naming the sample."""
+
+    def __init__(self, index: int, response: Response) -> None:
+        super().__init__(index)
+        self.index, self.response = index, response
+
+
+async def rollouts(request: Request) -> Response:
+    """A group in one request: ``n`` single-turn samples of one prompt, each in its own session.
+
+    Body: ``{"n", "turn", "seeds"?, "weight_version"?, "metadata"?, "turn_timeout_s"?}``. ``turn``
+    is a chat body (``messages``) or a completions body (``prompt``); sample ``i`` sends it with
+    ``seeds[i]`` as its OpenAI ``seed``. Every sample is a session of its own, created, run,
+    assembled and deleted here exactly as a client doing those four requests would, so its token
+    ids and logprobs are the engine's; the n upstream turns go concurrently (the engine batches
+    them). The reply is samples/1 with the n samples in order, each naming its ``session_id``.
+    With ``turn_timeout_s``, a turn with no reply within it (or the upstream's 504) is an
+    ``aborted`` sample with no tokens and ``metadata["abort_reason"]``; any other failure of a
+    sample fails the group with that sample's error, and no session outlives the request.
+    """
+    server = _server(request)
+    body = _json_object(await server.read_body(request))
+    n, turn, seeds, version, metadata, deadline = _group_fields(body)
+    apply_lora({}, server.cfg, version)  # a served adapter needs a version: refuse it now
+    raw = "prompt" in turn
+    headers = list(request.headers.items())
+    left: asyncio.Future[Any] = asyncio.ensure_future(request.receive())
+    try:
+        async with asyncio.TaskGroup() as group:
+            tasks = [
+                group.create_task(
+                    _group_sample(
+                        server,
+                        headers,
+                        {**turn, "seed": seeds[i]} if seeds else turn,
+                        i,
+                        version=version,
+                        metadata=metadata,
+                        deadline=deadline,
+                        left=left,
+                        raw=raw,
+                    )
+                )
+                for i in range(n)
+            ]
+    except BaseExceptionGroup as eg:  # the first failure, as the single-sample routes answer it
+        first = eg.exceptions[0]
+        if isinstance(first, _SampleTurnFailedError):
+            return _sample_error(first)
+        raise first from None
+    finally:
+        left.cancel()
+    data = encode_samples([t.result() for t in tasks])
+    return Response(data, media_type="application/octet-stream")
+
+
+def _group_fields(
+    body: dict[str, Any],
+) -> tuple[int, dict[str, Any], list[int] | None, int | None, dict[str, Any], float | None]:
+    """The validated fields of a ``POST /rollouts`` body (400 naming the field otherwise)."""
+    n = body.get("n")
+    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= _MAX_GROUP:
+        raise BadChatRequestError(f"n: must be an int in [1, {_MAX_GROUP}], got {n!r}")
+    turn = body.get("turn")
+    if not isinstance(turn, dict):
+        raise BadChatRequestError("turn: must be an object (a chat or completions body)")
+    seeds = body.get("seeds")
+    if seeds is not None and (
+        not isinstance(seeds, list)
+        or len(seeds) != n
+        or any(isinstance(x, bool) or not isinstance(x, int) for x in seeds)
+    ):
+        raise BadChatRequestError(f"seeds: must be a list of {n} ints (one per sample) or null")
+    version = body.get("weight_version")
+    if version is not None and not is_weight_version(version):
+        raise BadChatRequestError(f"weight_version: must be an int >= 0 or null, got {version!r}")
+    metadata = body.get("metadata") or {}
+    if not isinstance(metadata, dict):
+        raise BadChatRequestError("metadata: must be an object")
+    deadline = body.get("turn_timeout_s")
+    if deadline is not None and not is_positive_seconds(deadline):
+        raise BadChatRequestError(
+            f"turn_timeout_s: must be a finite number > 0 or null, got {deadline!r}"
+        )
+    return n, turn, seeds, version, metadata, deadline
+
+
+async def _group_sample(
+    server: SessionServer,
+    headers: list[tuple[str, str]],
+    turn: dict[str, Any],
+    index: int,
+    *,
+    version: int | None,
+    metadata: dict[str, Any],
+    deadline: float | None,
+    left: asyncio.Future[Any],
+    raw: bool,
+) -> Sample:
+    """Sample ``index`` of a group: a session created, one turn, assembled, deleted."""
+    state = server.create(weight_version=version)
+    try:
+        prepare = _prepare_completion if raw else _prepare_chat
+        try:
+            async with asyncio.timeout(deadline):
+                req, prepared = await prepare(server, state, dumps(turn))
+                response = await _generate_and_commit(
+                    headers, server, state, req, prepared, left, raw=raw
+                )
+        except TimeoutError:
+            return _aborted(state, metadata, f"no reply within turn_timeout_s={deadline:g} s")
+        except UpstreamTimeoutError as exc:
+            if deadline is None:
+                raise
+            return _aborted(state, metadata, f"the session server's upstream call timed out "
+                                             f"(504): {exc.url}")  # fmt: skip
+        if response.status_code != 200:
+            raise _SampleTurnFailedError(index, response)
+        try:
+            result = await _assemble(server, state, None, metadata)
+        except (SampleAssemblyError, ConfigError) as exc:
+            raise _SampleTurnFailedError(index, Response(str(exc), status_code=422)) from exc
+        if len(result.samples) != 1:
+            why = result.empty_reason or "expected exactly 1"
+            raise _SampleTurnFailedError(index, Response(
+                f"session {state.session_id} assembled {len(result.samples)} samples ({why})",
+                status_code=422,
+            ))  # fmt: skip
+        sample = result.samples[0]
+        sample.metadata.setdefault("session_id", state.session_id)
+        return sample
+    finally:
+        server.drop(state.session_id)
+
+
+def _aborted(state: SessionState, metadata: dict[str, Any], reason: str) -> Sample:
+    return Sample(
+        prompt_ids=[], response_ids=[], rollout_logprobs=[], loss_mask=[],
+        status=SampleStatus.ABORTED,
+        metadata={**metadata, "session_id": state.session_id, "abort_reason": reason},
+    )  # fmt: skip
+
+
+def _sample_error(failed: _SampleTurnFailedError) -> Response:
+    """A sample's error reply, its message prefixed with the sample's index."""
+    reply = failed.response
+    text = bytes(reply.body).decode("utf-8", errors="replace")
+    try:
+        message = orjson.loads(text)["error"]
+    except (orjson.JSONDecodeError, KeyError, TypeError):
+        message = text
+    return _error(reply.status_code, f"sample {failed.index}: {message}")
 
 
 async def proxy(request: Request, *, path: str) -> Response:
@@ -481,6 +668,7 @@ def create_app(
     routes.add(f"{sid}/v1/chat/completions", {"POST": _handled("chat", chat)})
     routes.add(f"{sid}/v1/completions", {"POST": _handled("completion", completion)})
     routes.add(f"{sid}/samples", {"POST": _handled("samples", samples)})
+    routes.add("/rollouts", {"POST": _handled("rollouts", rollouts)})
     for path, methods in PROXY_ROUTES.items():
         proxied = _handled("proxy", functools.partial(proxy, path=path))
         routes.add(f"{sid}/{path}", dict.fromkeys(methods, proxied))

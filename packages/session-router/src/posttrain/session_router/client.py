@@ -10,7 +10,9 @@ deletes the session.
 rollouts (or raw-prompt ones, ``prompt=``, for base models without a chat template): one session per rollout (create, one chat turn, collect, delete, the delete even when
 a step failed), so each sample carries exactly the engine's token ids and logprobs, and its
 session's id in ``metadata["session_id"]``.
-``rollout_group`` draws the n samples of one prompt concurrently (a GRPO group).
+``rollout_group`` draws the n samples of one prompt concurrently (a GRPO group), one session
+per request; ``rollout_n`` sends them as one request (``POST /rollouts``: the session server
+runs the n sessions itself), so a group costs one HTTP round trip instead of 4n.
 
 With ``turn_timeout_s`` set, a turn that gets no reply within that deadline (the client's own
 wall-clock deadline, or the session server's 504 when its ``upstream_timeout_s`` passes first:
@@ -24,7 +26,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -41,6 +42,7 @@ from posttrain.interface import (
     media_request_fields,
 )
 from posttrain.session_router._errors import SampleAssemblyError, SessionNotFoundError
+from posttrain.session_router.config import is_positive_seconds
 
 
 def _check(reply: httpx.Response, session_id: str | None = None) -> httpx.Response:
@@ -145,12 +147,7 @@ class SessionRolloutClient:
     ) -> None:
         if max_concurrency < 1:
             raise ConfigError(f"max_concurrency must be >= 1, got {max_concurrency}")
-        if turn_timeout_s is not None and (
-            isinstance(turn_timeout_s, bool)
-            or not isinstance(turn_timeout_s, int | float)
-            or not math.isfinite(turn_timeout_s)
-            or turn_timeout_s <= 0
-        ):
+        if turn_timeout_s is not None and not is_positive_seconds(turn_timeout_s):
             raise ConfigError(
                 f"turn_timeout_s must be a finite number > 0 or None, got {turn_timeout_s!r}"
             )
@@ -257,6 +254,50 @@ class SessionRolloutClient:
             return f"the session server's upstream call timed out (504): {reply.text[:300]}"
         _check(reply, session_id)
         return None
+
+    async def rollout_n(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        n: int,
+        *,
+        seeds: Sequence[int] | None = None,
+        sampling_params: Mapping[str, Any] | None = None,
+        weight_version: int | None = None,
+        metadata: Mapping[str, Any] | None = None,
+        media: Sequence[MediaRef] = (),
+        prompt: str | Sequence[int] | None = None,
+    ) -> list[Sample]:
+        """``n`` samples of one prompt in one request (``POST /rollouts``), in order.
+
+        The session server runs each as its own session, exactly as ``rollout`` does (the same
+        records, token ids and logprobs), with the n turns upstream at once; ``seeds[i]`` is
+        sample i's OpenAI ``seed``. ``turn_timeout_s`` applies per sample (an ``aborted`` sample
+        in its place); any other failure of a sample raises, naming the sample.
+        """
+        if n < 1:
+            raise ConfigError(f"a group needs n >= 1 samples, got {n}")
+        if seeds is not None and len(seeds) != n:
+            raise ConfigError(f"seeds: {len(seeds)} given for n={n} samples")
+        turn: dict[str, Any] = {**dict(sampling_params or {}), **media_request_fields(media)}
+        if prompt is not None:
+            turn["prompt"] = prompt if isinstance(prompt, str) else list(prompt)
+        else:
+            turn["messages"] = list(messages)
+        body: dict[str, Any] = {"n": n, "turn": turn, "metadata": dict(metadata or {})}
+        if seeds is not None:
+            body["seeds"] = list(seeds)
+        if weight_version is not None:
+            body["weight_version"] = weight_version
+        if self.turn_timeout_s is not None:
+            body["turn_timeout_s"] = self.turn_timeout_s
+        async with self._slots:
+            reply = _check(await self._client.post("/rollouts", json=body))
+        decoded = decode_samples(reply.content)
+        if len(decoded.samples) != n:
+            raise SampleAssemblyError(
+                f"POST /rollouts returned {len(decoded.samples)} samples for n={n}"
+            )
+        return decoded.samples
 
     async def rollout_group(
         self,

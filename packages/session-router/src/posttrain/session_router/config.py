@@ -28,6 +28,16 @@ DEFAULT_ENCODE_CACHE_TOKENS = 1 << 20
 MATCHER_NAMES = ("strict", "loose_tool_call", "role_content_only")
 
 
+def is_positive_seconds(value: object) -> bool:
+    """Whether ``value`` is a finite number of seconds > 0 (a bool is not a number here)."""
+    return (
+        isinstance(value, int | float)
+        and not isinstance(value, bool)
+        and math.isfinite(value)
+        and value > 0
+    )
+
+
 @dataclass(kw_only=True, slots=True)
 class SessionRouterConfig:
     """What a session server needs to know; validated on construction.

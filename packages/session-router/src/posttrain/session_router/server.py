@@ -55,6 +55,11 @@ class Metrics:
             "session_router_upstream_seconds", "Upstream /generate latency", registry=r
         )
         self.sessions = Gauge("session_router_sessions", "Live sessions", registry=r)
+        self.created = Counter(
+            "session_router_sessions_created",
+            "Sessions created (POST /sessions, and one per sample of POST /rollouts)",
+            registry=r,
+        )
         self.expired = Counter(
             "session_router_sessions_expired", "Sessions reclaimed by TTL", registry=r
         )
@@ -121,6 +126,7 @@ class SessionServer:
         state = SessionState(session_id=uuid.uuid4().hex, weight_version=weight_version)
         self.sessions[state.session_id] = state
         self.metrics.sessions.set(len(self.sessions))
+        self.metrics.created.inc()
         return state
 
     def get(self, session_id: str) -> SessionState:

@@ -1,0 +1,168 @@
+"""``POST /rollouts`` (``SessionRolloutClient.rollout_n``): a group of samples in one request.
+
+Each sample must be exactly what one session per sample gives (``rollout``): the same prompt ids,
+the engine's own token ids and logprobs, its own session (routing key) and seed, every session
+deleted afterwards; a frozen turn is an aborted sample in its place, any other failure names the
+sample. The app is the real one in process; the upstream is a scripted engine whose reply is a
+function of the request's seed, so the two paths can be compared token for token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import httpx
+import pytest
+from prometheus_client import generate_latest
+
+from posttrain.interface import ConfigError, SampleStatus, TransportError
+from posttrain.session_router import ChatTokenizer, SessionRolloutClient, create_app
+
+
+def seeded_engine(tok: ChatTokenizer) -> Any:
+    """A ``/generate`` whose reply and logprobs depend only on the prompt and the seed."""
+    stop_id = tok.tokenizer.token_to_id("<|im_end|>")
+
+    def generate(body: dict[str, Any]) -> dict[str, Any]:
+        seed = body["sampling_params"].get("sampling_seed", 0)
+        ids = [*tok.encode(f"reply {seed % 1000}"), stop_id]
+        logprobs = [-((seed + 7 * i) % 101) / 97 - 1e-3 for i in range(len(ids))]
+        return {
+            "text": tok.decode(ids),
+            "output_ids": ids,
+            "meta_info": {
+                "id": f"req-{seed}",
+                "prompt_tokens": len(body["input_ids"]),
+                "completion_tokens": len(ids),
+                "output_token_logprobs": [
+                    [lp, t, None] for lp, t in zip(logprobs, ids, strict=True)
+                ],
+                "finish_reason": {"type": "stop", "matched": stop_id},
+                "weight_version": "3",
+            },
+        }
+
+    return generate
+
+
+def test_a_group_in_one_request_equals_one_session_per_sample(
+    chat_tok: ChatTokenizer, router_config: Any
+) -> None:
+    engine = seeded_engine(chat_tok)
+    seen: list[dict[str, Any]] = []
+    keys: list[str | None] = []
+
+    async def upstream(request: httpx.Request) -> httpx.Response:
+        seen.append(json.loads(request.content))
+        keys.append(request.headers.get("x-smg-routing-key"))
+        return httpx.Response(200, json=engine(seen[-1]))
+
+    async def main() -> None:
+        app = create_app(
+            router_config(lora_adapter="miles_lora"), tokenizer=chat_tok,
+            transport=httpx.MockTransport(upstream),
+        )  # fmt: skip
+        server = app.state.server
+        asgi = httpx.ASGITransport(app=app)
+        messages = [{"role": "user", "content": "hello there"}]
+        params = {"max_tokens": 8, "temperature": 1.0, "logprobs": True}
+        seeds = [11, 905, 3, 77]
+        try:
+            async with SessionRolloutClient("http://sr", transport=asgi) as client:
+                group = await client.rollout_n(
+                    messages, 4, seeds=seeds, sampling_params=params, weight_version=2,
+                    metadata={"prompt_index": 5},
+                )  # fmt: skip
+                assert server.sessions == {}  # every session was deleted
+                singles = [
+                    await client.rollout(
+                        messages, sampling_params={**params, "seed": s}, weight_version=2
+                    )
+                    for s in seeds
+                ]
+                assert server.sessions == {}
+                raw = await client.rollout_n([], 2, seeds=[1, 2], prompt="hello",
+                                             weight_version=2)  # fmt: skip
+            metrics = generate_latest(server.metrics.registry).decode()
+        finally:
+            await server.aclose()
+        assert "session_router_sessions_created_total 10.0" in metrics  # 4 + 4 + 2 sessions
+        assert len(group) == 4
+        for g, s in zip(group, singles, strict=True):
+            assert g.prompt_ids == s.prompt_ids
+            assert g.response_ids == s.response_ids
+            assert g.rollout_logprobs == s.rollout_logprobs  # exact: the engine's own numbers
+            assert g.loss_mask == s.loss_mask
+            assert g.status is SampleStatus.COMPLETED
+            assert g.metadata["prompt_index"] == 5
+        assert [g.response_ids for g in group] != [group[0].response_ids] * 4  # seeds differ
+        ups = seen[:4]
+        assert sorted(b["sampling_params"]["sampling_seed"] for b in ups) == sorted(seeds)
+        assert {b["extra_key"] for b in seen} == {"miles_lora:v2"}
+        assert len(set(keys[:4])) == 4  # one session (routing key) per sample
+        assert {g.metadata["session_id"] for g in group} == set(keys[:4])
+        assert len(raw) == 2
+        assert raw[0].response_ids != raw[1].response_ids
+        assert raw[0].prompt_ids == chat_tok.encode("hello")  # no chat template
+
+    asyncio.run(asyncio.wait_for(main(), timeout=30))
+
+
+def test_a_frozen_turn_aborts_its_sample_and_a_failure_names_the_sample(
+    chat_tok: ChatTokenizer, router_config: Any
+) -> None:
+    engine = seeded_engine(chat_tok)
+
+    async def upstream(request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content)
+        seed = body["sampling_params"]["sampling_seed"]
+        if seed == 2:  # an engine that froze on this one (bounded, for the test)
+            await asyncio.sleep(30)
+        if seed == 9:
+            return httpx.Response(400, json={"error": "prompt too long"})
+        return httpx.Response(200, json=engine(body))
+
+    async def main() -> None:
+        app = create_app(router_config(), tokenizer=chat_tok,
+                         transport=httpx.MockTransport(upstream))  # fmt: skip
+        server = app.state.server
+        asgi = httpx.ASGITransport(app=app)
+        messages = [{"role": "user", "content": "hi"}]
+        try:
+            async with SessionRolloutClient("http://sr", transport=asgi,
+                                            turn_timeout_s=0.3) as client:  # fmt: skip
+                out = await client.rollout_n(messages, 3, seeds=[1, 2, 3],
+                                             metadata={"prompt_index": 4})  # fmt: skip
+                assert [s.status for s in out] == [
+                    SampleStatus.COMPLETED, SampleStatus.ABORTED, SampleStatus.COMPLETED
+                ]  # fmt: skip
+                assert out[1].response_ids == out[1].prompt_ids == []
+                assert "no reply within turn_timeout_s=0.3 s" in out[1].metadata["abort_reason"]
+                assert out[1].metadata["prompt_index"] == 4
+                assert server.sessions == {}
+                with pytest.raises(TransportError, match=r"answered 400: .*sample 1: .*too long"):
+                    await client.rollout_n(messages, 2, seeds=[1, 9])
+                assert server.sessions == {}  # the failed group's sessions are gone too
+            async with httpx.AsyncClient(transport=asgi, base_url="http://sr") as raw:
+                for body, field in (
+                    ({"n": 0, "turn": {"messages": messages}}, "n:"),
+                    ({"n": 2, "turn": "hi"}, "turn:"),
+                    ({"n": 2, "turn": {"messages": messages}, "seeds": [1]}, "seeds:"),
+                    (
+                        {"n": 1, "turn": {"messages": messages}, "turn_timeout_s": -1},
+                        "turn_timeout_s:",
+                    ),
+                    ({"n": 1, "turn": {"messages": []}}, "messages:"),
+                ):
+                    reply = await raw.post("/rollouts", json=body)
+                    assert reply.status_code == 400, body
+                    assert reply.json()["error"].startswith(field) or field in reply.json()["error"]
+                assert server.sessions == {}
+            with pytest.raises(ConfigError, match="seeds: 1 given for n=2"):
+                await client.rollout_n(messages, 2, seeds=[1])
+        finally:
+            await server.aclose()
+
+    asyncio.run(asyncio.wait_for(main(), timeout=30))
