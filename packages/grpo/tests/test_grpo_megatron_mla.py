@@ -5,21 +5,17 @@ relative L2 of 1e-5, and the exported weights bitwise the single process's.
 
 The heads split as megatron-core splits MLA: ``q_b_proj`` and ``kv_b_proj`` column parallel,
 ``o_proj`` row parallel, the latent projections and the MoE replicated. Expert parallel and
-sequence parallel are refused for MLA by field.
+sequence parallel on MLA: test_grpo_megatron_mla_parallel.
 """
 
 from __future__ import annotations
 
 import importlib.util
-from pathlib import Path
-from typing import Any
 
 import megatron_workers as workers
 import pytest
 import torch
 
-from posttrain.grpo import GrpoConfig, GrpoConfigError
-from posttrain.grpo.model_check import check_model
 from posttrain.interface.testing import run_workers
 from posttrain.models import VOCAB_SIZE, ModelConfig, build_model, build_tokenizer
 
@@ -58,16 +54,3 @@ def test_tp2_matches_the_single_process(glm_ckpt: str) -> None:
     assert got["weights"].keys() == ref["weights"].keys()
     for name, value in ref["weights"].items():
         assert torch.equal(got["weights"][name], value), name
-
-
-def test_expert_and_sequence_parallel_are_refused_for_mla(glm_ckpt: str) -> None:
-    base: dict[str, Any] = {"model_path": Path(glm_ckpt), "train": "full", "backend": "megatron"}
-    check_model(GrpoConfig(**base, shard=2, tensor_model_parallel_size=2))
-    with pytest.raises(GrpoConfigError, match="DeepSeek-style experts") as err:
-        check_model(GrpoConfig(**base, shard=2, expert_model_parallel_size=2))
-    assert err.value.field == "expert_model_parallel_size"
-    with pytest.raises(GrpoConfigError, match="MLA layers") as err:
-        check_model(
-            GrpoConfig(**base, shard=2, tensor_model_parallel_size=2, sequence_parallel=True)
-        )
-    assert err.value.field == "sequence_parallel"

@@ -1,0 +1,88 @@
+"""``--backend megatron`` on a tiny DeepSeek-V3 (MLA with q/kv latents, layer 0 dense
+(``first_k_dense_replace=1``), then 4 routed experts in 2 groups (group-limited top-2 of one
+group) and a shared expert) at EP=2 and at TP=2 with sequence parallel, on 2 gloo ranks,
+against the single-process fsdp backend on the same batch; full-parameter and LoRA (``q_b_proj``,
+``kv_b_proj``, ``o_proj`` and the dense MLP adapted, B factors non-zero).
+
+The loss within a relative 1e-6, every gradient (full HF / PEFT-named tensors) within a relative
+L2 of 1e-5, and the exported weights / adapter bitwise the single process's. EP splits the
+DeepSeek-style routed experts (``ExpertParallelMoe`` in its DeepSeek form); SP keeps the latent
+projections on each rank's tokens and gathers the latents and the rope key.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Any
+
+import megatron_workers as workers
+import pytest
+import torch
+from test_grpo_megatron import rel_l2
+
+from posttrain.interface.testing import run_workers
+from posttrain.models import VOCAB_SIZE, ModelConfig, build_model, build_tokenizer
+
+if importlib.util.find_spec("megatron") is None:  # the grpo extra "megatron" (Linux)
+    pytest.skip("megatron-core is not installed", allow_module_level=True)
+pytestmark = [pytest.mark.multiproc, pytest.mark.slow, pytest.mark.timeout(300)]
+
+DEEPSEEK = ModelConfig.mla_tiny(
+    "deepseek_v3", vocab_size=VOCAB_SIZE, max_position_embeddings=64, num_hidden_layers=3,
+    n_group=2, topk_group=1,
+)  # fmt: skip
+TARGETS = ("q_b_proj", "kv_b_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+RUNS = [
+    {"train": "full", "expert_model_parallel_size": 2},
+    {"train": "lora", "expert_model_parallel_size": 2},
+    {"train": "full", "tensor_model_parallel_size": 2, "sequence_parallel": True},
+    {"train": "lora", "tensor_model_parallel_size": 2, "sequence_parallel": True},
+]
+IDS = ["ep2-full", "ep2-lora", "tp2-sp-full", "tp2-sp-lora"]
+
+
+@pytest.fixture(scope="module")
+def deepseek_ckpt(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
+    """The checkpoint and a PEFT adapter on ``TARGETS`` with random (non-zero) A and B."""
+    from posttrain.grpo.trainer import lora_targets
+    from posttrain.lora import LoraConfig, attach_lora, export_adapter, save_peft
+
+    root = tmp_path_factory.mktemp("deepseek")
+    model = build_model(DEEPSEEK, seed=3)
+    model.save_pretrained(root / "model", tokenizer=build_tokenizer())
+    targets, modules = lora_targets(model, TARGETS)
+    cfg = LoraConfig(r=8, alpha=16.0, seed=5, b_init="normal", export_dtype=torch.float32)
+    adapter = root / "adapter"
+    save_peft(adapter, export_adapter(attach_lora(model, cfg, targets)), cfg,
+              target_modules=modules)  # fmt: skip
+    return str(root / "model"), str(adapter)
+
+
+@pytest.fixture(scope="module")
+def results(deepseek_ckpt: tuple[str, str]) -> dict[str, Any]:
+    import posttrain.grpo.megatron.layers  # noqa: F401 (megatron-core once, before forking)
+
+    refs = [{"train": t, "lora_targets": TARGETS} for t in ("full", "lora")]
+    (ref,) = run_workers(workers.parity_suite, 1, args=(*deepseek_ckpt, refs), timeout_s=240)
+    runs = [{**r, "backend": "megatron", "lora_targets": TARGETS} for r in RUNS]
+    got = run_workers(workers.parity_suite, 2, args=(*deepseek_ckpt, runs), timeout_s=240)[0]
+    return {"reference": dict(zip(("full", "lora"), ref, strict=True)), "runs": got}
+
+
+@pytest.mark.parametrize("index", range(len(RUNS)), ids=IDS)
+def test_ep2_and_sequence_parallel_match_the_single_process(
+    results: dict[str, Any], index: int
+) -> None:
+    ref = results["reference"][RUNS[index]["train"]]
+    got = results["runs"][index]
+    assert got["metrics"]["loss"] == pytest.approx(ref["metrics"]["loss"], rel=1e-6, abs=1e-9)
+    assert got["metrics"]["train_tokens"] == ref["metrics"]["train_tokens"]
+    assert got["grads"].keys() == ref["grads"].keys()
+    if RUNS[index]["train"] == "full":  # the routed experts and the rope key's path are there
+        assert any(".mlp.experts.3." in name for name in ref["grads"])
+        assert any("kv_a_proj_with_mqa" in name for name in ref["grads"])
+    worst = {name: rel_l2(got["grads"][name], g) for name, g in ref["grads"].items()}
+    assert max(worst.values()) <= 1e-5, sorted(worst.items(), key=lambda kv: -kv[1])[:3]
+    assert got["weights"].keys() == ref["weights"].keys()
+    for name, value in ref["weights"].items():
+        assert torch.equal(got["weights"][name], value), name
