@@ -1,8 +1,9 @@
 """``--backend megatron`` on a tiny DeepSeek-V3 (MLA with q/kv latents, layer 0 dense
 (``first_k_dense_replace=1``), then 4 routed experts in 2 groups (group-limited top-2 of one
-group) and a shared expert) at EP=2 and at TP=2 with sequence parallel, on 2 gloo ranks,
-against the single-process fsdp backend on the same batch; full-parameter and LoRA (``q_b_proj``,
-``kv_b_proj``, ``o_proj`` and the dense MLP adapted, B factors non-zero).
+group) and a shared expert) against the single-process fsdp backend on the same batch: on 2
+gloo ranks EP=2 and TP=2 with sequence parallel, full and LoRA, and LoRA at TP=2 without it
+(full TP=2: test_grpo_megatron_mla); on 4 ranks TP=2 x EP=2 with sequence parallel, full.
+LoRA adapts ``q_b_proj``, ``kv_b_proj``, ``o_proj`` and the dense MLP (B factors non-zero).
 
 The loss within a relative 1e-6, every gradient (full HF / PEFT-named tensors) within a relative
 L2 of 1e-5, and the exported weights / adapter bitwise the single process's. EP splits the
@@ -35,10 +36,15 @@ TARGETS = ("q_b_proj", "kv_b_proj", "o_proj", "gate_proj", "up_proj", "down_proj
 RUNS = [
     {"train": "full", "expert_model_parallel_size": 2},
     {"train": "lora", "expert_model_parallel_size": 2},
+    {"train": "lora", "tensor_model_parallel_size": 2},
     {"train": "full", "tensor_model_parallel_size": 2, "sequence_parallel": True},
     {"train": "lora", "tensor_model_parallel_size": 2, "sequence_parallel": True},
 ]
-IDS = ["ep2-full", "ep2-lora", "tp2-sp-full", "tp2-sp-lora"]
+FOUR = [  # 4 ranks: TP2 x EP2 with sequence parallel
+    {"train": "full", "tensor_model_parallel_size": 2, "expert_model_parallel_size": 2,
+     "sequence_parallel": True},
+]  # fmt: skip
+IDS = ["ep2-full", "ep2-lora", "tp2-lora", "tp2-sp-full", "tp2-sp-lora", "tp2ep2-sp-full"]
 
 
 @pytest.fixture(scope="module")
@@ -64,17 +70,19 @@ def results(deepseek_ckpt: tuple[str, str]) -> dict[str, Any]:
 
     refs = [{"train": t, "lora_targets": TARGETS} for t in ("full", "lora")]
     (ref,) = run_workers(workers.parity_suite, 1, args=(*deepseek_ckpt, refs), timeout_s=240)
-    runs = [{**r, "backend": "megatron", "lora_targets": TARGETS} for r in RUNS]
-    got = run_workers(workers.parity_suite, 2, args=(*deepseek_ckpt, runs), timeout_s=240)[0]
-    return {"reference": dict(zip(("full", "lora"), ref, strict=True)), "runs": got}
+    meg = lambda runs: [{**r, "backend": "megatron", "lora_targets": TARGETS} for r in runs]  # noqa: E731
+    two = run_workers(workers.parity_suite, 2, args=(*deepseek_ckpt, meg(RUNS)), timeout_s=240)
+    four = run_workers(workers.parity_suite, 4, args=(*deepseek_ckpt, meg(FOUR)), timeout_s=240)
+    return {"reference": dict(zip(("full", "lora"), ref, strict=True)), "runs": two[0] + four[0]}
 
 
-@pytest.mark.parametrize("index", range(len(RUNS)), ids=IDS)
+@pytest.mark.parametrize("index", range(len(IDS)), ids=IDS)
 def test_ep2_and_sequence_parallel_match_the_single_process(
     results: dict[str, Any], index: int
 ) -> None:
-    ref = results["reference"][RUNS[index]["train"]]
-    if RUNS[index]["train"] == "full":  # the routed experts and the rope key's path are there
+    train = [*RUNS, *FOUR][index]["train"]
+    ref = results["reference"][train]
+    if train == "full":  # the routed experts and the rope key's path are there
         assert any(".mlp.experts.3." in name for name in ref["grads"])
         assert any("kv_a_proj_with_mqa" in name for name in ref["grads"])
     assert_parity(results["runs"][index], ref)
