@@ -2,7 +2,8 @@
 (``first_k_dense_replace=1``), then 4 routed experts in 2 groups (group-limited top-2 of one
 group) and a shared expert) against the single-process fsdp backend on the same batch: on 2
 gloo ranks EP=2 and TP=2 with sequence parallel, full and LoRA, and LoRA at TP=2 without it
-(full TP=2: test_grpo_megatron_mla); on 4 ranks TP=2 x EP=2 with sequence parallel, full.
+(full TP=2: test_grpo_megatron_mla); on 4 ranks TP=2 x EP=2 with sequence parallel, full. A
+full checkpoint saved under EP=2 loads under EP=1 with bitwise the same weights and logprobs.
 LoRA adapts ``q_b_proj``, ``kv_b_proj``, ``o_proj`` and the dense MLP (B factors non-zero).
 
 The loss within a relative 1e-6, every gradient (full HF / PEFT-named tensors) within a relative
@@ -14,6 +15,7 @@ projections on each rank's tokens and gathers the latents and the rope key.
 from __future__ import annotations
 
 import importlib.util
+from pathlib import Path
 from typing import Any
 
 import megatron_workers as workers
@@ -86,3 +88,18 @@ def test_ep2_and_sequence_parallel_match_the_single_process(
         assert any(".mlp.experts.3." in name for name in ref["grads"])
         assert any("kv_a_proj_with_mqa" in name for name in ref["grads"])
     assert_parity(results["runs"][index], ref)
+
+
+def test_an_ep2_checkpoint_loads_under_ep1(deepseek_ckpt: tuple[str, str], tmp_path: Path) -> None:
+    import posttrain.grpo.megatron.layers  # noqa: F401
+
+    ckpt = deepseek_ckpt[0]
+    saved = run_workers(workers.save_then_reload, 2, args=(ckpt, str(tmp_path / "ep2"), 1, 2),
+                        timeout_s=200)[0]  # fmt: skip
+    (one,) = run_workers(workers.load_under, 1, args=(ckpt, saved["path"], 1, 1), timeout_s=200)
+    assert one["extra"] is False  # another layout: weights only
+    assert one["weights"].keys() == saved["weights"].keys()
+    for name, value in saved["weights"].items():
+        assert torch.equal(one["weights"][name], value), name
+    assert torch.equal(one["logprobs"], one["single"])
+    assert torch.equal(one["logprobs"], saved["logprobs"])  # EP reorders no sum
