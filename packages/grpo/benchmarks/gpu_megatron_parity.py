@@ -29,7 +29,12 @@ Run from the repo root (one JSON object on stdout from rank 0)::
 
 ``--size small`` (default on CUDA) is a 4-layer decoder (hidden 512, 8 heads / 4 KV heads,
 1 dense + 3 MoE layers of 8 experts top-2); ``--numerics fast`` times torch's BLAS kernels
-instead of the strict (batch-invariant) ones.
+instead of the strict (batch-invariant) ones. ``--family deepseek_v3`` makes the same sizes a
+DeepSeek-V3 (MLA: q/kv latents, 8 heads of nope 64 + rope 32, values 64 at ``small``; the MoE
+layers DeepSeek-style: 2 expert groups, top-2 of one, a shared expert, fp32 router)::
+
+    uv run torchrun --nproc-per-node 2 packages/grpo/benchmarks/gpu_megatron_parity.py \
+        --family deepseek_v3 --layouts tp1,tp2,tp2sp,ep2
 """
 
 from __future__ import annotations
@@ -55,6 +60,14 @@ SIZES: dict[str, dict[str, Any]] = {
               "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 4,
               "head_dim": 64, "moe_intermediate_size": 512, "num_experts": 8,
               "num_experts_per_tok": 2, "mlp_only_layers": (0,), "max_position_embeddings": 256},
+}  # fmt: skip
+MLA_SIZES: dict[str, dict[str, Any]] = {  # --family deepseek_v3 on top of SIZES
+    "tiny": {"num_key_value_heads": 4, "head_dim": 4, "q_lora_rank": 16, "kv_lora_rank": 16,
+             "qk_nope_head_dim": 8, "qk_rope_head_dim": 4, "v_head_dim": 12, "n_group": 2,
+             "topk_group": 1},
+    "small": {"num_key_value_heads": 8, "head_dim": 32, "q_lora_rank": 256, "kv_lora_rank": 128,
+              "qk_nope_head_dim": 64, "qk_rope_head_dim": 32, "v_head_dim": 64, "n_group": 2,
+              "topk_group": 1},
 }  # fmt: skip
 LAYOUTS = {
     "tp1": (1, 1, False), "tp2": (2, 1, False), "tp2sp": (2, 1, True), "ep2": (1, 2, False),
@@ -160,6 +173,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=512)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--numerics", choices=("strict", "fast"), default="strict")
+    parser.add_argument("--family", choices=("qwen3_moe", "deepseek_v3"), default="qwen3_moe")
     args = parser.parse_args()
     if "RANK" not in os.environ:  # a plain `python` run: one rank
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
@@ -180,7 +194,11 @@ def main() -> None:
     from posttrain.models import ModelConfig, Numerics, build_model, to_hf_state_dict
 
     size = args.size or ("small" if device.type == "cuda" else "tiny")
-    cfg = ModelConfig.tiny(**SIZES[size], initializer_range=0.05)
+    if args.family == "deepseek_v3":
+        mla = {**SIZES[size], **MLA_SIZES[size]}
+        cfg = ModelConfig.mla_tiny("deepseek_v3", **mla, initializer_range=0.05)
+    else:
+        cfg = ModelConfig.tiny(**SIZES[size], initializer_range=0.05)
     ref = build_model(cfg, seed=11, numerics=Numerics(args.numerics)).to(device)
     batch = _batch(cfg, args.tokens, device)
     ids, lengths, w = batch
@@ -221,7 +239,7 @@ def main() -> None:
     if rank == 0:
         print(json.dumps({
             "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-            "backend": args.backend, "world_size": world, "size": size,
+            "backend": args.backend, "world_size": world, "size": size, "family": args.family,
             "numerics": args.numerics, "tokens": sum(lengths),
             "parameters": sum(p.numel() for p in ref.parameters()),
             "reference": reference, "layouts": results, "skipped": skipped,

@@ -18,9 +18,10 @@ ALL_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "
 
 
 def config(ckpt: str, world: int, train: str, **options: Any) -> GrpoConfig:
+    options.setdefault("lora_targets", ALL_TARGETS)
     return GrpoConfig(
         model_path=Path(ckpt), train=train, replicate=1, shard=world, lr=1e-3,  # type: ignore[arg-type]
-        lora_targets=ALL_TARGETS, **options,
+        **options,
     )  # fmt: skip
 
 

@@ -116,17 +116,16 @@ def test_mla_models_pass_the_gate_with_their_own_lora_targets(
     assert "kv_b_proj" in line
 
 
-def test_megatron_takes_mla_under_tensor_parallel_only(tmp_path: Path) -> None:
+def test_megatron_takes_mla_under_tensor_expert_and_sequence_parallel(tmp_path: Path) -> None:
+    # the parity of these layouts: test_grpo_megatron_mla*.py; the gate lets them through
     ckpt = write_config(tmp_path, "Glm4MoeLiteConfig", "Glm4MoeLiteForCausalLM", **_GLM)
-    check_model(GrpoConfig(model_path=ckpt, train="full", backend="megatron", shard=1))
-    with pytest.raises(GrpoConfigError, match="DeepSeek-style experts") as err:
-        check_model(
-            GrpoConfig(
-                model_path=ckpt, train="full", backend="megatron", shard=2,
-                expert_model_parallel_size=2,
-            )
-        )  # fmt: skip
-    assert err.value.field == "expert_model_parallel_size"
+    base = {"model_path": ckpt, "train": "full", "backend": "megatron", "shard": 2}
+    for layout in (
+        {"tensor_model_parallel_size": 2},
+        {"expert_model_parallel_size": 2},
+        {"tensor_model_parallel_size": 2, "sequence_parallel": True},
+    ):
+        check_model(GrpoConfig(**base, **layout))  # type: ignore[arg-type]
 
 
 def test_megatron_refuses_qkv_biases(tmp_path: Path) -> None:

@@ -38,7 +38,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from posttrain.models import FastOps, PackedLayout, strict_ops_for
+from posttrain.models import FastOps, PackedLayout, RopeScaling, strict_ops_for
 from posttrain.models._ds_moe import DeepseekMoe, DeepseekMoeSpec, swiglu_mlp
 from posttrain.models._mla import MlaAttention
 from posttrain.models._mla_cache import MlaCache
@@ -66,9 +66,10 @@ class MlaStack(nn.Module):
     def __init__(self, size: dict[str, Any], dtype: torch.dtype) -> None:
         super().__init__()
         h = size["hidden"]
-        rope = MlaRope(rope_theta=1e6, rope_type="yarn", factor=4.0,
-                       original_max_position_embeddings=size["capacity"] // 4,
-                       mscale=1.0, mscale_all_dim=1.0)  # fmt: skip
+        yarn = RopeScaling(rope_type="yarn", factor=4.0,
+                           original_max_position_embeddings=size["capacity"] // 4,
+                           mscale=1.0, mscale_all_dim=1.0)  # fmt: skip
+        rope = MlaRope(rope_theta=1e6, scaling=yarn)
         self.spec = MlaSpec(hidden_size=h, num_heads=size["heads"], q_lora_rank=size["q_lora"],
                             kv_lora_rank=size["kv_lora"], qk_nope_head_dim=size["nope"],
                             qk_rope_head_dim=size["rope"], v_head_dim=size["v"], rope=rope)  # fmt: skip

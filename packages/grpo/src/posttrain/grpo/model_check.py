@@ -7,8 +7,8 @@ decoder does not compute exactly (a rope type, MLA, Gemma's norms, ...) fails he
 second, with a ``GrpoConfigError`` naming the flag, the architecture and the feature, rather
 than after the engines and trainer ranks have started. It also checks that every
 ``--lora-targets`` name exists in that architecture, and refuses q/k/v biases (Qwen2) on the
-megatron backend, whose parallel linears have none; MLA models (DeepSeek-V3, GLM-4.x-MoE-Lite)
-train there under TP only (no expert or sequence parallel).
+megatron backend, whose parallel linears have none (MLA models, DeepSeek-V3 and
+GLM-4.x-MoE-Lite, train there under TP, EP and sequence parallel like the others).
 
 ``resolve_model_paths(config)`` gives the config back with hub ids replaced by their cached
 directories (what the trainer and the engines load). ``--dry-run`` runs ``check_model``;
@@ -63,21 +63,6 @@ def check_model(config: GrpoConfig) -> None:
                 "which the megatron backend's parallel linears do not build; use --backend fsdp",
                 field="backend",
             )
-        if config.backend == "megatron" and model.is_mla:
-            # MLA splits its heads over TP; its DeepSeek-style experts stay replicated
-            if config.expert_model_parallel_size > 1:
-                raise GrpoConfigError(
-                    f"--expert-model-parallel-size {config.expert_model_parallel_size}: the "
-                    f"megatron backend keeps {location}'s DeepSeek-style experts ({model.family}, "
-                    "MLA) replicated; use 1 (or --backend fsdp)",
-                    field="expert_model_parallel_size",
-                )
-            if config.sequence_parallel:
-                raise GrpoConfigError(
-                    f"--sequence-parallel: the megatron backend's MLA layers ({model.family}) "
-                    "take every token on each TP rank; drop the flag (or use --backend fsdp)",
-                    field="sequence_parallel",
-                )
         if config.train != "lora":
             continue
         leaves = {name.rsplit(".", 1)[-1] for name in lora_targets(model)}

@@ -58,6 +58,7 @@ from posttrain.models._convert import (
     to_hf_state_dict,
     weight_groups,
 )
+from posttrain.models._ds_moe import group_limited_routing
 from posttrain.models._errors import (
     CacheError,
     CheckpointError,
@@ -187,6 +188,7 @@ __all__ = [
     "expand_media_tokens",
     "family_named",
     "from_hf_state_dict",
+    "group_limited_routing",
     "has_towers",
     "is_hub_id",
     "load_config",

@@ -185,21 +185,26 @@ class MlaAttention(nn.Module):
         cos: Tensor,
         sin: Tensor,
         linear: Linear | None = None,
+        rope_key_tokens: Callable[[Tensor], Tensor] | None = None,
     ) -> MlaProjection:
-        """Queries, latent and rope key of ``x[T, H]`` (fp32); ``cos/sin[T, rope]`` per token."""
+        """Queries, latent and rope key of ``x[T, H]`` (fp32); ``cos/sin[T, rope]`` per token.
+
+        ``rope_key_tokens`` (sequence parallel): maps the rope key computed from ``x``'s tokens
+        to the tokens the queries cover (``cos``'s rows), before rope; identity by default."""
         s = self.spec
         lin = linear or self.default_linear(ops)
-        t = x.shape[0]
         if s.q_lora_rank is None:
             q = lin("q_proj", x)
         else:
             q_lat = ops.rms_norm(lin("q_a_proj", x), self.q_a_layernorm, s.latent_norm_eps)
             q = lin("q_b_proj", q_lat)
-        q = q.reshape(t, s.num_heads, s.qk_head_dim)
+        q = q.reshape(q.shape[0], s.num_heads, s.qk_head_dim)  # every token (see forward_packed)
         q_nope, q_rope = q[..., : s.qk_nope_head_dim], q[..., s.qk_nope_head_dim :]
         ckv = lin("kv_a_proj_with_mqa", x)
         latent = ops.rms_norm(ckv[:, : s.kv_lora_rank], self.kv_a_layernorm, s.latent_norm_eps)
         k_rope = ckv[:, None, s.kv_lora_rank :]
+        if rope_key_tokens is not None:
+            k_rope = rope_key_tokens(k_rope)
         if s.rope.interleave:
             q_rope, k_rope = deinterleave(q_rope), deinterleave(k_rope)
         return MlaProjection(
@@ -216,17 +221,21 @@ class MlaAttention(nn.Module):
         sin: Tensor,
         layer: int = 0,
         linear: Linear | None = None,
+        rope_key_tokens: Callable[[Tensor], Tensor] | None = None,
     ) -> Tensor:
         """The training forward ``[T, H]`` of ``x[T, H]`` over ``layout``'s packed segments.
 
         ``cos/sin[T, rope]`` are the tables' rows at ``layout.pos``; ``layer`` is passed to
-        the layout (a context-parallel layout keys its exchanges by it).
+        the layout (a context-parallel layout keys its exchanges by it). Under sequence
+        parallelism ``x`` holds this rank's tokens only: ``linear``'s column projections
+        (``q_b_proj`` / ``q_proj``, ``kv_b_proj``) gather every token and ``o_proj`` scatters
+        them back, and ``rope_key_tokens`` gathers the rope key (see ``project``).
         """
         lin = linear or self.default_linear(ops)
-        proj = self.project(ops, x, cos, sin, lin)
+        proj = self.project(ops, x, cos, sin, lin, rope_key_tokens)
         k_nope, v = self._expand(lin, proj.latent)
         q, k = self._query_key(proj.q_nope, proj.q_rope, k_nope, proj.rope_key)
-        t, nh = x.shape[0], self.spec.num_heads
+        t, nh = q.shape[0], self.spec.num_heads
         if ops is not FastOps:  # the strict attention needs one head width for q, k and v
             width = max(q.shape[-1], v.shape[-1])
             q, k, v = _pad_last(q, width), _pad_last(k, width), _pad_last(v, width)
@@ -280,7 +289,8 @@ class MlaAttention(nn.Module):
         """``kv_b`` of latents ``[..., kv_lora_rank]`` -> ``k_nope [..., heads, nope]``, ``v``."""
         s = self.spec
         kv = lin("kv_b_proj", latent.reshape(-1, s.kv_lora_rank))
-        kv = kv.reshape(*latent.shape[:-1], s.num_heads, s.qk_nope_head_dim + s.v_head_dim)
+        # the token dim from kv: a sequence-parallel kv_b gathers every token's latent
+        kv = kv.reshape(*latent.shape[:-2], -1, s.num_heads, s.qk_nope_head_dim + s.v_head_dim)
         return kv[..., : s.qk_nope_head_dim], kv[..., s.qk_nope_head_dim :]
 
     @staticmethod

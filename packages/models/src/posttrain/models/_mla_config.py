@@ -61,42 +61,31 @@ def _number(hf: Mapping[str, Any], key: str, default: float | None = None) -> fl
 
 @dataclass(kw_only=True, slots=True, frozen=True)
 class MlaRope:
-    """The decoupled rope of MLA: ``default`` or ``yarn`` (transformers' formulas), and the layout.
+    """The decoupled rope of MLA: its theta, its layout and, for YaRN, a ``RopeScaling``.
 
-    YaRN fields keep transformers' names and defaults: ``beta_fast`` 32, ``beta_slow`` 1,
+    The YaRN fields (transformers' names and defaults: ``beta_fast`` 32, ``beta_slow`` 1,
     ``truncate`` True; ``attention_factor`` None means "derived from ``mscale`` and
-    ``mscale_all_dim``" (both set and nonzero: their ratio of ``yarn_get_mscale``; else
-    ``yarn_get_mscale(factor)``).
+    ``mscale_all_dim``") live in ``_rope.RopeScaling``, the one place the decoder's rope math
+    reads them; ``scaling`` None is the default rope. Other scaled rope types are refused.
     """
 
     rope_theta: float = 10000.0
-    rope_type: str = "default"
     interleave: bool = True
-    factor: float = 1.0
-    original_max_position_embeddings: int = 0
-    beta_fast: float = 32.0
-    beta_slow: float = 1.0
-    mscale: float | None = None
-    mscale_all_dim: float | None = None
-    attention_factor: float | None = None
-    truncate: bool = True
+    scaling: RopeScaling | None = None
 
     def __post_init__(self) -> None:
-        if self.rope_type not in _ROPE_TYPES:
-            raise ModelConfigError(
-                f"MLA rope_type={self.rope_type!r} is not supported (supported: "
-                f"{list(_ROPE_TYPES)})"
-            )
         if not self.rope_theta > 0:
             raise ModelConfigError(f"MLA rope_theta={self.rope_theta} must be > 0")
-        if self.rope_type == "yarn":
-            if not self.factor > 0:
-                raise ModelConfigError(f"MLA yarn factor={self.factor} must be > 0")
-            if self.original_max_position_embeddings <= 0:
-                raise ModelConfigError(
-                    "MLA yarn needs original_max_position_embeddings > 0, got "
-                    f"{self.original_max_position_embeddings}"
-                )
+        if self.scaling is not None and self.scaling.rope_type != "yarn":
+            raise ModelConfigError(
+                f"MLA rope_type={self.scaling.rope_type!r} is not supported (supported: "
+                f"{list(_ROPE_TYPES)})"
+            )
+
+    @property
+    def rope_type(self) -> str:
+        """``"default"`` or ``"yarn"``."""
+        return "default" if self.scaling is None else self.scaling.rope_type
 
     @classmethod
     def from_hf_dict(cls, hf: Mapping[str, Any]) -> MlaRope:
@@ -116,8 +105,12 @@ class MlaRope:
         if not isinstance(interleave, bool):
             raise ModelConfigError(f"config.json: rope_interleave={interleave!r} is not a bool")
         assert theta is not None
-        if rope_type != "yarn":
-            return cls(rope_theta=theta, rope_type=str(rope_type), interleave=interleave)
+        if rope_type not in _ROPE_TYPES:
+            raise ModelConfigError(
+                f"MLA rope_type={rope_type!r} is not supported (supported: {list(_ROPE_TYPES)})"
+            )
+        if rope_type == "default":
+            return cls(rope_theta=theta, interleave=interleave)
         original = params.get(
             "original_max_position_embeddings",
             hf.get("original_max_position_embeddings", hf.get("max_position_embeddings")),
@@ -125,11 +118,8 @@ class MlaRope:
         factor = _number(params, "factor")
         if factor is None:
             raise ModelConfigError("config.json: yarn rope parameters need a 'factor'")
-        truncate = params.get("truncate", True)
-        return cls(
-            rope_theta=theta,
+        scaling = RopeScaling(
             rope_type="yarn",
-            interleave=interleave,
             factor=factor,
             original_max_position_embeddings=int(original) if original is not None else 0,
             beta_fast=_number(params, "beta_fast") or 32.0,
@@ -137,64 +127,32 @@ class MlaRope:
             mscale=_number(params, "mscale"),
             mscale_all_dim=_number(params, "mscale_all_dim"),
             attention_factor=_number(params, "attention_factor"),
-            truncate=bool(truncate),
+            truncate=bool(params.get("truncate", True)),
         )
+        return cls(rope_theta=theta, interleave=interleave, scaling=scaling)
 
     @classmethod
     def of(cls, rope_theta: float, interleave: bool, scaling: RopeScaling | None) -> MlaRope:
-        """The MLA rope of a decoder config's ``rope_theta`` / ``rope_scaling`` (None or YaRN;
-        the inverse of ``scaling``)."""
-        if scaling is None:
-            return cls(rope_theta=rope_theta, interleave=interleave)
-        if scaling.rope_type != "yarn":
-            raise ModelConfigError(
-                f"MLA rope_scaling type {scaling.rope_type!r} is not supported (yarn only)"
-            )
-        fields = ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow",
-                  "mscale", "mscale_all_dim", "attention_factor", "truncate")  # fmt: skip
-        return cls(
-            rope_theta=rope_theta,
-            rope_type="yarn",
-            interleave=interleave,
-            **{f: getattr(scaling, f) for f in fields},
-        )
-
-    @property
-    def scaling(self) -> RopeScaling | None:
-        """The YaRN scaling as ``_rope``'s ``RopeScaling`` (None for the default rope)."""
-        if self.rope_type != "yarn":
-            return None
-        return RopeScaling(
-            rope_type="yarn",
-            factor=self.factor,
-            original_max_position_embeddings=self.original_max_position_embeddings,
-            beta_fast=self.beta_fast,
-            beta_slow=self.beta_slow,
-            mscale=self.mscale,
-            mscale_all_dim=self.mscale_all_dim,
-            attention_factor=self.attention_factor,
-            truncate=self.truncate,
-        )
+        """The MLA rope of a decoder config's ``rope_theta`` / ``rope_scaling`` (None or YaRN)."""
+        return cls(rope_theta=rope_theta, interleave=interleave, scaling=scaling)
 
     @property
     def cos_sin_factor(self) -> float:
         """The factor transformers multiplies into cos and sin (YaRN's ``attention_factor``)."""
-        scaling = self.scaling
-        return 1.0 if scaling is None else scaling.cos_sin_factor
+        return 1.0 if self.scaling is None else self.scaling.cos_sin_factor
 
     @property
     def softmax_mscale(self) -> float:
         """The factor on the softmax scale: ``yarn_get_mscale(factor, mscale_all_dim) ** 2``."""
-        if self.rope_type == "default" or not self.mscale_all_dim:
+        if self.scaling is None or not self.scaling.mscale_all_dim:
             return 1.0
-        return yarn_get_mscale(self.factor, self.mscale_all_dim) ** 2
+        return yarn_get_mscale(self.scaling.factor, self.scaling.mscale_all_dim) ** 2
 
     def inv_freq(self, dim: int) -> Tensor:
         """Inverse frequencies ``[dim // 2]`` in fp64 (transformers computes them in fp32)."""
-        scaling = self.scaling
-        if scaling is None:
+        if self.scaling is None:
             return default_inv_freq(dim, self.rope_theta)
-        return scaling.inv_freq(dim, self.rope_theta)
+        return self.scaling.inv_freq(dim, self.rope_theta)
 
     def tables(self, dim: int, capacity: int) -> tuple[Tensor, Tensor]:
         """cos/sin ``[capacity, dim]`` fp32 in rotate-half layout, computed in fp64."""

@@ -762,6 +762,13 @@ class DecoderModel(nn.Module):
         """The residual stream leaving the layers (see ``_scatter_sequence``); the identity here."""
         return h
 
+    def _gather_layer_tokens(self, x: Tensor) -> Tensor:
+        """An activation ``x[T_local, ...]`` computed from this rank's tokens that attention
+        reads for every token (MLA's rope key, which no parallel linear gathers); the identity
+        here. A sequence-parallel subclass all-gathers the tokens and sums the gradient over
+        the ranks in backward (megatron-core's ``gather_from_sequence_parallel_region``)."""
+        return x
+
     def _rope(self, head_dim: int) -> tuple[Tensor, Tensor]:
         if head_dim == self.config.head_dim:
             return self.rope_cos, self.rope_sin
@@ -841,7 +848,7 @@ class DecoderModel(nn.Module):
         def linear(name: str, x: Tensor) -> Tensor:
             y = sites[name](x)
             index = None
-            if x.shape[0] != n_tok:  # decode's kv_b expansion of cached latents [rows * W]
+            if lora.active and x.shape[0] != n_tok:  # decode's kv_b expansion [rows * W]
                 index = _cached_slot_tokens(layout, x.shape[0], expanded_index)
             return lora.apply(ops, x, y, [(f"{prefix}self_attn.{name}", 0, y.shape[1])], index)
 
@@ -866,13 +873,13 @@ class DecoderModel(nn.Module):
         else:
             assert isinstance(layout, PackedLayout)
             y = attn.forward_packed(
-                ops, a, layout, cos=cos, sin=sin, layer=layer.index, linear=linear
-            )
+                ops, a, layout, cos=cos, sin=sin, layer=layer.index, linear=linear,
+                rope_key_tokens=self._gather_layer_tokens,
+            )  # fmt: skip
         h = h + y
         m = ops.rms_norm(h, layer.mlp_norm, cfg.rms_norm_eps)
         if layer.is_moe:
-            out: Tensor = layer.moe(ops, m)
-            return h + out
+            return h + self._moe(layer, m, lora, prefix)
         return h + self._dense(layer, m, lora, prefix)
 
     def _dense(
@@ -887,8 +894,13 @@ class DecoderModel(nn.Module):
         y = layer.sites["fc2"](act)
         return lora.apply(ops, act, y, [(prefix + "mlp.down_proj", 0, self.config.hidden_size)])
 
-    def _moe(self, layer: MoeLayer, m: Tensor, lora: LoraRouting, prefix: str) -> Tensor:
+    def _moe(self, layer: MoeLayer | MlaLayer, m: Tensor, lora: LoraRouting, prefix: str) -> Tensor:
+        """A MoE layer's output for the post-norm ``m[T, H]`` (a seam: expert parallelism
+        replaces it). MLA layers run their DeepSeek-style block (no LoRA hook)."""
         cfg, ops = self.config, self.ops
+        if isinstance(layer, MlaLayer):
+            out: Tensor = layer.moe(ops, m)
+            return out
         k, hsz = cfg.num_experts_per_tok, cfg.hidden_size
         e, ns = cfg.num_experts, cfg.n_shared_experts
         logits = layer.sites["router"](m)

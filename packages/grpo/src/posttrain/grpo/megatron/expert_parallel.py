@@ -48,6 +48,13 @@ Autograd: the all-to-alls' backward is the reverse all-to-all (``_ep_comm``, whi
 how every rank is made to run each backward collective, even a rank that routed or received
 no token). Grad mode and trainability must agree across the ranks of a group.
 
+DeepSeek-style blocks (the MLA families, ``config.is_mla``; ``posttrain.models``' ``_ds_moe``)
+split the same way: their fp32 router has no shared-expert rows, routing is
+``group_limited_routing`` (group-limited sigmoid top-k with the correction bias), and the shared
+experts are one fused SwiGLU MLP (``shared_fc1 [2 * S * I, H]``, ``shared_fc2 [H, S * I]``)
+whose output weighs 1, combined first as ``DeepseekMoe`` does. Its experts are not LoRA
+targets (``attach_lora`` refuses them, as the single-process model has no hook there).
+
 Gradients, checkpoints and the adapter live in ``expert_state`` (re-exported here):
 ``reduce_expert_parallel_grads`` (router and shared parameters SUM over TP, MEAN over DP;
 routed-expert parameters are local to their owner, SUM over expert-DP divided by the DP
@@ -102,7 +109,14 @@ from posttrain.grpo.megatron.expert_state import (
 from posttrain.lora import LoraConfig
 from posttrain.lora.comm import group_rank, group_size
 from posttrain.lora.config import init_full_factor
-from posttrain.models import FastOps, ModelConfig, Numerics, moe_routing, strict_ops_for
+from posttrain.models import (
+    FastOps,
+    ModelConfig,
+    Numerics,
+    group_limited_routing,
+    moe_routing,
+    strict_ops_for,
+)
 
 __all__ = [
     "LORA_TARGETS",
@@ -271,6 +285,7 @@ class ExpertParallelMoe(nn.Module):
         for field in ("ep", "expert_dp", "dp", "tp"):
             _check_member(getattr(groups, field), field)
         self.config, self.layer_index, self.groups = config, layer_index, groups
+        self.deepseek = config.is_mla  # a DeepSeek-style block (see the module doc)
         self.numerics = Numerics(numerics)
         self.ep_size, self.ep_rank = group_size(groups.ep), group_rank(groups.ep)
         e, ns = config.num_experts, config.n_shared_experts
@@ -302,12 +317,19 @@ class ExpertParallelMoe(nn.Module):
         def zeros(*shape: int, dtype: torch.dtype = dt) -> Tensor:
             return torch.zeros(shape, dtype=dtype, device=device)
 
-        self.router = nn.Parameter(zeros(e + ns, h))
-        if config.router_score_function == "sigmoid":
+        if self.deepseek:  # fp32 router without shared rows; one fused shared MLP
+            self.router = nn.Parameter(zeros(e, h, dtype=torch.float32))
+        else:
+            self.router = nn.Parameter(zeros(e + ns, h))
+        if self.deepseek or config.router_score_function == "sigmoid":
             self.expert_bias = nn.Parameter(zeros(e, dtype=torch.float32), requires_grad=False)
         self.experts_fc1 = nn.Parameter(zeros(n, 2 * i, h))
         self.experts_fc2 = nn.Parameter(zeros(n, h, i))
-        if ns:
+        if self.deepseek and ns:
+            fused = config.deepseek_moe_spec.shared_intermediate_size
+            self.shared_fc1 = nn.Parameter(zeros(2 * fused, h))
+            self.shared_fc2 = nn.Parameter(zeros(h, fused))
+        elif ns:
             self.shared_fc1 = nn.Parameter(zeros(ns, 2 * si, h))
             self.shared_fc2 = nn.Parameter(zeros(ns, h, si))
         self.lora_A = nn.ParameterDict()
@@ -372,6 +394,8 @@ class ExpertParallelMoe(nn.Module):
         cfg, ops = self.config, self.ops
         ns = cfg.n_shared_experts
         logits = self._with_lora(x, ops.linear(x, self.router), "gate", 0)
+        if self.deepseek:
+            return self._deepseek_moe(x, logits, anchor)
         bias = getattr(self, "expert_bias", None)
         ids, weights = moe_routing(ops, cfg, logits, bias)  # the model's own routing
         outputs = self._routed(x, ids, anchor)
@@ -382,6 +406,20 @@ class ExpertParallelMoe(nn.Module):
             ]
             outputs = torch.cat([torch.stack(shared, dim=1), outputs], dim=1)
         return ops.moe_combine(weights, outputs)
+
+    def _deepseek_moe(self, x: Tensor, logits: Tensor, anchor: Tensor | None) -> Tensor:
+        """``DeepseekMoe.forward`` with the routed experts dispatched over EP: its routing,
+        then the shared output (weight 1) first and the routed ones by ascending id."""
+        ops, spec = self.ops, self.config.deepseek_moe_spec
+        ids, weights = group_limited_routing(ops, spec, logits, self.expert_bias)
+        outputs = self._routed(x, ids, anchor)
+        if not spec.n_shared_experts:
+            return ops.moe_combine(weights, outputs)
+        shared = self._expert(x, self.shared_fc1, self.shared_fc2, "shared_experts", 0)
+        ones = weights.new_ones(weights.shape[0], 1)
+        return ops.moe_combine(
+            torch.cat([ones, weights], dim=1), torch.cat([shared[:, None], outputs], dim=1)
+        )
 
     def _routed(self, x: Tensor, ids: Tensor, anchor: Tensor | None) -> Tensor:
         """``[T, k, H]``: slot ``s`` of token ``t`` holds expert ``ids[t, s]``'s output."""
@@ -477,6 +515,13 @@ class ExpertParallelMoe(nn.Module):
         if self.lora_config is not None:
             raise GrpoConfigError(
                 f"LoRA is already attached to MoE layer {self.layer_index}", field="lora_targets"
+            )
+        if self.deepseek:
+            raise GrpoConfigError(
+                f"lora_targets: the DeepSeek-style MoE of layer {self.layer_index} "
+                f"({self.config.family}) has no LoRA sites (its experts and router are not "
+                "LoRA targets); adapt the attention and dense MLP projections",
+                field="lora_targets",
             )
         for p in self.parameters():
             p.requires_grad_(False)

@@ -101,7 +101,8 @@ def local_moe_weights(
     ``ExpertParallelMoe`` parameter names: ``router``, ``expert_bias`` (sigmoid router),
     ``experts_fc1 [E/ep, 2I, H]`` (``[gate; up]`` rows), ``experts_fc2 [E/ep, H, I]``,
     ``shared_fc1`` / ``shared_fc2`` (shared experts). Shapes and dtypes must match the config
-    exactly; values must be finite.
+    exactly; values must be finite. A DeepSeek-style layer (``config.is_mla``) has an fp32
+    ``gate.weight [E, H]`` and one fused shared MLP (``...mlp.shared_experts.{gate,up,down}_proj``).
     """
     c = config
     e, ns = c.num_experts, c.n_shared_experts
@@ -117,8 +118,10 @@ def local_moe_weights(
     h, i, si = c.hidden_size, c.moe_intermediate_size, c.shared_intermediate_size
     n = e // ep_size
     local = range(ep_rank * n, (ep_rank + 1) * n)
-    out = {"router": _take(tensors, m + "gate.weight", (e + ns, h), dt)}
-    if c.router_score_function == "sigmoid":
+    deepseek = c.is_mla
+    router = ((e, h), torch.float32) if deepseek else ((e + ns, h), dt)
+    out = {"router": _take(tensors, m + "gate.weight", *router)}
+    if deepseek or c.router_score_function == "sigmoid":
         bias = m + "gate.e_score_correction_bias"
         out["expert_bias"] = _take(tensors, bias, (e,), torch.float32)
     if m + "experts.gate_up_proj" in tensors or m + "experts.down_proj" in tensors:
@@ -133,7 +136,12 @@ def local_moe_weights(
             tensors, m + "experts", local, ("gate_proj", "up_proj"), (i, h), dt
         )
         out["experts_fc2"] = _stack(tensors, m + "experts", local, ("down_proj",), (h, i), dt)
-    if ns:
+    if deepseek and ns:
+        fused, sp = c.deepseek_moe_spec.shared_intermediate_size, m + "shared_experts."
+        gate_up = [_take(tensors, f"{sp}{p}_proj.weight", (fused, h), dt) for p in ("gate", "up")]
+        out["shared_fc1"] = torch.cat(gate_up)
+        out["shared_fc2"] = _take(tensors, sp + "down_proj.weight", (h, fused), dt)
+    elif ns:
         shared = range(ns)
         out["shared_fc1"] = _stack(
             tensors, m + "shared_experts", shared, ("gate_proj", "up_proj"), (si, h), dt
@@ -151,7 +159,7 @@ def gather_moe_weights(module: ExpertParallelMoe) -> dict[str, Tensor]:
     c, m = module.config, module.prefix
     i, si = c.moe_intermediate_size, c.shared_intermediate_size
     out: dict[str, Tensor] = {m + "gate.weight": module.router.detach().clone()}
-    if c.router_score_function == "sigmoid":
+    if module.deepseek or c.router_score_function == "sigmoid":
         out[m + "gate.e_score_correction_bias"] = module.expert_bias.detach().clone()
     fc1, fc2 = module.experts_fc1.detach(), module.experts_fc2.detach()
     group = module.groups.ep
@@ -162,6 +170,12 @@ def gather_moe_weights(module: ExpertParallelMoe) -> dict[str, Tensor]:
         out[f"{m}experts.{j}.gate_proj.weight"] = fc1[j, :i].clone()
         out[f"{m}experts.{j}.up_proj.weight"] = fc1[j, i:].clone()
         out[f"{m}experts.{j}.down_proj.weight"] = fc2[j].clone()
+    if module.deepseek and c.n_shared_experts:
+        fc1, fused = module.shared_fc1.detach(), module.shared_fc2.shape[1]
+        out[f"{m}shared_experts.gate_proj.weight"] = fc1[:fused].clone()
+        out[f"{m}shared_experts.up_proj.weight"] = fc1[fused:].clone()
+        out[f"{m}shared_experts.down_proj.weight"] = module.shared_fc2.detach().clone()
+        return out
     for s in range(c.n_shared_experts):
         out[f"{m}shared_experts.{s}.gate_proj.weight"] = module.shared_fc1[s, :si].detach().clone()
         out[f"{m}shared_experts.{s}.up_proj.weight"] = module.shared_fc1[s, si:].detach().clone()

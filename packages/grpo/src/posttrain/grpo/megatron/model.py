@@ -39,8 +39,13 @@ megatron-core's MLA does: ``q_b_proj`` (or ``q_proj``) and ``kv_b_proj`` column 
 rows are head-major), ``o_proj`` row parallel; ``q_a_proj``, ``kv_a_proj_with_mqa``, the latent
 norms and the DeepSeek-style MoE replicated. The rope key, shared by all heads, is the one
 replicated activation read by per-rank heads only: ``RopeKeyGradSum`` sums its gradient over TP
-(the latents' gradients are summed by the column layers). Expert parallel and sequence parallel
-are refused for MLA (``expert_model_parallel_size``, ``sequence_parallel``).
+(the latents' gradients are summed by the column layers). With sequence parallel the latent
+projections and norms run on the rank's tokens (as megatron-core's MLA under SP): ``q_b_proj``
+and ``kv_b_proj`` all-gather the latents, and the rope key is all-gathered on its own
+(``_gather_layer_tokens``, whose backward reduce-scatter also sums its gradient over TP). With
+expert parallel the DeepSeek-style MoE layers become ``ExpertParallelMoe`` layers in their
+DeepSeek form (``layer.expert_parallel`` replacing ``layer.moe``; weights keep the
+``layers.{i}.moe.*`` names).
 
 Refused under TP > 1 (a ``GrpoConfigError`` naming the field): head counts or the dense
 intermediate size that TP does not divide, and the Inkling-style blocks whose weights would need
@@ -58,7 +63,11 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from posttrain.grpo._errors import GrpoConfigError, GrpoInputError
-from posttrain.grpo.megatron._mappings import gather_tokens_keep_grad, split_tokens
+from posttrain.grpo.megatron._mappings import (
+    gather_tokens,
+    gather_tokens_keep_grad,
+    split_tokens,
+)
 from posttrain.grpo.megatron.groups import ParallelGroups
 from posttrain.grpo.megatron.layers import (
     KernelColumnParallelLinear,
@@ -79,7 +88,7 @@ from posttrain.models import (
 if TYPE_CHECKING:  # the decoder's own types, for the overridden seams' signatures
     from posttrain.models import MediaBatch
     from posttrain.models._lora import AdapterArg, LoraRouting
-    from posttrain.models._model import MoeLayer
+    from posttrain.models._model import MlaLayer, MoeLayer
 
 # Inkling-style blocks whose weights are laid out per head / per channel of a sharded dim.
 _UNSHARDED_EXTENSIONS = ("sconv_kernel_size", "rel_pos_dim", "qk_norm_per_head")
@@ -176,11 +185,11 @@ class TensorParallelDecoder(DecoderModel):
             return self.ops.linear
 
         h = config.hidden_size
-        if config.is_mla:
-            self._check_mla()
         for layer in self.layers:
             i: int = getattr(layer, "index")  # noqa: B009 (nn.Module's __getattr__ is untyped)
             sites: nn.ModuleDict = getattr(layer, "sites")  # noqa: B009
+            if config.is_moe_layer(i) and groups.ep_size > 1:
+                self._split_experts(layer, i, numerics)
             if config.is_mla:
                 self._split_mla(layer, i, mcfg, kernel)
                 continue
@@ -197,8 +206,6 @@ class TensorParallelDecoder(DecoderModel):
                     ("fc1", "column", ((m + "gate_proj", n), (m + "up_proj", n))),
                     ("fc2", "row", ((m + "down_proj", h),)),
                 ]
-            if config.is_moe_layer(i) and groups.ep_size > 1:
-                self._split_experts(layer, i, numerics)
             for param, kind, parts in specs:
                 full = sum(rows for _, rows in parts)
                 delattr(layer, param)  # the megatron layer owns the weight now
@@ -216,23 +223,6 @@ class TensorParallelDecoder(DecoderModel):
                 self.shards[f"layers.{i}.{param}"] = Shard(
                     site, kind, tuple(rows for _, rows in parts)
                 )
-
-    def _check_mla(self) -> None:
-        """MLA (DeepSeek-V3, GLM-4.x-MoE-Lite) splits its heads over TP; its DeepSeek-style MoE
-        stays replicated, so expert parallel and sequence parallel are refused by field."""
-        family = self.full_config.family
-        if self.groups.ep_size > 1:
-            raise GrpoConfigError(
-                f"expert_model_parallel_size={self.groups.ep_size}: the megatron backend keeps "
-                f"the DeepSeek-style experts of {family} (MLA) replicated; use 1",
-                field="expert_model_parallel_size",
-            )
-        if self.sequence_parallel:
-            raise GrpoConfigError(
-                f"sequence_parallel: the megatron backend's MLA layers ({family}) take every "
-                "token on each TP rank; turn it off",
-                field="sequence_parallel",
-            )
 
     def _split_mla(
         self,
@@ -264,8 +254,9 @@ class TensorParallelDecoder(DecoderModel):
                 (layer, "fc2", "row", n, ((m + "down_proj", h),), ""),
             ]
         # the rope key is shared by every head: its gradient is a sum over all heads, i.e.
-        # over the TP ranks (the latent's is summed by kv_b_proj's column layer)
-        if self.groups.tp_size > 1:
+        # over the TP ranks (the latent's is summed by kv_b_proj's column layer); with sequence
+        # parallel the rope key's all-gather sums it in backward (``_gather_layer_tokens``)
+        if self.groups.tp_size > 1 and not self.sequence_parallel:
             sites["kv_a_proj_with_mqa"] = RopeKeyGradSum(
                 sites["kv_a_proj_with_mqa"], s.kv_lora_rank, tp_group
             )
@@ -306,11 +297,14 @@ class TensorParallelDecoder(DecoderModel):
                 sequence_parallel=self.sequence_parallel,
             )
             self._expert_groups = groups
-        for name in _MOE_PARAMETERS:
-            if hasattr(layer, name):
-                delattr(layer, name)
-        sites: nn.ModuleDict = getattr(layer, "sites")  # noqa: B009
-        del sites["router"]  # the router is the expert-parallel layer's now
+        if self.full_config.is_mla:
+            delattr(layer, "moe")  # the DeepSeek-style block (router and experts)
+        else:
+            for name in _MOE_PARAMETERS:
+                if hasattr(layer, name):
+                    delattr(layer, name)
+            sites: nn.ModuleDict = getattr(layer, "sites")  # noqa: B009
+            del sites["router"]  # the router is the expert-parallel layer's now
         layer.expert_parallel = ExpertParallelMoe(
             self.full_config, index, groups, numerics=numerics, device=self._build_device
         )
@@ -320,7 +314,7 @@ class TensorParallelDecoder(DecoderModel):
         found = [getattr(layer, "expert_parallel", None) for layer in self.layers]
         return [m for m in found if m is not None]
 
-    def _moe(self, layer: MoeLayer, m: Tensor, lora: LoraRouting, prefix: str) -> Tensor:
+    def _moe(self, layer: MoeLayer | MlaLayer, m: Tensor, lora: LoraRouting, prefix: str) -> Tensor:
         experts: nn.Module | None = getattr(layer, "expert_parallel", None)
         if experts is None:
             return super()._moe(layer, m, lora, prefix)
@@ -372,6 +366,12 @@ class TensorParallelDecoder(DecoderModel):
         # every rank computes the head and the loss on all tokens: backward keeps its slice
         return gather_tokens_keep_grad(h, self.groups.tp)
 
+    def _gather_layer_tokens(self, x: Tensor) -> Tensor:
+        if not self.sequence_parallel:
+            return x
+        # MLA's rope key: each rank's heads read every token's; backward sums over TP
+        return gather_tokens(x, self.groups.tp)
+
     # ------------------------------------------------------------------ weights
 
     def replicated_parameters(self) -> dict[str, nn.Parameter]:
@@ -387,10 +387,11 @@ class TensorParallelDecoder(DecoderModel):
         """The base weights of the expert-parallel layers by their in-memory names
         (``experts_fc1/fc2``: this rank's experts only)."""
         out: dict[str, nn.Parameter] = {}
+        block = "moe." if self.full_config.is_mla else ""  # MLA: the DeepSeek block's names
         for name, p in self.named_parameters():
             layer, sep, leaf = name.partition(".expert_parallel.")
             if sep and not leaf.startswith("lora_"):
-                out[f"{layer}.{leaf}"] = p
+                out[f"{layer}.{block}{leaf}"] = p
         return out
 
     def local_parameters(self) -> dict[str, nn.Parameter]:

@@ -36,9 +36,10 @@ from posttrain.models import Numerics, load_config, load_hf_tensors
 
 
 def _site_path(name: str) -> str:
-    """``layers.3.qkv`` (a fused weight's name) -> ``layers.3.sites.qkv`` (its site module)."""
-    layer, param = name.rsplit(".", 1)
-    return f"{layer}.sites.{param}"
+    """``layers.3.qkv`` (a fused weight's name) -> ``layers.3.sites.qkv`` (its site module);
+    an MLA projection's ``layers.3.self_attn.kv_b_proj`` -> ``layers.3.sites.kv_b_proj``."""
+    layers, index, *_, param = name.split(".")
+    return f"{layers}.{index}.sites.{param}"
 
 
 def megatron_lora_targets(
