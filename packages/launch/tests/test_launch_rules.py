@@ -117,9 +117,8 @@ def test_explicit_fp8_is_refused_without_transformer_engine(precision: Precision
 
 
 def test_gpu_plans_train_on_megatron_and_cpu_plans_on_fsdp() -> None:
-    """GPU plans train on megatron, except MLA models (glm-4.7-flash): the megatron backend
-    has no expert parallel for them in this build, so they train on FSDP, with MLA's LoRA
-    targets."""
+    """GPU plans train on megatron, MLA models (glm-4.7-flash) included, with MLA's LoRA
+    targets; CPU plans train on FSDP."""
     from posttrain.launch.catalog import Attention, get_model
 
     for model_id, row in SUPPORTED_NODES.items():
@@ -137,7 +136,7 @@ def test_gpu_plans_train_on_megatron_and_cpu_plans_on_fsdp() -> None:
                         assert flag_value(argv, "--lora-targets") == (
                             "q_a_proj,q_b_proj,kv_a_proj_with_mqa,kv_b_proj,o_proj"
                         )
-                    if hw is Hardware.CPU or mla:
+                    if hw is Hardware.CPU:
                         assert flag_value(argv, "--backend") == "fsdp"
                         replicate = int(flag_value(argv, "--replicate") or 0)
                         shard = int(flag_value(argv, "--shard") or 0)

@@ -160,10 +160,6 @@ def resolve_config(cfg: LaunchConfig) -> Resolved:
             "(an engine does not span nodes in these plans)"
         )
     backend = TRAINER_BACKEND[hw.generation]
-    if model.attention is Attention.MLA:
-        # the megatron backend keeps an MLA model's DeepSeek-style experts replicated (no
-        # expert parallel for it in this build): FSDP shards them on any GPU
-        backend = TrainerBackend.FSDP
     recipe = DEFAULT_PRECISION[model.family][hw.generation]
     precision = cfg.precision or recipe
     if hw.generation not in PRECISION_GENERATIONS[precision]:
@@ -276,12 +272,7 @@ def _base_trainer(r: Resolved, a: RoleArgs, src: str) -> None:
         f"http://{{node_ip:0}}:{r.cfg.router_port}",
         source=src + " (a lost engine is deregistered there until it has the weights again)",
     )
-    why = (
-        " (MLA: megatron has no expert parallel for it yet)" if m.attention is Attention.MLA else ""
-    )
-    a.trainer.set(
-        "--backend", r.trainer_backend.value, source=src + (why or " (trainer backend table)")
-    )
+    a.trainer.set("--backend", r.trainer_backend.value, source=src + " (trainer backend table)")
     if m.attention is Attention.MLA:  # no k_proj/v_proj: the attention targets are MLA's own
         targets = mla_lora_targets(["q_proj", "k_proj", "v_proj", "o_proj"])
         a.trainer.set("--lora-targets", ",".join(targets), source=src + " (MLA projections)")
