@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -152,10 +153,12 @@ def test_kernel_refuses_non_finite_naming_the_tensor(device: str, bad: float) ->
 
 
 @kernel_test
-def test_stacked_many_equals_one_by_one(device: str) -> None:
-    """The live path's stacked launches (several chunks, pairs sharing a slot, 3-D experts, a
-    pair of mismatched shapes) give each weight the bytes of its own CPU quantization."""
-    cfg = NVFP4Config(four_over_six="mse")
+@pytest.mark.parametrize("cfg", CONFIGS[:4], ids=lambda c: f"{c.four_over_six}-{c.scale_rounding}")
+def test_grouped_many_equals_one_by_one(device: str, cfg: NVFP4Config) -> None:
+    """The live path's grouped launches (pairs sharing amax slots across launch groups of
+    different sizes, 3-D experts, fp16/fp32 beside bf16, a strided view, an empty weight)
+    give each weight the bytes of its own CPU quantization."""
+    big = _hard_rows(20, 64, seed=13, dtype=torch.float32)
     ws = {
         "e0.gate": _hard_rows(7, 48, seed=3, dtype=torch.bfloat16),
         "e0.up": _hard_rows(7, 48, seed=4, dtype=torch.bfloat16) * 8,
@@ -165,34 +168,80 @@ def test_stacked_many_equals_one_by_one(device: str) -> None:
         "odd.gate": _hard_rows(6, 48, seed=8, dtype=torch.bfloat16),
         "odd.up": _hard_rows(7, 48, seed=9, dtype=torch.bfloat16),
         "stack.gate": torch.stack(
-            [_hard_rows(6, 48, seed=s, dtype=torch.bfloat16) for s in (1, 2)]
+            [_hard_rows(6, 48, seed=s, dtype=torch.bfloat16) * 10**s for s in (1, 2)]
         ),
         "stack.up": torch.stack([_hard_rows(6, 48, seed=s, dtype=torch.bfloat16) for s in (3, 4)]),
+        "half.down": _hard_rows(6, 48, seed=10, dtype=torch.float16),
+        "view.down": big[1:9, 16:64],
+        "empty.down": torch.zeros(0, 32, dtype=torch.bfloat16),
     }
     partners = {}
     for p in ("e0", "e1", "odd", "stack"):
         partners[f"{p}.gate"], partners[f"{p}.up"] = f"{p}.up", f"{p}.gate"
-    for stack_below in (1 << 20, 1):  # stacked in chunks, then every weight in place
-        got = quantize_nvfp4_many(
-            [(n, w.to(device)) for n, w in ws.items()], partners=partners, cfg=cfg,
-            backend="triton", chunk_bytes=2000,  # a pair of 7x48 bf16 per chunk
-            stack_below_bytes=stack_below,
-        )  # fmt: skip
-        assert list(got) == list(ws)
-        for p in ("e0", "e1", "odd", "stack"):
-            ref_gate, ref_up = quantize_nvfp4_pair(
-                ws[f"{p}.gate"], ws[f"{p}.up"], cfg=cfg, allow_3d=True
+    got = quantize_nvfp4_many(
+        [(n, w.to(device)) for n, w in ws.items()], partners=partners, cfg=cfg, backend="triton"
+    )
+    assert list(got) == list(ws)
+    for p in ("e0", "e1", "odd", "stack"):
+        ref_gate, ref_up = quantize_nvfp4_pair(
+            ws[f"{p}.gate"], ws[f"{p}.up"], cfg=cfg, allow_3d=True
+        )
+        _same(ref_gate, got[f"{p}.gate"])
+        _same(ref_up, got[f"{p}.up"])
+        assert torch.equal(got[f"{p}.gate"].scale_2, got[f"{p}.up"].scale_2)
+    for n in ("e0.down", "half.down", "view.down", "empty.down"):
+        _same(quantize_nvfp4(ws[n], cfg=cfg), got[n])
+
+
+@kernel_test
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_grouped_refuses_non_finite_naming_the_tensor(device: str, bad: float) -> None:
+    """One bucket, one synchronisation: the pre-pass flags the very tensor (also a 3-D one, or
+    the partner of a pair whose other half is fine), and nothing else is blamed."""
+    ws = {
+        "l.0.gate_proj.weight": _hard_rows(7, 48, seed=3, dtype=torch.bfloat16),
+        "l.0.up_proj.weight": _hard_rows(7, 48, seed=4, dtype=torch.bfloat16),
+        "l.0.experts.w13": torch.zeros(3, 4, 32, dtype=torch.bfloat16),
+        "l.0.down_proj.weight": _hard_rows(6, 48, seed=5, dtype=torch.float32),
+    }
+    partners = {"l.0.gate_proj.weight": "l.0.up_proj.weight"}
+    partners["l.0.up_proj.weight"] = "l.0.gate_proj.weight"
+    kind = "NaN" if bad != bad else "Inf"
+    for name, at in (
+        ("l.0.up_proj.weight", (6, 47)),
+        ("l.0.experts.w13", (2, 3, 31)),
+        ("l.0.down_proj.weight", (0, 0)),
+    ):
+        w = {n: t.clone() for n, t in ws.items()}
+        w[name][at] = bad
+        with pytest.raises(QuantInputError, match=rf"^{re.escape(name)}: contains {kind}"):
+            quantize_nvfp4_many(
+                [(n, t.to(device)) for n, t in w.items()], partners=partners, backend="triton"
             )
-            _same(ref_gate, got[f"{p}.gate"])
-            _same(ref_up, got[f"{p}.up"])
-        _same(quantize_nvfp4(ws["e0.down"], cfg=cfg), got["e0.down"])
-    bad = ws["e1.up"].clone()
-    bad[3, 5] = float("inf")
-    with pytest.raises(QuantInputError, match=r"e1\.up: contains Inf"):
-        quantize_nvfp4_many(
-            [("e1.gate", ws["e1.gate"].to(device)), ("e1.up", bad.to(device))],
-            partners={"e1.gate": "e1.up", "e1.up": "e1.gate"}, backend="triton",
-        )  # fmt: skip
+
+
+@kernel_test
+def test_prepass_amax_equals_torch(device: str) -> None:
+    """The fused pre-pass alone: each slot holds torch's max|w| (per expert for 3-D, over both
+    halves of a pair), and no flag is set for finite inputs."""
+    from posttrain.quant_convert._grouped import plan_bucket, run_prepass
+
+    g = torch.Generator().manual_seed(5)
+    gate = torch.randn(3, 8, 32, generator=g) * torch.tensor([1e-3, 1.0, 7.0])[:, None, None]
+    up = torch.randn(3, 8, 32, generator=g) * torch.tensor([2.0, 1e-2, 1.0])[:, None, None]
+    down = -torch.rand(5, 64, generator=g) * 3  # its amax is a negative value's magnitude
+    zero = torch.zeros(4, 16)
+    zero[1, 3] = -0.0
+    ws = [("g", gate.bfloat16()), ("u", up.bfloat16()), ("d", down.half()), ("z", zero)]
+    bucket = plan_bucket([(n, t.to(device)) for n, t in ws], {"g": "u", "u": "g"})
+    run_prepass(bucket)
+    amax = bucket.bits[: bucket.slots].view(torch.float32).cpu()
+    pair = torch.maximum(
+        ws[0][1].float().abs().amax(dim=(1, 2)), ws[1][1].float().abs().amax(dim=(1, 2))
+    )
+    want = torch.cat([pair, ws[2][1].float().abs().amax()[None], torch.zeros(1)])
+    assert torch.equal(amax.view(torch.int32), want.view(torch.int32))
+    assert not bool(bucket.bits[bucket.slots :].cpu().any())
 
 
 @kernel_test

@@ -48,7 +48,14 @@ import torch
 import triton  # type: ignore[import-untyped]
 import triton.language as tl  # type: ignore[import-untyped]
 
-__all__ = ["DEFAULT_TUNING", "KernelTuning", "amax_into", "quantize_matrices"]
+__all__ = [
+    "DEFAULT_TUNING",
+    "KernelTuning",
+    "amax_into",
+    "prepass_rows",
+    "quantize_matrices",
+    "quantize_rows",
+]
 
 _AMAX_TILE = 4096
 _AMAX_TILES_PER_PROGRAM = 4
@@ -63,18 +70,46 @@ _MODES = {
 
 
 @triton.jit
+def _amax_bits(x_ptr, first, per_matrix, TILE: tl.constexpr, TILES: tl.constexpr):
+    """max of |x|'s fp32 bit patterns over elements ``[first, first + TILE*TILES)`` of one
+    matrix (``per_matrix`` long): exact, +0.0 for zeros, NaN above +inf."""
+    acc = tl.zeros([TILE], dtype=tl.int32)
+    for t in tl.static_range(TILES):
+        offs = first + t * TILE + tl.arange(0, TILE)
+        x = tl.load(x_ptr + offs, mask=offs < per_matrix, other=0.0)
+        bits = x.to(tl.float32).to(tl.int32, bitcast=True) & 0x7FFFFFFF
+        acc = tl.maximum(acc, bits)
+    return tl.max(acc, axis=0)
+
+
+@triton.jit
 def _amax_kernel(x_ptr, bits_ptr, slot_ptr, per_matrix, TILE: tl.constexpr, TILES: tl.constexpr):
     pid = tl.program_id(0)
     m = tl.program_id(1)
-    base = m.to(tl.int64) * per_matrix
-    acc = tl.zeros([TILE], dtype=tl.int32)
-    for t in tl.static_range(TILES):
-        offs = (pid * TILES + t) * TILE + tl.arange(0, TILE)
-        x = tl.load(x_ptr + base + offs, mask=offs < per_matrix, other=0.0)
-        bits = x.to(tl.float32).to(tl.int32, bitcast=True) & 0x7FFFFFFF
-        acc = tl.maximum(acc, bits)
+    x_ptr += m.to(tl.int64) * per_matrix
     slot = tl.load(slot_ptr + m)
-    tl.atomic_max(bits_ptr + slot, tl.max(acc, axis=0))
+    tl.atomic_max(bits_ptr + slot, _amax_bits(x_ptr, pid * TILES * TILE, per_matrix, TILE, TILES))
+
+
+# the grouped (live) path: one row of int64 per matrix, describing where it lives
+META = 5  # columns of a matrix's row in the table
+IN_AT, OUT_AT, AMAX_AT, FLAG_AT, SCALE2_AT = range(META)
+
+
+@triton.jit
+def _prepass_kernel(
+    x_ptr, meta_ptr, bits_ptr, first_row, per_matrix, TILE: tl.constexpr, TILES: tl.constexpr
+):
+    """One read of each matrix: its max|x| folded into its amax slot (shared by a gate/up
+    pair) and, when that is NaN or Inf, 1 into its tensor's flag slot. Matrix ``j`` of this
+    launch is row ``first_row + j`` of the table; its input starts ``meta[IN_AT] * 16``
+    elements after ``x_ptr`` (any tensor of the bucket's dtype, so no copy gathers them)."""
+    pid = tl.program_id(0)
+    row = (first_row + tl.program_id(1)).to(tl.int64) * 5
+    x_ptr += tl.load(meta_ptr + row) * 16
+    a = _amax_bits(x_ptr, pid * TILES * TILE, per_matrix, TILE, TILES)
+    tl.atomic_max(bits_ptr + tl.load(meta_ptr + row + 2), a)
+    tl.atomic_max(bits_ptr + tl.load(meta_ptr + row + 3), 1, mask=a >= 0x7F800000)
 
 
 @triton.jit
@@ -209,6 +244,15 @@ def _quant_kernel(
     tl.atomic_max(flag_ptr, bad, mask=bad > 0)
     v = v_bits.to(tl.float32, bitcast=True)
 
+    codes, byte = _scales_and_codes(x, v, amax, s_enc, ws2, MODE, SIX_EMAX)
+    _store_blocks(packed_ptr, scale_ptr, offs, ok, codes, byte, BLOCKS, PACK_WORDS)
+
+
+@triton.jit
+def _scales_and_codes(x, v, amax, s_enc, ws2, MODE: tl.constexpr, SIX_EMAX: tl.constexpr):
+    """E4M3 scale bytes ``[B]`` and E2M1 codes ``[B, 16]`` of fp32 blocks ``x`` with block
+    amaxes ``v``, in one of the block-tile modes (0: te-multiplier, 1: te-divide, 2/3:
+    4-over-6 MAE/MSE with one division per element)."""
     if MODE == 0:
         d = v * (s_enc * 0.16666666666666666)
         byte, sf = _e4m3_rne(tl.minimum(d, 448.0))
@@ -228,7 +272,15 @@ def _quant_kernel(
         use4 = err4 < err6
         codes = tl.where(use4[:, None], c4, c6)
         byte = tl.where(use4, b4, b6)
+    return codes, byte
 
+
+@triton.jit
+def _store_blocks(
+    packed_ptr, scale_ptr, offs, ok, codes, byte, BLOCKS: tl.constexpr, PACK_WORDS: tl.constexpr
+):
+    """Write blocks ``offs`` (where ``ok``): packed codes, then scale bytes."""
+    cols = tl.arange(0, 16)
     if PACK_WORDS:  # one int64 per block (little endian: byte j = code 2j | code 2j+1 << 4)
         shifts = (cols * 4).to(tl.int64)
         word = tl.sum(codes.to(tl.int64) << shifts[None, :], axis=1)  # disjoint: sum == or
@@ -239,6 +291,46 @@ def _quant_kernel(
         bytes_at = offs[:, None] * 8 + tl.arange(0, 8)[None, :]
         tl.store(packed_ptr + bytes_at, packed, mask=ok[:, None])
     tl.store(scale_ptr + offs, byte.to(tl.uint8), mask=ok)
+
+
+@triton.jit
+def _quant_grouped_kernel(
+    x_ptr,
+    meta_ptr,
+    bits_ptr,
+    packed_ptr,
+    scale_ptr,
+    ws2_ptr,
+    first_row,
+    blocks_per_matrix,
+    EMAX: tl.constexpr,
+    MODE: tl.constexpr,
+    BLOCKS: tl.constexpr,
+    PACK_WORDS: tl.constexpr,
+):
+    """``_quant_kernel`` over table rows (see ``_prepass_kernel``): the global amax from the
+    matrix's slot, its output at block ``meta[OUT_AT]`` of the bucket's flat buffers, its
+    ``weight_scale_2`` at ``meta[SCALE2_AT]``. NaN/Inf were flagged by the pre-pass (and the
+    bucket is refused), so the block amax is a float max and no flag is kept here."""
+    pid = tl.program_id(0)
+    row = (first_row + tl.program_id(1)).to(tl.int64) * 5
+    amax = tl.load(bits_ptr + tl.load(meta_ptr + row + 2)).to(tl.float32, bitcast=True)
+    SIX_EMAX: tl.constexpr = 6.0 * EMAX
+    s_enc, ws2 = _global_scales(amax, SIX_EMAX)
+    if pid == 0:
+        tl.store(ws2_ptr + tl.load(meta_ptr + row + 4), ws2)
+    x_ptr += tl.load(meta_ptr + row) * 16
+    out = tl.load(meta_ptr + row + 1)
+    scale_ptr += out
+    packed_ptr += out * (1 if PACK_WORDS else 8)
+    offs = pid * BLOCKS + tl.arange(0, BLOCKS)
+    ok = offs < blocks_per_matrix
+    cols = tl.arange(0, 16)
+    x = tl.load(x_ptr + offs[:, None] * 16 + cols[None, :], mask=ok[:, None], other=0.0)
+    x = x.to(tl.float32)
+    v = tl.max(tl.abs(x), axis=1)  # finite here: equals the integer max of the bits
+    codes, byte = _scales_and_codes(x, v, amax, s_enc, ws2, MODE, SIX_EMAX)
+    _store_blocks(packed_ptr, scale_ptr, offs, ok, codes, byte, BLOCKS, PACK_WORDS)
 
 
 @triton.jit
@@ -365,6 +457,15 @@ def _quant_4over6_kernel(
     tl.atomic_max(flag_ptr, bad, mask=bad > 0)
     v = v_bits.to(tl.float32, bitcast=True)
 
+    word, byte = _4over6_blocks(x_lo, x_hi, v, amax, s_enc, ws2, MSE, SIX_EMAX)
+    tl.store(packed_ptr + offs, word, mask=ok)
+    tl.store(scale_ptr + offs, byte.to(tl.uint8), mask=ok)
+
+
+@triton.jit
+def _4over6_blocks(x_lo, x_hi, v, amax, s_enc, ws2, MSE: tl.constexpr, SIX_EMAX: tl.constexpr):
+    """Packed codes (one int64 per block) and scale bytes of 4-over-6 blocks held one per
+    thread as two 8-element halves, with block amaxes ``v``."""
     base = tl.math.div_rn(v, tl.full(v.shape, 6.0, tl.float32)) * s_enc
     b6, sf6 = _e4m3_rne(tl.minimum(base, 448.0))
     b4, sf4 = _e4m3_rne(tl.minimum(base * 1.5, 448.0))
@@ -404,8 +505,44 @@ def _quant_4over6_kernel(
     shifts = (tl.arange(0, 8) * 4).to(tl.int64)[None, :]
     lo = tl.sum(tl.where(use4, c4_lo, c6_lo).to(tl.int64) << shifts, axis=1)  # disjoint bits
     hi = tl.sum(tl.where(use4, c4_hi, c6_hi).to(tl.int64) << shifts, axis=1)
-    tl.store(packed_ptr + offs, lo | (hi << 32), mask=ok)
-    tl.store(scale_ptr + offs, tl.where(err4 < err6, b4, b6).to(tl.uint8), mask=ok)
+    return lo | (hi << 32), tl.where(err4 < err6, b4, b6)
+
+
+@triton.jit
+def _quant_4over6_grouped_kernel(
+    x_ptr,
+    meta_ptr,
+    bits_ptr,
+    packed_ptr,
+    scale_ptr,
+    ws2_ptr,
+    first_row,
+    blocks_per_matrix,
+    EMAX: tl.constexpr,
+    MSE: tl.constexpr,
+    BLOCKS: tl.constexpr,
+):
+    """``_quant_4over6_kernel`` over table rows, as ``_quant_grouped_kernel``."""
+    pid = tl.program_id(0)
+    row = (first_row + tl.program_id(1)).to(tl.int64) * 5
+    amax = tl.load(bits_ptr + tl.load(meta_ptr + row + 2)).to(tl.float32, bitcast=True)
+    SIX_EMAX: tl.constexpr = 6.0 * EMAX
+    s_enc, ws2 = _global_scales(amax, SIX_EMAX)
+    if pid == 0:
+        tl.store(ws2_ptr + tl.load(meta_ptr + row + 4), ws2)
+    x_ptr += tl.load(meta_ptr + row) * 16
+    out = tl.load(meta_ptr + row + 1)
+    scale_ptr += out
+    packed_ptr += out
+    offs = pid * BLOCKS + tl.arange(0, BLOCKS)
+    ok = offs < blocks_per_matrix
+    at = x_ptr + offs[:, None] * 16 + tl.arange(0, 8)[None, :]
+    x_lo = tl.load(at, mask=ok[:, None], other=0.0).to(tl.float32)
+    x_hi = tl.load(at + 8, mask=ok[:, None], other=0.0).to(tl.float32)
+    v = tl.maximum(tl.max(tl.abs(x_lo), axis=1), tl.max(tl.abs(x_hi), axis=1))
+    word, byte = _4over6_blocks(x_lo, x_hi, v, amax, s_enc, ws2, MSE, SIX_EMAX)
+    tl.store(packed_ptr + offs, word, mask=ok)
+    tl.store(scale_ptr + offs, byte.to(tl.uint8), mask=ok)
 
 
 def amax_into(x: torch.Tensor, bits: torch.Tensor, slots: torch.Tensor) -> None:
@@ -435,6 +572,9 @@ class KernelTuning:
     blocks_per_program_4over6: int = 128
     num_warps_4over6: int = 4
     max_registers_4over6: int | None = None  # Triton's maxnreg for the 4-over-6 kernels
+    prepass_tile: int = _AMAX_TILE  # elements per step of the grouped path's pre-pass
+    prepass_tiles: int = _AMAX_TILES_PER_PROGRAM  # steps per program
+    prepass_warps: int = 4
 
 
 DEFAULT_TUNING = KernelTuning()
@@ -493,3 +633,67 @@ def quantize_matrices(
 def _max_registers(tuning: KernelTuning) -> dict[str, int]:
     n = tuning.max_registers_4over6
     return {} if n is None else {"maxnreg": n}
+
+
+def prepass_rows(
+    x: torch.Tensor,
+    meta: torch.Tensor,
+    bits: torch.Tensor,
+    rows: range,
+    per_matrix: int,
+    tuning: KernelTuning = DEFAULT_TUNING,
+) -> None:
+    """Launch the pre-pass over table rows ``rows`` (matrices of ``per_matrix`` elements each,
+    addressed from ``x``'s data pointer): amax bits and non-finite flags into ``bits``."""
+    if per_matrix == 0 or not rows:
+        return
+    grid = (triton.cdiv(per_matrix, tuning.prepass_tile * tuning.prepass_tiles), len(rows))
+    _prepass_kernel[grid](
+        x, meta, bits, rows.start, per_matrix, TILE=tuning.prepass_tile,
+        TILES=tuning.prepass_tiles, num_warps=tuning.prepass_warps, enable_fp_fusion=False,
+    )  # fmt: skip
+
+
+def quantize_rows(
+    x: torch.Tensor,
+    meta: torch.Tensor,
+    bits: torch.Tensor,
+    out: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    rows: range,
+    blocks_per_matrix: int,
+    *,
+    four_over_six: str,
+    scale_rounding: str,
+    emax: float,
+    tuning: KernelTuning = DEFAULT_TUNING,
+) -> None:
+    """Launch the quantize kernel over table rows ``rows`` after their pre-pass: ``out`` is the
+    bucket's flat packed-code bytes, scale bytes and fp32 ``weight_scale_2`` values."""
+    if not rows:
+        return
+    if blocks_per_matrix * 16 >= 2**31:
+        raise ValueError(
+            f"one matrix of {blocks_per_matrix * 16} elements exceeds the kernel's int32 offsets"
+        )
+    packed, scale, ws2 = out
+    if four_over_six != "off" and tuning.four_over_six_rows:
+        # at least one program per matrix: it writes weight_scale_2 even for an empty matrix
+        grid = (max(1, triton.cdiv(blocks_per_matrix, tuning.blocks_per_program_4over6)), len(rows))
+        _quant_4over6_grouped_kernel[grid](
+            x, meta, bits, packed.view(torch.int64), scale, ws2, rows.start, blocks_per_matrix,
+            EMAX=float(emax), MSE=four_over_six == "mse",
+            BLOCKS=tuning.blocks_per_program_4over6, num_warps=tuning.num_warps_4over6,
+            enable_fp_fusion=False, **_max_registers(tuning),
+        )  # fmt: skip
+        return
+    tile, warps = tuning.blocks_per_program, tuning.num_warps
+    if four_over_six != "off":
+        tile, warps = tuning.blocks_per_program_4over6, tuning.num_warps_4over6
+    grid = (max(1, triton.cdiv(blocks_per_matrix, tile)), len(rows))
+    _quant_grouped_kernel[grid](
+        x, meta, bits, packed.view(torch.int64) if tuning.pack_words else packed, scale, ws2,
+        rows.start, blocks_per_matrix, EMAX=float(emax),
+        MODE=_MODES[(four_over_six, scale_rounding)], BLOCKS=tile, PACK_WORDS=tuning.pack_words,
+        num_warps=warps, enable_fp_fusion=False,
+        **(_max_registers(tuning) if four_over_six != "off" else {}),
+    )  # fmt: skip

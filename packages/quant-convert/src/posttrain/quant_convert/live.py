@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from posttrain.formats import SAFETENSORS_DTYPES
+from posttrain.formats import SAFETENSORS_DTYPES, nvfp4_layout
 from posttrain.interface import NVFP4Precision
 from posttrain.quant_convert._errors import CheckpointError
 from posttrain.quant_convert.nvfp4 import NVFP4Config, quantize_nvfp4_many
@@ -88,20 +88,19 @@ def quantize_named_params(
         if n not in chosen:
             out.append((n, t))
             continue
-        # the layout's own names, input_scale included; its value is the served one, if any
-        for name, part in quantized[n].named(n, input_scale=1.0):
-            if not name.endswith(".input_scale"):
-                out.append((name, part))
-                continue
-            served = scales.get(name)
-            if served is None:
-                continue
-            if tuple(served.shape) != tuple(part.shape):
-                raise CheckpointError(
-                    f"{name}: the served checkpoint's has shape {list(served.shape)}, the "
-                    f"update's {list(part.shape)}"
-                )
-            out.append((name, served.to(part.dtype)))
+        qt = quantized[n]
+        out += qt.named(n)  # weight, weight_scale, weight_scale_2: the layout's names
+        # input_scale (the layout's name for it) only where the served checkpoint has one
+        name = nvfp4_layout(n, t.shape, input_scale=True)[-1].name
+        served = scales.get(name)
+        if served is None:
+            continue
+        if tuple(served.shape) != tuple(qt.scale_2.shape):
+            raise CheckpointError(
+                f"{name}: the served checkpoint's has shape {list(served.shape)}, the "
+                f"update's {list(qt.scale_2.shape)}"
+            )
+        out.append((name, served.to(qt.scale_2.dtype)))
     return out
 
 
