@@ -178,19 +178,25 @@ def test_grouped_many_equals_one_by_one(device: str, cfg: NVFP4Config) -> None:
     partners = {}
     for p in ("e0", "e1", "odd", "stack"):
         partners[f"{p}.gate"], partners[f"{p}.up"] = f"{p}.up", f"{p}.gate"
-    got = quantize_nvfp4_many(
-        [(n, w.to(device)) for n, w in ws.items()], partners=partners, cfg=cfg, backend="triton"
-    )
-    assert list(got) == list(ws)
-    for p in ("e0", "e1", "odd", "stack"):
-        ref_gate, ref_up = quantize_nvfp4_pair(
-            ws[f"{p}.gate"], ws[f"{p}.up"], cfg=cfg, allow_3d=True
-        )
-        _same(ref_gate, got[f"{p}.gate"])
-        _same(ref_up, got[f"{p}.up"])
-        assert torch.equal(got[f"{p}.gate"].scale_2, got[f"{p}.up"].scale_2)
-    for n in ("e0.down", "half.down", "view.down", "empty.down"):
-        _same(quantize_nvfp4(ws[n], cfg=cfg), got[n])
+    from posttrain.quant_convert import _nvfp4_triton as kernels
+    from posttrain.quant_convert._grouped import quantize_grouped
+
+    on_device = [(n, w.to(device)) for n, w in ws.items()]
+    runs = [quantize_nvfp4_many(on_device, partners=partners, cfg=cfg, backend="triton")]
+    for stage_bytes in (1, 2000):  # pipelined: a stage per unit, then a pair of 7x48 bf16
+        tuning = kernels.KernelTuning(pipeline=True, pipeline_stage_bytes=stage_bytes)
+        runs.append(quantize_grouped(on_device, partners, cfg, tuning))
+    for got in runs:
+        assert list(got) == list(ws)
+        for p in ("e0", "e1", "odd", "stack"):
+            ref_gate, ref_up = quantize_nvfp4_pair(
+                ws[f"{p}.gate"], ws[f"{p}.up"], cfg=cfg, allow_3d=True
+            )
+            _same(ref_gate, got[f"{p}.gate"])
+            _same(ref_up, got[f"{p}.up"])
+            assert torch.equal(got[f"{p}.gate"].scale_2, got[f"{p}.up"].scale_2)
+        for n in ("e0.down", "half.down", "view.down", "empty.down"):
+            _same(quantize_nvfp4(ws[n], cfg=cfg), got[n])
 
 
 @kernel_test

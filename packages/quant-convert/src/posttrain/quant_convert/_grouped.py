@@ -35,16 +35,26 @@ if TYPE_CHECKING:
     from posttrain.quant_convert._nvfp4_triton import KernelTuning
     from posttrain.quant_convert.nvfp4 import NVFP4Config, NVFP4Tensor
 
-__all__ = ["GroupedBucket", "plan_bucket", "quantize_grouped"]
+__all__ = [
+    "GroupedBucket",
+    "plan_bucket",
+    "quantize_grouped",
+    "results",
+    "run_pipelined",
+    "run_prepass",
+    "run_quantize",
+]
 
 _ALIGN = 16  # bytes: where each region of the flat output buffer starts
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)
 class _Launch:
     base: torch.Tensor  # the tensor whose data pointer the table's input offsets count from
     rows: range  # table rows of this launch (same dtype, same elements per matrix)
     per_matrix: int  # elements per matrix
+    unit_ends: list[int]  # rows where a unit (a weight or a pair, every matrix) ends
+    straddling: int  # first row of the units whose other half sits in another launch group
 
 
 @dataclass(slots=True)
@@ -113,28 +123,48 @@ def plan_bucket(
         first_block.append(blocks)
         matrices += _matrices(t)
         blocks += t.numel() // GROUP_SIZE
-    # rows grouped by (dtype, elements per matrix): one launch per group, no copies
-    groups: dict[tuple[torch.dtype, int], list[int]] = {}
-    for i, t in enumerate(inputs):
-        per = t.numel() // max(_matrices(t), 1)
-        groups.setdefault((t.dtype, per), []).append(i)
+    # rows grouped by (dtype, elements per matrix): one launch per group, no copies; a pair's
+    # halves in one group are adjacent, so the group splits into units at known rows
+    groups: dict[tuple[torch.dtype, int], list[list[int]]] = {}
+    seen: set[int] = set()
+    for i in range(len(inputs)):
+        if i in seen:
+            continue
+        p = partners.get(names[i])
+        unit = [i] if p is None else [i, index[p]]
+        seen.update(unit)
+        by_group: dict[tuple[torch.dtype, int], list[int]] = {}
+        for j in unit:
+            per = inputs[j].numel() // max(_matrices(inputs[j]), 1)
+            by_group.setdefault((inputs[j].dtype, per), []).append(j)
+        for key, members in by_group.items():
+            groups.setdefault(key, []).append(members)
     rows: list[int] = []
     launches: list[_Launch] = []
-    for (_, per), members in groups.items():
+    pair = {index[n] for n in partners if n in index}
+    for (_, per), units in groups.items():
+        # whole units first; a pair whose halves differ in size comes last (no pipelining)
+        units.sort(key=lambda u: len(u) == 1 and u[0] in pair)
+        members = [i for u in units for i in u]
         base = min((inputs[i] for i in members), key=lambda t: t.data_ptr())
-        unit = GROUP_SIZE * base.element_size()
+        step = GROUP_SIZE * base.element_size()  # bytes per 16 elements
         start = len(rows) // kernels.META
-        for i in members:
-            t = inputs[i]
-            for e in range(_matrices(t)):
-                rows += [
-                    (t.data_ptr() - base.data_ptr()) // unit + e * (per // GROUP_SIZE),
-                    first_block[i] + e * (per // GROUP_SIZE),
-                    slot_of[i] + e,
-                    slots + i,  # the tensor's flag, after every amax slot
-                    first_matrix[i] + e,
-                ]
-        launches.append(_Launch(base, range(start, len(rows) // kernels.META), per))
+        ends: list[int] = []
+        for u in units:
+            for i in u:
+                t = inputs[i]
+                for e in range(_matrices(t)):
+                    rows += [
+                        (t.data_ptr() - base.data_ptr()) // step + e * (per // GROUP_SIZE),
+                        first_block[i] + e * (per // GROUP_SIZE),
+                        slot_of[i] + e,
+                        slots + i,  # the tensor's flag, after every amax slot
+                        first_matrix[i] + e,
+                    ]
+            ends.append(len(rows) // kernels.META)
+        whole = [e for e, u in zip(ends, units, strict=True) if len(u) == 2 or u[0] not in pair]
+        straddling = whole[-1] if whole else start
+        launches.append(_Launch(base, range(start, ends[-1]), per, ends, straddling))
     meta = torch.tensor(rows, dtype=torch.int64).reshape(-1, kernels.META)
     meta = meta.to(dev, non_blocking=True)
     bits = torch.zeros(slots + len(inputs), dtype=torch.int32, device=dev)
@@ -183,6 +213,54 @@ def run_quantize(
         )  # fmt: skip
 
 
+def _stages(launch: _Launch, rows: range, stage_bytes: int) -> list[range]:
+    """``rows`` (whole units of ``launch``) cut at unit ends into stages of at least
+    ``stage_bytes`` of input each (the last may be smaller)."""
+    out: list[range] = []
+    start = rows.start
+    per_row = launch.per_matrix * launch.base.element_size()
+    for end in launch.unit_ends:
+        if end <= start or end > rows.stop:
+            continue
+        if (end - start) * per_row >= stage_bytes or end == rows.stop:
+            out.append(range(start, end))
+            start = end
+    return out
+
+
+def run_pipelined(
+    bucket: GroupedBucket, cfg: NVFP4Config, tuning: KernelTuning | None = None
+) -> None:
+    """Pre-pass and quantize a bucket (4-over-6 off) as a pipeline: in each launch group, the
+    quantize of stage k runs in the same launch as the pre-pass of stage k + 1. Pairs whose
+    halves differ in size (two launch groups) and empty matrices take the two-pass order."""
+    from posttrain.quant_convert import _nvfp4_triton as kernels
+
+    tuning = tuning or kernels.DEFAULT_TUNING
+    out = (bucket.packed, bucket.scale, bucket.scale_2)
+    plain, piped = [], []
+    for la in bucket.launches:
+        cut = la.rows.start if la.per_matrix == 0 else la.straddling
+        plain.append(range(cut, la.rows.stop))
+        piped.append(range(la.rows.start, cut))
+    for la, rows in zip(bucket.launches, plain, strict=True):
+        kernels.prepass_rows(la.base, bucket.meta, bucket.bits, rows, la.per_matrix, tuning)
+    for la, rows in zip(bucket.launches, plain, strict=True):
+        kernels.quantize_rows(
+            la.base, bucket.meta, bucket.bits, out, rows, la.per_matrix // GROUP_SIZE,
+            four_over_six="off", scale_rounding=cfg.scale_rounding, emax=cfg.emax, tuning=tuning,
+        )  # fmt: skip
+    for la, rows in zip(bucket.launches, piped, strict=True):
+        previous = range(rows.start, rows.start)
+        for stage in [*_stages(la, rows, tuning.pipeline_stage_bytes), range(rows.stop, rows.stop)]:
+            kernels.pipeline_step(
+                la.base, bucket.meta, bucket.bits, out, previous, stage,
+                la.per_matrix // GROUP_SIZE, scale_rounding=cfg.scale_rounding, emax=cfg.emax,
+                tuning=tuning,
+            )  # fmt: skip
+            previous = stage
+
+
 def results(bucket: GroupedBucket) -> dict[str, NVFP4Tensor]:
     """Each weight's outputs as views of the bucket's buffer, after its single sync: raises
     :class:`QuantInputError` naming the first weight that holds NaN or Inf."""
@@ -215,7 +293,12 @@ def quantize_grouped(
     """A bucket of checked weights on one device through the kernels (module docstring)."""
     if not weights:
         return {}
+    from posttrain.quant_convert import _nvfp4_triton as kernels
+
     bucket = plan_bucket(weights, partners)
-    run_prepass(bucket, tuning)
-    run_quantize(bucket, cfg, tuning)
+    if (tuning or kernels.DEFAULT_TUNING).pipeline and cfg.four_over_six == "off":
+        run_pipelined(bucket, cfg, tuning)
+    else:
+        run_prepass(bucket, tuning)
+        run_quantize(bucket, cfg, tuning)
     return results(bucket)

@@ -52,6 +52,7 @@ __all__ = [
     "DEFAULT_TUNING",
     "KernelTuning",
     "amax_into",
+    "pipeline_step",
     "prepass_rows",
     "quantize_matrices",
     "quantize_rows",
@@ -97,19 +98,26 @@ IN_AT, OUT_AT, AMAX_AT, FLAG_AT, SCALE2_AT = range(META)
 
 
 @triton.jit
+def _prepass_tile(x_ptr, meta_ptr, bits_ptr, row, tile, per_matrix, TILE: tl.constexpr,
+                  TILES: tl.constexpr):  # fmt: skip
+    """Tile ``tile`` of table row ``row``: its max|x| folded into the matrix's amax slot and,
+    when that is NaN or Inf, 1 into its tensor's flag slot."""
+    at = row.to(tl.int64) * 5
+    x_ptr += tl.load(meta_ptr + at) * 16
+    a = _amax_bits(x_ptr, tile * TILES * TILE, per_matrix, TILE, TILES)
+    tl.atomic_max(bits_ptr + tl.load(meta_ptr + at + 2), a)
+    tl.atomic_max(bits_ptr + tl.load(meta_ptr + at + 3), 1, mask=a >= 0x7F800000)
+
+
+@triton.jit
 def _prepass_kernel(
     x_ptr, meta_ptr, bits_ptr, first_row, per_matrix, TILE: tl.constexpr, TILES: tl.constexpr
 ):
-    """One read of each matrix: its max|x| folded into its amax slot (shared by a gate/up
-    pair) and, when that is NaN or Inf, 1 into its tensor's flag slot. Matrix ``j`` of this
-    launch is row ``first_row + j`` of the table; its input starts ``meta[IN_AT] * 16``
+    """One read of each matrix: amax and non-finite flag (``_prepass_tile``). Matrix ``j`` of
+    this launch is row ``first_row + j`` of the table; its input starts ``meta[IN_AT] * 16``
     elements after ``x_ptr`` (any tensor of the bucket's dtype, so no copy gathers them)."""
-    pid = tl.program_id(0)
-    row = (first_row + tl.program_id(1)).to(tl.int64) * 5
-    x_ptr += tl.load(meta_ptr + row) * 16
-    a = _amax_bits(x_ptr, pid * TILES * TILE, per_matrix, TILE, TILES)
-    tl.atomic_max(bits_ptr + tl.load(meta_ptr + row + 2), a)
-    tl.atomic_max(bits_ptr + tl.load(meta_ptr + row + 3), 1, mask=a >= 0x7F800000)
+    row = first_row + tl.program_id(1)
+    _prepass_tile(x_ptr, meta_ptr, bits_ptr, row, tl.program_id(0), per_matrix, TILE, TILES)
 
 
 @triton.jit
@@ -294,6 +302,31 @@ def _store_blocks(
 
 
 @triton.jit
+def _quant_tile(x_ptr, meta_ptr, bits_ptr, packed_ptr, scale_ptr, ws2_ptr, row, tile,
+                blocks_per_matrix, EMAX: tl.constexpr, MODE: tl.constexpr, BLOCKS: tl.constexpr,
+                PACK_WORDS: tl.constexpr):  # fmt: skip
+    """Blocks of tile ``tile`` of table row ``row`` (see ``_quant_grouped_kernel``)."""
+    at = row.to(tl.int64) * 5
+    amax = tl.load(bits_ptr + tl.load(meta_ptr + at + 2)).to(tl.float32, bitcast=True)
+    SIX_EMAX: tl.constexpr = 6.0 * EMAX
+    s_enc, ws2 = _global_scales(amax, SIX_EMAX)
+    if tile == 0:
+        tl.store(ws2_ptr + tl.load(meta_ptr + at + 4), ws2)
+    x_ptr += tl.load(meta_ptr + at) * 16
+    out = tl.load(meta_ptr + at + 1)
+    scale_ptr += out
+    packed_ptr += out * (1 if PACK_WORDS else 8)
+    offs = tile * BLOCKS + tl.arange(0, BLOCKS)
+    ok = offs < blocks_per_matrix
+    cols = tl.arange(0, 16)
+    x = tl.load(x_ptr + offs[:, None] * 16 + cols[None, :], mask=ok[:, None], other=0.0)
+    x = x.to(tl.float32)
+    v = tl.max(tl.abs(x), axis=1)  # finite here: equals the integer max of the bits
+    codes, byte = _scales_and_codes(x, v, amax, s_enc, ws2, MODE, SIX_EMAX)
+    _store_blocks(packed_ptr, scale_ptr, offs, ok, codes, byte, BLOCKS, PACK_WORDS)
+
+
+@triton.jit
 def _quant_grouped_kernel(
     x_ptr,
     meta_ptr,
@@ -312,25 +345,43 @@ def _quant_grouped_kernel(
     matrix's slot, its output at block ``meta[OUT_AT]`` of the bucket's flat buffers, its
     ``weight_scale_2`` at ``meta[SCALE2_AT]``. NaN/Inf were flagged by the pre-pass (and the
     bucket is refused), so the block amax is a float max and no flag is kept here."""
+    _quant_tile(
+        x_ptr, meta_ptr, bits_ptr, packed_ptr, scale_ptr, ws2_ptr, first_row + tl.program_id(1),
+        tl.program_id(0), blocks_per_matrix, EMAX, MODE, BLOCKS, PACK_WORDS,
+    )  # fmt: skip
+
+
+@triton.jit
+def _pipelined_kernel(
+    x_ptr,
+    meta_ptr,
+    bits_ptr,
+    packed_ptr,
+    scale_ptr,
+    ws2_ptr,
+    q_first,
+    q_rows,
+    p_first,
+    p_rows,
+    blocks_per_matrix,
+    EMAX: tl.constexpr,
+    MODE: tl.constexpr,
+    BLOCKS: tl.constexpr,
+    PACK_WORDS: tl.constexpr,
+):
+    """One pipeline step: quantize rows ``q_first..+q_rows`` (their pre-pass ran in an earlier
+    launch) while pre-passing rows ``p_first..+p_rows``, a tile of each per program, so the
+    memory-bound pre-pass and the arithmetic-bound quantize share every SM."""
     pid = tl.program_id(0)
-    row = (first_row + tl.program_id(1)).to(tl.int64) * 5
-    amax = tl.load(bits_ptr + tl.load(meta_ptr + row + 2)).to(tl.float32, bitcast=True)
-    SIX_EMAX: tl.constexpr = 6.0 * EMAX
-    s_enc, ws2 = _global_scales(amax, SIX_EMAX)
-    if pid == 0:
-        tl.store(ws2_ptr + tl.load(meta_ptr + row + 4), ws2)
-    x_ptr += tl.load(meta_ptr + row) * 16
-    out = tl.load(meta_ptr + row + 1)
-    scale_ptr += out
-    packed_ptr += out * (1 if PACK_WORDS else 8)
-    offs = pid * BLOCKS + tl.arange(0, BLOCKS)
-    ok = offs < blocks_per_matrix
-    cols = tl.arange(0, 16)
-    x = tl.load(x_ptr + offs[:, None] * 16 + cols[None, :], mask=ok[:, None], other=0.0)
-    x = x.to(tl.float32)
-    v = tl.max(tl.abs(x), axis=1)  # finite here: equals the integer max of the bits
-    codes, byte = _scales_and_codes(x, v, amax, s_enc, ws2, MODE, SIX_EMAX)
-    _store_blocks(packed_ptr, scale_ptr, offs, ok, codes, byte, BLOCKS, PACK_WORDS)
+    tiles = tl.cdiv(blocks_per_matrix, BLOCKS)
+    if pid < p_rows * tiles:
+        _prepass_tile(x_ptr, meta_ptr, bits_ptr, p_first + pid // tiles, pid % tiles,
+                      blocks_per_matrix * 16, BLOCKS * 16, 1)  # fmt: skip
+    if pid < q_rows * tiles:
+        _quant_tile(
+            x_ptr, meta_ptr, bits_ptr, packed_ptr, scale_ptr, ws2_ptr, q_first + pid // tiles,
+            pid % tiles, blocks_per_matrix, EMAX, MODE, BLOCKS, PACK_WORDS,
+        )  # fmt: skip
 
 
 @triton.jit
@@ -575,6 +626,8 @@ class KernelTuning:
     prepass_tile: int = _AMAX_TILE  # elements per step of the grouped path's pre-pass
     prepass_tiles: int = _AMAX_TILES_PER_PROGRAM  # steps per program
     prepass_warps: int = 4
+    pipeline: bool = False  # grouped path: pre-pass of one stage beside the previous quantize
+    pipeline_stage_bytes: int = 64 << 20  # least input per pipeline stage
 
 
 DEFAULT_TUNING = KernelTuning()
@@ -696,4 +749,36 @@ def quantize_rows(
         MODE=_MODES[(four_over_six, scale_rounding)], BLOCKS=tile, PACK_WORDS=tuning.pack_words,
         num_warps=warps, enable_fp_fusion=False,
         **(_max_registers(tuning) if four_over_six != "off" else {}),
+    )  # fmt: skip
+
+
+def pipeline_step(
+    x: torch.Tensor,
+    meta: torch.Tensor,
+    bits: torch.Tensor,
+    out: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    quantize: range,
+    prepass: range,
+    blocks_per_matrix: int,
+    *,
+    scale_rounding: str,
+    emax: float,
+    tuning: KernelTuning = DEFAULT_TUNING,
+) -> None:
+    """One launch of the pipelined kernel (4-over-6 off): quantize table rows ``quantize``
+    (already pre-passed) and pre-pass rows ``prepass``, all of one launch group."""
+    if not quantize and not prepass:
+        return
+    if blocks_per_matrix * 16 >= 2**31:
+        raise ValueError(
+            f"one matrix of {blocks_per_matrix * 16} elements exceeds the kernel's int32 offsets"
+        )
+    packed, scale, ws2 = out
+    tile, warps = tuning.blocks_per_program, tuning.num_warps
+    grid = (max(1, triton.cdiv(blocks_per_matrix, tile)) * max(len(quantize), len(prepass)),)
+    _pipelined_kernel[grid](
+        x, meta, bits, packed.view(torch.int64) if tuning.pack_words else packed, scale, ws2,
+        quantize.start, len(quantize), prepass.start, len(prepass), blocks_per_matrix,
+        EMAX=float(emax), MODE=_MODES[("off", scale_rounding)], BLOCKS=tile,
+        PACK_WORDS=tuning.pack_words, num_warps=warps, enable_fp_fusion=False,
     )  # fmt: skip
