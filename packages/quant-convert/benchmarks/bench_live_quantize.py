@@ -145,9 +145,17 @@ def _breakdown(
             add("quantize_span_ms", ev[1].elapsed_time(ev[2]))
     out: dict[str, Any] = {k: statistics.median(v) for k, v in stages.items()}
     if cuda:  # the kernels alone, launch latency hidden behind a busy GPU
+        from posttrain.quant_convert._grouped import run_pipelined
+        from posttrain.quant_convert._nvfp4_triton import KernelTuning
+
         bucket = plan_bucket(weights, partners)
         out["prepass_gpu_ms"] = _gpu_ms(lambda: run_prepass(bucket), repeats)
         out["quantize_gpu_ms"] = _gpu_ms(lambda: run_quantize(bucket, cfg), repeats)
+        for stage_mb in (16, 64, 256):
+            tuning = KernelTuning(pipeline=True, pipeline_stage_bytes=stage_mb << 20)
+            out[f"pipelined_{stage_mb}mb_gpu_ms"] = _gpu_ms(
+                lambda t=tuning: run_pipelined(bucket, cfg, t), repeats
+            )
     return out
 
 
@@ -233,6 +241,19 @@ def main() -> None:
     t_copy = _timed(copy, device, args.repeats)
     t_live = _timed(live, device, args.repeats)
     t_tensor = _timed(per_tensor, device, args.repeats)
+    grouped_s: dict[str, float] = {}
+    if device.type == "cuda":  # both orders of the grouped path, below the named API
+        from posttrain.quant_convert._grouped import quantize_grouped
+        from posttrain.quant_convert._nvfp4_triton import DEFAULT_TUNING, KernelTuning
+
+        for label, pipe in (("two_pass", False), ("pipelined", True)):
+            tuning = KernelTuning(pipeline=pipe)
+            grouped_s[label] = _timed(
+                lambda t=tuning: quantize_grouped(named, partners, NVFP4Config(), t),
+                device,
+                args.repeats,
+            )
+        grouped_s["default_is_pipelined"] = float(DEFAULT_TUNING.pipeline)
     copy_bw = 2 * bytes_in / t_copy
     quant_bytes = bytes_in + bytes_out
     result: dict[str, Any] = {
@@ -252,6 +273,12 @@ def main() -> None:
         "per_tensor_over_copy": quant_bytes / t_tensor / copy_bw,
         "bytes_identical": identical,
     }
+    for label in ("two_pass", "pipelined"):
+        if label in grouped_s:
+            result[f"grouped_{label}_s"] = grouped_s[label]
+            result[f"grouped_{label}_over_copy"] = quant_bytes / grouped_s[label] / copy_bw
+    if grouped_s:
+        result["default_is_pipelined"] = bool(grouped_s["default_is_pipelined"])
     if device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
         import triton  # type: ignore[import-untyped]
 
@@ -265,6 +292,9 @@ def main() -> None:
             bd["quantize_gbps"] = quant_bytes / bd["quantize_gpu_ms"] / 1e6
             bd["quantize_over_copy"] = quant_bytes / (bd["quantize_gpu_ms"] / 1e3) / copy_bw
             bd["kernels_over_copy"] = quant_bytes / (kernels_ms / 1e3) / copy_bw
+            for stage_mb in (16, 64, 256):
+                ms = bd[f"pipelined_{stage_mb}mb_gpu_ms"]
+                bd[f"pipelined_{stage_mb}mb_over_copy"] = quant_bytes / (ms / 1e3) / copy_bw
         result["breakdown"] = bd
         if args.sweep and device.type == "cuda":
             result["sweep"] = _sweep(named, partners, args.repeats)

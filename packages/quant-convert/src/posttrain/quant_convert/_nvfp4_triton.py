@@ -15,6 +15,18 @@ install never needs Triton. Two passes over the input:
   (its two 8-element halves are two 16-byte loads into that thread), so per-block work runs
   once per block and the error sums need no data exchange between threads.
 
+The grouped (live) path, one bucket of weights at a time (``_grouped``), addresses its
+matrices through an int64 table (input offset in 16-element blocks from one tensor of the
+launch, output block, amax slot, flag slot, ``weight_scale_2`` index), so no input is copied:
+
+* ``_prepass_kernel``: max|x| into the amax slot and a non-finite flag into the weight's own
+  flag slot, one read; ``_quant_grouped_kernel`` / ``_quant_4over6_grouped_kernel``: the
+  quantize kernels over table rows (no flag: the pre-pass has it);
+* ``_pipelined_kernel``: one launch that quantizes a stage of rows (pre-passed by the launch
+  before) while pre-passing the next stage, a tile of each per program: the quantize kernel
+  is bound by integer arithmetic (about 55% of copy bandwidth alone), the pre-pass by memory,
+  so running them side by side hides most of the pre-pass.
+
 Bit parity with the CPU reference (pure torch, IEEE fp32, round-to-nearest-even) is by
 construction and tested bit for bit (the interpreter on CPU, the device in the benchmark):
 
@@ -614,7 +626,9 @@ class KernelTuning:
     the fastest of ``benchmarks/gpu_nvfp4_throughput.py --sweep`` on an H200: 256 blocks x 2
     warps with byte packing (2026-12-01), and for 4-over-6 the one-thread-per-block kernel at
     128 blocks x 4 warps (2026-12-02; ``four_over_six_rows=False``: the block-tile kernel,
-    one division per element, 32 blocks x 2 warps was its best)."""
+    one division per element, 32 blocks x 2 warps was its best). The grouped path's pre-pass
+    shape is the old amax kernel's; ``pipeline`` and its stage size were set on 2026-12-06
+    before any GPU run (``benchmarks/bench_live_quantize.py`` reports both orders)."""
 
     blocks_per_program: int = 256
     num_warps: int = 2
@@ -626,7 +640,8 @@ class KernelTuning:
     prepass_tile: int = _AMAX_TILE  # elements per step of the grouped path's pre-pass
     prepass_tiles: int = _AMAX_TILES_PER_PROGRAM  # steps per program
     prepass_warps: int = 4
-    pipeline: bool = False  # grouped path: pre-pass of one stage beside the previous quantize
+    pipeline: bool = True  # grouped path (4-over-6 off): a stage's pre-pass beside the
+    # previous stage's quantize, in one launch
     pipeline_stage_bytes: int = 64 << 20  # least input per pipeline stage
 
 
