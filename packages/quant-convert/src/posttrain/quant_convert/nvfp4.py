@@ -29,6 +29,7 @@ midpoints with ties to the even code, about twice as fast on CPU.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -118,8 +119,20 @@ class NVFP4Tensor:
         if input_scale is not None:
             parts["input_scale"] = torch.full_like(self.scale_2, input_scale)
         shape = (*self.packed.shape[:-1], self.packed.shape[-1] * 2)
-        layout = nvfp4_layout(weight_name, shape, input_scale=input_scale is not None)
-        return [(t.name, parts[t.part]) for t in layout]
+        return [
+            (name, parts[part])
+            for name, part in _layout(weight_name, shape, input_scale is not None)
+        ]
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _layout(
+    weight_name: str, shape: tuple[int, ...], input_scale: bool
+) -> tuple[tuple[str, str], ...]:
+    """(name, part) of ``nvfp4_layout``, memoised: live sync names the same weights each step."""
+    return tuple(
+        (t.name, t.part) for t in nvfp4_layout(weight_name, shape, input_scale=input_scale)
+    )
 
 
 def _check(w: torch.Tensor, name: str, allow_3d: bool) -> None:
