@@ -20,8 +20,8 @@ matrices through an int64 table (input offset in 16-element blocks from one tens
 launch, output block, amax slot, flag slot, ``weight_scale_2`` index), so no input is copied:
 
 * ``_prepass_kernel``: max|x| into the amax slot and a non-finite flag into the weight's own
-  flag slot, one read; ``_quant_grouped_kernel`` / ``_quant_4over6_grouped_kernel``: the
-  quantize kernels over table rows (no flag: the pre-pass has it);
+  flag slot, one read; ``_quant_grouped_kernel``: either quantize kernel's work (block tiles,
+  or 4-over-6 one thread per block) over table rows (no flag: the pre-pass has it);
 * ``_pipelined_kernel``: one launch that quantizes a stage of rows (pre-passed by the launch
   before) while pre-passing the next stage, a tile of each per program: the quantize kernel
   is bound by integer arithmetic (about 55% of copy bandwidth alone), the pre-pass by memory,
@@ -314,28 +314,47 @@ def _store_blocks(
 
 
 @triton.jit
-def _quant_tile(x_ptr, meta_ptr, bits_ptr, packed_ptr, scale_ptr, ws2_ptr, row, tile,
-                blocks_per_matrix, EMAX: tl.constexpr, MODE: tl.constexpr, BLOCKS: tl.constexpr,
-                PACK_WORDS: tl.constexpr):  # fmt: skip
-    """Blocks of tile ``tile`` of table row ``row`` (see ``_quant_grouped_kernel``)."""
-    at = row.to(tl.int64) * 5
+def _row_scales(meta_ptr, bits_ptr, ws2_ptr, at, tile, SIX_EMAX: tl.constexpr):
+    """The global amax of the table row at ``at`` (from its slot) and its two global scales;
+    tile 0 of the row stores its ``weight_scale_2``."""
     amax = tl.load(bits_ptr + tl.load(meta_ptr + at + 2)).to(tl.float32, bitcast=True)
-    SIX_EMAX: tl.constexpr = 6.0 * EMAX
     s_enc, ws2 = _global_scales(amax, SIX_EMAX)
     if tile == 0:
         tl.store(ws2_ptr + tl.load(meta_ptr + at + 4), ws2)
+    return amax, s_enc, ws2
+
+
+@triton.jit
+def _quant_tile(x_ptr, meta_ptr, bits_ptr, packed_ptr, scale_ptr, ws2_ptr, row, tile,
+                blocks_per_matrix, EMAX: tl.constexpr, MODE: tl.constexpr, BLOCKS: tl.constexpr,
+                PACK_WORDS: tl.constexpr, ROWS: tl.constexpr):  # fmt: skip
+    """Blocks of tile ``tile`` of table row ``row`` (see ``_quant_grouped_kernel``); ``ROWS``:
+    4-over-6 with one thread per block (``_4over6_blocks``, codes as one int64 per block)."""
+    at = row.to(tl.int64) * 5
+    SIX_EMAX: tl.constexpr = 6.0 * EMAX
+    amax, s_enc, ws2 = _row_scales(meta_ptr, bits_ptr, ws2_ptr, at, tile, SIX_EMAX)
     x_ptr += tl.load(meta_ptr + at) * 16
     out = tl.load(meta_ptr + at + 1)
     scale_ptr += out
-    packed_ptr += out * (1 if PACK_WORDS else 8)
     offs = tile * BLOCKS + tl.arange(0, BLOCKS)
     ok = offs < blocks_per_matrix
-    cols = tl.arange(0, 16)
-    x = tl.load(x_ptr + offs[:, None] * 16 + cols[None, :], mask=ok[:, None], other=0.0)
-    x = x.to(tl.float32)
-    v = tl.max(tl.abs(x), axis=1)  # finite here: equals the integer max of the bits
-    codes, byte = _scales_and_codes(x, v, amax, s_enc, ws2, MODE, SIX_EMAX)
-    _store_blocks(packed_ptr, scale_ptr, offs, ok, codes, byte, BLOCKS, PACK_WORDS)
+    if ROWS:
+        packed_ptr += out
+        halves = x_ptr + offs[:, None] * 16 + tl.arange(0, 8)[None, :]
+        x_lo = tl.load(halves, mask=ok[:, None], other=0.0).to(tl.float32)
+        x_hi = tl.load(halves + 8, mask=ok[:, None], other=0.0).to(tl.float32)
+        v = tl.maximum(tl.max(tl.abs(x_lo), axis=1), tl.max(tl.abs(x_hi), axis=1))
+        word, byte = _4over6_blocks(x_lo, x_hi, v, amax, s_enc, ws2, MODE == 3, SIX_EMAX)
+        tl.store(packed_ptr + offs, word, mask=ok)
+        tl.store(scale_ptr + offs, byte.to(tl.uint8), mask=ok)
+    else:
+        packed_ptr += out * (1 if PACK_WORDS else 8)
+        cols = tl.arange(0, 16)
+        x = tl.load(x_ptr + offs[:, None] * 16 + cols[None, :], mask=ok[:, None], other=0.0)
+        x = x.to(tl.float32)
+        v = tl.max(tl.abs(x), axis=1)  # finite here: equals the integer max of the bits
+        codes, byte = _scales_and_codes(x, v, amax, s_enc, ws2, MODE, SIX_EMAX)
+        _store_blocks(packed_ptr, scale_ptr, offs, ok, codes, byte, BLOCKS, PACK_WORDS)
 
 
 @triton.jit
@@ -352,14 +371,16 @@ def _quant_grouped_kernel(
     MODE: tl.constexpr,
     BLOCKS: tl.constexpr,
     PACK_WORDS: tl.constexpr,
+    ROWS: tl.constexpr,
 ):
-    """``_quant_kernel`` over table rows (see ``_prepass_kernel``): the global amax from the
-    matrix's slot, its output at block ``meta[OUT_AT]`` of the bucket's flat buffers, its
-    ``weight_scale_2`` at ``meta[SCALE2_AT]``. NaN/Inf were flagged by the pre-pass (and the
-    bucket is refused), so the block amax is a float max and no flag is kept here."""
+    """``_quant_kernel`` (or, ``ROWS``, ``_quant_4over6_kernel``) over table rows (see
+    ``_prepass_kernel``): the global amax from the matrix's slot, its output at block
+    ``meta[OUT_AT]`` of the bucket's flat buffers, its ``weight_scale_2`` at
+    ``meta[SCALE2_AT]``. NaN/Inf were flagged by the pre-pass (and the bucket is refused), so
+    the block amax is a float max and no flag is kept here."""
     _quant_tile(
         x_ptr, meta_ptr, bits_ptr, packed_ptr, scale_ptr, ws2_ptr, first_row + tl.program_id(1),
-        tl.program_id(0), blocks_per_matrix, EMAX, MODE, BLOCKS, PACK_WORDS,
+        tl.program_id(0), blocks_per_matrix, EMAX, MODE, BLOCKS, PACK_WORDS, ROWS,
     )  # fmt: skip
 
 
@@ -392,7 +413,7 @@ def _pipelined_kernel(
     if pid < q_rows * tiles:
         _quant_tile(
             x_ptr, meta_ptr, bits_ptr, packed_ptr, scale_ptr, ws2_ptr, q_first + pid // tiles,
-            pid % tiles, blocks_per_matrix, EMAX, MODE, BLOCKS, PACK_WORDS,
+            pid % tiles, blocks_per_matrix, EMAX, MODE, BLOCKS, PACK_WORDS, False,
         )  # fmt: skip
 
 
@@ -571,43 +592,6 @@ def _4over6_blocks(x_lo, x_hi, v, amax, s_enc, ws2, MSE: tl.constexpr, SIX_EMAX:
     return lo | (hi << 32), tl.where(err4 < err6, b4, b6)
 
 
-@triton.jit
-def _quant_4over6_grouped_kernel(
-    x_ptr,
-    meta_ptr,
-    bits_ptr,
-    packed_ptr,
-    scale_ptr,
-    ws2_ptr,
-    first_row,
-    blocks_per_matrix,
-    EMAX: tl.constexpr,
-    MSE: tl.constexpr,
-    BLOCKS: tl.constexpr,
-):
-    """``_quant_4over6_kernel`` over table rows, as ``_quant_grouped_kernel``."""
-    pid = tl.program_id(0)
-    row = (first_row + tl.program_id(1)).to(tl.int64) * 5
-    amax = tl.load(bits_ptr + tl.load(meta_ptr + row + 2)).to(tl.float32, bitcast=True)
-    SIX_EMAX: tl.constexpr = 6.0 * EMAX
-    s_enc, ws2 = _global_scales(amax, SIX_EMAX)
-    if pid == 0:
-        tl.store(ws2_ptr + tl.load(meta_ptr + row + 4), ws2)
-    x_ptr += tl.load(meta_ptr + row) * 16
-    out = tl.load(meta_ptr + row + 1)
-    scale_ptr += out
-    packed_ptr += out
-    offs = pid * BLOCKS + tl.arange(0, BLOCKS)
-    ok = offs < blocks_per_matrix
-    at = x_ptr + offs[:, None] * 16 + tl.arange(0, 8)[None, :]
-    x_lo = tl.load(at, mask=ok[:, None], other=0.0).to(tl.float32)
-    x_hi = tl.load(at + 8, mask=ok[:, None], other=0.0).to(tl.float32)
-    v = tl.maximum(tl.max(tl.abs(x_lo), axis=1), tl.max(tl.abs(x_hi), axis=1))
-    word, byte = _4over6_blocks(x_lo, x_hi, v, amax, s_enc, ws2, MSE, SIX_EMAX)
-    tl.store(packed_ptr + offs, word, mask=ok)
-    tl.store(scale_ptr + offs, byte.to(tl.uint8), mask=ok)
-
-
 def amax_into(x: torch.Tensor, bits: torch.Tensor, slots: torch.Tensor) -> None:
     """Fold max|x[m]| into ``bits[slots[m]]`` (int32 views of fp32) for ``x`` of shape [M, L]."""
     m, per = x.shape
@@ -747,11 +731,11 @@ def quantize_rows(
     if four_over_six != "off" and tuning.four_over_six_rows:
         # at least one program per matrix: it writes weight_scale_2 even for an empty matrix
         grid = (max(1, triton.cdiv(blocks_per_matrix, tuning.blocks_per_program_4over6)), len(rows))
-        _quant_4over6_grouped_kernel[grid](
+        _quant_grouped_kernel[grid](
             x, meta, bits, packed.view(torch.int64), scale, ws2, rows.start, blocks_per_matrix,
-            EMAX=float(emax), MSE=four_over_six == "mse",
-            BLOCKS=tuning.blocks_per_program_4over6, num_warps=tuning.num_warps_4over6,
-            enable_fp_fusion=False, **_max_registers(tuning),
+            EMAX=float(emax), MODE=_MODES[(four_over_six, scale_rounding)],
+            BLOCKS=tuning.blocks_per_program_4over6, PACK_WORDS=True, ROWS=True,
+            num_warps=tuning.num_warps_4over6, enable_fp_fusion=False, **_max_registers(tuning),
         )  # fmt: skip
         return
     tile, warps = tuning.blocks_per_program, tuning.num_warps
@@ -762,7 +746,7 @@ def quantize_rows(
         x, meta, bits, packed.view(torch.int64) if tuning.pack_words else packed, scale, ws2,
         rows.start, blocks_per_matrix, EMAX=float(emax),
         MODE=_MODES[(four_over_six, scale_rounding)], BLOCKS=tile, PACK_WORDS=tuning.pack_words,
-        num_warps=warps, enable_fp_fusion=False,
+        ROWS=False, num_warps=warps, enable_fp_fusion=False,
         **(_max_registers(tuning) if four_over_six != "off" else {}),
     )  # fmt: skip
 
