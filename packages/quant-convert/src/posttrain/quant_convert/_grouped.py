@@ -207,7 +207,8 @@ def run_quantize(
     for launch in bucket.launches:
         kernels.quantize_rows(
             launch.base, bucket.meta, bucket.bits, out, launch.rows,
-            launch.per_matrix // GROUP_SIZE, four_over_six=cfg.four_over_six,
+            range(launch.rows.start, launch.rows.start), launch.per_matrix // GROUP_SIZE,
+            four_over_six=cfg.four_over_six,
             scale_rounding=cfg.scale_rounding, emax=cfg.emax,
             tuning=tuning or kernels.DEFAULT_TUNING,
         )  # fmt: skip
@@ -247,16 +248,16 @@ def run_pipelined(
         kernels.prepass_rows(la.base, bucket.meta, bucket.bits, rows, la.per_matrix, tuning)
     for la, rows in zip(bucket.launches, plain, strict=True):
         kernels.quantize_rows(
-            la.base, bucket.meta, bucket.bits, out, rows, la.per_matrix // GROUP_SIZE,
-            four_over_six="off", scale_rounding=cfg.scale_rounding, emax=cfg.emax, tuning=tuning,
+            la.base, bucket.meta, bucket.bits, out, rows, range(rows.start, rows.start),
+            la.per_matrix // GROUP_SIZE, four_over_six="off", scale_rounding=cfg.scale_rounding, emax=cfg.emax, tuning=tuning,
         )  # fmt: skip
     for la, rows in zip(bucket.launches, piped, strict=True):
         previous = range(rows.start, rows.start)
         for stage in [*_stages(la, rows, tuning.pipeline_stage_bytes), range(rows.stop, rows.stop)]:
-            kernels.pipeline_step(
+            kernels.quantize_rows(
                 la.base, bucket.meta, bucket.bits, out, previous, stage,
-                la.per_matrix // GROUP_SIZE, scale_rounding=cfg.scale_rounding, emax=cfg.emax,
-                tuning=tuning,
+                la.per_matrix // GROUP_SIZE, four_over_six="off",
+                scale_rounding=cfg.scale_rounding, emax=cfg.emax, tuning=tuning,
             )  # fmt: skip
             previous = stage
 

@@ -20,10 +20,11 @@ matrices through an int64 table (input offset in 16-element blocks from one tens
 launch, output block, amax slot, flag slot, ``weight_scale_2`` index), so no input is copied:
 
 * ``_prepass_kernel``: max|x| into the amax slot and a non-finite flag into the weight's own
-  flag slot, one read; ``_quant_grouped_kernel``: either quantize kernel's work (block tiles,
-  or 4-over-6 one thread per block) over table rows (no flag: the pre-pass has it);
-* ``_pipelined_kernel``: one launch that quantizes a stage of rows (pre-passed by the launch
-  before) while pre-passing the next stage, a tile of each per program: the quantize kernel
+  flag slot, one read;
+* ``_pipelined_kernel``: either quantize kernel's work (block tiles, or 4-over-6 one thread
+  per block) over table rows (no flag: the pre-pass has it); in the pipelined order one
+  launch quantizes a stage of rows (pre-passed by the launch before) while pre-passing the
+  next stage, a tile of each per program: the quantize kernel
   is bound by integer arithmetic (about 55% of copy bandwidth alone), the pre-pass by memory,
   so running them side by side hides most of the pre-pass.
 
@@ -64,7 +65,6 @@ __all__ = [
     "DEFAULT_TUNING",
     "KernelTuning",
     "amax_into",
-    "pipeline_step",
     "prepass_rows",
     "quantize_matrices",
     "quantize_rows",
@@ -328,7 +328,7 @@ def _row_scales(meta_ptr, bits_ptr, ws2_ptr, at, tile, SIX_EMAX: tl.constexpr):
 def _quant_tile(x_ptr, meta_ptr, bits_ptr, packed_ptr, scale_ptr, ws2_ptr, row, tile,
                 blocks_per_matrix, EMAX: tl.constexpr, MODE: tl.constexpr, BLOCKS: tl.constexpr,
                 PACK_WORDS: tl.constexpr, ROWS: tl.constexpr):  # fmt: skip
-    """Blocks of tile ``tile`` of table row ``row`` (see ``_quant_grouped_kernel``); ``ROWS``:
+    """Blocks of tile ``tile`` of table row ``row`` (see ``_pipelined_kernel``); ``ROWS``:
     4-over-6 with one thread per block (``_4over6_blocks``, codes as one int64 per block)."""
     at = row.to(tl.int64) * 5
     SIX_EMAX: tl.constexpr = 6.0 * EMAX
@@ -358,33 +358,6 @@ def _quant_tile(x_ptr, meta_ptr, bits_ptr, packed_ptr, scale_ptr, ws2_ptr, row, 
 
 
 @triton.jit
-def _quant_grouped_kernel(
-    x_ptr,
-    meta_ptr,
-    bits_ptr,
-    packed_ptr,
-    scale_ptr,
-    ws2_ptr,
-    first_row,
-    blocks_per_matrix,
-    EMAX: tl.constexpr,
-    MODE: tl.constexpr,
-    BLOCKS: tl.constexpr,
-    PACK_WORDS: tl.constexpr,
-    ROWS: tl.constexpr,
-):
-    """``_quant_kernel`` (or, ``ROWS``, ``_quant_4over6_kernel``) over table rows (see
-    ``_prepass_kernel``): the global amax from the matrix's slot, its output at block
-    ``meta[OUT_AT]`` of the bucket's flat buffers, its ``weight_scale_2`` at
-    ``meta[SCALE2_AT]``. NaN/Inf were flagged by the pre-pass (and the bucket is refused), so
-    the block amax is a float max and no flag is kept here."""
-    _quant_tile(
-        x_ptr, meta_ptr, bits_ptr, packed_ptr, scale_ptr, ws2_ptr, first_row + tl.program_id(1),
-        tl.program_id(0), blocks_per_matrix, EMAX, MODE, BLOCKS, PACK_WORDS, ROWS,
-    )  # fmt: skip
-
-
-@triton.jit
 def _pipelined_kernel(
     x_ptr,
     meta_ptr,
@@ -397,23 +370,29 @@ def _pipelined_kernel(
     p_first,
     p_rows,
     blocks_per_matrix,
+    tiles,  # programs per matrix: cdiv(blocks_per_matrix, BLOCKS), at least 1
     EMAX: tl.constexpr,
     MODE: tl.constexpr,
     BLOCKS: tl.constexpr,
     PACK_WORDS: tl.constexpr,
+    ROWS: tl.constexpr,
 ):
-    """One pipeline step: quantize rows ``q_first..+q_rows`` (their pre-pass ran in an earlier
-    launch) while pre-passing rows ``p_first..+p_rows``, a tile of each per program, so the
+    """The grouped path's quantize kernel: rows ``q_first..+q_rows`` of the table (their
+    pre-pass ran in an earlier launch) as ``_quant_kernel`` (or, ``ROWS``,
+    ``_quant_4over6_kernel``) would, each matrix's global amax from its slot, its output at
+    block ``meta[OUT_AT]`` of the bucket's flat buffers, its ``weight_scale_2`` at
+    ``meta[SCALE2_AT]``; NaN/Inf were flagged by the pre-pass (the bucket is then refused), so
+    the block amax is a float max and no flag is kept. With ``p_rows`` it is one pipeline
+    step: it pre-passes rows ``p_first..+p_rows`` too, a tile of each per program, so the
     memory-bound pre-pass and the arithmetic-bound quantize share every SM."""
     pid = tl.program_id(0)
-    tiles = tl.cdiv(blocks_per_matrix, BLOCKS)
     if pid < p_rows * tiles:
         _prepass_tile(x_ptr, meta_ptr, bits_ptr, p_first + pid // tiles, pid % tiles,
                       blocks_per_matrix * 16, BLOCKS * 16, 1)  # fmt: skip
     if pid < q_rows * tiles:
         _quant_tile(
             x_ptr, meta_ptr, bits_ptr, packed_ptr, scale_ptr, ws2_ptr, q_first + pid // tiles,
-            pid % tiles, blocks_per_matrix, EMAX, MODE, BLOCKS, PACK_WORDS, False,
+            pid % tiles, blocks_per_matrix, EMAX, MODE, BLOCKS, PACK_WORDS, ROWS,
         )  # fmt: skip
 
 
@@ -711,7 +690,8 @@ def quantize_rows(
     meta: torch.Tensor,
     bits: torch.Tensor,
     out: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-    rows: range,
+    quantize: range,
+    prepass: range,
     blocks_per_matrix: int,
     *,
     four_over_six: str,
@@ -719,65 +699,30 @@ def quantize_rows(
     emax: float,
     tuning: KernelTuning = DEFAULT_TUNING,
 ) -> None:
-    """Launch the quantize kernel over table rows ``rows`` after their pre-pass: ``out`` is the
-    bucket's flat packed-code bytes, scale bytes and fp32 ``weight_scale_2`` values."""
-    if not rows:
+    """Launch the grouped quantize kernel over table rows ``quantize`` (already pre-passed;
+    ``out``: the bucket's flat packed-code bytes, scale bytes and fp32 ``weight_scale_2``),
+    pre-passing rows ``prepass`` in the same launch (a pipeline step: 4-over-6 off only)."""
+    if not quantize and not prepass:
         return
+    if prepass and four_over_six != "off":
+        raise ValueError("a pipelined pre-pass runs beside the block-tile kernel only")
     if blocks_per_matrix * 16 >= 2**31:
         raise ValueError(
             f"one matrix of {blocks_per_matrix * 16} elements exceeds the kernel's int32 offsets"
         )
     packed, scale, ws2 = out
-    if four_over_six != "off" and tuning.four_over_six_rows:
-        # at least one program per matrix: it writes weight_scale_2 even for an empty matrix
-        grid = (max(1, triton.cdiv(blocks_per_matrix, tuning.blocks_per_program_4over6)), len(rows))
-        _quant_grouped_kernel[grid](
-            x, meta, bits, packed.view(torch.int64), scale, ws2, rows.start, blocks_per_matrix,
-            EMAX=float(emax), MODE=_MODES[(four_over_six, scale_rounding)],
-            BLOCKS=tuning.blocks_per_program_4over6, PACK_WORDS=True, ROWS=True,
-            num_warps=tuning.num_warps_4over6, enable_fp_fusion=False, **_max_registers(tuning),
-        )  # fmt: skip
-        return
+    rows_4over6 = four_over_six != "off" and tuning.four_over_six_rows
     tile, warps = tuning.blocks_per_program, tuning.num_warps
     if four_over_six != "off":
         tile, warps = tuning.blocks_per_program_4over6, tuning.num_warps_4over6
-    grid = (max(1, triton.cdiv(blocks_per_matrix, tile)), len(rows))
-    _quant_grouped_kernel[grid](
-        x, meta, bits, packed.view(torch.int64) if tuning.pack_words else packed, scale, ws2,
-        rows.start, blocks_per_matrix, EMAX=float(emax),
-        MODE=_MODES[(four_over_six, scale_rounding)], BLOCKS=tile, PACK_WORDS=tuning.pack_words,
-        ROWS=False, num_warps=warps, enable_fp_fusion=False,
-        **(_max_registers(tuning) if four_over_six != "off" else {}),
-    )  # fmt: skip
-
-
-def pipeline_step(
-    x: torch.Tensor,
-    meta: torch.Tensor,
-    bits: torch.Tensor,
-    out: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-    quantize: range,
-    prepass: range,
-    blocks_per_matrix: int,
-    *,
-    scale_rounding: str,
-    emax: float,
-    tuning: KernelTuning = DEFAULT_TUNING,
-) -> None:
-    """One launch of the pipelined kernel (4-over-6 off): quantize table rows ``quantize``
-    (already pre-passed) and pre-pass rows ``prepass``, all of one launch group."""
-    if not quantize and not prepass:
-        return
-    if blocks_per_matrix * 16 >= 2**31:
-        raise ValueError(
-            f"one matrix of {blocks_per_matrix * 16} elements exceeds the kernel's int32 offsets"
-        )
-    packed, scale, ws2 = out
-    tile, warps = tuning.blocks_per_program, tuning.num_warps
-    grid = (max(1, triton.cdiv(blocks_per_matrix, tile)) * max(len(quantize), len(prepass)),)
+    words = rows_4over6 or tuning.pack_words
+    # at least one program per matrix: it writes weight_scale_2 even for an empty matrix
+    tiles = max(1, triton.cdiv(blocks_per_matrix, tile))
+    grid = (tiles * max(len(quantize), len(prepass)),)
     _pipelined_kernel[grid](
-        x, meta, bits, packed.view(torch.int64) if tuning.pack_words else packed, scale, ws2,
-        quantize.start, len(quantize), prepass.start, len(prepass), blocks_per_matrix,
-        EMAX=float(emax), MODE=_MODES[("off", scale_rounding)], BLOCKS=tile,
-        PACK_WORDS=tuning.pack_words, num_warps=warps, enable_fp_fusion=False,
+        x, meta, bits, packed.view(torch.int64) if words else packed, scale, ws2,
+        quantize.start, len(quantize), prepass.start, len(prepass), blocks_per_matrix, tiles,
+        EMAX=float(emax), MODE=_MODES[(four_over_six, scale_rounding)], BLOCKS=tile,
+        PACK_WORDS=words, ROWS=rows_4over6, num_warps=warps, enable_fp_fusion=False,
+        **(_max_registers(tuning) if four_over_six != "off" else {}),
     )  # fmt: skip
