@@ -164,7 +164,12 @@ def _sweep(
 ) -> list[dict[str, Any]]:
     """GPU time of both kernels under a few launch shapes (bytes are the same: tested)."""
     from posttrain.quant_convert import _nvfp4_triton as kernels
-    from posttrain.quant_convert._grouped import plan_bucket, run_prepass, run_quantize
+    from posttrain.quant_convert._grouped import (
+        plan_bucket,
+        run_pipelined,
+        run_prepass,
+        run_quantize,
+    )
 
     cfg = NVFP4Config()
     bucket = plan_bucket(weights, partners)
@@ -186,6 +191,16 @@ def _sweep(
         rows.append(
             {"kernel": "quantize", "blocks": blocks, "warps": warps, "pack_words": words, "ms": ms}
         )
+        for stage_mb in (16, 64):  # the same shape, pipelined (pre-pass tiles of its size)
+            tuning = kernels.KernelTuning(
+                blocks_per_program=blocks, num_warps=warps, pack_words=words, pipeline=True,
+                pipeline_stage_bytes=stage_mb << 20,
+            )  # fmt: skip
+            ms = _gpu_ms(lambda t=tuning: run_pipelined(bucket, cfg, t), repeats)
+            rows.append(
+                {"kernel": "pipelined", "blocks": blocks, "warps": warps, "pack_words": words,
+                 "stage_mb": stage_mb, "ms": ms}
+            )  # fmt: skip
     return rows
 
 
