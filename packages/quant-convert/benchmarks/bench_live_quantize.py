@@ -184,23 +184,24 @@ def _sweep(
         tuning = kernels.KernelTuning(prepass_tile=tile, prepass_tiles=tiles, prepass_warps=warps)
         ms = _gpu_ms(lambda t=tuning: run_prepass(bucket, t), repeats)
         rows.append({"kernel": "prepass", "tile": tile, "tiles": tiles, "warps": warps, "ms": ms})
-    for blocks, warps, words in ((256, 2, False), (256, 4, False), (512, 4, False),
-                                 (128, 2, False), (256, 2, True), (512, 8, False)):  # fmt: skip
-        tuning = kernels.KernelTuning(blocks_per_program=blocks, num_warps=warps, pack_words=words)
-        ms = _gpu_ms(lambda t=tuning: run_quantize(bucket, cfg, t), repeats)
-        rows.append(
-            {"kernel": "quantize", "blocks": blocks, "warps": warps, "pack_words": words, "ms": ms}
+    shapes = [(256, 2, False, False), (256, 4, False, False), (512, 4, False, False),
+              (128, 2, False, False), (256, 2, True, False), (512, 8, False, False),
+              (128, 4, True, True), (256, 4, True, True), (256, 8, True, True),
+              (512, 8, True, True)]  # fmt: skip
+    for blocks, warps, words, one in shapes:  # one: one thread per 16-element block
+        shape = {"blocks": blocks, "warps": warps, "pack_words": words, "block_per_thread": one}
+        tuning = kernels.KernelTuning(
+            blocks_per_program=blocks, num_warps=warps, pack_words=words, block_per_thread=one
         )
+        ms = _gpu_ms(lambda t=tuning: run_quantize(bucket, cfg, t), repeats)
+        rows.append({"kernel": "quantize", **shape, "ms": ms})
         for stage_mb in (16, 64):  # the same shape, pipelined (pre-pass tiles of its size)
             tuning = kernels.KernelTuning(
-                blocks_per_program=blocks, num_warps=warps, pack_words=words, pipeline=True,
-                pipeline_stage_bytes=stage_mb << 20,
+                blocks_per_program=blocks, num_warps=warps, pack_words=words,
+                block_per_thread=one, pipeline=True, pipeline_stage_bytes=stage_mb << 20,
             )  # fmt: skip
             ms = _gpu_ms(lambda t=tuning: run_pipelined(bucket, cfg, t), repeats)
-            rows.append(
-                {"kernel": "pipelined", "blocks": blocks, "warps": warps, "pack_words": words,
-                 "stage_mb": stage_mb, "ms": ms}
-            )  # fmt: skip
+            rows.append({"kernel": "pipelined", **shape, "stage_mb": stage_mb, "ms": ms})
     return rows
 
 

@@ -184,6 +184,9 @@ def test_grouped_many_equals_one_by_one(device: str, cfg: NVFP4Config) -> None:
     on_device = [(n, w.to(device)) for n, w in ws.items()]
     runs = [quantize_nvfp4_many(on_device, partners=partners, cfg=cfg, backend="triton")]
     runs.append(quantize_grouped(on_device, partners, cfg, kernels.KernelTuning(pipeline=False)))
+    for pipe in (False, True):  # one thread per block (4-over-6 off) or per 16 blocks
+        tuning = kernels.KernelTuning(pipeline=pipe, block_per_thread=True, blocks_per_program=16)
+        runs.append(quantize_grouped(on_device, partners, cfg, tuning))
     for stage_bytes in (1, 2000):  # pipelined: a stage per unit, then a pair of 7x48 bf16
         tuning = kernels.KernelTuning(pipeline=True, pipeline_stage_bytes=stage_bytes)
         runs.append(quantize_grouped(on_device, partners, cfg, tuning))

@@ -328,8 +328,9 @@ def _row_scales(meta_ptr, bits_ptr, ws2_ptr, at, tile, SIX_EMAX: tl.constexpr):
 def _quant_tile(x_ptr, meta_ptr, bits_ptr, packed_ptr, scale_ptr, ws2_ptr, row, tile,
                 blocks_per_matrix, EMAX: tl.constexpr, MODE: tl.constexpr, BLOCKS: tl.constexpr,
                 PACK_WORDS: tl.constexpr, ROWS: tl.constexpr):  # fmt: skip
-    """Blocks of tile ``tile`` of table row ``row`` (see ``_pipelined_kernel``); ``ROWS``:
-    4-over-6 with one thread per block (``_4over6_blocks``, codes as one int64 per block)."""
+    """Blocks of tile ``tile`` of table row ``row`` (see ``_pipelined_kernel``); ``ROWS``: one
+    thread per block (``_4over6_blocks``, or ``_plain_blocks`` for modes 0 and 1; codes as
+    one int64 per block)."""
     at = row.to(tl.int64) * 5
     SIX_EMAX: tl.constexpr = 6.0 * EMAX
     amax, s_enc, ws2 = _row_scales(meta_ptr, bits_ptr, ws2_ptr, at, tile, SIX_EMAX)
@@ -344,7 +345,10 @@ def _quant_tile(x_ptr, meta_ptr, bits_ptr, packed_ptr, scale_ptr, ws2_ptr, row, 
         x_lo = tl.load(halves, mask=ok[:, None], other=0.0).to(tl.float32)
         x_hi = tl.load(halves + 8, mask=ok[:, None], other=0.0).to(tl.float32)
         v = tl.maximum(tl.max(tl.abs(x_lo), axis=1), tl.max(tl.abs(x_hi), axis=1))
-        word, byte = _4over6_blocks(x_lo, x_hi, v, amax, s_enc, ws2, MODE == 3, SIX_EMAX)
+        if MODE >= 2:
+            word, byte = _4over6_blocks(x_lo, x_hi, v, amax, s_enc, ws2, MODE == 3, SIX_EMAX)
+        else:
+            word, byte = _plain_blocks(x_lo, x_hi, v, s_enc, ws2, MODE)
         tl.store(packed_ptr + offs, word, mask=ok)
         tl.store(scale_ptr + offs, byte.to(tl.uint8), mask=ok)
     else:
@@ -477,6 +481,23 @@ def _error(val, x, MSE: tl.constexpr):
 
 
 @triton.jit
+def _plain_blocks(x_lo, x_hi, v, s_enc, ws2, MODE: tl.constexpr):
+    """Modes 0 and 1 (4-over-6 off) with one thread per block, as ``_scales_and_codes`` and
+    ``_store_blocks`` compute them: packed codes (one int64 per block) and scale bytes."""
+    if MODE == 0:
+        d = v * (s_enc * 0.16666666666666666)
+    else:
+        d = tl.math.div_rn(v, tl.full(v.shape, 6.0, tl.float32)) * s_enc
+    byte, sf = _e4m3_rne(tl.minimum(d, 448.0))
+    one = tl.full(v.shape, 1.0, tl.float32)
+    e = tl.minimum(tl.math.div_rn(one, sf * ws2), 3.4028234663852886e38)[:, None]
+    shifts = (tl.arange(0, 8) * 4).to(tl.int64)[None, :]
+    lo = tl.sum(_e2m1_code_1d(x_lo, e).to(tl.int64) << shifts, axis=1)  # disjoint bits
+    hi = tl.sum(_e2m1_code_1d(x_hi, e).to(tl.int64) << shifts, axis=1)
+    return lo | (hi << 32), byte
+
+
+@triton.jit
 def _quant_4over6_kernel(
     x_ptr,
     amax_ptr,
@@ -603,6 +624,7 @@ class KernelTuning:
     prepass_tile: int = _AMAX_TILE  # elements per step of the grouped path's pre-pass
     prepass_tiles: int = _AMAX_TILES_PER_PROGRAM  # steps per program
     prepass_warps: int = 4
+    block_per_thread: bool = False  # grouped path, 4-over-6 off: one thread per block
     pipeline: bool = True  # grouped path (4-over-6 off): a stage's pre-pass beside the
     # previous stage's quantize, in one launch
     pipeline_stage_bytes: int = 64 << 20  # least input per pipeline stage
@@ -711,11 +733,13 @@ def quantize_rows(
             f"one matrix of {blocks_per_matrix * 16} elements exceeds the kernel's int32 offsets"
         )
     packed, scale, ws2 = out
-    rows_4over6 = four_over_six != "off" and tuning.four_over_six_rows
+    one_per_thread = (
+        tuning.four_over_six_rows if four_over_six != "off" else tuning.block_per_thread
+    )
     tile, warps = tuning.blocks_per_program, tuning.num_warps
     if four_over_six != "off":
         tile, warps = tuning.blocks_per_program_4over6, tuning.num_warps_4over6
-    words = rows_4over6 or tuning.pack_words
+    words = one_per_thread or tuning.pack_words
     # at least one program per matrix: it writes weight_scale_2 even for an empty matrix
     tiles = max(1, triton.cdiv(blocks_per_matrix, tile))
     grid = (tiles * max(len(quantize), len(prepass)),)
@@ -723,6 +747,6 @@ def quantize_rows(
         x, meta, bits, packed.view(torch.int64) if words else packed, scale, ws2,
         quantize.start, len(quantize), prepass.start, len(prepass), blocks_per_matrix, tiles,
         EMAX=float(emax), MODE=_MODES[(four_over_six, scale_rounding)], BLOCKS=tile,
-        PACK_WORDS=words, ROWS=rows_4over6, num_warps=warps, enable_fp_fusion=False,
+        PACK_WORDS=words, ROWS=one_per_thread, num_warps=warps, enable_fp_fusion=False,
         **(_max_registers(tuning) if four_over_six != "off" else {}),
     )  # fmt: skip
