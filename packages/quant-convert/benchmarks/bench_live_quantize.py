@@ -21,7 +21,8 @@ warm-up:
 Bandwidths count bytes read and written: BF16 in plus packed codes, E4M3 block scales and
 ``weight_scale_2`` out for quantization, twice the BF16 bytes for the copy (so a quantizer at
 the copy's speed per byte moved scores 1.0). ``*_over_copy`` are the quantizers' bandwidths
-over the copy's; ``bytes_identical`` says whether both quantizers produced the same bytes.
+over the copy's; ``bytes_identical`` says whether every quantizer (the grouped variants too)
+produced the same bytes.
 
 What runs per call (CUDA tensors), counted for the issue's bucket of 8 x [8192, 7168] BF16
 (4 gate/up pairs, one launch group):
@@ -69,6 +70,13 @@ from posttrain.quant_convert.nvfp4 import NVFP4Config, quantize_nvfp4_pair
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def _same_bytes(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(
+        torch.equal(a[k].reshape(-1).view(torch.uint8), b[k].reshape(-1).view(torch.uint8))
+        for k in a
+    )
 
 
 def _timed(fn: Callable[[], object], device: torch.device, repeats: int) -> float:
@@ -247,12 +255,7 @@ def main() -> None:
             d.copy_(w)
 
     live_out, tensor_out = dict(live()), dict(per_tensor())
-    identical = live_out.keys() == tensor_out.keys() and all(
-        torch.equal(
-            live_out[k].reshape(-1).view(torch.uint8), tensor_out[k].reshape(-1).view(torch.uint8)
-        )
-        for k in live_out
-    )
+    identical = _same_bytes(live_out, tensor_out)
     bytes_in = sum(w.numel() * w.element_size() for _, w in named)
     bytes_out = sum(t.numel() * t.element_size() for t in live_out.values())
     t_copy = _timed(copy, device, args.repeats)
@@ -268,6 +271,9 @@ def main() -> None:
             ("pipelined", KernelTuning(pipeline=True)),
             ("pipelined_block_per_thread", KernelTuning(block_per_thread=True, num_warps=8)),
         ):
+            got = quantize_grouped(named, partners, NVFP4Config(), tuning)
+            outs = dict(part for n, _ in named for part in got[n].named(n))
+            identical = identical and _same_bytes(outs, tensor_out)
             grouped_s[label] = _timed(
                 lambda t=tuning: quantize_grouped(named, partners, NVFP4Config(), t),
                 device,
