@@ -12,7 +12,10 @@ Per bucket, whatever the number of weights (``quantize_nvfp4_many`` on CUDA tens
 3. the pre-pass kernel (amax and non-finite flag, one read of the input), one launch per
    group of same-size matrices of one dtype;
 4. the quantize kernel, the same launches, reading each global amax from device memory and
-   computing the global scales there (no ``.item()``);
+   computing the global scales there (no ``.item()``). By default (4-over-6 off) steps 3 and
+   4 are pipelined (``run_pipelined``): each group is cut at pair boundaries into stages of
+   ``KernelTuning.pipeline_stage_bytes``, and one launch quantizes stage k while it
+   pre-passes stage k + 1;
 5. one synchronisation: the flags come back; a flagged tensor raises
    :class:`QuantInputError` naming it (only then does anything else look at the input).
 
@@ -249,7 +252,8 @@ def run_pipelined(
     for la, rows in zip(bucket.launches, plain, strict=True):
         kernels.quantize_rows(
             la.base, bucket.meta, bucket.bits, out, rows, range(rows.start, rows.start),
-            la.per_matrix // GROUP_SIZE, four_over_six="off", scale_rounding=cfg.scale_rounding, emax=cfg.emax, tuning=tuning,
+            la.per_matrix // GROUP_SIZE, four_over_six="off", scale_rounding=cfg.scale_rounding,
+            emax=cfg.emax, tuning=tuning,
         )  # fmt: skip
     for la, rows in zip(bucket.launches, piped, strict=True):
         previous = range(rows.start, rows.start)
