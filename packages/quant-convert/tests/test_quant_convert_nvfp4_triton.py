@@ -183,13 +183,17 @@ def test_grouped_many_equals_one_by_one(device: str, cfg: NVFP4Config) -> None:
 
     on_device = [(n, w.to(device)) for n, w in ws.items()]
     runs = [quantize_nvfp4_many(on_device, partners=partners, cfg=cfg, backend="triton")]
-    runs.append(quantize_grouped(on_device, partners, cfg, kernels.KernelTuning(pipeline=False)))
-    for pipe in (False, True):  # one thread per block (4-over-6 off) or per 16 blocks
-        tuning = kernels.KernelTuning(pipeline=pipe, block_per_thread=True, blocks_per_program=16)
-        runs.append(quantize_grouped(on_device, partners, cfg, tuning))
-    for stage_bytes in (1, 2000):  # pipelined: a stage per unit, then a pair of 7x48 bf16
-        tuning = kernels.KernelTuning(pipeline=True, pipeline_stage_bytes=stage_bytes)
-        runs.append(quantize_grouped(on_device, partners, cfg, tuning))
+    tunings = [kernels.KernelTuning(four_over_six_rows=False, blocks_per_program_4over6=16)]
+    if cfg.four_over_six == "off":  # the two orders, a stage per unit or per 2000 bytes, and
+        # one thread per block (or per 16 blocks)
+        tunings = [
+            kernels.KernelTuning(pipeline=False),
+            kernels.KernelTuning(pipeline=True, pipeline_stage_bytes=1),
+            kernels.KernelTuning(pipeline=True, pipeline_stage_bytes=2000),
+            kernels.KernelTuning(pipeline=False, block_per_thread=True, blocks_per_program=16),
+            kernels.KernelTuning(pipeline=True, block_per_thread=True, pipeline_stage_bytes=1),
+        ]
+    runs += [quantize_grouped(on_device, partners, cfg, tuning) for tuning in tunings]
     for got in runs:
         assert list(got) == list(ws)
         for p in ("e0", "e1", "odd", "stack"):
