@@ -5,7 +5,8 @@ warm-up:
 
 * ``copy``: ``dst.copy_(src)`` of every weight on the same device (the yardstick);
 * ``live``: ``quantize_named_params`` through the public API, as grpo's sync calls it: on CUDA
-  the grouped path (``posttrain.quant_convert._grouped``);
+  the grouped path (``posttrain.quant_convert._grouped``); its selection is memoised per
+  bucket, so the timed calls (after the warm-up) are what every sync after the first costs;
 * ``per_tensor``: one ``quantize_nvfp4_pair`` per gate/up pair (the old way: a sync per
   weight);
 * ``breakdown`` (CUDA, or the CPU under ``TRITON_INTERPRET=1`` where the times mean nothing
