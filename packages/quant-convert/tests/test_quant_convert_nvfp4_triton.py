@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -152,10 +153,12 @@ def test_kernel_refuses_non_finite_naming_the_tensor(device: str, bad: float) ->
 
 
 @kernel_test
-def test_stacked_many_equals_one_by_one(device: str) -> None:
-    """The live path's stacked launches (several chunks, pairs sharing a slot, 3-D experts, a
-    pair of mismatched shapes) give each weight the bytes of its own CPU quantization."""
-    cfg = NVFP4Config(four_over_six="mse")
+@pytest.mark.parametrize("cfg", CONFIGS[:4], ids=lambda c: f"{c.four_over_six}-{c.scale_rounding}")
+def test_grouped_many_equals_one_by_one(device: str, cfg: NVFP4Config) -> None:
+    """The live path's grouped launches (pairs sharing amax slots across launch groups of
+    different sizes, 3-D experts, fp16/fp32 beside bf16, a strided view, an empty weight)
+    give each weight the bytes of its own CPU quantization."""
+    big = _hard_rows(20, 64, seed=13, dtype=torch.float32)
     ws = {
         "e0.gate": _hard_rows(7, 48, seed=3, dtype=torch.bfloat16),
         "e0.up": _hard_rows(7, 48, seed=4, dtype=torch.bfloat16) * 8,
@@ -165,19 +168,33 @@ def test_stacked_many_equals_one_by_one(device: str) -> None:
         "odd.gate": _hard_rows(6, 48, seed=8, dtype=torch.bfloat16),
         "odd.up": _hard_rows(7, 48, seed=9, dtype=torch.bfloat16),
         "stack.gate": torch.stack(
-            [_hard_rows(6, 48, seed=s, dtype=torch.bfloat16) for s in (1, 2)]
+            [_hard_rows(6, 48, seed=s, dtype=torch.bfloat16) * 10**s for s in (1, 2)]
         ),
         "stack.up": torch.stack([_hard_rows(6, 48, seed=s, dtype=torch.bfloat16) for s in (3, 4)]),
+        "half.down": _hard_rows(6, 48, seed=10, dtype=torch.float16),
+        "view.down": big[1:9, 16:64],
+        "empty.down": torch.zeros(0, 32, dtype=torch.bfloat16),
     }
     partners = {}
     for p in ("e0", "e1", "odd", "stack"):
         partners[f"{p}.gate"], partners[f"{p}.up"] = f"{p}.up", f"{p}.gate"
-    for stack_below in (1 << 20, 1):  # stacked in chunks, then every weight in place
-        got = quantize_nvfp4_many(
-            [(n, w.to(device)) for n, w in ws.items()], partners=partners, cfg=cfg,
-            backend="triton", chunk_bytes=2000,  # a pair of 7x48 bf16 per chunk
-            stack_below_bytes=stack_below,
-        )  # fmt: skip
+    from posttrain.quant_convert import _nvfp4_triton as kernels
+    from posttrain.quant_convert._grouped import quantize_grouped
+
+    on_device = [(n, w.to(device)) for n, w in ws.items()]
+    runs = [quantize_nvfp4_many(on_device, partners=partners, cfg=cfg, backend="triton")]
+    tunings = [kernels.KernelTuning(four_over_six_rows=False, blocks_per_program_4over6=16)]
+    if cfg.four_over_six == "off":  # the two orders, a stage per unit or per 2000 bytes, and
+        # one thread per block (or per 16 blocks)
+        tunings = [
+            kernels.KernelTuning(pipeline=False),
+            kernels.KernelTuning(pipeline=True, pipeline_stage_bytes=1),
+            kernels.KernelTuning(pipeline=True, pipeline_stage_bytes=2000),
+            kernels.KernelTuning(pipeline=False, block_per_thread=True, blocks_per_program=16),
+            kernels.KernelTuning(pipeline=True, block_per_thread=True, pipeline_stage_bytes=1),
+        ]
+    runs += [quantize_grouped(on_device, partners, cfg, tuning) for tuning in tunings]
+    for got in runs:
         assert list(got) == list(ws)
         for p in ("e0", "e1", "odd", "stack"):
             ref_gate, ref_up = quantize_nvfp4_pair(
@@ -185,14 +202,60 @@ def test_stacked_many_equals_one_by_one(device: str) -> None:
             )
             _same(ref_gate, got[f"{p}.gate"])
             _same(ref_up, got[f"{p}.up"])
-        _same(quantize_nvfp4(ws["e0.down"], cfg=cfg), got["e0.down"])
-    bad = ws["e1.up"].clone()
-    bad[3, 5] = float("inf")
-    with pytest.raises(QuantInputError, match=r"e1\.up: contains Inf"):
-        quantize_nvfp4_many(
-            [("e1.gate", ws["e1.gate"].to(device)), ("e1.up", bad.to(device))],
-            partners={"e1.gate": "e1.up", "e1.up": "e1.gate"}, backend="triton",
-        )  # fmt: skip
+            assert torch.equal(got[f"{p}.gate"].scale_2, got[f"{p}.up"].scale_2)
+        for n in ("e0.down", "half.down", "view.down", "empty.down"):
+            _same(quantize_nvfp4(ws[n], cfg=cfg), got[n])
+
+
+@kernel_test
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_grouped_refuses_non_finite_naming_the_tensor(device: str, bad: float) -> None:
+    """One bucket, one synchronisation: the pre-pass flags the very tensor (also a 3-D one, or
+    the partner of a pair whose other half is fine), and nothing else is blamed."""
+    ws = {
+        "l.0.gate_proj.weight": _hard_rows(7, 48, seed=3, dtype=torch.bfloat16),
+        "l.0.up_proj.weight": _hard_rows(7, 48, seed=4, dtype=torch.bfloat16),
+        "l.0.experts.w13": torch.zeros(3, 4, 32, dtype=torch.bfloat16),
+        "l.0.down_proj.weight": _hard_rows(6, 48, seed=5, dtype=torch.float32),
+    }
+    partners = {"l.0.gate_proj.weight": "l.0.up_proj.weight"}
+    partners["l.0.up_proj.weight"] = "l.0.gate_proj.weight"
+    kind = "NaN" if bad != bad else "Inf"
+    for name, at in (
+        ("l.0.up_proj.weight", (6, 47)),
+        ("l.0.experts.w13", (2, 3, 31)),
+        ("l.0.down_proj.weight", (0, 0)),
+    ):
+        w = {n: t.clone() for n, t in ws.items()}
+        w[name][at] = bad
+        with pytest.raises(QuantInputError, match=rf"^{re.escape(name)}: contains {kind}"):
+            quantize_nvfp4_many(
+                [(n, t.to(device)) for n, t in w.items()], partners=partners, backend="triton"
+            )
+
+
+@kernel_test
+def test_prepass_amax_equals_torch(device: str) -> None:
+    """The fused pre-pass alone: each slot holds torch's max|w| (per expert for 3-D, over both
+    halves of a pair), and no flag is set for finite inputs."""
+    from posttrain.quant_convert._grouped import plan_bucket, run_prepass
+
+    g = torch.Generator().manual_seed(5)
+    gate = torch.randn(3, 8, 32, generator=g) * torch.tensor([1e-3, 1.0, 7.0])[:, None, None]
+    up = torch.randn(3, 8, 32, generator=g) * torch.tensor([2.0, 1e-2, 1.0])[:, None, None]
+    down = -torch.rand(5, 64, generator=g) * 3  # its amax is a negative value's magnitude
+    zero = torch.zeros(4, 16)
+    zero[1, 3] = -0.0
+    ws = [("g", gate.bfloat16()), ("u", up.bfloat16()), ("d", down.half()), ("z", zero)]
+    bucket = plan_bucket([(n, t.to(device)) for n, t in ws], {"g": "u", "u": "g"})
+    run_prepass(bucket)
+    amax = bucket.bits[: bucket.slots].view(torch.float32).cpu()
+    pair = torch.maximum(
+        ws[0][1].float().abs().amax(dim=(1, 2)), ws[1][1].float().abs().amax(dim=(1, 2))
+    )
+    want = torch.cat([pair, ws[2][1].float().abs().amax()[None], torch.zeros(1)])
+    assert torch.equal(amax.view(torch.int32), want.view(torch.int32))
+    assert not bool(bucket.bits[bucket.slots :].cpu().any())
 
 
 @kernel_test
@@ -272,3 +335,40 @@ def test_4over6_dequantized_value_factors_into_a_power_of_two() -> None:
                 want = ((sign * mags * s) * a) / denom
                 got = (((m * s) * a) / denom) * (sign * mags / m)
                 assert torch.equal(want.view(torch.int32), got.view(torch.int32)), (exp, denom)
+
+
+@pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") == "1", reason="compiles for the device: not interpreted"
+)
+def test_grouped_kernels_compile_for_hopper_with_vector_loads() -> None:
+    """The grouped kernels compile for sm_90 (no GPU needed: Triton's own LLVM and ptxas) and,
+    although each matrix's input is found through the table, still load 16 bytes at a time
+    (the offset is a count of 16-element blocks, so the alignment of the launch's base tensor
+    carries over): 8 vector loads per quantize tile and per pre-pass tile of 4096 BF16."""
+    import triton  # type: ignore[import-untyped]
+    from triton.backends.compiler import GPUTarget  # type: ignore[import-untyped]
+    from triton.compiler import ASTSource  # type: ignore[import-untyped]
+
+    from posttrain.quant_convert import _nvfp4_triton as kernels
+
+    def ptx(fn: Any, sig: dict[str, str], consts: dict[str, Any], aligned: list[str]) -> str:
+        names = list(sig)
+        attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
+        src = ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
+        target = GPUTarget("cuda", 90, 32)
+        return str(triton.compile(src, target=target, options={"num_warps": 2}).asm["ptx"])
+
+    ptrs = {"x_ptr": "*bf16", "meta_ptr": "*i64", "bits_ptr": "*i32"}
+    out = {"packed_ptr": "*u8", "scale_ptr": "*u8", "ws2_ptr": "*fp32"}
+    ints = ["q_first", "q_rows", "p_first", "p_rows", "blocks_per_matrix", "tiles"]
+    consts = {"EMAX": 448.0, "MODE": 0, "BLOCKS": 256, "PACK_WORDS": False, "ROWS": False}
+    sig = {**ptrs, **out, **dict.fromkeys(ints, "i32"), **dict.fromkeys(consts, "constexpr")}
+    code = ptx(kernels._pipelined_kernel, sig, consts, [*ptrs, *out])
+    assert code.count("ld.global.v4.b32") == 16, "8 per pre-pass tile, 8 per quantize tile"
+    consts = {"TILE": 4096, "TILES": 1}
+    sig = {**ptrs, "first_row": "i32", "per_matrix": "i32", **dict.fromkeys(consts, "constexpr")}
+    # per_matrix (N*K, K a multiple of 16) is a multiple of 16: Triton specializes it so
+    assert (
+        ptx(kernels._prepass_kernel, sig, consts, [*ptrs, "per_matrix"]).count("ld.global.v4.b32")
+        == 8
+    )

@@ -15,6 +15,19 @@ install never needs Triton. Two passes over the input:
   (its two 8-element halves are two 16-byte loads into that thread), so per-block work runs
   once per block and the error sums need no data exchange between threads.
 
+The grouped (live) path, one bucket of weights at a time (``_grouped``), addresses its
+matrices through an int64 table (input offset in 16-element blocks from one tensor of the
+launch, output block, amax slot, flag slot, ``weight_scale_2`` index), so no input is copied:
+
+* ``_prepass_kernel``: max|x| into the amax slot and a non-finite flag into the weight's own
+  flag slot, one read;
+* ``_pipelined_kernel``: either quantize kernel's work (block tiles, or 4-over-6 one thread
+  per block) over table rows (no flag: the pre-pass has it); in the pipelined order one
+  launch quantizes a stage of rows (pre-passed by the launch before) while pre-passing the
+  next stage, a tile of each per program: the quantize kernel
+  is bound by integer arithmetic (about 55% of copy bandwidth alone), the pre-pass by memory,
+  so running them side by side hides most of the pre-pass.
+
 Bit parity with the CPU reference (pure torch, IEEE fp32, round-to-nearest-even) is by
 construction and tested bit for bit (the interpreter on CPU, the device in the benchmark):
 
@@ -48,7 +61,14 @@ import torch
 import triton  # type: ignore[import-untyped]
 import triton.language as tl  # type: ignore[import-untyped]
 
-__all__ = ["DEFAULT_TUNING", "KernelTuning", "amax_into", "quantize_matrices"]
+__all__ = [
+    "DEFAULT_TUNING",
+    "KernelTuning",
+    "amax_into",
+    "prepass_rows",
+    "quantize_matrices",
+    "quantize_rows",
+]
 
 _AMAX_TILE = 4096
 _AMAX_TILES_PER_PROGRAM = 4
@@ -63,18 +83,53 @@ _MODES = {
 
 
 @triton.jit
+def _amax_bits(x_ptr, first, per_matrix, TILE: tl.constexpr, TILES: tl.constexpr):
+    """max of |x|'s fp32 bit patterns over elements ``[first, first + TILE*TILES)`` of one
+    matrix (``per_matrix`` long): exact, +0.0 for zeros, NaN above +inf."""
+    acc = tl.zeros([TILE], dtype=tl.int32)
+    for t in tl.static_range(TILES):
+        offs = first + t * TILE + tl.arange(0, TILE)
+        x = tl.load(x_ptr + offs, mask=offs < per_matrix, other=0.0)
+        bits = x.to(tl.float32).to(tl.int32, bitcast=True) & 0x7FFFFFFF
+        acc = tl.maximum(acc, bits)
+    return tl.max(acc, axis=0)
+
+
+@triton.jit
 def _amax_kernel(x_ptr, bits_ptr, slot_ptr, per_matrix, TILE: tl.constexpr, TILES: tl.constexpr):
     pid = tl.program_id(0)
     m = tl.program_id(1)
-    base = m.to(tl.int64) * per_matrix
-    acc = tl.zeros([TILE], dtype=tl.int32)
-    for t in tl.static_range(TILES):
-        offs = (pid * TILES + t) * TILE + tl.arange(0, TILE)
-        x = tl.load(x_ptr + base + offs, mask=offs < per_matrix, other=0.0)
-        bits = x.to(tl.float32).to(tl.int32, bitcast=True) & 0x7FFFFFFF
-        acc = tl.maximum(acc, bits)
+    x_ptr += m.to(tl.int64) * per_matrix
     slot = tl.load(slot_ptr + m)
-    tl.atomic_max(bits_ptr + slot, tl.max(acc, axis=0))
+    tl.atomic_max(bits_ptr + slot, _amax_bits(x_ptr, pid * TILES * TILE, per_matrix, TILE, TILES))
+
+
+# the grouped (live) path: one row of int64 per matrix, describing where it lives
+META = 5  # columns of a matrix's row in the table
+IN_AT, OUT_AT, AMAX_AT, FLAG_AT, SCALE2_AT = range(META)
+
+
+@triton.jit
+def _prepass_tile(x_ptr, meta_ptr, bits_ptr, row, tile, per_matrix, TILE: tl.constexpr,
+                  TILES: tl.constexpr):  # fmt: skip
+    """Tile ``tile`` of table row ``row``: its max|x| folded into the matrix's amax slot and,
+    when that is NaN or Inf, 1 into its tensor's flag slot."""
+    at = row.to(tl.int64) * 5
+    x_ptr += tl.load(meta_ptr + at) * 16
+    a = _amax_bits(x_ptr, tile * TILES * TILE, per_matrix, TILE, TILES)
+    tl.atomic_max(bits_ptr + tl.load(meta_ptr + at + 2), a)
+    tl.atomic_max(bits_ptr + tl.load(meta_ptr + at + 3), 1, mask=a >= 0x7F800000)
+
+
+@triton.jit
+def _prepass_kernel(
+    x_ptr, meta_ptr, bits_ptr, first_row, per_matrix, TILE: tl.constexpr, TILES: tl.constexpr
+):
+    """One read of each matrix: amax and non-finite flag (``_prepass_tile``). Matrix ``j`` of
+    this launch is row ``first_row + j`` of the table; its input starts ``meta[IN_AT] * 16``
+    elements after ``x_ptr`` (any tensor of the bucket's dtype, so no copy gathers them)."""
+    row = first_row + tl.program_id(1)
+    _prepass_tile(x_ptr, meta_ptr, bits_ptr, row, tl.program_id(0), per_matrix, TILE, TILES)
 
 
 @triton.jit
@@ -209,6 +264,15 @@ def _quant_kernel(
     tl.atomic_max(flag_ptr, bad, mask=bad > 0)
     v = v_bits.to(tl.float32, bitcast=True)
 
+    codes, byte = _scales_and_codes(x, v, amax, s_enc, ws2, MODE, SIX_EMAX)
+    _store_blocks(packed_ptr, scale_ptr, offs, ok, codes, byte, BLOCKS, PACK_WORDS)
+
+
+@triton.jit
+def _scales_and_codes(x, v, amax, s_enc, ws2, MODE: tl.constexpr, SIX_EMAX: tl.constexpr):
+    """E4M3 scale bytes ``[B]`` and E2M1 codes ``[B, 16]`` of fp32 blocks ``x`` with block
+    amaxes ``v``, in one of the block-tile modes (0: te-multiplier, 1: te-divide, 2/3:
+    4-over-6 MAE/MSE with one division per element)."""
     if MODE == 0:
         d = v * (s_enc * 0.16666666666666666)
         byte, sf = _e4m3_rne(tl.minimum(d, 448.0))
@@ -228,7 +292,15 @@ def _quant_kernel(
         use4 = err4 < err6
         codes = tl.where(use4[:, None], c4, c6)
         byte = tl.where(use4, b4, b6)
+    return codes, byte
 
+
+@triton.jit
+def _store_blocks(
+    packed_ptr, scale_ptr, offs, ok, codes, byte, BLOCKS: tl.constexpr, PACK_WORDS: tl.constexpr
+):
+    """Write blocks ``offs`` (where ``ok``): packed codes, then scale bytes."""
+    cols = tl.arange(0, 16)
     if PACK_WORDS:  # one int64 per block (little endian: byte j = code 2j | code 2j+1 << 4)
         shifts = (cols * 4).to(tl.int64)
         word = tl.sum(codes.to(tl.int64) << shifts[None, :], axis=1)  # disjoint: sum == or
@@ -239,6 +311,93 @@ def _quant_kernel(
         bytes_at = offs[:, None] * 8 + tl.arange(0, 8)[None, :]
         tl.store(packed_ptr + bytes_at, packed, mask=ok[:, None])
     tl.store(scale_ptr + offs, byte.to(tl.uint8), mask=ok)
+
+
+@triton.jit
+def _row_scales(meta_ptr, bits_ptr, ws2_ptr, at, tile, SIX_EMAX: tl.constexpr):
+    """The global amax of the table row at ``at`` (from its slot) and its two global scales;
+    tile 0 of the row stores its ``weight_scale_2``."""
+    amax = tl.load(bits_ptr + tl.load(meta_ptr + at + 2)).to(tl.float32, bitcast=True)
+    s_enc, ws2 = _global_scales(amax, SIX_EMAX)
+    if tile == 0:
+        tl.store(ws2_ptr + tl.load(meta_ptr + at + 4), ws2)
+    return amax, s_enc, ws2
+
+
+@triton.jit
+def _quant_tile(x_ptr, meta_ptr, bits_ptr, packed_ptr, scale_ptr, ws2_ptr, row, tile,
+                blocks_per_matrix, EMAX: tl.constexpr, MODE: tl.constexpr, BLOCKS: tl.constexpr,
+                PACK_WORDS: tl.constexpr, ROWS: tl.constexpr):  # fmt: skip
+    """Blocks of tile ``tile`` of table row ``row`` (see ``_pipelined_kernel``); ``ROWS``: one
+    thread per block (``_4over6_blocks``, or ``_plain_blocks`` for modes 0 and 1; codes as
+    one int64 per block)."""
+    at = row.to(tl.int64) * 5
+    SIX_EMAX: tl.constexpr = 6.0 * EMAX
+    amax, s_enc, ws2 = _row_scales(meta_ptr, bits_ptr, ws2_ptr, at, tile, SIX_EMAX)
+    x_ptr += tl.load(meta_ptr + at) * 16
+    out = tl.load(meta_ptr + at + 1)
+    scale_ptr += out
+    offs = tile * BLOCKS + tl.arange(0, BLOCKS)
+    ok = offs < blocks_per_matrix
+    if ROWS:
+        packed_ptr += out
+        halves = x_ptr + offs[:, None] * 16 + tl.arange(0, 8)[None, :]
+        x_lo = tl.load(halves, mask=ok[:, None], other=0.0).to(tl.float32)
+        x_hi = tl.load(halves + 8, mask=ok[:, None], other=0.0).to(tl.float32)
+        v = tl.maximum(tl.max(tl.abs(x_lo), axis=1), tl.max(tl.abs(x_hi), axis=1))
+        if MODE >= 2:
+            word, byte = _4over6_blocks(x_lo, x_hi, v, amax, s_enc, ws2, MODE == 3, SIX_EMAX)
+        else:
+            word, byte = _plain_blocks(x_lo, x_hi, v, s_enc, ws2, MODE)
+        tl.store(packed_ptr + offs, word, mask=ok)
+        tl.store(scale_ptr + offs, byte.to(tl.uint8), mask=ok)
+    else:
+        packed_ptr += out * (1 if PACK_WORDS else 8)
+        cols = tl.arange(0, 16)
+        x = tl.load(x_ptr + offs[:, None] * 16 + cols[None, :], mask=ok[:, None], other=0.0)
+        x = x.to(tl.float32)
+        v = tl.max(tl.abs(x), axis=1)  # finite here: equals the integer max of the bits
+        codes, byte = _scales_and_codes(x, v, amax, s_enc, ws2, MODE, SIX_EMAX)
+        _store_blocks(packed_ptr, scale_ptr, offs, ok, codes, byte, BLOCKS, PACK_WORDS)
+
+
+@triton.jit
+def _pipelined_kernel(
+    x_ptr,
+    meta_ptr,
+    bits_ptr,
+    packed_ptr,
+    scale_ptr,
+    ws2_ptr,
+    q_first,
+    q_rows,
+    p_first,
+    p_rows,
+    blocks_per_matrix,
+    tiles,  # programs per matrix: cdiv(blocks_per_matrix, BLOCKS), at least 1
+    EMAX: tl.constexpr,
+    MODE: tl.constexpr,
+    BLOCKS: tl.constexpr,
+    PACK_WORDS: tl.constexpr,
+    ROWS: tl.constexpr,
+):
+    """The grouped path's quantize kernel: rows ``q_first..+q_rows`` of the table (their
+    pre-pass ran in an earlier launch) as ``_quant_kernel`` (or, ``ROWS``,
+    ``_quant_4over6_kernel``) would, each matrix's global amax from its slot, its output at
+    block ``meta[OUT_AT]`` of the bucket's flat buffers, its ``weight_scale_2`` at
+    ``meta[SCALE2_AT]``; NaN/Inf were flagged by the pre-pass (the bucket is then refused), so
+    the block amax is a float max and no flag is kept. With ``p_rows`` it is one pipeline
+    step: it pre-passes rows ``p_first..+p_rows`` too, a tile of each per program, so the
+    memory-bound pre-pass and the arithmetic-bound quantize share every SM."""
+    pid = tl.program_id(0)
+    if pid < p_rows * tiles:
+        _prepass_tile(x_ptr, meta_ptr, bits_ptr, p_first + pid // tiles, pid % tiles,
+                      blocks_per_matrix * 16, BLOCKS * 16, 1)  # fmt: skip
+    if pid < q_rows * tiles:
+        _quant_tile(
+            x_ptr, meta_ptr, bits_ptr, packed_ptr, scale_ptr, ws2_ptr, q_first + pid // tiles,
+            pid % tiles, blocks_per_matrix, EMAX, MODE, BLOCKS, PACK_WORDS, ROWS,
+        )  # fmt: skip
 
 
 @triton.jit
@@ -322,6 +481,23 @@ def _error(val, x, MSE: tl.constexpr):
 
 
 @triton.jit
+def _plain_blocks(x_lo, x_hi, v, s_enc, ws2, MODE: tl.constexpr):
+    """Modes 0 and 1 (4-over-6 off) with one thread per block, as ``_scales_and_codes`` and
+    ``_store_blocks`` compute them: packed codes (one int64 per block) and scale bytes."""
+    if MODE == 0:
+        d = v * (s_enc * 0.16666666666666666)
+    else:
+        d = tl.math.div_rn(v, tl.full(v.shape, 6.0, tl.float32)) * s_enc
+    byte, sf = _e4m3_rne(tl.minimum(d, 448.0))
+    one = tl.full(v.shape, 1.0, tl.float32)
+    e = tl.minimum(tl.math.div_rn(one, sf * ws2), 3.4028234663852886e38)[:, None]
+    shifts = (tl.arange(0, 8) * 4).to(tl.int64)[None, :]
+    lo = tl.sum(_e2m1_code_1d(x_lo, e).to(tl.int64) << shifts, axis=1)  # disjoint bits
+    hi = tl.sum(_e2m1_code_1d(x_hi, e).to(tl.int64) << shifts, axis=1)
+    return lo | (hi << 32), byte
+
+
+@triton.jit
 def _quant_4over6_kernel(
     x_ptr,
     amax_ptr,
@@ -365,6 +541,15 @@ def _quant_4over6_kernel(
     tl.atomic_max(flag_ptr, bad, mask=bad > 0)
     v = v_bits.to(tl.float32, bitcast=True)
 
+    word, byte = _4over6_blocks(x_lo, x_hi, v, amax, s_enc, ws2, MSE, SIX_EMAX)
+    tl.store(packed_ptr + offs, word, mask=ok)
+    tl.store(scale_ptr + offs, byte.to(tl.uint8), mask=ok)
+
+
+@triton.jit
+def _4over6_blocks(x_lo, x_hi, v, amax, s_enc, ws2, MSE: tl.constexpr, SIX_EMAX: tl.constexpr):
+    """Packed codes (one int64 per block) and scale bytes of 4-over-6 blocks held one per
+    thread as two 8-element halves, with block amaxes ``v``."""
     base = tl.math.div_rn(v, tl.full(v.shape, 6.0, tl.float32)) * s_enc
     b6, sf6 = _e4m3_rne(tl.minimum(base, 448.0))
     b4, sf4 = _e4m3_rne(tl.minimum(base * 1.5, 448.0))
@@ -404,8 +589,7 @@ def _quant_4over6_kernel(
     shifts = (tl.arange(0, 8) * 4).to(tl.int64)[None, :]
     lo = tl.sum(tl.where(use4, c4_lo, c6_lo).to(tl.int64) << shifts, axis=1)  # disjoint bits
     hi = tl.sum(tl.where(use4, c4_hi, c6_hi).to(tl.int64) << shifts, axis=1)
-    tl.store(packed_ptr + offs, lo | (hi << 32), mask=ok)
-    tl.store(scale_ptr + offs, tl.where(err4 < err6, b4, b6).to(tl.uint8), mask=ok)
+    return lo | (hi << 32), tl.where(err4 < err6, b4, b6)
 
 
 def amax_into(x: torch.Tensor, bits: torch.Tensor, slots: torch.Tensor) -> None:
@@ -426,7 +610,9 @@ class KernelTuning:
     the fastest of ``benchmarks/gpu_nvfp4_throughput.py --sweep`` on an H200: 256 blocks x 2
     warps with byte packing (2026-12-01), and for 4-over-6 the one-thread-per-block kernel at
     128 blocks x 4 warps (2026-12-02; ``four_over_six_rows=False``: the block-tile kernel,
-    one division per element, 32 blocks x 2 warps was its best)."""
+    one division per element, 32 blocks x 2 warps was its best). The grouped path's pre-pass
+    shape is the old amax kernel's; ``pipeline`` and its stage size were set on 2026-12-06
+    before any GPU run (``benchmarks/bench_live_quantize.py`` reports both orders)."""
 
     blocks_per_program: int = 256
     num_warps: int = 2
@@ -435,6 +621,13 @@ class KernelTuning:
     blocks_per_program_4over6: int = 128
     num_warps_4over6: int = 4
     max_registers_4over6: int | None = None  # Triton's maxnreg for the 4-over-6 kernels
+    prepass_tile: int = _AMAX_TILE  # elements per step of the grouped path's pre-pass
+    prepass_tiles: int = _AMAX_TILES_PER_PROGRAM  # steps per program
+    prepass_warps: int = 4
+    block_per_thread: bool = False  # grouped path, 4-over-6 off: one thread per block
+    pipeline: bool = True  # grouped path (4-over-6 off): a stage's pre-pass beside the
+    # previous stage's quantize, in one launch
+    pipeline_stage_bytes: int = 64 << 20  # least input per pipeline stage
 
 
 DEFAULT_TUNING = KernelTuning()
@@ -493,3 +686,67 @@ def quantize_matrices(
 def _max_registers(tuning: KernelTuning) -> dict[str, int]:
     n = tuning.max_registers_4over6
     return {} if n is None else {"maxnreg": n}
+
+
+def prepass_rows(
+    x: torch.Tensor,
+    meta: torch.Tensor,
+    bits: torch.Tensor,
+    rows: range,
+    per_matrix: int,
+    tuning: KernelTuning = DEFAULT_TUNING,
+) -> None:
+    """Launch the pre-pass over table rows ``rows`` (matrices of ``per_matrix`` elements each,
+    addressed from ``x``'s data pointer): amax bits and non-finite flags into ``bits``."""
+    if per_matrix == 0 or not rows:
+        return
+    grid = (triton.cdiv(per_matrix, tuning.prepass_tile * tuning.prepass_tiles), len(rows))
+    _prepass_kernel[grid](
+        x, meta, bits, rows.start, per_matrix, TILE=tuning.prepass_tile,
+        TILES=tuning.prepass_tiles, num_warps=tuning.prepass_warps, enable_fp_fusion=False,
+    )  # fmt: skip
+
+
+def quantize_rows(
+    x: torch.Tensor,
+    meta: torch.Tensor,
+    bits: torch.Tensor,
+    out: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    quantize: range,
+    prepass: range,
+    blocks_per_matrix: int,
+    *,
+    four_over_six: str,
+    scale_rounding: str,
+    emax: float,
+    tuning: KernelTuning = DEFAULT_TUNING,
+) -> None:
+    """Launch the grouped quantize kernel over table rows ``quantize`` (already pre-passed;
+    ``out``: the bucket's flat packed-code bytes, scale bytes and fp32 ``weight_scale_2``),
+    pre-passing rows ``prepass`` in the same launch (a pipeline step: 4-over-6 off only)."""
+    if not quantize and not prepass:
+        return
+    if prepass and four_over_six != "off":
+        raise ValueError("a pipelined pre-pass runs beside the block-tile kernel only")
+    if blocks_per_matrix * 16 >= 2**31:
+        raise ValueError(
+            f"one matrix of {blocks_per_matrix * 16} elements exceeds the kernel's int32 offsets"
+        )
+    packed, scale, ws2 = out
+    one_per_thread = (
+        tuning.four_over_six_rows if four_over_six != "off" else tuning.block_per_thread
+    )
+    tile, warps = tuning.blocks_per_program, tuning.num_warps
+    if four_over_six != "off":
+        tile, warps = tuning.blocks_per_program_4over6, tuning.num_warps_4over6
+    words = one_per_thread or tuning.pack_words
+    # at least one program per matrix: it writes weight_scale_2 even for an empty matrix
+    tiles = max(1, triton.cdiv(blocks_per_matrix, tile))
+    grid = (tiles * max(len(quantize), len(prepass)),)
+    _pipelined_kernel[grid](
+        x, meta, bits, packed.view(torch.int64) if words else packed, scale, ws2,
+        quantize.start, len(quantize), prepass.start, len(prepass), blocks_per_matrix, tiles,
+        EMAX=float(emax), MODE=_MODES[(four_over_six, scale_rounding)], BLOCKS=tile,
+        PACK_WORDS=words, ROWS=one_per_thread, num_warps=warps, enable_fp_fusion=False,
+        **(_max_registers(tuning) if four_over_six != "off" else {}),
+    )  # fmt: skip

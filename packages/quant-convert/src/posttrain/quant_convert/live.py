@@ -13,12 +13,13 @@ under the same names and shapes, with the values the engine started from.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 
 import torch
 
-from posttrain.formats import SAFETENSORS_DTYPES
+from posttrain.formats import SAFETENSORS_DTYPES, nvfp4_layout
 from posttrain.interface import NVFP4Precision
 from posttrain.quant_convert._errors import CheckpointError
 from posttrain.quant_convert.nvfp4 import NVFP4Config, quantize_nvfp4_many
@@ -44,6 +45,32 @@ def _excluded(infos: Sequence[TensorInfo], entries: Sequence[str]) -> set[str]:
     return out
 
 
+@functools.lru_cache(maxsize=1024)
+def _selection(
+    infos: tuple[TensorInfo, ...], policy: QuantPolicy, num_layers: int, exclude: tuple[str, ...]
+) -> tuple[frozenset[str], dict[str, str]]:
+    """The weights of a bucket to quantize and each pair member's partner, from names, dtypes
+    and shapes only: memoised, since every weight sync sends the same buckets again (a
+    refusal raises and is not kept). Callers must not mutate the returned mapping."""
+    chosen = set(select_tensors(list(infos), policy, num_layers)) - _excluded(infos, exclude)
+    roles: dict[str, dict[str, str]] = {}
+    for info in infos:
+        r = gate_up_role(info.name)
+        if r is not None:
+            roles.setdefault(r[0], {})[r[1]] = info.name
+    partner: dict[str, str] = {}
+    for slot in roles.values():
+        q = [m for m in slot.values() if m in chosen]
+        if q and (len(slot) != 2 or len(q) != 2):
+            raise CheckpointError(
+                f"{q[0]}: its gate/up partner is missing from this bucket or excluded; a pair "
+                "must be quantized together"
+            )
+        if q:
+            partner[slot["gate"]], partner[slot["up"]] = slot["up"], slot["gate"]
+    return frozenset(chosen), partner
+
+
 def quantize_named_params(
     named: Iterable[tuple[str, torch.Tensor]],
     *,
@@ -62,23 +89,8 @@ def quantize_named_params(
         TensorInfo(n, SAFETENSORS_DTYPES.get(t.dtype, str(t.dtype)), tuple(t.shape))
         for n, t in items
     ]
-    chosen = set(select_tensors(infos, policy, num_layers)) - _excluded(infos, exclude_modules)
+    chosen, partner = _selection(tuple(infos), policy, num_layers, tuple(exclude_modules))
     by_name = dict(items)
-    roles: dict[str, dict[str, str]] = {}
-    for n, _ in items:
-        r = gate_up_role(n)
-        if r is not None:
-            roles.setdefault(r[0], {})[r[1]] = n
-    partner: dict[str, str] = {}
-    for slot in roles.values():
-        q = [m for m in slot.values() if m in chosen]
-        if q and (len(slot) != 2 or len(q) != 2):
-            raise CheckpointError(
-                f"{q[0]}: its gate/up partner is missing from this bucket or excluded; a pair "
-                "must be quantized together"
-            )
-        if q:
-            partner[slot["gate"]], partner[slot["up"]] = slot["up"], slot["gate"]
     quantized = quantize_nvfp4_many(
         [(n, by_name[n]) for n, _ in items if n in chosen], partners=partner, cfg=cfg
     )
@@ -88,20 +100,21 @@ def quantize_named_params(
         if n not in chosen:
             out.append((n, t))
             continue
-        # the layout's own names, input_scale included; its value is the served one, if any
-        for name, part in quantized[n].named(n, input_scale=1.0):
-            if not name.endswith(".input_scale"):
-                out.append((name, part))
-                continue
-            served = scales.get(name)
-            if served is None:
-                continue
-            if tuple(served.shape) != tuple(part.shape):
-                raise CheckpointError(
-                    f"{name}: the served checkpoint's has shape {list(served.shape)}, the "
-                    f"update's {list(part.shape)}"
-                )
-            out.append((name, served.to(part.dtype)))
+        qt = quantized[n]
+        out += qt.named(n)  # weight, weight_scale, weight_scale_2: the layout's names
+        # input_scale (the layout's name for it) only where the served checkpoint has one
+        if not scales:
+            continue
+        name = nvfp4_layout(n, t.shape, input_scale=True)[-1].name
+        served = scales.get(name)
+        if served is None:
+            continue
+        if tuple(served.shape) != tuple(qt.scale_2.shape):
+            raise CheckpointError(
+                f"{name}: the served checkpoint's has shape {list(served.shape)}, the "
+                f"update's {list(qt.scale_2.shape)}"
+            )
+        out.append((name, served.to(qt.scale_2.dtype)))
     return out
 
 

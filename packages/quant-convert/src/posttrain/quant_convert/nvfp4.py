@@ -29,9 +29,10 @@ midpoints with ties to the even code, about twice as fast on CPU.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal
 
 import torch
 
@@ -118,8 +119,20 @@ class NVFP4Tensor:
         if input_scale is not None:
             parts["input_scale"] = torch.full_like(self.scale_2, input_scale)
         shape = (*self.packed.shape[:-1], self.packed.shape[-1] * 2)
-        layout = nvfp4_layout(weight_name, shape, input_scale=input_scale is not None)
-        return [(t.name, parts[t.part]) for t in layout]
+        return [
+            (name, parts[part])
+            for name, part in _layout(weight_name, shape, input_scale is not None)
+        ]
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _layout(
+    weight_name: str, shape: tuple[int, ...], input_scale: bool
+) -> tuple[tuple[str, str], ...]:
+    """(name, part) of ``nvfp4_layout``, memoised: live sync names the same weights each step."""
+    return tuple(
+        (t.name, t.part) for t in nvfp4_layout(weight_name, shape, input_scale=input_scale)
+    )
 
 
 def _check(w: torch.Tensor, name: str, allow_3d: bool) -> None:
@@ -421,19 +434,16 @@ def quantize_nvfp4_many(
     cfg: NVFP4Config | NVFP4Precision | None = None,
     allow_3d: bool = True,
     backend: Backend = "auto",
-    chunk_bytes: int = 1 << 30,
-    stack_below_bytes: int = 16 << 20,
 ) -> dict[str, NVFP4Tensor]:
     """Quantize many named weights; ``partners`` maps each gate/up member to the other, and a
     pair shares one global amax (per expert for 3-D), exactly as :func:`quantize_nvfp4_pair`.
 
-    On CUDA (the live weight-sync path) same-shape weights smaller than ``stack_below_bytes``
-    are stacked, up to ``chunk_bytes`` of input at a time, and each stack costs two kernel
-    launches (amax, quantize); thousands of small expert matrices would otherwise cost more in
-    launches than in memory traffic. Larger weights are launched in place (a stack would
-    copy them). The whole call synchronises once, to check for NaN/Inf. Elsewhere, and for
-    a pair whose members differ in shape, weights are quantized one by one. The bytes are
-    those of :func:`quantize_nvfp4` either way.
+    On CUDA (the live weight-sync path) the weights of each device go through the grouped
+    kernels as one bucket (``_grouped``): a pre-pass (every amax and a non-finite flag per
+    weight, one read), then the quantize kernel, one launch each per group of same-size
+    matrices, the outputs views of one buffer, and one synchronisation for the whole call
+    (NaN/Inf raise :class:`QuantInputError` naming the weight). Elsewhere weights are
+    quantized one by one. The bytes are those of :func:`quantize_nvfp4` either way.
     """
     cfg = _resolve_cfg(cfg)
     partners = dict(partners or {})
@@ -443,99 +453,30 @@ def quantize_nvfp4_many(
         p = partners.get(n)
         if p is not None and (p not in by_name or partners.get(p) != n):
             raise QuantInputError(f"{n}: its partner {p!r} is not among the weights (or unpaired)")
+        if p is not None and by_name[p].device != t.device:
+            raise QuantInputError(f"{n} and {p}: a pair must sit on one device")
     out: dict[str, NVFP4Tensor] = {}
-    stacked: dict[tuple[Any, ...], list[list[str]]] = {}
-    placed: set[str] = set()
+    grouped: dict[torch.device, list[tuple[str, torch.Tensor]]] = {}
+    done: set[str] = set()
     for n, t in weights:
-        if n in placed:
+        if _use_triton(t.device, backend):
+            grouped.setdefault(t.device, []).append((n, t))
+            continue
+        if n in done:
             continue
         p = partners.get(n)
-        placed.update([n] if p is None else [n, p])
+        names = [n] if p is None else [n, p]
+        done.update(names)
         is_3d = t.dim() == 3
-        if not _use_triton(t.device, backend) or (
-            p is not None and (by_name[p].shape != t.shape or by_name[p].dtype != t.dtype)
-        ):
-            names = [n] if p is None else [n, p]
-            amax = global_amax(t, per_expert=is_3d)
-            if p is not None:
-                amax = torch.maximum(amax, global_amax(by_name[p], per_expert=is_3d))
-            for m in names:
-                w = by_name[m]
-                out[m] = quantize_nvfp4(w, global_amax=amax, cfg=cfg, name=m, allow_3d=allow_3d,
-                                        backend=backend)  # fmt: skip
-            continue
-        big = t.numel() * t.element_size() >= stack_below_bytes
-        key = (tuple(t.shape), t.dtype, t.device, big)
-        stacked.setdefault(key, []).append([n] if p is None else [n, p])
-    flags: list[tuple[torch.Tensor, list[str]]] = []
-    for key, units in stacked.items():
-        if key[-1]:  # large weights: one unit at a time, no copy
-            for unit in units:
-                flags.append((_quantize_stack([unit], by_name, cfg, out, stack=False), unit))
-            continue
-        chunk: list[list[str]] = []
-        size = 0
-        for unit in [*units, []]:
-            unit_bytes = sum(by_name[m].numel() * by_name[m].element_size() for m in unit)
-            if chunk and (not unit or size + unit_bytes > chunk_bytes):
-                flags.append(
-                    (_quantize_stack(chunk, by_name, cfg, out), [m for u in chunk for m in u])
-                )
-                chunk, size = [], 0
-            if unit:
-                chunk.append(unit)
-                size += unit_bytes
-    if flags and int(torch.stack([f for f, _ in flags]).max().item()):
-        for _, names in flags:
-            for m in names:
-                if not bool(torch.isfinite(by_name[m]).all()):
-                    _raise_non_finite(m, by_name[m])
+        amax = global_amax(t, per_expert=is_3d)
+        if p is not None:
+            amax = torch.maximum(amax, global_amax(by_name[p], per_expert=is_3d))
+        for m in names:
+            out[m] = quantize_nvfp4(by_name[m], global_amax=amax, cfg=cfg, name=m,
+                                    allow_3d=allow_3d, backend=backend)  # fmt: skip
+    if grouped:
+        from posttrain.quant_convert._grouped import quantize_grouped
+
+        for bucket in grouped.values():
+            out.update(quantize_grouped(bucket, partners, cfg))
     return {n: out[n] for n, _ in weights}
-
-
-def _quantize_stack(
-    units: list[list[str]],
-    by_name: dict[str, torch.Tensor],
-    cfg: NVFP4Config,
-    out: dict[str, NVFP4Tensor],
-    *,
-    stack: bool = True,
-) -> torch.Tensor:
-    """Same-shape weights (pairs share amax slots) through the kernels: one amax and one
-    quantize launch over their concatenation (``stack``), or per weight in place; fills
-    ``out`` and returns the device NaN/Inf flag."""
-    from posttrain.quant_convert import _nvfp4_triton as kernels
-
-    first = by_name[units[0][0]]
-    n_rows, k = first.shape[-2], first.shape[-1]
-    per = first.shape[0] if first.dim() == 3 else 1  # matrices per weight
-    names = [m for u in units for m in u]
-    slot_of = {m: u_idx for u_idx, u in enumerate(units) for m in u}
-    pieces = [names] if stack else [[m] for m in names]
-    dev = first.device
-    bits = torch.zeros(len(units) * per, dtype=torch.int32, device=dev)
-    staged = []
-    for piece in pieces:
-        xs = [by_name[m].reshape(per, n_rows, k) for m in piece]
-        x = torch.cat(xs) if len(xs) > 1 else xs[0].contiguous()
-        ids = [slot_of[m] * per + e for m in piece for e in range(per)]
-        if len(ids) == 1 or ids == list(range(ids[0], ids[0] + len(ids))):
-            slots = _slots(dev, len(units) * per)[ids[0] : ids[0] + len(ids)]
-        else:
-            slots = torch.tensor(ids, dtype=torch.int32).to(dev, non_blocking=True)
-        kernels.amax_into(x.reshape(x.shape[0], -1), bits, slots)
-        staged.append((piece, x, slots))
-    flag = torch.zeros(1, dtype=torch.int32, device=dev)
-    for piece, x, slots in staged:  # after every amax: a pair's slot is complete
-        packed, scale, ws2, piece_flag = kernels.quantize_matrices(
-            x, bits.view(torch.float32), slots, four_over_six=cfg.four_over_six,
-            scale_rounding=cfg.scale_rounding, emax=cfg.emax,
-        )  # fmt: skip
-        torch.maximum(flag, piece_flag, out=flag)
-        for i, m in enumerate(piece):
-            if first.dim() == 3:
-                sl = slice(i * per, (i + 1) * per)
-                out[m] = NVFP4Tensor(packed[sl], scale[sl], ws2[sl])
-            else:
-                out[m] = NVFP4Tensor(packed[i], scale[i], ws2[i])
-    return flag

@@ -1,0 +1,309 @@
+"""The grouped live path: a whole bucket of weights through the Triton kernels at once.
+
+Per bucket, whatever the number of weights (``quantize_nvfp4_many`` on CUDA tensors, hence
+``quantize_named_params``):
+
+1. host: one table row (int64) per matrix (a 2-D weight is one matrix, a 3-D one ``E``)
+   saying where its input lives (relative to one tensor of its launch group, so nothing is
+   gathered or copied), its amax slot (a gate/up pair shares one per expert), its tensor's
+   non-finite flag slot, where its output goes; one host-to-device copy of the table;
+2. one ``torch.zeros`` for the amax bits and flags, one ``torch.empty`` for every output
+   byte of the bucket (codes, scales and ``weight_scale_2``, handed out as views);
+3. the pre-pass kernel (amax and non-finite flag, one read of the input), one launch per
+   group of same-size matrices of one dtype;
+4. the quantize kernel, the same launches, reading each global amax from device memory and
+   computing the global scales there (no ``.item()``). By default (4-over-6 off) steps 3 and
+   4 are pipelined (``run_pipelined``): each group is cut at pair boundaries into stages of
+   ``KernelTuning.pipeline_stage_bytes``, and one launch quantizes stage k while it
+   pre-passes stage k + 1;
+5. one synchronisation: the flags come back; a flagged tensor raises
+   :class:`QuantInputError` naming it (only then does anything else look at the input).
+
+The bytes are those of :func:`posttrain.quant_convert.nvfp4.quantize_nvfp4` on the CPU.
+Triton is imported only when a bucket runs (``_nvfp4_triton``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from posttrain.formats import GROUP_SIZE
+from posttrain.quant_convert._errors import QuantInputError
+
+if TYPE_CHECKING:
+    from posttrain.quant_convert._nvfp4_triton import KernelTuning
+    from posttrain.quant_convert.nvfp4 import NVFP4Config, NVFP4Tensor
+
+__all__ = [
+    "GroupedBucket",
+    "plan_bucket",
+    "quantize_grouped",
+    "results",
+    "run_pipelined",
+    "run_prepass",
+    "run_quantize",
+]
+
+_ALIGN = 16  # bytes: where each region of the flat output buffer starts
+
+
+@dataclass(slots=True, eq=False)
+class _Launch:
+    base: torch.Tensor  # the tensor whose data pointer the table's input offsets count from
+    rows: range  # table rows of this launch (same dtype, same elements per matrix)
+    per_matrix: int  # elements per matrix
+    unit_ends: list[int]  # rows where a unit (a weight or a pair, every matrix) ends
+    straddling: int  # first row of the units whose other half sits in another launch group
+
+
+@dataclass(slots=True)
+class GroupedBucket:
+    """A planned bucket: its inputs, table, buffers and launches (see the module docstring)."""
+
+    names: list[str]
+    inputs: list[torch.Tensor]  # contiguous, aligned (kept alive until the kernels ran)
+    meta: torch.Tensor  # [matrices, META] int64 on the device
+    bits: torch.Tensor  # int32: amax slots, then one non-finite flag per tensor
+    slots: int
+    packed: torch.Tensor  # flat uint8 regions of the one output buffer
+    scale: torch.Tensor
+    scale_2: torch.Tensor  # fp32, one per matrix
+    first_matrix: list[int]  # per tensor: its first matrix (output and scale_2 order)
+    first_block: list[int]  # per tensor: its first 16-element block in the outputs
+    launches: list[_Launch] = field(default_factory=list)
+
+
+def _matrices(t: torch.Tensor) -> int:
+    return t.shape[0] if t.dim() == 3 else 1
+
+
+def _aligned(t: torch.Tensor) -> torch.Tensor:
+    """``t`` contiguous with its data at a multiple of 16 elements' bytes (a fresh copy when a
+    view starts elsewhere), so every table offset is a whole number of 16-element blocks."""
+    t = t.contiguous()
+    if t.data_ptr() % (GROUP_SIZE * t.element_size()):
+        t = t.clone()
+    return t
+
+
+def plan_bucket(
+    weights: Sequence[tuple[str, torch.Tensor]], partners: Mapping[str, str]
+) -> GroupedBucket:
+    """The host half of a bucket: checks pairs, assigns slots, builds the table and buffers.
+
+    ``weights`` are already checked (dtype, rank, K) and on one device; ``partners`` maps each
+    gate/up member to the other (both present). A pair shares one amax slot per matrix."""
+    from posttrain.quant_convert import _nvfp4_triton as kernels
+
+    names = [n for n, _ in weights]
+    inputs = [_aligned(t) for _, t in weights]
+    index = {n: i for i, n in enumerate(names)}
+    dev = inputs[0].device
+    slot_of: dict[int, int] = {}  # tensor -> its first amax slot
+    slots = 0
+    for i, (n, t) in enumerate(zip(names, inputs, strict=True)):
+        if i in slot_of:
+            continue
+        slot_of[i] = slots
+        p = partners.get(n)
+        if p is not None:
+            j = index[p]
+            other = inputs[j]
+            if t.dim() != other.dim() or _matrices(t) != _matrices(other):
+                raise QuantInputError(
+                    f"{n} {tuple(t.shape)} and {p} {tuple(other.shape)} do not pair"
+                )
+            slot_of[j] = slots
+        slots += _matrices(t)
+    first_matrix, first_block = [], []
+    matrices = blocks = 0
+    for t in inputs:
+        first_matrix.append(matrices)
+        first_block.append(blocks)
+        matrices += _matrices(t)
+        blocks += t.numel() // GROUP_SIZE
+    # rows grouped by (dtype, elements per matrix): one launch per group, no copies; a pair's
+    # halves in one group are adjacent, so the group splits into units at known rows
+    groups: dict[tuple[torch.dtype, int], list[list[int]]] = {}
+    seen: set[int] = set()
+    for i in range(len(inputs)):
+        if i in seen:
+            continue
+        p = partners.get(names[i])
+        unit = [i] if p is None else [i, index[p]]
+        seen.update(unit)
+        by_group: dict[tuple[torch.dtype, int], list[int]] = {}
+        for j in unit:
+            per = inputs[j].numel() // max(_matrices(inputs[j]), 1)
+            by_group.setdefault((inputs[j].dtype, per), []).append(j)
+        for key, members in by_group.items():
+            groups.setdefault(key, []).append(members)
+    rows: list[int] = []
+    launches: list[_Launch] = []
+    pair = {index[n] for n in partners if n in index}
+    for (_, per), units in groups.items():
+        # whole units first; a pair whose halves differ in size comes last (no pipelining)
+        units.sort(key=lambda u: len(u) == 1 and u[0] in pair)
+        members = [i for u in units for i in u]
+        base = min((inputs[i] for i in members), key=lambda t: t.data_ptr())
+        step = GROUP_SIZE * base.element_size()  # bytes per 16 elements
+        start = len(rows) // kernels.META
+        ends: list[int] = []
+        for u in units:
+            for i in u:
+                t = inputs[i]
+                for e in range(_matrices(t)):
+                    rows += [
+                        (t.data_ptr() - base.data_ptr()) // step + e * (per // GROUP_SIZE),
+                        first_block[i] + e * (per // GROUP_SIZE),
+                        slot_of[i] + e,
+                        slots + i,  # the tensor's flag, after every amax slot
+                        first_matrix[i] + e,
+                    ]
+            ends.append(len(rows) // kernels.META)
+        whole = [e for e, u in zip(ends, units, strict=True) if len(u) == 2 or u[0] not in pair]
+        straddling = whole[-1] if whole else start
+        launches.append(_Launch(base, range(start, ends[-1]), per, ends, straddling))
+    meta = torch.tensor(rows, dtype=torch.int64).reshape(-1, kernels.META)
+    meta = meta.to(dev, non_blocking=True)
+    bits = torch.zeros(slots + len(inputs), dtype=torch.int32, device=dev)
+    ws2_bytes = -(-4 * matrices // _ALIGN) * _ALIGN
+    code_bytes = -(-8 * blocks // _ALIGN) * _ALIGN
+    buf = torch.empty(ws2_bytes + code_bytes + blocks, dtype=torch.uint8, device=dev)
+    return GroupedBucket(
+        names=names,
+        inputs=inputs,
+        meta=meta,
+        bits=bits,
+        slots=slots,
+        packed=buf[ws2_bytes : ws2_bytes + 8 * blocks],
+        scale=buf[ws2_bytes + code_bytes :],
+        scale_2=buf[: 4 * matrices].view(torch.float32),
+        first_matrix=first_matrix,
+        first_block=first_block,
+        launches=launches,
+    )
+
+
+def run_prepass(bucket: GroupedBucket, tuning: KernelTuning | None = None) -> None:
+    """Launch the pre-pass kernels of a bucket (amaxes and flags; no sync)."""
+    from posttrain.quant_convert import _nvfp4_triton as kernels
+
+    for launch in bucket.launches:
+        kernels.prepass_rows(
+            launch.base, bucket.meta, bucket.bits, launch.rows, launch.per_matrix,
+            tuning or kernels.DEFAULT_TUNING,
+        )  # fmt: skip
+
+
+def run_quantize(
+    bucket: GroupedBucket, cfg: NVFP4Config, tuning: KernelTuning | None = None
+) -> None:
+    """Launch the quantize kernels of a bucket after its pre-pass (no sync)."""
+    from posttrain.quant_convert import _nvfp4_triton as kernels
+
+    out = (bucket.packed, bucket.scale, bucket.scale_2)
+    for launch in bucket.launches:
+        kernels.quantize_rows(
+            launch.base, bucket.meta, bucket.bits, out, launch.rows,
+            range(launch.rows.start, launch.rows.start), launch.per_matrix // GROUP_SIZE,
+            four_over_six=cfg.four_over_six,
+            scale_rounding=cfg.scale_rounding, emax=cfg.emax,
+            tuning=tuning or kernels.DEFAULT_TUNING,
+        )  # fmt: skip
+
+
+def _stages(launch: _Launch, rows: range, stage_bytes: int) -> list[range]:
+    """``rows`` (whole units of ``launch``) cut at unit ends into stages of at least
+    ``stage_bytes`` of input each (the last may be smaller)."""
+    out: list[range] = []
+    start = rows.start
+    per_row = launch.per_matrix * launch.base.element_size()
+    for end in launch.unit_ends:
+        if end <= start or end > rows.stop:
+            continue
+        if (end - start) * per_row >= stage_bytes or end == rows.stop:
+            out.append(range(start, end))
+            start = end
+    return out
+
+
+def run_pipelined(
+    bucket: GroupedBucket, cfg: NVFP4Config, tuning: KernelTuning | None = None
+) -> None:
+    """Pre-pass and quantize a bucket (4-over-6 off) as a pipeline: in each launch group, the
+    quantize of stage k runs in the same launch as the pre-pass of stage k + 1. Pairs whose
+    halves differ in size (two launch groups) and empty matrices take the two-pass order."""
+    from posttrain.quant_convert import _nvfp4_triton as kernels
+
+    tuning = tuning or kernels.DEFAULT_TUNING
+    out = (bucket.packed, bucket.scale, bucket.scale_2)
+    plain, piped = [], []
+    for la in bucket.launches:
+        cut = la.rows.start if la.per_matrix == 0 else la.straddling
+        plain.append(range(cut, la.rows.stop))
+        piped.append(range(la.rows.start, cut))
+    for la, rows in zip(bucket.launches, plain, strict=True):
+        kernels.prepass_rows(la.base, bucket.meta, bucket.bits, rows, la.per_matrix, tuning)
+    for la, rows in zip(bucket.launches, plain, strict=True):
+        kernels.quantize_rows(
+            la.base, bucket.meta, bucket.bits, out, rows, range(rows.start, rows.start),
+            la.per_matrix // GROUP_SIZE, four_over_six="off", scale_rounding=cfg.scale_rounding,
+            emax=cfg.emax, tuning=tuning,
+        )  # fmt: skip
+    for la, rows in zip(bucket.launches, piped, strict=True):
+        previous = range(rows.start, rows.start)
+        for stage in [*_stages(la, rows, tuning.pipeline_stage_bytes), range(rows.stop, rows.stop)]:
+            kernels.quantize_rows(
+                la.base, bucket.meta, bucket.bits, out, previous, stage,
+                la.per_matrix // GROUP_SIZE, four_over_six="off",
+                scale_rounding=cfg.scale_rounding, emax=cfg.emax, tuning=tuning,
+            )  # fmt: skip
+            previous = stage
+
+
+def results(bucket: GroupedBucket) -> dict[str, NVFP4Tensor]:
+    """Each weight's outputs as views of the bucket's buffer, after its single sync: raises
+    :class:`QuantInputError` naming the first weight that holds NaN or Inf."""
+    from posttrain.quant_convert.nvfp4 import NVFP4Tensor, _raise_non_finite
+
+    out: dict[str, NVFP4Tensor] = {}
+    scale = bucket.scale.view(torch.float8_e4m3fn)
+    for i, (n, t) in enumerate(zip(bucket.names, bucket.inputs, strict=True)):
+        *lead, rows, k = t.shape
+        b0, b1 = bucket.first_block[i], bucket.first_block[i] + t.numel() // GROUP_SIZE
+        m0 = bucket.first_matrix[i]
+        out[n] = NVFP4Tensor(
+            bucket.packed[8 * b0 : 8 * b1].view(*lead, rows, k // 2),
+            scale[b0:b1].view(*lead, rows, k // GROUP_SIZE),
+            bucket.scale_2[m0 : m0 + lead[0]] if lead else bucket.scale_2[m0],
+        )
+    flags = bucket.bits[bucket.slots :].cpu()  # the bucket's one synchronisation
+    if bool(flags.any()):
+        i = int(flags.nonzero()[0, 0])
+        _raise_non_finite(bucket.names[i], bucket.inputs[i])
+    return out
+
+
+def quantize_grouped(
+    weights: Sequence[tuple[str, torch.Tensor]],
+    partners: Mapping[str, str],
+    cfg: NVFP4Config,
+    tuning: KernelTuning | None = None,
+) -> dict[str, NVFP4Tensor]:
+    """A bucket of checked weights on one device through the kernels (module docstring)."""
+    if not weights:
+        return {}
+    from posttrain.quant_convert import _nvfp4_triton as kernels
+
+    bucket = plan_bucket(weights, partners)
+    if (tuning or kernels.DEFAULT_TUNING).pipeline and cfg.four_over_six == "off":
+        run_pipelined(bucket, cfg, tuning)
+    else:
+        run_prepass(bucket, tuning)
+        run_quantize(bucket, cfg, tuning)
+    return results(bucket)
