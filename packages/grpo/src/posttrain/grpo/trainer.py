@@ -12,8 +12,12 @@ Departures from the obvious:
 * The LoRA factors are kept out of FSDP (``ignored_params``): plain replicated tensors whose
   gradients ``reduce_lora_grads`` averages over the data-parallel group and whose norm
   ``lora_grad_norm`` measures, so every rank holds the same adapter to export.
-* FSDP wraps the root only: the decoder reads its layers' parameters inside one forward, so a
-  per-layer unit would never be gathered. ``forward_logits`` is registered as an FSDP forward.
+* FSDP units: one per decoder layer, then the root. Each layer's compute runs through the
+  layer module's ``__call__`` (``DecoderModel`` passes a ``LayerCall``), so FSDP2 gathers a
+  layer's parameters just before it (prefetching the next layer's), reshards them after its
+  forward and reduces its gradients as soon as its backward is done. Inputs are not cast: the
+  residual stream stays fp32 between layers. ``forward_logits`` is registered as an FSDP
+  forward of the root. ``activation_checkpointing`` recomputes each layer in the backward.
 * A rank's loss is scaled by the world size W: FSDP (and ``reduce_lora_grads``) average
   gradients over W, and the normalisers (``global_batch_size``, ``global_token_count``) are
   the whole step's, so the averaged gradient is that of the global-batch loss.
@@ -310,11 +314,21 @@ def shard_policy(
         # checkpoints hold the fp32 masters, and ``to_hf_state_dict`` gives the config's dtype.
         param_dtype = model.config.dtype
         model.float()
+    # One FSDP unit per decoder layer (each layer's compute runs through its module's
+    # ``__call__``), then the root (embedding, final norm, head, towers). Layers get the fp32
+    # residual stream as it is (no input cast): only their parameters take ``param_dtype``.
+    layers = {id(layer) for layer in model.layers}
+    model.activation_checkpointing = cfg.activation_checkpointing
     apply_hsdp(
         model,
         mesh,
-        HsdpConfig(param_dtype=param_dtype, reduce_dtype=torch.float32),
-        wrap=lambda _module: False,
+        HsdpConfig(
+            param_dtype=param_dtype,
+            reduce_dtype=torch.float32,
+            cast_forward_inputs=False,
+            forward_prefetch=True,
+        ),
+        wrap=lambda module: id(module) in layers,
         ignored_params=ignored,
     )
     register_fsdp_forward_method(model, "forward_logits")

@@ -181,8 +181,40 @@ def attend(
     )
 
 
-def causal_sdpa(q: Tensor, k: Tensor, v: Tensor, seg: Tensor, group: int, scale: float) -> Tensor:
-    """Fast-mode training attention without window or bias: torch SDPA per segment."""
+def causal_sdpa(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    seg: Tensor,
+    pos: Tensor,
+    num_segments: int,
+    scale: float,
+    dtype: torch.dtype,
+) -> Tensor:
+    """Fast-mode training attention without window or bias: torch SDPA (flash / efficient
+    kernels where the device has them) over packed segments whose tokens are in order.
+
+    Every segment is padded at its end to the longest one and all go through one causal SDPA
+    call ``[segments, heads, L, hd]`` in ``dtype``: a real query never sees a pad key (the
+    pads come after it), so the rows of the real tokens are exactly per-segment attention.
+    When padding would more than double the work, segments run one SDPA call each.
+    ``q[T, heads, hd]``, ``k, v[T, kv_heads, hd]``; returns ``[T, heads * hd]`` in ``dtype``.
+    """
+    t, nh, hd = q.shape
+    group = nh // k.shape[1]
+    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    longest = int(pos.max()) + 1
+    if num_segments * longest <= 2 * t:
+        slot = seg * longest + pos  # the token's row in the padded [segments * L] batch
+
+        def padded(x: Tensor) -> Tensor:
+            rows = x.new_zeros((num_segments * longest, *x.shape[1:])).index_copy(0, slot, x)
+            return rows.reshape(num_segments, longest, x.shape[1], hd).transpose(1, 2)
+
+        kp = padded(k).repeat_interleave(group, dim=1)
+        vp = padded(v).repeat_interleave(group, dim=1)
+        o = F.scaled_dot_product_attention(padded(q), kp, vp, is_causal=True, scale=scale)
+        return o.transpose(1, 2).reshape(num_segments * longest, nh * hd)[slot]
     outs = []
     for s in torch.unique_consecutive(seg).tolist():
         idx = (seg == s).nonzero().flatten()
@@ -261,8 +293,11 @@ class PackedLayout(TokenLayout):
         window: int | None,
         rel_logits: Tensor | None,
     ) -> Tensor:
-        if ops is FastOps and window is None and rel_logits is None:
-            return causal_sdpa(q, k, v, self.seg, q.shape[1] // k.shape[1], scale)
+        if not ops.batch_invariant and window is None and rel_logits is None:
+            if self.tokens_in_order():
+                return causal_sdpa(
+                    q, k, v, self.seg, self.pos, self.num_segments, scale, ops.compute_dtype
+                )
         if ops.fused_row_attention and rel_logits is None and self.tokens_in_order():
             # each segment's keys are its own tokens, in position order: no buffers needed
             first = torch.arange(q.shape[0], device=q.device) - self.pos

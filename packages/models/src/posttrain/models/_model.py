@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING, Literal, NamedTuple
 
 import torch
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
 from posttrain.models._blocks import (
     CacheLayout,
@@ -56,7 +57,7 @@ from posttrain.models._config import ModelConfig
 from posttrain.models._errors import CacheError, ModelInputError
 from posttrain.models._lora import AdapterArg, LoraAdapter, LoraRouting
 from posttrain.models._media import MediaBatch, MediaKind, check_media_positions
-from posttrain.models._ops import FastOps, StrictOps, apply_rope
+from posttrain.models._ops import Bf16FastOps, FastOps, StrictOps, apply_rope
 from posttrain.models._rope import rope_tables
 from posttrain.models._sites import LinearSite
 from posttrain.models._towers import MediaTower, build_towers, image_patches, mel_features
@@ -97,6 +98,19 @@ class Step(NamedTuple):
 
     logits: Tensor
     logprobs: Tensor
+
+
+class LayerCall(NamedTuple):
+    """What a decoder layer's ``forward(h, call)`` needs besides the residual stream: the model
+    (its kernels and the layer computation), the token layout and the LoRA routing.
+
+    Each layer's compute goes through the layer module's ``__call__``, so module hooks (FSDP2's
+    per-layer all-gather and reshard, activation checkpointing) see one call per layer.
+    """
+
+    model: DecoderModel
+    layout: TokenLayout
+    lora: LoraRouting
 
 
 class _Layer(nn.Module):
@@ -153,6 +167,10 @@ class _Layer(nn.Module):
         if width:
             self.mlp_out_conv = nn.Parameter(torch.zeros(h, width, dtype=dt))
         self.sites = nn.ModuleDict()  # filled by DecoderModel (sites need the model's kernel)
+
+    def forward(self, h: Tensor, call: LayerCall) -> Tensor:
+        """The residual stream ``[T, H]`` after this layer (``DecoderModel._layer_forward``)."""
+        return call.model._layer_forward(self, h, call.layout, call.lora)
 
 
 class DenseLayer(_Layer):
@@ -231,6 +249,10 @@ class MlaLayer(nn.Module):
             self.moe = DeepseekMoe(config.deepseek_moe_spec, dtype=dt)
         self.sites = nn.ModuleDict()  # filled by DecoderModel
 
+    def forward(self, h: Tensor, call: LayerCall) -> Tensor:
+        """The residual stream ``[T, H]`` after this layer (``DecoderModel._mla_layer``)."""
+        return call.model._mla_layer(self, h, call.layout, call.lora)
+
 
 MLA_PROJECTIONS = ("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")
 """The linear projections of MLA attention (``q_proj`` without ``q_lora_rank``, else ``q_a/q_b``)."""
@@ -271,6 +293,46 @@ def moe_routing(
     return ids, weights
 
 
+def grouped_experts(ops: type[FastOps], x: Tensor, ids: Tensor, fc1: Tensor, fc2: Tensor) -> Tensor:
+    """Routed expert outputs ``[T, k, H]`` for ``x[T, H]`` and ``ids[T, k]`` (fast numerics).
+
+    The ``T * k`` (token, slot) pairs are sorted by expert id once (one gather), so each
+    expert's tokens are one contiguous slice; ``torch._grouped_mm`` runs every expert in one
+    call (CUDA, bf16 compute, dims multiples of 8), else one matmul per expert over its slice.
+    ``fc1[E, 2I, H] = [gate; up]``, ``fc2[E, H, I]``. Same math as expert-by-expert.
+    """
+    t, k = ids.shape
+    e, inter = fc1.shape[0], fc2.shape[2]
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    xs = x[order // k]  # [T * k, H], grouped by expert
+    counts = torch.bincount(flat, minlength=e)
+    dt = ops.compute_dtype
+    grouped = (
+        x.device.type == "cuda"
+        and dt == torch.bfloat16
+        and hasattr(torch, "_grouped_mm")
+        and x.shape[1] % 8 == 0
+        and inter % 8 == 0
+    )
+    if grouped:
+        offs = counts.cumsum(0).to(torch.int32)
+        gu = torch._grouped_mm(xs.to(dt), fc1.to(dt).transpose(-2, -1), offs=offs)
+        act = ops.silu_mul(gu[:, :inter], gu[:, inter:])
+        ys = torch._grouped_mm(act, fc2.to(dt).transpose(-2, -1), offs=offs)
+    else:
+        parts = []
+        for j, (xj, size) in enumerate(
+            zip(torch.split(xs, counts.tolist()), counts.tolist(), strict=True)
+        ):
+            if size == 0:
+                continue
+            gu = ops.linear(xj, fc1[j])
+            parts.append(ops.linear(ops.silu_mul(gu[:, :inter], gu[:, inter:]), fc2[j]))
+        ys = torch.cat(parts) if parts else xs.new_zeros((0, fc2.shape[1]))
+    return ys[torch.argsort(order)].reshape(t, k, -1)
+
+
 class DecoderModel(nn.Module):
     """A Qwen3-MoE-layout decoder with strict (bit-identical) and fast numerics."""
 
@@ -294,6 +356,12 @@ class DecoderModel(nn.Module):
         self.config = config
         self.numerics = Numerics(numerics)
         self.strict_kernels = strict_kernels
+        self.activation_checkpointing = False
+        """Recompute each layer's activations in the backward (``torch.utils.checkpoint``)."""
+        self.compute_dtype: torch.dtype = torch.float32
+        """Fast numerics' matmul dtype: ``torch.bfloat16`` runs ``Bf16FastOps`` (bf16 linears
+        and attention, fp32 norms, residual stream, logits and log-softmax). Strict numerics
+        always compute in fp32."""
         v, h, dt = config.vocab_size, config.hidden_size, config.dtype
         self.embedding = nn.Parameter(torch.zeros(v, h, dtype=dt))
         if config.embedding_rms_norm:
@@ -349,7 +417,7 @@ class DecoderModel(nn.Module):
         Triton is imported only here, and only for the Triton set, so CPU work never needs it.
         """
         if self.numerics is not Numerics.STRICT:
-            return FastOps
+            return Bf16FastOps if self.compute_dtype == torch.bfloat16 else FastOps
         return strict_ops_for(self.embedding.device, self._strict_kernels)
 
     # ------------------------------------------------------------------ public forwards
@@ -407,7 +475,7 @@ class DecoderModel(nn.Module):
         check_media_positions(ids, media, self.config)
         rows = self.media_embeddings(media)
         index = torch.tensor(media.positions(), dtype=torch.long, device=h.device)
-        return h.index_put((index,), rows)
+        return h.index_put((index,), rows.to(h.dtype))
 
     def media_embeddings(self, media: MediaBatch) -> Tensor:
         """Tower outputs ``[media.num_tokens, hidden]`` fp32, span after span, computed under
@@ -725,25 +793,16 @@ class DecoderModel(nn.Module):
         if cfg.embedding_rms_norm:
             h = ops.rms_norm(h, self.embed_norm, cfg.rms_norm_eps)
         h = self._scatter_sequence(h)
+        call = LayerCall(self, layout, lora)
+        checkpointed = self.activation_checkpointing and torch.is_grad_enabled()
         for layer in self.layers:
-            if isinstance(layer, MlaLayer):
-                h = self._mla_layer(layer, h, layout, lora)
-                continue
-            assert isinstance(layer, _Layer)
-            prefix = f"model.layers.{layer.index}."
-            h = h + self._attention(layer, h, layout, lora, prefix)
-            m = ops.rms_norm(h, layer.mlp_norm, cfg.rms_norm_eps)
-            if isinstance(layer, MoeLayer):
-                y = self._moe(layer, m, lora, prefix)
+            if checkpointed:
+                h = checkpoint(layer, h, call, use_reentrant=False)
             else:
-                assert isinstance(layer, DenseLayer)
-                y = self._dense(layer, m, lora, prefix)
-            if cfg.sconv_kernel_size:
-                y = layout.sconv(ops, layer.index, "mlp", y, layer.mlp_out_conv)
-            h = h + y
+                h = layer(h, call)
         h = self._gather_sequence(h)
         h = ops.rms_norm(h, self.final_norm, cfg.rms_norm_eps)
-        logits = self.sites["lm_head"](h)
+        logits = self.sites["lm_head"](h).float()  # fp32 logits whatever the compute dtype
         logits = lora.apply(ops, h, logits, [("lm_head", 0, cfg.vocab_size)])
         if cfg.logits_divisor != 1.0:
             logits = logits / cfg.logits_divisor
@@ -761,6 +820,23 @@ class DecoderModel(nn.Module):
     def _gather_sequence(self, h: Tensor) -> Tensor:
         """The residual stream leaving the layers (see ``_scatter_sequence``); the identity here."""
         return h
+
+    def _layer_forward(
+        self, layer: _Layer, h: Tensor, layout: TokenLayout, lora: LoraRouting
+    ) -> Tensor:
+        """The residual stream ``[T, H]`` after one (non-MLA) layer: attention, then its MLP."""
+        cfg, ops = self.config, self.ops
+        prefix = f"model.layers.{layer.index}."
+        h = h + self._attention(layer, h, layout, lora, prefix)
+        m = ops.rms_norm(h, layer.mlp_norm, cfg.rms_norm_eps)
+        if isinstance(layer, MoeLayer):
+            y = self._moe(layer, m, lora, prefix)
+        else:
+            assert isinstance(layer, DenseLayer)
+            y = self._dense(layer, m, lora, prefix)
+        if cfg.sconv_kernel_size:
+            y = layout.sconv(ops, layer.index, "mlp", y, layer.mlp_out_conv)
+        return h + y
 
     def _rope(self, head_dim: int) -> tuple[Tensor, Tensor]:
         if head_dim == self.config.head_dim:
@@ -889,19 +965,14 @@ class DecoderModel(nn.Module):
 
     def _moe(self, layer: MoeLayer, m: Tensor, lora: LoraRouting, prefix: str) -> Tensor:
         cfg, ops = self.config, self.ops
-        k, hsz = cfg.num_experts_per_tok, cfg.hidden_size
         e, ns = cfg.num_experts, cfg.n_shared_experts
         logits = layer.sites["router"](m)
         logits = lora.apply(ops, m, logits, [(prefix + "mlp.gate", 0, e + ns)])
         ids, weights = moe_routing(ops, cfg, logits, getattr(layer, "expert_bias", None))
-        outputs = m.new_zeros(m.shape[0], k, hsz)
-        for j in range(e):
-            tok, slot = (ids == j).nonzero(as_tuple=True)
-            if tok.numel() == 0:
-                continue
-            ep = f"{prefix}mlp.experts.{j}."
-            ye = self._expert(layer.experts_fc1[j], layer.experts_fc2[j], m[tok], lora, ep, tok)
-            outputs = outputs.index_put((tok, slot), ye)
+        if not ops.batch_invariant and not lora.active:
+            outputs = grouped_experts(ops, m, ids, layer.experts_fc1, layer.experts_fc2)
+        else:
+            outputs = self._experts_by_id(layer, m, ids, lora, prefix)
         if ns:
             shared = [
                 self._expert(
@@ -915,8 +986,24 @@ class DecoderModel(nn.Module):
                 for s in range(ns)
             ]
             # fixed fp32 order: shared experts 0..S-1, then routed experts by ascending id
-            outputs = torch.cat([torch.stack(shared, dim=1), outputs], dim=1)
+            outputs = torch.cat([torch.stack(shared, dim=1).to(outputs.dtype), outputs], dim=1)
         return ops.moe_combine(weights, outputs)
+
+    def _experts_by_id(
+        self, layer: MoeLayer, m: Tensor, ids: Tensor, lora: LoraRouting, prefix: str
+    ) -> Tensor:
+        """Routed expert outputs ``[T, k, H]`` (the slot order of ``ids``), expert by expert
+        with each expert's LoRA deltas: the strict path (and any path with adapters)."""
+        k, e = self.config.num_experts_per_tok, self.config.num_experts
+        outputs = m.new_zeros(m.shape[0], k, self.config.hidden_size)
+        for j in range(e):
+            tok, slot = (ids == j).nonzero(as_tuple=True)
+            if tok.numel() == 0:
+                continue
+            ep = f"{prefix}mlp.experts.{j}."
+            ye = self._expert(layer.experts_fc1[j], layer.experts_fc2[j], m[tok], lora, ep, tok)
+            outputs = outputs.index_put((tok, slot), ye.to(outputs.dtype))
+        return outputs
 
     def _expert(
         self,
