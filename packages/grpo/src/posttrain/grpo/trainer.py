@@ -319,6 +319,10 @@ def shard_policy(
     # residual stream as it is (no input cast): only their parameters take ``param_dtype``.
     layers = {id(layer) for layer in model.layers}
     model.activation_checkpointing = cfg.activation_checkpointing
+    if cfg.precision == "bf16" and model.numerics is Numerics.FAST and not model.config.is_mla:
+        # bf16 compute that is bf16: FSDP's bf16 compute copy feeds bf16 matmuls and attention
+        # (norms, residual stream, logits and log-softmax stay fp32); masters stay fp32.
+        model.compute_dtype = torch.bfloat16
     apply_hsdp(
         model,
         mesh,
@@ -332,6 +336,7 @@ def shard_policy(
         ignored_params=ignored,
     )
     register_fsdp_forward_method(model, "forward_logits")
+    register_fsdp_forward_method(model, "forward_token_logprobs")
     # forward_logits may return a view; nothing here writes into it in place.
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
     # Frozen parameters (the media towers) get no optimizer state: only what trains is in it.
@@ -436,8 +441,18 @@ def _micro_batch_objective(
 ) -> tuple[PolicyObjective, int]:
     """The objective of one micro-batch on this rank (no context parallel), its loss tokens."""
     batch = _pack(part, policy.model.embedding.device, policy.model)
-    logp, logits = _response_logprobs(policy.model, batch, with_logits=True)
-    assert logits is not None
+    model = policy.model
+    if policy.backend == "fsdp" and model.numerics is Numerics.FAST:
+        # logprobs and entropies chunk by chunk from the hidden states: no [T, vocab] logits
+        logp, entropy = model.forward_token_logprobs(
+            batch["ids"], batch["lengths"], batch["rows"], batch["targets"], media=batch["media"]
+        )
+        if settings.entropy_coef == 0.0:
+            entropy = entropy.detach()
+    else:
+        logp, logits = _response_logprobs(model, batch, with_logits=True)
+        assert logits is not None
+        entropy = _entropy(logits, settings)
     ref = _reference_logprobs(policy, batch) if cfg.use_kl_loss else None
     objective = policy_objective(
         logp=logp,
@@ -448,7 +463,7 @@ def _micro_batch_objective(
         settings=settings,
         rollout_logp=batch["rollout"],
         ref_logp=ref,
-        entropy=_entropy(logits, settings),
+        entropy=entropy,
         global_batch_size=global_batch_size,
         global_token_count=global_token_count,
     )

@@ -55,6 +55,7 @@ from posttrain.models._blocks import (
 from posttrain.models._cache import KVCache
 from posttrain.models._config import ModelConfig
 from posttrain.models._errors import CacheError, ModelInputError
+from posttrain.models._logprobs import DEFAULT_CHUNK_TOKENS, chunked_token_logprobs
 from posttrain.models._lora import AdapterArg, LoraAdapter, LoraRouting
 from posttrain.models._media import MediaBatch, MediaKind, check_media_positions
 from posttrain.models._ops import Bf16FastOps, FastOps, StrictOps, apply_rope
@@ -568,6 +569,46 @@ class DecoderModel(nn.Module):
             out = torch.cat([out[:1], torch.where(starts[1:], 0.0, picked)])
         return out
 
+    def forward_token_logprobs(
+        self,
+        input_ids: Tensor,
+        segment_lengths: Sequence[int],
+        rows: Tensor,
+        targets: Tensor,
+        *,
+        media: MediaBatch | None = None,
+        chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+    ) -> tuple[Tensor, Tensor]:
+        """``(logprob [N], entropy [N])`` fp32: ``log p(targets[i])`` under the distribution of
+        packed position ``rows[i]`` (its logits row, as ``forward_logits(...)[rows]``) and that
+        distribution's entropy. Differentiable.
+
+        Fast numerics with a plain LM head: ``chunked_token_logprobs`` over the picked rows'
+        hidden states, so full-vocabulary fp32 logits never exist for all tokens at once (same
+        values up to fp32 rounding). Otherwise (strict numerics, a wrapped head) the logits of
+        every token, the kernel set's log-softmax and the rows picked, as the engine computes.
+        """
+        ids, seg, pos = self._pack(input_ids, segment_lengths)
+        routing = LoraRouting(None, seg, len(segment_lengths), self._lora_targets)
+        width = min(self.config.capacity, 1 << int(pos.max()).bit_length())
+        layout = PackedLayout(seg, pos, len(segment_lengths), width)
+        h = self._hidden(ids, layout, routing, media=media)
+        rows, targets = rows.to(h.device).long(), targets.to(h.device).long()
+        site = self.sites["lm_head"]
+        if self.numerics is Numerics.FAST and type(site) is LinearSite:
+            return chunked_token_logprobs(
+                h[rows],
+                site.weight,
+                targets,
+                chunk_tokens=chunk_tokens,
+                compute_dtype=self.ops.compute_dtype,
+                logits_divisor=self.config.logits_divisor,
+            )
+        logits = self._head(h, routing)[rows]
+        logp = self.ops.log_softmax(logits)
+        full = torch.log_softmax(logits, dim=-1)
+        return logp.gather(1, targets[:, None])[:, 0], -(full.exp() * full).sum(-1)
+
     def new_kv_cache(self, num_rows: int = 1) -> KVCache:
         """An empty KV cache with ``num_rows`` rows, on the model's device."""
         return KVCache(self.config, num_rows, device=self.embedding.device)
@@ -788,6 +829,19 @@ class DecoderModel(nn.Module):
         media: MediaBatch | None = None,
         embeds: Tensor | None = None,
     ) -> Tensor:
+        h = self._hidden(ids, layout, lora, media=media, embeds=embeds)
+        return self._head(h, lora)
+
+    def _hidden(
+        self,
+        ids: Tensor,
+        layout: TokenLayout,
+        lora: LoraRouting,
+        *,
+        media: MediaBatch | None = None,
+        embeds: Tensor | None = None,
+    ) -> Tensor:
+        """The last hidden states ``[T, H]`` (after the final norm) that the LM head reads."""
         cfg, ops = self.config, self.ops
         h = self._embed(ids, media) if embeds is None else embeds  # ids checked by the caller
         if cfg.embedding_rms_norm:
@@ -801,7 +855,11 @@ class DecoderModel(nn.Module):
             else:
                 h = layer(h, call)
         h = self._gather_sequence(h)
-        h = ops.rms_norm(h, self.final_norm, cfg.rms_norm_eps)
+        return ops.rms_norm(h, self.final_norm, cfg.rms_norm_eps)
+
+    def _head(self, h: Tensor, lora: LoraRouting) -> Tensor:
+        """fp32 logits ``[T, vocab]`` of the last hidden states ``h``."""
+        cfg, ops = self.config, self.ops
         logits = self.sites["lm_head"](h).float()  # fp32 logits whatever the compute dtype
         logits = lora.apply(ops, h, logits, [("lm_head", 0, cfg.vocab_size)])
         if cfg.logits_divisor != 1.0:
