@@ -43,7 +43,8 @@ def test_activation_checkpointing_keeps_strict_bits() -> None:
         grads.append((lp.detach(), {n: p.grad for n, p in model.named_parameters()}))
     assert torch.equal(grads[0][0], grads[1][0])
     for name, g in grads[0][1].items():
-        assert g is not None and torch.equal(g, grads[1][1][name]), name
+        assert g is not None, name
+        assert torch.equal(g, grads[1][1][name]), name
 
 
 @pytest.mark.parametrize(("chunk", "divisor"), [(3, 1.0), (64, 1.0), (4, 2.5)])

@@ -13,6 +13,7 @@ is what plain data parallelism over W gives, so the loss is scaled exactly as wi
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -138,7 +139,7 @@ def apply_hsdp(
     )
     if config.forward_prefetch:
         units = [b for b in blocks if isinstance(b, FSDPModule)]
-        for unit, following in zip(units, units[1:], strict=False):
+        for unit, following in itertools.pairwise(units):
             unit.set_modules_to_forward_prefetch([following])
     factor = sharding_mesh.size()
     if factor != mesh.dp_size:

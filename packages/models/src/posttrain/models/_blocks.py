@@ -293,11 +293,11 @@ class PackedLayout(TokenLayout):
         window: int | None,
         rel_logits: Tensor | None,
     ) -> Tensor:
-        if not ops.batch_invariant and window is None and rel_logits is None:
-            if self.tokens_in_order():
-                return causal_sdpa(
-                    q, k, v, self.seg, self.pos, self.num_segments, scale, ops.compute_dtype
-                )
+        plain = not ops.batch_invariant and window is None and rel_logits is None
+        if plain and self.tokens_in_order():
+            return causal_sdpa(
+                q, k, v, self.seg, self.pos, self.num_segments, scale, ops.compute_dtype
+            )
         if ops.fused_row_attention and rel_logits is None and self.tokens_in_order():
             # each segment's keys are its own tokens, in position order: no buffers needed
             first = torch.arange(q.shape[0], device=q.device) - self.pos

@@ -108,7 +108,7 @@ def chunked_token_logprobs(
         raise ValueError(
             f"h must be [N, H] and targets [N]; got {list(h.shape)} and {list(targets.shape)}"
         )
-    out: tuple[Tensor, Tensor] = _ChunkedLogprobs.apply(
+    out: tuple[Tensor, Tensor] = _ChunkedLogprobs.apply(  # type: ignore[no-untyped-call]
         h, weight, targets.long(), chunk_tokens, compute_dtype, logits_divisor
     )
     return out

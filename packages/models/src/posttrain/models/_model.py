@@ -850,10 +850,7 @@ class DecoderModel(nn.Module):
         call = LayerCall(self, layout, lora)
         checkpointed = self.activation_checkpointing and torch.is_grad_enabled()
         for layer in self.layers:
-            if checkpointed:
-                h = checkpoint(layer, h, call, use_reentrant=False)
-            else:
-                h = layer(h, call)
+            h = checkpoint(layer, h, call, use_reentrant=False) if checkpointed else layer(h, call)
         h = self._gather_sequence(h)
         return ops.rms_norm(h, self.final_norm, cfg.rms_norm_eps)
 
