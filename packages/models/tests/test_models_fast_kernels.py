@@ -143,3 +143,39 @@ def test_bf16_compute_is_bf16_with_fp32_logits() -> None:
     rows = torch.arange(0, 11)
     chunked, _ = model.forward_token_logprobs(ids, lengths, rows, ids[rows + 1], chunk_tokens=4)
     torch.testing.assert_close(chunked, lp[1:12], rtol=1e-3, atol=1e-3)
+
+
+def _reference_grouped_mm(a: torch.Tensor, b: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """``torch._grouped_mm``'s contract (rows ``offs[j-1]:offs[j]`` times ``b[j]``), in plain
+    torch; rows past the last offset are NaN, so reading one would show."""
+    out = torch.full((a.shape[0], b.shape[2]), float("nan"), dtype=a.dtype)
+    start = 0
+    for j, end in enumerate(offs.tolist()):
+        out[start:end] = (a[start:end].float() @ b[j].float()).to(a.dtype)
+        start = end
+    return out
+
+
+def test_the_grouped_mm_path_pads_and_unpads_exactly(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CUDA branch's padded groups and static buffer, run here through a reference grouped
+    matmul: the same bf16 values and gradients as the per-expert path."""
+    import posttrain.models._model as model_module
+
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(13, 16, generator=gen, requires_grad=True)
+    fc1 = torch.randn(4, 16, 16, generator=gen, requires_grad=True)
+    fc2 = torch.randn(4, 16, 8, generator=gen, requires_grad=True)
+    ids = torch.sort(torch.rand(13, 4, generator=gen).argsort(-1)[:, :2]).values
+    ids[:5] = torch.tensor([0, 2])
+    ref = grouped_experts(Bf16FastOps, x, ids, fc1, fc2)
+    ref.float().sum().backward()
+    ref_grads = [t.grad for t in (x, fc1, fc2)]
+    x.grad = fc1.grad = fc2.grad = None
+    monkeypatch.setattr(model_module, "use_grouped_mm", lambda *_: True)
+    monkeypatch.setattr(torch, "_grouped_mm", _reference_grouped_mm, raising=False)
+    got = grouped_experts(Bf16FastOps, x, ids, fc1, fc2)
+    assert got.dtype == torch.bfloat16
+    assert torch.equal(got, ref)
+    got.float().sum().backward()
+    for a, b in zip((x.grad, fc1.grad, fc2.grad), ref_grads, strict=True):
+        torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2)

@@ -294,38 +294,58 @@ def moe_routing(
     return ids, weights
 
 
+GROUPED_MM_ALIGN = 16
+"""Rows each expert's group is padded to a multiple of for ``torch._grouped_mm``."""
+
+
+def use_grouped_mm(x: Tensor, dtype: torch.dtype, inter: int) -> bool:
+    """Whether ``grouped_experts`` takes ``torch._grouped_mm``: CUDA, bf16, aligned dims."""
+    return (
+        x.device.type == "cuda"
+        and dtype == torch.bfloat16
+        and hasattr(torch, "_grouped_mm")
+        and x.shape[1] % 8 == 0
+        and inter % 8 == 0
+    )
+
+
 def grouped_experts(ops: type[FastOps], x: Tensor, ids: Tensor, fc1: Tensor, fc2: Tensor) -> Tensor:
     """Routed expert outputs ``[T, k, H]`` for ``x[T, H]`` and ``ids[T, k]`` (fast numerics).
 
     The ``T * k`` (token, slot) pairs are sorted by expert id once (one gather), so each
-    expert's tokens are one contiguous slice; ``torch._grouped_mm`` runs every expert in one
-    call (CUDA, bf16 compute, dims multiples of 8), else one matmul per expert over its slice.
-    ``fc1[E, 2I, H] = [gate; up]``, ``fc2[E, H, I]``. Same math as expert-by-expert.
+    expert's tokens are one contiguous slice. On CUDA with bf16 compute (dims multiples of 8)
+    ``torch._grouped_mm`` runs every expert in one call, each group padded to a multiple of
+    ``GROUPED_MM_ALIGN`` rows in a buffer of static size (no host sync; the pad rows are
+    zeros that nothing reads); elsewhere one matmul per expert over its slice.
+    ``fc1[E, 2I, H] = [gate; up]``, ``fc2[E, H, I]``. Same math as expert by expert.
     """
     t, k = ids.shape
     e, inter = fc1.shape[0], fc2.shape[2]
     flat = ids.reshape(-1)
     order = torch.argsort(flat, stable=True)
     xs = x[order // k]  # [T * k, H], grouped by expert
-    counts = torch.bincount(flat, minlength=e)
-    dt = ops.compute_dtype
-    grouped = (
-        x.device.type == "cuda"
-        and dt == torch.bfloat16
-        and hasattr(torch, "_grouped_mm")
-        and x.shape[1] % 8 == 0
-        and inter % 8 == 0
+    counts = torch.zeros(e, dtype=torch.long, device=x.device).index_add_(
+        0, flat, torch.ones_like(flat)
     )
-    if grouped:
-        offs = counts.cumsum(0).to(torch.int32)
-        gu = torch._grouped_mm(xs.to(dt), fc1.to(dt).transpose(-2, -1), offs=offs)
+    dt = ops.compute_dtype
+    if use_grouped_mm(x, dt, inter):
+        align = GROUPED_MM_ALIGN
+        padded = (counts + align - 1) // align * align
+        ends = padded.cumsum(0)
+        starts = ends - padded
+        first = counts.cumsum(0) - counts  # each expert's first row in ``xs``
+        expert = flat[order]
+        dest = starts[expert] + torch.arange(flat.shape[0], device=x.device) - first[expert]
+        rows = flat.shape[0] + e * (align - 1)
+        xp = xs.new_zeros((rows, xs.shape[1]), dtype=dt).index_copy(0, dest, xs.to(dt))
+        offs = ends.to(torch.int32)
+        gu = torch._grouped_mm(xp, fc1.to(dt).transpose(-2, -1), offs=offs)
         act = ops.silu_mul(gu[:, :inter], gu[:, inter:])
-        ys = torch._grouped_mm(act, fc2.to(dt).transpose(-2, -1), offs=offs)
+        ys = torch._grouped_mm(act, fc2.to(dt).transpose(-2, -1), offs=offs)[dest]
     else:
+        sizes = counts.tolist()
         parts = []
-        for j, (xj, size) in enumerate(
-            zip(torch.split(xs, counts.tolist()), counts.tolist(), strict=True)
-        ):
+        for j, (xj, size) in enumerate(zip(torch.split(xs, sizes), sizes, strict=True)):
             if size == 0:
                 continue
             gu = ops.linear(xj, fc1[j])
