@@ -184,6 +184,10 @@ def measure(rank: int, world: int, args: argparse.Namespace, train: str, numeric
     peak = torch.cuda.max_memory_allocated(device) if args.device == "cuda" else 0
     peaks = [None] * world
     dist.all_gather_object(peaks, peak)
+    profile = None
+    if args.profile and numerics == "fast" and tokens == args.tokens and world == 1:
+        profile = _profile(lambda: train_step(policy, samples, gcfg, global_batch_size=len(samples),
+                                              global_token_count=total), device)  # fmt: skip
     del policy, model
     step_tokens = world * len(samples) * args.seq_len
     return {
@@ -195,7 +199,25 @@ def measure(rank: int, world: int, args: argparse.Namespace, train: str, numeric
         **_rates(args, mcfg, step_tokens, statistics.median(seconds)),
         "peak_memory_gib": max(p or 0 for p in peaks) / 2**30,
         "first_step_max_abs_logprob_diff": diffs[0],
+        **({"profile_top_kernels": profile} if profile else {}),
     }  # fmt: skip
+
+
+def _profile(step: Any, device: torch.device, top: int = 15) -> list[dict[str, Any]]:
+    """The ``top`` kernels of one more step by device time (CPU ops on a CPU run)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        step()
+        _sync(device)
+    key = "self_device_time_total" if cuda else "self_cpu_time_total"
+    rows = sorted(prof.key_averages(), key=lambda e: getattr(e, key, 0.0), reverse=True)
+    total = sum(getattr(e, key, 0.0) for e in rows) or 1.0
+    return [{"name": e.key[:80], "ms": round(getattr(e, key, 0.0) / 1e3, 3),
+             "share": round(getattr(e, key, 0.0) / total, 4), "calls": e.count}
+            for e in rows[:top]]  # fmt: skip
 
 
 def hf_reference(args: argparse.Namespace, precision: str) -> dict[str, Any]:
@@ -217,9 +239,8 @@ def hf_reference(args: argparse.Namespace, precision: str) -> dict[str, Any]:
     hf_cfg = transformers.AutoConfig.for_model(**hf_dict)
     torch.manual_seed(0)
     with torch.device(device):
-        hf = transformers.AutoModelForCausalLM.from_config(
-            hf_cfg, attn_implementation="eager", torch_dtype=torch.float32
-        )
+        hf = transformers.AutoModelForCausalLM.from_config(hf_cfg, attn_implementation="eager")
+    hf.float()  # fp32 parameters (autocast makes the bf16 compute copies)
     hf.train()
     row["architecture"] = type(hf).__name__
     row["transformers_version"] = transformers.__version__
@@ -239,7 +260,7 @@ def hf_reference(args: argparse.Namespace, precision: str) -> dict[str, Any]:
         _sync(device)
         if rep:
             seconds.append(time.perf_counter() - t0)
-    row["loss"] = float(loss)
+    row["loss"] = float(loss.detach())
     row["tokens_per_step"] = int(ids.numel())
     row.update(_rates(args, mcfg, int(ids.numel()), statistics.median(seconds)))
     row["peak_memory_gib"] = (torch.cuda.max_memory_allocated(device) / 2**30
@@ -309,6 +330,8 @@ def main() -> None:
     parser.add_argument("--transformers", action=argparse.BooleanOptionalAction, default=True,
                         help="run the transformers reference beside ours (world 1)")  # fmt: skip
     parser.add_argument("--activation-checkpointing", action="store_true")
+    parser.add_argument("--profile", action="store_true",
+                        help="profile one more step of each fast run (top kernels by time)")  # fmt: skip
     parser.add_argument("--peak-tflops", type=float, default=None,
                         help="peak TFLOP/s for MFU (default: the device's bf16 dense peak)")  # fmt: skip
     parser.add_argument("--timeout-s", type=float, default=1200.0)
