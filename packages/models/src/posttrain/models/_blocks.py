@@ -190,6 +190,7 @@ def causal_sdpa(
     num_segments: int,
     scale: float,
     dtype: torch.dtype,
+    longest: int | None = None,
 ) -> Tensor:
     """Fast-mode training attention without window or bias: torch SDPA (flash / efficient
     kernels where the device has them) over packed segments whose tokens are in order.
@@ -199,11 +200,12 @@ def causal_sdpa(
     pads come after it), so the rows of the real tokens are exactly per-segment attention.
     When padding would more than double the work, segments run one SDPA call each.
     ``q[T, heads, hd]``, ``k, v[T, kv_heads, hd]``; returns ``[T, heads * hd]`` in ``dtype``.
+    ``longest``: the longest segment (``max(pos) + 1``), when the caller knows it.
     """
     t, nh, hd = q.shape
     group = nh // k.shape[1]
     q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
-    longest = int(pos.max()) + 1
+    longest = int(pos.max()) + 1 if longest is None else longest
     if num_segments * longest <= 2 * t:
         slot = seg * longest + pos  # the token's row in the padded [segments * L] batch
 
@@ -265,6 +267,7 @@ class PackedLayout(TokenLayout):
         self.num_segments = num_segments
         self.capacity = capacity
         self._in_order: bool | None = None
+        self._longest: int | None = None
 
     def tokens_in_order(self) -> bool:
         """Whether every segment's tokens are contiguous with positions ``0, 1, 2, ...``
@@ -295,9 +298,12 @@ class PackedLayout(TokenLayout):
     ) -> Tensor:
         plain = not ops.batch_invariant and window is None and rel_logits is None
         if plain and self.tokens_in_order():
+            if self._longest is None:  # once per layout, not once per layer (a host sync)
+                self._longest = int(self.pos.max()) + 1
             return causal_sdpa(
-                q, k, v, self.seg, self.pos, self.num_segments, scale, ops.compute_dtype
-            )
+                q, k, v, self.seg, self.pos, self.num_segments, scale, ops.compute_dtype,
+                self._longest,
+            )  # fmt: skip
         if ops.fused_row_attention and rel_logits is None and self.tokens_in_order():
             # each segment's keys are its own tokens, in position order: no buffers needed
             first = torch.arange(q.shape[0], device=q.device) - self.pos
