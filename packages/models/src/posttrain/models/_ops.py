@@ -145,10 +145,9 @@ class FastOps:
 
     @staticmethod
     def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-        """HF Qwen3 RMSNorm in fp32 (a low-precision input is upcast first)."""
-        x = x.float()
-        inv = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-        return (x * inv) * weight.float()
+        """HF Qwen3 RMSNorm in fp32 (a low-precision input is upcast first): torch's fused
+        ``rms_norm`` over the last dim, then the weight (which may be per head)."""
+        return F.rms_norm(x.float(), (x.shape[-1],), eps=eps) * weight.float()
 
     @staticmethod
     def silu_mul(gate: Tensor, up: Tensor) -> Tensor:
