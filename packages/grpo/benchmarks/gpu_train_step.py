@@ -37,6 +37,7 @@ Prints one JSON object per configuration, then a summary line.
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import os
@@ -186,8 +187,9 @@ def measure(rank: int, world: int, args: argparse.Namespace, train: str, numeric
     dist.all_gather_object(peaks, peak)
     profile = None
     if args.profile and numerics == "fast" and tokens == args.tokens and world == 1:
-        profile = _profile(lambda: train_step(policy, samples, gcfg, global_batch_size=len(samples),
-                                              global_token_count=total), device)  # fmt: skip
+        step = functools.partial(train_step, policy, samples, gcfg,
+                                 global_batch_size=len(samples), global_token_count=total)  # fmt: skip
+        profile = _profile(step, device)
     del policy, model
     step_tokens = world * len(samples) * args.seq_len
     return {
