@@ -459,12 +459,7 @@ class DecoderModel(nn.Module):
         outputs. ``inputs_embeds`` (``[T, hidden]`` fp32, e.g. from ``embed_inputs``) replaces
         the embedding step altogether (``media`` must then be None).
         """
-        ids, seg, pos = self._pack(input_ids, segment_lengths)
-        routing = LoraRouting(lora, seg, len(segment_lengths), self._lora_targets)
-        # buffers only as long as the longest segment needs (rounded up to a power of two, as
-        # attend_buffers reduces): the same bits as full capacity, at a cost independent of it
-        width = min(self.config.capacity, 1 << int(pos.max()).bit_length())
-        layout = PackedLayout(seg, pos, len(segment_lengths), width)
+        ids, layout, routing = self._packed_layout(input_ids, segment_lengths, lora)
         if inputs_embeds is not None:
             if media is not None:
                 raise ModelInputError("pass media or inputs_embeds, not both")
@@ -608,10 +603,7 @@ class DecoderModel(nn.Module):
         values up to fp32 rounding). Otherwise (strict numerics, a wrapped head) the logits of
         every token, the kernel set's log-softmax and the rows picked, as the engine computes.
         """
-        ids, seg, pos = self._pack(input_ids, segment_lengths)
-        routing = LoraRouting(None, seg, len(segment_lengths), self._lora_targets)
-        width = min(self.config.capacity, 1 << int(pos.max()).bit_length())
-        layout = PackedLayout(seg, pos, len(segment_lengths), width)
+        ids, layout, routing = self._packed_layout(input_ids, segment_lengths, None)
         h = self._hidden(ids, layout, routing, media=media)
         rows, targets = rows.to(h.device).long(), targets.to(h.device).long()
         site = self.sites["lm_head"]
@@ -839,6 +831,17 @@ class DecoderModel(nn.Module):
         starts = torch.tensor(_segment_starts(lengths), dtype=torch.long, device=dev)
         pos = torch.arange(ids.shape[0], device=dev) - starts[seg]
         return ids, seg, pos
+
+    def _packed_layout(
+        self, input_ids: Tensor, segment_lengths: Sequence[int], lora: AdapterArg
+    ) -> tuple[Tensor, PackedLayout, LoraRouting]:
+        """Checked ids, the packed layout and the LoRA routing of a training forward."""
+        ids, seg, pos = self._pack(input_ids, segment_lengths)
+        routing = LoraRouting(lora, seg, len(segment_lengths), self._lora_targets)
+        # buffers only as long as the longest segment needs (rounded up to a power of two, as
+        # attend_buffers reduces): the same bits as full capacity, at a cost independent of it
+        width = min(self.config.capacity, 1 << int(pos.max()).bit_length())
+        return ids, PackedLayout(seg, pos, len(segment_lengths), width), routing
 
     def _forward(
         self,
