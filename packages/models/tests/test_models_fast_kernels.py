@@ -173,9 +173,31 @@ def test_the_grouped_mm_path_pads_and_unpads_exactly(monkeypatch: pytest.MonkeyP
     x.grad = fc1.grad = fc2.grad = None
     monkeypatch.setattr(model_module, "use_grouped_mm", lambda *_: True)
     monkeypatch.setattr(torch, "_grouped_mm", _reference_grouped_mm, raising=False)
+    monkeypatch.setattr(model_module, "_GROUPED_MM_FAILED", [])
     got = grouped_experts(Bf16FastOps, x, ids, fc1, fc2)
+    assert not model_module._GROUPED_MM_FAILED  # the grouped branch ran
     assert got.dtype == torch.bfloat16
     assert torch.equal(got, ref)
     got.float().sum().backward()
     for a, b in zip((x.grad, fc1.grad, fc2.grad), ref_grads, strict=True):
         torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2)
+
+
+def test_a_failing_grouped_mm_falls_back_to_the_loop(monkeypatch: pytest.MonkeyPatch) -> None:
+    import posttrain.models._model as model_module
+
+    def broken(*_args: object, **_kwargs: object) -> torch.Tensor:
+        raise RuntimeError("no grouped GEMM kernel for this device")
+
+    gen = torch.Generator().manual_seed(12)
+    x = torch.randn(5, 16, generator=gen)
+    fc1, fc2 = torch.randn(4, 16, 16, generator=gen), torch.randn(4, 16, 8, generator=gen)
+    ids = torch.tensor([[0, 1], [1, 2], [0, 3], [2, 3], [0, 2]])
+    ref = grouped_experts(Bf16FastOps, x, ids, fc1, fc2)
+    monkeypatch.setattr(model_module, "_GROUPED_MM_FAILED", [])
+    monkeypatch.setattr(model_module, "use_grouped_mm", lambda *_: True)
+    monkeypatch.setattr(torch, "_grouped_mm", broken, raising=False)
+    with pytest.warns(RuntimeWarning, match="no grouped GEMM kernel"):
+        got = grouped_experts(Bf16FastOps, x, ids, fc1, fc2)
+    assert torch.equal(got, ref)
+    assert model_module._GROUPED_MM_FAILED  # told once, not retried

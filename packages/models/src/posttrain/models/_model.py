@@ -38,6 +38,7 @@ dtype; experts are combined in ascending expert id order; top-k ties go to the l
 from __future__ import annotations
 
 import enum
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal, NamedTuple
@@ -328,30 +329,58 @@ def grouped_experts(ops: type[FastOps], x: Tensor, ids: Tensor, fc1: Tensor, fc2
         0, flat, torch.ones_like(flat)
     )
     dt = ops.compute_dtype
-    if use_grouped_mm(x, dt, inter):
-        align = GROUPED_MM_ALIGN
-        padded = (counts + align - 1) // align * align
-        ends = padded.cumsum(0)
-        starts = ends - padded
-        first = counts.cumsum(0) - counts  # each expert's first row in ``xs``
-        expert = flat[order]
-        dest = starts[expert] + torch.arange(flat.shape[0], device=x.device) - first[expert]
-        rows = flat.shape[0] + e * (align - 1)
-        xp = xs.new_zeros((rows, xs.shape[1]), dtype=dt).index_copy(0, dest, xs.to(dt))
-        offs = ends.to(torch.int32)
-        gu = torch._grouped_mm(xp, fc1.to(dt).transpose(-2, -1), offs=offs)
-        act = ops.silu_mul(gu[:, :inter], gu[:, inter:])
-        ys = torch._grouped_mm(act, fc2.to(dt).transpose(-2, -1), offs=offs)[dest]
-    else:
-        sizes = counts.tolist()
-        parts = []
-        for j, (xj, size) in enumerate(zip(torch.split(xs, sizes), sizes, strict=True)):
-            if size == 0:
-                continue
-            gu = ops.linear(xj, fc1[j])
-            parts.append(ops.linear(ops.silu_mul(gu[:, :inter], gu[:, inter:]), fc2[j]))
-        ys = torch.cat(parts) if parts else xs.new_zeros((0, fc2.shape[1]))
+    if use_grouped_mm(x, dt, inter) and not _GROUPED_MM_FAILED:
+        try:
+            ys = _grouped_mm_experts(xs, flat, order, counts, fc1, fc2, ops)
+            return ys[torch.argsort(order)].reshape(t, k, -1)
+        except RuntimeError as err:  # a build or device without the kernel: the loop, once told
+            _GROUPED_MM_FAILED.append(str(err))
+            warnings.warn(
+                f"torch._grouped_mm failed ({err}); routed experts run one matmul each",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+    sizes = counts.tolist()
+    parts = []
+    for j, (xj, size) in enumerate(zip(torch.split(xs, sizes), sizes, strict=True)):
+        if size == 0:
+            continue
+        gu = ops.linear(xj, fc1[j])
+        parts.append(ops.linear(ops.silu_mul(gu[:, :inter], gu[:, inter:]), fc2[j]))
+    ys = torch.cat(parts) if parts else xs.new_zeros((0, fc2.shape[1]))
     return ys[torch.argsort(order)].reshape(t, k, -1)
+
+
+_GROUPED_MM_FAILED: list[str] = []
+"""The error of a failed ``torch._grouped_mm`` call, if one failed in this process."""
+
+
+def _grouped_mm_experts(
+    xs: Tensor,
+    flat: Tensor,
+    order: Tensor,
+    counts: Tensor,
+    fc1: Tensor,
+    fc2: Tensor,
+    ops: type[FastOps],
+) -> Tensor:
+    """``grouped_experts``' CUDA branch: the sorted rows ``xs`` through every expert in one
+    ``torch._grouped_mm`` per projection, each group padded to ``GROUPED_MM_ALIGN`` rows."""
+    e, inter, dt = fc1.shape[0], fc2.shape[2], ops.compute_dtype
+    align = GROUPED_MM_ALIGN
+    padded = (counts + align - 1) // align * align
+    ends = padded.cumsum(0)
+    starts = ends - padded
+    first = counts.cumsum(0) - counts  # each expert's first row in ``xs``
+    expert = flat[order]
+    dest = starts[expert] + torch.arange(flat.shape[0], device=xs.device) - first[expert]
+    rows = flat.shape[0] + e * (align - 1)
+    xp = xs.new_zeros((rows, xs.shape[1]), dtype=dt).index_copy(0, dest, xs.to(dt))
+    offs = ends.to(torch.int32)
+    gu = torch._grouped_mm(xp, fc1.to(dt).transpose(-2, -1), offs=offs)
+    act = ops.silu_mul(gu[:, :inter], gu[:, inter:])
+    out: Tensor = torch._grouped_mm(act, fc2.to(dt).transpose(-2, -1), offs=offs)[dest]
+    return out
 
 
 class DecoderModel(nn.Module):
