@@ -199,10 +199,11 @@ def causal_sdpa(
     call ``[segments, heads, L, hd]`` in ``dtype``: a real query never sees a pad key (the
     pads come after it), so the rows of the real tokens are exactly per-segment attention.
     When padding would more than double the work, segments run one SDPA call each.
-    ``q[T, heads, hd]``, ``k, v[T, kv_heads, hd]``; returns ``[T, heads * hd]`` in ``dtype``.
+    ``q, k[T, heads | kv_heads, hd]``, ``v[T, kv_heads, hd_v]`` (MLA: ``hd_v != hd``); returns
+    ``[T, heads * hd_v]`` in ``dtype``.
     ``longest``: the longest segment (``max(pos) + 1``), when the caller knows it.
     """
-    t, nh, hd = q.shape
+    t, nh = q.shape[0], q.shape[1]
     group = nh // k.shape[1]
     q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
     longest = int(pos.max()) + 1 if longest is None else longest
@@ -211,12 +212,12 @@ def causal_sdpa(
 
         def padded(x: Tensor) -> Tensor:
             rows = x.new_zeros((num_segments * longest, *x.shape[1:])).index_copy(0, slot, x)
-            return rows.reshape(num_segments, longest, x.shape[1], hd).transpose(1, 2)
+            return rows.reshape(num_segments, longest, *x.shape[1:]).transpose(1, 2)
 
         kp = padded(k).repeat_interleave(group, dim=1)
         vp = padded(v).repeat_interleave(group, dim=1)
         o = F.scaled_dot_product_attention(padded(q), kp, vp, is_causal=True, scale=scale)
-        return o.transpose(1, 2).reshape(num_segments * longest, nh * hd)[slot]
+        return o.transpose(1, 2).reshape(num_segments * longest, -1)[slot]
     outs = []
     for s in torch.unique_consecutive(seg).tolist():
         idx = (seg == s).nonzero().flatten()
