@@ -114,6 +114,10 @@ def test_option_errors() -> None:
         HsdpConfig(param_dtype=torch.int8)
     with pytest.raises(MeshConfigError, match="reshard_after_forward must be a bool"):
         HsdpConfig(reshard_after_forward=2)  # type: ignore[arg-type]
+    with pytest.raises(MeshConfigError, match="cast_forward_inputs must be a bool, got 'no'"):
+        HsdpConfig(cast_forward_inputs="no")  # type: ignore[arg-type]
+    with pytest.raises(MeshConfigError, match="forward_prefetch must be a bool, got 1"):
+        HsdpConfig(forward_prefetch=1)  # type: ignore[arg-type]
     with pytest.raises(MeshConfigError, match=r"micro_batches must be a positive int, got 0"):
         ParityConfig(replicate=1, shard=1, micro_batches=0)
     with pytest.raises(MeshConfigError, match=r"rtol must be positive, got 0"):

@@ -1,19 +1,32 @@
-"""One GRPO training step on a GPU: full and LoRA, FSDP on 1 GPU and HSDP on 2, strict vs fast.
+"""One GRPO training step on a GPU, beside a plain transformers step in the same process.
 
-A random-init ``posttrain.models`` Dense/MoE decoder of a few hundred million parameters
-(``--size base``: hidden 1024, 8 layers, 2 dense + 6 MoE with 8 experts top-2, vocab 32000,
-about 258M parameters) is sharded with ``fsdp-mesh`` exactly as the GRPO trainer shards it
-(``posttrain.grpo.trainer``: root-only FSDP2 unit, fp32 parameters and reductions, LoRA factors
-outside FSDP and reduced by ``lora-core``), and ``train_step`` runs on synthetic samples: the
-forward, the GRPO objective, backward, gradient reduction, clipping and one AdamW step.
+A random-init ``posttrain.models`` decoder is sharded with ``fsdp-mesh`` exactly as the GRPO
+trainer shards it (``posttrain.grpo.trainer.shard_policy``: one FSDP2 unit per decoder layer
+plus the root, fp32 master parameters and reductions, ``precision="bf16"`` casting the compute
+copy to bf16; LoRA factors outside FSDP and reduced by ``lora-core``), and ``train_step`` runs
+on synthetic samples: the forward, the GRPO objective, backward, gradient reduction, clipping
+and one AdamW step.
 
-Reported per (mode, numerics, world size): tokens/s over the measured steps (median), peak
-memory (``torch.cuda.max_memory_allocated``, largest over ranks), and that the trainer's
-logprobs of the tokens equal the reference logprobs fed in as the rollout's (strict: 0 diff).
-Strict numerics reduce every dot product in a fixed tree: far slower, so strict runs use a
-small batch (``--strict-tokens``) and the fast run is also measured at that batch for the ratio.
+Sizes: ``--size base`` (hidden 1024, 8 layers, 2 dense + 6 MoE with 8 experts top-2, vocab
+32000, about 258M parameters), ``--size 1b`` (a ~0.94B dense Qwen3: hidden 2048, 16 layers,
+16 q / 8 kv heads x 128, SwiGLU 6144, vocab 32000), ``--size tiny`` (a CPU dry run).
 
-Needs torch (+CUDA) and the repo's src paths only. From the repo root:
+The reference (world 1, unless ``--no-transformers``): transformers' ``Qwen3MoeForCausalLM``
+(``Qwen3ForCausalLM`` for the dense size) built from the same config, eager attention, on the
+same token sequences, forward + causal-LM loss + backward + ``torch.optim.AdamW`` step, in fp32
+and under bf16 autocast. transformers is imported only then; without it the reference rows say
+so and our rows still run.
+
+Reported per row: tokens/s (median over the measured steps), achieved TFLOP/s and MFU from
+active-parameter FLOPs (``6 * N_active * tokens`` plus causal attention, ``6 * layers * heads *
+head_dim * (L + 1)`` per token; embeddings excluded, the LM head included, for a MoE layer the
+router plus ``top_k`` experts) over ``--peak-tflops`` (default: the bf16 dense peak of the
+device, 989.4 for H100/H200 SXM), peak memory (``torch.cuda.max_memory_allocated``, largest over
+ranks) and, for ours, that the trainer's logprobs equal the reference logprobs fed in as the
+rollout's (strict: 0 diff). The summary line has ours / transformers at each precision.
+
+Needs torch (+CUDA) and the repo's src paths (plus transformers for the reference). From the
+repo root:
 
     PYTHONPATH=$(ls -d packages/*/src | paste -sd:) python packages/grpo/benchmarks/gpu_train_step.py
     # dry run here:  ... gpu_train_step.py --device cpu --size tiny --reps 1
@@ -24,6 +37,8 @@ Prints one JSON object per configuration, then a summary line.
 from __future__ import annotations
 
 import argparse
+import functools
+import gc
 import json
 import os
 import statistics
@@ -48,55 +63,121 @@ SIZES = {
              "num_hidden_layers": 8, "num_attention_heads": 16, "num_key_value_heads": 8,
              "head_dim": 64, "moe_intermediate_size": 1024, "num_experts": 8,
              "num_experts_per_tok": 2, "mlp_only_layers": (0, 1), "max_position_embeddings": 512},
+    "1b": {"vocab_size": 32000, "hidden_size": 2048, "intermediate_size": 6144,
+           "num_hidden_layers": 16, "num_attention_heads": 16, "num_key_value_heads": 8,
+           "head_dim": 128, "moe_intermediate_size": 0, "num_experts": 0,
+           "num_experts_per_tok": 1, "family": "qwen3", "max_position_embeddings": 512},
 }  # fmt: skip
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
+PEAK_BF16_TFLOPS = {"H200": 989.4, "H100": 989.4, "A100": 312.0}  # dense, SXM
+
+
+def active_params(cfg: ModelConfig) -> int:
+    """Parameters one token's forward multiplies by (embedding lookup excluded, LM head in;
+    a MoE layer counts its router and ``top_k`` experts)."""
+    h = cfg.hidden_size
+    total = cfg.vocab_size * h  # LM head
+    for i in range(cfg.num_hidden_layers):
+        nh, nkv, hd = cfg.attention_shape(i)
+        total += h * (2 * nh * hd + 2 * nkv * hd)
+        if cfg.is_moe_layer(i):
+            total += (
+                h * cfg.num_experts + cfg.num_experts_per_tok * 3 * h * cfg.moe_intermediate_size
+            )
+        else:
+            total += 3 * h * cfg.intermediate_size
+    return total
+
+
+def train_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+    """Training FLOPs per token: ``6 * N_active`` plus causal attention (QK and PV, forward
+    and twice backward: ``6 * layers * heads * head_dim * (L + 1)``)."""
+    attn = sum(
+        6 * cfg.attention_shape(i).num_heads * cfg.attention_shape(i).head_dim * (seq_len + 1)
+        for i in range(cfg.num_hidden_layers)
+    )
+    return 6.0 * active_params(cfg) + attn
+
+
+def default_peak_tflops(device: str) -> float | None:
+    """The bf16 dense peak of the CUDA device by name (None when unknown or on CPU)."""
+    if device != "cuda" or not torch.cuda.is_available():
+        return None
+    name = torch.cuda.get_device_name(0)
+    return next((v for k, v in PEAK_BF16_TFLOPS.items() if k in name), None)
+
+
+def _token_rows(cfg: ModelConfig, tokens: int, seq_len: int, world: int) -> list[list[int]]:
+    """Every rank's sequences of one step (the same for ours and the reference)."""
+    gen = torch.Generator().manual_seed(1234)
+    n = max(world, tokens // seq_len)
+    return [torch.randint(0, cfg.vocab_size, (seq_len,), generator=gen).tolist() for _ in range(n)]
 
 
 def _samples(cfg: ModelConfig, tokens: int, seq_len: int, rank: int, world: int,
              model: Any) -> list[TrainSample]:  # fmt: skip
     """This rank's share of ``tokens`` tokens in sequences of ``seq_len`` (half prompt)."""
-    gen = torch.Generator().manual_seed(1234)
-    n = max(world, tokens // seq_len)
     prompt = seq_len // 2
-    seqs = [torch.randint(0, cfg.vocab_size, (seq_len,), generator=gen).tolist() for _ in range(n)]
-    mine = seqs[rank::world]
+    mine = _token_rows(cfg, tokens, seq_len, world)[rank::world]
     device = model.embedding.device
-    with torch.no_grad():  # the "engine" logprobs: the same model, before the step
-        ref = [model.forward_logits(torch.tensor(s, device=device), [seq_len]) for s in mine]
     out = []
-    for s, logits in zip(mine, ref, strict=True):
-        lp = model.ops.log_softmax(logits[prompt - 1 : seq_len - 1])
-        picked = lp.gather(1, torch.tensor(s[prompt:], device=device)[:, None])[:, 0]
-        out.append(TrainSample(tokens=s, prompt_len=prompt, loss_mask=[1] * (seq_len - prompt),
-                               rollout_logprobs=picked.cpu().tolist(),
-                               advantages=[1.0 if len(out) % 2 else -1.0] * (seq_len - prompt)))  # fmt: skip
+    with torch.no_grad():  # the "engine" logprobs: the same model, before the step
+        for s in mine:
+            lp = model.forward_logprobs(torch.tensor(s, device=device), [seq_len])[prompt:]
+            out.append(TrainSample(tokens=s, prompt_len=prompt, loss_mask=[1] * (seq_len - prompt),
+                                   rollout_logprobs=lp.cpu().tolist(),
+                                   advantages=[1.0 if len(out) % 2 else -1.0] * (seq_len - prompt)))  # fmt: skip
     return out
 
 
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _fresh_memory(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def _rates(
+    args: argparse.Namespace, mcfg: ModelConfig, tokens: int, seconds: float
+) -> dict[str, Any]:
+    tflops = train_flops_per_token(mcfg, args.seq_len) * tokens / seconds / 1e12
+    return {
+        "tokens_per_s": tokens / seconds,
+        "step_s_median": seconds,
+        "active_params": active_params(mcfg),
+        "tflops": tflops,
+        "mfu": None if not args.peak_tflops else tflops / args.peak_tflops,
+    }
+
+
 def measure(rank: int, world: int, args: argparse.Namespace, train: str, numerics: str,
-            tokens: int) -> dict[str, Any]:  # fmt: skip
+            tokens: int, precision: str) -> dict[str, Any]:  # fmt: skip
     device = torch.device(args.device, rank if args.device == "cuda" else 0)
     if args.device == "cuda":
         torch.cuda.set_device(device)
-        torch.cuda.reset_peak_memory_stats(device)
+    _fresh_memory(device)
     mcfg = ModelConfig(**SIZES[args.size])  # type: ignore[arg-type]
-    model = build_model(mcfg, seed=0, numerics=Numerics(numerics)).to(device)
+    model = build_model(mcfg, seed=0, numerics=Numerics(numerics), device=device)
     params = sum(p.numel() for p in model.parameters())  # before LoRA factors and sharding
     gcfg = GrpoConfig(train=train, replicate=world if args.hsdp else 1,  # type: ignore[arg-type]
                       shard=1 if args.hsdp else world, lr=1e-5, lora_targets=TARGETS,
-                      lora_r=16, lora_alpha=32.0)  # fmt: skip
+                      lora_r=16, lora_alpha=32.0, precision=precision,  # type: ignore[arg-type]
+                      numerics=numerics, activation_checkpointing=args.activation_checkpointing)  # type: ignore[arg-type]  # fmt: skip
     samples = _samples(mcfg, tokens, args.seq_len, rank, world, model)
     policy = shard_policy(model, gcfg, device=device)  # what the GRPO trainer builds, on device
     total = world * len(samples) * (args.seq_len - args.seq_len // 2)
     seconds, diffs = [], []
     for rep in range(args.reps + 1):
-        if args.device == "cuda":
-            torch.cuda.synchronize(device)
+        _sync(device)
         t0 = time.perf_counter()
         metrics = train_step(policy, samples, gcfg, global_batch_size=world * len(samples),
                              global_token_count=total)  # fmt: skip
-        if args.device == "cuda":
-            torch.cuda.synchronize(device)
+        _sync(device)
         if rep == 0:
             diffs.append(metrics["train_rollout_logprob_max_abs_diff"])  # before any update
         else:
@@ -104,26 +185,133 @@ def measure(rank: int, world: int, args: argparse.Namespace, train: str, numeric
     peak = torch.cuda.max_memory_allocated(device) if args.device == "cuda" else 0
     peaks = [None] * world
     dist.all_gather_object(peaks, peak)
+    profile = None
+    if args.profile and numerics == "fast" and tokens == args.tokens and world == 1:
+        step = functools.partial(train_step, policy, samples, gcfg,
+                                 global_batch_size=len(samples), global_token_count=total)  # fmt: skip
+        profile = _profile(step, device)
+    del policy, model
+    step_tokens = world * len(samples) * args.seq_len
     return {
-        "train": train, "numerics": numerics, "world": world, "hsdp": bool(args.hsdp),
+        "impl": "posttrain", "size": args.size, "train": train, "numerics": numerics,
+        "precision": precision, "world": world, "hsdp": bool(args.hsdp),
+        "activation_checkpointing": bool(args.activation_checkpointing),
         "params": params if rank == 0 else None,
-        "tokens_per_step": world * len(samples) * args.seq_len,
-        "tokens_per_s": world * len(samples) * args.seq_len / statistics.median(seconds),
-        "step_s_median": statistics.median(seconds),
+        "tokens_per_step": step_tokens,
+        **_rates(args, mcfg, step_tokens, statistics.median(seconds)),
         "peak_memory_gib": max(p or 0 for p in peaks) / 2**30,
         "first_step_max_abs_logprob_diff": diffs[0],
+        **({"profile_top_kernels": profile} if profile else {}),
     }  # fmt: skip
+
+
+def _profile(step: Any, device: torch.device, top: int = 15) -> list[dict[str, Any]]:
+    """The ``top`` kernels of one more step by device time (CPU ops on a CPU run)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        step()
+        _sync(device)
+    key = "self_device_time_total" if cuda else "self_cpu_time_total"
+    rows = sorted(prof.key_averages(), key=lambda e: getattr(e, key, 0.0), reverse=True)
+    total = sum(getattr(e, key, 0.0) for e in rows) or 1.0
+    return [{"name": e.key[:80], "ms": round(getattr(e, key, 0.0) / 1e3, 3),
+             "share": round(getattr(e, key, 0.0) / total, 4), "calls": e.count}
+            for e in rows[:top]]  # fmt: skip
+
+
+def hf_reference(args: argparse.Namespace, precision: str) -> dict[str, Any]:
+    """One transformers training step (eager attention, causal-LM loss, torch AdamW) of the
+    same config on the same sequences; fp32 or under bf16 autocast."""
+    row: dict[str, Any] = {"impl": "transformers", "size": args.size, "precision": precision,
+                           "world": 1}  # fmt: skip
+    try:
+        import transformers
+    except ImportError:
+        row["skipped"] = ("transformers is not installed in this Python: pip install "
+                          "'transformers>=5' (or put it on PYTHONPATH) to get the reference")  # fmt: skip
+        return row
+    device = torch.device(args.device, 0)
+    _fresh_memory(device)
+    mcfg = ModelConfig(**SIZES[args.size])  # type: ignore[arg-type]
+    hf_dict = mcfg.to_hf_dict() if mcfg.num_experts == 0 else mcfg.to_qwen3_moe_hf_dict()
+    hf_dict = {k: v for k, v in hf_dict.items() if k != "architectures"}
+    hf_cfg = transformers.AutoConfig.for_model(**hf_dict)
+    torch.manual_seed(0)
+    with torch.device(device):
+        hf = transformers.AutoModelForCausalLM.from_config(hf_cfg, attn_implementation="eager")
+    hf.float()  # fp32 parameters (autocast makes the bf16 compute copies)
+    hf.train()
+    row["architecture"] = type(hf).__name__
+    row["transformers_version"] = transformers.__version__
+    opt = torch.optim.AdamW(hf.parameters(), lr=1e-5)
+    ids = torch.tensor(_token_rows(mcfg, args.tokens, args.seq_len, 1), device=device)
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16")
+    seconds = []
+    for rep in range(args.reps + 1):
+        _sync(device)
+        t0 = time.perf_counter()
+        with autocast:
+            loss = hf(input_ids=ids, labels=ids).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(hf.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        _sync(device)
+        if rep:
+            seconds.append(time.perf_counter() - t0)
+    row["loss"] = float(loss.detach())
+    row["tokens_per_step"] = int(ids.numel())
+    row.update(_rates(args, mcfg, int(ids.numel()), statistics.median(seconds)))
+    row["peak_memory_gib"] = (torch.cuda.max_memory_allocated(device) / 2**30
+                              if device.type == "cuda" else 0.0)  # fmt: skip
+    del hf, opt, loss
+    return row
 
 
 def _rank(rank: int, world: int, args: argparse.Namespace) -> list[dict[str, Any]]:
     torch.set_num_threads(1 if args.device == "cpu" else torch.get_num_threads())
     out = []
-    for train in ("full", "lora"):
-        for numerics, tokens in (("fast", args.tokens), ("fast", args.strict_tokens),
-                                 ("strict", args.strict_tokens)):  # fmt: skip
-            if numerics == "strict" and args.skip_strict:
-                continue
-            out.append(measure(rank, world, args, train, numerics, tokens))
+    runs = [("fast", args.tokens)]
+    if not args.skip_strict:
+        if args.strict_tokens != args.tokens:  # the fast run at the strict batch, for the ratio
+            runs.append(("fast", args.strict_tokens))
+        runs.append(("strict", args.strict_tokens))
+    for train in args.train:
+        for precision in args.precision:
+            for numerics, tokens in runs:
+                out.append(measure(rank, world, args, train, numerics, tokens, precision))
+    if world == 1 and not args.hsdp and args.transformers:
+        out.extend(hf_reference(args, precision) for precision in args.precision)
+    return out
+
+
+def _summary(results: list[dict[str, Any]]) -> dict[str, Any]:
+    ours = [r for r in results if r.get("impl") == "posttrain"]
+    strict = {(r["train"], r["precision"], r["world"], r["hsdp"]): r
+              for r in ours if r["numerics"] == "strict"}  # fmt: skip
+    out: dict[str, Any] = {"summary": "ratios at equal batch, same run"}
+    for k, v in strict.items():
+        for f in ours:
+            if (f["numerics"] == "fast" and (f["train"], f["precision"], f["world"], f["hsdp"]) == k
+                    and f["tokens_per_step"] == v["tokens_per_step"]):  # fmt: skip
+                name = f"strict_over_fast_{k[0]}_{k[1]}_w{k[2]}{'_hsdp' if k[3] else ''}"
+                out[name] = round(v["tokens_per_s"] / f["tokens_per_s"], 4)
+    refs = {r["precision"]: r for r in results
+            if r.get("impl") == "transformers" and "tokens_per_s" in r}  # fmt: skip
+    for f in ours:
+        ref = refs.get(f["precision"])
+        if (ref and f["numerics"] == "fast" and f["world"] == 1 and not f["hsdp"]
+                and f["tokens_per_step"] == ref["tokens_per_step"]):  # fmt: skip
+            key = f"{f['size']}_{f['train']}_{f['precision']}"
+            out[f"ours_over_transformers_{key}"] = round(f["tokens_per_s"] / ref["tokens_per_s"], 4)
+            out[f"memory_ours_over_transformers_{key}"] = (
+                round(f["peak_memory_gib"] / ref["peak_memory_gib"], 4)
+                if ref["peak_memory_gib"]
+                else None
+            )
     return out
 
 
@@ -133,15 +321,27 @@ def main() -> None:
     parser.add_argument("--size", choices=tuple(SIZES), default="base")
     parser.add_argument("--gpus", type=int, nargs="+", default=None,
                         help="world sizes to run (default: 1, and 2 where 2 GPUs exist)")  # fmt: skip
+    parser.add_argument("--train", choices=("full", "lora"), nargs="+", default=["full", "lora"])
+    parser.add_argument("--precision", choices=("fp32", "bf16"), nargs="+",
+                        default=["fp32", "bf16"], help="trainer precision(s) to run")  # fmt: skip
     parser.add_argument("--tokens", type=int, default=8192, help="tokens per step (fast)")
     parser.add_argument("--strict-tokens", type=int, default=256, help="tokens per step (strict)")
     parser.add_argument("--seq-len", type=int, default=256)
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--skip-strict", action="store_true")
+    parser.add_argument("--transformers", action=argparse.BooleanOptionalAction, default=True,
+                        help="run the transformers reference beside ours (world 1)")  # fmt: skip
+    parser.add_argument("--activation-checkpointing", action="store_true")
+    parser.add_argument("--profile", action="store_true",
+                        help="profile one more step of each fast run (top kernels by time)")  # fmt: skip
+    parser.add_argument("--peak-tflops", type=float, default=None,
+                        help="peak TFLOP/s for MFU (default: the device's bf16 dense peak)")  # fmt: skip
     parser.add_argument("--timeout-s", type=float, default=1200.0)
     args = parser.parse_args()
     if args.device == "cpu":
         args.seq_len = min(args.seq_len, SIZES[args.size]["max_position_embeddings"])  # type: ignore[type-var]
+    if args.peak_tflops is None:
+        args.peak_tflops = default_peak_tflops(args.device)
     available = torch.cuda.device_count() if args.device == "cuda" else 2
     worlds = args.gpus or ([1, 2] if available >= 2 else [1])
     results = []
@@ -158,15 +358,7 @@ def main() -> None:
             for row in per_rank[0]:
                 print(json.dumps(row), flush=True)
                 results.append(row)
-    strict = {(r["train"], r["world"], r["hsdp"]): r for r in results if r["numerics"] == "strict"}
-    ratios = {
-        f"{k[0]}_w{k[1]}{'_hsdp' if k[2] else ''}": round(v["tokens_per_s"] / f["tokens_per_s"], 4)
-        for k, v in strict.items()
-        for f in results
-        if f["numerics"] == "fast" and (f["train"], f["world"], f["hsdp"]) == k
-        and f["tokens_per_step"] == v["tokens_per_step"]
-    }  # fmt: skip
-    print(json.dumps({"summary": "strict/fast tokens per second at equal batch", **ratios}))
+    print(json.dumps({**_summary(results), "peak_tflops": args.peak_tflops}))
     sys.stdout.flush()
     os._exit(0)  # NCCL teardown can hang on some drivers; every result is printed
 

@@ -186,3 +186,24 @@ class RecordingSink:
             raise RuntimeError(self.refuse)
         self.received = {k: v.clone() for k, v in tensors.items()}
         self.version, self.lora_name = weight_version, lora_name
+
+
+def per_layer_steps(rank: int, world: int, ckpt: str, options: dict[str, Any]) -> dict[str, Any]:
+    """Two full-training steps with ``options`` (numerics, precision, activation
+    checkpointing) on the same samples; the full weights after, the metrics and the FSDP units
+    (one per decoder layer, then the root)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    torch.set_num_threads(1)
+    cfg = GrpoConfig(model_path=Path(ckpt), train="full", replicate=1, shard=world, lr=1e-2, **options)  # type: ignore[arg-type]  # fmt: skip
+    policy = build_policy(cfg)
+    units = [name for name, m in policy.model.named_modules() if isinstance(m, FSDPModule)]
+    seqs = [tokens(i) for i in range(N)]
+    mine = samples(engine_logprobs(ckpt, seqs), [1.0, -1.0, 0.5, -0.5])[rank::world]
+    steps = [
+        train_step(policy, mine, cfg, global_batch_size=N, global_token_count=N * RESPONSE)
+        for _ in range(2)
+    ]
+    weights = dict(iter_full_state_dict(policy.model))
+    dist.barrier()
+    return {"steps": steps, "weights": weights, "units": units}

@@ -75,3 +75,37 @@ def test_a_write_after_the_optimizer_exists_is_kept(tiny_ckpt: str, train: str) 
         True,
         True,
     ]
+
+
+def test_per_layer_units_fast_and_checkpointed_update_like_one_rank(tiny_ckpt: str) -> None:
+    """Per-layer FSDP units on 2 ranks with activation checkpointing, fast numerics (chunked
+    token logprobs, SDPA, grouped experts) give the single-rank update; bf16 compute runs on
+    the same units with fp32 masters and stays close to fp32."""
+    fast = {"numerics": "fast"}
+    one = run_workers(workers.per_layer_steps, 1, args=(tiny_ckpt, fast), timeout_s=240)
+    two = run_workers(
+        workers.per_layer_steps,
+        2,
+        args=(tiny_ckpt, {**fast, "activation_checkpointing": True}),
+        timeout_s=240,
+    )
+    layers = [f"layers.{i}" for i in range(4)]
+    assert two[0]["units"] == ["", *layers]  # the root, then one unit per decoder layer
+    for name, value in one[0]["weights"].items():
+        assert value.dtype == torch.float32, name  # fp32 masters
+        assert torch.equal(two[0]["weights"][name], two[1]["weights"][name]), name
+        torch.testing.assert_close(two[0]["weights"][name], value, rtol=1e-4, atol=5e-5)
+    for a, b in zip(two[0]["steps"], one[0]["steps"], strict=True):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-4, abs=1e-6)
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
+    assert one[0]["steps"][0]["train_rollout_logprob_max_abs_diff"] < 1e-4  # fast vs strict
+
+    bf16 = run_workers(
+        workers.per_layer_steps, 2, args=(tiny_ckpt, {**fast, "precision": "bf16"}), timeout_s=240
+    )
+    first = bf16[0]["steps"][0]
+    assert 0.0 < first["train_rollout_logprob_max_abs_diff"] < 0.05  # bf16 compute, really
+    assert first["loss"] == pytest.approx(one[0]["steps"][0]["loss"], abs=1e-2)
+    for name, value in bf16[0]["weights"].items():
+        assert value.dtype == torch.float32, name
+        assert torch.equal(value, bf16[1]["weights"][name]), name

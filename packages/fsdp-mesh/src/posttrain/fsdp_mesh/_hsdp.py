@@ -13,6 +13,7 @@ is what plain data parallelism over W gives, so the loss is scaled exactly as wi
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -36,22 +37,30 @@ _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class HsdpConfig:
-    """How ``apply_hsdp`` shards: dtypes (None keeps the parameter dtype), offload, resharding."""
+    """How ``apply_hsdp`` shards: dtypes (None keeps the parameter dtype), offload, resharding.
+
+    ``cast_forward_inputs``: FSDP2 casts the floating tensors a unit's forward gets to
+    ``param_dtype`` (its default); off, they reach the forward as they were passed (a model
+    that keeps an fp32 residual stream between bf16 layers). ``forward_prefetch``: each block
+    all-gathers the next block's parameters when its own forward starts (blocks must then run
+    in registration order in every forward, as a decoder's layers do).
+    """
 
     param_dtype: torch.dtype | None = torch.bfloat16
     reduce_dtype: torch.dtype | None = torch.float32
     cpu_offload: bool = False
     reshard_after_forward: bool = True
+    cast_forward_inputs: bool = True
+    forward_prefetch: bool = False
 
     def __post_init__(self) -> None:
         for name in ("param_dtype", "reduce_dtype"):
             value = getattr(self, name)
             if value is not None and value not in _FLOAT_DTYPES:
                 raise MeshConfigError(f"{name} must be a floating dtype or None, got {value}")
-        if not isinstance(self.reshard_after_forward, bool):
-            raise MeshConfigError(
-                f"reshard_after_forward must be a bool, got {self.reshard_after_forward!r}"
-            )
+        for flag in ("reshard_after_forward", "cast_forward_inputs", "forward_prefetch"):
+            if not isinstance(getattr(self, flag), bool):
+                raise MeshConfigError(f"{flag} must be a bool, got {getattr(self, flag)!r}")
 
 
 def _default_blocks(model: nn.Module) -> list[nn.Module]:
@@ -98,7 +107,11 @@ def apply_hsdp(
     config = config or HsdpConfig()
     if isinstance(model, FSDPModule):
         raise MeshConfigError(f"{type(model).__name__} is already FSDP-sharded")
-    policy = MixedPrecisionPolicy(param_dtype=config.param_dtype, reduce_dtype=config.reduce_dtype)
+    policy = MixedPrecisionPolicy(
+        param_dtype=config.param_dtype,
+        reduce_dtype=config.reduce_dtype,
+        cast_forward_inputs=config.cast_forward_inputs,
+    )
     offload: OffloadPolicy = OffloadPolicy()
     if config.cpu_offload:
         # Pinned host memory needs an accelerator; on a CPU mesh offloading is a no-op anyway.
@@ -124,6 +137,10 @@ def apply_hsdp(
         reshard_after_forward=False if blocks else config.reshard_after_forward,
         ignored_params=ignored_params,
     )
+    if config.forward_prefetch:
+        units = [b for b in blocks if isinstance(b, FSDPModule)]
+        for unit, following in itertools.pairwise(units):
+            unit.set_modules_to_forward_prefetch([following])
     factor = sharding_mesh.size()
     if factor != mesh.dp_size:
         raise MeshBuildError(

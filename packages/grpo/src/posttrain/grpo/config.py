@@ -86,6 +86,7 @@ class GrpoConfig:
     num_experts: int | None = None
     moe_layer_freq: tuple[int, ...] | None = None
     precision: Precision = "fp32"
+    activation_checkpointing: bool = False
     numerics: Numerics = "strict"
     context_length: int | None = None
     # The schedule.
@@ -428,6 +429,8 @@ HELP: dict[str, str] = {
     "num_experts": "declared number of routed experts (MoE)",
     "moe_layer_freq": "declared per-layer MoE pattern, 1 = MoE layer, e.g. [0]*1+[1]*46",
     "precision": "trainer activation precision",
+    "activation_checkpointing": "recompute each decoder layer's activations in the backward "
+    "(less memory, one more forward per layer; fsdp backend)",
     "numerics": "strict: engine-identical kernels; fast: stock torch ops",
     "context_length": "KV capacity: tokens per sample, prompt and output together (default: the "
     "model's max_position_embeddings); a launch passes the same to its engines",

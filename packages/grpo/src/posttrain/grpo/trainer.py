@@ -12,8 +12,12 @@ Departures from the obvious:
 * The LoRA factors are kept out of FSDP (``ignored_params``): plain replicated tensors whose
   gradients ``reduce_lora_grads`` averages over the data-parallel group and whose norm
   ``lora_grad_norm`` measures, so every rank holds the same adapter to export.
-* FSDP wraps the root only: the decoder reads its layers' parameters inside one forward, so a
-  per-layer unit would never be gathered. ``forward_logits`` is registered as an FSDP forward.
+* FSDP units: one per decoder layer, then the root. Each layer's compute runs through the
+  layer module's ``__call__`` (``DecoderModel`` passes a ``LayerCall``), so FSDP2 gathers a
+  layer's parameters just before it (prefetching the next layer's), reshards them after its
+  forward and reduces its gradients as soon as its backward is done. Inputs are not cast: the
+  residual stream stays fp32 between layers. ``forward_logits`` is registered as an FSDP
+  forward of the root. ``activation_checkpointing`` recomputes each layer in the backward.
 * A rank's loss is scaled by the world size W: FSDP (and ``reduce_lora_grads``) average
   gradients over W, and the normalisers (``global_batch_size``, ``global_token_count``) are
   the whole step's, so the averaged gradient is that of the global-batch loss.
@@ -310,14 +314,29 @@ def shard_policy(
         # checkpoints hold the fp32 masters, and ``to_hf_state_dict`` gives the config's dtype.
         param_dtype = model.config.dtype
         model.float()
+    # One FSDP unit per decoder layer (each layer's compute runs through its module's
+    # ``__call__``), then the root (embedding, final norm, head, towers). Layers get the fp32
+    # residual stream as it is (no input cast): only their parameters take ``param_dtype``.
+    layers = {id(layer) for layer in model.layers}
+    model.activation_checkpointing = cfg.activation_checkpointing
+    if cfg.precision == "bf16" and model.numerics is Numerics.FAST and not model.config.is_mla:
+        # bf16 compute that is bf16: FSDP's bf16 compute copy feeds bf16 matmuls and attention
+        # (norms, residual stream, logits and log-softmax stay fp32); masters stay fp32.
+        model.compute_dtype = torch.bfloat16
     apply_hsdp(
         model,
         mesh,
-        HsdpConfig(param_dtype=param_dtype, reduce_dtype=torch.float32),
-        wrap=lambda _module: False,
+        HsdpConfig(
+            param_dtype=param_dtype,
+            reduce_dtype=torch.float32,
+            cast_forward_inputs=False,
+            forward_prefetch=True,
+        ),
+        wrap=lambda module: id(module) in layers,
         ignored_params=ignored,
     )
     register_fsdp_forward_method(model, "forward_logits")
+    register_fsdp_forward_method(model, "forward_token_logprobs")
     # forward_logits may return a view; nothing here writes into it in place.
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
     # Frozen parameters (the media towers) get no optimizer state: only what trains is in it.
@@ -422,8 +441,18 @@ def _micro_batch_objective(
 ) -> tuple[PolicyObjective, int]:
     """The objective of one micro-batch on this rank (no context parallel), its loss tokens."""
     batch = _pack(part, policy.model.embedding.device, policy.model)
-    logp, logits = _response_logprobs(policy.model, batch, with_logits=True)
-    assert logits is not None
+    model = policy.model
+    if policy.backend == "fsdp" and model.numerics is Numerics.FAST:
+        # logprobs and entropies chunk by chunk from the hidden states: no [T, vocab] logits
+        logp, entropy = model.forward_token_logprobs(
+            batch["ids"], batch["lengths"], batch["rows"], batch["targets"], media=batch["media"]
+        )
+        if settings.entropy_coef == 0.0:
+            entropy = entropy.detach()
+    else:
+        logp, logits = _response_logprobs(model, batch, with_logits=True)
+        assert logits is not None
+        entropy = _entropy(logits, settings)
     ref = _reference_logprobs(policy, batch) if cfg.use_kl_loss else None
     objective = policy_objective(
         logp=logp,
@@ -434,7 +463,7 @@ def _micro_batch_objective(
         settings=settings,
         rollout_logp=batch["rollout"],
         ref_logp=ref,
-        entropy=_entropy(logits, settings),
+        entropy=entropy,
         global_batch_size=global_batch_size,
         global_token_count=global_token_count,
     )

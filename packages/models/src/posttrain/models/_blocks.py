@@ -181,8 +181,43 @@ def attend(
     )
 
 
-def causal_sdpa(q: Tensor, k: Tensor, v: Tensor, seg: Tensor, group: int, scale: float) -> Tensor:
-    """Fast-mode training attention without window or bias: torch SDPA per segment."""
+def causal_sdpa(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    seg: Tensor,
+    pos: Tensor,
+    num_segments: int,
+    scale: float,
+    dtype: torch.dtype,
+    longest: int | None = None,
+) -> Tensor:
+    """Fast-mode training attention without window or bias: torch SDPA (flash / efficient
+    kernels where the device has them) over packed segments whose tokens are in order.
+
+    Every segment is padded at its end to the longest one and all go through one causal SDPA
+    call ``[segments, heads, L, hd]`` in ``dtype``: a real query never sees a pad key (the
+    pads come after it), so the rows of the real tokens are exactly per-segment attention.
+    When padding would more than double the work, segments run one SDPA call each.
+    ``q, k[T, heads | kv_heads, hd]``, ``v[T, kv_heads, hd_v]`` (MLA: ``hd_v != hd``); returns
+    ``[T, heads * hd_v]`` in ``dtype``.
+    ``longest``: the longest segment (``max(pos) + 1``), when the caller knows it.
+    """
+    t, nh = q.shape[0], q.shape[1]
+    group = nh // k.shape[1]
+    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    longest = int(pos.max()) + 1 if longest is None else longest
+    if num_segments * longest <= 2 * t:
+        slot = seg * longest + pos  # the token's row in the padded [segments * L] batch
+
+        def padded(x: Tensor) -> Tensor:
+            rows = x.new_zeros((num_segments * longest, *x.shape[1:])).index_copy(0, slot, x)
+            return rows.reshape(num_segments, longest, *x.shape[1:]).transpose(1, 2)
+
+        kp = padded(k).repeat_interleave(group, dim=1)
+        vp = padded(v).repeat_interleave(group, dim=1)
+        o = F.scaled_dot_product_attention(padded(q), kp, vp, is_causal=True, scale=scale)
+        return o.transpose(1, 2).reshape(num_segments * longest, -1)[slot]
     outs = []
     for s in torch.unique_consecutive(seg).tolist():
         idx = (seg == s).nonzero().flatten()
@@ -233,6 +268,7 @@ class PackedLayout(TokenLayout):
         self.num_segments = num_segments
         self.capacity = capacity
         self._in_order: bool | None = None
+        self._longest: int | None = None
 
     def tokens_in_order(self) -> bool:
         """Whether every segment's tokens are contiguous with positions ``0, 1, 2, ...``
@@ -261,8 +297,14 @@ class PackedLayout(TokenLayout):
         window: int | None,
         rel_logits: Tensor | None,
     ) -> Tensor:
-        if ops is FastOps and window is None and rel_logits is None:
-            return causal_sdpa(q, k, v, self.seg, q.shape[1] // k.shape[1], scale)
+        plain = not ops.batch_invariant and window is None and rel_logits is None
+        if plain and self.tokens_in_order():
+            if self._longest is None:  # once per layout, not once per layer (a host sync)
+                self._longest = int(self.pos.max()) + 1
+            return causal_sdpa(
+                q, k, v, self.seg, self.pos, self.num_segments, scale, ops.compute_dtype,
+                self._longest,
+            )  # fmt: skip
         if ops.fused_row_attention and rel_logits is None and self.tokens_in_order():
             # each segment's keys are its own tokens, in position order: no buffers needed
             first = torch.arange(q.shape[0], device=q.device) - self.pos

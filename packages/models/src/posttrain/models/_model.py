@@ -38,12 +38,14 @@ dtype; experts are combined in ascending expert id order; top-k ties go to the l
 from __future__ import annotations
 
 import enum
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal, NamedTuple
 
 import torch
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
 
 from posttrain.models._blocks import (
     CacheLayout,
@@ -54,9 +56,10 @@ from posttrain.models._blocks import (
 from posttrain.models._cache import KVCache
 from posttrain.models._config import ModelConfig
 from posttrain.models._errors import CacheError, ModelInputError
+from posttrain.models._logprobs import DEFAULT_CHUNK_TOKENS, chunked_token_logprobs
 from posttrain.models._lora import AdapterArg, LoraAdapter, LoraRouting
 from posttrain.models._media import MediaBatch, MediaKind, check_media_positions
-from posttrain.models._ops import FastOps, StrictOps, apply_rope
+from posttrain.models._ops import Bf16FastOps, FastOps, StrictOps, apply_rope
 from posttrain.models._rope import rope_tables
 from posttrain.models._sites import LinearSite
 from posttrain.models._towers import MediaTower, build_towers, image_patches, mel_features
@@ -97,6 +100,19 @@ class Step(NamedTuple):
 
     logits: Tensor
     logprobs: Tensor
+
+
+class LayerCall(NamedTuple):
+    """What a decoder layer's ``forward(h, call)`` needs besides the residual stream: the model
+    (its kernels and the layer computation), the token layout and the LoRA routing.
+
+    Each layer's compute goes through the layer module's ``__call__``, so module hooks (FSDP2's
+    per-layer all-gather and reshard, activation checkpointing) see one call per layer.
+    """
+
+    model: DecoderModel
+    layout: TokenLayout
+    lora: LoraRouting
 
 
 class _Layer(nn.Module):
@@ -153,6 +169,10 @@ class _Layer(nn.Module):
         if width:
             self.mlp_out_conv = nn.Parameter(torch.zeros(h, width, dtype=dt))
         self.sites = nn.ModuleDict()  # filled by DecoderModel (sites need the model's kernel)
+
+    def forward(self, h: Tensor, call: LayerCall) -> Tensor:
+        """The residual stream ``[T, H]`` after this layer (``DecoderModel._layer_forward``)."""
+        return call.model._layer_forward(self, h, call.layout, call.lora)
 
 
 class DenseLayer(_Layer):
@@ -231,6 +251,10 @@ class MlaLayer(nn.Module):
             self.moe = DeepseekMoe(config.deepseek_moe_spec, dtype=dt)
         self.sites = nn.ModuleDict()  # filled by DecoderModel
 
+    def forward(self, h: Tensor, call: LayerCall) -> Tensor:
+        """The residual stream ``[T, H]`` after this layer (``DecoderModel._mla_layer``)."""
+        return call.model._mla_layer(self, h, call.layout, call.lora)
+
 
 MLA_PROJECTIONS = ("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")
 """The linear projections of MLA attention (``q_proj`` without ``q_lora_rank``, else ``q_a/q_b``)."""
@@ -271,6 +295,94 @@ def moe_routing(
     return ids, weights
 
 
+GROUPED_MM_ALIGN = 16
+"""Rows each expert's group is padded to a multiple of for ``torch._grouped_mm``."""
+
+
+def use_grouped_mm(x: Tensor, dtype: torch.dtype, inter: int) -> bool:
+    """Whether ``grouped_experts`` takes ``torch._grouped_mm``: CUDA, bf16, aligned dims."""
+    return (
+        x.device.type == "cuda"
+        and dtype == torch.bfloat16
+        and hasattr(torch, "_grouped_mm")
+        and x.shape[1] % 8 == 0
+        and inter % 8 == 0
+    )
+
+
+def grouped_experts(ops: type[FastOps], x: Tensor, ids: Tensor, fc1: Tensor, fc2: Tensor) -> Tensor:
+    """Routed expert outputs ``[T, k, H]`` for ``x[T, H]`` and ``ids[T, k]`` (fast numerics).
+
+    The ``T * k`` (token, slot) pairs are sorted by expert id once (one gather), so each
+    expert's tokens are one contiguous slice. On CUDA with bf16 compute (dims multiples of 8)
+    ``torch._grouped_mm`` runs every expert in one call, each group padded to a multiple of
+    ``GROUPED_MM_ALIGN`` rows in a buffer of static size (no host sync; the pad rows are
+    zeros that nothing reads); elsewhere one matmul per expert over its slice.
+    ``fc1[E, 2I, H] = [gate; up]``, ``fc2[E, H, I]``. Same math as expert by expert.
+    """
+    t, k = ids.shape
+    e, inter = fc1.shape[0], fc2.shape[2]
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    xs = x[order // k]  # [T * k, H], grouped by expert
+    counts = torch.zeros(e, dtype=torch.long, device=x.device).index_add_(
+        0, flat, torch.ones_like(flat)
+    )
+    dt = ops.compute_dtype
+    if use_grouped_mm(x, dt, inter) and not _GROUPED_MM_FAILED:
+        try:
+            ys = _grouped_mm_experts(xs, flat, order, counts, fc1, fc2, ops)
+            return ys[torch.argsort(order)].reshape(t, k, -1)
+        except RuntimeError as err:  # a build or device without the kernel: the loop, once told
+            _GROUPED_MM_FAILED.append(str(err))
+            warnings.warn(
+                f"torch._grouped_mm failed ({err}); routed experts run one matmul each",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+    sizes = counts.tolist()
+    parts = []
+    for j, (xj, size) in enumerate(zip(torch.split(xs, sizes), sizes, strict=True)):
+        if size == 0:
+            continue
+        gu = ops.linear(xj, fc1[j])
+        parts.append(ops.linear(ops.silu_mul(gu[:, :inter], gu[:, inter:]), fc2[j]))
+    ys = torch.cat(parts) if parts else xs.new_zeros((0, fc2.shape[1]))
+    return ys[torch.argsort(order)].reshape(t, k, -1)
+
+
+_GROUPED_MM_FAILED: list[str] = []
+"""The error of a failed ``torch._grouped_mm`` call, if one failed in this process."""
+
+
+def _grouped_mm_experts(
+    xs: Tensor,
+    flat: Tensor,
+    order: Tensor,
+    counts: Tensor,
+    fc1: Tensor,
+    fc2: Tensor,
+    ops: type[FastOps],
+) -> Tensor:
+    """``grouped_experts``' CUDA branch: the sorted rows ``xs`` through every expert in one
+    ``torch._grouped_mm`` per projection, each group padded to ``GROUPED_MM_ALIGN`` rows."""
+    e, inter, dt = fc1.shape[0], fc2.shape[2], ops.compute_dtype
+    align = GROUPED_MM_ALIGN
+    padded = (counts + align - 1) // align * align
+    ends = padded.cumsum(0)
+    starts = ends - padded
+    first = counts.cumsum(0) - counts  # each expert's first row in ``xs``
+    expert = flat[order]
+    dest = starts[expert] + torch.arange(flat.shape[0], device=xs.device) - first[expert]
+    rows = flat.shape[0] + e * (align - 1)
+    xp = xs.new_zeros((rows, xs.shape[1]), dtype=dt).index_copy(0, dest, xs.to(dt))
+    offs = ends.to(torch.int32)
+    gu = torch._grouped_mm(xp, fc1.to(dt).transpose(-2, -1), offs=offs)
+    act = ops.silu_mul(gu[:, :inter], gu[:, inter:])
+    out: Tensor = torch._grouped_mm(act, fc2.to(dt).transpose(-2, -1), offs=offs)[dest]
+    return out
+
+
 class DecoderModel(nn.Module):
     """A Qwen3-MoE-layout decoder with strict (bit-identical) and fast numerics."""
 
@@ -294,6 +406,12 @@ class DecoderModel(nn.Module):
         self.config = config
         self.numerics = Numerics(numerics)
         self.strict_kernels = strict_kernels
+        self.activation_checkpointing = False
+        """Recompute each layer's activations in the backward (``torch.utils.checkpoint``)."""
+        self.compute_dtype: torch.dtype = torch.float32
+        """Fast numerics' matmul dtype: ``torch.bfloat16`` runs ``Bf16FastOps`` (bf16 linears
+        and attention, fp32 norms, residual stream, logits and log-softmax). Strict numerics
+        always compute in fp32."""
         v, h, dt = config.vocab_size, config.hidden_size, config.dtype
         self.embedding = nn.Parameter(torch.zeros(v, h, dtype=dt))
         if config.embedding_rms_norm:
@@ -349,7 +467,7 @@ class DecoderModel(nn.Module):
         Triton is imported only here, and only for the Triton set, so CPU work never needs it.
         """
         if self.numerics is not Numerics.STRICT:
-            return FastOps
+            return Bf16FastOps if self.compute_dtype == torch.bfloat16 else FastOps
         return strict_ops_for(self.embedding.device, self._strict_kernels)
 
     # ------------------------------------------------------------------ public forwards
@@ -370,12 +488,7 @@ class DecoderModel(nn.Module):
         outputs. ``inputs_embeds`` (``[T, hidden]`` fp32, e.g. from ``embed_inputs``) replaces
         the embedding step altogether (``media`` must then be None).
         """
-        ids, seg, pos = self._pack(input_ids, segment_lengths)
-        routing = LoraRouting(lora, seg, len(segment_lengths), self._lora_targets)
-        # buffers only as long as the longest segment needs (rounded up to a power of two, as
-        # attend_buffers reduces): the same bits as full capacity, at a cost independent of it
-        width = min(self.config.capacity, 1 << int(pos.max()).bit_length())
-        layout = PackedLayout(seg, pos, len(segment_lengths), width)
+        ids, layout, routing = self._packed_layout(input_ids, segment_lengths, lora)
         if inputs_embeds is not None:
             if media is not None:
                 raise ModelInputError("pass media or inputs_embeds, not both")
@@ -407,7 +520,7 @@ class DecoderModel(nn.Module):
         check_media_positions(ids, media, self.config)
         rows = self.media_embeddings(media)
         index = torch.tensor(media.positions(), dtype=torch.long, device=h.device)
-        return h.index_put((index,), rows)
+        return h.index_put((index,), rows.to(h.dtype))
 
     def media_embeddings(self, media: MediaBatch) -> Tensor:
         """Tower outputs ``[media.num_tokens, hidden]`` fp32, span after span, computed under
@@ -499,6 +612,43 @@ class DecoderModel(nn.Module):
             starts[_segment_starts(segment_lengths)] = True
             out = torch.cat([out[:1], torch.where(starts[1:], 0.0, picked)])
         return out
+
+    def forward_token_logprobs(
+        self,
+        input_ids: Tensor,
+        segment_lengths: Sequence[int],
+        rows: Tensor,
+        targets: Tensor,
+        *,
+        media: MediaBatch | None = None,
+        chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+    ) -> tuple[Tensor, Tensor]:
+        """``(logprob [N], entropy [N])`` fp32: ``log p(targets[i])`` under the distribution of
+        packed position ``rows[i]`` (its logits row, as ``forward_logits(...)[rows]``) and that
+        distribution's entropy. Differentiable.
+
+        Fast numerics with a plain LM head: ``chunked_token_logprobs`` over the picked rows'
+        hidden states, so full-vocabulary fp32 logits never exist for all tokens at once (same
+        values up to fp32 rounding). Otherwise (strict numerics, a wrapped head) the logits of
+        every token, the kernel set's log-softmax and the rows picked, as the engine computes.
+        """
+        ids, layout, routing = self._packed_layout(input_ids, segment_lengths, None)
+        h = self._hidden(ids, layout, routing, media=media)
+        rows, targets = rows.to(h.device).long(), targets.to(h.device).long()
+        site = self.sites["lm_head"]
+        if self.numerics is Numerics.FAST and type(site) is LinearSite:
+            return chunked_token_logprobs(
+                h[rows],
+                site.weight,
+                targets,
+                chunk_tokens=chunk_tokens,
+                compute_dtype=self.ops.compute_dtype,
+                logits_divisor=self.config.logits_divisor,
+            )
+        logits = self._head(h, routing)[rows]
+        logp = self.ops.log_softmax(logits)
+        full = torch.log_softmax(logits, dim=-1)
+        return logp.gather(1, targets[:, None])[:, 0], -(full.exp() * full).sum(-1)
 
     def new_kv_cache(self, num_rows: int = 1) -> KVCache:
         """An empty KV cache with ``num_rows`` rows, on the model's device."""
@@ -711,6 +861,17 @@ class DecoderModel(nn.Module):
         pos = torch.arange(ids.shape[0], device=dev) - starts[seg]
         return ids, seg, pos
 
+    def _packed_layout(
+        self, input_ids: Tensor, segment_lengths: Sequence[int], lora: AdapterArg
+    ) -> tuple[Tensor, PackedLayout, LoraRouting]:
+        """Checked ids, the packed layout and the LoRA routing of a training forward."""
+        ids, seg, pos = self._pack(input_ids, segment_lengths)
+        routing = LoraRouting(lora, seg, len(segment_lengths), self._lora_targets)
+        # buffers only as long as the longest segment needs (rounded up to a power of two, as
+        # attend_buffers reduces): the same bits as full capacity, at a cost independent of it
+        width = min(self.config.capacity, 1 << int(pos.max()).bit_length())
+        return ids, PackedLayout(seg, pos, len(segment_lengths), width), routing
+
     def _forward(
         self,
         ids: Tensor,
@@ -720,30 +881,35 @@ class DecoderModel(nn.Module):
         media: MediaBatch | None = None,
         embeds: Tensor | None = None,
     ) -> Tensor:
+        h = self._hidden(ids, layout, lora, media=media, embeds=embeds)
+        return self._head(h, lora)
+
+    def _hidden(
+        self,
+        ids: Tensor,
+        layout: TokenLayout,
+        lora: LoraRouting,
+        *,
+        media: MediaBatch | None = None,
+        embeds: Tensor | None = None,
+    ) -> Tensor:
+        """The last hidden states ``[T, H]`` (after the final norm) that the LM head reads."""
         cfg, ops = self.config, self.ops
         h = self._embed(ids, media) if embeds is None else embeds  # ids checked by the caller
         if cfg.embedding_rms_norm:
             h = ops.rms_norm(h, self.embed_norm, cfg.rms_norm_eps)
         h = self._scatter_sequence(h)
+        call = LayerCall(self, layout, lora)
+        checkpointed = self.activation_checkpointing and torch.is_grad_enabled()
         for layer in self.layers:
-            if isinstance(layer, MlaLayer):
-                h = self._mla_layer(layer, h, layout, lora)
-                continue
-            assert isinstance(layer, _Layer)
-            prefix = f"model.layers.{layer.index}."
-            h = h + self._attention(layer, h, layout, lora, prefix)
-            m = ops.rms_norm(h, layer.mlp_norm, cfg.rms_norm_eps)
-            if isinstance(layer, MoeLayer):
-                y = self._moe(layer, m, lora, prefix)
-            else:
-                assert isinstance(layer, DenseLayer)
-                y = self._dense(layer, m, lora, prefix)
-            if cfg.sconv_kernel_size:
-                y = layout.sconv(ops, layer.index, "mlp", y, layer.mlp_out_conv)
-            h = h + y
+            h = checkpoint(layer, h, call, use_reentrant=False) if checkpointed else layer(h, call)
         h = self._gather_sequence(h)
-        h = ops.rms_norm(h, self.final_norm, cfg.rms_norm_eps)
-        logits = self.sites["lm_head"](h)
+        return ops.rms_norm(h, self.final_norm, cfg.rms_norm_eps)
+
+    def _head(self, h: Tensor, lora: LoraRouting) -> Tensor:
+        """fp32 logits ``[T, vocab]`` of the last hidden states ``h``."""
+        cfg, ops = self.config, self.ops
+        logits = self.sites["lm_head"](h).float()  # fp32 logits whatever the compute dtype
         logits = lora.apply(ops, h, logits, [("lm_head", 0, cfg.vocab_size)])
         if cfg.logits_divisor != 1.0:
             logits = logits / cfg.logits_divisor
@@ -768,6 +934,23 @@ class DecoderModel(nn.Module):
         here. A sequence-parallel subclass all-gathers the tokens and sums the gradient over
         the ranks in backward (megatron-core's ``gather_from_sequence_parallel_region``)."""
         return x
+
+    def _layer_forward(
+        self, layer: _Layer, h: Tensor, layout: TokenLayout, lora: LoraRouting
+    ) -> Tensor:
+        """The residual stream ``[T, H]`` after one (non-MLA) layer: attention, then its MLP."""
+        cfg, ops = self.config, self.ops
+        prefix = f"model.layers.{layer.index}."
+        h = h + self._attention(layer, h, layout, lora, prefix)
+        m = ops.rms_norm(h, layer.mlp_norm, cfg.rms_norm_eps)
+        if isinstance(layer, MoeLayer):
+            y = self._moe(layer, m, lora, prefix)
+        else:
+            assert isinstance(layer, DenseLayer)
+            y = self._dense(layer, m, lora, prefix)
+        if cfg.sconv_kernel_size:
+            y = layout.sconv(ops, layer.index, "mlp", y, layer.mlp_out_conv)
+        return h + y
 
     def _rope(self, head_dim: int) -> tuple[Tensor, Tensor]:
         if head_dim == self.config.head_dim:
@@ -901,19 +1084,14 @@ class DecoderModel(nn.Module):
         if isinstance(layer, MlaLayer):
             out: Tensor = layer.moe(ops, m)
             return out
-        k, hsz = cfg.num_experts_per_tok, cfg.hidden_size
         e, ns = cfg.num_experts, cfg.n_shared_experts
         logits = layer.sites["router"](m)
         logits = lora.apply(ops, m, logits, [(prefix + "mlp.gate", 0, e + ns)])
         ids, weights = moe_routing(ops, cfg, logits, getattr(layer, "expert_bias", None))
-        outputs = m.new_zeros(m.shape[0], k, hsz)
-        for j in range(e):
-            tok, slot = (ids == j).nonzero(as_tuple=True)
-            if tok.numel() == 0:
-                continue
-            ep = f"{prefix}mlp.experts.{j}."
-            ye = self._expert(layer.experts_fc1[j], layer.experts_fc2[j], m[tok], lora, ep, tok)
-            outputs = outputs.index_put((tok, slot), ye)
+        if not ops.batch_invariant and not lora.active:
+            outputs = grouped_experts(ops, m, ids, layer.experts_fc1, layer.experts_fc2)
+        else:
+            outputs = self._experts_by_id(layer, m, ids, lora, prefix)
         if ns:
             shared = [
                 self._expert(
@@ -927,8 +1105,24 @@ class DecoderModel(nn.Module):
                 for s in range(ns)
             ]
             # fixed fp32 order: shared experts 0..S-1, then routed experts by ascending id
-            outputs = torch.cat([torch.stack(shared, dim=1), outputs], dim=1)
+            outputs = torch.cat([torch.stack(shared, dim=1).to(outputs.dtype), outputs], dim=1)
         return ops.moe_combine(weights, outputs)
+
+    def _experts_by_id(
+        self, layer: MoeLayer, m: Tensor, ids: Tensor, lora: LoraRouting, prefix: str
+    ) -> Tensor:
+        """Routed expert outputs ``[T, k, H]`` (the slot order of ``ids``), expert by expert
+        with each expert's LoRA deltas: the strict path (and any path with adapters)."""
+        k, e = self.config.num_experts_per_tok, self.config.num_experts
+        outputs = m.new_zeros(m.shape[0], k, self.config.hidden_size)
+        for j in range(e):
+            tok, slot = (ids == j).nonzero(as_tuple=True)
+            if tok.numel() == 0:
+                continue
+            ep = f"{prefix}mlp.experts.{j}."
+            ye = self._expert(layer.experts_fc1[j], layer.experts_fc2[j], m[tok], lora, ep, tok)
+            outputs = outputs.index_put((tok, slot), ye.to(outputs.dtype))
+        return outputs
 
     def _expert(
         self,

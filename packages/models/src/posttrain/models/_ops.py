@@ -103,6 +103,13 @@ class FastOps:
     materialised products, so fast mode takes chunks 256x larger (8 queries per call on a
     2048-slot cache with 16 heads of dim 128, where strict takes 1)."""
 
+    compute_dtype: ClassVar[torch.dtype] = torch.float32
+    """The dtype the matmuls run in (``Bf16FastOps``: bf16; every other set: fp32)."""
+
+    batch_invariant: ClassVar[bool] = False
+    """Whether a token's bits are independent of the call (the strict sets): only kernel sets
+    without that contract may take library fast paths (SDPA, grouped expert GEMMs)."""
+
     fused_row_attention: ClassVar[bool] = False
     """Whether ``attend_rows`` exists (the CUDA strict set): ``_blocks`` then uses it for
     attention without a relative position bias, on the packed forward and on decode alike."""
@@ -138,9 +145,9 @@ class FastOps:
 
     @staticmethod
     def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-        """HF Qwen3 RMSNorm in fp32."""
-        inv = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-        return (x * inv) * weight.float()
+        """HF Qwen3 RMSNorm in fp32 (a low-precision input is upcast first): torch's fused
+        ``rms_norm`` over the last dim, then the weight (which may be per head)."""
+        return F.rms_norm(x.float(), (x.shape[-1],), eps=eps) * weight.float()
 
     @staticmethod
     def silu_mul(gate: Tensor, up: Tensor) -> Tensor:
@@ -198,8 +205,53 @@ class FastOps:
         return (weights[..., None] * outputs).sum(1)
 
 
+class Bf16FastOps(FastOps):
+    """``FastOps`` with the matmuls in bf16: what mixed-precision training computes.
+
+    Linears take bf16 inputs and weights (FSDP's bf16 compute copy) and give bf16 outputs;
+    norms, softmaxes, the router, the residual stream (a bf16 output added to the fp32 stream
+    stays fp32) and the logits' log-softmax are fp32. Attention runs in bf16 (SDPA).
+    """
+
+    compute_dtype: ClassVar[torch.dtype] = torch.bfloat16
+
+    @staticmethod
+    def linear(x: Tensor, weight: Tensor) -> Tensor:
+        """``x @ weight.T`` with both in bf16; bf16 out."""
+        return F.linear(x.to(torch.bfloat16), weight.to(torch.bfloat16))
+
+    @staticmethod
+    def log_softmax(x: Tensor) -> Tensor:
+        """Log-softmax over the last dim, in fp32."""
+        return torch.log_softmax(x.float(), dim=-1)
+
+    @staticmethod
+    def softmax(x: Tensor) -> Tensor:
+        """Softmax over the last dim, in fp32."""
+        return torch.softmax(x.float(), dim=-1)
+
+    @staticmethod
+    def sigmoid(x: Tensor) -> Tensor:
+        """Sigmoid in fp32."""
+        return torch.sigmoid(x.float())
+
+    @staticmethod
+    def attention(
+        q: Tensor,
+        keys: Tensor,
+        values: Tensor,
+        valid: Tensor,
+        scale: float,
+        bias: Tensor | None = None,
+    ) -> Tensor:
+        """``FastOps.attention`` in fp32 (the buffered path: windows, biases, decode)."""
+        return FastOps.attention(q.float(), keys.float(), values.float(), valid, scale, bias)
+
+
 class StrictOps(FastOps):
     """Batch-invariant, thread-count-invariant fp32 kernels (see the module docstring)."""
+
+    batch_invariant: ClassVar[bool] = True
 
     attention_chunk_elements: ClassVar[int] = 1 << 17
     """Strict attention materialises its products (``[hd, T, heads, C]``) for ``tree_sum``:
