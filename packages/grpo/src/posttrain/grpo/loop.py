@@ -73,7 +73,7 @@ from posttrain.grpo.data import task_from_config
 from posttrain.grpo.fleet import EngineFleet, SyncTarget, is_stale, turn_versions
 from posttrain.grpo.metrics import MetricsLog, write_report
 from posttrain.grpo.model_check import resolve_model_paths
-from posttrain.grpo.preflight import run_preflight
+from posttrain.grpo.preflight import PreflightError, run_preflight
 from posttrain.grpo.rewards import Prompt, PromptStream, Task
 from posttrain.grpo.rollout import RolloutSettings, run_rollout
 from posttrain.grpo.scoring import StepScores, as_bound, score_samples
@@ -118,8 +118,17 @@ def run(
     _check_runnable(config, plugged)  # the plugged parts and the fields a run cannot do without
     # Every preflight check (the model gate, the user's data, reward and eval sets, the out dir,
     # the resume checkpoint) before any rank or engine starts and before anything is written;
-    # a plugged task brings its own prompts and reward.
-    run_preflight(config, skip=("data", "reward") if task is not None else ())
+    # a plugged task brings its own prompts and reward. Under torchrun rank 0 checks, once.
+    skip = ("data", "reward") if task is not None else ()
+    if "RANK" in os.environ:
+        _init_process_group(config)
+        try:
+            _preflight_on_rank0(config, skip)
+        except BaseException:
+            dist.destroy_process_group()
+            raise
+    else:
+        run_preflight(config, skip=skip)
     config = resolve_model_paths(config)  # hub ids -> their cached directories
     if task is not None:
         as_bound(task.reward)  # a reward whose parameters bind, or a GrpoConfigError now
@@ -153,6 +162,28 @@ def _check_runnable(cfg: GrpoConfig, plugged: Plugged) -> None:
         raise GrpoConfigError(
             "opd needs teacher_url (--teacher-url); `posttrain grpo --opd` starts a local teacher"
         )
+
+
+def _preflight_on_rank0(config: GrpoConfig, skip: Sequence[str]) -> None:
+    """One rank of many: rank 0 runs the preflight (it hashes the resume checkpoint and calls
+    the reward on the first rows: once, not once per rank) and broadcasts the outcome; every
+    rank raises the same ``PreflightError`` (its lines), or none."""
+    failures: tuple[str, ...] | None = ()
+    error: Exception | None = None
+    if dist.get_rank() == 0:
+        try:
+            run_preflight(config, skip=skip)
+        except PreflightError as exc:
+            failures = exc.failures
+        except Exception as exc:  # the other ranks must hear of it too, or they wait
+            error, failures = exc, None
+    failures = _broadcast(failures)
+    if error is not None:
+        raise error
+    if failures is None:
+        raise GrpoRunError("rank 0's preflight checks failed with an unexpected error")
+    if failures:
+        raise PreflightError(failures)
 
 
 # --------------------------------------------------------------------------- one rank
