@@ -260,6 +260,7 @@ def _steps(
     fleet.sync(policy, version, first=True, when="start")  # before the first rollout, and resumes
     log = MetricsLog(out, total_steps=cfg.steps, start_step=start) if lead else None
     opd_mode: dict[str, bool] = {}  # per-position scoring or not: probed once, on the first step
+    saved_s = 0.0  # seconds of the checkpoint saved after the step before
     with log if log is not None else contextlib.nullcontext():
         for step in range(start, cfg.steps):
             t_step = time.perf_counter()
@@ -297,6 +298,16 @@ def _steps(
                 metrics.update(_evaluate(cfg, task, evals, decode, step, version, api_key,
                                          plugged.engine))  # fmt: skip
                 times["eval"] = time.perf_counter() - t0
+            # The step's line before its checkpoint: a run killed between the two resumes from
+            # the checkpoint before (whose later lines it rewrites), never past a missing line.
+            # So a step's line times the checkpoint saved after the step before (``checkpoint``).
+            times["checkpoint"] = saved_s
+            times["step"] = time.perf_counter() - t_step + saved_s
+            if log is not None:
+                record = {"step": step, **batch["stats"], **metrics}
+                record["train_tokens_per_s"] = metrics["train_tokens"] / max(times["train"], 1e-9)
+                record.update({f"time/{k}": round(v, 4) for k, v in times.items()})
+                log.log(record)
             t0 = time.perf_counter()
             last = step == cfg.steps - 1
             every = cfg.checkpoint_every
@@ -306,13 +317,7 @@ def _steps(
                          "data_fingerprint": fingerprint}  # fmt: skip
                 extra = _broadcast(extra)
                 checkpoint.save(ckpt_root, step, policy, extra)
-            times["checkpoint"] = time.perf_counter() - t0
-            times["step"] = time.perf_counter() - t_step
-            if log is not None:
-                record = {"step": step, **batch["stats"], **metrics}
-                record["train_tokens_per_s"] = metrics["train_tokens"] / max(times["train"], 1e-9)
-                record.update({f"time/{k}": round(v, 4) for k, v in times.items()})
-                log.log(record)
+            saved_s = time.perf_counter() - t0
     if log is None:
         return None
     extra = {"out_dir": str(out), "train": cfg.train, "rollout_quant": cfg.rollout_quant,
