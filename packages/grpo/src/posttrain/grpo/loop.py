@@ -124,17 +124,25 @@ def run(
         _init_process_group(config)
         try:
             _preflight_on_rank0(config, skip)
+            config = _resolved(config, task)
         except BaseException:
             dist.destroy_process_group()
             raise
-    else:
-        run_preflight(config, skip=skip)
-    config = resolve_model_paths(config)  # hub ids -> their cached directories
-    if task is not None:
-        as_bound(task.reward)  # a reward whose parameters bind, or a GrpoConfigError now
-    if "RANK" in os.environ or config.world_size == 1:
+        return _run_rank(config, plugged)
+    run_preflight(config, skip=skip)
+    config = _resolved(config, task)
+    if config.world_size == 1:
         return _run_rank(config, plugged)
     return _spawn_ranks(config, plugged)
+
+
+def _resolved(config: GrpoConfig, task: Task | None) -> GrpoConfig:
+    """Hub ids -> their cached directories; a plugged reward whose parameters bind, or a
+    ``GrpoConfigError`` now."""
+    config = resolve_model_paths(config)
+    if task is not None:
+        as_bound(task.reward)
+    return config
 
 
 def _check_runnable(cfg: GrpoConfig, plugged: Plugged) -> None:
