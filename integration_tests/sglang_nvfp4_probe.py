@@ -61,12 +61,7 @@ def probe(path: str) -> dict[str, Any]:
         except AttributeError:  # SGLang's parameter classes keep it behind a property
             p._weight_loader = traced  # type: ignore[attr-defined]
 
-    def feed() -> Any:
-        for name in sorted(tensors):
-            current[0] = name
-            yield name, tensors[name]
-
-    model.load_weights(feed())
+    base.load_in_name_order(model, tensors, current)
     derived = ("_blockscale_swizzled",)
     return {
         "architecture": arch,

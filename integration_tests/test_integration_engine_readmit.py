@@ -21,7 +21,9 @@ as soon as that sync returned: the sync loses it (no reply within the target's t
   sgl-router's health checks route turns to it again; those samples are stale, and the loop
   leaves them out of the step (``stale_samples``), so the trainer never trains on them.
 
-Every process is stopped by pid (``LocalRunner.stop``) in a ``finally``; every wait is bounded.
+The two full-weight runs share one stack (a module fixture): a run's first sync pushes the
+trainer's weights to every engine. Every process is stopped by pid (``LocalRunner.stop``) in a
+``finally``; every wait is bounded.
 """
 
 from __future__ import annotations
@@ -104,6 +106,14 @@ def local_stack(model_dir: Path, train: str) -> Iterator[tuple[LocalRunner, str]
         runner.stop()  # every process group by pid: SIGTERM, then SIGKILL what is left
 
 
+@pytest.fixture(scope="module")
+def full_stack(model_dir: Path) -> Iterator[tuple[LocalRunner, str]]:
+    """One full-weight stack for both full-weight runs: a run's first sync pushes the trainer's
+    weights to every engine, so the second starts from what a fresh stack would serve."""
+    with local_stack(model_dir, "full") as stack:
+        yield stack
+
+
 class FreezeAtFirstStepSync:
     """Wraps the fleet's ``sync``: SIGSTOP engine 1 just before the sync after step 0,
     SIGCONT once it returned. Records every call's version and the policy."""
@@ -157,59 +167,77 @@ def _served(metrics_url: str, worker: str) -> float:
 
 
 def _run(
-    model_dir: Path, out: Path, monkeypatch: pytest.MonkeyPatch, *, readmit: bool, train: str
+    stack: tuple[LocalRunner, str],
+    model_dir: Path,
+    out: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    *,
+    readmit: bool,
+    train: str,
 ) -> Any:
-    """One run of ``STEPS`` steps with engine 1 frozen through the first step's sync."""
+    """One run of ``STEPS`` steps on ``stack`` with engine 1 frozen through the first step's
+    sync."""
     seen: dict[str, Any] = {}
-    with local_stack(model_dir, train) as (runner, metrics_url):
-        urls = runner.urls
-        frozen = urls["engine-1"]
-        pid = next(rp.pid for rp in runner.running if rp.spec.name == "engine-1")
-        freezer = FreezeAtFirstStepSync(monkeypatch, pid)
-        real_register, real_deregister = grpo_fleet.register, grpo_fleet.deregister
+    runner, metrics_url = stack
+    urls = runner.urls
+    frozen = urls["engine-1"]
+    pid = next(rp.pid for rp in runner.running if rp.spec.name == "engine-1")
+    freezer = FreezeAtFirstStepSync(monkeypatch, pid)
+    real_register, real_deregister = grpo_fleet.register, grpo_fleet.deregister
 
-        def deregister(router_url: str, url: str, *, timeout_s: float) -> None:
-            real_deregister(router_url, url, timeout_s=timeout_s)
-            seen["served_at_deregister"] = _served(metrics_url, url)
+    def deregister(router_url: str, url: str, *, timeout_s: float) -> None:
+        real_deregister(router_url, url, timeout_s=timeout_s)
+        seen["served_at_deregister"] = _served(metrics_url, url)
 
-        def register(router_url: str, url: str, *, timeout_s: float) -> None:
-            info = httpx.get(f"{url}/weights_checksum", timeout=30.0).json()
-            seen.setdefault("at_register", []).append({
-                "url": url, "engine": info, "version": freezer.versions[-1],
-                "trainer_sha256": freezer.trainer_sha256(),
-                "router_lists_it": url in httpx.get(f"{router_url}/workers", timeout=5.0).text,
-                "served_before": _served(metrics_url, url),
-            })  # fmt: skip
-            real_register(router_url, url, timeout_s=timeout_s)
+    def register(router_url: str, url: str, *, timeout_s: float) -> None:
+        info = httpx.get(f"{url}/weights_checksum", timeout=30.0).json()
+        seen.setdefault("at_register", []).append({
+            "url": url, "engine": info, "version": freezer.versions[-1],
+            "trainer_sha256": freezer.trainer_sha256(),
+            "router_lists_it": url in httpx.get(f"{router_url}/workers", timeout=5.0).text,
+            "served_before": _served(metrics_url, url),
+        })  # fmt: skip
+        real_register(router_url, url, timeout_s=timeout_s)
 
-        monkeypatch.setattr(grpo_fleet, "register", register)
-        monkeypatch.setattr(grpo_fleet, "deregister", deregister)
-        cfg = GrpoConfig(
-            model_path=model_dir, rollout_url=urls["session-router"],
-            engine_urls=(urls["engine-0"], frozen), train=train, replicate=1, shard=1,
-            steps=STEPS, prompts_per_step=2, samples_per_prompt=2, max_new_tokens=12, lr=1e-2,
-            out_dir=out, rollout_timeout_s=SYNC_TIMEOUT_S, turn_timeout_s=SYNC_TIMEOUT_S,
-            router_url=urls["router"] if readmit else None, readmit_lost_engines=readmit,
-        )  # fmt: skip
-        summary = grpo_loop.run(cfg, task=TASK)
-        seen["summary"] = summary
-        seen["versions"] = list(freezer.versions)
-        seen["trainer_sha256"] = freezer.trainer_sha256()
-        seen["engines"] = {
-            name: httpx.get(f"{urls[name]}/weights_checksum", timeout=30.0).json()
-            for name in ("engine-0", "engine-1")
-        }
-        seen["served_end"] = _served(metrics_url, frozen)
-        seen["frozen"] = frozen
+    monkeypatch.setattr(grpo_fleet, "register", register)
+    monkeypatch.setattr(grpo_fleet, "deregister", deregister)
+    cfg = GrpoConfig(
+        model_path=model_dir, rollout_url=urls["session-router"],
+        engine_urls=(urls["engine-0"], frozen), train=train, replicate=1, shard=1,
+        steps=STEPS, prompts_per_step=2, samples_per_prompt=2, max_new_tokens=12, lr=1e-2,
+        out_dir=out, rollout_timeout_s=SYNC_TIMEOUT_S, turn_timeout_s=SYNC_TIMEOUT_S,
+        router_url=urls["router"] if readmit else None, readmit_lost_engines=readmit,
+    )  # fmt: skip
+    summary = grpo_loop.run(cfg, task=TASK)
+    seen["summary"] = summary
+    seen["versions"] = list(freezer.versions)
+    seen["trainer_sha256"] = freezer.trainer_sha256()
+    seen["engines"] = {
+        name: httpx.get(f"{urls[name]}/weights_checksum", timeout=30.0).json()
+        for name in ("engine-0", "engine-1")
+    }
+    seen["served_end"] = _served(metrics_url, frozen)
+    seen["frozen"] = frozen
     seen["records"] = _records(out)
     return seen
 
 
 @pytest.mark.parametrize("train", ["full", "lora"])
 def test_a_lost_engine_takes_the_current_weights_before_it_is_readmitted(
-    model_dir: Path, tmp_path: Path, one_rank: None, monkeypatch: pytest.MonkeyPatch, train: str
+    model_dir: Path,
+    tmp_path: Path,
+    one_rank: None,
+    monkeypatch: pytest.MonkeyPatch,
+    request: pytest.FixtureRequest,
+    train: str,
 ) -> None:
-    seen = _run(model_dir, tmp_path / "run", monkeypatch, readmit=True, train=train)
+    out = tmp_path / "run"
+    if train == "full":  # the module's full-weight stack, shared with the negative control
+        stack = request.getfixturevalue("full_stack")
+        seen = _run(stack, model_dir, out, monkeypatch, readmit=True, train=train)
+    else:
+        with local_stack(model_dir, train) as stack:
+            seen = _run(stack, model_dir, out, monkeypatch, readmit=True, train=train)
     steps = seen["records"]
     versions = seen["versions"]  # the start sync, then one per step
     assert len(versions) == STEPS + 1
@@ -240,9 +268,13 @@ def test_a_lost_engine_takes_the_current_weights_before_it_is_readmitted(
 
 
 def test_without_readmission_the_lost_engine_stays_on_old_weights(
-    model_dir: Path, tmp_path: Path, one_rank: None, monkeypatch: pytest.MonkeyPatch
+    model_dir: Path,
+    full_stack: tuple[LocalRunner, str],
+    tmp_path: Path,
+    one_rank: None,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    seen = _run(model_dir, tmp_path / "run", monkeypatch, readmit=False, train="full")
+    seen = _run(full_stack, model_dir, tmp_path / "run", monkeypatch, readmit=False, train="full")
     steps = seen["records"]
     versions = seen["versions"]
     assert "at_register" not in seen

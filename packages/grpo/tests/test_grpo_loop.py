@@ -3,8 +3,10 @@ step's fault handling: aborted samples left out and named, unreachable engines d
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -80,3 +82,60 @@ def test_stale_samples_are_left_out_of_the_step_and_named(
     assert "sample 1 (engine weight versions [3])" in message
     with pytest.raises(GrpoRunError, match="every one of the 1 samples came from weights other"):
         _drop_stale([samples[1]], step=2, version=4)
+
+
+class _KilledError(Exception):
+    """Stands for a kill right after a checkpoint is written."""
+
+
+class _FixedEngine:
+    """An in-process ``RolloutEngine``: every sample answers one fixed token."""
+
+    async def rollout(
+        self, messages: Any, *, sampling_params: Any = None, weight_version: int | None = None
+    ) -> Sample:
+        return Sample(prompt_ids=[2, 5], response_ids=[7], rollout_logprobs=[-0.1], loss_mask=[1],
+                      weight_version=weight_version)  # fmt: skip
+
+
+@pytest.mark.timeout(180)
+def test_a_kill_after_a_checkpoint_loses_no_metrics_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each step's ``metrics.jsonl`` line is written before its checkpoint: a run killed right
+    after saving step 1 has step 1's line, and its resume (from step 1's checkpoint) adds step 2's:
+    one line per step, none lost."""
+    from grpo_workers import RecordingSink, save_tiny_checkpoint
+
+    from posttrain.grpo import checkpoint, loop
+    from posttrain.grpo.rewards import Prompt, Task
+
+    real_save = checkpoint.save
+
+    def save_then_die(root: Path, step: int, policy: Any, extra: dict[str, Any]) -> Path:
+        path = real_save(root, step, policy, extra)
+        if step == 1:
+            raise _KilledError
+        return path
+
+    model = save_tiny_checkpoint(tmp_path / "tiny")
+    prompts = tuple(Prompt(index=i, messages=({"role": "user", "content": f"{i}+1="},),
+                           metadata={"answer": str(i + 1)}) for i in range(4))  # fmt: skip
+    task = Task(name="fixed", prompts=prompts, reward=lambda sample: float(sample.index % 2))
+    out = tmp_path / "out"
+    cfg = GrpoConfig(model_path=Path(model), replicate=1, shard=1, steps=3, checkpoint_every=1,
+                     prompts_per_step=2, samples_per_prompt=2, out_dir=out)  # fmt: skip
+    monkeypatch.setattr(loop.checkpoint, "save", save_then_die)
+    with pytest.raises(_KilledError):
+        run(cfg, task=task, engine=_FixedEngine(), weight_sinks=[RecordingSink()])
+    monkeypatch.setattr(loop.checkpoint, "save", real_save)
+    lines = (out / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(x)["step"] for x in lines] == [0, 1]
+    assert checkpoint.find(out).name == "iter_0000001"
+    resumed = GrpoConfig(**{**cfg.to_dict(), "resume": out})
+    summary = run(resumed, task=task, engine=_FixedEngine(), weight_sinks=[RecordingSink()])
+    assert summary is not None
+    records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [0, 1, 2]
+    assert [r["step"] for r in records[:2]] == [json.loads(x)["step"] for x in lines]
+    assert records[1] == json.loads(lines[1])  # the killed run's line, kept as written

@@ -7,28 +7,16 @@ import time
 from pathlib import Path
 
 import pytest
-import transformers
 
 from posttrain.grpo import GrpoConfig, GrpoConfigError
 from posttrain.grpo.cli import main
 from posttrain.grpo.model_check import check_model, resolve_model_paths
 from posttrain.models import ModelConfig
-
-SHAPE = {
-    "vocab_size": 96,
-    "hidden_size": 32,
-    "intermediate_size": 48,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 8,
-}
+from posttrain.models.testing import hf_config
 
 
 def write_config(path: Path, cls: str, arch: str, **extra: object) -> Path:
-    config = getattr(transformers, cls)(**(SHAPE | extra))
-    config.architectures = [arch]
-    config.save_pretrained(str(path))
+    hf_config(cls, arch, **extra).save_pretrained(str(path))
     return path
 
 

@@ -121,6 +121,50 @@ def test_a_real_run_runs_the_checks_before_anything_starts(
     assert not (tmp_path / "out").exists()
 
 
+def _torchrun_rank(
+    rank: int, world: int, tiny: Path, resumes: list[Path], out: Path, seen: Path
+) -> tuple[str, tuple[str, ...]]:
+    """One rank of a torchrun job (``RANK`` set, no process group yet) calling ``loop.run``
+    with its own view of ``--resume``; a check appended here records which ranks run checks."""
+    from posttrain.grpo import loop
+
+    def record(cfg: GrpoConfig) -> None:
+        with seen.open("a") as f:
+            f.write(f"{rank}\n")
+
+    CHECKS.append(Check("rank", "--out-dir", record))  # this forked rank's list only
+    cfg = GrpoConfig(model_path=tiny, rollout_url="http://127.0.0.1:9",
+                     engine_urls=("http://127.0.0.1:9",), out_dir=out, resume=resumes[rank],
+                     replicate=1, shard=world)  # fmt: skip
+    try:
+        loop.run(cfg)
+    except PreflightError as exc:
+        return type(exc).__name__, exc.failures
+    return "ran", ()
+
+
+def test_under_torchrun_rank_0_checks_and_every_rank_raises_its_error(
+    tiny: Path, tmp_path: Path
+) -> None:
+    """The resume checkpoint is broken on rank 0's view only: rank 0 alone runs the checks,
+    and both ranks raise the same PreflightError, its message included."""
+    from posttrain.interface.processes import run_workers
+
+    broken = _resume_ckpt(tmp_path / "broken", value=math.nan)
+    good = _resume_ckpt(tmp_path / "good", value=0.5)
+    seen = tmp_path / "seen.txt"
+    results = run_workers(_torchrun_rank, 2, args=(tiny, [broken, good], tmp_path / "out", seen),
+                          backend=None, timeout_s=120)  # fmt: skip
+    assert results[0] == results[1]
+    name, failures = results[0]
+    assert name == "PreflightError"
+    assert len(failures) == 1
+    assert failures[0].startswith("--resume"), failures
+    assert "non-finite" in failures[0], failures
+    assert seen.read_text().split() == ["0"]  # rank 1 ran no check
+    assert not (tmp_path / "out").exists()
+
+
 def test_a_check_is_registered_with_one_call() -> None:
     seen: list[str] = []
 

@@ -185,20 +185,26 @@ def test_data_and_reward_flags_reach_the_trainer() -> None:
 def test_bad_data_is_refused_before_anything_starts(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """One trainer --dry-run checks the inputs, after the recipe's prepare step; its error line
+    is the command's, and nothing starts after it."""
     missing = tmp_path / "missing.jsonl"
     out = tmp_path / "out"
-    prepared: list[object] = []  # the recipe's prepare step runs beside the check: not here
+    started: list[object] = []
+    monkeypatch.setattr("posttrain.launch.grpo.prepare_recipe", lambda *a, **k: RECIPE)
     monkeypatch.setattr(
-        "posttrain.launch.grpo.prepare_recipe", lambda *a, **k: prepared.append(a) or {}
+        "posttrain.launch.grpo._run_stack_and_trainer", lambda *a, **k: started.append(a) or 0
     )
     result = CliRunner().invoke(
         app, ["grpo", "--prompt-data", str(missing), "--reward", "math", "--out", str(out)]
     )
-    assert result.exit_code != 0
-    assert f"--prompt-data {missing}: no such file or directory" in result.output
+    assert result.exit_code == 2
+    # the recipe's stand-in policy (/c/policy) is refused too, on its own line before
+    assert "error: --model-path: model path '/c/policy'" in result.output
+    assert result.output.rstrip().endswith(f"--prompt-data {missing}: no such file or directory")
+    assert "exited with code" not in result.output
     assert "Traceback" not in result.output
     assert not out.exists()
-    assert len(prepared) == 1  # and no stack was started after it
+    assert not started
 
 
 def test_lora_targets_for_mla_name_mla_projections(tmp_path: Path) -> None:

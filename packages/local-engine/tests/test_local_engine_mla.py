@@ -22,26 +22,8 @@ from starlette.testclient import TestClient
 
 from posttrain.local_engine import EngineConfig, build_app
 from posttrain.models import LoraAdapter, build_tokenizer, load_pretrained
+from posttrain.models.testing import HF_MLA, hf_config
 
-_GLM = {
-    "vocab_size": 128,
-    "hidden_size": 32,
-    "intermediate_size": 48,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 4,
-    "max_position_embeddings": 64,
-    "initializer_range": 0.2,
-    "q_lora_rank": 16,
-    "kv_lora_rank": 16,
-    "qk_nope_head_dim": 8,
-    "qk_rope_head_dim": 4,
-    "v_head_dim": 12,
-    "n_routed_experts": 8,
-    "num_experts_per_tok": 2,
-    "moe_intermediate_size": 16,
-    "first_k_dense_replace": 1,
-}
 _TARGETS = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "gate_proj")
 _PEFT = {"peft_type": "LORA", "r": 2, "lora_alpha": 4, "target_modules": list(_TARGETS),
          "lora_dropout": 0.0, "bias": "none"}  # fmt: skip
@@ -50,8 +32,7 @@ _PEFT = {"peft_type": "LORA", "r": 2, "lora_alpha": 4, "target_modules": list(_T
 @pytest.fixture(scope="module")
 def glm_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("glm")
-    config = transformers.Glm4MoeLiteConfig(**_GLM)
-    config.architectures = ["Glm4MoeLiteForCausalLM"]
+    config = hf_config("Glm4MoeLiteConfig", "Glm4MoeLiteForCausalLM", **HF_MLA, vocab_size=128)
     torch.manual_seed(0)
     hf = transformers.Glm4MoeLiteForCausalLM(config).float()
     with torch.no_grad():

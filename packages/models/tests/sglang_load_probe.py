@@ -81,6 +81,18 @@ def _mla_checks(layer: Any, pre: str, holds: Any) -> dict[str, bool]:
     return checks
 
 
+def load_in_name_order(model: Any, tensors: dict[str, Any], current: list[str]) -> None:
+    """``model.load_weights`` on ``tensors`` in name order, ``current[0]`` naming the tensor
+    being loaded (what a probe's traced weight loaders record); the NVFP4 probe uses it too."""
+
+    def feed() -> Any:
+        for name in sorted(tensors):
+            current[0] = name
+            yield name, tensors[name]
+
+    model.load_weights(feed())
+
+
 def _init_single_rank(path: str, port: int, **server_args: Any) -> None:
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0"
@@ -131,12 +143,7 @@ def probe(path: str) -> dict[str, Any]:
 
         p.weight_loader = traced  # type: ignore[attr-defined]
 
-    def feed() -> Any:
-        for name in sorted(tensors):
-            current[0] = name
-            yield name, tensors[name]
-
-    model.load_weights(feed())
+    load_in_name_order(model, tensors, current)
     unwritten = sorted(n for n, p in params.items() if bool(torch.isnan(p.data.float()).any()))
     checks: dict[str, bool] = {}
 

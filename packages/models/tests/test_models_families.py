@@ -27,20 +27,9 @@ from posttrain.models import (
     load_pretrained,
 )
 from posttrain.models.parity import decoded_logprobs, packed_logprobs
+from posttrain.models.testing import HF_MLA, HF_TINY, hf_config
 
 TOLERANCE = 1e-5
-SHAPE: dict[str, Any] = {
-    "vocab_size": 96,
-    "hidden_size": 32,
-    "intermediate_size": 48,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 8,
-    "max_position_embeddings": 64,
-    "initializer_range": 0.2,
-    "tie_word_embeddings": False,
-}
 
 
 def _legacy_rope(path: Path) -> None:
@@ -54,22 +43,6 @@ def _legacy_rope(path: Path) -> None:
     data["rope_scaling"] = params
     file.write_text(json.dumps(data))
 
-
-# The MLA shape (transformers' names): 4 heads (kv heads = heads), q/kv latents of 16,
-# nope 8 + rope 4 per query/key head, values of 12; head_dim is the rope part (its alias).
-_MLA: dict[str, Any] = {
-    "num_key_value_heads": 4,
-    "head_dim": 4,
-    "q_lora_rank": 16,
-    "kv_lora_rank": 16,
-    "qk_nope_head_dim": 8,
-    "qk_rope_head_dim": 4,
-    "v_head_dim": 12,
-    "n_routed_experts": 8,
-    "num_experts_per_tok": 2,
-    "moe_intermediate_size": 16,
-    "first_k_dense_replace": 1,
-}
 
 # name -> (config class, its kwargs, family we read it as, post-save rewrite)
 SUPPORTED: dict[str, tuple[str, dict[str, Any], str, Callable[[Path], None] | None]] = {
@@ -121,13 +94,13 @@ SUPPORTED: dict[str, tuple[str, dict[str, Any], str, Callable[[Path], None] | No
     # MLA + DeepSeek-style MoE: a dense first layer, then 8 routed experts in 2 groups
     "deepseek-v3": (
         "DeepseekV3Config",
-        _MLA | {"n_group": 2, "topk_group": 1},
+        HF_MLA | {"n_group": 2, "topk_group": 1},
         "deepseek_v3",
         None,
     ),
     "deepseek-v3-yarn-no-q-lora": (
         "DeepseekV3Config",
-        _MLA
+        HF_MLA
         | {
             "q_lora_rank": None,
             "n_group": 4,
@@ -146,7 +119,7 @@ SUPPORTED: dict[str, tuple[str, dict[str, Any], str, Callable[[Path], None] | No
         "deepseek_v3",
         None,
     ),
-    "glm-4.7-flash": ("Glm4MoeLiteConfig", _MLA, "glm4_moe_lite", None),
+    "glm-4.7-flash": ("Glm4MoeLiteConfig", HF_MLA, "glm4_moe_lite", None),
 }
 
 # name -> (config class, kwargs, architecture, words the refusal must hold)
@@ -174,8 +147,7 @@ _ARCH = {
 def write_hf_checkpoint(path: Path, name: str) -> tuple[transformers.PreTrainedModel, str]:
     """A tiny transformers model of case ``name`` saved to ``path`` (fp32, seed 0)."""
     cls_name, extra, _, rewrite = SUPPORTED[name]
-    config = getattr(transformers, cls_name)(**(SHAPE | extra))
-    config.architectures = [_ARCH[cls_name]]
+    config = hf_config(cls_name, _ARCH[cls_name], **extra)
     torch.manual_seed(0)
     model = getattr(transformers, _ARCH[cls_name])(config).float().eval()
     with torch.no_grad():  # DeepSeek-style routers: a nonzero correction bias steers the choice
@@ -202,7 +174,7 @@ def test_supported_family_matches_transformers(tmp_path: Path, name: str) -> Non
     config = load_config(tmp_path / "hf")
     assert config.family == SUPPORTED[name][2]
     model = load_pretrained(tmp_path / "hf")
-    ids = torch.randint(0, SHAPE["vocab_size"], (40,), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(0, HF_TINY["vocab_size"], (40,), generator=torch.Generator().manual_seed(1))
     ref = hf_token_logprobs(hf, ids)
     for numerics in Numerics:
         model.numerics = numerics
@@ -234,8 +206,7 @@ def test_supported_family_matches_transformers(tmp_path: Path, name: str) -> Non
 @pytest.mark.parametrize("name", sorted(REFUSED))
 def test_unsupported_family_is_refused_by_name(tmp_path: Path, name: str) -> None:
     cls_name, extra, arch, feature = REFUSED[name]
-    config = getattr(transformers, cls_name)(**(SHAPE | extra))
-    config.architectures = [arch]
+    config = hf_config(cls_name, arch, **extra)
     config.save_pretrained(str(tmp_path))
     with pytest.raises(ModelConfigError, match=arch) as err:
         load_config(tmp_path)

@@ -75,7 +75,7 @@ from posttrain.grpo.fleet import EngineFleet, SyncTarget, is_stale, turn_version
 from posttrain.grpo.metrics import MetricsLog, write_report
 from posttrain.grpo.model_check import resolve_model_paths
 from posttrain.grpo.overlap import StepBatches
-from posttrain.grpo.preflight import run_preflight
+from posttrain.grpo.preflight import PreflightError, run_preflight
 from posttrain.grpo.rewards import Prompt, PromptStream, Task
 from posttrain.grpo.rollout import Rollouts, RolloutSettings
 from posttrain.grpo.scoring import StepScores, as_bound, score_samples
@@ -120,14 +120,31 @@ def run(
     _check_runnable(config, plugged)  # the plugged parts and the fields a run cannot do without
     # Every preflight check (the model gate, the user's data, reward and eval sets, the out dir,
     # the resume checkpoint) before any rank or engine starts and before anything is written;
-    # a plugged task brings its own prompts and reward.
-    run_preflight(config, skip=("data", "reward") if task is not None else ())
-    config = resolve_model_paths(config)  # hub ids -> their cached directories
-    if task is not None:
-        as_bound(task.reward)  # a reward whose parameters bind, or a GrpoConfigError now
-    if "RANK" in os.environ or config.world_size == 1:
+    # a plugged task brings its own prompts and reward. Under torchrun rank 0 checks, once.
+    skip = ("data", "reward") if task is not None else ()
+    if "RANK" in os.environ:
+        _init_process_group(config)
+        try:
+            _preflight_on_rank0(config, skip)
+            config = _resolved(config, task)
+        except BaseException:
+            dist.destroy_process_group()
+            raise
+        return _run_rank(config, plugged)
+    run_preflight(config, skip=skip)
+    config = _resolved(config, task)
+    if config.world_size == 1:
         return _run_rank(config, plugged)
     return _spawn_ranks(config, plugged)
+
+
+def _resolved(config: GrpoConfig, task: Task | None) -> GrpoConfig:
+    """Hub ids -> their cached directories; a plugged reward whose parameters bind, or a
+    ``GrpoConfigError`` now."""
+    config = resolve_model_paths(config)
+    if task is not None:
+        as_bound(task.reward)
+    return config
 
 
 def _check_runnable(cfg: GrpoConfig, plugged: Plugged) -> None:
@@ -155,6 +172,28 @@ def _check_runnable(cfg: GrpoConfig, plugged: Plugged) -> None:
         raise GrpoConfigError(
             "opd needs teacher_url (--teacher-url); `posttrain grpo --opd` starts a local teacher"
         )
+
+
+def _preflight_on_rank0(config: GrpoConfig, skip: Sequence[str]) -> None:
+    """One rank of many: rank 0 runs the preflight (it hashes the resume checkpoint and calls
+    the reward on the first rows: once, not once per rank) and broadcasts the outcome; every
+    rank raises the same ``PreflightError`` (its lines), or none."""
+    failures: tuple[str, ...] | None = ()
+    error: Exception | None = None
+    if dist.get_rank() == 0:
+        try:
+            run_preflight(config, skip=skip)
+        except PreflightError as exc:
+            failures = exc.failures
+        except Exception as exc:  # the other ranks must hear of it too, or they wait
+            error, failures = exc, None
+    failures = _broadcast(failures)
+    if error is not None:
+        raise error
+    if failures is None:
+        raise GrpoRunError("rank 0's preflight checks failed with an unexpected error")
+    if failures:
+        raise PreflightError(failures)
 
 
 # --------------------------------------------------------------------------- one rank
@@ -240,6 +279,7 @@ def _steps(
                               opd_mode=opd_mode, rollouts=rollouts, decode=decode),
             overlap=cfg.off_policy_overlap, steps=cfg.steps,
         )  # fmt: skip
+    saved_s = 0.0  # seconds of the checkpoint saved after the step before
     with contextlib.ExitStack() as scope:
         if log is not None:
             scope.enter_context(log)
@@ -281,6 +321,16 @@ def _steps(
                 metrics.update(_evaluate(cfg, task, evals, decode, step, version, api_key,
                                          plugged.engine))  # fmt: skip
                 times["eval"] = time.perf_counter() - t0
+            # The step's line before its checkpoint: a run killed between the two resumes from
+            # the checkpoint before (whose later lines it rewrites), never past a missing line.
+            # So a step's line times the checkpoint saved after the step before (``checkpoint``).
+            times["checkpoint"] = saved_s
+            times["step"] = time.perf_counter() - t_step + saved_s
+            if log is not None:
+                record = {"step": step, **batch["stats"], **metrics}
+                record["train_tokens_per_s"] = metrics["train_tokens"] / max(times["train"], 1e-9)
+                record.update({f"time/{k}": round(v, 4) for k, v in times.items()})
+                log.log(record)
             t0 = time.perf_counter()
             last = step == cfg.steps - 1
             every = cfg.checkpoint_every
@@ -292,13 +342,7 @@ def _steps(
                          "data_fingerprint": fingerprint}  # fmt: skip
                 extra = _broadcast(extra)
                 checkpoint.save(ckpt_root, step, policy, extra)
-            times["checkpoint"] = time.perf_counter() - t0
-            times["step"] = time.perf_counter() - t_step
-            if log is not None:
-                record = {"step": step, **batch["stats"], **metrics}
-                record["train_tokens_per_s"] = metrics["train_tokens"] / max(times["train"], 1e-9)
-                record.update({f"time/{k}": round(v, 4) for k, v in times.items()})
-                log.log(record)
+            saved_s = time.perf_counter() - t0
     if log is None:
         return None
     extra = {"out_dir": str(out), "train": cfg.train, "rollout_quant": cfg.rollout_quant,

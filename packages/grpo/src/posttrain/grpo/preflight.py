@@ -5,7 +5,9 @@
 collects each failure as one line that starts with the check's flag, and raises one
 ``PreflightError`` holding them all (the CLI prints it and exits 2). The trainer CLI runs
 ``run_preflight`` for ``--dry-run``, and ``loop.run`` runs it at the start of a real run,
-before any rank starts, so a dry run says "valid" only for what the run would accept.
+before any rank starts (under torchrun, on rank 0 alone, which broadcasts the outcome: every
+rank raises the same ``PreflightError``), so a dry run says "valid" only for what the run would
+accept.
 
 Adding a check is one call: ``register(Check("name", "--flag", fn))`` (or append to
 ``CHECKS``). The checks here: the model gate (``model_check.check_model``: ``--model-path`` and

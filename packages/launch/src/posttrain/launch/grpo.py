@@ -145,39 +145,6 @@ def data_flags(**values: Any) -> tuple[str, ...]:
     return tuple(out)
 
 
-def start_input_check(
-    cfg: GrpoRecipeConfig, sink: LogSink, *, python: str
-) -> subprocess.Popen[str] | None:
-    """Start the trainer's ``--dry-run`` on the user's data/reward/eval flags (None without
-    them); it runs beside the recipe's prepare step, and ``finish_input_check`` reads it before
-    the stack starts."""
-    if not cfg.data_args:
-        return None
-    argv = [python, "-m", "posttrain.grpo", "--task", cfg.task, *cfg.data_args,
-            *cfg.trainer_args, "--no-model-check", "--dry-run"]  # fmt: skip
-    sink("launcher", "checking inputs: " + " ".join(argv))
-    return subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                            preexec_fn=_set_pdeathsig)  # fmt: skip
-
-
-def finish_input_check(proc: subprocess.Popen[str] | None) -> None:
-    """Wait for ``start_input_check``'s dry-run; its one-line error becomes a ``GrpoRunError``."""
-    if proc is None:
-        return
-    try:
-        _, err = proc.communicate(timeout=300)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-        raise GrpoRunError(
-            "the trainer's --dry-run of the inputs did not finish in 300 s"
-        ) from None
-    if proc.returncode != 0:
-        lines = [line for line in err.splitlines() if line.strip()]
-        message = lines[-1] if lines else f"exit code {proc.returncode}"
-        raise GrpoRunError(message.removeprefix("error: "))
-
-
 def prepare_recipe(
     cfg: GrpoRecipeConfig, sink: LogSink, *, python: str = sys.executable
 ) -> dict[str, Any]:
@@ -294,29 +261,17 @@ def run_grpo(cfg: GrpoRecipeConfig, sink: LogSink, *, python: str = sys.executab
 
     ``python`` runs the recipe, every process of the stack and the trainer (default: this one).
     """
-    checking = start_input_check(cfg, sink, python=python)  # beside the prepare step
-    try:
-        recipe = prepare_recipe(cfg, sink, python=python)
-    except GrpoRunError:
-        finish_input_check(checking)  # a bad input is what the user must hear about first
-        raise
-    except BaseException:  # interrupted: the check is not waited for
-        if checking is not None:
-            checking.kill()
-            checking.wait()
-        raise
-    finish_input_check(checking)
+    recipe = prepare_recipe(cfg, sink, python=python)
     policy = policy_path(cfg, recipe)
     served = recipe["policy_nvfp4"] if cfg.rollout_quant == "nvfp4" else policy
     key = new_api_key()
     key_file = write_key_file(key, f"grpo-{os.getpid()}")
     sink("launcher", f"api-key-file {key_file}")
     try:
-        # The trainer's own checks (the model gate, data, reward, out-dir, --resume) before any
-        # process starts: an unsupported --model-path fails here, in seconds.
-        failed = _trainer_preflight(cfg, recipe, key_file, python)
-        if failed:
-            return failed
+        # The trainer's own checks (the model gate, data, reward, eval sets, out-dir, --resume)
+        # before any process starts, once: an unsupported --model-path or a bad --prompt-data
+        # fails here, in seconds.
+        _trainer_preflight(cfg, recipe, key_file, python)
         plan = build_local_stack(
             LocalStackConfig(
                 model_path=served,
@@ -343,18 +298,24 @@ def run_grpo(cfg: GrpoRecipeConfig, sink: LogSink, *, python: str = sys.executab
 
 def _trainer_preflight(
     cfg: GrpoRecipeConfig, recipe: dict[str, Any], key_file: Path, python: str
-) -> int:
+) -> None:
     """``python -m posttrain.grpo ... --dry-run`` with the run's own flags (stand-in URLs: no
-    stack is up yet); its exit code, its ``error:`` lines passed on to stderr."""
+    stack is up yet). A refusal raises ``GrpoRunError`` with its last ``error:`` line, the
+    lines before it (one per other failed check) going to stderr first."""
     stand_in = dict.fromkeys(
         ("session-router", "router", "engine-0", TEACHER), "http://127.0.0.1:9"
     )
     argv = trainer_argv(cfg, recipe, stand_in, ["engine-0"], key_file, python=python)
     done = subprocess.run([*argv, "--dry-run"], capture_output=True, text=True, check=False)
-    if done.returncode != 0:
-        sys.stderr.write(done.stderr)
+    if done.returncode == 0:
+        return
+    lines = [line for line in done.stderr.splitlines() if line.startswith("error: ")]
+    if not lines:
+        raise GrpoRunError(f"the trainer's --dry-run exited with code {done.returncode}")
+    if lines[:-1]:
+        sys.stderr.write("\n".join(lines[:-1]) + "\n")
         sys.stderr.flush()
-    return done.returncode
+    raise GrpoRunError(lines[-1].removeprefix("error: "))
 
 
 def _run_stack_and_trainer(

@@ -105,6 +105,18 @@ _MLA_FIELDS = (
 
 
 # Multimodal tower fields and their "off" defaults (a config at these values has no tower).
+# ``ModelConfig.mla_tiny``'s attention, in names ours and transformers' share (its MLA configs':
+# ``DeepseekV3Config``, ``Glm4MoeLiteConfig``); ``posttrain.models.testing`` builds on it.
+MLA_TINY_ATTENTION: dict[str, Any] = {
+    "num_key_value_heads": 4,
+    "head_dim": 4,
+    "q_lora_rank": 16,
+    "kv_lora_rank": 16,
+    "qk_nope_head_dim": 8,
+    "qk_rope_head_dim": 4,
+    "v_head_dim": 12,
+}
+
 _MULTIMODAL_DEFAULTS: dict[str, Any] = {
     "image_token_id": None,
     "vision_patch_size": 0,
@@ -665,13 +677,7 @@ class ModelConfig:
         base: dict[str, Any] = {
             "family": family,
             "qk_norm": False,
-            "num_key_value_heads": 4,
-            "head_dim": 4,
-            "q_lora_rank": 16,
-            "kv_lora_rank": 16,
-            "qk_nope_head_dim": 8,
-            "qk_rope_head_dim": 4,
-            "v_head_dim": 12,
+            **MLA_TINY_ATTENTION,
             "router_score_function": "sigmoid",
             "n_shared_experts": 1,
             "routed_scaling_factor": 1.8,
