@@ -72,9 +72,13 @@ def bench_engine(prompts: list[list[int]], new_tokens: int, reps: int) -> dict[s
     def tasks() -> list[GenTask]:
         return [
             GenTask(
-                input_ids=prompts[i // SAMPLES], max_new_tokens=new_tokens,
-                sampling=SamplingConfig(), seed=i, ignore_eos=True, return_logprob=True,
-            )  # fmt: skip
+                input_ids=prompts[i // SAMPLES],
+                max_new_tokens=new_tokens,
+                sampling=SamplingConfig(),
+                seed=i,
+                ignore_eos=True,
+                return_logprob=True,
+            )
             for i in range(PROMPTS * SAMPLES)
         ]
 
@@ -121,7 +125,9 @@ async def _step(
 
     if load == "per-sample":
         bodies = [
-            body(p, seed + i * SAMPLES + j, 1) for i, p in enumerate(prompts) for j in range(SAMPLES)
+            body(p, seed + i * SAMPLES + j, 1)
+            for i, p in enumerate(prompts)
+            for j in range(SAMPLES)
         ]
     else:
         bodies = [body(p, seed + i * SAMPLES, SAMPLES) for i, p in enumerate(prompts)]

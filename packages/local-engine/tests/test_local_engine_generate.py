@@ -396,3 +396,63 @@ def test_context_length_sets_the_kv_capacity(engine) -> None:  # type: ignore[no
     assert r.json()["meta_info"]["completion_tokens"] <= 2
     assert too_long.status_code == 400, too_long.text
     assert "20" in too_long.text
+
+
+def _gen(c: Any, body: dict[str, Any]) -> Any:
+    r = c.post("/generate", json=body)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def _sample(item: dict[str, Any]) -> tuple[Any, ...]:
+    m = item["meta_info"]
+    return (item["output_ids"], m["output_token_logprobs"], m["input_token_logprobs"])
+
+
+def test_parallel_samples_equal_single_requests_at_any_batch_size(engine) -> None:  # type: ignore[no-untyped-def]
+    """``sampling_params.n``: SGLang's list reply, prompt-major, sample j seeded seed + j and
+    named rid_j; one shared prefill, the same tokens and logprobs as n single requests decoded
+    alone (batch size 1) and inside batches of 64."""
+    prompts = [[4, 5, 6, 7], [9, 8, 7]]
+    sp = {"max_new_tokens": 5, "temperature": 1.0, "sampling_seed": 7, "n": 4}
+    base = {"sampling_params": sp, "return_logprob": True, "logprob_start_len": 0}
+    with engine(max_running_requests=1) as c:
+        alone = [
+            _sample(_gen(c, base | {"input_ids": p, "sampling_params": sp | {"n": 1,
+                                                                           "sampling_seed": 7 + j}}))
+            for p in prompts
+            for j in range(4)
+        ]  # fmt: skip
+    with engine() as c:
+        assert c.get("/server_info").json()["max_running_requests"] == 128  # the new default
+        one = _gen(c, base | {"input_ids": prompts[0], "rid": "g"})
+        assert isinstance(one, list) and [x["meta_info"]["id"] for x in one] == [
+            "g_0", "g_1", "g_2", "g_3"
+        ]  # fmt: skip
+        both = _gen(c, base | {"input_ids": prompts})
+        # 16 copies of the batch in one request: 128 samples, the engine's whole default batch
+        wide = _gen(c, base | {"input_ids": prompts * 16})
+    assert [_sample(x) for x in one] == alone[:4]
+    assert [_sample(x) for x in both] == alone  # prompt-major: prompt 0's samples first
+    assert [_sample(x) for x in wide] == alone * 16
+    assert len({tuple(s[0]) for s in alone[:4]}) > 1  # the seeds differ, so do the samples
+
+
+def test_parallel_sampling_refusals(engine) -> None:  # type: ignore[no-untyped-def]
+    with engine(max_queued_requests=8) as c:
+        mixed = c.post(
+            "/generate",
+            json={"input_ids": [[4, 5], [6, 7]],
+                  "sampling_params": [{"n": 2}, {"n": 3}]},
+        )  # fmt: skip
+        too_many = c.post(
+            "/generate", json={"input_ids": [[4, 5], [6, 7]], "sampling_params": {"n": 5}}
+        )
+        chat = c.post(
+            "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "n": 2}
+        )
+        zero = c.post("/generate", json={"input_ids": [4, 5], "sampling_params": {"n": 0}})
+    assert mixed.status_code == 400 and "same n" in mixed.text
+    assert too_many.status_code == 413 and "sampling_params.n" in too_many.text
+    assert chat.status_code == 400 and "sampling_params.n" in chat.text
+    assert zero.status_code == 400 and "n" in zero.text

@@ -108,6 +108,18 @@ class _WeightState:
     """Base tensors (HF names) whose values were dropped by a release and not sent since."""
 
 
+def shared_prefill_owners(tasks: Sequence[GenTask]) -> list[int]:
+    """For each task, the index of the first task with the same prompt and adapter (itself if
+    none before it); a task with media never shares (its placeholders carry decoded items)."""
+    first: dict[tuple[tuple[int, ...], str | None], int] = {}
+    owners = []
+    for j, t in enumerate(tasks):
+        owners.append(
+            j if t.media is not None else first.setdefault((tuple(t.input_ids), t.lora_name), j)
+        )
+    return owners
+
+
 class Engine:
     """One served model: generation, versioned weights and named adapters."""
 
@@ -329,14 +341,24 @@ class Engine:
         ]
         lora_arg = loras if any(x is not None for x in loras) else None
         cache = self.model.new_kv_cache(n)
-        media = [t.media for t in tasks]
-        steps = self.model.extend(
+        # Tasks with the same prompt and adapter (no media) share one prefill: the n samples of
+        # a prompt. Its KV row is copied to the siblings, which equals prefilling each of them
+        # (a row's values do not depend on its batch mates).
+        owner = shared_prefill_owners(tasks)
+        uniq = [j for j in range(n) if owner[j] == j]
+        media = [tasks[j].media for j in uniq]
+        prefilled = self.model.extend(
             cache,
-            list(range(n)),
-            [t.input_ids for t in tasks],
-            lora=lora_arg,
+            uniq,
+            [tasks[j].input_ids for j in uniq],
+            lora=None if lora_arg is None else [loras[j] for j in uniq],
             media=media if any(m is not None for m in media) else None,
         )
+        by_owner = dict(zip(uniq, prefilled, strict=True))
+        for j in range(n):
+            if owner[j] != j:
+                cache.copy_row(owner[j], j)
+        steps = [by_owner[owner[j]] for j in range(n)]
         results: list[GenResult] = []
         rows: dict[int, torch.Tensor] = {}
         gens: list[torch.Generator] = []
