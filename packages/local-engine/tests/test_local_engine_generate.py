@@ -426,9 +426,8 @@ def test_parallel_samples_equal_single_requests_at_any_batch_size(engine) -> Non
     with engine() as c:
         assert c.get("/server_info").json()["max_running_requests"] == 128  # the new default
         one = _gen(c, base | {"input_ids": prompts[0], "rid": "g"})
-        assert isinstance(one, list) and [x["meta_info"]["id"] for x in one] == [
-            "g_0", "g_1", "g_2", "g_3"
-        ]  # fmt: skip
+        assert isinstance(one, list)
+        assert [x["meta_info"]["id"] for x in one] == ["g_0", "g_1", "g_2", "g_3"]
         both = _gen(c, base | {"input_ids": prompts})
         # 16 copies of the batch in one request: 128 samples, the engine's whole default batch
         wide = _gen(c, base | {"input_ids": prompts * 16})
@@ -452,7 +451,51 @@ def test_parallel_sampling_refusals(engine) -> None:  # type: ignore[no-untyped-
             "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "n": 2}
         )
         zero = c.post("/generate", json={"input_ids": [4, 5], "sampling_params": {"n": 0}})
-    assert mixed.status_code == 400 and "same n" in mixed.text
-    assert too_many.status_code == 413 and "sampling_params.n" in too_many.text
-    assert chat.status_code == 400 and "sampling_params.n" in chat.text
-    assert zero.status_code == 400 and "n" in zero.text
+    assert mixed.status_code == 400
+    assert "same n" in mixed.text
+    assert too_many.status_code == 413
+    assert "sampling_params.n" in too_many.text
+    assert chat.status_code == 400
+    assert "sampling_params.n" in chat.text
+    assert zero.status_code == 400
+    assert "n" in zero.text
+
+
+def test_tasks_joining_a_running_batch_decode_as_alone(reference) -> None:  # type: ignore[no-untyped-def]
+    """Continuous batching: tasks admitted between decode steps (into rows freed by finished
+    tasks, some sharing a prompt) give the tokens and logprobs they give decoded alone."""
+    from posttrain.local_engine._engine import Engine, GenResult, GenTask
+    from posttrain.local_engine._sampling import SamplingConfig
+
+    engine = Engine(reference, eos_token_ids=[3])
+
+    def task(i: int) -> GenTask:
+        return GenTask(
+            input_ids=[4 + i % 3, 9, 11 + i % 3],
+            max_new_tokens=2 + i % 4,
+            sampling=SamplingConfig(temperature=0.9),
+            seed=100 + i,
+            ignore_eos=True,
+            return_logprob=True,
+            logprob_start_len=0,
+        )
+
+    alone = [engine.run_batch([task(i)])[0] for i in range(10)]
+    waves = [[0, 1, 2], [3, 4], [], [5, 6, 7, 8], [9]]  # queued at successive step boundaries
+    queue: list[int] = []
+    got: dict[object, GenResult] = {}
+    asked: list[int] = []
+
+    def admit(free: int) -> list[tuple[object, GenTask]]:
+        asked.append(free)
+        queue.extend(waves[len(asked)] if len(asked) < len(waves) else [])
+        taken, queue[:] = queue[:free], queue[free:]
+        return [(i, task(i)) for i in taken]
+
+    engine.run_stream([(i, task(i)) for i in waves[0]], admit, got.__setitem__, rows=5)
+
+    def key(r: GenResult) -> tuple[Any, ...]:
+        return (r.output_ids, r.output_token_logprobs, r.input_token_logprobs, r.finish_reason)
+
+    assert [key(got[i]) for i in range(10)] == [key(r) for r in alone]
+    assert min(asked) < 5  # some tasks joined while others were running

@@ -96,6 +96,9 @@ def create_app(ctx: ServerContext) -> Starlette:
         max_queue=cfg.max_queued_requests,
         max_batch=max_running,
         max_keys=cfg.max_loras_per_batch,
+        run_stream=lambda first, admit, finish, rows: engine.run_stream(
+            first, admit, finish, rows=rows
+        ),
     )
     media = MediaPool(
         MediaFiles.engine(cfg.allowed_media_dir, max_bytes=cfg.max_media_bytes,
