@@ -142,6 +142,13 @@ async def _step(
     return sum(await asyncio.gather(*(one(b) for b in bodies)))
 
 
+async def _forward_passes(client: httpx.AsyncClient) -> int | None:
+    """The engine's model calls so far (``internal_states``; None on an engine without it)."""
+    state = (await client.get("/server_info")).json()["internal_states"][0]
+    value = state.get("forward_passes")
+    return None if value is None else int(value)
+
+
 async def _supports_n(client: httpx.AsyncClient, prompt: list[int]) -> bool:
     r = await client.post(
         "/generate",
@@ -159,6 +166,7 @@ def bench_http(
     loads = ("per-sample", "n")
     times: dict[tuple[str, str], list[float]] = {}
     tokens: dict[tuple[str, str], int] = {}
+    passes: dict[tuple[str, str], list[int]] = {}
 
     async def run_all() -> None:
         # A client per step: an idle keep-alive connection to one engine may be closed by its
@@ -180,10 +188,14 @@ def bench_http(
                     if (name, load) not in usable:
                         continue
                     async with client(url) as c:
+                        before = await _forward_passes(c)
                         t0 = time.perf_counter()
                         got = await _step(c, prompts, new_tokens, load, rep * 1000)
                         times.setdefault((name, load), []).append(time.perf_counter() - t0)
+                        after = await _forward_passes(c)
                     tokens[(name, load)] = got
+                    if before is not None and after is not None:
+                        passes.setdefault((name, load), []).append(after - before)
 
     try:
         for s, _ in servers.values():
@@ -199,6 +211,7 @@ def bench_http(
             "tokens_per_s": tokens[(name, load)] / wall,
             "median_step_s": wall,
             "tokens": tokens[(name, load)],
+            "forward_passes_per_step": passes.get((name, load)),
         }
     return out
 

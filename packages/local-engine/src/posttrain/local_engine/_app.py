@@ -190,6 +190,7 @@ def create_app(ctx: ServerContext) -> Starlette:
                     "running_requests": sched.in_flight,
                     "paused": sched.paused,
                     "generated_tokens": engine.generated_tokens,
+                    "forward_passes": engine.forward_passes,
                 }
             ],
         }

@@ -162,6 +162,8 @@ class Engine:
         self._update_lock = threading.Lock()
         self.abort_running = threading.Event()
         self.generated_tokens = 0
+        self.forward_passes = 0
+        """Model calls of generation (each a batched prefill and/or decode step)."""
         self._cache: KVCache | None = None
         self._dirty_rows: set[int] = set()
 
@@ -398,6 +400,7 @@ class Engine:
             if call:
                 media = [live[r].task.media for r in call]
                 lora = [live[r].lora for r in call]
+                self.forward_passes += 1
                 steps = self.model.extend(
                     cache,
                     call,

@@ -193,6 +193,7 @@ class BatchScheduler(Generic[T, R]):
         loop = asyncio.get_running_loop()
         while True:
             await self._resumed.wait()
+            await self._let_arrivals_queue()
             batch = self._take_batch()
             if not batch:
                 self._wakeup.clear()
@@ -215,6 +216,19 @@ class BatchScheduler(Generic[T, R]):
                         j.future.set_result(r)
             finally:
                 self.in_flight = 0
+
+    async def _let_arrivals_queue(self) -> None:
+        """Before a batch starts, give the event loop a few turns so that requests already
+        received reach the queue and start together (a rollout step's requests arrive within
+        a few milliseconds); it stops at the first turns that queue nothing, so a lone request
+        waits only a few loop turns."""
+        idle, seen = 0, len(self._pending)
+        for _ in range(64):
+            await asyncio.sleep(0)
+            idle = idle + 1 if len(self._pending) == seen else 0
+            seen = len(self._pending)
+            if idle >= 3:
+                return
 
     async def _stream(
         self,
