@@ -414,10 +414,11 @@ class Engine:
                         self._prefilled(live[r], step.logprobs)
                 for r in new_rows:
                     src = new_rows[owner[r]]
-                    if src != r:
+                    prompt_lp = live[src].prompt_lp
+                    if src != r and prompt_lp is not None:
                         cache.copy_row(src, r)
                         live[r].next_lp = live[src].next_lp
-                        self._prefilled(live[r], live[src].prompt_lp)
+                        self._prefilled(live[r], prompt_lp)
             tokens = {}
             for row in sorted(live):
                 lv = live[row]
