@@ -499,3 +499,18 @@ def test_tasks_joining_a_running_batch_decode_as_alone(reference) -> None:  # ty
 
     assert [key(got[i]) for i in range(10)] == [key(r) for r in alone]
     assert min(asked) < 5  # some tasks joined while others were running
+
+
+def test_a_task_that_cannot_start_fails_alone(reference) -> None:  # type: ignore[no-untyped-def]
+    from posttrain.local_engine import AdapterError
+    from posttrain.local_engine._engine import Engine, GenTask
+    from posttrain.local_engine._sampling import SamplingConfig
+
+    engine = Engine(reference)
+    good = GenTask(input_ids=[4, 5], max_new_tokens=2, sampling=SamplingConfig(), seed=1)
+    gone = GenTask(input_ids=[4, 5], max_new_tokens=2, sampling=SamplingConfig(), seed=1,
+                   lora_name="unloaded")  # fmt: skip
+    got: dict[object, object] = {}
+    engine.run_stream([("good", good), ("gone", gone)], lambda free: [], got.__setitem__, rows=2)
+    assert isinstance(got["gone"], AdapterError)
+    assert got["good"].output_ids == engine.run_batch([good])[0].output_ids  # type: ignore[attr-defined]

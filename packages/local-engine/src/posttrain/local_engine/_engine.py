@@ -352,8 +352,10 @@ class Engine:
         """Generate for all tasks together (``run_stream`` without later admissions)."""
         out: dict[int, GenResult] = {}
 
-        def finish(handle: object, res: GenResult) -> None:
+        def finish(handle: object, res: GenResult | Exception) -> None:
             assert isinstance(handle, int)
+            if isinstance(res, Exception):
+                raise res
             out[handle] = res
 
         self.run_stream(list(enumerate(tasks)), lambda free: [], finish, rows=len(tasks))
@@ -363,13 +365,15 @@ class Engine:
         self,
         first: Sequence[tuple[object, GenTask]],
         admit: Callable[[int], Sequence[tuple[object, GenTask]]],
-        finish: Callable[[object, GenResult], None],
+        finish: Callable[[object, GenResult | Exception], None],
         *,
         rows: int,
     ) -> None:
         """Continuous batching: decode ``first`` and every task ``admit(free_rows)`` hands in
         at a step boundary, in one batch of at most ``rows`` KV rows; ``finish(handle,
-        result)`` as each task ends. Returns when nothing runs and nothing is admitted.
+        result)`` as each task ends; a task that cannot start (its adapter was unloaded while
+        it waited) is finished with the exception, alone. Returns when nothing runs and
+        nothing is admitted.
 
         Each step is one ``extend`` call: the running rows' last tokens and the admitted
         prompts together. Admitted tasks with the same prompt and adapter (no media) share one
@@ -387,18 +391,23 @@ class Engine:
         while live or incoming:
             new_rows = []
             for handle, task in incoming:
+                try:
+                    started = self._start(handle, task)
+                except Exception as exc:  # this task's error, not its batch mates'
+                    finish(handle, exc)
+                    continue
                 row = free.pop()
                 if row in self._dirty_rows:
                     cache.reset(row)
                     self._dirty_rows.discard(row)
-                live[row] = self._start(handle, task)
+                live[row] = started
                 new_rows.append(row)
             owner = dict(zip(new_rows, shared_prefill_owners([live[r].task for r in new_rows]),
                              strict=True))  # fmt: skip
             firsts = [r for i, r in enumerate(new_rows) if owner[r] == i]
             call = sorted(tokens) + firsts
             if call:
-                media = [live[r].task.media for r in call]
+                media = [None if r in tokens else live[r].task.media for r in call]
                 lora = [live[r].lora for r in call]
                 self.forward_passes += 1
                 steps = self.model.extend(

@@ -51,13 +51,14 @@ StreamRunner = Callable[
     [
         Sequence[tuple[object, T]],
         Callable[[int], Sequence[tuple[object, T]]],
-        Callable[[object, R], None],
+        Callable[[object, R | Exception], None],
         int,
     ],
     None,
 ]
 """``run_stream(first, admit, finish, rows)``: run ``first`` and whatever ``admit(free)`` hands
-in, calling ``finish(handle, result)`` per item, in at most ``rows`` concurrent items."""
+in, calling ``finish(handle, result)`` per item (an exception fails that item alone), in at
+most ``rows`` concurrent items."""
 
 
 class BatchScheduler(Generic[T, R]):
@@ -247,7 +248,7 @@ class BatchScheduler(Generic[T, R]):
             self.in_flight = len(running)
             return [(id(j), j.item) for j in jobs]
 
-        def finish(handle: object, result: R) -> None:  # worker thread
+        def finish(handle: object, result: R | Exception) -> None:  # worker thread
             job = running.pop(handle)
             self.in_flight = len(running)
             loop.call_soon_threadsafe(_resolve, job.future, result)
@@ -263,6 +264,10 @@ class BatchScheduler(Generic[T, R]):
             self.in_flight = 0
 
 
-def _resolve(future: asyncio.Future[R], result: R) -> None:
-    if not future.done():
+def _resolve(future: asyncio.Future[R], result: R | Exception) -> None:
+    if future.done():
+        return
+    if isinstance(result, Exception):
+        future.set_exception(result)
+    else:
         future.set_result(result)
