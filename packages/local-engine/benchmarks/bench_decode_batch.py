@@ -15,7 +15,8 @@ initialised: decode cost does not depend on the weights' values.
 Part 1 (``engine``) times ``Engine.run_batch`` in this process: the 64 samples in batches of
 ``--max-running-requests`` (8, the old default) and all 64 in one batch.
 
-Part 2 (``http``) starts one engine process per configuration on the same checkpoint and
+Part 2 (``http``) starts one engine process per configuration on the same checkpoint (with
+``--baseline COMMIT``, also that commit's engine code, so before and after run side by side) and
 sends the step over real HTTP on loopback, the configurations interleaved, ``--reps``
 times; the median wall time of a step gives tokens/s. Loads: ``per-sample`` (64 concurrent
 ``/generate`` requests, one per sample, each with its own ``sampling_seed``: what the rollout
@@ -30,7 +31,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -103,12 +106,22 @@ def bench_engine(prompts: list[list[int]], new_tokens: int, reps: int) -> dict[s
     return out
 
 
-def _engine_process(ckpt: Path, flags: list[str]) -> tuple[ServerProcess, str]:
+BASELINE = "baseline"
+
+
+def _engine_process(
+    ckpt: Path, flags: list[str], src: str | None = None
+) -> tuple[ServerProcess, str]:
+    """An engine process; with ``src`` (a ``src`` directory holding another commit's
+    ``posttrain/local_engine``), that engine's code, first on ``PYTHONPATH``."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     argv = [sys.executable, "-m", "posttrain.local_engine", "--model-path", str(ckpt),
             "--port", str(port), "--num-threads", "1", *flags]  # fmt: skip
-    return ServerProcess(argv, f"{url}/health", timeout_s=180), url
+    env = dict(os.environ)
+    if src is not None:
+        env["PYTHONPATH"] = os.pathsep.join(x for x in (src, env.get("PYTHONPATH")) if x)
+    return ServerProcess(argv, f"{url}/health", timeout_s=180, env=env), url
 
 
 async def _step(
@@ -158,11 +171,19 @@ async def _supports_n(client: httpx.AsyncClient, prompt: list[int]) -> bool:
 
 
 def bench_http(
-    tmp: Path, prompts: list[list[int]], new_tokens: int, reps: int, configs: dict[str, list[str]]
+    tmp: Path,
+    prompts: list[list[int]],
+    new_tokens: int,
+    reps: int,
+    configs: dict[str, list[str]],
+    baseline_src: str | None = None,
 ) -> dict[str, Any]:
     ckpt = tmp / "recipe-model"
     build_model(recipe_config(), seed=0).save_pretrained(ckpt, tokenizer=build_tokenizer())
-    servers = {name: _engine_process(ckpt, flags) for name, flags in configs.items()}
+    servers = {
+        name: _engine_process(ckpt, flags, baseline_src if name == BASELINE else None)
+        for name, flags in configs.items()
+    }
     loads = ("per-sample", "n")
     times: dict[tuple[str, str], list[float]] = {}
     tokens: dict[tuple[str, str], int] = {}
@@ -216,6 +237,16 @@ def bench_http(
     return out
 
 
+def _extract_engine_src(commit: str, dest: Path) -> str:
+    """``packages/local-engine/src`` of ``commit`` under ``dest``; returns the src path."""
+    dest.mkdir(parents=True)
+    archive = subprocess.run(
+        ["git", "archive", commit, "packages/local-engine/src"], check=True, capture_output=True
+    ).stdout
+    subprocess.run(["tar", "-x", "-C", str(dest)], input=archive, check=True)
+    return str(dest / "packages" / "local-engine" / "src")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="one rep (a smoke run)")
@@ -230,6 +261,14 @@ def main() -> None:
         "(repeatable; default: old=--max-running-requests 8 and default=(no flags))",
     )
     p.add_argument("--skip-http", action="store_true", help="Part 1 only")
+    p.add_argument(
+        "--baseline",
+        default=None,
+        metavar="COMMIT",
+        help="also time, over HTTP and interleaved with the others, the engine code of COMMIT "
+        "(its packages/local-engine/src, extracted with git archive; default flags), as the "
+        "configuration 'baseline': before and after in one run",
+    )
     a = p.parse_args()
     if a.quick:
         a.reps = 1
@@ -251,7 +290,12 @@ def main() -> None:
     }
     if not a.skip_http:
         with tempfile.TemporaryDirectory() as d:
-            result["http"] = bench_http(Path(d), prompts, a.new_tokens, a.reps, configs)
+            src = None
+            if a.baseline:
+                src = _extract_engine_src(a.baseline, Path(d) / "baseline")
+                configs = {BASELINE: [], **configs}
+                result["baseline_commit"] = a.baseline
+            result["http"] = bench_http(Path(d), prompts, a.new_tokens, a.reps, configs, src)
     print(json.dumps(result, indent=2))
 
 
