@@ -301,3 +301,23 @@ def test_scheduler_stream_admits_between_steps_and_yields_to_exclusive_calls() -
     swap = log.index("swap")
     assert all(not e.startswith("joined ['") for e in log[2:swap])  # nothing joined meanwhile
     assert log[swap + 1] == "start ['b']"
+
+
+def test_default_batch_size_is_bounded_by_kv_memory() -> None:
+    from posttrain.local_engine import EngineConfig
+    from posttrain.local_engine._config import DEFAULT_MAX_RUNNING, kv_budget_bytes
+    from posttrain.models import KVCache, ModelConfig
+
+    cfg = EngineConfig(model_path="m")
+    recipe_row = KVCache.row_bytes(ModelConfig.tiny(max_position_embeddings=64))
+    assert recipe_row == 32 * 1024
+    assert cfg.running_limit(recipe_row) == DEFAULT_MAX_RUNNING == 128
+    budget = kv_budget_bytes()
+    assert 0 < budget <= 2 * 2**30
+    assert cfg.running_limit(budget // 5) == 5  # 5 rows fit the budget, a 6th would not
+    assert cfg.running_limit(budget * 3) == 1  # never below one
+    assert EngineConfig(model_path="m", max_running_requests=8).running_limit(budget) == 8
+    from posttrain.interface import ConfigError
+
+    with pytest.raises(ConfigError, match="max-running-requests"):
+        EngineConfig(model_path="m", max_running_requests=0)

@@ -105,13 +105,18 @@ DEFAULT_MAX_RUNNING = 128
 """The most requests one decode batch takes by default (a GRPO step of 16 prompts x 8 samples)."""
 
 
+KV_BUDGET_BYTES = 2 * 2**30
+"""The most KV memory the default batch size may hold (the cache is kept between batches)."""
+
+
 def kv_budget_bytes() -> int:
-    """KV memory the default batch size may take: a quarter of the machine's physical memory
-    (8 GiB where the OS does not say)."""
+    """KV memory the default batch size may take: ``KV_BUDGET_BYTES``, or a quarter of the
+    machine's physical memory where that is less."""
     try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 4
+        physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):
-        return 8 * 2**30
+        return KV_BUDGET_BYTES
+    return min(KV_BUDGET_BYTES, physical // 4)
 
 
 def default_max_running(kv_row_bytes: int) -> int:
@@ -194,7 +199,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--max-running-requests", type=int, default=None, metavar="N",
         help="samples decoded together (the batch; a request with sampling_params.n counts n) "
         f"(default: {DEFAULT_MAX_RUNNING}, or fewer where that many KV rows of "
-        "--context-length tokens would pass a quarter of physical memory)")  # fmt: skip
+        "--context-length tokens would pass 2 GiB or a quarter of physical memory)")  # fmt: skip
     add("--max-queued-requests", type=int, default=256,
         help="prompts waiting; past it a request gets 503 at once")  # fmt: skip
     add("--max-request-bytes", type=int, default=32 * 1024 * 1024, metavar="BYTES",
