@@ -195,6 +195,8 @@ class BatchScheduler(Generic[T, R]):
         while True:
             await self._resumed.wait()
             await self._let_arrivals_queue()
+            if self.paused:  # paused while the arrivals queued
+                continue
             batch = self._take_batch()
             if not batch:
                 self._wakeup.clear()
