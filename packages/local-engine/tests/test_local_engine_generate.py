@@ -514,3 +514,32 @@ def test_a_task_that_cannot_start_fails_alone(reference) -> None:  # type: ignor
     engine.run_stream([("good", good), ("gone", gone)], lambda free: [], got.__setitem__, rows=2)
     assert isinstance(got["gone"], AdapterError)
     assert got["good"].output_ids == engine.run_batch([good])[0].output_ids  # type: ignore[attr-defined]
+
+
+def test_concurrent_requests_equal_the_same_requests_alone(engine) -> None:  # type: ignore[no-untyped-def]
+    """Requests sent together go through the scheduler's continuous batch (joining it as they
+    arrive); each reply equals the reply to the same request sent alone."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def body(i: int) -> dict[str, Any]:
+        sp = {"max_new_tokens": 2 + i % 5, "sampling_seed": 50 + i, "ignore_eos": True}
+        if i % 4 == 0:
+            sp["n"] = 3
+        return {"input_ids": [4 + i % 3, 8, 9], "sampling_params": sp, "return_logprob": True}
+
+    def passes(c: Any) -> int:
+        return int(c.get("/server_info").json()["internal_states"][0]["forward_passes"])
+
+    with engine() as c:
+        alone = [_gen(c, body(i)) for i in range(16)]
+        mid = passes(c)
+        with ThreadPoolExecutor(16) as pool:
+            together = list(pool.map(lambda i: _gen(c, body(i)), range(16)))
+        end = passes(c)
+
+    def strip(x: Any) -> Any:
+        items = x if isinstance(x, list) else [x]
+        return [_sample(it) for it in items]
+
+    assert [strip(x) for x in together] == [strip(x) for x in alone]
+    assert end - mid < mid  # they did share model calls
