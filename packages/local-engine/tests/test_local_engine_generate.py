@@ -396,3 +396,150 @@ def test_context_length_sets_the_kv_capacity(engine) -> None:  # type: ignore[no
     assert r.json()["meta_info"]["completion_tokens"] <= 2
     assert too_long.status_code == 400, too_long.text
     assert "20" in too_long.text
+
+
+def _gen(c: Any, body: dict[str, Any]) -> Any:
+    r = c.post("/generate", json=body)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def _sample(item: dict[str, Any]) -> tuple[Any, ...]:
+    m = item["meta_info"]
+    return (item["output_ids"], m["output_token_logprobs"], m["input_token_logprobs"])
+
+
+def test_parallel_samples_equal_single_requests_at_any_batch_size(engine) -> None:  # type: ignore[no-untyped-def]
+    """``sampling_params.n``: SGLang's list reply, prompt-major, sample j seeded seed + j and
+    named rid_j; one shared prefill, the same tokens and logprobs as n single requests decoded
+    alone (batch size 1) and inside batches of 64."""
+    prompts = [[4, 5, 6, 7], [9, 8, 7]]
+    sp = {"max_new_tokens": 5, "temperature": 1.0, "sampling_seed": 7, "n": 4}
+    base = {"sampling_params": sp, "return_logprob": True, "logprob_start_len": 0}
+    with engine(max_running_requests=1) as c:
+        alone = [
+            _sample(_gen(c, base | {"input_ids": p, "sampling_params": sp | {"n": 1,
+                                                                           "sampling_seed": 7 + j}}))
+            for p in prompts
+            for j in range(4)
+        ]  # fmt: skip
+    with engine() as c:
+        assert c.get("/server_info").json()["max_running_requests"] == 128  # the new default
+        one = _gen(c, base | {"input_ids": prompts[0], "rid": "g"})
+        assert isinstance(one, list)
+        assert [x["meta_info"]["id"] for x in one] == ["g_0", "g_1", "g_2", "g_3"]
+        both = _gen(c, base | {"input_ids": prompts})
+        # 16 copies of the batch in one request: 128 samples, the engine's whole default batch
+        wide = _gen(c, base | {"input_ids": prompts * 16})
+    assert [_sample(x) for x in one] == alone[:4]
+    assert [_sample(x) for x in both] == alone  # prompt-major: prompt 0's samples first
+    assert [_sample(x) for x in wide] == alone * 16
+    assert len({tuple(s[0]) for s in alone[:4]}) > 1  # the seeds differ, so do the samples
+
+
+def test_parallel_sampling_refusals(engine) -> None:  # type: ignore[no-untyped-def]
+    with engine(max_queued_requests=8) as c:
+        mixed = c.post(
+            "/generate",
+            json={"input_ids": [[4, 5], [6, 7]],
+                  "sampling_params": [{"n": 2}, {"n": 3}]},
+        )  # fmt: skip
+        too_many = c.post(
+            "/generate", json={"input_ids": [[4, 5], [6, 7]], "sampling_params": {"n": 5}}
+        )
+        chat = c.post(
+            "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "n": 2}
+        )
+        zero = c.post("/generate", json={"input_ids": [4, 5], "sampling_params": {"n": 0}})
+    assert mixed.status_code == 400
+    assert "same n" in mixed.text
+    assert too_many.status_code == 413
+    assert "sampling_params.n" in too_many.text
+    assert chat.status_code == 400
+    assert "sampling_params.n" in chat.text
+    assert zero.status_code == 400
+    assert "n" in zero.text
+
+
+def test_tasks_joining_a_running_batch_decode_as_alone(reference) -> None:  # type: ignore[no-untyped-def]
+    """Continuous batching: tasks admitted between decode steps (into rows freed by finished
+    tasks, some sharing a prompt) give the tokens and logprobs they give decoded alone."""
+    from posttrain.local_engine._engine import Engine, GenResult, GenTask
+    from posttrain.local_engine._sampling import SamplingConfig
+
+    engine = Engine(reference, eos_token_ids=[3])
+
+    def task(i: int) -> GenTask:
+        return GenTask(
+            input_ids=[4 + i % 3, 9, 11 + i % 3],
+            max_new_tokens=2 + i % 4,
+            sampling=SamplingConfig(temperature=0.9),
+            seed=100 + i,
+            ignore_eos=True,
+            return_logprob=True,
+            logprob_start_len=0,
+        )
+
+    alone = [engine.run_batch([task(i)])[0] for i in range(10)]
+    waves = [[0, 1, 2], [3, 4], [], [5, 6, 7, 8], [9]]  # queued at successive step boundaries
+    queue: list[int] = []
+    got: dict[object, GenResult] = {}
+    asked: list[int] = []
+
+    def admit(free: int) -> list[tuple[object, GenTask]]:
+        asked.append(free)
+        queue.extend(waves[len(asked)] if len(asked) < len(waves) else [])
+        taken, queue[:] = queue[:free], queue[free:]
+        return [(i, task(i)) for i in taken]
+
+    engine.run_stream([(i, task(i)) for i in waves[0]], admit, got.__setitem__, rows=5)
+
+    def key(r: GenResult) -> tuple[Any, ...]:
+        return (r.output_ids, r.output_token_logprobs, r.input_token_logprobs, r.finish_reason)
+
+    assert [key(got[i]) for i in range(10)] == [key(r) for r in alone]
+    assert min(asked) < 5  # some tasks joined while others were running
+
+
+def test_a_task_that_cannot_start_fails_alone(reference) -> None:  # type: ignore[no-untyped-def]
+    from posttrain.local_engine import AdapterError
+    from posttrain.local_engine._engine import Engine, GenTask
+    from posttrain.local_engine._sampling import SamplingConfig
+
+    engine = Engine(reference)
+    good = GenTask(input_ids=[4, 5], max_new_tokens=2, sampling=SamplingConfig(), seed=1)
+    gone = GenTask(input_ids=[4, 5], max_new_tokens=2, sampling=SamplingConfig(), seed=1,
+                   lora_name="unloaded")  # fmt: skip
+    got: dict[object, object] = {}
+    engine.run_stream([("good", good), ("gone", gone)], lambda free: [], got.__setitem__, rows=2)
+    assert isinstance(got["gone"], AdapterError)
+    assert got["good"].output_ids == engine.run_batch([good])[0].output_ids  # type: ignore[attr-defined]
+
+
+def test_concurrent_requests_equal_the_same_requests_alone(engine) -> None:  # type: ignore[no-untyped-def]
+    """Requests sent together go through the scheduler's continuous batch (joining it as they
+    arrive); each reply equals the reply to the same request sent alone."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def body(i: int) -> dict[str, Any]:
+        sp = {"max_new_tokens": 2 + i % 5, "sampling_seed": 50 + i, "ignore_eos": True}
+        if i % 4 == 0:
+            sp["n"] = 3
+        return {"input_ids": [4 + i % 3, 8, 9], "sampling_params": sp, "return_logprob": True}
+
+    def passes(c: Any) -> int:
+        return int(c.get("/server_info").json()["internal_states"][0]["forward_passes"])
+
+    with engine() as c:
+        alone = [_gen(c, body(i)) for i in range(16)]
+        mid = passes(c)
+        with ThreadPoolExecutor(16) as pool:
+            together = list(pool.map(lambda i: _gen(c, body(i)), range(16)))
+        end = passes(c)
+
+    def strip(x: Any) -> Any:
+        items = x if isinstance(x, list) else [x]
+        return [_sample(it) for it in items]
+
+    assert [strip(x) for x in together] == [strip(x) for x in alone]
+    assert end - mid < mid  # they did share model calls

@@ -118,6 +118,19 @@ def test_router_registers_routes_removes_and_readds_engines(  # type: ignore[no-
         )
         assert batch.status_code == 200
         assert len(batch.json()) == 2
+        # sampling_params.n survives the router: SGLang's list, sample j = seed + j
+        group = rc.post(
+            "/generate",
+            json={
+                "input_ids": [5, 6, 7, 8],
+                "sampling_params": {"max_new_tokens": 4, "sampling_seed": 0, "ignore_eos": True,
+                                    "n": 3},
+                "return_logprob": True,
+                "logprob_start_len": 0,
+            },
+        )  # fmt: skip
+        assert group.status_code == 200, group.text
+        assert [g["output_ids"] for g in group.json()] == [o["output_ids"] for o in outs[:3]]
         chat = rc.post(
             "/v1/chat/completions",
             json={"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3},

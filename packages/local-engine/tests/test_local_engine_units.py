@@ -234,3 +234,90 @@ def test_the_api_key_comes_from_a_file_or_the_environment(
     for bad in (str(tmp_path / "two"), str(tmp_path / "missing")):
         with pytest.raises(SystemExit):
             parse_args(["--model-path", "/m", "--api-key-file", bad])
+
+
+def test_scheduler_stream_admits_between_steps_and_yields_to_exclusive_calls() -> None:
+    """``run_stream``: items queued while a batch runs join it (within max_batch and the
+    adapter limit), each result is delivered when its item finishes, and a waiting
+    ``call_exclusive`` stops admission so it runs between batches."""
+    import asyncio
+    import threading
+    from collections.abc import Callable, Sequence
+
+    from posttrain.local_engine._scheduler import BatchScheduler
+
+    log: list[str] = []
+    step = threading.Event()
+
+    def stream(
+        first: Sequence[tuple[object, str | None]],
+        admit: Callable[[int], Sequence[tuple[object, str | None]]],
+        finish: Callable[[object, str], None],
+        rows: int,
+    ) -> None:
+        running = list(first)
+        log.append(f"start {[x for _, x in running]}")
+        while running:
+            step.wait(timeout=10)  # one "decode step" per release by the test
+            step.clear()
+            h, x = running.pop(0)
+            finish(h, f"done:{x}")
+            joined = list(admit(rows - len(running)))
+            log.append(f"joined {[x for _, x in joined]}")
+            running += joined
+
+    async def scenario() -> list[str]:
+        sched: BatchScheduler[str | None, str] = BatchScheduler(
+            lambda items: [], batch_key=lambda x: x, abort_result=lambda x: "aborted",
+            max_batch=3, max_keys=1, run_stream=stream,
+        )  # fmt: skip
+        sched.start()
+        first = asyncio.ensure_future(sched.submit(["a", "a"]))
+        while not log:
+            await asyncio.sleep(0.01)
+        later = asyncio.ensure_future(sched.submit(["b", None, "a"]))
+        await asyncio.sleep(0.05)
+        step.set()  # a finishes; None and a join (b waits: one adapter per batch)
+        while len(log) < 2:
+            await asyncio.sleep(0.01)
+        exclusive = asyncio.ensure_future(sched.call_exclusive(lambda: log.append("swap")))
+        await asyncio.sleep(0.05)
+        for _ in range(8):  # drain: nothing joins while the swap waits
+            step.set()
+            await asyncio.sleep(0.05)
+        out = await asyncio.wait_for(first, 10)
+        await asyncio.wait_for(exclusive, 10)
+        for _ in range(4):  # b's own batch, after the swap
+            step.set()
+            await asyncio.sleep(0.05)
+        out += await asyncio.wait_for(later, 10)
+        await sched.stop()
+        return out
+
+    out = asyncio.run(scenario())
+    assert out == ["done:a", "done:a", "done:b", "done:None", "done:a"]
+    assert log[:2] == ["start ['a', 'a']", "joined [None, 'a']"]
+    assert "joined ['b']" not in log
+    swap = log.index("swap")
+    assert all(not e.startswith("joined ['") for e in log[2:swap])  # nothing joined meanwhile
+    assert log[swap + 1] == "start ['b']"
+
+
+def test_default_batch_size_is_bounded_by_kv_memory() -> None:
+    from posttrain.local_engine import EngineConfig
+    from posttrain.local_engine._config import DEFAULT_MAX_RUNNING, kv_budget_bytes
+    from posttrain.models import KVCache, ModelConfig
+
+    cfg = EngineConfig(model_path="m")
+    recipe_row = KVCache.row_bytes(ModelConfig.tiny(max_position_embeddings=64))
+    assert recipe_row == 32 * 1024
+    assert cfg.running_limit(recipe_row) == DEFAULT_MAX_RUNNING == 128
+    budget = kv_budget_bytes()
+    assert 0 < budget <= 2 * 2**30
+    assert cfg.running_limit(budget // 5) == 5  # 5 rows fit the budget, a 6th would not
+    assert cfg.running_limit(budget * 3) == 1  # never below one
+    assert EngineConfig(model_path="m", max_running_requests=8).running_limit(budget) == 8
+    from posttrain.interface import ConfigError
+
+    with pytest.raises(ConfigError, match="max-running-requests"):
+        EngineConfig(model_path="m", max_running_requests=0)

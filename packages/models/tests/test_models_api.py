@@ -9,6 +9,7 @@ import posttrain.models as models
 from posttrain.interface import ConfigError, PosttrainError
 from posttrain.models import (
     CacheError,
+    KVCache,
     LoraAdapter,
     LoraError,
     ModelConfig,
@@ -101,6 +102,22 @@ def test_cache_errors_and_reset() -> None:
     again = model.prefill(cache, 0, list(range(10)))
     assert torch.equal(first.logprobs, again.logprobs)
     assert cache.lengths == [10, 0]
+
+
+def test_copied_row_decodes_as_its_own_prefill() -> None:
+    model = build_model(CFG, 0)
+    cache = model.new_kv_cache(3)
+    model.prefill(cache, 0, [4, 5, 6, 7])
+    model.prefill(cache, 2, [4, 5, 6, 7])
+    cache.copy_row(0, 1)
+    assert cache.lengths == [4, 4, 4]
+    step = model.decode_step(cache, [0, 1, 2], [9, 9, 9])
+    assert torch.equal(step.logprobs[1], step.logprobs[2])  # the copy == its own prefill
+    assert torch.equal(step.logprobs[0], step.logprobs[1])
+    with pytest.raises(CacheError, match="row 3"):
+        cache.copy_row(0, 3)
+    held = sum(b.numel() * b.element_size() for b in (*cache.keys, *cache.values))
+    assert KVCache.row_bytes(CFG) * cache.num_rows == held
 
 
 def test_lora_is_base_plus_scaled_low_rank_delta() -> None:

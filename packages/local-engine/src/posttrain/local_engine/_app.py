@@ -78,7 +78,7 @@ from posttrain.local_engine._requests import (
 )
 from posttrain.local_engine._routes_weights import weight_routes
 from posttrain.local_engine._scheduler import BatchScheduler
-from posttrain.models import MediaBatch, MediaFiles
+from posttrain.models import KVCache, MediaBatch, MediaFiles
 
 __all__ = ["ServerContext", "create_app"]
 
@@ -88,13 +88,17 @@ VERSION = "0.1.0"
 def create_app(ctx: ServerContext) -> Starlette:
     """The ASGI app; its lifespan starts and stops the batch scheduler."""
     cfg, engine = ctx.config, ctx.engine
+    max_running = cfg.running_limit(KVCache.row_bytes(engine.model.config))
     sched: BatchScheduler[GenTask, GenResult] = BatchScheduler(
         engine.run_batch,
         batch_key=lambda t: t.lora_name,
         abort_result=engine.abort_result,
         max_queue=cfg.max_queued_requests,
-        max_batch=cfg.max_running_requests,
+        max_batch=max_running,
         max_keys=cfg.max_loras_per_batch,
+        run_stream=lambda first, admit, finish, rows: engine.run_stream(
+            first, admit, finish, rows=rows
+        ),
     )
     media = MediaPool(
         MediaFiles.engine(cfg.allowed_media_dir, max_bytes=cfg.max_media_bytes,
@@ -158,7 +162,7 @@ def create_app(ctx: ServerContext) -> Starlette:
             "max_loras_per_batch": cfg.max_loras_per_batch,
             "max_loaded_loras": cfg.adapter_limit,
             "lora_paths": cfg.lora_paths,
-            "max_running_requests": cfg.max_running_requests,
+            "max_running_requests": max_running,
             "max_queued_requests": cfg.max_queued_requests,
             "context_length": engine.max_context,
             "tp_size": 1,
@@ -186,6 +190,7 @@ def create_app(ctx: ServerContext) -> Starlette:
                     "running_requests": sched.in_flight,
                     "paused": sched.paused,
                     "generated_tokens": engine.generated_tokens,
+                    "forward_passes": engine.forward_passes,
                 }
             ],
         }
@@ -252,6 +257,7 @@ def create_app(ctx: ServerContext) -> Starlette:
                 max_context=engine.max_context,
                 model_config=engine.model.config,
                 media_files=media.files,
+                max_tasks=cfg.max_queued_requests,
             )
 
         if req.image_data is not None or req.audio_data is not None:
@@ -272,7 +278,8 @@ def create_app(ctx: ServerContext) -> Starlette:
             }
             for r, o in zip(results, options, strict=True)
         ]
-        return JSONResponse(items if req.is_batch else items[0])
+        # SGLang answers a list for a batch and for n > 1 (parallel samples of one prompt).
+        return JSONResponse(items if req.is_batch or len(items) > 1 else items[0])
 
     def chat_request(raw: bytes) -> ChatCompletionRequest:
         req = ChatCompletionRequest.parse(decode_json(raw))
@@ -304,6 +311,12 @@ def create_app(ctx: ServerContext) -> Starlette:
             ids, items = await media.run(lambda: chat_prompt(req), field=_media_field(req))
         else:
             ids, items = await off_loop_if_large(raw, lambda: chat_prompt(req))
+        if req.n not in (None, 1):
+            raise WireFormatError(
+                f"n: {req.n} choices are not supported on /v1/chat/completions; send "
+                "/generate with sampling_params.n for parallel samples",
+                field="n",
+            )
         sp = SamplingParams(
             temperature=req.temperature,
             top_p=req.top_p,
@@ -313,7 +326,6 @@ def create_app(ctx: ServerContext) -> Starlette:
             else req.max_tokens,
             stop=req.stop,
             seed=req.seed,
-            n=req.n,
             no_stop_trim=req.no_stop_trim,
         )
         scfg, seed, extra = sampling_from_params(sp, default_seed=next_seed())

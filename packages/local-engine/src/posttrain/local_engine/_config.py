@@ -3,7 +3,8 @@
 ``python -m posttrain.local_engine --model-path DIR --host 127.0.0.1 --port P``
 takes SGLang's ``--enable-lora``, ``--max-loras-per-batch``, ``--max-loaded-loras``,
 ``--lora-paths NAME=PATH ...``, ``--api-key``, ``--random-seed``,
-``--served-model-name``, ``--max-running-requests`` (the batch size) and
+``--served-model-name``, ``--max-running-requests`` (the batch size; by default
+``DEFAULT_MAX_RUNNING`` bounded by KV memory, ``default_max_running``) and
 ``--max-queued-requests``, plus ``--numerics strict|fast`` (strict: the
 batch-invariant fp32 kernels that make logprobs bit-identical to the trainer).
 Departure: the host defaults to 127.0.0.1, not SGLang's 127.0.0.1-or-0.0.0.0 mix,
@@ -54,7 +55,8 @@ class EngineConfig:
     random_seed: int = 0
     numerics: Literal["strict", "fast"] = "strict"
     context_length: int | None = None
-    max_running_requests: int = 8
+    max_running_requests: int | None = None
+    """None: ``default_max_running(row_bytes)``, sized to the work and bounded by KV memory."""
     max_queued_requests: int = 256
     max_request_bytes: int = 32 * 1024 * 1024
     max_update_bytes: int = 4 * 1024 * 1024 * 1024
@@ -71,7 +73,8 @@ class EngineConfig:
             raise ConfigError("--lora-paths needs --enable-lora")
         for name in ("max_loras_per_batch", "max_running_requests", "max_queued_requests",
                      "max_media_bytes", "media_workers"):  # fmt: skip
-            if getattr(self, name) <= 0:
+            value = getattr(self, name)
+            if value is not None and value <= 0:
                 raise ConfigError(f"--{name.replace('_', '-')} must be positive")
         if self.context_length is not None and self.context_length <= 0:
             raise ConfigError(f"--context-length {self.context_length} must be positive")
@@ -82,6 +85,13 @@ class EngineConfig:
         if not 0 < self.port < 65536:
             raise ConfigError(f"--port {self.port} is not a TCP port")
 
+    def running_limit(self, kv_row_bytes: int) -> int:
+        """The decode batch size: ``--max-running-requests`` if given, else
+        ``default_max_running(kv_row_bytes)``."""
+        if self.max_running_requests is not None:
+            return self.max_running_requests
+        return default_max_running(kv_row_bytes)
+
     @property
     def model_name(self) -> str:
         return self.served_model_name or self.model_path
@@ -89,6 +99,31 @@ class EngineConfig:
     @property
     def adapter_limit(self) -> int:
         return self.max_loaded_loras or max(self.max_loras_per_batch, len(self.lora_paths), 1)
+
+
+DEFAULT_MAX_RUNNING = 128
+"""The most requests one decode batch takes by default (a GRPO step of 16 prompts x 8 samples)."""
+
+
+KV_BUDGET_BYTES = 2 * 2**30
+"""The most KV memory the default batch size may hold (the cache is kept between batches)."""
+
+
+def kv_budget_bytes() -> int:
+    """KV memory the default batch size may take: ``KV_BUDGET_BYTES``, or a quarter of the
+    machine's physical memory where that is less."""
+    try:
+        physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return KV_BUDGET_BYTES
+    return min(KV_BUDGET_BYTES, physical // 4)
+
+
+def default_max_running(kv_row_bytes: int) -> int:
+    """``--max-running-requests`` when not given: ``DEFAULT_MAX_RUNNING``, or fewer when that
+    many KV rows (``kv_row_bytes`` each: ``KVCache.row_bytes``, which ``--context-length``
+    sets) would pass ``kv_budget_bytes()``; at least 1."""
+    return max(1, min(DEFAULT_MAX_RUNNING, kv_budget_bytes() // max(1, kv_row_bytes)))
 
 
 def _lora_pair(text: str) -> tuple[str, str]:
@@ -161,7 +196,10 @@ def build_parser() -> argparse.ArgumentParser:
     add("--context-length", type=int, default=None, metavar="N",
         help="KV capacity: tokens per sequence, prompt and output together (default: the "
         "model's max_position_embeddings)")  # fmt: skip
-    add("--max-running-requests", type=int, default=8, help="prompts decoded together (batch)")
+    add("--max-running-requests", type=int, default=None, metavar="N",
+        help="samples decoded together (the batch; a request with sampling_params.n counts n) "
+        f"(default: {DEFAULT_MAX_RUNNING}, or fewer where that many KV rows of "
+        "--context-length tokens would pass 2 GiB or a quarter of physical memory)")  # fmt: skip
     add("--max-queued-requests", type=int, default=256,
         help="prompts waiting; past it a request gets 503 at once")  # fmt: skip
     add("--max-request-bytes", type=int, default=32 * 1024 * 1024, metavar="BYTES",

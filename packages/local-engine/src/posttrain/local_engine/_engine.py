@@ -37,7 +37,7 @@ from posttrain.local_engine._lora import (
 )
 from posttrain.local_engine._sampling import SamplingConfig, pick_token, top_logprobs
 from posttrain.local_engine._update import StagedUpdate, TensorSpec, check_version_increases
-from posttrain.models import DecoderModel, MediaBatch, tower_parameter_names
+from posttrain.models import DecoderModel, KVCache, MediaBatch, tower_parameter_names
 from posttrain.models import LoraAdapter as ModelLora
 
 __all__ = ["Engine", "GenResult", "GenTask"]
@@ -93,8 +93,8 @@ def _ids_logprobs(row: torch.Tensor, ids: Sequence[int]) -> list[tuple[float, in
 MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
 """Tags of ``release/resume_memory_occupation`` (SGLang's names; None = all). ``cuda_graph``
 is accepted for SGLang clients and frees nothing here (no CUDA graphs on CPU); ``kv_cache``
-frees nothing either (KV caches live for one batch only), but while it is released nothing
-generates, as in SGLang."""
+drops the KV cache kept between batches (the next batch allocates it again), and while it is
+released nothing generates, as in SGLang."""
 
 
 @dataclass(slots=True)
@@ -106,6 +106,34 @@ class _WeightState:
     """Memory tags released and not yet resumed."""
     stale: set[str] = field(default_factory=set)
     """Base tensors (HF names) whose values were dropped by a release and not sent since."""
+
+
+def shared_prefill_owners(tasks: Sequence[GenTask]) -> list[int]:
+    """For each task, the index of the first task with the same prompt and adapter (itself if
+    none before it); a task with media never shares (its placeholders carry decoded items)."""
+    first: dict[tuple[tuple[int, ...], str | None], int] = {}
+    owners = []
+    for j, t in enumerate(tasks):
+        owners.append(
+            j if t.media is not None else first.setdefault((tuple(t.input_ids), t.lora_name), j)
+        )
+    return owners
+
+
+@dataclass(slots=True, kw_only=True)
+class _Live:
+    """A task in the running batch: its result so far, sampler and next-token logprobs."""
+
+    handle: object
+    task: GenTask
+    res: GenResult
+    gen: torch.Generator
+    stops: set[int]
+    limit: int
+    lora: ModelLora | None
+    started: float
+    next_lp: torch.Tensor | None = None
+    prompt_lp: torch.Tensor | None = None
 
 
 class Engine:
@@ -134,6 +162,10 @@ class Engine:
         self._update_lock = threading.Lock()
         self.abort_running = threading.Event()
         self.generated_tokens = 0
+        self.forward_passes = 0
+        """Model calls of generation (each a batched prefill and/or decode step)."""
+        self._cache: KVCache | None = None
+        self._dirty_rows: set[int] = set()
 
     # ---- state -------------------------------------------------------------------------
 
@@ -183,6 +215,8 @@ class Engine:
         pool of weight updates too. LoRA adapters stay. Returns the tags now released.
         """
         wanted = self._memory_tags(tags)
+        if "kv_cache" in wanted:
+            self._cache = None
         if "weights" in wanted and "weights" not in self._w.released:
             with self._update_lock:
                 for param in self.model.parameters():
@@ -315,86 +349,151 @@ class Engine:
         )
 
     def run_batch(self, tasks: list[GenTask]) -> list[GenResult]:
-        """Generate for all tasks together: one KV-cache row each, decode steps batched.
+        """Generate for all tasks together (``run_stream`` without later admissions)."""
+        out: dict[int, GenResult] = {}
 
-        The strict kernels are batch-invariant, so a task's tokens and logprobs do not
-        depend on its batch mates; each task samples from its own seeded generator.
+        def finish(handle: object, res: GenResult | Exception) -> None:
+            assert isinstance(handle, int)
+            if isinstance(res, Exception):
+                raise res
+            out[handle] = res
+
+        self.run_stream(list(enumerate(tasks)), lambda free: [], finish, rows=len(tasks))
+        return [out[i] for i in range(len(tasks))]
+
+    def run_stream(
+        self,
+        first: Sequence[tuple[object, GenTask]],
+        admit: Callable[[int], Sequence[tuple[object, GenTask]]],
+        finish: Callable[[object, GenResult | Exception], None],
+        *,
+        rows: int,
+    ) -> None:
+        """Continuous batching: decode ``first`` and every task ``admit(free_rows)`` hands in
+        at a step boundary, in one batch of at most ``rows`` KV rows; ``finish(handle,
+        result)`` as each task ends; a task that cannot start (its adapter was unloaded while
+        it waited) is finished with the exception, alone. Returns when nothing runs and
+        nothing is admitted.
+
+        Each step is one ``extend`` call: the running rows' last tokens and the admitted
+        prompts together. Admitted tasks with the same prompt and adapter (no media) share one
+        prefill (the ``n`` samples of a prompt): the row is copied to the siblings, which
+        equals prefilling each (a row's values do not depend on its batch mates). The strict
+        kernels are batch-invariant, so a task's tokens and logprobs do not depend on when it
+        joined or on whom it ran with; each task samples from its own seeded generator.
         """
         self.check_available()
-        t0 = time.perf_counter()
-        n = len(tasks)
-        loras: list[ModelLora | None] = [
-            None if t.lora_name is None else self.adapters.get(t.lora_name).model_adapter
-            for t in tasks
-        ]
-        lora_arg = loras if any(x is not None for x in loras) else None
-        cache = self.model.new_kv_cache(n)
-        media = [t.media for t in tasks]
-        steps = self.model.extend(
-            cache,
-            list(range(n)),
-            [t.input_ids for t in tasks],
-            lora=lora_arg,
-            media=media if any(m is not None for m in media) else None,
-        )
-        results: list[GenResult] = []
-        rows: dict[int, torch.Tensor] = {}
-        gens: list[torch.Generator] = []
-        stops: list[set[int]] = []
-        limits: list[int] = []
-        for j, task in enumerate(tasks):
-            res = GenResult(
-                rid=task.rid,
-                output_ids=[],
-                finish_reason={},
-                prompt_tokens=len(task.input_ids),
-                weight_version=self.weight_version,
-            )
-            if task.return_logprob:
-                self._fill_input_logprobs(task, steps[j].logprobs, res)
-                res.output_token_logprobs = []
-                if task.top_logprobs_num:
-                    res.output_top_logprobs = []
-                if task.token_ids_logprob is not None:
-                    res.output_token_ids_logprobs = []
-            results.append(res)
-            limit = min(task.max_new_tokens, self.max_context - len(task.input_ids))
-            limits.append(limit)
-            res.finish_reason = {"type": "length", "length": limit}
-            gens.append(torch.Generator().manual_seed(task.seed))
-            stop = set(task.stop_token_ids)
-            if not task.ignore_eos:
-                stop.update(self.eos_token_ids)
-            stops.append(stop)
-            if limit > 0:
-                rows[j] = steps[j].logprobs[-1]
-        while rows:
-            picked: dict[int, int] = {}
-            for j, row in rows.items():
-                if self.abort_running.is_set():
-                    results[j].finish_reason = {
+        cache = self._kv_cache(rows)
+        free = list(range(rows - 1, -1, -1))  # pop() takes the lowest row
+        live: dict[int, _Live] = {}
+        tokens: dict[int, int] = {}  # running row -> the token its next step appends
+        incoming = list(first)
+        while live or incoming:
+            new_rows = []
+            for handle, task in incoming:
+                try:
+                    started = self._start(handle, task)
+                except Exception as exc:  # this task's error, not its batch mates'
+                    finish(handle, exc)
+                    continue
+                row = free.pop()
+                if row in self._dirty_rows:
+                    cache.reset(row)
+                    self._dirty_rows.discard(row)
+                live[row] = started
+                new_rows.append(row)
+            owner = dict(zip(new_rows, shared_prefill_owners([live[r].task for r in new_rows]),
+                             strict=True))  # fmt: skip
+            firsts = [r for i, r in enumerate(new_rows) if owner[r] == i]
+            call = sorted(tokens) + firsts
+            if call:
+                media = [None if r in tokens else live[r].task.media for r in call]
+                lora = [live[r].lora for r in call]
+                self.forward_passes += 1
+                steps = self.model.extend(
+                    cache,
+                    call,
+                    [[tokens[r]] if r in tokens else live[r].task.input_ids for r in call],
+                    lora=lora if any(x is not None for x in lora) else None,
+                    media=media if any(m is not None for m in media) else None,
+                )
+                for r, step in zip(call, steps, strict=True):
+                    live[r].next_lp = step.logprobs[-1]
+                    if r not in tokens:
+                        self._prefilled(live[r], step.logprobs)
+                for r in new_rows:
+                    src = new_rows[owner[r]]
+                    prompt_lp = live[src].prompt_lp
+                    if src != r and prompt_lp is not None:
+                        cache.copy_row(src, r)
+                        live[r].next_lp = live[src].next_lp
+                        self._prefilled(live[r], prompt_lp)
+            tokens = {}
+            for row in sorted(live):
+                lv = live[row]
+                tok = None
+                if lv.limit > 0 and self.abort_running.is_set():
+                    lv.res.finish_reason = {
                         "type": "abort",
                         "message": "generation paused with mode=abort",
                     }
+                elif lv.limit > 0:
+                    assert lv.next_lp is not None
+                    tok = self._emit(lv.task, lv.res, lv.next_lp, lv.gen, lv.stops)
+                if tok is not None and len(lv.res.output_ids) < lv.limit:
+                    tokens[row] = tok
                     continue
-                tok = self._emit(tasks[j], results[j], row, gens[j], stops[j])
-                if tok is not None and len(results[j].output_ids) < limits[j]:
-                    picked[j] = tok
-            if not picked:
-                break
-            order = sorted(picked)
-            step = self.model.decode_step(
-                cache,
-                order,
-                [picked[j] for j in order],
-                lora=None if lora_arg is None else [loras[j] for j in order],
-            )
-            rows = {j: step.logprobs[i] for i, j in enumerate(order)}
-        dt = time.perf_counter() - t0
-        for r in results:
-            r.latency_s = dt
-            self.generated_tokens += len(r.output_ids)
-        return results
+                del live[row]
+                free.append(row)
+                self._dirty_rows.add(row)
+                lv.res.latency_s = time.perf_counter() - lv.started
+                self.generated_tokens += len(lv.res.output_ids)
+                finish(lv.handle, lv.res)
+            incoming = list(admit(len(free))) if free and not self.abort_running.is_set() else []
+
+    def _kv_cache(self, rows: int) -> KVCache:
+        """The engine's KV cache, kept between batches (``release_memory('kv_cache')`` drops
+        it); reallocated when a batch needs more rows. A row is zeroed before it is reused."""
+        if self._cache is None or self._cache.num_rows < rows:
+            self._cache = self.model.new_kv_cache(rows)
+            self._dirty_rows = set()
+        return self._cache
+
+    def _start(self, handle: object, task: GenTask) -> _Live:
+        res = GenResult(
+            rid=task.rid,
+            output_ids=[],
+            finish_reason={},
+            prompt_tokens=len(task.input_ids),
+            weight_version=self.weight_version,
+        )
+        limit = min(task.max_new_tokens, self.max_context - len(task.input_ids))
+        res.finish_reason = {"type": "length", "length": limit}
+        stops = set(task.stop_token_ids)
+        if not task.ignore_eos:
+            stops.update(self.eos_token_ids)
+        lora = None if task.lora_name is None else self.adapters.get(task.lora_name).model_adapter
+        return _Live(
+            handle=handle,
+            task=task,
+            res=res,
+            gen=torch.Generator().manual_seed(task.seed),
+            stops=stops,
+            limit=limit,
+            lora=lora,
+            started=time.perf_counter(),
+        )
+
+    def _prefilled(self, lv: _Live, prompt_lp: torch.Tensor) -> None:
+        lv.prompt_lp = prompt_lp
+        task, res = lv.task, lv.res
+        if task.return_logprob:
+            self._fill_input_logprobs(task, prompt_lp, res)
+            res.output_token_logprobs = []
+            if task.top_logprobs_num:
+                res.output_top_logprobs = []
+            if task.token_ids_logprob is not None:
+                res.output_token_ids_logprobs = []
 
     def _emit(
         self,

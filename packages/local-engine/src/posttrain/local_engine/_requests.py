@@ -4,8 +4,9 @@ A batched ``/generate`` (a list of texts or of id lists) becomes one task per
 prompt; per-item fields (``sampling_params``, ``return_logprob``, ``lora_path``,
 ``rid``, ...) may be lists of the batch length or one shared value, as in SGLang.
 Field errors name the field and, in a batch, the item index. Sampling knobs this
-engine does not implement (penalties, ``n`` > 1, streaming) are refused with a
-400 rather than silently ignored.
+engine does not implement (penalties, streaming) are refused with a 400 rather
+than silently ignored. ``sampling_params.n`` > 1 (SGLang's parallel sampling) expands each
+prompt into ``n`` tasks, and the reply is a list, as SGLang's.
 
 Media (SGLang's ``image_data`` / ``audio_data``): each prompt holds one sentinel token per
 item (``<|image|>`` / ``<|audio|>`` of a multimodal checkpoint); ``prompt_media`` decodes the
@@ -26,6 +27,7 @@ from typing import Any, Protocol
 
 from posttrain.interface import GenerateRequest, SamplingParams, WireFormatError
 from posttrain.local_engine._engine import GenResult, GenTask
+from posttrain.local_engine._errors import RequestTooLargeError
 from posttrain.local_engine._sampling import SamplingConfig
 from posttrain.models import (
     MediaBatch,
@@ -150,11 +152,6 @@ def sampling_from_params(
                 f"{where}sampling_params.{name}: {value} is not supported by local-engine",
                 field=f"sampling_params.{name}",
             )
-    if sp.n not in (None, 1):
-        raise WireFormatError(
-            f"{where}sampling_params.n: {sp.n} > 1 is not supported (send the prompt n times)",
-            field="sampling_params.n",
-        )
     cfg = SamplingConfig(
         temperature=1.0 if sp.temperature is None else sp.temperature,
         top_p=1.0 if sp.top_p is None else sp.top_p,
@@ -260,8 +257,14 @@ def tasks_from_generate(
     max_context: int | None = None,
     model_config: ModelConfig | None = None,
     media_files: MediaFiles | None = None,
+    max_tasks: int | None = None,
 ) -> tuple[list[GenTask], list[dict[str, Any]]]:
-    """Tasks for every prompt of a request, plus per-item output options.
+    """Tasks for every sample of a request, plus per-item output options.
+
+    ``sampling_params.n`` (SGLang's parallel sampling) gives ``n`` tasks per prompt, in
+    prompt-major order (prompt 0's samples, then prompt 1's), sample ``j`` seeded with the
+    prompt's seed plus ``j`` and, with a ``rid``, named ``{rid}_{j}``. More than ``max_tasks``
+    tasks is refused (413) before any is built.
 
     With ``max_context``, a text too long for it is refused before it is tokenized. With a
     multimodal ``model_config``, media sentinels are expanded (``prompt_media``).
@@ -280,12 +283,24 @@ def tasks_from_generate(
         for i, t in enumerate(texts):
             check_text_fits(codec, t, max_context, field=f"text[{i}]" if batch else "text")
         prompts = [codec.encode(t) for t in texts]
+    samples = parallel_samples(req)
+    if max_tasks is not None and n * samples > max_tasks:
+        raise RequestTooLargeError(
+            f"sampling_params.n: {n} prompt(s) x n={samples} samples exceed "
+            f"--max-queued-requests {max_tasks}",
+            field="sampling_params.n",
+        )
     tasks: list[GenTask] = []
     options: list[dict[str, Any]] = []
     for i in range(n):
         where = f"[{i}] " if batch else ""
         sp = _item(req.sampling_params, i, n, "sampling_params", batch)
         cfg, seed, extra = sampling_from_params(sp, default_seed=next_seed(), where=where)
+        if seed + samples - 1 >= 2**64:
+            raise WireFormatError(
+                f"{where}sampling_params.sampling_seed: {seed} + n - 1 is past 2**64 - 1",
+                field="sampling_params.sampling_seed",
+            )
         lora = _item(req.lora_path, i, n, "lora_path", batch)
         rid = _item(req.rid, i, n, "rid", batch)
         start = _item(req.logprob_start_len, i, n, "logprob_start_len", batch)
@@ -297,33 +312,56 @@ def tasks_from_generate(
             where=where,
             files=media_files,
         )
-        tasks.append(
-            GenTask(
-                input_ids=ids,
-                media=media,
-                max_new_tokens=extra["max_new_tokens"],
-                sampling=cfg,
-                seed=seed,
-                stop_token_ids=extra["stop_token_ids"],
-                stop=extra["stop"],
-                ignore_eos=extra["ignore_eos"],
-                no_stop_trim=extra["no_stop_trim"],
-                return_logprob=bool(_item(req.return_logprob, i, n, "return_logprob", batch)),
-                logprob_start_len=-1 if start is None else start,
-                top_logprobs_num=_item(req.top_logprobs_num, i, n, "top_logprobs_num", batch) or 0,
-                token_ids_logprob=_item(req.token_ids_logprob, i, n, "token_ids_logprob", batch),
-                token_ids_logprob_positions=req.token_ids_logprob_positions,
-                lora_name=lora,
-                rid=rid or uuid.uuid4().hex,
+        for j in range(samples):
+            tasks.append(
+                GenTask(
+                    input_ids=ids,
+                    media=media,
+                    max_new_tokens=extra["max_new_tokens"],
+                    sampling=cfg,
+                    seed=seed + j,
+                    stop_token_ids=extra["stop_token_ids"],
+                    stop=extra["stop"],
+                    ignore_eos=extra["ignore_eos"],
+                    no_stop_trim=extra["no_stop_trim"],
+                    return_logprob=bool(_item(req.return_logprob, i, n, "return_logprob", batch)),
+                    logprob_start_len=-1 if start is None else start,
+                    top_logprobs_num=_item(req.top_logprobs_num, i, n, "top_logprobs_num", batch)
+                    or 0,
+                    token_ids_logprob=_item(
+                        req.token_ids_logprob, i, n, "token_ids_logprob", batch
+                    ),
+                    token_ids_logprob_positions=req.token_ids_logprob_positions,
+                    lora_name=lora,
+                    rid=_sample_rid(rid, j, samples),
+                )
             )
-        )
-        options.append(
-            {
-                "skip_special_tokens": extra["skip_special_tokens"],
-                "return_text_in_logprobs": bool(req.return_text_in_logprobs),
-            }
-        )
+            options.append(
+                {
+                    "skip_special_tokens": extra["skip_special_tokens"],
+                    "return_text_in_logprobs": bool(req.return_text_in_logprobs),
+                }
+            )
     return tasks, options
+
+
+def parallel_samples(req: GenerateRequest) -> int:
+    """SGLang's ``parallel_sample_num``: ``sampling_params.n`` (default 1), which every item of
+    a batch must share (SGLang refuses differing values the same way)."""
+    sps = req.sampling_params if isinstance(req.sampling_params, list) else [req.sampling_params]
+    ns = {1 if sp is None or sp.n is None else sp.n for sp in sps}
+    if len(ns) > 1:
+        raise WireFormatError(
+            f"sampling_params.n: every prompt of a batch needs the same n, got {sorted(ns)}",
+            field="sampling_params.n",
+        )
+    return ns.pop() if ns else 1
+
+
+def _sample_rid(rid: str | None, j: int, samples: int) -> str:
+    if not rid:
+        return uuid.uuid4().hex
+    return rid if samples == 1 else f"{rid}_{j}"
 
 
 def json_logprob(lp: float | None) -> float | None:

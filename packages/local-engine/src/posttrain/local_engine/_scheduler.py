@@ -11,12 +11,20 @@ rather than waiting: a client that sees 503 backs off, a hang helps nobody.
 
 Batching here amortises the hop to the worker thread and the weight-lock; the
 strict-numerics forward is batch-invariant, so batching never changes a token.
+
+With ``run_stream`` (the engine's continuous batching) the batch stays open: between two
+decode steps the worker thread asks ``admit(free_rows)`` for more queued items (the same
+order and adapter rule, against the adapters already running) and each item's result is
+delivered as it finishes, not when the batch ends. Admission stops while the scheduler is
+paused or a ``call_exclusive`` (a weight swap) waits, so the batch drains and the swap runs
+between batches as before. ``_pending`` is shared with the worker thread under a lock.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import threading
 from collections import deque
 from collections.abc import Callable, Hashable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -39,6 +47,20 @@ class _Job(Generic[T, R]):
     future: asyncio.Future[R]
 
 
+StreamRunner = Callable[
+    [
+        Sequence[tuple[object, T]],
+        Callable[[int], Sequence[tuple[object, T]]],
+        Callable[[object, R | Exception], None],
+        int,
+    ],
+    None,
+]
+"""``run_stream(first, admit, finish, rows)``: run ``first`` and whatever ``admit(free)`` hands
+in, calling ``finish(handle, result)`` per item (an exception fails that item alone), in at
+most ``rows`` concurrent items."""
+
+
 class BatchScheduler(Generic[T, R]):
     """Runs ``run_batch(items) -> results`` for queued items on one worker thread."""
 
@@ -51,8 +73,12 @@ class BatchScheduler(Generic[T, R]):
         max_queue: int = 256,
         max_batch: int = 8,
         max_keys: int = 8,
+        run_stream: StreamRunner[T, R] | None = None,
     ) -> None:
         self._run_batch = run_batch
+        self._run_stream = run_stream
+        self._lock = threading.Lock()
+        self._exclusive_waiting = 0
         self._batch_key = batch_key
         self._abort_result = abort_result
         self.max_queue = max_queue
@@ -100,7 +126,8 @@ class BatchScheduler(Generic[T, R]):
             )
         loop = asyncio.get_running_loop()
         jobs = [_Job[T, R](it, self._batch_key(it), loop.create_future()) for it in items]
-        self._pending.extend(jobs)
+        with self._lock:
+            self._pending.extend(jobs)
         self._wakeup.set()
         try:
             return list(await asyncio.gather(*(j.future for j in jobs)))
@@ -108,7 +135,7 @@ class BatchScheduler(Generic[T, R]):
             for j in jobs:  # a cancelled client leaves no orphan work queued
                 if not j.future.done():
                     j.future.cancel()
-                    with contextlib.suppress(ValueError):
+                    with self._lock, contextlib.suppress(ValueError):
                         self._pending.remove(j)
 
     def pause(self, *, abort_queued: bool) -> int:
@@ -116,8 +143,9 @@ class BatchScheduler(Generic[T, R]):
         self._resumed.clear()
         n = 0
         if abort_queued:
-            while self._pending:
-                job = self._pending.popleft()
+            with self._lock:
+                jobs, self._pending = list(self._pending), deque()
+            for job in jobs:
                 if not job.future.done():
                     job.future.set_result(self._abort_result(job.item))
                     n += 1
@@ -130,18 +158,25 @@ class BatchScheduler(Generic[T, R]):
     async def call_exclusive(self, fn: Callable[[], X]) -> X:
         """Run ``fn`` on the worker thread, between batches (for weight swaps)."""
         loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._pool, fn)
+        self._exclusive_waiting += 1  # a running stream admits nothing more, so fn runs soon
+        try:
+            return await loop.run_in_executor(self._pool, fn)
+        finally:
+            self._exclusive_waiting -= 1
 
-    def _take_batch(self) -> list[_Job[T, R]]:
-        while self._pending and self._pending[0].future.done():
-            self._pending.popleft()
-        if not self._pending:
-            return []
-        first = self._pending.popleft()
-        batch = [first]
-        keys = {first.key}
+    def _take_batch(
+        self, limit: int | None = None, running: Sequence[Hashable] = ()
+    ) -> list[_Job[T, R]]:
+        """Up to ``limit`` (default ``max_batch``) queued jobs in order whose keys fit the
+        adapter limit together with the ``running`` keys; the others stay queued."""
+        limit = self.max_batch if limit is None else limit
+        with self._lock:
+            return self._take_locked(limit, set(running))
+
+    def _take_locked(self, limit: int, keys: set[Hashable]) -> list[_Job[T, R]]:
+        batch: list[_Job[T, R]] = []
         rest: deque[_Job[T, R]] = deque()
-        while self._pending and len(batch) < self.max_batch:
+        while self._pending and len(batch) < limit:
             job = self._pending.popleft()
             if job.future.done():
                 continue
@@ -159,12 +194,18 @@ class BatchScheduler(Generic[T, R]):
         loop = asyncio.get_running_loop()
         while True:
             await self._resumed.wait()
+            await self._let_arrivals_queue()
+            if self.paused:  # paused while the arrivals queued
+                continue
             batch = self._take_batch()
             if not batch:
                 self._wakeup.clear()
                 await self._wakeup.wait()
                 continue
             self.in_flight = len(batch)
+            if self._run_stream is not None:
+                await self._stream(loop, self._run_stream, batch)
+                continue
             items = [j.item for j in batch]
             try:
                 results = await loop.run_in_executor(self._pool, self._run_batch, items)
@@ -178,3 +219,57 @@ class BatchScheduler(Generic[T, R]):
                         j.future.set_result(r)
             finally:
                 self.in_flight = 0
+
+    async def _let_arrivals_queue(self) -> None:
+        """Before a batch starts, give the event loop a few turns so that requests already
+        received reach the queue and start together (a rollout step's requests arrive within
+        a few milliseconds); it stops at the first turns that queue nothing, so a lone request
+        waits only a few loop turns."""
+        idle, seen = 0, len(self._pending)
+        for _ in range(64):
+            await asyncio.sleep(0)
+            idle = idle + 1 if len(self._pending) == seen else 0
+            seen = len(self._pending)
+            if idle >= 3:
+                return
+
+    async def _stream(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        run_stream: StreamRunner[T, R],
+        batch: list[_Job[T, R]],
+    ) -> None:
+        """One continuous batch on the worker thread; results are delivered as items finish."""
+        running: dict[object, _Job[T, R]] = {id(j): j for j in batch}
+
+        def admit(free: int) -> list[tuple[object, T]]:  # worker thread, between steps
+            if self._exclusive_waiting or not self._resumed.is_set():
+                return []
+            jobs = self._take_batch(free, [j.key for j in running.values()])
+            running.update((id(j), j) for j in jobs)
+            self.in_flight = len(running)
+            return [(id(j), j.item) for j in jobs]
+
+        def finish(handle: object, result: R | Exception) -> None:  # worker thread
+            job = running.pop(handle)
+            self.in_flight = len(running)
+            loop.call_soon_threadsafe(_resolve, job.future, result)
+
+        first = [(id(j), j.item) for j in batch]
+        try:
+            await loop.run_in_executor(self._pool, run_stream, first, admit, finish, self.max_batch)
+        except Exception as e:  # a failed batch fails the requests it holds, not the worker
+            for j in running.values():
+                if not j.future.done():
+                    j.future.set_exception(e)
+        finally:
+            self.in_flight = 0
+
+
+def _resolve(future: asyncio.Future[R], result: R | Exception) -> None:
+    if future.done():
+        return
+    if isinstance(result, Exception):
+        future.set_exception(result)
+    else:
+        future.set_result(result)

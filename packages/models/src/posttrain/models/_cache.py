@@ -61,6 +61,22 @@ class KVCache:
                     }
                 )
 
+    @staticmethod
+    def row_bytes(config: ModelConfig) -> int:
+        """Bytes one row of a cache for ``config`` holds (fp32 keys/values or MLA latents over
+        ``config.capacity`` slots, plus sconv states): what an engine's batch size multiplies."""
+        cap, layers = config.capacity, config.num_hidden_layers
+        if config.is_mla:
+            return 4 * layers * cap * config.mla_spec.cache_width
+        total = 0
+        for i in range(layers):
+            s = config.attention_shape(i)
+            kv = s.num_kv_heads * s.head_dim
+            total += 2 * cap * kv
+            if config.sconv_kernel_size:
+                total += (config.sconv_kernel_size - 1) * (2 * kv + 2 * config.hidden_size)
+        return 4 * total
+
     def conv_state(self, layer: int, site: str) -> torch.Tensor:
         """The sconv state ``[num_rows, k - 1, channels]`` of ``site`` (k, v, attn, mlp)."""
         if not self.conv:
@@ -89,6 +105,24 @@ class KVCache:
         for states in self.conv:
             for buf in states.values():
                 buf[row].zero_()
+
+    def copy_row(self, src: int, dst: int) -> None:
+        """Make row ``dst`` hold exactly what row ``src`` holds (keys, values, sconv states,
+        length): ``n`` samples of one prompt share its prefill this way. A row's buffers hold
+        per-token values that do not depend on the other rows, so the copy equals what
+        prefilling the same tokens into ``dst`` writes."""
+        self._check_row(src)
+        self._check_row(dst)
+        if src == dst:
+            return
+        for buf in (*self.keys, *self.values):
+            buf[dst].copy_(buf[src])
+        for states in self.conv:
+            for buf in states.values():
+                buf[dst].copy_(buf[src])
+        self.lengths[dst] = self.lengths[src]
+        if self.mla is not None:
+            self.mla.lengths[dst] = self.mla.lengths[src]
 
     def _check_row(self, row: int) -> None:
         if not 0 <= row < self.num_rows:
