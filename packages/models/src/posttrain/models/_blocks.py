@@ -282,6 +282,18 @@ class PackedLayout(TokenLayout):
             self._in_order = bool(starts[0]) and bool((new_seg | follows).all())
         return self._in_order
 
+    def longest(self) -> int:
+        """The longest segment (``max(pos) + 1``): one host sync, once per layout."""
+        if self._longest is None:
+            self._longest = int(self.pos.max()) + 1
+        return self._longest
+
+    def prepare(self) -> None:
+        """Take the layout's host syncs now (``tokens_in_order``, ``longest``), before the
+        layers: a compiled layer then reads plain Python values and never breaks its graph."""
+        if self.tokens_in_order():
+            self.longest()
+
     def sconv(self, ops: type[FastOps], layer: int, site: str, x: Tensor, weight: Tensor) -> Tensor:
         return residual_sconv(ops, x, self.seg, weight)
 
@@ -299,11 +311,9 @@ class PackedLayout(TokenLayout):
     ) -> Tensor:
         plain = not ops.batch_invariant and window is None and rel_logits is None
         if plain and self.tokens_in_order():
-            if self._longest is None:  # once per layout, not once per layer (a host sync)
-                self._longest = int(self.pos.max()) + 1
             return causal_sdpa(
                 q, k, v, self.seg, self.pos, self.num_segments, scale, ops.compute_dtype,
-                self._longest,
+                self.longest(),  # once per layout, not once per layer (a host sync)
             )  # fmt: skip
         if ops.fused_row_attention and rel_logits is None and self.tokens_in_order():
             # each segment's keys are its own tokens, in position order: no buffers needed

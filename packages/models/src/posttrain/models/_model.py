@@ -54,6 +54,7 @@ from posttrain.models._blocks import (
     rel_logits_of,
 )
 from posttrain.models._cache import KVCache
+from posttrain.models._compile import layers_compiled
 from posttrain.models._config import ModelConfig
 from posttrain.models._errors import CacheError, ModelInputError
 from posttrain.models._logprobs import DEFAULT_CHUNK_TOKENS, chunked_token_logprobs
@@ -340,6 +341,19 @@ def grouped_experts(ops: type[FastOps], x: Tensor, ids: Tensor, fc1: Tensor, fc2
                 RuntimeWarning,
                 stacklevel=2,
             )
+    ys = _experts_one_by_one(ops, xs, counts, fc1, fc2)
+    return ys[torch.argsort(order)].reshape(t, k, -1)
+
+
+@torch.compiler.disable
+def _experts_one_by_one(
+    ops: type[FastOps], xs: Tensor, counts: Tensor, fc1: Tensor, fc2: Tensor
+) -> Tensor:
+    """``grouped_experts``' loop: one matmul pair per expert over its slice of the sorted rows.
+
+    Its slice sizes are data (a host sync), so a compiled layer runs it eagerly (a clean graph
+    break) instead of recompiling for every routing."""
+    inter = fc2.shape[2]
     sizes = counts.tolist()
     parts = []
     for j, (xj, size) in enumerate(zip(torch.split(xs, sizes), sizes, strict=True)):
@@ -347,8 +361,7 @@ def grouped_experts(ops: type[FastOps], x: Tensor, ids: Tensor, fc1: Tensor, fc2
             continue
         gu = ops.linear(xj, fc1[j])
         parts.append(ops.linear(ops.silu_mul(gu[:, :inter], gu[:, inter:]), fc2[j]))
-    ys = torch.cat(parts) if parts else xs.new_zeros((0, fc2.shape[1]))
-    return ys[torch.argsort(order)].reshape(t, k, -1)
+    return torch.cat(parts) if parts else xs.new_zeros((0, fc2.shape[1]))
 
 
 _GROUPED_MM_FAILED: list[str] = []
@@ -900,6 +913,8 @@ class DecoderModel(nn.Module):
             h = ops.rms_norm(h, self.embed_norm, cfg.rms_norm_eps)
         h = self._scatter_sequence(h)
         call = LayerCall(self, layout, lora)
+        if isinstance(layout, PackedLayout) and layers_compiled(self):
+            layout.prepare()  # its host syncs here, not inside a compiled layer
         checkpointed = self.activation_checkpointing and torch.is_grad_enabled()
         for layer in self.layers:
             h = checkpoint(layer, h, call, use_reentrant=False) if checkpointed else layer(h, call)

@@ -1,0 +1,129 @@
+"""Optional ``torch.compile`` of each decoder layer's forward (fast numerics only).
+
+``compile_layers(model)`` replaces every layer's ``forward`` (an instance attribute, so the
+module, its parameters, names and hooks stay what they were) by a ``torch.compile`` of it.
+Only the layer's own compute is compiled: module hooks run outside the compiled region, so
+FSDP2's per-layer all-gather, reshard and gradient reduction hooks stay eager, and a caller
+shards first and compiles after (``posttrain.grpo.trainer.shard_policy`` does). Each layer is
+its own compiled region, so a failure or a graph break stays inside one layer.
+
+Shapes are dynamic (``dynamic=True``): packed micro-batches of varying length reuse one graph
+per layer and grad mode instead of recompiling every step. Each layer specialises on its
+index (a Python int the layer reads), so dynamo's per-code-object recompile limit is raised
+to cover every layer (never lowered).
+
+A compile that cannot start (no compiler, an unsupported Python) or whose first call fails
+in dynamo or inductor warns once with the error and runs every layer eagerly from then on;
+results are the same math either way (fast numerics: tolerance, not bits). Strict numerics
+are refused: compiled kernels reorder reductions, and strict's contract is bits.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor, nn
+
+from posttrain.models._errors import ModelInputError
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from posttrain.models._model import DecoderModel
+
+__all__ = ["compile_layers", "layers_compiled"]
+
+_COMPILE_ERRORS: tuple[type[BaseException], ...] = (RuntimeError, NotImplementedError)
+"""What a failed compile raises on the first call (dynamo's and inductor's errors are
+``RuntimeError`` subclasses; ``torch.compile`` itself raises ``RuntimeError`` where it cannot
+run). Errors of the model's own (``ModelsError``) are re-raised, never swallowed."""
+
+
+class _CompiledForward:
+    """A layer's ``forward``: the compiled one, or the eager one once compiling has failed."""
+
+    def __init__(
+        self, eager: Callable[..., Tensor], compiled: Callable[..., Tensor], state: _State
+    ) -> None:
+        self.eager = eager
+        self.compiled = compiled
+        self.state = state
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Tensor:
+        if self.state.failed is None:
+            try:
+                return self.compiled(*args, **kwargs)
+            except _COMPILE_ERRORS as err:
+                from posttrain.models._errors import ModelsError
+
+                if isinstance(err, ModelsError):
+                    raise
+                self.state.fail(err)
+        return self.eager(*args, **kwargs)
+
+
+class _State:
+    """Whether a model's compiled layers still run compiled (``failed`` holds why not)."""
+
+    def __init__(self) -> None:
+        self.failed: str | None = None
+
+    def fail(self, err: BaseException) -> None:
+        self.failed = (
+            f"{type(err).__name__}: {str(err).strip().splitlines()[0] if str(err) else ''}"
+        )
+        warnings.warn(
+            f"torch.compile of the decoder layers failed ({self.failed}); every layer runs "
+            "eagerly from now on (same math, no compile speed-up)",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+
+
+def layers_compiled(model: nn.Module) -> bool:
+    """Whether ``compile_layers`` compiled ``model``'s layers and they still run compiled."""
+    state = getattr(model, "_compile_state", None)
+    return isinstance(state, _State) and state.failed is None
+
+
+def _raise_recompile_limit(entries: int) -> None:
+    config = torch._dynamo.config
+    name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+    if getattr(config, name) < entries:
+        setattr(config, name, entries)
+
+
+def compile_layers(model: DecoderModel, *, backend: str = "inductor", dynamic: bool = True) -> bool:
+    """Compile each decoder layer's forward of ``model`` (fast numerics); True when compiled.
+
+    Call after any sharding (FSDP2 ``fully_shard`` of the layers): the hooks stay outside the
+    compiled forwards. ``backend``: a ``torch.compile`` backend (``"aot_eager"`` compiles
+    nothing to code, for tests without a C compiler). Returns False, with a warning, where
+    ``torch.compile`` cannot start here; the layers then run eagerly as before.
+    """
+    from posttrain.models._model import Numerics
+
+    if model.numerics is not Numerics.FAST:
+        raise ModelInputError(
+            "compile needs fast numerics (numerics='fast'): strict kernels keep their bit-exact "
+            "order and are never compiled"
+        )
+    if isinstance(getattr(model, "_compile_state", None), _State):
+        raise ModelInputError("the model's layers are already compiled")
+    layers = list(model.layers)
+    state = _State()
+    try:
+        compiled = [
+            torch.compile(layer.forward, backend=backend, dynamic=dynamic) for layer in layers
+        ]
+    except _COMPILE_ERRORS as err:
+        state.fail(err)
+        return False
+    # per layer: grad and no-grad graphs, each possibly recompiled once (a dynamic dim)
+    _raise_recompile_limit(4 * len(layers) + 8)
+    for layer, fn in zip(layers, compiled, strict=True):
+        object.__setattr__(layer, "forward", _CompiledForward(layer.forward, fn, state))
+    object.__setattr__(model, "_compile_state", state)
+    return True
