@@ -87,6 +87,7 @@ class GrpoConfig:
     moe_layer_freq: tuple[int, ...] | None = None
     precision: Precision = "fp32"
     activation_checkpointing: bool = False
+    compile: bool = False
     numerics: Numerics = "strict"
     context_length: int | None = None
     # The schedule.
@@ -272,6 +273,12 @@ class GrpoConfig:
                 "has released the engines' memory; use one or the other",
                 field="off_policy_overlap",
             )
+        if self.compile and self.numerics != "fast":
+            raise GrpoConfigError(
+                "compile needs numerics='fast' (--numerics fast): strict kernels keep their "
+                "bit-exact order and are never compiled",
+                field="compile",
+            )
         if self.teacher_url is not None and not self.opd:
             raise GrpoConfigError(
                 "teacher_url is set but opd is off; set opd=True (--opd)", field="teacher_url"
@@ -330,6 +337,12 @@ class GrpoConfig:
                 "megatron to split a large model)",
             )
         if self.backend == "megatron":
+            if self.compile:
+                raise GrpoUnsupportedError(
+                    "compile",
+                    "compile (torch.compile of each decoder layer) is built for the fsdp "
+                    "backend; --backend megatron runs eagerly: drop --compile",
+                )
             self._check_megatron(world_size)
             return
         for name, what in (
@@ -431,6 +444,8 @@ HELP: dict[str, str] = {
     "precision": "trainer activation precision",
     "activation_checkpointing": "recompute each decoder layer's activations in the backward "
     "(less memory, one more forward per layer; fsdp backend)",
+    "compile": "torch.compile each decoder layer's forward (fast numerics, fsdp backend; "
+    "falls back to eager with a warning where compiling fails)",
     "numerics": "strict: engine-identical kernels; fast: stock torch ops",
     "context_length": "KV capacity: tokens per sample, prompt and output together (default: the "
     "model's max_position_embeddings); a launch passes the same to its engines",

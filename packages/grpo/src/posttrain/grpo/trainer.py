@@ -101,6 +101,7 @@ from posttrain.models import (
     LinearSite,
     MediaBatch,
     Numerics,
+    compile_layers,
     decode_media_refs,
     expand_media_tokens,
     load_pretrained,
@@ -277,6 +278,21 @@ def build_policy(cfg: GrpoConfig) -> Policy:
 _LOW_PRECISION_DTYPES = (torch.bfloat16, torch.float16)
 
 
+def adamw_implementation(
+    model: DecoderModel, params: Sequence[torch.nn.Parameter]
+) -> dict[str, bool]:
+    """``torch.optim.AdamW``'s implementation flags: ``fused=True`` (one kernel for every
+    parameter) in fast numerics when every parameter is a CUDA fp32 tensor (FSDP2's DTensor
+    shards included), else torch's default (``foreach`` on CUDA). Strict numerics keep the
+    default path, whose update the parity and resume tests pin."""
+    fused = (
+        model.numerics is Numerics.FAST
+        and bool(params)
+        and all(p.device.type == "cuda" and p.dtype == torch.float32 for p in params)
+    )
+    return {"fused": True} if fused else {}
+
+
 def shard_policy(
     model: DecoderModel,
     cfg: GrpoConfig,
@@ -345,7 +361,14 @@ def shard_policy(
         if handle is not None
         else [p for p in model.parameters() if p.requires_grad]
     )
-    optimizer = torch.optim.AdamW(trainable, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    if cfg.compile:
+        compile_layers(model)  # after sharding: FSDP2's hooks stay outside the compiled forwards
+    optimizer = torch.optim.AdamW(
+        trainable,
+        lr=cfg.lr,
+        weight_decay=cfg.weight_decay,
+        **adamw_implementation(model, trainable),
+    )
     return Policy(
         model=model,
         mesh=mesh,

@@ -50,6 +50,7 @@ from posttrain.models._checkpoint import (
     save_hf_weights,
     save_pretrained,
 )
+from posttrain.models._compile import compile_layers, layers_compiled
 from posttrain.models._config import AttentionShape, ModelConfig
 from posttrain.models._convert import (
     WeightGroup,
@@ -176,6 +177,7 @@ __all__ = [
     "attend_buffers",
     "build_model",
     "build_tokenizer",
+    "compile_layers",
     "context_parallel",
     "decode_audio",
     "decode_image",
@@ -191,6 +193,7 @@ __all__ = [
     "group_limited_routing",
     "has_towers",
     "is_hub_id",
+    "layers_compiled",
     "load_config",
     "load_hf_tensors",
     "load_pretrained",

@@ -20,6 +20,7 @@ are refused: compiled kernels reorder reductions, and strict's contract is bits.
 
 from __future__ import annotations
 
+import os
 import warnings
 from typing import TYPE_CHECKING, Any
 
@@ -33,7 +34,7 @@ if TYPE_CHECKING:
 
     from posttrain.models._model import DecoderModel
 
-__all__ = ["compile_layers", "layers_compiled"]
+__all__ = ["BACKEND_ENV", "compile_layers", "layers_compiled"]
 
 _COMPILE_ERRORS: tuple[type[BaseException], ...] = (RuntimeError, NotImplementedError)
 """What a failed compile raises on the first call (dynamo's and inductor's errors are
@@ -95,15 +96,26 @@ def _raise_recompile_limit(entries: int) -> None:
         setattr(config, name, entries)
 
 
-def compile_layers(model: DecoderModel, *, backend: str = "inductor", dynamic: bool = True) -> bool:
+BACKEND_ENV = "POSTTRAIN_COMPILE_BACKEND"
+"""Environment variable naming the ``torch.compile`` backend when the caller names none
+(default ``inductor``; ``aot_eager`` traces without generating code, to tell a tracing
+problem from a code-generation one, and runs where no C compiler is)."""
+
+
+def compile_layers(
+    model: DecoderModel, *, backend: str | None = None, dynamic: bool = True
+) -> bool:
     """Compile each decoder layer's forward of ``model`` (fast numerics); True when compiled.
 
     Call after any sharding (FSDP2 ``fully_shard`` of the layers): the hooks stay outside the
-    compiled forwards. ``backend``: a ``torch.compile`` backend (``"aot_eager"`` compiles
-    nothing to code, for tests without a C compiler). Returns False, with a warning, where
+    compiled forwards. ``backend``: a ``torch.compile`` backend (default:
+    ``$POSTTRAIN_COMPILE_BACKEND`` or ``inductor``; ``"aot_eager"`` generates no code, for
+    tests without a C compiler). Returns False, with a warning, where
     ``torch.compile`` cannot start here; the layers then run eagerly as before.
     """
     from posttrain.models._model import Numerics
+
+    backend = backend or os.environ.get(BACKEND_ENV) or "inductor"
 
     if model.numerics is not Numerics.FAST:
         raise ModelInputError(
