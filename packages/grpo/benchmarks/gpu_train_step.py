@@ -31,7 +31,17 @@ repo root:
     PYTHONPATH=$(ls -d packages/*/src | paste -sd:) python packages/grpo/benchmarks/gpu_train_step.py
     # dry run here:  ... gpu_train_step.py --device cpu --size tiny --reps 1
 
-Prints one JSON object per configuration, then a summary line.
+``--compile`` (``on``, or ``both`` for eager and compiled rows in one run) runs our fast steps
+with each decoder layer ``torch.compile``d (the trainer's ``--compile``); compiled rows carry
+``compile``, ``first_step_s`` (the step that compiled) and ``compiled_at_end`` (False: the
+compile failed and the layers fell back to eager). ``--compile-reference`` adds transformers
+rows with each decoder layer compiled. The summary's ``ours_over_transformers_*`` compares
+eager with eager, ``ours_compiled_over_transformers_*`` our compiled step with transformers
+eager (the issue's comparison) and ``ours_compiled_over_transformers_compiled_*`` compiled
+with compiled.
+
+Prints one JSON object per configuration as soon as it is measured (a timeout keeps the rows
+already printed), then a summary line.
 """
 
 from __future__ import annotations
@@ -52,7 +62,7 @@ import torch.distributed as dist
 from posttrain.grpo.config import GrpoConfig
 from posttrain.grpo.trainer import TrainSample, shard_policy, train_step
 from posttrain.interface.processes import run_workers
-from posttrain.models import ModelConfig, Numerics, build_model
+from posttrain.models import ModelConfig, Numerics, build_model, layers_compiled
 
 SIZES = {
     "tiny": {"vocab_size": 101, "hidden_size": 32, "intermediate_size": 64,
@@ -156,22 +166,25 @@ def _rates(
 
 
 def measure(rank: int, world: int, args: argparse.Namespace, train: str, numerics: str,
-            tokens: int, precision: str) -> dict[str, Any]:  # fmt: skip
+            tokens: int, precision: str, compiled: bool = False) -> dict[str, Any]:  # fmt: skip
     device = torch.device(args.device, rank if args.device == "cuda" else 0)
     if args.device == "cuda":
         torch.cuda.set_device(device)
     _fresh_memory(device)
+    if compiled:
+        torch._dynamo.reset()  # each model's layers compile afresh (the on-disk cache stays)
     mcfg = ModelConfig(**SIZES[args.size])  # type: ignore[arg-type]
     model = build_model(mcfg, seed=0, numerics=Numerics(numerics), device=device)
     params = sum(p.numel() for p in model.parameters())  # before LoRA factors and sharding
     gcfg = GrpoConfig(train=train, replicate=world if args.hsdp else 1,  # type: ignore[arg-type]
                       shard=1 if args.hsdp else world, lr=1e-5, lora_targets=TARGETS,
                       lora_r=16, lora_alpha=32.0, precision=precision,  # type: ignore[arg-type]
-                      numerics=numerics, activation_checkpointing=args.activation_checkpointing)  # type: ignore[arg-type]  # fmt: skip
+                      numerics=numerics, activation_checkpointing=args.activation_checkpointing,  # type: ignore[arg-type]
+                      compile=compiled)  # fmt: skip
     samples = _samples(mcfg, tokens, args.seq_len, rank, world, model)
     policy = shard_policy(model, gcfg, device=device)  # what the GRPO trainer builds, on device
     total = world * len(samples) * (args.seq_len - args.seq_len // 2)
-    seconds, diffs = [], []
+    seconds, diffs, first = [], [], 0.0
     for rep in range(args.reps + 1):
         _sync(device)
         t0 = time.perf_counter()
@@ -180,6 +193,7 @@ def measure(rank: int, world: int, args: argparse.Namespace, train: str, numeric
         _sync(device)
         if rep == 0:
             diffs.append(metrics["train_rollout_logprob_max_abs_diff"])  # before any update
+            first = time.perf_counter() - t0
         else:
             seconds.append(time.perf_counter() - t0)
     peak = torch.cuda.max_memory_allocated(device) if args.device == "cuda" else 0
@@ -190,6 +204,7 @@ def measure(rank: int, world: int, args: argparse.Namespace, train: str, numeric
         step = functools.partial(train_step, policy, samples, gcfg,
                                  global_batch_size=len(samples), global_token_count=total)  # fmt: skip
         profile = _profile(step, device)
+    still_compiled = layers_compiled(policy.model)
     del policy, model
     step_tokens = world * len(samples) * args.seq_len
     return {
@@ -201,6 +216,8 @@ def measure(rank: int, world: int, args: argparse.Namespace, train: str, numeric
         **_rates(args, mcfg, step_tokens, statistics.median(seconds)),
         "peak_memory_gib": max(p or 0 for p in peaks) / 2**30,
         "first_step_max_abs_logprob_diff": diffs[0],
+        **({"compile": True, "compiled_at_end": still_compiled, "first_step_s": first}
+           if compiled else {}),
         **({"profile_top_kernels": profile} if profile else {}),
     }  # fmt: skip
 
@@ -222,11 +239,13 @@ def _profile(step: Any, device: torch.device, top: int = 15) -> list[dict[str, A
             for e in rows[:top]]  # fmt: skip
 
 
-def hf_reference(args: argparse.Namespace, precision: str) -> dict[str, Any]:
+def hf_reference(args: argparse.Namespace, precision: str,
+                 compiled: bool = False) -> dict[str, Any]:  # fmt: skip
     """One transformers training step (eager attention, causal-LM loss, torch AdamW) of the
-    same config on the same sequences; fp32 or under bf16 autocast."""
+    same config on the same sequences; fp32 or under bf16 autocast. ``compiled``: each decoder
+    layer ``torch.compile``d (``module.compile()``, the same regions as ours)."""
     row: dict[str, Any] = {"impl": "transformers", "size": args.size, "precision": precision,
-                           "world": 1}  # fmt: skip
+                           "world": 1, **({"compile": True} if compiled else {})}  # fmt: skip
     try:
         import transformers
     except ImportError:
@@ -244,6 +263,10 @@ def hf_reference(args: argparse.Namespace, precision: str) -> dict[str, Any]:
         hf = transformers.AutoModelForCausalLM.from_config(hf_cfg, attn_implementation="eager")
     hf.float()  # fp32 parameters (autocast makes the bf16 compute copies)
     hf.train()
+    if compiled:
+        torch._dynamo.reset()
+        for layer in hf.model.layers:
+            layer.compile()
     row["architecture"] = type(hf).__name__
     row["transformers_version"] = transformers.__version__
     opt = torch.optim.AdamW(hf.parameters(), lr=1e-5)
@@ -262,6 +285,8 @@ def hf_reference(args: argparse.Namespace, precision: str) -> dict[str, Any]:
         _sync(device)
         if rep:
             seconds.append(time.perf_counter() - t0)
+        elif compiled:
+            row["first_step_s"] = time.perf_counter() - t0
     row["loss"] = float(loss.detach())
     row["tokens_per_step"] = int(ids.numel())
     row.update(_rates(args, mcfg, int(ids.numel()), statistics.median(seconds)))
@@ -271,24 +296,46 @@ def hf_reference(args: argparse.Namespace, precision: str) -> dict[str, Any]:
     return row
 
 
+COMPILE_MODES = {"off": (False,), "on": (True,), "both": (False, True)}
+"""``--compile``: our fast runs eager, compiled, or both (eager first)."""
+
+
 def _rank(rank: int, world: int, args: argparse.Namespace) -> list[dict[str, Any]]:
     torch.set_num_threads(1 if args.device == "cpu" else torch.get_num_threads())
-    out = []
+    out: list[dict[str, Any]] = []
+
+    def emit(row: dict[str, Any]) -> None:  # printed as soon as measured: a timeout keeps it
+        out.append(row)
+        if rank == 0:
+            print(json.dumps(row), flush=True)
+
     runs = [("fast", args.tokens)]
     if not args.skip_strict:
         if args.strict_tokens != args.tokens:  # the fast run at the strict batch, for the ratio
             runs.append(("fast", args.strict_tokens))
         runs.append(("strict", args.strict_tokens))
-    for train in args.train:
-        for precision in args.precision:
-            for numerics, tokens in runs:
-                out.append(measure(rank, world, args, train, numerics, tokens, precision))
-    if world == 1 and not args.hsdp and args.transformers:
-        out.extend(hf_reference(args, precision) for precision in args.precision)
+    modes = COMPILE_MODES[args.compile]
+    for i, compiled in enumerate(modes):
+        for train in args.train:
+            for precision in args.precision:
+                for numerics, tokens in runs:
+                    if numerics == "strict" and i:  # strict is never compiled: measured once
+                        continue
+                    emit(measure(rank, world, args, train, numerics, tokens, precision,
+                                 compiled and numerics == "fast"))  # fmt: skip
+        if i == 0 and world == 1 and not args.hsdp and args.transformers:
+            for precision in args.precision:
+                emit(hf_reference(args, precision))
+            if args.compile_reference:
+                for precision in args.precision:
+                    emit(hf_reference(args, precision, compiled=True))
     return out
 
 
 def _summary(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """Ratios at equal batch. Our compiled rows get ``ours_compiled_over_transformers_*``
+    (against transformers eager, the issue's comparison) and ``strict_over_fast_compiled_*``;
+    a compiled reference adds ``ours_compiled_over_transformers_compiled_*``."""
     ours = [r for r in results if r.get("impl") == "posttrain"]
     strict = {(r["train"], r["precision"], r["world"], r["hsdp"]): r
               for r in ours if r["numerics"] == "strict"}  # fmt: skip
@@ -297,17 +344,23 @@ def _summary(results: list[dict[str, Any]]) -> dict[str, Any]:
         for f in ours:
             if (f["numerics"] == "fast" and (f["train"], f["precision"], f["world"], f["hsdp"]) == k
                     and f["tokens_per_step"] == v["tokens_per_step"]):  # fmt: skip
-                name = f"strict_over_fast_{k[0]}_{k[1]}_w{k[2]}{'_hsdp' if k[3] else ''}"
+                fast = "fast_compiled" if f.get("compile") else "fast"
+                name = f"strict_over_{fast}_{k[0]}_{k[1]}_w{k[2]}{'_hsdp' if k[3] else ''}"
                 out[name] = round(v["tokens_per_s"] / f["tokens_per_s"], 4)
-    refs = {r["precision"]: r for r in results
+    refs = {(r["precision"], bool(r.get("compile"))): r for r in results
             if r.get("impl") == "transformers" and "tokens_per_s" in r}  # fmt: skip
     for f in ours:
-        ref = refs.get(f["precision"])
-        if (ref and f["numerics"] == "fast" and f["world"] == 1 and not f["hsdp"]
-                and f["tokens_per_step"] == ref["tokens_per_step"]):  # fmt: skip
+        mine = "ours_compiled" if f.get("compile") else "ours"
+        for ref_compiled in (False, True):
+            ref = refs.get((f["precision"], ref_compiled))
+            if (not ref or f["numerics"] != "fast" or f["world"] != 1 or f["hsdp"]
+                    or f["tokens_per_step"] != ref["tokens_per_step"]
+                    or (ref_compiled and not f.get("compile"))):  # fmt: skip
+                continue
+            theirs = "transformers_compiled" if ref_compiled else "transformers"
             key = f"{f['size']}_{f['train']}_{f['precision']}"
-            out[f"ours_over_transformers_{key}"] = round(f["tokens_per_s"] / ref["tokens_per_s"], 4)
-            out[f"memory_ours_over_transformers_{key}"] = (
+            out[f"{mine}_over_{theirs}_{key}"] = round(f["tokens_per_s"] / ref["tokens_per_s"], 4)
+            out[f"memory_{mine}_over_{theirs}_{key}"] = (
                 round(f["peak_memory_gib"] / ref["peak_memory_gib"], 4)
                 if ref["peak_memory_gib"]
                 else None
@@ -332,6 +385,12 @@ def main() -> None:
     parser.add_argument("--transformers", action=argparse.BooleanOptionalAction, default=True,
                         help="run the transformers reference beside ours (world 1)")  # fmt: skip
     parser.add_argument("--activation-checkpointing", action="store_true")
+    parser.add_argument("--compile", nargs="?", choices=tuple(COMPILE_MODES), const="on",
+                        default="off", help="torch.compile each decoder layer of our fast runs: "
+                        "on (--compile), off, or both (eager rows first)")  # fmt: skip
+    parser.add_argument("--compile-reference", action="store_true",
+                        help="also run the transformers reference with each decoder layer "
+                        "compiled (the eager reference rows stay)")  # fmt: skip
     parser.add_argument("--profile", action="store_true",
                         help="profile one more step of each fast run (top kernels by time)")  # fmt: skip
     parser.add_argument("--peak-tflops", type=float, default=None,
@@ -355,9 +414,7 @@ def main() -> None:
             per_rank = run_workers(_rank, world, args=(run_args,), backend=backend,
                                    timeout_s=args.timeout_s, start_method="spawn",
                                    threads_per_rank=None)  # fmt: skip
-            for row in per_rank[0]:
-                print(json.dumps(row), flush=True)
-                results.append(row)
+            results.extend(per_rank[0])  # rank 0 printed each row as it was measured
     print(json.dumps({**_summary(results), "peak_tflops": args.peak_tflops}))
     sys.stdout.flush()
     os._exit(0)  # NCCL teardown can hang on some drivers; every result is printed
