@@ -58,6 +58,7 @@ def test_every_field_has_help_and_a_default() -> None:
         ({"moe_layer_freq": (0, 1), "num_layers": 3, "num_experts": 4}, "moe_layer_freq"),
         ({"moe_layer_freq": (0, 1)}, "num_experts"),
         ({"opd": "yes"}, "opd"),
+        ({"compile": True}, "compile"),  # strict numerics (the default) are never compiled
     ],
 )
 def test_invalid_field_is_named(kwargs: dict[str, object], field: str) -> None:
@@ -94,6 +95,7 @@ def test_full_training_needs_no_targets_and_paths_are_coerced() -> None:
             "context_parallel_size",
             "fsdp backend only",
         ),
+        ({"backend": "megatron", "numerics": "fast", "compile": True}, "compile", "drop --compile"),
     ],
 )
 def test_unsupported_is_refused_with_a_remedy(

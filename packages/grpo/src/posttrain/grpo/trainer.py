@@ -278,19 +278,17 @@ def build_policy(cfg: GrpoConfig) -> Policy:
 _LOW_PRECISION_DTYPES = (torch.bfloat16, torch.float16)
 
 
-def adamw_implementation(
-    model: DecoderModel, params: Sequence[torch.nn.Parameter]
-) -> dict[str, bool]:
-    """``torch.optim.AdamW``'s implementation flags: ``fused=True`` (one kernel for every
-    parameter) in fast numerics when every parameter is a CUDA fp32 tensor (FSDP2's DTensor
-    shards included), else torch's default (``foreach`` on CUDA). Strict numerics keep the
-    default path, whose update the parity and resume tests pin."""
+def fused_adamw(model: DecoderModel, params: Sequence[torch.nn.Parameter]) -> bool | None:
+    """``torch.optim.AdamW``'s ``fused``: True (one kernel for every parameter) in fast
+    numerics when every parameter is a CUDA fp32 tensor (FSDP2's DTensor shards included), else
+    None, torch's default (``foreach`` on CUDA). Strict numerics keep the default path, whose
+    update the parity and resume tests pin."""
     fused = (
         model.numerics is Numerics.FAST
         and bool(params)
         and all(p.device.type == "cuda" and p.dtype == torch.float32 for p in params)
     )
-    return {"fused": True} if fused else {}
+    return True if fused else None
 
 
 def shard_policy(
@@ -367,7 +365,7 @@ def shard_policy(
         trainable,
         lr=cfg.lr,
         weight_decay=cfg.weight_decay,
-        **adamw_implementation(model, trainable),
+        fused=fused_adamw(model, trainable),
     )
     return Policy(
         model=model,

@@ -103,7 +103,10 @@ problem from a code-generation one, and runs where no C compiler is)."""
 
 
 def compile_layers(
-    model: DecoderModel, *, backend: str | None = None, dynamic: bool = True
+    model: DecoderModel,
+    *,
+    backend: str | Callable[..., Any] | None = None,
+    dynamic: bool = True,
 ) -> bool:
     """Compile each decoder layer's forward of ``model`` (fast numerics); True when compiled.
 

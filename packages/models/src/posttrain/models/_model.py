@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import enum
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal, NamedTuple
 
@@ -341,18 +341,17 @@ def grouped_experts(ops: type[FastOps], x: Tensor, ids: Tensor, fc1: Tensor, fc2
                 RuntimeWarning,
                 stacklevel=2,
             )
-    ys = _experts_one_by_one(ops, xs, counts, fc1, fc2)
+    ys = _experts_eager(ops, xs, counts, fc1, fc2)
     return ys[torch.argsort(order)].reshape(t, k, -1)
 
 
-@torch.compiler.disable
 def _experts_one_by_one(
     ops: type[FastOps], xs: Tensor, counts: Tensor, fc1: Tensor, fc2: Tensor
 ) -> Tensor:
     """``grouped_experts``' loop: one matmul pair per expert over its slice of the sorted rows.
 
     Its slice sizes are data (a host sync), so a compiled layer runs it eagerly (a clean graph
-    break) instead of recompiling for every routing."""
+    break, ``_experts_eager``) instead of recompiling for every routing."""
     inter = fc2.shape[2]
     sizes = counts.tolist()
     parts = []
@@ -362,6 +361,10 @@ def _experts_one_by_one(
         gu = ops.linear(xj, fc1[j])
         parts.append(ops.linear(ops.silu_mul(gu[:, :inter], gu[:, inter:]), fc2[j]))
     return torch.cat(parts) if parts else xs.new_zeros((0, fc2.shape[1]))
+
+
+_experts_eager: Callable[..., Tensor] = torch.compiler.disable(_experts_one_by_one)  # type: ignore[no-untyped-call]
+"""``_experts_one_by_one`` outside any compiled region (a compiled layer breaks its graph here)."""
 
 
 _GROUPED_MM_FAILED: list[str] = []
