@@ -190,9 +190,11 @@ class RecordingSink:
 
 def per_layer_steps(rank: int, world: int, ckpt: str, options: dict[str, Any]) -> dict[str, Any]:
     """Two full-training steps with ``options`` (numerics, precision, activation
-    checkpointing) on the same samples; the full weights after, the metrics and the FSDP units
-    (one per decoder layer, then the root)."""
+    checkpointing, compile) on the same samples; the full weights after, the metrics, the FSDP
+    units (one per decoder layer, then the root) and whether the layers ran compiled."""
     from torch.distributed.fsdp import FSDPModule
+
+    from posttrain.models import layers_compiled
 
     torch.set_num_threads(1)
     cfg = GrpoConfig(model_path=Path(ckpt), train="full", replicate=1, shard=world, lr=1e-2, **options)  # type: ignore[arg-type]  # fmt: skip
@@ -206,25 +208,5 @@ def per_layer_steps(rank: int, world: int, ckpt: str, options: dict[str, Any]) -
     ]
     weights = dict(iter_full_state_dict(policy.model))
     dist.barrier()
-    return {"steps": steps, "weights": weights, "units": units}
-
-
-def compiled_steps(rank: int, world: int, ckpt: str, compiled: bool) -> dict[str, Any]:
-    """``per_layer_steps`` in fast numerics with or without ``compile`` (backend
-    ``aot_eager``: the tracing and graph capture of the real compile, no C compiler)."""
-    import os
-
-    from posttrain.models import layers_compiled
-
-    os.environ["POSTTRAIN_COMPILE_BACKEND"] = "aot_eager"
-    torch.set_num_threads(1)
-    cfg = GrpoConfig(model_path=Path(ckpt), train="full", replicate=1, shard=world, lr=1e-2, numerics="fast", compile=compiled)  # fmt: skip
-    policy = build_policy(cfg)
-    seqs = [tokens(i) for i in range(N)]
-    mine = samples(engine_logprobs(ckpt, seqs), [1.0, -1.0, 0.5, -0.5])[rank::world]
-    steps = [
-        train_step(policy, mine, cfg, global_batch_size=N, global_token_count=N * RESPONSE)
-        for _ in range(2)
-    ]
-    weights = dict(iter_full_state_dict(policy.model))
-    return {"steps": steps, "weights": weights, "compiled": layers_compiled(policy.model)}
+    compiled = layers_compiled(policy.model)
+    return {"steps": steps, "weights": weights, "units": units, "compiled": compiled}
