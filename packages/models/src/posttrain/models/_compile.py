@@ -20,6 +20,7 @@ are refused: compiled kernels reorder reductions, and strict's contract is bits.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import warnings
 from typing import TYPE_CHECKING, Any
@@ -55,7 +56,8 @@ class _CompiledForward:
     def __call__(self, *args: Any, **kwargs: Any) -> Tensor:
         if self.state.failed is None:
             try:
-                return self.compiled(*args, **kwargs)
+                with _backward_compiled_with_forward():
+                    return self.compiled(*args, **kwargs)
             except _COMPILE_ERRORS as err:
                 from posttrain.models._errors import ModelsError
 
@@ -63,6 +65,19 @@ class _CompiledForward:
                     raise
                 self.state.fail(err)
         return self.eager(*args, **kwargs)
+
+
+def _backward_compiled_with_forward() -> contextlib.AbstractContextManager[Any]:
+    """Compile a graph's backward when its forward compiles (AOTAutograd defers it otherwise),
+    so a backward that cannot compile fails here, where the eager fallback can still run,
+    not inside ``loss.backward()``."""
+    config = torch._functorch.config
+    if hasattr(config, "force_non_lazy_backward_lowering"):
+        patched: contextlib.AbstractContextManager[Any] = config.patch(
+            force_non_lazy_backward_lowering=True
+        )
+        return patched
+    return contextlib.nullcontext()
 
 
 class _State:
