@@ -57,10 +57,24 @@ def _broken_backend(gm: torch.fx.GraphModule, inputs: list[torch.Tensor]) -> Any
     raise RuntimeError("no code generator here")
 
 
-def test_a_failing_compile_warns_once_and_runs_eagerly() -> None:
+def _broken_backward(gm: torch.fx.GraphModule, inputs: list[torch.Tensor]) -> Any:
+    raise RuntimeError("no backward code generator here")
+
+
+def _forward_only_backend() -> Any:
+    from torch._dynamo.backends.common import aot_autograd
+
+    return aot_autograd(fw_compiler=lambda gm, _inputs: gm, bw_compiler=_broken_backward)
+
+
+@pytest.mark.parametrize("broken", ["forward", "backward"])
+def test_a_failing_compile_warns_once_and_runs_eagerly(broken: str) -> None:
+    """A backward that cannot compile fails with its forward (not in ``backward()``), so the
+    eager fallback covers it too."""
     eager = build_model(CFG, 6, numerics=Numerics.FAST)
     model = build_model(CFG, 6, numerics=Numerics.FAST)
-    assert compile_layers(model, backend=_broken_backend)
+    backend = _broken_backend if broken == "forward" else _forward_only_backend()
+    assert compile_layers(model, backend=backend)
     with pytest.warns(RuntimeWarning, match="torch.compile of the decoder layers failed"):
         got = _step(model, [7, 5])
     assert not layers_compiled(model)
