@@ -18,6 +18,9 @@ Departures from the obvious:
   forward and reduces its gradients as soon as its backward is done. Inputs are not cast: the
   residual stream stays fp32 between layers. ``forward_logits`` is registered as an FSDP
   forward of the root. ``activation_checkpointing`` recomputes each layer in the backward.
+  ``compile`` (fast numerics) then runs ``torch.compile`` on each layer's forward
+  (``posttrain.models.compile_layers``): after sharding, so FSDP2's hooks stay eager. Fast
+  numerics on CUDA step with ``AdamW(fused=True)`` (``fused_adamw``); strict keeps the default.
 * A rank's loss is scaled by the world size W: FSDP (and ``reduce_lora_grads``) average
   gradients over W, and the normalisers (``global_batch_size``, ``global_token_count``) are
   the whole step's, so the averaged gradient is that of the global-batch loss.

@@ -211,6 +211,13 @@ class Bf16FastOps(FastOps):
     Linears take bf16 inputs and weights (FSDP's bf16 compute copy) and give bf16 outputs;
     norms, softmaxes, the router, the residual stream (a bf16 output added to the fp32 stream
     stays fp32) and the logits' log-softmax are fp32. Attention runs in bf16 (SDPA).
+
+    Weights: under the GRPO trainer (``precision="bf16"``) FSDP2's ``MixedPrecisionPolicy``
+    casts each layer's fp32 master shards to bf16 once per all-gather, so the ``weight`` cast
+    in ``linear`` is a no-op there (a plain fp32 model pays it per call). Every parameter of a
+    unit takes that dtype, norm and router weights included: the norm's arithmetic and the
+    router's softmax run in fp32 on bf16-rounded weights (``weight.float()``), and the router's
+    logits come from a bf16 matmul.
     """
 
     compute_dtype: ClassVar[torch.dtype] = torch.bfloat16
