@@ -26,7 +26,7 @@ reduce in other orders); conformance to ``transformers`` is a tolerance test.
 from __future__ import annotations
 
 import math
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -41,6 +41,9 @@ _LOG_COEFFS = tuple(1.0 / n for n in (11, 9, 7, 5, 3, 1))  # atanh series in z**
 # Elements per chunk of the [rows, N, K] product tensor in ``linear``: bounds memory only;
 # rows are independent, so chunking never changes a result.
 _CHUNK_ELEMENTS = 1 << 17
+# Whether the strict kernels use their hand-written backwards (bit for bit autograd's own
+# gradients, far fewer ops); False selects autograd's, for benchmarks and tests only.
+_CUSTOM_BACKWARD = True
 
 
 def tree_sum(x: Tensor, dim: int = -1) -> Tensor:
@@ -56,10 +59,38 @@ def tree_sum(x: Tensor, dim: int = -1) -> Tensor:
     width = 1 << max(n - 1, 0).bit_length()
     if width != n:
         x = torch.cat([x, x.new_zeros((width - n, *x.shape[1:]))])
+    if _CUSTOM_BACKWARD and x.requires_grad and torch.is_grad_enabled():
+        out: Tensor = _TreeSum.apply(x)
+        return out
+    return _tree_levels(x)
+
+
+def _tree_levels(x: Tensor) -> Tensor:
+    """The pairwise tree over dim 0 of ``x`` (its length a power of two)."""
     while x.shape[0] > 1:
         half = x.shape[0] // 2
         x = x[:half] + x[half:]
     return x[0]
+
+
+class _TreeSum(torch.autograd.Function):
+    """``_tree_levels`` with a one-op backward.
+
+    Every input of the tree reaches the output with weight exactly 1, so each input row's
+    gradient is the output's gradient. Autograd's own backward of the levels builds it from
+    zero-filled slices added together (``g + 0``, level by level: ``-0.0`` becomes ``+0.0``,
+    every other value is exact), which cost more than the forward; this gives the same bits
+    (``g + 0.0``, materialised contiguous as autograd's was) in one copy.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor) -> Tensor:
+        ctx.rows = x.shape[0]
+        return _tree_levels(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Tensor:
+        return (grad + 0.0).expand(ctx.rows, *grad.shape).contiguous()
 
 
 def _pow2(k: Tensor) -> Tensor:
