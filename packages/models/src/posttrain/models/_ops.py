@@ -93,6 +93,68 @@ class _TreeSum(torch.autograd.Function):
         return (grad + 0.0).expand(ctx.rows, *grad.shape).contiguous()
 
 
+def _linear_step(k: int, n: int) -> int:
+    """Rows per chunk of the ``[K, rows, N]`` product tensor in ``StrictOps.linear``."""
+    return max(1, _CHUNK_ELEMENTS // max(1, n * k))
+
+
+def _strict_linear_rows(rows: Tensor, w_t: Tensor) -> Tensor:
+    """``rows[R, K] @ w`` for ``w_t[K, 1, N]`` (``w.t()``): products, then ``tree_sum`` over K."""
+    k, n = w_t.shape[0], w_t.shape[2]
+    step = _linear_step(k, n)
+    parts = [
+        tree_sum(rows[i : i + step].t().contiguous()[:, :, None] * w_t, dim=0)  # [K, rows, N]
+        for i in range(0, rows.shape[0], step)
+    ]
+    return torch.cat(parts) if parts else rows.new_zeros((0, n))
+
+
+class _StrictLinear(torch.autograd.Function):
+    """``_strict_linear_rows`` with the gradients autograd computes for it, in fewer ops.
+
+    Autograd's backward of one chunk ``tree_sum(a * w_t)`` (``a = rows.t()[:, :, None]``) is
+    ``grad_a = sum_N(G * w_t)`` and ``grad_w_t = sum_rows(G * a)`` with ``G`` the chunk's output
+    gradient (``+ 0.0``: see ``_TreeSum``) broadcast over K; the chunks' ``grad_w_t`` add up
+    last chunk first (autograd runs the chunk made last first), and the rows' gradients come
+    back through zero-filled slices (``+ 0.0`` again when there is more than one chunk). This
+    computes those same reductions on the same shapes, so every gradient bit is autograd's,
+    without the slice and tree bookkeeping; the weight's gradient only when it is needed
+    (LoRA's frozen base weights need none).
+    """
+
+    @staticmethod
+    def forward(ctx: Any, rows: Tensor, w: Tensor) -> Tensor:
+        w_t = w.t().contiguous()[:, None, :]
+        ctx.save_for_backward(rows, w_t)
+        with torch.no_grad():
+            return _strict_linear_rows(rows, w_t)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, Tensor | None]:
+        rows, w_t = ctx.saved_tensors
+        k, n = w_t.shape[0], w_t.shape[2]
+        step = _linear_step(k, n)
+        starts = list(range(0, rows.shape[0], step))
+        need_x, need_w = ctx.needs_input_grad
+        grad = grad + 0.0
+        grads_x: list[Tensor] = []
+        grad_w: Tensor | None = None
+        for i in reversed(starts):
+            g = grad[i : i + step][None]  # [1, rows, N], broadcast over K
+            if need_x:
+                grads_x.append((g * w_t).sum(2, keepdim=True)[:, :, 0])  # [K, rows]
+            if need_w:
+                a = rows[i : i + step].t().contiguous()[:, :, None]
+                part = (g * a).sum(1, keepdim=True)  # [K, 1, N]
+                grad_w = part if grad_w is None else grad_w + part
+        grad_x = None
+        if need_x:
+            grad_x = torch.cat([gx.t() for gx in reversed(grads_x)])
+            if len(starts) > 1:
+                grad_x = grad_x + 0.0
+        return grad_x, (None if grad_w is None else grad_w[:, 0, :].t())
+
+
 def _pow2(k: Tensor) -> Tensor:
     """2.0**k as fp32 for integral k in [-126, 127], built from exponent bits (exact)."""
     return ((k.to(torch.int32) + 127) << 23).view(torch.float32)
@@ -239,19 +301,14 @@ class StrictOps(FastOps):
     @staticmethod
     def linear(x: Tensor, weight: Tensor) -> Tensor:
         """``x @ weight.T`` as products plus ``tree_sum`` over K; each row computed alone."""
-        w_t = weight.float().t().contiguous()[:, None, :]  # [K, 1, N]
+        w = weight.float()
         lead = x.shape[:-1]
         rows = x.reshape(-1, x.shape[-1])
-        k, n = w_t.shape[0], w_t.shape[2]
-        step = max(1, _CHUNK_ELEMENTS // max(1, n * k))
-        parts = [
-            tree_sum(
-                rows[i : i + step].t().contiguous()[:, :, None] * w_t, dim=0
-            )  # products [K, rows, N]
-            for i in range(0, rows.shape[0], step)
-        ]
-        out = torch.cat(parts) if parts else rows.new_zeros((0, n))
-        return out.reshape(*lead, n)
+        if _CUSTOM_BACKWARD and torch.is_grad_enabled() and (rows.requires_grad or w.requires_grad):
+            out: Tensor = _StrictLinear.apply(rows, w)
+        else:
+            out = _strict_linear_rows(rows, w.t().contiguous()[:, None, :])
+        return out.reshape(*lead, w.shape[0])
 
     @staticmethod
     def sum_last(x: Tensor) -> Tensor:
