@@ -93,6 +93,38 @@ class _TreeSum(torch.autograd.Function):
         return (grad + 0.0).expand(ctx.rows, *grad.shape).contiguous()
 
 
+def product_tree_sum(a: Tensor, b: Tensor) -> Tensor:
+    """``tree_sum(a * b, dim=0)`` (``a``, ``b`` broadcast together); gradients as autograd's.
+
+    The backward is autograd's for the product and the tree (``sum_to_size(G * b)`` and
+    ``sum_to_size(G * a)`` with ``G`` the output gradient ``+ 0.0`` broadcast over dim 0,
+    see ``_TreeSum``), without materialising ``G`` or walking the tree's levels.
+    """
+    if _CUSTOM_BACKWARD and torch.is_grad_enabled() and (a.requires_grad or b.requires_grad):
+        out: Tensor = _ProductTreeSum.apply(a, b)
+        return out
+    return tree_sum(a * b, dim=0)
+
+
+class _ProductTreeSum(torch.autograd.Function):
+    """``product_tree_sum``'s autograd function."""
+
+    @staticmethod
+    def forward(ctx: Any, a: Tensor, b: Tensor) -> Tensor:
+        ctx.save_for_backward(a, b)
+        with torch.no_grad():
+            return tree_sum(a * b, dim=0)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, Tensor | None]:
+        a, b = ctx.saved_tensors
+        g = (grad + 0.0)[None]
+        need_a, need_b = ctx.needs_input_grad
+        grad_a = (g * b).sum_to_size(a.shape) if need_a else None
+        grad_b = (g * a).sum_to_size(b.shape) if need_b else None
+        return grad_a, grad_b
+
+
 def _linear_step(k: int, n: int) -> int:
     """Rows per chunk of the ``[K, rows, N]`` product tensor in ``StrictOps.linear``."""
     return max(1, _CHUNK_ELEMENTS // max(1, n * k))
@@ -362,7 +394,7 @@ class StrictOps(FastOps):
         # products laid out [hd, T, nkv, g, C]: the reduced dim leads
         k_t = keys.permute(3, 0, 2, 1).contiguous()[:, :, :, None, :]  # [hd, T, nkv, 1, C]
         scores = (
-            tree_sum(q.permute(3, 0, 1, 2).contiguous()[..., None] * k_t, dim=0) * scale
+            product_tree_sum(q.permute(3, 0, 1, 2).contiguous()[..., None], k_t) * scale
         )  # [T, nkv, g, C]
         if bias is not None:
             scores = scores + bias
@@ -371,8 +403,8 @@ class StrictOps(FastOps):
         e = torch.where(mask, exp_strict(z.masked_fill(~mask, 0.0)), 0.0)
         probs = e / tree_sum(e)[..., None]
         v_t = values.permute(1, 0, 2, 3).contiguous()[:, :, :, None, :]  # [C, T, nkv, 1, hd]
-        return tree_sum(
-            probs.permute(3, 0, 1, 2).contiguous()[..., None] * v_t, dim=0
+        return product_tree_sum(
+            probs.permute(3, 0, 1, 2).contiguous()[..., None], v_t
         )  # [T, nkv, g, hd]
 
     @staticmethod
