@@ -97,8 +97,8 @@ def product_tree_sum(a: Tensor, b: Tensor) -> Tensor:
     """``tree_sum(a * b, dim=0)`` (``a``, ``b`` broadcast together); gradients as autograd's.
 
     The backward is autograd's for the product and the tree (``sum_to_size(G * b)`` and
-    ``sum_to_size(G * a)`` with ``G`` the output gradient ``+ 0.0`` broadcast over dim 0,
-    see ``_TreeSum``), without materialising ``G`` or walking the tree's levels.
+    ``sum_to_size(G * a)`` with ``G`` the output gradient ``+ 0.0`` repeated over dim 0,
+    see ``_TreeSum``), without walking the tree's levels.
     """
     if _CUSTOM_BACKWARD and torch.is_grad_enabled() and (a.requires_grad or b.requires_grad):
         out: Tensor = _ProductTreeSum.apply(a, b)
@@ -118,7 +118,9 @@ class _ProductTreeSum(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, Tensor | None]:
         a, b = ctx.saved_tensors
-        g = (grad + 0.0)[None]
+        # materialised like autograd's: the products' layout (so the reductions' order)
+        # follows the operands' strides
+        g = (grad + 0.0).expand(max(a.shape[0], b.shape[0]), *grad.shape).contiguous()
         need_a, need_b = ctx.needs_input_grad
         grad_a = (g * b).sum_to_size(a.shape) if need_a else None
         grad_b = (g * a).sum_to_size(b.shape) if need_b else None
