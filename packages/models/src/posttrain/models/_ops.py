@@ -60,7 +60,7 @@ def tree_sum(x: Tensor, dim: int = -1) -> Tensor:
     if width != n:
         x = torch.cat([x, x.new_zeros((width - n, *x.shape[1:]))])
     if _CUSTOM_BACKWARD and x.requires_grad and torch.is_grad_enabled():
-        out: Tensor = _TreeSum.apply(x)
+        out: Tensor = _TreeSum.apply(x)  # type: ignore[no-untyped-call]
         return out
     return _tree_levels(x)
 
@@ -101,7 +101,7 @@ def product_tree_sum(a: Tensor, b: Tensor) -> Tensor:
     see ``_TreeSum``), without walking the tree's levels.
     """
     if _CUSTOM_BACKWARD and torch.is_grad_enabled() and (a.requires_grad or b.requires_grad):
-        out: Tensor = _ProductTreeSum.apply(a, b)
+        out: Tensor = _ProductTreeSum.apply(a, b)  # type: ignore[no-untyped-call]
         return out
     return tree_sum(a * b, dim=0)
 
@@ -339,7 +339,7 @@ class StrictOps(FastOps):
         lead = x.shape[:-1]
         rows = x.reshape(-1, x.shape[-1])
         if _CUSTOM_BACKWARD and torch.is_grad_enabled() and (rows.requires_grad or w.requires_grad):
-            out: Tensor = _StrictLinear.apply(rows, w)
+            out: Tensor = _StrictLinear.apply(rows, w)  # type: ignore[no-untyped-call]
         else:
             out = _strict_linear_rows(rows, w.t().contiguous()[:, None, :])
         return out.reshape(*lead, w.shape[0])
