@@ -73,6 +73,22 @@ def _tree_levels(x: Tensor) -> Tensor:
     return x[0]
 
 
+def _tree_sum_owned(x: Tensor) -> Tensor:
+    """``tree_sum(x, dim=0)`` for a tensor nothing else holds (products just made): the levels
+    add in place into its first half (the same adds, so the same bits, without a new tensor
+    per level) unless autograd records them. Returns a new tensor, not a view of ``x``."""
+    if torch.is_grad_enabled() and x.requires_grad:
+        return tree_sum(x, dim=0)
+    n = x.shape[0]
+    width = 1 << max(n - 1, 0).bit_length()
+    if width != n:
+        x = torch.cat([x, x.new_zeros((width - n, *x.shape[1:]))])
+    while x.shape[0] > 1:
+        half = x.shape[0] // 2
+        x = x[:half].add_(x[half:])
+    return x[0].clone()
+
+
 class _TreeSum(torch.autograd.Function):
     """``_tree_levels`` with a one-op backward.
 
@@ -103,7 +119,7 @@ def product_tree_sum(a: Tensor, b: Tensor) -> Tensor:
     if _CUSTOM_BACKWARD and torch.is_grad_enabled() and (a.requires_grad or b.requires_grad):
         out: Tensor = _ProductTreeSum.apply(a, b)  # type: ignore[no-untyped-call]
         return out
-    return tree_sum(a * b, dim=0)
+    return _tree_sum_owned(a * b)
 
 
 class _ProductTreeSum(torch.autograd.Function):
@@ -113,7 +129,7 @@ class _ProductTreeSum(torch.autograd.Function):
     def forward(ctx: Any, a: Tensor, b: Tensor) -> Tensor:
         ctx.save_for_backward(a, b)
         with torch.no_grad():
-            return tree_sum(a * b, dim=0)
+            return _tree_sum_owned(a * b)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, Tensor | None]:
@@ -137,7 +153,7 @@ def _strict_linear_rows(rows: Tensor, w_t: Tensor) -> Tensor:
     k, n = w_t.shape[0], w_t.shape[2]
     step = _linear_step(k, n)
     parts = [
-        tree_sum(rows[i : i + step].t().contiguous()[:, :, None] * w_t, dim=0)  # [K, rows, N]
+        _tree_sum_owned(rows[i : i + step].t().contiguous()[:, :, None] * w_t)  # [K, rows, N]
         for i in range(0, rows.shape[0], step)
     ]
     return torch.cat(parts) if parts else rows.new_zeros((0, n))
