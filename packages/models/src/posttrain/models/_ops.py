@@ -354,7 +354,8 @@ class StrictOps(FastOps):
         w = weight.float()
         lead = x.shape[:-1]
         rows = x.reshape(-1, x.shape[-1])
-        if _CUSTOM_BACKWARD and torch.is_grad_enabled() and (rows.requires_grad or w.requires_grad):
+        grad = torch.is_grad_enabled() and (rows.requires_grad or w.requires_grad)
+        if _CUSTOM_BACKWARD and grad and rows.shape[0]:  # no rows: no graph, as before
             out: Tensor = _StrictLinear.apply(rows, w)  # type: ignore[no-untyped-call]
         else:
             out = _strict_linear_rows(rows, w.t().contiguous()[:, None, :])
