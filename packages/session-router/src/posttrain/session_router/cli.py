@@ -131,11 +131,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--parallel-sampling",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=False,
         help="send a POST /rollouts group upstream as one /generate with sampling_params.n "
         "(sample j seeded sampling_seed + j); only for engines that seed parallel samples so "
-        "(posttrain.local_engine; SGLang gives all n samples one seed). Default: one /generate "
-        "per sample",
+        "(posttrain.local_engine; SGLang gives all n samples one seed); off: one /generate per "
+        "sample",
     )
     p.add_argument(
         "--allocator",
