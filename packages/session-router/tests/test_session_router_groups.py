@@ -17,7 +17,7 @@ import httpx
 import pytest
 from prometheus_client import generate_latest
 
-from posttrain.interface import ConfigError, SampleStatus, TransportError
+from posttrain.interface import ConfigError, Sample, SampleStatus, TransportError
 from posttrain.session_router import ChatTokenizer, SessionRolloutClient, create_app
 
 
@@ -45,6 +45,17 @@ def seeded_engine(tok: ChatTokenizer) -> Any:
         }
 
     return generate
+
+
+def assert_same_samples(group: list[Sample], singles: list[Sample]) -> None:
+    """The group's samples are the per-sample requests' own, token for token."""
+    for g, s in zip(group, singles, strict=True):
+        assert g.prompt_ids == s.prompt_ids
+        assert g.response_ids == s.response_ids
+        assert g.rollout_logprobs == s.rollout_logprobs  # exact: the engine's own numbers
+        assert g.loss_mask == s.loss_mask
+        assert g.weight_version == s.weight_version
+        assert g.status is SampleStatus.COMPLETED
 
 
 def test_a_group_in_one_request_equals_one_session_per_sample(
@@ -90,13 +101,8 @@ def test_a_group_in_one_request_equals_one_session_per_sample(
             await server.aclose()
         assert "session_router_sessions_created_total 10.0" in metrics  # 4 + 4 + 2 sessions
         assert len(group) == 4
-        for g, s in zip(group, singles, strict=True):
-            assert g.prompt_ids == s.prompt_ids
-            assert g.response_ids == s.response_ids
-            assert g.rollout_logprobs == s.rollout_logprobs  # exact: the engine's own numbers
-            assert g.loss_mask == s.loss_mask
-            assert g.status is SampleStatus.COMPLETED
-            assert g.metadata["prompt_index"] == 5
+        assert_same_samples(group, singles)
+        assert all(g.metadata["prompt_index"] == 5 for g in group)
         assert [g.response_ids for g in group] != [group[0].response_ids] * 4  # seeds differ
         ups = seen[:4]
         assert sorted(b["sampling_params"]["sampling_seed"] for b in ups) == sorted(seeds)
@@ -233,14 +239,8 @@ def test_a_group_as_one_n_request_equals_one_request_per_sample(
         assert seen[-1]["input_ids"] == sent["input_ids"]  # the same prompt ids
         assert "session_router_sessions_created_total 10.0" in metrics  # 4 + 2 + 4: per sample
         assert 'session_router_turns_total{outcome="committed"} 10.0' in metrics
-        for g, s in zip(group, singles, strict=True):
-            assert g.prompt_ids == s.prompt_ids
-            assert g.response_ids == s.response_ids
-            assert g.rollout_logprobs == s.rollout_logprobs  # exact: the engine's own numbers
-            assert g.loss_mask == s.loss_mask
-            assert g.weight_version == s.weight_version == 3
-            assert g.status is SampleStatus.COMPLETED
-            assert g.metadata["p"] == 1
+        assert_same_samples(group, singles)
+        assert all(g.weight_version == 3 and g.metadata["p"] == 1 for g in group)
         assert len({g.metadata["session_id"] for g in group}) == 4  # a session per sample
 
     asyncio.run(asyncio.wait_for(main(), timeout=30))

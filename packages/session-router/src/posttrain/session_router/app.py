@@ -346,14 +346,7 @@ async def _generate_and_commit(
         req.body, cfg, prepared.prompt_ids, weight_version=state.weight_version
     )
     request_ts = time.time()
-    started = time.perf_counter()
-    upstream = await server.upstream.request(
-        "POST",
-        "/generate",
-        content=dumps(body),
-        headers=forward_headers(list(headers), session_id) | {"content-type": "application/json"},
-    )
-    server.metrics.upstream_seconds.observe(time.perf_counter() - started)
+    upstream = await _post_generate(server, headers, session_id, body)
     if upstream.status_code != 200:
         server.metrics.turns.labels("upstream_error").inc()
         if upstream.status_code >= 500:
@@ -406,6 +399,24 @@ async def _generate_and_commit(
             fake_stream(completion), media_type="text/event-stream", headers=SSE_HEADERS
         )
     return _json(completion)
+
+
+async def _post_generate(
+    server: SessionServer,
+    headers: Iterable[tuple[str, str]],
+    session_id: str,
+    body: dict[str, Any],
+) -> UpstreamReply:
+    """POST ``body`` to the upstream's ``/generate`` with the session's routing key (timed)."""
+    started = time.perf_counter()
+    upstream = await server.upstream.request(
+        "POST",
+        "/generate",
+        content=dumps(body),
+        headers=forward_headers(list(headers), session_id) | {"content-type": "application/json"},
+    )
+    server.metrics.upstream_seconds.observe(time.perf_counter() - started)
+    return upstream
 
 
 async def samples(request: Request) -> Response:
@@ -668,15 +679,7 @@ async def _rollouts_with_n(group: _Group) -> Response | None:
                 )
                 body["sampling_params"]["n"] = n
                 request_ts = time.time()
-                started = time.perf_counter()
-                upstream = await server.upstream.request(
-                    "POST",
-                    "/generate",
-                    content=dumps(body),
-                    headers=forward_headers(group.headers, states[0].session_id)
-                    | {"content-type": "application/json"},
-                )
-                server.metrics.upstream_seconds.observe(time.perf_counter() - started)
+                upstream = await _post_generate(server, group.headers, states[0].session_id, body)
         except TimeoutError:
             why = f"no reply within turn_timeout_s={group.deadline:g} s"
             return _all_aborted(states, group.metadata, why)
