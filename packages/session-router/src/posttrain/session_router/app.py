@@ -10,7 +10,9 @@
                                                    no chat template (base models)
     POST   /sessions/{id}/samples                  assembled samples (samples/1: posttrain.formats)
     POST   /rollouts      {"n", "turn", "seeds"}   a group: n one-turn samples, each its own
-                                                   session (created, run, assembled, deleted)
+                                                   session (created, run, assembled, deleted);
+                                                   with parallel_sampling one upstream /generate
+                                                   with sampling_params.n
     *      /sessions/{id}/{path}                   raw proxy with the routing key, not recorded,
                                                    for the upstream routes in PROXY_ROUTES only
 
