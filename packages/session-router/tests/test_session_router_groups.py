@@ -10,6 +10,7 @@ function of the request's seed, so the two paths can be compared token for token
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from typing import Any
 
@@ -271,26 +272,25 @@ def test_an_n_request_reports_each_samples_status_and_falls_back_when_refused(
     async def main() -> None:
         app = create_app(router_config(parallel_sampling=True), tokenizer=chat_tok,
                          transport=httpx.MockTransport(upstream))  # fmt: skip
-        server = app.state.server
-        asgi = httpx.ASGITransport(app=app)
-        messages = [{"role": "user", "content": "hi"}]
-        try:
-            async with SessionRolloutClient("http://sr", transport=asgi,
-                                            turn_timeout_s=0.3) as client:  # fmt: skip
-                refused = await client.rollout_n(messages, 2, seeds=[100, 101])
-                assert [b["sampling_params"].get("n", 1) for b in seen] == [2, 1, 1]
-                assert [s.status for s in refused] == [SampleStatus.COMPLETED] * 2
-                frozen = await client.rollout_n(messages, 2, seeds=[200, 201])
-                assert [s.status for s in frozen] == [SampleStatus.ABORTED] * 2
-                assert "turn_timeout_s=0.3" in frozen[0].metadata["abort_reason"]
-                mixed = await client.rollout_n(messages, 3, seeds=[300, 301, 302])
-                assert [s.status for s in mixed] == [
-                    SampleStatus.COMPLETED, SampleStatus.ABORTED, SampleStatus.COMPLETED
-                ]  # fmt: skip
-                with pytest.raises(TransportError, match=r"answered 502: .*sample 2: .*output_"):
-                    await client.rollout_n(messages, 3, seeds=[400, 401, 402])
-                assert server.sessions == {}
-        finally:
-            await server.aclose()
+        hi = [{"role": "user", "content": "hi"}]
+        async with (
+            contextlib.aclosing(app.state.server) as server,
+            SessionRolloutClient(
+                "http://sr", transport=httpx.ASGITransport(app=app), turn_timeout_s=0.3
+            ) as client,
+        ):
+            refused = await client.rollout_n(hi, 2, seeds=[100, 101])
+            assert [b["sampling_params"].get("n", 1) for b in seen] == [2, 1, 1]
+            assert [s.status for s in refused] == [SampleStatus.COMPLETED] * 2
+            frozen = await client.rollout_n(hi, 2, seeds=[200, 201])
+            assert [s.status for s in frozen] == [SampleStatus.ABORTED] * 2
+            assert "turn_timeout_s=0.3" in frozen[0].metadata["abort_reason"]
+            mixed = await client.rollout_n(hi, 3, seeds=[300, 301, 302])
+            assert [s.status for s in mixed] == [
+                SampleStatus.COMPLETED, SampleStatus.ABORTED, SampleStatus.COMPLETED
+            ]  # fmt: skip
+            with pytest.raises(TransportError, match=r"answered 502: .*sample 2: .*output_"):
+                await client.rollout_n(hi, 3, seeds=[400, 401, 402])
+            assert server.sessions == {}
 
     asyncio.run(asyncio.wait_for(main(), timeout=30))
