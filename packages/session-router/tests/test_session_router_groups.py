@@ -223,6 +223,10 @@ def test_a_group_as_one_n_request_equals_one_request_per_sample(
                 await client.rollout_n(messages, 2, seeds=[5, 9], sampling_params=params,
                                        weight_version=2)  # fmt: skip
                 assert len(seen) == 3
+                # a seed pinned in the turn: every sample alike, as one request each would be
+                await client.rollout_n(messages, 2, sampling_params={
+                    **params, "sampling_params": {"sampling_seed": 8}}, weight_version=2)  # fmt: skip
+                assert len(seen) == 5
                 assert all("n" not in b["sampling_params"] for b in seen[1:])
                 singles = [
                     await client.rollout(
@@ -238,8 +242,8 @@ def test_a_group_as_one_n_request_equals_one_request_per_sample(
         assert sent["sampling_params"]["sampling_seed"] == 40
         assert sent["extra_key"] == "miles_lora:v2"
         assert seen[-1]["input_ids"] == sent["input_ids"]  # the same prompt ids
-        assert "session_router_sessions_created_total 10.0" in metrics  # 4 + 2 + 4: per sample
-        assert 'session_router_turns_total{outcome="committed"} 10.0' in metrics
+        assert "session_router_sessions_created_total 12.0" in metrics  # 4+2+2+4: per sample
+        assert 'session_router_turns_total{outcome="committed"} 12.0' in metrics
         assert_same_samples(group, singles)
         assert all(g.weight_version == 3 and g.metadata["p"] == 1 for g in group)
         assert len({g.metadata["session_id"] for g in group}) == 4  # a session per sample

@@ -631,12 +631,14 @@ def _parallel_base_seed(
 ) -> int | Literal[False] | None:
     """The ``sampling_seed`` of a group's one ``n`` request: ``seeds[0]`` when the seeds are
     consecutive (sample j's is ``seeds[0] + j``, as the engine draws), None for no seeds (and no
-    ``seed`` in the turn, which the per-sample path would give every sample); False when the
-    group must go one request per sample."""
+    ``seed`` or ``sampling_params.sampling_seed`` in the turn, which the per-sample path would
+    give every sample alike); False when the group must go one request per sample."""
     if not enabled or n < 2:
         return False
     if seeds is None:
-        return None if turn.get("seed") is None else False
+        explicit = turn.get("sampling_params")
+        pinned = isinstance(explicit, dict) and explicit.get("sampling_seed") is not None
+        return None if turn.get("seed") is None and not pinned else False
     return seeds[0] if seeds == list(range(seeds[0], seeds[0] + n)) else False
 
 
