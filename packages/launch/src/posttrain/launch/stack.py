@@ -237,6 +237,12 @@ def build_local_stack(cfg: LocalStackConfig) -> Plan:
             "--upstream-timeout-s", cfg.turn_timeout_s,
             source="local stack (--turn-timeout: a frozen engine's turn ends here)",
         )  # fmt: skip
+    if cfg.engine_kind is EngineKind.LOCAL:
+        session.set(
+            "--parallel-sampling",
+            source="local stack (local engines seed sample j of an n-request sampling_seed + j: "
+            "a group is one /generate)",
+        )  # fmt: skip
     if cfg.loras:
         # The engines load the adapter at startup: version 0 of it (its extra_key "<name>:v0").
         session.set("--lora-weight-version", 0, source="local stack (--lora)")
