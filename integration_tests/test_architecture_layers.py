@@ -3,7 +3,8 @@
 The contracts live in the root pyproject.toml (``[tool.importlinter]``). The negative tests copy
 every package's sources into a scratch directory, add one module with a forbidden import, and
 run the same contracts against the copy (put first on ``PYTHONPATH``): they must break, naming
-the contract. Positive controls (local-engine importing models, the one allowed sideways
+the contract (a private module ``posttrain.<pkg>._name`` imported from another package breaks
+``private-modules``). Positive controls (local-engine importing models, the one allowed sideways
 import; grpo importing the capability packages it composes) must stay kept.
 """
 
@@ -91,6 +92,18 @@ def _scratch_copy(tmp_path: Path, module: str, source: str) -> Path:
         ("posttrain.launch._scratch", "import posttrain.grpo", "launch does not import grpo"),
         ("posttrain.lora._scratch", "import posttrain.grpo", "layers:"),
         ("posttrain.grpo._scratch", "import posttrain.launch", "layers:"),
+        # Another package's private module (``_name``), even for a type only.
+        (
+            "posttrain.grpo._scratch",
+            "from posttrain.models._model import MoeLayer",
+            "private modules",
+        ),
+        ("posttrain.local_engine._scratch", "import posttrain.models._lora", "private modules"),
+        (
+            "posttrain.session_router._scratch",
+            "from posttrain.interface._samples import Sample",
+            "private modules",
+        ),
     ],
 )
 def test_a_forbidden_import_breaks_the_contracts(
@@ -112,6 +125,10 @@ def test_a_forbidden_import_breaks_the_contracts(
             "posttrain.grpo._scratch",
             "import posttrain.lora\nimport posttrain.opd\nimport posttrain.formats",
         ),
+        # A package's own private modules, from anywhere inside it; public modules of others.
+        ("posttrain.models.context_parallel._scratch", "import posttrain.models._model"),
+        ("posttrain.grpo._scratch", "import posttrain.models.parity\nimport posttrain.lora.comm"),
+        ("posttrain.session_router._scratch", "import posttrain.interface.processes"),
     ],
 )
 def test_an_allowed_import_keeps_the_contracts(tmp_path: Path, module: str, source: str) -> None:

@@ -245,6 +245,37 @@ def test_the_rollout_client_draws_a_group_through_the_stack(stack: dict[str, Any
         assert recomputed[len(sample.prompt_ids) :].tolist() == sample.rollout_logprobs
 
 
+def test_a_group_as_one_n_request_equals_one_request_per_sample(stack: dict[str, Any]) -> None:
+    """``--parallel-sampling``: a group is one ``/generate`` with ``sampling_params.n`` through
+    the real sgl-router; the local engine draws sample j with seed s + j, so every sample equals
+    the one its own request draws (tokens and logprobs exactly), LoRA fields included."""
+    params = {"max_tokens": 8, "temperature": 1.0, "stop_token_ids": STOP_IDS}
+    messages = [{"role": "user", "content": "Say hi."}]
+
+    async def draw(parallel: bool) -> Any:
+        app = create_app(_session_config(stack, parallel_sampling=parallel))
+        try:
+            async with SessionRolloutClient(
+                "http://sr", transport=httpx.ASGITransport(app=app), timeout_s=60
+            ) as client:
+                out = await client.rollout_n(messages, 4, seeds=[70, 71, 72, 73],
+                                             sampling_params=params, weight_version=0)  # fmt: skip
+            turns = app.state.server.metrics.upstream_seconds.collect()[0].samples
+            count = next(x.value for x in turns if x.name.endswith("_count"))
+            return out, count
+        finally:
+            await app.state.server.aclose()
+
+    group, group_requests = asyncio.run(asyncio.wait_for(draw(True), timeout=100))
+    singles, single_requests = asyncio.run(asyncio.wait_for(draw(False), timeout=100))
+    assert (group_requests, single_requests) == (1, 4)  # one engine request for the group
+    for g, s in zip(group, singles, strict=True):
+        assert (g.prompt_ids, g.response_ids, g.rollout_logprobs, g.loss_mask) == (
+            s.prompt_ids, s.response_ids, s.rollout_logprobs, s.loss_mask,
+        )  # fmt: skip
+    assert len({tuple(g.response_ids) for g in group}) > 1  # the seeds differ
+
+
 def test_a_frozen_engine_fails_the_turn_with_504_then_serves_again(
     tmp_path: Path,
 ) -> None:

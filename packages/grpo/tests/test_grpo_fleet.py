@@ -32,7 +32,7 @@ from posttrain.grpo.fleet import (
     turn_versions,
     unreachable,
 )
-from posttrain.interface import Sample, TransportError, WeightSink
+from posttrain.interface import WEIGHT_VERSIONS_KEY, Sample, TransportError, WeightSink
 from posttrain.interface.processes import free_port
 from posttrain.interface.testing import run_workers
 from posttrain.lora import AdapterClient, AdapterPushError
@@ -200,7 +200,7 @@ def test_only_engines_that_answer_health_come_back(healthy: str, frozen: str) ->
 
 
 def _sample(version: int | None, per_turn: list[int | None] | None = None) -> Sample:
-    metadata = {} if per_turn is None else {"weight_versions": per_turn}
+    metadata = {} if per_turn is None else {WEIGHT_VERSIONS_KEY: per_turn}
     return Sample(prompt_ids=[1], response_ids=[2], rollout_logprobs=[-0.5], loss_mask=[1],
                   weight_version=version, metadata=metadata)  # fmt: skip
 

@@ -50,6 +50,8 @@ def test_stack_order_router_empty_until_session_router_probed() -> None:
     engine_ports = {p.argv[p.argv.index("--port") + 1] for p in plan.by_role(Role.ENGINE)}
     assert {r.worker.rsplit(":", 1)[1] for r in plan.registrations} == engine_ports
     assert router.argv[router.argv.index("--host") + 1] == "127.0.0.1"
+    # local engines seed sample j of an n request sampling_seed + j: a group is one /generate
+    assert "--parallel-sampling" in session.argv
 
 
 def test_sglang_stack_uses_sglang_spelling() -> None:
@@ -64,6 +66,8 @@ def test_sglang_stack_uses_sglang_spelling() -> None:
     assert argv[:3] == ("python", "-m", "sglang.launch_server")
     assert argv[argv.index("--lora-paths") + 1] == "a=/x"
     assert "--enable-lora" in argv
+    # SGLang gives every parallel sample the request's one seed: one /generate per sample
+    assert "--parallel-sampling" not in plan.process("session-router").argv
 
 
 @pytest.mark.parametrize(

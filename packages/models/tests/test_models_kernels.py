@@ -142,3 +142,57 @@ def test_moe_combine_is_sequential_in_slot_order(k: int) -> None:
     for j in range(1, k):
         acc = acc + w[:, j, None] * y[:, j]
     assert torch.equal(StrictOps.moe_combine(w, y), acc)
+
+
+def _grads(fn, *inputs: torch.Tensor, reference: bool) -> list[torch.Tensor]:  # type: ignore[no-untyped-def]
+    """Gradients of ``fn(*inputs)`` against a fixed upstream gradient (signed zeros included),
+    with the strict kernels' own backwards or with autograd's."""
+    from posttrain.models import _ops
+
+    leaves = [x.detach().clone().requires_grad_(True) for x in inputs]
+    _ops._CUSTOM_BACKWARD = not reference
+    try:
+        out = fn(*leaves)
+        upstream = torch.randn(out.shape, generator=torch.Generator().manual_seed(7))
+        upstream[..., ::5] = -0.0  # -0.0 upstream: autograd's backward turns it into +0.0
+        out.backward(upstream)
+    finally:
+        _ops._CUSTOM_BACKWARD = True
+    return [x.grad for x in leaves if x.grad is not None]
+
+
+def _bitwise(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return len(a) == len(b) and all(
+        x.shape == y.shape and torch.equal(x.view(torch.int32), y.view(torch.int32))
+        for x, y in zip(a, b, strict=True)
+    )
+
+
+@pytest.mark.parametrize(("rows", "k", "n"), [(700, 32, 101), (5, 12, 3), (300, 8, 64)])
+def test_strict_backwards_give_autograds_gradient_bits(rows: int, k: int, n: int) -> None:
+    """The hand-written backwards of the strict linear (several row chunks, K padded to a power
+    of two), of the product trees of attention and of ``tree_sum`` equal autograd's own, bit for
+    bit (signs of zero included), so the trainer's gradients did not change with them."""
+    from posttrain.models._ops import product_tree_sum
+
+    gen = torch.Generator().manual_seed(rows)
+    x, w = torch.randn(rows, k, generator=gen), torch.randn(n, k, generator=gen)
+    x[::7] = 0.0  # zero rows: zero products whose sign follows the weights'
+    for fn, inputs in (
+        (StrictOps.linear, (x, w)),
+        (lambda a: tree_sum(a, dim=0), (x,)),
+        (lambda a: tree_sum(a), (x,)),
+        (product_tree_sum, (x.t()[:, :, None], w.t()[:, None, :])),
+    ):
+        assert _bitwise(_grads(fn, *inputs, reference=False), _grads(fn, *inputs, reference=True))
+    q, keys = torch.randn(9, 2, 2, 8, generator=gen), torch.randn(9, 16, 2, 8, generator=gen)
+    values = torch.randn(9, 16, 2, 8, generator=gen)
+    valid = torch.arange(16)[None, :] <= torch.arange(9)[:, None]
+
+    def attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        return StrictOps.attention(q, keys, values, valid, 0.35)
+
+    assert _bitwise(
+        _grads(attention, q, keys, values, reference=False),
+        _grads(attention, q, keys, values, reference=True),
+    )

@@ -10,6 +10,7 @@ function of the request's seed, so the two paths can be compared token for token
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from typing import Any
 
@@ -17,7 +18,7 @@ import httpx
 import pytest
 from prometheus_client import generate_latest
 
-from posttrain.interface import ConfigError, SampleStatus, TransportError
+from posttrain.interface import ConfigError, Sample, SampleStatus, TransportError
 from posttrain.session_router import ChatTokenizer, SessionRolloutClient, create_app
 
 
@@ -45,6 +46,17 @@ def seeded_engine(tok: ChatTokenizer) -> Any:
         }
 
     return generate
+
+
+def assert_same_samples(group: list[Sample], singles: list[Sample]) -> None:
+    """The group's samples are the per-sample requests' own, token for token."""
+    for g, s in zip(group, singles, strict=True):
+        assert g.prompt_ids == s.prompt_ids
+        assert g.response_ids == s.response_ids
+        assert g.rollout_logprobs == s.rollout_logprobs  # exact: the engine's own numbers
+        assert g.loss_mask == s.loss_mask
+        assert g.weight_version == s.weight_version
+        assert g.status is SampleStatus.COMPLETED
 
 
 def test_a_group_in_one_request_equals_one_session_per_sample(
@@ -90,13 +102,8 @@ def test_a_group_in_one_request_equals_one_session_per_sample(
             await server.aclose()
         assert "session_router_sessions_created_total 10.0" in metrics  # 4 + 4 + 2 sessions
         assert len(group) == 4
-        for g, s in zip(group, singles, strict=True):
-            assert g.prompt_ids == s.prompt_ids
-            assert g.response_ids == s.response_ids
-            assert g.rollout_logprobs == s.rollout_logprobs  # exact: the engine's own numbers
-            assert g.loss_mask == s.loss_mask
-            assert g.status is SampleStatus.COMPLETED
-            assert g.metadata["prompt_index"] == 5
+        assert_same_samples(group, singles)
+        assert all(g.metadata["prompt_index"] == 5 for g in group)
         assert [g.response_ids for g in group] != [group[0].response_ids] * 4  # seeds differ
         ups = seen[:4]
         assert sorted(b["sampling_params"]["sampling_seed"] for b in ups) == sorted(seeds)
@@ -164,5 +171,130 @@ def test_a_frozen_turn_aborts_its_sample_and_a_failure_names_the_sample(
                 await client.rollout_n(messages, 2, seeds=[1])
         finally:
             await server.aclose()
+
+    asyncio.run(asyncio.wait_for(main(), timeout=30))
+
+
+def parallel_engine(tok: ChatTokenizer) -> Any:
+    """The seeded engine, answering ``sampling_params.n`` as local-engine does: SGLang's list, in
+    sample order, sample j drawn with ``sampling_seed + j``."""
+    one = seeded_engine(tok)
+
+    def generate(body: dict[str, Any]) -> Any:
+        sp = body["sampling_params"]
+        n = sp.get("n", 1)
+        if n == 1:
+            return one(body)
+        seed = sp["sampling_seed"]
+        return [
+            one({**body, "sampling_params": {**sp, "sampling_seed": seed + j}}) for j in range(n)
+        ]
+
+    return generate
+
+
+def test_a_group_as_one_n_request_equals_one_request_per_sample(
+    chat_tok: ChatTokenizer, router_config: Any
+) -> None:
+    engine = parallel_engine(chat_tok)
+    seen: list[dict[str, Any]] = []
+
+    async def upstream(request: httpx.Request) -> httpx.Response:
+        seen.append(json.loads(request.content))
+        return httpx.Response(200, json=engine(seen[-1]))
+
+    async def main() -> None:
+        app = create_app(
+            router_config(lora_adapter="miles_lora", parallel_sampling=True), tokenizer=chat_tok,
+            transport=httpx.MockTransport(upstream),
+        )  # fmt: skip
+        server = app.state.server
+        asgi = httpx.ASGITransport(app=app)
+        messages = [{"role": "user", "content": "hello there"}]
+        params = {"max_tokens": 8, "temperature": 1.0}
+        seeds = [40, 41, 42, 43]
+        try:
+            async with SessionRolloutClient("http://sr", transport=asgi) as client:
+                group = await client.rollout_n(messages, 4, seeds=seeds, sampling_params=params,
+                                               weight_version=2, metadata={"p": 1})  # fmt: skip
+                assert len(seen) == 1  # ONE upstream request for the group
+                sent = seen[0]
+                # not consecutive: one request per sample, as before
+                await client.rollout_n(messages, 2, seeds=[5, 9], sampling_params=params,
+                                       weight_version=2)  # fmt: skip
+                assert len(seen) == 3
+                # a seed pinned in the turn: every sample alike, as one request each would be
+                await client.rollout_n(messages, 2, sampling_params={
+                    **params, "sampling_params": {"sampling_seed": 8}}, weight_version=2)  # fmt: skip
+                assert len(seen) == 5
+                assert all("n" not in b["sampling_params"] for b in seen[1:])
+                singles = [
+                    await client.rollout(
+                        messages, sampling_params={**params, "seed": s}, weight_version=2
+                    )
+                    for s in seeds
+                ]
+                assert server.sessions == {}
+            metrics = generate_latest(server.metrics.registry).decode()
+        finally:
+            await server.aclose()
+        assert sent["sampling_params"]["n"] == 4
+        assert sent["sampling_params"]["sampling_seed"] == 40
+        assert sent["extra_key"] == "miles_lora:v2"
+        assert seen[-1]["input_ids"] == sent["input_ids"]  # the same prompt ids
+        assert "session_router_sessions_created_total 12.0" in metrics  # 4+2+2+4: per sample
+        assert 'session_router_turns_total{outcome="committed"} 12.0' in metrics
+        assert_same_samples(group, singles)
+        assert all(g.weight_version == 3 and g.metadata["p"] == 1 for g in group)
+        assert len({g.metadata["session_id"] for g in group}) == 4  # a session per sample
+
+    asyncio.run(asyncio.wait_for(main(), timeout=30))
+
+
+def test_an_n_request_reports_each_samples_status_and_falls_back_when_refused(
+    chat_tok: ChatTokenizer, router_config: Any
+) -> None:
+    engine = parallel_engine(chat_tok)
+    seen: list[dict[str, Any]] = []
+
+    async def upstream(request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content)
+        seen.append(body)
+        sp = body["sampling_params"]
+        base = sp.get("sampling_seed")
+        if base == 100 and "n" in sp:
+            return httpx.Response(400, json={"error": "sampling_params.n: not supported"})
+        if base == 200:
+            await asyncio.sleep(30)  # an engine that froze (bounded, for the test)
+        reply = engine(body)
+        if base == 300:  # sample 1 aborted by the engine, sample 2 a broken item
+            reply[1]["meta_info"]["finish_reason"] = {"type": "abort", "message": "aborted"}
+        if base == 400:
+            del reply[2]["meta_info"]["output_token_logprobs"]
+        return httpx.Response(200, json=reply)
+
+    async def main() -> None:
+        app = create_app(router_config(parallel_sampling=True), tokenizer=chat_tok,
+                         transport=httpx.MockTransport(upstream))  # fmt: skip
+        hi = [{"role": "user", "content": "hi"}]
+        async with (
+            contextlib.aclosing(app.state.server) as server,
+            SessionRolloutClient(
+                "http://sr", transport=httpx.ASGITransport(app=app), turn_timeout_s=0.3
+            ) as client,
+        ):
+            refused = await client.rollout_n(hi, 2, seeds=[100, 101])
+            assert [b["sampling_params"].get("n", 1) for b in seen] == [2, 1, 1]
+            assert [s.status for s in refused] == [SampleStatus.COMPLETED] * 2
+            frozen = await client.rollout_n(hi, 2, seeds=[200, 201])
+            assert [s.status for s in frozen] == [SampleStatus.ABORTED] * 2
+            assert "turn_timeout_s=0.3" in frozen[0].metadata["abort_reason"]
+            mixed = await client.rollout_n(hi, 3, seeds=[300, 301, 302])
+            assert [s.status for s in mixed] == [
+                SampleStatus.COMPLETED, SampleStatus.ABORTED, SampleStatus.COMPLETED
+            ]  # fmt: skip
+            with pytest.raises(TransportError, match=r"answered 502: .*sample 2: .*output_"):
+                await client.rollout_n(hi, 3, seeds=[400, 401, 402])
+            assert server.sessions == {}
 
     asyncio.run(asyncio.wait_for(main(), timeout=30))

@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from posttrain.formats import decode_samples, encode_samples
-from posttrain.interface import SampleStatus
+from posttrain.interface import WEIGHT_VERSIONS_KEY, SampleStatus
 from posttrain.session_router import SampleAssemblyError, TurnRecord, assemble_samples
 
 
@@ -73,7 +73,7 @@ def test_three_turns_merge_with_observation_masks() -> None:
     assert s.tokens == acc
     assert s.status is SampleStatus.COMPLETED
     assert s.weight_version == 3
-    assert s.metadata["weight_versions"] == [3, 3, 3]
+    assert s.metadata[WEIGHT_VERSIONS_KEY] == [3, 3, 3]
     assert s.metadata["k"] == "v"
     assert s.metadata["num_turns"] == 3
 

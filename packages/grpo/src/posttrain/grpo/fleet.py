@@ -110,6 +110,7 @@ from posttrain.fsdp_mesh import iter_full_state_dict
 from posttrain.grpo._errors import GrpoRunError
 from posttrain.grpo.trainer import Policy
 from posttrain.interface import (
+    WEIGHT_VERSIONS_KEY,
     Sample,
     TransportError,
     WeightSink,
@@ -216,8 +217,8 @@ def towers_due(policy: Policy, *, first: bool, engines_resumed: bool) -> bool:
 
 def turn_versions(sample: Sample) -> list[int | None]:
     """The engine weight version of each turn of ``sample`` (the session router's
-    ``weight_versions``), or the sample's own when it has no per-turn list."""
-    per_turn = sample.metadata.get("weight_versions")
+    ``WEIGHT_VERSIONS_KEY``), or the sample's own when it has no per-turn list."""
+    per_turn = sample.metadata.get(WEIGHT_VERSIONS_KEY)
     if isinstance(per_turn, list) and per_turn:
         return [v if isinstance(v, int) else None for v in per_turn]
     return [sample.weight_version]

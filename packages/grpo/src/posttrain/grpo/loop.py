@@ -81,6 +81,8 @@ from posttrain.grpo.rollout import Rollouts, RolloutSettings
 from posttrain.grpo.scoring import StepScores, as_bound, score_samples
 from posttrain.grpo.trainer import Policy, TrainSample, build_policy, train_step
 from posttrain.interface import (
+    ABORT_REASON_KEY,
+    SESSION_ID_KEY,
     RolloutEngine,
     Sample,
     SampleStatus,
@@ -432,8 +434,8 @@ def _drop_aborted(samples: list[Sample], step: int) -> tuple[list[Sample], list[
     return _leave_out(
         samples, step, lambda s: s.status is SampleStatus.ABORTED,
         what="aborted", every="was aborted",
-        describe=lambda s: f"(session {s.metadata.get('session_id')}): "
-        f"{s.metadata.get('abort_reason')}",
+        describe=lambda s: f"(session {s.metadata.get(SESSION_ID_KEY)}): "
+        f"{s.metadata.get(ABORT_REASON_KEY)}",
     )  # fmt: skip
 
 

@@ -28,6 +28,10 @@ Weight versions are one type everywhere: a non-negative ``int`` (``None`` before
 versioned update). Versions are compared (an engine refuses one that does not increase) and
 subtracted (staleness), which a string does wrongly ("10" < "9"); SGLang's strings are converted
 once, where they are read (``parse_weight_version``; ``_weight_version.py`` says more).
+
+Sample metadata keys that one package writes and another reads are constants here
+(``WEIGHT_VERSIONS_KEY``, ``SESSION_ID_KEY``, ``ABORT_REASON_KEY``), never a string spelled on
+both sides.
 """
 
 from posttrain.interface._errors import (
@@ -60,6 +64,9 @@ from posttrain.interface._protocols import (
     WeightSink,
 )
 from posttrain.interface._samples import (
+    ABORT_REASON_KEY,
+    SESSION_ID_KEY,
+    WEIGHT_VERSIONS_KEY,
     PositionScores,
     Sample,
     SampleGroup,
@@ -95,6 +102,9 @@ from posttrain.interface._wire_sglang import (
 )
 
 __all__ = [
+    "ABORT_REASON_KEY",
+    "SESSION_ID_KEY",
+    "WEIGHT_VERSIONS_KEY",
     "ChatChoice",
     "ChatCompletionRequest",
     "ChatCompletionResponse",

@@ -12,11 +12,25 @@ import math
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any
+from typing import Any, Final
 
 from posttrain.interface._errors import ConfigError
 from posttrain.interface._media import MediaRef
 from posttrain.interface._weight_version import is_weight_version
+
+# Sample metadata keys one package writes and another reads: each spelled once, here, so a
+# rename is a type-checked change on both sides instead of a filter that silently stops.
+WEIGHT_VERSIONS_KEY: Final = "weight_versions"
+"""``metadata[WEIGHT_VERSIONS_KEY]``: the engine weight version of each turn of a sample
+(``list[int | None]``, ``None`` for a turn whose engine reported none). The session router writes
+it when it assembles a session's turns; grpo's stale-sample filter reads it (a sample with any
+turn from other weights than the trainer's is stale)."""
+SESSION_ID_KEY: Final = "session_id"
+"""``metadata[SESSION_ID_KEY]``: the id of the session-router session that drew the sample
+(written by its rollout client, named in the trainer's reports of dropped samples)."""
+ABORT_REASON_KEY: Final = "abort_reason"
+"""``metadata[ABORT_REASON_KEY]``: why a rollout was aborted (a ``SampleStatus.ABORTED`` sample
+with no tokens; written by the session router's rollout client, reported by the trainer)."""
 
 
 class SampleStatus(StrEnum):

@@ -13,6 +13,7 @@ from posttrain.launch._errors import (
     LaunchError,
     ProcessFailedError,
     ReadinessError,
+    RecipeError,
     UnsupportedHardwareError,
 )
 from posttrain.launch.args import Args, Flag
@@ -58,6 +59,7 @@ __all__ = [
     "ProcessSpec",
     "Readiness",
     "ReadinessError",
+    "RecipeError",
     "Registration",
     "Role",
     "Rule",

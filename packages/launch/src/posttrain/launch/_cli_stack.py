@@ -29,73 +29,91 @@ from posttrain.launch.tables import EngineKind
 __all__ = ["demo_command", "up_command"]
 
 
+# The options of `posttrain up`, one alias each, so the command's signature reads as a list.
+_UpModelPath = Annotated[
+    Path, typer.Option("--model-path", metavar="DIR", help="checkpoint directory to serve")
+]
+
+_UpEngines = Annotated[int, typer.Option("--engines", min=1, metavar="N", help="engine processes")]
+
+_UpLora = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--lora",
+        metavar="NAME=PATH",
+        help="a PEFT adapter every engine loads and every session uses [default: none]",
+    ),
+]
+
+_UpEngine = Annotated[
+    str | None,
+    typer.Option(
+        "--engine",
+        metavar="KIND",
+        help="local-engine or sglang [default: sglang "
+        "where it imports and a GPU answers, else local-engine]",
+    ),
+]
+
+_UpReadyTimeoutS = Annotated[
+    float,
+    typer.Option(
+        "--ready-timeout-s",
+        metavar="S",
+        help="seconds each process may take to answer its health check",
+    ),
+]
+
+_UpDryRun = Annotated[
+    bool, typer.Option("--dry-run", help="print the plan, start nothing [default: off]")
+]
+
+_UpSessionRouterPort = Annotated[
+    int,
+    typer.Option(
+        "--session-router-port",
+        metavar="PORT",
+        min=0,
+        help="the session router's port (0: a free one)",
+    ),
+]
+
+_UpRouterPort = Annotated[
+    int,
+    typer.Option("--router-port", metavar="PORT", min=0, help="sgl-router's port (0: a free one)"),
+]
+
+_UpRouterMetricsPort = Annotated[
+    int,
+    typer.Option(
+        "--router-metrics-port",
+        metavar="PORT",
+        min=0,
+        help="sgl-router's Prometheus port (0: a free one)",
+    ),
+]
+
+_UpApiKey = Annotated[
+    bool,
+    typer.Option(
+        "--api-key/--no-api-key",
+        help="require a random per-stack key (stored 0600, path printed) on the "
+        "engines' state-changing routes and on the session router [default: on]",
+    ),
+]
+
+
 def up_command(
-    model_path: Annotated[
-        Path, typer.Option("--model-path", metavar="DIR", help="checkpoint directory to serve")
-    ],
-    engines: Annotated[
-        int, typer.Option("--engines", min=1, metavar="N", help="engine processes")
-    ] = 2,
-    lora: Annotated[
-        list[str] | None,
-        typer.Option(
-            "--lora",
-            metavar="NAME=PATH",
-            help="a PEFT adapter every engine loads and every session uses [default: none]",
-        ),
-    ] = None,
-    engine: Annotated[
-        str | None,
-        typer.Option(
-            "--engine",
-            metavar="KIND",
-            help="local-engine or sglang [default: sglang "
-            "where it imports and a GPU answers, else local-engine]",
-        ),
-    ] = None,
-    ready_timeout_s: Annotated[
-        float,
-        typer.Option(
-            "--ready-timeout-s",
-            metavar="S",
-            help="seconds each process may take to answer its health check",
-        ),
-    ] = 300.0,
-    dry_run: Annotated[
-        bool, typer.Option("--dry-run", help="print the plan, start nothing [default: off]")
-    ] = False,
-    session_router_port: Annotated[
-        int,
-        typer.Option(
-            "--session-router-port",
-            metavar="PORT",
-            min=0,
-            help="the session router's port (0: a free one)",
-        ),
-    ] = 0,
-    router_port: Annotated[
-        int,
-        typer.Option(
-            "--router-port", metavar="PORT", min=0, help="sgl-router's port (0: a free one)"
-        ),
-    ] = 0,
-    router_metrics_port: Annotated[
-        int,
-        typer.Option(
-            "--router-metrics-port",
-            metavar="PORT",
-            min=0,
-            help="sgl-router's Prometheus port (0: a free one)",
-        ),
-    ] = 0,
-    api_key: Annotated[
-        bool,
-        typer.Option(
-            "--api-key/--no-api-key",
-            help="require a random per-stack key (stored 0600, path printed) on the "
-            "engines' state-changing routes and on the session router [default: on]",
-        ),
-    ] = True,
+    model_path: _UpModelPath,
+    engines: _UpEngines = 2,
+    lora: _UpLora = None,
+    engine: _UpEngine = None,
+    ready_timeout_s: _UpReadyTimeoutS = 300.0,
+    dry_run: _UpDryRun = False,
+    session_router_port: _UpSessionRouterPort = 0,
+    router_port: _UpRouterPort = 0,
+    router_metrics_port: _UpRouterMetricsPort = 0,
+    api_key: _UpApiKey = True,
 ) -> None:
     """Start engines, the sgl-router and a session router on loopback; Ctrl-C stops all."""
     try:

@@ -7,8 +7,13 @@
         │   └── UnsupportedHardwareError     no rule covers this (hardware, nodes) pair; names both
         ├── ReadinessError (TransportError)  a started process did not answer its readiness URL
         │                                    in time; names the process and the URL
-        └── ProcessFailedError               a started process exited while the stack was coming
-                                             up or running; names the process, pid and exit code
+        ├── ProcessFailedError               a started process exited while the stack was coming
+        │                                    up or running; names the process, pid and exit code
+        └── RecipeError                      ``posttrain grpo``'s recipe could not be prepared,
+                                             or the trainer's dry run refused it; names the step
+                                             and the trainer's error line
+
+(``posttrain.grpo.GrpoRunError`` is the trainer's own: a run step that failed inside it.)
 
 ``HardwareMismatchWarning`` (a ``UserWarning``) is what ``detect_hardware`` emits when the
 detected GPUs disagree with the declared hardware: detection never overrides a declaration.
@@ -56,3 +61,7 @@ class ProcessFailedError(LaunchError):
 
 class HardwareMismatchWarning(UserWarning):
     """The detected GPUs disagree with the declared hardware (the declaration still wins)."""
+
+
+class RecipeError(LaunchError):
+    """``posttrain grpo``'s recipe could not be prepared, or the trainer's dry run refused it."""

@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from posttrain.launch._errors import LaunchConfigError, LaunchError
+from posttrain.launch._errors import LaunchConfigError, RecipeError
 from posttrain.launch.catalog import mla_lora_targets
 from posttrain.launch.keys import new_api_key, remove_key_file, write_key_file
 from posttrain.launch.plan import Plan
@@ -56,10 +56,6 @@ from posttrain.launch.stack import (
 from posttrain.launch.tables import EngineKind
 
 ADAPTER = "policy"
-
-
-class GrpoRunError(LaunchError):
-    """The recipe could not be prepared, or the trainer exited with an error."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -162,11 +158,11 @@ def prepare_recipe(
         out, err = proc.communicate(timeout=1800)
     except subprocess.TimeoutExpired:
         proc.kill()
-        raise GrpoRunError("the recipe's prepare step did not finish within 30 minutes") from None
+        raise RecipeError("the recipe's prepare step did not finish within 30 minutes") from None
     for line in err.splitlines():
         sink("recipe", line)
     if proc.returncode != 0:
-        raise GrpoRunError(f"`{' '.join(argv)}` failed ({proc.returncode}): {err[-2000:]}")
+        raise RecipeError(f"`{' '.join(argv)}` failed ({proc.returncode}): {err[-2000:]}")
     result: dict[str, Any] = json.loads(out.strip().splitlines()[-1])
     return result
 
@@ -300,7 +296,7 @@ def _trainer_preflight(
     cfg: GrpoRecipeConfig, recipe: dict[str, Any], key_file: Path, python: str
 ) -> None:
     """``python -m posttrain.grpo ... --dry-run`` with the run's own flags (stand-in URLs: no
-    stack is up yet). A refusal raises ``GrpoRunError`` with its last ``error:`` line, the
+    stack is up yet). A refusal raises ``RecipeError`` with its last ``error:`` line, the
     lines before it (one per other failed check) going to stderr first."""
     stand_in = dict.fromkeys(
         ("session-router", "router", "engine-0", TEACHER), "http://127.0.0.1:9"
@@ -311,11 +307,11 @@ def _trainer_preflight(
         return
     lines = [line for line in done.stderr.splitlines() if line.startswith("error: ")]
     if not lines:
-        raise GrpoRunError(f"the trainer's --dry-run exited with code {done.returncode}")
+        raise RecipeError(f"the trainer's --dry-run exited with code {done.returncode}")
     if lines[:-1]:
         sys.stderr.write("\n".join(lines[:-1]) + "\n")
         sys.stderr.flush()
-    raise GrpoRunError(lines[-1].removeprefix("error: "))
+    raise RecipeError(lines[-1].removeprefix("error: "))
 
 
 def _run_stack_and_trainer(

@@ -116,6 +116,43 @@ def build_local_stack(cfg: LocalStackConfig) -> Plan:
     The router starts empty so the session router's passthrough probe (an echo worker it
     registers for the probe) is the only worker it can be routed to; engines join after.
     """
+    _check_stack_config(cfg)
+    # Every port the stack may need (engines, router, session router, metrics, teacher), chosen
+    # together so that no two are the same; the ones given on the command line go unused.
+    spare = iter(free_ports(cfg.engines + 4))
+    ports = cfg.engine_ports or tuple(next(spare) for _ in range(cfg.engines))
+    router_port = cfg.router_port or next(spare)
+    session_port = cfg.session_router_port or next(spare)
+    served = cfg.lora_adapter or (cfg.loras[0][0] if cfg.loras else None)
+    metrics_port = cfg.router_metrics_port or next(spare)
+    processes: list[ProcessSpec] = []
+    engines = [(f"engine-{i}", port, cfg.model_path) for i, port in enumerate(ports)]
+    if cfg.teacher_model_path is not None:
+        engines.append((TEACHER, next(spare), cfg.teacher_model_path))
+    for i, (name, port, model_path) in enumerate(engines):
+        processes.append(_engine_process(cfg, i, name, port, model_path))
+    processes.append(_router_process(cfg, router_port, metrics_port))
+    processes.append(_session_router_process(cfg, router_port, session_port, served))
+    return Plan(
+        name=f"local-stack-{cfg.engines}x{cfg.engine_kind.value}",
+        hardware="local",
+        nodes=1,
+        processes=tuple(processes),
+        registrations=tuple(
+            Registration(
+                router=f"http://{LOCAL_HOST}:{router_port}",
+                worker=f"http://{LOCAL_HOST}:{p}",
+                after_stage=1,
+                timeout_s=cfg.ready_timeout_s,
+            )
+            for p in ports
+        ),
+        notes=(f"model {cfg.model_path}", f"engines: {cfg.engines} x {cfg.engine_kind.value}"),
+    )
+
+
+def _check_stack_config(cfg: LocalStackConfig) -> None:
+    """Refuse a stack configuration that cannot run, naming the field."""
     if cfg.engines < 1:
         raise LaunchConfigError(f"engines={cfg.engines} must be >= 1")
     if cfg.turn_timeout_s is not None and not 0 < cfg.turn_timeout_s < math.inf:
@@ -136,53 +173,48 @@ def build_local_stack(cfg: LocalStackConfig) -> Plan:
             f"lora: {len(cfg.loras)} adapters ({', '.join(names)}) given, but the session "
             "router injects exactly one adapter per rollout; pass one --lora"
         )
-    # Every port the stack may need (engines, router, session router, metrics, teacher), chosen
-    # together so that no two are the same; the ones given on the command line go unused.
-    spare = iter(free_ports(cfg.engines + 4))
-    ports = cfg.engine_ports or tuple(next(spare) for _ in range(cfg.engines))
-    router_port = cfg.router_port or next(spare)
-    session_port = cfg.session_router_port or next(spare)
-    served = cfg.lora_adapter or (cfg.loras[0][0] if cfg.loras else None)
-    metrics_port = cfg.router_metrics_port or next(spare)
-    processes: list[ProcessSpec] = []
-    engines = [(f"engine-{i}", port, cfg.model_path) for i, port in enumerate(ports)]
-    if cfg.teacher_model_path is not None:
-        engines.append((TEACHER, next(spare), cfg.teacher_model_path))
-    for i, (name, port, model_path) in enumerate(engines):
-        args = Args()
-        src = f"local stack ({cfg.engine_kind.value})"
-        args.set("--model-path", model_path, source=src)
-        args.set("--host", LOCAL_HOST, source=src)
-        args.set("--port", port, source=src)
-        keyed = bool(cfg.api_key or cfg.api_key_file) and cfg.engine_kind is EngineKind.LOCAL
-        if keyed and cfg.api_key_file:
-            args.set("--api-key-file", cfg.api_key_file, source="local stack (per-stack key)")
-        if name != TEACHER and (cfg.loras or cfg.lora_adapter):
-            # Both engines take SGLang's spelling; --lora-paths is one nargs="+" flag
-            # (repeating it would keep only the last occurrence).
-            args.set("--enable-lora", source=src + " (--lora)")
-            if cfg.loras:
-                pairs = [f"{n}={path}" for n, path in cfg.loras]
-                args.set("--lora-paths", *pairs, source=src + " (--lora)")
-        args.extend_user(cfg.engine_args)
-        processes.append(
-            ProcessSpec(
-                name=name,
-                role=Role.ENGINE,
-                argv=(PYTHON, "-m", ENGINE_MODULES[cfg.engine_kind], *args.argv()),
-                # One GPU per SGLang engine (engine i on GPU i); the CPU engine needs none.
-                env={"CUDA_VISIBLE_DEVICES": str(i)}
-                if cfg.engine_kind is EngineKind.SGLANG
-                else _key_env(cfg)
-                if keyed
-                else {},
-                stage=0,
-                readiness=Readiness(
-                    url=f"http://{LOCAL_HOST}:{port}/health", timeout_s=cfg.ready_timeout_s
-                ),
-                explain=tuple(args.explain()),
-            )
-        )
+
+
+def _engine_process(
+    cfg: LocalStackConfig, i: int, name: str, port: int, model_path: str
+) -> ProcessSpec:
+    """Engine ``i`` (or the teacher) on ``port``, serving ``model_path``."""
+    args = Args()
+    src = f"local stack ({cfg.engine_kind.value})"
+    args.set("--model-path", model_path, source=src)
+    args.set("--host", LOCAL_HOST, source=src)
+    args.set("--port", port, source=src)
+    keyed = bool(cfg.api_key or cfg.api_key_file) and cfg.engine_kind is EngineKind.LOCAL
+    if keyed and cfg.api_key_file:
+        args.set("--api-key-file", cfg.api_key_file, source="local stack (per-stack key)")
+    if name != TEACHER and (cfg.loras or cfg.lora_adapter):
+        # Both engines take SGLang's spelling; --lora-paths is one nargs="+" flag
+        # (repeating it would keep only the last occurrence).
+        args.set("--enable-lora", source=src + " (--lora)")
+        if cfg.loras:
+            pairs = [f"{n}={path}" for n, path in cfg.loras]
+            args.set("--lora-paths", *pairs, source=src + " (--lora)")
+    args.extend_user(cfg.engine_args)
+    return ProcessSpec(
+        name=name,
+        role=Role.ENGINE,
+        argv=(PYTHON, "-m", ENGINE_MODULES[cfg.engine_kind], *args.argv()),
+        # One GPU per SGLang engine (engine i on GPU i); the CPU engine needs none.
+        env={"CUDA_VISIBLE_DEVICES": str(i)}
+        if cfg.engine_kind is EngineKind.SGLANG
+        else _key_env(cfg)
+        if keyed
+        else {},
+        stage=0,
+        readiness=Readiness(
+            url=f"http://{LOCAL_HOST}:{port}/health", timeout_s=cfg.ready_timeout_s
+        ),
+        explain=tuple(args.explain()),
+    )
+
+
+def _router_process(cfg: LocalStackConfig, router_port: int, metrics_port: int) -> ProcessSpec:
+    """sgl-router on ``router_port``: sessions stick to an engine, a dead engine fails over."""
     router = Args()
     router.set("--host", LOCAL_HOST, source="local stack")
     router.set("--port", router_port, source="local stack")
@@ -211,18 +243,22 @@ def build_local_stack(cfg: LocalStackConfig) -> Plan:
         source="local stack (client 4xx must not take an engine out; the health check fails over)",
     )  # fmt: skip
     router.extend_user(cfg.router_args)
-    processes.append(
-        ProcessSpec(
-            name="router",
-            role=Role.ROUTER,
-            argv=(PYTHON, "-m", ROUTER_MODULE, *router.argv()),
-            stage=0,
-            readiness=Readiness(
-                url=f"http://{LOCAL_HOST}:{router_port}/health", timeout_s=cfg.ready_timeout_s
-            ),
-            explain=tuple(router.explain()),
-        )
+    return ProcessSpec(
+        name="router",
+        role=Role.ROUTER,
+        argv=(PYTHON, "-m", ROUTER_MODULE, *router.argv()),
+        stage=0,
+        readiness=Readiness(
+            url=f"http://{LOCAL_HOST}:{router_port}/health", timeout_s=cfg.ready_timeout_s
+        ),
+        explain=tuple(router.explain()),
     )
+
+
+def _session_router_process(
+    cfg: LocalStackConfig, router_port: int, session_port: int, served: str | None
+) -> ProcessSpec:
+    """The session router on ``session_port`` in front of sgl-router, injecting ``served``."""
     session = Args()
     session.set("--upstream", f"http://{LOCAL_HOST}:{router_port}", source="local stack")
     session.set("--tokenizer", cfg.tokenizer_path or cfg.model_path, source="local stack")
@@ -237,36 +273,24 @@ def build_local_stack(cfg: LocalStackConfig) -> Plan:
             "--upstream-timeout-s", cfg.turn_timeout_s,
             source="local stack (--turn-timeout: a frozen engine's turn ends here)",
         )  # fmt: skip
+    if cfg.engine_kind is EngineKind.LOCAL:
+        session.set(
+            "--parallel-sampling",
+            source="local stack (local engines seed sample j of an n-request sampling_seed + j: "
+            "a group is one /generate)",
+        )  # fmt: skip
     if cfg.loras:
         # The engines load the adapter at startup: version 0 of it (its extra_key "<name>:v0").
         session.set("--lora-weight-version", 0, source="local stack (--lora)")
     session.extend_user(cfg.session_router_args)
-    processes.append(
-        ProcessSpec(
-            name="session-router",
-            role=Role.SESSION_ROUTER,
-            argv=(PYTHON, "-m", SESSION_ROUTER_MODULE, *session.argv()),
-            env=_key_env(cfg),
-            stage=1,
-            readiness=Readiness(
-                url=f"http://{LOCAL_HOST}:{session_port}/health", timeout_s=cfg.ready_timeout_s
-            ),
-            explain=tuple(session.explain()),
-        )
-    )
-    return Plan(
-        name=f"local-stack-{cfg.engines}x{cfg.engine_kind.value}",
-        hardware="local",
-        nodes=1,
-        processes=tuple(processes),
-        registrations=tuple(
-            Registration(
-                router=f"http://{LOCAL_HOST}:{router_port}",
-                worker=f"http://{LOCAL_HOST}:{p}",
-                after_stage=1,
-                timeout_s=cfg.ready_timeout_s,
-            )
-            for p in ports
+    return ProcessSpec(
+        name="session-router",
+        role=Role.SESSION_ROUTER,
+        argv=(PYTHON, "-m", SESSION_ROUTER_MODULE, *session.argv()),
+        env=_key_env(cfg),
+        stage=1,
+        readiness=Readiness(
+            url=f"http://{LOCAL_HOST}:{session_port}/health", timeout_s=cfg.ready_timeout_s
         ),
-        notes=(f"model {cfg.model_path}", f"engines: {cfg.engines} x {cfg.engine_kind.value}"),
+        explain=tuple(session.explain()),
     )

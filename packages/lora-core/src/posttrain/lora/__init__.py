@@ -5,6 +5,14 @@ linears (``attach_lora``), reduce its grads by explicit rules (``reduce_lora_gra
 true global grad norm (``lora_grad_norm``), assemble the full PEFT adapter on every rank
 (``export_adapter``), save / strictly load PEFT files, repack tensors for CUDA IPC, and push
 adapters to SGLang-compatible engines (``AdapterClient``).
+
+Also public, for the packages that shard tensors over explicit process groups (grpo's megatron
+backend): the collectives of ``comm`` (``group_size`` / ``group_rank``, ``all_gather_flat`` /
+``reduce_scatter_flat`` / ``gather_rows``, and the autograd pairs ``copy_to_group`` /
+``reduce_from_group`` and ``gather_from_seq`` / ``scatter_to_seq``), and
+``init_full_factor``, the layout-independent initial value of one LoRA factor (a layer that
+shards a factor its own way slices it, so every layout starts from the same adapter).
+Other packages import these from ``posttrain.lora``, never from its modules.
 """
 
 from __future__ import annotations
@@ -24,7 +32,18 @@ from posttrain.lora._errors import (
     ReplicaMismatchError,
 )
 from posttrain.lora.attach import LoraGroups, LoraHandle, Target, attach_lora
-from posttrain.lora.config import LoraConfig
+from posttrain.lora.comm import (
+    all_gather_flat,
+    copy_to_group,
+    gather_from_seq,
+    gather_rows,
+    group_rank,
+    group_size,
+    reduce_from_group,
+    reduce_scatter_flat,
+    scatter_to_seq,
+)
+from posttrain.lora.config import LoraConfig, init_full_factor
 from posttrain.lora.experts import ExpertLinear, LoraExpertLinear
 from posttrain.lora.export import export_adapter
 from posttrain.lora.grads import lora_grad_norm, reduce_lora_grads, verify_replicas
@@ -81,17 +100,27 @@ __all__ = [
     "ReplicaMismatchError",
     "RowShardedLinear",
     "Target",
+    "all_gather_flat",
     "attach_lora",
+    "copy_to_group",
     "export_adapter",
+    "gather_from_seq",
+    "gather_rows",
+    "group_rank",
+    "group_size",
+    "init_full_factor",
     "load_peft",
     "lora_grad_norm",
     "merge_into_base",
     "peft_key",
     "read_peft",
+    "reduce_from_group",
     "reduce_lora_grads",
+    "reduce_scatter_flat",
     "repack_for_ipc",
     "request_fields",
     "save_peft",
+    "scatter_to_seq",
     "serves_lora",
     "verify_replicas",
 ]

@@ -25,6 +25,14 @@ Public surface (see the package README for a tour):
   ``expand_media_tokens(prompt_ids, media, config)`` -> ``(ids, MediaBatch)``;
   ``forward_logprobs(..., media=MediaBatch.pack(...))`` and ``extend``/``prefill(media=)``;
   ``has_towers`` / ``tower_parameter_names`` for weight sync (derived from the structure).
+* Extension points for a subclass of ``DecoderModel`` that splits it over ranks (grpo's
+  megatron ``TensorParallelDecoder``): it may override the documented seams ``_moe`` (a MoE
+  layer's output; expert parallelism replaces it), ``_scatter_sequence`` /
+  ``_gather_sequence`` (the residual stream entering and leaving the layers; sequence
+  parallelism) and ``_gather_layer_tokens``; their argument types are public here:
+  ``MoeLayer`` / ``MlaLayer`` (the layer modules ``_moe`` receives), ``LoraRouting`` (which
+  adapter each token uses in one forward) and ``AdapterArg`` (the ``lora=`` argument of the
+  forwards: one ``LoraAdapter``, one per segment, or ``None``).
 * ``context_parallel`` -- CP/SP primitives: zigzag/contiguous layouts, autograd K/V gather,
   position-masked attention with relative bias, halo exchange for short convolutions; and the
   model level: ``forward_context_parallel`` (this rank's logits/logprobs of a ``DecoderModel``,
@@ -82,7 +90,7 @@ from posttrain.models._families import (
     supported_architectures,
 )
 from posttrain.models._hub import is_hub_id, resolve_model_dir
-from posttrain.models._lora import LoraAdapter
+from posttrain.models._lora import AdapterArg, LoraAdapter, LoraRouting
 from posttrain.models._media import (
     MediaBatch,
     MediaItem,
@@ -108,6 +116,8 @@ from posttrain.models._media_io import (
 )
 from posttrain.models._model import (
     DecoderModel,
+    MlaLayer,
+    MoeLayer,
     Numerics,
     Step,
     StrictKernels,
@@ -137,6 +147,7 @@ __all__ = [
     "MEDIA_TOKENS",
     "MULTIMODAL_VOCAB_SIZE",
     "VOCAB_SIZE",
+    "AdapterArg",
     "AttentionShape",
     "CacheError",
     "CacheLayout",
@@ -149,6 +160,7 @@ __all__ = [
     "LinearSite",
     "LoraAdapter",
     "LoraError",
+    "LoraRouting",
     "MediaBatch",
     "MediaError",
     "MediaFiles",
@@ -157,10 +169,12 @@ __all__ = [
     "MediaSpan",
     "MediaTower",
     "MissingTensorError",
+    "MlaLayer",
     "ModelConfig",
     "ModelConfigError",
     "ModelInputError",
     "ModelsError",
+    "MoeLayer",
     "Numerics",
     "PackedLayout",
     "RopeScaling",

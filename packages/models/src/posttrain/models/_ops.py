@@ -26,7 +26,7 @@ reduce in other orders); conformance to ``transformers`` is a tolerance test.
 from __future__ import annotations
 
 import math
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -41,6 +41,9 @@ _LOG_COEFFS = tuple(1.0 / n for n in (11, 9, 7, 5, 3, 1))  # atanh series in z**
 # Elements per chunk of the [rows, N, K] product tensor in ``linear``: bounds memory only;
 # rows are independent, so chunking never changes a result.
 _CHUNK_ELEMENTS = 1 << 17
+# Whether the strict kernels use their hand-written backwards (bit for bit autograd's own
+# gradients, far fewer ops); False selects autograd's, for benchmarks and tests only.
+_CUSTOM_BACKWARD = True
 
 
 def tree_sum(x: Tensor, dim: int = -1) -> Tensor:
@@ -56,10 +59,150 @@ def tree_sum(x: Tensor, dim: int = -1) -> Tensor:
     width = 1 << max(n - 1, 0).bit_length()
     if width != n:
         x = torch.cat([x, x.new_zeros((width - n, *x.shape[1:]))])
+    if _CUSTOM_BACKWARD and x.requires_grad and torch.is_grad_enabled():
+        out: Tensor = _TreeSum.apply(x)  # type: ignore[no-untyped-call]
+        return out
+    return _tree_levels(x)
+
+
+def _tree_levels(x: Tensor) -> Tensor:
+    """The pairwise tree over dim 0 of ``x`` (its length a power of two)."""
     while x.shape[0] > 1:
         half = x.shape[0] // 2
         x = x[:half] + x[half:]
     return x[0]
+
+
+def _tree_sum_owned(x: Tensor) -> Tensor:
+    """``tree_sum(x, dim=0)`` for a tensor nothing else holds (products just made): the levels
+    add in place into its first half (the same adds, so the same bits, without a new tensor
+    per level) unless autograd records them. Returns a new tensor, not a view of ``x``."""
+    if torch.is_grad_enabled() and x.requires_grad:
+        return tree_sum(x, dim=0)
+    n = x.shape[0]
+    width = 1 << max(n - 1, 0).bit_length()
+    if width != n:
+        x = torch.cat([x, x.new_zeros((width - n, *x.shape[1:]))])
+    while x.shape[0] > 1:
+        half = x.shape[0] // 2
+        x = x[:half].add_(x[half:])
+    return x[0].clone()
+
+
+class _TreeSum(torch.autograd.Function):
+    """``_tree_levels`` with a one-op backward.
+
+    Every input of the tree reaches the output with weight exactly 1, so each input row's
+    gradient is the output's gradient. Autograd's own backward of the levels builds it from
+    zero-filled slices added together (``g + 0``, level by level: ``-0.0`` becomes ``+0.0``,
+    every other value is exact), which cost more than the forward; this gives the same bits
+    (``g + 0.0``, materialised contiguous as autograd's was) in one copy.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor) -> Tensor:
+        ctx.rows = x.shape[0]
+        return _tree_levels(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Tensor:
+        return (grad + 0.0).expand(ctx.rows, *grad.shape).contiguous()
+
+
+def product_tree_sum(a: Tensor, b: Tensor) -> Tensor:
+    """``tree_sum(a * b, dim=0)`` (``a``, ``b`` broadcast together); gradients as autograd's.
+
+    The backward is autograd's for the product and the tree (``sum_to_size(G * b)`` and
+    ``sum_to_size(G * a)`` with ``G`` the output gradient ``+ 0.0`` repeated over dim 0,
+    see ``_TreeSum``), without walking the tree's levels.
+    """
+    if _CUSTOM_BACKWARD and torch.is_grad_enabled() and (a.requires_grad or b.requires_grad):
+        out: Tensor = _ProductTreeSum.apply(a, b)  # type: ignore[no-untyped-call]
+        return out
+    return _tree_sum_owned(a * b)
+
+
+class _ProductTreeSum(torch.autograd.Function):
+    """``product_tree_sum``'s autograd function."""
+
+    @staticmethod
+    def forward(ctx: Any, a: Tensor, b: Tensor) -> Tensor:
+        ctx.save_for_backward(a, b)
+        with torch.no_grad():
+            return _tree_sum_owned(a * b)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, Tensor | None]:
+        a, b = ctx.saved_tensors
+        # materialised like autograd's: the products' layout (so the reductions' order)
+        # follows the operands' strides
+        g = (grad + 0.0).expand(max(a.shape[0], b.shape[0]), *grad.shape).contiguous()
+        need_a, need_b = ctx.needs_input_grad
+        grad_a = (g * b).sum_to_size(a.shape) if need_a else None
+        grad_b = (g * a).sum_to_size(b.shape) if need_b else None
+        return grad_a, grad_b
+
+
+def _linear_step(k: int, n: int) -> int:
+    """Rows per chunk of the ``[K, rows, N]`` product tensor in ``StrictOps.linear``."""
+    return max(1, _CHUNK_ELEMENTS // max(1, n * k))
+
+
+def _strict_linear_rows(rows: Tensor, w_t: Tensor) -> Tensor:
+    """``rows[R, K] @ w`` for ``w_t[K, 1, N]`` (``w.t()``): products, then ``tree_sum`` over K."""
+    k, n = w_t.shape[0], w_t.shape[2]
+    step = _linear_step(k, n)
+    parts = [
+        _tree_sum_owned(rows[i : i + step].t().contiguous()[:, :, None] * w_t)  # [K, rows, N]
+        for i in range(0, rows.shape[0], step)
+    ]
+    return torch.cat(parts) if parts else rows.new_zeros((0, n))
+
+
+class _StrictLinear(torch.autograd.Function):
+    """``_strict_linear_rows`` with the gradients autograd computes for it, in fewer ops.
+
+    Autograd's backward of one chunk ``tree_sum(a * w_t)`` (``a = rows.t()[:, :, None]``) is
+    ``grad_a = sum_N(G * w_t)`` and ``grad_w_t = sum_rows(G * a)`` with ``G`` the chunk's output
+    gradient (``+ 0.0``: see ``_TreeSum``) broadcast over K; the chunks' ``grad_w_t`` add up
+    last chunk first (autograd runs the chunk made last first), and the rows' gradients come
+    back through zero-filled slices (``+ 0.0`` again when there is more than one chunk). This
+    computes those same reductions on the same shapes, so every gradient bit is autograd's,
+    without the slice and tree bookkeeping; the weight's gradient only when it is needed
+    (LoRA's frozen base weights need none).
+    """
+
+    @staticmethod
+    def forward(ctx: Any, rows: Tensor, w: Tensor) -> Tensor:
+        w_t = w.t().contiguous()[:, None, :]
+        ctx.save_for_backward(rows, w_t)
+        with torch.no_grad():
+            return _strict_linear_rows(rows, w_t)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, Tensor | None]:
+        rows, w_t = ctx.saved_tensors
+        k, n = w_t.shape[0], w_t.shape[2]
+        step = _linear_step(k, n)
+        starts = list(range(0, rows.shape[0], step))
+        need_x, need_w = ctx.needs_input_grad
+        grad = grad + 0.0
+        grads_x: list[Tensor] = []
+        grad_w: Tensor | None = None
+        for i in reversed(starts):
+            g = grad[i : i + step][None]  # [1, rows, N], broadcast over K
+            if need_x:
+                grads_x.append((g * w_t).sum(2, keepdim=True)[:, :, 0])  # [K, rows]
+            if need_w:
+                a = rows[i : i + step].t().contiguous()[:, :, None]
+                part = (g * a).sum(1, keepdim=True)  # [K, 1, N]
+                grad_w = part if grad_w is None else grad_w + part
+        grad_x = None
+        if need_x:
+            grad_x = torch.cat([gx.t() for gx in reversed(grads_x)])
+            if len(starts) > 1:
+                grad_x = grad_x + 0.0
+        return grad_x, (None if grad_w is None else grad_w[:, 0, :].t())
 
 
 def _pow2(k: Tensor) -> Tensor:
@@ -267,19 +410,15 @@ class StrictOps(FastOps):
     @staticmethod
     def linear(x: Tensor, weight: Tensor) -> Tensor:
         """``x @ weight.T`` as products plus ``tree_sum`` over K; each row computed alone."""
-        w_t = weight.float().t().contiguous()[:, None, :]  # [K, 1, N]
+        w = weight.float()
         lead = x.shape[:-1]
         rows = x.reshape(-1, x.shape[-1])
-        k, n = w_t.shape[0], w_t.shape[2]
-        step = max(1, _CHUNK_ELEMENTS // max(1, n * k))
-        parts = [
-            tree_sum(
-                rows[i : i + step].t().contiguous()[:, :, None] * w_t, dim=0
-            )  # products [K, rows, N]
-            for i in range(0, rows.shape[0], step)
-        ]
-        out = torch.cat(parts) if parts else rows.new_zeros((0, n))
-        return out.reshape(*lead, n)
+        grad = torch.is_grad_enabled() and (rows.requires_grad or w.requires_grad)
+        if _CUSTOM_BACKWARD and grad and rows.shape[0]:  # no rows: no graph, as before
+            out: Tensor = _StrictLinear.apply(rows, w)  # type: ignore[no-untyped-call]
+        else:
+            out = _strict_linear_rows(rows, w.t().contiguous()[:, None, :])
+        return out.reshape(*lead, w.shape[0])
 
     @staticmethod
     def sum_last(x: Tensor) -> Tensor:
@@ -333,7 +472,7 @@ class StrictOps(FastOps):
         # products laid out [hd, T, nkv, g, C]: the reduced dim leads
         k_t = keys.permute(3, 0, 2, 1).contiguous()[:, :, :, None, :]  # [hd, T, nkv, 1, C]
         scores = (
-            tree_sum(q.permute(3, 0, 1, 2).contiguous()[..., None] * k_t, dim=0) * scale
+            product_tree_sum(q.permute(3, 0, 1, 2).contiguous()[..., None], k_t) * scale
         )  # [T, nkv, g, C]
         if bias is not None:
             scores = scores + bias
@@ -342,8 +481,8 @@ class StrictOps(FastOps):
         e = torch.where(mask, exp_strict(z.masked_fill(~mask, 0.0)), 0.0)
         probs = e / tree_sum(e)[..., None]
         v_t = values.permute(1, 0, 2, 3).contiguous()[:, :, :, None, :]  # [C, T, nkv, 1, hd]
-        return tree_sum(
-            probs.permute(3, 0, 1, 2).contiguous()[..., None] * v_t, dim=0
+        return product_tree_sum(
+            probs.permute(3, 0, 1, 2).contiguous()[..., None], v_t
         )  # [T, nkv, g, hd]
 
     @staticmethod

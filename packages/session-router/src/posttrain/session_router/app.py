@@ -10,7 +10,9 @@
                                                    no chat template (base models)
     POST   /sessions/{id}/samples                  assembled samples (samples/1: posttrain.formats)
     POST   /rollouts      {"n", "turn", "seeds"}   a group: n one-turn samples, each its own
-                                                   session (created, run, assembled, deleted)
+                                                   session (created, run, assembled, deleted);
+                                                   with parallel_sampling one upstream /generate
+                                                   with sampling_params.n
     *      /sessions/{id}/{path}                   raw proxy with the routing key, not recorded,
                                                    for the upstream routes in PROXY_ROUTES only
 
@@ -46,8 +48,9 @@ import hmac
 import logging
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping
+from dataclasses import dataclass
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, Literal
 
 import httpx
 import orjson
@@ -345,14 +348,7 @@ async def _generate_and_commit(
         req.body, cfg, prepared.prompt_ids, weight_version=state.weight_version
     )
     request_ts = time.time()
-    started = time.perf_counter()
-    upstream = await server.upstream.request(
-        "POST",
-        "/generate",
-        content=dumps(body),
-        headers=forward_headers(list(headers), session_id) | {"content-type": "application/json"},
-    )
-    server.metrics.upstream_seconds.observe(time.perf_counter() - started)
+    upstream = await _post_generate(server, headers, session_id, body)
     if upstream.status_code != 200:
         server.metrics.turns.labels("upstream_error").inc()
         if upstream.status_code >= 500:
@@ -405,6 +401,24 @@ async def _generate_and_commit(
             fake_stream(completion), media_type="text/event-stream", headers=SSE_HEADERS
         )
     return _json(completion)
+
+
+async def _post_generate(
+    server: SessionServer,
+    headers: Iterable[tuple[str, str]],
+    session_id: str,
+    body: dict[str, Any],
+) -> UpstreamReply:
+    """POST ``body`` to the upstream's ``/generate`` with the session's routing key (timed)."""
+    started = time.perf_counter()
+    upstream = await server.upstream.request(
+        "POST",
+        "/generate",
+        content=dumps(body),
+        headers=forward_headers(list(headers), session_id) | {"content-type": "application/json"},
+    )
+    server.metrics.upstream_seconds.observe(time.perf_counter() - started)
+    return upstream
 
 
 async def samples(request: Request) -> Response:
@@ -472,6 +486,12 @@ async def rollouts(request: Request) -> Response:
     With ``turn_timeout_s``, a turn with no reply within it (or the upstream's 504) is an
     ``aborted`` sample with no tokens and ``metadata["abort_reason"]``; any other failure of a
     sample fails the group with that sample's error, and no session outlives the request.
+
+    With ``parallel_sampling`` (``--parallel-sampling``) and seeds ``s, s+1, ..., s+n-1`` (or
+    none, and no ``seed`` in ``turn``), the n turns go upstream as ONE ``/generate`` with
+    ``sampling_params.n`` and ``sampling_seed=s`` (``_rollouts_with_n``): the engine draws sample
+    j with seed ``s + j``, exactly what sample j's own request would draw. An engine that
+    refuses ``n`` (a 4xx) or answers it with one object falls back to one request per sample.
     """
     server = _server(request)
     body = _json_object(await server.read_body(request))
@@ -480,6 +500,17 @@ async def rollouts(request: Request) -> Response:
     raw = "prompt" in turn
     headers = list(request.headers.items())
     left: asyncio.Future[Any] = asyncio.ensure_future(request.receive())
+    base = _parallel_base_seed(server.cfg.parallel_sampling, n, turn, seeds)
+    if base is not False:
+        one = _Group(server, headers, turn, n, base, version, metadata, deadline, left, raw)
+        try:
+            answered = await _rollouts_with_n(one)
+        except BaseException:
+            left.cancel()
+            raise
+        if answered is not None:
+            left.cancel()
+            return answered
     try:
         async with asyncio.TaskGroup() as group:
             tasks = [
@@ -571,21 +602,166 @@ async def _group_sample(
                                              f"(504): {exc.url}")  # fmt: skip
         if response.status_code != 200:
             raise _SampleTurnFailedError(index, response)
-        try:
-            result = await _assemble(server, state, None, metadata)
-        except (SampleAssemblyError, ConfigError) as exc:
-            raise _SampleTurnFailedError(index, Response(str(exc), status_code=422)) from exc
-        if len(result.samples) != 1:
-            why = result.empty_reason or "expected exactly 1"
-            raise _SampleTurnFailedError(index, Response(
-                f"session {state.session_id} assembled {len(result.samples)} samples ({why})",
-                status_code=422,
-            ))  # fmt: skip
-        sample = result.samples[0]
-        sample.metadata.setdefault("session_id", state.session_id)
-        return sample
+        return await _one_sample(server, state, metadata, index)
     finally:
         server.drop(state.session_id)
+
+
+async def _one_sample(
+    server: SessionServer, state: SessionState, metadata: dict[str, Any], index: int
+) -> Sample:
+    """Sample ``index`` of a group: its one-turn session assembled (422 naming it otherwise)."""
+    try:
+        result = await _assemble(server, state, None, metadata)
+    except (SampleAssemblyError, ConfigError) as exc:
+        raise _SampleTurnFailedError(index, Response(str(exc), status_code=422)) from exc
+    if len(result.samples) != 1:
+        why = result.empty_reason or "expected exactly 1"
+        raise _SampleTurnFailedError(index, Response(
+            f"session {state.session_id} assembled {len(result.samples)} samples ({why})",
+            status_code=422,
+        ))  # fmt: skip
+    sample = result.samples[0]
+    sample.metadata.setdefault("session_id", state.session_id)
+    return sample
+
+
+def _parallel_base_seed(
+    enabled: bool, n: int, turn: Mapping[str, Any], seeds: list[int] | None
+) -> int | Literal[False] | None:
+    """The ``sampling_seed`` of a group's one ``n`` request: ``seeds[0]`` when the seeds are
+    consecutive (sample j's is ``seeds[0] + j``, as the engine draws), None for no seeds (and no
+    ``seed`` or ``sampling_params.sampling_seed`` in the turn, which the per-sample path would
+    give every sample alike); False when the group must go one request per sample."""
+    if not enabled or n < 2:
+        return False
+    if seeds is None:
+        explicit = turn.get("sampling_params")
+        pinned = isinstance(explicit, dict) and explicit.get("sampling_seed") is not None
+        return None if turn.get("seed") is None and not pinned else False
+    return seeds[0] if seeds == list(range(seeds[0], seeds[0] + n)) else False
+
+
+@dataclass(frozen=True, slots=True)
+class _Group:
+    """A ``POST /rollouts`` group on its way upstream as one request with ``n``."""
+
+    server: SessionServer
+    headers: list[tuple[str, str]]
+    turn: dict[str, Any]
+    n: int
+    seed: int | None
+    version: int | None
+    metadata: dict[str, Any]
+    deadline: float | None
+    left: asyncio.Future[Any]
+    raw: bool
+
+
+async def _rollouts_with_n(group: _Group) -> Response | None:
+    """The group's n samples from one upstream ``/generate`` with ``sampling_params.n``; None
+    when the engine refused ``n`` (the caller then sends one request per sample).
+
+    Each sample is still its own session (created, its turn committed, assembled, deleted), its
+    record the request its own ``/generate`` would have been (``sampling_seed`` s + j, no ``n``)
+    and reply item j, so its token ids and logprobs are the engine's and ``/samples`` assembles
+    it as it would the per-sample turn. The one request carries sample 0's routing key. A turn
+    past ``turn_timeout_s`` (or the upstream's 504) aborts every sample; a reply item that is
+    not a valid turn fails the group naming that sample.
+    """
+    server, n = group.server, group.n
+    states = [server.create(weight_version=group.version) for _ in range(n)]
+    try:
+        prepare = _prepare_completion if group.raw else _prepare_chat
+        first = group.turn if group.seed is None else {**group.turn, "seed": group.seed}
+        try:
+            async with asyncio.timeout(group.deadline):
+                # A fresh session's turn: the same prompt for every sample, tokenized once.
+                req, prepared = await prepare(server, states[0], dumps(first))
+                body = build_generate_body(
+                    req.body, server.cfg, prepared.prompt_ids, weight_version=group.version
+                )
+                body["sampling_params"]["n"] = n
+                request_ts = time.time()
+                upstream = await _post_generate(server, group.headers, states[0].session_id, body)
+        except TimeoutError:
+            why = f"no reply within turn_timeout_s={group.deadline:g} s"
+            return _all_aborted(states, group.metadata, why)
+        except UpstreamTimeoutError as exc:
+            if group.deadline is None:
+                raise
+            why = f"the session server's upstream call timed out (504): {exc.url}"
+            return _all_aborted(states, group.metadata, why)
+        if 400 <= upstream.status_code < 500:
+            _log.warning("upstream refused n=%d (%d): one request per sample", n,
+                         upstream.status_code)  # fmt: skip
+            return None
+        if upstream.status_code != 200:
+            server.metrics.turns.labels("upstream_error").inc(n)
+            return _error(502, f"samples 0-{n - 1} (one /generate with n={n}): upstream "
+                               f"answered {upstream.status_code}: {upstream.text[:500]}")  # fmt: skip
+        try:
+            payload = orjson.loads(upstream.content)
+        except orjson.JSONDecodeError as exc:
+            raise UpstreamReplyError(
+                f"upstream reply is not JSON: {exc}", url=upstream.url
+            ) from exc
+        if isinstance(payload, dict):
+            _log.warning("upstream answered n=%d with one object: one request per sample", n)
+            return None
+        if not isinstance(payload, list) or len(payload) != n:
+            count = len(payload) if isinstance(payload, list) else type(payload).__name__
+            raise UpstreamReplyError(
+                f"upstream reply to n={n}: expected a list of {n} samples, got {count}",
+                url=upstream.url,
+            )
+        if _client_left(group.left):
+            server.metrics.turns.labels("abandoned").inc(n)
+            return _error(499, "client disconnected before the reply; no turn was committed")
+        samples: list[Sample] = []
+        for j, (state, item) in enumerate(zip(states, payload, strict=True)):
+            try:
+                reply = parse_generate_reply(
+                    item, prompt_len=len(prepared.prompt_ids), url=upstream.url,
+                    with_media="image_data" in body or "audio_data" in body,
+                )  # fmt: skip
+            except UpstreamReplyError as exc:
+                return _sample_error(_SampleTurnFailedError(j, _error(502, str(exc))))
+            record = TurnRecord(
+                timestamp=time.time(), request_timestamp=request_ts, method="POST",
+                path="/generate", request=_sample_body(body, group.seed, j), response=item,
+                status_code=200, prompt_ids=prepared.prompt_ids, output_ids=reply.output_ids,
+                output_logprobs=reply.output_logprobs, finish_reason=reply.finish_reason,
+            )  # fmt: skip
+            async with state.lock:
+                committed = commit_turn(
+                    state, prepared, reply, record, {"role": "assistant", "content": reply.text},
+                    max_trim_tokens=server.cfg.max_trim_tokens,
+                )  # fmt: skip
+            server.metrics.turns.labels("committed" if committed else "not_committed").inc()
+            try:
+                samples.append(await _one_sample(server, state, group.metadata, j))
+            except _SampleTurnFailedError as failed:
+                return _sample_error(failed)
+        return Response(encode_samples(samples), media_type="application/octet-stream")
+    finally:
+        for state in states:
+            server.drop(state.session_id)
+
+
+def _sample_body(body: Mapping[str, Any], seed: int | None, j: int) -> dict[str, Any]:
+    """Sample j's share of an ``n`` request: the body its own ``/generate`` would have sent."""
+    sampling = {k: v for k, v in body["sampling_params"].items() if k != "n"}
+    if seed is not None:
+        sampling["sampling_seed"] = seed + j
+    return {**body, "sampling_params": sampling}
+
+
+def _all_aborted(states: list[SessionState], metadata: dict[str, Any], reason: str) -> Response:
+    return Response(
+        encode_samples([_aborted(s, metadata, reason) for s in states]),
+        media_type="application/octet-stream",
+    )
 
 
 def _aborted(state: SessionState, metadata: dict[str, Any], reason: str) -> Sample:

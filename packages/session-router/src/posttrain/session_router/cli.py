@@ -130,6 +130,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="token ids the exact-text tokenization cache may hold (0: off)",
     )
     p.add_argument(
+        "--parallel-sampling",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="send a POST /rollouts group upstream as one /generate with sampling_params.n "
+        "(sample j seeded sampling_seed + j); only for engines that seed parallel samples so "
+        "(posttrain.local_engine; SGLang gives all n samples one seed); off: one /generate per "
+        "sample",
+    )
+    p.add_argument(
         "--allocator",
         choices=ALLOCATORS,
         default=DEFAULT_ALLOCATOR,
@@ -170,6 +179,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             session_ttl_s=args.session_ttl_s,
             upstream_timeout_s=args.upstream_timeout_s,
             encode_cache_tokens=args.encode_cache_tokens,
+            parallel_sampling=args.parallel_sampling,
         )
         app = create_app(cfg)
         if upstream_is_router(cfg.upstream_url):

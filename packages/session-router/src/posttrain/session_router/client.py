@@ -33,6 +33,8 @@ import httpx
 
 from posttrain.formats import DecodedSamples, decode_samples
 from posttrain.interface import (
+    ABORT_REASON_KEY,
+    SESSION_ID_KEY,
     ConfigError,
     MediaRef,
     Sample,
@@ -220,8 +222,8 @@ class SessionRolloutClient:
             return Sample(
                 prompt_ids=[], response_ids=[], rollout_logprobs=[], loss_mask=[],
                 status=SampleStatus.ABORTED,
-                metadata={**dict(metadata or {}), "session_id": session_id,
-                          "abort_reason": aborted},
+                metadata={**dict(metadata or {}), SESSION_ID_KEY: session_id,
+                          ABORT_REASON_KEY: aborted},
             )  # fmt: skip
         decoded = decode_samples(reply.content)
         if len(decoded.samples) != 1:
@@ -230,7 +232,7 @@ class SessionRolloutClient:
                 f"({decoded.empty_reason or 'expected exactly 1'})"
             )
         sample = decoded.samples[0]
-        sample.metadata.setdefault("session_id", session_id)  # which session drew it
+        sample.metadata.setdefault(SESSION_ID_KEY, session_id)  # which session drew it
         return sample
 
     async def _turn(

@@ -49,6 +49,10 @@ class SessionRouterConfig:
     (a stop token the chat template renders differently). ``lora_weight_version`` is the
     version of the adapter the engines loaded at startup; a session created with its own
     ``weight_version`` (the trainer's latest push) uses that instead.
+    ``parallel_sampling``: a ``POST /rollouts`` group goes upstream as one ``/generate`` with
+    ``sampling_params.n`` (see ``app.rollouts``). Only for engines that draw sample ``j`` with
+    ``sampling_seed + j`` (posttrain's local engine): SGLang gives all n samples the request's
+    one ``sampling_seed``, so with deterministic inference its n samples would be equal.
     """
 
     upstream_url: str
@@ -67,6 +71,7 @@ class SessionRouterConfig:
     # Token ids the exact-text tokenization cache may hold (0 turns it off); see template.py.
     encode_cache_tokens: int = DEFAULT_ENCODE_CACHE_TOKENS
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    parallel_sampling: bool = False
 
     def __post_init__(self) -> None:
         if not self.upstream_url.startswith(("http://", "https://")):
@@ -94,6 +99,8 @@ class SessionRouterConfig:
         version = self.lora_weight_version
         if version is not None and not is_weight_version(version):
             raise ConfigError(f"lora_weight_version must be an int >= 0, got {version!r}")
+        if not isinstance(self.parallel_sampling, bool):
+            raise ConfigError(f"parallel_sampling must be a bool, got {self.parallel_sampling!r}")
         if self.matcher not in MATCHER_NAMES:
             raise ConfigError(f"matcher must be one of {MATCHER_NAMES}, got {self.matcher!r}")
 

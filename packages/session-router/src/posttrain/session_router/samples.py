@@ -35,6 +35,7 @@ from typing import Any
 
 from posttrain.formats import STUDENT_TOP_LOGPROBS_KEY
 from posttrain.interface import (
+    WEIGHT_VERSIONS_KEY,
     ConfigError,
     MediaKind,
     MediaRef,
@@ -255,6 +256,6 @@ def assemble_samples(
         **dict(metadata or {}),
         "num_turns": len(records),
         "merged_turns": used,
-        "weight_versions": [_weight_version(r) for r in records],
+        WEIGHT_VERSIONS_KEY: [_weight_version(r) for r in records],
     }
     return AssembledSamples(samples=[merged], empty_reason=None, session_metadata=session_meta)

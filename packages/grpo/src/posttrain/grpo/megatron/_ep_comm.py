@@ -31,7 +31,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
-from posttrain.lora.comm import all_gather_flat, group_size
+from posttrain.lora import all_gather_flat, group_size
 
 
 def all_reduce_scaled(grads: list[Tensor], group: ProcessGroup | None, scale: float) -> None:

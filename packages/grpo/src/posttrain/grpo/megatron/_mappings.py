@@ -29,9 +29,9 @@ import torch
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
-from posttrain.lora.comm import gather_from_seq as gather_tokens
-from posttrain.lora.comm import gather_rows, group_rank, group_size
-from posttrain.lora.comm import scatter_to_seq as reduce_scatter_tokens
+from posttrain.lora import gather_from_seq as gather_tokens
+from posttrain.lora import gather_rows, group_rank, group_size
+from posttrain.lora import scatter_to_seq as reduce_scatter_tokens
 
 __all__ = ["gather_tokens", "gather_tokens_keep_grad", "reduce_scatter_tokens", "split_tokens"]
 

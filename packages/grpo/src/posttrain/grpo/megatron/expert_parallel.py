@@ -106,9 +106,7 @@ from posttrain.grpo.megatron.expert_state import (
     lora_module_name,
     reduce_expert_parallel_grads,
 )
-from posttrain.lora import LoraConfig
-from posttrain.lora.comm import group_rank, group_size
-from posttrain.lora.config import init_full_factor
+from posttrain.lora import LoraConfig, group_rank, group_size, init_full_factor
 from posttrain.models import (
     FastOps,
     ModelConfig,

@@ -27,7 +27,7 @@ from torch import Tensor
 from posttrain.formats import peft_key
 from posttrain.grpo._errors import GrpoConfigError, GrpoInputError
 from posttrain.grpo.megatron._ep_comm import all_gather_bytes, all_reduce_scaled
-from posttrain.lora.comm import group_size
+from posttrain.lora import group_size
 from posttrain.models import ModelConfig
 
 if TYPE_CHECKING:

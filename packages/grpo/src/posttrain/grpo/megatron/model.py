@@ -75,7 +75,7 @@ from posttrain.grpo.megatron.layers import (
     ParallelSite,
     parallel_config,
 )
-from posttrain.lora.comm import all_gather_flat
+from posttrain.lora import all_gather_flat
 from posttrain.models import (
     DecoderModel,
     ModelConfig,
@@ -86,9 +86,7 @@ from posttrain.models import (
 )
 
 if TYPE_CHECKING:  # the decoder's own types, for the overridden seams' signatures
-    from posttrain.models import MediaBatch
-    from posttrain.models._lora import AdapterArg, LoraRouting
-    from posttrain.models._model import MlaLayer, MoeLayer
+    from posttrain.models import AdapterArg, LoraRouting, MediaBatch, MlaLayer, MoeLayer
 
 # Inkling-style blocks whose weights are laid out per head / per channel of a sharded dim.
 _UNSHARDED_EXTENSIONS = ("sconv_kernel_size", "rel_pos_dim", "qk_norm_per_head")

@@ -1,0 +1,160 @@
+"""The trainer's strict CPU train step, autograd's own backward vs the strict kernels' backwards.
+
+What the default ``posttrain grpo`` trains, without the rest of the stack: the recipe's policy
+(``recipe.prepare``: the cached checkpoint), LoRA on the recipe's targets, strict numerics,
+FSDP over ``--world`` gloo ranks (2, as ``posttrain grpo`` runs) at one torch thread each,
+and per step 64 samples (8 prompts x 8 samples: the recipe's chat prompts, up to 4 response
+tokens) split over the ranks. ``train_step`` is the trainer's own: forward, GRPO loss,
+backward, gradient reduction, clipping, AdamW.
+
+Two policies are built from the same checkpoint on every rank and stepped interleaved, the
+same samples each step:
+
+* **autograd**: the strict kernels differentiated by autograd op by op (the backward before
+  issue 38: ``posttrain.models._ops._CUSTOM_BACKWARD = False``, for this benchmark only);
+* **custom**: the strict kernels' own backwards (``_StrictLinear``, ``_ProductTreeSum``,
+  ``_TreeSum``).
+
+The script checks that the two stay **bit for bit** the same run (every metric of every step,
+every trainable parameter after the last step) and that the first step's trainer logprobs of
+the response tokens equal the strict decode's (``extend`` on a KV cache, the engine's path) to
+the bit: ``train_rollout_logprob_max_abs_diff`` 0. Reported: the median step time of each
+(rank 0's wall and thread CPU seconds), with the load average before and after. Command::
+
+    uv run python packages/grpo/benchmarks/bench_strict_train_step.py --steps 10
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import random
+import statistics
+import sys
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from posttrain.grpo.config import GrpoConfig
+from posttrain.grpo.recipe import RECIPE, cache_dir, prepare
+from posttrain.grpo.rewards import build_task
+from posttrain.grpo.trainer import Policy, TrainSample, shard_policy, train_step
+from posttrain.interface.processes import run_workers
+from posttrain.models import DecoderModel, Numerics, _ops, build_tokenizer, load_pretrained
+
+PATHS = ("autograd", "custom")
+
+
+def step_samples(model: DecoderModel, step: int, count: int) -> list[TrainSample]:
+    """``count`` samples of step ``step``: recipe prompts, random 1-4 token responses, their
+    rollout logprobs from the strict decode of ``model`` (the policy before any update)."""
+    tok = build_tokenizer()
+    prompts = build_task("addition", lambda ids: "").prompts
+    rng = random.Random(step)
+    out = []
+    for g in range(count):
+        p = prompts[rng.randrange(len(prompts))]
+        text = tok.apply_chat_template(list(p.messages), add_generation_prompt=True, tokenize=False)
+        ids = list(tok.encode(str(text), add_special_tokens=False))
+        resp = [rng.randrange(4, model.config.vocab_size) for _ in range(rng.randint(1, 4))]
+        cache = model.new_kv_cache(1)
+        first = model.prefill(cache, 0, ids).logprobs[-1]
+        lps = [float(first[resp[0]])]
+        for prev, nxt in itertools.pairwise(resp):
+            lps.append(float(model.decode_step(cache, [0], [prev]).logprobs[0, nxt]))
+        adv = 1.0 if g % 2 else -1.0
+        out.append(TrainSample(tokens=ids + resp, prompt_len=len(ids), loss_mask=[1] * len(resp),
+                               rollout_logprobs=lps, advantages=[adv] * len(resp)))  # fmt: skip
+    return out
+
+
+def _policy(path: str, cfg: GrpoConfig) -> Policy:
+    return shard_policy(
+        load_pretrained(path, numerics=Numerics.STRICT), cfg, device=torch.device("cpu")
+    )
+
+
+def _rank(rank: int, world: int, args: argparse.Namespace, path: str) -> dict[str, Any]:
+    cfg = GrpoConfig(
+        train=args.train, replicate=1, shard=world, lr=RECIPE["full_lr" if args.train == "full"
+        else "lr"], lora_targets=RECIPE["lora_targets"], lora_r=RECIPE["lora_r"],
+        lora_alpha=RECIPE["lora_alpha"], max_grad_norm=RECIPE["max_grad_norm"], model_path=path,
+    )  # fmt: skip
+    reference = load_pretrained(path, numerics=Numerics.STRICT)
+    with torch.no_grad():
+        steps = [step_samples(reference, s, args.samples) for s in range(args.steps)]
+    policies = {name: _policy(path, cfg) for name in PATHS}
+    wall: dict[str, list[float]] = {name: [] for name in PATHS}
+    cpu: dict[str, list[float]] = {name: [] for name in PATHS}
+    metrics: dict[str, list[dict[str, float]]] = {name: [] for name in PATHS}
+    for s, samples in enumerate(steps):
+        tokens = sum(x.response_len for x in samples)
+        mine = samples[rank::world]
+        for name in PATHS if s % 2 else PATHS[::-1]:  # alternate which path goes first
+            _ops._CUSTOM_BACKWARD = name == "custom"
+            dist.barrier()
+            t0, c0 = time.perf_counter(), time.thread_time()
+            m = train_step(policies[name], mine, cfg, global_batch_size=len(samples),
+                           global_token_count=tokens)  # fmt: skip
+            c1, t1 = time.thread_time(), time.perf_counter()
+            metrics[name].append(m)
+            if s >= args.warmup:
+                wall[name].append(t1 - t0)
+                cpu[name].append(c1 - c0)
+    _ops._CUSTOM_BACKWARD = True
+    same_params = all(
+        torch.equal(a.detach().full_tensor() if hasattr(a, "full_tensor") else a.detach(),
+                    b.detach().full_tensor() if hasattr(b, "full_tensor") else b.detach())
+        for a, b in zip(policies["autograd"].trainable(), policies["custom"].trainable(),
+                        strict=True)
+    )  # fmt: skip
+    diff = "train_rollout_logprob_max_abs_diff"
+    return {
+        "same_metrics": metrics["autograd"] == metrics["custom"],
+        "same_params": same_params,
+        "first_step_max_abs_diff": {n: metrics[n][0][diff] for n in PATHS},
+        "grad_norms": [m["grad_norm"] for m in metrics["custom"]],
+        "wall_s": wall,
+        "cpu_s": cpu,
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=2, help="steps left out of the medians")
+    parser.add_argument("--samples", type=int, default=64, help="samples per step (all ranks)")
+    parser.add_argument("--world", type=int, default=2)
+    parser.add_argument("--train", choices=("lora", "full"), default="lora")
+    parser.add_argument("--seed", type=int, default=0, help="the recipe's seed")
+    args = parser.parse_args()
+    if args.steps <= args.warmup:
+        parser.error("--steps must exceed --warmup")
+    path = prepare(cache_dir(), args.seed)["policy"]
+    load_before = os.getloadavg()
+    per_rank = run_workers(_rank, args.world, args=(args, path), timeout_s=1800.0)
+    load_after = os.getloadavg()
+    r0 = per_rank[0]
+    medians = {n: {"wall_s": round(statistics.median(r0["wall_s"][n]), 4),
+                   "cpu_s": round(statistics.median(r0["cpu_s"][n]), 4)} for n in PATHS}  # fmt: skip
+    result = {
+        "train": args.train, "world": args.world, "samples": args.samples, "steps": args.steps,
+        "load_avg_before": [round(x, 2) for x in load_before],
+        "load_avg_after": [round(x, 2) for x in load_after],
+        "step_median": medians,
+        "speedup_wall": round(medians["autograd"]["wall_s"] / medians["custom"]["wall_s"], 2),
+        "bit_identical": all(r["same_metrics"] and r["same_params"] for r in per_rank),
+        "first_step_max_abs_diff": r0["first_step_max_abs_diff"],
+        "grad_norms": r0["grad_norms"],
+    }  # fmt: skip
+    print(json.dumps(result))
+    ok = result["bit_identical"] and all(v == 0.0 for v in r0["first_step_max_abs_diff"].values())
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
