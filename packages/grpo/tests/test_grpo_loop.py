@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from pathlib import Path
 from typing import Any
 
@@ -98,13 +99,20 @@ class _FixedEngine:
                       weight_version=weight_version)  # fmt: skip
 
 
-@pytest.mark.timeout(180)
-def test_a_kill_after_a_checkpoint_loses_no_metrics_line(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+@pytest.mark.timeout(240)
+def test_a_kill_after_a_checkpoint_loses_no_metrics_line(tmp_path: Path) -> None:
     """Each step's ``metrics.jsonl`` line is written before its checkpoint: a run killed right
     after saving step 1 has step 1's line, and its resume (from step 1's checkpoint) adds step 2's:
-    one line per step, none lost."""
+    one line per step, none lost. The runs train in a forked process: a backward pass in
+    pytest's own process would break every later test that forks ranks (autograd's threads and
+    fork do not mix)."""
+    from posttrain.interface.processes import run_workers
+
+    run_workers(_kill_then_resume, 1, args=(tmp_path,), backend=None, timeout_s=200)
+
+
+def _kill_then_resume(rank: int, world: int, tmp_path: Path) -> None:
+    """The body of the test above, in its own process (single rank, in-process ``run``)."""
     from grpo_workers import RecordingSink, save_tiny_checkpoint
 
     from posttrain.grpo import checkpoint, loop
@@ -125,10 +133,12 @@ def test_a_kill_after_a_checkpoint_loses_no_metrics_line(
     out = tmp_path / "out"
     cfg = GrpoConfig(model_path=Path(model), replicate=1, shard=1, steps=3, checkpoint_every=1,
                      prompts_per_step=2, samples_per_prompt=2, out_dir=out)  # fmt: skip
-    monkeypatch.setattr(loop.checkpoint, "save", save_then_die)
+    torchrun_names = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    environ_before = {name: os.environ.get(name) for name in torchrun_names}
+    loop.checkpoint.save = save_then_die  # type: ignore[assignment]
     with pytest.raises(_KilledError):
         run(cfg, task=task, engine=_FixedEngine(), weight_sinks=[RecordingSink()])
-    monkeypatch.setattr(loop.checkpoint, "save", real_save)
+    loop.checkpoint.save = real_save  # type: ignore[assignment]
     lines = (out / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(x)["step"] for x in lines] == [0, 1]
     assert checkpoint.find(out).name == "iter_0000001"
@@ -139,3 +149,6 @@ def test_a_kill_after_a_checkpoint_loses_no_metrics_line(
     assert [r["step"] for r in records] == [0, 1, 2]
     assert [r["step"] for r in records[:2]] == [json.loads(x)["step"] for x in lines]
     assert records[1] == json.loads(lines[1])  # the killed run's line, kept as written
+    # the in-process single rank left this process's torchrun variables as they were (a
+    # leftover RANK would make the next in-process run think it is under torchrun)
+    assert {name: os.environ.get(name) for name in torchrun_names} == environ_before

@@ -202,12 +202,19 @@ def _preflight_on_rank0(config: GrpoConfig, skip: Sequence[str]) -> None:
 
 
 def _run_rank(cfg: GrpoConfig, plugged: Plugged) -> dict[str, Any] | None:
-    _init_process_group(cfg)
+    """One trainer rank. A single rank run in the caller's own process (``run`` from Python, a
+    test) leaves that process as it found it: the group destroyed, the torchrun variables it set
+    removed and the thread count restored, so a later run or fork starts clean."""
+    threads = torch.get_num_threads()
+    added = _init_process_group(cfg)
     torch.set_num_threads(int(os.environ.get("POSTTRAIN_TRAINER_THREADS", "1")))
     try:
         return _train(cfg, plugged)
     finally:
         dist.destroy_process_group()
+        for name in added:
+            os.environ.pop(name, None)
+        torch.set_num_threads(threads)
 
 
 def _train(cfg: GrpoConfig, plugged: Plugged) -> dict[str, Any] | None:
@@ -645,17 +652,30 @@ def _broadcast(obj: Any) -> Any:
 # --------------------------------------------------------------------------- process groups
 
 
-def _init_process_group(cfg: GrpoConfig) -> None:
+def _init_process_group(cfg: GrpoConfig) -> list[str]:
+    """Join (or, for a single rank on its own, form) the trainer's gloo group; the names of
+    the environment variables it set (a single rank's torchrun variables), for the caller to
+    remove when the group is destroyed."""
     if dist.is_initialized():
-        return
+        return []
+    added: list[str] = []
     if "RANK" not in os.environ:  # a single rank on its own
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(free_port()))
+        single = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RANK": "0",
+                  "WORLD_SIZE": "1", "LOCAL_RANK": "0"}  # fmt: skip
+        for name, value in single.items():
+            if name not in os.environ:
+                os.environ[name] = value
+                added.append(name)
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-    world = int(os.environ["WORLD_SIZE"])
-    cfg.check_supported(world_size=world)
-    # Finite: a rank waiting on a peer that hung gives up (rank 0 may spend a whole rollout).
-    dist.init_process_group("gloo", timeout=timedelta(seconds=_collective_timeout_s(cfg)))
+    try:
+        cfg.check_supported(world_size=int(os.environ["WORLD_SIZE"]))
+        # Finite: a rank waiting on a peer that hung gives up (rank 0 may spend a whole rollout).
+        dist.init_process_group("gloo", timeout=timedelta(seconds=_collective_timeout_s(cfg)))
+    except BaseException:
+        for name in added:
+            os.environ.pop(name, None)
+        raise
+    return added
 
 
 def _rank(rank: int, world: int, cfg: GrpoConfig, plugged: Plugged) -> dict[str, Any] | None:

@@ -131,6 +131,7 @@ def compile_layers(
     tests without a C compiler). Returns False, with a warning, where
     ``torch.compile`` cannot start here; the layers then run eagerly as before.
     """
+    from posttrain.models import _model
     from posttrain.models._model import Numerics
 
     backend = backend or os.environ.get(BACKEND_ENV) or "inductor"
@@ -142,6 +143,8 @@ def compile_layers(
         )
     if isinstance(getattr(model, "_compile_state", None), _State):
         raise ModelInputError("the model's layers are already compiled")
+    if _model._experts_eager is _model._experts_one_by_one:  # once per process
+        _model._experts_eager = torch.compiler.disable(_model._experts_one_by_one)  # type: ignore[no-untyped-call]
     layers = list(model.layers)
     state = _State()
     try:

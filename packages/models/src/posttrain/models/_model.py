@@ -45,7 +45,6 @@ from typing import TYPE_CHECKING, Literal, NamedTuple
 
 import torch
 from torch import Tensor, nn
-from torch.utils.checkpoint import checkpoint
 
 from posttrain.models._blocks import (
     CacheLayout,
@@ -363,8 +362,10 @@ def _experts_one_by_one(
     return torch.cat(parts) if parts else xs.new_zeros((0, fc2.shape[1]))
 
 
-_experts_eager: Callable[..., Tensor] = torch.compiler.disable(_experts_one_by_one)  # type: ignore[no-untyped-call]
-"""``_experts_one_by_one`` outside any compiled region (a compiled layer breaks its graph here)."""
+_experts_eager: Callable[..., Tensor] = _experts_one_by_one
+"""``_experts_one_by_one``, run outside any compiled region: ``compile_layers`` replaces it with
+its ``torch.compiler.disable`` form (a compiled layer breaks its graph here). Not done at import:
+``torch.compiler.disable`` imports dynamo (and Triton) into every process that loads models."""
 
 
 _GROUPED_MM_FAILED: list[str] = []
@@ -919,6 +920,8 @@ class DecoderModel(nn.Module):
         if isinstance(layout, PackedLayout) and layers_compiled(self):
             layout.prepare()  # its host syncs here, not inside a compiled layer
         checkpointed = self.activation_checkpointing and torch.is_grad_enabled()
+        if checkpointed:  # imported here: torch.utils.checkpoint imports dynamo (and Triton)
+            from torch.utils.checkpoint import checkpoint
         for layer in self.layers:
             h = checkpoint(layer, h, call, use_reentrant=False) if checkpointed else layer(h, call)
         h = self._gather_sequence(h)
