@@ -215,6 +215,16 @@ def _sweep(
     return rows
 
 
+GROUPED_LABELS = (
+    "two_pass",
+    "pipelined",
+    "pipelined_forward",
+    "pipelined_4warps",
+    "pipelined_block_per_thread",
+    "live_unplanned",
+)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", type=int, default=512)
@@ -270,6 +280,8 @@ def main() -> None:
         for label, tuning in (
             ("two_pass", KernelTuning(pipeline=False)),
             ("pipelined", KernelTuning(pipeline=True)),
+            ("pipelined_forward", KernelTuning(pipeline=True, reverse_quantize=False)),
+            ("pipelined_4warps", KernelTuning(pipeline=True, num_warps=4)),
             ("pipelined_block_per_thread", KernelTuning(block_per_thread=True, num_warps=8)),
         ):
             got = quantize_grouped(named, partners, NVFP4Config(), tuning)
@@ -281,6 +293,14 @@ def main() -> None:
                 args.repeats,
             )
         grouped_s["default_is_pipelined"] = float(DEFAULT_TUNING.pipeline)
+
+        def live_unplanned() -> list[tuple[str, torch.Tensor]]:
+            from posttrain.quant_convert import _grouped
+
+            _grouped._PLANS.clear()  # what the first sync of a bucket costs
+            return live()
+
+        grouped_s["live_unplanned"] = _timed(live_unplanned, device, args.repeats)
     copy_bw = 2 * bytes_in / t_copy
     quant_bytes = bytes_in + bytes_out
     result: dict[str, Any] = {
@@ -300,7 +320,7 @@ def main() -> None:
         "per_tensor_over_copy": quant_bytes / t_tensor / copy_bw,
         "bytes_identical": identical,
     }
-    for label in ("two_pass", "pipelined", "pipelined_block_per_thread"):
+    for label in GROUPED_LABELS:
         if label in grouped_s:
             result[f"grouped_{label}_s"] = grouped_s[label]
             result[f"grouped_{label}_over_copy"] = quant_bytes / grouped_s[label] / copy_bw

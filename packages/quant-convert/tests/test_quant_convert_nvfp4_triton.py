@@ -361,7 +361,14 @@ def test_grouped_kernels_compile_for_hopper_with_vector_loads() -> None:
     ptrs = {"x_ptr": "*bf16", "meta_ptr": "*i64", "bits_ptr": "*i32"}
     out = {"packed_ptr": "*u8", "scale_ptr": "*u8", "ws2_ptr": "*fp32"}
     ints = ["q_first", "q_rows", "p_first", "p_rows", "blocks_per_matrix", "tiles"]
-    consts = {"EMAX": 448.0, "MODE": 0, "BLOCKS": 256, "PACK_WORDS": False, "ROWS": False}
+    consts = {
+        "EMAX": 448.0,
+        "MODE": 0,
+        "BLOCKS": 256,
+        "PACK_WORDS": False,
+        "ROWS": False,
+        "REVERSE": True,
+    }
     sig = {**ptrs, **out, **dict.fromkeys(ints, "i32"), **dict.fromkeys(consts, "constexpr")}
     code = ptx(kernels._pipelined_kernel, sig, consts, [*ptrs, *out])
     assert code.count("ld.global.v4.b32") == 16, "8 per pre-pass tile, 8 per quantize tile"
@@ -372,3 +379,35 @@ def test_grouped_kernels_compile_for_hopper_with_vector_loads() -> None:
         ptx(kernels._prepass_kernel, sig, consts, [*ptrs, "per_matrix"]).count("ld.global.v4.b32")
         == 8
     )
+
+
+def test_bucket_layout_is_planned_once_per_bucket() -> None:
+    """A weight sync sends the same buckets every step: the second plan of the same tensors
+    reuses the table (no host work, no host-to-device copy), fresh output buffers every call;
+    another pointer, shape or pairing is planned anew; views that needed a copy are never
+    kept; the store is bounded."""
+    from posttrain.quant_convert import _grouped
+
+    _grouped._PLANS.clear()
+    g = torch.Generator().manual_seed(0)
+    gate, up, down = (torch.randn(4, 32, generator=g).bfloat16() for _ in range(3))
+    ws = [("gate", gate), ("up", up), ("down", down)]
+    pairs = {"gate": "up", "up": "gate"}
+    first = _grouped.plan_bucket(ws, pairs)
+    again = _grouped.plan_bucket(ws, pairs)
+    assert again.meta is first.meta
+    assert len(_grouped._PLANS) == 1
+    assert again.packed.data_ptr() != first.packed.data_ptr()  # outputs never shared
+    assert _grouped.plan_bucket(ws, {}).meta is not first.meta  # other pairing
+    moved = [("gate", gate.clone()), ("up", up), ("down", down)]
+    assert _grouped.plan_bucket(moved, pairs).meta is not first.meta  # other pointer
+    assert len(_grouped._PLANS) == 3
+    wide = torch.randn(4, 64, generator=g).bfloat16()
+    view = [("down", wide[:, 16:48])]  # not contiguous: copied, so never kept
+    _grouped.plan_bucket(view, {})
+    _grouped.plan_bucket(view, {})
+    assert len(_grouped._PLANS) == 3
+    for i in range(_grouped.PLAN_CACHE_SIZE + 5):
+        _grouped.plan_bucket([(f"w{i}", down)], {})
+    assert len(_grouped._PLANS) == _grouped.PLAN_CACHE_SIZE
+    _grouped._PLANS.clear()

@@ -19,14 +19,22 @@ Per bucket, whatever the number of weights (``quantize_nvfp4_many`` on CUDA tens
 5. one synchronisation: the flags come back; a flagged tensor raises
    :class:`QuantInputError` naming it (only then does anything else look at the input).
 
+The host half of step 1 (table, slots, launch groups) depends only on the bucket's names,
+shapes, dtypes, data pointers and pairs: a weight sync sends the same buckets every step, so
+it is kept (``_PLANS``, least recently used, keyed on exactly those) and a repeated bucket
+costs a dictionary lookup, two allocations and the launches. Inputs that needed a copy
+(non-contiguous or misaligned views) are planned afresh each time. ``start_grouped`` returns
+the outputs before the synchronisation, so a caller can arrange them while the kernels run.
+
 The bytes are those of :func:`posttrain.quant_convert.nvfp4.quantize_nvfp4` on the CPU.
 Triton is imported only when a bucket runs (``_nvfp4_triton``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from collections import OrderedDict
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -46,18 +54,33 @@ __all__ = [
     "run_pipelined",
     "run_prepass",
     "run_quantize",
+    "start_grouped",
 ]
 
 _ALIGN = 16  # bytes: where each region of the flat output buffer starts
 
 
-@dataclass(slots=True, eq=False)
+@dataclass(slots=True, frozen=True)
 class _Launch:
-    base: torch.Tensor  # the tensor whose data pointer the table's input offsets count from
+    base: int  # the input whose data pointer the table's input offsets count from
     rows: range  # table rows of this launch (same dtype, same elements per matrix)
     per_matrix: int  # elements per matrix
-    unit_ends: list[int]  # rows where a unit (a weight or a pair, every matrix) ends
+    element_size: int  # bytes per input element
+    unit_ends: tuple[int, ...]  # rows where a unit (a weight or a pair, every matrix) ends
     straddling: int  # first row of the units whose other half sits in another launch group
+
+
+@dataclass(slots=True, frozen=True)
+class _Layout:
+    """The reusable half of a plan: what depends only on names, shapes, dtypes, pointers."""
+
+    meta: torch.Tensor  # [matrices, META] int64 on the device
+    slots: int
+    matrices: int
+    blocks: int
+    first_matrix: tuple[int, ...]  # per tensor: its first matrix (output and scale_2 order)
+    first_block: tuple[int, ...]  # per tensor: its first 16-element block in the outputs
+    launches: tuple[_Launch, ...]
 
 
 @dataclass(slots=True)
@@ -72,9 +95,13 @@ class GroupedBucket:
     packed: torch.Tensor  # flat uint8 regions of the one output buffer
     scale: torch.Tensor
     scale_2: torch.Tensor  # fp32, one per matrix
-    first_matrix: list[int]  # per tensor: its first matrix (output and scale_2 order)
-    first_block: list[int]  # per tensor: its first 16-element block in the outputs
-    launches: list[_Launch] = field(default_factory=list)
+    first_matrix: tuple[int, ...]  # per tensor: its first matrix (output and scale_2 order)
+    first_block: tuple[int, ...]  # per tensor: its first 16-element block in the outputs
+    launches: tuple[_Launch, ...]
+
+
+_PLANS: OrderedDict[Hashable, _Layout] = OrderedDict()
+PLAN_CACHE_SIZE = 64  # buckets kept (a model's sync sends a few dozen)
 
 
 def _matrices(t: torch.Tensor) -> int:
@@ -96,14 +123,50 @@ def plan_bucket(
     """The host half of a bucket: checks pairs, assigns slots, builds the table and buffers.
 
     ``weights`` are already checked (dtype, rank, K) and on one device; ``partners`` maps each
-    gate/up member to the other (both present). A pair shares one amax slot per matrix."""
-    from posttrain.quant_convert import _nvfp4_triton as kernels
-
+    gate/up member to the other (both present). A pair shares one amax slot per matrix. The
+    layout of a bucket seen before (same names, shapes, dtypes, pointers, pairs) is reused."""
     names = [n for n, _ in weights]
     inputs = [_aligned(t) for _, t in weights]
-    index = {n: i for i, n in enumerate(names)}
+    copied = any(a is not t for a, (_, t) in zip(inputs, weights, strict=True))
+    key = (
+        tuple((n, t.data_ptr(), t.dtype, tuple(t.shape), t.device) for n, t in weights),
+        tuple(partners.get(n) for n in names),
+    )
+    layout = None if copied else _PLANS.get(key)
+    if layout is None:
+        layout = _plan_layout(names, inputs, partners)
+        if not copied:
+            _PLANS[key] = layout
+            if len(_PLANS) > PLAN_CACHE_SIZE:
+                _PLANS.popitem(last=False)
+    else:
+        _PLANS.move_to_end(key)
     dev = inputs[0].device
-    slot_of: dict[int, int] = {}  # tensor -> its first amax slot
+    bits = torch.zeros(layout.slots + len(inputs), dtype=torch.int32, device=dev)
+    ws2_bytes = -(-4 * layout.matrices // _ALIGN) * _ALIGN
+    code_bytes = -(-8 * layout.blocks // _ALIGN) * _ALIGN
+    buf = torch.empty(ws2_bytes + code_bytes + layout.blocks, dtype=torch.uint8, device=dev)
+    return GroupedBucket(
+        names=names,
+        inputs=inputs,
+        meta=layout.meta,
+        bits=bits,
+        slots=layout.slots,
+        packed=buf[ws2_bytes : ws2_bytes + 8 * layout.blocks],
+        scale=buf[ws2_bytes + code_bytes :],
+        scale_2=buf[: 4 * layout.matrices].view(torch.float32),
+        first_matrix=layout.first_matrix,
+        first_block=layout.first_block,
+        launches=layout.launches,
+    )
+
+
+def _amax_slots(
+    names: list[str], inputs: list[torch.Tensor], partners: Mapping[str, str]
+) -> tuple[dict[int, int], int]:
+    """Each tensor's first amax slot (a pair's halves share theirs) and the slot count."""
+    index = {n: i for i, n in enumerate(names)}
+    slot_of: dict[int, int] = {}
     slots = 0
     for i, (n, t) in enumerate(zip(names, inputs, strict=True)):
         if i in slot_of:
@@ -119,6 +182,17 @@ def plan_bucket(
                 )
             slot_of[j] = slots
         slots += _matrices(t)
+    return slot_of, slots
+
+
+def _plan_layout(
+    names: list[str], inputs: list[torch.Tensor], partners: Mapping[str, str]
+) -> _Layout:
+    """Slots, table and launch groups of a bucket (``plan_bucket``)."""
+    from posttrain.quant_convert import _nvfp4_triton as kernels
+
+    index = {n: i for i, n in enumerate(names)}
+    slot_of, slots = _amax_slots(names, inputs, partners)
     first_matrix, first_block = [], []
     matrices = blocks = 0
     for t in inputs:
@@ -149,8 +223,9 @@ def plan_bucket(
         # whole units first; a pair whose halves differ in size comes last (no pipelining)
         units.sort(key=lambda u: len(u) == 1 and u[0] in pair)
         members = [i for u in units for i in u]
-        base = min((inputs[i] for i in members), key=lambda t: t.data_ptr())
-        step = GROUP_SIZE * base.element_size()  # bytes per 16 elements
+        base = min(members, key=lambda i: inputs[i].data_ptr())
+        base_ptr = inputs[base].data_ptr()
+        step = GROUP_SIZE * inputs[base].element_size()  # bytes per 16 elements
         start = len(rows) // kernels.META
         ends: list[int] = []
         for u in units:
@@ -158,7 +233,7 @@ def plan_bucket(
                 t = inputs[i]
                 for e in range(_matrices(t)):
                     rows += [
-                        (t.data_ptr() - base.data_ptr()) // step + e * (per // GROUP_SIZE),
+                        (t.data_ptr() - base_ptr) // step + e * (per // GROUP_SIZE),
                         first_block[i] + e * (per // GROUP_SIZE),
                         slot_of[i] + e,
                         slots + i,  # the tensor's flag, after every amax slot
@@ -167,25 +242,19 @@ def plan_bucket(
             ends.append(len(rows) // kernels.META)
         whole = [e for e, u in zip(ends, units, strict=True) if len(u) == 2 or u[0] not in pair]
         straddling = whole[-1] if whole else start
-        launches.append(_Launch(base, range(start, ends[-1]), per, ends, straddling))
+        launches.append(
+            _Launch(base, range(start, ends[-1]), per, inputs[base].element_size(), tuple(ends),
+                    straddling)
+        )  # fmt: skip
     meta = torch.tensor(rows, dtype=torch.int64).reshape(-1, kernels.META)
-    meta = meta.to(dev, non_blocking=True)
-    bits = torch.zeros(slots + len(inputs), dtype=torch.int32, device=dev)
-    ws2_bytes = -(-4 * matrices // _ALIGN) * _ALIGN
-    code_bytes = -(-8 * blocks // _ALIGN) * _ALIGN
-    buf = torch.empty(ws2_bytes + code_bytes + blocks, dtype=torch.uint8, device=dev)
-    return GroupedBucket(
-        names=names,
-        inputs=inputs,
-        meta=meta,
-        bits=bits,
+    return _Layout(
+        meta=meta.to(inputs[0].device, non_blocking=True),
         slots=slots,
-        packed=buf[ws2_bytes : ws2_bytes + 8 * blocks],
-        scale=buf[ws2_bytes + code_bytes :],
-        scale_2=buf[: 4 * matrices].view(torch.float32),
-        first_matrix=first_matrix,
-        first_block=first_block,
-        launches=launches,
+        matrices=matrices,
+        blocks=blocks,
+        first_matrix=tuple(first_matrix),
+        first_block=tuple(first_block),
+        launches=tuple(launches),
     )
 
 
@@ -195,7 +264,7 @@ def run_prepass(bucket: GroupedBucket, tuning: KernelTuning | None = None) -> No
 
     for launch in bucket.launches:
         kernels.prepass_rows(
-            launch.base, bucket.meta, bucket.bits, launch.rows, launch.per_matrix,
+            bucket.inputs[launch.base], bucket.meta, bucket.bits, launch.rows, launch.per_matrix,
             tuning or kernels.DEFAULT_TUNING,
         )  # fmt: skip
 
@@ -209,7 +278,7 @@ def run_quantize(
     out = (bucket.packed, bucket.scale, bucket.scale_2)
     for launch in bucket.launches:
         kernels.quantize_rows(
-            launch.base, bucket.meta, bucket.bits, out, launch.rows,
+            bucket.inputs[launch.base], bucket.meta, bucket.bits, out, launch.rows,
             range(launch.rows.start, launch.rows.start), launch.per_matrix // GROUP_SIZE,
             four_over_six=cfg.four_over_six,
             scale_rounding=cfg.scale_rounding, emax=cfg.emax,
@@ -222,7 +291,7 @@ def _stages(launch: _Launch, rows: range, stage_bytes: int) -> list[range]:
     ``stage_bytes`` of input each (the last may be smaller)."""
     out: list[range] = []
     start = rows.start
-    per_row = launch.per_matrix * launch.base.element_size()
+    per_row = launch.per_matrix * launch.element_size
     for end in launch.unit_ends:
         if end <= start or end > rows.stop:
             continue
@@ -248,10 +317,12 @@ def run_pipelined(
         plain.append(range(cut, la.rows.stop))
         piped.append(range(la.rows.start, cut))
     for la, rows in zip(bucket.launches, plain, strict=True):
-        kernels.prepass_rows(la.base, bucket.meta, bucket.bits, rows, la.per_matrix, tuning)
+        kernels.prepass_rows(
+            bucket.inputs[la.base], bucket.meta, bucket.bits, rows, la.per_matrix, tuning
+        )
     for la, rows in zip(bucket.launches, plain, strict=True):
         kernels.quantize_rows(
-            la.base, bucket.meta, bucket.bits, out, rows, range(rows.start, rows.start),
+            bucket.inputs[la.base], bucket.meta, bucket.bits, out, rows, range(rows.start, rows.start),
             la.per_matrix // GROUP_SIZE, four_over_six="off", scale_rounding=cfg.scale_rounding,
             emax=cfg.emax, tuning=tuning,
         )  # fmt: skip
@@ -259,17 +330,16 @@ def run_pipelined(
         previous = range(rows.start, rows.start)
         for stage in [*_stages(la, rows, tuning.pipeline_stage_bytes), range(rows.stop, rows.stop)]:
             kernels.quantize_rows(
-                la.base, bucket.meta, bucket.bits, out, previous, stage,
+                bucket.inputs[la.base], bucket.meta, bucket.bits, out, previous, stage,
                 la.per_matrix // GROUP_SIZE, four_over_six="off",
                 scale_rounding=cfg.scale_rounding, emax=cfg.emax, tuning=tuning,
             )  # fmt: skip
             previous = stage
 
 
-def results(bucket: GroupedBucket) -> dict[str, NVFP4Tensor]:
-    """Each weight's outputs as views of the bucket's buffer, after its single sync: raises
-    :class:`QuantInputError` naming the first weight that holds NaN or Inf."""
-    from posttrain.quant_convert.nvfp4 import NVFP4Tensor, _raise_non_finite
+def _views(bucket: GroupedBucket) -> dict[str, NVFP4Tensor]:
+    """Each weight's outputs as views of the bucket's buffer (no synchronisation)."""
+    from posttrain.quant_convert.nvfp4 import NVFP4Tensor
 
     out: dict[str, NVFP4Tensor] = {}
     scale = bucket.scale.view(torch.float8_e4m3fn)
@@ -282,11 +352,47 @@ def results(bucket: GroupedBucket) -> dict[str, NVFP4Tensor]:
             scale[b0:b1].view(*lead, rows, k // GROUP_SIZE),
             bucket.scale_2[m0 : m0 + lead[0]] if lead else bucket.scale_2[m0],
         )
-    flags = bucket.bits[bucket.slots :].cpu()  # the bucket's one synchronisation
+    return out
+
+
+def _check_flags(bucket: GroupedBucket) -> None:
+    """The bucket's one synchronisation: raises :class:`QuantInputError` naming the first
+    weight that holds NaN or Inf."""
+    from posttrain.quant_convert.nvfp4 import _raise_non_finite
+
+    flags = bucket.bits[bucket.slots :].cpu()
     if bool(flags.any()):
         i = int(flags.nonzero()[0, 0])
         _raise_non_finite(bucket.names[i], bucket.inputs[i])
+
+
+def results(bucket: GroupedBucket) -> dict[str, NVFP4Tensor]:
+    """Each weight's outputs as views of the bucket's buffer, after its single sync: raises
+    :class:`QuantInputError` naming the first weight that holds NaN or Inf."""
+    out = _views(bucket)
+    _check_flags(bucket)
     return out
+
+
+def start_grouped(
+    weights: Sequence[tuple[str, torch.Tensor]],
+    partners: Mapping[str, str],
+    cfg: NVFP4Config,
+    tuning: KernelTuning | None = None,
+) -> tuple[dict[str, NVFP4Tensor], Callable[[], None]]:
+    """A bucket of checked weights on one device, launched: its outputs (not to be read before
+    the check ran) and the check, the bucket's one synchronisation (raises on NaN/Inf)."""
+    if not weights:
+        return {}, lambda: None
+    from posttrain.quant_convert import _nvfp4_triton as kernels
+
+    bucket = plan_bucket(weights, partners)
+    if (tuning or kernels.DEFAULT_TUNING).pipeline and cfg.four_over_six == "off":
+        run_pipelined(bucket, cfg, tuning)
+    else:
+        run_prepass(bucket, tuning)
+        run_quantize(bucket, cfg, tuning)
+    return _views(bucket), lambda: _check_flags(bucket)
 
 
 def quantize_grouped(
@@ -296,14 +402,6 @@ def quantize_grouped(
     tuning: KernelTuning | None = None,
 ) -> dict[str, NVFP4Tensor]:
     """A bucket of checked weights on one device through the kernels (module docstring)."""
-    if not weights:
-        return {}
-    from posttrain.quant_convert import _nvfp4_triton as kernels
-
-    bucket = plan_bucket(weights, partners)
-    if (tuning or kernels.DEFAULT_TUNING).pipeline and cfg.four_over_six == "off":
-        run_pipelined(bucket, cfg, tuning)
-    else:
-        run_prepass(bucket, tuning)
-        run_quantize(bucket, cfg, tuning)
-    return results(bucket)
+    out, check = start_grouped(weights, partners, cfg, tuning)
+    check()
+    return out

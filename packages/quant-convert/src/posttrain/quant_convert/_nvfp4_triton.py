@@ -150,11 +150,14 @@ def _e4m3_rne(d):
 def _e2m1_index(a):
     """E2M1 magnitude index 0..7 of ``0 <= a <= 6``, ties to the even code: for a >= 1 the
     fp32 mantissa rounded to one bit (nearest, ties even) with the exponent rebiased; below
-    1, ``rne(2a)`` through the 2**23 magic add. Same codes as comparing against the midpoints
-    .25 .75 1.25 1.75 2.5 3.5 5 (ties to the even code)."""
+    1, ``rne(2a)``: adding 2**22 (whose ulp is 0.5) rounds ``a`` once to a multiple of 0.5,
+    ties to the even multiple. Same codes as comparing against the midpoints .25 .75 1.25
+    1.75 2.5 3.5 5 (ties to the even code). The rebias (- 252 << 22) rides in the rounding
+    add (bits >= 1.0's, so nothing borrows): three integer ops for the normal path, two for
+    the small one (the quantize kernel is bound by integer arithmetic)."""
     bits = a.to(tl.int32, bitcast=True)
-    normal = ((bits + 0x1FFFFF + ((bits >> 22) & 1)) >> 22) - 252  # 1.0 -> 2, 6.0 -> 7
-    small = ((a * 2.0) + 8388608.0).to(tl.int32, bitcast=True) - 0x4B000000
+    normal = (bits + (0x1FFFFF - (252 << 22)) + ((bits >> 22) & 1)) >> 22  # 1.0 -> 2, 6 -> 7
+    small = (a + 4194304.0).to(tl.int32, bitcast=True) - 0x4A800000
     return tl.where(a < 1.0, small, normal)
 
 
@@ -166,7 +169,7 @@ def _e2m1_codes(x, sf, ws2):
     )
     y = x * e[:, None]
     idx = _e2m1_index(tl.minimum(tl.abs(y), 6.0))  # = |clamp(y, -6, 6)|
-    return idx | ((y < 0.0).to(tl.int32) << 3)
+    return idx | tl.where(y < 0.0, 8, 0)
 
 
 @triton.jit
@@ -380,6 +383,7 @@ def _pipelined_kernel(
     BLOCKS: tl.constexpr,
     PACK_WORDS: tl.constexpr,
     ROWS: tl.constexpr,
+    REVERSE: tl.constexpr,
 ):
     """The grouped path's quantize kernel: rows ``q_first..+q_rows`` of the table (their
     pre-pass ran in an earlier launch) as ``_quant_kernel`` (or, ``ROWS``,
@@ -388,15 +392,18 @@ def _pipelined_kernel(
     ``meta[SCALE2_AT]``; NaN/Inf were flagged by the pre-pass (the bucket is then refused), so
     the block amax is a float max and no flag is kept. With ``p_rows`` it is one pipeline
     step: it pre-passes rows ``p_first..+p_rows`` too, a tile of each per program, so the
-    memory-bound pre-pass and the arithmetic-bound quantize share every SM."""
+    memory-bound pre-pass and the arithmetic-bound quantize share every SM. ``REVERSE``: the
+    quantize tiles go last to first, so the first programs of a launch quantize what the
+    launch before pre-passed last (still in L2); the bytes do not depend on the order."""
     pid = tl.program_id(0)
     if pid < p_rows * tiles:
         _prepass_tile(x_ptr, meta_ptr, bits_ptr, p_first + pid // tiles, pid % tiles,
                       blocks_per_matrix * 16, BLOCKS * 16, 1)  # fmt: skip
     if pid < q_rows * tiles:
+        q = q_rows * tiles - 1 - pid if REVERSE else pid
         _quant_tile(
-            x_ptr, meta_ptr, bits_ptr, packed_ptr, scale_ptr, ws2_ptr, q_first + pid // tiles,
-            pid % tiles, blocks_per_matrix, EMAX, MODE, BLOCKS, PACK_WORDS, ROWS,
+            x_ptr, meta_ptr, bits_ptr, packed_ptr, scale_ptr, ws2_ptr, q_first + q // tiles,
+            q % tiles, blocks_per_matrix, EMAX, MODE, BLOCKS, PACK_WORDS, ROWS,
         )  # fmt: skip
 
 
@@ -405,7 +412,7 @@ def _e2m1_code_1d(x, e):
     """E2M1 codes (int32) of fp32 values ``x`` under per-block encode scales ``e``."""
     y = x * e
     idx = _e2m1_index(tl.minimum(tl.abs(y), 6.0))
-    return idx | ((y < 0.0).to(tl.int32) << 3)
+    return idx | tl.where(y < 0.0, 8, 0)
 
 
 @triton.jit
@@ -628,6 +635,7 @@ class KernelTuning:
     pipeline: bool = True  # grouped path (4-over-6 off): a stage's pre-pass beside the
     # previous stage's quantize, in one launch
     pipeline_stage_bytes: int = 64 << 20  # least input per pipeline stage
+    reverse_quantize: bool = True  # grouped path: quantize tiles last to first (L2 reuse)
 
 
 DEFAULT_TUNING = KernelTuning()
@@ -747,6 +755,7 @@ def quantize_rows(
         x, meta, bits, packed.view(torch.int64) if words else packed, scale, ws2,
         quantize.start, len(quantize), prepass.start, len(prepass), blocks_per_matrix, tiles,
         EMAX=float(emax), MODE=_MODES[(four_over_six, scale_rounding)], BLOCKS=tile,
-        PACK_WORDS=words, ROWS=one_per_thread, num_warps=warps, enable_fp_fusion=False,
+        PACK_WORDS=words, ROWS=one_per_thread, REVERSE=tuning.reverse_quantize,
+        num_warps=warps, enable_fp_fusion=False,
         **(_max_registers(tuning) if four_over_six != "off" else {}),
     )  # fmt: skip

@@ -22,7 +22,7 @@ import torch
 from posttrain.formats import SAFETENSORS_DTYPES, nvfp4_layout
 from posttrain.interface import NVFP4Precision
 from posttrain.quant_convert._errors import CheckpointError
-from posttrain.quant_convert.nvfp4 import NVFP4Config, quantize_nvfp4_many
+from posttrain.quant_convert.nvfp4 import NVFP4Config, start_nvfp4_many
 from posttrain.quant_convert.safetensors_io import ByteCounter, SafetensorsReader
 from posttrain.quant_convert.selection import QuantPolicy, TensorInfo, gate_up_role, select_tensors
 from posttrain.quant_convert.sglang_rules import build_modules, is_excluded
@@ -91,7 +91,8 @@ def quantize_named_params(
     ]
     chosen, partner = _selection(tuple(infos), policy, num_layers, tuple(exclude_modules))
     by_name = dict(items)
-    quantized = quantize_nvfp4_many(
+    # on CUDA the kernels run while the list below is built; the one sync comes last
+    quantized, check = start_nvfp4_many(
         [(n, by_name[n]) for n, _ in items if n in chosen], partners=partner, cfg=cfg
     )
     scales = input_scales or {}
@@ -115,6 +116,7 @@ def quantize_named_params(
                 f"update's {list(qt.scale_2.shape)}"
             )
         out.append((name, served.to(qt.scale_2.dtype)))
+    check()  # NaN/Inf in any weight: raises naming it (nothing is returned)
     return out
 
 

@@ -30,7 +30,7 @@ midpoints with ties to the even code, about twice as fast on CPU.
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -47,6 +47,7 @@ __all__ = [
     "quantize_nvfp4",
     "quantize_nvfp4_many",
     "quantize_nvfp4_pair",
+    "start_nvfp4_many",
 ]
 
 ScaleRounding = Literal["te-multiplier", "te-divide"]
@@ -445,6 +446,25 @@ def quantize_nvfp4_many(
     (NaN/Inf raise :class:`QuantInputError` naming the weight). Elsewhere weights are
     quantized one by one. The bytes are those of :func:`quantize_nvfp4` either way.
     """
+    out, check = start_nvfp4_many(
+        weights, partners=partners, cfg=cfg, allow_3d=allow_3d, backend=backend
+    )
+    check()
+    return out
+
+
+def start_nvfp4_many(
+    weights: Sequence[tuple[str, torch.Tensor]],
+    *,
+    partners: Mapping[str, str] | None = None,
+    cfg: NVFP4Config | NVFP4Precision | None = None,
+    allow_3d: bool = True,
+    backend: Backend = "auto",
+) -> tuple[dict[str, NVFP4Tensor], Callable[[], None]]:
+    """:func:`quantize_nvfp4_many` in two halves: the outputs (on CUDA, launched but not yet
+    checked: read them only after the check) and the check, the call's one synchronisation,
+    which raises :class:`QuantInputError` for NaN/Inf. A caller arranges the outputs while the
+    kernels run, then calls the check."""
     cfg = _resolve_cfg(cfg)
     partners = dict(partners or {})
     by_name = dict(weights)
@@ -474,9 +494,17 @@ def quantize_nvfp4_many(
         for m in names:
             out[m] = quantize_nvfp4(by_name[m], global_amax=amax, cfg=cfg, name=m,
                                     allow_3d=allow_3d, backend=backend)  # fmt: skip
+    checks: list[Callable[[], None]] = []
     if grouped:
-        from posttrain.quant_convert._grouped import quantize_grouped
+        from posttrain.quant_convert._grouped import start_grouped
 
         for bucket in grouped.values():
-            out.update(quantize_grouped(bucket, partners, cfg))
-    return {n: out[n] for n, _ in weights}
+            got, check = start_grouped(bucket, partners, cfg)
+            out.update(got)
+            checks.append(check)
+
+    def check_all() -> None:
+        for check in checks:
+            check()
+
+    return {n: out[n] for n, _ in weights}, check_all
