@@ -166,6 +166,10 @@ def _breakdown(
             out[f"pipelined_{stage_mb}mb_gpu_ms"] = _gpu_ms(
                 lambda t=tuning: run_pipelined(bucket, cfg, t), repeats
             )
+        forward = KernelTuning(pipeline=True, reverse_quantize=False)
+        out["pipelined_forward_gpu_ms"] = _gpu_ms(
+            lambda: run_pipelined(bucket, cfg, forward), repeats
+        )
     return out
 
 
@@ -219,8 +223,7 @@ GROUPED_LABELS = (
     "two_pass",
     "pipelined",
     "pipelined_forward",
-    "pipelined_4warps",
-    "pipelined_block_per_thread",
+    "pipelined_block_tiles",
     "live_unplanned",
 )
 
@@ -281,8 +284,7 @@ def main() -> None:
             ("two_pass", KernelTuning(pipeline=False)),
             ("pipelined", KernelTuning(pipeline=True)),
             ("pipelined_forward", KernelTuning(pipeline=True, reverse_quantize=False)),
-            ("pipelined_4warps", KernelTuning(pipeline=True, num_warps=4)),
-            ("pipelined_block_per_thread", KernelTuning(block_per_thread=True, num_warps=8)),
+            ("pipelined_block_tiles", KernelTuning(block_per_thread=False, num_warps=2)),
         ):
             got = quantize_grouped(named, partners, NVFP4Config(), tuning)
             outs = dict(part for n, _ in named for part in got[n].named(n))

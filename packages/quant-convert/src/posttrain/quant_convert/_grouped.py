@@ -49,6 +49,7 @@ if TYPE_CHECKING:
 __all__ = [
     "GroupedBucket",
     "plan_bucket",
+    "planned",
     "quantize_grouped",
     "results",
     "run_pipelined",
@@ -85,19 +86,65 @@ class _Layout:
 
 @dataclass(slots=True)
 class GroupedBucket:
-    """A planned bucket: its inputs, table, buffers and launches (see the module docstring)."""
+    """A planned bucket: its inputs, table, buffers and launches (see the module docstring).
+
+    The output buffer is allocated on first use (``packed``, ``scale``, ``scale_2``), after
+    the first pre-pass launch: the GPU starts reading while the host allocates."""
 
     names: list[str]
     inputs: list[torch.Tensor]  # contiguous, aligned (kept alive until the kernels ran)
-    meta: torch.Tensor  # [matrices, META] int64 on the device
+    layout: _Layout
     bits: torch.Tensor  # int32: amax slots, then one non-finite flag per tensor
-    slots: int
-    packed: torch.Tensor  # flat uint8 regions of the one output buffer
-    scale: torch.Tensor
-    scale_2: torch.Tensor  # fp32, one per matrix
-    first_matrix: tuple[int, ...]  # per tensor: its first matrix (output and scale_2 order)
-    first_block: tuple[int, ...]  # per tensor: its first 16-element block in the outputs
-    launches: tuple[_Launch, ...]
+    buffers: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+
+    @property
+    def meta(self) -> torch.Tensor:  # [matrices, META] int64 on the device
+        return self.layout.meta
+
+    @property
+    def slots(self) -> int:
+        return self.layout.slots
+
+    @property
+    def first_matrix(self) -> tuple[int, ...]:
+        return self.layout.first_matrix
+
+    @property
+    def first_block(self) -> tuple[int, ...]:
+        return self.layout.first_block
+
+    @property
+    def launches(self) -> tuple[_Launch, ...]:
+        return self.layout.launches
+
+    def outputs(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Flat packed-code bytes, scale bytes and fp32 ``weight_scale_2`` (one per matrix):
+        regions of one fresh buffer, allocated on the first call."""
+        if self.buffers is None:
+            lay = self.layout
+            ws2_bytes = -(-4 * lay.matrices // _ALIGN) * _ALIGN
+            code_bytes = -(-8 * lay.blocks // _ALIGN) * _ALIGN
+            buf = torch.empty(
+                ws2_bytes + code_bytes + lay.blocks, dtype=torch.uint8, device=self.bits.device
+            )
+            self.buffers = (
+                buf[ws2_bytes : ws2_bytes + 8 * lay.blocks],
+                buf[ws2_bytes + code_bytes :],
+                buf[: 4 * lay.matrices].view(torch.float32),
+            )
+        return self.buffers
+
+    @property
+    def packed(self) -> torch.Tensor:
+        return self.outputs()[0]
+
+    @property
+    def scale(self) -> torch.Tensor:
+        return self.outputs()[1]
+
+    @property
+    def scale_2(self) -> torch.Tensor:
+        return self.outputs()[2]
 
 
 _PLANS: OrderedDict[Hashable, _Layout] = OrderedDict()
@@ -128,10 +175,7 @@ def plan_bucket(
     names = [n for n, _ in weights]
     inputs = [_aligned(t) for _, t in weights]
     copied = any(a is not t for a, (_, t) in zip(inputs, weights, strict=True))
-    key = (
-        tuple((n, t.data_ptr(), t.dtype, tuple(t.shape), t.device) for n, t in weights),
-        tuple(partners.get(n) for n in names),
-    )
+    key = _plan_key(weights, partners)
     layout = None if copied else _PLANS.get(key)
     if layout is None:
         layout = _plan_layout(names, inputs, partners)
@@ -141,24 +185,22 @@ def plan_bucket(
                 _PLANS.popitem(last=False)
     else:
         _PLANS.move_to_end(key)
-    dev = inputs[0].device
-    bits = torch.zeros(layout.slots + len(inputs), dtype=torch.int32, device=dev)
-    ws2_bytes = -(-4 * layout.matrices // _ALIGN) * _ALIGN
-    code_bytes = -(-8 * layout.blocks // _ALIGN) * _ALIGN
-    buf = torch.empty(ws2_bytes + code_bytes + layout.blocks, dtype=torch.uint8, device=dev)
-    return GroupedBucket(
-        names=names,
-        inputs=inputs,
-        meta=layout.meta,
-        bits=bits,
-        slots=layout.slots,
-        packed=buf[ws2_bytes : ws2_bytes + 8 * layout.blocks],
-        scale=buf[ws2_bytes + code_bytes :],
-        scale_2=buf[: 4 * layout.matrices].view(torch.float32),
-        first_matrix=layout.first_matrix,
-        first_block=layout.first_block,
-        launches=layout.launches,
+    bits = torch.zeros(layout.slots + len(inputs), dtype=torch.int32, device=inputs[0].device)
+    return GroupedBucket(names, inputs, layout, bits)
+
+
+def _plan_key(weights: Sequence[tuple[str, torch.Tensor]], partners: Mapping[str, str]) -> Hashable:
+    """What a bucket's layout depends on: names, pointers, dtypes, shapes, device, pairs."""
+    return (
+        tuple((n, t.data_ptr(), t.dtype, t.shape, t.device) for n, t in weights),
+        tuple(partners.get(n) for n, _ in weights),
     )
+
+
+def planned(weights: Sequence[tuple[str, torch.Tensor]], partners: Mapping[str, str]) -> bool:
+    """Whether this very bucket (``_plan_key``) was planned before, hence checked before: the
+    caller may skip its per-weight checks (dtype, rank, K, pairs) on this hit."""
+    return _plan_key(weights, partners) in _PLANS
 
 
 def _amax_slots(
@@ -275,7 +317,7 @@ def run_quantize(
     """Launch the quantize kernels of a bucket after its pre-pass (no sync)."""
     from posttrain.quant_convert import _nvfp4_triton as kernels
 
-    out = (bucket.packed, bucket.scale, bucket.scale_2)
+    out = bucket.outputs()
     for launch in bucket.launches:
         kernels.quantize_rows(
             bucket.inputs[launch.base], bucket.meta, bucket.bits, out, launch.rows,
@@ -310,25 +352,34 @@ def run_pipelined(
     from posttrain.quant_convert import _nvfp4_triton as kernels
 
     tuning = tuning or kernels.DEFAULT_TUNING
-    out = (bucket.packed, bucket.scale, bucket.scale_2)
-    plain, piped = [], []
+    plain, staged = [], []
     for la in bucket.launches:
         cut = la.rows.start if la.per_matrix == 0 else la.straddling
         plain.append(range(cut, la.rows.stop))
-        piped.append(range(la.rows.start, cut))
+        staged.append(_stages(la, range(la.rows.start, cut), tuning.pipeline_stage_bytes))
+    # every pre-pass that has nothing to run beside it goes first, with the pre-pass kernel
+    # (the outputs are not needed yet: the host allocates them while the GPU reads)
     for la, rows in zip(bucket.launches, plain, strict=True):
         kernels.prepass_rows(
             bucket.inputs[la.base], bucket.meta, bucket.bits, rows, la.per_matrix, tuning
         )
+    for la, stages in zip(bucket.launches, staged, strict=True):
+        if stages:
+            kernels.prepass_rows(
+                bucket.inputs[la.base], bucket.meta, bucket.bits, stages[0], la.per_matrix, tuning
+            )
+    out = bucket.outputs()
     for la, rows in zip(bucket.launches, plain, strict=True):
         kernels.quantize_rows(
             bucket.inputs[la.base], bucket.meta, bucket.bits, out, rows, range(rows.start, rows.start),
             la.per_matrix // GROUP_SIZE, four_over_six="off", scale_rounding=cfg.scale_rounding,
             emax=cfg.emax, tuning=tuning,
         )  # fmt: skip
-    for la, rows in zip(bucket.launches, piped, strict=True):
-        previous = range(rows.start, rows.start)
-        for stage in [*_stages(la, rows, tuning.pipeline_stage_bytes), range(rows.stop, rows.stop)]:
+    for la, stages in zip(bucket.launches, staged, strict=True):
+        if not stages:
+            continue
+        previous = stages[0]
+        for stage in [*stages[1:], range(stages[-1].stop, stages[-1].stop)]:
             kernels.quantize_rows(
                 bucket.inputs[la.base], bucket.meta, bucket.bits, out, previous, stage,
                 la.per_matrix // GROUP_SIZE, four_over_six="off",

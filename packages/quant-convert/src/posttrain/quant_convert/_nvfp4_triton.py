@@ -619,10 +619,13 @@ class KernelTuning:
     128 blocks x 4 warps (2026-12-02; ``four_over_six_rows=False``: the block-tile kernel,
     one division per element, 32 blocks x 2 warps was its best). The grouped path's pre-pass
     shape is the old amax kernel's; ``pipeline`` and its stage size were set on 2026-12-06
-    before any GPU run (``benchmarks/bench_live_quantize.py`` reports both orders)."""
+    before any GPU run (``benchmarks/bench_live_quantize.py`` reports both orders). On an H100
+    (2026-12-06, third lease) the grouped quantize ran fastest one thread per block, 256 blocks
+    x 4 warps, pipelined: 0.766 ms against 0.852 ms for 256 block tiles x 2 warps on 8 x
+    [8192, 7168] BF16; the per-tensor kernel is the same at 2 or 4 warps (0.531 / 0.534 ms)."""
 
     blocks_per_program: int = 256
-    num_warps: int = 2
+    num_warps: int = 4
     pack_words: bool = False
     four_over_six_rows: bool = True  # 4-over-6 in the one-thread-per-block kernel
     blocks_per_program_4over6: int = 128
@@ -631,7 +634,7 @@ class KernelTuning:
     prepass_tile: int = _AMAX_TILE  # elements per step of the grouped path's pre-pass
     prepass_tiles: int = _AMAX_TILES_PER_PROGRAM  # steps per program
     prepass_warps: int = 4
-    block_per_thread: bool = False  # grouped path, 4-over-6 off: one thread per block
+    block_per_thread: bool = True  # grouped path, 4-over-6 off: one thread per block
     pipeline: bool = True  # grouped path (4-over-6 off): a stage's pre-pass beside the
     # previous stage's quantize, in one launch
     pipeline_stage_bytes: int = 64 << 20  # least input per pipeline stage

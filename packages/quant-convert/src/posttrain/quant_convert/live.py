@@ -47,11 +47,18 @@ def _excluded(infos: Sequence[TensorInfo], entries: Sequence[str]) -> set[str]:
 
 @functools.lru_cache(maxsize=1024)
 def _selection(
-    infos: tuple[TensorInfo, ...], policy: QuantPolicy, num_layers: int, exclude: tuple[str, ...]
+    tensors: tuple[tuple[str, torch.dtype, torch.Size], ...],
+    policy: QuantPolicy,
+    num_layers: int,
+    exclude: tuple[str, ...],
 ) -> tuple[frozenset[str], dict[str, str]]:
     """The weights of a bucket to quantize and each pair member's partner, from names, dtypes
-    and shapes only: memoised, since every weight sync sends the same buckets again (a
-    refusal raises and is not kept). Callers must not mutate the returned mapping."""
+    and shapes only: memoised on exactly those, since every weight sync sends the same buckets
+    again (a refusal raises and is not kept). Callers must not mutate the returned mapping."""
+    infos = [
+        TensorInfo(n, SAFETENSORS_DTYPES.get(dtype, str(dtype)), tuple(shape))
+        for n, dtype, shape in tensors
+    ]
     chosen = set(select_tensors(list(infos), policy, num_layers)) - _excluded(infos, exclude)
     roles: dict[str, dict[str, str]] = {}
     for info in infos:
@@ -85,11 +92,9 @@ def quantize_named_params(
     one under that name); unselected tensors pass through unchanged."""
     items = list(named)
     policy = policy or QuantPolicy()
-    infos = [
-        TensorInfo(n, SAFETENSORS_DTYPES.get(t.dtype, str(t.dtype)), tuple(t.shape))
-        for n, t in items
-    ]
-    chosen, partner = _selection(tuple(infos), policy, num_layers, tuple(exclude_modules))
+    chosen, partner = _selection(
+        tuple((n, t.dtype, t.shape) for n, t in items), policy, num_layers, tuple(exclude_modules)
+    )
     by_name = dict(items)
     # on CUDA the kernels run while the list below is built; the one sync comes last
     quantized, check = start_nvfp4_many(
