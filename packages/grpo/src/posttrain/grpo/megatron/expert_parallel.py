@@ -3,7 +3,7 @@
 ``ExpertParallelMoe`` is one MoE layer of a ``ModelConfig`` (softmax or sigmoid router with its
 fixed expert bias, ``norm_topk_prob``, ``routed_scaling_factor``, optional shared experts) whose
 routed experts are split over an expert-parallel process group: EP rank ``r`` of ``ep`` holds
-experts ``[r * E / ep, (r + 1) * E / ep)``. Its ``forward(m)`` is ``DecoderModel._moe`` for the
+experts ``[r * E / ep, (r + 1) * E / ep)``. Its ``forward(m)`` is ``DecoderModel.moe`` for the
 post-norm hidden states ``m [T, H]`` of this rank.
 
 Why our own dispatch, not megatron-core's ``MoELayer``
@@ -40,7 +40,7 @@ How it maps to Megatron's EP (expert_tensor_parallel_size = 1, the ``alltoall`` 
 
 Numerics: each routed row is computed alone by the model's row-independent kernels and the
 combine order is the single-process one, so in strict numerics the layer's output is bitwise
-equal to ``DecoderModel._moe`` on the same tokens (with or without LoRA). Gradients agree to
+equal to ``DecoderModel.moe`` on the same tokens (with or without LoRA). Gradients agree to
 a relative L2 of about 1e-7 (measured in the gloo tests): an expert's weight grad sums its
 tokens in another order, and the TP/DP/expert-DP reductions add partial grads.
 
