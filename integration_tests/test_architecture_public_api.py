@@ -189,30 +189,31 @@ def _accesses(tree: ast.AST) -> list[tuple[ast.expr, str, int]]:
     return found
 
 
+def _defined_names(body: list[ast.stmt]) -> set[str]:
+    """The functions, classes and plain assignments of a module's or a class's body."""
+    names: set[str] = set()
+    for node in body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names.update(t.id for t in targets if isinstance(t, ast.Name))
+    return names
+
+
 def _private_members(root: Path) -> PrivateMembers:
     classes: dict[str, tuple[frozenset[str], tuple[str, ...]]] = {}
     every: set[str] = set()
     for file in sorted(root.rglob("*.py")):
         tree = ast.parse(file.read_text())
-        for node in tree.body:
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-                every.add(node.name)
-            elif isinstance(node, (ast.Assign, ast.AnnAssign)):
-                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
-                every.update(t.id for t in targets if isinstance(t, ast.Name))
+        every |= _defined_names(tree.body)
         for node in ast.walk(tree):  # members set on objects: ``x._name = ...``, setattr
             if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
                 every.add(node.attr)
             elif isinstance(node, ast.Call) and (hit := _string_arg(node)) and _sets(node):
                 every.add(hit[1])
         for cls in (n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)):
-            members: set[str] = set()
-            for item in cls.body:
-                if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-                    members.add(item.name)
-                elif isinstance(item, (ast.Assign, ast.AnnAssign)):
-                    targets = item.targets if isinstance(item, ast.Assign) else [item.target]
-                    members.update(t.id for t in targets if isinstance(t, ast.Name))
+            members = _defined_names(cls.body)
             members.update(
                 name
                 for obj, name, _ in _accesses(cls)
