@@ -48,11 +48,11 @@ Autograd: the all-to-alls' backward is the reverse all-to-all (``_ep_comm``, whi
 how every rank is made to run each backward collective, even a rank that routed or received
 no token). Grad mode and trainability must agree across the ranks of a group.
 
-DeepSeek-style blocks (the MLA families, ``config.is_mla``; ``posttrain.models``' ``_ds_moe``)
+DeepSeek-style blocks (the MLA families, ``config.is_mla``: an ``MlaLayer``'s ``layer.moe``)
 split the same way: their fp32 router has no shared-expert rows, routing is
 ``group_limited_routing`` (group-limited sigmoid top-k with the correction bias), and the shared
 experts are one fused SwiGLU MLP (``shared_fc1 [2 * S * I, H]``, ``shared_fc2 [H, S * I]``)
-whose output weighs 1, combined first as ``DeepseekMoe`` does. Its experts are not LoRA
+whose output weighs 1, combined first as the single-process block does. Its experts are not LoRA
 targets (``attach_lora`` refuses them, as the single-process model has no hook there).
 
 Gradients, checkpoints and the adapter live in ``expert_state`` (re-exported here):
