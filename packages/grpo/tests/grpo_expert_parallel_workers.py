@@ -1,6 +1,6 @@
 """Rank functions for the expert-parallel MoE tests (forked gloo ranks, see conftest).
 
-The single-process reference is ``DecoderModel._moe`` of a tiny ``posttrain.models`` decoder
+The single-process reference is ``DecoderModel.moe`` of a tiny ``posttrain.models`` decoder
 (the engine's own MoE forward, with ``LoraAdapter`` routing for LoRA) on all tokens of all
 data-parallel shards; its loss is the mean over shards of ``sum(y * c)``. Each rank runs an
 ``ExpertParallelMoe`` on its shard's tokens (its TP share with sequence parallel) and the
@@ -115,7 +115,7 @@ def reference(
         }
         adapter = LoraAdapter(weights=factors, scaling=LORA.scaling)
     routing = LoraRouting(adapter, torch.zeros(n, dtype=torch.long), 1, model.lora_targets())
-    y = model._moe(layer, m, routing, f"model.layers.{LAYER}.")
+    y = model.moe(layer, m, routing, f"model.layers.{LAYER}.")
     ((y * c).sum() / shards).backward()
     grads: dict[str, Tensor] = {}
     if train == "full":
@@ -305,7 +305,7 @@ def decoder_logprobs(rank: int, groups: ExpertParallelGroups) -> dict[str, Any]:
             layers[index].load_hf_weights(hf)
     model = build_model(cfg, seed=3)
     # the seam meg-tp's decoder fills: the MoE block of each layer
-    model._moe = lambda layer, m, lora, prefix: layers[layer.index](m)  # type: ignore[method-assign]
+    model.moe = lambda layer, m, lora, prefix: layers[layer.index](m)  # type: ignore[method-assign]
     gen = torch.Generator().manual_seed(20 + rank)
     lengths = [7, 5] if rank == 0 else [9]
     ids = torch.randint(4, cfg.vocab_size, (sum(lengths),), generator=gen)

@@ -1,4 +1,4 @@
-"""Expert-parallel MoE on gloo (CPU) against the single-process ``DecoderModel._moe``.
+"""Expert-parallel MoE on gloo (CPU) against the single-process ``DecoderModel.moe``.
 
 Layouts: EP2 (2 ranks, 2 DP shards); TP2 x EP2 with and without sequence parallel and
 EP2 x DP2 (4 ranks, Megatron's rank order). Two routers (softmax without top-k renormalisation;

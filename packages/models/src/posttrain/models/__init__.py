@@ -26,13 +26,15 @@ Public surface (see the package README for a tour):
   ``forward_logprobs(..., media=MediaBatch.pack(...))`` and ``extend``/``prefill(media=)``;
   ``has_towers`` / ``tower_parameter_names`` for weight sync (derived from the structure).
 * Extension points for a subclass of ``DecoderModel`` that splits it over ranks (grpo's
-  megatron ``TensorParallelDecoder``): it may override the documented seams ``_moe`` (a MoE
-  layer's output; expert parallelism replaces it), ``_scatter_sequence`` /
-  ``_gather_sequence`` (the residual stream entering and leaving the layers; sequence
-  parallelism) and ``_gather_layer_tokens``; their argument types are public here:
-  ``MoeLayer`` / ``MlaLayer`` (the layer modules ``_moe`` receives), ``LoraRouting`` (which
-  adapter each token uses in one forward) and ``AdapterArg`` (the ``lora=`` argument of the
-  forwards: one ``LoraAdapter``, one per segment, or ``None``).
+  megatron ``TensorParallelDecoder``): the public methods ``moe`` (a MoE layer's output;
+  expert parallelism replaces it), ``scatter_sequence`` / ``gather_sequence`` (the residual
+  stream entering and leaving the layers; sequence parallelism) and ``gather_layer_tokens``
+  (MLA's rope key); the README's "Extension points" says what each receives and returns and
+  the invariants an override keeps. Their argument types are public here: ``MoeLayer`` /
+  ``MlaLayer`` (the layer modules ``moe`` receives), ``LoraRouting`` (which adapter each
+  token uses in one forward) and ``AdapterArg`` (the ``lora=`` argument of the forwards: one
+  ``LoraAdapter``, one per segment, or ``None``). A subclass overrides nothing else and reads
+  no ``_name`` of the decoder or its layers.
 * ``context_parallel`` -- CP/SP primitives: zigzag/contiguous layouts, autograd K/V gather,
   position-masked attention with relative bias, halo exchange for short convolutions; and the
   model level: ``forward_context_parallel`` (this rank's logits/logprobs of a ``DecoderModel``,

@@ -131,8 +131,7 @@ def compile_layers(
     tests without a C compiler). Returns False, with a warning, where
     ``torch.compile`` cannot start here; the layers then run eagerly as before.
     """
-    from posttrain.models import _model
-    from posttrain.models._model import Numerics
+    from posttrain.models._model import Numerics, run_experts_loop_eagerly
 
     backend = backend or os.environ.get(BACKEND_ENV) or "inductor"
 
@@ -143,8 +142,7 @@ def compile_layers(
         )
     if isinstance(getattr(model, "_compile_state", None), _State):
         raise ModelInputError("the model's layers are already compiled")
-    if _model._experts_eager is _model._experts_one_by_one:  # once per process
-        _model._experts_eager = torch.compiler.disable(_model._experts_one_by_one)  # type: ignore[no-untyped-call]
+    run_experts_loop_eagerly()  # the experts' data-dependent loop: a graph break, once
     layers = list(model.layers)
     state = _State()
     try:

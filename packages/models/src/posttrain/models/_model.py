@@ -363,9 +363,18 @@ def _experts_one_by_one(
 
 
 _experts_eager: Callable[..., Tensor] = _experts_one_by_one
-"""``_experts_one_by_one``, run outside any compiled region: ``compile_layers`` replaces it with
-its ``torch.compiler.disable`` form (a compiled layer breaks its graph here). Not done at import:
-``torch.compiler.disable`` imports dynamo (and Triton) into every process that loads models."""
+"""``_experts_one_by_one`` as ``grouped_experts`` calls it; ``run_experts_loop_eagerly`` (the
+seam ``compile_layers`` uses) swaps in its ``torch.compiler.disable`` form."""
+
+
+def run_experts_loop_eagerly() -> None:
+    """Run ``grouped_experts``' per-expert loop outside any compiled region from now on (a clean
+    graph break in a compiled layer, instead of a recompile for every routing); idempotent,
+    process-wide. ``compile_layers`` calls it. Not done at import: ``torch.compiler.disable``
+    imports dynamo (and Triton) into every process that loads models."""
+    global _experts_eager
+    if _experts_eager is _experts_one_by_one:
+        _experts_eager = torch.compiler.disable(_experts_one_by_one)  # type: ignore[no-untyped-call]
 
 
 _GROUPED_MM_FAILED: list[str] = []
@@ -915,7 +924,7 @@ class DecoderModel(nn.Module):
         h = self._embed(ids, media) if embeds is None else embeds  # ids checked by the caller
         if cfg.embedding_rms_norm:
             h = ops.rms_norm(h, self.embed_norm, cfg.rms_norm_eps)
-        h = self._scatter_sequence(h)
+        h = self.scatter_sequence(h)
         call = LayerCall(self, layout, lora)
         if isinstance(layout, PackedLayout) and layers_compiled(self):
             layout.prepare()  # its host syncs here, not inside a compiled layer
@@ -924,7 +933,7 @@ class DecoderModel(nn.Module):
             from torch.utils.checkpoint import checkpoint
         for layer in self.layers:
             h = checkpoint(layer, h, call, use_reentrant=False) if checkpointed else layer(h, call)
-        h = self._gather_sequence(h)
+        h = self.gather_sequence(h)
         return ops.rms_norm(h, self.final_norm, cfg.rms_norm_eps)
 
     def _head(self, h: Tensor, lora: LoraRouting) -> Tensor:
@@ -936,25 +945,79 @@ class DecoderModel(nn.Module):
             logits = logits / cfg.logits_divisor
         return logits
 
-    def _scatter_sequence(self, h: Tensor) -> Tensor:
-        """The sequence-parallel seam: the residual stream ``h[T, H]`` entering the layers.
+    # ------------------------------------------------------------------ extension points
+    # The four methods below are the decoder's documented parallelism seams (README, "Extension
+    # points"): a subclass that splits the model over ranks overrides them, and the decoder
+    # calls nothing else of a subclass. Here each is the identity or the single-process
+    # computation.
 
-        The identity here. A tensor-parallel subclass with sequence parallelism keeps only its
-        rank's slice of the tokens between its parallel linears (they gather and scatter tokens
-        themselves); ``_gather_sequence`` gives the whole stream back before the final norm.
+    def scatter_sequence(self, h: Tensor) -> Tensor:
+        """Seam: the residual stream ``h[T, H]`` (embedded, after the optional embedding norm)
+        entering the layers; returns the rows the layers see. The identity here.
+
+        A sequence-parallel subclass keeps its rank's contiguous slice of the tokens (its
+        parallel linears gather and scatter tokens themselves); its backward must give the
+        gradient of every token back. A pure selection, never arithmetic: strict numerics stay
+        bit for bit the single-process rows.
         """
         return h
 
-    def _gather_sequence(self, h: Tensor) -> Tensor:
-        """The residual stream leaving the layers (see ``_scatter_sequence``); the identity here."""
+    def gather_sequence(self, h: Tensor) -> Tensor:
+        """Seam: the residual stream leaving the layers (``scatter_sequence``'s rows); returns
+        the whole stream ``[T, H]`` that the final norm and the LM head read. The identity here;
+        with ``scatter_sequence`` it must compose to the identity in forward (a concatenation
+        of the ranks' rows in token order)."""
         return h
 
-    def _gather_layer_tokens(self, x: Tensor) -> Tensor:
-        """An activation ``x[T_local, ...]`` computed from this rank's tokens that attention
-        reads for every token (MLA's rope key, which no parallel linear gathers); the identity
-        here. A sequence-parallel subclass all-gathers the tokens and sums the gradient over
-        the ranks in backward (megatron-core's ``gather_from_sequence_parallel_region``)."""
+    def gather_layer_tokens(self, x: Tensor) -> Tensor:
+        """Seam: an activation ``x[T_local, ...]`` computed from this rank's tokens that
+        attention reads for every token (MLA's rope key, which no parallel linear gathers);
+        returns ``[T, ...]``. The identity here. A sequence-parallel subclass all-gathers the
+        tokens and sums the gradient over the ranks in backward (megatron-core's
+        ``gather_from_sequence_parallel_region``)."""
         return x
+
+    def moe(self, layer: MoeLayer | MlaLayer, m: Tensor, lora: LoraRouting, prefix: str) -> Tensor:
+        """Seam: a MoE layer's output ``[T_local, H]`` for its post-norm input ``m[T_local, H]``
+        (the rows ``scatter_sequence`` kept). ``layer``: the ``MoeLayer`` (router site, stacked
+        experts) or ``MlaLayer`` (its DeepSeek-style ``layer.moe`` block, no LoRA hook);
+        ``lora``: the forward's ``LoraRouting`` (deltas on ``{prefix}mlp.gate``,
+        ``{prefix}mlp.experts.{j}.*``, ``{prefix}mlp.shared_experts.{s}.*``); ``prefix``: the
+        layer's PEFT name prefix, ``model.layers.{i}.``.
+
+        Row-wise: a token's output depends on its own row only (so any split of the rows is
+        legal). An override that replaces it (expert parallelism) keeps strict numerics' bits:
+        routing ties to the lower id, experts combined in ascending id order, shared experts
+        first (``ops.moe_combine``)."""
+        cfg, ops = self.config, self.ops
+        if isinstance(layer, MlaLayer):
+            out: Tensor = layer.moe(ops, m)
+            return out
+        e, ns = cfg.num_experts, cfg.n_shared_experts
+        logits = layer.sites["router"](m)
+        logits = lora.apply(ops, m, logits, [(prefix + "mlp.gate", 0, e + ns)])
+        ids, weights = moe_routing(ops, cfg, logits, getattr(layer, "expert_bias", None))
+        if not ops.batch_invariant and not lora.active:
+            outputs = grouped_experts(ops, m, ids, layer.experts_fc1, layer.experts_fc2)
+        else:
+            outputs = self._experts_by_id(layer, m, ids, lora, prefix)
+        if ns:
+            shared = [
+                self._expert(
+                    layer.shared_fc1[s],
+                    layer.shared_fc2[s],
+                    m,
+                    lora,
+                    f"{prefix}mlp.shared_experts.{s}.",
+                    None,
+                )
+                for s in range(ns)
+            ]
+            # fixed fp32 order: shared experts 0..S-1, then routed experts by ascending id
+            outputs = torch.cat([torch.stack(shared, dim=1).to(outputs.dtype), outputs], dim=1)
+        return ops.moe_combine(weights, outputs)
+
+    # ------------------------------------------------------------------ layer computation
 
     def _layer_forward(
         self, layer: _Layer, h: Tensor, layout: TokenLayout, lora: LoraRouting
@@ -965,7 +1028,7 @@ class DecoderModel(nn.Module):
         h = h + self._attention(layer, h, layout, lora, prefix)
         m = ops.rms_norm(h, layer.mlp_norm, cfg.rms_norm_eps)
         if isinstance(layer, MoeLayer):
-            y = self._moe(layer, m, lora, prefix)
+            y = self.moe(layer, m, lora, prefix)
         else:
             assert isinstance(layer, DenseLayer)
             y = self._dense(layer, m, lora, prefix)
@@ -1078,12 +1141,12 @@ class DecoderModel(nn.Module):
             assert isinstance(layout, PackedLayout)
             y = attn.forward_packed(
                 ops, a, layout, cos=cos, sin=sin, layer=layer.index, linear=linear,
-                rope_key_tokens=self._gather_layer_tokens,
+                rope_key_tokens=self.gather_layer_tokens,
             )  # fmt: skip
         h = h + y
         m = ops.rms_norm(h, layer.mlp_norm, cfg.rms_norm_eps)
         if layer.is_moe:
-            return h + self._moe(layer, m, lora, prefix)
+            return h + self.moe(layer, m, lora, prefix)
         return h + self._dense(layer, m, lora, prefix)
 
     def _dense(
@@ -1097,37 +1160,6 @@ class DecoderModel(nn.Module):
         act = ops.silu_mul(gu[:, :i], gu[:, i:])
         y = layer.sites["fc2"](act)
         return lora.apply(ops, act, y, [(prefix + "mlp.down_proj", 0, self.config.hidden_size)])
-
-    def _moe(self, layer: MoeLayer | MlaLayer, m: Tensor, lora: LoraRouting, prefix: str) -> Tensor:
-        """A MoE layer's output for the post-norm ``m[T, H]`` (a seam: expert parallelism
-        replaces it). MLA layers run their DeepSeek-style block (no LoRA hook)."""
-        cfg, ops = self.config, self.ops
-        if isinstance(layer, MlaLayer):
-            out: Tensor = layer.moe(ops, m)
-            return out
-        e, ns = cfg.num_experts, cfg.n_shared_experts
-        logits = layer.sites["router"](m)
-        logits = lora.apply(ops, m, logits, [(prefix + "mlp.gate", 0, e + ns)])
-        ids, weights = moe_routing(ops, cfg, logits, getattr(layer, "expert_bias", None))
-        if not ops.batch_invariant and not lora.active:
-            outputs = grouped_experts(ops, m, ids, layer.experts_fc1, layer.experts_fc2)
-        else:
-            outputs = self._experts_by_id(layer, m, ids, lora, prefix)
-        if ns:
-            shared = [
-                self._expert(
-                    layer.shared_fc1[s],
-                    layer.shared_fc2[s],
-                    m,
-                    lora,
-                    f"{prefix}mlp.shared_experts.{s}.",
-                    None,
-                )
-                for s in range(ns)
-            ]
-            # fixed fp32 order: shared experts 0..S-1, then routed experts by ascending id
-            outputs = torch.cat([torch.stack(shared, dim=1).to(outputs.dtype), outputs], dim=1)
-        return ops.moe_combine(weights, outputs)
 
     def _experts_by_id(
         self, layer: MoeLayer, m: Tensor, ids: Tensor, lora: LoraRouting, prefix: str

@@ -3,7 +3,7 @@
 ``ExpertParallelMoe`` is one MoE layer of a ``ModelConfig`` (softmax or sigmoid router with its
 fixed expert bias, ``norm_topk_prob``, ``routed_scaling_factor``, optional shared experts) whose
 routed experts are split over an expert-parallel process group: EP rank ``r`` of ``ep`` holds
-experts ``[r * E / ep, (r + 1) * E / ep)``. Its ``forward(m)`` is ``DecoderModel._moe`` for the
+experts ``[r * E / ep, (r + 1) * E / ep)``. Its ``forward(m)`` is ``DecoderModel.moe`` for the
 post-norm hidden states ``m [T, H]`` of this rank.
 
 Why our own dispatch, not megatron-core's ``MoELayer``
@@ -40,7 +40,7 @@ How it maps to Megatron's EP (expert_tensor_parallel_size = 1, the ``alltoall`` 
 
 Numerics: each routed row is computed alone by the model's row-independent kernels and the
 combine order is the single-process one, so in strict numerics the layer's output is bitwise
-equal to ``DecoderModel._moe`` on the same tokens (with or without LoRA). Gradients agree to
+equal to ``DecoderModel.moe`` on the same tokens (with or without LoRA). Gradients agree to
 a relative L2 of about 1e-7 (measured in the gloo tests): an expert's weight grad sums its
 tokens in another order, and the TP/DP/expert-DP reductions add partial grads.
 
@@ -48,11 +48,11 @@ Autograd: the all-to-alls' backward is the reverse all-to-all (``_ep_comm``, whi
 how every rank is made to run each backward collective, even a rank that routed or received
 no token). Grad mode and trainability must agree across the ranks of a group.
 
-DeepSeek-style blocks (the MLA families, ``config.is_mla``; ``posttrain.models``' ``_ds_moe``)
+DeepSeek-style blocks (the MLA families, ``config.is_mla``: an ``MlaLayer``'s ``layer.moe``)
 split the same way: their fp32 router has no shared-expert rows, routing is
 ``group_limited_routing`` (group-limited sigmoid top-k with the correction bias), and the shared
 experts are one fused SwiGLU MLP (``shared_fc1 [2 * S * I, H]``, ``shared_fc2 [H, S * I]``)
-whose output weighs 1, combined first as ``DeepseekMoe`` does. Its experts are not LoRA
+whose output weighs 1, combined first as the single-process block does. Its experts are not LoRA
 targets (``attach_lora`` refuses them, as the single-process model has no hook there).
 
 Gradients, checkpoints and the adapter live in ``expert_state`` (re-exported here):

@@ -18,8 +18,8 @@ heads; the row all-reduce adds two partial sums where the single process runs on
 logits differ in the last bits (train/rollout logprob differences are expected and reported).
 
 Sequence parallel (``sequence_parallel=True``): between the parallel linears the residual
-stream holds ``T / tp`` tokens per rank (the decoder's ``_scatter_sequence`` /
-``_gather_sequence`` seam): the column linears all-gather tokens, the row linears
+stream holds ``T / tp`` tokens per rank (the decoder's ``scatter_sequence`` /
+``gather_sequence`` extension points): the column linears all-gather tokens, the row linears
 reduce-scatter them; the packed batch is padded with one short extra segment to a multiple of
 ``tp`` tokens and the padding's logits dropped. Norms, router and experts then see a rank's
 tokens only, so their gradients are partial sums over TP (``grads.tp_partial_parameters``).
@@ -42,7 +42,7 @@ replicated activation read by per-rank heads only: ``RopeKeyGradSum`` sums its g
 (the latents' gradients are summed by the column layers). With sequence parallel the latent
 projections and norms run on the rank's tokens (as megatron-core's MLA under SP): ``q_b_proj``
 and ``kv_b_proj`` all-gather the latents, and the rope key is all-gathered on its own
-(``_gather_layer_tokens``, whose backward reduce-scatter also sums its gradient over TP). With
+(``gather_layer_tokens``, whose backward reduce-scatter also sums its gradient over TP). With
 expert parallel the DeepSeek-style MoE layers become ``ExpertParallelMoe`` layers in their
 DeepSeek form (``layer.expert_parallel`` replacing ``layer.moe``; weights keep the
 ``layers.{i}.moe.*`` names).
@@ -85,7 +85,7 @@ from posttrain.models import (
     weight_groups,
 )
 
-if TYPE_CHECKING:  # the decoder's own types, for the overridden seams' signatures
+if TYPE_CHECKING:  # the decoder's public types, for the extension points' signatures
     from posttrain.models import AdapterArg, LoraRouting, MediaBatch, MlaLayer, MoeLayer
 
 # Inkling-style blocks whose weights are laid out per head / per channel of a sharded dim.
@@ -253,7 +253,7 @@ class TensorParallelDecoder(DecoderModel):
             ]
         # the rope key is shared by every head: its gradient is a sum over all heads, i.e.
         # over the TP ranks (the latent's is summed by kv_b_proj's column layer); with sequence
-        # parallel the rope key's all-gather sums it in backward (``_gather_layer_tokens``)
+        # parallel the rope key's all-gather sums it in backward (``gather_layer_tokens``)
         if self.groups.tp_size > 1 and not self.sequence_parallel:
             sites["kv_a_proj_with_mqa"] = RopeKeyGradSum(
                 sites["kv_a_proj_with_mqa"], s.kv_lora_rank, tp_group
@@ -312,10 +312,11 @@ class TensorParallelDecoder(DecoderModel):
         found = [getattr(layer, "expert_parallel", None) for layer in self.layers]
         return [m for m in found if m is not None]
 
-    def _moe(self, layer: MoeLayer | MlaLayer, m: Tensor, lora: LoraRouting, prefix: str) -> Tensor:
+    def moe(self, layer: MoeLayer | MlaLayer, m: Tensor, lora: LoraRouting, prefix: str) -> Tensor:
+        """The decoder's MoE seam: the layer's ``ExpertParallelMoe`` where it has one."""
         experts: nn.Module | None = getattr(layer, "expert_parallel", None)
         if experts is None:
-            return super()._moe(layer, m, lora, prefix)
+            return super().moe(layer, m, lora, prefix)
         out: Tensor = experts(m)
         return out
 
@@ -352,19 +353,22 @@ class TensorParallelDecoder(DecoderModel):
             lengths.append(pad)
         return super().forward_logits(ids, lengths)[:n]
 
-    def _scatter_sequence(self, h: Tensor) -> Tensor:
+    def scatter_sequence(self, h: Tensor) -> Tensor:
+        """The decoder's seam: this rank's slice of the tokens under sequence parallel."""
         if not self.sequence_parallel:
             return h
         # every rank embedded all tokens: keep this rank's slice (backward all-gathers)
         return split_tokens(h, self.groups.tp)
 
-    def _gather_sequence(self, h: Tensor) -> Tensor:
+    def gather_sequence(self, h: Tensor) -> Tensor:
+        """The decoder's seam: every rank's tokens back, in order, under sequence parallel."""
         if not self.sequence_parallel:
             return h
         # every rank computes the head and the loss on all tokens: backward keeps its slice
         return gather_tokens_keep_grad(h, self.groups.tp)
 
-    def _gather_layer_tokens(self, x: Tensor) -> Tensor:
+    def gather_layer_tokens(self, x: Tensor) -> Tensor:
+        """The decoder's seam: MLA's rope key of every token under sequence parallel."""
         if not self.sequence_parallel:
             return x
         # MLA's rope key: each rank's heads read every token's; backward sums over TP
