@@ -166,10 +166,7 @@ def _breakdown(
             out[f"pipelined_{stage_mb}mb_gpu_ms"] = _gpu_ms(
                 lambda t=tuning: run_pipelined(bucket, cfg, t), repeats
             )
-        forward = KernelTuning(pipeline=True, reverse_quantize=False)
-        out["pipelined_forward_gpu_ms"] = _gpu_ms(
-            lambda: run_pipelined(bucket, cfg, forward), repeats
-        )
+
     return out
 
 
@@ -222,7 +219,6 @@ def _sweep(
 GROUPED_LABELS = (
     "two_pass",
     "pipelined",
-    "pipelined_forward",
     "pipelined_block_tiles",
     "live_unplanned",
 )
@@ -283,7 +279,6 @@ def main() -> None:
         for label, tuning in (
             ("two_pass", KernelTuning(pipeline=False)),
             ("pipelined", KernelTuning(pipeline=True)),
-            ("pipelined_forward", KernelTuning(pipeline=True, reverse_quantize=False)),
             ("pipelined_block_tiles", KernelTuning(block_per_thread=False, num_warps=2)),
         ):
             got = quantize_grouped(named, partners, NVFP4Config(), tuning)

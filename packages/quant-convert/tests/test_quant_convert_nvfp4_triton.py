@@ -367,7 +367,6 @@ def test_grouped_kernels_compile_for_hopper_with_vector_loads() -> None:
         "BLOCKS": 256,
         "PACK_WORDS": False,
         "ROWS": False,
-        "REVERSE": True,
     }
     sig = {**ptrs, **out, **dict.fromkeys(ints, "i32"), **dict.fromkeys(consts, "constexpr")}
     code = ptx(kernels._pipelined_kernel, sig, consts, [*ptrs, *out])
@@ -411,3 +410,35 @@ def test_bucket_layout_is_planned_once_per_bucket() -> None:
         _grouped.plan_bucket([(f"w{i}", down)], {})
     assert len(_grouped._PLANS) == _grouped.PLAN_CACHE_SIZE
     _grouped._PLANS.clear()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="calls are kept on the kernels' path")
+def test_a_kept_live_call_sees_new_values_and_still_refuses_nan() -> None:
+    """The second sync of the same parameters (same pointers) skips every host step, yet
+    quantizes the values they hold now, byte for byte as the CPU, and still refuses NaN."""
+    from posttrain.quant_convert import QuantPolicy, live, quantize_named_params
+
+    live._CALLS.clear()
+    g = torch.Generator().manual_seed(3)
+    names = [f"model.layers.0.mlp.{p}.weight" for p in ("gate_proj", "up_proj", "down_proj")]
+    named = [(n, (torch.randn(32, 64, generator=g) * 0.1).bfloat16().cuda()) for n in names]
+    named.append(("model.layers.0.input_layernorm.weight", torch.ones(64).bfloat16().cuda()))
+    policy = QuantPolicy(num_layers_at_end_in_bf16=0)
+
+    def same_as_cpu() -> None:
+        got = quantize_named_params(named, num_layers=1, policy=policy)
+        want = quantize_named_params([(n, t.cpu()) for n, t in named], num_layers=1, policy=policy)
+        assert [n for n, _ in got] == [n for n, _ in want]
+        for (n, a), (_, b) in zip(got, want, strict=True):
+            assert torch.equal(a.cpu().view(torch.uint8), b.view(torch.uint8)), n
+
+    same_as_cpu()
+    assert len(live._CALLS) == 1
+    for _, t in named[:3]:
+        t.mul_(-3.0)  # in place: the same pointers, so the call is kept
+    same_as_cpu()
+    assert len(live._CALLS) == 1
+    named[1][1][5, 7] = float("nan")
+    with pytest.raises(QuantInputError, match=r"^model\.layers\.0\.mlp\.up_proj\.weight: "):
+        quantize_named_params(named, num_layers=1, policy=policy)
+    live._CALLS.clear()

@@ -48,14 +48,15 @@ if TYPE_CHECKING:
 
 __all__ = [
     "GroupedBucket",
+    "lookup",
     "plan_bucket",
-    "planned",
     "quantize_grouped",
     "results",
     "run_pipelined",
     "run_prepass",
     "run_quantize",
     "start_grouped",
+    "start_layout",
 ]
 
 _ALIGN = 16  # bytes: where each region of the flat output buffer starts
@@ -197,10 +198,19 @@ def _plan_key(weights: Sequence[tuple[str, torch.Tensor]], partners: Mapping[str
     )
 
 
-def planned(weights: Sequence[tuple[str, torch.Tensor]], partners: Mapping[str, str]) -> bool:
-    """Whether this very bucket (``_plan_key``) was planned before, hence checked before: the
-    caller may skip its per-weight checks (dtype, rank, K, pairs) on this hit."""
-    return _plan_key(weights, partners) in _PLANS
+def lookup(
+    weights: Sequence[tuple[str, torch.Tensor]], partners: Mapping[str, str]
+) -> _Layout | None:
+    """The kept layout of this very bucket (``_plan_key``; every input contiguous, as it was
+    when kept), or None. A bucket found here was planned, hence checked, before: the caller
+    may skip its per-weight checks (dtype, rank, K, pairs) and launch it (``start_layout``)."""
+    if not all(t.is_contiguous() for _, t in weights):
+        return None
+    key = _plan_key(weights, partners)
+    layout = _PLANS.get(key)
+    if layout is not None:
+        _PLANS.move_to_end(key)
+    return layout
 
 
 def _amax_slots(
@@ -435,9 +445,26 @@ def start_grouped(
     the check ran) and the check, the bucket's one synchronisation (raises on NaN/Inf)."""
     if not weights:
         return {}, lambda: None
+    return _launch(plan_bucket(weights, partners), cfg, tuning)
+
+
+def start_layout(
+    weights: Sequence[tuple[str, torch.Tensor]],
+    layout: _Layout,
+    cfg: NVFP4Config,
+    tuning: KernelTuning | None = None,
+) -> tuple[dict[str, NVFP4Tensor], Callable[[], None]]:
+    """``start_grouped`` for a bucket whose layout ``lookup`` found: no planning at all."""
+    inputs = [t for _, t in weights]
+    bits = torch.zeros(layout.slots + len(inputs), dtype=torch.int32, device=inputs[0].device)
+    return _launch(GroupedBucket([n for n, _ in weights], inputs, layout, bits), cfg, tuning)
+
+
+def _launch(
+    bucket: GroupedBucket, cfg: NVFP4Config, tuning: KernelTuning | None
+) -> tuple[dict[str, NVFP4Tensor], Callable[[], None]]:
     from posttrain.quant_convert import _nvfp4_triton as kernels
 
-    bucket = plan_bucket(weights, partners)
     if (tuning or kernels.DEFAULT_TUNING).pipeline and cfg.four_over_six == "off":
         run_pipelined(bucket, cfg, tuning)
     else:

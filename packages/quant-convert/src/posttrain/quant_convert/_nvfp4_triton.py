@@ -383,7 +383,6 @@ def _pipelined_kernel(
     BLOCKS: tl.constexpr,
     PACK_WORDS: tl.constexpr,
     ROWS: tl.constexpr,
-    REVERSE: tl.constexpr,
 ):
     """The grouped path's quantize kernel: rows ``q_first..+q_rows`` of the table (their
     pre-pass ran in an earlier launch) as ``_quant_kernel`` (or, ``ROWS``,
@@ -392,18 +391,15 @@ def _pipelined_kernel(
     ``meta[SCALE2_AT]``; NaN/Inf were flagged by the pre-pass (the bucket is then refused), so
     the block amax is a float max and no flag is kept. With ``p_rows`` it is one pipeline
     step: it pre-passes rows ``p_first..+p_rows`` too, a tile of each per program, so the
-    memory-bound pre-pass and the arithmetic-bound quantize share every SM. ``REVERSE``: the
-    quantize tiles go last to first, so the first programs of a launch quantize what the
-    launch before pre-passed last (still in L2); the bytes do not depend on the order."""
+    memory-bound pre-pass and the arithmetic-bound quantize share every SM."""
     pid = tl.program_id(0)
     if pid < p_rows * tiles:
         _prepass_tile(x_ptr, meta_ptr, bits_ptr, p_first + pid // tiles, pid % tiles,
                       blocks_per_matrix * 16, BLOCKS * 16, 1)  # fmt: skip
     if pid < q_rows * tiles:
-        q = q_rows * tiles - 1 - pid if REVERSE else pid
         _quant_tile(
-            x_ptr, meta_ptr, bits_ptr, packed_ptr, scale_ptr, ws2_ptr, q_first + q // tiles,
-            q % tiles, blocks_per_matrix, EMAX, MODE, BLOCKS, PACK_WORDS, ROWS,
+            x_ptr, meta_ptr, bits_ptr, packed_ptr, scale_ptr, ws2_ptr, q_first + pid // tiles,
+            pid % tiles, blocks_per_matrix, EMAX, MODE, BLOCKS, PACK_WORDS, ROWS,
         )  # fmt: skip
 
 
@@ -638,7 +634,6 @@ class KernelTuning:
     pipeline: bool = True  # grouped path (4-over-6 off): a stage's pre-pass beside the
     # previous stage's quantize, in one launch
     pipeline_stage_bytes: int = 64 << 20  # least input per pipeline stage
-    reverse_quantize: bool = True  # grouped path: quantize tiles last to first (L2 reuse)
 
 
 DEFAULT_TUNING = KernelTuning()
@@ -758,7 +753,6 @@ def quantize_rows(
         x, meta, bits, packed.view(torch.int64) if words else packed, scale, ws2,
         quantize.start, len(quantize), prepass.start, len(prepass), blocks_per_matrix, tiles,
         EMAX=float(emax), MODE=_MODES[(four_over_six, scale_rounding)], BLOCKS=tile,
-        PACK_WORDS=words, ROWS=one_per_thread, REVERSE=tuning.reverse_quantize,
-        num_warps=warps, enable_fp_fusion=False,
+        PACK_WORDS=words, ROWS=one_per_thread, num_warps=warps, enable_fp_fusion=False,
         **(_max_registers(tuning) if four_over_six != "off" else {}),
     )  # fmt: skip

@@ -468,14 +468,11 @@ def start_nvfp4_many(
     kernels run, then calls the check."""
     cfg = _resolve_cfg(cfg)
     partners = dict(partners or {})
-    if (
-        weights
-        and allow_3d
-        and _use_triton(weights[0][1].device, backend)
-        and _grouped.planned(weights, partners)
-    ):  # the very bucket (names, pointers, dtypes, shapes, device, pairs) went through the
-        # kernels before, so it passed the checks below: the weight sync's every later step
-        return _grouped.start_grouped(weights, partners, cfg)
+    if weights and allow_3d and _use_triton(weights[0][1].device, backend):
+        layout = _grouped.lookup(weights, partners)
+        if layout is not None:  # the very bucket (names, pointers, dtypes, shapes, device,
+            # pairs) went through the kernels before, so it passed the checks below
+            return _grouped.start_layout(weights, layout, cfg)
     by_name = dict(weights)
     for n, t in weights:
         _check(t, n, allow_3d)
