@@ -161,6 +161,16 @@ def _breakdown(
         bucket = plan_bucket(weights, partners)
         out["prepass_gpu_ms"] = _gpu_ms(lambda: run_prepass(bucket), repeats)
         out["quantize_gpu_ms"] = _gpu_ms(lambda: run_quantize(bucket, cfg), repeats)
+        from posttrain.quant_convert._grouped import run_speculative
+
+        won = bucket.bits[: bucket.slots].clone()  # the true amaxes: every bet wins
+        out["speculative_won_gpu_ms"] = _gpu_ms(
+            lambda: run_speculative(bucket, won, cfg, KernelTuning()), repeats
+        )
+        lost = torch.full_like(won, -1)  # every bet loses: one read, then a full redo
+        out["speculative_lost_gpu_ms"] = _gpu_ms(
+            lambda: run_speculative(bucket, lost, cfg, KernelTuning()), repeats
+        )
         for stage_mb in (16, 64, 256):
             tuning = KernelTuning(pipeline=True, pipeline_stage_bytes=stage_mb << 20)
             out[f"pipelined_{stage_mb}mb_gpu_ms"] = _gpu_ms(
@@ -220,7 +230,9 @@ GROUPED_LABELS = (
     "two_pass",
     "pipelined",
     "pipelined_block_tiles",
+    "speculative",
     "live_unplanned",
+    "live_bets_lost",
 )
 
 
@@ -277,9 +289,10 @@ def main() -> None:
         from posttrain.quant_convert._nvfp4_triton import DEFAULT_TUNING, KernelTuning
 
         for label, tuning in (
-            ("two_pass", KernelTuning(pipeline=False)),
-            ("pipelined", KernelTuning(pipeline=True)),
+            ("two_pass", KernelTuning(pipeline=False, speculate=False)),
+            ("pipelined", KernelTuning(pipeline=True, speculate=False)),
             ("pipelined_block_tiles", KernelTuning(block_per_thread=False, num_warps=2)),
+            ("speculative", KernelTuning()),
         ):
             got = quantize_grouped(named, partners, NVFP4Config(), tuning)
             outs = dict(part for n, _ in named for part in got[n].named(n))
@@ -298,6 +311,16 @@ def main() -> None:
             return live()
 
         grouped_s["live_unplanned"] = _timed(live_unplanned, device, args.repeats)
+
+        def live_bets_lost() -> list[tuple[str, torch.Tensor]]:
+            from posttrain.quant_convert import _grouped
+
+            for layout in _grouped._PLANS.values():  # as if every weight's max had moved
+                if layout.last_amax is not None:
+                    layout.last_amax.fill_(-1)
+            return live()
+
+        grouped_s["live_bets_lost"] = _timed(live_bets_lost, device, args.repeats)
     copy_bw = 2 * bytes_in / t_copy
     quant_bytes = bytes_in + bytes_out
     result: dict[str, Any] = {
@@ -341,6 +364,11 @@ def main() -> None:
                 bd[f"pipelined_{stage_mb}mb_over_copy"] = quant_bytes / (ms / 1e3) / copy_bw
             # the default order is pipelined (64 MiB stages): what the live call adds to it
             bd["host_overhead_vs_pipelined_ms"] = t_live * 1e3 - bd["pipelined_64mb_gpu_ms"]
+            for bet in ("won", "lost"):
+                ms = bd[f"speculative_{bet}_gpu_ms"]
+                bd[f"speculative_{bet}_over_copy"] = quant_bytes / (ms / 1e3) / copy_bw
+            # a live call after the first bets on the last amaxes: what it adds to the kernels
+            bd["host_overhead_vs_speculative_ms"] = t_live * 1e3 - bd["speculative_won_gpu_ms"]
         result["breakdown"] = bd
         if args.sweep and device.type == "cuda":
             result["sweep"] = _sweep(named, partners, args.repeats)

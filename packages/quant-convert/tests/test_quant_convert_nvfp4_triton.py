@@ -442,3 +442,57 @@ def test_a_kept_live_call_sees_new_values_and_still_refuses_nan() -> None:
     with pytest.raises(QuantInputError, match=r"^model\.layers\.0\.mlp\.up_proj\.weight: "):
         quantize_named_params(named, num_layers=1, policy=policy)
     live._CALLS.clear()
+
+
+@kernel_test
+@pytest.mark.parametrize("cfg", CONFIGS[:2], ids=["te-multiplier", "te-divide"])
+def test_a_bucket_seen_before_bets_on_its_amaxes_and_keeps_the_bytes(
+    device: str, cfg: NVFP4Config
+) -> None:
+    """The second run of a kept bucket reads each weight once, betting on the last run's
+    amaxes: won bets (unchanged weights), lost bets (a pair's max moved up, a weight's moved
+    down, a 3-D expert's one matrix moved) and a NaN all give the CPU's bytes or its refusal."""
+    from posttrain.quant_convert import _grouped
+
+    _grouped._PLANS.clear()
+    ws = {
+        "e0.gate": _hard_rows(12, 64, seed=11, dtype=torch.bfloat16),
+        "e0.up": _hard_rows(12, 64, seed=12, dtype=torch.bfloat16),
+        "e1.down": _hard_rows(10, 48, seed=13, dtype=torch.bfloat16),
+        "x.gate": torch.stack([_hard_rows(6, 48, seed=s, dtype=torch.bfloat16) for s in (14, 15)]),
+        "x.up": torch.stack([_hard_rows(6, 48, seed=s, dtype=torch.bfloat16) for s in (16, 17)]),
+        "odd.gate": _hard_rows(6, 48, seed=18, dtype=torch.bfloat16),
+        "odd.up": _hard_rows(7, 48, seed=19, dtype=torch.bfloat16),  # two launch groups
+    }
+    partners = {}
+    for p in ("e0", "x", "odd"):
+        partners[f"{p}.gate"], partners[f"{p}.up"] = f"{p}.up", f"{p}.gate"
+    on_device = [(n, w.to(device)) for n, w in ws.items()]
+    dev = dict(on_device)
+
+    def run_and_compare() -> None:
+        got = _grouped.quantize_grouped(on_device, partners, cfg)
+        for p in ("e0", "x", "odd"):
+            gate, up = dev[f"{p}.gate"].cpu(), dev[f"{p}.up"].cpu()
+            ref_gate, ref_up = quantize_nvfp4_pair(gate, up, cfg=cfg, allow_3d=True)
+            _same(ref_gate, got[f"{p}.gate"])
+            _same(ref_up, got[f"{p}.up"])
+        _same(quantize_nvfp4(dev["e1.down"].cpu(), cfg=cfg), got["e1.down"])
+
+    run_and_compare()  # the first run: two passes, and the amaxes are kept
+    (layout,) = _grouped._PLANS.values()
+    assert layout.last_amax is not None
+    run_and_compare()  # every bet won
+    with torch.no_grad():
+        dev["e0.up"].mul_(2.0)  # the pair's amax moves up
+        dev["e1.down"].mul_(0.5)  # down
+        dev["x.gate"][1].mul_(-3.0)  # one expert of a 3-D pair
+        dev["odd.up"][0, 0] = dev["odd.up"].abs().max() * 4  # a pair across two launches
+    run_and_compare()  # lost bets, redone
+    run_and_compare()  # and won again
+    dev["e1.down"][3, 5] = float("nan")
+    with pytest.raises(QuantInputError, match=r"^e1\.down: contains NaN"):
+        _grouped.quantize_grouped(on_device, partners, cfg)
+    dev["e1.down"][3, 5] = 0.0
+    run_and_compare()  # the NaN's bits were the bet: lost, redone
+    _grouped._PLANS.clear()

@@ -55,6 +55,7 @@ __all__ = [
     "run_pipelined",
     "run_prepass",
     "run_quantize",
+    "run_speculative",
     "start_grouped",
     "start_layout",
 ]
@@ -72,9 +73,10 @@ class _Launch:
     straddling: int  # first row of the units whose other half sits in another launch group
 
 
-@dataclass(slots=True, frozen=True)
+@dataclass(slots=True, eq=False)
 class _Layout:
-    """The reusable half of a plan: what depends only on names, shapes, dtypes, pointers."""
+    """The reusable half of a plan: what depends only on names, shapes, dtypes, pointers;
+    once kept, also the amaxes its last run found (int32 bits per slot, on the device)."""
 
     meta: torch.Tensor  # [matrices, META] int64 on the device
     slots: int
@@ -83,6 +85,7 @@ class _Layout:
     first_matrix: tuple[int, ...]  # per tensor: its first matrix (output and scale_2 order)
     first_block: tuple[int, ...]  # per tensor: its first 16-element block in the outputs
     launches: tuple[_Launch, ...]
+    last_amax: torch.Tensor | None = None  # the bet of the next run (``run_speculative``)
 
 
 @dataclass(slots=True)
@@ -96,6 +99,7 @@ class GroupedBucket:
     inputs: list[torch.Tensor]  # contiguous, aligned (kept alive until the kernels ran)
     layout: _Layout
     bits: torch.Tensor  # int32: amax slots, then one non-finite flag per tensor
+    kept: bool = False  # the layout is in ``_PLANS`` (so it may carry amaxes to the next run)
     buffers: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     @property
@@ -187,7 +191,7 @@ def plan_bucket(
     else:
         _PLANS.move_to_end(key)
     bits = torch.zeros(layout.slots + len(inputs), dtype=torch.int32, device=inputs[0].device)
-    return GroupedBucket(names, inputs, layout, bits)
+    return GroupedBucket(names, inputs, layout, bits, kept=not copied)
 
 
 def _plan_key(weights: Sequence[tuple[str, torch.Tensor]], partners: Mapping[str, str]) -> Hashable:
@@ -457,7 +461,8 @@ def start_layout(
     """``start_grouped`` for a bucket whose layout ``lookup`` found: no planning at all."""
     inputs = [t for _, t in weights]
     bits = torch.zeros(layout.slots + len(inputs), dtype=torch.int32, device=inputs[0].device)
-    return _launch(GroupedBucket([n for n, _ in weights], inputs, layout, bits), cfg, tuning)
+    bucket = GroupedBucket([n for n, _ in weights], inputs, layout, bits, kept=True)
+    return _launch(bucket, cfg, tuning)
 
 
 def _launch(
@@ -465,12 +470,41 @@ def _launch(
 ) -> tuple[dict[str, NVFP4Tensor], Callable[[], None]]:
     from posttrain.quant_convert import _nvfp4_triton as kernels
 
-    if (tuning or kernels.DEFAULT_TUNING).pipeline and cfg.four_over_six == "off":
+    tune = tuning or kernels.DEFAULT_TUNING
+    plain = cfg.four_over_six == "off"
+    layout = bucket.layout
+    if plain and tune.speculate and tune.block_per_thread and layout.last_amax is not None:
+        run_speculative(bucket, layout.last_amax.clone(), cfg, tune)
+    elif tune.pipeline and plain:
         run_pipelined(bucket, cfg, tuning)
     else:
         run_prepass(bucket, tuning)
         run_quantize(bucket, cfg, tuning)
+    if bucket.kept:  # the next run of this bucket bets on these amaxes (stream-ordered)
+        if layout.last_amax is None:
+            layout.last_amax = bucket.bits[: layout.slots].clone()
+        else:
+            layout.last_amax.copy_(bucket.bits[: layout.slots])
     return _views(bucket), lambda: _check_flags(bucket)
+
+
+def run_speculative(
+    bucket: GroupedBucket, bet: torch.Tensor, cfg: NVFP4Config, tuning: KernelTuning
+) -> None:
+    """Quantize a bucket in one read, betting each slot's amax is ``bet``'s (the last run's:
+    a weight's max|x| seldom moves between syncs), then quantize again every matrix whose
+    true amax differs. The bytes are the two-pass order's either way; a lost bet costs that
+    matrix a second read and write."""
+    from posttrain.quant_convert import _nvfp4_triton as kernels
+
+    out = bucket.outputs()
+    for redo in (False, True):  # every bet placed before the first redo reads a slot
+        for la in bucket.launches:
+            kernels.speculate_rows(
+                bucket.inputs[la.base], bucket.meta, bucket.bits, bet, out, la.rows,
+                la.per_matrix // GROUP_SIZE, redo=redo, scale_rounding=cfg.scale_rounding,
+                emax=cfg.emax, tuning=tuning,
+            )  # fmt: skip
 
 
 def quantize_grouped(

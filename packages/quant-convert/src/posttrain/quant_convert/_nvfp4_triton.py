@@ -68,6 +68,7 @@ __all__ = [
     "prepass_rows",
     "quantize_matrices",
     "quantize_rows",
+    "speculate_rows",
 ]
 
 _AMAX_TILE = 4096
@@ -404,6 +405,91 @@ def _pipelined_kernel(
 
 
 @triton.jit
+def _speculative_kernel(
+    x_ptr,
+    meta_ptr,
+    bits_ptr,
+    guess_ptr,
+    packed_ptr,
+    scale_ptr,
+    ws2_ptr,
+    first_row,
+    blocks_per_matrix,
+    tiles,  # programs per matrix: cdiv(blocks_per_matrix, BLOCKS), at least 1
+    EMAX: tl.constexpr,
+    MODE: tl.constexpr,
+    BLOCKS: tl.constexpr,
+):
+    """One read for both passes, betting on the global amax: tile ``pid % tiles`` of table row
+    ``first_row + pid // tiles`` is quantized (one thread per block, as ``_quant_tile`` with
+    ``ROWS``) under the amax its slot held at the last sync (``guess_ptr``), while the true
+    max|x| and the non-finite flag go to ``bits`` as the pre-pass puts them. Where the bet and
+    the truth differ in a single bit, ``_redo_kernel`` quantizes that matrix again; where they
+    agree, these are the bytes the two-pass order writes (the same arithmetic on the same
+    amax)."""
+    pid = tl.program_id(0)
+    row = first_row + pid // tiles
+    tile = pid % tiles
+    at = row.to(tl.int64) * 5
+    SIX_EMAX: tl.constexpr = 6.0 * EMAX
+    slot = tl.load(meta_ptr + at + 2)
+    s_enc, ws2 = _global_scales(tl.load(guess_ptr + slot).to(tl.float32, bitcast=True), SIX_EMAX)
+    if tile == 0:
+        tl.store(ws2_ptr + tl.load(meta_ptr + at + 4), ws2)
+    x_ptr += tl.load(meta_ptr + at) * 16
+    out = tl.load(meta_ptr + at + 1)
+    offs = tile * BLOCKS + tl.arange(0, BLOCKS)
+    ok = offs < blocks_per_matrix
+    halves = x_ptr + offs[:, None] * 16 + tl.arange(0, 8)[None, :]
+    x_lo = tl.load(halves, mask=ok[:, None], other=0.0).to(tl.float32)
+    x_hi = tl.load(halves + 8, mask=ok[:, None], other=0.0).to(tl.float32)
+    # block amaxes as the integer max of |x|'s bits: exact, and NaN/Inf sort above every
+    # finite value (the pre-pass's rule), so the tile's max is the slot's and the flag's input
+    v_bits = tl.maximum(
+        tl.max(x_lo.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=1),
+        tl.max(x_hi.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=1),
+    )
+    a = tl.max(v_bits, axis=0)
+    tl.atomic_max(bits_ptr + slot, a)
+    tl.atomic_max(bits_ptr + tl.load(meta_ptr + at + 3), 1, mask=a >= 0x7F800000)
+    word, byte = _plain_blocks(x_lo, x_hi, v_bits.to(tl.float32, bitcast=True), s_enc, ws2, MODE)
+    tl.store(packed_ptr + out + offs, word, mask=ok)
+    tl.store(scale_ptr + out + offs, byte.to(tl.uint8), mask=ok)
+
+
+@triton.jit
+def _redo_kernel(
+    x_ptr,
+    meta_ptr,
+    bits_ptr,
+    guess_ptr,
+    packed_ptr,
+    scale_ptr,
+    ws2_ptr,
+    first_row,
+    blocks_per_matrix,
+    tiles,
+    programs,  # programs per matrix; program r takes tiles r, r + programs, ...
+    EMAX: tl.constexpr,
+    MODE: tl.constexpr,
+    BLOCKS: tl.constexpr,
+):
+    """After ``_speculative_kernel``: a matrix whose true amax (``bits``) differs from the
+    bet (``guess_ptr``) is quantized again under the true one (``_quant_tile``, all of it, its
+    ``weight_scale_2`` too); the others' programs return at once."""
+    pid = tl.program_id(0)
+    row = first_row + pid // programs
+    at = row.to(tl.int64) * 5
+    slot = tl.load(meta_ptr + at + 2)
+    if tl.load(bits_ptr + slot) != tl.load(guess_ptr + slot):
+        for tile in range(pid % programs, tiles, programs):
+            _quant_tile(
+                x_ptr, meta_ptr, bits_ptr, packed_ptr, scale_ptr, ws2_ptr, row, tile,
+                blocks_per_matrix, EMAX, MODE, BLOCKS, True, True,
+            )  # fmt: skip
+
+
+@triton.jit
 def _e2m1_code_1d(x, e):
     """E2M1 codes (int32) of fp32 values ``x`` under per-block encode scales ``e``."""
     y = x * e
@@ -634,6 +720,8 @@ class KernelTuning:
     pipeline: bool = True  # grouped path (4-over-6 off): a stage's pre-pass beside the
     # previous stage's quantize, in one launch
     pipeline_stage_bytes: int = 64 << 20  # least input per pipeline stage
+    speculate: bool = True  # grouped path, a bucket seen before (4-over-6 off, one thread per
+    # block): one read, betting on the last run's amaxes; a lost bet re-quantizes that matrix
 
 
 DEFAULT_TUNING = KernelTuning()
@@ -692,6 +780,51 @@ def quantize_matrices(
 def _max_registers(tuning: KernelTuning) -> dict[str, int]:
     n = tuning.max_registers_4over6
     return {} if n is None else {"maxnreg": n}
+
+
+REDO_PROGRAMS = 256  # programs per matrix of the redo launch (one wave when none redoes)
+
+
+def speculate_rows(
+    x: torch.Tensor,
+    meta: torch.Tensor,
+    bits: torch.Tensor,
+    guess: torch.Tensor,
+    out: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    rows: range,
+    blocks_per_matrix: int,
+    *,
+    redo: bool,
+    scale_rounding: str,
+    emax: float,
+    tuning: KernelTuning = DEFAULT_TUNING,
+) -> None:
+    """Launch the one-read quantize of table rows ``rows`` under the amaxes in ``guess`` (int32
+    bits per slot) or, ``redo``, the second quantize of every matrix whose true amax differs
+    (4-over-6 off). Every speculative launch of a bucket must come before its first redo (a
+    pair's halves of two sizes share a slot across launches)."""
+    if not rows:
+        return
+    if blocks_per_matrix * 16 >= 2**31:
+        raise ValueError(
+            f"one matrix of {blocks_per_matrix * 16} elements exceeds the kernel's int32 offsets"
+        )
+    packed, scale, ws2 = out
+    tile, warps = tuning.blocks_per_program, tuning.num_warps
+    tiles = max(1, triton.cdiv(blocks_per_matrix, tile))
+    mode = _MODES[("off", scale_rounding)]
+    args = (x, meta, bits, guess, packed.view(torch.int64), scale, ws2, rows.start)
+    if not redo:
+        _speculative_kernel[(tiles * len(rows),)](
+            *args, blocks_per_matrix, tiles, EMAX=float(emax), MODE=mode, BLOCKS=tile,
+            num_warps=warps, enable_fp_fusion=False,
+        )  # fmt: skip
+        return
+    programs = min(tiles, REDO_PROGRAMS)
+    _redo_kernel[(programs * len(rows),)](
+        *args, blocks_per_matrix, tiles, programs, EMAX=float(emax), MODE=mode, BLOCKS=tile,
+        num_warps=warps, enable_fp_fusion=False,
+    )  # fmt: skip
 
 
 def prepass_rows(
