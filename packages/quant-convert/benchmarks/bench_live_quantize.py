@@ -306,16 +306,19 @@ def main() -> None:
 
         def live_unplanned() -> list[tuple[str, torch.Tensor]]:
             from posttrain.quant_convert import _grouped
+            from posttrain.quant_convert import live as live_path
 
-            _grouped._PLANS.clear()  # what the first sync of a bucket costs
+            live_path._CALLS.clear()  # what the first sync of a bucket costs
+            _grouped._PLANS.clear()
             return live()
 
         grouped_s["live_unplanned"] = _timed(live_unplanned, device, args.repeats)
 
         def live_bets_lost() -> list[tuple[str, torch.Tensor]]:
-            from posttrain.quant_convert import _grouped
+            from posttrain.quant_convert import live as live_path
 
-            for layout in _grouped._PLANS.values():  # as if every weight's max had moved
+            for call in live_path._CALLS.values():  # as if every weight's max had moved
+                layout = call[-1]
                 if layout.last_amax is not None:
                     layout.last_amax.fill_(-1)
             return live()

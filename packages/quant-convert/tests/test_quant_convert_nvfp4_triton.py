@@ -420,7 +420,9 @@ def test_a_kept_live_call_sees_new_values_and_still_refuses_nan() -> None:
 
     live._CALLS.clear()
     g = torch.Generator().manual_seed(3)
-    names = [f"model.layers.0.mlp.{p}.weight" for p in ("gate_proj", "up_proj", "down_proj")]
+    names = [
+        f"model.layers.0.mlp.experts.3.{p}.weight" for p in ("gate_proj", "up_proj", "down_proj")
+    ]
     named = [(n, (torch.randn(32, 64, generator=g) * 0.1).bfloat16().cuda()) for n in names]
     named.append(("model.layers.0.input_layernorm.weight", torch.ones(64).bfloat16().cuda()))
     policy = QuantPolicy(num_layers_at_end_in_bf16=0)
@@ -433,13 +435,15 @@ def test_a_kept_live_call_sees_new_values_and_still_refuses_nan() -> None:
             assert torch.equal(a.cpu().view(torch.uint8), b.view(torch.uint8)), n
 
     same_as_cpu()
-    assert len(live._CALLS) == 1
+    assert len(live._CALLS) == 1  # the three expert weights: one bucket, kept
     for _, t in named[:3]:
         t.mul_(-3.0)  # in place: the same pointers, so the call is kept
     same_as_cpu()
     assert len(live._CALLS) == 1
     named[1][1][5, 7] = float("nan")
-    with pytest.raises(QuantInputError, match=r"^model\.layers\.0\.mlp\.up_proj\.weight: "):
+    with pytest.raises(
+        QuantInputError, match=r"^model\.layers\.0\.mlp\.experts\.3\.up_proj\.weight: "
+    ):
         quantize_named_params(named, num_layers=1, policy=policy)
     live._CALLS.clear()
 
