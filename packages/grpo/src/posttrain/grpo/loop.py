@@ -70,12 +70,13 @@ from posttrain.grpo import checkpoint, data, evaluation
 from posttrain.grpo._errors import GrpoConfigError, GrpoRunError
 from posttrain.grpo.advantages import group_normalized_advantages
 from posttrain.grpo.config import GrpoConfig
+from posttrain.grpo.controller import run_on_rank0
 from posttrain.grpo.data import task_from_config
 from posttrain.grpo.fleet import EngineFleet, SyncTarget, is_stale, turn_versions
 from posttrain.grpo.metrics import MetricsLog, write_report
 from posttrain.grpo.model_check import resolve_model_paths
 from posttrain.grpo.overlap import StepBatches
-from posttrain.grpo.preflight import PreflightError, run_preflight
+from posttrain.grpo.preflight import run_preflight
 from posttrain.grpo.rewards import Prompt, PromptStream, Task
 from posttrain.grpo.rollout import Rollouts, RolloutSettings
 from posttrain.grpo.scoring import StepScores, as_bound, score_samples
@@ -127,7 +128,9 @@ def run(
     if "RANK" in os.environ:
         _init_process_group(config)
         try:
-            _preflight_on_rank0(config, skip)
+            # rank 0 checks, once (it hashes the resume checkpoint and calls the reward on the
+            # first rows); every rank raises the same PreflightError, or none
+            run_on_rank0(functools.partial(run_preflight, config, skip=skip), group=None)
             config = _resolved(config, task)
         except BaseException:
             dist.destroy_process_group()
@@ -174,28 +177,6 @@ def _check_runnable(cfg: GrpoConfig, plugged: Plugged) -> None:
         raise GrpoConfigError(
             "opd needs teacher_url (--teacher-url); `posttrain grpo --opd` starts a local teacher"
         )
-
-
-def _preflight_on_rank0(config: GrpoConfig, skip: Sequence[str]) -> None:
-    """One rank of many: rank 0 runs the preflight (it hashes the resume checkpoint and calls
-    the reward on the first rows: once, not once per rank) and broadcasts the outcome; every
-    rank raises the same ``PreflightError`` (its lines), or none."""
-    failures: tuple[str, ...] | None = ()
-    error: Exception | None = None
-    if dist.get_rank() == 0:
-        try:
-            run_preflight(config, skip=skip)
-        except PreflightError as exc:
-            failures = exc.failures
-        except Exception as exc:  # the other ranks must hear of it too, or they wait
-            error, failures = exc, None
-    failures = _broadcast(failures)
-    if error is not None:
-        raise error
-    if failures is None:
-        raise GrpoRunError("rank 0's preflight checks failed with an unexpected error")
-    if failures:
-        raise PreflightError(failures)
 
 
 # --------------------------------------------------------------------------- one rank
@@ -298,10 +279,8 @@ def _steps(
             scope.callback(batches.close)  # before the rollout client closes
         for step in range(start, cfg.steps):
             t_step = time.perf_counter()
-            batch = batches.get(step, version) if batches is not None else None
-            batch = _broadcast(batch)
-            if isinstance(batch, str):
-                raise GrpoRunError(f"step {step}: {batch}")
+            batch = run_on_rank0(functools.partial(_lead_batch, batches, step, version),
+                                 group=None)  # fmt: skip
             mine = policy.data_parallel_share(batch["train"])
             if cfg.offload_engines:  # the engines' memory is the trainer's while it steps
                 fleet.set_memory(resident=False, when=f"step {step}")
@@ -349,7 +328,7 @@ def _steps(
                     position = batches.data_position(position)
                 extra = {"next_step": step + 1, "data_position": position,
                          "data_fingerprint": fingerprint}  # fmt: skip
-                extra = _broadcast(extra)
+                extra = run_on_rank0(functools.partial(dict, extra), group=None)
                 checkpoint.save(ckpt_root, step, policy, extra)
             saved_s = time.perf_counter() - t0
     if log is None:
@@ -370,8 +349,9 @@ def _rollout_and_score(
     opd_mode: dict[str, bool],
     rollouts: Rollouts,
     decode: Callable[[Sequence[int]], str] | None = None,
-) -> dict[str, Any] | str:
-    """Rank 0: the step's samples, rewards, advantages and stats, or an error message."""
+) -> dict[str, Any]:
+    """Rank 0: the step's samples, rewards, advantages and stats; a failure is a
+    ``GrpoRunError`` naming the step."""
     try:
         times: dict[str, float] = {}
         t0 = time.perf_counter()
@@ -432,8 +412,14 @@ def _rollout_and_score(
         ]
         masked = sum(sum(s.loss_mask) for s in samples)
         return {"train": train, "masked_tokens": masked, "stats": stats, "times": times}
-    except Exception as exc:  # every rank must hear about it, or the others wait forever
-        return f"{type(exc).__name__}: {exc}"
+    except Exception as exc:  # every rank hears of it (run_on_rank0)
+        raise GrpoRunError(f"step {step}: {type(exc).__name__}: {exc}") from exc
+
+
+def _lead_batch(batches: StepBatches | None, step: int, version: int) -> dict[str, Any]:
+    """Rank 0's batch for ``step`` (made now, or the one overlapped with the step before)."""
+    assert batches is not None, "rank 0 makes the step batches"
+    return batches.get(step, version)
 
 
 def _drop_aborted(samples: list[Sample], step: int) -> tuple[list[Sample], list[Sample]]:
@@ -457,19 +443,19 @@ def _evaluate(
     engine: RolloutEngine | None,
 ) -> dict[str, float]:
     """Rank 0 evaluates (``evaluation``); every rank gets the metrics or raises its error."""
-    outcome: dict[str, float] | str = {}
-    if task is not None and decode is not None:
+
+    def evaluate() -> dict[str, float]:
+        if task is None or decode is None:
+            return {}
         try:
-            outcome = evaluation.evaluate(
+            return evaluation.evaluate(
                 cfg, evals, task.reward, decode, step=step, version=version, api_key=api_key,
                 engine=engine,
             )  # fmt: skip
-        except Exception as exc:  # every rank must hear about it
-            outcome = f"step {step}: eval: {type(exc).__name__}: {exc}"
-    outcome = _broadcast(outcome)
-    if isinstance(outcome, str):
-        raise GrpoRunError(outcome)
-    return outcome
+        except Exception as exc:
+            raise GrpoRunError(f"step {step}: eval: {type(exc).__name__}: {exc}") from exc
+
+    return run_on_rank0(evaluate, group=None)
 
 
 def _drop_failed(scored: StepScores, step: int) -> list[Sample]:
@@ -641,12 +627,6 @@ def _decoder(cfg: GrpoConfig) -> Any:
         return str(tok.decode(list(ids), skip_special_tokens=True))
 
     return decode
-
-
-def _broadcast(obj: Any) -> Any:
-    box = [obj]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
 
 
 # --------------------------------------------------------------------------- process groups
