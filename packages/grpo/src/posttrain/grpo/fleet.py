@@ -72,6 +72,18 @@ so in LoRA training the router is what keeps a stale engine out. Every other fai
 adapter, a checksum mismatch, a stale version) still fails the step, and so does losing every
 engine.
 
+A step's samples (``screen``, rank 0, before the rewards): an engine that froze leaves a turn
+with no reply within ``turn_timeout_s``, which comes back as an ``aborted`` sample, and that
+sample is *left out of the step*: no reward, no advantage, no loss tokens, and its group is
+normalized over the samples that completed. (Not a zero advantage: an aborted sample has no
+tokens to carry one, and counting it in the group would shift the others' baseline with a reward
+nobody earned.) An engine that died mid-rollout costs nothing here: sgl-router retries its
+requests on another engine, and the session router commits each turn once, so no sample counts
+twice. In full-weight training a sample any turn of which an engine produced at another weight
+version than the trainer's is left out as well (``is_stale``). A warning names each sample left
+out (the loop counts them in ``aborted_samples`` and ``stale_samples``); a step where every
+sample is left out fails with a named error.
+
 Besides engine URLs, a ``SyncTarget`` may hold in-process ``WeightSink``s (the interface
 Protocol: a user's own engine): each gets the same tensors through ``update_weights``, the
 adapter with its name and PEFT config, full weights as they are; one that raises fails the step
@@ -112,8 +124,11 @@ from posttrain.grpo._errors import GrpoRunError
 from posttrain.grpo.controller import run_on_rank0
 from posttrain.grpo.trainer import Policy
 from posttrain.interface import (
+    ABORT_REASON_KEY,
+    SESSION_ID_KEY,
     WEIGHT_VERSIONS_KEY,
     Sample,
+    SampleStatus,
     TransportError,
     WeightSink,
     WeightSyncError,
@@ -131,6 +146,7 @@ from posttrain.session_router import RouterHandle
 
 __all__ = [
     "EngineFleet",
+    "Screened",
     "SyncResult",
     "SyncTarget",
     "is_stale",
@@ -232,6 +248,44 @@ def is_stale(sample: Sample, version: int) -> bool:
     ``sample`` (sampled from weights the trainer no longer holds); a turn with no reported
     version counts as current."""
     return any(v is not None and v != version for v in turn_versions(sample))
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Screened:
+    """A step's samples after the engines' faults (``EngineFleet.screen``): those to train on,
+    the aborted ones, and those an engine produced at another weight version (``None``: not
+    checked, as in adapter training)."""
+
+    kept: list[Sample]
+    aborted: tuple[Sample, ...] = ()
+    stale: tuple[Sample, ...] | None = None
+
+
+def _leave_out(
+    samples: list[Sample],
+    step: int,
+    is_out: Callable[[Sample], bool],
+    *,
+    what: str,
+    every: str,
+    describe: Callable[[Sample], str],
+) -> tuple[list[Sample], list[Sample]]:
+    """(the samples to keep, those ``is_out``); a warning names each one left out, and a step
+    where every sample is left out is a ``GrpoRunError``."""
+    kept = [s for s in samples if not is_out(s)]
+    out = [s for s in samples if is_out(s)]
+    if not out:
+        return kept, out
+    named = "; ".join(
+        f"prompt {s.metadata.get('prompt_index')} sample {s.index} {describe(s)}" for s in out
+    )
+    if not kept:
+        raise GrpoRunError(f"every one of the {len(out)} samples {every}: {named}")
+    _log.warning(
+        "step %d: %d of %d samples %s, left out of the step: %s",
+        step, len(out), len(samples), what, named,
+    )  # fmt: skip
+    return kept, out
 
 
 def _lead() -> bool:
@@ -368,6 +422,33 @@ class EngineFleet:
         with ThreadPoolExecutor(max_workers=min(len(urls), 16)) as pool:
             ok = list(pool.map(lambda url: self.answers(url, timeout_s=PROBE_TIMEOUT_S), urls))
         return [url for url, up in zip(urls, ok, strict=True) if up]
+
+    # --- a step's samples (rank 0) --------------------------------------------------------
+
+    def screen(
+        self, samples: list[Sample], *, step: int, version: int, check_versions: bool
+    ) -> Screened:
+        """The samples of step ``step`` the trainer (at weight ``version``) can train on: an
+        aborted one (a turn with no reply within ``turn_timeout_s``) is left out, and, with
+        ``check_versions`` (full-weight training: an adapter push leaves an engine's version as
+        it was), so is one any turn of which an engine produced at another weight version (a
+        lost engine that came back before it was re-synced). A warning names each sample left
+        out; a step that would keep none is a ``GrpoRunError``."""
+        kept, aborted = _leave_out(
+            samples, step, lambda s: s.status is SampleStatus.ABORTED,
+            what="aborted", every="was aborted",
+            describe=lambda s: f"(session {s.metadata.get(SESSION_ID_KEY)}): "
+            f"{s.metadata.get(ABORT_REASON_KEY)}",
+        )  # fmt: skip
+        if not check_versions:
+            return Screened(kept=kept, aborted=tuple(aborted))
+        kept, stale = _leave_out(
+            kept, step, lambda s: is_stale(s, version),
+            what=f"came from an engine not at weight version {version}",
+            every=f"came from weights other than version {version}",
+            describe=lambda s: f"(engine weight versions {turn_versions(s)})",
+        )  # fmt: skip
+        return Screened(kept=kept, aborted=tuple(aborted), stale=tuple(stale))
 
     # --- collective operations ------------------------------------------------------------
 

@@ -4,6 +4,7 @@ Read top to bottom, one step is::
 
     prompts  = stream.take(prompts_per_step)                 # seeded epochs: resumable
     samples  = rollout(session-router, prompts, n)           # exact ids + engine logprobs
+    samples  = fleet.screen(samples)                         # aborted (and stale) left out
     rewards  = score_samples(task.reward, samples)           # RewardFunction / --reward
     adv      = group_normalized_advantages(rewards, groups)  # GRPO, per sample
     adv_t    = apply_opd(adv_t, coef, teacher rkl)           # optional: teacher's reverse KL
@@ -16,22 +17,16 @@ the step's samples; every rank trains. ``run`` is what ``python -m posttrain.grp
 under torchrun it is one rank; alone it forks ``replicate * shard`` local gloo ranks itself
 (``posttrain.interface.processes.run_workers``: one deadline, ranks die with their parent).
 
-Faults a cluster sees (integration_tests/test_integration_engine_faults.py):
-
-* an engine dies mid-rollout: sgl-router retries its requests on another engine (each turn is
-  committed once, by the session router, so no sample counts twice); the weight sync that
-  follows cannot reach it, logs a warning naming it, counts it in ``sync_engines_lost``,
-  leaves it out of later syncs and deregisters it from sgl-router (``router_url``); it is probed
-  at every later sync, and one that answers again takes the current weights before it is
-  registered again (``sync_engines_readmitted``; ``fleet.EngineFleet``). In full-weight training a
-  sample any turn of which an engine produced at another weight version than the trainer's is
-  left out of the step (``stale_samples``);
-* an engine freezes: a turn with no reply within ``turn_timeout_s`` comes back as an
-  ``aborted`` sample, which is *left out of the step*: no reward, no advantage, no loss tokens,
-  and its group is normalized over the samples that completed. (Not a zero advantage: an
-  aborted sample has no tokens to carry one, and counting it in the group would shift the
-  others' baseline with a reward nobody earned.) ``aborted_samples`` counts them per step, a
-  warning names them; a step where every sample aborted fails with a named error.
+Rank 0 decides and every rank learns through ``controller.run_on_rank0``: each rank gets rank
+0's value (the step's batch, the eval metrics, the checkpoint's ``extra``) or raises the same
+exception. The engines' faults are the fleet's (``fleet.EngineFleet``, whose docstring and
+integration_tests/test_integration_engine_faults.py tell them): ``fleet.screen`` leaves out of
+a step the samples an engine aborted (``aborted_samples``; a turn with no reply within
+``turn_timeout_s``) and, in full-weight training, those produced at another weight version
+(``stale_samples``); ``fleet.sync`` sets aside the engines it cannot reach
+(``sync_engines_lost``) and re-admits those that answer again (``sync_engines_readmitted``).
+A sample whose reward failed is left out too, named in a warning; a step that keeps no sample
+fails with a named error.
 
 A pipeline of one's own plugs in through the interface Protocols, not our concrete classes:
 ``run(config, task=Task(...), engine=..., weight_sinks=[...])`` takes the prompts and the
@@ -72,7 +67,7 @@ from posttrain.grpo.advantages import group_normalized_advantages
 from posttrain.grpo.config import GrpoConfig
 from posttrain.grpo.controller import run_on_rank0
 from posttrain.grpo.data import task_from_config
-from posttrain.grpo.fleet import EngineFleet, SyncTarget, is_stale, turn_versions
+from posttrain.grpo.fleet import EngineFleet, SyncTarget
 from posttrain.grpo.metrics import MetricsLog, write_report
 from posttrain.grpo.model_check import resolve_model_paths
 from posttrain.grpo.overlap import StepBatches
@@ -82,18 +77,14 @@ from posttrain.grpo.rollout import Rollouts, RolloutSettings
 from posttrain.grpo.scoring import StepScores, as_bound, score_samples
 from posttrain.grpo.trainer import Policy, TrainSample, build_policy, train_step
 from posttrain.interface import (
-    ABORT_REASON_KEY,
-    SESSION_ID_KEY,
     RolloutEngine,
     Sample,
-    SampleStatus,
     WeightSink,
     WorkerError,
 )
 from posttrain.interface.processes import free_port, run_workers
 
 _log = logging.getLogger("posttrain.grpo")
-_ROUTER_TIMEOUT_S = 30.0  # one sgl-router worker registration or removal, at most
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -266,7 +257,8 @@ def _steps(
     if task is not None and stream is not None and decode is not None and rollouts is not None:
         batches = StepBatches(
             functools.partial(_rollout_and_score, cfg, task, stream, api_key=api_key,
-                              opd_mode=opd_mode, rollouts=rollouts, decode=decode),
+                              opd_mode=opd_mode, rollouts=rollouts, fleet=fleet,
+                              decode=decode),
             overlap=cfg.off_policy_overlap, steps=cfg.steps,
         )  # fmt: skip
     saved_s = 0.0  # seconds of the checkpoint saved after the step before
@@ -348,6 +340,7 @@ def _rollout_and_score(
     api_key: str | None,
     opd_mode: dict[str, bool],
     rollouts: Rollouts,
+    fleet: EngineFleet,
     decode: Callable[[Sequence[int]], str] | None = None,
 ) -> dict[str, Any]:
     """Rank 0: the step's samples, rewards, advantages and stats; a failure is a
@@ -370,10 +363,9 @@ def _rollout_and_score(
         )
         samples = rollouts.run(settings, prompts, step=step)
         times["rollout"] = time.perf_counter() - t0
-        samples, aborted = _drop_aborted(samples, step)
-        stale: list[Sample] | None = None
-        if cfg.train == "full":  # an adapter push leaves an engine's weight version as it was
-            samples, stale = _drop_stale(samples, step, version)
+        screened = fleet.screen(samples, step=step, version=version,
+                                check_versions=cfg.train == "full")  # fmt: skip
+        samples = screened.kept
         t0 = time.perf_counter()
         assert decode is not None
         scored = score_samples(task.reward, samples, {p.index: p for p in prompts}, decode)
@@ -394,11 +386,11 @@ def _rollout_and_score(
             stats["opd_reverse_kl"] = _masked_mean(rkl, samples)
             times["opd"] = time.perf_counter() - t0
         stats.update(_rollout_stats(samples, rewards, times["rollout"]))
-        stats["aborted_samples"] = float(len(aborted))
+        stats["aborted_samples"] = float(len(screened.aborted))
         stats["epoch"] = stream.position / len(task.prompts)
         stats.update(scored.metrics)
-        if stale is not None:
-            stats["stale_samples"] = float(len(stale))
+        if screened.stale is not None:
+            stats["stale_samples"] = float(len(screened.stale))
         train = [
             TrainSample(
                 tokens=s.tokens,
@@ -420,16 +412,6 @@ def _lead_batch(batches: StepBatches | None, step: int, version: int) -> dict[st
     """Rank 0's batch for ``step`` (made now, or the one overlapped with the step before)."""
     assert batches is not None, "rank 0 makes the step batches"
     return batches.get(step, version)
-
-
-def _drop_aborted(samples: list[Sample], step: int) -> tuple[list[Sample], list[Sample]]:
-    """(the samples to train on, the aborted ones); see ``_leave_out``."""
-    return _leave_out(
-        samples, step, lambda s: s.status is SampleStatus.ABORTED,
-        what="aborted", every="was aborted",
-        describe=lambda s: f"(session {s.metadata.get(SESSION_ID_KEY)}): "
-        f"{s.metadata.get(ABORT_REASON_KEY)}",
-    )  # fmt: skip
 
 
 def _evaluate(
@@ -476,46 +458,6 @@ def _drop_failed(scored: StepScores, step: int) -> list[Sample]:
         step, len(scored.failed), len(scored.failed) + len(scored.kept), named,
     )  # fmt: skip
     return scored.kept
-
-
-def _drop_stale(
-    samples: list[Sample], step: int, version: int
-) -> tuple[list[Sample], list[Sample]]:
-    """(the samples to train on, those an engine produced at another weight version than
-    ``version``: off-policy weights the trainer no longer holds); see ``_leave_out``."""
-    return _leave_out(
-        samples, step, lambda s: is_stale(s, version),
-        what=f"came from an engine not at weight version {version}",
-        every=f"came from weights other than version {version}",
-        describe=lambda s: f"(engine weight versions {turn_versions(s)})",
-    )  # fmt: skip
-
-
-def _leave_out(
-    samples: list[Sample],
-    step: int,
-    is_out: Callable[[Sample], bool],
-    *,
-    what: str,
-    every: str,
-    describe: Callable[[Sample], str],
-) -> tuple[list[Sample], list[Sample]]:
-    """(the samples to keep, those ``is_out``); a warning names each one left out, and a step
-    where every sample is left out is a ``GrpoRunError``."""
-    kept = [s for s in samples if not is_out(s)]
-    out = [s for s in samples if is_out(s)]
-    if not out:
-        return kept, out
-    named = "; ".join(
-        f"prompt {s.metadata.get('prompt_index')} sample {s.index} {describe(s)}" for s in out
-    )
-    if not kept:
-        raise GrpoRunError(f"every one of the {len(out)} samples {every}: {named}")
-    _log.warning(
-        "step %d: %d of %d samples %s, left out of the step: %s",
-        step, len(out), len(samples), what, named,
-    )  # fmt: skip
-    return kept, out
 
 
 def _served_base(cfg: GrpoConfig) -> str | None:
