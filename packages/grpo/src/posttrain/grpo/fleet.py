@@ -65,7 +65,7 @@ formed anew with it; or a base reload from the checkpoint and then the adapter),
 that push succeeded is it registered with the router again and counted back
 (``sync_engines_readmitted``). A re-admission push that fails leaves the engine lost (a warning;
 tried again at the next sync), never fails the step. Without a router URL the fleet still
-re-syncs an engine that answers again; in full-weight training the loop leaves out of a step
+re-syncs an engine that answers again; in full-weight training ``screen`` leaves out of a step
 every sample any turn of which an engine produced at another weight version than the trainer's
 (``is_stale``; ``stale_samples``). An adapter push does not change an engine's weight version,
 so in LoRA training the router is what keeps a stale engine out. Every other failure (a refused
