@@ -104,6 +104,10 @@ def _kill_then_resume(rank: int, world: int, tmp_path: Path) -> None:
     assert [r["step"] for r in records] == [0, 1, 2]
     assert [r["step"] for r in records[:2]] == [json.loads(x)["step"] for x in lines]
     assert records[1] == json.loads(lines[1])  # the killed run's line, kept as written
+    # a resume with other prompts is refused by name (rank 0 checks; every rank raises it)
+    other = Task(name="other", prompts=prompts[:3], reward=task.reward)
+    with pytest.raises(GrpoRunError, match=r"--resume .*: the prompts differ from the checkpoint"):
+        run(resumed, task=other, engine=_FixedEngine(), weight_sinks=[RecordingSink()])
     # the in-process single rank left this process's torchrun variables as they were (a
     # leftover RANK would make the next in-process run think it is under torchrun)
     assert {name: os.environ.get(name) for name in torchrun_names} == environ_before

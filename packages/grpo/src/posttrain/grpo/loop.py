@@ -189,32 +189,66 @@ def _run_rank(cfg: GrpoConfig, plugged: Plugged) -> dict[str, Any] | None:
         torch.set_num_threads(threads)
 
 
-def _train(cfg: GrpoConfig, plugged: Plugged) -> dict[str, Any] | None:
-    rank = dist.get_rank()
-    lead = rank == 0
-    policy = build_policy(cfg)
-    # Only rank 0 rolls out and scores: the tokenizer, task and prompt stream live there.
-    decode = _decoder(cfg) if lead else None
-    task = (plugged.task or task_from_config(cfg, decode)) if lead and decode else None
-    stream = PromptStream(task.prompts, seed=cfg.seed) if task is not None else None
-    fingerprint = data.fingerprint(task.prompts) if task is not None else None
-    evals = data.eval_sets(cfg) if task is not None else {}
+@dataclass(frozen=True, kw_only=True, slots=True)
+class _LeadParts:
+    """What rank 0 alone holds: the tokenizer's ``decode``, the task, its prompt stream, the
+    prompts' fingerprint and the eval sets."""
+
+    decode: Callable[[Sequence[int]], str]
+    task: Task
+    stream: PromptStream
+    fingerprint: str
+    evals: dict[str, tuple[Prompt, ...]]
+
+
+def _lead_parts(cfg: GrpoConfig, plugged: Plugged) -> _LeadParts:
+    """Rank 0: the tokenizer, the task (plugged or from the config) and its prompts."""
+    decode = _decoder(cfg)
+    task = plugged.task or task_from_config(cfg, decode)
+    stream = PromptStream(task.prompts, seed=cfg.seed)
+    fingerprint = data.fingerprint(task.prompts)
+    return _LeadParts(
+        decode=decode, task=task, stream=stream, fingerprint=fingerprint, evals=data.eval_sets(cfg)
+    )
+
+
+def _open_run_on_lead(
+    cfg: GrpoConfig, parts: _LeadParts | None, extra: dict[str, Any] | None
+) -> None:
+    """Rank 0: the prompt stream at the resumed checkpoint's position (the same prompts, or a
+    ``GrpoRunError``), then ``config.json`` in the out dir."""
+    assert parts is not None, "rank 0 holds the task"
+    if extra is not None:
+        parts.stream.position = int(extra["data_position"])
+        saved = extra.get("data_fingerprint")
+        if saved is not None and saved != parts.fingerprint:
+            raise GrpoRunError(
+                f"--resume {cfg.resume}: the prompts differ from the checkpoint's (data "
+                f"fingerprint {parts.fingerprint}, saved {saved}); resume with the same data"
+            )
     out = Path(cfg.out_dir)
-    start = 0
+    out.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(out / "config.json", json.dumps(cfg.to_dict(), indent=2))
+
+
+def _train(cfg: GrpoConfig, plugged: Plugged) -> dict[str, Any] | None:
+    policy = build_policy(cfg)
+    # Only rank 0 rolls out and scores: the tokenizer, task and prompt stream live there (they
+    # stay there; every rank learns whether making them failed).
+    held: list[_LeadParts] = []
+    run_on_rank0(lambda: held.append(_lead_parts(cfg, plugged)), group=None)
+    lead = held[0] if held else None
+    start, extra = 0, None
     if cfg.resume is not None:
         extra = checkpoint.load(checkpoint.find(cfg.resume), policy)
         start = int(extra["next_step"])
-        if stream is not None:
-            stream.position = int(extra["data_position"])
-            saved = extra.get("data_fingerprint")
-            if saved is not None and saved != fingerprint:
-                raise GrpoRunError(
-                    f"--resume {cfg.resume}: the prompts differ from the checkpoint's (data "
-                    f"fingerprint {fingerprint}, saved {saved}); resume with the same data"
-                )
-    if lead:
-        out.mkdir(parents=True, exist_ok=True)
-        write_text_atomic(out / "config.json", json.dumps(cfg.to_dict(), indent=2))
+    run_on_rank0(lambda: _open_run_on_lead(cfg, lead, extra), group=None)
+    task, stream, evals, decode, fingerprint = (
+        (lead.task, lead.stream, lead.evals, lead.decode, lead.fingerprint)
+        if lead is not None
+        else (None, None, {}, None, None)
+    )
+    out = Path(cfg.out_dir)
     api_key = cfg.api_key()
     target = SyncTarget(
         engine_urls=tuple(cfg.engine_urls), lora_name=cfg.lora_name,
