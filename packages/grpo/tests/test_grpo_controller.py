@@ -12,7 +12,7 @@ import pytest
 import torch.distributed as dist
 
 from posttrain.grpo import GrpoRunError, GrpoUnsupportedError
-from posttrain.grpo.controller import run_on_rank0
+from posttrain.grpo._controller import run_on_rank0
 from posttrain.grpo.preflight import PreflightError
 from posttrain.interface.testing import run_workers
 

@@ -120,8 +120,8 @@ from posttrain.formats import (
     write_safetensors,
 )
 from posttrain.fsdp_mesh import iter_full_state_dict
+from posttrain.grpo._controller import run_on_rank0
 from posttrain.grpo._errors import GrpoRunError
-from posttrain.grpo.controller import run_on_rank0
 from posttrain.grpo.trainer import Policy
 from posttrain.interface import (
     ABORT_REASON_KEY,

@@ -17,7 +17,7 @@ the step's samples; every rank trains. ``run`` is what ``python -m posttrain.grp
 under torchrun it is one rank; alone it forks ``replicate * shard`` local gloo ranks itself
 (``posttrain.interface.processes.run_workers``: one deadline, ranks die with their parent).
 
-Rank 0 decides and every rank learns through ``controller.run_on_rank0``: each rank gets rank
+Rank 0 decides and every rank learns through ``_controller.run_on_rank0``: each rank gets rank
 0's value (the step's batch, the eval metrics, the checkpoint's ``extra``) or raises the same
 exception. The engines' faults are the fleet's (``fleet.EngineFleet``, whose docstring and
 integration_tests/test_integration_engine_faults.py tell them): ``fleet.screen`` leaves out of
@@ -62,10 +62,10 @@ import torch.distributed as dist
 
 from posttrain.formats import write_text_atomic
 from posttrain.grpo import checkpoint, data, evaluation
+from posttrain.grpo._controller import run_on_rank0
 from posttrain.grpo._errors import GrpoConfigError, GrpoRunError
 from posttrain.grpo.advantages import group_normalized_advantages
 from posttrain.grpo.config import GrpoConfig
-from posttrain.grpo.controller import run_on_rank0
 from posttrain.grpo.data import task_from_config
 from posttrain.grpo.fleet import EngineFleet, SyncTarget
 from posttrain.grpo.metrics import MetricsLog, write_report
@@ -349,12 +349,8 @@ def _steps(
             last = step == cfg.steps - 1
             every = cfg.checkpoint_every
             if last or (every and (step + 1) % every == 0):
-                position = stream.position if stream is not None else 0
-                if batches is not None:
-                    position = batches.data_position(position)
-                extra = {"next_step": step + 1, "data_position": position,
-                         "data_fingerprint": fingerprint}  # fmt: skip
-                extra = run_on_rank0(functools.partial(dict, extra), group=None)
+                extra = run_on_rank0(functools.partial(_checkpoint_extra, step + 1, stream,
+                                                       batches, fingerprint), group=None)  # fmt: skip
                 checkpoint.save(ckpt_root, step, policy, extra)
             saved_s = time.perf_counter() - t0
     if log is None:
@@ -440,6 +436,19 @@ def _rollout_and_score(
         return {"train": train, "masked_tokens": masked, "stats": stats, "times": times}
     except Exception as exc:  # every rank hears of it (run_on_rank0)
         raise GrpoRunError(f"step {step}: {type(exc).__name__}: {exc}") from exc
+
+
+def _checkpoint_extra(
+    next_step: int,
+    stream: PromptStream | None,
+    batches: StepBatches | None,
+    fingerprint: str | None,
+) -> dict[str, Any]:
+    """Rank 0: what a checkpoint records besides the policy (the first prompt not yet trained)."""
+    position = stream.position if stream is not None else 0
+    if batches is not None:
+        position = batches.data_position(position)
+    return {"next_step": next_step, "data_position": position, "data_fingerprint": fingerprint}
 
 
 def _lead_batch(batches: StepBatches | None, step: int, version: int) -> dict[str, Any]:
