@@ -4,7 +4,8 @@ fatal, while one took the push), an update to an in-process ``WeightSink``, whic
 answer again (real sockets on 127.0.0.1: one serving ``/health``, one that accepts connections
 and never replies, a port with nothing listening), which samples came from weights the trainer
 no longer holds, and a sync whose re-admission push fails (one gloo rank): the engine stays
-lost, the sync goes on."""
+lost, the sync goes on; a step's samples screened: the aborted and stale ones left out and
+named."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ from grpo_workers import RecordingSink
 from posttrain.grpo import GrpoRunError
 from posttrain.grpo.fleet import (
     EngineFleet,
+    Screened,
     SyncResult,
     SyncTarget,
     _push_to_sink,
@@ -32,7 +34,13 @@ from posttrain.grpo.fleet import (
     turn_versions,
     unreachable,
 )
-from posttrain.interface import WEIGHT_VERSIONS_KEY, Sample, TransportError, WeightSink
+from posttrain.interface import (
+    WEIGHT_VERSIONS_KEY,
+    Sample,
+    SampleStatus,
+    TransportError,
+    WeightSink,
+)
 from posttrain.interface.processes import free_port
 from posttrain.interface.testing import run_workers
 from posttrain.lora import AdapterClient, AdapterPushError
@@ -277,3 +285,55 @@ def test_engines_a_sync_could_not_reach_leave_the_fleet(
     assert fleet.engine_urls == ("http://a", "http://c")
     fleet._take_back(SyncResult(metrics={}, readmitted=("http://b",)), "step 4")
     assert (fleet.engine_urls, fleet.lost) == (("http://a", "http://c", "http://b"), ())
+
+
+def _fleet() -> EngineFleet:
+    return EngineFleet(SyncTarget(engine_urls=("http://127.0.0.1:9",)))
+
+
+def _step_sample(index: int, *, aborted: bool = False) -> Sample:
+    if aborted:
+        return Sample(prompt_ids=[], response_ids=[], rollout_logprobs=[], loss_mask=[],
+                      status=SampleStatus.ABORTED, index=index, group_index=0,
+                      metadata={"prompt_index": 7, "session_id": f"s{index}",
+                                "abort_reason": "no reply within turn_timeout_s=3 s"})  # fmt: skip
+    return Sample(prompt_ids=[1], response_ids=[2], rollout_logprobs=[-0.5], loss_mask=[1],
+                  index=index, group_index=0)  # fmt: skip
+
+
+def test_aborted_samples_are_left_out_of_the_step_and_named(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    samples = [_step_sample(0), _step_sample(1, aborted=True), _step_sample(2)]
+    with caplog.at_level(logging.WARNING, logger="posttrain.grpo"):
+        screened = _fleet().screen(samples, step=5, version=1, check_versions=False)
+    assert [s.index for s in screened.kept] == [0, 2]
+    assert [s.index for s in screened.aborted] == [1]
+    assert screened.stale is None  # not checked: adapter training
+    (message,) = [r.getMessage() for r in caplog.records]
+    assert message.startswith("step 5: 1 of 3 samples aborted, left out of the step")
+    assert "prompt 7 sample 1 (session s1): no reply within turn_timeout_s=3 s" in message
+    assert _fleet().screen([_step_sample(0)], step=0, version=1, check_versions=True) == Screened(
+        kept=[_step_sample(0)], aborted=(), stale=()
+    )
+    with pytest.raises(GrpoRunError, match="every one of the 2 samples was aborted"):
+        _fleet().screen([_step_sample(0, aborted=True), _step_sample(1, aborted=True)], step=0, version=1,
+                        check_versions=True)  # fmt: skip
+
+
+def test_stale_samples_are_left_out_of_the_step_and_named(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    samples = [_step_sample(0), _step_sample(1), _step_sample(2)]
+    samples[1].weight_version = 3
+    samples[2].weight_version = 4
+    with caplog.at_level(logging.WARNING, logger="posttrain.grpo"):
+        screened = _fleet().screen(samples, step=2, version=4, check_versions=True)
+    assert [s.index for s in screened.kept] == [0, 2]  # no version reported: nothing to compare
+    assert [s.index for s in screened.stale or ()] == [1]
+    assert _fleet().screen(samples, step=2, version=4, check_versions=False).kept == samples
+    (message,) = [r.getMessage() for r in caplog.records]
+    assert message.startswith("step 2: 1 of 3 samples came from an engine not at weight version 4")
+    assert "sample 1 (engine weight versions [3])" in message
+    with pytest.raises(GrpoRunError, match="every one of the 1 samples came from weights other"):
+        _fleet().screen([samples[1]], step=2, version=4, check_versions=True)

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from posttrain.grpo import GrpoConfig, GrpoConfigError
+from posttrain.grpo import GrpoConfig, GrpoConfigError, GrpoRunError
 from posttrain.grpo.overlap import StepBatches
 
 
@@ -23,12 +23,12 @@ class Maker:
         self.release = threading.Event()
         self.release.set()
 
-    def __call__(self, step: int, version: int) -> dict[str, Any] | str:
+    def __call__(self, step: int, version: int) -> dict[str, Any]:
         self.release.wait(10)
         self.calls.append((step, version, threading.current_thread().name))
         self.position += 8  # the step's prompts are taken from the stream
         if step == self.fail_on:
-            return f"rollout: step {step} failed"
+            raise GrpoRunError(f"rollout: step {step} failed")
         return {"step": step, "stats": {}, "times": {}}
 
 
@@ -81,7 +81,8 @@ def test_an_overlapped_rollout_that_failed_is_the_next_steps_error() -> None:
     assert isinstance(batches.get(0, 0), dict)
     batches.start_next(0, 0, 0)
     batches.wait()
-    assert batches.get(1, 1) == "rollout: step 1 failed"
+    with pytest.raises(GrpoRunError, match=r"^rollout: step 1 failed$"):
+        batches.get(1, 1)
     batches.close()
 
 

@@ -65,12 +65,24 @@ formed anew with it; or a base reload from the checkpoint and then the adapter),
 that push succeeded is it registered with the router again and counted back
 (``sync_engines_readmitted``). A re-admission push that fails leaves the engine lost (a warning;
 tried again at the next sync), never fails the step. Without a router URL the fleet still
-re-syncs an engine that answers again; in full-weight training the loop leaves out of a step
+re-syncs an engine that answers again; in full-weight training ``screen`` leaves out of a step
 every sample any turn of which an engine produced at another weight version than the trainer's
 (``is_stale``; ``stale_samples``). An adapter push does not change an engine's weight version,
 so in LoRA training the router is what keeps a stale engine out. Every other failure (a refused
 adapter, a checksum mismatch, a stale version) still fails the step, and so does losing every
 engine.
+
+A step's samples (``screen``, rank 0, before the rewards): an engine that froze leaves a turn
+with no reply within ``turn_timeout_s``, which comes back as an ``aborted`` sample, and that
+sample is *left out of the step*: no reward, no advantage, no loss tokens, and its group is
+normalized over the samples that completed. (Not a zero advantage: an aborted sample has no
+tokens to carry one, and counting it in the group would shift the others' baseline with a reward
+nobody earned.) An engine that died mid-rollout costs nothing here: sgl-router retries its
+requests on another engine, and the session router commits each turn once, so no sample counts
+twice. In full-weight training a sample any turn of which an engine produced at another weight
+version than the trainer's is left out as well (``is_stale``). A warning names each sample left
+out (the loop counts them in ``aborted_samples`` and ``stale_samples``); a step where every
+sample is left out fails with a named error.
 
 Besides engine URLs, a ``SyncTarget`` may hold in-process ``WeightSink``s (the interface
 Protocol: a user's own engine): each gets the same tensors through ``update_weights``, the
@@ -84,6 +96,7 @@ rollout is in flight (a step's rollouts finish before training starts).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import shutil
@@ -91,7 +104,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 import torch
@@ -107,11 +120,15 @@ from posttrain.formats import (
     write_safetensors,
 )
 from posttrain.fsdp_mesh import iter_full_state_dict
+from posttrain.grpo._controller import run_on_rank0
 from posttrain.grpo._errors import GrpoRunError
 from posttrain.grpo.trainer import Policy
 from posttrain.interface import (
+    ABORT_REASON_KEY,
+    SESSION_ID_KEY,
     WEIGHT_VERSIONS_KEY,
     Sample,
+    SampleStatus,
     TransportError,
     WeightSink,
     WeightSyncError,
@@ -129,6 +146,7 @@ from posttrain.session_router import RouterHandle
 
 __all__ = [
     "EngineFleet",
+    "Screened",
     "SyncResult",
     "SyncTarget",
     "is_stale",
@@ -139,6 +157,7 @@ __all__ = [
 ]
 
 _log = logging.getLogger("posttrain.grpo")
+T = TypeVar("T")
 PROBE_TIMEOUT_S = 2.0  # the most one lost engine's /health may take, per sync
 HEALTH_TIMEOUT_S = 10.0  # the most a live engine's /health may take before a group forms
 ROUTER_TIMEOUT_S = 30.0  # one sgl-router worker registration or removal, at most
@@ -231,30 +250,73 @@ def is_stale(sample: Sample, version: int) -> bool:
     return any(v is not None and v != version for v in turn_versions(sample))
 
 
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Screened:
+    """A step's samples after the engines' faults (``EngineFleet.screen``): those to train on,
+    the aborted ones, and those an engine produced at another weight version (``None``: not
+    checked, as in adapter training)."""
+
+    kept: list[Sample]
+    aborted: tuple[Sample, ...] = ()
+    stale: tuple[Sample, ...] | None = None
+
+
+def _leave_out(
+    samples: list[Sample],
+    step: int,
+    is_out: Callable[[Sample], bool],
+    *,
+    what: str,
+    every: str,
+    describe: Callable[[Sample], str],
+) -> tuple[list[Sample], list[Sample]]:
+    """(the samples to keep, those ``is_out``); a warning names each one left out, and a step
+    where every sample is left out is a ``GrpoRunError``."""
+    kept = [s for s in samples if not is_out(s)]
+    out = [s for s in samples if is_out(s)]
+    if not out:
+        return kept, out
+    named = "; ".join(
+        f"prompt {s.metadata.get('prompt_index')} sample {s.index} {describe(s)}" for s in out
+    )
+    if not kept:
+        raise GrpoRunError(f"every one of the {len(out)} samples {every}: {named}")
+    _log.warning(
+        "step %d: %d of %d samples %s, left out of the step: %s",
+        step, len(out), len(samples), what, named,
+    )  # fmt: skip
+    return kept, out
+
+
 def _lead() -> bool:
     """Whether this process talks to the engines: rank 0 (or the only process)."""
     return not dist.is_initialized() or dist.get_rank() == 0
 
 
-def _decided_on_lead(compute: Callable[[], Any], *, when: str | None = None) -> Any:
-    """``compute()`` on rank 0, its result on every rank; a ``GrpoRunError`` there is raised on
-    every rank (prefixed with ``when``), so none waits for a broadcast that never comes."""
-    outcome: tuple[bool, Any] = (True, None)
-    if _lead():
+def _decided_on_lead(compute: Callable[[], T], *, when: str | None = None) -> T:
+    """``compute()`` on rank 0, its result on every rank (``run_on_rank0``); a
+    ``GrpoRunError`` there is raised on every rank prefixed with ``when``."""
+
+    def decide() -> T:
         try:
-            outcome = (True, compute())
+            return compute()
         except GrpoRunError as exc:
-            outcome = (False, f"{when}: {exc}" if when else str(exc))
-    ok, value = _broadcast(outcome)
-    if not ok:
-        raise GrpoRunError(value)
-    return value
+            if when is None:
+                raise
+            raise GrpoRunError(f"{when}: {exc}") from exc
+
+    return run_on_rank0(decide, group=None)
 
 
-def _broadcast(obj: Any) -> Any:
-    box = [obj]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
+@dataclass(frozen=True, kw_only=True, slots=True)
+class _Reached:
+    """What rank 0's push reached, for every rank: the bytes it sent, the live engines it could
+    not reach (``(url, why)``), the lost ones it re-admitted and those it could not."""
+
+    sent_bytes: float = 0.0
+    lost: tuple[tuple[str, str], ...] = ()
+    readmitted: tuple[str, ...] = ()
+    readmit_failed: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -361,6 +423,33 @@ class EngineFleet:
             ok = list(pool.map(lambda url: self.answers(url, timeout_s=PROBE_TIMEOUT_S), urls))
         return [url for url, up in zip(urls, ok, strict=True) if up]
 
+    # --- a step's samples (rank 0) --------------------------------------------------------
+
+    def screen(
+        self, samples: list[Sample], *, step: int, version: int, check_versions: bool
+    ) -> Screened:
+        """The samples of step ``step`` the trainer (at weight ``version``) can train on: an
+        aborted one (a turn with no reply within ``turn_timeout_s``) is left out, and, with
+        ``check_versions`` (full-weight training: an adapter push leaves an engine's version as
+        it was), so is one any turn of which an engine produced at another weight version (a
+        lost engine that came back before it was re-synced). A warning names each sample left
+        out; a step that would keep none is a ``GrpoRunError``."""
+        kept, aborted = _leave_out(
+            samples, step, lambda s: s.status is SampleStatus.ABORTED,
+            what="aborted", every="was aborted",
+            describe=lambda s: f"(session {s.metadata.get(SESSION_ID_KEY)}): "
+            f"{s.metadata.get(ABORT_REASON_KEY)}",
+        )  # fmt: skip
+        if not check_versions:
+            return Screened(kept=kept, aborted=tuple(aborted))
+        kept, stale = _leave_out(
+            kept, step, lambda s: is_stale(s, version),
+            what=f"came from an engine not at weight version {version}",
+            every=f"came from weights other than version {version}",
+            describe=lambda s: f"(engine weight versions {turn_versions(s)})",
+        )  # fmt: skip
+        return Screened(kept=kept, aborted=tuple(aborted), stale=tuple(stale))
+
     # --- collective operations ------------------------------------------------------------
 
     def first_version(self) -> int:
@@ -408,8 +497,9 @@ class EngineFleet:
         be reached and the re-admitted ones.
         """
         if readmit is None:
-            probe = self.readmit_lost and _lead()
-            readmit = _broadcast(self.answering(self.lost) if probe else [])
+            readmit = _decided_on_lead(
+                lambda: self.answering(self.lost) if self.readmit_lost else []
+            )
         synced = self._push(
             policy, version, first=first, engines_resumed=engines_resumed, readmit=readmit
         )
@@ -473,48 +563,45 @@ class EngineFleet:
         readmit_tensors = tensors  # with the towers where the model has them (full training)
         if gather_towers and not with_towers:
             tensors = _without_towers(tensors, policy)
-        # (error, bytes sent, lost, re-admitted, re-admission failures), decided on rank 0
-        outcome: list[Any] = [None, 0.0, [], [], []]
-        if dist.get_rank() == 0:
-            outcome[1] = float(sum(t.numel() * t.element_size() for t in tensors.values()))
+
+        def push() -> _Reached:  # rank 0; every rank gets what it reached, or its error
+            update = _Outgoing(
+                version=version, tensors=tensors, readmit_tensors=readmit_tensors,
+                readmit=tuple(readmit), reload_base=reload_base,
+            )  # fmt: skip
             try:
-                update = _Outgoing(
-                    version=version, tensors=tensors, readmit_tensors=readmit_tensors,
-                    readmit=tuple(readmit), reload_base=reload_base,
-                )  # fmt: skip
                 if policy.lora is not None:
-                    outcome[2:] = self._push_adapters(policy, update)
+                    reached = self._push_adapters(policy, update)
                 else:
-                    outcome[2:] = self._push_full(update)
+                    reached = self._push_full(update)
                 for sink in target.sinks:
                     _push_to_sink(sink, policy, target, tensors, version)
-            except Exception as exc:  # reported to every rank below, so none waits forever
+            except GrpoRunError:
+                raise
+            except Exception as exc:
                 where = [*self.engine_urls, *(type(s).__name__ for s in target.sinks)]
-                outcome[0] = str(exc) if isinstance(exc, GrpoRunError) else (
-                    f"weight sync to {where}: {type(exc).__name__}: {exc}"
-                )  # fmt: skip
-        outcome = _broadcast(outcome)
-        if outcome[0] is not None:
-            raise GrpoRunError(outcome[0])
-        lost = tuple((str(url), str(why)) for url, why in outcome[2])
-        readmitted = tuple(str(url) for url in outcome[3])
+                raise GrpoRunError(f"weight sync to {where}: {type(exc).__name__}: {exc}") from exc
+            sent = float(sum(t.numel() * t.element_size() for t in tensors.values()))
+            return dataclasses.replace(reached, sent_bytes=sent)
+
+        reached = run_on_rank0(push, group=None)
         return SyncResult(
             metrics={
-                "sync_bytes": float(outcome[1]),
+                "sync_bytes": reached.sent_bytes,
                 "sync_towers": float(with_towers),
-                "sync_engines_lost": float(len(lost)),
-                "sync_engines_readmitted": float(len(readmitted)),
+                "sync_engines_lost": float(len(reached.lost)),
+                "sync_engines_readmitted": float(len(reached.readmitted)),
             },
-            lost=lost,
-            readmitted=readmitted,
-            readmit_failed=tuple((str(url), str(why)) for url, why in outcome[4]),
+            lost=reached.lost,
+            readmitted=reached.readmitted,
+            readmit_failed=reached.readmit_failed,
         )
 
     # --- rank 0: the pushes ---------------------------------------------------------------
 
-    def _push_adapters(self, policy: Policy, update: _Outgoing) -> list[list[Any]]:
+    def _push_adapters(self, policy: Policy, update: _Outgoing) -> _Reached:
         """The adapter to every live engine, then to each re-admitted one (after a base
-        reload); returns [lost, re-admitted, re-admission failures]."""
+        reload)."""
         target, version = self.target, update.version
         assert policy.lora_config is not None
         config = policy.lora_config.peft_config(policy.target_modules)
@@ -543,12 +630,13 @@ class EngineFleet:
                 failed.append((url, f"{type(exc).__name__}: {exc}"))
             else:
                 readmitted.append(url)
-        return [lost, readmitted, failed]
+        return _Reached(
+            lost=tuple(lost), readmitted=tuple(readmitted), readmit_failed=tuple(failed)
+        )
 
-    def _push_full(self, update: _Outgoing) -> list[list[Any]]:
+    def _push_full(self, update: _Outgoing) -> _Reached:
         """Full weights to the live engines that answer ``/health``, and to the re-admitted
-        ones (in one group formed anew with them, the towers going to every engine); returns
-        [lost, re-admitted, re-admission failures]."""
+        ones (in one group formed anew with them, the towers going to every engine)."""
         urls = self.engine_urls
         live = [url for url in urls if self.answers(url)]
         lost = [(url, "no answer to /health") for url in urls if url not in live]
@@ -559,7 +647,7 @@ class EngineFleet:
                 self._reload_base(url)
         if not update.readmit:
             self._send(live, update.tensors, update.version)
-            return [lost, [], []]
+            return _Reached(lost=tuple(lost))
         try:  # in a group formed anew: a re-admitted engine never reuses one from before
             self._send(
                 [*live, *update.readmit], update.readmit_tensors, update.version, reform=True
@@ -567,8 +655,10 @@ class EngineFleet:
         except Exception as exc:  # without them, then: a re-admission never fails the step
             why = f"{type(exc).__name__}: {exc}"
             self._send(live, update.tensors, update.version)
-            return [lost, [], [(url, why) for url in update.readmit]]
-        return [lost, list(update.readmit), []]
+            return _Reached(
+                lost=tuple(lost), readmit_failed=tuple((u, why) for u in update.readmit)
+            )
+        return _Reached(lost=tuple(lost), readmitted=update.readmit)
 
     def _send(
         self,
@@ -730,20 +820,17 @@ class EngineFleet:
     def _on_router(self, action: str, urls: Sequence[str], when: str) -> None:
         """Rank 0 registers or deregisters each engine with the run's sgl-router (when it
         knows one); a router that fails fails the step on every rank."""
-        if self.router_url is None:  # every rank knows: nothing to do, nothing to broadcast
+        router_url = self.router_url
+        if router_url is None:  # every rank knows: nothing to do, nothing to broadcast
             return
-        error: str | None = None
-        if _lead():
-            try:
-                for url in urls:
-                    (register if action == "register" else deregister)(
-                        self.router_url, url, timeout_s=ROUTER_TIMEOUT_S
-                    )
-            except GrpoRunError as exc:
-                error = f"{when}: {exc}"
-        error = _broadcast(error)
-        if error is not None:
-            raise GrpoRunError(error)
+
+        def apply() -> None:
+            for url in urls:
+                (register if action == "register" else deregister)(
+                    router_url, url, timeout_s=ROUTER_TIMEOUT_S
+                )
+
+        _decided_on_lead(apply, when=when)
 
 
 def deregister(router_url: str, url: str, *, timeout_s: float) -> None:

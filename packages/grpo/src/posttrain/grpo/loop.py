@@ -4,6 +4,7 @@ Read top to bottom, one step is::
 
     prompts  = stream.take(prompts_per_step)                 # seeded epochs: resumable
     samples  = rollout(session-router, prompts, n)           # exact ids + engine logprobs
+    samples  = fleet.screen(samples)                         # aborted (and stale) left out
     rewards  = score_samples(task.reward, samples)           # RewardFunction / --reward
     adv      = group_normalized_advantages(rewards, groups)  # GRPO, per sample
     adv_t    = apply_opd(adv_t, coef, teacher rkl)           # optional: teacher's reverse KL
@@ -16,22 +17,16 @@ the step's samples; every rank trains. ``run`` is what ``python -m posttrain.grp
 under torchrun it is one rank; alone it forks ``replicate * shard`` local gloo ranks itself
 (``posttrain.interface.processes.run_workers``: one deadline, ranks die with their parent).
 
-Faults a cluster sees (integration_tests/test_integration_engine_faults.py):
-
-* an engine dies mid-rollout: sgl-router retries its requests on another engine (each turn is
-  committed once, by the session router, so no sample counts twice); the weight sync that
-  follows cannot reach it, logs a warning naming it, counts it in ``sync_engines_lost``,
-  leaves it out of later syncs and deregisters it from sgl-router (``router_url``); it is probed
-  at every later sync, and one that answers again takes the current weights before it is
-  registered again (``sync_engines_readmitted``; ``fleet.EngineFleet``). In full-weight training a
-  sample any turn of which an engine produced at another weight version than the trainer's is
-  left out of the step (``stale_samples``);
-* an engine freezes: a turn with no reply within ``turn_timeout_s`` comes back as an
-  ``aborted`` sample, which is *left out of the step*: no reward, no advantage, no loss tokens,
-  and its group is normalized over the samples that completed. (Not a zero advantage: an
-  aborted sample has no tokens to carry one, and counting it in the group would shift the
-  others' baseline with a reward nobody earned.) ``aborted_samples`` counts them per step, a
-  warning names them; a step where every sample aborted fails with a named error.
+Rank 0 decides and every rank learns through ``_controller.run_on_rank0``: each rank gets rank
+0's value (the step's batch, the eval metrics, the checkpoint's ``extra``) or raises the same
+exception. The engines' faults are the fleet's (``fleet.EngineFleet``, whose docstring and
+integration_tests/test_integration_engine_faults.py tell them): ``fleet.screen`` leaves out of
+a step the samples an engine aborted (``aborted_samples``; a turn with no reply within
+``turn_timeout_s``) and, in full-weight training, those produced at another weight version
+(``stale_samples``); ``fleet.sync`` sets aside the engines it cannot reach
+(``sync_engines_lost``) and re-admits those that answer again (``sync_engines_readmitted``).
+A sample whose reward failed is left out too, named in a warning; a step that keeps no sample
+fails with a named error.
 
 A pipeline of one's own plugs in through the interface Protocols, not our concrete classes:
 ``run(config, task=Task(...), engine=..., weight_sinks=[...])`` takes the prompts and the
@@ -67,32 +62,29 @@ import torch.distributed as dist
 
 from posttrain.formats import write_text_atomic
 from posttrain.grpo import checkpoint, data, evaluation
+from posttrain.grpo._controller import run_on_rank0
 from posttrain.grpo._errors import GrpoConfigError, GrpoRunError
 from posttrain.grpo.advantages import group_normalized_advantages
 from posttrain.grpo.config import GrpoConfig
 from posttrain.grpo.data import task_from_config
-from posttrain.grpo.fleet import EngineFleet, SyncTarget, is_stale, turn_versions
+from posttrain.grpo.fleet import EngineFleet, SyncTarget
 from posttrain.grpo.metrics import MetricsLog, write_report
 from posttrain.grpo.model_check import resolve_model_paths
 from posttrain.grpo.overlap import StepBatches
-from posttrain.grpo.preflight import PreflightError, run_preflight
+from posttrain.grpo.preflight import run_preflight
 from posttrain.grpo.rewards import Prompt, PromptStream, Task
 from posttrain.grpo.rollout import Rollouts, RolloutSettings
 from posttrain.grpo.scoring import StepScores, as_bound, score_samples
 from posttrain.grpo.trainer import Policy, TrainSample, build_policy, train_step
 from posttrain.interface import (
-    ABORT_REASON_KEY,
-    SESSION_ID_KEY,
     RolloutEngine,
     Sample,
-    SampleStatus,
     WeightSink,
     WorkerError,
 )
 from posttrain.interface.processes import free_port, run_workers
 
 _log = logging.getLogger("posttrain.grpo")
-_ROUTER_TIMEOUT_S = 30.0  # one sgl-router worker registration or removal, at most
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -127,7 +119,9 @@ def run(
     if "RANK" in os.environ:
         _init_process_group(config)
         try:
-            _preflight_on_rank0(config, skip)
+            # rank 0 checks, once (it hashes the resume checkpoint and calls the reward on the
+            # first rows); every rank raises the same PreflightError, or none
+            run_on_rank0(functools.partial(run_preflight, config, skip=skip), group=None)
             config = _resolved(config, task)
         except BaseException:
             dist.destroy_process_group()
@@ -176,28 +170,6 @@ def _check_runnable(cfg: GrpoConfig, plugged: Plugged) -> None:
         )
 
 
-def _preflight_on_rank0(config: GrpoConfig, skip: Sequence[str]) -> None:
-    """One rank of many: rank 0 runs the preflight (it hashes the resume checkpoint and calls
-    the reward on the first rows: once, not once per rank) and broadcasts the outcome; every
-    rank raises the same ``PreflightError`` (its lines), or none."""
-    failures: tuple[str, ...] | None = ()
-    error: Exception | None = None
-    if dist.get_rank() == 0:
-        try:
-            run_preflight(config, skip=skip)
-        except PreflightError as exc:
-            failures = exc.failures
-        except Exception as exc:  # the other ranks must hear of it too, or they wait
-            error, failures = exc, None
-    failures = _broadcast(failures)
-    if error is not None:
-        raise error
-    if failures is None:
-        raise GrpoRunError("rank 0's preflight checks failed with an unexpected error")
-    if failures:
-        raise PreflightError(failures)
-
-
 # --------------------------------------------------------------------------- one rank
 
 
@@ -217,32 +189,66 @@ def _run_rank(cfg: GrpoConfig, plugged: Plugged) -> dict[str, Any] | None:
         torch.set_num_threads(threads)
 
 
-def _train(cfg: GrpoConfig, plugged: Plugged) -> dict[str, Any] | None:
-    rank = dist.get_rank()
-    lead = rank == 0
-    policy = build_policy(cfg)
-    # Only rank 0 rolls out and scores: the tokenizer, task and prompt stream live there.
-    decode = _decoder(cfg) if lead else None
-    task = (plugged.task or task_from_config(cfg, decode)) if lead and decode else None
-    stream = PromptStream(task.prompts, seed=cfg.seed) if task is not None else None
-    fingerprint = data.fingerprint(task.prompts) if task is not None else None
-    evals = data.eval_sets(cfg) if task is not None else {}
+@dataclass(frozen=True, kw_only=True, slots=True)
+class _LeadParts:
+    """What rank 0 alone holds: the tokenizer's ``decode``, the task, its prompt stream, the
+    prompts' fingerprint and the eval sets."""
+
+    decode: Callable[[Sequence[int]], str]
+    task: Task
+    stream: PromptStream
+    fingerprint: str
+    evals: dict[str, tuple[Prompt, ...]]
+
+
+def _lead_parts(cfg: GrpoConfig, plugged: Plugged) -> _LeadParts:
+    """Rank 0: the tokenizer, the task (plugged or from the config) and its prompts."""
+    decode = _decoder(cfg)
+    task = plugged.task or task_from_config(cfg, decode)
+    stream = PromptStream(task.prompts, seed=cfg.seed)
+    fingerprint = data.fingerprint(task.prompts)
+    return _LeadParts(
+        decode=decode, task=task, stream=stream, fingerprint=fingerprint, evals=data.eval_sets(cfg)
+    )
+
+
+def _open_run_on_lead(
+    cfg: GrpoConfig, parts: _LeadParts | None, extra: dict[str, Any] | None
+) -> None:
+    """Rank 0: the prompt stream at the resumed checkpoint's position (the same prompts, or a
+    ``GrpoRunError``), then ``config.json`` in the out dir."""
+    assert parts is not None, "rank 0 holds the task"
+    if extra is not None:
+        parts.stream.position = int(extra["data_position"])
+        saved = extra.get("data_fingerprint")
+        if saved is not None and saved != parts.fingerprint:
+            raise GrpoRunError(
+                f"--resume {cfg.resume}: the prompts differ from the checkpoint's (data "
+                f"fingerprint {parts.fingerprint}, saved {saved}); resume with the same data"
+            )
     out = Path(cfg.out_dir)
-    start = 0
+    out.mkdir(parents=True, exist_ok=True)
+    write_text_atomic(out / "config.json", json.dumps(cfg.to_dict(), indent=2))
+
+
+def _train(cfg: GrpoConfig, plugged: Plugged) -> dict[str, Any] | None:
+    policy = build_policy(cfg)
+    # Only rank 0 rolls out and scores: the tokenizer, task and prompt stream live there (they
+    # stay there; every rank learns whether making them failed).
+    held: list[_LeadParts] = []
+    run_on_rank0(lambda: held.append(_lead_parts(cfg, plugged)), group=None)
+    lead = held[0] if held else None
+    start, extra = 0, None
     if cfg.resume is not None:
         extra = checkpoint.load(checkpoint.find(cfg.resume), policy)
         start = int(extra["next_step"])
-        if stream is not None:
-            stream.position = int(extra["data_position"])
-            saved = extra.get("data_fingerprint")
-            if saved is not None and saved != fingerprint:
-                raise GrpoRunError(
-                    f"--resume {cfg.resume}: the prompts differ from the checkpoint's (data "
-                    f"fingerprint {fingerprint}, saved {saved}); resume with the same data"
-                )
-    if lead:
-        out.mkdir(parents=True, exist_ok=True)
-        write_text_atomic(out / "config.json", json.dumps(cfg.to_dict(), indent=2))
+    run_on_rank0(lambda: _open_run_on_lead(cfg, lead, extra), group=None)
+    task, stream, evals, decode, fingerprint = (
+        (lead.task, lead.stream, lead.evals, lead.decode, lead.fingerprint)
+        if lead is not None
+        else (None, None, {}, None, None)
+    )
+    out = Path(cfg.out_dir)
     api_key = cfg.api_key()
     target = SyncTarget(
         engine_urls=tuple(cfg.engine_urls), lora_name=cfg.lora_name,
@@ -285,7 +291,8 @@ def _steps(
     if task is not None and stream is not None and decode is not None and rollouts is not None:
         batches = StepBatches(
             functools.partial(_rollout_and_score, cfg, task, stream, api_key=api_key,
-                              opd_mode=opd_mode, rollouts=rollouts, decode=decode),
+                              opd_mode=opd_mode, rollouts=rollouts, fleet=fleet,
+                              decode=decode),
             overlap=cfg.off_policy_overlap, steps=cfg.steps,
         )  # fmt: skip
     saved_s = 0.0  # seconds of the checkpoint saved after the step before
@@ -298,10 +305,8 @@ def _steps(
             scope.callback(batches.close)  # before the rollout client closes
         for step in range(start, cfg.steps):
             t_step = time.perf_counter()
-            batch = batches.get(step, version) if batches is not None else None
-            batch = _broadcast(batch)
-            if isinstance(batch, str):
-                raise GrpoRunError(f"step {step}: {batch}")
+            batch = run_on_rank0(functools.partial(_lead_batch, batches, step, version),
+                                 group=None)  # fmt: skip
             mine = policy.data_parallel_share(batch["train"])
             if cfg.offload_engines:  # the engines' memory is the trainer's while it steps
                 fleet.set_memory(resident=False, when=f"step {step}")
@@ -344,12 +349,8 @@ def _steps(
             last = step == cfg.steps - 1
             every = cfg.checkpoint_every
             if last or (every and (step + 1) % every == 0):
-                position = stream.position if stream is not None else 0
-                if batches is not None:
-                    position = batches.data_position(position)
-                extra = {"next_step": step + 1, "data_position": position,
-                         "data_fingerprint": fingerprint}  # fmt: skip
-                extra = _broadcast(extra)
+                extra = run_on_rank0(functools.partial(_checkpoint_extra, step + 1, stream,
+                                                       batches, fingerprint), group=None)  # fmt: skip
                 checkpoint.save(ckpt_root, step, policy, extra)
             saved_s = time.perf_counter() - t0
     if log is None:
@@ -369,9 +370,11 @@ def _rollout_and_score(
     api_key: str | None,
     opd_mode: dict[str, bool],
     rollouts: Rollouts,
+    fleet: EngineFleet,
     decode: Callable[[Sequence[int]], str] | None = None,
-) -> dict[str, Any] | str:
-    """Rank 0: the step's samples, rewards, advantages and stats, or an error message."""
+) -> dict[str, Any]:
+    """Rank 0: the step's samples, rewards, advantages and stats; a failure is a
+    ``GrpoRunError`` naming the step."""
     try:
         times: dict[str, float] = {}
         t0 = time.perf_counter()
@@ -390,10 +393,9 @@ def _rollout_and_score(
         )
         samples = rollouts.run(settings, prompts, step=step)
         times["rollout"] = time.perf_counter() - t0
-        samples, aborted = _drop_aborted(samples, step)
-        stale: list[Sample] | None = None
-        if cfg.train == "full":  # an adapter push leaves an engine's weight version as it was
-            samples, stale = _drop_stale(samples, step, version)
+        screened = fleet.screen(samples, step=step, version=version,
+                                check_versions=cfg.train == "full")  # fmt: skip
+        samples = screened.kept
         t0 = time.perf_counter()
         assert decode is not None
         scored = score_samples(task.reward, samples, {p.index: p for p in prompts}, decode)
@@ -414,11 +416,11 @@ def _rollout_and_score(
             stats["opd_reverse_kl"] = _masked_mean(rkl, samples)
             times["opd"] = time.perf_counter() - t0
         stats.update(_rollout_stats(samples, rewards, times["rollout"]))
-        stats["aborted_samples"] = float(len(aborted))
+        stats["aborted_samples"] = float(len(screened.aborted))
         stats["epoch"] = stream.position / len(task.prompts)
         stats.update(scored.metrics)
-        if stale is not None:
-            stats["stale_samples"] = float(len(stale))
+        if screened.stale is not None:
+            stats["stale_samples"] = float(len(screened.stale))
         train = [
             TrainSample(
                 tokens=s.tokens,
@@ -432,18 +434,27 @@ def _rollout_and_score(
         ]
         masked = sum(sum(s.loss_mask) for s in samples)
         return {"train": train, "masked_tokens": masked, "stats": stats, "times": times}
-    except Exception as exc:  # every rank must hear about it, or the others wait forever
-        return f"{type(exc).__name__}: {exc}"
+    except Exception as exc:  # every rank hears of it (run_on_rank0)
+        raise GrpoRunError(f"step {step}: {type(exc).__name__}: {exc}") from exc
 
 
-def _drop_aborted(samples: list[Sample], step: int) -> tuple[list[Sample], list[Sample]]:
-    """(the samples to train on, the aborted ones); see ``_leave_out``."""
-    return _leave_out(
-        samples, step, lambda s: s.status is SampleStatus.ABORTED,
-        what="aborted", every="was aborted",
-        describe=lambda s: f"(session {s.metadata.get(SESSION_ID_KEY)}): "
-        f"{s.metadata.get(ABORT_REASON_KEY)}",
-    )  # fmt: skip
+def _checkpoint_extra(
+    next_step: int,
+    stream: PromptStream | None,
+    batches: StepBatches | None,
+    fingerprint: str | None,
+) -> dict[str, Any]:
+    """Rank 0: what a checkpoint records besides the policy (the first prompt not yet trained)."""
+    position = stream.position if stream is not None else 0
+    if batches is not None:
+        position = batches.data_position(position)
+    return {"next_step": next_step, "data_position": position, "data_fingerprint": fingerprint}
+
+
+def _lead_batch(batches: StepBatches | None, step: int, version: int) -> dict[str, Any]:
+    """Rank 0's batch for ``step`` (made now, or the one overlapped with the step before)."""
+    assert batches is not None, "rank 0 makes the step batches"
+    return batches.get(step, version)
 
 
 def _evaluate(
@@ -457,19 +468,19 @@ def _evaluate(
     engine: RolloutEngine | None,
 ) -> dict[str, float]:
     """Rank 0 evaluates (``evaluation``); every rank gets the metrics or raises its error."""
-    outcome: dict[str, float] | str = {}
-    if task is not None and decode is not None:
+
+    def evaluate() -> dict[str, float]:
+        if task is None or decode is None:
+            return {}
         try:
-            outcome = evaluation.evaluate(
+            return evaluation.evaluate(
                 cfg, evals, task.reward, decode, step=step, version=version, api_key=api_key,
                 engine=engine,
             )  # fmt: skip
-        except Exception as exc:  # every rank must hear about it
-            outcome = f"step {step}: eval: {type(exc).__name__}: {exc}"
-    outcome = _broadcast(outcome)
-    if isinstance(outcome, str):
-        raise GrpoRunError(outcome)
-    return outcome
+        except Exception as exc:
+            raise GrpoRunError(f"step {step}: eval: {type(exc).__name__}: {exc}") from exc
+
+    return run_on_rank0(evaluate, group=None)
 
 
 def _drop_failed(scored: StepScores, step: int) -> list[Sample]:
@@ -490,46 +501,6 @@ def _drop_failed(scored: StepScores, step: int) -> list[Sample]:
         step, len(scored.failed), len(scored.failed) + len(scored.kept), named,
     )  # fmt: skip
     return scored.kept
-
-
-def _drop_stale(
-    samples: list[Sample], step: int, version: int
-) -> tuple[list[Sample], list[Sample]]:
-    """(the samples to train on, those an engine produced at another weight version than
-    ``version``: off-policy weights the trainer no longer holds); see ``_leave_out``."""
-    return _leave_out(
-        samples, step, lambda s: is_stale(s, version),
-        what=f"came from an engine not at weight version {version}",
-        every=f"came from weights other than version {version}",
-        describe=lambda s: f"(engine weight versions {turn_versions(s)})",
-    )  # fmt: skip
-
-
-def _leave_out(
-    samples: list[Sample],
-    step: int,
-    is_out: Callable[[Sample], bool],
-    *,
-    what: str,
-    every: str,
-    describe: Callable[[Sample], str],
-) -> tuple[list[Sample], list[Sample]]:
-    """(the samples to keep, those ``is_out``); a warning names each one left out, and a step
-    where every sample is left out is a ``GrpoRunError``."""
-    kept = [s for s in samples if not is_out(s)]
-    out = [s for s in samples if is_out(s)]
-    if not out:
-        return kept, out
-    named = "; ".join(
-        f"prompt {s.metadata.get('prompt_index')} sample {s.index} {describe(s)}" for s in out
-    )
-    if not kept:
-        raise GrpoRunError(f"every one of the {len(out)} samples {every}: {named}")
-    _log.warning(
-        "step %d: %d of %d samples %s, left out of the step: %s",
-        step, len(out), len(samples), what, named,
-    )  # fmt: skip
-    return kept, out
 
 
 def _served_base(cfg: GrpoConfig) -> str | None:
@@ -641,12 +612,6 @@ def _decoder(cfg: GrpoConfig) -> Any:
         return str(tok.decode(list(ids), skip_special_tokens=True))
 
     return decode
-
-
-def _broadcast(obj: Any) -> Any:
-    box = [obj]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
 
 
 # --------------------------------------------------------------------------- process groups

@@ -22,12 +22,12 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-Batch = dict[str, Any] | str  # a step's batch, or the error that made it impossible
+Batch = dict[str, Any]  # a step's batch (a failure to make one is raised by ``get``)
 MakeBatch = Callable[[int, int], Batch]  # (step, weight version) -> batch
 
 
 class StepBatches:
-    """Rank 0's step batches, made by ``make(step, version)`` (which returns errors as text)."""
+    """Rank 0's step batches, made by ``make(step, version)``; ``get`` raises what it raised."""
 
     def __init__(self, make: MakeBatch, *, overlap: bool, steps: int) -> None:
         self._make = make
@@ -48,8 +48,7 @@ class StepBatches:
             made_at, batch = pending[1], pending[3].result()
         else:
             made_at, batch = version, self._pool.submit(self._make, step, version).result()
-        if isinstance(batch, dict):
-            batch["stats"]["rollout_staleness"] = float(version - made_at)
+        batch["stats"]["rollout_staleness"] = float(version - made_at)
         return batch
 
     def start_next(self, step: int, version: int, position: int) -> None:
@@ -63,7 +62,7 @@ class StepBatches:
         """Block until the started batch is made (before the weights change); seconds waited."""
         t0 = time.perf_counter()
         if self._pending is not None:
-            self._pending[3].exception()  # waits; an error stays in the batch (text) or here
+            self._pending[3].exception()  # waits; an error is raised by the next ``get``
         return time.perf_counter() - t0
 
     def data_position(self, position: int) -> int:

@@ -20,8 +20,8 @@ on batching or on which engine served the session.
 
 Every request is bounded: a finite timeout per HTTP call and at most ``concurrency`` group
 requests in flight (``engine_rollout``: samples). A turn with no reply within ``turn_timeout_s`` (an engine that froze) comes back as a
-sample with status ``aborted`` and no tokens (``SessionRolloutClient``); the loop leaves it out
-of the step. Any other failure of a sample fails the rollout.
+sample with status ``aborted`` and no tokens (``SessionRolloutClient``); the engine fleet
+leaves it out of the step (``EngineFleet.screen``). Any other failure of a sample fails the rollout.
 
 ``engine_rollout`` draws the same samples from any ``RolloutEngine`` (the interface Protocol: a
 user's own engine, in process): the same seeds and sampling fields, the same bounds (a deadline
