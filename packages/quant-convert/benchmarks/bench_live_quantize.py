@@ -80,11 +80,20 @@ def _same_bytes(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
     )
 
 
-def _timed(fn: Callable[[], object], device: torch.device, repeats: int) -> float:
+def _timed(
+    fn: Callable[[], object],
+    device: torch.device,
+    repeats: int,
+    before: Callable[[int], None] | None = None,
+) -> float:
+    """Median wall time of ``fn`` (synchronised); ``before(r)`` runs untimed ahead of each."""
     fn()  # warm-up (kernel compilation, allocator)
     _sync(device)
     times = []
-    for _ in range(repeats):
+    for r in range(repeats):
+        if before is not None:
+            before(r)
+            _sync(device)
         t0 = time.perf_counter()
         fn()
         _sync(device)
@@ -233,6 +242,7 @@ GROUPED_LABELS = (
     "speculative",
     "live_unplanned",
     "live_bets_lost",
+    "live_drifting",
 )
 
 
@@ -324,6 +334,16 @@ def main() -> None:
             return live()
 
         grouped_s["live_bets_lost"] = _timed(live_bets_lost, device, args.repeats)
+        top = max(float(w.abs().max()) for _, w in named)
+        saved = [w[0, 0].clone() for _, w in named]
+
+        def drift(r: int) -> None:  # every weight's max moves before every call
+            for _, w in named:
+                w[0, 0] = top * (2.0 + r % 2)
+
+        grouped_s["live_drifting"] = _timed(live, device, args.repeats, before=drift)
+        for (_, w), v in zip(named, saved, strict=True):
+            w[0, 0] = v
     copy_bw = 2 * bytes_in / t_copy
     quant_bytes = bytes_in + bytes_out
     result: dict[str, Any] = {

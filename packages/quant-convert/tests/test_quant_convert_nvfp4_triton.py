@@ -488,16 +488,24 @@ def test_a_bucket_seen_before_bets_on_its_amaxes_and_keeps_the_bytes(
     (layout,) = _grouped._PLANS.values()
     assert layout.last_amax is not None
     run_and_compare()  # every bet won
+    assert layout.speculate
     with torch.no_grad():
-        dev["e0.up"].mul_(2.0)  # the pair's amax moves up
+        dev["e0.gate"].mul_(2.0)  # the pair's amax moves up
+        dev["e0.up"].mul_(2.0)
         dev["e1.down"].mul_(0.5)  # down
         dev["x.gate"][1].mul_(-3.0)  # one expert of a 3-D pair
-        dev["odd.up"][0, 0] = dev["odd.up"].abs().max() * 4  # a pair across two launches
+        dev["x.up"][1].mul_(-3.0)
+        odd_max = torch.maximum(dev["odd.gate"].abs().max(), dev["odd.up"].abs().max())
+        dev["odd.up"][0, 0] = odd_max * 4  # a pair across two launches
     run_and_compare()  # lost bets, redone
-    run_and_compare()  # and won again
+    assert not layout.speculate  # 85% of the bytes moved: the next run takes two passes
+    run_and_compare()
+    assert layout.speculate  # nothing moved: bet again
+    run_and_compare()  # and won
     dev["e1.down"][3, 5] = float("nan")
     with pytest.raises(QuantInputError, match=r"^e1\.down: contains NaN"):
         _grouped.quantize_grouped(on_device, partners, cfg)
+    assert layout.speculate  # one weight of 13% of the bytes moved: still worth a bet
     dev["e1.down"][3, 5] = 0.0
     run_and_compare()  # the NaN's bits were the bet: lost, redone
     _grouped._PLANS.clear()
