@@ -85,9 +85,9 @@ class _Layout:
     first_matrix: tuple[int, ...]  # per tensor: its first matrix (output and scale_2 order)
     first_block: tuple[int, ...]  # per tensor: its first 16-element block in the outputs
     launches: tuple[_Launch, ...]
-    slot_bytes: torch.Tensor  # int64 per amax slot: the input bytes that slot's matrices hold
+    slot_bytes: tuple[int, ...]  # per amax slot: the input bytes that slot's matrices hold
     last_amax: torch.Tensor | None = None  # the bet of the next run (``run_speculative``)
-    last_amax_host: torch.Tensor | None = None  # the same, read back at the last run's sync
+    last_amax_host: list[int] | None = None  # the same, read back at the last run's sync
     speculate: bool = True  # bet next run: the last run's amaxes moved for few enough bytes
 
 
@@ -306,13 +306,13 @@ def _plan_layout(
                     straddling)
         )  # fmt: skip
     meta = torch.tensor(rows, dtype=torch.int64).reshape(-1, kernels.META)
-    slot_bytes = torch.zeros(slots, dtype=torch.int64)
+    slot_bytes = [0] * slots
     for i, t in enumerate(inputs):
         per = t.numel() // max(_matrices(t), 1) * t.element_size()
         for e in range(_matrices(t)):
             slot_bytes[slot_of[i] + e] += per
     return _Layout(
-        slot_bytes=slot_bytes,
+        slot_bytes=tuple(slot_bytes),
         meta=meta.to(inputs[0].device, non_blocking=True),
         slots=slots,
         matrices=matrices,
@@ -441,18 +441,19 @@ def _check_flags(bucket: GroupedBucket) -> None:
     decide whether its next run bets (``SPECULATE_BELOW`` of its bytes moved, or less)."""
     from posttrain.quant_convert.nvfp4 import _raise_non_finite
 
-    bits = bucket.bits.cpu()
+    bits: list[int] = bucket.bits.tolist()  # plain ints: no torch op after the sync
     layout = bucket.layout
     if bucket.kept:
         amax = bits[: layout.slots]
-        if layout.last_amax_host is not None:
-            moved = int(layout.slot_bytes[amax != layout.last_amax_host].sum())
-            layout.speculate = moved < SPECULATE_BELOW * max(int(layout.slot_bytes.sum()), 1)
+        last = layout.last_amax_host
+        if last is not None:
+            sizes = layout.slot_bytes
+            moved = sum(n for a, b, n in zip(amax, last, sizes, strict=True) if a != b)
+            layout.speculate = moved < SPECULATE_BELOW * max(sum(sizes), 1)
         layout.last_amax_host = amax
-    flags = bits[layout.slots :]
-    if bool(flags.any()):
-        i = int(flags.nonzero()[0, 0])
-        _raise_non_finite(bucket.names[i], bucket.inputs[i])
+    for i, flag in enumerate(bits[layout.slots :]):
+        if flag:
+            _raise_non_finite(bucket.names[i], bucket.inputs[i])
 
 
 def results(bucket: GroupedBucket) -> dict[str, NVFP4Tensor]:
