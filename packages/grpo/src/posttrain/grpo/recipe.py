@@ -191,8 +191,9 @@ def warm_up(
     verifiable reward brings back quickly.
 
     ``config`` is the decoder to warm up (default: ``model_config(task)``); another family's
-    (a tiny Llama 3 or Qwen2.5 with the local vocabulary and ``max_position_embeddings`` >= the
-    task's prompts) gives a policy of that family with the same latent skill.
+    (a tiny Llama 3 or Qwen2.5, or an MLA/MoE ``ModelConfig.mla_tiny`` GLM-4.7-Flash, with the
+    local vocabulary and ``max_position_embeddings`` >= the task's prompts) gives a policy of
+    that family with the same latent skill.
     """
     torch.manual_seed(seed)
     config = model_config(task) if config is None else config
