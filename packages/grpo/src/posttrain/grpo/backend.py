@@ -1,8 +1,9 @@
 """The trainer-backend seam: what a training backend does, and the policy it does it on.
 
 ``TrainerBackend`` is the Protocol the loop, the checkpoints and the weight sync call: build
-the policy on this rank, compute the gradients of / take one step on a rank's samples, export
-the weights (or the adapter) for the engines, save and load a checkpoint, and answer the
+the policy on this rank, set the rules one step on a rank's samples runs under
+(``StepRules``: the step itself is ``posttrain.grpo.step``), export the weights (or the
+adapter) for the engines, save and load a checkpoint, and answer the
 questions the CLI and the model gate ask. Its implementations are ``fsdp``
 (``posttrain.grpo.fsdp_backend``: FSDP2/HSDP, context parallel) and ``megatron``
 (``posttrain.grpo.megatron.backend``: tensor / sequence / expert parallel); the loop picks one
@@ -18,7 +19,7 @@ config; whether the towers go and the base must be reloaded: ``engine_sync``).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -41,6 +42,24 @@ from posttrain.lora import (
     save_peft,
 )
 from posttrain.models import DecoderModel, ModelConfig
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SyncOccasion:
+    """What a weight sync knows when it asks the mode what to send.
+
+    ``towers``: the model has frozen media towers; ``first``: the run's first sync;
+    ``engines_resumed``: the engines went through an offload/onload cycle since the last sync;
+    ``readmit``: lost engines are re-admitted now; ``disk``: the update is a whole checkpoint on
+    disk (towers included); ``live_engines``: the fleet has live engines.
+    """
+
+    towers: bool
+    first: bool
+    engines_resumed: bool
+    readmit: bool
+    disk: bool
+    live_engines: bool
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -81,21 +100,13 @@ class FullTraining:
         assert self.ref_model is not None
         yield self.ref_model
 
-    def engine_sync(
-        self,
-        *,
-        towers: bool,
-        first: bool,
-        engines_resumed: bool,
-        readmit: bool,
-        disk: bool,
-        live_engines: bool,
-    ) -> EngineSync:
-        """``towers``: the model has frozen towers; ``disk``: the update is a whole checkpoint
-        on disk (towers included). A re-admitted engine is treated as a resumed one."""
-        with_towers = towers and (first or engines_resumed)
-        gather_towers = with_towers or (readmit and towers)
-        if disk:
+    def engine_sync(self, occasion: SyncOccasion) -> EngineSync:
+        """The towers go when the engines may lack them (first sync, resumed engines); a
+        re-admitted engine is treated as a resumed one; a disk update carries them always."""
+        towers = occasion.towers
+        with_towers = towers and (occasion.first or occasion.engines_resumed)
+        gather_towers = with_towers or (occasion.readmit and towers)
+        if occasion.disk:
             with_towers = gather_towers = towers
         return EngineSync(
             with_towers=with_towers, gather_towers=gather_towers,
@@ -143,27 +154,51 @@ class AdapterTraining:
     def load(self, directory: Path) -> None:
         load_peft(self.handle, directory, strict=True)
 
-    def engine_sync(
-        self,
-        *,
-        towers: bool,
-        first: bool,
-        engines_resumed: bool,
-        readmit: bool,
-        disk: bool,
-        live_engines: bool,
-    ) -> EngineSync:
+    def engine_sync(self, occasion: SyncOccasion) -> EngineSync:
         """The adapter never touches the towers: they come back only with a base reload
         (engines resumed after an offload); a re-admitted engine reloads its base too."""
-        with_towers = engines_resumed and towers
+        resumed = occasion.engines_resumed
+        with_towers = resumed and occasion.towers
         return EngineSync(
-            with_towers=with_towers, gather_towers=with_towers, reload_base=engines_resumed,
-            needs_base=(engines_resumed and live_engines) or readmit,
+            with_towers=with_towers, gather_towers=with_towers, reload_base=resumed,
+            needs_base=(resumed and occasion.live_engines) or occasion.readmit,
             peft_config=self.peft_config(),
         )  # fmt: skip
 
 
 TrainMode = FullTraining | AdapterTraining
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StepRules:
+    """What a backend decides about a step (``posttrain.grpo.step`` runs it).
+
+    ``accumulation(n)``: the context over ``n`` micro-batches whose value has ``micro_batch()``
+    (FSDP's ``accumulate_gradients``, or ``NoAccumulation.over``); ``loss_scale``: each loss is
+    scaled by the number of ranks the gradient is averaged over that hold different samples;
+    ``reduce_gradients()``: reduce the trainable gradients, return their global norm;
+    ``reports_metrics``: this rank's samples count in the metrics (one rank per group that
+    shares samples); ``chunked_logprobs``: logprobs and entropies from the hidden states chunk
+    by chunk (no [T, vocab] logits).
+    """
+
+    accumulation: Callable[[int], contextlib.AbstractContextManager[Any]]
+    loss_scale: int
+    reduce_gradients: Callable[[], float]
+    reports_metrics: bool = True
+    chunked_logprobs: bool = False
+
+
+class NoAccumulation:
+    """Gradients simply add up over micro-batches (they are reduced once, after the last)."""
+
+    @contextlib.contextmanager
+    def micro_batch(self) -> Iterator[None]:
+        yield
+
+    @staticmethod
+    def over(num_micro_batches: int) -> contextlib.AbstractContextManager[NoAccumulation]:
+        return contextlib.nullcontext(NoAccumulation())
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -255,28 +290,9 @@ class TrainerBackend(Protocol):
     def build_policy(self, cfg: GrpoConfig) -> Policy:
         """Load, split and (``cfg.train == "lora"``) adapt the policy on this rank (CPU)."""
 
-    def compute_gradients(
-        self,
-        policy: Policy,
-        samples: Sequence[TrainSample],
-        cfg: GrpoConfig,
-        *,
-        global_batch_size: int,
-        global_token_count: int,
-    ) -> dict[str, float]:
-        """Forward, loss, backward and gradient reduction of one step on this rank's samples;
-        the step's metrics (the same on every rank) with ``grad_norm``."""
-
-    def train_step(
-        self,
-        policy: Policy,
-        samples: Sequence[TrainSample],
-        cfg: GrpoConfig,
-        *,
-        global_batch_size: int,
-        global_token_count: int,
-    ) -> dict[str, float]:
-        """``compute_gradients``, clipping and one optimizer step."""
+    def step_rules(self, policy: Policy) -> StepRules:
+        """The rules one step on a rank's samples runs under (``posttrain.grpo.step``:
+        ``compute_gradients``, ``train_step``): accumulation, loss scale, reduction."""
 
     def export_weights(self, policy: Policy) -> dict[str, Tensor]:
         """What the engines load: the adapter (PEFT names, every rank) or the full weights in

@@ -107,7 +107,7 @@ from posttrain.formats import (
     write_safetensors,
 )
 from posttrain.grpo._errors import GrpoRunError
-from posttrain.grpo.backend import Policy
+from posttrain.grpo.backend import Policy, SyncOccasion
 from posttrain.interface import (
     WEIGHT_VERSIONS_KEY,
     Sample,
@@ -429,9 +429,11 @@ class EngineFleet:
         target = self.target
         readmit = tuple(url for url in readmit if url not in self.engine_urls)
         plan = policy.mode.engine_sync(
-            towers=has_towers(policy.model), first=first, engines_resumed=engines_resumed,
-            readmit=bool(readmit), disk=target.weight_sync == "disk",
-            live_engines=bool(self.engine_urls),
+            SyncOccasion(
+                towers=has_towers(policy.model), first=first, engines_resumed=engines_resumed,
+                readmit=bool(readmit), disk=target.weight_sync == "disk",
+                live_engines=bool(self.engine_urls),
+            )
         )  # fmt: skip
         reload_base, with_towers, gather_towers = (
             plan.reload_base,

@@ -39,7 +39,7 @@ Departures from the obvious:
   Entropy is taken on each rank's logits rows and moved to the token they predict with a
   one-token halo. LoRA works unchanged: lora-core's wrapped sites are per-token linears that
   ``forward_with_layout`` calls like ``forward_logits`` does.
-* Multimodal samples (``TrainSample.media``, the references the engine got): ``_pack`` decodes
+* Multimodal samples (``TrainSample.media``, the references the engine got): ``batch.pack`` decodes
   them with ``posttrain.models.decode_media_refs``, expands each prompt's sentinels into their
   placeholder runs (``expand_media_tokens``, as the engine does) and packs one ``MediaBatch``;
   the response is scored against the expanded prompt, so the logprobs are the engine's. The
@@ -54,11 +54,10 @@ Departures from the obvious:
   copy is in the checkpoint's dtype (what the engine serves, so strict parity holds), the
   weight sync converts with ``to_hf_state_dict`` (the checkpoint's dtype) and checkpoints keep
   the fp32 masters (``tests/test_grpo_masters.py``). LoRA factors are fp32 as before.
-* ``--backend megatron`` (``posttrain.grpo.megatron``) builds a ``TensorParallelDecoder``
-  instead (tensor / sequence / expert parallel on megatron-core's parallel linears); the step is
-  the same code (``compute_gradients``), with no FSDP: gradients add up over micro-batches and
-  are reduced once (``megatron.grads`` or lora-core), each loss is scaled by the data-parallel
-  size (the TP ranks of one group share their samples and report metrics once).
+* The step itself is the shared one (``posttrain.grpo.step``) under this backend's
+  ``StepRules``: FSDP's ``accumulate_gradients``, the loss scaled by W, FSDP-reduced
+  gradients (lora-core's reduction for the factors), chunked logprobs in fast numerics.
+  ``--backend megatron`` (``posttrain.grpo.megatron.backend``) is the other ``TrainerBackend``.
 """
 
 from __future__ import annotations
@@ -86,17 +85,16 @@ from posttrain.fsdp_mesh import (
     save_checkpoint,
     save_files_checkpoint,
 )
-from posttrain.grpo import step
 from posttrain.grpo._errors import GrpoConfigError, GrpoRunError
 from posttrain.grpo._state_files import load_optimizer, save_optimizer, save_rng
 from posttrain.grpo.backend import (
     AdapterTraining,
     FullTraining,
     Policy,
+    StepRules,
     TrainMode,
     data_context_parallel,
 )
-from posttrain.grpo.batch import TrainSample
 from posttrain.grpo.checkpoint import OPTIM, restore_rng, rng_file
 from posttrain.grpo.config import Backend, GrpoConfig
 from posttrain.interface import MeshSpec
@@ -277,7 +275,7 @@ class FsdpBackend:
             ref.requires_grad_(False)
         return shard_policy(model, cfg, device=torch.device("cpu"), ref_model=ref)
 
-    def rules(self, policy: Policy) -> step.StepRules:
+    def step_rules(self, policy: Policy) -> StepRules:
         """FSDP accumulates (one replicate all-reduce per step) and averages over all W ranks;
         fast numerics take the logprobs chunk by chunk."""
         model, mode = policy.model, policy.mode
@@ -287,40 +285,12 @@ class FsdpBackend:
                 mode.reduce_gradients() if isinstance(mode, AdapterTraining) else grad_norm(model)
             )
 
-        return step.StepRules(
+        return StepRules(
             accumulation=lambda n: accumulate_gradients(model, n),
             loss_scale=dist.get_world_size(),
             reduce_gradients=reduce,
             chunked_logprobs=model.numerics is Numerics.FAST,
         )
-
-    def compute_gradients(
-        self,
-        policy: Policy,
-        samples: Sequence[TrainSample],
-        cfg: GrpoConfig,
-        *,
-        global_batch_size: int,
-        global_token_count: int,
-    ) -> dict[str, float]:
-        return step.compute_gradients(
-            policy, samples, cfg, self.rules(policy),
-            global_batch_size=global_batch_size, global_token_count=global_token_count,
-        )  # fmt: skip
-
-    def train_step(
-        self,
-        policy: Policy,
-        samples: Sequence[TrainSample],
-        cfg: GrpoConfig,
-        *,
-        global_batch_size: int,
-        global_token_count: int,
-    ) -> dict[str, float]:
-        return step.train_step(
-            policy, samples, cfg, self.rules(policy),
-            global_batch_size=global_batch_size, global_token_count=global_token_count,
-        )  # fmt: skip
 
     def export_weights(self, policy: Policy) -> dict[str, Tensor]:
         if isinstance(policy.mode, AdapterTraining):

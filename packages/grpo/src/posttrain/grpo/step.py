@@ -4,17 +4,17 @@
 (``posttrain.grpo.batch``), runs the forward (context parallel when the policy's CP size is
 above 1), the objective (``posttrain.grpo.objective``) and the backward, and reduces the
 gradients; ``train_step`` adds clipping and the optimizer step. What differs between backends
-comes in as ``StepRules``, built by the backend (``TrainerBackend.compute_gradients``): how
+comes in as ``StepRules``, built by the policy's backend (``TrainerBackend.step_rules``): how
 gradients accumulate over micro-batches, the loss scale, how gradients are reduced, which
-ranks report metrics, whether logprobs are computed chunk by chunk. What differs between full
+ranks report metrics, whether logprobs are computed chunk by chunk
+(``posttrain.grpo.backend.StepRules``). What differs between full
 and adapter training is the policy's mode (its reference model, its trainable parameters).
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,7 +24,7 @@ from torch import Tensor
 
 from posttrain.fsdp_mesh import scale_grads_to_norm
 from posttrain.grpo._errors import GrpoInputError
-from posttrain.grpo.backend import Policy
+from posttrain.grpo.backend import Policy, StepRules
 from posttrain.grpo.batch import (
     CP_LAYOUT,
     PackedBatch,
@@ -46,35 +46,14 @@ MAX_METRICS = frozenset({"train_rollout_logprob_max_abs_diff"})
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class StepRules:
-    """What a backend decides about a step.
+class _StepContext:
+    """What every micro-batch of one step shares."""
 
-    ``accumulation(n)``: the context over ``n`` micro-batches whose value has ``micro_batch()``
-    (FSDP's ``accumulate_gradients``, or plain addition); ``loss_scale``: each loss is scaled by
-    the number of ranks the gradient is averaged over that hold different samples;
-    ``reduce_gradients()``: reduce the trainable gradients, return their global norm;
-    ``reports_metrics``: this rank's samples count in the metrics (one rank per group that
-    shares samples); ``chunked_logprobs``: logprobs and entropies from the hidden states chunk
-    by chunk (no [T, vocab] logits).
-    """
-
-    accumulation: Callable[[int], contextlib.AbstractContextManager[Any]]
-    loss_scale: int
-    reduce_gradients: Callable[[], float]
-    reports_metrics: bool = True
-    chunked_logprobs: bool = False
-
-
-class NoAccumulation:
-    """Gradients simply add up over micro-batches (they are reduced once, after the last)."""
-
-    @contextlib.contextmanager
-    def micro_batch(self) -> Any:
-        yield
-
-    @staticmethod
-    def over(num_micro_batches: int) -> contextlib.AbstractContextManager[NoAccumulation]:
-        return contextlib.nullcontext(NoAccumulation())
+    cfg: GrpoConfig
+    settings: LossSettings
+    rules: StepRules
+    global_batch_size: int
+    global_token_count: int
 
 
 def _response_logprobs(
@@ -101,19 +80,12 @@ def _entropy(logits: Tensor, settings: LossSettings) -> Tensor:
 
 
 def _micro_batch_objective(
-    policy: Policy,
-    part: Sequence[TrainSample],
-    cfg: GrpoConfig,
-    settings: LossSettings,
-    rules: StepRules,
-    *,
-    global_batch_size: int,
-    global_token_count: int,
+    policy: Policy, part: Sequence[TrainSample], ctx: _StepContext
 ) -> tuple[PolicyObjective, int]:
     """The objective of one micro-batch on this rank (no context parallel), its loss tokens."""
     batch = pack(part, policy.model.embedding.device, policy.model)
-    model = policy.model
-    if rules.chunked_logprobs:
+    model, settings = policy.model, ctx.settings
+    if ctx.rules.chunked_logprobs:
         # logprobs and entropies chunk by chunk from the hidden states: no [T, vocab] logits
         logp, entropy = model.forward_token_logprobs(
             batch.ids, batch.lengths, batch.rows, batch.targets, media=batch.media
@@ -124,7 +96,7 @@ def _micro_batch_objective(
         logp, logits = _response_logprobs(model, batch, with_logits=True)
         assert logits is not None
         entropy = _entropy(logits, settings)
-    ref = _reference_logprobs(policy, batch) if cfg.use_kl_loss else None
+    ref = _reference_logprobs(policy, batch) if ctx.cfg.use_kl_loss else None
     objective = policy_objective(
         logp=logp,
         old_logp=logp.detach(),
@@ -135,8 +107,8 @@ def _micro_batch_objective(
         rollout_logp=batch.rollout,
         ref_logp=ref,
         entropy=entropy,
-        global_batch_size=global_batch_size,
-        global_token_count=global_token_count,
+        global_batch_size=ctx.global_batch_size,
+        global_token_count=ctx.global_token_count,
     )
     return objective, int(batch.mask.sum())
 
@@ -150,14 +122,7 @@ def _next_token_entropy(out: cp.ContextParallelOutput, settings: LossSettings) -
 
 
 def _context_parallel_objective(
-    policy: Policy,
-    part: Sequence[TrainSample],
-    cfg: GrpoConfig,
-    settings: LossSettings,
-    rules: StepRules,
-    *,
-    global_batch_size: int,
-    global_token_count: int,
+    policy: Policy, part: Sequence[TrainSample], ctx: _StepContext
 ) -> tuple[PolicyObjective, int]:
     """This rank's share of one micro-batch's objective under context parallel (the shares
     of the CP group add up to the micro-batch's objective), and its own loss tokens."""
@@ -167,11 +132,11 @@ def _context_parallel_objective(
             "context_parallel_size > 1 does not take multimodal samples (media placeholder "
             "runs would be split over ranks); train them with context_parallel_size=1"
         )
-    group = policy.parallel.cp_group
+    group, settings = policy.parallel.cp_group, ctx.settings
     batch = pack_context_parallel(
         part, policy.cp_size, settings,
         capacity=policy.model.config.capacity,
-        global_batch_size=global_batch_size, global_token_count=global_token_count,
+        global_batch_size=ctx.global_batch_size, global_token_count=ctx.global_token_count,
     )  # fmt: skip
     out = cp.forward_context_parallel(policy.model, batch.ids, batch.lengths, group, CP_LAYOUT)
     device = out.logprobs.device
@@ -182,7 +147,7 @@ def _context_parallel_objective(
                              ("advantages", batch.advantages), ("weights", batch.weights))
     )  # fmt: skip
     ref = None
-    if cfg.use_kl_loss:
+    if ctx.cfg.use_kl_loss:
         with torch.no_grad(), policy.mode.reference(policy.model) as reference:
             ref = cp.forward_context_parallel(
                 reference, batch.ids, batch.lengths, group, CP_LAYOUT
@@ -206,7 +171,6 @@ def compute_gradients(
     policy: Policy,
     samples: Sequence[TrainSample],
     cfg: GrpoConfig,
-    rules: StepRules,
     *,
     global_batch_size: int,
     global_token_count: int,
@@ -216,9 +180,14 @@ def compute_gradients(
     Collective: every rank calls it (with its own samples, possibly none). Afterwards every
     trainable parameter holds the gradient of the global-batch loss (reduced over the ranks);
     returns the step's metrics (combined over ranks, the same dict everywhere) with
-    ``grad_norm``, the global norm of those gradients.
+    ``grad_norm``, the global norm of those gradients. The policy's backend sets the rules
+    (``TrainerBackend.step_rules``).
     """
-    settings = LossSettings.from_config(cfg)
+    rules = policy.backend.step_rules(policy)
+    ctx = _StepContext(
+        cfg=cfg, settings=LossSettings.from_config(cfg), rules=rules,
+        global_batch_size=global_batch_size, global_token_count=global_token_count,
+    )  # fmt: skip
     model = policy.model
     parts = micro_batches(samples, cfg.micro_batch_size) if samples else []
     # Every rank must run the same number of forwards/backwards (FSDP's and expert parallel's
@@ -240,10 +209,7 @@ def compute_gradients(
                         model.forward_logits(torch.tensor([0], device=device), [1]).sum() * 0.0
                     ).backward()  # type: ignore[no-untyped-call]
                     continue
-                objective, count = objective_of(
-                    policy, part, cfg, settings, rules,
-                    global_batch_size=global_batch_size, global_token_count=global_token_count,
-                )  # fmt: skip
+                objective, count = objective_of(policy, part, ctx)
                 (objective.loss * rules.loss_scale).backward()  # type: ignore[no-untyped-call]
                 tokens += count
                 for key, value in objective.metrics.items():
@@ -265,7 +231,6 @@ def train_step(
     policy: Policy,
     samples: Sequence[TrainSample],
     cfg: GrpoConfig,
-    rules: StepRules,
     *,
     global_batch_size: int,
     global_token_count: int,
@@ -278,7 +243,7 @@ def train_step(
     into micro-batches of ``cfg.micro_batch_size``.
     """
     metrics = compute_gradients(
-        policy, samples, cfg, rules,
+        policy, samples, cfg,
         global_batch_size=global_batch_size, global_token_count=global_token_count,
     )  # fmt: skip
     norm = metrics["grad_norm"]

@@ -3,8 +3,8 @@
 ``backend_for`` maps ``GrpoConfig.backend`` to its ``TrainerBackend`` (``posttrain.grpo.backend``):
 ``fsdp`` (``posttrain.grpo.fsdp_backend``) or ``megatron`` (``posttrain.grpo.megatron.backend``,
 imported only when chosen, and importing no megatron-core itself). ``build_policy`` builds the
-policy with the configured backend; ``train_step`` and ``compute_gradients`` run the shared step
-(``posttrain.grpo.step``) with the rules of the backend that built the policy. The samples a
+policy with the configured backend; ``train_step`` and ``compute_gradients`` (``posttrain.grpo.step``)
+run the shared step under the rules of the backend that built the policy. The samples a
 step takes are ``TrainSample``s (``posttrain.grpo.batch``).
 
 This module re-exports the names the loop, the tests and the benchmarks use, so they need not
@@ -12,8 +12,6 @@ know which module of the trainer holds them.
 """
 
 from __future__ import annotations
-
-from collections.abc import Sequence
 
 from posttrain.grpo.backend import (
     AdapterTraining,
@@ -27,7 +25,7 @@ from posttrain.grpo.backend import (
 from posttrain.grpo.batch import TrainSample, expand_sample_media, micro_batches
 from posttrain.grpo.config import Backend, GrpoConfig
 from posttrain.grpo.fsdp_backend import FSDP, fused_adamw, lora_targets, shard_policy
-from posttrain.grpo.step import MAX_METRICS, SUM_METRICS
+from posttrain.grpo.step import MAX_METRICS, SUM_METRICS, compute_gradients, train_step
 
 __all__ = [
     "MAX_METRICS",
@@ -70,35 +68,3 @@ def build_policy(cfg: GrpoConfig) -> Policy:
     """Load, split and (``cfg.train == "lora"``) adapt the policy on this rank (CPU) with the
     configured backend; collective."""
     return backend_for(cfg.backend).build_policy(cfg)
-
-
-def compute_gradients(
-    policy: Policy,
-    samples: Sequence[TrainSample],
-    cfg: GrpoConfig,
-    *,
-    global_batch_size: int,
-    global_token_count: int,
-) -> dict[str, float]:
-    """Forward, loss, backward and gradient reduction of one step (``step.compute_gradients``
-    with the policy's backend's rules); collective."""
-    return policy.backend.compute_gradients(
-        policy, samples, cfg,
-        global_batch_size=global_batch_size, global_token_count=global_token_count,
-    )  # fmt: skip
-
-
-def train_step(
-    policy: Policy,
-    samples: Sequence[TrainSample],
-    cfg: GrpoConfig,
-    *,
-    global_batch_size: int,
-    global_token_count: int,
-) -> dict[str, float]:
-    """``compute_gradients``, clipping and one optimizer step; collective. Returns the step's
-    metrics, already combined over ranks (the same dict on every rank)."""
-    return policy.backend.train_step(
-        policy, samples, cfg,
-        global_batch_size=global_batch_size, global_token_count=global_token_count,
-    )  # fmt: skip

@@ -15,7 +15,6 @@ name (``posttrain.grpo.trainer.backend_for``) stays cheap.
 from __future__ import annotations
 
 import importlib.util
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -23,10 +22,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from posttrain.fsdp_mesh import CheckpointMeta
-from posttrain.grpo import step
 from posttrain.grpo._errors import GrpoConfigError, GrpoUnsupportedError
-from posttrain.grpo.backend import AdapterTraining, Policy
-from posttrain.grpo.batch import TrainSample
+from posttrain.grpo.backend import AdapterTraining, NoAccumulation, Policy, StepRules
 from posttrain.grpo.config import Backend, GrpoConfig
 from posttrain.models import ModelConfig
 
@@ -70,7 +67,7 @@ class MegatronBackend:
 
         return build_megatron_policy(cfg, self)
 
-    def rules(self, policy: Policy) -> step.StepRules:
+    def step_rules(self, policy: Policy) -> StepRules:
         """Plain accumulation, one explicit reduction, the loss scaled by the DP size."""
         from posttrain.grpo.megatron import grads
         from posttrain.grpo.megatron.model import TensorParallelDecoder
@@ -86,40 +83,12 @@ class MegatronBackend:
             grads.reduce_gradients(model, params)
             return grads.grad_norm(model, params)
 
-        return step.StepRules(
-            accumulation=step.NoAccumulation.over,
+        return StepRules(
+            accumulation=NoAccumulation.over,
             loss_scale=policy.parallel.dp_size,
             reduce_gradients=reduce,
             reports_metrics=int(model.groups.tp_rank) == 0,
         )
-
-    def compute_gradients(
-        self,
-        policy: Policy,
-        samples: Sequence[TrainSample],
-        cfg: GrpoConfig,
-        *,
-        global_batch_size: int,
-        global_token_count: int,
-    ) -> dict[str, float]:
-        return step.compute_gradients(
-            policy, samples, cfg, self.rules(policy),
-            global_batch_size=global_batch_size, global_token_count=global_token_count,
-        )  # fmt: skip
-
-    def train_step(
-        self,
-        policy: Policy,
-        samples: Sequence[TrainSample],
-        cfg: GrpoConfig,
-        *,
-        global_batch_size: int,
-        global_token_count: int,
-    ) -> dict[str, float]:
-        return step.train_step(
-            policy, samples, cfg, self.rules(policy),
-            global_batch_size=global_batch_size, global_token_count=global_token_count,
-        )  # fmt: skip
 
     def export_weights(self, policy: Policy) -> dict[str, Tensor]:
         if isinstance(policy.mode, AdapterTraining):
