@@ -22,8 +22,8 @@ import pytest
 import torch
 
 from posttrain.grpo import GrpoConfig, GrpoConfigError, GrpoInputError, LossSettings
-from posttrain.grpo.losses import aggregate_loss, aggregation_weights
 from posttrain.grpo.batch import pack_context_parallel
+from posttrain.grpo.losses import aggregate_loss, aggregation_weights
 from posttrain.grpo.trainer import TrainSample, data_context_parallel
 from posttrain.interface.testing import run_workers
 from posttrain.models import VOCAB_SIZE, ModelConfig, build_model, build_tokenizer
