@@ -89,6 +89,7 @@ class FullTraining:
 
     @property
     def handle(self) -> None:
+        """No LoRA handle (``Policy.lora``)."""
         return None
 
     def trainable(self, model: DecoderModel) -> list[torch.nn.Parameter]:
@@ -253,7 +254,8 @@ class Policy:
 
     @property
     def lora(self) -> LoraHandle | None:
-        """The LoRA handle in adapter training (None in full training)."""
+        """The LoRA handle in adapter training, None in full training: for tests and tools
+        that inspect the factors; the trainer itself asks ``mode``, never branches on this."""
         return self.mode.handle
 
     @property
