@@ -31,7 +31,7 @@ def weights(policy: Policy) -> dict[str, Tensor]:
 
 def sent_weights(policy: Policy, final: dict[str, Tensor]) -> dict[str, Tensor]:
     """What the weight sync converts (HF names, the engine's dtype)."""
-    if policy.backend == "megatron":
+    if policy.backend.name == "megatron":
         return policy.model.hf_state_dict()
     return to_hf_state_dict(final, policy.model.config)
 

@@ -41,7 +41,7 @@ def _lora_grads(policy: Policy) -> dict[str, torch.Tensor]:
 
 def _full_grads(policy: Policy) -> dict[str, torch.Tensor]:
     model = policy.model
-    if policy.backend == "megatron":
+    if policy.backend.name == "megatron":
         return to_hf_state_dict(model.full_state_dict(grads=True), model.full_config)  # type: ignore[attr-defined]
     grads = {}
     for name, p in model.named_parameters():
@@ -53,7 +53,7 @@ def _full_grads(policy: Policy) -> dict[str, torch.Tensor]:
 def _weights(policy: Policy) -> dict[str, torch.Tensor]:
     if policy.lora is not None:
         return export_adapter(policy.lora)
-    if policy.backend == "megatron":
+    if policy.backend.name == "megatron":
         return policy.model.hf_state_dict()
     from posttrain.fsdp_mesh import iter_full_state_dict
 

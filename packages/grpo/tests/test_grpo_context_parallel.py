@@ -22,8 +22,9 @@ import pytest
 import torch
 
 from posttrain.grpo import GrpoConfig, GrpoConfigError, GrpoInputError, LossSettings
+from posttrain.grpo.batch import pack_context_parallel
 from posttrain.grpo.losses import aggregate_loss, aggregation_weights
-from posttrain.grpo.trainer import TrainSample, _pack_context_parallel, data_context_parallel
+from posttrain.grpo.trainer import TrainSample, data_context_parallel
 from posttrain.interface.testing import run_workers
 from posttrain.models import VOCAB_SIZE, ModelConfig, build_model, build_tokenizer
 
@@ -145,13 +146,13 @@ def test_context_parallel_pads_sequences_at_their_ends() -> None:
         tokens=list(range(4, 33)), prompt_len=3, loss_mask=[1] * 26,
         rollout_logprobs=[-1.0] * 26, advantages=[0.5] * 26,
     )  # fmt: skip
-    packed = _pack_context_parallel(
+    packed = pack_context_parallel(
         [sample], 2, settings, capacity=32, global_batch_size=1, global_token_count=26
     )
-    assert packed["lengths"] == (32,)  # 29 tokens, padded to a multiple of 2 x 2
-    assert packed["mask"].tolist() == [False] * 3 + [True] * 26 + [False] * 3
-    assert float(packed["weights"].sum()) == pytest.approx(1.0)
+    assert packed.lengths == (32,)  # 29 tokens, padded to a multiple of 2 x 2
+    assert packed.mask.tolist() == [False] * 3 + [True] * 26 + [False] * 3
+    assert float(packed.weights.sum()) == pytest.approx(1.0)
     with pytest.raises(GrpoInputError, match="sample 0 of the micro-batch has 29 tokens"):
-        _pack_context_parallel(
+        pack_context_parallel(
             [sample], 2, settings, capacity=30, global_batch_size=1, global_token_count=26
         )

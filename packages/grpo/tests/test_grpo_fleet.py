@@ -15,7 +15,6 @@ import socket
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from types import SimpleNamespace
 
 import httpx
 import pytest
@@ -150,18 +149,18 @@ def test_unreachable_follows_the_raise_from_chain() -> None:
 
 
 def test_a_weight_sink_gets_the_full_weights_or_its_refusal_is_a_run_error() -> None:
-    full = SimpleNamespace(lora=None)  # what _push_to_sink reads of a full-training policy
+    full = None  # full weights: no PEFT config (an adapter would bring its own)
     target = SyncTarget(engine_urls=())
     tensors = {"model.embed_tokens.weight": torch.randn(5, 3), "lm_head.weight": torch.ones(5, 3)}
     sink = RecordingSink()
     assert isinstance(sink, WeightSink)
-    _push_to_sink(sink, full, target, tensors, 4)  # type: ignore[arg-type]
+    _push_to_sink(sink, full, target, tensors, 4)
     assert (sink.version, sink.lora_name) == (4, None)
     assert all(torch.equal(sink.received[k], v) for k, v in tensors.items())
     with pytest.raises(
         GrpoRunError, match="RecordingSink refused version 5: RuntimeError: disk full"
     ):
-        _push_to_sink(RecordingSink(refuse="disk full"), full, target, tensors, 5)  # type: ignore[arg-type]
+        _push_to_sink(RecordingSink(refuse="disk full"), full, target, tensors, 5)
 
 
 class _Health(http.server.BaseHTTPRequestHandler):

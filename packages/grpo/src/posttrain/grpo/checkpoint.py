@@ -24,9 +24,12 @@ Both modes commit through ``fsdp-mesh`` (``save_checkpoint`` with DCP shards,
 into ``iter_N.tmp`` before it is swapped in and the tracker moves, so an interrupted save never
 looks complete. ``load`` restores after the optimizer is built, straight into the live
 parameters and optimizer state (there are no separate masters to re-sync). A run resumed with
-the world size it was saved with gets every rank's RNG state back (a missing one is an error);
-under another world size the RNG states do not map to ranks and are not restored. The
-megatron backend writes its own layout-free files (``posttrain.grpo.megatron.checkpoint``).
+the world size it was saved with gets every rank's RNG state back (a missing one is an error;
+``restore_rng``); under another world size the RNG states do not map to ranks and are not
+restored. Each backend writes its own layout (``TrainerBackend.save_checkpoint``): the one
+above is the fsdp backend's (``posttrain.grpo.fsdp_backend``); the megatron backend writes
+layout-free files (``posttrain.grpo.megatron.checkpoint``). This module holds what they share:
+finding, verifying and loading a checkpoint with one error convention.
 """
 
 from __future__ import annotations
@@ -42,16 +45,12 @@ from posttrain.fsdp_mesh import (
     CheckpointMeta,
     checkpoint_dir,
     latest_step,
-    load_checkpoint,
-    save_checkpoint,
-    save_files_checkpoint,
     verify_checkpoint,
 )
 from posttrain.grpo._errors import GrpoRunError
-from posttrain.grpo._state_files import load_optimizer, load_rng, save_optimizer, save_rng
-from posttrain.grpo.trainer import Policy
+from posttrain.grpo._state_files import load_rng
+from posttrain.grpo.backend import Policy
 from posttrain.interface import PosttrainError
-from posttrain.lora import export_adapter, load_peft, save_peft
 
 TRACKER = "latest_checkpointed_iteration.txt"
 OPTIM = "optim.safetensors"
@@ -64,34 +63,9 @@ def rng_file(path: Path, rank: int) -> Path:
 
 
 def save(root: Path, step: int, policy: Policy, extra: dict[str, Any]) -> Path:
-    """Write checkpoint ``step`` under ``root`` (collective); returns its directory."""
-    if policy.backend == "megatron":
-        from posttrain.grpo.megatron import checkpoint as megatron_checkpoint
-
-        return megatron_checkpoint.save(root, step, policy, extra)
-    rank = dist.get_rank()
-
-    def write_rng(staged: Path) -> None:
-        save_rng(rng_file(staged, rank))
-
-    if policy.lora is None:
-        return save_checkpoint(
-            root, step, policy.model, policy.mesh, policy.optimizer,
-            extra=extra, write_files=write_rng,
-        )  # fmt: skip
-    adapter = export_adapter(policy.lora)  # collective; the same full adapter on every rank
-
-    def write_adapter(staged: Path) -> None:
-        write_rng(staged)
-        if rank == 0:  # the adapter and its optimizer state are replicated
-            assert policy.lora_config is not None
-            save_peft(
-                staged / "adapter", adapter, policy.lora_config,
-                target_modules=policy.target_modules,
-            )  # fmt: skip
-            save_optimizer(staged / OPTIM, policy.optimizer)
-
-    return save_files_checkpoint(root, step, policy.mesh, write_adapter, extra=extra)
+    """Write checkpoint ``step`` under ``root`` (collective; the policy's backend writes its
+    layout); returns its directory."""
+    return policy.backend.save_checkpoint(root, step, policy, extra)
 
 
 def find(path: Path) -> Path:
@@ -140,43 +114,26 @@ def verify(path: Path) -> CheckpointMeta:
     return meta
 
 
-def _check_loaded(path: Path, policy: Policy) -> None:
-    """The weights a DCP load put into the live (sharded) parameters: finite and bounded, on
-    every rank's shard; every rank raises (one rank's refusal never leaves others waiting)."""
-    params = (
-        (name, getattr(p, "_local_tensor", p).detach())
-        for name, p in policy.model.named_parameters()
-    )
-    mine = ""
+def restore_rng(path: Path, meta: CheckpointMeta) -> None:
+    """Restore this rank's RNG state from checkpoint ``path`` when it was saved with the world
+    size the run has now (under another one the states do not map to ranks: left as they are)."""
+    if meta.world_size != dist.get_world_size():
+        return
+    rank = dist.get_rank()
+    rng = rng_file(path, rank)
+    if not rng.is_file():
+        raise GrpoRunError(f"--resume {path}: {rng.name} is missing (rank {rank}'s RNG state)")
     try:
-        check_finite(params, what=f"--resume {path}", error=GrpoRunError)
+        load_rng(rng)
     except GrpoRunError as exc:
-        mine = str(exc)
-    every: list[str] = [""] * dist.get_world_size()
-    dist.all_gather_object(every, mine)
-    refused = [m for m in every if m]
-    if refused:
-        raise GrpoRunError(refused[0])
+        raise GrpoRunError(f"--resume {path}: {exc}") from None
 
 
 def load(path: Path, policy: Policy) -> dict[str, Any]:
     """Restore weights, optimizer and RNG into the live policy (collective); returns ``extra``."""
-    rank = dist.get_rank()
     meta = verify(path)
     try:
-        if policy.backend == "megatron":
-            from posttrain.grpo.megatron import checkpoint as megatron_checkpoint
-
-            megatron_checkpoint.load(path, policy)
-            return dict(meta.extra)
-        if policy.lora is None:
-            load_checkpoint(
-                path.parent, policy.model, policy.mesh, policy.optimizer, step=meta.step
-            )
-            _check_loaded(path, policy)
-        else:
-            load_peft(policy.lora, path / "adapter", strict=True)
-            load_optimizer(path / OPTIM, policy.optimizer)
+        policy.backend.load_checkpoint(path, policy, meta)
     except CheckpointError as exc:
         raise GrpoRunError(f"--resume: {exc}") from None
     except GrpoRunError as exc:
@@ -186,12 +143,4 @@ def load(path: Path, policy: Policy) -> dict[str, Any]:
         ) from None
     except PosttrainError as exc:  # an adapter or model file the lora/models readers refuse
         raise GrpoRunError(f"--resume {path}: {exc}") from None
-    if meta.world_size == dist.get_world_size():
-        rng = rng_file(path, rank)
-        if not rng.is_file():
-            raise GrpoRunError(f"--resume {path}: {rng.name} is missing (rank {rank}'s RNG state)")
-        try:
-            load_rng(rng)
-        except GrpoRunError as exc:
-            raise GrpoRunError(f"--resume {path}: {exc}") from None
     return dict(meta.extra)

@@ -231,24 +231,10 @@ def _command(**values: Any) -> None:
         out.print(json.dumps(config.to_dict(), indent=2), markup=False)
         return
     out.print(Text(f"{PROG} --dry-run: the config is valid; nothing was started", style="bold"))
-    if config.backend == "megatron":
-        world = int(os.environ.get("WORLD_SIZE") or config.world_size)
-        tp, ep = config.tensor_model_parallel_size, config.expert_model_parallel_size
-        sp = " (sequence parallel)" if config.sequence_parallel else ""
-        out.print(
-            Text(
-                f"  trainer ranks: {world} = {tp} tensor parallel{sp} x {world // tp} data "
-                f"parallel; experts over {ep} expert parallel x {world // ep} expert data parallel"
-            )
-        )
-    else:
-        out.print(
-            Text(
-                f"  trainer ranks: {config.world_size} (replicate x shard) = "
-                f"{config.data_parallel_size} data parallel x {config.context_parallel_size} "
-                "context parallel"
-            )
-        )
+    from posttrain.grpo.trainer import backend_for  # torch and friends load here
+
+    world = int(os.environ.get("WORLD_SIZE") or config.world_size)
+    out.print(Text("  " + backend_for(config.backend).describe_ranks(config, world)))
     out.print(Text(describe(config)))
 
 

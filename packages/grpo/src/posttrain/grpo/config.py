@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Literal, get_args, get_origin, get_type_hints
@@ -336,15 +337,10 @@ class GrpoConfig:
                 "--tensor-model-parallel-size / --expert-model-parallel-size with --backend "
                 "megatron to split a large model)",
             )
-        if self.backend == "megatron":
-            if self.compile:
-                raise GrpoUnsupportedError(
-                    "compile",
-                    "compile (torch.compile of each decoder layer) is built for the fsdp "
-                    "backend; --backend megatron runs eagerly: drop --compile",
-                )
-            self._check_megatron(world_size)
-            return
+        _BACKEND_CHECKS[self.backend](self, world_size)
+
+    def _check_fsdp(self, world_size: int | None) -> None:
+        """The fsdp backend: HSDP (and context parallel) only; the world is replicate x shard."""
         for name, what in (
             ("tensor_model_parallel_size", "tensor parallel"),
             ("expert_model_parallel_size", "expert parallel"),
@@ -372,6 +368,12 @@ class GrpoConfig:
     def _check_megatron(self, world_size: int | None) -> None:
         """The megatron backend: tp and ep must divide the trainer ranks (torchrun's
         ``WORLD_SIZE``; when the trainer forks its own ranks, ``replicate * shard`` of them)."""
+        if self.compile:
+            raise GrpoUnsupportedError(
+                "compile",
+                "compile (torch.compile of each decoder layer) is built for the fsdp "
+                "backend; --backend megatron runs eagerly: drop --compile",
+            )
         if self.context_parallel_size > 1:
             raise GrpoUnsupportedError(
                 "context_parallel_size",
@@ -390,6 +392,12 @@ class GrpoConfig:
                        f" (replicate={self.replicate} x shard={self.shard})"),
                 )  # fmt: skip
 
+
+# Each backend's checks of the config (``check_supported``), by ``GrpoConfig.backend``.
+_BACKEND_CHECKS: dict[Backend, Callable[[GrpoConfig, int | None], None]] = {
+    "fsdp": GrpoConfig._check_fsdp,
+    "megatron": GrpoConfig._check_megatron,
+}
 
 HELP: dict[str, str] = {
     "model_path": "checkpoint directory (or hub id) of the policy",

@@ -119,10 +119,9 @@ from posttrain.formats import (
     tensor_update_requests,
     write_safetensors,
 )
-from posttrain.fsdp_mesh import iter_full_state_dict
 from posttrain.grpo._controller import run_on_rank0
 from posttrain.grpo._errors import GrpoRunError
-from posttrain.grpo.trainer import Policy
+from posttrain.grpo.backend import Policy, SyncOccasion
 from posttrain.interface import (
     ABORT_REASON_KEY,
     SESSION_ID_KEY,
@@ -134,8 +133,8 @@ from posttrain.interface import (
     WeightSyncError,
     parse_weight_version,
 )
-from posttrain.lora import AdapterClient, export_adapter
-from posttrain.models import has_towers, to_hf_state_dict, tower_parameter_names
+from posttrain.lora import AdapterClient
+from posttrain.models import has_towers, tower_parameter_names
 from posttrain.quant_convert import (
     QuantConvertError,
     QuantPolicy,
@@ -519,47 +518,30 @@ class EngineFleet:
         """``sync``'s push; the fleet's membership is left as it is."""
         target = self.target
         readmit = tuple(url for url in readmit if url not in self.engine_urls)
-        reload_base = policy.lora is not None and engines_resumed
-        if policy.lora is None:
-            with_towers = towers_due(policy, first=first, engines_resumed=engines_resumed)
-            # a re-admitted engine is treated as a resumed one: the towers go to it too
-            gather_towers = with_towers or (bool(readmit) and has_towers(policy.model))
-            if target.weight_sync == "disk":  # a disk update is a whole checkpoint, towers too
-                with_towers = gather_towers = has_towers(policy.model)
-        else:  # the adapter never touches the towers: they come back only with a base reload
-            with_towers = reload_base and has_towers(policy.model)
-            gather_towers = with_towers
-        needs_base = (reload_base and bool(self.engine_urls)) or (
-            policy.lora is not None and bool(readmit)
+        plan = policy.mode.engine_sync(
+            SyncOccasion(
+                towers=has_towers(policy.model), first=first, engines_resumed=engines_resumed,
+                readmit=bool(readmit), disk=target.weight_sync == "disk",
+                live_engines=bool(self.engine_urls),
+            )
+        )  # fmt: skip
+        reload_base, with_towers, gather_towers = (
+            plan.reload_base,
+            plan.with_towers,
+            plan.gather_towers,
         )
-        if needs_base and target.base_model_path is None:
+        if plan.needs_base and target.base_model_path is None:
             raise GrpoRunError(
                 "weight sync: the engines were resumed after an offload (or a lost engine is "
                 "re-admitted), but SyncTarget.base_model_path is unset, so their base weights "
                 "(and towers) cannot be reloaded"
             )
-        if policy.lora is not None:
-            tensors = export_adapter(policy.lora)  # collective over the LoRA groups
-        elif policy.backend == "megatron":
-            hf = policy.model.hf_state_dict()  # collective over TP: shards gathered to HF names
-            tensors = (
-                _engine_tensors(
-                    hf, policy, target, with_towers=gather_towers, scales=self._input_scales()
-                )
-                if dist.get_rank() == 0
-                else {}
-            )
-        else:
-            full = dict(iter_full_state_dict(policy.model))  # collective over the FSDP mesh
+        tensors = policy.backend.export_weights(policy)  # collective
+        if plan.peft_config is None and dist.get_rank() == 0:
             # Only rank 0 sends, so only rank 0 converts (and, for NVFP4 rollouts, quantizes).
-            tensors = (
-                _engine_tensors(
-                    to_hf_state_dict(full, policy.model.config), policy, target,
-                    with_towers=gather_towers, scales=self._input_scales(),
-                )
-                if dist.get_rank() == 0
-                else {}
-            )  # fmt: skip
+            tensors = _engine_tensors(
+                tensors, policy, target, with_towers=gather_towers, scales=self._input_scales()
+            )
         readmit_tensors = tensors  # with the towers where the model has them (full training)
         if gather_towers and not with_towers:
             tensors = _without_towers(tensors, policy)
@@ -570,12 +552,12 @@ class EngineFleet:
                 readmit=tuple(readmit), reload_base=reload_base,
             )  # fmt: skip
             try:
-                if policy.lora is not None:
-                    reached = self._push_adapters(policy, update)
+                if plan.peft_config is not None:
+                    reached = self._push_adapters(plan.peft_config, update)
                 else:
                     reached = self._push_full(update)
                 for sink in target.sinks:
-                    _push_to_sink(sink, policy, target, tensors, version)
+                    _push_to_sink(sink, plan.peft_config, target, tensors, version)
             except GrpoRunError:
                 raise
             except Exception as exc:
@@ -599,12 +581,10 @@ class EngineFleet:
 
     # --- rank 0: the pushes ---------------------------------------------------------------
 
-    def _push_adapters(self, policy: Policy, update: _Outgoing) -> _Reached:
-        """The adapter to every live engine, then to each re-admitted one (after a base
-        reload)."""
+    def _push_adapters(self, config: dict[str, Any], update: _Outgoing) -> _Reached:
+        """The adapter (PEFT ``config``) to every live engine, then to each re-admitted one
+        (after a base reload)."""
         target, version = self.target, update.version
-        assert policy.lora_config is not None
-        config = policy.lora_config.peft_config(policy.target_modules)
 
         def push(url: str, tensors: dict[str, torch.Tensor], *, reload: bool) -> None:
             if reload:
@@ -904,15 +884,12 @@ def _write_sync_adapter(
 
 def _push_to_sink(
     sink: WeightSink,
-    policy: Policy,
+    lora_config: dict[str, Any] | None,
     target: SyncTarget,
     tensors: dict[str, torch.Tensor],
     version: int,
 ) -> None:
-    lora_config = None
-    if policy.lora is not None:
-        assert policy.lora_config is not None
-        lora_config = policy.lora_config.peft_config(policy.target_modules)
+    """``tensors`` to ``sink``: an adapter with its PEFT ``lora_config``, or full weights."""
     try:
         sink.update_weights(
             tensors,

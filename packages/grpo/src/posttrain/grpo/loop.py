@@ -75,7 +75,7 @@ from posttrain.grpo.preflight import run_preflight
 from posttrain.grpo.rewards import Prompt, PromptStream, Task
 from posttrain.grpo.rollout import Rollouts, RolloutSettings
 from posttrain.grpo.scoring import StepScores, as_bound, score_samples
-from posttrain.grpo.trainer import Policy, TrainSample, build_policy, train_step
+from posttrain.grpo.trainer import Policy, TrainSample, backend_for, build_policy, train_step
 from posttrain.interface import (
     RolloutEngine,
     Sample,
@@ -651,8 +651,7 @@ def _spawn_ranks(cfg: GrpoConfig, plugged: Plugged) -> dict[str, Any] | None:
     """Fork ``world_size`` local gloo ranks with interface's ``run_workers`` (torch is already
     imported: each starts in a moment); rank 0's summary, or the first failure as a run error."""
     cfg.check_supported()  # before forking; each rank checks its WORLD_SIZE too
-    if cfg.backend == "megatron":  # import megatron-core (~10 s) once here, not in every rank
-        import posttrain.grpo.megatron.layers  # noqa: F401
+    backend_for(cfg.backend).preload()  # megatron-core (~10 s) once here, not in every rank
     try:
         results = run_workers(
             _rank,

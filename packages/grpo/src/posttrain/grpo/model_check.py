@@ -40,6 +40,7 @@ def check_model(config: GrpoConfig) -> None:
     there is no ``--model-path`` to check."""
     if config.model_path is None:
         return
+    from posttrain.grpo.trainer import backend_for
     from posttrain.models import ModelConfigError, ModelsError, load_config, lora_targets
 
     for flag, location in (
@@ -56,13 +57,7 @@ def check_model(config: GrpoConfig) -> None:
             raise GrpoConfigError(f"{flag} {location}: {exc}", field=field) from None
         if flag != "--model-path":
             continue
-        if config.backend == "megatron" and model.qkv_bias:
-            # the megatron backend's parallel qkv linear has no bias: it would be dropped
-            raise GrpoConfigError(
-                f"--backend megatron: {location} has q/k/v biases ({model.family} family), "
-                "which the megatron backend's parallel linears do not build; use --backend fsdp",
-                field="backend",
-            )
+        backend_for(config.backend).check_model(config, model, str(location))
         if config.train != "lora":
             continue
         leaves = {name.rsplit(".", 1)[-1] for name in lora_targets(model)}

@@ -7,8 +7,11 @@
 * ``model`` -- ``TensorParallelDecoder``: the decoder split over TP; HF checkpoints in and out
   across layouts.
 * ``grads`` -- the explicit gradient rules (TP sums of partial grads, DP mean) and the norm.
+* ``backend`` -- ``MEGATRON``, this backend's ``posttrain.grpo.backend.TrainerBackend``
+  (importing it imports no megatron-core).
 * ``policy`` -- the GRPO policy on this backend (``build_megatron_policy``), LoRA through
-  lora-core's megatron path, checkpoints.
+  lora-core's megatron path.
+* ``checkpoint`` -- layout-free checkpoints.
 * ``expert_parallel`` / ``expert_state`` -- MoE experts split over an expert-parallel group,
   with our own all-to-all token dispatch (megatron-core's MoE layer does not run on gloo).
 

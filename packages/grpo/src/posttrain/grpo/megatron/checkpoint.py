@@ -30,11 +30,10 @@ from posttrain.formats import write_text_atomic
 from posttrain.fsdp_mesh import save_files_checkpoint
 from posttrain.grpo._errors import GrpoRunError
 from posttrain.grpo._state_files import load_optimizer, load_rng, save_optimizer, save_rng
+from posttrain.grpo.backend import AdapterTraining, Policy
 from posttrain.grpo.checkpoint import rng_file
 from posttrain.grpo.masters import MasterAdamW
 from posttrain.grpo.megatron.model import TensorParallelDecoder
-from posttrain.grpo.trainer import Policy
-from posttrain.lora import export_adapter, load_peft, save_peft
 from posttrain.models import load_hf_tensors, save_hf_weights
 
 _log = logging.getLogger("posttrain.grpo")
@@ -63,8 +62,9 @@ def save(root: Path, step: int, policy: Policy, extra: dict[str, Any]) -> Path:
     """Write checkpoint ``step`` under ``root`` (collective); returns its directory."""
     model = _model(policy)
     rank = dist.get_rank()
-    if policy.lora is not None:
-        adapter = export_adapter(policy.lora)  # collective; the full adapter on every rank
+    mode = policy.mode
+    if isinstance(mode, AdapterTraining):
+        adapter = mode.export()  # collective; the full adapter on every rank
     else:
         weights = model.hf_state_dict()  # collective over TP
 
@@ -74,10 +74,8 @@ def save(root: Path, step: int, policy: Policy, extra: dict[str, Any]) -> Path:
         if rank != 0:
             return
         write_text_atomic(staged / LAYOUT, json.dumps(_layout(model), indent=2))
-        if policy.lora is not None:
-            assert policy.lora_config is not None
-            save_peft(staged / "adapter", adapter, policy.lora_config,
-                      target_modules=policy.target_modules)  # fmt: skip
+        if isinstance(mode, AdapterTraining):
+            mode.save(staged / "adapter", adapter)
             return
         save_hf_weights(staged / "model", weights, model.full_config)
 
@@ -96,8 +94,8 @@ def load(path: Path, policy: Policy) -> bool:
         saved = json.loads(layout_file.read_text())
     except (ValueError, UnicodeDecodeError):
         raise GrpoRunError(f"--resume {path}: {LAYOUT} is not valid JSON") from None
-    if policy.lora is not None:
-        load_peft(policy.lora, path / "adapter", strict=True)
+    if isinstance(policy.mode, AdapterTraining):
+        policy.mode.load(path / "adapter")
     else:
         model.load_hf_state_dict(load_hf_tensors(path / "model"))
         if isinstance(policy.optimizer, MasterAdamW):  # masters follow the loaded weights

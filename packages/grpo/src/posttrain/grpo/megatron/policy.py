@@ -25,11 +25,18 @@ import torch.distributed as dist
 
 from posttrain.fsdp_mesh import build_fsdp_mesh
 from posttrain.grpo._errors import GrpoConfigError
+from posttrain.grpo.backend import (
+    AdapterTraining,
+    DataContextParallel,
+    FullTraining,
+    Policy,
+    TrainerBackend,
+    TrainMode,
+)
 from posttrain.grpo.config import GrpoConfig
 from posttrain.grpo.masters import MasterAdamW, needs_masters
 from posttrain.grpo.megatron.groups import ParallelGroups, build_parallel_groups
 from posttrain.grpo.megatron.model import TensorParallelDecoder
-from posttrain.grpo.trainer import DataContextParallel, Policy
 from posttrain.interface import MeshSpec
 from posttrain.lora import LoraConfig, LoraGroups, Target, attach_lora
 from posttrain.models import Numerics, load_config, load_hf_tensors
@@ -101,17 +108,18 @@ def load_tensor_parallel_model(
     return model.to(device)
 
 
-def build_megatron_policy(cfg: GrpoConfig, *, device: torch.device | None = None) -> Policy:
-    """Load, split and (optionally) adapt the policy on this rank; collective over the world."""
+def build_megatron_policy(
+    cfg: GrpoConfig, backend: TrainerBackend, *, device: torch.device | None = None
+) -> Policy:
+    """Load, split and (optionally) adapt the policy on this rank; collective over the world.
+    ``backend``: the policy's backend (``posttrain.grpo.megatron.backend.MEGATRON``)."""
     device = device or torch.device("cpu")
     groups = build_parallel_groups(cfg.tensor_model_parallel_size, cfg.expert_model_parallel_size)
     model = load_tensor_parallel_model(cfg, groups, device=device)
     ref = None
     if cfg.use_kl_loss and cfg.train == "full":
         ref = load_tensor_parallel_model(cfg, groups, device=device).requires_grad_(False)
-    handle = None
-    lcfg = None
-    modules: list[str] = []
+    mode: TrainMode = FullTraining(ref_model=ref)
     if cfg.train == "lora":
         targets, modules = megatron_lora_targets(model, cfg.lora_targets)
         # fp32 factors exported as fp32: the engine computes with the exact trainer bytes (G1).
@@ -119,13 +127,10 @@ def build_megatron_policy(cfg: GrpoConfig, *, device: torch.device | None = None
             r=cfg.lora_r, alpha=cfg.lora_alpha, seed=cfg.seed, export_dtype=torch.float32
         )
         handle = attach_lora(model, lcfg, targets, LoraGroups(tp=groups.tp, dp=groups.dp))
-    trainable = (
-        list(handle.parameters())
-        if handle is not None
-        else [p for p in model.parameters() if p.requires_grad]
-    )
+        mode = AdapterTraining(handle=handle, config=lcfg, target_modules=modules)
+    trainable = mode.trainable(model)
     optimizer: torch.optim.Optimizer
-    if handle is None and needs_masters(trainable):  # fp32 masters of a bf16/fp16 checkpoint
+    if isinstance(mode, FullTraining) and needs_masters(trainable):  # fp32 masters of bf16/fp16
         optimizer = MasterAdamW(trainable, lr=cfg.lr, weight_decay=cfg.weight_decay)
     else:
         optimizer = torch.optim.AdamW(trainable, lr=cfg.lr, weight_decay=cfg.weight_decay)
@@ -137,6 +142,6 @@ def build_megatron_policy(cfg: GrpoConfig, *, device: torch.device | None = None
         cp_group=None, cp_size=1, dp_rank=groups.dp_rank, dp_size=groups.dp_size
     )
     return Policy(
-        model=model, mesh=mesh, optimizer=optimizer, lora=handle, lora_config=lcfg,
-        target_modules=modules, ref_model=ref, parallel=parallel, backend="megatron",
+        model=model, mesh=mesh, optimizer=optimizer, backend=backend, mode=mode,
+        parallel=parallel,
     )  # fmt: skip
