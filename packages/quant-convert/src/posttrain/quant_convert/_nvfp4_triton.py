@@ -405,6 +405,21 @@ def _pipelined_kernel(
 
 
 @triton.jit
+def _block_halves(x_ptr, offs, ok):
+    """Blocks ``offs`` (where ``ok``; zeros elsewhere) as two fp32 halves ``[B, 8]`` (one
+    16-byte load each for BF16) and each block's max|x| as the integer max of the bits: exact,
+    +0.0 for zeros, and NaN/Inf sort above every finite value, so one compare flags them."""
+    halves = x_ptr + offs[:, None] * 16 + tl.arange(0, 8)[None, :]
+    x_lo = tl.load(halves, mask=ok[:, None], other=0.0).to(tl.float32)
+    x_hi = tl.load(halves + 8, mask=ok[:, None], other=0.0).to(tl.float32)
+    v_bits = tl.maximum(
+        tl.max(x_lo.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=1),
+        tl.max(x_hi.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=1),
+    )
+    return x_lo, x_hi, v_bits
+
+
+@triton.jit
 def _speculative_kernel(
     x_ptr,
     meta_ptr,
@@ -440,16 +455,8 @@ def _speculative_kernel(
     out = tl.load(meta_ptr + at + 1)
     offs = tile * BLOCKS + tl.arange(0, BLOCKS)
     ok = offs < blocks_per_matrix
-    halves = x_ptr + offs[:, None] * 16 + tl.arange(0, 8)[None, :]
-    x_lo = tl.load(halves, mask=ok[:, None], other=0.0).to(tl.float32)
-    x_hi = tl.load(halves + 8, mask=ok[:, None], other=0.0).to(tl.float32)
-    # block amaxes as the integer max of |x|'s bits: exact, and NaN/Inf sort above every
-    # finite value (the pre-pass's rule), so the tile's max is the slot's and the flag's input
-    v_bits = tl.maximum(
-        tl.max(x_lo.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=1),
-        tl.max(x_hi.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=1),
-    )
-    a = tl.max(v_bits, axis=0)
+    x_lo, x_hi, v_bits = _block_halves(x_ptr, offs, ok)
+    a = tl.max(v_bits, axis=0)  # the tile's max|x| (bits): the slot's and the flag's input
     tl.atomic_max(bits_ptr + slot, a)
     tl.atomic_max(bits_ptr + tl.load(meta_ptr + at + 3), 1, mask=a >= 0x7F800000)
     word, byte = _plain_blocks(x_lo, x_hi, v_bits.to(tl.float32, bitcast=True), s_enc, ws2, MODE)
@@ -622,13 +629,7 @@ def _quant_4over6_kernel(
     packed_ptr += first
     offs = pid * BLOCKS + tl.arange(0, BLOCKS)
     ok = offs < blocks_per_matrix
-    at = x_ptr + offs[:, None] * 16 + tl.arange(0, 8)[None, :]
-    x_lo = tl.load(at, mask=ok[:, None], other=0.0).to(tl.float32)
-    x_hi = tl.load(at + 8, mask=ok[:, None], other=0.0).to(tl.float32)
-    v_bits = tl.maximum(
-        tl.max(x_lo.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=1),
-        tl.max(x_hi.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=1),
-    )
+    x_lo, x_hi, v_bits = _block_halves(x_ptr, offs, ok)
     bad = tl.max((v_bits >= 0x7F800000).to(tl.int32), axis=0)
     tl.atomic_max(flag_ptr, bad, mask=bad > 0)
     v = v_bits.to(tl.float32, bitcast=True)
