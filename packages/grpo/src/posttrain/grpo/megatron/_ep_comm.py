@@ -24,6 +24,7 @@ supports for the dtype. A ``None`` group is an axis of size 1.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -32,6 +33,23 @@ from torch import Tensor
 from torch.distributed import ProcessGroup
 
 from posttrain.lora import all_gather_flat, group_size
+
+
+@dataclass(kw_only=True, slots=True, frozen=True)
+class ExpertParallelGroups:
+    """The groups of one rank; ``None`` is an axis of size 1 (never the world by default).
+
+    ``ep``: experts split over it. ``expert_dp``: ranks holding the same experts. ``dp``: the
+    dense data-parallel group (its size divides every grad, see the module doc). ``tp``: the
+    tensor-parallel group; ``sequence_parallel`` says whether its ranks hold different tokens
+    (True) or the same tokens (False: the layer splits them, see the module doc).
+    """
+
+    ep: ProcessGroup | None = None
+    expert_dp: ProcessGroup | None = None
+    dp: ProcessGroup | None = None
+    tp: ProcessGroup | None = None
+    sequence_parallel: bool = False
 
 
 def all_reduce_scaled(grads: list[Tensor], group: ProcessGroup | None, scale: float) -> None:

@@ -90,6 +90,7 @@ from torch.distributed import ProcessGroup
 from posttrain.formats import PeftFormatError, lora_delta, peft_modules
 from posttrain.grpo._errors import GrpoConfigError, GrpoInputError
 from posttrain.grpo.megatron._ep_comm import (
+    ExpertParallelGroups,
     all_gather_bytes,
     all_to_all_counts,
     all_to_all_rows,
@@ -193,23 +194,6 @@ class ExpertParallelLayout:
                 f"{self.expert_parallel_size}",
                 field="num_experts",
             )
-
-
-@dataclass(kw_only=True, slots=True, frozen=True)
-class ExpertParallelGroups:
-    """The groups of one rank; ``None`` is an axis of size 1 (never the world by default).
-
-    ``ep``: experts split over it. ``expert_dp``: ranks holding the same experts. ``dp``: the
-    dense data-parallel group (its size divides every grad, see the module doc). ``tp``: the
-    tensor-parallel group; ``sequence_parallel`` says whether its ranks hold different tokens
-    (True) or the same tokens (False: the layer splits them, see the module doc).
-    """
-
-    ep: ProcessGroup | None = None
-    expert_dp: ProcessGroup | None = None
-    dp: ProcessGroup | None = None
-    tp: ProcessGroup | None = None
-    sequence_parallel: bool = False
 
 
 def new_expert_parallel_groups(

@@ -17,8 +17,8 @@ and the gradient rule (see ``expert_parallel`` for the layer).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -26,12 +26,52 @@ from torch import Tensor
 
 from posttrain.formats import peft_key
 from posttrain.grpo._errors import GrpoConfigError, GrpoInputError
-from posttrain.grpo.megatron._ep_comm import all_gather_bytes, all_reduce_scaled
-from posttrain.lora import group_size
+from posttrain.grpo.megatron._ep_comm import (
+    ExpertParallelGroups,
+    all_gather_bytes,
+    all_reduce_scaled,
+)
+from posttrain.lora import LoraConfig, group_size
 from posttrain.models import ModelConfig
 
-if TYPE_CHECKING:
-    from posttrain.grpo.megatron.expert_parallel import ExpertParallelGroups, ExpertParallelMoe
+
+class ExpertLayer(Protocol):
+    """What this module reads of an expert-parallel MoE layer (``expert_parallel``'s
+    ``ExpertParallelMoe``): its config and groups, router, experts, shared experts and LoRA factors. A
+    protocol, so the layer's module may import this one and not the other way round."""
+
+    @property
+    def config(self) -> ModelConfig: ...
+    @property
+    def prefix(self) -> str: ...
+    @property
+    def layer_index(self) -> int: ...
+    @property
+    def groups(self) -> ExpertParallelGroups: ...
+    @property
+    def ep_size(self) -> int: ...
+    @property
+    def deepseek(self) -> bool: ...
+    @property
+    def router(self) -> Tensor: ...
+    @property
+    def expert_bias(self) -> Tensor: ...
+    @property
+    def experts_fc1(self) -> Tensor: ...
+    @property
+    def experts_fc2(self) -> Tensor: ...
+    @property
+    def shared_fc1(self) -> Tensor: ...
+    @property
+    def shared_fc2(self) -> Tensor: ...
+    @property
+    def lora_config(self) -> LoraConfig | None: ...
+    @property
+    def lora_A(self) -> torch.nn.ParameterDict: ...  # noqa: N802 (the layer's attribute name)
+    @property
+    def lora_B(self) -> torch.nn.ParameterDict: ...  # noqa: N802
+    def named_parameters(self) -> Iterator[tuple[str, torch.nn.Parameter]]: ...
+    def is_expert_parameter(self, name: str) -> bool: ...
 
 
 def lora_module_name(prefix: str, key: str, index: int) -> str:
@@ -152,7 +192,7 @@ def local_moe_weights(
     return out
 
 
-def gather_moe_weights(module: ExpertParallelMoe) -> dict[str, Tensor]:
+def gather_moe_weights(module: ExpertLayer) -> dict[str, Tensor]:
     """The layer's full HF-named tensors on every rank: the router (and its bias), every routed
     expert's ``gate_proj`` / ``up_proj`` / ``down_proj`` and the shared experts; bitwise copies
     of the parameters (collective over ``ep``)."""
@@ -184,7 +224,7 @@ def gather_moe_weights(module: ExpertParallelMoe) -> dict[str, Tensor]:
 
 
 def export_expert_lora(
-    modules: Sequence[ExpertParallelMoe], *, dtype: torch.dtype | None = None
+    modules: Sequence[ExpertLayer], *, dtype: torch.dtype | None = None
 ) -> dict[str, Tensor]:
     """The LoRA factors of ``modules`` under PEFT keys (``base_model.model.<module>.lora_A.weight``),
     whole on every rank (routed experts all-gathered over ``ep``), sorted by key, in ``dtype``
@@ -223,7 +263,7 @@ def export_expert_lora(
 # --------------------------------------------------------------------------- gradients
 
 
-def _shared_groups(modules: Sequence[ExpertParallelMoe]) -> ExpertParallelGroups:
+def _shared_groups(modules: Sequence[ExpertLayer]) -> ExpertParallelGroups:
     if not modules:
         raise GrpoConfigError("no ExpertParallelMoe modules given", field="modules")
     groups = modules[0].groups
@@ -234,7 +274,7 @@ def _shared_groups(modules: Sequence[ExpertParallelMoe]) -> ExpertParallelGroups
     return groups
 
 
-def _grads(modules: Sequence[ExpertParallelMoe], *, expert: bool) -> list[Tensor]:
+def _grads(modules: Sequence[ExpertLayer], *, expert: bool) -> list[Tensor]:
     out = []
     for module in modules:
         for name, p in module.named_parameters():
@@ -246,7 +286,7 @@ def _grads(modules: Sequence[ExpertParallelMoe], *, expert: bool) -> list[Tensor
     return out
 
 
-def reduce_expert_parallel_grads(modules: Sequence[ExpertParallelMoe]) -> None:
+def reduce_expert_parallel_grads(modules: Sequence[ExpertLayer]) -> None:
     """Reduce the grads of every trainable parameter of ``modules`` in place by the rule of the
     module doc (one fp32 all-reduce per group); collective over ``tp``, ``dp`` and
     ``expert_dp``. Call it once per step, after the backward of every micro-batch."""
@@ -258,7 +298,7 @@ def reduce_expert_parallel_grads(modules: Sequence[ExpertParallelMoe]) -> None:
     all_reduce_scaled(_grads(modules, expert=True), g.expert_dp, 1.0 / dp)
 
 
-def expert_parallel_grad_norm_sq(modules: Sequence[ExpertParallelMoe]) -> float:
+def expert_parallel_grad_norm_sq(modules: Sequence[ExpertLayer]) -> float:
     """Squared L2 norm of the (reduced) grads of ``modules``: expert grads summed over ``ep``,
     replicated ones counted once. Add it to the rest of the model's; collective over ``ep``."""
     g = _shared_groups(modules)
