@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from grpo_runs import records, run_grpo
+from grpo_runs import records, reward_rise, run_grpo
 
 from posttrain.grpo.recipe import warm_up
 from posttrain.models import (
@@ -63,11 +63,14 @@ FAMILIES = {
 WARMED = ("llama3", "qwen2.5")  # warmed up on the task: these runs must learn
 SHORT = ("--steps", "2", "--context-length", "48")
 TRAINER = ("--prompts-per-step", "2", "--samples-per-prompt", "4", "--shard", "1")
-LEARN_STEPS = 8
+LEARN_STEPS = 10
 LEARN = ("--steps", str(LEARN_STEPS), "--context-length", "48")
 LEARN_TRAINER = ("--prompts-per-step", "8", "--samples-per-prompt", "8", "--shard", "1")
 FULL_LR = ("--lr", "4e-3")  # the recipe's full_lr (1e-3) learns too slowly for 8 steps
-LEARN_MARGIN = 0.15  # mean reward of the last two steps over step 0's (measured: +0.26..+0.53)
+# mean reward of the last three steps over the first three's (reward_rise); measured on the
+# base + j draws, qwen2.5-full (the slowest) over run seeds 0-2: +X..+0.28; llama3 and the LoRA
+# runs +0.29..+0.34 by step 8; no learning (qwen2.5-full at --lr 1e-12): +0.02
+LEARN_MARGIN = 0.15
 
 
 @pytest.fixture(scope="module")
@@ -146,4 +149,4 @@ def test_grpo_trains_the_users_model(
     if learns:  # the latent skill comes back: the reward rises
         rewards = [r["reward_mean"] for r in steps]
         print(f"{family}-{train} reward_mean per step: {[round(x, 3) for x in rewards]}")
-        assert sum(rewards[-2:]) / 2 > rewards[0] + LEARN_MARGIN, (arch, train, rewards)
+        assert reward_rise(steps, 3) > LEARN_MARGIN, (arch, train, rewards)
