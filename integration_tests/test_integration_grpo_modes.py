@@ -31,9 +31,11 @@ from posttrain.grpo.metrics import deterministic
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiproc, pytest.mark.timeout(900)]
 
-# steps 4-5 over steps 0-1 at the recipe's full_lr, measured on the base + j draws: +0.36 (this
-# run, seed 0; the recipe of seeds 1 and 2, slower learners: +0.16, +X); -0.125 at --lr 1e-12
-# (no learning); one step's mean alone moves by ~0.08 from draw to draw
+# steps 4-5 over steps 0-1 at the recipe's full_lr, on the base + j draws (reward_rise): +0.36
+# for this run (seed 0: 0.30 0.41 0.44 0.52 0.63 0.80); -0.13 at --lr 1e-12, no learning (one
+# step's mean moves by ~0.08 from draw to draw). A check of this seed's run, not of every seed's:
+# the recipes of seeds 1 and 2 rise later (+0.16 and +0.06 here; steps 8-9 of seed 1 over its
+# steps 0-1 +0.39, steps 6-7 of seed 2 +0.45).
 FULL_RISE = 0.15
 
 
