@@ -63,14 +63,15 @@ FAMILIES = {
 WARMED = ("llama3", "qwen2.5")  # warmed up on the task: these runs must learn
 SHORT = ("--steps", "2", "--context-length", "48")
 TRAINER = ("--prompts-per-step", "2", "--samples-per-prompt", "4", "--shard", "1")
-LEARN_STEPS = 10
+LEARN_STEPS = 8
 LEARN = ("--steps", str(LEARN_STEPS), "--context-length", "48")
 LEARN_TRAINER = ("--prompts-per-step", "8", "--samples-per-prompt", "8", "--shard", "1")
 FULL_LR = ("--lr", "4e-3")  # the recipe's full_lr (1e-3) learns too slowly for 8 steps
-# mean reward of the last three steps over the first three's (reward_rise); measured on the
-# base + j draws, qwen2.5-full (the slowest) over run seeds 0-2: +X..+0.28; llama3 and the LoRA
-# runs +0.29..+0.34 by step 8; no learning (qwen2.5-full at --lr 1e-12): +0.02
-LEARN_MARGIN = 0.15
+# mean reward of the last three steps over the first three's (reward_rise), on the base + j
+# draws: qwen2.5-full (the slowest) +0.18, +0.14, +0.25 over run seeds 0-2; llama3-full +0.29,
+# llama3-lora +0.33, qwen2.5-lora +0.34 (seed 0); no learning (qwen2.5-full, --lr 1e-12): -0.05,
+# and a step's mean alone moves by ~0.08 from draw to draw
+LEARN_MARGIN = 0.1
 
 
 @pytest.fixture(scope="module")
