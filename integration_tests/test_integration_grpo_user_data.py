@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from grpo_runs import grpo_argv, grpo_env, prepared_recipe, records, run_grpo
+from grpo_runs import grpo_argv, grpo_env, prepared_recipe, records, reward_rise, run_grpo
 
 from posttrain.grpo.data import load_prompts
 from posttrain.grpo.rewards import PromptStream
@@ -40,6 +40,11 @@ from posttrain.grpo.rewards import PromptStream
 pytestmark = [pytest.mark.slow, pytest.mark.multiproc, pytest.mark.timeout(600)]
 
 STEPS, PROMPTS, SAMPLES = 6, 8, 8
+# steps 4-5 over steps 0-1 on the base + j draws (reward_rise): +0.30 for this run (0.28 0.28
+# 0.53 0.56 0.69 0.47); -0.12 at --lr 1e-12, no learning (one step's mean moves by ~0.08 from
+# draw to draw). With --seed 1 and 2 (other prompts and draws) +0.53 and +0.14: a check of this
+# seed's run, not of every seed's in six steps.
+LEARN_RISE = 0.15
 REWARD = """
 import json, os
 
@@ -123,7 +128,8 @@ def test_a_base_model_learns_on_user_data_and_reward_evaluates_and_resumes_mid_e
     got = records(out)
     assert [r["step"] for r in got] == list(range(STEPS))
     assert summary["train_rollout_logprob_abs_diff_all_zero"] is True
-    assert summary["reward_gain"] >= 0.2, summary  # the base model learns
+    rise = reward_rise(got, 2)  # the base model learns
+    assert rise >= LEARN_RISE, ([r["reward_mean"] for r in got], rise, summary)
     calls = [json.loads(line) for line in log_path.read_text().splitlines()]
     # --dry-run's reward check (the launcher's and the trainer's) calls the reward once per
     # process; the two trainers' rank 0 call it for every sample

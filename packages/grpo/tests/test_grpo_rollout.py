@@ -20,7 +20,13 @@ from posttrain.grpo import GrpoConfig, GrpoConfigError, GrpoRunError
 from posttrain.grpo import rollout as rollout_module
 from posttrain.grpo.loop import run
 from posttrain.grpo.rewards import Prompt
-from posttrain.grpo.rollout import Rollouts, RolloutSettings, run_rollout, sampling_seed
+from posttrain.grpo.rollout import (
+    Rollouts,
+    RolloutSettings,
+    group_seed,
+    run_rollout,
+    sampling_seed,
+)
 from posttrain.interface import RolloutEngine, Sample, SampleStatus
 from posttrain.session_router import SessionRolloutClient
 
@@ -121,6 +127,10 @@ def test_seeds_depend_only_on_seed_step_prompt_sample() -> None:
         len({sampling_seed(0, s, p, j) for s in range(3) for p in range(3) for j in range(3)}) == 27
     )
     assert 0 <= sampling_seed(123, 4, 5, 6) < 2**31
+    # a group's seeds are consecutive (one n request draws sample j with base + j)
+    assert [sampling_seed(7, 2, 1, j) for j in range(4)] == [
+        group_seed(7, 2, 1) + j for j in range(4)
+    ]
 
 
 def test_a_failed_turn_names_the_url_and_the_prompt() -> None:

@@ -12,10 +12,13 @@ and, when it serves the trained adapter, adds ``lora_path`` and ``extra_key`` (f
 session's weight version, ``posttrain.formats.apply_lora_fields``) to every upstream request,
 so prefix caches never mix adapter versions.
 
-Determinism (a resumed run must roll out exactly what an uninterrupted one does): each sample's
-sampling seed is a hash of (run seed, step, prompt index, sample index), sent as OpenAI
-``seed`` (the session router maps it to SGLang's ``sampling_seed``, which sgl-router keeps;
-it drops ``sampling_params.seed``). With strict kernels the engine's tokens then do not depend
+Determinism (a resumed run must roll out exactly what an uninterrupted one does): a prompt's
+group has a base seed, a hash of (run seed, step, prompt index), and sample j's sampling seed is
+base + j, sent as OpenAI ``seed`` (the session router maps it to SGLang's ``sampling_seed``,
+which sgl-router keeps; it drops ``sampling_params.seed``). Consecutive seeds let a session
+router with ``--parallel-sampling`` (the local stack's) send the group as one ``/generate``
+with ``sampling_params.n``: the local engine draws sample j with base + j, the very draw of
+sample j's own request; distinct prompts and steps hash to distinct bases. With strict kernels the engine's tokens then do not depend
 on batching or on which engine served the session.
 
 Every request is bounded: a finite timeout per HTTP call and at most ``concurrency`` group
@@ -67,10 +70,16 @@ class RolloutSettings:
     concurrency: int = 32
 
 
+def group_seed(seed: int, step: int, prompt_index: int) -> int:
+    """The base seed of a prompt's group: a 30-bit hash of (run seed, step, prompt)."""
+    digest = hashlib.sha256(f"{seed}/{step}/{prompt_index}".encode()).digest()
+    return int.from_bytes(digest[:4], "little") & 0x3FFFFFFF
+
+
 def sampling_seed(seed: int, step: int, prompt_index: int, sample: int) -> int:
-    """A 31-bit seed that depends only on (run seed, step, prompt, sample)."""
-    digest = hashlib.sha256(f"{seed}/{step}/{prompt_index}/{sample}".encode()).digest()
-    return int.from_bytes(digest[:4], "little") & 0x7FFFFFFF
+    """Sample ``sample``'s seed: its group's base plus ``sample`` (below 2**31 for any group of
+    up to 2**30 samples), which is how an engine seeds the samples of one ``n`` request."""
+    return group_seed(seed, step, prompt_index) + sample
 
 
 async def rollout(
