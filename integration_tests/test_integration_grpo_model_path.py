@@ -70,8 +70,8 @@ FULL_LR = {"llama3": ("--lr", "4e-3"), "qwen2.5": ("--lr", "4e-3"), "glm-4.7-fla
 LORA_LR = {"llama3": (), "qwen2.5": (), "glm-4.7-flash": ("--lr", "2e-3")}
 # mean reward of the last three steps over the first three's (reward_rise), on the base + j
 # draws: qwen2.5-full (the slowest) +0.18, +0.14, +0.25 over run seeds 0-2; llama3-full +0.29,
-# llama3-lora +0.33, qwen2.5-lora +0.34 (seed 0); no learning (qwen2.5-full, --lr 1e-12): -0.05,
-# and a step's mean alone moves by ~0.08 from draw to draw
+# llama3-lora +0.33, qwen2.5-lora +0.34, glm-4.7-flash full +0.23 and LoRA +0.22 (seed 0); no
+# learning (qwen2.5-full, --lr 1e-12): -0.05, and a step's mean alone moves by ~0.08 per draw
 LEARN_MARGIN = 0.1
 
 
