@@ -97,6 +97,7 @@ _UpApiKey = Annotated[
     bool,
     typer.Option(
         "--api-key/--no-api-key",
+        show_default=False,  # the help says it; typer's own would read "[default: api-key]"
         help="require a random per-stack key (stored 0600, path printed) on the "
         "engines' state-changing routes and on the session router [default: on]",
     ),

@@ -35,6 +35,7 @@ from posttrain.launch.catalog import get_model
 from posttrain.launch.hardware import GPUS_PER_NODE, Hardware, detect_hardware, parse_hardware
 from posttrain.launch.plan import Plan
 from posttrain.launch.planner import build_plan
+from posttrain.launch.ray_runner import RAY_STRATEGIES
 from posttrain.launch.rules import LaunchConfig
 from posttrain.launch.runners import DryRun, LocalRunner, console_sink
 from posttrain.launch.tables import Precision
@@ -255,10 +256,20 @@ def run_command(
     ] = "SPREAD",
 ) -> None:
     """Execute a saved plan with a runner (multi-node plans through Ray)."""
+    if runner not in ("dry", "local", "ray"):
+        _fail(LaunchConfigError(f"--runner {runner!r} is not one of dry, local, ray"))
+    if ray_strategy not in RAY_STRATEGIES:
+        _fail(
+            LaunchConfigError(
+                f"--ray-strategy {ray_strategy!r} is not one of {', '.join(RAY_STRATEGIES)}"
+            )
+        )
     try:
         plan = Plan.from_json(plan_file.read_text())
-    except (OSError, ValueError, KeyError) as exc:
-        _fail(exc)
+    except OSError as exc:
+        _fail(LaunchConfigError(f"plan file {plan_file}: {exc.strerror or exc}"))
+    except LaunchConfigError as exc:
+        _fail(LaunchConfigError(f"plan file {plan_file}: {exc}"))
     _stop_on_signals()
     try:
         if runner == "dry":
@@ -267,7 +278,7 @@ def run_command(
             with LocalRunner(plan, sink=console_sink(_err)) as local:
                 local.start()
                 local.wait()
-        elif runner == "ray":
+        else:
             from posttrain.launch.ray_runner import RayRunner
 
             with RayRunner(
@@ -275,8 +286,6 @@ def run_command(
             ) as ray_runner:
                 ray_runner.start()
                 ray_runner.wait()
-        else:
-            _fail(ValueError(f"--runner {runner!r} is not one of dry, local, ray"))
     except KeyboardInterrupt:
         _err.print("interrupted; stopped every process")
     except LaunchError as exc:

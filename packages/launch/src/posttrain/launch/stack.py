@@ -155,6 +155,10 @@ def _check_stack_config(cfg: LocalStackConfig) -> None:
     """Refuse a stack configuration that cannot run, naming the field."""
     if cfg.engines < 1:
         raise LaunchConfigError(f"engines={cfg.engines} must be >= 1")
+    if not 0 < cfg.ready_timeout_s < math.inf:
+        raise LaunchConfigError(
+            f"--ready-timeout-s {cfg.ready_timeout_s} must be a finite number of seconds > 0"
+        )
     if cfg.turn_timeout_s is not None and not 0 < cfg.turn_timeout_s < math.inf:
         raise LaunchConfigError(f"turn_timeout_s={cfg.turn_timeout_s} must be finite and > 0")
     if cfg.engine_ports and len(cfg.engine_ports) != cfg.engines:
