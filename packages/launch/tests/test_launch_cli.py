@@ -189,3 +189,21 @@ def test_every_option_has_help_and_no_type_column(command: str) -> None:
     assert result.exit_code == 0
     assert "<bool>" not in result.output
     assert "<int" not in result.output
+
+
+def test_a_missing_sibling_package_is_one_line_naming_what_to_install(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    import typer
+
+    from posttrain.launch._console import require
+
+    require("posttrain up", ["posttrain.launch", "posttrain.formats"])  # both here: no error
+    with pytest.raises(typer.Exit) as exit_info:
+        require("posttrain up", ["posttrain.launch", "posttrain.no_such_package", "sglang_rooter"])
+    assert exit_info.value.exit_code == 2
+    line = capsys.readouterr().err.strip()
+    assert line == (
+        "error: posttrain up needs posttrain.no_such_package, sglang_rooter, not installed "
+        "here; from the root of a clone: pip install posttrain.no_such_package sglang_rooter"
+    )

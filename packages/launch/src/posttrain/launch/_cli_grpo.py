@@ -12,7 +12,7 @@ from typing import Annotated
 import typer
 
 from posttrain.launch._console import err as _err
-from posttrain.launch._console import fail_with_logs, interrupted
+from posttrain.launch._console import fail_with_logs, interrupted, require
 from posttrain.launch._console import stop_on_signals as _stop_on_signals
 from posttrain.launch._errors import LaunchError
 from posttrain.launch.runners import console_sink, tail_sink
@@ -231,6 +231,11 @@ def grpo_command(
     eval_samples_per_prompt: _GrpoEvalSamplesPerPrompt = None,
 ) -> None:
     """Run the embedded CPU GRPO recipe: tiny Dense/MoE policy, toy task, engines, trainer."""
+    require(
+        "posttrain grpo",
+        ["posttrain.grpo", "posttrain.formats", "sglang_router", "posttrain.local_engine",
+         "posttrain.session_router"],
+    )  # fmt: skip
     from posttrain.launch.grpo import GrpoRecipeConfig, data_flags, run_grpo
 
     sink, kept = (console_sink(_err), None) if verbose else tail_sink()

@@ -15,12 +15,13 @@ from rich.table import Table
 
 from posttrain.launch._console import err as _err
 from posttrain.launch._console import fail as _fail
-from posttrain.launch._console import fail_with_logs, interrupted
+from posttrain.launch._console import fail_with_logs, interrupted, require
 from posttrain.launch._console import out as _out
 from posttrain.launch._console import stop_on_signals as _stop_on_signals
 from posttrain.launch._errors import LaunchError
 from posttrain.launch.args import parse_assignments
 from posttrain.launch.keys import new_api_key, remove_key_file, write_key_file
+from posttrain.launch.planner import ENGINE_MODULES
 from posttrain.launch.progress import StackProgress
 from posttrain.launch.runners import DryRun, LocalRunner, console_sink, tail_sink
 from posttrain.launch.stack import LocalStackConfig, build_local_stack, default_engine_kind
@@ -104,6 +105,12 @@ _UpApiKey = Annotated[
 ]
 
 
+def _stack_modules(kind: EngineKind) -> list[str]:
+    """The modules a local stack of ``kind`` engines runs (as processes) or imports."""
+    engine = ENGINE_MODULES[kind].removesuffix(".launch_server")  # sglang.launch_server: sglang
+    return ["posttrain.formats", "sglang_router", engine, "posttrain.session_router"]
+
+
 def up_command(
     model_path: _UpModelPath,
     engines: _UpEngines = 2,
@@ -121,6 +128,8 @@ def up_command(
         kind = EngineKind(engine) if engine else default_engine_kind()
     except ValueError:
         _fail(ValueError(f"--engine {engine!r} is not one of local-engine, sglang"))
+    if not dry_run:
+        require("posttrain up", _stack_modules(kind))
     key = new_api_key() if api_key else None
     key_file = None
     if key is not None and not dry_run:  # the file exists before any process reads it
@@ -208,6 +217,7 @@ def demo_command(
     ] = False,
 ) -> None:
     """Run the CPU rollout path end to end: tiny model, engines, sgl-router, a session chat."""
+    require("posttrain demo", ["posttrain.models", *_stack_modules(EngineKind.LOCAL)])
     from posttrain.launch.demo import DemoConfig, run_demo
 
     sink, kept = (console_sink(_err), None) if verbose else tail_sink()

@@ -105,9 +105,11 @@ def policy_engine_names(plan: Plan) -> list[str]:
 
 def _key_env(cfg: LocalStackConfig) -> dict[str, str]:
     """The key through the environment when there is no key file (never through argv)."""
+    if not cfg.api_key or cfg.api_key_file:
+        return {}
     from posttrain.formats import API_KEY_ENV  # the "local" extra: what a local stack runs
 
-    return {API_KEY_ENV: cfg.api_key} if cfg.api_key and not cfg.api_key_file else {}
+    return {API_KEY_ENV: cfg.api_key}
 
 
 def build_local_stack(cfg: LocalStackConfig) -> Plan:
