@@ -229,3 +229,19 @@ def test_lora_targets_for_mla_name_mla_projections(tmp_path: Path) -> None:
         "kv_b_proj",
         "o_proj",
     ]
+
+
+def test_an_unknown_task_is_the_recipe_steps_own_line(tmp_path: Path) -> None:
+    from posttrain.launch._errors import RecipeError
+    from posttrain.launch.grpo import prepare_recipe
+
+    (tmp_path / "config.json").write_text("{}")  # --model-path: the settings-only step
+    cfg = GrpoRecipeConfig(task="boxes", model_path=tmp_path)
+    logged: list[str] = []
+    with pytest.raises(RecipeError) as raised:
+        prepare_recipe(cfg, lambda name, line: logged.append(line))
+    assert str(raised.value) == (
+        "the recipe's prepare step refused: task='boxes' has no embedded recipe "
+        "(one of addition, shapes)"
+    )
+    assert logged[-1] == "error: task='boxes' has no embedded recipe (one of addition, shapes)"

@@ -161,8 +161,15 @@ def prepare_recipe(
         raise RecipeError("the recipe's prepare step did not finish within 30 minutes") from None
     for line in err.splitlines():
         sink("recipe", line)
-    if proc.returncode != 0:
-        raise RecipeError(f"`{' '.join(argv)}` failed ({proc.returncode}): {err[-2000:]}")
+    if proc.returncode != 0:  # its own one-line error when it gave one (already in the log)
+        said = [
+            line.removeprefix("error: ") for line in err.splitlines() if line.startswith("error: ")
+        ]
+        raise RecipeError(
+            f"the recipe's prepare step refused: {said[-1]}"
+            if said
+            else f"`{' '.join(argv)}` failed ({proc.returncode}): {err[-2000:]}"
+        )
     result: dict[str, Any] = json.loads(out.strip().splitlines()[-1])
     return result
 
