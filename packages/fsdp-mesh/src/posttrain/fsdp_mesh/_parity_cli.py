@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import statistics
 import sys
@@ -198,6 +199,10 @@ def _spinner(description: str) -> Iterator[None]:
 
 def _config(args: argparse.Namespace) -> ParityConfig:
     """The run's config; validates the layout before any process starts (ConfigError)."""
+    if not 0 < args.timeout < math.inf:
+        raise MeshConfigError(
+            f"--timeout must be a finite number of seconds > 0, got {args.timeout}"
+        )
     config = ParityConfig(
         replicate=args.replicate,
         shard=args.shard,
