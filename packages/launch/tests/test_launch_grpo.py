@@ -245,3 +245,12 @@ def test_an_unknown_task_is_the_recipe_steps_own_line(tmp_path: Path) -> None:
         "(one of addition, shapes)"
     )
     assert logged[-1] == "error: task='boxes' has no embedded recipe (one of addition, shapes)"
+
+
+def test_nvfp4_with_a_model_path_names_the_commands_that_do_it(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(LaunchConfigError) as raised:
+        GrpoRecipeConfig(model_path=tmp_path, rollout_quant="nvfp4")
+    message = str(raised.value)
+    assert f"`quant-convert nvfp4 --model-dir {tmp_path} --save-dir OUT`" in message
+    assert f"--model-path {tmp_path} --engine-model-path OUT`" in message

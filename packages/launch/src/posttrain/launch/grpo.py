@@ -109,8 +109,9 @@ class GrpoRecipeConfig:
             if self.rollout_quant != "none":
                 raise LaunchConfigError(
                     "--rollout-quant nvfp4 serves the recipe's own NVFP4 conversion; with "
-                    "--model-path, convert DIR with posttrain-quant-convert and train it with "
-                    "python -m posttrain.grpo --engine-model-path"
+                    f"--model-path, convert it with `quant-convert nvfp4 --model-dir "
+                    f"{self.model_path} --save-dir OUT` and train it with `python -m "
+                    f"posttrain.grpo --model-path {self.model_path} --engine-model-path OUT`"
                 )
             if self.opd and self.teacher_url is None:
                 raise LaunchConfigError(
