@@ -126,6 +126,13 @@ def test_up_refuses_a_ready_timeout_that_is_not_finite_and_positive(value: str) 
     assert "must be a finite number of seconds > 0" in result.stderr
 
 
+def test_plan_names_an_extra_argument_with_an_unclosed_quote() -> None:
+    args = ["plan", "--model", "qwen3-8b", "--hardware", "h100", "--engine-arg", '"unclosed']
+    result = runner.invoke(app, args)
+    assert result.exit_code == 2
+    assert result.stderr == "error: --engine-arg '\"unclosed': No closing quotation\n"
+
+
 def test_run_dry_prints_a_saved_plan(tmp_path: Path) -> None:
     path = tmp_path / "plan.json"
     path.write_text((GOLDEN / "qwen3-235b-a22b__h200__4n.json").read_text())

@@ -50,9 +50,15 @@ app = typer.Typer(
 )
 
 
-def _split(values: list[str] | None) -> tuple[str, ...]:
+def _split(values: list[str] | None, flag: str) -> tuple[str, ...]:
     """Each ``--engine-arg`` value may hold several tokens: ``"--mem-fraction-static 0.8"``."""
-    return tuple(tok for v in values or [] for tok in shlex.split(v))
+    tokens: list[str] = []
+    for value in values or []:
+        try:
+            tokens.extend(shlex.split(value))
+        except ValueError as exc:  # an unclosed quote
+            raise LaunchConfigError(f"{flag} {value!r}: {exc}") from None
+    return tuple(tokens)
 
 
 @app.command("plan")
@@ -157,10 +163,10 @@ def plan_command(
             attention_backend=attention_backend,
             precision=_parse_precision(precision),
             rollout_tp=rollout_tp,
-            engine_args=_split(engine_arg),
-            router_args=_split(router_arg),
-            session_router_args=_split(session_router_arg),
-            trainer_args=_split(trainer_arg),
+            engine_args=_split(engine_arg, "--engine-arg"),
+            router_args=_split(router_arg, "--router-arg"),
+            session_router_args=_split(session_router_arg, "--session-router-arg"),
+            trainer_args=_split(trainer_arg, "--trainer-arg"),
             train=train,  # type: ignore[arg-type]  # checked by build_plan
         )
         plan = build_plan(cfg)
