@@ -133,6 +133,23 @@ def test_plan_names_an_extra_argument_with_an_unclosed_quote() -> None:
     assert result.stderr == "error: --engine-arg '\"unclosed': No closing quotation\n"
 
 
+@pytest.mark.parametrize("command", ["up", "demo"])
+def test_a_model_path_that_is_not_a_directory_is_refused_before_any_process(
+    command: str, tmp_path: Path
+) -> None:
+    missing = tmp_path / "no-such-checkpoint"
+    result = runner.invoke(app, [command, "--model-path", str(missing)])
+    assert result.exit_code == 2
+    assert result.stderr == (
+        f"error: --model-path {missing}: no such directory (nor a hub id org/name)\n"
+    )
+    a_file = tmp_path / "config.json"
+    a_file.write_text("{}")
+    result = runner.invoke(app, [command, "--model-path", str(a_file)])
+    assert result.exit_code == 2
+    assert "not a directory" in result.stderr
+
+
 def test_run_dry_prints_a_saved_plan(tmp_path: Path) -> None:
     path = tmp_path / "plan.json"
     path.write_text((GOLDEN / "qwen3-235b-a22b__h200__4n.json").read_text())
