@@ -123,6 +123,17 @@ _GrpoContextLength = Annotated[
     ),
 ]
 
+_GrpoDryRun = Annotated[
+    bool,
+    typer.Option(
+        "--dry-run",
+        help="run every check a run makes before it starts a process (the recipe's settings, "
+        "the model gate, your data, reward and eval sets, --out, --resume) and print the "
+        "trainer's config; start no engine, router or trainer (a first run still prepares the "
+        "recipe's cached checkpoints) [default: off]",
+    ),
+]
+
 _GrpoVerbose = Annotated[
     bool,
     typer.Option("--verbose", help="stream every server's log to the terminal [default: off]"),
@@ -219,6 +230,7 @@ def grpo_command(
     model_path: _GrpoModelPath = None,
     context_length: _GrpoContextLength = None,
     verbose: _GrpoVerbose = False,
+    dry_run: _GrpoDryRun = False,
     prompt_data: _GrpoPromptData = None,
     input_key: _GrpoInputKey = None,
     label_key: _GrpoLabelKey = None,
@@ -267,10 +279,14 @@ def grpo_command(
             turn_timeout_s=turn_timeout,
             model_path=model_path,
             context_length=context_length,
+            dry_run=dry_run,
         )
         _err.print(
-            f"posttrain grpo: training {cfg.model_path}; starting the engines, sgl-router, the "
-            f"session router and the trainer; metrics and plots go to {cfg.out}"
+            "posttrain grpo --dry-run: the recipe's settings (a first run warms up a tiny model, "
+            "about 30 s), then every check; nothing is started"
+            if cfg.dry_run
+            else f"posttrain grpo: training {cfg.model_path}; starting the engines, sgl-router, "
+            f"the session router and the trainer; metrics and plots go to {cfg.out}"
             if cfg.model_path is not None
             else "posttrain grpo: preparing the recipe's checkpoints (a first run warms up a tiny "
             "model, about 30 s), then starting the engines, sgl-router, the session router and "

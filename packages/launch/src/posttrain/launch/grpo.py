@@ -78,6 +78,7 @@ class GrpoRecipeConfig:
     turn_timeout_s: float | None = None  # None: the trainer's and the session router's defaults
     model_path: Path | None = None  # None: the recipe's own tiny policy
     context_length: int | None = None  # None: the model's max_position_embeddings
+    dry_run: bool = False  # every check (recipe, trainer's --dry-run), then stop: no process
 
     def __post_init__(self) -> None:
         if self.train not in ("lora", "full"):
@@ -275,7 +276,15 @@ def run_grpo(cfg: GrpoRecipeConfig, sink: LogSink, *, python: str = sys.executab
         # The trainer's own checks (the model gate, data, reward, eval sets, out-dir, --resume)
         # before any process starts, once: an unsupported --model-path or a bad --prompt-data
         # fails here, in seconds.
-        _trainer_preflight(cfg, recipe, key_file, python)
+        checked = _trainer_preflight(cfg, recipe, key_file, python)
+        if cfg.dry_run:
+            sys.stdout.write(checked)
+            sys.stdout.write(
+                "posttrain grpo --dry-run: every check passed; nothing was started (the URLs and "
+                "the key file above are stand-ins: a run starts its stack on free ports)\n"
+            )
+            sys.stdout.flush()
+            return 0
         plan = build_local_stack(
             LocalStackConfig(
                 model_path=served,
@@ -302,17 +311,18 @@ def run_grpo(cfg: GrpoRecipeConfig, sink: LogSink, *, python: str = sys.executab
 
 def _trainer_preflight(
     cfg: GrpoRecipeConfig, recipe: dict[str, Any], key_file: Path, python: str
-) -> None:
+) -> str:
     """``python -m posttrain.grpo ... --dry-run`` with the run's own flags (stand-in URLs: no
-    stack is up yet). A refusal raises ``RecipeError`` with its last ``error:`` line, the
-    lines before it (one per other failed check) going to stderr first."""
+    stack is up yet); returns what it printed (the resolved config). A refusal raises
+    ``RecipeError`` with its last ``error:`` line, the lines before it (one per other failed
+    check) going to stderr first."""
     stand_in = dict.fromkeys(
         ("session-router", "router", "engine-0", TEACHER), "http://127.0.0.1:9"
     )
     argv = trainer_argv(cfg, recipe, stand_in, ["engine-0"], key_file, python=python)
     done = subprocess.run([*argv, "--dry-run"], capture_output=True, text=True, check=False)
     if done.returncode == 0:
-        return
+        return done.stdout
     lines = [line for line in done.stderr.splitlines() if line.startswith("error: ")]
     if not lines:
         raise RecipeError(f"the trainer's --dry-run exited with code {done.returncode}")
