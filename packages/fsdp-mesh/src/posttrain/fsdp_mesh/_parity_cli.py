@@ -65,7 +65,10 @@ class _DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        prog="python -m posttrain.fsdp_mesh.parity",
+        # the console script's own name when it runs as one (pyproject's [project.scripts])
+        prog="posttrain-fsdp-parity"
+        if Path(sys.argv[0]).name == "posttrain-fsdp-parity"
+        else "python -m posttrain.fsdp_mesh.parity",
         description="Check HSDP gradients, cross-rank bit-exactness and checkpoint round trips "
         "against a single-process reference.",
         formatter_class=_DefaultsFormatter,
