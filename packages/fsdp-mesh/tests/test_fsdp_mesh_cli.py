@@ -69,6 +69,14 @@ def test_torchrun_mode_uses_the_launched_ranks() -> None:
             ["--replicate", "1", "--shard", "2", "--steps", "0"],
             "steps must be a positive int, got 0",
         ),
+        (
+            ["--replicate", "1", "--shard", "2", "--timeout", "nan"],
+            "--timeout must be a finite number of seconds > 0, got nan",
+        ),
+        (
+            ["--replicate", "1", "--shard", "2", "--timeout", "-1"],
+            "--timeout must be a finite number of seconds > 0, got -1.0",
+        ),
     ],
 )
 def test_bad_layout_fails_before_any_process(

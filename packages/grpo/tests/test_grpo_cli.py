@@ -153,6 +153,8 @@ def test_help_lists_every_field_with_its_default(capsys: pytest.CaptureFixture[s
         assert "--" + f.name.replace("_", "-") in flat, f.name
     for shown in ("[default: 20]", "[default: fsdp]", "[default: 0.2]", "q_proj,k_proj"):
         assert shown in flat
+    assert "--precision bf16 [default: fp32]" in flat
+    assert "[default: (" not in flat  # click's parenthesised custom default
     for extra in ("--bf16", "--json", "--fp8-recipe", "--fp4-format"):
         assert extra in flat
 

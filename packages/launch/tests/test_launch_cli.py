@@ -117,6 +117,39 @@ def test_up_rejects_two_adapters_and_bad_assignments() -> None:
     assert "--lora 'nope' must be NAME=VALUE" in result.stderr
 
 
+@pytest.mark.parametrize("value", ["nan", "inf", "0", "-1"])
+def test_up_refuses_a_ready_timeout_that_is_not_finite_and_positive(value: str) -> None:
+    args = ["up", "--model-path", "/m", "--ready-timeout-s", value, "--dry-run"]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 2
+    assert "--ready-timeout-s" in result.stderr
+    assert "must be a finite number of seconds > 0" in result.stderr
+
+
+def test_plan_names_an_extra_argument_with_an_unclosed_quote() -> None:
+    args = ["plan", "--model", "qwen3-8b", "--hardware", "h100", "--engine-arg", '"unclosed']
+    result = runner.invoke(app, args)
+    assert result.exit_code == 2
+    assert result.stderr == "error: --engine-arg '\"unclosed': No closing quotation\n"
+
+
+@pytest.mark.parametrize("command", ["up", "demo"])
+def test_a_model_path_that_is_not_a_directory_is_refused_before_any_process(
+    command: str, tmp_path: Path
+) -> None:
+    missing = tmp_path / "no-such-checkpoint"
+    result = runner.invoke(app, [command, "--model-path", str(missing)])
+    assert result.exit_code == 2
+    assert result.stderr == (
+        f"error: --model-path {missing}: no such directory (nor a hub id org/name)\n"
+    )
+    a_file = tmp_path / "config.json"
+    a_file.write_text("{}")
+    result = runner.invoke(app, [command, "--model-path", str(a_file)])
+    assert result.exit_code == 2
+    assert "not a directory" in result.stderr
+
+
 def test_run_dry_prints_a_saved_plan(tmp_path: Path) -> None:
     path = tmp_path / "plan.json"
     path.write_text((GOLDEN / "qwen3-235b-a22b__h200__4n.json").read_text())
@@ -127,6 +160,37 @@ def test_run_dry_prints_a_saved_plan(tmp_path: Path) -> None:
     bad = runner.invoke(app, ["run", str(path), "--runner", "slurm"])
     assert bad.exit_code == 2
     assert "'slurm' is not one of dry, local, ray" in bad.stderr
+
+
+@pytest.mark.parametrize(
+    ("content", "expected"),
+    [
+        (None, "No such file or directory"),
+        ("garbage", "not JSON: Expecting value: line 1 column 1"),
+        ("[1]", "a plan is a JSON object, got list"),
+        ('{"x": 1}', "missing field 'name'"),
+        ('{"name": "p", "hardware": "cpu", "nodes": "two", "processes": []}', "malformed field"),
+    ],
+)
+def test_run_names_the_plan_file_at_fault(
+    tmp_path: Path, content: str | None, expected: str
+) -> None:
+    path = tmp_path / "plan.json"
+    if content is not None:
+        path.write_text(content)
+    result = runner.invoke(app, ["run", str(path)])
+    assert result.exit_code == 2
+    assert result.stderr.startswith(f"error: plan file {path}: ")
+    assert expected in result.stderr
+    assert "Traceback" not in result.output
+
+
+def test_run_refuses_an_unknown_ray_strategy_before_reading_the_plan(tmp_path: Path) -> None:
+    path = tmp_path / "plan.json"
+    args = ["run", str(path), "--runner", "ray", "--ray-strategy", "FOO"]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 2
+    assert "--ray-strategy 'FOO' is not one of SPREAD, STRICT_SPREAD, PACK" in result.stderr
 
 
 COMMANDS = ("plan", "up", "grpo", "demo", "hardware", "run")
@@ -149,3 +213,21 @@ def test_every_option_has_help_and_no_type_column(command: str) -> None:
     assert result.exit_code == 0
     assert "<bool>" not in result.output
     assert "<int" not in result.output
+
+
+def test_a_missing_sibling_package_is_one_line_naming_what_to_install(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    import typer
+
+    from posttrain.launch._console import require
+
+    require("posttrain up", ["posttrain.launch", "posttrain.formats"])  # both here: no error
+    with pytest.raises(typer.Exit) as exit_info:
+        require("posttrain up", ["posttrain.launch", "posttrain.no_such_package", "sglang_rooter"])
+    assert exit_info.value.exit_code == 2
+    line = capsys.readouterr().err.strip()
+    assert line == (
+        "error: posttrain up needs posttrain.no_such_package, sglang_rooter, not installed "
+        "here; from the root of a clone: pip install posttrain.no_such_package sglang_rooter"
+    )

@@ -207,6 +207,31 @@ def test_bad_data_is_refused_before_anything_starts(
     assert not started
 
 
+def test_dry_run_prints_the_checked_config_and_starts_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--dry-run`` is the launcher's own flag (not passed through to a trainer that would run
+    after the stack started): the recipe step and the trainer's checks, then exit 0."""
+    started: list[object] = []
+    checked: list[list[str]] = []
+    monkeypatch.setattr("posttrain.launch.grpo.prepare_recipe", lambda *a, **k: RECIPE)
+
+    def preflight(cfg: GrpoRecipeConfig, *a: object) -> str:
+        checked.append(list(cfg.trainer_args))
+        return "the trainer's config\n"
+
+    monkeypatch.setattr("posttrain.launch.grpo._trainer_preflight", preflight)
+    monkeypatch.setattr(
+        "posttrain.launch.grpo._run_stack_and_trainer", lambda *a, **k: started.append(a) or 0
+    )
+    result = CliRunner().invoke(app, ["grpo", "--dry-run", "--out", str(tmp_path / "out")])
+    assert result.exit_code == 0, result.output
+    assert checked == [[]]  # consumed by posttrain grpo, not forwarded to the trainer
+    assert "the trainer's config\nposttrain grpo --dry-run: every check passed" in result.stdout
+    assert not started
+    assert "--dry-run" in CliRunner().invoke(app, ["grpo", "--help"]).output
+
+
 def test_lora_targets_for_mla_name_mla_projections(tmp_path: Path) -> None:
     """DeepSeek-V3 / GLM-4.x-Lite have no k_proj/v_proj: the recipe's attention targets become
     MLA's own projections (q_a/q_b with a q latent, else q_proj; kv_a/kv_b; o_proj)."""
@@ -229,3 +254,28 @@ def test_lora_targets_for_mla_name_mla_projections(tmp_path: Path) -> None:
         "kv_b_proj",
         "o_proj",
     ]
+
+
+def test_an_unknown_task_is_the_recipe_steps_own_line(tmp_path: Path) -> None:
+    from posttrain.launch._errors import RecipeError
+    from posttrain.launch.grpo import prepare_recipe
+
+    (tmp_path / "config.json").write_text("{}")  # --model-path: the settings-only step
+    cfg = GrpoRecipeConfig(task="boxes", model_path=tmp_path)
+    logged: list[str] = []
+    with pytest.raises(RecipeError) as raised:
+        prepare_recipe(cfg, lambda name, line: logged.append(line))
+    assert str(raised.value) == (
+        "the recipe's prepare step refused: task='boxes' has no embedded recipe "
+        "(one of addition, shapes)"
+    )
+    assert logged[-1] == "error: task='boxes' has no embedded recipe (one of addition, shapes)"
+
+
+def test_nvfp4_with_a_model_path_names_the_commands_that_do_it(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(LaunchConfigError) as raised:
+        GrpoRecipeConfig(model_path=tmp_path, rollout_quant="nvfp4")
+    message = str(raised.value)
+    assert f"`quant-convert nvfp4 --model-dir {tmp_path} --save-dir OUT`" in message
+    assert f"--model-path {tmp_path} --engine-model-path OUT`" in message

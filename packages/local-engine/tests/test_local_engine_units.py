@@ -134,6 +134,25 @@ def test_cli_flags_use_sglang_names() -> None:
         parse_args(["--model-path", "m", "--lora-paths", "a=/x"])  # needs --enable-lora
 
 
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--num-threads", "0"], "--num-threads 0 must be positive"),
+        (["--max-request-bytes", "-1"], "--max-request-bytes -1 must be positive"),
+        (["--max-loaded-loras", "0"], "--max-loaded-loras 0 must be positive"),
+        (["--media-timeout-s", "nan"], "--media-timeout-s nan must be finite and > 0"),
+        (["--update-group-timeout", "inf"], "--update-group-timeout inf must be finite and > 0"),
+    ],
+)
+def test_cli_refuses_non_positive_and_non_finite_limits_naming_the_flag(
+    flags: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exited:
+        parse_args(["--model-path", "m", *flags])
+    assert exited.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1].endswith(f"error: {message}")
+
+
 def test_scheduler_batches_within_adapter_limit_and_bounds_queue() -> None:
     import asyncio
 

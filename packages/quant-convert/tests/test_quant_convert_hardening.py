@@ -369,3 +369,14 @@ def test_fuzz_arbitrary_bytes(blob: bytes, tmp_path_factory: Any) -> None:
 
 def test_output_error_is_in_the_error_tree() -> None:
     assert issubclass(OutputError, QuantConvertError)
+
+
+def test_a_bad_keep_regex_is_one_line_naming_it(
+    src: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["nvfp4", "--model-dir", str(src), "--save-dir", str(tmp_path / "out"),
+            "--extra-high-precision-layers-hf", "re:([", "--no-progress"]  # fmt: skip
+    assert main(argv) == 2
+    line = _one_line(capsys.readouterr().err)
+    assert line.startswith("error: keep pattern 're:([' is not a valid regex: ")
+    assert not (tmp_path / "out").exists()

@@ -375,3 +375,18 @@ def test_sgl_router_admin_api_is_not_reachable_through_a_session(
             assert router.workers() == [worker.url]  # still registered, nothing added
         finally:
             router.remove_worker(worker.url)
+
+
+def test_cli_names_an_upstream_it_cannot_reach_and_a_bad_port(
+    tok_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import posttrain.session_router.cli as cli
+
+    dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    code = cli.main(["--upstream", dead, "--tokenizer", str(tok_dir), "--port", str(free_port())])
+    assert code == 1
+    line = capsys.readouterr().err.strip()
+    assert line.startswith(f"error: --upstream {dead}: ConnectError: ")
+    code = cli.main(["--upstream", dead, "--tokenizer", str(tok_dir), "--port", "70000"])
+    assert code == 2
+    assert capsys.readouterr().err.strip() == "error: --port 70000 is not a TCP port (0-65535)"

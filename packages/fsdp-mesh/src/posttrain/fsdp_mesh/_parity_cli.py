@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import statistics
 import sys
@@ -64,7 +65,10 @@ class _DefaultsFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
-        prog="python -m posttrain.fsdp_mesh.parity",
+        # the console script's own name when it runs as one (pyproject's [project.scripts])
+        prog="posttrain-fsdp-parity"
+        if Path(sys.argv[0]).name == "posttrain-fsdp-parity"
+        else "python -m posttrain.fsdp_mesh.parity",
         description="Check HSDP gradients, cross-rank bit-exactness and checkpoint round trips "
         "against a single-process reference.",
         formatter_class=_DefaultsFormatter,
@@ -198,6 +202,10 @@ def _spinner(description: str) -> Iterator[None]:
 
 def _config(args: argparse.Namespace) -> ParityConfig:
     """The run's config; validates the layout before any process starts (ConfigError)."""
+    if not 0 < args.timeout < math.inf:
+        raise MeshConfigError(
+            f"--timeout must be a finite number of seconds > 0, got {args.timeout}"
+        )
     config = ParityConfig(
         replicate=args.replicate,
         shard=args.shard,

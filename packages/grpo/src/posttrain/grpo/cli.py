@@ -114,8 +114,8 @@ def _config_parameter(name: str) -> inspect.Parameter:
     if name == "moe_layer_freq":
         return _option(name, str | None, None, help_text)
     if name == "precision":
-        help_text += " (fp32, bf16); --bf16 is the same as --precision bf16"
-        return _option(name, str | None, None, help_text, show=str(default))
+        help_text += f" (fp32, bf16); --bf16 is the same as --precision bf16 [default: {default}]"
+        return _option(name, str | None, None, help_text, show=False)  # click's would be "(fp32)"
     if name == "teacher_url":
         help_text += "; implies --opd"
     if hint is bool and default is True:

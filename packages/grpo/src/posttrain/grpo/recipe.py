@@ -283,7 +283,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     prep.add_argument(
         "--cache", type=Path, default=None, help="default: $POSTTRAIN_CACHE or ~/.cache/posttrain"
     )
-    prep.add_argument("--seed", type=int, default=0)
+    prep.add_argument("--seed", type=int, default=0, help="seed of the recipe (default: 0)")
     prep.add_argument("--nvfp4", action="store_true", help="also the NVFP4 copy of the policy")
     prep.add_argument("--task", default="addition", help=f"one of {', '.join(RECIPES)}")
     prep.add_argument(
@@ -296,7 +296,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     torch.set_num_threads(1)
     if args.settings_only:
         if args.task not in RECIPES:
-            print(f"error: task={args.task!r} has no embedded recipe", file=sys.stderr)
+            print(
+                f"error: task={args.task!r} has no embedded recipe (one of {', '.join(RECIPES)})",
+                file=sys.stderr,
+            )
             return 2
         settings = {
             k: list(v) if isinstance(v, tuple) else v for k, v in RECIPES[args.task].items()

@@ -12,7 +12,7 @@ from typing import Annotated
 import typer
 
 from posttrain.launch._console import err as _err
-from posttrain.launch._console import fail_with_logs, interrupted
+from posttrain.launch._console import fail_with_logs, interrupted, require
 from posttrain.launch._console import stop_on_signals as _stop_on_signals
 from posttrain.launch._errors import LaunchError
 from posttrain.launch.runners import console_sink, tail_sink
@@ -123,6 +123,17 @@ _GrpoContextLength = Annotated[
     ),
 ]
 
+_GrpoDryRun = Annotated[
+    bool,
+    typer.Option(
+        "--dry-run",
+        help="run every check a run makes before it starts a process (the recipe's settings, "
+        "the model gate, your data, reward and eval sets, --out, --resume) and print the "
+        "trainer's config; start no engine, router or trainer (a first run still prepares the "
+        "recipe's cached checkpoints) [default: off]",
+    ),
+]
+
 _GrpoVerbose = Annotated[
     bool,
     typer.Option("--verbose", help="stream every server's log to the terminal [default: off]"),
@@ -219,6 +230,7 @@ def grpo_command(
     model_path: _GrpoModelPath = None,
     context_length: _GrpoContextLength = None,
     verbose: _GrpoVerbose = False,
+    dry_run: _GrpoDryRun = False,
     prompt_data: _GrpoPromptData = None,
     input_key: _GrpoInputKey = None,
     label_key: _GrpoLabelKey = None,
@@ -231,6 +243,11 @@ def grpo_command(
     eval_samples_per_prompt: _GrpoEvalSamplesPerPrompt = None,
 ) -> None:
     """Run the embedded CPU GRPO recipe: tiny Dense/MoE policy, toy task, engines, trainer."""
+    require(
+        "posttrain grpo",
+        ["posttrain.grpo", "posttrain.formats", "sglang_router", "posttrain.local_engine",
+         "posttrain.session_router"],
+    )  # fmt: skip
     from posttrain.launch.grpo import GrpoRecipeConfig, data_flags, run_grpo
 
     sink, kept = (console_sink(_err), None) if verbose else tail_sink()
@@ -262,10 +279,14 @@ def grpo_command(
             turn_timeout_s=turn_timeout,
             model_path=model_path,
             context_length=context_length,
+            dry_run=dry_run,
         )
         _err.print(
-            f"posttrain grpo: training {cfg.model_path}; starting the engines, sgl-router, the "
-            f"session router and the trainer; metrics and plots go to {cfg.out}"
+            "posttrain grpo --dry-run: the recipe's settings (a first run warms up a tiny model, "
+            "about 30 s), then every check; nothing is started"
+            if cfg.dry_run
+            else f"posttrain grpo: training {cfg.model_path}; starting the engines, sgl-router, "
+            f"the session router and the trainer; metrics and plots go to {cfg.out}"
             if cfg.model_path is not None
             else "posttrain grpo: preparing the recipe's checkpoints (a first run warms up a tiny "
             "model, about 30 s), then starting the engines, sgl-router, the session router and "

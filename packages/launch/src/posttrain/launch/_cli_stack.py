@@ -6,6 +6,7 @@ Registered on the ``posttrain`` app in ``cli.py`` (see its docstring for the CLI
 from __future__ import annotations
 
 import os
+import re
 import sys
 from pathlib import Path
 from typing import Annotated
@@ -15,12 +16,13 @@ from rich.table import Table
 
 from posttrain.launch._console import err as _err
 from posttrain.launch._console import fail as _fail
-from posttrain.launch._console import fail_with_logs, interrupted
+from posttrain.launch._console import fail_with_logs, interrupted, require
 from posttrain.launch._console import out as _out
 from posttrain.launch._console import stop_on_signals as _stop_on_signals
-from posttrain.launch._errors import LaunchError
+from posttrain.launch._errors import LaunchConfigError, LaunchError
 from posttrain.launch.args import parse_assignments
 from posttrain.launch.keys import new_api_key, remove_key_file, write_key_file
+from posttrain.launch.planner import ENGINE_MODULES
 from posttrain.launch.progress import StackProgress
 from posttrain.launch.runners import DryRun, LocalRunner, console_sink, tail_sink
 from posttrain.launch.stack import LocalStackConfig, build_local_stack, default_engine_kind
@@ -97,10 +99,29 @@ _UpApiKey = Annotated[
     bool,
     typer.Option(
         "--api-key/--no-api-key",
+        show_default=False,  # the help says it; typer's own would read "[default: api-key]"
         help="require a random per-stack key (stored 0600, path printed) on the "
         "engines' state-changing routes and on the session router [default: on]",
     ),
 ]
+
+
+_HUB_ID = re.compile(r"[\w.-]+/[\w.-]+")
+
+
+def _check_model_path(model_path: Path) -> None:
+    """Refuse a --model-path that is neither a directory nor a hub id (org/name) before any
+    process starts: otherwise each engine fails on it and the stack stops."""
+    if model_path.is_dir() or (not model_path.exists() and _HUB_ID.fullmatch(str(model_path))):
+        return
+    what = "not a directory" if model_path.exists() else "no such directory"
+    _fail(LaunchConfigError(f"--model-path {model_path}: {what} (nor a hub id org/name)"))
+
+
+def _stack_modules(kind: EngineKind) -> list[str]:
+    """The modules a local stack of ``kind`` engines runs (as processes) or imports."""
+    engine = ENGINE_MODULES[kind].removesuffix(".launch_server")  # sglang.launch_server: sglang
+    return ["posttrain.formats", "sglang_router", engine, "posttrain.session_router"]
 
 
 def up_command(
@@ -120,6 +141,9 @@ def up_command(
         kind = EngineKind(engine) if engine else default_engine_kind()
     except ValueError:
         _fail(ValueError(f"--engine {engine!r} is not one of local-engine, sglang"))
+    if not dry_run:
+        _check_model_path(model_path)
+        require("posttrain up", _stack_modules(kind))
     key = new_api_key() if api_key else None
     key_file = None
     if key is not None and not dry_run:  # the file exists before any process reads it
@@ -207,6 +231,9 @@ def demo_command(
     ] = False,
 ) -> None:
     """Run the CPU rollout path end to end: tiny model, engines, sgl-router, a session chat."""
+    if model_path is not None:
+        _check_model_path(model_path)
+    require("posttrain demo", ["posttrain.models", *_stack_modules(EngineKind.LOCAL)])
     from posttrain.launch.demo import DemoConfig, run_demo
 
     sink, kept = (console_sink(_err), None) if verbose else tail_sink()

@@ -25,6 +25,45 @@ def fail(exc: Exception) -> NoReturn:
     raise typer.Exit(code=2)
 
 
+# The pip arguments (from a clone's root) that provide each module a local command starts or
+# imports; a path package needs its workspace dependencies beside it (no index serves them).
+_PROVIDERS = {
+    "posttrain.formats": ("./packages/formats",),
+    "sglang_router": ("sglang-router",),
+    "posttrain.models": ("./packages/formats", "./packages/models"),
+    "posttrain.local_engine": (
+        "./packages/formats",
+        "./packages/models",
+        "./packages/local-engine",
+    ),
+    "posttrain.session_router": ("./packages/formats", "./packages/session-router"),
+    "posttrain.grpo": ("./packages/grpo (with the packages packages/grpo/README.md lists)",),
+}
+
+
+def require(command: str, modules: Iterable[str]) -> None:
+    """Fail with one line when a module ``command`` runs or imports is not installed (launch
+    installs alone; the local stack's packages are the user's to add), naming what provides it."""
+    import importlib.util
+
+    missing = []
+    for module in modules:
+        try:
+            found = importlib.util.find_spec(module) is not None
+        except ModuleNotFoundError:  # a missing parent package
+            found = False
+        if not found:
+            missing.append(module)
+    if missing:
+        install = dict.fromkeys(arg for m in missing for arg in _PROVIDERS.get(m, (m,)))
+        fail(
+            ModuleNotFoundError(
+                f"{command} needs {', '.join(missing)}, not installed here; from the root of a "
+                f"clone: pip install {' '.join(install)}"
+            )
+        )
+
+
 def fail_with_logs(exc: Exception, kept: Iterable[str] | None) -> NoReturn:
     """Fail, first showing the last process log lines kept (when they were not streamed)."""
     if kept:

@@ -35,6 +35,7 @@ from posttrain.launch.catalog import get_model
 from posttrain.launch.hardware import GPUS_PER_NODE, Hardware, detect_hardware, parse_hardware
 from posttrain.launch.plan import Plan
 from posttrain.launch.planner import build_plan
+from posttrain.launch.ray_runner import RAY_STRATEGIES
 from posttrain.launch.rules import LaunchConfig
 from posttrain.launch.runners import DryRun, LocalRunner, console_sink
 from posttrain.launch.tables import Precision
@@ -49,9 +50,15 @@ app = typer.Typer(
 )
 
 
-def _split(values: list[str] | None) -> tuple[str, ...]:
+def _split(values: list[str] | None, flag: str) -> tuple[str, ...]:
     """Each ``--engine-arg`` value may hold several tokens: ``"--mem-fraction-static 0.8"``."""
-    return tuple(tok for v in values or [] for tok in shlex.split(v))
+    tokens: list[str] = []
+    for value in values or []:
+        try:
+            tokens.extend(shlex.split(value))
+        except ValueError as exc:  # an unclosed quote
+            raise LaunchConfigError(f"{flag} {value!r}: {exc}") from None
+    return tuple(tokens)
 
 
 @app.command("plan")
@@ -156,10 +163,10 @@ def plan_command(
             attention_backend=attention_backend,
             precision=_parse_precision(precision),
             rollout_tp=rollout_tp,
-            engine_args=_split(engine_arg),
-            router_args=_split(router_arg),
-            session_router_args=_split(session_router_arg),
-            trainer_args=_split(trainer_arg),
+            engine_args=_split(engine_arg, "--engine-arg"),
+            router_args=_split(router_arg, "--router-arg"),
+            session_router_args=_split(session_router_arg, "--session-router-arg"),
+            trainer_args=_split(trainer_arg, "--trainer-arg"),
             train=train,  # type: ignore[arg-type]  # checked by build_plan
         )
         plan = build_plan(cfg)
@@ -255,10 +262,20 @@ def run_command(
     ] = "SPREAD",
 ) -> None:
     """Execute a saved plan with a runner (multi-node plans through Ray)."""
+    if runner not in ("dry", "local", "ray"):
+        _fail(LaunchConfigError(f"--runner {runner!r} is not one of dry, local, ray"))
+    if ray_strategy not in RAY_STRATEGIES:
+        _fail(
+            LaunchConfigError(
+                f"--ray-strategy {ray_strategy!r} is not one of {', '.join(RAY_STRATEGIES)}"
+            )
+        )
     try:
         plan = Plan.from_json(plan_file.read_text())
-    except (OSError, ValueError, KeyError) as exc:
-        _fail(exc)
+    except OSError as exc:
+        _fail(LaunchConfigError(f"plan file {plan_file}: {exc.strerror or exc}"))
+    except LaunchConfigError as exc:
+        _fail(LaunchConfigError(f"plan file {plan_file}: {exc}"))
     _stop_on_signals()
     try:
         if runner == "dry":
@@ -267,7 +284,7 @@ def run_command(
             with LocalRunner(plan, sink=console_sink(_err)) as local:
                 local.start()
                 local.wait()
-        elif runner == "ray":
+        else:
             from posttrain.launch.ray_runner import RayRunner
 
             with RayRunner(
@@ -275,8 +292,6 @@ def run_command(
             ) as ray_runner:
                 ray_runner.start()
                 ray_runner.wait()
-        else:
-            _fail(ValueError(f"--runner {runner!r} is not one of dry, local, ray"))
     except KeyboardInterrupt:
         _err.print("interrupted; stopped every process")
     except LaunchError as exc:

@@ -78,6 +78,7 @@ class GrpoRecipeConfig:
     turn_timeout_s: float | None = None  # None: the trainer's and the session router's defaults
     model_path: Path | None = None  # None: the recipe's own tiny policy
     context_length: int | None = None  # None: the model's max_position_embeddings
+    dry_run: bool = False  # every check (recipe, trainer's --dry-run), then stop: no process
 
     def __post_init__(self) -> None:
         if self.train not in ("lora", "full"):
@@ -109,8 +110,9 @@ class GrpoRecipeConfig:
             if self.rollout_quant != "none":
                 raise LaunchConfigError(
                     "--rollout-quant nvfp4 serves the recipe's own NVFP4 conversion; with "
-                    "--model-path, convert DIR with posttrain-quant-convert and train it with "
-                    "python -m posttrain.grpo --engine-model-path"
+                    f"--model-path, convert it with `quant-convert nvfp4 --model-dir "
+                    f"{self.model_path} --save-dir OUT` and train it with `python -m "
+                    f"posttrain.grpo --model-path {self.model_path} --engine-model-path OUT`"
                 )
             if self.opd and self.teacher_url is None:
                 raise LaunchConfigError(
@@ -161,8 +163,15 @@ def prepare_recipe(
         raise RecipeError("the recipe's prepare step did not finish within 30 minutes") from None
     for line in err.splitlines():
         sink("recipe", line)
-    if proc.returncode != 0:
-        raise RecipeError(f"`{' '.join(argv)}` failed ({proc.returncode}): {err[-2000:]}")
+    if proc.returncode != 0:  # its own one-line error when it gave one (already in the log)
+        said = [
+            line.removeprefix("error: ") for line in err.splitlines() if line.startswith("error: ")
+        ]
+        raise RecipeError(
+            f"the recipe's prepare step refused: {said[-1]}"
+            if said
+            else f"`{' '.join(argv)}` failed ({proc.returncode}): {err[-2000:]}"
+        )
     result: dict[str, Any] = json.loads(out.strip().splitlines()[-1])
     return result
 
@@ -267,7 +276,15 @@ def run_grpo(cfg: GrpoRecipeConfig, sink: LogSink, *, python: str = sys.executab
         # The trainer's own checks (the model gate, data, reward, eval sets, out-dir, --resume)
         # before any process starts, once: an unsupported --model-path or a bad --prompt-data
         # fails here, in seconds.
-        _trainer_preflight(cfg, recipe, key_file, python)
+        checked = _trainer_preflight(cfg, recipe, key_file, python)
+        if cfg.dry_run:
+            sys.stdout.write(checked)
+            sys.stdout.write(
+                "posttrain grpo --dry-run: every check passed; nothing was started (the URLs and "
+                "the key file above are stand-ins: a run starts its stack on free ports)\n"
+            )
+            sys.stdout.flush()
+            return 0
         plan = build_local_stack(
             LocalStackConfig(
                 model_path=served,
@@ -294,17 +311,18 @@ def run_grpo(cfg: GrpoRecipeConfig, sink: LogSink, *, python: str = sys.executab
 
 def _trainer_preflight(
     cfg: GrpoRecipeConfig, recipe: dict[str, Any], key_file: Path, python: str
-) -> None:
+) -> str:
     """``python -m posttrain.grpo ... --dry-run`` with the run's own flags (stand-in URLs: no
-    stack is up yet). A refusal raises ``RecipeError`` with its last ``error:`` line, the
-    lines before it (one per other failed check) going to stderr first."""
+    stack is up yet); returns what it printed (the resolved config). A refusal raises
+    ``RecipeError`` with its last ``error:`` line, the lines before it (one per other failed
+    check) going to stderr first."""
     stand_in = dict.fromkeys(
         ("session-router", "router", "engine-0", TEACHER), "http://127.0.0.1:9"
     )
     argv = trainer_argv(cfg, recipe, stand_in, ["engine-0"], key_file, python=python)
     done = subprocess.run([*argv, "--dry-run"], capture_output=True, text=True, check=False)
     if done.returncode == 0:
-        return
+        return done.stdout
     lines = [line for line in done.stderr.splitlines() if line.startswith("error: ")]
     if not lines:
         raise RecipeError(f"the trainer's --dry-run exited with code {done.returncode}")

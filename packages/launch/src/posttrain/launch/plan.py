@@ -172,7 +172,23 @@ class Plan:
 
     @classmethod
     def from_json(cls, text: str) -> Plan:
-        data = json.loads(text)
+        """The plan ``to_json`` wrote; anything else raises ``LaunchConfigError`` naming what
+        is missing or malformed (a field name, or the JSON error and its line)."""
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise LaunchConfigError(f"not JSON: {exc}") from None
+        if not isinstance(data, dict):
+            raise LaunchConfigError(f"a plan is a JSON object, got {type(data).__name__}")
+        try:
+            return cls._from_dict(data)
+        except KeyError as exc:
+            raise LaunchConfigError(f"missing field {exc.args[0]!r}") from None
+        except (TypeError, ValueError, AttributeError) as exc:
+            raise LaunchConfigError(f"malformed field: {exc}") from None
+
+    @classmethod
+    def _from_dict(cls, data: Mapping[str, Any]) -> Plan:
         return cls(
             name=str(data["name"]),
             hardware=str(data["hardware"]),

@@ -33,6 +33,8 @@ from posttrain.launch.plan import Plan, ProcessSpec, resolve, resolve_process
 from posttrain.launch.runners import LogSink, console_sink, register_worker
 
 _VISIBLE_ENV = ("CUDA_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES")
+RAY_STRATEGIES = ("SPREAD", "STRICT_SPREAD", "PACK")
+"""The placement-group strategies ``RayRunner`` accepts."""
 
 
 class ProcessHost:
@@ -121,6 +123,10 @@ class RayRunner:
         poll_s: float = 0.3,
         transport: httpx.BaseTransport | None = None,
     ) -> None:
+        if strategy not in RAY_STRATEGIES:
+            raise LaunchConfigError(
+                f"strategy {strategy!r} is not one of {', '.join(RAY_STRATEGIES)}"
+            )
         self.plan = plan
         self.address = address
         self.sink = sink or console_sink()
@@ -157,7 +163,13 @@ class RayRunner:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         if not ray.is_initialized():
-            ray.init(address=self.address, log_to_driver=False)
+            try:
+                ray.init(address=self.address, log_to_driver=False)
+            except ConnectionError as exc:  # no cluster at the address (or none running)
+                raise LaunchConfigError(
+                    f"no Ray cluster at address {self.address!r} (start one with `ray start "
+                    f"--head`, or pass --ray-address HOST:PORT): {exc}"
+                ) from None
             self._owns_ray = True
         nodes = range(max(self.plan.nodes, 1))
         gpus = {n: sum(p.gpus for p in self.plan.processes if p.node == n) for n in nodes}

@@ -105,9 +105,11 @@ def policy_engine_names(plan: Plan) -> list[str]:
 
 def _key_env(cfg: LocalStackConfig) -> dict[str, str]:
     """The key through the environment when there is no key file (never through argv)."""
+    if not cfg.api_key or cfg.api_key_file:
+        return {}
     from posttrain.formats import API_KEY_ENV  # the "local" extra: what a local stack runs
 
-    return {API_KEY_ENV: cfg.api_key} if cfg.api_key and not cfg.api_key_file else {}
+    return {API_KEY_ENV: cfg.api_key}
 
 
 def build_local_stack(cfg: LocalStackConfig) -> Plan:
@@ -155,6 +157,10 @@ def _check_stack_config(cfg: LocalStackConfig) -> None:
     """Refuse a stack configuration that cannot run, naming the field."""
     if cfg.engines < 1:
         raise LaunchConfigError(f"engines={cfg.engines} must be >= 1")
+    if not 0 < cfg.ready_timeout_s < math.inf:
+        raise LaunchConfigError(
+            f"--ready-timeout-s {cfg.ready_timeout_s} must be a finite number of seconds > 0"
+        )
     if cfg.turn_timeout_s is not None and not 0 < cfg.turn_timeout_s < math.inf:
         raise LaunchConfigError(f"turn_timeout_s={cfg.turn_timeout_s} must be finite and > 0")
     if cfg.engine_ports and len(cfg.engine_ports) != cfg.engines:

@@ -28,6 +28,7 @@ generation and information stay open, as sgl-router in front sends no key.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -71,15 +72,20 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.lora_paths and not self.enable_lora:
             raise ConfigError("--lora-paths needs --enable-lora")
-        for name in ("max_loras_per_batch", "max_running_requests", "max_queued_requests",
-                     "max_media_bytes", "media_workers"):  # fmt: skip
+        for name in ("max_loras_per_batch", "max_loaded_loras", "max_running_requests",
+                     "max_queued_requests", "max_request_bytes", "max_media_bytes",
+                     "media_workers", "num_threads"):  # fmt: skip
             value = getattr(self, name)
             if value is not None and value <= 0:
-                raise ConfigError(f"--{name.replace('_', '-')} must be positive")
+                raise ConfigError(f"--{name.replace('_', '-')} {value} must be positive")
         if self.context_length is not None and self.context_length <= 0:
             raise ConfigError(f"--context-length {self.context_length} must be positive")
-        if not self.media_timeout_s > 0:
-            raise ConfigError("--media-timeout-s must be positive")
+        if not 0 < self.media_timeout_s < math.inf:
+            raise ConfigError(f"--media-timeout-s {self.media_timeout_s} must be finite and > 0")
+        if not 0 < self.update_group_timeout_s < math.inf:
+            raise ConfigError(
+                f"--update-group-timeout {self.update_group_timeout_s} must be finite and > 0"
+            )
         if self.allowed_media_dir is not None and not os.path.isdir(self.allowed_media_dir):
             raise ConfigError(f"--allowed-media-dir {self.allowed_media_dir}: not a directory")
         if not 0 < self.port < 65536:

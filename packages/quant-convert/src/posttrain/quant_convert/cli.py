@@ -219,7 +219,10 @@ class _ProgressBar:
             self._task, completed=event.bytes_done, total=event.bytes_total, shard=shard
         )
 
-    def close(self) -> None:
+    def close(self, *, failed: bool = False) -> None:
+        """Stop the bar; after a failure it is removed, so the error line is the last one."""
+        if failed:
+            self._progress.live.transient = True  # erased on stop
         self._progress.stop()
 
 
@@ -234,6 +237,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     bar = None if args.no_progress or args.dry_run else _ProgressBar()
     progress = None if bar is None else bar.update
+    failed = True
     try:
         report = convert_checkpoint(
             args.model_dir,
@@ -247,15 +251,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             verify=args.verify,
             dry_run=args.dry_run,
         )
+        failed = False
     except (QuantConvertError, ConfigError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+        message = f"error: {exc}"
     except OSError as exc:  # a seam we did not name: still one line, never a traceback
-        print(f"error: {exc.strerror or exc} ({exc.filename or 'no file'})", file=sys.stderr)
-        return 2
+        message = f"error: {exc.strerror or exc} ({exc.filename or 'no file'})"
     finally:
-        if bar is not None:
-            bar.close()
+        if bar is not None:  # before the error line, so the bar does not print after it
+            bar.close(failed=failed)
+    if failed:
+        print(message, file=sys.stderr)
+        return 2
     plan = report.plan
     if args.dry_run:
         print(f"plan: {args.model_dir} -> {args.save_dir} ({len(plan.shards)} shards)")

@@ -51,6 +51,14 @@ class QuantPolicy:
     include_shared_experts: bool = False
     quantize_3d_experts: bool = False
 
+    def __post_init__(self) -> None:
+        for pat in self.keep_patterns:
+            if pat.startswith("re:"):
+                try:
+                    re.compile(pat[3:])
+                except re.error as exc:
+                    raise ConfigError(f"keep pattern {pat!r} is not a valid regex: {exc}") from None
+
     def bf16_layers(self, num_layers: int) -> frozenset[int]:
         start, end = self.num_layers_at_start_in_bf16, self.num_layers_at_end_in_bf16
         if start < 0 or end < 0:

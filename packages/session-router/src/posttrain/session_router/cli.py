@@ -165,6 +165,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ``main`` in its own process keeps that process's allocator.
     """
     args = parse_args(argv)
+    if not 0 <= args.port < 65536:
+        print(f"error: --port {args.port} is not a TCP port (0-65535)", file=sys.stderr)
+        return 2
     try:
         if args.api_key is not None and args.api_key_file is not None:
             print("error: give --api-key or --api-key-file, not both", file=sys.stderr)
@@ -192,7 +195,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (RouterIncompatible, FormatsConfigError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    except (PosttrainError, httpx.HTTPError) as exc:
+    except httpx.HTTPError as exc:  # the start-up probe: name the upstream it could not reach
+        print(f"error: --upstream {args.upstream}: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    except PosttrainError as exc:
         print(f"error: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
     # httptools parses requests in C: ~0.12 ms less CPU per request than h11 (benchmarks/).
