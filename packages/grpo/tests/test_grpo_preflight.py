@@ -71,6 +71,11 @@ def test_a_valid_config_passes(
         (["--model-path", "{file}"], "--model-path", "is a file"),
         (["--model-path", "{empty}"], "--model-path", "config.json does not exist"),
         (["--out-dir", "{file}/out"], "--out-dir", "is a file"),
+        (
+            ["--out-dir", "/proc/no-such-run"],
+            "--out-dir",
+            "/proc/no-such-run: cannot write in /proc",
+        ),
         (["--resume", "{empty}"], "--resume", "no checkpoint there"),
         (["--resume", "{nan}"], "--resume", "non-finite"),
         (["--resume", "{huge}"], "--resume", "magnitude"),

@@ -60,8 +60,12 @@ def check_out_dir(cfg: GrpoConfig) -> None:
         probe = probe.parent
     if not probe.is_dir():
         raise GrpoConfigError(f"{out}: {probe} is a file, not a directory")
-    with tempfile.NamedTemporaryFile(dir=probe, prefix=".posttrain-preflight-"):
-        pass
+    try:
+        with tempfile.NamedTemporaryFile(dir=probe, prefix=".posttrain-preflight-"):
+            pass
+    except OSError as exc:  # named by the directory the user gave, not the probe's file
+        why = exc.strerror or type(exc).__name__
+        raise GrpoConfigError(f"{out}: cannot write in {probe} ({why})") from exc
 
 
 def check_api_key_file(cfg: GrpoConfig) -> None:
