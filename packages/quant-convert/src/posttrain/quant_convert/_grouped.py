@@ -26,6 +26,12 @@ costs a dictionary lookup, two allocations and the launches. Inputs that needed 
 (non-contiguous or misaligned views) are planned afresh each time. ``start_grouped`` returns
 the outputs before the synchronisation, so a caller can arrange them while the kernels run.
 
+A kept bucket's next run reads each input once (``run_speculative``): it bets that every
+amax equals the last run's (kept on the device), quantizes under the bet while the true
+amaxes and flags accumulate, and re-quantizes the matrices whose amax moved. The amaxes come
+back with the flags at the one sync; when more than ``SPECULATE_BELOW`` of the bytes moved,
+the next run takes steps 3 and 4 instead (a lost bet costs a second quantize).
+
 The bytes are those of :func:`posttrain.quant_convert.nvfp4.quantize_nvfp4` on the CPU.
 Triton is imported only when a bucket runs (``_nvfp4_triton``).
 """

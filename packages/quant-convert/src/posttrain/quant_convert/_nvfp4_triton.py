@@ -24,9 +24,13 @@ launch, output block, amax slot, flag slot, ``weight_scale_2`` index), so no inp
 * ``_pipelined_kernel``: either quantize kernel's work (block tiles, or 4-over-6 one thread
   per block) over table rows (no flag: the pre-pass has it); in the pipelined order one
   launch quantizes a stage of rows (pre-passed by the launch before) while pre-passing the
-  next stage, a tile of each per program: the quantize kernel
-  is bound by integer arithmetic (about 55% of copy bandwidth alone), the pre-pass by memory,
-  so running them side by side hides most of the pre-pass.
+  next stage, a tile of each per program: the quantize kernel is bound by integer arithmetic
+  (0.87x of copy bandwidth alone on an H100, one thread per block), the pre-pass by memory,
+  so running them side by side hides most of the pre-pass;
+* ``_speculative_kernel`` and ``_redo_kernel`` (a bucket quantized before): one read that
+  quantizes under the amax each slot held at the last run while folding the true amax and
+  the flag into ``bits``, then a second quantize of only the matrices whose amax moved (the
+  others' programs return at once), so the bytes are the two-pass bytes either way.
 
 Bit parity with the CPU reference (pure torch, IEEE fp32, round-to-nearest-even) is by
 construction and tested bit for bit (the interpreter on CPU, the device in the benchmark):
