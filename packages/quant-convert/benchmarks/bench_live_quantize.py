@@ -239,6 +239,7 @@ GROUPED_LABELS = (
     "two_pass",
     "pipelined",
     "pipelined_block_tiles",
+    "speculative_eager",
     "speculative",
     "live_unplanned",
     "live_bets_lost",
@@ -302,6 +303,7 @@ def main() -> None:
             ("two_pass", KernelTuning(pipeline=False, speculate=False)),
             ("pipelined", KernelTuning(pipeline=True, speculate=False)),
             ("pipelined_block_tiles", KernelTuning(block_per_thread=False, num_warps=2)),
+            ("speculative_eager", KernelTuning(replay=False)),
             ("speculative", KernelTuning()),
         ):
             got = quantize_grouped(named, partners, NVFP4Config(), tuning)

@@ -378,6 +378,19 @@ def test_grouped_kernels_compile_for_hopper_with_vector_loads() -> None:
         ptx(kernels._prepass_kernel, sig, consts, [*ptrs, "per_matrix"]).count("ld.global.v4.b32")
         == 8
     )
+    # the one-read kernel, with its outputs' address read on the device (a recorded replay)
+    # or given: the same 16-byte loads and the same stores either way
+    stores = []
+    for indirect in (False, True):
+        ptrs = {"x_ptr": "*bf16", "meta_ptr": "*i64", "bits_ptr": "*i32", "guess_ptr": "*i32"}
+        out = {"packed_ptr": "*i64", "scale_ptr": "*u8", "ws2_ptr": "*fp32", "addr_ptr": "*i64"}
+        ints = ["code_at", "scale_at", "first_row", "blocks_per_matrix", "tiles"]
+        consts = {"EMAX": 448.0, "MODE": 0, "BLOCKS": 256, "INDIRECT": indirect}
+        sig = {**ptrs, **out, **dict.fromkeys(ints, "i32"), **dict.fromkeys(consts, "constexpr")}
+        code = ptx(kernels._speculative_kernel, sig, consts, [*ptrs, *out, "code_at", "scale_at"])
+        assert code.count("ld.global.v4.b32") == 8, indirect  # 256 blocks of BF16, 2 warps
+        stores.append(sorted(re.findall(r"\bst\.global[.\w]*", code)))
+    assert stores[0] == stores[1]
 
 
 def test_bucket_layout_is_planned_once_per_bucket() -> None:
@@ -508,4 +521,70 @@ def test_a_bucket_seen_before_bets_on_its_amaxes_and_keeps_the_bytes(
     assert layout.speculate  # one weight of 13% of the bytes moved: still worth a bet
     dev["e1.down"][3, 5] = 0.0
     run_and_compare()  # the NaN's bits were the bet: lost, redone
+    _grouped._PLANS.clear()
+
+
+@kernel_test
+def test_a_recorded_run_replays_into_fresh_buffers_and_steps_aside_while_busy(
+    device: str,
+) -> None:
+    """A kept bucket's betting run is recorded once (a CUDA graph on CUDA) and replayed: each
+    replay writes a buffer of its own (earlier outputs stay as they were), a start while a
+    replay is unchecked runs eagerly beside it, a moved amax is redone, a NaN is still
+    refused, and a different config records afresh: the CPU's bytes every time."""
+    from posttrain.quant_convert import _grouped
+
+    _grouped._PLANS.clear()
+    gate = _hard_rows(12, 64, seed=21, dtype=torch.bfloat16).to(device)
+    up = _hard_rows(12, 64, seed=22, dtype=torch.bfloat16).to(device)
+    down = _hard_rows(8, 48, seed=23, dtype=torch.bfloat16).to(device)
+    weights = [("gate", gate), ("up", up), ("down", down)]
+    partners = {"gate": "up", "up": "gate"}
+
+    def reference(cfg: NVFP4Config) -> dict[str, NVFP4Tensor]:
+        g, u = quantize_nvfp4_pair(gate.cpu(), up.cpu(), cfg=cfg)
+        return {"gate": g, "up": u, "down": quantize_nvfp4(down.cpu(), cfg=cfg)}
+
+    def snapshot(got: dict[str, NVFP4Tensor]) -> dict[str, NVFP4Tensor]:
+        return {
+            n: NVFP4Tensor(q.packed.clone(), q.scale.clone(), q.scale_2.clone())
+            for n, q in got.items()
+        }
+
+    def same_as(want: dict[str, NVFP4Tensor], got: dict[str, NVFP4Tensor]) -> None:
+        for n in want:
+            _same(want[n], got[n])
+
+    cfg = NVFP4Config()
+    _grouped.quantize_grouped(weights, partners, cfg)  # two passes; the amaxes are kept
+    (layout,) = _grouped._PLANS.values()
+    assert layout.replay is None
+    first = _grouped.quantize_grouped(weights, partners, cfg)  # the bet, recorded
+    assert layout.replay is not None
+    recorded = layout.replay
+    kept = snapshot(first)
+    same_as(reference(cfg), first)
+    with torch.no_grad():
+        up.mul_(-2.0)  # the pair's amax moves: a lost bet, redone inside the replay
+    out_a, check_a = _grouped.start_grouped(weights, partners, cfg)
+    assert recorded.busy
+    out_b, check_b = _grouped.start_grouped(weights, partners, cfg)  # eager, beside it
+    check_a()
+    check_b()
+    assert not recorded.busy
+    assert layout.replay is recorded
+    want = reference(cfg)
+    same_as(want, out_a)
+    same_as(want, out_b)
+    assert out_a["gate"].packed.data_ptr() != out_b["gate"].packed.data_ptr()
+    same_as(kept, first)  # the first replay's buffer was not written again
+    same_as(want, _grouped.quantize_grouped(weights, partners, cfg))  # a won bet, replayed
+    other = NVFP4Config(scale_rounding="te-divide")
+    _grouped.quantize_grouped(weights, partners, other)
+    assert layout.replay is not recorded  # recorded again under the other config
+    same_as(reference(other), _grouped.quantize_grouped(weights, partners, other))
+    down[2, 3] = float("inf")
+    with pytest.raises(QuantInputError, match=r"^down: contains (NaN|Inf)"):
+        _grouped.quantize_grouped(weights, partners, other)
+    assert not layout.replay.busy
     _grouped._PLANS.clear()

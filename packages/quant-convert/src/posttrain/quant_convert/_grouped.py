@@ -49,7 +49,7 @@ from posttrain.formats import GROUP_SIZE
 from posttrain.quant_convert._errors import QuantInputError
 
 if TYPE_CHECKING:
-    from posttrain.quant_convert._nvfp4_triton import KernelTuning
+    from posttrain.quant_convert._nvfp4_triton import KernelTuning, OutputsAt
     from posttrain.quant_convert.nvfp4 import NVFP4Config, NVFP4Tensor
 
 __all__ = [
@@ -95,6 +95,22 @@ class _Layout:
     last_amax: torch.Tensor | None = None  # the bet of the next run (``run_speculative``)
     last_amax_host: list[int] | None = None  # the same, read back at the last run's sync
     speculate: bool = True  # bet next run: the last run's amaxes moved for few enough bytes
+    replay: _Replay | None = None  # the betting run, recorded (``_record``)
+
+
+@dataclass(slots=True, eq=False)
+class _Replay:
+    """A betting bucket's whole run, recorded once (``_record``): zero the slots and flags, the
+    one-read quantize and the redo under the last amaxes, keep the new amaxes. On CUDA it is a
+    CUDA graph (one host call per sync, instead of a Triton launch per kernel); its kernels read
+    the outputs' address from ``at.addr``, so each replay writes the buffer allocated for it.
+    It holds no input tensor: the graph reads the addresses its layout is kept under."""
+
+    key: Hashable  # the config and tuning it was recorded under
+    bits: torch.Tensor  # int32 amax slots and flags: this replay's (static) copy
+    at: OutputsAt
+    run: Callable[[GroupedBucket], None]
+    busy: bool = False  # replayed and not yet checked: a second start takes the eager path
 
 
 @dataclass(slots=True)
@@ -135,17 +151,7 @@ class GroupedBucket:
         """Flat packed-code bytes, scale bytes and fp32 ``weight_scale_2`` (one per matrix):
         regions of one fresh buffer, allocated on the first call."""
         if self.buffers is None:
-            lay = self.layout
-            ws2_bytes = -(-4 * lay.matrices // _ALIGN) * _ALIGN
-            code_bytes = -(-8 * lay.blocks // _ALIGN) * _ALIGN
-            buf = torch.empty(
-                ws2_bytes + code_bytes + lay.blocks, dtype=torch.uint8, device=self.bits.device
-            )
-            self.buffers = (
-                buf[ws2_bytes : ws2_bytes + 8 * lay.blocks],
-                buf[ws2_bytes + code_bytes :],
-                buf[: 4 * lay.matrices].view(torch.float32),
-            )
+            self.buffers = _carve(self.layout, _new_buffer(self.layout, self.bits.device))
         return self.buffers
 
     @property
@@ -159,6 +165,28 @@ class GroupedBucket:
     @property
     def scale_2(self) -> torch.Tensor:
         return self.outputs()[2]
+
+
+def _regions(layout: _Layout) -> tuple[int, int, int]:
+    """Where the codes and the scale bytes start in a bucket's output buffer (``weight_scale_2``
+    first, fp32, one per matrix), and the buffer's size, in bytes."""
+    code_at = -(-4 * layout.matrices // _ALIGN) * _ALIGN
+    scale_at = code_at + -(-8 * layout.blocks // _ALIGN) * _ALIGN
+    return code_at, scale_at, scale_at + layout.blocks
+
+
+def _new_buffer(layout: _Layout, device: torch.device) -> torch.Tensor:
+    return torch.empty(_regions(layout)[2], dtype=torch.uint8, device=device)
+
+
+def _carve(layout: _Layout, buf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A bucket's output buffer as its codes, scale bytes and ``weight_scale_2``."""
+    code_at, scale_at, _ = _regions(layout)
+    return (
+        buf[code_at : code_at + 8 * layout.blocks],
+        buf[scale_at:],
+        buf[: 4 * layout.matrices].view(torch.float32),
+    )
 
 
 _PLANS: OrderedDict[Hashable, _Layout] = OrderedDict()
@@ -489,11 +517,102 @@ def start_layout(
     cfg: NVFP4Config,
     tuning: KernelTuning | None = None,
 ) -> tuple[dict[str, NVFP4Tensor], Callable[[], None]]:
-    """``start_grouped`` for a bucket whose layout ``lookup`` found: no planning at all."""
+    """``start_grouped`` for a bucket whose layout ``lookup`` found: no planning at all (and,
+    once its betting run is recorded, one replay: ``_Replay``)."""
     inputs = [t for _, t in weights]
+    names = [n for n, _ in weights]
+    rep = layout.replay
+    if (
+        rep is not None
+        and not rep.busy
+        and layout.speculate
+        and rep.key == _replay_key(cfg, tuning)
+    ):
+        return _replayed(GroupedBucket(names, inputs, layout, rep.bits, kept=True), rep)
     bits = torch.zeros(layout.slots + len(inputs), dtype=torch.int32, device=inputs[0].device)
-    bucket = GroupedBucket([n for n, _ in weights], inputs, layout, bits, kept=True)
-    return _launch(bucket, cfg, tuning)
+    return _launch(GroupedBucket(names, inputs, layout, bits, kept=True), cfg, tuning)
+
+
+def _replay_key(cfg: NVFP4Config, tuning: KernelTuning | None) -> Hashable:
+    """What a recorded run depends on besides its layout: the kernels' config and shape."""
+    return (cfg, tuning)
+
+
+def _replayed(
+    bucket: GroupedBucket, rep: _Replay
+) -> tuple[dict[str, NVFP4Tensor], Callable[[], None]]:
+    """One replay of a recorded run into a fresh output buffer; the check (the one sync) frees
+    the replay's ``bits`` for the next."""
+    rep.busy = True
+    bucket.bits = rep.bits  # what the check reads back
+    buf = _new_buffer(bucket.layout, rep.bits.device)
+    rep.at.addr.fill_(buf.data_ptr())  # stream-ordered before the replay's first kernel
+    bucket.buffers = _carve(bucket.layout, buf)
+    rep.run(bucket)
+
+    def check() -> None:
+        try:
+            _check_flags(bucket)
+        finally:
+            rep.busy = False
+
+    return _views(bucket), check
+
+
+def _one_read(bucket: GroupedBucket, rep: _Replay, cfg: NVFP4Config, tuning: KernelTuning) -> None:
+    """What a recorded run does (``_Replay``): ``run_speculative`` into ``rep``'s bits and the
+    address in ``rep.at``, betting on the layout's last amaxes, then keeping the new ones."""
+    from posttrain.quant_convert import _nvfp4_triton as kernels
+
+    layout = bucket.layout
+    last = layout.last_amax
+    assert last is not None  # recorded only for a layout that bets
+    rep.bits.zero_()
+    for redo in (False, True):
+        for la in layout.launches:
+            kernels.speculate_rows(
+                bucket.inputs[la.base], layout.meta, rep.bits, last, rep.at, la.rows,
+                la.per_matrix // GROUP_SIZE, redo=redo, scale_rounding=cfg.scale_rounding,
+                emax=cfg.emax, tuning=tuning,
+            )  # fmt: skip
+    last.copy_(rep.bits[: layout.slots])
+
+
+def _record(
+    bucket: GroupedBucket, cfg: NVFP4Config, tuning: KernelTuning | None
+) -> tuple[dict[str, NVFP4Tensor], Callable[[], None]]:
+    """The first betting run of a kept layout: runs it eagerly through the indirect kernels
+    (compiling them), then, on CUDA, records the same launches as a CUDA graph for every later
+    run (``_Replay``). Elsewhere (the Triton interpreter) a replay runs the launches again."""
+    from posttrain.quant_convert import _nvfp4_triton as kernels
+
+    tune = tuning or kernels.DEFAULT_TUNING
+    layout = bucket.layout
+    device = bucket.bits.device
+    code_at, scale_at, _ = _regions(layout)
+    at = kernels.OutputsAt(torch.zeros(1, dtype=torch.int64, device=device), code_at, scale_at)
+
+    def eager(b: GroupedBucket) -> None:
+        _one_read(b, rep, cfg, tune)
+
+    rep = _Replay(_replay_key(cfg, tuning), torch.zeros_like(bucket.bits), at, eager)
+    out = _replayed(bucket, rep)  # this run: eager, and the kernels are compiled after it
+    if device.type == "cuda":
+        # recorded on a side stream (what capture needs), without ``torch.cuda.graph``'s
+        # synchronize, gc and cache flush: capture runs nothing, this run's work stays queued
+        graph = torch.cuda.CUDAGraph()
+        side = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            graph.capture_begin(capture_error_mode="thread_local")
+            try:
+                _one_read(bucket, rep, cfg, tune)
+            finally:
+                graph.capture_end()
+        torch.cuda.current_stream(device).wait_stream(side)
+        rep.run = lambda _b: graph.replay()
+    layout.replay = rep
+    return out
 
 
 def _launch(
@@ -506,6 +625,11 @@ def _launch(
     layout = bucket.layout
     last = layout.last_amax if layout.speculate else None
     if plain and tune.speculate and tune.block_per_thread and last is not None:
+        rep = layout.replay
+        if tune.replay and bucket.kept and (rep is None or not rep.busy):
+            if rep is not None and rep.key == _replay_key(cfg, tuning):
+                return _replayed(bucket, rep)
+            return _record(bucket, cfg, tuning)  # recorded now; replayed from the next run
         run_speculative(bucket, last.clone(), cfg, tune)
     elif tune.pipeline and plain:
         run_pipelined(bucket, cfg, tuning)

@@ -424,6 +424,19 @@ def _block_halves(x_ptr, offs, ok):
 
 
 @triton.jit
+def _outputs_at(addr_ptr, code_at, scale_at):
+    """The output pointers of a bucket whose buffer's address is read from device memory
+    (``addr_ptr``: one int64), so a recorded launch (a CUDA graph) writes each replay into
+    the buffer allocated for it: ``weight_scale_2`` at the start (fp32), the codes at byte
+    ``code_at`` (one int64 per block), the scale bytes at ``scale_at``."""
+    base = tl.load(addr_ptr)
+    packed_ptr = (base + code_at).to(tl.pointer_type(tl.int64))
+    scale_ptr = (base + scale_at).to(tl.pointer_type(tl.uint8))
+    ws2_ptr = base.to(tl.pointer_type(tl.float32))
+    return packed_ptr, scale_ptr, ws2_ptr
+
+
+@triton.jit
 def _speculative_kernel(
     x_ptr,
     meta_ptr,
@@ -432,12 +445,16 @@ def _speculative_kernel(
     packed_ptr,
     scale_ptr,
     ws2_ptr,
+    addr_ptr,
+    code_at,
+    scale_at,
     first_row,
     blocks_per_matrix,
     tiles,  # programs per matrix: cdiv(blocks_per_matrix, BLOCKS), at least 1
     EMAX: tl.constexpr,
     MODE: tl.constexpr,
     BLOCKS: tl.constexpr,
+    INDIRECT: tl.constexpr,
 ):
     """One read for both passes, betting on the global amax: tile ``pid % tiles`` of table row
     ``first_row + pid // tiles`` is quantized (one thread per block, as ``_quant_tile`` with
@@ -445,7 +462,9 @@ def _speculative_kernel(
     max|x| and the non-finite flag go to ``bits`` as the pre-pass puts them. Where the bet and
     the truth differ in a single bit, ``_redo_kernel`` quantizes that matrix again; where they
     agree, these are the bytes the two-pass order writes (the same arithmetic on the same
-    amax)."""
+    amax). ``INDIRECT``: the outputs' addresses come from ``_outputs_at`` (a recorded replay)."""
+    if INDIRECT:
+        packed_ptr, scale_ptr, ws2_ptr = _outputs_at(addr_ptr, code_at, scale_at)
     pid = tl.program_id(0)
     row = first_row + pid // tiles
     tile = pid % tiles
@@ -477,6 +496,9 @@ def _redo_kernel(
     packed_ptr,
     scale_ptr,
     ws2_ptr,
+    addr_ptr,
+    code_at,
+    scale_at,
     first_row,
     blocks_per_matrix,
     tiles,
@@ -484,10 +506,13 @@ def _redo_kernel(
     EMAX: tl.constexpr,
     MODE: tl.constexpr,
     BLOCKS: tl.constexpr,
+    INDIRECT: tl.constexpr,
 ):
     """After ``_speculative_kernel``: a matrix whose true amax (``bits``) differs from the
     bet (``guess_ptr``) is quantized again under the true one (``_quant_tile``, all of it, its
     ``weight_scale_2`` too); the others' programs return at once."""
+    if INDIRECT:
+        packed_ptr, scale_ptr, ws2_ptr = _outputs_at(addr_ptr, code_at, scale_at)
     pid = tl.program_id(0)
     row = first_row + pid // programs
     at = row.to(tl.int64) * 5
@@ -730,6 +755,8 @@ class KernelTuning:
     pipeline_stage_bytes: int = 64 << 20  # least input per pipeline stage
     speculate: bool = True  # grouped path, a bucket seen before (4-over-6 off, one thread per
     # block): one read, betting on the last run's amaxes; a lost bet re-quantizes that matrix
+    replay: bool = True  # a betting bucket's launches recorded once (a CUDA graph on CUDA)
+    # and replayed, the outputs' address read on the device: one host call per sync
 
 
 DEFAULT_TUNING = KernelTuning()
@@ -790,6 +817,17 @@ def _max_registers(tuning: KernelTuning) -> dict[str, int]:
     return {} if n is None else {"maxnreg": n}
 
 
+@dataclass(frozen=True, slots=True)
+class OutputsAt:
+    """Where a bucket's outputs go when the address is read on the device: ``addr`` holds
+    one int64, the buffer's address (``weight_scale_2`` there, fp32), the codes start
+    ``code_at`` bytes in and the scale bytes ``scale_at`` bytes in."""
+
+    addr: torch.Tensor
+    code_at: int
+    scale_at: int
+
+
 REDO_PROGRAMS = 256  # programs per matrix of the redo launch (one wave when none redoes)
 
 
@@ -798,7 +836,7 @@ def speculate_rows(
     meta: torch.Tensor,
     bits: torch.Tensor,
     guess: torch.Tensor,
-    out: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | OutputsAt,
     rows: range,
     blocks_per_matrix: int,
     *,
@@ -810,28 +848,35 @@ def speculate_rows(
     """Launch the one-read quantize of table rows ``rows`` under the amaxes in ``guess`` (int32
     bits per slot) or, ``redo``, the second quantize of every matrix whose true amax differs
     (4-over-6 off). Every speculative launch of a bucket must come before its first redo (a
-    pair's halves of two sizes share a slot across launches)."""
+    pair's halves of two sizes share a slot across launches). ``out``: the bucket's flat
+    codes, scales and ``weight_scale_2``, or an :class:`OutputsAt` (the kernels read the
+    buffer's address from the device: a launch recorded once writes where each replay says)."""
     if not rows:
         return
     if blocks_per_matrix * 16 >= 2**31:
         raise ValueError(
             f"one matrix of {blocks_per_matrix * 16} elements exceeds the kernel's int32 offsets"
         )
-    packed, scale, ws2 = out
     tile, warps = tuning.blocks_per_program, tuning.num_warps
     tiles = max(1, triton.cdiv(blocks_per_matrix, tile))
     mode = _MODES[("off", scale_rounding)]
-    args = (x, meta, bits, guess, packed.view(torch.int64), scale, ws2, rows.start)
+    if isinstance(out, OutputsAt):
+        addr = out.addr
+        outputs = (x, meta, bits, guess, addr, addr, addr, addr, out.code_at, out.scale_at)
+    else:
+        packed, scale, ws2 = out
+        outputs = (x, meta, bits, guess, packed.view(torch.int64), scale, ws2, bits, 0, 0)
+    indirect = isinstance(out, OutputsAt)
     if not redo:
         _speculative_kernel[(tiles * len(rows),)](
-            *args, blocks_per_matrix, tiles, EMAX=float(emax), MODE=mode, BLOCKS=tile,
-            num_warps=warps, enable_fp_fusion=False,
+            *outputs, rows.start, blocks_per_matrix, tiles, EMAX=float(emax), MODE=mode,
+            BLOCKS=tile, INDIRECT=indirect, num_warps=warps, enable_fp_fusion=False,
         )  # fmt: skip
         return
     programs = min(tiles, REDO_PROGRAMS)
     _redo_kernel[(programs * len(rows),)](
-        *args, blocks_per_matrix, tiles, programs, EMAX=float(emax), MODE=mode, BLOCKS=tile,
-        num_warps=warps, enable_fp_fusion=False,
+        *outputs, rows.start, blocks_per_matrix, tiles, programs, EMAX=float(emax), MODE=mode,
+        BLOCKS=tile, INDIRECT=indirect, num_warps=warps, enable_fp_fusion=False,
     )  # fmt: skip
 
 
