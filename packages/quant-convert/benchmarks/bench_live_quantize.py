@@ -235,6 +235,29 @@ def _sweep(
     return rows
 
 
+SPECULATIVE_SHAPES = ((256, 4), (256, 8), (512, 4), (512, 8), (1024, 8), (128, 4), (128, 2))
+
+
+def _sweep_speculative(
+    weights: list[tuple[str, torch.Tensor]], partners: dict[str, str], repeats: int
+) -> list[dict[str, Any]]:
+    """GPU time of the one-read kernels (every bet won) under other launch shapes (blocks
+    per program, warps): one thread per 16-element block, the bytes are the same (tested)."""
+    from posttrain.quant_convert import _nvfp4_triton as kernels
+    from posttrain.quant_convert._grouped import plan_bucket, run_prepass, run_speculative
+
+    cfg = NVFP4Config()
+    bucket = plan_bucket(weights, partners)
+    run_prepass(bucket)
+    won = bucket.bits[: bucket.slots].clone()  # the true amaxes: no redo
+    rows: list[dict[str, Any]] = []
+    for blocks, warps in SPECULATIVE_SHAPES:
+        tuning = kernels.KernelTuning(blocks_per_program=blocks, num_warps=warps)
+        ms = _gpu_ms(lambda t=tuning: run_speculative(bucket, won, cfg, t), repeats)
+        rows.append({"kernel": "speculative", "blocks": blocks, "warps": warps, "ms": ms})
+    return rows
+
+
 GROUPED_LABELS = (
     "two_pass",
     "pipelined",
@@ -255,6 +278,11 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--sweep", action="store_true", help="CUDA: kernel launch shapes too")
+    ap.add_argument(
+        "--sweep-speculative",
+        action="store_true",
+        help="CUDA: the one-read kernels' launch shapes (blocks per program, warps)",
+    )
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     if args.tensors < 2 or args.tensors % 2:
@@ -397,6 +425,8 @@ def main() -> None:
         result["breakdown"] = bd
         if args.sweep and device.type == "cuda":
             result["sweep"] = _sweep(named, partners, args.repeats)
+        if args.sweep_speculative and device.type == "cuda":
+            result["sweep_speculative"] = _sweep_speculative(named, partners, args.repeats)
     text = json.dumps(result, indent=2)
     print(text)
     if args.out is not None:

@@ -547,7 +547,7 @@ def test_a_recorded_run_replays_into_fresh_buffers_and_steps_aside_while_busy(
 
     def snapshot(got: dict[str, NVFP4Tensor]) -> dict[str, NVFP4Tensor]:
         return {
-            n: NVFP4Tensor(q.packed.clone(), q.scale.clone(), q.scale_2.clone())
+            n: NVFP4Tensor(q.packed.cpu().clone(), q.scale.cpu().clone(), q.scale_2.cpu().clone())
             for n, q in got.items()
         }
 

@@ -547,8 +547,8 @@ def _replayed(
     bucket.bits = rep.bits  # what the check reads back
     buf = _new_buffer(bucket.layout, rep.bits.device)
     rep.at.addr.fill_(buf.data_ptr())  # stream-ordered before the replay's first kernel
-    bucket.buffers = _carve(bucket.layout, buf)
     rep.run(bucket)
+    bucket.buffers = _carve(bucket.layout, buf)  # while the kernels run
 
     def check() -> None:
         try:
