@@ -110,6 +110,8 @@ class _Replay:
     bits: torch.Tensor  # int32 amax slots and flags: this replay's (static) copy
     at: OutputsAt
     run: Callable[[GroupedBucket], None]
+    address: Callable[[int], None]  # where the next run writes (before ``run``)
+    read_bits: Callable[[], list[int]]  # after ``run``: the slots and flags (the one sync)
     busy: bool = False  # replayed and not yet checked: a second start takes the eager path
 
 
@@ -469,13 +471,15 @@ def _views(bucket: GroupedBucket) -> dict[str, NVFP4Tensor]:
 SPECULATE_BELOW = 0.45
 
 
-def _check_flags(bucket: GroupedBucket) -> None:
+def _check_flags(bucket: GroupedBucket, bits: list[int] | None = None) -> None:
     """The bucket's one synchronisation: raises :class:`QuantInputError` naming the first
     weight that holds NaN or Inf. The amaxes come back with the flags; for a kept layout they
-    decide whether its next run bets (``SPECULATE_BELOW`` of its bytes moved, or less)."""
+    decide whether its next run bets (``SPECULATE_BELOW`` of its bytes moved, or less).
+    ``bits``: the bucket's bits already read back (a replay lands them on the host itself)."""
     from posttrain.quant_convert.nvfp4 import _raise_non_finite
 
-    bits: list[int] = bucket.bits.tolist()  # plain ints: no torch op after the sync
+    if bits is None:
+        bits = bucket.bits.tolist()  # plain ints: no torch op after the sync
     layout = bucket.layout
     if bucket.kept:
         amax = bits[: layout.slots]
@@ -544,15 +548,16 @@ def _replayed(
     """One replay of a recorded run into a fresh output buffer; the check (the one sync) frees
     the replay's ``bits`` for the next."""
     rep.busy = True
-    bucket.bits = rep.bits  # what the check reads back
+    bucket.bits = rep.bits
     buf = _new_buffer(bucket.layout, rep.bits.device)
-    rep.at.addr.fill_(buf.data_ptr())  # stream-ordered before the replay's first kernel
+    rep.address(buf.data_ptr())
     rep.run(bucket)
+    read = rep.read_bits  # this run's (``_record`` swaps them after its first, eager run)
     bucket.buffers = _carve(bucket.layout, buf)  # while the kernels run
 
     def check() -> None:
         try:
-            _check_flags(bucket)
+            _check_flags(bucket, read())
         finally:
             rep.busy = False
 
@@ -595,24 +600,54 @@ def _record(
     def eager(b: GroupedBucket) -> None:
         _one_read(b, rep, cfg, tune)
 
-    rep = _Replay(_replay_key(cfg, tuning), torch.zeros_like(bucket.bits), at, eager)
+    def address(ptr: int) -> None:
+        at.addr.fill_(ptr)  # stream-ordered before the run's first kernel
+
+    bits = torch.zeros_like(bucket.bits)
+    rep = _Replay(_replay_key(cfg, tuning), bits, at, eager, address, bits.tolist)
     out = _replayed(bucket, rep)  # this run: eager, and the kernels are compiled after it
     if device.type == "cuda":
-        # recorded on a side stream (what capture needs), without ``torch.cuda.graph``'s
-        # synchronize, gc and cache flush: capture runs nothing, this run's work stays queued
-        graph = torch.cuda.CUDAGraph()
-        side = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
-        side.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(side):
-            graph.capture_begin(capture_error_mode="thread_local")
-            try:
-                _one_read(bucket, rep, cfg, tune)
-            finally:
-                graph.capture_end()
-        torch.cuda.current_stream(device).wait_stream(side)
-        rep.run = lambda _b: graph.replay()
+        _capture(bucket, rep, cfg, tune)
     layout.replay = rep
     return out
+
+
+def _capture(bucket: GroupedBucket, rep: _Replay, cfg: NVFP4Config, tuning: KernelTuning) -> None:
+    """``rep`` as a CUDA graph: the output address comes in from pinned host memory and the
+    slots and flags go out to it inside the graph, so a replay costs the host one store, one
+    graph launch and, at the check, one event wait. Recorded on a side stream (as capture
+    needs) without ``torch.cuda.graph``'s synchronize, gc and cache flush: capture runs
+    nothing, and the eager run before it stays queued."""
+    device = rep.bits.device
+    staged = torch.zeros(1, dtype=torch.int64, pin_memory=True)
+    landed = torch.zeros(rep.bits.shape, dtype=rep.bits.dtype, pin_memory=True)
+    graph = torch.cuda.CUDAGraph()
+    side = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        graph.capture_begin(capture_error_mode="thread_local")
+        try:
+            rep.at.addr.copy_(staged, non_blocking=True)
+            _one_read(bucket, rep, cfg, tuning)
+            landed.copy_(rep.bits, non_blocking=True)
+        finally:
+            graph.capture_end()
+    torch.cuda.current_stream(device).wait_stream(side)
+    staged_view = staged.numpy()  # the pinned bytes themselves: a store, no torch op
+    done = torch.cuda.Event()  # type: ignore[no-untyped-call]
+
+    def address(ptr: int) -> None:
+        staged_view[0] = ptr
+
+    def run(_bucket: GroupedBucket) -> None:
+        graph.replay()
+        done.record()
+
+    def read_bits() -> list[int]:
+        done.synchronize()
+        return landed.tolist()
+
+    rep.address, rep.run, rep.read_bits = address, run, read_bits
 
 
 def _launch(
