@@ -32,6 +32,12 @@ amaxes and flags accumulate, and re-quantizes the matrices whose amax moved. The
 back with the flags at the one sync; when more than ``SPECULATE_BELOW`` of the bytes moved,
 the next run takes steps 3 and 4 instead (a lost bet costs a second quantize).
 
+That betting run is recorded once per kept bucket (``_Replay``; on CUDA a CUDA graph, whose
+kernels read the output buffer's address from the device, so each replay writes a buffer of
+its own) and replayed: a sync then costs the host one ``torch.empty``, a store to pinned
+memory, one graph launch and one event wait for the flags, which the graph lands in pinned
+memory itself.
+
 The bytes are those of :func:`posttrain.quant_convert.nvfp4.quantize_nvfp4` on the CPU.
 Triton is imported only when a bucket runs (``_nvfp4_triton``).
 """
