@@ -13,6 +13,7 @@ under the same names and shapes, with the values the engine started from.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections import OrderedDict
 from collections.abc import Hashable, Iterable, Mapping, Sequence
@@ -23,8 +24,8 @@ import torch
 from posttrain.formats import SAFETENSORS_DTYPES, nvfp4_layout
 from posttrain.interface import NVFP4Precision
 from posttrain.quant_convert import _grouped
-from posttrain.quant_convert._errors import CheckpointError
-from posttrain.quant_convert.nvfp4 import NVFP4Config, start_nvfp4_many
+from posttrain.quant_convert._errors import CheckpointError, QuantInputError
+from posttrain.quant_convert.nvfp4 import NVFP4Config, NVFP4Tensor, start_nvfp4_many
 from posttrain.quant_convert.safetensors_io import ByteCounter, SafetensorsReader
 from posttrain.quant_convert.selection import QuantPolicy, TensorInfo, gate_up_role, select_tensors
 from posttrain.quant_convert.sglang_rules import build_modules, is_excluded
@@ -127,7 +128,24 @@ def quantize_named_params(
             _CALLS[key] = (chosen, partner, indices, resolved, kept)
             if len(_CALLS) > _grouped.PLAN_CACHE_SIZE:
                 _CALLS.popitem(last=False)
-    scales = input_scales or {}
+    try:
+        out = _with_input_scales(items, chosen, quantized, input_scales or {})
+    except BaseException:
+        with contextlib.suppress(QuantInputError):
+            check()  # waits for the launched kernels (and frees a replay for the next call)
+        raise
+    check()  # NaN/Inf in any weight: raises naming it (nothing is returned)
+    return out
+
+
+def _with_input_scales(
+    items: Sequence[tuple[str, torch.Tensor]],
+    chosen: frozenset[str],
+    quantized: Mapping[str, NVFP4Tensor],
+    scales: Mapping[str, torch.Tensor],
+) -> list[tuple[str, torch.Tensor]]:
+    """The call's output list: each chosen weight as its NVFP4 tensors (and its served
+    ``input_scale`` where there is one), every other tensor as it came."""
     out: list[tuple[str, torch.Tensor]] = []
     for n, t in items:
         if n not in chosen:
@@ -148,7 +166,6 @@ def quantize_named_params(
                 f"update's {list(qt.scale_2.shape)}"
             )
         out.append((name, served.to(qt.scale_2.dtype)))
-    check()  # NaN/Inf in any weight: raises naming it (nothing is returned)
     return out
 
 
