@@ -100,7 +100,7 @@ def make_handler(engine: FakeEngine) -> type[BaseHTTPRequestHandler]:
                 del engine.adapters[name]
                 self.reply(200, {"success": True, "loaded_adapters": sorted(engine.adapters)})
             elif self.path == "/load_lora_adapter_from_tensors":
-                if name in engine.adapters:
+                if name in engine.adapters and "replace" not in engine.capabilities:
                     self.fail(f"LoRA adapter {name} is already loaded")
                     return
                 req = LoadLoraAdapterFromTensorsReq.parse(body)  # SGLang's body, exactly
@@ -179,6 +179,20 @@ def test_push_unloads_then_loads_in_sglangs_body(engine: tuple[FakeEngine, str])
     assert isinstance(stored, dict)
     assert all(torch.equal(stored[k], TENSORS[k] * 2) for k in TENSORS)
     assert state.calls == ["/unload_lora_adapter", "/load_lora_adapter_from_tensors"] * 2
+
+
+def test_push_to_an_engine_that_replaces_is_one_load(engine: tuple[FakeEngine, str]) -> None:
+    """An engine that says ``"replace"`` (posttrain's local engine) replaces a loaded adapter
+    with one load: no unload request, no moment without the adapter."""
+    state, url = engine
+    state.capabilities = ["checksums", "replace"]
+    with AdapterClient(url, timeout=5.0) as client:
+        client.push("policy", TENSORS, CONFIG)
+        client.push("policy", {k: v * 2 for k, v in TENSORS.items()}, CONFIG)
+    stored = state.adapters["policy"]
+    assert isinstance(stored, dict)
+    assert all(torch.equal(stored[k], TENSORS[k] * 2) for k in TENSORS)
+    assert state.calls == ["/load_lora_adapter_from_tensors"] * 2
 
 
 def test_checksum_mismatch_is_an_error(engine: tuple[FakeEngine, str]) -> None:
