@@ -18,13 +18,20 @@ once; then, ``--reps`` times, on each stack in turn:
   both routers; ``engine_e2e`` is the longest ``meta_info.e2e_latency`` the engines report for
   them (time inside the engine's handler: queueing, prefill, decode).
 
+With ``--baseline-src DIR`` (a checkout of another commit, e.g. ``git archive COMMIT | tar -x
+-C DIR``) every engine count also gets a stack whose processes run DIR's packages (its
+``packages/*/src`` first on ``PYTHONPATH``), labelled ``E-base``: before and after side by
+side, in the same reps.
+
 So ``session - router`` is the session router's hop (sessions, template, records, assembly,
 samples/1 encoding, the trainer's client), ``router - engine`` sgl-router's, ``engine -
-engine_e2e`` the engines' HTTP and JSON. The three paths must draw the same tokens (the script
-checks it). Medians over the reps, the load average before each rep (the machine is shared).
-Command::
+engine_e2e`` the engines' HTTP and JSON. The three paths must draw the same tokens, and every
+stack the same samples (the script checks both). Medians over the reps, the load average
+before each rep (the machine is shared). Commands::
 
     uv run python packages/grpo/benchmarks/bench_step_overhead.py --reps 10
+    mkdir /tmp/base && git archive 7dfd741 | tar -x -C /tmp/base
+    uv run python packages/grpo/benchmarks/bench_step_overhead.py --reps 12 --baseline-src /tmp/base
 """
 
 from __future__ import annotations
@@ -117,8 +124,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--engines", default="1,2", help="engine counts, comma-separated")
     ap.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
+    ap.add_argument("--baseline-src", type=Path, default=None,
+                    help="another commit's checkout: its stacks run beside this one's")  # fmt: skip
     args = ap.parse_args(argv)
     counts = [int(x) for x in args.engines.split(",")]
+    labels = [(str(e), e, None) for e in counts]
+    if args.baseline_src is not None:
+        src = os.pathsep.join(str(p) for p in sorted(args.baseline_src.glob("packages/*/src")))
+        labels += [(f"{e}-base", e, src) for e in counts]
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
     recipe = prepare(cache_dir(), 0)
@@ -126,28 +139,32 @@ def main(argv: Sequence[str] | None = None) -> int:
     tok = ChatTokenizer.from_dir(policy)
     tensors, config = adapter(policy)
     stream = PromptStream(addition_prompts(), seed=1)
-    rows: list[dict[str, float]] = []
+    rows: list[dict[str, Any]] = []
     loop = asyncio.new_event_loop()
     http = httpx.AsyncClient(timeout=120.0)
     with ExitStack() as scope:
         stacks = {}
-        for e in counts:
+        for label, e, src in labels:
             plan = build_local_stack(LocalStackConfig(model_path=policy, engines=e,
                                                       lora_adapter=ADAPTER, ready_timeout_s=300.0))  # fmt: skip
-            runner = scope.enter_context(LocalRunner(
-                plan, sink=lambda name, line: None, base_env={**os.environ, "OMP_NUM_THREADS": "1"}
-            ))  # fmt: skip
+            env = {**os.environ, "OMP_NUM_THREADS": "1"}
+            if src is not None:
+                env["PYTHONPATH"] = src
+            runner = scope.enter_context(
+                LocalRunner(plan, sink=lambda name, line: None, base_env=env)
+            )
             runner.start()
             urls = [runner.urls[n] for n in policy_engine_names(plan)]
             clients = [scope.enter_context(AdapterClient(u)) for u in urls]
             rollouts = scope.enter_context(Rollouts())
-            stacks[e] = (runner, urls, clients, rollouts)
+            stacks[label] = (runner, urls, clients, rollouts)
         for step in range(args.reps + 1):  # step 0 warms every path up, not reported
             prompts = stream.take(int(RECIPE["prompts_per_step"]))
             version = step + 1
             groups = bodies(tok, prompts, step, version)
-            for e, (runner, urls, clients, rollouts) in stacks.items():
-                row: dict[str, float] = {"engines": e, "step": step, "load1": os.getloadavg()[0]}
+            reference: list[list[int]] | None = None  # every stack draws the same samples
+            for label, (runner, urls, clients, rollouts) in stacks.items():
+                row: dict[str, Any] = {"stack": label, "step": step, "load1": os.getloadavg()[0]}
                 t0 = time.perf_counter()
                 for client in clients:
                     client.push(ADAPTER, tensors, config)
@@ -174,18 +191,24 @@ def main(argv: Sequence[str] | None = None) -> int:
                                           for items in direct for i in items)  # fmt: skip
                 drawn = [list(s.response_ids) for s in samples]
                 if not drawn == tokens(via_router) == tokens(direct):
-                    raise SystemExit(f"step {step}, {e} engines: the paths drew other tokens")
-                print(json.dumps({k: round(v, 4) for k, v in row.items()}), flush=True)
+                    raise SystemExit(f"step {step}, stack {label}: the paths drew other tokens")
+                if reference is not None and drawn != reference:
+                    raise SystemExit(f"step {step}, stack {label}: other samples than the first")
+                reference = drawn
+                print(json.dumps({k: round(v, 4) if isinstance(v, float) else v
+                                  for k, v in row.items()}), flush=True)  # fmt: skip
                 if step:
                     rows.append(row)
     loop.run_until_complete(http.aclose())
     loop.close()
     keys = ("push_s", "session_s", "router_s", "engine_s", "engine_e2e_s", "load1")
     summary = {
-        str(e): {k: round(statistics.median(r[k] for r in rows if r["engines"] == e), 4)
-                 for k in keys}
-        for e in counts
+        label: {k: round(statistics.median(r[k] for r in rows if r["stack"] == label), 4)
+                for k in keys}
+        for label, _, _ in labels
     }  # fmt: skip
+    for label, _, _ in labels:
+        summary[label]["reps"] = sum(r["stack"] == label for r in rows)
     print("medians over", args.reps, "reps:", json.dumps(summary))
     if args.out is not None:
         args.out.write_text(json.dumps({"rows": rows, "summary": summary}, indent=2))
