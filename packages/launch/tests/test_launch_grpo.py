@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,7 @@ from posttrain.launch.grpo import (
     data_flags,
     local_topology,
     trainer_argv,
+    usable_cores,
 )
 from posttrain.launch.plan import Plan
 from posttrain.launch.stack import LocalStackConfig, build_local_stack, policy_engine_names
@@ -166,6 +168,19 @@ def test_topology_follows_the_cores_unless_flags_say(
     described = topology.describe()
     assert described.startswith(f"{expected[0]} engine")
     assert f"{expected[1]} trainer rank" in described
+
+
+def test_usable_cores_are_the_affinity_capped_by_a_cgroup_quota(tmp_path: Path) -> None:
+    cpu_max = tmp_path / "cpu.max"
+    assert usable_cores(cpu_max) == len(os.sched_getaffinity(0))  # no quota file
+    cpu_max.write_text("max 100000\n")
+    assert usable_cores(cpu_max) == len(os.sched_getaffinity(0))
+    cpu_max.write_text("50000 100000\n")  # half a core: still one
+    assert usable_cores(cpu_max) == 1
+    cpu_max.write_text(f"{150000 * 64} 100000\n")  # a quota above the affinity changes nothing
+    assert usable_cores(cpu_max) == len(os.sched_getaffinity(0))
+    cpu_max.write_text("garbage\n")
+    assert usable_cores(cpu_max) == len(os.sched_getaffinity(0))
 
 
 def test_the_topology_reaches_the_stack_the_trainer_and_the_printed_plan(

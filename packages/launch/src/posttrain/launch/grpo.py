@@ -15,7 +15,7 @@
 
 Topology (``local_topology``): every process runs one torch thread, so on a small machine the
 processes share few cores. With fewer than 4 usable cores (``usable_cores``: the process's CPU
-affinity) the run starts **1 engine**, else 2; the trainer runs **2 ranks**, or 1 on a single
+affinity, capped by a cgroup CPU quota) the run starts **1 engine**, else 2; the trainer runs **2 ranks**, or 1 on a single
 core. On 2 cores one engine decodes a step's 64 samples in one batch as fast as two engines
 decode 32 each, and the weight push goes to one engine instead of two
 (docs/benchmarks/grpo.md, "Topology"); two trainer ranks train a step in about two thirds of
@@ -137,12 +137,24 @@ class GrpoRecipeConfig:
             raise LaunchConfigError(f"--teacher must be an http(s) URL, got {self.teacher_url!r}")
 
 
-def usable_cores() -> int:
-    """The cores this process may run on (its CPU affinity where the OS has one)."""
+CGROUP_CPU_MAX = Path("/sys/fs/cgroup/cpu.max")
+"""cgroup v2's CPU quota of this process's group: ``max PERIOD`` or ``QUOTA PERIOD``."""
+
+
+def usable_cores(cpu_max: Path = CGROUP_CPU_MAX) -> int:
+    """The cores this process may run on: its CPU affinity (where the OS has one), capped by a
+    cgroup v2 CPU quota (a container's ``--cpus``), rounded up, at least 1."""
     try:
-        return len(os.sched_getaffinity(0))
+        cores = len(os.sched_getaffinity(0))
     except AttributeError:  # no sched_getaffinity (macOS)
-        return os.cpu_count() or 1
+        cores = os.cpu_count() or 1
+    try:
+        quota, period = cpu_max.read_text().split()[:2]
+        if quota != "max":
+            cores = min(cores, max(1, math.ceil(int(quota) / int(period))))
+    except (OSError, ValueError):  # no cgroup v2 quota here, or one we cannot read
+        pass
+    return cores
 
 
 @dataclass(frozen=True, slots=True)
