@@ -1,6 +1,7 @@
 """``posttrain grpo`` end to end (LoRA): it learns, parity is exact, a killed run resumes exactly.
 
-Real processes throughout: the recipe's prepare step, two local engines behind the stock
+Real processes throughout: the recipe's prepare step, two local engines (``--engines 2``: every
+push reaches both, whatever the machine's core count would choose) behind the stock
 sgl-router, the session router and two gloo trainer ranks, all started by ``posttrain grpo``
 and stopped by pid. Three runs of 6 steps with a checkpoint every 3: one uninterrupted; one whose
 trainer process (``python -m posttrain.grpo``, the launcher's child) is killed with SIGKILL right
@@ -39,7 +40,8 @@ def test_lora_learns_with_exact_parity_and_resumes_bit_for_bit(
     recipe_cache: Path, tmp_path: Path
 ) -> None:
     every = ("--checkpoint-every", "3")
-    whole = run_grpo(recipe_cache, tmp_path / "whole", "--steps", "6", trainer=every)
+    six = ("--steps", "6", "--engines", "2")
+    whole = run_grpo(recipe_cache, tmp_path / "whole", *six, trainer=every)
     assert whole["steps"] == 6
     assert whole["train_rollout_logprob_abs_diff_all_zero"] is True
     assert whole["reward_gain"] >= 0.3, whole
@@ -49,7 +51,7 @@ def test_lora_learns_with_exact_parity_and_resumes_bit_for_bit(
     killed = tmp_path / "killed"
     log_path = tmp_path / "killed.log"
     with log_path.open("wb") as log:
-        proc = subprocess.Popen(grpo_argv(killed, "--steps", "6", trainer=every),
+        proc = subprocess.Popen(grpo_argv(killed, *six, trainer=every),
                                 env=grpo_env(recipe_cache), stdout=log,
                                 stderr=subprocess.STDOUT)  # fmt: skip
     marker = killed / "checkpoints" / "iter_0000002" / "meta.json"
@@ -65,7 +67,7 @@ def test_lora_learns_with_exact_parity_and_resumes_bit_for_bit(
     assert proc.wait(timeout=120) != 0, "the launcher must report its trainer's death"
     time.sleep(2)  # the trainer ranks follow their parent (PR_SET_PDEATHSIG)
 
-    run_grpo(recipe_cache, killed, "--steps", "6", "--resume", str(killed), trainer=every)
+    run_grpo(recipe_cache, killed, *six, "--resume", str(killed), trainer=every)
     got, want = records(killed), records(tmp_path / "whole")
     assert [r["step"] for r in got] == list(range(6))
     assert [deterministic(r) for r in got] == [deterministic(r) for r in want]

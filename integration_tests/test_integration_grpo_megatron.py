@@ -1,6 +1,6 @@
 """``posttrain grpo`` with ``--backend megatron --tensor-model-parallel-size 2``: a real run.
 
-The embedded recipe end to end (two local engines, sgl-router, the session router), the
+The embedded recipe end to end (two local engines, ``--engines 2``, sgl-router, the session router), the
 trainer on two gloo ranks that form one tensor-parallel group (attention heads and the dense
 MLP split over megatron-core parallel linears), LoRA on every q/k/v/o linear, for a few
 steps. The trainer's recomputed logprobs are no longer bit-identical to the engines' (the row
@@ -29,7 +29,7 @@ def test_a_tensor_parallel_run_reports_its_train_rollout_difference(
     recipe_cache: Path, tmp_path: Path
 ) -> None:
     trainer = ("--backend", "megatron", "--tensor-model-parallel-size", "2")
-    summary = run_grpo(recipe_cache, tmp_path, "--steps", "3", trainer=trainer)
+    summary = run_grpo(recipe_cache, tmp_path, "--steps", "3", "--engines", "2", trainer=trainer)
     config = json.loads((tmp_path / "config.json").read_text())
     assert (config["backend"], config["tensor_model_parallel_size"]) == ("megatron", 2)
     steps = records(tmp_path)
@@ -60,7 +60,9 @@ def test_expert_parallel_full_training_keeps_exact_parity(
     # EP splits no sum (each expert row computed alone, combined in the single-process order)
     # and the full weights reach the engines gathered bit for bit: the recompute is exact.
     trainer = ("--backend", "megatron", "--expert-model-parallel-size", "2")
-    summary = run_grpo(recipe_cache, tmp_path, "--train", "full", "--steps", "2", trainer=trainer)
+    summary = run_grpo(
+        recipe_cache, tmp_path, "--train", "full", "--steps", "2", "--engines", "2", trainer=trainer
+    )
     steps = records(tmp_path)
     assert [r["step"] for r in steps] == [0, 1]
     assert all(r["train_rollout_logprob_max_abs_diff"] == 0.0 for r in steps), steps

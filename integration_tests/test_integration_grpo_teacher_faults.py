@@ -1,6 +1,6 @@
 """``posttrain grpo --opd`` against a faulty teacher: one that answers 503 first, one that hangs.
 
-The student stack is the real one ``posttrain grpo`` starts (two local engines, sgl-router, the
+The student stack is the real one ``posttrain grpo`` starts (its local engines, sgl-router, the
 session router, two gloo trainer ranks). The teacher is given with ``--teacher URL`` and sits
 behind ``faults.FlakyTeacher``, an HTTP server of this test process on 127.0.0.1:
 

@@ -7,8 +7,8 @@ What it measures (CPU by default; docs/benchmarks/grpo.md, "GRPO side by side wi
    its per-token logprobs on a few chat sequences match ours (strict and fast numerics): the
    max abs difference is printed.
 2. **Runs, interleaved.** For each run seed: ``posttrain grpo --train full`` (the embedded CPU
-   default otherwise: 2 local engines behind sgl-router and the session router, 2 gloo trainer
-   ranks), then TRL's ``GRPOTrainer`` on the same checkpoint, each as its own process, one
+   default otherwise: its local engines, 1 below 4 cores and 2 from 4, behind sgl-router and
+   the session router, 2 gloo trainer ranks), then TRL's ``GRPOTrainer`` on the same checkpoint, each as its own process, one
    after the other (ours, TRL, ours, TRL, ...). Both sides get the same prompts in the same
    order (our ``PromptStream`` at the run seed), the same number of samples per prompt, max new
    tokens, temperature, learning rate and AdamW settings, gradient clipping, PPO clip range and

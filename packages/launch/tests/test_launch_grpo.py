@@ -3,15 +3,25 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 from typer.testing import CliRunner
 
 from posttrain.launch import LaunchConfigError
 from posttrain.launch.cli import app
-from posttrain.launch.grpo import ADAPTER, GrpoRecipeConfig, data_flags, trainer_argv
+from posttrain.launch.grpo import (
+    ADAPTER,
+    GrpoRecipeConfig,
+    data_flags,
+    local_topology,
+    trainer_argv,
+    usable_cores,
+)
+from posttrain.launch.plan import Plan
 from posttrain.launch.stack import LocalStackConfig, build_local_stack, policy_engine_names
 
 RECIPE = {
@@ -135,6 +145,70 @@ def test_stack_serves_a_pushed_adapter_and_a_teacher_outside_the_router() -> Non
     assert "--prometheus-port" in router
     with pytest.raises(LaunchConfigError, match="differs from the --lora adapter"):
         build_local_stack(LocalStackConfig(model_path="/m", lora_adapter="a", loras=(("b", "/p"),)))
+
+
+@pytest.mark.parametrize(
+    ("cores", "engines", "trainer", "expected"),
+    [
+        (1, None, (), (1, 1)),
+        (2, None, (), (1, 2)),  # 2 cores: one engine (docs/benchmarks/grpo.md, "Topology")
+        (3, None, (), (1, 2)),
+        (4, None, (), (2, 2)),
+        (64, None, (), (2, 2)),
+        (2, 3, (), (3, 2)),  # --engines wins
+        (2, None, ("--replicate", "2", "--shard", "1"), (1, 2)),  # the trainer's mesh flags win
+        (2, None, ("--shard=1", "--shard", "3"), (1, 3)),  # the last one, as the trainer reads
+    ],
+)
+def test_topology_follows_the_cores_unless_flags_say(
+    cores: int, engines: int | None, trainer: tuple[str, ...], expected: tuple[int, int]
+) -> None:
+    topology = local_topology(cores, engines, trainer)
+    assert (topology.engines, topology.trainer_ranks) == expected
+    described = topology.describe()
+    assert described.startswith(f"{expected[0]} engine")
+    assert f"{expected[1]} trainer rank" in described
+
+
+def test_usable_cores_are_the_affinity_capped_by_a_cgroup_quota(tmp_path: Path) -> None:
+    cpu_max = tmp_path / "cpu.max"
+    assert usable_cores(cpu_max) == len(os.sched_getaffinity(0))  # no quota file
+    cpu_max.write_text("max 100000\n")
+    assert usable_cores(cpu_max) == len(os.sched_getaffinity(0))
+    cpu_max.write_text("50000 100000\n")  # half a core: still one
+    assert usable_cores(cpu_max) == 1
+    cpu_max.write_text(f"{150000 * 64} 100000\n")  # a quota above the affinity changes nothing
+    assert usable_cores(cpu_max) == len(os.sched_getaffinity(0))
+    cpu_max.write_text("garbage\n")
+    assert usable_cores(cpu_max) == len(os.sched_getaffinity(0))
+
+
+def test_the_topology_reaches_the_stack_the_trainer_and_the_printed_plan(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a 2-core machine the run starts one engine and trains on two ranks and says so;
+    ``--engines 2`` starts two."""
+    planned: list[tuple[int, list[str]]] = []
+    monkeypatch.setattr("posttrain.launch.grpo.prepare_recipe", lambda *a, **k: RECIPE)
+    monkeypatch.setattr("posttrain.launch.grpo._trainer_preflight", lambda *a: "")
+    monkeypatch.setattr("posttrain.launch.grpo.usable_cores", lambda: 2)
+
+    def run(
+        cfg: GrpoRecipeConfig, recipe: dict[str, Any], plan: Plan, *rest: Any, **kw: Any
+    ) -> int:
+        names = policy_engine_names(plan)
+        planned.append((len(names), trainer_argv(cfg, recipe, URLS, [], trainer_ranks=rest[-1])))
+        return 0
+
+    monkeypatch.setattr("posttrain.launch.grpo._run_stack_and_trainer", run)
+    for flags, engines in (((), 1), (("--engines", "2"), 2)):
+        result = CliRunner().invoke(app, ["grpo", "--out", str(tmp_path / "out"), *flags])
+        assert result.exit_code == 0, result.output
+        assert planned[-1][0] == engines
+        assert _flag(planned[-1][1], "--shard") == "2"
+        said = " ".join(result.output.split())
+        assert f"starting {engines} engine" in said, said
+        assert "2 trainer ranks, for 2 cores" in said, said
 
 
 def test_grpo_help_lists_the_recipe_options() -> None:

@@ -19,7 +19,12 @@ from posttrain.local_engine import (
     parse_args,
 )
 from posttrain.local_engine._loader import read_checkpoint
-from posttrain.local_engine._sampling import SamplingConfig, pick_token, top_logprobs
+from posttrain.local_engine._sampling import (
+    SamplingConfig,
+    pick_token,
+    pick_tokens,
+    top_logprobs,
+)
 from posttrain.local_engine._update import StagedUpdate, TensorSpec, check_version_increases
 
 
@@ -117,6 +122,35 @@ def test_sampling_is_seeded_and_respects_top_k_top_p() -> None:
     assert pick_token(lp, SamplingConfig(temperature=0.0), torch.Generator()) == 0
     tied = torch.tensor([0.0, 1.0, 1.0, 1.0])
     assert top_logprobs(tied, 2) == [(1.0, 1), (1.0, 2)]
+
+
+@pytest.mark.parametrize("vocab", [5, 101, 4099])
+def test_pick_tokens_equals_pick_token_row_by_row(vocab: int) -> None:
+    """A decode step's tokens chosen together are each row's own ``pick_token`` draw, whatever
+    the rows' configs and whichever rows share the call (the generators advance alike too)."""
+    gen = torch.Generator().manual_seed(vocab)
+    configs = [SamplingConfig(), SamplingConfig(temperature=0.7), SamplingConfig(top_k=3),
+               SamplingConfig(top_p=0.8), SamplingConfig(temperature=0.0),
+               SamplingConfig(min_p=0.1)]  # fmt: skip
+    for step in range(20):
+        rows = [
+            torch.log_softmax(torch.randn(vocab, generator=gen) * (1 + k % 4), dim=-1)
+            for k in range(48)
+        ]
+        cfgs = [configs[(k * 7 + step) % len(configs)] if k % 3 else SamplingConfig()
+                for k in range(48)]  # fmt: skip
+        seeds = [step * 1000 + k for k in range(48)]
+        alone = [pick_token(r, c, torch.Generator().manual_seed(s))
+                 for r, c, s in zip(rows, cfgs, seeds, strict=True)]  # fmt: skip
+        together = [torch.Generator().manual_seed(s) for s in seeds]
+        assert pick_tokens(rows, cfgs, together) == alone
+        few = [torch.Generator().manual_seed(s) for s in seeds[:2]]
+        assert pick_tokens(rows[:2], cfgs[:2], few) == alone[:2]  # its batch mates do not matter
+        after = [torch.rand((), generator=g).item() for g in together]
+        again = [torch.Generator().manual_seed(s) for s in seeds]
+        for r, c, g in zip(rows, cfgs, again, strict=True):
+            pick_token(r, c, g)
+        assert after == [torch.rand((), generator=g).item() for g in again]
 
 
 def test_cli_flags_use_sglang_names() -> None:

@@ -100,7 +100,7 @@ def make_handler(engine: FakeEngine) -> type[BaseHTTPRequestHandler]:
                 del engine.adapters[name]
                 self.reply(200, {"success": True, "loaded_adapters": sorted(engine.adapters)})
             elif self.path == "/load_lora_adapter_from_tensors":
-                if name in engine.adapters:
+                if name in engine.adapters and "replace" not in engine.capabilities:
                     self.fail(f"LoRA adapter {name} is already loaded")
                     return
                 req = LoadLoraAdapterFromTensorsReq.parse(body)  # SGLang's body, exactly
@@ -170,15 +170,27 @@ def test_load_by_path_and_unload(engine: tuple[FakeEngine, str]) -> None:
         assert client.unload("policy") is False  # "not loaded" is the one refusal ignored
 
 
-def test_push_unloads_then_loads_in_sglangs_body(engine: tuple[FakeEngine, str]) -> None:
+@pytest.mark.parametrize(
+    ("capabilities", "calls"),
+    [
+        # SGLang refuses a loaded name: unload, then load, in SGLang's body
+        (["checksums"], ["/unload_lora_adapter", "/load_lora_adapter_from_tensors"]),
+        # posttrain's local engine replaces a loaded adapter itself: one load, no moment without
+        (["checksums", "replace"], ["/load_lora_adapter_from_tensors"]),
+    ],
+)
+def test_push_replaces_the_adapter(
+    engine: tuple[FakeEngine, str], capabilities: list[str], calls: list[str]
+) -> None:
     state, url = engine
+    state.capabilities = capabilities
     with AdapterClient(url, timeout=5.0) as client:
         client.push("policy", TENSORS, CONFIG)
         client.push("policy", {k: v * 2 for k, v in TENSORS.items()}, CONFIG)
     stored = state.adapters["policy"]
     assert isinstance(stored, dict)
     assert all(torch.equal(stored[k], TENSORS[k] * 2) for k in TENSORS)
-    assert state.calls == ["/unload_lora_adapter", "/load_lora_adapter_from_tensors"] * 2
+    assert state.calls == calls * 2
 
 
 def test_checksum_mismatch_is_an_error(engine: tuple[FakeEngine, str]) -> None:

@@ -123,6 +123,17 @@ _GrpoContextLength = Annotated[
     ),
 ]
 
+_GrpoEngines = Annotated[
+    int | None,
+    typer.Option(
+        "--engines",
+        min=1,
+        metavar="N",
+        help="policy engines behind the router [default: 1 below 4 cores, else 2; the trainer "
+        "runs 2 ranks, 1 on a single core, `-- --shard N` to change]",
+    ),
+]
+
 _GrpoDryRun = Annotated[
     bool,
     typer.Option(
@@ -229,6 +240,7 @@ def grpo_command(
     turn_timeout: _GrpoTurnTimeout = None,
     model_path: _GrpoModelPath = None,
     context_length: _GrpoContextLength = None,
+    engines: _GrpoEngines = None,
     verbose: _GrpoVerbose = False,
     dry_run: _GrpoDryRun = False,
     prompt_data: _GrpoPromptData = None,
@@ -248,7 +260,13 @@ def grpo_command(
         ["posttrain.grpo", "posttrain.formats", "sglang_router", "posttrain.local_engine",
          "posttrain.session_router"],
     )  # fmt: skip
-    from posttrain.launch.grpo import GrpoRecipeConfig, data_flags, run_grpo
+    from posttrain.launch.grpo import (
+        GrpoRecipeConfig,
+        data_flags,
+        local_topology,
+        run_grpo,
+        usable_cores,
+    )
 
     sink, kept = (console_sink(_err), None) if verbose else tail_sink()
     _stop_on_signals()
@@ -279,21 +297,23 @@ def grpo_command(
             turn_timeout_s=turn_timeout,
             model_path=model_path,
             context_length=context_length,
+            engines=engines,
             dry_run=dry_run,
         )
+        topology = local_topology(usable_cores(), cfg.engines, cfg.trainer_args)
+        starting = f"starting {topology.describe()}, sgl-router and the session router"
         _err.print(
             "posttrain grpo --dry-run: the recipe's settings (a first run warms up a tiny model, "
             "about 30 s), then every check; nothing is started"
             if cfg.dry_run
-            else f"posttrain grpo: training {cfg.model_path}; starting the engines, sgl-router, "
-            f"the session router and the trainer; metrics and plots go to {cfg.out}"
+            else f"posttrain grpo: training {cfg.model_path}; {starting}; metrics and plots go "
+            f"to {cfg.out}"
             if cfg.model_path is not None
             else "posttrain grpo: preparing the recipe's checkpoints (a first run warms up a tiny "
-            "model, about 30 s), then starting the engines, sgl-router, the session router and "
-            f"the trainer; metrics and plots go to {cfg.out}",
+            f"model, about 30 s), then {starting}; metrics and plots go to {cfg.out}",
             highlight=False,
         )
-        code = run_grpo(cfg, sink)
+        code = run_grpo(cfg, sink, topology=topology)
     except KeyboardInterrupt:
         interrupted()
     except LaunchError as exc:

@@ -3,15 +3,26 @@
 1. ``python -m posttrain.grpo.recipe prepare`` writes (or reuses, from the cache) the recipe's
    checkpoints: a tiny Dense/MoE policy warmed up on the toy task, its stronger teacher and,
    with ``--rollout-quant nvfp4``, the policy converted to NVFP4.
-2. The local stack of ``posttrain up`` starts on 127.0.0.1: 2 local engines behind the stock
+2. The local stack of ``posttrain up`` starts on 127.0.0.1: the local engines behind the stock
    sgl-router and the session router (with LoRA on and the trained adapter's name when an
    adapter is trained), plus a teacher engine with ``--opd`` (unless ``--teacher URL``), with
    a random API key per stack (``keys.py``) that the engines' weight routes and the session
    router require.
-3. The trainer runs as ``python -m posttrain.grpo`` (2 gloo ranks, HSDP) with the recipe's
-   flags and ``--api-key-file`` (the key file, never the key itself, in its argv), in the
-   foreground: its live display goes straight to this terminal.
+3. The trainer runs as ``python -m posttrain.grpo`` (gloo ranks, HSDP: ``--replicate 1 --shard
+   RANKS``) with the recipe's flags and ``--api-key-file`` (the key file, never the key itself,
+   in its argv), in the foreground: its live display goes straight to this terminal.
 4. Every process is stopped by pid, whatever happened.
+
+Topology (``local_topology``): every process runs one torch thread, so on a small machine the
+processes share few cores. With fewer than 4 usable cores (``usable_cores``: the process's CPU
+affinity, capped by a cgroup CPU quota) the run starts **1 engine**, else 2; the trainer runs **2 ranks**, or 1 on a single
+core. On 2 cores one engine decodes a step's 64 samples in one batch as fast as two engines
+decode 32 each, and the weight push goes to one engine instead of two
+(docs/benchmarks/grpo.md, "Topology"); two trainer ranks train a step in about two thirds of
+one rank's time. The engine count changes no sample (the strict kernels are batch-invariant:
+the same tokens and logprobs on any engine, in any batch), so the run learns exactly as with
+2 engines. ``--engines N`` sets the engine count; ``-- --replicate R --shard S`` the trainer's
+mesh (the trainer's own flags win, as every flag after ``--``).
 
 ``--turn-timeout S`` is the deadline of one rollout turn, end to end: the session router's
 ``--upstream-timeout-s`` and the trainer's ``--turn-timeout-s``. A turn past it (a frozen
@@ -38,6 +49,7 @@ import os
 import signal
 import subprocess
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -71,7 +83,7 @@ class GrpoRecipeConfig:
     seed: int = 0
     resume: Path | None = None
     out: Path = Path("runs/grpo")
-    engines: int = 2
+    engines: int | None = None  # None: from the core count (``local_topology``)
     trainer_args: tuple[str, ...] = ()
     data_args: tuple[str, ...] = ()  # the user's data/reward/eval flags (``data_flags``)
     ready_timeout_s: float = 300.0
@@ -94,7 +106,7 @@ class GrpoRecipeConfig:
                 f"--task must be a task name, got {self.task!r}; for your own prompts give "
                 "--prompt-data FILE (with --input-key, --label-key, --reward)"
             )
-        if self.engines < 1:
+        if self.engines is not None and self.engines < 1:
             raise LaunchConfigError(f"--engines must be >= 1, got {self.engines}")
         if self.turn_timeout_s is not None and not 0 < self.turn_timeout_s < math.inf:
             raise LaunchConfigError(
@@ -123,6 +135,71 @@ class GrpoRecipeConfig:
             ("http://", "https://")
         ):
             raise LaunchConfigError(f"--teacher must be an http(s) URL, got {self.teacher_url!r}")
+
+
+CGROUP_CPU_MAX = Path("/sys/fs/cgroup/cpu.max")
+"""cgroup v2's CPU quota of this process's group: ``max PERIOD`` or ``QUOTA PERIOD``."""
+
+
+def usable_cores(cpu_max: Path = CGROUP_CPU_MAX) -> int:
+    """The cores this process may run on: its CPU affinity (where the OS has one), capped by a
+    cgroup v2 CPU quota (a container's ``--cpus``), rounded up, at least 1."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # no sched_getaffinity (macOS)
+        cores = os.cpu_count() or 1
+    try:
+        quota, period = cpu_max.read_text().split()[:2]
+        if quota != "max":
+            cores = min(cores, max(1, math.ceil(int(quota) / int(period))))
+    except (OSError, ValueError):  # no cgroup v2 quota here, or one we cannot read
+        pass
+    return cores
+
+
+@dataclass(frozen=True, slots=True)
+class Topology:
+    """How many policy engines and trainer ranks a run starts, and what chose them."""
+
+    engines: int
+    trainer_ranks: int
+    cores: int
+    engines_given: bool = False
+    ranks_given: bool = False
+
+    def describe(self) -> str:
+        """One line for the run's plan (what starts, and what chose it)."""
+        engines = f"{self.engines} engine{'s' if self.engines != 1 else ''}"
+        ranks = f"{self.trainer_ranks} trainer rank{'s' if self.trainer_ranks != 1 else ''}"
+        cores = f"{self.cores} core{'s' if self.cores != 1 else ''}"
+        engines += " (--engines)" if self.engines_given else ""
+        ranks += " (-- --replicate/--shard)" if self.ranks_given else ""
+        if self.engines_given and self.ranks_given:
+            return f"{engines} and {ranks}"
+        return f"{engines} and {ranks}, for {cores} (--engines N, -- --shard N to change)"
+
+
+def local_topology(
+    cores: int, engines: int | None = None, trainer_args: Sequence[str] = ()
+) -> Topology:
+    """The run's engines and trainer ranks: ``engines`` when given, else 1 below 4 cores and 2
+    from 4; trainer ranks ``--replicate`` x ``--shard`` where ``trainer_args`` give either (the
+    last of each wins, as the trainer reads them), else 2, or 1 on a single core (see the
+    module docstring)."""
+    chosen = engines if engines is not None else (1 if cores < 4 else 2)
+    ranks = 1 if cores < 2 else 2
+    mesh = {"--replicate": 1, "--shard": ranks}
+    given = False
+    args = list(trainer_args)
+    for i, arg in enumerate(args):
+        name, eq, value = arg.partition("=")
+        if name in mesh:
+            if not eq:
+                value = args[i + 1] if i + 1 < len(args) else ""
+            with contextlib.suppress(ValueError):  # a bad value: the trainer names it
+                mesh[name], given = int(value), True
+    return Topology(engines=chosen, trainer_ranks=mesh["--replicate"] * mesh["--shard"],
+                    cores=cores, engines_given=engines is not None, ranks_given=given)  # fmt: skip
 
 
 def data_flags(**values: Any) -> tuple[str, ...]:
@@ -178,7 +255,7 @@ def prepare_recipe(
 
 def trainer_argv(cfg: GrpoRecipeConfig, recipe: dict[str, Any], urls: dict[str, str],
                  engine_names: list[str], key_file: Path | None = None, *,
-                 python: str = sys.executable) -> list[str]:  # fmt: skip
+                 python: str = sys.executable, trainer_ranks: int = 2) -> list[str]:  # fmt: skip
     """The ``python -m posttrain.grpo`` command of the recipe (user flags last: they win).
 
     ``python`` is this interpreter by default, as ``LocalRunner`` resolves a plan's ``python``:
@@ -198,7 +275,7 @@ def trainer_argv(cfg: GrpoRecipeConfig, recipe: dict[str, Any], urls: dict[str, 
         "--task", cfg.task,
         "--seed", str(cfg.seed),
         "--out-dir", str(cfg.out),
-        "--replicate", "1", "--shard", "2",
+        "--replicate", "1", "--shard", str(trainer_ranks),
         "--lora-name", ADAPTER,
     ]  # fmt: skip
     for key in ("prompts_per_step", "samples_per_prompt", "max_new_tokens", "temperature", "lr",
@@ -261,11 +338,21 @@ def lora_targets_for(model_dir: Path, wanted: list[str]) -> list[str]:
     return [t for t in wanted if dense or t not in _MLP_TARGETS]
 
 
-def run_grpo(cfg: GrpoRecipeConfig, sink: LogSink, *, python: str = sys.executable) -> int:
+def run_grpo(
+    cfg: GrpoRecipeConfig,
+    sink: LogSink,
+    *,
+    python: str = sys.executable,
+    topology: Topology | None = None,
+) -> int:
     """Prepare, start the stack, run the trainer in the foreground, stop everything.
 
-    ``python`` runs the recipe, every process of the stack and the trainer (default: this one).
+    ``python`` runs the recipe, every process of the stack and the trainer (default: this one);
+    ``topology`` the engines and trainer ranks (default: ``local_topology`` of this machine).
     """
+    if topology is None:
+        topology = local_topology(usable_cores(), cfg.engines, cfg.trainer_args)
+    sink("launcher", f"topology: {topology.describe()}")
     recipe = prepare_recipe(cfg, sink, python=python)
     policy = policy_path(cfg, recipe)
     served = recipe["policy_nvfp4"] if cfg.rollout_quant == "nvfp4" else policy
@@ -276,7 +363,7 @@ def run_grpo(cfg: GrpoRecipeConfig, sink: LogSink, *, python: str = sys.executab
         # The trainer's own checks (the model gate, data, reward, eval sets, out-dir, --resume)
         # before any process starts, once: an unsupported --model-path or a bad --prompt-data
         # fails here, in seconds.
-        checked = _trainer_preflight(cfg, recipe, key_file, python)
+        checked = _trainer_preflight(cfg, recipe, key_file, python, topology.trainer_ranks)
         if cfg.dry_run:
             sys.stdout.write(checked)
             sys.stdout.write(
@@ -289,7 +376,7 @@ def run_grpo(cfg: GrpoRecipeConfig, sink: LogSink, *, python: str = sys.executab
             LocalStackConfig(
                 model_path=served,
                 tokenizer_path=policy,
-                engines=cfg.engines,
+                engines=topology.engines,
                 engine_kind=EngineKind.LOCAL,
                 lora_adapter=ADAPTER if cfg.train == "lora" else None,
                 teacher_model_path=recipe["teacher"]
@@ -304,13 +391,15 @@ def run_grpo(cfg: GrpoRecipeConfig, sink: LogSink, *, python: str = sys.executab
                 api_key_file=str(key_file),
             )
         )
-        return _run_stack_and_trainer(cfg, recipe, plan, sink, key, key_file, python)
+        return _run_stack_and_trainer(
+            cfg, recipe, plan, sink, key, key_file, python, topology.trainer_ranks
+        )
     finally:
         remove_key_file(key_file)
 
 
 def _trainer_preflight(
-    cfg: GrpoRecipeConfig, recipe: dict[str, Any], key_file: Path, python: str
+    cfg: GrpoRecipeConfig, recipe: dict[str, Any], key_file: Path, python: str, ranks: int
 ) -> str:
     """``python -m posttrain.grpo ... --dry-run`` with the run's own flags (stand-in URLs: no
     stack is up yet); returns what it printed (the resolved config). A refusal raises
@@ -319,7 +408,8 @@ def _trainer_preflight(
     stand_in = dict.fromkeys(
         ("session-router", "router", "engine-0", TEACHER), "http://127.0.0.1:9"
     )
-    argv = trainer_argv(cfg, recipe, stand_in, ["engine-0"], key_file, python=python)
+    argv = trainer_argv(cfg, recipe, stand_in, ["engine-0"], key_file, python=python,
+                        trainer_ranks=ranks)  # fmt: skip
     done = subprocess.run([*argv, "--dry-run"], capture_output=True, text=True, check=False)
     if done.returncode == 0:
         return done.stdout
@@ -340,13 +430,15 @@ def _run_stack_and_trainer(
     key: str,
     key_file: Path,
     python: str,
+    ranks: int,
 ) -> int:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     # The runner probes readiness with the key and masks it in every log line it relays.
     with LocalRunner(plan, sink=sink, base_env=env, api_key=key, python=python) as runner:
         runner.start()
         engines = policy_engine_names(plan)
-        argv = trainer_argv(cfg, recipe, dict(runner.urls), engines, key_file, python=python)
+        argv = trainer_argv(cfg, recipe, dict(runner.urls), engines, key_file, python=python,
+                            trainer_ranks=ranks)  # fmt: skip
         sink("launcher", "trainer: " + " ".join(argv))
         trainer = subprocess.Popen(argv, preexec_fn=_set_pdeathsig)
         try:

@@ -35,7 +35,7 @@ from posttrain.local_engine._lora import (
     LoraRegistry,
     adapter_from_tensors,
 )
-from posttrain.local_engine._sampling import SamplingConfig, pick_token, top_logprobs
+from posttrain.local_engine._sampling import SamplingConfig, pick_tokens, top_logprobs
 from posttrain.local_engine._update import StagedUpdate, TensorSpec, check_version_increases
 from posttrain.models import DecoderModel, KVCache, MediaBatch, tower_parameter_names
 from posttrain.models import LoraAdapter as ModelLora
@@ -134,6 +134,16 @@ class _Live:
     started: float
     next_lp: torch.Tensor | None = None
     prompt_lp: torch.Tensor | None = None
+
+
+def _pick(lives: Sequence[_Live]) -> list[int]:
+    """The next token of each of ``lives``, chosen together (``pick_tokens``: each from its own
+    seeded generator, the token ``pick_token`` would choose for it alone)."""
+    rows = []
+    for lv in lives:
+        assert lv.next_lp is not None
+        rows.append(lv.next_lp)
+    return pick_tokens(rows, [lv.task.sampling for lv in lives], [lv.gen for lv in lives])
 
 
 class Engine:
@@ -429,17 +439,20 @@ class Engine:
                         live[r].next_lp = live[src].next_lp
                         self._prefilled(live[r], prompt_lp)
             tokens = {}
+            aborting = self.abort_running.is_set()
+            sampling = [] if aborting else [r for r in sorted(live) if live[r].limit > 0]
+            picked = dict(zip(sampling, _pick([live[r] for r in sampling]), strict=True))
             for row in sorted(live):
                 lv = live[row]
                 tok = None
-                if lv.limit > 0 and self.abort_running.is_set():
+                if lv.limit > 0 and aborting:
                     lv.res.finish_reason = {
                         "type": "abort",
                         "message": "generation paused with mode=abort",
                     }
                 elif lv.limit > 0:
                     assert lv.next_lp is not None
-                    tok = self._emit(lv.task, lv.res, lv.next_lp, lv.gen, lv.stops)
+                    tok = self._emit(lv.task, lv.res, lv.next_lp, picked[row], lv.stops)
                 if tok is not None and len(lv.res.output_ids) < lv.limit:
                     tokens[row] = tok
                     continue
@@ -500,11 +513,10 @@ class Engine:
         task: GenTask,
         res: GenResult,
         row: torch.Tensor,
-        gen: torch.Generator,
+        tok: int,
         stops: set[int],
     ) -> int | None:
-        """Sample one token and record it; None when the task has finished with it."""
-        tok = pick_token(row, task.sampling, gen)
+        """Record the sampled token; None when the task has finished with it."""
         res.output_ids.append(tok)
         if task.return_logprob:
             assert res.output_token_logprobs is not None

@@ -108,7 +108,7 @@ class InfoRoutes:
             "loaded_adapters": engine.adapters.names(),
             # What posttrain.lora.AdapterClient probes: verified pushes, and replacing an
             # adapter under its name (every load here replaces atomically).
-            "lora_capabilities": ["checksums"] if cfg.enable_lora else [],
+            "lora_capabilities": ["checksums", "replace"] if cfg.enable_lora else [],
             "version": f"posttrain-local-engine {VERSION}",
             "engine": "posttrain-local-engine",
             "internal_states": [

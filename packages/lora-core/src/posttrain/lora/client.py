@@ -6,8 +6,10 @@ pinned, expected_checksums?}`` (SGLang's ``LoadLoRAAdapterFromTensorsReqInput``:
 copy per TP rank, ``tp_size`` of them), ``POST /unload_lora_adapter {lora_name}``; replies
 ``{success, error_message, loaded_adapters}`` (HTTP 400 on failure). Capabilities come from
 ``GET /server_info`` (``enable_lora`` / ``lora_paths``, ``max_lora_rank``) plus an optional
-``lora_capabilities`` list (``"checksums"``) that posttrain's local engine reports; replacing
-an adapter is unload then load (SGLang's body has no upsert).
+``lora_capabilities`` list that posttrain's local engine reports: ``"checksums"`` (it verifies
+``expected_checksums``) and ``"replace"`` (a load under a loaded name replaces that adapter
+atomically). Replacing an adapter is one load where the engine says ``"replace"``, else unload
+then load (SGLang's body has no upsert and refuses a loaded name).
 
 Departures: ``unload`` ignores only a "not loaded" / "not found" refusal (swallowing every
 error hides real failures); checksums are sha256 of each tensor's raw bytes, sent as
@@ -46,6 +48,7 @@ class AdapterCapabilities:
     lora_enabled: bool
     max_lora_rank: int | None
     checksums: bool
+    replace: bool = False  # a load under a loaded name replaces it (no unload needed)
 
 
 class AdapterClient:
@@ -136,6 +139,7 @@ class AdapterClient:
             lora_enabled=bool(info.get("enable_lora") or info.get("lora_paths")),
             max_lora_rank=int(rank) if rank is not None else None,
             checksums="checksums" in extra,
+            replace="replace" in extra,
         )
         return self._caps
 
@@ -204,7 +208,8 @@ class AdapterClient:
     def push(
         self, name: str, tensors: Mapping[str, torch.Tensor], config_dict: Mapping[str, Any]
     ) -> dict[str, Any]:
-        """Replace the engine's adapter ``name``: unload (ignoring "not loaded"), then load."""
-        self._require_lora()
-        self.unload(name)
+        """Replace the engine's adapter ``name``: one load where the engine replaces a loaded
+        name itself (``"replace"``), else unload (ignoring "not loaded"), then load."""
+        if not self._require_lora().replace:
+            self.unload(name)
         return self.load_from_tensors(name, tensors, config_dict)
