@@ -333,6 +333,39 @@ def ignored_params_check(rank: int, world: int) -> dict[str, Any]:
     }
 
 
+def export_in_buckets(rank: int, world: int) -> dict[str, Any]:
+    """``iter_full_state_dict``'s bucketed all-gathers against one ``gather_full_param`` per
+    entry, on the flat and an HSDP mesh (uneven and empty shards at W=4), gathers counted."""
+    out: dict[str, Any] = {}
+    for replicate in (1, 2):
+        mesh = build_fsdp_mesh(MeshSpec(world_size=world, replicate=replicate))
+        torch.manual_seed(3)
+        model = ParityModel(30, 2, 3)
+        model.register_buffer("steps", torch.arange(4.0))  # plain: passes through
+        apply_hsdp(model, mesh, FP32)
+        ref = [(n, gather_full_param(v)) for n, v in model.state_dict().items()]
+        runs: dict[str, Any] = {}
+        # 3600 + 3600 + 360 bytes of fp32 weights: alone, two buckets, one bucket
+        for label, nbytes in (("one_each", 1), ("small", 4000), ("default", 64 << 20)):
+            with count_collectives() as log:
+                got = list(iter_full_state_dict(model, bucket_bytes=nbytes))
+            runs[label] = {
+                "names_equal": [n for n, _ in got] == [n for n, _ in ref],
+                "bytes_equal": all(
+                    a.dtype == b.dtype and torch.equal(a, b)
+                    for (_, a), (_, b) in zip(got, ref, strict=True)
+                ),
+                "gathers": log.count(),
+            }
+        out[f"r{replicate}"] = runs
+    try:
+        next(iter_full_state_dict(model, bucket_bytes=0))
+        out["zero_bucket"] = "accepted"
+    except ValueError as exc:
+        out["zero_bucket"] = str(exc)
+    return out
+
+
 def _timed(parts: dict[str, Any], seconds: dict[str, float], name: str, fn: Any) -> None:
     t0 = time.perf_counter()
     parts[name] = fn()
@@ -352,6 +385,7 @@ def w4_suite(rank: int, world: int, root: str) -> dict[str, Any]:
         "checkpoint",
         lambda: checkpoint_across_layouts(rank, world, 2, [1, 4, 2], root, None),
     )
+    _timed(out, sec, "export", lambda: export_in_buckets(rank, world))
     return out
 
 
@@ -369,6 +403,7 @@ def w2_suite(rank: int, world: int, root: str) -> dict[str, Any]:
     _timed(out, sec, "live", lambda: live_checks(rank, world))
     _timed(out, sec, "variants", lambda: config_variants(rank, world))
     _timed(out, sec, "ignored", lambda: ignored_params_check(rank, world))
+    _timed(out, sec, "export", lambda: export_in_buckets(rank, world))
     return out
 
 

@@ -172,3 +172,20 @@ def test_live_group_errors_fallback_clip_and_export(w2: list[dict[str, Any]]) ->
         assert res["noop_grads_equal"] is True
         assert res["export_equal"] is True
         assert res["export_dtype"] == "torch.float64"
+
+
+@pytest.mark.parametrize("suite", ["w2", "w4"])
+def test_full_state_dict_gathers_in_buckets_with_the_same_bytes(
+    suite: str, request: pytest.FixtureRequest
+) -> None:
+    """Consecutive dim-0-sharded weights go as one all-gather per bucket (flat and HSDP mesh,
+    uneven and empty shards at W=4); names, order and bytes equal one gather per tensor."""
+    for rank_out in request.getfixturevalue(suite):
+        res = rank_out["export"]
+        for layout in ("r1", "r2"):
+            runs = res[layout]
+            for run in runs.values():
+                assert run["names_equal"]
+                assert run["bytes_equal"]
+            assert [runs[k]["gathers"] for k in ("one_each", "small", "default")] == [3, 2, 1]
+        assert res["zero_bucket"] == "bucket_bytes must be at least 1, got 0"
