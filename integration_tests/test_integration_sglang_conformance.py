@@ -171,6 +171,42 @@ def test_colocated_tensor_updates_read_back_through_sglangs_deserializer() -> No
             assert torch.equal(read[name].view(torch.uint8), t.view(torch.uint8)), name
 
 
+def test_flattened_distributed_buckets_are_what_sglangs_receiver_allocates() -> None:
+    """``update_weights_from_distributed`` with ``load_format="flattened_bucket"`` (the
+    default push): each body validates, and SGLang's own receive buffer
+    (``FlattenedTensorBucket.empty`` from the body's names, dtypes and shapes), filled with the
+    bytes we broadcast, reconstructs exactly the tensors we sent (every dtype: BF16 weights,
+    NVFP4's uint8 codes, fp8 scales and fp32 global scales, an odd byte count)."""
+    from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorBucket
+
+    from posttrain.formats import FLATTENED_BUCKET, flat_bytes, flat_order
+
+    _, tensors = _full_update()
+    tensors += [("odd.bytes", torch.arange(7, dtype=torch.uint8)),
+                ("fp8.scale", torch.full((3,), 0.5).to(torch.float8_e4m3fn)),
+                ("global.scale", torch.tensor([0.25, 2.0]))]  # fmt: skip
+    buckets = plan_buckets(tensors, 1 << 16)
+    assert len(buckets) > 1
+    read: dict[str, torch.Tensor] = {}
+    for k, planned in enumerate(buckets):
+        bucket = flat_order(planned)
+        last = k == len(buckets) - 1
+        ours = bucket_request(bucket, last=last, weight_version=5, flattened=True)
+        got = _sglang_accepts(io_struct.UpdateWeightsFromDistributedReqInput, ours)
+        assert got.load_format == FLATTENED_BUCKET
+        receiver = FlattenedTensorBucket.empty(got.names, got.dtypes, got.shapes, "cpu")
+        flat = receiver.get_flattened_tensor()
+        sent = flat_bytes(bucket)
+        assert flat.shape == sent.shape
+        flat.copy_(sent)  # what the broadcast does
+        for name, t in receiver.reconstruct_tensors():
+            read[name] = t.clone()
+    assert set(read) == {n for n, _ in tensors}
+    for name, t in tensors:
+        assert (read[name].dtype, read[name].shape) == (t.dtype, t.shape), name
+        assert torch.equal(read[name].view(torch.uint8), t.view(torch.uint8)), name
+
+
 def test_the_old_wsync_bodies_are_refused_by_sglang() -> None:
     """The negative control: what the trainer sent before (issue 32) does not parse."""
     with pytest.raises(pydantic.ValidationError):

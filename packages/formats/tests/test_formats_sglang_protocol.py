@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from posttrain.formats import (
+    FLATTENED_BUCKET,
     BucketFormatError,
     EngineClient,
     LoadLoraAdapterFromTensorsReq,
@@ -22,9 +23,13 @@ from posttrain.formats import (
     bucket_request,
     decode_adapter_payload,
     deserialize_named_tensors,
+    dtype_from_name,
+    flat_bytes,
+    flat_order,
     free_port,
     plan_buckets,
     serialize_named_tensors,
+    unflatten,
 )
 from posttrain.interface import EngineError, StaleVersionError, WireFormatError
 
@@ -80,6 +85,42 @@ def test_buckets_and_their_requests() -> None:
         UpdateWeightsFromDistributedReq.parse({"names": ["a"], "dtypes": [], "shapes": [[1]]})
     with pytest.raises(WireFormatError, match="bogus"):
         UpdateWeightsFromDistributedReq.parse({"names": [], "dtypes": [], "shapes": [], "bogus": 1})
+
+
+def test_flattened_buckets_pack_wider_items_first_and_unflatten_to_the_same_bytes() -> None:
+    """SGLang's flattened distributed bucket: bytes end to end, no padding, each tensor at a
+    multiple of its item size (wider items first makes that so); the receiving end's views
+    hold the same bytes; a misaligned order and a wrong-sized buffer are refused by name."""
+    g = torch.Generator().manual_seed(0)
+    bucket = [
+        ("codes", torch.randint(0, 255, (3, 5), generator=g, dtype=torch.uint8)),  # 15 bytes
+        ("norm", torch.randn(7, generator=g).bfloat16()),  # 14 bytes
+        ("scale", torch.randn(3, generator=g).to(torch.float8_e4m3fn)),
+        ("w", torch.randn(2, 3, generator=g)),  # fp32
+        ("ids", torch.arange(3, dtype=torch.int64)),
+    ]
+    ordered = flat_order(bucket)
+    assert [n for n, _ in ordered] == ["ids", "w", "norm", "codes", "scale"]  # stable
+    flat = flat_bytes(ordered)
+    assert flat.dtype == torch.uint8
+    assert flat.numel() == sum(t.numel() * t.element_size() for _, t in bucket)
+    req = bucket_request(ordered, last=True, weight_version=2, flattened=True)
+    assert req.load_format == FLATTENED_BUCKET
+    dtypes = [dtype_from_name(d) for d in req.dtypes]
+    got_flat, views = unflatten(req.names, dtypes, req.shapes, flat.clone())
+    assert list(views) == req.names
+    for name, t in bucket:
+        assert views[name].dtype == t.dtype
+        assert views[name].shape == t.shape
+        assert torch.equal(views[name].view(torch.uint8), t.view(torch.uint8))
+        assert views[name].data_ptr() >= got_flat.data_ptr()  # views of the one buffer
+    fresh, _ = unflatten(req.names, dtypes, req.shapes)
+    assert fresh.numel() == flat.numel()
+    with pytest.raises(BucketFormatError, match=r"^norm: starts at byte 15 .*bfloat16 item size 2"):
+        flat_bytes(bucket)  # the given order: 15 bytes of codes put norm off its grid
+    with pytest.raises(BucketFormatError, match=r"flattened bucket: 3 torch.uint8 elements"):
+        unflatten(req.names, dtypes, req.shapes, torch.zeros(3, dtype=torch.uint8))
+    assert bucket_request(ordered, last=True, weight_version=2).load_format is None
 
 
 def test_engine_client_names_engine_route_and_message() -> None:

@@ -62,6 +62,8 @@ def _weights(seed: int) -> list[tuple[str, torch.Tensor]]:
 
 
 def test_distributed_update_commits_all_buckets_at_the_end(server: str) -> None:
+    """Both of SGLang's forms (one broadcast per bucket, flattened, the default; one per
+    tensor) serve the same weights: same checksum, same greedy output."""
     before = _state(server)
     new = _weights(7)
     with EngineClient(server) as client:
@@ -70,10 +72,21 @@ def test_distributed_update_commits_all_buckets_at_the_end(server: str) -> None:
     version, sha, out = _state(server)
     assert version == 3
     assert sha != before[1]
-    # the same weights again at a higher version: same checksum, same greedy output
+    # the same weights again at a higher version, in one flattened bucket and one broadcast
+    # per tensor: same checksum, same greedy output
     with EngineClient(server) as client:
         push_distributed([client], new, weight_version=4, bucket_bytes=1 << 20, timeout_s=30)
     assert _state(server) == (4, sha, out)
+    with EngineClient(server) as client:
+        push_distributed(
+            [client], _weights(8), weight_version=5, bucket_bytes=4096, timeout_s=30,
+            flattened=False,
+        )  # fmt: skip
+        assert _state(server)[1] not in (sha, before[1])
+        push_distributed(
+            [client], new, weight_version=6, bucket_bytes=4096, timeout_s=30, flattened=False
+        )
+    assert _state(server) == (6, sha, out)
 
 
 def test_refused_and_interrupted_updates_leave_old_weights_serving(server: str) -> None:

@@ -100,11 +100,15 @@ if TYPE_CHECKING:
     from posttrain.formats._api_key import API_KEY_ENV, resolve_api_key
     from posttrain.formats._buckets import (
         DTYPES,
+        FLATTENED_BUCKET,
         bucket_request,
         dtype_from_name,
         dtype_name,
+        flat_bytes,
+        flat_order,
         plan_buckets,
         tensors_sha256,
+        unflatten,
     )
     from posttrain.formats._distributed_update import (
         DEFAULT_BUCKET_BYTES,
@@ -185,7 +189,6 @@ if TYPE_CHECKING:
         version_string,
     )
     from posttrain.formats._tensor_update import (
-        FLATTENED_BUCKET,
         flatten_bucket,
         serialize_for_engine,
         tensor_update_requests,
@@ -203,11 +206,15 @@ _NEEDS_TORCH = {
     ),
     "_buckets": (
         "DTYPES",
+        "FLATTENED_BUCKET",
         "bucket_request",
         "dtype_from_name",
         "dtype_name",
+        "flat_bytes",
+        "flat_order",
         "plan_buckets",
         "tensors_sha256",
+        "unflatten",
     ),
     "_api_key": ("API_KEY_ENV", "resolve_api_key"),
     "_finite": (
@@ -239,7 +246,6 @@ _NEEDS_TORCH = {
     ),
     "_update_group": ("UpdateGroup", "join_update_group"),
     "_tensor_update": (
-        "FLATTENED_BUCKET",
         "flatten_bucket",
         "serialize_for_engine",
         "tensor_update_requests",
@@ -364,6 +370,8 @@ __all__ = [
     "e2m1_code_values",
     "encode_samples",
     "expert_modules",
+    "flat_bytes",
+    "flat_order",
     "flatten_bucket",
     "free_port",
     "fsync_dir",
@@ -398,6 +406,7 @@ __all__ = [
     "tensor_sha256",
     "tensor_update_requests",
     "tensors_sha256",
+    "unflatten",
     "unpack_e2m1_codes",
     "unstack_expert_adapter",
     "verify_adapter_checksums",

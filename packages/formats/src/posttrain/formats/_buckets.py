@@ -2,7 +2,13 @@
 
 ``plan_buckets`` is the greedy, in-order split of a tensor list under a byte cap (a tensor larger
 than the cap travels alone); each bucket becomes one ``/update_weights_from_distributed`` request
-(its ``names``/``dtypes``/``shapes``, ``bucket_request``) and one broadcast per tensor in order.
+(its ``names``/``dtypes``/``shapes``, ``bucket_request``) and either one broadcast per tensor in
+order or, with ``flattened`` (SGLang's ``load_format="flattened_bucket"``), one broadcast of a
+``uint8`` tensor holding every tensor's bytes end to end, no padding: the layout SGLang's
+``FlattenedTensorBucket.empty`` derives from the names, dtypes and shapes alone, which refuses
+a tensor whose start is not a multiple of its item size. ``flat_order`` puts a bucket's wider
+items first, which makes every start aligned; ``flat_bytes`` and ``unflatten`` are the two
+ends of that layout.
 ``dtype_name`` / ``dtype_from_name`` map torch dtypes to SGLang's names (``"bfloat16"``: the
 receiver does ``getattr(torch, name)``). ``tensors_sha256`` is the engine state digest.
 """
@@ -23,12 +29,18 @@ from posttrain.formats._sglang_requests import (
 
 __all__ = [
     "DTYPES",
+    "FLATTENED_BUCKET",
     "bucket_request",
     "dtype_from_name",
     "dtype_name",
+    "flat_bytes",
+    "flat_order",
     "plan_buckets",
     "tensors_sha256",
+    "unflatten",
 ]
+
+FLATTENED_BUCKET = "flattened_bucket"  # SGLang's load_format for one flat tensor per bucket
 
 DTYPES: dict[str, torch.dtype] = {
     "bfloat16": torch.bfloat16,
@@ -93,9 +105,12 @@ def bucket_request(
     last: bool,
     weight_version: int | None,
     group_name: str = DEFAULT_GROUP_NAME,
+    flattened: bool = False,
 ) -> UpdateWeightsFromDistributedReq:
     """The ``/update_weights_from_distributed`` body of one bucket. Only the last bucket of an
-    update flushes the cache and carries the new ``weight_version`` (the update's end)."""
+    update flushes the cache and carries the new ``weight_version`` (the update's end).
+    ``flattened``: the bucket travels as one broadcast (``flat_bytes``; put it in
+    ``flat_order`` first)."""
     return UpdateWeightsFromDistributedReq(
         names=[n for n, _ in bucket],
         dtypes=[dtype_name(t.dtype) for _, t in bucket],
@@ -103,7 +118,68 @@ def bucket_request(
         group_name=group_name,
         flush_cache=last,
         weight_version=version_string(weight_version) if last else None,
+        load_format=FLATTENED_BUCKET if flattened else None,
     )
+
+
+def flat_order(
+    bucket: Sequence[tuple[str, torch.Tensor]],
+) -> list[tuple[str, torch.Tensor]]:
+    """``bucket`` with wider items first (stable): packed end to end, every tensor then starts
+    at a multiple of its item size (item sizes are powers of two, and each tensor's bytes are a
+    multiple of its own), as SGLang's flattened receive requires."""
+    return sorted(bucket, key=lambda item: -item[1].element_size())
+
+
+def flat_bytes(bucket: Sequence[tuple[str, torch.Tensor]]) -> torch.Tensor:
+    """One ``uint8`` tensor of the bucket's bytes end to end, in its order (on its tensors'
+    device); refuses a bucket whose layout would misalign a tensor (``flat_order`` first)."""
+    _starts([(n, t.dtype, t.shape) for n, t in bucket])
+    parts = [t.detach().contiguous().reshape(-1).view(torch.uint8) for _, t in bucket]
+    return torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8)
+
+
+def _starts(
+    entries: Sequence[tuple[str, torch.dtype, Sequence[int]]],
+) -> tuple[list[int], int]:
+    """Each entry's byte offset in the flat layout and the total; an entry that would start
+    off its item size's grid is refused by name (SGLang refuses it too)."""
+    starts: list[int] = []
+    at = 0
+    for name, dtype, shape in entries:
+        size = dtype.itemsize
+        if at % size:
+            raise BucketFormatError(
+                f"{name}: starts at byte {at} of a flattened bucket, not a multiple of its "
+                f"{dtype} item size {size} (send wider items first)",
+                field="names",
+            )
+        starts.append(at)
+        at += torch.Size(shape).numel() * size
+    return starts, at
+
+
+def unflatten(
+    names: Sequence[str],
+    dtypes: Sequence[torch.dtype],
+    shapes: Sequence[Sequence[int]],
+    flat: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The receiving end: the flat ``uint8`` buffer (``flat``, or a new one sized for the
+    entries) and each tensor as a view of it, by name."""
+    starts, total = _starts(list(zip(names, dtypes, shapes, strict=True)))
+    if flat is None:
+        flat = torch.empty(total, dtype=torch.uint8)
+    elif flat.dtype != torch.uint8 or flat.numel() != total:
+        raise BucketFormatError(
+            f"flattened bucket: {flat.numel()} {flat.dtype} elements for {total} bytes of tensors",
+            field="shapes",
+        )
+    views = {
+        name: flat[at : at + torch.Size(shape).numel() * d.itemsize].view(d).view(tuple(shape))
+        for name, d, shape, at in zip(names, dtypes, shapes, starts, strict=True)
+    }
+    return flat, views
 
 
 def tensors_sha256(tensors: Mapping[str, torch.Tensor]) -> str:

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from posttrain.formats._buckets import bucket_request, plan_buckets
+from posttrain.formats._buckets import bucket_request, flat_bytes, flat_order, plan_buckets
 from posttrain.formats._engine_client import EngineClient
 from posttrain.formats._errors import UpdateGroupError
 from posttrain.formats._sglang_requests import (
@@ -183,12 +183,15 @@ class WeightUpdateGroup:
         *,
         weight_version: int | None,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        flattened: bool = True,
     ) -> int:
         """Send ``tensors`` to every engine of the group; returns the bytes broadcast.
 
         Each tensor travels in the dtype and shape the engines hold, from host memory on gloo
         and from the current GPU on nccl (copied there, one bucket at a time, when it is
         elsewhere). The last bucket carries ``flush_cache`` and ``weight_version``.
+        ``flattened`` (SGLang's ``load_format="flattened_bucket"``): a bucket is one broadcast
+        of its bytes end to end, wider items first, instead of one broadcast per tensor.
         """
         if self._group is None or not self.usable:
             raise UpdateGroupError(
@@ -197,16 +200,21 @@ class WeightUpdateGroup:
         group = self._group
         self.usable = False  # until this update completes
         buckets = plan_buckets([(n, t.contiguous()) for n, t in tensors], bucket_bytes)
-        for k, bucket in enumerate(buckets):
+        for k, planned in enumerate(buckets):
+            bucket = flat_order(planned) if flattened else planned
             req = bucket_request(
                 bucket,
                 last=k == len(buckets) - 1,
                 weight_version=weight_version,
                 group_name=self.group_name,
+                flattened=flattened,
             )
+            wire = [_on(self.backend, t) for _, t in bucket]
+            if flattened:
+                wire = [flat_bytes(list(zip(req.names, wire, strict=True)))]
             sent = [self._post(c, "/update_weights_from_distributed", req) for c in self.clients]
             try:
-                group.broadcast([_on(self.backend, t) for _, t in bucket])
+                group.broadcast(wire)
             except UpdateGroupError as exc:
                 _wait(sent)  # an engine's own answer names the cause better, if it has one
                 raise exc
@@ -245,6 +253,7 @@ def push_distributed(
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     group_name: str = DEFAULT_GROUP_NAME,
     timeout_s: float = 300.0,
+    flattened: bool = True,
 ) -> int:
     """One update in a group of its own: ``WeightUpdateGroup.form``, ``push``, ``close``;
     returns the bytes broadcast."""
@@ -259,6 +268,8 @@ def push_distributed(
         timeout_s=timeout_s,
     )
     try:
-        return group.push(tensors, weight_version=weight_version, bucket_bytes=bucket_bytes)
+        return group.push(
+            tensors, weight_version=weight_version, bucket_bytes=bucket_bytes, flattened=flattened
+        )
     finally:
         group.close()

@@ -31,12 +31,11 @@ from typing import Any
 import torch
 import torch.multiprocessing
 
-from posttrain.formats._buckets import plan_buckets
+from posttrain.formats._buckets import FLATTENED_BUCKET, plan_buckets
 from posttrain.formats._sglang_requests import UpdateWeightsFromTensorReq
 
 __all__ = ["FLATTENED_BUCKET", "flatten_bucket", "serialize_for_engine", "tensor_update_requests"]
 
-FLATTENED_BUCKET = "flattened_bucket"  # SGLang's load_format for one flat tensor per bucket
 _ALIGN = 16  # bytes: every dtype's itemsize divides it
 
 

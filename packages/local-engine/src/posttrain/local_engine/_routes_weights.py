@@ -8,7 +8,9 @@ bearer-token guard. The request bodies are SGLang's (``posttrain.formats``'
   (nccl is refused by name on this CPU engine); a group of the same name joined before is left
   first (its trainer formed it again: it lost the old one), dropping any update begun in it;
   ``/destroy_weights_update_group`` leaves it and drops any update begun and not completed;
-- ``/update_weights_from_distributed`` receives one bucket and stages it; the bucket with
+- ``/update_weights_from_distributed`` receives one bucket and stages it (one broadcast per
+  tensor, or with ``load_format: "flattened_bucket"`` one broadcast of the bucket's bytes end
+  to end, as SGLang's ``FlattenedTensorBucket`` lays them out); the bucket with
   ``flush_cache: true`` ends the update and commits it, all or nothing (``_update``);
 - ``/update_weights_from_disk``, ``/update_weight_version``;
 - ``/update_weights_from_tensor`` is refused by name: its payload carries pickled CUDA IPC
@@ -33,6 +35,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from posttrain.formats import (
+    FLATTENED_BUCKET,
     DestroyWeightsUpdateGroupReq,
     InitWeightsUpdateGroupReq,
     UpdateGroup,
@@ -40,6 +43,7 @@ from posttrain.formats import (
     UpdateWeightVersionReq,
     dtype_from_name,
     join_update_group,
+    unflatten,
 )
 from posttrain.interface import UpdateWeightsFromDiskRequest, WireFormatError, parse_weight_version
 from posttrain.local_engine._context import ServerContext
@@ -125,12 +129,13 @@ class WeightRoutes:
             raise UpdateSessionError(
                 f"group_name: {req.group_name!r} is not joined (/init_weights_update_group)"
             )
-        if req.load_format is not None:
+        if req.load_format not in (None, FLATTENED_BUCKET):
             raise WireFormatError(
                 f"load_format: {req.load_format!r} is not read by this engine (one broadcast "
-                "per tensor)",
+                f"per tensor, or {FLATTENED_BUCKET!r}: one per bucket)",
                 field="load_format",
             )
+        flattened = req.load_format == FLATTENED_BUCKET
         version = parse_weight_version(req.weight_version)
         dtypes = self.bucket_dtypes(req)
         engine = self.ctx.engine
@@ -139,6 +144,15 @@ class WeightRoutes:
         update = self.pending[req.group_name]
 
         def receive_and_stage() -> None:
+            if flattened:  # one broadcast of the bucket's bytes end to end (formats' layout)
+                total = sum(
+                    torch.Size(s).numel() * d.itemsize
+                    for s, d in zip(req.shapes, dtypes, strict=True)
+                )
+                flat = torch.empty(total, dtype=torch.uint8)
+                group.broadcast([flat])  # always received, even if the layout is refused next
+                update.add(unflatten(req.names, dtypes, req.shapes, flat)[1])
+                return
             bufs = [torch.empty(s, dtype=d) for s, d in zip(req.shapes, dtypes, strict=True)]
             group.broadcast(bufs)  # always received: the trainer's broadcast must complete
             update.add(dict(zip(req.names, bufs, strict=True)))
