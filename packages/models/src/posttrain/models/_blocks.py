@@ -261,14 +261,31 @@ class TokenLayout:
 
 
 class PackedLayout(TokenLayout):
-    """Packed training segments: ``seg`` in ``[0, num_segments)``, positions restart per segment."""
+    """Packed training segments: ``seg`` in ``[0, num_segments)``, positions restart per segment.
 
-    def __init__(self, seg: Tensor, pos: Tensor, num_segments: int, capacity: int) -> None:
+    ``longest``: the longest segment, given by a caller that built ``seg``/``pos`` itself from
+    host segment lengths (segments contiguous, positions ``0, 1, ...``): the layout then takes
+    both facts as given instead of reading them back from the device (two host syncs).
+    """
+
+    def __init__(
+        self,
+        seg: Tensor,
+        pos: Tensor,
+        num_segments: int,
+        capacity: int,
+        *,
+        longest: int | None = None,
+    ) -> None:
         super().__init__(seg, pos)
         self.num_segments = num_segments
         self.capacity = capacity
         self._in_order: bool | None = None
         self._longest: int | None = None
+        if longest is not None:
+            # the caller built seg/pos from host segment lengths (``DecoderModel._pack``): in
+            # order by construction and the longest known, so no host sync is ever needed
+            self._in_order, self._longest = True, longest
 
     def tokens_in_order(self) -> bool:
         """Whether every segment's tokens are contiguous with positions ``0, 1, 2, ...``

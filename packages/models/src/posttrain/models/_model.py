@@ -858,8 +858,11 @@ class DecoderModel(nn.Module):
         self.sites["lm_head"] = LinearSite(self, self, head, parts=(("lm_head", cfg.vocab_size),))
 
     def _check_ids(self, ids: Tensor) -> Tensor:
-        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.config.vocab_size):
-            bad = int(((ids < 0) | (ids >= self.config.vocab_size)).nonzero()[0, 0])
+        """``ids`` when every id is in the vocabulary (one host sync on a device: the check
+        reads one bool back; ids still on the CPU are checked before they move)."""
+        outside = (ids < 0) | (ids >= self.config.vocab_size)
+        if ids.numel() and bool(outside.any()):
+            bad = int(outside.nonzero()[0, 0])
             raise ModelInputError(
                 f"input_ids[{bad}]={int(ids[bad])} is outside the vocabulary "
                 f"[0, {self.config.vocab_size})"
@@ -868,7 +871,7 @@ class DecoderModel(nn.Module):
 
     def _pack(self, input_ids: Tensor, lengths: Sequence[int]) -> tuple[Tensor, Tensor, Tensor]:
         dev = self.embedding.device
-        ids = self._check_ids(input_ids.reshape(-1).long().to(dev))
+        ids = self._check_ids(input_ids.reshape(-1).long()).to(dev)  # checked where it lies
         cap = self.config.capacity
         if ids.numel() == 0:
             raise ModelInputError("input_ids is empty: a forward needs at least one token")
@@ -882,6 +885,7 @@ class DecoderModel(nn.Module):
         seg = torch.repeat_interleave(
             torch.arange(len(lengths), device=dev),
             torch.tensor(list(lengths), dtype=torch.long, device=dev),
+            output_size=ids.shape[0],  # known here: no read-back of the repeats' sum
         )
         starts = torch.tensor(_segment_starts(lengths), dtype=torch.long, device=dev)
         pos = torch.arange(ids.shape[0], device=dev) - starts[seg]
@@ -894,9 +898,12 @@ class DecoderModel(nn.Module):
         ids, seg, pos = self._pack(input_ids, segment_lengths)
         routing = LoraRouting(lora, seg, len(segment_lengths), self._lora_targets)
         # buffers only as long as the longest segment needs (rounded up to a power of two, as
-        # attend_buffers reduces): the same bits as full capacity, at a cost independent of it
-        width = min(self.config.capacity, 1 << int(pos.max()).bit_length())
-        return ids, PackedLayout(seg, pos, len(segment_lengths), width), routing
+        # attend_buffers reduces): the same bits as full capacity, at a cost independent of it.
+        # The longest segment comes from the host lengths, never from the device (no sync).
+        longest = max(segment_lengths)
+        width = min(self.config.capacity, 1 << (longest - 1).bit_length())
+        layout = PackedLayout(seg, pos, len(segment_lengths), width, longest=longest)
+        return ids, layout, routing
 
     def _forward(
         self,
