@@ -102,6 +102,15 @@ class Step(NamedTuple):
     logprobs: Tensor
 
 
+def layer_prefix(index: int) -> str:
+    """The PEFT/HF name prefix of decoder layer ``index``: ``model.layers.{index}.``.
+
+    Layers keep it as a plain string (``prefix``): a compiled layer under FSDP2 sees its
+    ``index`` as a symbolic int (``dynamic=True``), and formatting one into a string is a graph
+    break, so the forward reads the string instead."""
+    return f"model.layers.{index}."
+
+
 class LayerCall(NamedTuple):
     """What a decoder layer's ``forward(h, call)`` needs besides the residual stream: the model
     (its kernels and the layer computation), the token layout and the LoRA routing.
@@ -145,6 +154,7 @@ class _Layer(nn.Module):
         nr = shape.num_heads * config.rel_pos_dim
         dt = config.dtype
         self.index = index
+        self.prefix = layer_prefix(index)
         self.is_moe = config.is_moe_layer(index)
         self.attn_norm = nn.Parameter(torch.ones(h, dtype=dt))
         self.qkv = nn.Parameter(torch.zeros(nq + 2 * nkv + nr, h, dtype=dt))
@@ -240,6 +250,7 @@ class MlaLayer(nn.Module):
 
         h, i, dt = config.hidden_size, config.intermediate_size, config.dtype
         self.index = index
+        self.prefix = layer_prefix(index)
         self.is_moe = config.is_moe_layer(index)
         self.attn_norm = nn.Parameter(torch.ones(h, dtype=dt))
         self.mlp_norm = nn.Parameter(torch.ones(h, dtype=dt))
@@ -1031,7 +1042,7 @@ class DecoderModel(nn.Module):
     ) -> Tensor:
         """The residual stream ``[T, H]`` after one (non-MLA) layer: attention, then its MLP."""
         cfg, ops = self.config, self.ops
-        prefix = f"model.layers.{layer.index}."
+        prefix = layer.prefix
         h = h + self._attention(layer, h, layout, lora, prefix)
         m = ops.rms_norm(h, layer.mlp_norm, cfg.rms_norm_eps)
         if isinstance(layer, MoeLayer):
@@ -1113,7 +1124,7 @@ class DecoderModel(nn.Module):
         past its LoRA delta).
         """
         cfg, ops = self.config, self.ops
-        prefix = f"model.layers.{layer.index}."
+        prefix = layer.prefix
         sites = layer.sites
 
         n_tok = h.shape[0]
