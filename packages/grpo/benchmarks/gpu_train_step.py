@@ -190,13 +190,15 @@ def measure(rank: int, world: int, args: argparse.Namespace, train: str, numeric
     samples = _samples(mcfg, tokens, args.seq_len, rank, world, model)
     policy = shard_policy(model, gcfg, device=device)  # what the GRPO trainer builds, on device
     total = world * len(samples) * (args.seq_len - args.seq_len // 2)
-    seconds, diffs, first = [], [], 0.0
+    seconds, diffs, first, recorded = [], [], 0.0, []
     for rep in range(args.reps + 1):
         _sync(device)
         t0 = time.perf_counter()
+        before = _cudagraph_recordings()
         metrics = train_step(policy, samples, gcfg, global_batch_size=world * len(samples),
                              global_token_count=total)  # fmt: skip
         _sync(device)
+        recorded.append(_cudagraph_recordings() - before)
         if rep == 0:
             diffs.append(metrics["train_rollout_logprob_max_abs_diff"])  # before any update
             first = time.perf_counter() - t0
@@ -223,10 +225,20 @@ def measure(rank: int, world: int, args: argparse.Namespace, train: str, numeric
         "peak_memory_gib": max(p or 0 for p in peaks) / 2**30,
         "first_step_max_abs_logprob_diff": diffs[0],
         **({"compile": True, "compile_mode": args.compile_mode,
-            "compiled_at_end": still_compiled, "first_step_s": first, **_compile_counters()}
+            "compiled_at_end": still_compiled, "first_step_s": first, **_compile_counters(),
+            "cudagraph_recorded_inputs_per_step": recorded}
            if compiled else {}),
         **({"profile_top_kernels": profile} if profile else {}),
     }  # fmt: skip
+
+
+def _cudagraph_recordings() -> int:
+    """Inductor's running count of the non-static inputs of every CUDA graph it recorded: it
+    grows while graphs are (re-)recorded and stays put while they replay. A compiled row's
+    ``cudagraph_recorded_inputs_per_step`` is its growth per step: in ``reduce-overhead``,
+    anything but 0 after the first two steps means graphs are re-recorded every step (a
+    parameter's address moved, say FSDP2's re-allocated unsharded parameters), not replayed."""
+    return int(torch._dynamo.utils.counters["inductor"]["cudagraph_recorded_non_static_inputs"])
 
 
 def _compile_counters() -> dict[str, Any]:
