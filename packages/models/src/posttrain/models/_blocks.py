@@ -208,16 +208,20 @@ def causal_sdpa(
     q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
     longest = int(pos.max()) + 1 if longest is None else longest
     if num_segments * longest <= 2 * t:
-        slot = seg * longest + pos  # the token's row in the padded [segments * L] batch
+        # every segment exactly ``longest`` long: the packing is the padded batch itself (no
+        # scatter into a zero buffer, no gather back: 4 kernels and their backwards fewer)
+        t_pad = num_segments * longest
+        slot = None if t_pad == t else seg * longest + pos  # the token's row in the padded batch
 
         def padded(x: Tensor) -> Tensor:
-            rows = x.new_zeros((num_segments * longest, *x.shape[1:])).index_copy(0, slot, x)
+            rows = x if slot is None else x.new_zeros((t_pad, *x.shape[1:])).index_copy(0, slot, x)
             return rows.reshape(num_segments, longest, *x.shape[1:]).transpose(1, 2)
 
         kp = padded(k).repeat_interleave(group, dim=1)
         vp = padded(v).repeat_interleave(group, dim=1)
         o = F.scaled_dot_product_attention(padded(q), kp, vp, is_causal=True, scale=scale)
-        return o.transpose(1, 2).reshape(num_segments * longest, -1)[slot]
+        out = o.transpose(1, 2).reshape(t_pad, -1)
+        return out if slot is None else out[slot]
     outs = []
     for s in torch.unique_consecutive(seg).tolist():
         idx = (seg == s).nonzero().flatten()

@@ -342,8 +342,7 @@ def grouped_experts(ops: type[FastOps], x: Tensor, ids: Tensor, fc1: Tensor, fc2
     dt = ops.compute_dtype
     if use_grouped_mm(x, dt, inter) and not _GROUPED_MM_FAILED:
         try:
-            ys = _grouped_mm_experts(xs, flat, order, counts, fc1, fc2, ops)
-            return ys[torch.argsort(order)].reshape(t, k, -1)
+            return _grouped_mm_experts(xs, flat, order, counts, fc1, fc2, ops).reshape(t, k, -1)
         except RuntimeError as err:  # a build or device without the kernel: the loop, once told
             _GROUPED_MM_FAILED.append(str(err))
             warnings.warn(
@@ -352,7 +351,9 @@ def grouped_experts(ops: type[FastOps], x: Tensor, ids: Tensor, fc1: Tensor, fc2
                 stacklevel=2,
             )
     ys = _experts_eager(ops, xs, counts, fc1, fc2)
-    return ys[torch.argsort(order)].reshape(t, k, -1)
+    # back to (token, slot) order: row ``order[i]`` of the output is sorted row ``i`` (one
+    # scatter, where ``ys[argsort(order)]`` took a sort and a gather)
+    return torch.empty_like(ys).index_copy(0, order, ys).reshape(t, k, -1)
 
 
 def _experts_one_by_one(
@@ -402,7 +403,9 @@ def _grouped_mm_experts(
     ops: type[FastOps],
 ) -> Tensor:
     """``grouped_experts``' CUDA branch: the sorted rows ``xs`` through every expert in one
-    ``torch._grouped_mm`` per projection, each group padded to ``GROUPED_MM_ALIGN`` rows."""
+    ``torch._grouped_mm`` per projection, each group padded to ``GROUPED_MM_ALIGN`` rows;
+    returns the outputs in (token, slot) order (``flat``'s), read straight from the padded
+    rows (one gather, no sort back)."""
     e, inter, dt = fc1.shape[0], fc2.shape[2], ops.compute_dtype
     align = GROUPED_MM_ALIGN
     padded = (counts + align - 1) // align * align
@@ -416,7 +419,8 @@ def _grouped_mm_experts(
     offs = ends.to(torch.int32)
     gu = torch._grouped_mm(xp, fc1.to(dt).transpose(-2, -1), offs=offs)
     act = ops.silu_mul(gu[:, :inter], gu[:, inter:])
-    out: Tensor = torch._grouped_mm(act, fc2.to(dt).transpose(-2, -1), offs=offs)[dest]
+    row_of_pair = torch.empty_like(dest).index_copy(0, order, dest)  # padded row of each pair
+    out: Tensor = torch._grouped_mm(act, fc2.to(dt).transpose(-2, -1), offs=offs)[row_of_pair]
     return out
 
 
