@@ -62,11 +62,8 @@ class _OpCounter(TorchDispatchMode):
         name = func.overloadpacket.__name__
         if name == "_local_scalar_dense" or name in _DATA_DEPENDENT:
             self.syncs[f"{self.phase}:{name}"] += 1
-        elif name == "repeat_interleave" and kwargs.get("output_size") is None:
-            if isinstance(args[0], torch.Tensor) and len(args) > 1 and isinstance(
-                args[1], torch.Tensor
-            ):
-                self.syncs[f"{self.phase}:repeat_interleave"] += 1
+        elif func is torch.ops.aten.repeat_interleave.Tensor and kwargs.get("output_size") is None:
+            self.syncs[f"{self.phase}:repeat_interleave"] += 1  # sums the repeats on the host
         if not func.is_view and name not in _NO_KERNEL and name != "_local_scalar_dense":
             self.kernels[self.phase][name] += 1
         return func(*args, **kwargs)
@@ -82,7 +79,9 @@ def count_step(cfg: ModelConfig, precision: str, tokens: int, seq_len: int) -> d
     lens = [seq_len] * max(1, tokens // seq_len)
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, cfg.vocab_size, (sum(lens),), generator=gen)
-    rows = torch.tensor([i for s in range(len(lens)) for i in range(s * seq_len, (s + 1) * seq_len - 1)])
+    rows = torch.tensor(
+        [i for s in range(len(lens)) for i in range(s * seq_len, (s + 1) * seq_len - 1)]
+    )
     targets = ids[rows + 1]
     counter = _OpCounter()
 
@@ -117,7 +116,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--hidden", type=int, default=32)
-    parser.add_argument("--precision", choices=("fp32", "bf16"), nargs="+", default=["fp32", "bf16"])
+    parser.add_argument(
+        "--precision", choices=("fp32", "bf16"), nargs="+", default=["fp32", "bf16"]
+    )
     parser.add_argument("--tokens", type=int, default=256)
     parser.add_argument("--seq-len", type=int, default=32)
     parser.add_argument("--grouped-mm", action="store_true",
