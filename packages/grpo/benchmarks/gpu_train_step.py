@@ -224,6 +224,7 @@ def measure(rank: int, world: int, args: argparse.Namespace, train: str, numeric
         **_rates(args, mcfg, step_tokens, statistics.median(seconds)),
         "peak_memory_gib": max(p or 0 for p in peaks) / 2**30,
         "first_step_max_abs_logprob_diff": diffs[0],
+        "step_s_each": [round(x, 4) for x in seconds],  # a step that (re-)records graphs shows
         **({"compile": True, "compile_mode": args.compile_mode,
             "compiled_at_end": still_compiled, "first_step_s": first, **_compile_counters(),
             "cudagraph_recorded_inputs_per_step": recorded}
