@@ -34,7 +34,11 @@ repo root:
 ``--compile`` (``on``, or ``both`` for eager and compiled rows in one run) runs our fast steps
 with each decoder layer ``torch.compile``d (the trainer's ``--compile``); compiled rows carry
 ``compile``, ``first_step_s`` (the step that compiled) and ``compiled_at_end`` (False: the
-compile failed and the layers fell back to eager). ``--compile-reference`` adds transformers
+compile failed and the layers fell back to eager). ``--compile-mode`` passes ``torch.compile``'s
+mode (``reduce-overhead``: CUDA graphs; ``max-autotune``, ``max-autotune-no-cudagraphs``; the
+trainer's ``--compile-mode``); compiled rows also carry ``compile_mode`` and what dynamo and
+inductor counted (``graphs``, ``graph_breaks`` with their reasons, ``cudagraph_skips``,
+``cudagraph_partitions``). ``--compile-reference`` adds transformers
 rows with each decoder layer compiled. The summary's ``ours_over_transformers_*`` compares
 eager with eager, ``ours_compiled_over_transformers_*`` our compiled step with transformers
 eager (the issue's comparison) and ``ours_compiled_over_transformers_compiled_*`` compiled
@@ -62,7 +66,7 @@ import torch.distributed as dist
 from posttrain.grpo.config import GrpoConfig
 from posttrain.grpo.trainer import TrainSample, shard_policy, train_step
 from posttrain.interface.processes import run_workers
-from posttrain.models import ModelConfig, Numerics, build_model, layers_compiled
+from posttrain.models import COMPILE_MODES, ModelConfig, Numerics, build_model, layers_compiled
 
 SIZES = {
     "tiny": {"vocab_size": 101, "hidden_size": 32, "intermediate_size": 64,
@@ -173,6 +177,7 @@ def measure(rank: int, world: int, args: argparse.Namespace, train: str, numeric
     _fresh_memory(device)
     if compiled:
         torch._dynamo.reset()  # each model's layers compile afresh (the on-disk cache stays)
+        torch._dynamo.utils.counters.clear()  # this run's graph breaks and CUDA-graph skips
     mcfg = ModelConfig(**SIZES[args.size])  # type: ignore[arg-type]
     model = build_model(mcfg, seed=0, numerics=Numerics(numerics), device=device)
     params = sum(p.numel() for p in model.parameters())  # before LoRA factors and sharding
@@ -180,17 +185,20 @@ def measure(rank: int, world: int, args: argparse.Namespace, train: str, numeric
                       shard=1 if args.hsdp else world, lr=1e-5, lora_targets=TARGETS,
                       lora_r=16, lora_alpha=32.0, precision=precision,  # type: ignore[arg-type]
                       numerics=numerics, activation_checkpointing=args.activation_checkpointing,  # type: ignore[arg-type]
-                      compile=compiled)  # fmt: skip
+                      compile=compiled,
+                      compile_mode=args.compile_mode if compiled else "default")  # fmt: skip
     samples = _samples(mcfg, tokens, args.seq_len, rank, world, model)
     policy = shard_policy(model, gcfg, device=device)  # what the GRPO trainer builds, on device
     total = world * len(samples) * (args.seq_len - args.seq_len // 2)
-    seconds, diffs, first = [], [], 0.0
+    seconds, diffs, first, recorded = [], [], 0.0, []
     for rep in range(args.reps + 1):
         _sync(device)
         t0 = time.perf_counter()
+        before = _cudagraph_recordings()
         metrics = train_step(policy, samples, gcfg, global_batch_size=world * len(samples),
                              global_token_count=total)  # fmt: skip
         _sync(device)
+        recorded.append(_cudagraph_recordings() - before)
         if rep == 0:
             diffs.append(metrics["train_rollout_logprob_max_abs_diff"])  # before any update
             first = time.perf_counter() - t0
@@ -216,10 +224,38 @@ def measure(rank: int, world: int, args: argparse.Namespace, train: str, numeric
         **_rates(args, mcfg, step_tokens, statistics.median(seconds)),
         "peak_memory_gib": max(p or 0 for p in peaks) / 2**30,
         "first_step_max_abs_logprob_diff": diffs[0],
-        **({"compile": True, "compiled_at_end": still_compiled, "first_step_s": first}
+        "step_s_each": [round(x, 4) for x in seconds],  # a step that (re-)records graphs shows
+        **({"compile": True, "compile_mode": args.compile_mode,
+            "compiled_at_end": still_compiled, "first_step_s": first, **_compile_counters(),
+            "cudagraph_recorded_inputs_per_step": recorded}
            if compiled else {}),
         **({"profile_top_kernels": profile} if profile else {}),
     }  # fmt: skip
+
+
+def _cudagraph_recordings() -> int:
+    """Inductor's running count of the non-static inputs of every CUDA graph it recorded: it
+    grows while graphs are (re-)recorded and stays put while they replay. A compiled row's
+    ``cudagraph_recorded_inputs_per_step`` is its growth per step: in ``reduce-overhead``,
+    anything but 0 after the first two steps means graphs are re-recorded every step (a
+    parameter's address moved, say FSDP2's re-allocated unsharded parameters), not replayed."""
+    return int(torch._dynamo.utils.counters["inductor"]["cudagraph_recorded_non_static_inputs"])
+
+
+def _compile_counters() -> dict[str, Any]:
+    """What dynamo and inductor counted since the run's reset: graphs captured, graph breaks
+    (with their reasons, shortened), CUDA-graph skips and partitions (``reduce-overhead``)."""
+    counters = torch._dynamo.utils.counters
+    breaks = counters["graph_break"]
+    return {
+        "graphs": int(counters["stats"]["unique_graphs"]),
+        "graph_breaks": int(sum(breaks.values())),
+        "graph_break_reasons": [
+            f"{n}x {r.splitlines()[0][:120]}" for r, n in breaks.most_common(3)
+        ],
+        "cudagraph_skips": int(counters["inductor"]["cudagraph_skips"]),
+        "cudagraph_partitions": int(counters["inductor"]["cudagraph_partitions"]),
+    }
 
 
 def _profile(step: Any, device: torch.device, top: int = 15) -> list[dict[str, Any]]:
@@ -296,7 +332,7 @@ def hf_reference(args: argparse.Namespace, precision: str,
     return row
 
 
-COMPILE_MODES = {"off": (False,), "on": (True,), "both": (False, True)}
+COMPILE_RUNS = {"off": (False,), "on": (True,), "both": (False, True)}
 """``--compile``: our fast runs eager, compiled, or both (eager first)."""
 
 
@@ -314,7 +350,7 @@ def _rank(rank: int, world: int, args: argparse.Namespace) -> list[dict[str, Any
         if args.strict_tokens != args.tokens:  # the fast run at the strict batch, for the ratio
             runs.append(("fast", args.strict_tokens))
         runs.append(("strict", args.strict_tokens))
-    modes = COMPILE_MODES[args.compile]
+    modes = COMPILE_RUNS[args.compile]
     for i, compiled in enumerate(modes):
         for train in args.train:
             for precision in args.precision:
@@ -385,9 +421,13 @@ def main() -> None:
     parser.add_argument("--transformers", action=argparse.BooleanOptionalAction, default=True,
                         help="run the transformers reference beside ours (world 1)")  # fmt: skip
     parser.add_argument("--activation-checkpointing", action="store_true")
-    parser.add_argument("--compile", nargs="?", choices=tuple(COMPILE_MODES), const="on",
+    parser.add_argument("--compile", nargs="?", choices=tuple(COMPILE_RUNS), const="on",
                         default="off", help="torch.compile each decoder layer of our fast runs: "
                         "on (--compile), off, or both (eager rows first)")  # fmt: skip
+    parser.add_argument("--compile-mode", choices=COMPILE_MODES, default="default",
+                        help="torch.compile mode of our compiled runs (the trainer's "
+                        "--compile-mode): default, reduce-overhead (CUDA graphs), max-autotune, "
+                        "max-autotune-no-cudagraphs")  # fmt: skip
     parser.add_argument("--compile-reference", action="store_true",
                         help="also run the transformers reference with each decoder layer "
                         "compiled (the eager reference rows stay)")  # fmt: skip
@@ -397,6 +437,8 @@ def main() -> None:
                         help="peak TFLOP/s for MFU (default: the device's bf16 dense peak)")  # fmt: skip
     parser.add_argument("--timeout-s", type=float, default=1200.0)
     args = parser.parse_args()
+    if args.compile_mode != "default" and args.compile == "off":
+        parser.error(f"--compile-mode {args.compile_mode} needs --compile on or --compile both")
     if args.device == "cpu":
         args.seq_len = min(args.seq_len, SIZES[args.size]["max_position_embeddings"])  # type: ignore[type-var]
     if args.peak_tflops is None:

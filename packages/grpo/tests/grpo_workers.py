@@ -191,7 +191,8 @@ class RecordingSink:
 def per_layer_steps(rank: int, world: int, ckpt: str, options: dict[str, Any]) -> dict[str, Any]:
     """Two full-training steps with ``options`` (numerics, precision, activation
     checkpointing, compile) on the same samples; the full weights after, the metrics, the FSDP
-    units (one per decoder layer, then the root) and whether the layers ran compiled."""
+    units (one per decoder layer, then the root), whether the layers ran compiled and the
+    graph breaks dynamo met (their reasons)."""
     from torch.distributed.fsdp import FSDPModule
 
     from posttrain.models import layers_compiled
@@ -209,4 +210,8 @@ def per_layer_steps(rank: int, world: int, ckpt: str, options: dict[str, Any]) -
     weights = dict(iter_full_state_dict(policy.model))
     dist.barrier()
     compiled = layers_compiled(policy.model)
-    return {"steps": steps, "weights": weights, "units": units, "compiled": compiled}
+    breaks = sorted(torch._dynamo.utils.counters["graph_break"])  # this process's, by reason
+    return {
+        "steps": steps, "weights": weights, "units": units, "compiled": compiled,
+        "graph_breaks": breaks,
+    }  # fmt: skip

@@ -98,6 +98,8 @@ def test_launch_style_argv(capsys: pytest.CaptureFixture[str]) -> None:
         (["--bogus", "1"], "No such option: --bogus"),
         (["--steps", "1.5"], "'--steps'"),
         (["--kl-type", "k9"], "'--kl-type'"),
+        (["--numerics", "fast", "--compile", "--compile-mode", "graphs"], "'--compile-mode'"),
+        (["--numerics", "fast", "--compile-mode", "reduce-overhead"], "--compile-mode"),
     ],
 )
 def test_refusals_are_one_line_naming_the_flag(

@@ -59,6 +59,8 @@ def test_every_field_has_help_and_a_default() -> None:
         ({"moe_layer_freq": (0, 1)}, "num_experts"),
         ({"opd": "yes"}, "opd"),
         ({"compile": True}, "compile"),  # strict numerics (the default) are never compiled
+        ({"compile": True, "numerics": "fast", "compile_mode": "fast"}, "compile_mode"),
+        ({"numerics": "fast", "compile_mode": "reduce-overhead"}, "compile_mode"),  # no compile
     ],
 )
 def test_invalid_field_is_named(kwargs: dict[str, object], field: str) -> None:
@@ -164,3 +166,13 @@ def test_the_api_key_comes_from_a_file_and_a_bad_one_is_named(
 def test_every_bool_field_refuses_a_string(name: str) -> None:
     with pytest.raises(GrpoConfigError, match=rf"{name} must be a bool, got 'false'"):
         GrpoConfig(**{name: "false"})  # type: ignore[arg-type]
+
+
+def test_compile_modes_are_the_models_compile_modes() -> None:
+    """``GrpoConfig.compile_mode`` passes straight to ``posttrain.models.compile_layers``."""
+    from typing import get_args
+
+    from posttrain.grpo.config import CompileMode
+    from posttrain.models import COMPILE_MODES
+
+    assert get_args(CompileMode) == COMPILE_MODES

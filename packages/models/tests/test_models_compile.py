@@ -26,6 +26,13 @@ from posttrain.models import (
 CFG = ModelConfig.tiny(num_hidden_layers=2, max_position_embeddings=32)  # a dense, a MoE layer
 
 
+@pytest.fixture(autouse=True)
+def _fresh_dynamo() -> None:
+    """Each test compiles afresh: the layers of every model share one code object, whose
+    cache entries (and recompile limit) would otherwise carry over from test to test."""
+    torch._dynamo.reset()
+
+
 def _step(model: Any, lens: list[int]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     ids = torch.randint(0, CFG.vocab_size, (sum(lens),), generator=torch.Generator().manual_seed(0))
     lp = model.forward_logprobs(ids, lens)
@@ -85,3 +92,55 @@ def test_strict_numerics_are_never_compiled() -> None:
     model = build_model(CFG, 1)
     with pytest.raises(ModelInputError, match="fast numerics"):
         compile_layers(model)
+
+
+def _fullgraph_step(
+    compute: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> tuple[Any, tuple[torch.Tensor, dict[str, torch.Tensor]]]:
+    """A fast model whose layers are compiled with ``fullgraph=True`` (a graph break is an
+    error, which the eager fallback reports with its warning), after one forward + backward;
+    and that step's result. bf16 takes the grouped-GEMM expert path (``torch._grouped_mm``,
+    which torch also runs on the CPU), as it does on CUDA."""
+    import posttrain.models._model as model_module
+
+    if compute == torch.bfloat16:
+        monkeypatch.setattr(model_module, "use_grouped_mm", lambda *_: True)
+    model = build_model(CFG, 9, numerics=Numerics.FAST)
+    model.compute_dtype = compute
+    assert compile_layers(model, backend="aot_eager", fullgraph=True)
+    return model, _step(model, [6, 8, 3])
+
+
+def test_fast_layers_compile_without_a_graph_break_or_host_sync(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The dense and the MoE layer's forward and backward in bf16 compute (what CUDA graphs,
+    ``mode="reduce-overhead"``, need): one graph each, so no host sync inside; results as eager."""
+    eager = build_model(CFG, 9, numerics=Numerics.FAST)
+    eager.compute_dtype = torch.bfloat16
+    model, got = _fullgraph_step(torch.bfloat16, monkeypatch)
+    assert layers_compiled(model)  # a graph break would have fallen back to eager
+    want = _step(eager, [6, 8, 3])
+    torch.testing.assert_close(got[0], want[0], rtol=2e-2, atol=2e-2)
+    for name, g in want[1].items():
+        torch.testing.assert_close(got[1][name], g, rtol=5e-2, atol=5e-3, msg=name)
+
+
+def test_an_fp32_moe_layer_breaks_its_graph_at_the_expert_loop(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """fp32 compute has no grouped GEMM under compile (torch's ``_grouped_mm`` traces bf16
+    only): the per-expert loop (a host sync for its group sizes) is the one graph break, so
+    ``fullgraph=True`` falls back to eager with the warning."""
+    with pytest.warns(RuntimeWarning, match="torch.compile of the decoder layers failed"):
+        model, _ = _fullgraph_step(torch.float32, monkeypatch)
+    assert not layers_compiled(model)
+
+
+def test_a_compile_mode_is_checked_and_needs_inductor() -> None:
+    model = build_model(CFG, 2, numerics=Numerics.FAST)
+    with pytest.raises(ModelInputError, match="compile mode='fast' is not one of default"):
+        compile_layers(model, mode="fast")  # type: ignore[arg-type]
+    with pytest.raises(ModelInputError, match="backend 'aot_eager' takes only 'default'"):
+        compile_layers(model, backend="aot_eager", mode="reduce-overhead")
+    assert not layers_compiled(model)

@@ -115,10 +115,11 @@ def test_grouped_experts_equal_expert_by_expert() -> None:
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("lengths", [[8, 7, 6], [3, 17, 5], [1, 1, 30]])
+@pytest.mark.parametrize("lengths", [[8, 7, 6], [3, 17, 5], [1, 1, 30], [9, 9, 9]])
 def test_fast_sdpa_over_packed_segments_matches_strict(lengths: list[int]) -> None:
-    """The padded batch ([8, 7, 6]) and the per-segment calls ([3, 17, 5]: padding would more
-    than double the work) both give the strict masked-buffer attention within fp32 tolerance."""
+    """The padded batch ([8, 7, 6]), the per-segment calls ([3, 17, 5]: padding would more
+    than double the work) and equal lengths ([9, 9, 9]: the packing is the batch, no scatter)
+    all give the strict masked-buffer attention within fp32 tolerance."""
     ids = _ids(sum(lengths), 8)
     strict = build_model(CFG, 8).forward_logits(ids, lengths)
     fast = build_model(CFG, 8, numerics=Numerics.FAST).forward_logits(ids, lengths)

@@ -38,6 +38,8 @@ RolloutQuant = Literal["none", "nvfp4"]
 WeightSyncBackend = Literal["gloo", "nccl"]
 WeightSyncMode = Literal["distributed", "disk", "tensor"]
 LoraSyncMode = Literal["tensors", "disk"]
+CompileMode = Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"]
+"""``torch.compile``'s mode for ``compile`` (``posttrain.models.CompileMode``, the same values)."""
 
 DEFAULT_LORA_TARGETS: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
 DEFAULT_OUT_DIR = Path("runs/grpo")
@@ -89,6 +91,7 @@ class GrpoConfig:
     precision: Precision = "fp32"
     activation_checkpointing: bool = False
     compile: bool = False
+    compile_mode: CompileMode = "default"
     numerics: Numerics = "strict"
     context_length: int | None = None
     # The schedule.
@@ -280,6 +283,11 @@ class GrpoConfig:
                 "bit-exact order and are never compiled",
                 field="compile",
             )
+        if self.compile_mode != "default" and not self.compile:
+            raise GrpoConfigError(
+                f"compile_mode={self.compile_mode!r} needs compile=True (--compile)",
+                field="compile_mode",
+            )
         if self.teacher_url is not None and not self.opd:
             raise GrpoConfigError(
                 "teacher_url is set but opd is off; set opd=True (--opd)", field="teacher_url"
@@ -454,6 +462,8 @@ HELP: dict[str, str] = {
     "(less memory, one more forward per layer; fsdp backend)",
     "compile": "torch.compile each decoder layer's forward (fast numerics, fsdp backend; "
     "falls back to eager with a warning where compiling fails)",
+    "compile_mode": "torch.compile mode of --compile: default, reduce-overhead (CUDA graphs), "
+    "max-autotune, or max-autotune-no-cudagraphs",
     "numerics": "strict: engine-identical kernels; fast: stock torch ops",
     "context_length": "KV capacity: tokens per sample, prompt and output together (default: the "
     "model's max_position_embeddings); a launch passes the same to its engines",

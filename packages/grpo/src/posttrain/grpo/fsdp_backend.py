@@ -19,7 +19,8 @@ Departures from the obvious:
   residual stream stays fp32 between layers. ``forward_logits`` is registered as an FSDP
   forward of the root. ``activation_checkpointing`` recomputes each layer in the backward.
   ``compile`` (fast numerics) then runs ``torch.compile`` on each layer's forward
-  (``posttrain.models.compile_layers``): after sharding, so FSDP2's hooks stay eager. Fast
+  (``posttrain.models.compile_layers``, in ``compile_mode``): after sharding, so FSDP2's hooks
+  stay eager. Fast
   numerics on CUDA step with ``AdamW(fused=True)`` (``fused_adamw``); strict keeps the default.
 * A rank's loss is scaled by the world size W: FSDP (and ``reduce_lora_grads``) average
   gradients over W, and the normalisers (``global_batch_size``, ``global_token_count``) are
@@ -233,7 +234,8 @@ def shard_policy(
     # Frozen parameters (the media towers) get no optimizer state: only what trains is in it.
     trainable = mode.trainable(model)
     if cfg.compile:
-        compile_layers(model)  # after sharding: FSDP2's hooks stay outside the compiled forwards
+        # after sharding: FSDP2's hooks stay outside the compiled forwards
+        compile_layers(model, mode=cfg.compile_mode)
     optimizer = torch.optim.AdamW(
         trainable,
         lr=cfg.lr,

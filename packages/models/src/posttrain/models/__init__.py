@@ -60,7 +60,13 @@ from posttrain.models._checkpoint import (
     save_hf_weights,
     save_pretrained,
 )
-from posttrain.models._compile import compile_layers, layers_compiled
+from posttrain.models._compile import (
+    COMPILE_MODES,
+    CompileMode,
+    check_compile_mode,
+    compile_layers,
+    layers_compiled,
+)
 from posttrain.models._config import AttentionShape, ModelConfig
 from posttrain.models._convert import (
     WeightGroup,
@@ -145,6 +151,7 @@ __all__ = [
     "AUDIO_N_FFT",
     "AUDIO_SAMPLE_RATE",
     "CHAT_TEMPLATE",
+    "COMPILE_MODES",
     "MAX_MEDIA_FILE_BYTES",
     "MEDIA_TOKENS",
     "MULTIMODAL_VOCAB_SIZE",
@@ -154,6 +161,7 @@ __all__ = [
     "CacheError",
     "CacheLayout",
     "CheckpointError",
+    "CompileMode",
     "DecoderModel",
     "DuplicateTensorError",
     "Family",
@@ -193,6 +201,7 @@ __all__ = [
     "attend_buffers",
     "build_model",
     "build_tokenizer",
+    "check_compile_mode",
     "compile_layers",
     "context_parallel",
     "decode_audio",

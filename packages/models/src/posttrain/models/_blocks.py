@@ -208,16 +208,20 @@ def causal_sdpa(
     q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
     longest = int(pos.max()) + 1 if longest is None else longest
     if num_segments * longest <= 2 * t:
-        slot = seg * longest + pos  # the token's row in the padded [segments * L] batch
+        # every segment exactly ``longest`` long: the packing is the padded batch itself (no
+        # scatter into a zero buffer, no gather back: 4 kernels and their backwards fewer)
+        t_pad = num_segments * longest
+        slot = None if t_pad == t else seg * longest + pos  # the token's row in the padded batch
 
         def padded(x: Tensor) -> Tensor:
-            rows = x.new_zeros((num_segments * longest, *x.shape[1:])).index_copy(0, slot, x)
+            rows = x if slot is None else x.new_zeros((t_pad, *x.shape[1:])).index_copy(0, slot, x)
             return rows.reshape(num_segments, longest, *x.shape[1:]).transpose(1, 2)
 
         kp = padded(k).repeat_interleave(group, dim=1)
         vp = padded(v).repeat_interleave(group, dim=1)
         o = F.scaled_dot_product_attention(padded(q), kp, vp, is_causal=True, scale=scale)
-        return o.transpose(1, 2).reshape(num_segments * longest, -1)[slot]
+        out = o.transpose(1, 2).reshape(t_pad, -1)
+        return out if slot is None else out[slot]
     outs = []
     for s in torch.unique_consecutive(seg).tolist():
         idx = (seg == s).nonzero().flatten()
@@ -261,14 +265,31 @@ class TokenLayout:
 
 
 class PackedLayout(TokenLayout):
-    """Packed training segments: ``seg`` in ``[0, num_segments)``, positions restart per segment."""
+    """Packed training segments: ``seg`` in ``[0, num_segments)``, positions restart per segment.
 
-    def __init__(self, seg: Tensor, pos: Tensor, num_segments: int, capacity: int) -> None:
+    ``longest``: the longest segment, given by a caller that built ``seg``/``pos`` itself from
+    host segment lengths (segments contiguous, positions ``0, 1, ...``): the layout then takes
+    both facts as given instead of reading them back from the device (two host syncs).
+    """
+
+    def __init__(
+        self,
+        seg: Tensor,
+        pos: Tensor,
+        num_segments: int,
+        capacity: int,
+        *,
+        longest: int | None = None,
+    ) -> None:
         super().__init__(seg, pos)
         self.num_segments = num_segments
         self.capacity = capacity
         self._in_order: bool | None = None
         self._longest: int | None = None
+        if longest is not None:
+            # the caller built seg/pos from host segment lengths (``DecoderModel._pack``): in
+            # order by construction and the longest known, so no host sync is ever needed
+            self._in_order, self._longest = True, longest
 
     def tokens_in_order(self) -> bool:
         """Whether every segment's tokens are contiguous with positions ``0, 1, 2, ...``

@@ -12,6 +12,21 @@ per layer and grad mode instead of recompiling every step. Each layer specialise
 index (a Python int the layer reads), so dynamo's per-code-object recompile limit is raised
 to cover every layer (never lowered).
 
+``mode`` is ``torch.compile``'s (``COMPILE_MODES``): ``default``; ``reduce-overhead`` (CUDA
+graphs: each compiled layer's forward and backward replay as one graph launch, which needs
+the layer free of host syncs and graph breaks, see below); ``max-autotune`` (autotuned
+matmul and pointwise kernels, and CUDA graphs) and ``max-autotune-no-cudagraphs`` (autotuning
+only). A mode names inductor's settings, so it needs the inductor backend; with any other
+backend (``aot_eager`` in tests) only ``default`` is accepted.
+
+What a fast layer's compiled forward and backward hold (issue 37): dense layers and, in bf16
+compute where ``torch._grouped_mm`` runs (``_model.use_grouped_mm``), MoE layers trace as one
+graph with no host sync (routing, the sort by expert and the group offsets stay on the
+device; the packed layout's facts come from the host lengths). A MoE layer in fp32 compute
+(or where the grouped GEMM is unavailable) runs its per-expert loop eagerly: one clean graph
+break and one host sync (the group sizes) per MoE layer forward, so CUDA graphs then cover
+the parts before and after the loop.
+
 A compile that cannot start (no compiler, an unsupported Python) or whose first call fails
 in dynamo or inductor warns once with the error and runs every layer eagerly from then on;
 results are the same math either way (fast numerics: tolerance, not bits). Strict numerics
@@ -23,7 +38,7 @@ from __future__ import annotations
 import contextlib
 import os
 import warnings
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal, get_args
 
 import torch
 from torch import Tensor, nn
@@ -35,7 +50,14 @@ if TYPE_CHECKING:
 
     from posttrain.models._model import DecoderModel
 
-__all__ = ["BACKEND_ENV", "compile_layers", "layers_compiled"]
+__all__ = [
+    "BACKEND_ENV",
+    "COMPILE_MODES",
+    "CompileMode",
+    "check_compile_mode",
+    "compile_layers",
+    "layers_compiled",
+]
 
 _COMPILE_ERRORS: tuple[type[BaseException], ...] = (RuntimeError, NotImplementedError)
 """What a failed compile raises on the first call (dynamo's and inductor's errors are
@@ -111,6 +133,21 @@ def _raise_recompile_limit(entries: int) -> None:
         setattr(config, name, entries)
 
 
+CompileMode = Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"]
+"""``torch.compile``'s ``mode`` for the decoder layers (see the module doc)."""
+
+COMPILE_MODES: tuple[str, ...] = get_args(CompileMode)
+"""Every ``CompileMode``, in order."""
+
+
+def check_compile_mode(mode: object, what: str = "compile mode") -> CompileMode:
+    """``mode`` when it is one of ``COMPILE_MODES``; else a ``ModelInputError`` naming ``what``
+    (the caller's flag or field) and the choices."""
+    if mode not in COMPILE_MODES:
+        raise ModelInputError(f"{what}={mode!r} is not one of {', '.join(COMPILE_MODES)}")
+    return mode  # type: ignore[return-value]
+
+
 BACKEND_ENV = "POSTTRAIN_COMPILE_BACKEND"
 """Environment variable naming the ``torch.compile`` backend when the caller names none
 (default ``inductor``; ``aot_eager`` traces without generating code, to tell a tracing
@@ -122,18 +159,28 @@ def compile_layers(
     *,
     backend: str | Callable[..., Any] | None = None,
     dynamic: bool = True,
+    mode: CompileMode = "default",
+    fullgraph: bool = False,
 ) -> bool:
     """Compile each decoder layer's forward of ``model`` (fast numerics); True when compiled.
 
     Call after any sharding (FSDP2 ``fully_shard`` of the layers): the hooks stay outside the
     compiled forwards. ``backend``: a ``torch.compile`` backend (default:
     ``$POSTTRAIN_COMPILE_BACKEND`` or ``inductor``; ``"aot_eager"`` generates no code, for
-    tests without a C compiler). Returns False, with a warning, where
-    ``torch.compile`` cannot start here; the layers then run eagerly as before.
+    tests without a C compiler). ``mode``: ``torch.compile``'s mode (``COMPILE_MODES``; other
+    than ``default`` only with inductor). ``fullgraph``: a graph break is an error (which the
+    eager fallback then takes, with its warning) instead of a split graph. Returns False,
+    with a warning, where ``torch.compile`` cannot start here; the layers then run eagerly.
     """
     from posttrain.models._model import Numerics, run_experts_loop_eagerly
 
     backend = backend or os.environ.get(BACKEND_ENV) or "inductor"
+    check_compile_mode(mode)
+    if mode != "default" and backend != "inductor":
+        raise ModelInputError(
+            f"compile mode {mode!r} sets inductor options; backend {backend!r} takes only "
+            "'default' (unset $POSTTRAIN_COMPILE_BACKEND, or use mode 'default')"
+        )
 
     if model.numerics is not Numerics.FAST:
         raise ModelInputError(
@@ -147,7 +194,14 @@ def compile_layers(
     state = _State()
     try:
         compiled = [
-            torch.compile(layer.forward, backend=backend, dynamic=dynamic) for layer in layers
+            torch.compile(
+                layer.forward,
+                backend=backend,
+                dynamic=dynamic,
+                mode=None if mode == "default" else mode,
+                fullgraph=fullgraph,
+            )
+            for layer in layers
         ]
     except _COMPILE_ERRORS as err:
         state.fail(err)

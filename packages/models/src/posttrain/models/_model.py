@@ -102,6 +102,15 @@ class Step(NamedTuple):
     logprobs: Tensor
 
 
+def layer_prefix(index: int) -> str:
+    """The PEFT/HF name prefix of decoder layer ``index``: ``model.layers.{index}.``.
+
+    Layers keep it as a plain string (``prefix``): a compiled layer under FSDP2 sees its
+    ``index`` as a symbolic int (``dynamic=True``), and formatting one into a string is a graph
+    break, so the forward reads the string instead."""
+    return f"model.layers.{index}."
+
+
 class LayerCall(NamedTuple):
     """What a decoder layer's ``forward(h, call)`` needs besides the residual stream: the model
     (its kernels and the layer computation), the token layout and the LoRA routing.
@@ -145,6 +154,7 @@ class _Layer(nn.Module):
         nr = shape.num_heads * config.rel_pos_dim
         dt = config.dtype
         self.index = index
+        self.prefix = layer_prefix(index)
         self.is_moe = config.is_moe_layer(index)
         self.attn_norm = nn.Parameter(torch.ones(h, dtype=dt))
         self.qkv = nn.Parameter(torch.zeros(nq + 2 * nkv + nr, h, dtype=dt))
@@ -240,6 +250,7 @@ class MlaLayer(nn.Module):
 
         h, i, dt = config.hidden_size, config.intermediate_size, config.dtype
         self.index = index
+        self.prefix = layer_prefix(index)
         self.is_moe = config.is_moe_layer(index)
         self.attn_norm = nn.Parameter(torch.ones(h, dtype=dt))
         self.mlp_norm = nn.Parameter(torch.ones(h, dtype=dt))
@@ -331,8 +342,7 @@ def grouped_experts(ops: type[FastOps], x: Tensor, ids: Tensor, fc1: Tensor, fc2
     dt = ops.compute_dtype
     if use_grouped_mm(x, dt, inter) and not _GROUPED_MM_FAILED:
         try:
-            ys = _grouped_mm_experts(xs, flat, order, counts, fc1, fc2, ops)
-            return ys[torch.argsort(order)].reshape(t, k, -1)
+            return _grouped_mm_experts(xs, flat, order, counts, fc1, fc2, ops).reshape(t, k, -1)
         except RuntimeError as err:  # a build or device without the kernel: the loop, once told
             _GROUPED_MM_FAILED.append(str(err))
             warnings.warn(
@@ -341,7 +351,9 @@ def grouped_experts(ops: type[FastOps], x: Tensor, ids: Tensor, fc1: Tensor, fc2
                 stacklevel=2,
             )
     ys = _experts_eager(ops, xs, counts, fc1, fc2)
-    return ys[torch.argsort(order)].reshape(t, k, -1)
+    # back to (token, slot) order: row ``order[i]`` of the output is sorted row ``i`` (one
+    # scatter, where ``ys[argsort(order)]`` took a sort and a gather)
+    return torch.empty_like(ys).index_copy(0, order, ys).reshape(t, k, -1)
 
 
 def _experts_one_by_one(
@@ -391,7 +403,9 @@ def _grouped_mm_experts(
     ops: type[FastOps],
 ) -> Tensor:
     """``grouped_experts``' CUDA branch: the sorted rows ``xs`` through every expert in one
-    ``torch._grouped_mm`` per projection, each group padded to ``GROUPED_MM_ALIGN`` rows."""
+    ``torch._grouped_mm`` per projection, each group padded to ``GROUPED_MM_ALIGN`` rows;
+    returns the outputs in (token, slot) order (``flat``'s), read straight from the padded
+    rows (one gather, no sort back)."""
     e, inter, dt = fc1.shape[0], fc2.shape[2], ops.compute_dtype
     align = GROUPED_MM_ALIGN
     padded = (counts + align - 1) // align * align
@@ -405,7 +419,8 @@ def _grouped_mm_experts(
     offs = ends.to(torch.int32)
     gu = torch._grouped_mm(xp, fc1.to(dt).transpose(-2, -1), offs=offs)
     act = ops.silu_mul(gu[:, :inter], gu[:, inter:])
-    out: Tensor = torch._grouped_mm(act, fc2.to(dt).transpose(-2, -1), offs=offs)[dest]
+    row_of_pair = torch.empty_like(dest).index_copy(0, order, dest)  # padded row of each pair
+    out: Tensor = torch._grouped_mm(act, fc2.to(dt).transpose(-2, -1), offs=offs)[row_of_pair]
     return out
 
 
@@ -858,8 +873,11 @@ class DecoderModel(nn.Module):
         self.sites["lm_head"] = LinearSite(self, self, head, parts=(("lm_head", cfg.vocab_size),))
 
     def _check_ids(self, ids: Tensor) -> Tensor:
-        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.config.vocab_size):
-            bad = int(((ids < 0) | (ids >= self.config.vocab_size)).nonzero()[0, 0])
+        """``ids`` when every id is in the vocabulary (one host sync on a device: the check
+        reads one bool back; ids still on the CPU are checked before they move)."""
+        outside = (ids < 0) | (ids >= self.config.vocab_size)
+        if ids.numel() and bool(outside.any()):
+            bad = int(outside.nonzero()[0, 0])
             raise ModelInputError(
                 f"input_ids[{bad}]={int(ids[bad])} is outside the vocabulary "
                 f"[0, {self.config.vocab_size})"
@@ -868,7 +886,7 @@ class DecoderModel(nn.Module):
 
     def _pack(self, input_ids: Tensor, lengths: Sequence[int]) -> tuple[Tensor, Tensor, Tensor]:
         dev = self.embedding.device
-        ids = self._check_ids(input_ids.reshape(-1).long().to(dev))
+        ids = self._check_ids(input_ids.reshape(-1).long()).to(dev)  # checked where it lies
         cap = self.config.capacity
         if ids.numel() == 0:
             raise ModelInputError("input_ids is empty: a forward needs at least one token")
@@ -882,6 +900,7 @@ class DecoderModel(nn.Module):
         seg = torch.repeat_interleave(
             torch.arange(len(lengths), device=dev),
             torch.tensor(list(lengths), dtype=torch.long, device=dev),
+            output_size=ids.shape[0],  # known here: no read-back of the repeats' sum
         )
         starts = torch.tensor(_segment_starts(lengths), dtype=torch.long, device=dev)
         pos = torch.arange(ids.shape[0], device=dev) - starts[seg]
@@ -894,9 +913,12 @@ class DecoderModel(nn.Module):
         ids, seg, pos = self._pack(input_ids, segment_lengths)
         routing = LoraRouting(lora, seg, len(segment_lengths), self._lora_targets)
         # buffers only as long as the longest segment needs (rounded up to a power of two, as
-        # attend_buffers reduces): the same bits as full capacity, at a cost independent of it
-        width = min(self.config.capacity, 1 << int(pos.max()).bit_length())
-        return ids, PackedLayout(seg, pos, len(segment_lengths), width), routing
+        # attend_buffers reduces): the same bits as full capacity, at a cost independent of it.
+        # The longest segment comes from the host lengths, never from the device (no sync).
+        longest = max(segment_lengths)
+        width = min(self.config.capacity, 1 << (longest - 1).bit_length())
+        layout = PackedLayout(seg, pos, len(segment_lengths), width, longest=longest)
+        return ids, layout, routing
 
     def _forward(
         self,
@@ -1024,7 +1046,7 @@ class DecoderModel(nn.Module):
     ) -> Tensor:
         """The residual stream ``[T, H]`` after one (non-MLA) layer: attention, then its MLP."""
         cfg, ops = self.config, self.ops
-        prefix = f"model.layers.{layer.index}."
+        prefix = layer.prefix
         h = h + self._attention(layer, h, layout, lora, prefix)
         m = ops.rms_norm(h, layer.mlp_norm, cfg.rms_norm_eps)
         if isinstance(layer, MoeLayer):
@@ -1106,7 +1128,7 @@ class DecoderModel(nn.Module):
         past its LoRA delta).
         """
         cfg, ops = self.config, self.ops
-        prefix = f"model.layers.{layer.index}."
+        prefix = layer.prefix
         sites = layer.sites
 
         n_tok = h.shape[0]

@@ -289,7 +289,10 @@ class FastOps:
     @staticmethod
     def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
         """HF Qwen3 RMSNorm in fp32 (a low-precision input is upcast first): torch's fused
-        ``rms_norm`` over the last dim, then the weight (which may be per head)."""
+        ``rms_norm`` over the last dim with the weight in the same kernel, or, for a per-head
+        weight (``[heads, hd]``), times the weight after."""
+        if weight.dim() == 1:
+            return F.rms_norm(x.float(), (x.shape[-1],), weight.float(), eps=eps)
         return F.rms_norm(x.float(), (x.shape[-1],), eps=eps) * weight.float()
 
     @staticmethod
