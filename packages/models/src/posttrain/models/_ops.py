@@ -139,12 +139,16 @@ class _ProductTreeSum(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, Tensor | None]:
         a, b = ctx.saved_tensors
-        # materialised like autograd's: the products' layout (so the reductions' order)
-        # follows the operands' strides
-        g = (grad + 0.0).expand(max(a.shape[0], b.shape[0]), *grad.shape).contiguous()
+        g = (grad + 0.0).expand(max(a.shape[0], b.shape[0]), *grad.shape)
+        # The products are written into one contiguous buffer of the broadcast shape: the
+        # layout autograd's products had (its repeated gradient was materialised contiguous),
+        # so each ``sum_to_size`` reduces in the same order, without copying ``g`` first.
         need_a, need_b = ctx.needs_input_grad
-        grad_a = (g * b).sum_to_size(a.shape) if need_a else None
-        grad_b = (g * a).sum_to_size(b.shape) if need_b else None
+        products = torch.empty(g.shape, dtype=g.dtype, device=g.device)
+        grad_a = torch.mul(g, b, out=products).sum_to_size(a.shape) if need_a else None
+        if grad_a is not None and grad_a.shape == products.shape:  # no reduction: it is the buffer
+            products = torch.empty_like(products)
+        grad_b = torch.mul(g, a, out=products).sum_to_size(b.shape) if need_b else None
         return grad_a, grad_b
 
 
