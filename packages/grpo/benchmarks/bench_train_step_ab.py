@@ -12,7 +12,8 @@ The script checks that both sides trained **bit for bit the same run**: every me
 step, and a SHA-256 of every trainable parameter's bytes after the last step, equal; and that
 the first step's trainer logprobs equal the strict decode's
 (``train_rollout_logprob_max_abs_diff`` 0 on both sides). Reported: rank 0's median step wall
-time of each side, the ratio base / this tree, and the load average before and after.
+time and thread CPU time of each side, the ratios base / this tree, and the load average
+before and after.
 Command::
 
     uv run python packages/grpo/benchmarks/bench_train_step_ab.py --base 7dfd741
@@ -59,20 +60,21 @@ def _worker_rank(rank: int, world: int, args: argparse.Namespace, path: str) -> 
     with torch.no_grad():
         steps = [step_samples(reference, s, args.samples) for s in range(args.steps)]
     policy = _policy(path, cfg)
-    walls, metrics = [], []
+    walls, cpus, metrics = [], [], []
     for samples in steps:
         tokens = sum(x.response_len for x in samples)
         dist.barrier()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         m = train_step(policy, samples[rank::world], cfg, global_batch_size=len(samples),
                        global_token_count=tokens)  # fmt: skip
+        cpus.append(time.thread_time() - c0)
         walls.append(time.perf_counter() - t0)
         metrics.append(m)
     digest = hashlib.sha256()
     for p in policy.trainable():
         full = p.detach().full_tensor() if hasattr(p, "full_tensor") else p.detach()
         digest.update(full.contiguous().view(torch.uint8).numpy().tobytes())
-    return {"walls": walls, "metrics": metrics, "params_sha256": digest.hexdigest()}
+    return {"walls": walls, "cpus": cpus, "metrics": metrics, "params_sha256": digest.hexdigest()}
 
 
 def _worker(args: argparse.Namespace) -> int:
@@ -129,6 +131,7 @@ def main() -> int:
         parser.error("--steps must exceed --warmup")
     sides = ("base", "tree")
     walls: dict[str, list[float]] = {s: [] for s in sides}
+    cpus: dict[str, list[float]] = {s: [] for s in sides}
     runs: dict[str, list[dict[str, Any]]] = {s: [] for s in sides}
     load_before = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="bench-ab-") as tmp:
@@ -138,6 +141,7 @@ def main() -> int:
                 res = _run_side(dirs[side], args)
                 runs[side].append(res)
                 walls[side].extend(res["walls"][args.warmup :])
+                cpus[side].extend(res["cpus"][args.warmup :])
     load_after = os.getloadavg()
     reference = runs["base"][0]
     same = all(
@@ -149,12 +153,14 @@ def main() -> int:
     diff = "train_rollout_logprob_max_abs_diff"
     first_diff = {s: runs[s][0]["metrics"][0][diff] for s in sides}
     med = {s: round(statistics.median(walls[s]), 4) for s in sides}
+    cpu = {s: round(statistics.median(cpus[s]), 4) for s in sides}
     result = {
         "base": args.base, "train": args.train, "world": args.world, "samples": args.samples,
         "rounds": args.rounds, "steps_per_round": args.steps,
         "load_avg_before": [round(x, 2) for x in load_before],
         "load_avg_after": [round(x, 2) for x in load_after],
         "step_median_s": med, "speedup": round(med["base"] / med["tree"], 2),
+        "step_cpu_median_s": cpu, "speedup_cpu": round(cpu["base"] / cpu["tree"], 2),
         "bit_identical": same, "first_step_max_abs_diff": first_diff,
         "grad_norms": [m["grad_norm"] for m in reference["metrics"]],
         "walls_s": {s: [round(w, 4) for w in walls[s]] for s in sides},

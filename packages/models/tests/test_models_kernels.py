@@ -196,3 +196,47 @@ def test_strict_backwards_give_autograds_gradient_bits(rows: int, k: int, n: int
         _grads(attention, q, keys, values, reference=False),
         _grads(attention, q, keys, values, reference=True),
     )
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_merged_attention_chunks_keep_every_bit(seed: int) -> None:
+    """``attend_buffers`` runs runs of query chunks of one width as one ``ops.attention`` call;
+    outputs and the gradients of queries, keys and values (the buffers' per-chunk accumulation
+    included) equal autograd's own chunk-by-chunk graph, bit for bit. One thread: CPU
+    ``index_put_`` accumulates with atomics, in no fixed order, on several."""
+    import random
+
+    from posttrain.models import _ops
+    from posttrain.models._blocks import attend
+
+    rnd = random.Random(seed)
+    lengths = [rnd.randint(1, 40) for _ in range(24)]
+    gen = torch.Generator().manual_seed(seed)
+    t, nh, nkv, hd = sum(lengths), 4, 2, 8
+    q, k, v = (torch.randn(t, n, hd, generator=gen) for n in (nh, nkv, nkv))
+    v[::7] = 0.0
+    seg = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+    starts = torch.tensor([0, *torch.tensor(lengths).cumsum(0)[:-1].tolist()])
+    pos = torch.arange(t) - starts[seg]
+
+    def run(reference: bool) -> list[torch.Tensor]:
+        leaves = [x.clone().requires_grad_(True) for x in (q, k, v)]
+        _ops._CUSTOM_BACKWARD = not reference
+        try:
+            out = attend(
+                StrictOps, *leaves, q_pos=pos, q_seg=seg, k_pos=pos, k_seg=seg,
+                num_segments=len(lengths), capacity=64, scale=0.35,
+            )  # fmt: skip
+            upstream = torch.randn(out.shape, generator=torch.Generator().manual_seed(7))
+            upstream[..., ::5] = -0.0
+            out.backward(upstream)
+        finally:
+            _ops._CUSTOM_BACKWARD = True
+        return [out.detach(), *(x.grad for x in leaves if x.grad is not None)]
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        assert _bitwise(run(reference=False), run(reference=True))
+    finally:
+        torch.set_num_threads(threads)
