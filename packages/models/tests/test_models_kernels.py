@@ -171,8 +171,9 @@ def _bitwise(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
 @pytest.mark.parametrize(("rows", "k", "n"), [(700, 32, 101), (5, 12, 3), (300, 8, 64)])
 def test_strict_backwards_give_autograds_gradient_bits(rows: int, k: int, n: int) -> None:
     """The hand-written backwards of the strict linear (several row chunks, K padded to a power
-    of two), of the product trees of attention and of ``tree_sum`` equal autograd's own, bit for
-    bit (signs of zero included), so the trainer's gradients did not change with them."""
+    of two), of the product trees of attention, of ``tree_sum`` and of ``exp_strict`` (softmax,
+    SiLU) equal autograd's own, bit for bit (signs of zero included), so the trainer's gradients
+    did not change with them."""
     from posttrain.models._ops import product_tree_sum
 
     gen = torch.Generator().manual_seed(rows)
@@ -183,6 +184,9 @@ def test_strict_backwards_give_autograds_gradient_bits(rows: int, k: int, n: int
         (lambda a: tree_sum(a, dim=0), (x,)),
         (lambda a: tree_sum(a), (x,)),
         (product_tree_sum, (x.t()[:, :, None], w.t()[:, None, :])),
+        (exp_strict, (x * 40.0,)),  # past the clamp at both ends too
+        (StrictOps.softmax, (x,)),
+        (lambda a: StrictOps.silu_mul(a, a * 0.5), (x,)),
     ):
         assert _bitwise(_grads(fn, *inputs, reference=False), _grads(fn, *inputs, reference=True))
     q, keys = torch.randn(9, 2, 2, 8, generator=gen), torch.randn(9, 16, 2, 8, generator=gen)

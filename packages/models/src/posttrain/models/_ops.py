@@ -266,13 +266,56 @@ def _pow2(k: Tensor) -> Tensor:
 
 def exp_strict(x: Tensor) -> Tensor:
     """exp(x) in fp32 from correctly rounded ops only (inputs clamped to [-87, 88])."""
+    if _CUSTOM_BACKWARD and x.requires_grad and torch.is_grad_enabled():
+        out: Tensor = _ExpStrict.apply(x)  # type: ignore[no-untyped-call]
+        return out
+    return _exp_terms(x)[0]
+
+
+def _exp_terms(x: Tensor) -> tuple[Tensor, Tensor, list[Tensor], Tensor]:
+    """``exp_strict(x)`` and what its backward reads: ``r`` (the reduced argument), the
+    Horner terms ``p_0 .. p_6`` that ``r`` multiplies, and the scale ``2**k``."""
     x = x.clamp(-87.0, 88.0)
     k = torch.round(x * _INV_LN2).detach()
     r = (x - k * _LN2_HI) - k * _LN2_LO
     p = torch.full_like(r, _EXP_COEFFS[0])
+    terms = []
     for c in _EXP_COEFFS[1:]:
+        terms.append(p)
         p = p * r + c
-    return p * _pow2(k)
+    scale = _pow2(k)
+    return p * scale, r, terms, scale
+
+
+class _ExpStrict(torch.autograd.Function):
+    """``exp_strict`` with autograd's own gradient of its ops, in one node.
+
+    Autograd differentiates ``p_i = p_{i-1} * r + c_i`` (``p_0`` constant) and ``out = p_7 *
+    2**k`` (``k`` detached) last op first: ``g_7 = g * 2**k``, ``g_{i-1} = g_i * r``, and ``r``
+    collects ``g_i * p_{i-1}`` in that order (``i = 7 .. 1``, each added to the sum so far);
+    the subtractions pass it on and the clamp keeps it where ``-87 <= x <= 88`` (0 elsewhere).
+    This computes exactly those products and sums, without a graph node per op."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor) -> Tensor:
+        with torch.no_grad():
+            out, r, terms, scale = _exp_terms(x)
+        ctx.save_for_backward(x, r, scale, *terms)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Tensor:
+        x, r, scale, *terms = ctx.saved_tensors
+        g = grad * scale
+        total: Tensor | None = None
+        for i in range(len(terms) - 1, -1, -1):
+            part = g * terms[i]
+            total = part if total is None else total + part
+            if i:
+                g = g * r
+        assert total is not None
+        inside = (x >= -87.0).logical_and_(x <= 88.0)
+        return torch.where(inside, total, torch.zeros((), dtype=total.dtype))
 
 
 def log_strict(x: Tensor) -> Tensor:
