@@ -44,21 +44,12 @@ def _worker_rank(rank: int, world: int, args: argparse.Namespace, path: str) -> 
     import torch.distributed as dist
 
     sys.path.insert(0, str(HERE))
-    from bench_strict_train_step import _policy, step_samples
+    from bench_strict_train_step import _policy, recipe_config, recipe_steps
 
-    from posttrain.grpo.config import GrpoConfig
-    from posttrain.grpo.recipe import RECIPE
     from posttrain.grpo.trainer import train_step
-    from posttrain.models import Numerics, load_pretrained
 
-    cfg = GrpoConfig(
-        train=args.train, replicate=1, shard=world, lr=RECIPE["full_lr" if args.train == "full"
-        else "lr"], lora_targets=RECIPE["lora_targets"], lora_r=RECIPE["lora_r"],
-        lora_alpha=RECIPE["lora_alpha"], max_grad_norm=RECIPE["max_grad_norm"], model_path=path,
-    )  # fmt: skip
-    reference = load_pretrained(path, numerics=Numerics.STRICT)
-    with torch.no_grad():
-        steps = [step_samples(reference, s, args.samples) for s in range(args.steps)]
+    cfg = recipe_config(args.train, world, path)
+    steps = recipe_steps(path, args.steps, args.samples)
     policy = _policy(path, cfg)
     walls, cpus, metrics = [], [], []
     for samples in steps:

@@ -30,17 +30,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_strict_train_step import _policy, step_samples
+from bench_strict_train_step import _policy, recipe_config, recipe_steps
 
-from posttrain.grpo.config import GrpoConfig
-from posttrain.grpo.recipe import RECIPE, cache_dir, prepare
+from posttrain.grpo.recipe import cache_dir, prepare
 from posttrain.grpo.trainer import train_step
 from posttrain.interface.processes import run_workers
-from posttrain.models import Numerics, load_pretrained
 
 # phase -> (file suffix, function name) of the cProfile entry whose cumulative time it is
 PHASES: dict[str, tuple[str, str]] = {
@@ -69,15 +66,9 @@ def _phase_seconds(stats: pstats.Stats, steps: int) -> dict[str, float]:
 
 
 def _rank(rank: int, world: int, args: argparse.Namespace, path: str) -> dict[str, Any]:
-    cfg = GrpoConfig(
-        train=args.train, replicate=1, shard=world, lr=RECIPE["full_lr" if args.train == "full"
-        else "lr"], lora_targets=RECIPE["lora_targets"], lora_r=RECIPE["lora_r"],
-        lora_alpha=RECIPE["lora_alpha"], max_grad_norm=RECIPE["max_grad_norm"], model_path=path,
-    )  # fmt: skip
-    reference = load_pretrained(path, numerics=Numerics.STRICT)
+    cfg = recipe_config(args.train, world, path)
     total = args.warmup + args.steps + 1
-    with torch.no_grad():
-        steps = [step_samples(reference, s, args.samples) for s in range(total)]
+    steps = recipe_steps(path, total, args.samples)
     policy = _policy(path, cfg)
 
     def run(s: int) -> dict[str, float]:
