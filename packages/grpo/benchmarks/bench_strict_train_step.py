@@ -78,15 +78,26 @@ def _policy(path: str, cfg: GrpoConfig) -> Policy:
     )
 
 
-def _rank(rank: int, world: int, args: argparse.Namespace, path: str) -> dict[str, Any]:
-    cfg = GrpoConfig(
-        train=args.train, replicate=1, shard=world, lr=RECIPE["full_lr" if args.train == "full"
+def recipe_config(train: str, world: int, path: str) -> GrpoConfig:
+    """The trainer settings of the default run (``train``: ``lora`` or ``full``), sharded
+    over ``world`` ranks, for the policy at ``path``."""
+    return GrpoConfig(
+        train=train, replicate=1, shard=world, lr=RECIPE["full_lr" if train == "full"
         else "lr"], lora_targets=RECIPE["lora_targets"], lora_r=RECIPE["lora_r"],
         lora_alpha=RECIPE["lora_alpha"], max_grad_norm=RECIPE["max_grad_norm"], model_path=path,
     )  # fmt: skip
+
+
+def recipe_steps(path: str, steps: int, samples: int) -> list[list[TrainSample]]:
+    """``steps`` steps of ``step_samples`` (``samples`` each) from the policy at ``path``."""
     reference = load_pretrained(path, numerics=Numerics.STRICT)
     with torch.no_grad():
-        steps = [step_samples(reference, s, args.samples) for s in range(args.steps)]
+        return [step_samples(reference, s, samples) for s in range(steps)]
+
+
+def _rank(rank: int, world: int, args: argparse.Namespace, path: str) -> dict[str, Any]:
+    cfg = recipe_config(args.train, world, path)
+    steps = recipe_steps(path, args.steps, args.samples)
     policies = {name: _policy(path, cfg) for name in PATHS}
     wall: dict[str, list[float]] = {name: [] for name in PATHS}
     cpu: dict[str, list[float]] = {name: [] for name in PATHS}

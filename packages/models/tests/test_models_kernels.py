@@ -171,8 +171,9 @@ def _bitwise(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
 @pytest.mark.parametrize(("rows", "k", "n"), [(700, 32, 101), (5, 12, 3), (300, 8, 64)])
 def test_strict_backwards_give_autograds_gradient_bits(rows: int, k: int, n: int) -> None:
     """The hand-written backwards of the strict linear (several row chunks, K padded to a power
-    of two), of the product trees of attention and of ``tree_sum`` equal autograd's own, bit for
-    bit (signs of zero included), so the trainer's gradients did not change with them."""
+    of two), of the product trees of attention, of ``tree_sum`` and of ``exp_strict`` (softmax,
+    SiLU) equal autograd's own, bit for bit (signs of zero included), so the trainer's gradients
+    did not change with them."""
     from posttrain.models._ops import product_tree_sum
 
     gen = torch.Generator().manual_seed(rows)
@@ -183,6 +184,9 @@ def test_strict_backwards_give_autograds_gradient_bits(rows: int, k: int, n: int
         (lambda a: tree_sum(a, dim=0), (x,)),
         (lambda a: tree_sum(a), (x,)),
         (product_tree_sum, (x.t()[:, :, None], w.t()[:, None, :])),
+        (exp_strict, (x * 40.0,)),  # past the clamp at both ends too
+        (StrictOps.softmax, (x,)),
+        (lambda a: StrictOps.silu_mul(a, a * 0.5), (x,)),
     ):
         assert _bitwise(_grads(fn, *inputs, reference=False), _grads(fn, *inputs, reference=True))
     q, keys = torch.randn(9, 2, 2, 8, generator=gen), torch.randn(9, 16, 2, 8, generator=gen)
@@ -196,3 +200,47 @@ def test_strict_backwards_give_autograds_gradient_bits(rows: int, k: int, n: int
         _grads(attention, q, keys, values, reference=False),
         _grads(attention, q, keys, values, reference=True),
     )
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_merged_attention_chunks_keep_every_bit(seed: int) -> None:
+    """``attend_buffers`` runs runs of query chunks of one width as one ``ops.attention`` call;
+    outputs and the gradients of queries, keys and values (the buffers' per-chunk accumulation
+    included) equal autograd's own chunk-by-chunk graph, bit for bit. One thread: CPU
+    ``index_put_`` accumulates with atomics, in no fixed order, on several."""
+    import random
+
+    from posttrain.models import _ops
+    from posttrain.models._blocks import attend
+
+    rnd = random.Random(seed)
+    lengths = [rnd.randint(1, 40) for _ in range(24)]
+    gen = torch.Generator().manual_seed(seed)
+    t, nh, nkv, hd = sum(lengths), 4, 2, 8
+    q, k, v = (torch.randn(t, n, hd, generator=gen) for n in (nh, nkv, nkv))
+    v[::7] = 0.0
+    seg = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+    starts = torch.tensor([0, *torch.tensor(lengths).cumsum(0)[:-1].tolist()])
+    pos = torch.arange(t) - starts[seg]
+
+    def run(reference: bool) -> list[torch.Tensor]:
+        leaves = [x.clone().requires_grad_(True) for x in (q, k, v)]
+        _ops._CUSTOM_BACKWARD = not reference
+        try:
+            out = attend(
+                StrictOps, *leaves, q_pos=pos, q_seg=seg, k_pos=pos, k_seg=seg,
+                num_segments=len(lengths), capacity=64, scale=0.35,
+            )  # fmt: skip
+            upstream = torch.randn(out.shape, generator=torch.Generator().manual_seed(7))
+            upstream[..., ::5] = -0.0
+            out.backward(upstream)
+        finally:
+            _ops._CUSTOM_BACKWARD = True
+        return [out.detach(), *(x.grad for x in leaves if x.grad is not None)]
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        assert _bitwise(run(reference=False), run(reference=True))
+    finally:
+        torch.set_num_threads(threads)

@@ -38,9 +38,14 @@ _LN2_LO = -2.12194440e-4
 _SQRT2 = 1.4142135623730951
 _EXP_COEFFS = tuple(1.0 / math.factorial(n) for n in range(7, -1, -1))  # Taylor, |r| <= ln2/2
 _LOG_COEFFS = tuple(1.0 / n for n in (11, 9, 7, 5, 3, 1))  # atanh series in z**2
-# Elements per chunk of the [rows, N, K] product tensor in ``linear``: bounds memory only;
-# rows are independent, so chunking never changes a result.
+# Elements per row chunk of the [K, rows, N] product tensor of ``linear`` as autograd
+# differentiated it: the weight's gradient is a sum over each chunk's rows, the chunks' sums
+# added last chunk first, so this size fixes the weight gradient's bits (kept as it was).
 _CHUNK_ELEMENTS = 1 << 17
+# Elements of the product tensors ``linear`` materialises at once where the row blocking
+# cannot change a bit (the forward's products and trees, the input's gradient: every row is
+# reduced alone); bounds memory only. Fewer, larger blocks: far fewer torch ops per linear.
+_BLOCK_ELEMENTS = 1 << 21
 # Whether the strict kernels use their hand-written backwards (bit for bit autograd's own
 # gradients, far fewer ops); False selects autograd's, for benchmarks and tests only.
 _CUSTOM_BACKWARD = True
@@ -134,29 +139,88 @@ class _ProductTreeSum(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, Tensor | None]:
         a, b = ctx.saved_tensors
-        # materialised like autograd's: the products' layout (so the reductions' order)
-        # follows the operands' strides
-        g = (grad + 0.0).expand(max(a.shape[0], b.shape[0]), *grad.shape).contiguous()
+        g = (grad + 0.0).expand(max(a.shape[0], b.shape[0]), *grad.shape)
+        # The products are written into one contiguous buffer of the broadcast shape: the
+        # layout autograd's products had (its repeated gradient was materialised contiguous),
+        # so each ``sum_to_size`` reduces in the same order, without copying ``g`` first.
         need_a, need_b = ctx.needs_input_grad
-        grad_a = (g * b).sum_to_size(a.shape) if need_a else None
-        grad_b = (g * a).sum_to_size(b.shape) if need_b else None
+        products = torch.empty(g.shape, dtype=g.dtype, device=g.device)
+        grad_a = torch.mul(g, b, out=products).sum_to_size(a.shape) if need_a else None
+        if grad_a is not None and grad_a.shape == products.shape:  # no reduction: it is the buffer
+            products = torch.empty_like(products)
+        grad_b = torch.mul(g, a, out=products).sum_to_size(b.shape) if need_b else None
         return grad_a, grad_b
 
 
 def _linear_step(k: int, n: int) -> int:
-    """Rows per chunk of the ``[K, rows, N]`` product tensor in ``StrictOps.linear``."""
+    """Rows per chunk of the ``[K, rows, N]`` product tensor as autograd saw it (see
+    ``_CHUNK_ELEMENTS``): the weight gradient's row chunks."""
     return max(1, _CHUNK_ELEMENTS // max(1, n * k))
 
 
-def _strict_linear_rows(rows: Tensor, w_t: Tensor) -> Tensor:
-    """``rows[R, K] @ w`` for ``w_t[K, 1, N]`` (``w.t()``): products, then ``tree_sum`` over K."""
+def _block_rows(k: int, n: int, multiple: int = 1) -> int:
+    """Rows per block of a ``[K, rows, N]`` product that ``_BLOCK_ELEMENTS`` bounds: a
+    multiple of ``multiple`` rows (at least one multiple)."""
+    return max(1, _BLOCK_ELEMENTS // max(1, n * k * multiple)) * multiple
+
+
+def _strict_linear_rows(rows: Tensor, w_t: Tensor, step: int | None = None) -> Tensor:
+    """``rows[R, K] @ w`` for ``w_t[K, 1, N]`` (``w.t()``): products, then ``tree_sum`` over K.
+
+    Rows are reduced independently, so the row blocks (``step`` rows each, by default as many
+    as ``_BLOCK_ELEMENTS`` allows) never change a bit; autograd's reference path passes the
+    gradient chunks (``_linear_step``) so its graph is the one the trainer differentiated."""
     k, n = w_t.shape[0], w_t.shape[2]
-    step = _linear_step(k, n)
+    step = _block_rows(k, n) if step is None else step
     parts = [
         _tree_sum_owned(rows[i : i + step].t().contiguous()[:, :, None] * w_t)  # [K, rows, N]
         for i in range(0, rows.shape[0], step)
     ]
+    if len(parts) == 1:
+        return parts[0]
     return torch.cat(parts) if parts else rows.new_zeros((0, n))
+
+
+def _strict_linear_grad_x(grad: Tensor, w_t: Tensor) -> Tensor:
+    """``sum_N(G * w)`` per row: the input gradient autograd computes for a chunk of
+    ``tree_sum(a * w_t)`` (``G`` the chunk's output gradient, broadcast over K), as ``[R, K]``.
+
+    Every ``(row, k)`` is one inner-dim sum over N on its own (torch's per-row order), so one
+    ``[rows, K, N]`` product per block gives autograd's bits without its chunks, transposes
+    and concatenation."""
+    k, n = w_t.shape[0], w_t.shape[2]
+    w_kn = w_t[:, 0, :]  # [K, N]
+    step = _block_rows(k, n)
+    parts = [
+        (grad[i : i + step, None, :] * w_kn).sum(2)  # [rows, K, N] -> [rows, K]
+        for i in range(0, grad.shape[0], step)
+    ]
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def _strict_linear_grad_w(grad: Tensor, rows: Tensor, step: int) -> Tensor:
+    """The weight gradient ``[K, N]`` (as ``w_t``'s ``[K, 1, N]`` without the 1) autograd gives
+    for the chunks of ``step`` rows: per chunk ``sum_rows(G * a)`` (torch's reduction over the
+    chunk's rows, ``a = rows.t()``), the chunks' sums added last chunk first.
+
+    The products of many whole chunks are made at once and each chunk's rows summed as one
+    dim of a ``[K, chunks, step, N]`` view: the same reduction, over the same rows, per chunk."""
+    k, n = rows.shape[1], grad.shape[1]
+    total = rows.shape[0]
+    sums: list[Tensor] = []  # [K, N] per chunk, in chunk order
+    block = _block_rows(k, n, step)
+    whole = total - total % step
+    for i in range(0, whole, block):
+        m = min(block, whole - i)
+        prod = grad[None, i : i + m, :] * rows[i : i + m].t().contiguous()[:, :, None]
+        sums.extend(prod.view(k, m // step, step, n).sum(2).unbind(1))
+    if whole < total:
+        tail = grad[None, whole:, :] * rows[whole:].t().contiguous()[:, :, None]
+        sums.append(tail.sum(1))
+    out = sums[-1]
+    for part in reversed(sums[:-1]):
+        out = out + part
+    return out
 
 
 class _StrictLinear(torch.autograd.Function):
@@ -168,8 +232,8 @@ class _StrictLinear(torch.autograd.Function):
     last chunk first (autograd runs the chunk made last first), and the rows' gradients come
     back through zero-filled slices (``+ 0.0`` again when there is more than one chunk). This
     computes those same reductions on the same shapes, so every gradient bit is autograd's,
-    without the slice and tree bookkeeping; the weight's gradient only when it is needed
-    (LoRA's frozen base weights need none).
+    without the slice and tree bookkeeping (``_strict_linear_grad_x``, ``_strict_linear_grad_w``);
+    the weight's gradient only when it is needed (LoRA's frozen base weights need none).
     """
 
     @staticmethod
@@ -184,25 +248,15 @@ class _StrictLinear(torch.autograd.Function):
         rows, w_t = ctx.saved_tensors
         k, n = w_t.shape[0], w_t.shape[2]
         step = _linear_step(k, n)
-        starts = list(range(0, rows.shape[0], step))
         need_x, need_w = ctx.needs_input_grad
         grad = grad + 0.0
-        grads_x: list[Tensor] = []
-        grad_w: Tensor | None = None
-        for i in reversed(starts):
-            g = grad[i : i + step][None]  # [1, rows, N], broadcast over K
-            if need_x:
-                grads_x.append((g * w_t).sum(2, keepdim=True)[:, :, 0])  # [K, rows]
-            if need_w:
-                a = rows[i : i + step].t().contiguous()[:, :, None]
-                part = (g * a).sum(1, keepdim=True)  # [K, 1, N]
-                grad_w = part if grad_w is None else grad_w + part
         grad_x = None
         if need_x:
-            grad_x = torch.cat([gx.t() for gx in reversed(grads_x)])
-            if len(starts) > 1:
+            grad_x = _strict_linear_grad_x(grad, w_t)
+            if rows.shape[0] > step:  # more than one chunk: the zero-filled slices' ``+ 0.0``
                 grad_x = grad_x + 0.0
-        return grad_x, (None if grad_w is None else grad_w[:, 0, :].t())
+        grad_w = _strict_linear_grad_w(grad, rows, step).t() if need_w else None
+        return grad_x, grad_w
 
 
 def _pow2(k: Tensor) -> Tensor:
@@ -212,13 +266,56 @@ def _pow2(k: Tensor) -> Tensor:
 
 def exp_strict(x: Tensor) -> Tensor:
     """exp(x) in fp32 from correctly rounded ops only (inputs clamped to [-87, 88])."""
+    if _CUSTOM_BACKWARD and x.requires_grad and torch.is_grad_enabled():
+        out: Tensor = _ExpStrict.apply(x)  # type: ignore[no-untyped-call]
+        return out
+    return _exp_terms(x)[0]
+
+
+def _exp_terms(x: Tensor) -> tuple[Tensor, Tensor, list[Tensor], Tensor]:
+    """``exp_strict(x)`` and what its backward reads: ``r`` (the reduced argument), the
+    Horner terms ``p_0 .. p_6`` that ``r`` multiplies, and the scale ``2**k``."""
     x = x.clamp(-87.0, 88.0)
     k = torch.round(x * _INV_LN2).detach()
     r = (x - k * _LN2_HI) - k * _LN2_LO
     p = torch.full_like(r, _EXP_COEFFS[0])
+    terms = []
     for c in _EXP_COEFFS[1:]:
+        terms.append(p)
         p = p * r + c
-    return p * _pow2(k)
+    scale = _pow2(k)
+    return p * scale, r, terms, scale
+
+
+class _ExpStrict(torch.autograd.Function):
+    """``exp_strict`` with autograd's own gradient of its ops, in one node.
+
+    Autograd differentiates ``p_i = p_{i-1} * r + c_i`` (``p_0`` constant) and ``out = p_7 *
+    2**k`` (``k`` detached) last op first: ``g_7 = g * 2**k``, ``g_{i-1} = g_i * r``, and ``r``
+    collects ``g_i * p_{i-1}`` in that order (``i = 7 .. 1``, each added to the sum so far);
+    the subtractions pass it on and the clamp keeps it where ``-87 <= x <= 88`` (0 elsewhere).
+    This computes exactly those products and sums, without a graph node per op."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor) -> Tensor:
+        with torch.no_grad():
+            out, r, terms, scale = _exp_terms(x)
+        ctx.save_for_backward(x, r, scale, *terms)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Tensor:
+        x, r, scale, *terms = ctx.saved_tensors
+        g = grad * scale
+        total: Tensor | None = None
+        for i in range(len(terms) - 1, -1, -1):
+            part = g * terms[i]
+            total = part if total is None else total + part
+            if i:
+                g = g * r
+        assert total is not None
+        inside = (x >= -87.0).logical_and_(x <= 88.0)
+        return torch.where(inside, total, torch.zeros((), dtype=total.dtype))
 
 
 def log_strict(x: Tensor) -> Tensor:
@@ -420,7 +517,10 @@ class StrictOps(FastOps):
         if _CUSTOM_BACKWARD and grad and rows.shape[0]:  # no rows: no graph, as before
             out: Tensor = _StrictLinear.apply(rows, w)  # type: ignore[no-untyped-call]
         else:
-            out = _strict_linear_rows(rows, w.t().contiguous()[:, None, :])
+            w_t = w.t().contiguous()[:, None, :]
+            # autograd's own graph (the reference backward) over the gradient's row chunks
+            step = _linear_step(w_t.shape[0], w_t.shape[2]) if grad else None
+            out = _strict_linear_rows(rows, w_t, step)
         return out.reshape(*lead, w.shape[0])
 
     @staticmethod
