@@ -17,6 +17,7 @@ mesh's device type (a CPU-offloaded shard is moved there first) and the result i
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 
 import torch
@@ -119,12 +120,11 @@ def _gather_bucket(
     first = bucket[0][1]
     mesh = first.device_mesh
     dim = next(i for i, p in enumerate(first.placements) if _dim0(p))
-    group = mesh.get_group(dim)
     world = mesh.size(dim)
     with torch.no_grad():
         slots = []  # per tensor: padded elements per rank, elements per row
         for _, t in bucket:
-            row = t[0].numel() if t.shape[0] else 0
+            row = math.prod(t.shape[1:])  # global shape: no DTensor op, no collective
             slots.append((-(-t.shape[0] // world) * row, row))
         total = sum(slot for slot, _ in slots)
         local = first.to_local()
@@ -134,8 +134,11 @@ def _gather_bucket(
             shard = t.to_local().reshape(-1)
             send[at : at + shard.numel()] = shard
             at += slot
-        received = [torch.empty_like(send) for _ in range(world)]
-        dist.all_gather(received, send, group=group)
+        if world == 1:  # nothing to gather (as redistribute: no collective, no group needed)
+            received = [send]
+        else:
+            received = [torch.empty_like(send) for _ in range(world)]
+            dist.all_gather(received, send, group=mesh.get_group(dim))
         at = 0
         for (name, t), (slot, row) in zip(bucket, slots, strict=True):
             pieces = []
