@@ -180,12 +180,15 @@ def test_full_state_dict_gathers_in_buckets_with_the_same_bytes(
 ) -> None:
     """Consecutive dim-0-sharded weights go as one all-gather per bucket (flat and HSDP mesh,
     uneven and empty shards at W=4); names, order and bytes equal one gather per tensor."""
-    for rank_out in request.getfixturevalue(suite):
+    out = request.getfixturevalue(suite)
+    for rank_out in out:
         res = rank_out["export"]
-        for layout in ("r1", "r2"):
+        for layout, replicate in (("r1", 1), ("r2", 2)):
             runs = res[layout]
             for run in runs.values():
                 assert run["names_equal"]
                 assert run["bytes_equal"]
-            assert [runs[k]["gathers"] for k in ("one_each", "small", "default")] == [3, 2, 1]
+            # a shard group of one rank (W=2, r=2) holds whole tensors: nothing to gather
+            want = [3, 2, 1] if len(out) // replicate > 1 else [0, 0, 0]
+            assert [runs[k]["gathers"] for k in ("one_each", "small", "default")] == want
         assert res["zero_bucket"] == "bucket_bytes must be at least 1, got 0"
