@@ -163,23 +163,20 @@ def unflatten(
     names: Sequence[str],
     dtypes: Sequence[torch.dtype],
     shapes: Sequence[Sequence[int]],
-    flat: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """The receiving end: the flat ``uint8`` buffer (``flat``, or a new one sized for the
-    entries) and each tensor as a view of it, by name."""
+    flat: torch.Tensor,
+) -> dict[str, torch.Tensor]:
+    """The receiving end: each tensor of a received flat ``uint8`` buffer as a view of it, by
+    name (the layout checked as SGLang checks it)."""
     starts, total = _starts(list(zip(names, dtypes, shapes, strict=True)))
-    if flat is None:
-        flat = torch.empty(total, dtype=torch.uint8)
-    elif flat.dtype != torch.uint8 or flat.numel() != total:
+    if flat.dtype != torch.uint8 or flat.numel() != total:
         raise BucketFormatError(
             f"flattened bucket: {flat.numel()} {flat.dtype} elements for {total} bytes of tensors",
             field="shapes",
         )
-    views = {
+    return {
         name: flat[at : at + torch.Size(shape).numel() * d.itemsize].view(d).view(tuple(shape))
         for name, d, shape, at in zip(names, dtypes, shapes, starts, strict=True)
     }
-    return flat, views
 
 
 def tensors_sha256(tensors: Mapping[str, torch.Tensor]) -> str:

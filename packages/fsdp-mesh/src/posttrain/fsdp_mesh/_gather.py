@@ -102,12 +102,11 @@ def _dim0(placement: object) -> bool:
     return type(placement) is Shard and placement.dim == 0
 
 
-def _rows_of(rank: int, rows: int, world: int) -> tuple[int, int]:
-    """Where rank ``rank``'s shard of ``rows`` starts and how many rows it holds: dim 0 cut as
-    ``torch.chunk`` cuts it (ceil(rows / world) each; the last ranks may hold fewer or none)."""
+def _rows_of(rank: int, rows: int, world: int) -> int:
+    """How many of ``rows`` rank ``rank``'s shard holds: dim 0 cut as ``torch.chunk`` cuts it
+    (ceil(rows / world) each; the last ranks may hold fewer or none)."""
     per = -(-rows // world)
-    start = min(per * rank, rows)
-    return start, min(per, rows - start)
+    return max(0, min(per, rows - per * rank))
 
 
 def _gather_bucket(
@@ -143,8 +142,7 @@ def _gather_bucket(
         for (name, t), (slot, row) in zip(bucket, slots, strict=True):
             pieces = []
             for r in range(world):
-                _, rows = _rows_of(r, t.shape[0], world)
-                pieces.append(received[r][at : at + rows * row])
+                pieces.append(received[r][at : at + _rows_of(r, t.shape[0], world) * row])
             full = torch.cat(pieces).view(t.shape)
             yield name, full.to(device=device, dtype=dtype or full.dtype)
             at += slot

@@ -107,11 +107,11 @@ class WeightRoutes:
         note = "; an update begun and not completed was dropped" if dropped else ""
         return JSONResponse({"success": True, "message": f"left {req.group_name!r}{note}"})
 
-    def bucket_dtypes(self, req: UpdateWeightsFromDistributedReq) -> list[torch.dtype]:
-        """The bucket's dtypes, once its size passes ``--max-update-bytes``."""
+    def bucket_dtypes(self, req: UpdateWeightsFromDistributedReq) -> tuple[list[torch.dtype], int]:
+        """The bucket's dtypes and its size in bytes, once that passes ``--max-update-bytes``."""
         dtypes = [dtype_from_name(d, field=f"dtypes[{i}]") for i, d in enumerate(req.dtypes)]
         total = sum(
-            torch.Size(shape).numel() * torch.empty((), dtype=d).element_size()
+            torch.Size(shape).numel() * d.itemsize
             for shape, d in zip(req.shapes, dtypes, strict=True)
         )
         limit = self.ctx.config.max_update_bytes
@@ -120,7 +120,7 @@ class WeightRoutes:
                 f"shapes: the bucket holds {total} bytes, over --max-update-bytes {limit}",
                 field="shapes",
             )
-        return dtypes
+        return dtypes, total
 
     async def update_from_distributed(self, request: Request) -> Response:
         req = UpdateWeightsFromDistributedReq.parse(await self.json_req(request))
@@ -137,7 +137,7 @@ class WeightRoutes:
             )
         flattened = req.load_format == FLATTENED_BUCKET
         version = parse_weight_version(req.weight_version)
-        dtypes = self.bucket_dtypes(req)
+        dtypes, total = self.bucket_dtypes(req)
         engine = self.ctx.engine
         if req.group_name not in self.pending:
             self.pending[req.group_name] = engine.new_update()
@@ -145,13 +145,9 @@ class WeightRoutes:
 
         def receive_and_stage() -> None:
             if flattened:  # one broadcast of the bucket's bytes end to end (formats' layout)
-                total = sum(
-                    torch.Size(s).numel() * d.itemsize
-                    for s, d in zip(req.shapes, dtypes, strict=True)
-                )
                 flat = torch.empty(total, dtype=torch.uint8)
                 group.broadcast([flat])  # always received, even if the layout is refused next
-                update.add(unflatten(req.names, dtypes, req.shapes, flat)[1])
+                update.add(unflatten(req.names, dtypes, req.shapes, flat))
                 return
             bufs = [torch.empty(s, dtype=d) for s, d in zip(req.shapes, dtypes, strict=True)]
             group.broadcast(bufs)  # always received: the trainer's broadcast must complete

@@ -531,13 +531,8 @@ def start_layout(
     once its betting run is recorded, one replay: ``_Replay``)."""
     inputs = [t for _, t in weights]
     names = [n for n, _ in weights]
-    rep = layout.replay
-    if (
-        rep is not None
-        and not rep.busy
-        and layout.speculate
-        and rep.key == _replay_key(cfg, tuning)
-    ):
+    rep = _free_replay(layout, cfg, tuning)
+    if rep is not None:
         return _replayed(GroupedBucket(names, inputs, layout, rep.bits, kept=True), rep)
     bits = torch.zeros(layout.slots + len(inputs), dtype=torch.int32, device=inputs[0].device)
     return _launch(GroupedBucket(names, inputs, layout, bits, kept=True), cfg, tuning)
@@ -546,6 +541,15 @@ def start_layout(
 def _replay_key(cfg: NVFP4Config, tuning: KernelTuning | None) -> Hashable:
     """What a recorded run depends on besides its layout: the kernels' config and shape."""
     return (cfg, tuning)
+
+
+def _free_replay(layout: _Layout, cfg: NVFP4Config, tuning: KernelTuning | None) -> _Replay | None:
+    """The layout's recorded run if this call may replay it: it bets this time, the run was
+    recorded under this config and tuning, and no replay of it is still unchecked."""
+    rep = layout.replay
+    if rep is None or rep.busy or not layout.speculate or rep.key != _replay_key(cfg, tuning):
+        return None
+    return rep
 
 
 def _replayed(
@@ -573,20 +577,13 @@ def _replayed(
 def _one_read(bucket: GroupedBucket, rep: _Replay, cfg: NVFP4Config, tuning: KernelTuning) -> None:
     """What a recorded run does (``_Replay``): ``run_speculative`` into ``rep``'s bits and the
     address in ``rep.at``, betting on the layout's last amaxes, then keeping the new ones."""
-    from posttrain.quant_convert import _nvfp4_triton as kernels
 
-    layout = bucket.layout
-    last = layout.last_amax
+    last = bucket.layout.last_amax
     assert last is not None  # recorded only for a layout that bets
+    assert bucket.bits is rep.bits  # set by ``_replayed``
     rep.bits.zero_()
-    for redo in (False, True):
-        for la in layout.launches:
-            kernels.speculate_rows(
-                bucket.inputs[la.base], layout.meta, rep.bits, last, rep.at, la.rows,
-                la.per_matrix // GROUP_SIZE, redo=redo, scale_rounding=cfg.scale_rounding,
-                emax=cfg.emax, tuning=tuning,
-            )  # fmt: skip
-    last.copy_(rep.bits[: layout.slots])
+    run_speculative(bucket, last, cfg, tuning, out=rep.at)
+    last.copy_(rep.bits[: bucket.layout.slots])
 
 
 def _record(
@@ -666,10 +663,10 @@ def _launch(
     layout = bucket.layout
     last = layout.last_amax if layout.speculate else None
     if plain and tune.speculate and tune.block_per_thread and last is not None:
-        rep = layout.replay
-        if tune.replay and bucket.kept and (rep is None or not rep.busy):
-            if rep is not None and rep.key == _replay_key(cfg, tuning):
-                return _replayed(bucket, rep)
+        rep = _free_replay(layout, cfg, tuning)
+        if rep is not None:
+            return _replayed(bucket, rep)
+        if tune.replay and bucket.kept and (layout.replay is None or not layout.replay.busy):
             return _record(bucket, cfg, tuning)  # recorded now; replayed from the next run
         run_speculative(bucket, last.clone(), cfg, tune)
     elif tune.pipeline and plain:
@@ -686,19 +683,25 @@ def _launch(
 
 
 def run_speculative(
-    bucket: GroupedBucket, bet: torch.Tensor, cfg: NVFP4Config, tuning: KernelTuning
+    bucket: GroupedBucket,
+    bet: torch.Tensor,
+    cfg: NVFP4Config,
+    tuning: KernelTuning,
+    *,
+    out: OutputsAt | None = None,
 ) -> None:
     """Quantize a bucket in one read, betting each slot's amax is ``bet``'s (the last run's:
     a weight's max|x| seldom moves between syncs), then quantize again every matrix whose
     true amax differs. The bytes are the two-pass order's either way; a lost bet costs that
-    matrix a second read and write."""
+    matrix a second read and write. ``out``: outputs whose address the kernels read on the
+    device (a recorded run), instead of the bucket's own buffer."""
     from posttrain.quant_convert import _nvfp4_triton as kernels
 
-    out = bucket.outputs()
+    where = bucket.outputs() if out is None else out
     for redo in (False, True):  # every bet placed before the first redo reads a slot
         for la in bucket.launches:
             kernels.speculate_rows(
-                bucket.inputs[la.base], bucket.meta, bucket.bits, bet, out, la.rows,
+                bucket.inputs[la.base], bucket.meta, bucket.bits, bet, where, la.rows,
                 la.per_matrix // GROUP_SIZE, redo=redo, scale_rounding=cfg.scale_rounding,
                 emax=cfg.emax, tuning=tuning,
             )  # fmt: skip
