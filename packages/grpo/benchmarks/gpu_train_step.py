@@ -23,7 +23,8 @@ head_dim * (L + 1)`` per token; embeddings excluded, the LM head included, for a
 router plus ``top_k`` experts) over ``--peak-tflops`` (default: the bf16 dense peak of the
 device, 989.4 for H100/H200 SXM), peak memory (``torch.cuda.max_memory_allocated``, largest over
 ranks) and, for ours, that the trainer's logprobs equal the reference logprobs fed in as the
-rollout's (strict: 0 diff). The summary line has ours / transformers at each precision.
+rollout's (strict: 0 diff; under bf16 the strict reference holds the bf16 weights an engine
+would serve, the trainer's compute copy). The summary line has ours / transformers at each precision.
 
 Needs torch (+CUDA) and the repo's src paths (plus transformers for the reference). From the
 repo root:
@@ -51,6 +52,7 @@ already printed), then a summary line.
 from __future__ import annotations
 
 import argparse
+import copy
 import functools
 import gc
 import json
@@ -187,7 +189,15 @@ def measure(rank: int, world: int, args: argparse.Namespace, train: str, numeric
                       numerics=numerics, activation_checkpointing=args.activation_checkpointing,  # type: ignore[arg-type]
                       compile=compiled,
                       compile_mode=args.compile_mode if compiled else "default")  # fmt: skip
-    samples = _samples(mcfg, tokens, args.seq_len, rank, world, model)
+    # The strict "engine" holds the weights the trainer computes with: under bf16, FSDP's bf16
+    # compute copy (a bf16 checkpoint served), so both sides run the same bf16 kernels.
+    low = precision == "bf16" and numerics == "strict"
+    engine = copy.deepcopy(model) if low else model
+    if low:  # parameters only, as FSDP's param_dtype (buffers such as rope tables stay fp32)
+        for p in engine.parameters():
+            p.data = p.data.to(torch.bfloat16)
+    samples = _samples(mcfg, tokens, args.seq_len, rank, world, engine)
+    del engine
     policy = shard_policy(model, gcfg, device=device)  # what the GRPO trainer builds, on device
     total = world * len(samples) * (args.seq_len - args.seq_len // 2)
     seconds, diffs, first, recorded = [], [], 0.0, []
@@ -208,7 +218,7 @@ def measure(rank: int, world: int, args: argparse.Namespace, train: str, numeric
     peaks = [None] * world
     dist.all_gather_object(peaks, peak)
     profile = None
-    if args.profile and numerics == "fast" and tokens == args.tokens and world == 1:
+    if args.profile and world == 1:
         step = functools.partial(train_step, policy, samples, gcfg,
                                  global_batch_size=len(samples), global_token_count=total)  # fmt: skip
         profile = _profile(step, device)
@@ -432,7 +442,7 @@ def main() -> None:
                         help="also run the transformers reference with each decoder layer "
                         "compiled (the eager reference rows stay)")  # fmt: skip
     parser.add_argument("--profile", action="store_true",
-                        help="profile one more step of each fast run (top kernels by time)")  # fmt: skip
+                        help="profile one more step of each run (top kernels by time)")  # fmt: skip
     parser.add_argument("--peak-tflops", type=float, default=None,
                         help="peak TFLOP/s for MFU (default: the device's bf16 dense peak)")  # fmt: skip
     parser.add_argument("--timeout-s", type=float, default=1200.0)

@@ -81,17 +81,22 @@ elsewhere), ``torch`` (``StrictOps`` everywhere) or ``triton`` (``CudaStrictOps`
 on CPU tensors only under Triton's interpreter, for tests)."""
 
 
-def strict_ops_for(device: torch.device, kernels: StrictKernels = "auto") -> type[FastOps]:
+def strict_ops_for(
+    device: torch.device,
+    kernels: StrictKernels = "auto",
+    weight_dtype: torch.dtype = torch.float32,
+) -> type[FastOps]:
     """The strict kernel set for tensors on ``device``: ``CudaStrictOps`` (Triton) on CUDA or
-    when ``kernels == "triton"``, ``StrictOps`` otherwise. Triton is imported only then.
+    when ``kernels == "triton"`` (``CudaStrictBf16Ops``, bf16 tensor-core dots, for bf16
+    weights), ``StrictOps`` otherwise. Triton is imported only then.
 
     Anything that computes part of a model's forward outside ``DecoderModel`` (an expert
     layer split over ranks, say) takes its kernels from here, so its bits stay the model's.
     """
     if kernels == "triton" or (kernels == "auto" and device.type == "cuda"):
-        from posttrain.models._strict_cuda import CudaStrictOps
+        from posttrain.models._strict_cuda import CudaStrictBf16Ops, CudaStrictOps
 
-        return CudaStrictOps
+        return CudaStrictBf16Ops if weight_dtype == torch.bfloat16 else CudaStrictOps
     return StrictOps
 
 
@@ -509,7 +514,8 @@ class DecoderModel(nn.Module):
         """
         if self.numerics is not Numerics.STRICT:
             return Bf16FastOps if self.compute_dtype == torch.bfloat16 else FastOps
-        return strict_ops_for(self.embedding.device, self._strict_kernels)
+        emb = self.embedding
+        return strict_ops_for(emb.device, self._strict_kernels, emb.dtype)
 
     # ------------------------------------------------------------------ public forwards
 

@@ -23,7 +23,7 @@ both are references of their own device.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
@@ -44,6 +44,11 @@ class _Linear(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, Tensor | None]:
         x, weight = ctx.saved_tensors
+        if weight.dtype == torch.bfloat16:  # bf16 operands, as the forward's dot (and fast bf16)
+            g = grad.to(torch.bfloat16)
+            dx = (g @ weight).float() if ctx.needs_input_grad[0] else None
+            dw = g.t() @ x.to(torch.bfloat16) if ctx.needs_input_grad[1] else None
+            return dx, dw
         dx = grad @ weight.float() if ctx.needs_input_grad[0] else None
         dw = (grad.t() @ x).to(weight.dtype) if ctx.needs_input_grad[1] else None
         return dx, dw
@@ -112,19 +117,25 @@ class _RowAttention(torch.autograd.Function):
         pos: Tensor,
         scale: float,
         window: int | None,
+        tiling: kernels.AttentionTiling,
     ) -> Tensor:
-        out = kernels.row_attention(q, keys, values, kstart, pos, scale=scale, window=window)
+        out = kernels.row_attention(
+            q, keys, values, kstart, pos, scale=scale, window=window, tiling=tiling
+        )
         ctx.save_for_backward(q, keys, values, kstart, pos, out)
         ctx.scale, ctx.window = scale, window
+        ctx.dtype = torch.bfloat16 if tiling.precision == "bf16" else torch.float32
         return out
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, Tensor, Tensor, None, None, None, None]:
+    def backward(
+        ctx: Any, grad: Tensor
+    ) -> tuple[Tensor, Tensor, Tensor, None, None, None, None, None]:
         q, keys, values, kstart, pos, out = ctx.saved_tensors
         dq, dk, dv = _row_attention_backward(
-            q, keys, values, kstart, pos, out, grad, ctx.scale, ctx.window
+            q, keys, values, kstart, pos, out, grad, ctx.scale, ctx.window, ctx.dtype
         )
-        return dq, dk, dv, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None
 
 
 def _row_attention_backward(
@@ -137,8 +148,11 @@ def _row_attention_backward(
     grad: Tensor,
     scale: float,
     window: int | None,
+    dtype: torch.dtype = torch.float32,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """Recompute each key row's probabilities in fp32 torch and form the three gradients.
+    """Recompute each key row's probabilities in torch and form the three gradients: the
+    matmuls take ``dtype`` operands (bf16 where the forward's dots did) into fp32 results,
+    the softmax and its gradient are fp32.
 
     Queries are grouped into runs of consecutive tokens with the same key row (``kstart``: a
     packed segment is one run); the runs, their ends and key lengths reach the host in one
@@ -157,27 +171,29 @@ def _row_attention_backward(
     table = torch.stack([starts, counts.cumsum(0), longest + 1]).tolist()  # one sync
     begin = 0
     for start, end, length in zip(*table, strict=True):
-        kk, vv = keys[start : start + length].float(), values[start : start + length].float()
+        kk, vv = keys[start : start + length].to(dtype), values[start : start + length].to(dtype)
         slots = torch.arange(length, device=q.device)
         step = max(1, _BACKWARD_CHUNK // (heads * length))
         for i in range(begin, end, step):
             idx = slice(i, min(i + step, end))
             n = idx.stop - i
-            qq = q[idx].reshape(n, kv_heads, group, hd)
-            do = grad[idx].reshape(n, kv_heads, group, hd)
+            qq = q[idx].reshape(n, kv_heads, group, hd).to(dtype)
+            do_full = grad[idx].reshape(n, kv_heads, group, hd)
+            do = do_full.to(dtype)
             oo = out[idx].reshape(n, kv_heads, group, hd)
             dist = pos[idx][:, None] - slots[None, :]
             seen = dist >= 0
             if window is not None:
                 seen = seen & (dist < window)
-            scores = torch.einsum("nkgd,lkd->nkgl", qq, kk) * scale
+            scores = torch.einsum("nkgd,lkd->nkgl", qq, kk).float() * scale
             scores = scores.masked_fill(~seen[:, None, None, :], float("-inf"))
             probs = torch.softmax(scores, dim=-1)
-            dv[start : start + length] += torch.einsum("nkgl,nkgd->lkd", probs, do)
-            dp = torch.einsum("nkgd,lkd->nkgl", do, vv)
-            ds = probs * (dp - (do * oo).sum(-1, keepdim=True)) * scale
-            dq[idx] = torch.einsum("nkgl,lkd->nkgd", ds, kk).reshape(n, heads, hd)
-            dk[start : start + length] += torch.einsum("nkgl,nkgd->lkd", ds, qq)
+            dv[start : start + length] += torch.einsum("nkgl,nkgd->lkd", probs.to(dtype), do)
+            dp = torch.einsum("nkgd,lkd->nkgl", do, vv).float()
+            ds = probs * (dp - (do_full * oo).sum(-1, keepdim=True)) * scale
+            ds_low = ds.to(dtype)
+            dq[idx] = torch.einsum("nkgl,lkd->nkgd", ds_low, kk).reshape(n, heads, hd)
+            dk[start : start + length] += torch.einsum("nkgl,nkgd->lkd", ds_low, qq)
         begin = end
     return dq, dk.to(keys.dtype), dv.to(values.dtype)
 
@@ -203,6 +219,9 @@ class CudaStrictOps(StrictOps):
     """Strict numerics on CUDA through batch-invariant Triton kernels (see the module doc)."""
 
     fused_row_attention = True
+    attention_tiling: ClassVar[kernels.AttentionTiling] = kernels.ATTENTION_TILING
+    """``row_attention``'s tiling (its dots' precision): one per kernel set, so training and
+    decode of one model share it."""
 
     @staticmethod
     def linear(x: Tensor, weight: Tensor) -> Tensor:
@@ -252,8 +271,9 @@ class CudaStrictOps(StrictOps):
         """Per-row softmax (fixed block loop)."""
         return _row_softmax(x, log=False)
 
-    @staticmethod
+    @classmethod
     def attend_rows(
+        cls,
         q: Tensor,
         keys: Tensor,
         values: Tensor,
@@ -270,8 +290,23 @@ class CudaStrictOps(StrictOps):
             values = values.contiguous()
         if q.stride(-1) != 1:
             q = q.contiguous()
+        tiling = cls.attention_tiling
         if _needs_grad(q, keys, values):
-            out: Tensor = _RowAttention.apply(q, keys, values, kstart, pos, scale, window)
+            out: Tensor = _RowAttention.apply(q, keys, values, kstart, pos, scale, window, tiling)
         else:
-            out = kernels.row_attention(q, keys, values, kstart, pos, scale=scale, window=window)
+            out = kernels.row_attention(
+                q, keys, values, kstart, pos, scale=scale, window=window, tiling=tiling
+            )
         return out.reshape(q.shape[0], -1)
+
+
+class CudaStrictBf16Ops(CudaStrictOps):
+    """``CudaStrictOps`` for a model whose weights are bf16 (a bf16 checkpoint served, or
+    FSDP's bf16 compute copy under ``precision="bf16"``): linears make one bf16 tensor-core
+    pass (``linear`` picks ``BF16_LINEAR_TILING`` from the weight's dtype) and attention's two
+    dots take bf16 operands, all into fp32 accumulators; norms, softmaxes, the residual stream
+    and the logits stay fp32. Backwards run their matmuls in bf16. Same contract: a token's
+    bits depend on its own inputs only, so training and decode of the model agree bit for bit.
+    """
+
+    attention_tiling = kernels.BF16_ATTENTION_TILING

@@ -17,6 +17,10 @@ constants of the kernel (never a function of the number of rows):
   each output element a fixed accumulation order for a fixed tiling. Measured on the H200
   (docs/benchmarks/models.md): ``ieee`` reaches 14-22 TFLOP/s, 0.28-0.44x cuBLAS fp32, too slow
   for the issue-26 target; ``tf32x3`` about 67 TFLOP/s, 1.3x cuBLAS fp32 (TF32 off).
+  ``"bf16"`` (the default for a bf16 weight: ``BF16_LINEAR_TILING``) rounds the activation to
+  bf16 in registers and makes one bf16 tensor-core pass per ``block_k`` into an fp32
+  accumulator: what bf16 serving and bf16 training compute, at bf16 speed, with the same
+  fixed order per output element.
 * ``rms_norm``, ``softmax``, ``log_softmax``: one program per row, a fixed ``BLOCK`` loop over
   the row into a ``[BLOCK]`` accumulator, then one ``tl.sum``/``tl.max`` of fixed shape.
 * ``row_attention``: queries over the keys of their row (see ``row_attention``'s doc): the
@@ -41,6 +45,8 @@ import triton.language as tl  # type: ignore[import-untyped]
 
 __all__ = [
     "ATTENTION_TILING",
+    "BF16_ATTENTION_TILING",
+    "BF16_LINEAR_TILING",
     "LINEAR_TILING",
     "AttentionTiling",
     "LinearTiling",
@@ -63,6 +69,7 @@ class LinearTiling:
     num_warps: int = 4
     num_stages: int = 3
     precision: str = "tf32x3"
+    """``tf32x3``, ``ieee`` or ``bf16`` (see the module doc)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,7 +92,15 @@ class AttentionTiling:
 
 
 LINEAR_TILING = LinearTiling()
+BF16_LINEAR_TILING = LinearTiling(
+    block_m=128, block_n=128, block_k=64, group_m=8, num_warps=8, num_stages=3, precision="bf16"
+)
+"""The tiling of ``linear`` for a bf16 weight: one bf16 tensor-core pass per ``block_k``
+(the activation rounded to bf16 in registers), what a bf16 serving engine computes."""
 ATTENTION_TILING = AttentionTiling()
+BF16_ATTENTION_TILING = AttentionTiling(precision="bf16")
+"""The tiling of ``row_attention`` for a model with bf16 weights: both dots take bf16
+operands (queries, keys, values and probabilities rounded to bf16) into fp32 accumulators."""
 _ROW_BLOCK = 1024  # rms_norm / softmax block over a row
 _EW_BLOCK = 1024  # silu_mul block
 
@@ -140,8 +155,15 @@ def _linear_kernel(
             w_ptr + rn[None, :] * swn + kk[:, None] * swk,
             mask=(rn[None, :] < N) & (kk[:, None] < K),
             other=0.0,
-        ).to(tl.float32)
-        acc = tl.dot(a, b, acc, input_precision=PRECISION)
+        )
+        if PRECISION == "bf16":  # bf16 operands (x rounded to nearest even), fp32 accumulator
+            acc = tl.dot(
+                a.to(tl.bfloat16, fp_downcast_rounding="rtne"),
+                b.to(tl.bfloat16, fp_downcast_rounding="rtne"),
+                acc,
+            )
+        else:
+            acc = tl.dot(a, b.to(tl.float32), acc, input_precision=PRECISION)
     tl.store(
         out_ptr + rm[:, None] * som + rn[None, :],
         acc,
@@ -152,8 +174,12 @@ def _linear_kernel(
 def linear(
     x: torch.Tensor, weight: torch.Tensor, tiling: LinearTiling | None = None
 ) -> torch.Tensor:
-    """``x[M, K] (fp32) @ weight[N, K].T`` -> fp32 ``[M, N]`` (any strides)."""
-    t = tiling or LINEAR_TILING
+    """``x[M, K] (fp32) @ weight[N, K].T`` -> fp32 ``[M, N]`` (any strides).
+
+    The default tiling follows the weight's dtype: ``BF16_LINEAR_TILING`` for bf16 weights,
+    ``LINEAR_TILING`` (``tf32x3``) otherwise. A row's bits depend on its own inputs and the
+    weight, never on ``M``."""
+    t = tiling or (BF16_LINEAR_TILING if weight.dtype == torch.bfloat16 else LINEAR_TILING)
     m, k = x.shape
     n = weight.shape[0]
     out = torch.empty((m, n), dtype=torch.float32, device=x.device)
@@ -341,6 +367,8 @@ def _row_attention_kernel(
         mask=row_ok[:, None] & d_ok[None, :],
         other=0.0,
     )
+    if PRECISION == "bf16":
+        q = q.to(tl.bfloat16, fp_downcast_rounding="rtne")
     lo = 0
     if HAS_WINDOW:
         lo = tl.maximum(p0 - window + 1, 0)
@@ -362,7 +390,10 @@ def _row_attention_kernel(
             mask=col_ok[None, :] & d_ok[:, None],
             other=0.0,
         )
-        s = tl.dot(q, k_t, input_precision=PRECISION) * scale
+        if PRECISION == "bf16":
+            s = tl.dot(q, k_t.to(tl.bfloat16, fp_downcast_rounding="rtne")) * scale
+        else:
+            s = tl.dot(q, k_t, input_precision=PRECISION) * scale
         seen = (cols[None, :] <= qpos[:, None]) & row_ok[:, None]
         if HAS_WINDOW:
             seen = seen & (qpos[:, None] - cols[None, :] < window)
@@ -377,7 +408,14 @@ def _row_attention_kernel(
             mask=col_ok[:, None] & d_ok[None, :],
             other=0.0,
         )
-        acc = tl.dot(p, v, acc * alpha[:, None], input_precision=PRECISION)
+        if PRECISION == "bf16":
+            acc = tl.dot(
+                p.to(tl.bfloat16, fp_downcast_rounding="rtne"),
+                v.to(tl.bfloat16, fp_downcast_rounding="rtne"),
+                acc * alpha[:, None],
+            )
+        else:
+            acc = tl.dot(p, v, acc * alpha[:, None], input_precision=PRECISION)
         m_i = m_new
     out = tl.div_rn(acc, tl.where(row_ok, l_i, 1.0)[:, None])
     tl.store(
