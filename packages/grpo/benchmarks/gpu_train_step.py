@@ -268,7 +268,7 @@ def _compile_counters() -> dict[str, Any]:
     }
 
 
-def _profile(step: Any, device: torch.device, top: int = 15) -> list[dict[str, Any]]:
+def _profile(step: Any, device: torch.device, top: int = 25) -> list[dict[str, Any]]:
     """The ``top`` kernels of one more step by device time (CPU ops on a CPU run)."""
     from torch.profiler import ProfilerActivity, profile
 

@@ -47,6 +47,7 @@ from posttrain.models import (
     packed_logprobs,
 )
 from posttrain.models import _triton_kernels as kernels
+from posttrain.models._strict_cuda import CudaStrictOps
 
 BIG = {
     "vocab_size": 32000,
@@ -120,15 +121,15 @@ def adapter_for(model: DecoderModel, seed: int) -> LoraAdapter:
 
 def with_tiling(fn: Callable[[], torch.Tensor], **changes: Any) -> torch.Tensor:
     """Run ``fn`` with the attention/linear tilings changed (a negative control)."""
-    old_a, old_l = kernels.ATTENTION_TILING, kernels.LINEAR_TILING
+    old_a, old_l = CudaStrictOps.attention_tiling, kernels.LINEAR_TILING
     attn = {k: v for k, v in changes.items() if k in ("block_n", "block_m")}
     lin = {k[4:]: v for k, v in changes.items() if k.startswith("lin_")}
-    kernels.ATTENTION_TILING = dataclasses.replace(old_a, **attn)
+    CudaStrictOps.attention_tiling = dataclasses.replace(old_a, **attn)
     kernels.LINEAR_TILING = dataclasses.replace(old_l, **lin)
     try:
         return fn()
     finally:
-        kernels.ATTENTION_TILING, kernels.LINEAR_TILING = old_a, old_l
+        CudaStrictOps.attention_tiling, kernels.LINEAR_TILING = old_a, old_l
 
 
 def parity() -> dict[str, Any]:
@@ -329,8 +330,8 @@ def main() -> None:
     if args.model_tiling:
         kernels.LINEAR_TILING = parse_tiling(args.model_tiling)
     if args.attention_precision:
-        kernels.ATTENTION_TILING = dataclasses.replace(
-            kernels.ATTENTION_TILING, precision=args.attention_precision
+        CudaStrictOps.attention_tiling = dataclasses.replace(
+            CudaStrictOps.attention_tiling, precision=args.attention_precision
         )
     report: dict[str, Any] = {
         "gpu": torch.cuda.get_device_name() if DEV == "cuda" else "cpu (interpreter)",
@@ -338,7 +339,7 @@ def main() -> None:
         "triton": triton.__version__,
         "tf32_matmul": torch.backends.cuda.matmul.allow_tf32,
         "linear_tiling": dataclasses.asdict(kernels.LINEAR_TILING),
-        "attention_tiling": dataclasses.asdict(kernels.ATTENTION_TILING),
+        "attention_tiling": dataclasses.asdict(CudaStrictOps.attention_tiling),
     }
 
     def emit() -> None:

@@ -1196,10 +1196,18 @@ class DecoderModel(nn.Module):
         with each expert's LoRA deltas: the strict path (and any path with adapters)."""
         k, e = self.config.num_experts_per_tok, self.config.num_experts
         outputs = m.new_zeros(m.shape[0], k, self.config.hidden_size)
-        for j in range(e):
-            tok, slot = (ids == j).nonzero(as_tuple=True)
-            if tok.numel() == 0:
+        # (token, slot) pairs grouped by expert, each group in row-major order (what
+        # ``(ids == j).nonzero()`` gives), with one host transfer for the group sizes
+        flat = ids.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        sizes = torch.bincount(flat, minlength=e).tolist()
+        start = 0
+        for j, size in enumerate(sizes):
+            pairs = order[start : start + size]
+            start += size
+            if size == 0:
                 continue
+            tok, slot = pairs // k, pairs % k
             ep = f"{prefix}mlp.experts.{j}."
             ye = self._expert(layer.experts_fc1[j], layer.experts_fc2[j], m[tok], lora, ep, tok)
             outputs = outputs.index_put((tok, slot), ye.to(outputs.dtype))

@@ -159,6 +159,11 @@ def _row_attention_backward(
     transfer per call (not one sync per segment). Runs are processed in order and write
     ``dk``/``dv`` slices of their own key row: deterministic, no atomics.
     """
+    packed = _packed_runs(q, keys, kstart, pos)
+    if packed is not None:
+        return _packed_attention_backward(
+            q, keys, values, pos, out, grad, scale, window, dtype, *packed
+        )
     _, heads, hd = q.shape
     kv_heads = keys.shape[1]
     group = heads // kv_heads
@@ -196,6 +201,99 @@ def _row_attention_backward(
             dk[start : start + length] += torch.einsum("nkgl,nkgd->lkd", ds_low, qq)
         begin = end
     return dq, dk.to(keys.dtype), dv.to(values.dtype)
+
+
+def _packed_runs(
+    q: Tensor, keys: Tensor, kstart: Tensor, pos: Tensor
+) -> tuple[Tensor, int, int] | None:
+    """For the packed training layout -- every token's keys are its own segment's tokens, in
+    order (``kstart = t - pos``, ``keys`` the tokens themselves) -- each token's segment
+    index, the number of segments and the longest one (one host transfer); else None."""
+    t = q.shape[0]
+    if keys.shape[0] != t or t == 0:
+        return None
+    token = torch.arange(t, device=pos.device)
+    first = pos == 0
+    steps = (pos[1:] == pos[:-1] + 1) | first[1:]  # positions count up from 0 per segment
+    facts = torch.stack(
+        [
+            ((kstart.to(token.dtype) == token - pos).all() & steps.all()).to(token.dtype),
+            first[0].to(token.dtype),
+            first.sum(),
+            pos.max() + 1,
+        ]
+    ).tolist()  # one sync
+    if not (facts[0] and facts[1]):
+        return None
+    seg = torch.cumsum(first.to(token.dtype), 0) - 1
+    return seg, int(facts[2]), int(facts[3])
+
+
+def _packed_attention_backward(
+    q: Tensor,
+    keys: Tensor,
+    values: Tensor,
+    pos: Tensor,
+    out: Tensor,
+    grad: Tensor,
+    scale: float,
+    window: int | None,
+    dtype: torch.dtype,
+    seg: Tensor,
+    segments: int,
+    longest: int,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``_row_attention_backward`` for the packed training layout in a few batched ops: the
+    segments padded at their ends to the longest (a query never sees a pad key: the pads come
+    after it; pad rows get no gradient and are dropped), in groups of segments that keep the
+    ``[segments, kv_heads, group, L, L]`` scores under ``_BACKWARD_CHUNK`` elements. Same
+    math, same precision rule (``dtype`` operands, fp32 softmax), no per-segment loop."""
+    t, heads, hd = q.shape
+    kv_heads, hd_v = keys.shape[1], values.shape[2]
+    group = heads // kv_heads
+    length = longest
+    slot = None if segments * length == t else seg * length + pos  # row in the padded batch
+
+    def padded(x: Tensor) -> Tensor:  # [T, ...] -> [S, L, ...]
+        rows = x if slot is None else x.new_zeros((segments * length, *x.shape[1:]))
+        if slot is not None:
+            rows = rows.index_copy(0, slot, x)
+        return rows.reshape(segments, length, *x.shape[1:])
+
+    def unpadded(x: Tensor) -> Tensor:  # [S, L, ...] -> [T, ...]
+        rows = x.reshape(segments * length, *x.shape[2:])
+        return rows if slot is None else rows[slot]
+
+    qp = padded(q).reshape(segments, length, kv_heads, group, hd)
+    kp, vp = padded(keys), padded(values)
+    gp = padded(grad).reshape(segments, length, kv_heads, group, hd_v)
+    op = padded(out).reshape(segments, length, kv_heads, group, hd_v)
+    slots = torch.arange(length, device=q.device)
+    dist = slots[:, None] - slots[None, :]  # query position - key position
+    seen = dist >= 0 if window is None else (dist >= 0) & (dist < window)
+    hidden = ~seen
+    dq = torch.empty((segments, length, kv_heads, group, hd), dtype=torch.float32, device=q.device)
+    dk = torch.empty((segments, length, kv_heads, hd), dtype=torch.float32, device=q.device)
+    dv = torch.empty((segments, length, kv_heads, hd_v), dtype=torch.float32, device=q.device)
+    step = max(1, _BACKWARD_CHUNK // (heads * length * length))
+    for s0 in range(0, segments, step):
+        part = slice(s0, min(s0 + step, segments))
+        qq, kk, vv = qp[part].to(dtype), kp[part].to(dtype), vp[part].to(dtype)
+        do_full, oo = gp[part], op[part]
+        do = do_full.to(dtype)
+        scores = torch.einsum("sqkgd,slkd->skgql", qq, kk).float() * scale
+        probs = torch.softmax(scores.masked_fill(hidden, float("-inf")), dim=-1)
+        dv[part] = torch.einsum("skgql,sqkgd->slkd", probs.to(dtype), do)
+        dp = torch.einsum("sqkgd,slkd->skgql", do, vv).float()
+        rowdot = (do_full * oo).sum(-1).permute(0, 2, 3, 1)[..., None]  # [s, k, g, q, 1]
+        ds = (probs * (dp - rowdot) * scale).to(dtype)
+        dq[part] = torch.einsum("skgql,slkd->sqkgd", ds, kk)
+        dk[part] = torch.einsum("skgql,sqkgd->slkd", ds, qq)
+    return (
+        unpadded(dq).reshape(t, heads, hd).to(q.dtype),
+        unpadded(dk).to(keys.dtype),
+        unpadded(dv).to(values.dtype),
+    )
 
 
 def _needs_grad(*tensors: Tensor) -> bool:
