@@ -17,6 +17,13 @@ there with two rules, both cheaper to state than to prove for library kernels:
    value. ``exp_strict`` / ``log_strict`` use only ``+ - * /``, ``round`` and exponent-bit
    arithmetic, all exact or correctly rounded in both paths (about 2 ulp from libm).
 
+The contract is the forward's (train == decode bit for bit). The backward has none beyond
+run-to-run determinism: ``_StrictLinear``, ``_ProductTreeSum`` (attention), ``_TreeSum`` and
+``_ExpStrict`` differentiate the strict forward with BLAS matmuls and one-op gradients, equal
+to autograd's gradient of the forward's ops to fp32 rounding, not bit for bit (as the CUDA
+strict set's backward, ``_strict_cuda``); the same bits run to run for fixed shapes at a fixed
+thread count. ``_CUSTOM_BACKWARD = False`` selects autograd's own (benchmarks, tests).
+
 Activations are fp32 in both sets; parameters are upcast (exactly) to fp32 at use.
 ``FastOps`` uses BLAS matmuls and torch's softmax: same math, tolerance instead of bits.
 Departure from HF/SGLang: strict results are not bitwise equal to theirs (their kernels
