@@ -162,8 +162,10 @@ def _contract(g: Tensor, other: Tensor, shape: torch.Size) -> Tensor:
     (g_in, g_ones), (o_in, o_ones), (out, _) = spec(g.shape), spec(other.shape), spec(shape)
     made = "".join(c for c in out if c in g_in or c in o_in)
     res = torch.einsum(f"{g_in},{o_in}->{made}", g.squeeze(g_ones), other.squeeze(o_ones))
-    sizes = [n if c in made else 1 for c, n in zip(letters, shape, strict=True)]
-    return res.reshape(sizes).expand(shape)
+    for i, c in enumerate(letters):  # the size-1 dims back, as views (einsum's layout kept)
+        if c not in made:
+            res = res.unsqueeze(i)
+    return res.expand(shape)
 
 
 def _block_rows(k: int, n: int, multiple: int = 1) -> int:
