@@ -168,9 +168,10 @@ def _contract(g: Tensor, other: Tensor, shape: torch.Size) -> Tensor:
     return res.expand(shape)
 
 
-def _block_rows(k: int, n: int) -> int:
-    """Rows per block of a ``[K, rows, N]`` product that ``_BLOCK_ELEMENTS`` bounds (at least 1)."""
-    return max(1, _BLOCK_ELEMENTS // max(1, n * k))
+def _block_rows(k: int, n: int, multiple: int = 1) -> int:
+    """Rows per block of a ``[K, rows, N]`` product that ``_BLOCK_ELEMENTS`` bounds: a
+    multiple of ``multiple`` rows (at least one multiple)."""
+    return max(1, _BLOCK_ELEMENTS // max(1, n * k * multiple)) * multiple
 
 
 def _strict_linear_rows(rows: Tensor, w_t: Tensor, step: int | None = None) -> Tensor:
