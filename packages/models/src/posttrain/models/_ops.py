@@ -17,17 +17,17 @@ there with two rules, both cheaper to state than to prove for library kernels:
    value. ``exp_strict`` / ``log_strict`` use only ``+ - * /``, ``round`` and exponent-bit
    arithmetic, all exact or correctly rounded in both paths (about 2 ulp from libm).
 
+Activations are fp32 in both sets; parameters are upcast (exactly) to fp32 at use.
+``FastOps`` uses BLAS matmuls and torch's softmax: same math, tolerance instead of bits.
+Departure from HF/SGLang: strict results are not bitwise equal to theirs (their kernels
+reduce in other orders); conformance to ``transformers`` is a tolerance test.
+
 The contract is the forward's (train == decode bit for bit). The backward has none beyond
 run-to-run determinism: ``_StrictLinear``, ``_ProductTreeSum`` (attention), ``_TreeSum`` and
 ``_ExpStrict`` differentiate the strict forward with BLAS matmuls and one-op gradients, equal
 to autograd's gradient of the forward's ops to fp32 rounding, not bit for bit (as the CUDA
 strict set's backward, ``_strict_cuda``); the same bits run to run for fixed shapes at a fixed
 thread count. ``_CUSTOM_BACKWARD = False`` selects autograd's own (benchmarks, tests).
-
-Activations are fp32 in both sets; parameters are upcast (exactly) to fp32 at use.
-``FastOps`` uses BLAS matmuls and torch's softmax: same math, tolerance instead of bits.
-Departure from HF/SGLang: strict results are not bitwise equal to theirs (their kernels
-reduce in other orders); conformance to ``transformers`` is a tolerance test.
 """
 
 from __future__ import annotations
@@ -226,18 +226,22 @@ def exp_strict(x: Tensor) -> Tensor:
     if _CUSTOM_BACKWARD and x.requires_grad and torch.is_grad_enabled():
         out: Tensor = _ExpStrict.apply(x)  # type: ignore[no-untyped-call]
         return out
-    return _exp_terms(x)
+    return _exp_terms(x)[0]
 
 
-def _exp_terms(x: Tensor) -> Tensor:
-    """``exp_strict(x)``'s ops: ``2**k * p(r)`` with ``p`` the Taylor polynomial (Horner)."""
+def _exp_terms(x: Tensor) -> tuple[Tensor, Tensor, list[Tensor], Tensor]:
+    """``exp_strict(x)`` and what its backward reads: ``r`` (the reduced argument), the
+    Horner terms ``p_0 .. p_6`` that ``r`` multiplies, and the scale ``2**k``."""
     x = x.clamp(-87.0, 88.0)
     k = torch.round(x * _INV_LN2).detach()
     r = (x - k * _LN2_HI) - k * _LN2_LO
     p = torch.full_like(r, _EXP_COEFFS[0])
+    terms = []
     for c in _EXP_COEFFS[1:]:
+        terms.append(p)
         p = p * r + c
-    return p * _pow2(k)
+    scale = _pow2(k)
+    return p * scale, r, terms, scale
 
 
 class _ExpStrict(torch.autograd.Function):
@@ -248,7 +252,7 @@ class _ExpStrict(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: Tensor) -> Tensor:
         with torch.no_grad():
-            out = _exp_terms(x)
+            out = exp_strict(x)  # no graph: exp_strict's own forward
         ctx.save_for_backward(x, out)
         return out
 
