@@ -10,16 +10,20 @@ backward, gradient reduction, clipping, AdamW.
 Two policies are built from the same checkpoint on every rank and stepped interleaved, the
 same samples each step:
 
-* **autograd**: the strict kernels differentiated by autograd op by op (the backward before
-  issue 38: ``posttrain.models._ops._CUSTOM_BACKWARD = False``, for this benchmark only);
-* **custom**: the strict kernels' own backwards (``_StrictLinear``, ``_ProductTreeSum``,
-  ``_TreeSum``).
+* **autograd**: the strict kernels' forward ops differentiated by autograd op by op (the
+  backward before issue 38: ``posttrain.models._ops._CUSTOM_BACKWARD = False``, for this
+  benchmark only);
+* **custom**: the strict kernels' own backwards (``_StrictLinear``: BLAS matmuls,
+  ``_ProductTreeSum``: einsum, ``_TreeSum``, ``_ExpStrict``).
 
-The script checks that the two stay **bit for bit** the same run (every metric of every step,
-every trainable parameter after the last step) and that the first step's trainer logprobs of
-the response tokens equal the strict decode's (``extend`` on a KV cache, the engine's path) to
-the bit: ``train_rollout_logprob_max_abs_diff`` 0. Reported: the median step time of each
-(rank 0's wall and thread CPU seconds), with the load average before and after. Command::
+The two share the forward bit for bit and their gradients agree to fp32 rounding, not bit for
+bit. The script checks that the first step's forward metrics (every metric but
+``grad_norm``) are equal, and that the first step's trainer logprobs of the response tokens
+equal the strict decode's (``extend`` on a KV cache, the engine's path) to the bit:
+``train_rollout_logprob_max_abs_diff`` 0; it reports the largest relative difference of each
+metric over the steps and of the trainable parameters after the last one. Reported: the
+median step time of each (rank 0's wall and thread CPU seconds), with the load average before
+and after. Command::
 
     uv run python packages/grpo/benchmarks/bench_strict_train_step.py --steps 10
 """
@@ -117,16 +121,29 @@ def _rank(rank: int, world: int, args: argparse.Namespace, path: str) -> dict[st
                 wall[name].append(t1 - t0)
                 cpu[name].append(c1 - c0)
     _ops._CUSTOM_BACKWARD = True
-    same_params = all(
-        torch.equal(a.detach().full_tensor() if hasattr(a, "full_tensor") else a.detach(),
-                    b.detach().full_tensor() if hasattr(b, "full_tensor") else b.detach())
-        for a, b in zip(policies["autograd"].trainable(), policies["custom"].trainable(),
-                        strict=True)
-    )  # fmt: skip
+
+    def full(p: torch.Tensor) -> torch.Tensor:
+        return (p.detach().full_tensor() if hasattr(p, "full_tensor") else p.detach()).double()
+
+    pairs = list(zip(policies["autograd"].trainable(), policies["custom"].trainable(),
+                     strict=True))  # fmt: skip
+    params_rel = max(
+        float((full(b) - full(a)).norm() / max(float(full(a).norm()), 1e-30)) for a, b in pairs
+    )
+    first = metrics["autograd"][0]
     diff = "train_rollout_logprob_max_abs_diff"
     return {
-        "same_metrics": metrics["autograd"] == metrics["custom"],
-        "same_params": same_params,
+        "same_forward": all(
+            metrics["custom"][0][k] == v for k, v in first.items() if k != "grad_norm"
+        ),
+        "metrics_max_rel_diff": {
+            k: max(
+                abs(c[k] - a[k]) / max(abs(a[k]), 1e-30)
+                for a, c in zip(metrics["autograd"], metrics["custom"], strict=True)
+            )
+            for k in first
+        },
+        "params_max_rel_l2": params_rel,
         "first_step_max_abs_diff": {n: metrics[n][0][diff] for n in PATHS},
         "grad_norms": [m["grad_norm"] for m in metrics["custom"]],
         "wall_s": wall,
@@ -153,17 +170,26 @@ def main() -> int:
     medians = {n: {"wall_s": round(statistics.median(r0["wall_s"][n]), 4),
                    "cpu_s": round(statistics.median(r0["cpu_s"][n]), 4)} for n in PATHS}  # fmt: skip
     result = {
-        "train": args.train, "world": args.world, "samples": args.samples, "steps": args.steps,
+        "train": args.train,
+        "world": args.world,
+        "samples": args.samples,
+        "steps": args.steps,
         "load_avg_before": [round(x, 2) for x in load_before],
         "load_avg_after": [round(x, 2) for x in load_after],
         "step_median": medians,
         "speedup_wall": round(medians["autograd"]["wall_s"] / medians["custom"]["wall_s"], 2),
-        "bit_identical": all(r["same_metrics"] and r["same_params"] for r in per_rank),
+        "first_step_forward_equal": all(r["same_forward"] for r in per_rank),
+        "metrics_max_rel_diff": {
+            k: float(f"{v:.3g}") for k, v in r0["metrics_max_rel_diff"].items()
+        },
+        "params_max_rel_l2": float(f"{max(r['params_max_rel_l2'] for r in per_rank):.3g}"),
         "first_step_max_abs_diff": r0["first_step_max_abs_diff"],
         "grad_norms": r0["grad_norms"],
-    }  # fmt: skip
+    }
     print(json.dumps(result))
-    ok = result["bit_identical"] and all(v == 0.0 for v in r0["first_step_max_abs_diff"].values())
+    ok = result["first_step_forward_equal"] and all(
+        v == 0.0 for v in r0["first_step_max_abs_diff"].values()
+    )
     return 0 if ok else 1
 
 

@@ -40,7 +40,6 @@ Numerics: both are fixed-shape reductions (``tree_sum`` over the ``k`` taps; att
 
 from __future__ import annotations
 
-import itertools
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -135,8 +134,8 @@ def attend_buffers(
         rel = torch.cat([rel_logits, rel_logits.new_zeros((t, nh, 1))], dim=-1)
     step = max(1, ops.attention_chunk_elements // (nh * cap * hd))
     outs = []
-    merge = rel is None and _ops._CUSTOM_BACKWARD  # False: autograd's graph, chunk by chunk
-    for i, stop, width, sizes in _query_groups(rows, pos, step, cap, merge=merge):
+    # merged runs of chunks; the reference backward (autograd's own graph) runs chunk by chunk
+    for i, stop, width in _query_groups(pos, step, cap, merge=_ops._CUSTOM_BACKWARD):
         r, p = rows[i:stop], pos[i:stop]
         # Reduce over the first W = 2**ceil(log2(max pos + 1)) slots of each chunk only: slots
         # past the chunk's last position are masked, contribute exact zeros, and in the
@@ -151,7 +150,7 @@ def attend_buffers(
             n = p.shape[0]
             bias = rel[i:stop].gather(2, idx[:, None, :].expand(n, nh, width))
             bias = bias.reshape(n, nkv, group, width)
-        keys, values = _gather_slots(kbuf, r, width, sizes), _gather_slots(vbuf, r, width, sizes)
+        keys, values = _gather_rows(kbuf, r, width), _gather_rows(vbuf, r, width)
         outs.append(ops.attention(qg[i:stop], keys, values, valid, scale, bias))
     return (outs[0] if len(outs) == 1 else torch.cat(outs)).reshape(t, nh * hd)
 
@@ -160,76 +159,61 @@ _MERGED_CHUNKS = 32
 """At most this many query chunks of ``attend_buffers`` go through one ``ops.attention`` call."""
 
 
-def _query_groups(
-    rows: Tensor, pos: Tensor, step: int, cap: int, *, merge: bool
-) -> list[tuple[int, int, int, list[int]]]:
+def _query_groups(pos: Tensor, step: int, cap: int, *, merge: bool) -> list[tuple[int, int, int]]:
     """``attend_buffers``' query chunks (``step`` queries each, each reduced over the width of
-    its own largest position), merged into runs of chunks of one width: ``(start, stop, width,
-    chunk sizes)`` per call.
-
-    Every query is reduced alone, so merging changes no forward bit. A buffer slot's gradient
-    is each chunk's queries accumulated in order, then the chunks' sums added (autograd's order
-    when every chunk gathered on its own; ``_gather_slots`` keeps it); that sum of per-chunk
-    sums is association-free only while no buffer row has queries in more than two chunks, so
-    chunks merge only then (always, for packed training segments no longer than a chunk)."""
+    its own largest position), merged (``merge``) into runs of up to ``_MERGED_CHUNKS`` chunks of
+    one width: ``(start, stop, width)`` per call. Every query is reduced alone, so merging
+    changes no forward bit (the gradients, BLAS contractions over a run's shape, only to fp32
+    rounding)."""
     t = pos.shape[0]
     n = -(-t // step)
     padded = torch.cat([pos, pos.new_full((n * step - t,), -1)]) if n * step != t else pos
     widths = [min(cap, 1 << int(m).bit_length()) for m in padded.view(n, step).amax(1).tolist()]
-    spans = [(i * step, min(t, (i + 1) * step), widths[i]) for i in range(n)]
-    if n > 1 and merge:
-        chunk = torch.arange(t, device=rows.device) // step
-        count = int(rows.max()) + 1
-        first = torch.full((count,), n, device=rows.device).scatter_reduce(0, rows, chunk, "amin")
-        last = torch.zeros(count, dtype=chunk.dtype, device=rows.device)
-        last = last.scatter_reduce(0, rows, chunk, "amax")
-        merge = bool(((last - first) <= 1).all())
-    out: list[tuple[int, int, int, list[int]]] = []
-    for start, stop, width in spans:
-        if merge and out and out[-1][2] == width and len(out[-1][3]) < _MERGED_CHUNKS:
-            prev = out[-1]
-            out[-1] = (prev[0], stop, width, [*prev[3], stop - start])
+    out: list[tuple[int, int, int]] = []
+    runs = 0  # chunks in the last call
+    for i, width in enumerate(widths):
+        stop = min(t, (i + 1) * step)
+        if merge and out and out[-1][2] == width and runs < _MERGED_CHUNKS:
+            out[-1], runs = (out[-1][0], stop, width), runs + 1
         else:
-            out.append((start, stop, width, [stop - start]))
+            out.append((i * step, stop, width))
+            runs = 1
     return out
 
 
-def _gather_slots(buf: Tensor, rows: Tensor, width: int, sizes: list[int]) -> Tensor:
-    """``buf[rows, :width]``; for the queries of several chunks (``sizes``) with the gradient
-    their separate gathers had (``_ChunkedGather``)."""
-    if len(sizes) > 1 and torch.is_grad_enabled() and buf.requires_grad:
-        out: Tensor = _ChunkedGather.apply(buf, rows, width, sizes)  # type: ignore[no-untyped-call]
+def _gather_rows(buf: Tensor, rows: Tensor, width: int) -> Tensor:
+    """``buf[rows, :width]``; under autograd with ``_GatherRows``' backward."""
+    if torch.is_grad_enabled() and buf.requires_grad:
+        out: Tensor = _GatherRows.apply(buf, rows, width)  # type: ignore[no-untyped-call]
         return out
     return buf[rows, :width]
 
 
-class _ChunkedGather(torch.autograd.Function):
-    """``buf[rows, :width]`` whose backward is that of one gather per chunk of ``sizes`` rows:
-    each chunk's gradient accumulated in order into a zero buffer of its own, the chunks'
-    buffers added last chunk first (the order autograd runs chunks made one after another)."""
+class _GatherRows(torch.autograd.Function):
+    """``buf[rows, :width]`` whose backward sums each buffer row's gradient with ``index_add_``
+    over dim 0: the queries in order, one slice add each, the same bits at any thread count.
+    Autograd's own (``index_put_`` with accumulation) walks every element through an index
+    and adds with atomics on several CPU threads (no fixed order), at ~10x the cost here."""
 
     @staticmethod
-    def forward(ctx: Any, buf: Tensor, rows: Tensor, width: int, sizes: list[int]) -> Tensor:
+    def forward(ctx: Any, buf: Tensor, rows: Tensor, width: int) -> Tensor:
         ctx.save_for_backward(rows)
-        ctx.shape, ctx.width, ctx.sizes = buf.shape, width, sizes
+        ctx.shape, ctx.width = buf.shape, width
         return buf[rows, :width]
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None, None]:
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:
         (rows,) = ctx.saved_tensors
-        width, shape = ctx.width, ctx.shape
-        ends = list(itertools.accumulate(ctx.sizes))
-        total: Tensor | None = None
-        for end, size in zip(reversed(ends), reversed(ctx.sizes), strict=True):
-            part = grad.new_zeros((shape[0], width, *shape[2:]))
-            part.index_put_((rows[end - size : end],), grad[end - size : end], accumulate=True)
-            total = part if total is None else total + part
-        assert total is not None
+        shape, width = ctx.shape, ctx.width
+        # contiguous source and target: one vectorised slice add per query
+        summed = grad.new_zeros((shape[0], width, *shape[2:])).index_add_(
+            0, rows, grad.contiguous()
+        )
         if width == shape[1]:
-            return total, None, None, None
+            return summed, None, None
         full = grad.new_zeros(shape)
-        full[:, :width] = total
-        return full, None, None, None
+        full[:, :width] = summed
+        return full, None, None
 
 
 def attend(

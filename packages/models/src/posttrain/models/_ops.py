@@ -21,6 +21,13 @@ Activations are fp32 in both sets; parameters are upcast (exactly) to fp32 at us
 ``FastOps`` uses BLAS matmuls and torch's softmax: same math, tolerance instead of bits.
 Departure from HF/SGLang: strict results are not bitwise equal to theirs (their kernels
 reduce in other orders); conformance to ``transformers`` is a tolerance test.
+
+The contract is the forward's (train == decode bit for bit). The backward has none beyond
+run-to-run determinism: ``_StrictLinear``, ``_ProductTreeSum`` (attention), ``_TreeSum`` and
+``_ExpStrict`` differentiate the strict forward with BLAS matmuls and one-op gradients, equal
+to autograd's gradient of the forward's ops to fp32 rounding, not bit for bit (as the CUDA
+strict set's backward, ``_strict_cuda``); the same bits run to run for fixed shapes at a fixed
+thread count. ``_CUSTOM_BACKWARD = False`` selects autograd's own (benchmarks, tests).
 """
 
 from __future__ import annotations
@@ -38,16 +45,13 @@ _LN2_LO = -2.12194440e-4
 _SQRT2 = 1.4142135623730951
 _EXP_COEFFS = tuple(1.0 / math.factorial(n) for n in range(7, -1, -1))  # Taylor, |r| <= ln2/2
 _LOG_COEFFS = tuple(1.0 / n for n in (11, 9, 7, 5, 3, 1))  # atanh series in z**2
-# Elements per row chunk of the [K, rows, N] product tensor of ``linear`` as autograd
-# differentiated it: the weight's gradient is a sum over each chunk's rows, the chunks' sums
-# added last chunk first, so this size fixes the weight gradient's bits (kept as it was).
-_CHUNK_ELEMENTS = 1 << 17
-# Elements of the product tensors ``linear`` materialises at once where the row blocking
-# cannot change a bit (the forward's products and trees, the input's gradient: every row is
-# reduced alone); bounds memory only. Fewer, larger blocks: far fewer torch ops per linear.
+# Elements of the product tensors ``linear`` materialises at once (its forward's products and
+# trees: every row is reduced alone, so the row blocking cannot change a bit); bounds memory
+# only. Fewer, larger blocks: far fewer torch ops per linear.
 _BLOCK_ELEMENTS = 1 << 21
-# Whether the strict kernels use their hand-written backwards (bit for bit autograd's own
-# gradients, far fewer ops); False selects autograd's, for benchmarks and tests only.
+# Whether the strict kernels use their own backwards (BLAS matmuls and one-op gradients:
+# autograd's gradients to fp32 rounding, not its bits); False differentiates the forward's
+# own ops with autograd, the reference for benchmarks and tests only.
 _CUSTOM_BACKWARD = True
 
 
@@ -95,13 +99,12 @@ def _tree_sum_owned(x: Tensor) -> Tensor:
 
 
 class _TreeSum(torch.autograd.Function):
-    """``_tree_levels`` with a one-op backward.
+    """``_tree_levels`` with a backward of no arithmetic.
 
     Every input of the tree reaches the output with weight exactly 1, so each input row's
-    gradient is the output's gradient. Autograd's own backward of the levels builds it from
-    zero-filled slices added together (``g + 0``, level by level: ``-0.0`` becomes ``+0.0``,
-    every other value is exact), which cost more than the forward; this gives the same bits
-    (``g + 0.0``, materialised contiguous as autograd's was) in one copy.
+    gradient is the output's gradient: repeated over the rows (a view). Autograd's own backward
+    of the levels builds it from zero-filled slices, level by level, at more cost than the
+    forward; its values are the same but for signed zeros (``-0.0`` arrives as ``+0.0``).
     """
 
     @staticmethod
@@ -111,15 +114,15 @@ class _TreeSum(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> Tensor:
-        return (grad + 0.0).expand(ctx.rows, *grad.shape).contiguous()
+        return grad.expand(ctx.rows, *grad.shape)
 
 
 def product_tree_sum(a: Tensor, b: Tensor) -> Tensor:
-    """``tree_sum(a * b, dim=0)`` (``a``, ``b`` broadcast together); gradients as autograd's.
+    """``tree_sum(a * b, dim=0)`` (``a``, ``b`` broadcast together, of one ndim).
 
-    The backward is autograd's for the product and the tree (``sum_to_size(G * b)`` and
-    ``sum_to_size(G * a)`` with ``G`` the output gradient ``+ 0.0`` repeated over dim 0,
-    see ``_TreeSum``), without walking the tree's levels.
+    The backward contracts the output gradient with the other operand by ``torch.einsum``
+    (BLAS batched matmuls): the gradient of the sum of products to fp32 rounding, not the bits
+    of autograd's products and sums. Deterministic run to run for fixed shapes and threads.
     """
     if _CUSTOM_BACKWARD and torch.is_grad_enabled() and (a.requires_grad or b.requires_grad):
         out: Tensor = _ProductTreeSum.apply(a, b)  # type: ignore[no-untyped-call]
@@ -139,23 +142,30 @@ class _ProductTreeSum(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, Tensor | None]:
         a, b = ctx.saved_tensors
-        g = (grad + 0.0).expand(max(a.shape[0], b.shape[0]), *grad.shape)
-        # The products are written into one contiguous buffer of the broadcast shape: the
-        # layout autograd's products had (its repeated gradient was materialised contiguous),
-        # so each ``sum_to_size`` reduces in the same order, without copying ``g`` first.
         need_a, need_b = ctx.needs_input_grad
-        products = torch.empty(g.shape, dtype=g.dtype, device=g.device)
-        grad_a = torch.mul(g, b, out=products).sum_to_size(a.shape) if need_a else None
-        if grad_a is not None and grad_a.shape == products.shape:  # no reduction: it is the buffer
-            products = torch.empty_like(products)
-        grad_b = torch.mul(g, a, out=products).sum_to_size(b.shape) if need_b else None
+        g = grad[None]  # the output gradient, broadcast over the reduced dim 0
+        grad_a = _contract(g, b, a.shape) if need_a else None
+        grad_b = _contract(g, a, b.shape) if need_b else None
         return grad_a, grad_b
 
 
-def _linear_step(k: int, n: int) -> int:
-    """Rows per chunk of the ``[K, rows, N]`` product tensor as autograd saw it (see
-    ``_CHUNK_ELEMENTS``): the weight gradient's row chunks."""
-    return max(1, _CHUNK_ELEMENTS // max(1, n * k))
+def _contract(g: Tensor, other: Tensor, shape: torch.Size) -> Tensor:
+    """``(g * other).sum_to_size(shape)`` without the products: one ``torch.einsum`` over the
+    dims of size > 1 (every operand of one ndim; a dim of ``shape`` neither input has is
+    broadcast after)."""
+    letters = "abcdefghijklmnopqrstuvwxyz"[: len(shape)]
+
+    def spec(sizes: tuple[int, ...] | torch.Size) -> tuple[str, tuple[int, ...]]:
+        ones = tuple(i for i, n in enumerate(sizes) if n == 1)
+        return "".join(c for i, c in enumerate(letters) if i not in ones), ones
+
+    (g_in, g_ones), (o_in, o_ones), (out, _) = spec(g.shape), spec(other.shape), spec(shape)
+    made = "".join(c for c in out if c in g_in or c in o_in)
+    res = torch.einsum(f"{g_in},{o_in}->{made}", g.squeeze(g_ones), other.squeeze(o_ones))
+    for i, c in enumerate(letters):  # the size-1 dims back, as views (einsum's layout kept)
+        if c not in made:
+            res = res.unsqueeze(i)
+    return res.expand(shape)
 
 
 def _block_rows(k: int, n: int, multiple: int = 1) -> int:
@@ -181,81 +191,28 @@ def _strict_linear_rows(rows: Tensor, w_t: Tensor, step: int | None = None) -> T
     return torch.cat(parts) if parts else rows.new_zeros((0, n))
 
 
-def _strict_linear_grad_x(grad: Tensor, w_t: Tensor) -> Tensor:
-    """``sum_N(G * w)`` per row: the input gradient autograd computes for a chunk of
-    ``tree_sum(a * w_t)`` (``G`` the chunk's output gradient, broadcast over K), as ``[R, K]``.
-
-    Every ``(row, k)`` is one inner-dim sum over N on its own (torch's per-row order), so one
-    ``[rows, K, N]`` product per block gives autograd's bits without its chunks, transposes
-    and concatenation."""
-    k, n = w_t.shape[0], w_t.shape[2]
-    w_kn = w_t[:, 0, :]  # [K, N]
-    step = _block_rows(k, n)
-    parts = [
-        (grad[i : i + step, None, :] * w_kn).sum(2)  # [rows, K, N] -> [rows, K]
-        for i in range(0, grad.shape[0], step)
-    ]
-    return parts[0] if len(parts) == 1 else torch.cat(parts)
-
-
-def _strict_linear_grad_w(grad: Tensor, rows: Tensor, step: int) -> Tensor:
-    """The weight gradient ``[K, N]`` (as ``w_t``'s ``[K, 1, N]`` without the 1) autograd gives
-    for the chunks of ``step`` rows: per chunk ``sum_rows(G * a)`` (torch's reduction over the
-    chunk's rows, ``a = rows.t()``), the chunks' sums added last chunk first.
-
-    The products of many whole chunks are made at once and each chunk's rows summed as one
-    dim of a ``[K, chunks, step, N]`` view: the same reduction, over the same rows, per chunk."""
-    k, n = rows.shape[1], grad.shape[1]
-    total = rows.shape[0]
-    sums: list[Tensor] = []  # [K, N] per chunk, in chunk order
-    block = _block_rows(k, n, step)
-    whole = total - total % step
-    for i in range(0, whole, block):
-        m = min(block, whole - i)
-        prod = grad[None, i : i + m, :] * rows[i : i + m].t().contiguous()[:, :, None]
-        sums.extend(prod.view(k, m // step, step, n).sum(2).unbind(1))
-    if whole < total:
-        tail = grad[None, whole:, :] * rows[whole:].t().contiguous()[:, :, None]
-        sums.append(tail.sum(1))
-    out = sums[-1]
-    for part in reversed(sums[:-1]):
-        out = out + part
-    return out
-
-
 class _StrictLinear(torch.autograd.Function):
-    """``_strict_linear_rows`` with the gradients autograd computes for it, in fewer ops.
+    """``_strict_linear_rows`` (the forward, bit for bit) with a BLAS backward.
 
-    Autograd's backward of one chunk ``tree_sum(a * w_t)`` (``a = rows.t()[:, :, None]``) is
-    ``grad_a = sum_N(G * w_t)`` and ``grad_w_t = sum_rows(G * a)`` with ``G`` the chunk's output
-    gradient (``+ 0.0``: see ``_TreeSum``) broadcast over K; the chunks' ``grad_w_t`` add up
-    last chunk first (autograd runs the chunk made last first), and the rows' gradients come
-    back through zero-filled slices (``+ 0.0`` again when there is more than one chunk). This
-    computes those same reductions on the same shapes, so every gradient bit is autograd's,
-    without the slice and tree bookkeeping (``_strict_linear_grad_x``, ``_strict_linear_grad_w``);
-    the weight's gradient only when it is needed (LoRA's frozen base weights need none).
+    ``grad_x = G @ w`` and ``grad_w = G.t() @ rows``: the gradients of the linear map to fp32
+    rounding, not the bits autograd's products and sums would give; deterministic run to run
+    for fixed shapes at a fixed thread count (training needs no batch invariance, as on CUDA,
+    ``_strict_cuda``). The weight's gradient only when it is needed (LoRA's frozen base weights
+    need none).
     """
 
     @staticmethod
     def forward(ctx: Any, rows: Tensor, w: Tensor) -> Tensor:
-        w_t = w.t().contiguous()[:, None, :]
-        ctx.save_for_backward(rows, w_t)
+        ctx.save_for_backward(rows, w)
         with torch.no_grad():
-            return _strict_linear_rows(rows, w_t)
+            return _strict_linear_rows(rows, w.t().contiguous()[:, None, :])
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, Tensor | None]:
-        rows, w_t = ctx.saved_tensors
-        k, n = w_t.shape[0], w_t.shape[2]
-        step = _linear_step(k, n)
+        rows, w = ctx.saved_tensors
         need_x, need_w = ctx.needs_input_grad
-        grad = grad + 0.0
-        grad_x = None
-        if need_x:
-            grad_x = _strict_linear_grad_x(grad, w_t)
-            if rows.shape[0] > step:  # more than one chunk: the zero-filled slices' ``+ 0.0``
-                grad_x = grad_x + 0.0
-        grad_w = _strict_linear_grad_w(grad, rows, step).t() if need_w else None
+        grad_x = grad @ w if need_x else None
+        grad_w = grad.t() @ rows if need_w else None
         return grad_x, grad_w
 
 
@@ -288,34 +245,22 @@ def _exp_terms(x: Tensor) -> tuple[Tensor, Tensor, list[Tensor], Tensor]:
 
 
 class _ExpStrict(torch.autograd.Function):
-    """``exp_strict`` with autograd's own gradient of its ops, in one node.
-
-    Autograd differentiates ``p_i = p_{i-1} * r + c_i`` (``p_0`` constant) and ``out = p_7 *
-    2**k`` (``k`` detached) last op first: ``g_7 = g * 2**k``, ``g_{i-1} = g_i * r``, and ``r``
-    collects ``g_i * p_{i-1}`` in that order (``i = 7 .. 1``, each added to the sum so far);
-    the subtractions pass it on and the clamp keeps it where ``-87 <= x <= 88`` (0 elsewhere).
-    This computes exactly those products and sums, without a graph node per op."""
+    """``exp_strict`` with exp's own derivative, ``grad * out``, in one node (0 where the clamp
+    cuts). Autograd of the Horner ops gives ``2**k * p'(r)``, the degree-6 Taylor polynomial:
+    the same to fp32 rounding (``|r| <= ln2/2``), not the same bits."""
 
     @staticmethod
     def forward(ctx: Any, x: Tensor) -> Tensor:
         with torch.no_grad():
-            out, r, terms, scale = _exp_terms(x)
-        ctx.save_for_backward(x, r, scale, *terms)
+            out = exp_strict(x)  # no graph: exp_strict's own forward
+        ctx.save_for_backward(x, out)
         return out
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> Tensor:
-        x, r, scale, *terms = ctx.saved_tensors
-        g = grad * scale
-        total: Tensor | None = None
-        for i in range(len(terms) - 1, -1, -1):
-            part = g * terms[i]
-            total = part if total is None else total + part
-            if i:
-                g = g * r
-        assert total is not None
+        x, out = ctx.saved_tensors
         inside = (x >= -87.0).logical_and_(x <= 88.0)
-        return torch.where(inside, total, torch.zeros((), dtype=total.dtype))
+        return torch.where(inside, grad * out, torch.zeros((), dtype=out.dtype))
 
 
 def log_strict(x: Tensor) -> Tensor:
@@ -516,11 +461,8 @@ class StrictOps(FastOps):
         grad = torch.is_grad_enabled() and (rows.requires_grad or w.requires_grad)
         if _CUSTOM_BACKWARD and grad and rows.shape[0]:  # no rows: no graph, as before
             out: Tensor = _StrictLinear.apply(rows, w)  # type: ignore[no-untyped-call]
-        else:
-            w_t = w.t().contiguous()[:, None, :]
-            # autograd's own graph (the reference backward) over the gradient's row chunks
-            step = _linear_step(w_t.shape[0], w_t.shape[2]) if grad else None
-            out = _strict_linear_rows(rows, w_t, step)
+        else:  # without a graph, or autograd's own of the products and trees (the reference)
+            out = _strict_linear_rows(rows, w.t().contiguous()[:, None, :])
         return out.reshape(*lead, w.shape[0])
 
     @staticmethod
