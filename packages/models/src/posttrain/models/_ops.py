@@ -32,6 +32,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from posttrain.models import _ckernel
+
 _INV_LN2 = 1.4426950408889634
 _LN2_HI = 0.693359375  # 9 significant bits, so k * _LN2_HI is exact for |k| < 2**15
 _LN2_LO = -2.12194440e-4
@@ -169,7 +171,14 @@ def _strict_linear_rows(rows: Tensor, w_t: Tensor, step: int | None = None) -> T
 
     Rows are reduced independently, so the row blocks (``step`` rows each, by default as many
     as ``_BLOCK_ELEMENTS`` allows) never change a bit; autograd's reference path passes the
-    gradient chunks (``_linear_step``) so its graph is the one the trainer differentiated."""
+    gradient chunks (``_linear_step``) so its graph is the one the trainer differentiated.
+
+    Where autograd does not record (the trainer's ``_StrictLinear.forward``, the engine), CPU
+    fp32 runs the fused C kernel (``_ckernel``): the same multiplies and adds, so the same
+    bits, without the product tensor (torch's path below where it cannot be built)."""
+    fused = _ckernel.strict_linear(rows, w_t[:, 0, :])
+    if fused is not None:
+        return fused
     k, n = w_t.shape[0], w_t.shape[2]
     step = _block_rows(k, n) if step is None else step
     parts = [

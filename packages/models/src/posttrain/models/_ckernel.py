@@ -1,0 +1,194 @@
+"""The strict linear forward as one fused C kernel (``_strict_kernels.c``), same bits as torch's.
+
+``StrictOps.linear`` computes ``rows[R, K] @ w.T`` as a product tensor ``[K, R, N]`` written
+to memory and a pairwise tree of elementwise adds over ``K`` (padded with ``+0.0`` to a power
+of two) read back level by level. The C kernel does the same IEEE multiplies and adds on the
+same pairs, streaming the products through a small stack of partial sums instead (see the
+source's comment), so its result is bit for bit torch's: signed zeros, infinities and NaNs
+included. It is compiled with ``-O3 -ffp-contract=off`` (no fused multiply-adds, no fast math)
+by the system C compiler at first use into a per-user cache keyed by the source, the flags,
+the compiler's version and the CPU's flags, and loaded with ``ctypes`` (no torch headers, so
+the compile takes well under a second).
+
+Environment:
+
+* ``POSTTRAIN_STRICT_CKERNEL=0`` keeps the torch kernels (same bits, slower);
+* ``CC`` names the compiler (default ``cc``, then ``gcc``, then ``clang``);
+* ``POSTTRAIN_KERNEL_CACHE`` names the cache folder (default
+  ``$XDG_CACHE_HOME/posttrain/kernels``, else ``~/.cache/posttrain/kernels``).
+
+Where the kernel cannot be built or loaded (no compiler, a failed compile, an unwritable
+cache) one warning is logged and every call returns ``None``: the callers keep torch's path,
+which gives the same bits.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shlex
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+_log = logging.getLogger("posttrain.models")
+
+_SOURCE = Path(__file__).with_name("_strict_kernels.c")
+_FLAGS = ("-O3", "-ffp-contract=off", "-fno-fast-math", "-shared", "-fPIC")
+SWITCH_ENV = "POSTTRAIN_STRICT_CKERNEL"
+CACHE_ENV = "POSTTRAIN_KERNEL_CACHE"
+
+
+def cache_dir() -> Path:
+    """Where compiled kernels live (see the module docstring)."""
+    explicit = os.environ.get(CACHE_ENV)
+    if explicit:
+        return Path(explicit)
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "posttrain" / "kernels"
+
+
+def _compiler() -> list[str] | None:
+    """The compiler command: ``$CC`` (as given, even if it does not exist) or the first of
+    ``cc``, ``gcc``, ``clang`` on ``PATH``."""
+    cc = os.environ.get("CC")
+    if cc:
+        return shlex.split(cc)
+    for name in ("cc", "gcc", "clang"):
+        found = shutil.which(name)
+        if found:
+            return [found]
+    return None
+
+
+def _cpu_flags() -> str:
+    """The CPU's feature flags (Linux ``/proc/cpuinfo``), or ``""`` where unknown."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return ""
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() in ("flags", "Features"):
+            return " ".join(sorted(value.split()))
+    return ""
+
+
+def _flags() -> list[str]:
+    """The compile flags: ``-march=native`` only on x86-64 where the CPU's flags (part of the
+    cache key) are known, so a cached library never meets a CPU it was not built for."""
+    native = platform.machine().lower() in ("x86_64", "amd64") and bool(_cpu_flags())
+    return [*_FLAGS, "-march=native"] if native else list(_FLAGS)
+
+
+def _compile(cc: list[str], flags: list[str], target: Path) -> None:
+    """Compile the source to ``target`` through a temporary file in its folder, renamed into
+    place, so processes compiling at once each load a whole library."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=target.stem + ".", suffix=".tmp")
+    os.close(fd)
+    try:
+        done = subprocess.run(
+            [*cc, *flags, "-o", tmp, str(_SOURCE)],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            check=False,
+        )
+        if done.returncode != 0:
+            raise RuntimeError(f"{shlex.join(cc)} exited {done.returncode}: {done.stderr.strip()}")
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def _build() -> ctypes.CDLL:
+    """Load the cached library for this source, compiler and CPU, compiling it if missing."""
+    cc = _compiler()
+    if cc is None:
+        raise RuntimeError("no C compiler (set CC, or install cc/gcc/clang)")
+    flags = _flags()
+    try:
+        version = subprocess.run(
+            [*cc, "--version"], capture_output=True, text=True, timeout=60, check=False
+        ).stdout
+    except (OSError, subprocess.SubprocessError) as exc:
+        raise RuntimeError(f"C compiler {shlex.join(cc)!r} cannot run: {exc}") from exc
+    key = hashlib.sha256()
+    for part in (_SOURCE.read_bytes(), " ".join(flags).encode(), version.encode()):
+        key.update(part)
+        key.update(b"\0")
+    key.update(_cpu_flags().encode())
+    target = cache_dir() / f"strict_linear-{key.hexdigest()[:24]}.so"
+    if not target.exists():
+        _compile(cc, flags, target)
+    lib = ctypes.CDLL(str(target))
+    fn = lib.posttrain_strict_linear
+    fn.argtypes = [
+        ctypes.c_void_p,
+        ctypes.c_int64,
+        ctypes.c_int64,
+        ctypes.c_void_p,
+        ctypes.c_int64,
+        ctypes.c_void_p,
+    ]
+    fn.restype = ctypes.c_int
+    return lib
+
+
+@functools.cache
+def library() -> ctypes.CDLL | None:
+    """The compiled kernel library, or ``None`` (switched off, or it cannot be built: one
+    warning names why)."""
+    if os.environ.get(SWITCH_ENV, "1").strip().lower() in ("0", "false", "no", "off"):
+        return None
+    try:
+        return _build()
+    except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+        _log.warning(
+            "posttrain.models: the fused strict CPU kernel is unavailable (%s); using the torch "
+            "kernels (the same bits, slower). Set %s=0 to skip the compile.",
+            exc,
+            SWITCH_ENV,
+        )
+        return None
+
+
+def strict_linear(rows: Tensor, w_kn: Tensor) -> Tensor | None:
+    """``rows[R, K] @ w_kn[K, N]`` as products and ``_ops._tree_levels`` over K padded with
+    ``+0.0`` to a power of two, bit for bit; ``None`` where the kernel does not apply (not CPU
+    fp32, autograd recording, K = 0, or no library): the caller then runs torch's path."""
+    if (
+        rows.dim() != 2
+        or w_kn.dim() != 2
+        or rows.shape[1] != w_kn.shape[0]
+        or rows.shape[1] == 0
+        or rows.dtype != torch.float32
+        or w_kn.dtype != torch.float32
+        or rows.device.type != "cpu"
+        or w_kn.device.type != "cpu"
+        or (torch.is_grad_enabled() and (rows.requires_grad or w_kn.requires_grad))
+    ):
+        return None
+    lib = library()
+    if lib is None:
+        return None
+    x = rows.contiguous()
+    w = w_kn.contiguous()
+    r, k = x.shape
+    n = w.shape[1]
+    out = torch.empty((r, n), dtype=torch.float32)
+    if r and n:
+        code = lib.posttrain_strict_linear(x.data_ptr(), r, k, w.data_ptr(), n, out.data_ptr())
+        if code != 0:
+            return None
+    return out

@@ -1,0 +1,212 @@
+"""The fused C strict linear forward (``posttrain.models._ckernel``) against torch's strict path.
+
+Bit for bit on every shape the models meet and on the values that expose a reordered or
+contracted sum (signed zeros, infinities, NaNs, denormals); the torch fallback when there is
+no compiler; two processes compiling into one empty cache."""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from posttrain.models import StrictOps, _ckernel, _ops
+
+_SHAPES = [
+    (1, 1, 1),
+    (0, 8, 5),
+    (1, 3, 7),
+    (3, 1, 65),
+    (5, 2, 2),
+    (7, 5, 63),
+    (4, 17, 130),
+    (13, 100, 64),
+    (33, 96, 33),
+    (2, 1000, 129),
+    (3, 4096, 5),
+]
+
+
+def _default_nan() -> int:
+    """The bits of the NaN this CPU makes from ``inf * 0``: the only NaN the exact tests use, so
+    any two NaNs that meet are the same bits (which one wins then is the hardware's choice)."""
+    return int(
+        (torch.tensor([float("inf")]) * torch.tensor([0.0])).view(torch.int32).item()
+    )
+
+
+def _special(shape: tuple[int, int], gen: torch.Generator, nan_bits: list[int]) -> torch.Tensor:
+    """Normal values with signed zeros, infinities, NaNs (of ``nan_bits``) and denormals."""
+    x = torch.randn(shape, generator=gen)
+    u = torch.rand(shape, generator=gen)
+    x[u < 0.03] = -0.0
+    x[(u >= 0.03) & (u < 0.05)] = 0.0
+    x[(u >= 0.05) & (u < 0.055)] = float("inf")
+    x[(u >= 0.055) & (u < 0.06)] = float("-inf")
+    x[(u >= 0.06) & (u < 0.1)] *= 1e-39  # denormal
+    bits = x.view(torch.int32)
+    for j, nan in enumerate(nan_bits):
+        bits[(u >= 0.1 + 0.005 * j) & (u < 0.105 + 0.005 * j)] = nan
+    return x
+
+
+def _torch_rows(rows: torch.Tensor, w_t: torch.Tensor, monkeypatch: pytest.MonkeyPatch) -> torch.Tensor:
+    """``_strict_linear_rows`` on torch's kernels (the C kernel switched off for the call)."""
+    with monkeypatch.context() as m:
+        m.setattr(_ckernel, "strict_linear", lambda rows, w: None)
+        return _ops._strict_linear_rows(rows, w_t)
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and torch.equal(a.view(torch.int32), b.view(torch.int32))
+
+
+@pytest.fixture(autouse=True)
+def _kernel() -> None:
+    if _ckernel.library() is None:
+        pytest.fail("the fused strict kernel did not build here (see the logged warning)")
+
+
+@pytest.mark.parametrize(("r", "k", "n"), _SHAPES)
+@pytest.mark.parametrize("special", [False, True])
+def test_fused_linear_bits_equal_torch(
+    r: int, k: int, n: int, special: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    gen = torch.Generator().manual_seed(r * 7919 + k * 31 + n)
+    if special:
+        nan = [_default_nan()]
+        rows, w = _special((r, k), gen, nan), _special((n, k), gen, nan)
+    else:
+        rows, w = torch.randn(r, k, generator=gen), torch.randn(n, k, generator=gen)
+    w_t = w.t().contiguous()[:, None, :]
+    fused = _ckernel.strict_linear(rows, w_t[:, 0, :])
+    assert fused is not None
+    assert _same_bits(fused, _torch_rows(rows, w_t, monkeypatch))
+    assert _same_bits(_ops._strict_linear_rows(rows, w_t), fused)
+
+
+def test_fused_linear_nans_where_torch_has_them(monkeypatch: pytest.MonkeyPatch) -> None:
+    """NaNs of both signs and other payloads: every non-NaN bit is torch's and every NaN is a
+    NaN (when two different NaNs meet, which comes out is the CPU's and the compiler's operand
+    order, which torch's own kernels do not fix either: its vectorised multiply and its scalar
+    tail pick differently)."""
+    gen = torch.Generator().manual_seed(5)
+    nans = [0x7FC00000, -4194304, 0x7FC01234]
+    for r, k, n in [(5, 36, 101), (16, 256, 149), (9, 215, 88)]:
+        rows, w = _special((r, k), gen, nans), _special((n, k), gen, nans)
+        w_t = w.t().contiguous()[:, None, :]
+        fused = _ckernel.strict_linear(rows, w_t[:, 0, :])
+        ref = _torch_rows(rows, w_t, monkeypatch)
+        assert fused is not None
+        assert torch.equal(fused.isnan(), ref.isnan())
+        assert ref.isnan().any()
+        keep = ~ref.isnan()
+        assert torch.equal(fused[keep].view(torch.int32), ref[keep].view(torch.int32))
+
+
+def test_fused_linear_takes_strided_inputs(monkeypatch: pytest.MonkeyPatch) -> None:
+    gen = torch.Generator().manual_seed(11)
+    big = torch.randn(20, 90, generator=gen)
+    rows = big[::3, 5:75]  # [7, 70], strided
+    w_kn = torch.randn(41, 70, generator=gen).t()  # [70, 41], transposed view
+    w_t = w_kn.contiguous()[:, None, :]
+    fused = _ckernel.strict_linear(rows, w_kn)
+    assert fused is not None
+    assert _same_bits(fused, _torch_rows(rows, w_t, monkeypatch))
+
+
+def test_strict_linear_forward_and_gradients_keep_their_bits(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``StrictOps.linear`` (no grad, the custom autograd function, autograd's reference graph)
+    gives torch's forward bits through the fused kernel; autograd's reference path never takes
+    it, and the gradients are the reference's."""
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(3, 50, 96, generator=gen)
+    w = torch.randn(72, 96, generator=gen)
+    with monkeypatch.context() as m:
+        m.setattr(_ckernel, "strict_linear", lambda rows, w: None)
+        ref = StrictOps.linear(x, w)
+    with torch.no_grad():
+        assert _same_bits(StrictOps.linear(x, w), ref)
+    xg, wg = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
+    out = StrictOps.linear(xg, wg)
+    assert _same_bits(out.detach(), ref)
+    out.backward(torch.ones_like(out))
+    calls: list[bool] = []  # per call: whether the fused kernel ran
+    real = _ckernel.strict_linear
+
+    def counted(rows: torch.Tensor, w_kn: torch.Tensor) -> torch.Tensor | None:
+        out = real(rows, w_kn)
+        calls.append(out is not None)
+        return out
+
+    monkeypatch.setattr(_ops, "_CUSTOM_BACKWARD", False)
+    monkeypatch.setattr(_ckernel, "strict_linear", counted)
+    xr, wr = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
+    out_r = StrictOps.linear(xr, wr)
+    assert _same_bits(out_r.detach(), ref)
+    out_r.backward(torch.ones_like(out_r))
+    assert xr.grad is not None and xg.grad is not None
+    assert _same_bits(xg.grad, xr.grad)
+    assert wr.grad is not None and wg.grad is not None
+    assert _same_bits(wg.grad, wr.grad)
+    assert calls and not any(calls)  # asked, and declined: autograd records the rows
+
+
+def test_no_compiler_falls_back_with_one_warning(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    gen = torch.Generator().manual_seed(4)
+    x, w = torch.randn(6, 33, generator=gen), torch.randn(19, 33, generator=gen)
+    fused = StrictOps.linear(x, w)
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    monkeypatch.setenv(_ckernel.CACHE_ENV, str(tmp_path / "cache"))
+    _ckernel.library.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING, logger="posttrain.models"):
+            assert _ckernel.library() is None
+            assert _ckernel.strict_linear(x, w.t()) is None
+            fallback = StrictOps.linear(x, w)
+        warned = [r for r in caplog.records if "fused strict CPU kernel" in r.getMessage()]
+        assert len(warned) == 1 and "no-such-cc" in warned[0].getMessage()
+        assert _same_bits(fallback, fused)
+        assert not any((tmp_path / "cache").glob("*.so"))
+        monkeypatch.setenv(_ckernel.SWITCH_ENV, "0")
+        monkeypatch.delenv("CC")
+        _ckernel.library.cache_clear()
+        assert _ckernel.library() is None  # switched off: no compile, no warning
+        assert len([r for r in caplog.records if "fused strict" in r.getMessage()]) == 1
+    finally:
+        _ckernel.library.cache_clear()
+
+
+def test_processes_compiling_into_one_empty_cache_both_load(tmp_path: Path) -> None:
+    cache = tmp_path / "cache"
+    script = (
+        "from posttrain.models import _ckernel\n"
+        "import torch\n"
+        "lib = _ckernel.library()\n"
+        "assert lib is not None, 'no library'\n"
+        "x = torch.arange(12.0).reshape(3, 4)\n"
+        "out = _ckernel.strict_linear(x, torch.ones(4, 2))\n"
+        "assert out is not None and out[:, 0].tolist() == [6.0, 22.0, 38.0], out\n"
+    )
+    env = {**os.environ, _ckernel.CACHE_ENV: str(cache)}
+    env.pop(_ckernel.SWITCH_ENV, None)
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", script], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+        )
+        for _ in range(2)
+    ]
+    for proc in procs:
+        out, _ = proc.communicate(timeout=120)
+        assert proc.returncode == 0, out.decode()
+    files = sorted(p.name for p in cache.iterdir())
+    assert len(files) == 1 and files[0].endswith(".so"), files  # no temporary left behind
