@@ -2,107 +2,154 @@
  *
  * out[r, n] = the pairwise tree over k of x[r, k] * w[k, n], K zero-padded (+0.0) to
  * W = 2**L: level by level element i is added to element i + W/2**level, exactly as
- * _ops._tree_levels does on the materialised products. Every IEEE op is the same, so
- * every bit is the same (signed zeros, infinities and NaNs included).
+ * _ops._tree_levels does on the materialised products. Every IEEE multiply and add is the
+ * same, so every bit is the same: signed zeros, infinities, denormals, and NaN where torch
+ * gives NaN (when two NaNs of different sign or payload meet, which one comes out is the
+ * CPU's operand order, which neither C nor torch's own kernels fix).
  *
  * The tree that pairs i with i + half is the adjacent-pair tree over the leaves taken in
  * bit-reversed index order (the top bit of i is the bottom bit of its reversal), so the
- * products are streamed in that order and reduced with a binary counter: a stack of one
- * partial sum per level, merged as a counter carries. Each merge is `earlier + later`
- * (the lower index on the left, as x[:half] + x[half:]). Nothing bigger than a stack of
- * L * RB * NB floats is written; vectorised over n.
+ * products are streamed in that order, G leaves at a time summed in registers, and the
+ * group sums merged through a stack of one partial sum per level as a binary counter
+ * carries. Nothing bigger than that stack is written.
+ *
+ * Tiles: VL outputs along a "vector" dim (the SIMD lanes) times BB along a "broadcast" dim
+ * (a scalar times a vector). Lanes run over the output columns for a few rows (decode), over
+ * the rows for many rows (training, batched decode): whichever wastes fewer padded lanes.
+ * Tails are zero-padded copies; their results are dropped.
  *
  * Compile with -ffp-contract=off and without -ffast-math: a fused multiply-add or any
  * reassociation would change the bits. Plain C, no torch headers.
  */
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
-#define NB 64 /* output columns per block: the vector dimension */
-#define RB 4  /* rows per block: each loaded weight row serves RB rows */
-#define G 4   /* leaves reduced in registers before the stack */
+#define VL 16 /* lanes per tile */
+#define BB 4  /* broadcast values per tile */
+#define G 4   /* leaves summed in registers before the stack */
 #define MAXL 40
 
-static inline int64_t bitrev(int64_t j, int bits) {
+static int64_t bitrev(int64_t j, int bits) {
     int64_t r = 0;
-    for (int b = 0; b < bits; b++) {
-        r = (r << 1) | ((j >> b) & 1);
-    }
+    for (int b = 0; b < bits; b++) r = (r << 1) | ((j >> b) & 1);
     return r;
 }
 
-/* One block of rb <= RB rows and nb <= NB columns (nb == NB on the fast path). */
-static void block(const float *restrict x, int64_t K, const float *restrict w, int64_t N,
-                  float *restrict out, const int64_t *restrict order, int64_t W, int g,
-                  int rb, int nb) {
-    float stack[MAXL][RB][NB];
-    float leaf[G][RB][NB];
+/* VL lanes as one GCC/clang vector: lowered to whatever SIMD the target has (16 lanes of
+ * AVX-512, two AVX registers, ...); + and * on it are the elementwise IEEE ops. */
+typedef float vf __attribute__((vector_size(VL * sizeof(float))));
+
+/* One tile: res[b] = tree_i vt[i] * st[b][i] (lanes v) for b < bb, leaves in `order`, g per
+ * group. vt: [K] vectors (zero-padded lanes), st: [bb][K] (zero-padded rows). */
+static inline __attribute__((always_inline)) void tile(const vf *restrict vt,
+                                                       const float *restrict st, int64_t K,
+                                                       const int64_t *restrict order,
+                                                       int64_t W, const int g, const int bb,
+                                                       vf res[BB]) {
+    vf stack[MAXL][BB];
+    const vf zero = {0.0f};
     int64_t groups = W / g;
     for (int64_t c = 0; c < groups; c++) {
+        vf leaf[G][BB];
         for (int t = 0; t < g; t++) {
             int64_t i = order[c * g + t];
             if (i < K) {
-                const float *wi = w + i * N;
-                for (int r = 0; r < rb; r++) {
-                    float xv = x[r * K + i];
-                    if (nb == NB) {
-                        for (int n = 0; n < NB; n++) leaf[t][r][n] = wi[n] * xv;
-                    } else {
-                        for (int n = 0; n < nb; n++) leaf[t][r][n] = wi[n] * xv;
-                        for (int n = nb; n < NB; n++) leaf[t][r][n] = 0.0f;
-                    }
-                }
+                vf vi = vt[i];
+                for (int b = 0; b < bb; b++) leaf[t][b] = vi * st[b * K + i];
             } else {
-                for (int r = 0; r < rb; r++)
-                    for (int n = 0; n < NB; n++) leaf[t][r][n] = 0.0f;
+                for (int b = 0; b < bb; b++) leaf[t][b] = zero;
             }
         }
-        /* the adjacent-pair tree over the group's g leaves, in place */
-        for (int span = g; span > 1; span /= 2) {
+        for (int span = g; span > 1; span /= 2)
             for (int t = 0; t < span / 2; t++)
-                for (int r = 0; r < rb; r++)
-                    for (int n = 0; n < NB; n++)
-                        leaf[t][r][n] = leaf[2 * t + 1][r][n] + leaf[2 * t][r][n];
-        }
-        /* carry into the stack: earlier partial sums on the left */
+                for (int b = 0; b < bb; b++) leaf[t][b] = leaf[2 * t][b] + leaf[2 * t + 1][b];
         int level = 0;
-        int64_t carry = c;
-        while (carry & 1) {
-            for (int r = 0; r < rb; r++)
-                for (int n = 0; n < NB; n++)
-                    leaf[0][r][n] = leaf[0][r][n] + stack[level][r][n];
-            carry >>= 1;
-            level++;
-        }
-        for (int r = 0; r < rb; r++)
-            for (int n = 0; n < NB; n++) stack[level][r][n] = leaf[0][r][n];
+        for (int64_t carry = c; carry & 1; carry >>= 1, level++)
+            for (int b = 0; b < bb; b++) leaf[0][b] = stack[level][b] + leaf[0][b];
+        for (int b = 0; b < bb; b++) stack[level][b] = leaf[0][b];
     }
     int top = 0;
     while (((int64_t)1 << top) < groups) top++;
-    for (int r = 0; r < rb; r++)
-        for (int n = 0; n < nb; n++) out[r * N + n] = stack[top][r][n];
+    for (int b = 0; b < bb; b++) res[b] = stack[top][b];
+}
+
+/* The instances: G leaves a group (W >= G) or one group of W (W < G); BB broadcast values, or
+ * one (a single row or column: no padded work). */
+static void tile_full(const vf *vt, const float *st, int64_t K, const int64_t *order,
+                      int64_t W, vf res[BB]) {
+    tile(vt, st, K, order, W, G, BB, res);
+}
+
+static void tile_full_one(const vf *vt, const float *st, int64_t K, const int64_t *order,
+                          int64_t W, vf res[BB]) {
+    tile(vt, st, K, order, W, G, 1, res);
+}
+
+static void tile_small(const vf *vt, const float *st, int64_t K, const int64_t *order,
+                       int64_t W, vf res[BB]) {
+    tile(vt, st, K, order, W, (int)W, BB, res);
 }
 
 /* x: [R, K] rows, w: [K, N] (the weight transposed), out: [R, N]; all contiguous fp32.
- * Returns 0; -1 if K is out of range, -2 if the index scratch cannot be allocated. */
+ * Returns 0; -1 if K is out of range, -2 if scratch memory cannot be allocated. */
 int posttrain_strict_linear(const float *x, int64_t R, int64_t K, const float *w, int64_t N,
                             float *out) {
     if (K < 1) return -1;
+    if (R < 1 || N < 1) return 0;
     int bits = 0;
     while (((int64_t)1 << bits) < K) bits++;
     if (bits >= MAXL) return -1;
     int64_t W = (int64_t)1 << bits;
+    /* lanes over the columns (V = w, S = x) or over the rows (V = x^T, S = w^T) */
+    /* the products each choice computes, padding included (one broadcast value: no padding) */
+    int64_t waste_cols = ((N + VL - 1) / VL * VL) * (R == 1 ? 1 : (R + BB - 1) / BB * BB);
+    int64_t waste_rows = ((R + VL - 1) / VL * VL) * (N == 1 ? 1 : (N + BB - 1) / BB * BB);
+    int by_rows = waste_rows < waste_cols;
+    int64_t LV = by_rows ? R : N, LB = by_rows ? N : R;
+    /* V(i, v) = vsrc[i * vi + v * vv]; S(b, i) = ssrc[b * sb + i * si]; out(b, v) */
+    const float *vsrc = by_rows ? x : w, *ssrc = by_rows ? w : x;
+    int64_t vi = by_rows ? 1 : N, vv = by_rows ? K : 1;
+    int64_t sb = by_rows ? 1 : K, si = by_rows ? N : 1;
+    int64_t ob = by_rows ? 1 : N, ov = by_rows ? N : 1;
+    int64_t nbb = (LB + BB - 1) / BB;
     int64_t *order = malloc((size_t)W * sizeof(int64_t));
-    if (!order) return -2;
+    vf *vt = aligned_alloc(sizeof(vf), (size_t)K * sizeof(vf));
+    float *st = malloc((size_t)nbb * BB * K * sizeof(float));
+    if (!order || !vt || !st) {
+        free(order);
+        free(vt);
+        free(st);
+        return -2;
+    }
     for (int64_t j = 0; j < W; j++) order[j] = bitrev(j, bits);
-    int g = W < G ? (int)W : G;
-    for (int64_t n0 = 0; n0 < N; n0 += NB) {
-        int nb = N - n0 < NB ? (int)(N - n0) : NB;
-        for (int64_t r0 = 0; r0 < R; r0 += RB) {
-            int rb = R - r0 < RB ? (int)(R - r0) : RB;
-            block(x + r0 * K, K, w + n0, N, out + r0 * N + n0, order, W, g, rb, nb);
+    for (int64_t b = 0; b < nbb * BB; b++)
+        for (int64_t i = 0; i < K; i++) st[b * K + i] = b < LB ? ssrc[b * sb + i * si] : 0.0f;
+    vf res[BB];
+    for (int64_t v0 = 0; v0 < LV; v0 += VL) {
+        int64_t nv = LV - v0 < VL ? LV - v0 : VL;
+        if (nv == VL && vv == 1) {
+            for (int64_t i = 0; i < K; i++) memcpy(&vt[i], vsrc + i * vi + v0, sizeof(vf));
+        } else {
+            for (int64_t i = 0; i < K; i++)
+                for (int64_t v = 0; v < VL; v++)
+                    vt[i][v] = v < nv ? vsrc[i * vi + (v0 + v) * vv] : 0.0f;
+        }
+        for (int64_t bt = 0; bt < nbb; bt++) {
+            if (W >= G && LB == 1)
+                tile_full_one(vt, st, K, order, W, res);
+            else if (W >= G)
+                tile_full(vt, st + bt * BB * K, K, order, W, res);
+            else
+                tile_small(vt, st + bt * BB * K, K, order, W, res);
+            int64_t b0 = bt * BB;
+            int64_t nb = LB - b0 < BB ? LB - b0 : BB;
+            for (int64_t b = 0; b < nb; b++)
+                for (int64_t v = 0; v < nv; v++) out[(b0 + b) * ob + (v0 + v) * ov] = res[b][v];
         }
     }
     free(order);
+    free(vt);
+    free(st);
     return 0;
 }

@@ -1,0 +1,107 @@
+"""The strict linear forward: torch's product tensor + tree versus the fused C kernel.
+
+Both paths compute ``_ops._strict_linear_rows`` (``rows[R, K] @ w``, products then the pairwise
+tree over K) with the same bits (checked here on every shape); they run interleaved, ``--reps``
+rounds of ``--calls`` calls each, at ``--threads`` torch threads (the C kernel is one thread).
+Shapes: the recipe model's linears (``posttrain grpo``'s tiny Dense/MoE: hidden 32, heads
+4 x 8, MLP 64, experts 32, vocabulary 101) at decode-batch and packed-training row counts,
+plus a larger layer. Prints one JSON line per shape (median microseconds per call and the
+ratio) and a total over the recipe shapes weighted as one forward of the recipe's layers.
+
+    uv run python packages/models/benchmarks/bench_strict_ckernel.py [--threads 1] [--reps 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+from posttrain.models import _ckernel, _ops
+
+# (name, K, N, uses per recipe forward): q, k, v, o; the dense MLP (1 layer); the router and
+# two experts' gate/up/down per token (3 MoE layers, top-2); the LM head. Rows per use: the
+# batch's rows (experts: about rows * top_k / experts each, counted here as full rows / 2).
+RECIPE = [
+    ("q", 32, 32, 4),
+    ("k/v", 32, 16, 8),
+    ("o", 32, 32, 4),
+    ("mlp gate/up", 32, 64, 2),
+    ("mlp down", 64, 32, 1),
+    ("router", 32, 4, 3),
+    ("expert gate/up", 32, 32, 12),
+    ("expert down", 32, 32, 6),
+    ("lm head", 32, 101, 1),
+]
+LARGE = [("large 1024x1024", 1024, 1024, 1)]
+
+
+def _time(fn: Callable[[], object], calls: int) -> float:
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    return (time.perf_counter() - start) / calls * 1e6
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--calls", type=int, default=50)
+    parser.add_argument("--rows", default="1,64,512", help="row counts (comma-separated)")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    if _ckernel.library() is None:
+        raise SystemExit("the fused kernel did not build (see the warning above)")
+    fused_fn = _ckernel.strict_linear
+
+    def torch_path(rows: torch.Tensor, w_t: torch.Tensor) -> torch.Tensor:
+        _ckernel.strict_linear = lambda rows, w: None  # type: ignore[assignment]
+        try:
+            return _ops._strict_linear_rows(rows, w_t)
+        finally:
+            _ckernel.strict_linear = fused_fn  # type: ignore[assignment]
+
+    gen = torch.Generator().manual_seed(0)
+    totals: dict[int, list[float]] = {}
+    for r in (int(v) for v in args.rows.split(",")):
+        totals[r] = [0.0, 0.0]
+        for name, k, n, uses in RECIPE + LARGE:
+            rows = r if name != "large 1024x1024" else min(r, 64)
+            x = torch.randn(rows, k, generator=gen)
+            w_t = torch.randn(n, k, generator=gen).t().contiguous()[:, None, :]
+            ref = torch_path(x, w_t)
+            got = _ops._strict_linear_rows(x, w_t)
+            assert torch.equal(ref.view(torch.int32), got.view(torch.int32)), name
+            calls = args.calls if k * n * rows < 1 << 22 else max(2, args.calls // 10)
+            t_torch: list[float] = []
+            t_fused: list[float] = []
+            for _ in range(args.reps):
+                t_torch.append(_time(lambda: torch_path(x, w_t), calls))  # noqa: B023
+                t_fused.append(_time(lambda: _ops._strict_linear_rows(x, w_t), calls))  # noqa: B023
+            a, b = statistics.median(t_torch), statistics.median(t_fused)
+            if name in {s[0] for s in RECIPE}:
+                totals[r][0] += a * uses
+                totals[r][1] += b * uses
+            print(
+                json.dumps(
+                    {"rows": rows, "linear": name, "K": k, "N": n, "torch_us": round(a, 1),
+                     "fused_us": round(b, 1), "torch/fused": round(a / b, 2)}
+                )
+            )  # fmt: skip
+    for r, (a, b) in totals.items():
+        print(
+            json.dumps(
+                {"rows": r, "recipe forward linears": "total", "torch_us": round(a, 1),
+                 "fused_us": round(b, 1), "torch/fused": round(a / b, 2),
+                 "threads": args.threads}
+            )
+        )  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
