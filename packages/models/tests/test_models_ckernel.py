@@ -210,3 +210,36 @@ def test_processes_compiling_into_one_empty_cache_both_load(tmp_path: Path) -> N
         assert proc.returncode == 0, out.decode()
     files = sorted(p.name for p in cache.iterdir())
     assert len(files) == 1 and files[0].endswith(".so"), files  # no temporary left behind
+
+
+@pytest.mark.parametrize(("t", "nkv", "g", "c", "hd"), [(5, 2, 2, 64, 8), (3, 1, 3, 7, 5), (1, 2, 1, 1, 4)])
+def test_attention_product_trees_keep_their_bits(
+    t: int, nkv: int, g: int, c: int, hd: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``StrictOps.attention`` (scores and probabilities times values through the fused kernel)
+    gives torch's bits, with and without autograd, and the same gradients."""
+    gen = torch.Generator().manual_seed(t * 100 + c)
+    q = _special((t * nkv * g, hd), gen, [_default_nan()]).reshape(t, nkv, g, hd)
+    q[0, 0, 0, 0] = float("nan")  # a NaN query: its row is NaN on both paths
+    keys = torch.randn(t, c, nkv, hd, generator=gen)
+    values = torch.randn(t, c, nkv, hd, generator=gen)
+    valid = torch.rand(t, c, generator=gen) < 0.7
+    valid[:, 0] = True
+    bias = torch.randn(t, nkv, g, c, generator=gen)
+
+    def run(fused: bool) -> list[torch.Tensor]:
+        with monkeypatch.context() as m:
+            if not fused:
+                m.setattr(_ckernel, "product_tree", lambda a, b: None)
+            with torch.no_grad():
+                plain = StrictOps.attention(q, keys, values, valid, 0.35, bias)
+            leaves = [x.clone().requires_grad_(True) for x in (q, keys, values)]
+            out = StrictOps.attention(*leaves, valid, 0.35, bias)
+            out.backward(torch.randn(out.shape, generator=torch.Generator().manual_seed(1)))
+            return [plain, out.detach(), *(x.grad for x in leaves if x.grad is not None)]
+
+    fused, reference = run(True), run(False)
+    assert len(fused) == len(reference) == 5
+    for a, b in zip(fused, reference, strict=True):
+        assert torch.equal(a.isnan(), b.isnan())
+        assert torch.equal(a.nan_to_num(0.0).view(torch.int32), b.nan_to_num(0.0).view(torch.int32))

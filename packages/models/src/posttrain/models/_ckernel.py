@@ -1,4 +1,5 @@
-"""The strict linear forward as one fused C kernel (``_strict_kernels.c``), same bits as torch's.
+"""The strict linear forward (and attention's product trees) as one fused C kernel
+(``_strict_kernels.c``), the same bits as torch's.
 
 ``StrictOps.linear`` computes ``rows[R, K] @ w.T`` as a product tensor ``[K, R, N]`` written
 to memory and a pairwise tree of elementwise adds over ``K`` (padded with ``+0.0`` to a power
@@ -132,16 +133,11 @@ def _build() -> ctypes.CDLL:
     if not target.exists():
         _compile(cc, flags, target)
     lib = ctypes.CDLL(str(target))
-    fn = lib.posttrain_strict_linear
-    fn.argtypes = [
-        ctypes.c_void_p,
-        ctypes.c_int64,
-        ctypes.c_int64,
-        ctypes.c_void_p,
-        ctypes.c_int64,
-        ctypes.c_void_p,
-    ]
-    fn.restype = ctypes.c_int
+    ptr, i64 = ctypes.c_void_p, ctypes.c_int64
+    lib.posttrain_strict_linear.argtypes = [ptr, i64, i64, ptr, i64, ptr]
+    lib.posttrain_strict_linear_batched.argtypes = [ptr, i64, i64, i64, ptr, i64, ptr]
+    lib.posttrain_strict_linear.restype = ctypes.c_int
+    lib.posttrain_strict_linear_batched.restype = ctypes.c_int
     return lib
 
 
@@ -163,32 +159,61 @@ def library() -> ctypes.CDLL | None:
         return None
 
 
+def _applies(*tensors: Tensor) -> bool:
+    """Whether the kernel may run on these operands: CPU fp32, autograd not recording."""
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+    return not grad and all(t.dtype == torch.float32 and t.device.type == "cpu" for t in tensors)
+
+
 def strict_linear(rows: Tensor, w_kn: Tensor) -> Tensor | None:
     """``rows[R, K] @ w_kn[K, N]`` as products and ``_ops._tree_levels`` over K padded with
     ``+0.0`` to a power of two, bit for bit; ``None`` where the kernel does not apply (not CPU
     fp32, autograd recording, K = 0, or no library): the caller then runs torch's path."""
+    if rows.dim() != 2 or w_kn.dim() != 2 or rows.shape[1] != w_kn.shape[0]:
+        return None
+    out = strict_matmul(rows[None], w_kn[None])
+    return None if out is None else out[0]
+
+
+def strict_matmul(x: Tensor, w: Tensor) -> Tensor | None:
+    """``strict_linear`` for each of a batch: ``x[*batch, R, K]``, ``w[*batch, K, N]`` (the same
+    batch dims) give ``[*batch, R, N]``; ``None`` where the kernel does not apply."""
     if (
-        rows.dim() != 2
-        or w_kn.dim() != 2
-        or rows.shape[1] != w_kn.shape[0]
-        or rows.shape[1] == 0
-        or rows.dtype != torch.float32
-        or w_kn.dtype != torch.float32
-        or rows.device.type != "cpu"
-        or w_kn.device.type != "cpu"
-        or (torch.is_grad_enabled() and (rows.requires_grad or w_kn.requires_grad))
+        x.dim() < 2
+        or x.dim() != w.dim()
+        or x.shape[:-2] != w.shape[:-2]
+        or x.shape[-1] != w.shape[-2]
+        or x.shape[-1] == 0
+        or not _applies(x, w)
     ):
         return None
     lib = library()
     if lib is None:
         return None
-    x = rows.contiguous()
-    w = w_kn.contiguous()
-    r, k = x.shape
-    n = w.shape[1]
-    out = torch.empty((r, n), dtype=torch.float32)
-    if r and n:
-        code = lib.posttrain_strict_linear(x.data_ptr(), r, k, w.data_ptr(), n, out.data_ptr())
+    batch, (r, k), n = x.shape[:-2], x.shape[-2:], w.shape[-1]
+    xc, wc = x.contiguous(), w.contiguous()
+    out = torch.empty((*batch, r, n), dtype=torch.float32)
+    if out.numel():
+        code = lib.posttrain_strict_linear_batched(
+            xc.data_ptr(), out.numel() // (r * n), r, k, wc.data_ptr(), n, out.data_ptr()
+        )
         if code != 0:
             return None
     return out
+
+
+def product_tree(a: Tensor, b: Tensor) -> Tensor | None:
+    """``_ops._tree_sum_owned(a * b)`` for the batched-matmul broadcast ``a[K, *batch, R, 1]``,
+    ``b[K, *batch, 1, N]`` (attention's scores and its probabilities times values), bit for bit:
+    ``[*batch, R, N]``; ``None`` for any other shape or where the kernel does not apply."""
+    if (
+        a.dim() < 3
+        or a.dim() != b.dim()
+        or a.shape[0] != b.shape[0]
+        or a.shape[-1] != 1
+        or b.shape[-2] != 1
+        or a.shape[1:-2] != b.shape[1:-2]
+        or not _applies(a, b)
+    ):
+        return None
+    return strict_matmul(a[..., 0].movedim(0, -1), b[..., 0, :].movedim(0, -2))

@@ -126,7 +126,14 @@ def product_tree_sum(a: Tensor, b: Tensor) -> Tensor:
     if _CUSTOM_BACKWARD and torch.is_grad_enabled() and (a.requires_grad or b.requires_grad):
         out: Tensor = _ProductTreeSum.apply(a, b)  # type: ignore[no-untyped-call]
         return out
-    return _tree_sum_owned(a * b)
+    return _product_tree_forward(a, b)
+
+
+def _product_tree_forward(a: Tensor, b: Tensor) -> Tensor:
+    """``_tree_sum_owned(a * b)``: attention's batched-matmul shapes through the fused C kernel
+    (``_ckernel.product_tree``, the same bits) where it applies, else torch's products."""
+    fused = _ckernel.product_tree(a, b)
+    return _tree_sum_owned(a * b) if fused is None else fused
 
 
 class _ProductTreeSum(torch.autograd.Function):
@@ -136,7 +143,7 @@ class _ProductTreeSum(torch.autograd.Function):
     def forward(ctx: Any, a: Tensor, b: Tensor) -> Tensor:
         ctx.save_for_backward(a, b)
         with torch.no_grad():
-            return _tree_sum_owned(a * b)
+            return _product_tree_forward(a, b)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, Tensor | None]:

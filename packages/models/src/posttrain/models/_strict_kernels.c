@@ -153,3 +153,13 @@ int posttrain_strict_linear(const float *x, int64_t R, int64_t K, const float *w
     free(st);
     return 0;
 }
+
+/* B independent problems: x [B, R, K], w [B, K, N], out [B, R, N], contiguous fp32. */
+int posttrain_strict_linear_batched(const float *x, int64_t B, int64_t R, int64_t K,
+                                    const float *w, int64_t N, float *out) {
+    for (int64_t i = 0; i < B; i++) {
+        int code = posttrain_strict_linear(x + i * R * K, R, K, w + i * K * N, N, out + i * R * N);
+        if (code) return code;
+    }
+    return 0;
+}
