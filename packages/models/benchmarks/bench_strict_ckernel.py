@@ -21,7 +21,7 @@ from collections.abc import Callable
 
 import torch
 
-from posttrain.models import _ckernel, _ops
+from posttrain.models import StrictOps, _ckernel, _ops
 
 # (name, K, N, uses per recipe forward): q, k, v, o; the dense MLP (1 layer); the router and
 # two experts' gate/up/down per token (3 MoE layers, top-2); the LM head. Rows per use: the
@@ -38,6 +38,9 @@ RECIPE = [
     ("lm head", 32, 101, 1),
 ]
 LARGE = [("large 1024x1024", 1024, 1024, 1)]
+# StrictOps.attention: (queries, kv heads, heads per kv head, key slots, head dim): the recipe's
+# packed training chunk (slots: the chunk's power of two) and one decode step of 64 requests.
+ATTENTION = [("attention train", 512, 2, 2, 32, 8), ("attention decode", 64, 2, 2, 64, 8)]
 
 
 def _time(fn: Callable[[], object], calls: int) -> float:
@@ -93,6 +96,34 @@ def main() -> None:
                      "fused_us": round(b, 1), "torch/fused": round(a / b, 2)}
                 )
             )  # fmt: skip
+    for name, t, nkv, g, c, hd in ATTENTION:
+        q = torch.randn(t, nkv, g, hd, generator=gen)
+        keys, values = torch.randn(t, c, nkv, hd, generator=gen), torch.randn(t, c, nkv, hd, generator=gen)
+        valid = torch.ones(t, c, dtype=torch.bool)
+
+        def attend() -> torch.Tensor:
+            return StrictOps.attention(q, keys, values, valid, 0.35)  # noqa: B023
+
+        def attend_torch() -> torch.Tensor:
+            tree = _ckernel.product_tree
+            _ckernel.product_tree = lambda a, b: None  # type: ignore[assignment]
+            try:
+                return attend()
+            finally:
+                _ckernel.product_tree = tree  # type: ignore[assignment]
+
+        assert torch.equal(attend().view(torch.int32), attend_torch().view(torch.int32)), name
+        t_torch, t_fused = [], []
+        for _ in range(args.reps):
+            t_torch.append(_time(attend_torch, args.calls // 5))
+            t_fused.append(_time(attend, args.calls // 5))
+        a, b = statistics.median(t_torch), statistics.median(t_fused)
+        print(
+            json.dumps(
+                {"attention": name, "T": t, "kv_heads": nkv, "group": g, "slots": c, "head_dim": hd,
+                 "torch_us": round(a, 1), "fused_us": round(b, 1), "torch/fused": round(a / b, 2)}
+            )
+        )  # fmt: skip
     for r, (a, b) in totals.items():
         print(
             json.dumps(

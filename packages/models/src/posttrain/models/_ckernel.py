@@ -134,9 +134,7 @@ def _build() -> ctypes.CDLL:
         _compile(cc, flags, target)
     lib = ctypes.CDLL(str(target))
     ptr, i64 = ctypes.c_void_p, ctypes.c_int64
-    lib.posttrain_strict_linear.argtypes = [ptr, i64, i64, ptr, i64, ptr]
     lib.posttrain_strict_linear_batched.argtypes = [ptr, i64, i64, i64, ptr, i64, ptr]
-    lib.posttrain_strict_linear.restype = ctypes.c_int
     lib.posttrain_strict_linear_batched.restype = ctypes.c_int
     return lib
 

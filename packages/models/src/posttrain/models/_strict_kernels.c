@@ -75,44 +75,41 @@ static inline __attribute__((always_inline)) void tile(const vf *restrict vt,
 }
 
 /* The instances: G leaves a group (W >= G) or one group of W (W < G); BB broadcast values, or
- * one (a single row or column: no padded work). */
-static void tile_full(const vf *vt, const float *st, int64_t K, const int64_t *order,
-                      int64_t W, vf res[BB]) {
-    tile(vt, st, K, order, W, G, BB, res);
-}
+ * one or two (a problem with one or two rows or columns there: no padded work). */
+#define INSTANCE(name, g, bb)                                                                 \
+    static void name(const vf *vt, const float *st, int64_t K, const int64_t *order,          \
+                     int64_t W, vf res[BB]) {                                                 \
+        tile(vt, st, K, order, W, g, bb, res);                                                \
+    }
+INSTANCE(tile_g_4, G, BB)
+INSTANCE(tile_g_2, G, 2)
+INSTANCE(tile_g_1, G, 1)
+INSTANCE(tile_w_4, (int)W, BB)
 
-static void tile_full_one(const vf *vt, const float *st, int64_t K, const int64_t *order,
-                          int64_t W, vf res[BB]) {
-    tile(vt, st, K, order, W, G, 1, res);
-}
-
-static void tile_small(const vf *vt, const float *st, int64_t K, const int64_t *order,
-                       int64_t W, vf res[BB]) {
-    tile(vt, st, K, order, W, (int)W, BB, res);
-}
-
-/* x: [R, K] rows, w: [K, N] (the weight transposed), out: [R, N]; all contiguous fp32.
- * Returns 0; -1 if K is out of range, -2 if scratch memory cannot be allocated. */
-int posttrain_strict_linear(const float *x, int64_t R, int64_t K, const float *w, int64_t N,
-                            float *out) {
+/* B independent problems: x [B, R, K] rows, w [B, K, N] (weights transposed), out [B, R, N];
+ * all contiguous fp32. Returns 0; -1 if K is out of range, -2 if scratch memory cannot be
+ * allocated. */
+int posttrain_strict_linear_batched(const float *x, int64_t B, int64_t R, int64_t K,
+                                    const float *w, int64_t N, float *out) {
     if (K < 1) return -1;
-    if (R < 1 || N < 1) return 0;
+    if (B < 1 || R < 1 || N < 1) return 0;
     int bits = 0;
     while (((int64_t)1 << bits) < K) bits++;
     if (bits >= MAXL) return -1;
     int64_t W = (int64_t)1 << bits;
-    /* lanes over the columns (V = w, S = x) or over the rows (V = x^T, S = w^T) */
-    /* the products each choice computes, padding included (one broadcast value: no padding) */
-    int64_t waste_cols = ((N + VL - 1) / VL * VL) * (R == 1 ? 1 : (R + BB - 1) / BB * BB);
-    int64_t waste_rows = ((R + VL - 1) / VL * VL) * (N == 1 ? 1 : (N + BB - 1) / BB * BB);
-    int by_rows = waste_rows < waste_cols;
+    /* lanes over the columns (V = w, S = x) or over the rows (V = x^T, S = w^T): the products
+     * each computes, padding included (one or two broadcast values: no padding) */
+    int64_t pad_r = R <= 2 ? R : (R + BB - 1) / BB * BB;
+    int64_t pad_n = N <= 2 ? N : (N + BB - 1) / BB * BB;
+    int by_rows = ((R + VL - 1) / VL * VL) * pad_n < ((N + VL - 1) / VL * VL) * pad_r;
     int64_t LV = by_rows ? R : N, LB = by_rows ? N : R;
-    /* V(i, v) = vsrc[i * vi + v * vv]; S(b, i) = ssrc[b * sb + i * si]; out(b, v) */
-    const float *vsrc = by_rows ? x : w, *ssrc = by_rows ? w : x;
+    /* per problem: V(i, v) = vsrc[i * vi + v * vv]; S(b, i) = ssrc[b * sb + i * si]; out(b, v) */
     int64_t vi = by_rows ? 1 : N, vv = by_rows ? K : 1;
     int64_t sb = by_rows ? 1 : K, si = by_rows ? N : 1;
     int64_t ob = by_rows ? 1 : N, ov = by_rows ? N : 1;
     int64_t nbb = (LB + BB - 1) / BB;
+    void (*fn)(const vf *, const float *, int64_t, const int64_t *, int64_t, vf *) =
+        W < G ? tile_w_4 : LB == 1 ? tile_g_1 : LB == 2 ? tile_g_2 : tile_g_4;
     int64_t *order = malloc((size_t)W * sizeof(int64_t));
     vf *vt = aligned_alloc(sizeof(vf), (size_t)K * sizeof(vf));
     float *st = malloc((size_t)nbb * BB * K * sizeof(float));
@@ -123,43 +120,35 @@ int posttrain_strict_linear(const float *x, int64_t R, int64_t K, const float *w
         return -2;
     }
     for (int64_t j = 0; j < W; j++) order[j] = bitrev(j, bits);
-    for (int64_t b = 0; b < nbb * BB; b++)
-        for (int64_t i = 0; i < K; i++) st[b * K + i] = b < LB ? ssrc[b * sb + i * si] : 0.0f;
     vf res[BB];
-    for (int64_t v0 = 0; v0 < LV; v0 += VL) {
-        int64_t nv = LV - v0 < VL ? LV - v0 : VL;
-        if (nv == VL && vv == 1) {
-            for (int64_t i = 0; i < K; i++) memcpy(&vt[i], vsrc + i * vi + v0, sizeof(vf));
-        } else {
+    for (int64_t p = 0; p < B; p++) {
+        const float *xp = x + p * R * K, *wp = w + p * K * N;
+        const float *vsrc = by_rows ? xp : wp, *ssrc = by_rows ? wp : xp;
+        float *op = out + p * R * N;
+        for (int64_t b = 0; b < nbb * BB; b++)
             for (int64_t i = 0; i < K; i++)
-                for (int64_t v = 0; v < VL; v++)
-                    vt[i][v] = v < nv ? vsrc[i * vi + (v0 + v) * vv] : 0.0f;
-        }
-        for (int64_t bt = 0; bt < nbb; bt++) {
-            if (W >= G && LB == 1)
-                tile_full_one(vt, st, K, order, W, res);
-            else if (W >= G)
-                tile_full(vt, st + bt * BB * K, K, order, W, res);
-            else
-                tile_small(vt, st + bt * BB * K, K, order, W, res);
-            int64_t b0 = bt * BB;
-            int64_t nb = LB - b0 < BB ? LB - b0 : BB;
-            for (int64_t b = 0; b < nb; b++)
-                for (int64_t v = 0; v < nv; v++) out[(b0 + b) * ob + (v0 + v) * ov] = res[b][v];
+                st[b * K + i] = b < LB ? ssrc[b * sb + i * si] : 0.0f;
+        for (int64_t v0 = 0; v0 < LV; v0 += VL) {
+            int64_t nv = LV - v0 < VL ? LV - v0 : VL;
+            if (nv == VL && vv == 1) {
+                for (int64_t i = 0; i < K; i++) memcpy(&vt[i], vsrc + i * vi + v0, sizeof(vf));
+            } else {
+                for (int64_t i = 0; i < K; i++)
+                    for (int64_t v = 0; v < VL; v++)
+                        vt[i][v] = v < nv ? vsrc[i * vi + (v0 + v) * vv] : 0.0f;
+            }
+            for (int64_t bt = 0; bt < nbb; bt++) {
+                fn(vt, st + bt * BB * K, K, order, W, res);
+                int64_t b0 = bt * BB;
+                int64_t nb = LB - b0 < BB ? LB - b0 : BB;
+                for (int64_t b = 0; b < nb; b++)
+                    for (int64_t v = 0; v < nv; v++)
+                        op[(b0 + b) * ob + (v0 + v) * ov] = res[b][v];
+            }
         }
     }
     free(order);
     free(vt);
     free(st);
-    return 0;
-}
-
-/* B independent problems: x [B, R, K], w [B, K, N], out [B, R, N], contiguous fp32. */
-int posttrain_strict_linear_batched(const float *x, int64_t B, int64_t R, int64_t K,
-                                    const float *w, int64_t N, float *out) {
-    for (int64_t i = 0; i < B; i++) {
-        int code = posttrain_strict_linear(x + i * R * K, R, K, w + i * K * N, N, out + i * R * N);
-        if (code) return code;
-    }
     return 0;
 }
