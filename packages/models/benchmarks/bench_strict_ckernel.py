@@ -52,9 +52,9 @@ def _time(fn: Callable[[], object], calls: int) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--reps", type=int, default=5)
-    parser.add_argument("--calls", type=int, default=50)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (C: one)")
+    parser.add_argument("--reps", type=int, default=5, help="interleaved rounds per shape")
+    parser.add_argument("--calls", type=int, default=50, help="calls per round")
     parser.add_argument("--rows", default="1,64,512", help="row counts (comma-separated)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -98,7 +98,10 @@ def main() -> None:
             )  # fmt: skip
     for name, t, nkv, g, c, hd in ATTENTION:
         q = torch.randn(t, nkv, g, hd, generator=gen)
-        keys, values = torch.randn(t, c, nkv, hd, generator=gen), torch.randn(t, c, nkv, hd, generator=gen)
+        keys, values = (
+            torch.randn(t, c, nkv, hd, generator=gen),
+            torch.randn(t, c, nkv, hd, generator=gen),
+        )
         valid = torch.ones(t, c, dtype=torch.bool)
 
         def attend() -> torch.Tensor:
