@@ -252,3 +252,21 @@ def test_attention_product_trees_keep_their_bits(
     for a, b in zip(fused, reference, strict=True):
         assert torch.equal(a.isnan(), b.isnan())
         assert torch.equal(a.nan_to_num(0.0).view(torch.int32), b.nan_to_num(0.0).view(torch.int32))
+
+
+@pytest.mark.parametrize(("b", "r"), [(1, 300), (5, 40)])
+def test_threads_split_the_work_without_changing_a_bit(b: int, r: int) -> None:
+    gen = torch.Generator().manual_seed(b)
+    x, w = torch.randn(b, r, 64, generator=gen), torch.randn(b, 64, 160, generator=gen)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = _ckernel.strict_matmul(x, w)
+        torch.set_num_threads(3)
+        several = _ckernel.strict_matmul(x, w)
+    finally:
+        torch.set_num_threads(threads)
+    assert one is not None
+    assert several is not None
+    assert b * r * 64 * 160 >= _ckernel._PARALLEL_PRODUCTS  # the split ran
+    assert _same_bits(one, several)

@@ -28,6 +28,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
+import itertools
 import logging
 import os
 import platform
@@ -35,6 +36,7 @@ import shlex
 import shutil
 import subprocess
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -191,13 +193,49 @@ def strict_matmul(x: Tensor, w: Tensor) -> Tensor | None:
     batch, (r, k), n = x.shape[:-2], x.shape[-2:], w.shape[-1]
     xc, wc = x.contiguous(), w.contiguous()
     out = torch.empty((*batch, r, n), dtype=torch.float32)
-    if out.numel():
-        code = lib.posttrain_strict_linear_batched(
-            xc.data_ptr(), out.numel() // (r * n), r, k, wc.data_ptr(), n, out.data_ptr()
+    if not out.numel():
+        return out
+    b = out.numel() // (r * n)
+    size = 4  # bytes per fp32
+    # (first problem, problems, first row, rows) per call: whole problems, or one problem's rows
+    parts = [(0, b, 0, r)]
+    threads = torch.get_num_threads()
+    if threads > 1 and b * r * k * n >= _PARALLEL_PRODUCTS:
+        if b > 1:
+            cuts = [b * i // threads for i in range(threads + 1)]
+            parts = [(lo, hi - lo, 0, r) for lo, hi in itertools.pairwise(cuts) if hi > lo]
+        else:
+            cuts = [r * i // threads for i in range(threads + 1)]
+            parts = [(0, 1, lo, hi - lo) for lo, hi in itertools.pairwise(cuts) if hi > lo]
+
+    def call(part: tuple[int, int, int, int]) -> int:
+        p0, pb, r0, rr = part
+        code: int = lib.posttrain_strict_linear_batched(
+            xc.data_ptr() + size * (p0 * r * k + r0 * k),
+            pb,
+            rr,
+            k,
+            wc.data_ptr() + size * p0 * k * n,
+            n,
+            out.data_ptr() + size * (p0 * r * n + r0 * n),
         )
-        if code != 0:
-            return None
-    return out
+        return code
+
+    # ctypes releases the GIL for the call, so the parts run on the pool's threads at once;
+    # rows and problems are reduced independently, so the split never changes a bit
+    codes = [call(parts[0])] if len(parts) == 1 else list(_pool(len(parts)).map(call, parts))
+    return None if any(codes) else out
+
+
+_PARALLEL_PRODUCTS = 1 << 20
+"""Products at which ``strict_matmul`` splits its work over torch's thread count (below it
+one call: a thread hand-off costs more than the work)."""
+
+
+@functools.cache
+def _pool(workers: int) -> ThreadPoolExecutor:
+    """A thread pool of ``workers`` threads (one per thread count asked for)."""
+    return ThreadPoolExecutor(max_workers=workers, thread_name_prefix="posttrain-strict")
 
 
 def product_tree(a: Tensor, b: Tensor) -> Tensor | None:
