@@ -41,8 +41,8 @@ static int64_t bitrev(int64_t j, int bits) {
 typedef float vf __attribute__((vector_size(VL * sizeof(float))));
 
 /* One tile: res[b] = tree_i vt[i] * st[b][i] (lanes v) for b < bb, leaves in `order`, g per
- * group. vt: [K] vectors (zero-padded lanes), st: [bb][K] (zero-padded rows). */
-static inline __attribute__((always_inline)) void tile(const vf *restrict vt,
+ * group. vt: K vectors of VL floats, ldv floats apart; st: [bb][K] (zero-padded rows). */
+static inline __attribute__((always_inline)) void tile(const float *restrict vt, int64_t ldv,
                                                        const float *restrict st, int64_t K,
                                                        const int64_t *restrict order,
                                                        int64_t W, const int g, const int bb,
@@ -55,7 +55,8 @@ static inline __attribute__((always_inline)) void tile(const vf *restrict vt,
         for (int t = 0; t < g; t++) {
             int64_t i = order[c * g + t];
             if (i < K) {
-                vf vi = vt[i];
+                vf vi;
+                memcpy(&vi, vt + i * ldv, sizeof(vf)); /* an unaligned vector load */
                 for (int b = 0; b < bb; b++) leaf[t][b] = vi * st[b * K + i];
             } else {
                 for (int b = 0; b < bb; b++) leaf[t][b] = zero;
@@ -77,9 +78,9 @@ static inline __attribute__((always_inline)) void tile(const vf *restrict vt,
 /* The instances: G leaves a group (W >= G) or one group of W (W < G); BB broadcast values, or
  * one or two (a problem with one or two rows or columns there: no padded work). */
 #define INSTANCE(name, g, bb)                                                                 \
-    static void name(const vf *vt, const float *st, int64_t K, const int64_t *order,          \
-                     int64_t W, vf res[BB]) {                                                 \
-        tile(vt, st, K, order, W, g, bb, res);                                                \
+    static void name(const float *vt, int64_t ldv, const float *st, int64_t K,                \
+                     const int64_t *order, int64_t W, vf res[BB]) {                           \
+        tile(vt, ldv, st, K, order, W, g, bb, res);                                           \
     }
 INSTANCE(tile_g_4, G, BB)
 INSTANCE(tile_g_2, G, 2)
@@ -108,7 +109,7 @@ int posttrain_strict_linear_batched(const float *x, int64_t B, int64_t R, int64_
     int64_t sb = by_rows ? 1 : K, si = by_rows ? N : 1;
     int64_t ob = by_rows ? 1 : N, ov = by_rows ? N : 1;
     int64_t nbb = (LB + BB - 1) / BB;
-    void (*fn)(const vf *, const float *, int64_t, const int64_t *, int64_t, vf *) =
+    void (*fn)(const float *, int64_t, const float *, int64_t, const int64_t *, int64_t, vf *) =
         W < G ? tile_w_4 : LB == 1 ? tile_g_1 : LB == 2 ? tile_g_2 : tile_g_4;
     int64_t *order = malloc((size_t)W * sizeof(int64_t));
     vf *vt = aligned_alloc(sizeof(vf), (size_t)K * sizeof(vf));
@@ -130,15 +131,18 @@ int posttrain_strict_linear_batched(const float *x, int64_t B, int64_t R, int64_
                 st[b * K + i] = b < LB ? ssrc[b * sb + i * si] : 0.0f;
         for (int64_t v0 = 0; v0 < LV; v0 += VL) {
             int64_t nv = LV - v0 < VL ? LV - v0 : VL;
-            if (nv == VL && vv == 1) {
-                for (int64_t i = 0; i < K; i++) memcpy(&vt[i], vsrc + i * vi + v0, sizeof(vf));
-            } else {
+            /* whole lanes of contiguous vectors are read in place, others packed (zero-padded) */
+            const float *vp = vsrc + v0;
+            int64_t ldv = vi;
+            if (nv < VL || vv != 1) {
                 for (int64_t i = 0; i < K; i++)
                     for (int64_t v = 0; v < VL; v++)
                         vt[i][v] = v < nv ? vsrc[i * vi + (v0 + v) * vv] : 0.0f;
+                vp = (const float *)vt;
+                ldv = VL;
             }
             for (int64_t bt = 0; bt < nbb; bt++) {
-                fn(vt, st + bt * BB * K, K, order, W, res);
+                fn(vp, ldv, st + bt * BB * K, K, order, W, res);
                 int64_t b0 = bt * BB;
                 int64_t nb = LB - b0 < BB ? LB - b0 : BB;
                 for (int64_t b = 0; b < nb; b++)
