@@ -84,7 +84,7 @@ def test_fused_linear_bits_equal_torch(
     else:
         rows, w = torch.randn(r, k, generator=gen), torch.randn(n, k, generator=gen)
     w_t = w.t().contiguous()[:, None, :]
-    fused = _ckernel.strict_linear(rows, w_t[:, 0, :])
+    fused = _ckernel.strict_linear(rows, w_t)
     assert fused is not None
     assert _same_bits(fused, _torch_rows(rows, w_t, monkeypatch))
     assert _same_bits(_ops._strict_linear_rows(rows, w_t), fused)
@@ -100,7 +100,7 @@ def test_fused_linear_nans_where_torch_has_them(monkeypatch: pytest.MonkeyPatch)
     for r, k, n in [(5, 36, 101), (16, 256, 149), (9, 215, 88)]:
         rows, w = _special((r, k), gen, nans), _special((n, k), gen, nans)
         w_t = w.t().contiguous()[:, None, :]
-        fused = _ckernel.strict_linear(rows, w_t[:, 0, :])
+        fused = _ckernel.strict_linear(rows, w_t)
         ref = _torch_rows(rows, w_t, monkeypatch)
         assert fused is not None
         assert torch.equal(fused.isnan(), ref.isnan())
@@ -113,9 +113,8 @@ def test_fused_linear_takes_strided_inputs(monkeypatch: pytest.MonkeyPatch) -> N
     gen = torch.Generator().manual_seed(11)
     big = torch.randn(20, 90, generator=gen)
     rows = big[::3, 5:75]  # [7, 70], strided
-    w_kn = torch.randn(41, 70, generator=gen).t()  # [70, 41], transposed view
-    w_t = w_kn.contiguous()[:, None, :]
-    fused = _ckernel.strict_linear(rows, w_kn)
+    w_t = torch.randn(41, 70, generator=gen).t()[:, None, :]  # [70, 1, 41], strided
+    fused = _ckernel.strict_linear(rows, w_t)
     assert fused is not None
     assert _same_bits(fused, _torch_rows(rows, w_t, monkeypatch))
 
@@ -174,7 +173,7 @@ def test_no_compiler_falls_back_with_one_warning(
     try:
         with caplog.at_level(logging.WARNING, logger="posttrain.models"):
             assert _ckernel.library() is None
-            assert _ckernel.strict_linear(x, w.t()) is None
+            assert _ckernel.strict_linear(x, w.t()[:, None, :]) is None
             fallback = StrictOps.linear(x, w)
         warned = [r for r in caplog.records if "fused strict CPU kernel" in r.getMessage()]
         assert len(warned) == 1
@@ -198,7 +197,7 @@ def test_processes_compiling_into_one_empty_cache_both_load(tmp_path: Path) -> N
         "lib = _ckernel.library()\n"
         "assert lib is not None, 'no library'\n"
         "x = torch.arange(12.0).reshape(3, 4)\n"
-        "out = _ckernel.strict_linear(x, torch.ones(4, 2))\n"
+        "out = _ckernel.strict_linear(x, torch.ones(4, 1, 2))\n"
         "assert out is not None and out[:, 0].tolist() == [6.0, 22.0, 38.0], out\n"
     )
     env = {**os.environ, _ckernel.CACHE_ENV: str(cache)}

@@ -159,20 +159,29 @@ def library() -> ctypes.CDLL | None:
         return None
 
 
-def _applies(*tensors: Tensor) -> bool:
+def _applies(a: Tensor, b: Tensor) -> bool:
     """Whether the kernel may run on these operands: CPU fp32, autograd not recording."""
-    grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
-    return not grad and all(t.dtype == torch.float32 and t.device.type == "cpu" for t in tensors)
+    if torch.is_grad_enabled() and (a.requires_grad or b.requires_grad):
+        return False
+    fp32 = a.dtype == torch.float32 and b.dtype == torch.float32
+    return fp32 and a.device.type == "cpu" and b.device.type == "cpu"
 
 
-def strict_linear(rows: Tensor, w_kn: Tensor) -> Tensor | None:
-    """``rows[R, K] @ w_kn[K, N]`` as products and ``_ops._tree_levels`` over K padded with
-    ``+0.0`` to a power of two, bit for bit; ``None`` where the kernel does not apply (not CPU
-    fp32, autograd recording, K = 0, or no library): the caller then runs torch's path."""
-    if rows.dim() != 2 or w_kn.dim() != 2 or rows.shape[1] != w_kn.shape[0]:
+def strict_linear(rows: Tensor, w_t: Tensor) -> Tensor | None:
+    """``rows[R, K] @ w_t[K, 1, N]`` (``w_t`` the weight transposed, as ``_ops`` holds it) as
+    products and ``_ops._tree_levels`` over K padded with ``+0.0`` to a power of two, bit for
+    bit: ``[R, N]``; ``None`` where the kernel does not apply (not CPU fp32, autograd
+    recording, K = 0, or no library): the caller then runs torch's path."""
+    if rows.dim() != 2 or w_t.dim() != 3 or w_t.shape[1] != 1:
         return None
-    out = strict_matmul(rows[None], w_kn[None])
-    return None if out is None else out[0]
+    (r, k), n = rows.shape, w_t.shape[2]
+    if w_t.shape[0] != k or k == 0 or not _applies(rows, w_t):
+        return None
+    lib = library()
+    if lib is None:
+        return None
+    out = torch.empty((r, n), dtype=torch.float32)
+    return _run(lib, rows.contiguous(), w_t.contiguous(), out, (1, r, k, n))
 
 
 def strict_matmul(x: Tensor, w: Tensor) -> Tensor | None:
@@ -191,40 +200,48 @@ def strict_matmul(x: Tensor, w: Tensor) -> Tensor | None:
     if lib is None:
         return None
     batch, (r, k), n = x.shape[:-2], x.shape[-2:], w.shape[-1]
-    xc, wc = x.contiguous(), w.contiguous()
     out = torch.empty((*batch, r, n), dtype=torch.float32)
+    b = out.numel() // max(1, r * n)
+    return _run(lib, x.contiguous(), w.contiguous(), out, (b, r, k, n))
+
+
+def _run(
+    lib: ctypes.CDLL, x: Tensor, w: Tensor, out: Tensor, dims: tuple[int, int, int, int]
+) -> Tensor | None:
+    """Fill ``out[B, R, N]`` from contiguous ``x[B, R, K]`` and ``w[B, K, N]``: one call, or
+    above ``_PARALLEL_PRODUCTS`` one per torch thread (whole problems, or one problem's rows).
+    ctypes releases the GIL for the call, so the parts run at once; rows and problems are
+    reduced independently, so the split never changes a bit."""
+    b, r, k, n = dims
+    fn = lib.posttrain_strict_linear_batched
     if not out.numel():
         return out
-    b = out.numel() // (r * n)
-    size = 4  # bytes per fp32
-    # (first problem, problems, first row, rows) per call: whole problems, or one problem's rows
-    parts = [(0, b, 0, r)]
     threads = torch.get_num_threads()
-    if threads > 1 and b * r * k * n >= _PARALLEL_PRODUCTS:
-        if b > 1:
-            cuts = [b * i // threads for i in range(threads + 1)]
-            parts = [(lo, hi - lo, 0, r) for lo, hi in itertools.pairwise(cuts) if hi > lo]
-        else:
-            cuts = [r * i // threads for i in range(threads + 1)]
-            parts = [(0, 1, lo, hi - lo) for lo, hi in itertools.pairwise(cuts) if hi > lo]
+    if threads == 1 or b * r * k * n < _PARALLEL_PRODUCTS:
+        code = fn(x.data_ptr(), b, r, k, w.data_ptr(), n, out.data_ptr())
+        return None if code else out
+    size = 4  # bytes per fp32
+    if b > 1:
+        cuts = [b * i // threads for i in range(threads + 1)]
+        parts = [(lo, hi - lo, 0, r) for lo, hi in itertools.pairwise(cuts) if hi > lo]
+    else:
+        cuts = [r * i // threads for i in range(threads + 1)]
+        parts = [(0, 1, lo, hi - lo) for lo, hi in itertools.pairwise(cuts) if hi > lo]
 
     def call(part: tuple[int, int, int, int]) -> int:
-        p0, pb, r0, rr = part
-        code: int = lib.posttrain_strict_linear_batched(
-            xc.data_ptr() + size * (p0 * r * k + r0 * k),
+        p0, pb, r0, rr = part  # first problem, problems, first row, rows
+        code: int = fn(
+            x.data_ptr() + size * (p0 * r * k + r0 * k),
             pb,
             rr,
             k,
-            wc.data_ptr() + size * p0 * k * n,
+            w.data_ptr() + size * p0 * k * n,
             n,
             out.data_ptr() + size * (p0 * r * n + r0 * n),
         )
         return code
 
-    # ctypes releases the GIL for the call, so the parts run on the pool's threads at once;
-    # rows and problems are reduced independently, so the split never changes a bit
-    codes = [call(parts[0])] if len(parts) == 1 else list(_pool(len(parts)).map(call, parts))
-    return None if any(codes) else out
+    return None if any(_pool(len(parts)).map(call, parts)) else out
 
 
 _PARALLEL_PRODUCTS = 1 << 20

@@ -183,7 +183,7 @@ def _strict_linear_rows(rows: Tensor, w_t: Tensor, step: int | None = None) -> T
     Where autograd does not record (the trainer's ``_StrictLinear.forward``, the engine), CPU
     fp32 runs the fused C kernel (``_ckernel``): the same multiplies and adds, so the same
     bits, without the product tensor (torch's path below where it cannot be built)."""
-    fused = _ckernel.strict_linear(rows, w_t[:, 0, :])
+    fused = _ckernel.strict_linear(rows, w_t)
     if fused is not None:
         return fused
     k, n = w_t.shape[0], w_t.shape[2]
