@@ -5,8 +5,10 @@ tree over K) with the same bits (checked here on every shape); they run interlea
 rounds of ``--calls`` calls each, at ``--threads`` torch threads (the C kernel is one thread).
 Shapes: the recipe model's linears (``posttrain grpo``'s tiny Dense/MoE: hidden 32, heads
 4 x 8, MLP 64, experts 32, vocabulary 101) at decode-batch and packed-training row counts,
-plus a larger layer. Prints one JSON line per shape (median microseconds per call and the
-ratio) and a total over the recipe shapes weighted as one forward of the recipe's layers.
+plus a larger layer; attention (``StrictOps.attention``, both product trees); then the recipe's
+model end to end (packed training forward, with backward, batched decode). Prints one JSON
+line per case (median microseconds per call or tokens/s, and the ratio) and a total over
+the recipe's linears weighted as one forward of its layers.
 
     uv run python packages/models/benchmarks/bench_strict_ckernel.py [--threads 1] [--reps 5]
 """
@@ -14,14 +16,20 @@ ratio) and a total over the recipe shapes weighted as one forward of the recipe'
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
+import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import torch
 
-from posttrain.models import StrictOps, _ckernel, _ops
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_strict_vs_fast import decode, train_forward
+
+from posttrain.models import ModelConfig, Numerics, StrictOps, _ckernel, _ops, build_model
 
 # (name, K, N, uses per recipe forward): q, k, v, o; the dense MLP (1 layer); the router and
 # two experts' gate/up/down per token (3 MoE layers, top-2); the LM head. Rows per use: the
@@ -43,6 +51,46 @@ LARGE = [("large 1024x1024", 1024, 1024, 1)]
 ATTENTION = [("attention train", 512, 2, 2, 32, 8), ("attention decode", 64, 2, 2, 64, 8)]
 
 
+@contextlib.contextmanager
+def torch_kernels() -> Iterator[None]:
+    """The strict kernels on torch's path (the fused kernel declines every call)."""
+    linear, tree = _ckernel.strict_linear, _ckernel.product_tree
+    _ckernel.strict_linear = lambda rows, w: None  # type: ignore[assignment]
+    _ckernel.product_tree = lambda a, b: None  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        _ckernel.strict_linear, _ckernel.product_tree = linear, tree  # type: ignore[assignment]
+
+
+def model_cases(reps: int) -> None:
+    """The recipe's model (tiny Dense/MoE, vocabulary 101) end to end in strict numerics: the
+    packed training forward (16 x 32 tokens), with backward, and 64-row batched decode."""
+    torch.manual_seed(0)
+    model = build_model(
+        ModelConfig.tiny(vocab_size=101, max_position_embeddings=64), 0, numerics=Numerics.STRICT
+    )
+    cases: dict[str, Callable[[], float]] = {
+        "train forward (16 x 32 tokens)": lambda: train_forward(model, 16, 32, False),
+        "train forward + backward": lambda: train_forward(model, 16, 32, True),
+        "decode (64 rows, 16 steps)": lambda: decode(model, 64, 16, 16),
+    }
+    for name, fn in cases.items():
+        fused, plain = [], []
+        fn()
+        for _ in range(reps):
+            with torch_kernels():
+                plain.append(fn())
+            fused.append(fn())
+        a, b = statistics.median(plain), statistics.median(fused)
+        print(
+            json.dumps(
+                {"model": name, "torch_tok_s": round(a, 1), "fused_tok_s": round(b, 1),
+                 "fused/torch": round(b / a, 2)}
+            )
+        )  # fmt: skip
+
+
 def _time(fn: Callable[[], object], calls: int) -> float:
     start = time.perf_counter()
     for _ in range(calls):
@@ -60,14 +108,10 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     if _ckernel.library() is None:
         raise SystemExit("the fused kernel did not build (see the warning above)")
-    fused_fn = _ckernel.strict_linear
 
     def torch_path(rows: torch.Tensor, w_t: torch.Tensor) -> torch.Tensor:
-        _ckernel.strict_linear = lambda rows, w: None  # type: ignore[assignment]
-        try:
+        with torch_kernels():
             return _ops._strict_linear_rows(rows, w_t)
-        finally:
-            _ckernel.strict_linear = fused_fn  # type: ignore[assignment]
 
     gen = torch.Generator().manual_seed(0)
     totals: dict[int, list[float]] = {}
@@ -108,12 +152,8 @@ def main() -> None:
             return StrictOps.attention(q, keys, values, valid, 0.35)  # noqa: B023
 
         def attend_torch() -> torch.Tensor:
-            tree = _ckernel.product_tree
-            _ckernel.product_tree = lambda a, b: None  # type: ignore[assignment]
-            try:
+            with torch_kernels():
                 return attend()
-            finally:
-                _ckernel.product_tree = tree  # type: ignore[assignment]
 
         assert torch.equal(attend().view(torch.int32), attend_torch().view(torch.int32)), name
         t_torch, t_fused = [], []
@@ -127,6 +167,7 @@ def main() -> None:
                  "torch_us": round(a, 1), "fused_us": round(b, 1), "torch/fused": round(a / b, 2)}
             )
         )  # fmt: skip
+    model_cases(args.reps)
     for r, (a, b) in totals.items():
         print(
             json.dumps(
