@@ -189,6 +189,35 @@ def test_no_compiler_falls_back_with_one_warning(
         _ckernel.library.cache_clear()
 
 
+def test_a_compiler_refusing_native_flags_builds_the_portable_kernel(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where ``-march=native`` is refused (an older or foreign compiler), the portable flags
+    build the kernel instead: the same bits."""
+    cc = tmp_path / "cc-without-native"
+    real = subprocess.run(
+        ["sh", "-c", "command -v cc || command -v gcc"], capture_output=True, text=True
+    )
+    cc.write_text(
+        "#!/bin/sh\n"
+        'for a in "$@"; do [ "$a" = -march=native ] && { echo refused >&2; exit 1; }; done\n'
+        f'exec {real.stdout.strip()} "$@"\n'
+    )
+    cc.chmod(0o755)
+    gen = torch.Generator().manual_seed(9)
+    x, w = torch.randn(9, 77, generator=gen), torch.randn(33, 77, generator=gen)
+    native = StrictOps.linear(x, w)
+    monkeypatch.setenv("CC", str(cc))
+    monkeypatch.setenv(_ckernel.CACHE_ENV, str(tmp_path / "cache"))
+    _ckernel.library.cache_clear()
+    try:
+        assert _ckernel.library() is not None
+        assert _same_bits(StrictOps.linear(x, w), native)
+        assert len(list((tmp_path / "cache").glob("*.so"))) == 1
+    finally:
+        _ckernel.library.cache_clear()
+
+
 def test_processes_compiling_into_one_empty_cache_both_load(tmp_path: Path) -> None:
     cache = tmp_path / "cache"
     script = (

@@ -85,11 +85,12 @@ def _cpu_flags() -> str:
     return ""
 
 
-def _flags() -> list[str]:
-    """The compile flags: ``-march=native`` only on x86-64 where the CPU's flags (part of the
-    cache key) are known, so a cached library never meets a CPU it was not built for."""
+def _flag_sets() -> list[list[str]]:
+    """The compile flags to try in order: with ``-march=native`` first on x86-64 where the CPU's
+    flags (part of the cache key) are known, so a cached library never meets a CPU it was not
+    built for; then the portable flags (a compiler that refuses ``-march=native``)."""
     native = platform.machine().lower() in ("x86_64", "amd64") and bool(_cpu_flags())
-    return [*_FLAGS, "-march=native"] if native else list(_FLAGS)
+    return [[*_FLAGS, "-march=native"], list(_FLAGS)] if native else [list(_FLAGS)]
 
 
 def _compile(cc: list[str], flags: list[str], target: Path) -> None:
@@ -119,26 +120,33 @@ def _build() -> ctypes.CDLL:
     cc = _compiler()
     if cc is None:
         raise RuntimeError("no C compiler (set CC, or install cc/gcc/clang)")
-    flags = _flags()
     try:
         version = subprocess.run(
             [*cc, "--version"], capture_output=True, text=True, timeout=60, check=False
         ).stdout
     except (OSError, subprocess.SubprocessError) as exc:
         raise RuntimeError(f"C compiler {shlex.join(cc)!r} cannot run: {exc}") from exc
-    key = hashlib.sha256()
-    for part in (_SOURCE.read_bytes(), " ".join(flags).encode(), version.encode()):
-        key.update(part)
-        key.update(b"\0")
-    key.update(_cpu_flags().encode())
-    target = cache_dir() / f"strict_linear-{key.hexdigest()[:24]}.so"
-    if not target.exists():
-        _compile(cc, flags, target)
-    lib = ctypes.CDLL(str(target))
-    ptr, i64 = ctypes.c_void_p, ctypes.c_int64
-    lib.posttrain_strict_linear_batched.argtypes = [ptr, i64, i64, i64, ptr, i64, ptr]
-    lib.posttrain_strict_linear_batched.restype = ctypes.c_int
-    return lib
+    failure: RuntimeError | None = None
+    for flags in _flag_sets():
+        key = hashlib.sha256()
+        for part in (_SOURCE.read_bytes(), " ".join(flags).encode(), version.encode()):
+            key.update(part)
+            key.update(b"\0")
+        key.update(_cpu_flags().encode())
+        target = cache_dir() / f"strict_linear-{key.hexdigest()[:24]}.so"
+        if not target.exists():
+            try:
+                _compile(cc, flags, target)
+            except RuntimeError as exc:
+                failure = failure or exc
+                continue
+        lib = ctypes.CDLL(str(target))
+        ptr, i64 = ctypes.c_void_p, ctypes.c_int64
+        lib.posttrain_strict_linear_batched.argtypes = [ptr, i64, i64, i64, ptr, i64, ptr]
+        lib.posttrain_strict_linear_batched.restype = ctypes.c_int
+        return lib
+    assert failure is not None
+    raise failure
 
 
 @functools.cache
