@@ -56,11 +56,14 @@ def torch_kernels() -> Iterator[None]:
     """The strict kernels on torch's path (the fused kernel declines every call)."""
     linear, tree = _ckernel.strict_linear, _ckernel.product_tree
     _ckernel.strict_linear = lambda rows, w: None  # type: ignore[assignment]
+    views = _ckernel.reads_views
     _ckernel.product_tree = lambda a, b: None  # type: ignore[assignment]
+    _ckernel.reads_views = lambda *tensors: False  # type: ignore[assignment]
     try:
         yield
     finally:
         _ckernel.strict_linear, _ckernel.product_tree = linear, tree  # type: ignore[assignment]
+        _ckernel.reads_views = views  # type: ignore[assignment]
 
 
 def model_cases(reps: int) -> None:

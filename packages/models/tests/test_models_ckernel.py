@@ -266,8 +266,9 @@ def test_attention_product_trees_keep_their_bits(
 
     def run(fused: bool) -> list[torch.Tensor]:
         with monkeypatch.context() as m:
-            if not fused:
+            if not fused:  # torch's path as it was: contiguous operands, torch's products
                 m.setattr(_ckernel, "product_tree", lambda a, b: None)
+                m.setattr(_ckernel, "reads_views", lambda *tensors: False)
             with torch.no_grad():
                 plain = StrictOps.attention(q, keys, values, valid, 0.35, bias)
             leaves = [x.clone().requires_grad_(True) for x in (q, keys, values)]
@@ -298,3 +299,17 @@ def test_threads_split_the_work_without_changing_a_bit(b: int, r: int) -> None:
     assert several is not None
     assert b * r * 64 * 160 >= _ckernel._PARALLEL_PRODUCTS  # the split ran
     assert _same_bits(one, several)
+
+
+def test_product_tree_reads_strided_and_broadcast_views(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Permuted, sliced and expanded (stride 0) operands, read in place: torch's bits."""
+    gen = torch.Generator().manual_seed(12)
+    q = torch.randn(6, 3, 2, 9, generator=gen)  # [T, nkv, g, hd]
+    keys = torch.randn(6, 40, 3, 9, generator=gen)[:, ::2]  # [T, 20, nkv, hd], sliced
+    a = q.permute(3, 0, 1, 2)[..., None]  # [hd, T, nkv, g, 1]
+    b = keys.permute(3, 0, 2, 1)[:, :, :, None, :]  # [hd, T, nkv, 1, 20]
+    shared = torch.randn(9, 1, 1, 1, 20, generator=gen).expand(9, 6, 3, 1, 20)
+    for x, y in [(a, b), (a, shared)]:
+        fused = _ckernel.product_tree(x, y)
+        assert fused is not None
+        assert _same_bits(fused, _ops._tree_sum_owned(x.contiguous() * y.contiguous()))

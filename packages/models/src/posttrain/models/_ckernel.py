@@ -142,8 +142,8 @@ def _build() -> ctypes.CDLL:
                 continue
         lib = ctypes.CDLL(str(target))
         ptr, i64 = ctypes.c_void_p, ctypes.c_int64
-        lib.posttrain_strict_linear_batched.argtypes = [ptr, i64, i64, i64, ptr, i64, ptr]
-        lib.posttrain_strict_linear_batched.restype = ctypes.c_int
+        lib.posttrain_strict_matmul.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64]
+        lib.posttrain_strict_matmul.restype = ctypes.c_int
         return lib
     assert failure is not None
     raise failure
@@ -167,85 +167,136 @@ def library() -> ctypes.CDLL | None:
         return None
 
 
-def _applies(a: Tensor, b: Tensor) -> bool:
+def _applies(*tensors: Tensor) -> bool:
     """Whether the kernel may run on these operands: CPU fp32, autograd not recording."""
-    if torch.is_grad_enabled() and (a.requires_grad or b.requires_grad):
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
         return False
-    fp32 = a.dtype == torch.float32 and b.dtype == torch.float32
-    return fp32 and a.device.type == "cpu" and b.device.type == "cpu"
+    return all(t.dtype == torch.float32 and t.device.type == "cpu" for t in tensors)
+
+
+def reads_views(*tensors: Tensor) -> bool:
+    """Whether ``product_tree`` will take these operands (CPU fp32, autograd not recording, the
+    library built): then it reads strided views in place and the caller need not copy them."""
+    return _applies(*tensors) and library() is not None
 
 
 def strict_linear(rows: Tensor, w_t: Tensor) -> Tensor | None:
     """``rows[R, K] @ w_t[K, 1, N]`` (``w_t`` the weight transposed, as ``_ops`` holds it) as
     products and ``_ops._tree_levels`` over K padded with ``+0.0`` to a power of two, bit for
     bit: ``[R, N]``; ``None`` where the kernel does not apply (not CPU fp32, autograd
-    recording, K = 0, or no library): the caller then runs torch's path."""
+    recording, K = 0, or no library): the caller then runs torch's path. Any strides."""
     if rows.dim() != 2 or w_t.dim() != 3 or w_t.shape[1] != 1:
         return None
     (r, k), n = rows.shape, w_t.shape[2]
     if w_t.shape[0] != k or k == 0 or not _applies(rows, w_t):
         return None
-    lib = library()
-    if lib is None:
-        return None
-    out = torch.empty((r, n), dtype=torch.float32)
-    return _run(lib, rows.contiguous(), w_t.contiguous(), out, (1, r, k, n))
+    xs, ws = (rows.stride(0), rows.stride(1)), (w_t.stride(0), w_t.stride(2))
+    return _matmul(rows, xs, w_t, ws, (), r, k, n)
 
 
 def strict_matmul(x: Tensor, w: Tensor) -> Tensor | None:
     """``strict_linear`` for each of a batch: ``x[*batch, R, K]``, ``w[*batch, K, N]`` (the same
-    batch dims) give ``[*batch, R, N]``; ``None`` where the kernel does not apply."""
+    batch dims, at most two; any strides) give ``[*batch, R, N]``; ``None`` where the kernel
+    does not apply."""
+    if x.dim() < 2 or x.dim() != w.dim() or x.shape[:-2] != w.shape[:-2] or x.dim() > 4:
+        return None
+    (r, k), n = x.shape[-2:], w.shape[-1]
+    if w.shape[-2] != k or k == 0 or not _applies(x, w):
+        return None
+    xs, ws = x.stride(), w.stride()
+    return _matmul(x, xs, w, (*ws[:-2], ws[-2], ws[-1]), tuple(x.shape[:-2]), r, k, n)
+
+
+def product_tree(a: Tensor, b: Tensor) -> Tensor | None:
+    """``_ops._tree_sum_owned(a * b)`` for the batched-matmul broadcast ``a[K, *batch, R, 1]``,
+    ``b[K, *batch, 1, N]`` (attention's scores and its probabilities times values; at most two
+    batch dims; any strides), bit for bit: ``[*batch, R, N]``; ``None`` for any other shape or
+    where the kernel does not apply."""
     if (
-        x.dim() < 2
-        or x.dim() != w.dim()
-        or x.shape[:-2] != w.shape[:-2]
-        or x.shape[-1] != w.shape[-2]
-        or x.shape[-1] == 0
-        or not _applies(x, w)
+        a.dim() < 3
+        or a.dim() > 5
+        or a.dim() != b.dim()
+        or a.shape[0] != b.shape[0]
+        or a.shape[0] == 0
+        or a.shape[-1] != 1
+        or b.shape[-2] != 1
+        or a.shape[1:-2] != b.shape[1:-2]
+        or not _applies(a, b)
     ):
         return None
+    sa, sb = a.stride(), b.stride()
+    xs = (*sa[1:-2], sa[-2], sa[0])  # x[batch, r, k] = a[k, batch, r, 0]
+    ws = (*sb[1:-2], sb[0], sb[-1])  # w[batch, k, n] = b[k, batch, 0, n]
+    return _matmul(a, xs, b, ws, tuple(a.shape[1:-2]), a.shape[-2], a.shape[0], b.shape[-1])
+
+
+def _matmul(
+    x: Tensor,
+    xs: tuple[int, ...],
+    w: Tensor,
+    ws: tuple[int, ...],
+    batch: tuple[int, ...],
+    r: int,
+    k: int,
+    n: int,
+) -> Tensor | None:
+    """``out[*batch, R, N]`` from ``x`` and ``w`` read through the element strides ``xs``
+    (batch dims, then R, K) and ``ws`` (batch dims, then K, N); at most two batch dims."""
     lib = library()
     if lib is None:
         return None
-    batch, (r, k), n = x.shape[:-2], x.shape[-2:], w.shape[-1]
     out = torch.empty((*batch, r, n), dtype=torch.float32)
-    b = out.numel() // max(1, r * n)
-    return _run(lib, x.contiguous(), w.contiguous(), out, (b, r, k, n))
+    if not out.numel():
+        return out
+    nb = len(batch)
+    b1, b2 = (1, 1) if nb == 0 else (batch[0], 1) if nb == 1 else batch
+    pad = (0,) * (2 - nb)
+    operands = (x, (*xs[:nb], *pad, *xs[nb:]), w, (*ws[:nb], *pad, *ws[nb:]))
+    return _run(lib, operands, out, (b1, b2, r, k, n))
 
 
 def _run(
-    lib: ctypes.CDLL, x: Tensor, w: Tensor, out: Tensor, dims: tuple[int, int, int, int]
+    lib: ctypes.CDLL,
+    operands: tuple[Tensor, tuple[int, ...], Tensor, tuple[int, ...]],
+    out: Tensor,
+    dims: tuple[int, int, int, int, int],
 ) -> Tensor | None:
-    """Fill ``out[B, R, N]`` from contiguous ``x[B, R, K]`` and ``w[B, K, N]``: one call, or
-    above ``_PARALLEL_PRODUCTS`` one per torch thread (whole problems, or one problem's rows).
+    """Fill ``out[B1, B2, R, N]`` (``dims``: B1, B2, R, K, N): one call, or above
+    ``_PARALLEL_PRODUCTS`` one per torch thread (slices of the outer batch, or of the rows).
     ctypes releases the GIL for the call, so the parts run at once; rows and problems are
     reduced independently, so the split never changes a bit."""
-    b, r, k, n = dims
-    fn = lib.posttrain_strict_linear_batched
-    if not out.numel():
-        return out
+    x, xs, w, ws = operands
+    b1, b2, r, k, n = dims
+    fn = lib.posttrain_strict_matmul
+    i64s = ctypes.c_int64 * 4
+    if b1 == 1 and b2 > 1:  # one batch dim: split it as the outer one
+        b1, b2, xs, ws = b2, 1, (xs[1], 0, *xs[2:]), (ws[1], 0, *ws[2:])
     threads = torch.get_num_threads()
-    if threads == 1 or b * r * k * n < _PARALLEL_PRODUCTS:
-        code = fn(x.data_ptr(), b, r, k, w.data_ptr(), n, out.data_ptr())
+    if threads == 1 or b1 * b2 * r * k * n < _PARALLEL_PRODUCTS:
+        code = fn(x.data_ptr(), i64s(*xs), w.data_ptr(), i64s(*ws), out.data_ptr(), b1, b2, r, k, n)
         return None if code else out
     size = 4  # bytes per fp32
-    if b > 1:
-        cuts = [b * i // threads for i in range(threads + 1)]
+    if b1 > 1:
+        cuts = [b1 * i // threads for i in range(threads + 1)]
+        # (first problem, problems, first row, rows)
         parts = [(lo, hi - lo, 0, r) for lo, hi in itertools.pairwise(cuts) if hi > lo]
     else:
         cuts = [r * i // threads for i in range(threads + 1)]
         parts = [(0, 1, lo, hi - lo) for lo, hi in itertools.pairwise(cuts) if hi > lo]
 
     def call(part: tuple[int, int, int, int]) -> int:
-        p0, pb, r0, rr = part  # first problem, problems, first row, rows
+        p0, pb, r0, rr = part
         code: int = fn(
-            x.data_ptr() + size * (p0 * r * k + r0 * k),
+            x.data_ptr() + size * (p0 * xs[0] + r0 * xs[2]),
+            i64s(*xs),
+            w.data_ptr() + size * p0 * ws[0],
+            i64s(*ws),
+            out.data_ptr() + size * (p0 * b2 * r * n + r0 * n),
             pb,
+            b2,
             rr,
             k,
-            w.data_ptr() + size * p0 * k * n,
             n,
-            out.data_ptr() + size * (p0 * r * n + r0 * n),
         )
         return code
 
@@ -261,20 +312,3 @@ one call: a thread hand-off costs more than the work)."""
 def _pool(workers: int) -> ThreadPoolExecutor:
     """A thread pool of ``workers`` threads (one per thread count asked for)."""
     return ThreadPoolExecutor(max_workers=workers, thread_name_prefix="posttrain-strict")
-
-
-def product_tree(a: Tensor, b: Tensor) -> Tensor | None:
-    """``_ops._tree_sum_owned(a * b)`` for the batched-matmul broadcast ``a[K, *batch, R, 1]``,
-    ``b[K, *batch, 1, N]`` (attention's scores and its probabilities times values), bit for bit:
-    ``[*batch, R, N]``; ``None`` for any other shape or where the kernel does not apply."""
-    if (
-        a.dim() < 3
-        or a.dim() != b.dim()
-        or a.shape[0] != b.shape[0]
-        or a.shape[-1] != 1
-        or b.shape[-2] != 1
-        or a.shape[1:-2] != b.shape[1:-2]
-        or not _applies(a, b)
-    ):
-        return None
-    return strict_matmul(a[..., 0].movedim(0, -1), b[..., 0, :].movedim(0, -2))

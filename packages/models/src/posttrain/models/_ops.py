@@ -588,21 +588,24 @@ class StrictOps(FastOps):
         bias: Tensor | None = None,
     ) -> Tensor:
         """Attention over the full capacity ``C``: scores ``[C]``, masked softmax, ``tree_sum`` over C."""
-        # products laid out [hd, T, nkv, g, C]: the reduced dim leads
-        k_t = keys.permute(3, 0, 2, 1).contiguous()[:, :, :, None, :]  # [hd, T, nkv, 1, C]
-        scores = (
-            product_tree_sum(q.permute(3, 0, 1, 2).contiguous()[..., None], k_t) * scale
-        )  # [T, nkv, g, C]
+        # products laid out [hd, T, nkv, g, C]: the reduced dim leads. The fused kernel reads the
+        # permuted views in place; torch's products (and their saved inputs) get them contiguous.
+        views = _ckernel.reads_views(q, keys, values, *(() if bias is None else (bias,)))
+
+        def lead(x: Tensor) -> Tensor:
+            return x if views else x.contiguous()
+
+        k_t = lead(keys.permute(3, 0, 2, 1))[:, :, :, None, :]  # [hd, T, nkv, 1, C]
+        scores = product_tree_sum(lead(q.permute(3, 0, 1, 2))[..., None], k_t) * scale
+        # [T, nkv, g, C]
         if bias is not None:
             scores = scores + bias
         mask = valid[:, None, None, :]
         z = scores - scores.masked_fill(~mask, float("-inf")).detach().amax(-1, keepdim=True)
         e = torch.where(mask, exp_strict(z.masked_fill(~mask, 0.0)), 0.0)
         probs = e / tree_sum(e)[..., None]
-        v_t = values.permute(1, 0, 2, 3).contiguous()[:, :, :, None, :]  # [C, T, nkv, 1, hd]
-        return product_tree_sum(
-            probs.permute(3, 0, 1, 2).contiguous()[..., None], v_t
-        )  # [T, nkv, g, hd]
+        v_t = lead(values.permute(1, 0, 2, 3))[:, :, :, None, :]  # [C, T, nkv, 1, hd]
+        return product_tree_sum(lead(probs.permute(3, 0, 1, 2))[..., None], v_t)  # [T, nkv, g, hd]
 
     @staticmethod
     def moe_combine(weights: Tensor, outputs: Tensor) -> Tensor:

@@ -87,13 +87,14 @@ INSTANCE(tile_g_2, G, 2)
 INSTANCE(tile_g_1, G, 1)
 INSTANCE(tile_w_4, (int)W, BB)
 
-/* B independent problems: x [B, R, K] rows, w [B, K, N] (weights transposed), out [B, R, N];
- * all contiguous fp32. Returns 0; -1 if K is out of range, -2 if scratch memory cannot be
- * allocated. */
-int posttrain_strict_linear_batched(const float *x, int64_t B, int64_t R, int64_t K,
-                                    const float *w, int64_t N, float *out) {
+/* B1 x B2 independent problems out[p1, p2] = x[p1, p2] @ w[p1, p2] (fp32), the operands read
+ * through element strides: x[p1, p2, r, k] at x + p1 * xs[0] + p2 * xs[1] + r * xs[2] + k * xs[3],
+ * w[p1, p2, k, n] likewise with ws; out [B1, B2, R, N] contiguous. Returns 0; -1 if K is out of
+ * range, -2 if scratch memory cannot be allocated. */
+int posttrain_strict_matmul(const float *x, const int64_t *xs, const float *w, const int64_t *ws,
+                            float *out, int64_t B1, int64_t B2, int64_t R, int64_t K, int64_t N) {
     if (K < 1) return -1;
-    if (B < 1 || R < 1 || N < 1) return 0;
+    if (B1 < 1 || B2 < 1 || R < 1 || N < 1) return 0;
     int bits = 0;
     while (((int64_t)1 << bits) < K) bits++;
     if (bits >= MAXL) return -1;
@@ -105,8 +106,8 @@ int posttrain_strict_linear_batched(const float *x, int64_t B, int64_t R, int64_
     int by_rows = ((R + VL - 1) / VL * VL) * pad_n < ((N + VL - 1) / VL * VL) * pad_r;
     int64_t LV = by_rows ? R : N, LB = by_rows ? N : R;
     /* per problem: V(i, v) = vsrc[i * vi + v * vv]; S(b, i) = ssrc[b * sb + i * si]; out(b, v) */
-    int64_t vi = by_rows ? 1 : N, vv = by_rows ? K : 1;
-    int64_t sb = by_rows ? 1 : K, si = by_rows ? N : 1;
+    int64_t vi = by_rows ? xs[3] : ws[2], vv = by_rows ? xs[2] : ws[3];
+    int64_t sb = by_rows ? ws[3] : xs[2], si = by_rows ? ws[2] : xs[3];
     int64_t ob = by_rows ? 1 : N, ov = by_rows ? N : 1;
     int64_t nbb = (LB + BB - 1) / BB;
     void (*fn)(const float *, int64_t, const float *, int64_t, const int64_t *, int64_t, vf *) =
@@ -122,8 +123,9 @@ int posttrain_strict_linear_batched(const float *x, int64_t B, int64_t R, int64_
     }
     for (int64_t j = 0; j < W; j++) order[j] = bitrev(j, bits);
     vf res[BB];
-    for (int64_t p = 0; p < B; p++) {
-        const float *xp = x + p * R * K, *wp = w + p * K * N;
+    for (int64_t p = 0; p < B1 * B2; p++) {
+        int64_t p1 = p / B2, p2 = p % B2;
+        const float *xp = x + p1 * xs[0] + p2 * xs[1], *wp = w + p1 * ws[0] + p2 * ws[1];
         const float *vsrc = by_rows ? xp : wp, *ssrc = by_rows ? wp : xp;
         float *op = out + p * R * N;
         for (int64_t b = 0; b < nbb * BB; b++)
@@ -132,7 +134,7 @@ int posttrain_strict_linear_batched(const float *x, int64_t B, int64_t R, int64_
         for (int64_t v0 = 0; v0 < LV; v0 += VL) {
             int64_t nv = LV - v0 < VL ? LV - v0 : VL;
             /* whole lanes of contiguous vectors are read in place, others packed (zero-padded) */
-            const float *vp = vsrc + v0;
+            const float *vp = vsrc + v0 * vv;
             int64_t ldv = vi;
             if (nv < VL || vv != 1) {
                 for (int64_t i = 0; i < K; i++)
