@@ -313,3 +313,34 @@ def test_product_tree_reads_strided_and_broadcast_views(monkeypatch: pytest.Monk
         fused = _ckernel.product_tree(x, y)
         assert fused is not None
         assert _same_bits(fused, _ops._tree_sum_owned(x.contiguous() * y.contiguous()))
+
+
+def test_exp_strict_and_its_terms_keep_their_bits(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``exp_strict`` through the fused kernel: the value and every term its backward reads
+    (so the gradient) are torch's bits, over the clamp range and past it, signed zeros,
+    infinities, denormals and NaN."""
+    gen = torch.Generator().manual_seed(21)
+    edges = [0.0, -0.0, 88.5, -90.0, float("inf"), float("-inf"), 1e-40, 44.3614195558365]
+    x = torch.cat([torch.randn(20000, generator=gen) * 30, torch.tensor(edges)]).reshape(-1, 8)
+    x_nan = torch.cat([x.flatten(), torch.tensor([float("nan")])])
+    fused_all = _ops._exp_terms(x)
+    with monkeypatch.context() as m:
+        m.setattr(_ckernel, "exp_terms", lambda x, coeffs, terms: None)
+        ref_all = _ops._exp_terms(x)
+        ref_nan = _ops.exp_strict(x_nan)
+        grads = _grad_of_exp(x)
+    assert _same_bits(fused_all[0], ref_all[0])
+    assert _same_bits(fused_all[1], ref_all[1])
+    assert all(_same_bits(a, b) for a, b in zip(fused_all[2], ref_all[2], strict=True))
+    assert _same_bits(fused_all[3], ref_all[3])
+    fused_nan = _ops.exp_strict(x_nan)
+    assert fused_nan[-1].isnan()
+    assert _same_bits(fused_nan[:-1], ref_nan[:-1])
+    assert _same_bits(_grad_of_exp(x), grads)
+
+
+def _grad_of_exp(x: torch.Tensor) -> torch.Tensor:
+    leaf = x.clone().requires_grad_(True)
+    _ops.exp_strict(leaf).backward(torch.linspace(-2.0, 2.0, x.numel()).reshape(x.shape))
+    assert leaf.grad is not None
+    return leaf.grad

@@ -144,6 +144,8 @@ def _build() -> ctypes.CDLL:
         ptr, i64 = ctypes.c_void_p, ctypes.c_int64
         lib.posttrain_strict_matmul.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64]
         lib.posttrain_strict_matmul.restype = ctypes.c_int
+        lib.posttrain_exp_strict.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, ptr]
+        lib.posttrain_exp_strict.restype = None
         return lib
     assert failure is not None
     raise failure
@@ -312,3 +314,33 @@ one call: a thread hand-off costs more than the work)."""
 def _pool(workers: int) -> ThreadPoolExecutor:
     """A thread pool of ``workers`` threads (one per thread count asked for)."""
     return ThreadPoolExecutor(max_workers=workers, thread_name_prefix="posttrain-strict")
+
+
+def exp_terms(x: Tensor, coeffs: Tensor, terms: bool) -> tuple[Tensor, ...] | None:
+    """``_ops._exp_terms(x)`` elementwise in one pass, bit for bit (``coeffs``: the Horner
+    constants as fp32): ``(out,)``, or with ``terms`` ``(out, r, p_0 .. p_6, scale)``, each
+    shaped like ``x`` (contiguous); ``None`` where the kernel does not apply."""
+    if not _applies(x):
+        return None
+    lib = library()
+    if lib is None:
+        return None
+    xc = x.contiguous()
+    n = xc.numel()
+    out = torch.empty_like(xc)
+    if not terms:
+        lib.posttrain_exp_strict(
+            xc.data_ptr(), n, coeffs.data_ptr(), out.data_ptr(), None, None, None
+        )
+        return (out,)
+    r, scale = torch.empty_like(xc), torch.empty_like(xc)
+    steps = torch.empty((len(_EXP_TERMS), *xc.shape), dtype=torch.float32)
+    lib.posttrain_exp_strict(
+        xc.data_ptr(), n, coeffs.data_ptr(), out.data_ptr(), r.data_ptr(), steps.data_ptr(),
+        scale.data_ptr(),
+    )  # fmt: skip
+    return (out, r, *steps.unbind(0), scale)
+
+
+_EXP_TERMS = range(7)
+"""The Horner terms ``p_0 .. p_6`` of ``exp_strict`` (its 8 constants less the last)."""

@@ -39,6 +39,7 @@ _LN2_HI = 0.693359375  # 9 significant bits, so k * _LN2_HI is exact for |k| < 2
 _LN2_LO = -2.12194440e-4
 _SQRT2 = 1.4142135623730951
 _EXP_COEFFS = tuple(1.0 / math.factorial(n) for n in range(7, -1, -1))  # Taylor, |r| <= ln2/2
+_EXP_COEFFS_F32 = torch.tensor(_EXP_COEFFS, dtype=torch.float32)  # as torch rounds them
 _LOG_COEFFS = tuple(1.0 / n for n in (11, 9, 7, 5, 3, 1))  # atanh series in z**2
 # Elements per row chunk of the [K, rows, N] product tensor of ``linear`` as autograd
 # differentiated it: the weight's gradient is a sum over each chunk's rows, the chunks' sums
@@ -285,12 +286,17 @@ def exp_strict(x: Tensor) -> Tensor:
     if _CUSTOM_BACKWARD and x.requires_grad and torch.is_grad_enabled():
         out: Tensor = _ExpStrict.apply(x)  # type: ignore[no-untyped-call]
         return out
-    return _exp_terms(x)[0]
+    fused = _ckernel.exp_terms(x, _EXP_COEFFS_F32, terms=False)
+    return _exp_terms(x)[0] if fused is None else fused[0]
 
 
 def _exp_terms(x: Tensor) -> tuple[Tensor, Tensor, list[Tensor], Tensor]:
     """``exp_strict(x)`` and what its backward reads: ``r`` (the reduced argument), the
-    Horner terms ``p_0 .. p_6`` that ``r`` multiplies, and the scale ``2**k``."""
+    Horner terms ``p_0 .. p_6`` that ``r`` multiplies, and the scale ``2**k``. One pass of
+    the fused C kernel where it applies (the same fp32 ops, so the same bits)."""
+    fused = _ckernel.exp_terms(x, _EXP_COEFFS_F32, terms=True)
+    if fused is not None:
+        return fused[0], fused[1], list(fused[2:-1]), fused[-1]
     x = x.clamp(-87.0, 88.0)
     k = torch.round(x * _INV_LN2).detach()
     r = (x - k * _LN2_HI) - k * _LN2_LO
