@@ -1,14 +1,15 @@
-"""The strict linear forward: torch's product tensor + tree versus the fused C kernel.
+"""The strict kernels' forwards: torch's ops versus the fused C kernel (``_ckernel``).
 
 Both paths compute ``_ops._strict_linear_rows`` (``rows[R, K] @ w``, products then the pairwise
 tree over K) with the same bits (checked here on every shape); they run interleaved, ``--reps``
 rounds of ``--calls`` calls each, at ``--threads`` torch threads (the C kernel is one thread).
 Shapes: the recipe model's linears (``posttrain grpo``'s tiny Dense/MoE: hidden 32, heads
 4 x 8, MLP 64, experts 32, vocabulary 101) at decode-batch and packed-training row counts,
-plus a larger layer; attention (``StrictOps.attention``, both product trees); then the recipe's
-model end to end (packed training forward, with backward, batched decode). Prints one JSON
-line per case (median microseconds per call or tokens/s, and the ratio) and a total over
-the recipe's linears weighted as one forward of its layers.
+plus a larger layer; attention (``StrictOps.attention``: both product trees, ``exp_strict``);
+then the recipe's model end to end (packed training forward, with backward, batched decode),
+every fused kernel switched off and on. Prints one JSON line per case (median microseconds
+per call or tokens/s, and the ratio) and a total over the recipe's linears weighted as one
+forward of its layers.
 
     uv run python packages/models/benchmarks/bench_strict_ckernel.py [--threads 1] [--reps 5]
 """
@@ -56,14 +57,15 @@ def torch_kernels() -> Iterator[None]:
     """The strict kernels on torch's path (the fused kernel declines every call)."""
     linear, tree = _ckernel.strict_linear, _ckernel.product_tree
     _ckernel.strict_linear = lambda rows, w: None  # type: ignore[assignment]
-    views = _ckernel.reads_views
+    views, exp = _ckernel.reads_views, _ckernel.exp_terms
     _ckernel.product_tree = lambda a, b: None  # type: ignore[assignment]
     _ckernel.reads_views = lambda *tensors: False  # type: ignore[assignment]
+    _ckernel.exp_terms = lambda x, coeffs, terms: None  # type: ignore[assignment]
     try:
         yield
     finally:
         _ckernel.strict_linear, _ckernel.product_tree = linear, tree  # type: ignore[assignment]
-        _ckernel.reads_views = views  # type: ignore[assignment]
+        _ckernel.reads_views, _ckernel.exp_terms = views, exp  # type: ignore[assignment]
 
 
 def model_cases(reps: int) -> None:
