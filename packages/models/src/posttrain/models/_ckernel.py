@@ -171,9 +171,11 @@ def library() -> ctypes.CDLL | None:
 
 def _applies(*tensors: Tensor) -> bool:
     """Whether the kernel may run on these operands: CPU fp32, autograd not recording."""
-    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
-        return False
-    return all(t.dtype == torch.float32 and t.device.type == "cpu" for t in tensors)
+    grad = torch.is_grad_enabled()
+    for t in tensors:
+        if (grad and t.requires_grad) or t.dtype != torch.float32 or t.device.type != "cpu":
+            return False
+    return True
 
 
 def reads_views(*tensors: Tensor) -> bool:
@@ -193,7 +195,19 @@ def strict_linear(rows: Tensor, w_t: Tensor) -> Tensor | None:
     if w_t.shape[0] != k or k == 0 or not _applies(rows, w_t):
         return None
     xs, ws = (rows.stride(0), rows.stride(1)), (w_t.stride(0), w_t.stride(2))
-    return _matmul(rows, xs, w_t, ws, (), r, k, n)
+    lib = library()
+    if lib is None or r * k * n >= _PARALLEL_PRODUCTS:
+        return _matmul(rows, xs, w_t, ws, (), r, k, n)
+    # one call (the decode and small-batch path, where the call's own cost is what shows)
+    out = torch.empty((r, n), dtype=torch.float32)
+    if r and n:
+        code = lib.posttrain_strict_matmul(
+            rows.data_ptr(), _I64S(0, 0, *xs), w_t.data_ptr(), _I64S(0, 0, *ws),
+            out.data_ptr(), 1, 1, r, k, n,
+        )  # fmt: skip
+        if code:
+            return None
+    return out
 
 
 def strict_matmul(x: Tensor, w: Tensor) -> Tensor | None:
@@ -270,7 +284,7 @@ def _run(
     x, xs, w, ws = operands
     b1, b2, r, k, n = dims
     fn = lib.posttrain_strict_matmul
-    i64s = ctypes.c_int64 * 4
+    i64s = _I64S
     if b1 == 1 and b2 > 1:  # one batch dim: split it as the outer one
         b1, b2, xs, ws = b2, 1, (xs[1], 0, *xs[2:]), (ws[1], 0, *ws[2:])
     threads = torch.get_num_threads()
@@ -306,6 +320,7 @@ def _run(
 
 
 _PARALLEL_PRODUCTS = 1 << 20
+_I64S = ctypes.c_int64 * 4
 """Products at which ``strict_matmul`` splits its work over torch's thread count (below it
 one call: a thread hand-off costs more than the work)."""
 
