@@ -1,12 +1,14 @@
-"""The strict linear forward (and attention's product trees) as one fused C kernel
-(``_strict_kernels.c``), the same bits as torch's.
+"""The strict kernels' forwards as one fused C kernel (``_strict_kernels.c``), the same bits
+as torch's: the linear (``strict_linear``), attention's product trees (``product_tree``,
+batched ``strict_matmul``) and ``exp_strict`` with its backward's terms (``exp_terms``).
 
 ``StrictOps.linear`` computes ``rows[R, K] @ w.T`` as a product tensor ``[K, R, N]`` written
 to memory and a pairwise tree of elementwise adds over ``K`` (padded with ``+0.0`` to a power
 of two) read back level by level. The C kernel does the same IEEE multiplies and adds on the
 same pairs, streaming the products through a small stack of partial sums instead (see the
-source's comment), so its result is bit for bit torch's: signed zeros, infinities and NaNs
-included. It is compiled with ``-O3 -ffp-contract=off`` (no fused multiply-adds, no fast math)
+source's comment), so its result is bit for bit torch's: signed zeros, infinities,
+denormals, and a NaN where torch has one (which of two different NaNs wins where they meet is
+the CPU's operand order, which torch's own kernels do not fix either). It is compiled with ``-O3 -ffp-contract=off`` (no fused multiply-adds, no fast math)
 by the system C compiler at first use into a per-user cache keyed by the source, the flags,
 the compiler's version and the CPU's flags, and loaded with ``ctypes`` (no torch headers, so
 the compile takes well under a second).

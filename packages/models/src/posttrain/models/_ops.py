@@ -17,6 +17,11 @@ there with two rules, both cheaper to state than to prove for library kernels:
    value. ``exp_strict`` / ``log_strict`` use only ``+ - * /``, ``round`` and exponent-bit
    arithmetic, all exact or correctly rounded in both paths (about 2 ulp from libm).
 
+On CPU, where autograd does not record, the linear's products and tree, attention's product
+trees and ``exp_strict`` run in one fused C kernel (``_ckernel``): the same IEEE ops on the same
+pairs, so the same bits, without materialising the products (torch's path where it cannot be
+built, or with ``POSTTRAIN_STRICT_CKERNEL=0``).
+
 Activations are fp32 in both sets; parameters are upcast (exactly) to fp32 at use.
 ``FastOps`` uses BLAS matmuls and torch's softmax: same math, tolerance instead of bits.
 Departure from HF/SGLang: strict results are not bitwise equal to theirs (their kernels
