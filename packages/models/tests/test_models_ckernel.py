@@ -207,12 +207,15 @@ def test_a_compiler_refusing_native_flags_builds_the_portable_kernel(
     gen = torch.Generator().manual_seed(9)
     x, w = torch.randn(9, 77, generator=gen), torch.randn(33, 77, generator=gen)
     native = StrictOps.linear(x, w)
+    z = torch.randn(5000, generator=gen) * 30
+    native_exp = _ops.exp_strict(z)
     monkeypatch.setenv("CC", str(cc))
     monkeypatch.setenv(_ckernel.CACHE_ENV, str(tmp_path / "cache"))
     _ckernel.library.cache_clear()
     try:
         assert _ckernel.library() is not None
         assert _same_bits(StrictOps.linear(x, w), native)
+        assert _same_bits(_ops.exp_strict(z), native_exp)
         assert len(list((tmp_path / "cache").glob("*.so"))) == 1
     finally:
         _ckernel.library.cache_clear()

@@ -103,7 +103,7 @@ def _compile(cc: list[str], flags: list[str], target: Path) -> None:
     os.close(fd)
     try:
         done = subprocess.run(
-            [*cc, *flags, "-o", tmp, str(_SOURCE)],
+            [*cc, *flags, "-o", tmp, str(_SOURCE), "-lm"],
             capture_output=True,
             text=True,
             timeout=300,

@@ -21,6 +21,7 @@
  * Compile with -ffp-contract=off and without -ffast-math: a fused multiply-add or any
  * reassociation would change the bits. Plain C, no torch headers.
  */
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -170,7 +171,7 @@ void posttrain_exp_strict(const float *restrict x, int64_t n, const float *restr
     for (int64_t i = 0; i < n; i++) {
         float v = x[i];
         v = v < -87.0f ? -87.0f : v > 88.0f ? 88.0f : v;
-        float k = __builtin_roundevenf(v * inv_ln2);
+        float k = nearbyintf(v * inv_ln2); /* ties to even, as torch.round (default mode) */
         float r = (v - k * ln2_hi) - k * ln2_lo;
         float p = coeffs[0];
         for (int j = 1; j < 8; j++) {
