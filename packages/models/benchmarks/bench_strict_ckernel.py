@@ -5,7 +5,8 @@ tree over K) with the same bits (checked here on every shape); they run interlea
 rounds of ``--calls`` calls each, at ``--threads`` torch threads (the C kernel is one thread).
 Shapes: the recipe model's linears (``posttrain grpo``'s tiny Dense/MoE: hidden 32, heads
 4 x 8, MLP 64, experts 32, vocabulary 101) at decode-batch and packed-training row counts,
-plus a larger layer; attention (``StrictOps.attention``: both product trees, ``exp_strict``);
+plus a larger layer; attention (``StrictOps.attention``: both product trees, ``exp_strict``,
+``tree_sum``);
 then the recipe's model end to end (packed training forward, with backward, batched decode),
 every fused kernel switched off and on. Prints one JSON line per case (median microseconds
 per call or tokens/s, and the ratio) and a total over the recipe's linears weighted as one
@@ -57,15 +58,17 @@ def torch_kernels() -> Iterator[None]:
     """The strict kernels on torch's path (the fused kernel declines every call)."""
     linear, tree = _ckernel.strict_linear, _ckernel.product_tree
     _ckernel.strict_linear = lambda rows, w: None  # type: ignore[assignment]
-    views, exp = _ckernel.reads_views, _ckernel.exp_terms
+    views, exp, sums = _ckernel.reads_views, _ckernel.exp_terms, _ckernel.tree_sum
     _ckernel.product_tree = lambda a, b: None  # type: ignore[assignment]
     _ckernel.reads_views = lambda *tensors: False  # type: ignore[assignment]
     _ckernel.exp_terms = lambda x, coeffs, terms: None  # type: ignore[assignment]
+    _ckernel.tree_sum = lambda x, dim: None  # type: ignore[assignment]
     try:
         yield
     finally:
         _ckernel.strict_linear, _ckernel.product_tree = linear, tree  # type: ignore[assignment]
         _ckernel.reads_views, _ckernel.exp_terms = views, exp  # type: ignore[assignment]
+        _ckernel.tree_sum = sums  # type: ignore[assignment]
 
 
 def model_cases(reps: int) -> None:

@@ -7,6 +7,7 @@ no compiler; two processes compiling into one empty cache."""
 from __future__ import annotations
 
 import logging
+import math
 import os
 import subprocess
 import sys
@@ -347,3 +348,28 @@ def _grad_of_exp(x: torch.Tensor) -> torch.Tensor:
     _ops.exp_strict(leaf).backward(torch.linspace(-2.0, 2.0, x.numel()).reshape(x.shape))
     assert leaf.grad is not None
     return leaf.grad
+
+
+@pytest.mark.parametrize(
+    ("shape", "dim"), [((7, 101), -1), ((5, 3, 33), 1), ((64, 9), 0), ((1,), 0), ((4, 2, 1), -1)]
+)
+def test_tree_sum_keeps_its_bits(
+    shape: tuple[int, ...], dim: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``tree_sum`` (norms, softmaxes) through the fused kernel: torch's bits, any dim, with and
+    without autograd (the gradient too)."""
+    gen = torch.Generator().manual_seed(len(shape) * 10 + dim)
+    x = _special((1, math.prod(shape)), gen, [_default_nan()]).reshape(shape)
+
+    def run() -> list[torch.Tensor]:
+        leaf = x.clone().requires_grad_(True)
+        out = _ops.tree_sum(leaf, dim)
+        out.backward(torch.ones_like(out))
+        assert leaf.grad is not None
+        return [_ops.tree_sum(x, dim), out.detach(), leaf.grad]
+
+    fused = run()
+    with monkeypatch.context() as m:
+        m.setattr(_ckernel, "tree_sum", lambda x, dim: None)
+        reference = run()
+    assert all(_same_bits(a, b) for a, b in zip(fused, reference, strict=True))

@@ -212,6 +212,22 @@ def strict_linear(rows: Tensor, w_t: Tensor) -> Tensor | None:
     return out
 
 
+def tree_sum(x: Tensor, dim: int) -> Tensor | None:
+    """``_ops.tree_sum(x, dim)`` (the pairwise tree over ``dim`` padded with ``+0.0``), bit for
+    bit: the strict linear of ``x``'s rows against ones (each product ``v * 1.0`` is ``v``
+    exactly; a signalling NaN, which no strict op makes, would come out quiet). ``None`` where
+    the kernel does not apply."""
+    if x.dim() == 0 or x.shape[dim] == 0 or not _applies(x):
+        return None
+    v = x.movedim(dim, -1)
+    k = v.shape[-1]
+    out = strict_linear(v.reshape(-1, k), _ONE.expand(k, 1, 1))
+    return None if out is None else out.reshape(v.shape[:-1])
+
+
+_ONE = torch.ones(1, 1, 1)
+
+
 def strict_matmul(x: Tensor, w: Tensor) -> Tensor | None:
     """``strict_linear`` for each of a batch: ``x[*batch, R, K]``, ``w[*batch, K, N]`` (the same
     batch dims, at most two; any strides) give ``[*batch, R, N]``; ``None`` where the kernel

@@ -64,8 +64,13 @@ def tree_sum(x: Tensor, dim: int = -1) -> Tensor:
 
     Level by level, element ``i`` is added to element ``i + half``. The reduced dim is moved
     to the front first so each level adds two contiguous blocks (vectorised, no strides);
-    the pairing, and so every bit of the result, is the same for any ``dim`` layout.
+    the pairing, and so every bit of the result, is the same for any ``dim`` layout. Where
+    autograd does not record, the fused C kernel (``_ckernel.tree_sum``) reads ``x`` in place.
     """
+    if not (_CUSTOM_BACKWARD and x.requires_grad and torch.is_grad_enabled()):
+        fused = _ckernel.tree_sum(x, dim)
+        if fused is not None:
+            return fused
     if dim not in (0, -x.ndim):
         x = x.movedim(dim, 0).contiguous()
     n = x.shape[0]
@@ -115,7 +120,8 @@ class _TreeSum(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: Tensor) -> Tensor:
         ctx.rows = x.shape[0]
-        return _tree_levels(x)
+        fused = _ckernel.tree_sum(x, 0)
+        return _tree_levels(x) if fused is None else fused
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> Tensor:
