@@ -1,6 +1,7 @@
 """The strict kernels' forwards as one fused C kernel (``_strict_kernels.c``), the same bits
 as torch's: the linear (``strict_linear``), attention's product trees (``product_tree``,
-batched ``strict_matmul``) and ``exp_strict`` with its backward's terms (``exp_terms``).
+batched ``strict_matmul``), ``tree_sum`` and ``exp_strict`` with its backward's terms
+(``exp_terms``).
 
 ``StrictOps.linear`` computes ``rows[R, K] @ w.T`` as a product tensor ``[K, R, N]`` written
 to memory and a pairwise tree of elementwise adds over ``K`` (padded with ``+0.0`` to a power

@@ -18,7 +18,7 @@ there with two rules, both cheaper to state than to prove for library kernels:
    arithmetic, all exact or correctly rounded in both paths (about 2 ulp from libm).
 
 On CPU, where autograd does not record, the linear's products and tree, attention's product
-trees and ``exp_strict`` run in one fused C kernel (``_ckernel``): the same IEEE ops on the same
+trees, ``exp_strict`` and ``tree_sum`` run in one fused C kernel (``_ckernel``): the same IEEE ops on the same
 pairs, so the same bits, without materialising the products (torch's path where it cannot be
 built, or with ``POSTTRAIN_STRICT_CKERNEL=0``).
 
