@@ -68,9 +68,14 @@ def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 @pytest.fixture(autouse=True)
-def _kernel() -> None:
-    if _ckernel.library() is None:
-        pytest.fail("the fused strict kernel did not build here (see the logged warning)")
+def _kernel(request: pytest.FixtureRequest) -> None:
+    """The kernel must build wherever there is a C compiler (a failed build is a bug); without
+    one, only the fallback's test runs."""
+    if request.node.name.startswith("test_no_compiler") or _ckernel.library() is not None:
+        return
+    if _ckernel._compiler() is None:
+        pytest.skip("no C compiler here: the fused strict kernel cannot be built")
+    pytest.fail("the fused strict kernel did not build here (see the logged warning)")
 
 
 @pytest.mark.parametrize(("r", "k", "n"), _SHAPES)
