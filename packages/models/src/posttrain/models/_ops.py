@@ -17,6 +17,11 @@ there with two rules, both cheaper to state than to prove for library kernels:
    value. ``exp_strict`` / ``log_strict`` use only ``+ - * /``, ``round`` and exponent-bit
    arithmetic, all exact or correctly rounded in both paths (about 2 ulp from libm).
 
+On CPU, where autograd does not record, the linear's products and tree, attention's product
+trees, ``exp_strict`` and ``tree_sum`` run in one fused C kernel (``_ckernel``): the same IEEE ops on the same
+pairs, so the same bits, without materialising the products (torch's path where it cannot be
+built, or with ``POSTTRAIN_STRICT_CKERNEL=0``).
+
 Activations are fp32 in both sets; parameters are upcast (exactly) to fp32 at use.
 ``FastOps`` uses BLAS matmuls and torch's softmax: same math, tolerance instead of bits.
 Departure from HF/SGLang: strict results are not bitwise equal to theirs (their kernels
@@ -39,11 +44,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from posttrain.models import _ckernel
+
 _INV_LN2 = 1.4426950408889634
 _LN2_HI = 0.693359375  # 9 significant bits, so k * _LN2_HI is exact for |k| < 2**15
 _LN2_LO = -2.12194440e-4
 _SQRT2 = 1.4142135623730951
 _EXP_COEFFS = tuple(1.0 / math.factorial(n) for n in range(7, -1, -1))  # Taylor, |r| <= ln2/2
+_EXP_COEFFS_F32 = torch.tensor(_EXP_COEFFS, dtype=torch.float32)  # as torch rounds them
 _LOG_COEFFS = tuple(1.0 / n for n in (11, 9, 7, 5, 3, 1))  # atanh series in z**2
 # Elements of the product tensors ``linear`` materialises at once (its forward's products and
 # trees: every row is reduced alone, so the row blocking cannot change a bit); bounds memory
@@ -60,8 +68,13 @@ def tree_sum(x: Tensor, dim: int = -1) -> Tensor:
 
     Level by level, element ``i`` is added to element ``i + half``. The reduced dim is moved
     to the front first so each level adds two contiguous blocks (vectorised, no strides);
-    the pairing, and so every bit of the result, is the same for any ``dim`` layout.
+    the pairing, and so every bit of the result, is the same for any ``dim`` layout. Where
+    autograd does not record, the fused C kernel (``_ckernel.tree_sum``) reads ``x`` in place.
     """
+    if not (_CUSTOM_BACKWARD and x.requires_grad and torch.is_grad_enabled()):
+        fused = _ckernel.tree_sum(x, dim)
+        if fused is not None:
+            return fused
     if dim not in (0, -x.ndim):
         x = x.movedim(dim, 0).contiguous()
     n = x.shape[0]
@@ -110,7 +123,8 @@ class _TreeSum(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: Tensor) -> Tensor:
         ctx.rows = x.shape[0]
-        return _tree_levels(x)
+        fused = _ckernel.tree_sum(x, 0)
+        return _tree_levels(x) if fused is None else fused
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> Tensor:
@@ -127,7 +141,14 @@ def product_tree_sum(a: Tensor, b: Tensor) -> Tensor:
     if _CUSTOM_BACKWARD and torch.is_grad_enabled() and (a.requires_grad or b.requires_grad):
         out: Tensor = _ProductTreeSum.apply(a, b)  # type: ignore[no-untyped-call]
         return out
-    return _tree_sum_owned(a * b)
+    return _product_tree_forward(a, b)
+
+
+def _product_tree_forward(a: Tensor, b: Tensor) -> Tensor:
+    """``_tree_sum_owned(a * b)``: attention's batched-matmul shapes through the fused C kernel
+    (``_ckernel.product_tree``, the same bits) where it applies, else torch's products."""
+    fused = _ckernel.product_tree(a, b)
+    return _tree_sum_owned(a * b) if fused is None else fused
 
 
 class _ProductTreeSum(torch.autograd.Function):
@@ -137,7 +158,7 @@ class _ProductTreeSum(torch.autograd.Function):
     def forward(ctx: Any, a: Tensor, b: Tensor) -> Tensor:
         ctx.save_for_backward(a, b)
         with torch.no_grad():
-            return _tree_sum_owned(a * b)
+            return _product_tree_forward(a, b)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, Tensor | None]:
@@ -179,7 +200,14 @@ def _strict_linear_rows(rows: Tensor, w_t: Tensor, step: int | None = None) -> T
 
     Rows are reduced independently, so the row blocks (``step`` rows each, by default as many
     as ``_BLOCK_ELEMENTS`` allows) never change a bit; autograd's reference path passes the
-    gradient chunks (``_linear_step``) so its graph is the one the trainer differentiated."""
+    gradient chunks (``_linear_step``) so its graph is the one the trainer differentiated.
+
+    Where autograd does not record (the trainer's ``_StrictLinear.forward``, the engine), CPU
+    fp32 runs the fused C kernel (``_ckernel``): the same multiplies and adds, so the same
+    bits, without the product tensor (torch's path below where it cannot be built)."""
+    fused = _ckernel.strict_linear(rows, w_t)
+    if fused is not None:
+        return fused
     k, n = w_t.shape[0], w_t.shape[2]
     step = _block_rows(k, n) if step is None else step
     parts = [
@@ -226,12 +254,17 @@ def exp_strict(x: Tensor) -> Tensor:
     if _CUSTOM_BACKWARD and x.requires_grad and torch.is_grad_enabled():
         out: Tensor = _ExpStrict.apply(x)  # type: ignore[no-untyped-call]
         return out
-    return _exp_terms(x)[0]
+    fused = _ckernel.exp_terms(x, _EXP_COEFFS_F32, terms=False)
+    return _exp_terms(x)[0] if fused is None else fused[0]
 
 
 def _exp_terms(x: Tensor) -> tuple[Tensor, Tensor, list[Tensor], Tensor]:
     """``exp_strict(x)`` and what its backward reads: ``r`` (the reduced argument), the
-    Horner terms ``p_0 .. p_6`` that ``r`` multiplies, and the scale ``2**k``."""
+    Horner terms ``p_0 .. p_6`` that ``r`` multiplies, and the scale ``2**k``. One pass of
+    the fused C kernel where it applies (the same fp32 ops, so the same bits)."""
+    fused = _ckernel.exp_terms(x, _EXP_COEFFS_F32, terms=True)
+    if fused is not None:
+        return fused[0], fused[1], list(fused[2:-1]), fused[-1]
     x = x.clamp(-87.0, 88.0)
     k = torch.round(x * _INV_LN2).detach()
     r = (x - k * _LN2_HI) - k * _LN2_LO
@@ -514,21 +547,24 @@ class StrictOps(FastOps):
         bias: Tensor | None = None,
     ) -> Tensor:
         """Attention over the full capacity ``C``: scores ``[C]``, masked softmax, ``tree_sum`` over C."""
-        # products laid out [hd, T, nkv, g, C]: the reduced dim leads
-        k_t = keys.permute(3, 0, 2, 1).contiguous()[:, :, :, None, :]  # [hd, T, nkv, 1, C]
-        scores = (
-            product_tree_sum(q.permute(3, 0, 1, 2).contiguous()[..., None], k_t) * scale
-        )  # [T, nkv, g, C]
+        # products laid out [hd, T, nkv, g, C]: the reduced dim leads. The fused kernel reads the
+        # permuted views in place; torch's products (and their saved inputs) get them contiguous.
+        views = _ckernel.reads_views(q, keys, values, *(() if bias is None else (bias,)))
+
+        def lead(x: Tensor) -> Tensor:
+            return x if views else x.contiguous()
+
+        k_t = lead(keys.permute(3, 0, 2, 1))[:, :, :, None, :]  # [hd, T, nkv, 1, C]
+        scores = product_tree_sum(lead(q.permute(3, 0, 1, 2))[..., None], k_t) * scale
+        # [T, nkv, g, C]
         if bias is not None:
             scores = scores + bias
         mask = valid[:, None, None, :]
         z = scores - scores.masked_fill(~mask, float("-inf")).detach().amax(-1, keepdim=True)
         e = torch.where(mask, exp_strict(z.masked_fill(~mask, 0.0)), 0.0)
         probs = e / tree_sum(e)[..., None]
-        v_t = values.permute(1, 0, 2, 3).contiguous()[:, :, :, None, :]  # [C, T, nkv, 1, hd]
-        return product_tree_sum(
-            probs.permute(3, 0, 1, 2).contiguous()[..., None], v_t
-        )  # [T, nkv, g, hd]
+        v_t = lead(values.permute(1, 0, 2, 3))[:, :, :, None, :]  # [C, T, nkv, 1, hd]
+        return product_tree_sum(lead(probs.permute(3, 0, 1, 2))[..., None], v_t)  # [T, nkv, g, hd]
 
     @staticmethod
     def moe_combine(weights: Tensor, outputs: Tensor) -> Tensor:

@@ -1,0 +1,380 @@
+"""The strict kernels' forwards as one fused C kernel (``_strict_kernels.c``), the same bits
+as torch's: the linear (``strict_linear``), attention's product trees (``product_tree``,
+batched ``strict_matmul``), ``tree_sum`` and ``exp_strict`` with its backward's terms
+(``exp_terms``).
+
+``StrictOps.linear`` computes ``rows[R, K] @ w.T`` as a product tensor ``[K, R, N]`` written
+to memory and a pairwise tree of elementwise adds over ``K`` (padded with ``+0.0`` to a power
+of two) read back level by level. The C kernel does the same IEEE multiplies and adds on the
+same pairs, streaming the products through a small stack of partial sums instead (see the
+source's comment), so its result is bit for bit torch's: signed zeros, infinities,
+denormals, and a NaN where torch has one (which of two different NaNs wins where they meet is
+the CPU's operand order, which torch's own kernels do not fix either). It is compiled with ``-O3 -ffp-contract=off`` (no fused multiply-adds, no fast math)
+by the system C compiler at first use into a per-user cache keyed by the source, the flags,
+the compiler's version and the CPU's flags, and loaded with ``ctypes`` (no torch headers, so
+the compile takes well under a second).
+
+Environment:
+
+* ``POSTTRAIN_STRICT_CKERNEL=0`` keeps the torch kernels (same bits, slower);
+* ``CC`` names the compiler (default ``cc``, then ``gcc``, then ``clang``);
+* ``POSTTRAIN_KERNEL_CACHE`` names the cache folder (default
+  ``$XDG_CACHE_HOME/posttrain/kernels``, else ``~/.cache/posttrain/kernels``).
+
+Where the kernel cannot be built or loaded (no compiler, a failed compile, an unwritable
+cache) one warning is logged and every call returns ``None``: the callers keep torch's path,
+which gives the same bits.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import itertools
+import logging
+import os
+import platform
+import shlex
+import shutil
+import subprocess
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+_log = logging.getLogger("posttrain.models")
+
+_SOURCE = Path(__file__).with_name("_strict_kernels.c")
+_FLAGS = ("-O3", "-ffp-contract=off", "-fno-fast-math", "-shared", "-fPIC")
+SWITCH_ENV = "POSTTRAIN_STRICT_CKERNEL"
+CACHE_ENV = "POSTTRAIN_KERNEL_CACHE"
+
+
+def cache_dir() -> Path:
+    """Where compiled kernels live (see the module docstring)."""
+    explicit = os.environ.get(CACHE_ENV)
+    if explicit:
+        return Path(explicit)
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "posttrain" / "kernels"
+
+
+def _compiler() -> list[str] | None:
+    """The compiler command: ``$CC`` (as given, even if it does not exist) or the first of
+    ``cc``, ``gcc``, ``clang`` on ``PATH``."""
+    cc = os.environ.get("CC")
+    if cc:
+        return shlex.split(cc)
+    for name in ("cc", "gcc", "clang"):
+        found = shutil.which(name)
+        if found:
+            return [found]
+    return None
+
+
+def _cpu_flags() -> str:
+    """The CPU's feature flags (Linux ``/proc/cpuinfo``), or ``""`` where unknown."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return ""
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() in ("flags", "Features"):
+            return " ".join(sorted(value.split()))
+    return ""
+
+
+def _flag_sets() -> list[list[str]]:
+    """The compile flags to try in order: with ``-march=native`` first on x86-64 where the CPU's
+    flags (part of the cache key) are known, so a cached library never meets a CPU it was not
+    built for; then the portable flags (a compiler that refuses ``-march=native``)."""
+    native = platform.machine().lower() in ("x86_64", "amd64") and bool(_cpu_flags())
+    return [[*_FLAGS, "-march=native"], list(_FLAGS)] if native else [list(_FLAGS)]
+
+
+def _compile(cc: list[str], flags: list[str], target: Path) -> None:
+    """Compile the source to ``target`` through a temporary file in its folder, renamed into
+    place, so processes compiling at once each load a whole library."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=target.stem + ".", suffix=".tmp")
+    os.close(fd)
+    try:
+        done = subprocess.run(
+            [*cc, *flags, "-o", tmp, str(_SOURCE), "-lm"],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            check=False,
+        )
+        if done.returncode != 0:
+            raise RuntimeError(f"{shlex.join(cc)} exited {done.returncode}: {done.stderr.strip()}")
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def _build() -> ctypes.CDLL:
+    """Load the cached library for this source, compiler and CPU, compiling it if missing."""
+    cc = _compiler()
+    if cc is None:
+        raise RuntimeError("no C compiler (set CC, or install cc/gcc/clang)")
+    try:
+        version = subprocess.run(
+            [*cc, "--version"], capture_output=True, text=True, timeout=60, check=False
+        ).stdout
+    except (OSError, subprocess.SubprocessError) as exc:
+        raise RuntimeError(f"C compiler {shlex.join(cc)!r} cannot run: {exc}") from exc
+    failure: RuntimeError | None = None
+    for flags in _flag_sets():
+        key = hashlib.sha256()
+        for part in (_SOURCE.read_bytes(), " ".join(flags).encode(), version.encode()):
+            key.update(part)
+            key.update(b"\0")
+        key.update(_cpu_flags().encode())
+        target = cache_dir() / f"strict_linear-{key.hexdigest()[:24]}.so"
+        if not target.exists():
+            try:
+                _compile(cc, flags, target)
+            except RuntimeError as exc:
+                failure = failure or exc
+                continue
+        lib = ctypes.CDLL(str(target))
+        ptr, i64 = ctypes.c_void_p, ctypes.c_int64
+        lib.posttrain_strict_matmul.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64]
+        lib.posttrain_strict_matmul.restype = ctypes.c_int
+        lib.posttrain_exp_strict.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, ptr]
+        lib.posttrain_exp_strict.restype = None
+        return lib
+    assert failure is not None
+    raise failure
+
+
+@functools.cache
+def library() -> ctypes.CDLL | None:
+    """The compiled kernel library, or ``None`` (switched off, or it cannot be built: one
+    warning names why)."""
+    if os.environ.get(SWITCH_ENV, "1").strip().lower() in ("0", "false", "no", "off"):
+        return None
+    try:
+        return _build()
+    except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+        _log.warning(
+            "posttrain.models: the fused strict CPU kernel is unavailable (%s); using the torch "
+            "kernels (the same bits, slower). Set %s=0 to skip the compile.",
+            exc,
+            SWITCH_ENV,
+        )
+        return None
+
+
+def _applies(*tensors: Tensor) -> bool:
+    """Whether the kernel may run on these operands: CPU fp32, autograd not recording."""
+    grad = torch.is_grad_enabled()
+    for t in tensors:
+        if (grad and t.requires_grad) or t.dtype != torch.float32 or t.device.type != "cpu":
+            return False
+    return True
+
+
+def reads_views(*tensors: Tensor) -> bool:
+    """Whether ``product_tree`` will take these operands (CPU fp32, autograd not recording, the
+    library built): then it reads strided views in place and the caller need not copy them."""
+    return _applies(*tensors) and library() is not None
+
+
+def strict_linear(rows: Tensor, w_t: Tensor) -> Tensor | None:
+    """``rows[R, K] @ w_t[K, 1, N]`` (``w_t`` the weight transposed, as ``_ops`` holds it) as
+    products and ``_ops._tree_levels`` over K padded with ``+0.0`` to a power of two, bit for
+    bit: ``[R, N]``; ``None`` where the kernel does not apply (not CPU fp32, autograd
+    recording, K = 0, or no library): the caller then runs torch's path. Any strides."""
+    if rows.dim() != 2 or w_t.dim() != 3 or w_t.shape[1] != 1:
+        return None
+    (r, k), n = rows.shape, w_t.shape[2]
+    if w_t.shape[0] != k or k == 0 or not _applies(rows, w_t):
+        return None
+    xs, ws = (rows.stride(0), rows.stride(1)), (w_t.stride(0), w_t.stride(2))
+    lib = library()
+    if lib is None or r * k * n >= _PARALLEL_PRODUCTS:
+        return _matmul(rows, xs, w_t, ws, (), r, k, n)
+    # one call (the decode and small-batch path, where the call's own cost is what shows)
+    out = torch.empty((r, n), dtype=torch.float32)
+    if r and n:
+        code = lib.posttrain_strict_matmul(
+            rows.data_ptr(), _I64S(0, 0, *xs), w_t.data_ptr(), _I64S(0, 0, *ws),
+            out.data_ptr(), 1, 1, r, k, n,
+        )  # fmt: skip
+        if code:
+            return None
+    return out
+
+
+def tree_sum(x: Tensor, dim: int) -> Tensor | None:
+    """``_ops.tree_sum(x, dim)`` (the pairwise tree over ``dim`` padded with ``+0.0``), bit for
+    bit: the strict linear of ``x``'s rows against ones (each product ``v * 1.0`` is ``v``
+    exactly; a signalling NaN, which no strict op makes, would come out quiet). ``None`` where
+    the kernel does not apply."""
+    if x.dim() == 0 or x.shape[dim] == 0 or not _applies(x):
+        return None
+    v = x.movedim(dim, -1)
+    k = v.shape[-1]
+    out = strict_linear(v.reshape(-1, k), _ONE.expand(k, 1, 1))
+    return None if out is None else out.reshape(v.shape[:-1])
+
+
+_ONE = torch.ones(1, 1, 1)
+
+
+def strict_matmul(x: Tensor, w: Tensor) -> Tensor | None:
+    """``strict_linear`` for each of a batch: ``x[*batch, R, K]``, ``w[*batch, K, N]`` (the same
+    batch dims, at most two; any strides) give ``[*batch, R, N]``; ``None`` where the kernel
+    does not apply."""
+    if x.dim() < 2 or x.dim() != w.dim() or x.shape[:-2] != w.shape[:-2] or x.dim() > 4:
+        return None
+    (r, k), n = x.shape[-2:], w.shape[-1]
+    if w.shape[-2] != k or k == 0 or not _applies(x, w):
+        return None
+    xs, ws = x.stride(), w.stride()
+    return _matmul(x, xs, w, (*ws[:-2], ws[-2], ws[-1]), tuple(x.shape[:-2]), r, k, n)
+
+
+def product_tree(a: Tensor, b: Tensor) -> Tensor | None:
+    """``_ops._tree_sum_owned(a * b)`` for the batched-matmul broadcast ``a[K, *batch, R, 1]``,
+    ``b[K, *batch, 1, N]`` (attention's scores and its probabilities times values; at most two
+    batch dims; any strides), bit for bit: ``[*batch, R, N]``; ``None`` for any other shape or
+    where the kernel does not apply."""
+    if (
+        a.dim() < 3
+        or a.dim() > 5
+        or a.dim() != b.dim()
+        or a.shape[0] != b.shape[0]
+        or a.shape[0] == 0
+        or a.shape[-1] != 1
+        or b.shape[-2] != 1
+        or a.shape[1:-2] != b.shape[1:-2]
+        or not _applies(a, b)
+    ):
+        return None
+    sa, sb = a.stride(), b.stride()
+    xs = (*sa[1:-2], sa[-2], sa[0])  # x[batch, r, k] = a[k, batch, r, 0]
+    ws = (*sb[1:-2], sb[0], sb[-1])  # w[batch, k, n] = b[k, batch, 0, n]
+    return _matmul(a, xs, b, ws, tuple(a.shape[1:-2]), a.shape[-2], a.shape[0], b.shape[-1])
+
+
+def _matmul(
+    x: Tensor,
+    xs: tuple[int, ...],
+    w: Tensor,
+    ws: tuple[int, ...],
+    batch: tuple[int, ...],
+    r: int,
+    k: int,
+    n: int,
+) -> Tensor | None:
+    """``out[*batch, R, N]`` from ``x`` and ``w`` read through the element strides ``xs``
+    (batch dims, then R, K) and ``ws`` (batch dims, then K, N); at most two batch dims."""
+    lib = library()
+    if lib is None:
+        return None
+    out = torch.empty((*batch, r, n), dtype=torch.float32)
+    if not out.numel():
+        return out
+    nb = len(batch)
+    b1, b2 = (1, 1) if nb == 0 else (batch[0], 1) if nb == 1 else batch
+    pad = (0,) * (2 - nb)
+    operands = (x, (*xs[:nb], *pad, *xs[nb:]), w, (*ws[:nb], *pad, *ws[nb:]))
+    return _run(lib, operands, out, (b1, b2, r, k, n))
+
+
+def _run(
+    lib: ctypes.CDLL,
+    operands: tuple[Tensor, tuple[int, ...], Tensor, tuple[int, ...]],
+    out: Tensor,
+    dims: tuple[int, int, int, int, int],
+) -> Tensor | None:
+    """Fill ``out[B1, B2, R, N]`` (``dims``: B1, B2, R, K, N): one call, or above
+    ``_PARALLEL_PRODUCTS`` one per torch thread (slices of the outer batch, or of the rows).
+    ctypes releases the GIL for the call, so the parts run at once; rows and problems are
+    reduced independently, so the split never changes a bit."""
+    x, xs, w, ws = operands
+    b1, b2, r, k, n = dims
+    fn = lib.posttrain_strict_matmul
+    i64s = _I64S
+    if b1 == 1 and b2 > 1:  # one batch dim: split it as the outer one
+        b1, b2, xs, ws = b2, 1, (xs[1], 0, *xs[2:]), (ws[1], 0, *ws[2:])
+    threads = torch.get_num_threads()
+    if threads == 1 or b1 * b2 * r * k * n < _PARALLEL_PRODUCTS:
+        code = fn(x.data_ptr(), i64s(*xs), w.data_ptr(), i64s(*ws), out.data_ptr(), b1, b2, r, k, n)
+        return None if code else out
+    size = 4  # bytes per fp32
+    if b1 > 1:
+        cuts = [b1 * i // threads for i in range(threads + 1)]
+        # (first problem, problems, first row, rows)
+        parts = [(lo, hi - lo, 0, r) for lo, hi in itertools.pairwise(cuts) if hi > lo]
+    else:
+        cuts = [r * i // threads for i in range(threads + 1)]
+        parts = [(0, 1, lo, hi - lo) for lo, hi in itertools.pairwise(cuts) if hi > lo]
+
+    def call(part: tuple[int, int, int, int]) -> int:
+        p0, pb, r0, rr = part
+        code: int = fn(
+            x.data_ptr() + size * (p0 * xs[0] + r0 * xs[2]),
+            i64s(*xs),
+            w.data_ptr() + size * p0 * ws[0],
+            i64s(*ws),
+            out.data_ptr() + size * (p0 * b2 * r * n + r0 * n),
+            pb,
+            b2,
+            rr,
+            k,
+            n,
+        )
+        return code
+
+    return None if any(_pool(len(parts)).map(call, parts)) else out
+
+
+_PARALLEL_PRODUCTS = 1 << 20
+_I64S = ctypes.c_int64 * 4
+"""Products at which ``strict_matmul`` splits its work over torch's thread count (below it
+one call: a thread hand-off costs more than the work)."""
+
+
+@functools.cache
+def _pool(workers: int) -> ThreadPoolExecutor:
+    """A thread pool of ``workers`` threads (one per thread count asked for)."""
+    return ThreadPoolExecutor(max_workers=workers, thread_name_prefix="posttrain-strict")
+
+
+def exp_terms(x: Tensor, coeffs: Tensor, terms: bool) -> tuple[Tensor, ...] | None:
+    """``_ops._exp_terms(x)`` elementwise in one pass, bit for bit (``coeffs``: the Horner
+    constants as fp32): ``(out,)``, or with ``terms`` ``(out, r, p_0 .. p_6, scale)``, each
+    shaped like ``x`` (contiguous); ``None`` where the kernel does not apply."""
+    if not _applies(x):
+        return None
+    lib = library()
+    if lib is None:
+        return None
+    xc = x.contiguous()
+    n = xc.numel()
+    out = torch.empty_like(xc)
+    if not terms:
+        lib.posttrain_exp_strict(
+            xc.data_ptr(), n, coeffs.data_ptr(), out.data_ptr(), None, None, None
+        )
+        return (out,)
+    r, scale = torch.empty_like(xc), torch.empty_like(xc)
+    steps = torch.empty((len(_EXP_TERMS), *xc.shape), dtype=torch.float32)
+    lib.posttrain_exp_strict(
+        xc.data_ptr(), n, coeffs.data_ptr(), out.data_ptr(), r.data_ptr(), steps.data_ptr(),
+        scale.data_ptr(),
+    )  # fmt: skip
+    return (out, r, *steps.unbind(0), scale)
+
+
+_EXP_TERMS = range(7)
+"""The Horner terms ``p_0 .. p_6`` of ``exp_strict`` (its 8 constants less the last)."""
