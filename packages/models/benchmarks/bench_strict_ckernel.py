@@ -58,16 +58,16 @@ def torch_kernels() -> Iterator[None]:
     """The strict kernels on torch's path (the fused kernel declines every call)."""
     linear, tree = _ckernel.strict_linear, _ckernel.product_tree
     _ckernel.strict_linear = lambda rows, w: None  # type: ignore[assignment]
-    views, exp, sums = _ckernel.reads_views, _ckernel.exp_terms, _ckernel.tree_sum
+    views, exp, sums = _ckernel.reads_views, _ckernel.exp_strict, _ckernel.tree_sum
     _ckernel.product_tree = lambda a, b: None  # type: ignore[assignment]
     _ckernel.reads_views = lambda *tensors: False  # type: ignore[assignment]
-    _ckernel.exp_terms = lambda x, coeffs, terms: None  # type: ignore[assignment]
+    _ckernel.exp_strict = lambda x, coeffs: None  # type: ignore[assignment]
     _ckernel.tree_sum = lambda x, dim: None  # type: ignore[assignment]
     try:
         yield
     finally:
         _ckernel.strict_linear, _ckernel.product_tree = linear, tree  # type: ignore[assignment]
-        _ckernel.reads_views, _ckernel.exp_terms = views, exp  # type: ignore[assignment]
+        _ckernel.reads_views, _ckernel.exp_strict = views, exp  # type: ignore[assignment]
         _ckernel.tree_sum = sums  # type: ignore[assignment]
 
 

@@ -478,7 +478,8 @@ def test_packed_attention_backward_equals_the_per_run_loop(
     loop = _strict_cuda._row_attention_backward(*args)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     for name, a, b in zip(("dq", "dk", "dv"), batched, loop, strict=True):
-        assert a.dtype == b.dtype and a.shape == b.shape, name
+        assert a.dtype == b.dtype, name
+        assert a.shape == b.shape, name
         assert float((a - b).norm() / b.norm()) < tol, name
     # a layout that is not packed training (decode-style key rows) keeps the loop
     assert _strict_cuda._packed_runs(q, k, kstart + 1, pos) is None

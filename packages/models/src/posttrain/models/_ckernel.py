@@ -1,7 +1,6 @@
 """The strict kernels' forwards as one fused C kernel (``_strict_kernels.c``), the same bits
 as torch's: the linear (``strict_linear``), attention's product trees (``product_tree``,
-batched ``strict_matmul``), ``tree_sum`` and ``exp_strict`` with its backward's terms
-(``exp_terms``).
+batched ``strict_matmul``), ``tree_sum`` and ``exp_strict``.
 
 ``StrictOps.linear`` computes ``rows[R, K] @ w.T`` as a product tensor ``[K, R, N]`` written
 to memory and a pairwise tree of elementwise adds over ``K`` (padded with ``+0.0`` to a power
@@ -147,7 +146,7 @@ def _build() -> ctypes.CDLL:
         ptr, i64 = ctypes.c_void_p, ctypes.c_int64
         lib.posttrain_strict_matmul.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64]
         lib.posttrain_strict_matmul.restype = ctypes.c_int
-        lib.posttrain_exp_strict.argtypes = [ptr, i64, ptr, ptr, ptr, ptr, ptr]
+        lib.posttrain_exp_strict.argtypes = [ptr, i64, ptr, ptr]
         lib.posttrain_exp_strict.restype = None
         return lib
     assert failure is not None
@@ -350,31 +349,16 @@ def _pool(workers: int) -> ThreadPoolExecutor:
     return ThreadPoolExecutor(max_workers=workers, thread_name_prefix="posttrain-strict")
 
 
-def exp_terms(x: Tensor, coeffs: Tensor, terms: bool) -> tuple[Tensor, ...] | None:
-    """``_ops._exp_terms(x)`` elementwise in one pass, bit for bit (``coeffs``: the Horner
-    constants as fp32): ``(out,)``, or with ``terms`` ``(out, r, p_0 .. p_6, scale)``, each
-    shaped like ``x`` (contiguous); ``None`` where the kernel does not apply."""
+def exp_strict(x: Tensor, coeffs: Tensor) -> Tensor | None:
+    """``_ops.exp_strict(x)`` elementwise in one pass, bit for bit (``coeffs``: the Horner
+    constants as fp32), contiguous and shaped like ``x``; ``None`` where the kernel does not
+    apply."""
     if not _applies(x):
         return None
     lib = library()
     if lib is None:
         return None
     xc = x.contiguous()
-    n = xc.numel()
     out = torch.empty_like(xc)
-    if not terms:
-        lib.posttrain_exp_strict(
-            xc.data_ptr(), n, coeffs.data_ptr(), out.data_ptr(), None, None, None
-        )
-        return (out,)
-    r, scale = torch.empty_like(xc), torch.empty_like(xc)
-    steps = torch.empty((len(_EXP_TERMS), *xc.shape), dtype=torch.float32)
-    lib.posttrain_exp_strict(
-        xc.data_ptr(), n, coeffs.data_ptr(), out.data_ptr(), r.data_ptr(), steps.data_ptr(),
-        scale.data_ptr(),
-    )  # fmt: skip
-    return (out, r, *steps.unbind(0), scale)
-
-
-_EXP_TERMS = range(7)
-"""The Horner terms ``p_0 .. p_6`` of ``exp_strict`` (its 8 constants less the last)."""
+    lib.posttrain_exp_strict(xc.data_ptr(), xc.numel(), coeffs.data_ptr(), out.data_ptr())
+    return out

@@ -189,18 +189,16 @@ def _contract(g: Tensor, other: Tensor, shape: torch.Size) -> Tensor:
     return res.expand(shape)
 
 
-def _block_rows(k: int, n: int, multiple: int = 1) -> int:
-    """Rows per block of a ``[K, rows, N]`` product that ``_BLOCK_ELEMENTS`` bounds: a
-    multiple of ``multiple`` rows (at least one multiple)."""
-    return max(1, _BLOCK_ELEMENTS // max(1, n * k * multiple)) * multiple
+def _block_rows(k: int, n: int) -> int:
+    """Rows per block of a ``[K, rows, N]`` product that ``_BLOCK_ELEMENTS`` bounds (>= 1)."""
+    return max(1, _BLOCK_ELEMENTS // max(1, n * k))
 
 
-def _strict_linear_rows(rows: Tensor, w_t: Tensor, step: int | None = None) -> Tensor:
+def _strict_linear_rows(rows: Tensor, w_t: Tensor) -> Tensor:
     """``rows[R, K] @ w`` for ``w_t[K, 1, N]`` (``w.t()``): products, then ``tree_sum`` over K.
 
-    Rows are reduced independently, so the row blocks (``step`` rows each, by default as many
-    as ``_BLOCK_ELEMENTS`` allows) never change a bit; autograd's reference path passes the
-    gradient chunks (``_linear_step``) so its graph is the one the trainer differentiated.
+    Rows are reduced independently, so the row blocks (as many rows as ``_BLOCK_ELEMENTS``
+    allows) never change a bit.
 
     Where autograd does not record (the trainer's ``_StrictLinear.forward``, the engine), CPU
     fp32 runs the fused C kernel (``_ckernel``): the same multiplies and adds, so the same
@@ -209,7 +207,7 @@ def _strict_linear_rows(rows: Tensor, w_t: Tensor, step: int | None = None) -> T
     if fused is not None:
         return fused
     k, n = w_t.shape[0], w_t.shape[2]
-    step = _block_rows(k, n) if step is None else step
+    step = _block_rows(k, n)
     parts = [
         _tree_sum_owned(rows[i : i + step].t().contiguous()[:, :, None] * w_t)  # [K, rows, N]
         for i in range(0, rows.shape[0], step)
@@ -254,27 +252,19 @@ def exp_strict(x: Tensor) -> Tensor:
     if _CUSTOM_BACKWARD and x.requires_grad and torch.is_grad_enabled():
         out: Tensor = _ExpStrict.apply(x)  # type: ignore[no-untyped-call]
         return out
-    fused = _ckernel.exp_terms(x, _EXP_COEFFS_F32, terms=False)
-    return _exp_terms(x)[0] if fused is None else fused[0]
+    fused = _ckernel.exp_strict(x, _EXP_COEFFS_F32)
+    return _exp_torch(x) if fused is None else fused
 
 
-def _exp_terms(x: Tensor) -> tuple[Tensor, Tensor, list[Tensor], Tensor]:
-    """``exp_strict(x)`` and what its backward reads: ``r`` (the reduced argument), the
-    Horner terms ``p_0 .. p_6`` that ``r`` multiplies, and the scale ``2**k``. One pass of
-    the fused C kernel where it applies (the same fp32 ops, so the same bits)."""
-    fused = _ckernel.exp_terms(x, _EXP_COEFFS_F32, terms=True)
-    if fused is not None:
-        return fused[0], fused[1], list(fused[2:-1]), fused[-1]
+def _exp_torch(x: Tensor) -> Tensor:
+    """``exp_strict`` in torch ops (the fused C kernel's reference: the same fp32 ops)."""
     x = x.clamp(-87.0, 88.0)
     k = torch.round(x * _INV_LN2).detach()
     r = (x - k * _LN2_HI) - k * _LN2_LO
     p = torch.full_like(r, _EXP_COEFFS[0])
-    terms = []
     for c in _EXP_COEFFS[1:]:
-        terms.append(p)
         p = p * r + c
-    scale = _pow2(k)
-    return p * scale, r, terms, scale
+    return p * _pow2(k)
 
 
 class _ExpStrict(torch.autograd.Function):

@@ -160,13 +160,11 @@ int posttrain_strict_matmul(const float *x, const int64_t *xs, const float *w, c
     return 0;
 }
 
-/* _ops._exp_terms elementwise over n values: out = exp_strict(x); where r_out is not NULL also
- * the reduced argument r, the Horner terms p_0 .. p_6 ([7, n]) and the scale 2**k that the
- * backward reads. The same fp32 ops in the same order as torch's (constants rounded to fp32 as
- * torch rounds a Python float against an fp32 tensor), so the same bits. */
+/* exp_strict elementwise over n values (torch's path: _ops._exp_torch). The same fp32 ops in
+ * the same order as torch's (constants rounded to fp32 as torch rounds a Python float against
+ * an fp32 tensor), so the same bits. */
 void posttrain_exp_strict(const float *restrict x, int64_t n, const float *restrict coeffs,
-                          float *restrict out, float *restrict r_out, float *restrict terms,
-                          float *restrict scale_out) {
+                          float *restrict out) {
     const float inv_ln2 = 1.4426950408889634f, ln2_hi = 0.693359375f, ln2_lo = -2.12194440e-4f;
     for (int64_t i = 0; i < n; i++) {
         float v = x[i];
@@ -174,10 +172,7 @@ void posttrain_exp_strict(const float *restrict x, int64_t n, const float *restr
         float k = nearbyintf(v * inv_ln2); /* ties to even, as torch.round (default mode) */
         float r = (v - k * ln2_hi) - k * ln2_lo;
         float p = coeffs[0];
-        for (int j = 1; j < 8; j++) {
-            if (terms) terms[(j - 1) * n + i] = p;
-            p = p * r + coeffs[j];
-        }
+        for (int j = 1; j < 8; j++) p = p * r + coeffs[j];
         /* torch's float -> int32 of a NaN gives INT32_MIN (cvttps2dq); the shift then drops its
          * top bit (as torch's int32 shift does), so the scale is 1.0 there too */
         int32_t ki = k == k ? (int32_t)k : INT32_MIN;
@@ -186,9 +181,5 @@ void posttrain_exp_strict(const float *restrict x, int64_t n, const float *restr
             float f;
         } scale = {.i = (uint32_t)(ki + 127) << 23};
         out[i] = p * scale.f;
-        if (r_out) {
-            r_out[i] = r;
-            scale_out[i] = scale.f;
-        }
     }
 }
