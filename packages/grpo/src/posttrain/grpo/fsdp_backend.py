@@ -238,12 +238,13 @@ def shard_policy(
     if cfg.compile:
         # after sharding: FSDP2's hooks stay outside the compiled forwards
         compile_layers(model, mode=cfg.compile_mode)
+    fused = fused_adamw(model, trainable)
     optimizer = torch.optim.AdamW(
         trainable,
         lr=cfg.lr,
         weight_decay=cfg.weight_decay,
-        fused=fused_adamw(model, trainable),
-        foreach=True if fused_adamw(model, trainable) is None else None,
+        fused=fused,
+        foreach=True if fused is None else None,
     )
     return Policy(
         model=model, mesh=mesh, optimizer=optimizer, backend=FSDP, mode=mode, parallel=parallel

@@ -197,19 +197,7 @@ def strict_linear(rows: Tensor, w_t: Tensor) -> Tensor | None:
     if w_t.shape[0] != k or k == 0 or not _applies(rows, w_t):
         return None
     xs, ws = (rows.stride(0), rows.stride(1)), (w_t.stride(0), w_t.stride(2))
-    lib = library()
-    if lib is None or r * k * n >= _PARALLEL_PRODUCTS:
-        return _matmul(rows, xs, w_t, ws, (), r, k, n)
-    # one call (the decode and small-batch path, where the call's own cost is what shows)
-    out = torch.empty((r, n), dtype=torch.float32)
-    if r and n:
-        code = lib.posttrain_strict_matmul(
-            rows.data_ptr(), _I64S(0, 0, *xs), w_t.data_ptr(), _I64S(0, 0, *ws),
-            out.data_ptr(), 1, 1, r, k, n,
-        )  # fmt: skip
-        if code:
-            return None
-    return out
+    return _matmul(rows, xs, w_t, ws, (), r, k, n)
 
 
 def tree_sum(x: Tensor, dim: int) -> Tensor | None:
@@ -338,9 +326,10 @@ def _run(
 
 
 _PARALLEL_PRODUCTS = 1 << 20
+"""Products at which a call splits its work over torch's thread count (below it one call: a
+thread hand-off costs more than the work)."""
 _I64S = ctypes.c_int64 * 4
-"""Products at which ``strict_matmul`` splits its work over torch's thread count (below it
-one call: a thread hand-off costs more than the work)."""
+"""The four element strides the C kernel reads per operand."""
 
 
 @functools.cache

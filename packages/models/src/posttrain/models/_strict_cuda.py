@@ -14,8 +14,9 @@ elementwise and tiny fixed-tree ops (``sigmoid``, ``sconv``, ``moe_combine``, ``
 and ``attention``, which ``_blocks`` still uses for layers with a relative position bias (on
 both paths, so those layers keep train == decode too).
 
-Backward passes are ordinary fp32 torch (cuBLAS matmuls, no TF32 unless the caller enables
-it, no atomics): deterministic run to run, not batch invariant, which training does not need.
+Backward passes are ordinary torch (cuBLAS matmuls: fp32 without TF32 unless the caller
+enables it; bf16 operands in ``CudaStrictBf16Ops``; no atomics): deterministic run to run, not
+batch invariant, which training does not need.
 
 Bits: CUDA strict differs from CPU strict (``StrictOps``: ``tree_sum`` and ``exp_strict``);
 both are references of their own device.
