@@ -81,7 +81,7 @@ def test_per_layer_units_fast_and_checkpointed_update_like_one_rank(tiny_ckpt: s
     """Per-layer FSDP units on 2 ranks with activation checkpointing, fast numerics (chunked
     token logprobs, SDPA, grouped experts) give the single-rank update; bf16 compute runs on
     the same units with fp32 masters and stays close to fp32."""
-    fast = {"numerics": "fast"}
+    fast = {"numerics": "fast", "fsdp_layer_min_params": 0}  # every (tiny) layer a unit
     one = run_workers(workers.per_layer_steps, 1, args=(tiny_ckpt, fast), timeout_s=240)
     two = run_workers(
         workers.per_layer_steps,
@@ -111,6 +111,26 @@ def test_per_layer_units_fast_and_checkpointed_update_like_one_rank(tiny_ckpt: s
         assert torch.equal(value, bf16[1]["weights"][name]), name
 
 
+def test_small_layers_stay_in_the_root_unit_and_update_like_per_layer_units(tiny_ckpt: str) -> None:
+    """Below ``fsdp_layer_min_params`` (the default's 1M; the tiny layers have ~10k) the layers
+    stay in the root FSDP unit: strict numerics on 2 ranks then give the per-layer units'
+    update (to fp32 rounding: the same gradients, reduced in another grouping), the same
+    weights on both ranks, and the engine's logprobs bit for bit."""
+    steps = workers.per_layer_steps
+    root = run_workers(steps, 2, args=(tiny_ckpt, {}), timeout_s=240)
+    per_layer = run_workers(steps, 2, args=(tiny_ckpt, {"fsdp_layer_min_params": 0}), timeout_s=240)
+    assert root[0]["units"] == [""]
+    assert per_layer[0]["units"] == ["", *(f"layers.{i}" for i in range(4))]
+    # the samples' rollout logprobs are the checkpoint's: the first step's, the engine's bits
+    assert root[0]["steps"][0]["train_rollout_logprob_max_abs_diff"] == 0.0
+    for a, b in zip(root[0]["steps"], per_layer[0]["steps"], strict=True):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5, abs=1e-7)
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5)
+    for name, value in per_layer[0]["weights"].items():
+        assert torch.equal(root[0]["weights"][name], root[1]["weights"][name]), name
+        torch.testing.assert_close(root[0]["weights"][name], value, rtol=1e-5, atol=1e-6)
+
+
 def test_compiled_layers_under_fsdp_update_like_eager(
     tiny_ckpt: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -119,7 +139,7 @@ def test_compiled_layers_under_fsdp_update_like_eager(
     graph break is the fp32 expert loop (the layers under FSDP2 trace whole otherwise). Backend
     ``aot_eager``: the real graph capture, no C++ code generation (minutes on 2 cores)."""
     monkeypatch.setenv("POSTTRAIN_COMPILE_BACKEND", "aot_eager")
-    fast = {"numerics": "fast"}
+    fast = {"numerics": "fast", "fsdp_layer_min_params": 0}  # every (tiny) layer a unit
     steps = workers.per_layer_steps
     eager = run_workers(steps, 1, args=(tiny_ckpt, fast), timeout_s=240)[0]
     compiled = run_workers(steps, 1, args=(tiny_ckpt, {**fast, "compile": True}), timeout_s=240)[0]

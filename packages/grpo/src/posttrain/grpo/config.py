@@ -90,6 +90,7 @@ class GrpoConfig:
     moe_layer_freq: tuple[int, ...] | None = None
     precision: Precision = "fp32"
     activation_checkpointing: bool = False
+    fsdp_layer_min_params: int = 1_000_000
     compile: bool = False
     compile_mode: CompileMode = "default"
     numerics: Numerics = "strict"
@@ -193,7 +194,10 @@ class GrpoConfig:
                 raise GrpoConfigError(
                     f"{name} must be a bool, got {getattr(self, name)!r}", field=name
                 )
-        for name in ("checkpoint_every", "opd_top_k", "seed", "micro_batch_size", "eval_every"):
+        for name in (
+            "checkpoint_every", "opd_top_k", "seed", "micro_batch_size", "eval_every",
+            "fsdp_layer_min_params",
+        ):  # fmt: skip
             _check_int(name, getattr(self, name), minimum=0)
         for name in ("num_layers", "num_experts", "context_length"):
             if getattr(self, name) is not None:
@@ -460,6 +464,11 @@ HELP: dict[str, str] = {
     "precision": "trainer activation precision",
     "activation_checkpointing": "recompute each decoder layer's activations in the backward "
     "(less memory, one more forward per layer; fsdp backend)",
+    "fsdp_layer_min_params": "a decoder layer with at least this many parameters is its own "
+    "FSDP unit (gathered just before it, resharded after, its gradients reduced as soon as its "
+    "backward ends); smaller layers stay in the root unit, one all-gather and one "
+    "reduce-scatter a step, where per-layer collectives would cost more than they overlap "
+    "(fsdp backend; 0: every layer its own unit)",
     "compile": "torch.compile each decoder layer's forward (fast numerics, fsdp backend; "
     "falls back to eager with a warning where compiling fails)",
     "compile_mode": "torch.compile mode of --compile: default (the fastest measured), "

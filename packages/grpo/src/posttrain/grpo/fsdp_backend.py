@@ -12,11 +12,13 @@ Departures from the obvious:
 * The LoRA factors are kept out of FSDP (``ignored_params``): plain replicated tensors whose
   gradients ``reduce_lora_grads`` averages over the data-parallel group and whose norm
   ``lora_grad_norm`` measures, so every rank holds the same adapter to export.
-* FSDP units: one per decoder layer, then the root. Each layer's compute runs through the
-  layer module's ``__call__`` (``DecoderModel`` passes a ``LayerCall``), so FSDP2 gathers a
-  layer's parameters just before it (prefetching the next layer's), reshards them after its
-  forward and reduces its gradients as soon as its backward is done. Inputs are not cast: the
-  residual stream stays fp32 between layers. ``forward_logits`` is registered as an FSDP
+* FSDP units: one per decoder layer of at least ``fsdp_layer_min_params`` parameters (smaller
+  layers stay in the root unit: one collective a phase beats one per layer), then the root.
+  Each layer's compute runs through the layer module's ``__call__`` (``DecoderModel`` passes a
+  ``LayerCall``), so FSDP2 gathers a layer's parameters just before it (prefetching the next
+  layer's), reshards them after its forward and reduces its gradients as soon as its backward
+  is done. Inputs are not cast: the residual stream stays fp32 between layers. ``forward_logits``
+  is registered as an FSDP
   forward of the root. ``activation_checkpointing`` recomputes each layer in the backward.
   ``compile`` (fast numerics) then runs ``torch.compile`` on each layer's forward
   (``posttrain.models.compile_layers``, in ``compile_mode``): after sharding, so FSDP2's hooks
@@ -172,6 +174,24 @@ def fused_adamw(model: DecoderModel, params: Sequence[torch.nn.Parameter]) -> bo
     return True if fused else None
 
 
+def _unit_layers(
+    model: DecoderModel, min_params: int, ignored: set[torch.nn.Parameter]
+) -> set[int]:
+    """The ids of the decoder layers that get their own FSDP unit: those with at least
+    ``min_params`` sharded parameters (``ignored`` ones, the LoRA factors, do not count).
+
+    A unit costs an all-gather in the forward, another in the backward and a reduce-scatter,
+    each a collective whose latency does not shrink with the layer: on the embedded recipe's
+    62k-parameter layers over gloo, per-layer units made the strict CPU train step 1.5x slower
+    than one root unit (``docs/benchmarks/grpo.md``). Above the threshold the memory a unit
+    frees and the overlap it allows pay for it, as in torch's size-based wrap policies."""
+    return {
+        id(layer)
+        for layer in model.layers
+        if sum(p.numel() for p in layer.parameters() if p not in ignored) >= min_params
+    }
+
+
 def shard_policy(
     model: DecoderModel,
     cfg: GrpoConfig,
@@ -208,10 +228,11 @@ def shard_policy(
         # checkpoints hold the fp32 masters, and ``to_hf_state_dict`` gives the config's dtype.
         param_dtype = model.config.dtype
         model.float()
-    # One FSDP unit per decoder layer (each layer's compute runs through its module's
-    # ``__call__``), then the root (embedding, final norm, head, towers). Layers get the fp32
-    # residual stream as it is (no input cast): only their parameters take ``param_dtype``.
-    layers = {id(layer) for layer in model.layers}
+    # One FSDP unit per decoder layer of at least ``fsdp_layer_min_params`` parameters (each
+    # layer's compute runs through its module's ``__call__``), then the root (embedding, final
+    # norm, head, towers, smaller layers). Layers get the fp32 residual stream as it is (no
+    # input cast): only their parameters take ``param_dtype``.
+    layers = _unit_layers(model, cfg.fsdp_layer_min_params, ignored)
     model.activation_checkpointing = cfg.activation_checkpointing
     if cfg.precision == "bf16" and model.numerics is Numerics.FAST and not model.config.is_mla:
         # bf16 compute that is bf16: FSDP's bf16 compute copy feeds bf16 matmuls and attention

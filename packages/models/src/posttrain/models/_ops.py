@@ -32,7 +32,9 @@ run-to-run determinism: ``_StrictLinear``, ``_ProductTreeSum`` (attention), ``_T
 ``_ExpStrict`` differentiate the strict forward with BLAS matmuls and one-op gradients, equal
 to autograd's gradient of the forward's ops to fp32 rounding, not bit for bit (as the CUDA
 strict set's backward, ``_strict_cuda``); the same bits run to run for fixed shapes at a fixed
-thread count. ``_CUSTOM_BACKWARD = False`` selects autograd's own (benchmarks, tests).
+thread count. Attention over in-order packed segments (the training forward) is
+differentiated as torch's causal SDPA (``_blocks._StrictPackedAttention``), also to fp32
+rounding. ``_CUSTOM_BACKWARD = False`` selects autograd's own (benchmarks, tests).
 """
 
 from __future__ import annotations
