@@ -466,14 +466,15 @@ class _StrictPackedAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
         layout: PackedLayout = ctx.layout
-        inputs = [
+        q, k, v = (
             x.detach().requires_grad_(need)
-            for x, need in zip(ctx.saved_tensors, ctx.needs_input_grad, strict=False)
-        ]
+            for x, need in zip(ctx.saved_tensors, ctx.needs_input_grad[:3], strict=True)
+        )
+        inputs = (q, k, v)
         with torch.enable_grad():
             out = causal_sdpa(
-                *inputs, layout.seg, layout.pos, layout.num_segments, ctx.scale,
-                inputs[0].dtype, layout.longest(),
+                q, k, v, layout.seg, layout.pos, layout.num_segments, ctx.scale, q.dtype,
+                layout.longest(),
             )  # fmt: skip
             wanted = [x for x in inputs if x.requires_grad]
             grads = iter(torch.autograd.grad(out, wanted, grad))
