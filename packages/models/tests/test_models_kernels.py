@@ -216,12 +216,19 @@ def test_strict_backwards_are_autograds_gradients_to_fp32_rounding(
     _same_forward_close_gradients(attention, q, keys, values)
 
 
+@pytest.mark.parametrize("rows", [False, True])
 @pytest.mark.parametrize("seed", [0, 1])
-def test_merged_attention_chunks_keep_the_forward_bits(seed: int) -> None:
-    """``attend_buffers`` runs runs of query chunks of one width as one ``ops.attention`` call:
-    the output equals autograd's own chunk-by-chunk graph bit for bit, and the gradients of
-    queries, keys and values (through the key/value buffers, ``_GatherRows``) agree to fp32
-    rounding and are the same bits run to run (on the test's own thread count)."""
+def test_merged_attention_chunks_keep_the_forward_bits(
+    seed: int, rows: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``attend_buffers`` runs runs of query chunks of one width as one ``ops.attention`` call
+    (the torch path, ``rows=False``) or the key buffers as key rows of ``attend_rows`` (the
+    fused C kernel; the per-run torch backward): the output equals autograd's own
+    chunk-by-chunk graph bit for bit, and the gradients of queries, keys and values (through
+    the key/value buffers, ``_GatherRows``) agree to fp32 rounding and are the same bits run to
+    run (on the test's own thread count)."""
+    if not rows:
+        monkeypatch.setattr(StrictOps, "uses_row_attention", classmethod(lambda cls, q: False))
     import random
 
     from posttrain.models._blocks import attend
@@ -242,18 +249,19 @@ def test_merged_attention_chunks_keep_the_forward_bits(seed: int) -> None:
             num_segments=len(lengths), capacity=64, scale=0.35,
         )  # fmt: skip
 
-    _same_forward_close_gradients(run, q, k, v)
+    _same_forward_close_gradients(run, q, k, v, exact_zeros=not rows)  # see the test below
 
 
 @pytest.mark.parametrize("seed", [0, 1])
-def test_packed_strict_attention_keeps_the_forward_bits_with_sdpas_gradient(seed: int) -> None:
-    """In-order packed segments (the training forward): ``PackedLayout.attend`` runs the strict
-    forward without a graph and differentiates causal SDPA (``_StrictPackedAttention``). The
-    output equals autograd's graph of the strict ops bit for bit, the gradients of queries, keys
-    and values agree with it to fp32 rounding, and are the same bits run to run; segments of
-    one token and very unequal lengths (SDPA's per-segment calls) included. A query with one
-    key has a gradient of exactly 0 in autograd's graph and of fp32 rounding noise in SDPA's
-    (``P * (dP - rowsum(dO * O))`` with two roundings of one product): close, not zero."""
+def test_row_attention_keeps_the_forward_bits_with_a_torch_gradient(seed: int) -> None:
+    """In-order packed segments (the training forward): ``PackedLayout.attend`` runs
+    ``StrictOps.attend_rows`` (the fused C kernel, no graph) under ``RowAttention``'s torch
+    backward. The output equals autograd's graph of the strict ops over gathered key buffers bit
+    for bit, the gradients of queries, keys and values agree with it to fp32 rounding, and are
+    the same bits run to run; segments of one token and very unequal lengths included. A query
+    with one key has a gradient of exactly 0 in autograd's graph and of fp32 rounding noise in
+    the torch backward (``P * (dP - rowsum(dO * O))``, two sums of one product in two orders):
+    close, not zero."""
     import random
 
     from posttrain.models._blocks import PackedLayout
@@ -272,3 +280,24 @@ def test_packed_strict_attention_keeps_the_forward_bits_with_sdpas_gradient(seed
         return layout.attend(StrictOps, 0, q, k, v, scale=0.35, window=None, rel_logits=None)
 
     _same_forward_close_gradients(run, q, k, v, exact_zeros=False)
+
+
+def test_fused_rms_norm_keeps_the_bits_and_its_backward_is_autograds_to_fp32_rounding() -> None:
+    """``StrictOps.rms_norm`` through the fused C kernel (mean of squares, torch's sqrt, the
+    scaling) equals the torch ops bit for bit, for a plain and a per-head weight, zero rows and
+    non-contiguous input included; ``_RmsNorm``'s backward gives autograd's gradients of the
+    torch ops to fp32 rounding."""
+    from posttrain.models import _ckernel
+    from posttrain.models._ops import _rms_norm_torch
+
+    if not _ckernel.available():
+        pytest.skip("the fused strict C kernel is not built here")
+    gen = torch.Generator().manual_seed(3)
+    for shape, w_shape in (((37, 32), (32,)), ((9, 4, 8), (4, 8)), ((3, 5, 33), (33,))):
+        x, w = torch.randn(shape, generator=gen) * 3, torch.randn(w_shape, generator=gen)
+        x[0] = 0.0
+        assert torch.equal(StrictOps.rms_norm(x, w, 1e-6), _rms_norm_torch(x, w, 1e-6))
+        _same_forward_close_gradients(lambda a, b: StrictOps.rms_norm(a, b, 1e-6), x[1:], w)
+    wide = torch.randn(16, 64, generator=gen)[:, :40]
+    w = torch.randn(40, generator=gen)
+    assert torch.equal(StrictOps.rms_norm(wide, w, 1e-5), _rms_norm_torch(wide, w, 1e-5))

@@ -462,7 +462,7 @@ def test_packed_attention_backward_equals_the_per_run_loop(
 ) -> None:
     """The batched backward of the packed training layout (segments padded to the longest)
     gives the per-run loop's gradients (pure torch: runs without CUDA or the interpreter)."""
-    from posttrain.models import _strict_cuda
+    from posttrain.models import _row_attention as rows
 
     gen = torch.Generator().manual_seed(8)
     lengths, heads, kv_heads, hd = [5, 70, 1, 33], 4, 2, 8
@@ -472,15 +472,15 @@ def test_packed_attention_backward_equals_the_per_run_loop(
     pos = torch.cat([torch.arange(n) for n in lengths])
     kstart = torch.arange(t) - pos
     args = (q, k, v, kstart, pos, out, grad, 0.3, window, dtype)
-    assert _strict_cuda._packed_runs(q, k, kstart, pos) is not None
-    batched = _strict_cuda._row_attention_backward(*args)
-    monkeypatch.setattr(_strict_cuda, "_packed_runs", lambda *a: None)
-    loop = _strict_cuda._row_attention_backward(*args)
+    assert rows._packed_runs(q, k, kstart, pos) is not None
+    batched = rows.row_attention_backward(*args)
+    monkeypatch.setattr(rows, "_packed_runs", lambda *a: None)
+    loop = rows.row_attention_backward(*args)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     for name, a, b in zip(("dq", "dk", "dv"), batched, loop, strict=True):
         assert a.dtype == b.dtype, name
         assert a.shape == b.shape, name
         assert float((a - b).norm() / b.norm()) < tol, name
     # a layout that is not packed training (decode-style key rows) keeps the loop
-    assert _strict_cuda._packed_runs(q, k, kstart + 1, pos) is None
-    assert _strict_cuda._packed_runs(q[:-1], k, kstart[:-1], pos[:-1]) is None
+    assert rows._packed_runs(q, k, kstart + 1, pos) is None
+    assert rows._packed_runs(q[:-1], k, kstart[:-1], pos[:-1]) is None

@@ -407,11 +407,11 @@ class Engine:
                     finish(handle, exc)
                     continue
                 row = free.pop()
-                if row in self._dirty_rows:
-                    cache.reset(row)
-                    self._dirty_rows.discard(row)
                 live[row] = started
                 new_rows.append(row)
+            dirty = [r for r in new_rows if r in self._dirty_rows]
+            cache.reset_rows(dirty)  # one fill per buffer for every reused row
+            self._dirty_rows.difference_update(dirty)
             owner = dict(zip(new_rows, shared_prefill_owners([live[r].task for r in new_rows]),
                              strict=True))  # fmt: skip
             firsts = [r for i, r in enumerate(new_rows) if owner[r] == i]
@@ -431,13 +431,15 @@ class Engine:
                     live[r].next_lp = step.logprobs[-1]
                     if r not in tokens:
                         self._prefilled(live[r], step.logprobs)
+                copies = []  # (source, target): the siblings of a shared prefill
                 for r in new_rows:
                     src = new_rows[owner[r]]
                     prompt_lp = live[src].prompt_lp
                     if src != r and prompt_lp is not None:
-                        cache.copy_row(src, r)
+                        copies.append((src, r))
                         live[r].next_lp = live[src].next_lp
                         self._prefilled(live[r], prompt_lp)
+                cache.copy_rows([s for s, _ in copies], [d for _, d in copies])
             tokens = {}
             aborting = self.abort_running.is_set()
             sampling = [] if aborting else [r for r in sorted(live) if live[r].limit > 0]

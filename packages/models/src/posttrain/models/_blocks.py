@@ -120,7 +120,7 @@ def attend_buffers(
     """
     t, nh, hd = q.shape
     cap, nkv = kbuf.shape[1], kbuf.shape[2]
-    if ops.fused_row_attention and rel_logits is None:
+    if rel_logits is None and ops.uses_row_attention(q):
         # the rows' buffers flattened to [R * C, ...]: slot c of row r is r * C + c
         flat_k = kbuf.reshape(-1, nkv, kbuf.shape[3])
         flat_v = vbuf.reshape(-1, nkv, vbuf.shape[3])
@@ -397,22 +397,10 @@ class PackedLayout(TokenLayout):
                 q, k, v, self.seg, self.pos, self.num_segments, scale, ops.compute_dtype,
                 self.longest(),  # once per layout, not once per layer (a host sync)
             )  # fmt: skip
-        if ops.fused_row_attention and rel_logits is None and self.tokens_in_order():
+        if rel_logits is None and ops.uses_row_attention(q) and self.tokens_in_order():
             # each segment's keys are its own tokens, in position order: no buffers needed
             first = torch.arange(q.shape[0], device=q.device) - self.pos
             return ops.attend_rows(q, k, v, first, self.pos, scale=scale, window=window)
-        if (
-            ops.batch_invariant
-            and window is None
-            and rel_logits is None
-            and _ops._CUSTOM_BACKWARD
-            and torch.is_grad_enabled()
-            and (q.requires_grad or k.requires_grad or v.requires_grad)
-            and self.tokens_in_order()
-        ):
-            # the strict forward's bits, the gradient of causal SDPA (see _StrictPackedAttention)
-            out: Tensor = _StrictPackedAttention.apply(q, k, v, self, ops, scale)  # type: ignore[no-untyped-call]
-            return out
         return attend(
             ops,
             q,
@@ -428,57 +416,6 @@ class PackedLayout(TokenLayout):
             window=window,
             rel_logits=rel_logits,
         )
-
-
-class _StrictPackedAttention(torch.autograd.Function):
-    """Strict attention over in-order packed segments: the strict kernels' forward (every bit
-    as decode computes it, run without a graph), differentiated as causal attention in torch's
-    SDPA (``causal_sdpa`` on the saved inputs, padded per segment, in the inputs' dtype).
-
-    The strict backward has no bit contract, only run-to-run determinism (``_ops``): SDPA's
-    gradient is that of the same function, softmax(q k^T * scale) v over each segment's keys up
-    to the query, to fp32 rounding (its exp is not ``exp_strict``). Differentiating the strict
-    forward op by op instead runs the per-query key buffers (``[T, C, kv_heads, hd]`` gathered
-    per layer) and their product trees backwards: on the embedded recipe's train step that was
-    a third of the backward."""
-
-    @staticmethod
-    def forward(
-        ctx: Any, q: Tensor, k: Tensor, v: Tensor, layout: PackedLayout, ops: Any, scale: float
-    ) -> Tensor:
-        ctx.save_for_backward(q, k, v)
-        ctx.layout, ctx.scale = layout, scale
-        with torch.no_grad():
-            return attend(
-                ops,
-                q,
-                k,
-                v,
-                q_pos=layout.pos,
-                q_seg=layout.seg,
-                k_pos=layout.pos,
-                k_seg=layout.seg,
-                num_segments=layout.num_segments,
-                capacity=layout.capacity,
-                scale=scale,
-            )
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
-        layout: PackedLayout = ctx.layout
-        q, k, v = (
-            x.detach().requires_grad_(need)
-            for x, need in zip(ctx.saved_tensors, ctx.needs_input_grad[:3], strict=True)
-        )
-        inputs = (q, k, v)
-        with torch.enable_grad():
-            out = causal_sdpa(
-                q, k, v, layout.seg, layout.pos, layout.num_segments, ctx.scale, q.dtype,
-                layout.longest(),
-            )  # fmt: skip
-            wanted = [x for x in inputs if x.requires_grad]
-            grads = iter(torch.autograd.grad(out, wanted, grad))
-        return (*(next(grads) if x.requires_grad else None for x in inputs), None, None, None)
 
 
 class CacheLayout(TokenLayout):

@@ -12,6 +12,8 @@ start, which is what the training forward uses for taps before a segment starts)
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from posttrain.models._config import ModelConfig
@@ -98,31 +100,54 @@ class KVCache:
 
     def reset(self, row: int) -> None:
         """Empty ``row`` (zeroes its buffers) so a new sequence can use it."""
-        self._check_row(row)
-        self.lengths[row] = 0
+        self.reset_rows([row])
+
+    def reset_rows(self, rows: Sequence[int]) -> None:
+        """``reset`` of every row in ``rows``: one fill per buffer for all of them."""
+        for row in rows:
+            self._check_row(row)
+        if not rows:
+            return
+        index = torch.tensor(list(rows), dtype=torch.long, device=self.keys[0].device)
+        for row in rows:
+            self.lengths[row] = 0
         for buf in (*self.keys, *self.values):
-            buf[row].zero_()
+            buf.index_fill_(0, index, 0.0)
         for states in self.conv:
             for buf in states.values():
-                buf[row].zero_()
+                buf.index_fill_(0, index, 0.0)
 
     def copy_row(self, src: int, dst: int) -> None:
         """Make row ``dst`` hold exactly what row ``src`` holds (keys, values, sconv states,
         length): ``n`` samples of one prompt share its prefill this way. A row's buffers hold
         per-token values that do not depend on the other rows, so the copy equals what
         prefilling the same tokens into ``dst`` writes."""
-        self._check_row(src)
-        self._check_row(dst)
-        if src == dst:
+        self.copy_rows([src], [dst])
+
+    def copy_rows(self, sources: Sequence[int], targets: Sequence[int]) -> None:
+        """``copy_row(sources[i], targets[i])`` for every i (no target also a source): one
+        gather and one scatter per buffer for all of them."""
+        if len(sources) != len(targets):
+            raise CacheError(f"{len(sources)} source rows for {len(targets)} target rows")
+        for row in (*sources, *targets):
+            self._check_row(row)
+        pairs = [(s, d) for s, d in zip(sources, targets, strict=True) if s != d]
+        if not pairs:
             return
+        if {d for _, d in pairs} & {s for s, _ in pairs}:
+            raise CacheError("a cache row cannot be both a copy's source and a target")
+        device = self.keys[0].device
+        src = torch.tensor([s for s, _ in pairs], dtype=torch.long, device=device)
+        dst = torch.tensor([d for _, d in pairs], dtype=torch.long, device=device)
         for buf in (*self.keys, *self.values):
-            buf[dst].copy_(buf[src])
+            buf.index_copy_(0, dst, buf.index_select(0, src))
         for states in self.conv:
             for buf in states.values():
-                buf[dst].copy_(buf[src])
-        self.lengths[dst] = self.lengths[src]
-        if self.mla is not None:
-            self.mla.lengths[dst] = self.mla.lengths[src]
+                buf.index_copy_(0, dst, buf.index_select(0, src))
+        for s, d in pairs:
+            self.lengths[d] = self.lengths[s]
+            if self.mla is not None:
+                self.mla.lengths[d] = self.mla.lengths[s]
 
     def _check_row(self, row: int) -> None:
         if not 0 <= row < self.num_rows:

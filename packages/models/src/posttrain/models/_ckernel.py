@@ -148,6 +148,21 @@ def _build() -> ctypes.CDLL:
         lib.posttrain_strict_matmul.restype = ctypes.c_int
         lib.posttrain_exp_strict.argtypes = [ptr, i64, ptr, ptr]
         lib.posttrain_exp_strict.restype = None
+        lib.posttrain_row_attention.argtypes = [
+            *(ptr, ptr) * 3,
+            ptr,
+            ptr,
+            ptr,
+            *(i64,) * 5,
+            ctypes.c_float,
+            i64,
+            ptr,
+        ]
+        lib.posttrain_row_attention.restype = ctypes.c_int
+        lib.posttrain_rms_norm_ms.argtypes = [ptr, ptr, i64, i64, ctypes.c_float]
+        lib.posttrain_rms_norm_ms.restype = ctypes.c_int
+        lib.posttrain_rms_norm_scale.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64]
+        lib.posttrain_rms_norm_scale.restype = None
         return lib
     assert failure is not None
     raise failure
@@ -171,6 +186,11 @@ def library() -> ctypes.CDLL | None:
         return None
 
 
+def available() -> bool:
+    """Whether the library is built (compiling it at the first call)."""
+    return library() is not None
+
+
 def _applies(*tensors: Tensor) -> bool:
     """Whether the kernel may run on these operands: CPU fp32, autograd not recording."""
     grad = torch.is_grad_enabled()
@@ -183,7 +203,7 @@ def _applies(*tensors: Tensor) -> bool:
 def reads_views(*tensors: Tensor) -> bool:
     """Whether ``product_tree`` will take these operands (CPU fp32, autograd not recording, the
     library built): then it reads strided views in place and the caller need not copy them."""
-    return _applies(*tensors) and library() is not None
+    return _applies(*tensors) and available()
 
 
 def strict_linear(rows: Tensor, w_t: Tensor) -> Tensor | None:
@@ -350,4 +370,81 @@ def exp_strict(x: Tensor, coeffs: Tensor) -> Tensor | None:
     xc = x.contiguous()
     out = torch.empty_like(xc)
     lib.posttrain_exp_strict(xc.data_ptr(), xc.numel(), coeffs.data_ptr(), out.data_ptr())
+    return out
+
+
+def row_attention(
+    q: Tensor,
+    keys: Tensor,
+    values: Tensor,
+    kstart: Tensor,
+    pos: Tensor,
+    *,
+    scale: float,
+    window: int | None,
+    coeffs: Tensor,
+) -> Tensor | None:
+    """``StrictOps.attend_rows`` in one pass, bit for bit the torch path's attention
+    (``StrictOps.attention`` over the gathered key rows): ``q[T, heads, hd]`` over the rows
+    ``keys[S, kv_heads, hd]``, ``values[S, kv_heads, hd_v]`` from ``kstart[t]``, slots up to
+    ``pos[t]`` (and within ``window``); ``[T, heads * hd_v]``. ``coeffs``: ``exp_strict``'s
+    Horner constants as fp32. ``None`` where the kernel does not apply (the caller then runs
+    torch's path). Any strides; every key row a query can see must exist (not checked here)."""
+    if q.dim() != 3 or keys.dim() != 3 or values.dim() != 3 or not _applies(q, keys, values):
+        return None
+    t, heads, hd = q.shape
+    kv_heads, hd_v = keys.shape[1], values.shape[2]
+    if keys.shape[2] != hd or values.shape[1] != kv_heads or heads % max(kv_heads, 1):
+        return None
+    lib = library()
+    if lib is None:
+        return None
+    out = torch.empty((t, heads, hd_v), dtype=torch.float32)
+    if not out.numel():
+        return out.reshape(t, -1)
+    starts = kstart.to(torch.int64).contiguous()
+    positions = pos.to(torch.int64).contiguous()
+    code = lib.posttrain_row_attention(
+        q.data_ptr(), _I3(*q.stride()), keys.data_ptr(), _I3(*keys.stride()),
+        values.data_ptr(), _I3(*values.stride()), starts.data_ptr(), positions.data_ptr(),
+        out.data_ptr(), t, heads, kv_heads, hd, hd_v, scale, window or 0, coeffs.data_ptr(),
+    )  # fmt: skip
+    return None if code else out.reshape(t, -1)
+
+
+_I3 = ctypes.c_int64 * 3
+"""Three element strides (``row_attention``'s operands)."""
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor | None:
+    """``StrictOps.rms_norm(x, weight, eps)``, bit for bit, in three calls: the fused mean of
+    squares plus ``eps`` per row, torch's ``1.0 / torch.sqrt`` of it (torch's sqrt is not the
+    correctly rounded one on every CPU, so it stays torch's), the fused scaling by it and by
+    ``weight`` (``[H]``, or ``[..., H]`` matching ``x``'s trailing dims: a per-head weight).
+    ``None`` where the kernel does not apply (the caller then runs torch's path)."""
+    if x.dim() == 0 or not _applies(x):
+        return None
+    h = x.shape[-1]
+    w = weight.float()
+    if (
+        h == 0
+        or w.dim() > x.dim()
+        or tuple(w.shape) != tuple(x.shape[x.dim() - w.dim() :])
+        or not _applies(w)
+    ):
+        return None
+    lib = library()
+    if lib is None:
+        return None
+    xc, wc = x.contiguous(), w.contiguous()
+    rows = xc.numel() // h
+    ms = torch.empty(xc.shape[:-1], dtype=torch.float32)
+    if rows and lib.posttrain_rms_norm_ms(xc.data_ptr(), ms.data_ptr(), rows, h, eps):
+        return None
+    inv = 1.0 / torch.sqrt(ms)
+    out = torch.empty_like(xc)
+    if rows:
+        lib.posttrain_rms_norm_scale(
+            xc.data_ptr(), inv.data_ptr(), wc.data_ptr(), out.data_ptr(), rows, h, wc.numel() // h
+        )
     return out

@@ -18,7 +18,8 @@ there with two rules, both cheaper to state than to prove for library kernels:
    arithmetic, all exact or correctly rounded in both paths (about 2 ulp from libm).
 
 On CPU, where autograd does not record, the linear's products and tree, attention's product
-trees, ``exp_strict`` and ``tree_sum`` run in one fused C kernel (``_ckernel``): the same IEEE ops on the same
+trees (and whole attention over key rows, ``attend_rows``), ``exp_strict`` and ``tree_sum``
+run in one fused C kernel (``_ckernel``): the same IEEE ops on the same
 pairs, so the same bits, without materialising the products (torch's path where it cannot be
 built, or with ``POSTTRAIN_STRICT_CKERNEL=0``).
 
@@ -32,9 +33,9 @@ run-to-run determinism: ``_StrictLinear``, ``_ProductTreeSum`` (attention), ``_T
 ``_ExpStrict`` differentiate the strict forward with BLAS matmuls and one-op gradients, equal
 to autograd's gradient of the forward's ops to fp32 rounding, not bit for bit (as the CUDA
 strict set's backward, ``_strict_cuda``); the same bits run to run for fixed shapes at a fixed
-thread count. Attention over in-order packed segments (the training forward) is
-differentiated as torch's causal SDPA (``_blocks._StrictPackedAttention``), also to fp32
-rounding. ``_CUSTOM_BACKWARD = False`` selects autograd's own (benchmarks, tests).
+thread count. Attention over key rows (``attend_rows``: the packed training forward and
+decode, through the fused C kernel) is differentiated by ``_row_attention``'s torch backward,
+also to fp32 rounding. ``_CUSTOM_BACKWARD = False`` selects autograd's own (benchmarks, tests).
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from posttrain.models import _ckernel
+from posttrain.models._row_attention import RowAttention
 
 _INV_LN2 = 1.4426950408889634
 _LN2_HI = 0.693359375  # 9 significant bits, so k * _LN2_HI is exact for |k| < 2**15
@@ -304,6 +306,43 @@ def log_strict(x: Tensor) -> Tensor:
     return ef * _LN2_HI + (ef * _LN2_LO + 2.0 * z * q)
 
 
+def _rms_norm_torch(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """``StrictOps.rms_norm`` in torch ops (the fused C kernel's reference: the same ops)."""
+    ms = tree_sum(x * x) / x.shape[-1]
+    inv = 1.0 / torch.sqrt(ms + eps)
+    return (x * inv[..., None]) * weight.float()
+
+
+class _RmsNorm(torch.autograd.Function):
+    """``StrictOps.rms_norm`` (the fused kernel's bits) with RMSNorm's gradient in a few torch
+    ops: ``dx = inv * gw - x * inv**3 * mean(gw * x)`` (``gw = grad * weight``) and
+    ``dweight = sum over rows of grad * x * inv``; equal to autograd's gradient of the strict
+    ops to fp32 rounding, deterministic run to run."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, weight: Tensor, eps: float) -> Tensor:
+        out = _ckernel.rms_norm(x, weight, eps)
+        if out is None:
+            out = _rms_norm_torch(x, weight, eps)
+        ctx.save_for_backward(x, weight)
+        ctx.eps = eps
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, Tensor | None, None]:
+        x, weight = ctx.saved_tensors
+        need_x, need_w = ctx.needs_input_grad[:2]
+        w = weight.float()
+        inv = torch.rsqrt((x * x).mean(-1, keepdim=True) + ctx.eps)
+        dx = dw = None
+        if need_x:
+            gw = grad * w
+            dx = inv * gw - x * (inv * inv * inv) * (gw * x).mean(-1, keepdim=True)
+        if need_w:
+            dw = (grad * x * inv).reshape(-1, *weight.shape).sum(0).to(weight.dtype)
+        return dx, dw, None
+
+
 class FastOps:
     """Ordinary torch kernels (BLAS, torch softmax); fp32 activations; not batch invariant."""
 
@@ -320,9 +359,12 @@ class FastOps:
     """Whether a token's bits are independent of the call (the strict sets): only kernel sets
     without that contract may take library fast paths (SDPA, grouped expert GEMMs)."""
 
-    fused_row_attention: ClassVar[bool] = False
-    """Whether ``attend_rows`` exists (the CUDA strict set): ``_blocks`` then uses it for
-    attention without a relative position bias, on the packed forward and on decode alike."""
+    @classmethod
+    def uses_row_attention(cls, q: Tensor) -> bool:
+        """Whether ``attend_rows`` runs for queries like ``q`` (the strict sets: on CUDA, and
+        on CPU where the fused C kernel is built): ``_blocks`` then uses it for attention
+        without a relative position bias, on the packed forward and on decode alike."""
+        return False
 
     @staticmethod
     def attend_rows(
@@ -337,11 +379,9 @@ class FastOps:
     ) -> Tensor:
         """Causal attention of ``q[T, heads, hd]`` over key rows: query ``t`` sees slot
         ``c <= pos[t]`` (and ``pos[t] - c < window``) at ``keys/values[kstart[t] + c]``
-        (``[S, kv_heads, hd]``). Returns ``[T, heads * hd]``. Only kernel sets with
-        ``fused_row_attention`` implement it."""
-        raise NotImplementedError(
-            "attend_rows needs a kernel set with fused_row_attention (CudaStrictOps)"
-        )
+        (``[S, kv_heads, hd]``). Returns ``[T, heads * hd]``. Only where
+        ``uses_row_attention``."""
+        raise NotImplementedError("attend_rows needs a strict kernel set (uses_row_attention)")
 
     @staticmethod
     def linear(x: Tensor, weight: Tensor) -> Tensor:
@@ -473,6 +513,46 @@ class StrictOps(FastOps):
 
     batch_invariant: ClassVar[bool] = True
 
+    @classmethod
+    def uses_row_attention(cls, q: Tensor) -> bool:
+        """On CPU fp32 where the fused C kernel is built (``_ckernel.row_attention``); not
+        for autograd's own reference graph (``_CUSTOM_BACKWARD = False``)."""
+        if not _CUSTOM_BACKWARD and torch.is_grad_enabled():
+            return False
+        return q.device.type == "cpu" and q.dtype == torch.float32 and _ckernel.available()
+
+    @staticmethod
+    def attend_rows(
+        q: Tensor,
+        keys: Tensor,
+        values: Tensor,
+        kstart: Tensor,
+        pos: Tensor,
+        *,
+        scale: float,
+        window: int | None,
+    ) -> Tensor:
+        """``FastOps.attend_rows`` through the fused C kernel: per query, ``attention``'s
+        ops over its own key rows (the bits of the torch path over any buffer width), without
+        gathering a key buffer per query. Under autograd, ``RowAttention``'s torch backward."""
+
+        def run(q: Tensor, keys: Tensor, values: Tensor, kstart: Tensor, pos: Tensor) -> Tensor:
+            out = _ckernel.row_attention(
+                q, keys, values, kstart, pos, scale=scale, window=window, coeffs=_EXP_COEFFS_F32
+            )
+            if out is None:
+                raise RuntimeError("the fused strict C kernel's row attention did not run")
+            return out
+
+        if torch.is_grad_enabled() and (
+            q.requires_grad or keys.requires_grad or values.requires_grad
+        ):
+            out: Tensor = RowAttention.apply(  # type: ignore[no-untyped-call]
+                q, keys, values, kstart, pos, scale, window, run, torch.float32
+            )
+            return out
+        return run(q, keys, values, kstart, pos)
+
     attention_chunk_elements: ClassVar[int] = 1 << 17
     """Strict attention materialises its products (``[hd, T, heads, C]``) for ``tree_sum``:
     small chunks. Each query is reduced alone, so the chunking never changes its bits."""
@@ -497,10 +577,15 @@ class StrictOps(FastOps):
 
     @staticmethod
     def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-        """RMSNorm: ``x * (1 / sqrt(tree_sum(x*x) / H + eps)) * weight``."""
-        ms = tree_sum(x * x) / x.shape[-1]
-        inv = 1.0 / torch.sqrt(ms + eps)
-        return (x * inv[..., None]) * weight.float()
+        """RMSNorm: ``x * (1 / sqrt(tree_sum(x*x) / H + eps)) * weight``; through the fused C
+        kernel where it applies (``_ckernel.rms_norm``, the same bits), under autograd with
+        ``_RmsNorm``'s backward."""
+        recording = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
+        if recording and _CUSTOM_BACKWARD and x.device.type == "cpu" and _ckernel.available():
+            out: Tensor = _RmsNorm.apply(x, weight, eps)  # type: ignore[no-untyped-call]
+            return out
+        fused = _ckernel.rms_norm(x, weight, eps)
+        return _rms_norm_torch(x, weight, eps) if fused is None else fused
 
     @staticmethod
     def silu_mul(gate: Tensor, up: Tensor) -> Tensor:

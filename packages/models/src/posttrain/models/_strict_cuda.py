@@ -24,6 +24,7 @@ both are references of their own device.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, ClassVar
 
 import torch
@@ -31,9 +32,7 @@ from torch import Tensor
 
 from posttrain.models import _triton_kernels as kernels
 from posttrain.models._ops import StrictOps
-
-# Elements of the [n, heads, L] score tensor per chunk in attention's backward (memory only).
-_BACKWARD_CHUNK = 1 << 26
+from posttrain.models._row_attention import RowAttention
 
 
 class _Linear(torch.autograd.Function):
@@ -107,196 +106,6 @@ class _Softmax(torch.autograd.Function):
         return out * (grad - (grad * out).sum(-1, keepdim=True)), None
 
 
-class _RowAttention(torch.autograd.Function):
-    @staticmethod
-    def forward(
-        ctx: Any,
-        q: Tensor,
-        keys: Tensor,
-        values: Tensor,
-        kstart: Tensor,
-        pos: Tensor,
-        scale: float,
-        window: int | None,
-        tiling: kernels.AttentionTiling,
-    ) -> Tensor:
-        out = kernels.row_attention(
-            q, keys, values, kstart, pos, scale=scale, window=window, tiling=tiling
-        )
-        ctx.save_for_backward(q, keys, values, kstart, pos, out)
-        ctx.scale, ctx.window = scale, window
-        ctx.dtype = torch.bfloat16 if tiling.precision == "bf16" else torch.float32
-        return out
-
-    @staticmethod
-    def backward(
-        ctx: Any, grad: Tensor
-    ) -> tuple[Tensor, Tensor, Tensor, None, None, None, None, None]:
-        q, keys, values, kstart, pos, out = ctx.saved_tensors
-        dq, dk, dv = _row_attention_backward(
-            q, keys, values, kstart, pos, out, grad, ctx.scale, ctx.window, ctx.dtype
-        )
-        return dq, dk, dv, None, None, None, None, None
-
-
-def _row_attention_backward(
-    q: Tensor,
-    keys: Tensor,
-    values: Tensor,
-    kstart: Tensor,
-    pos: Tensor,
-    out: Tensor,
-    grad: Tensor,
-    scale: float,
-    window: int | None,
-    dtype: torch.dtype = torch.float32,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """Recompute each key row's probabilities in torch and form the three gradients: the
-    matmuls take ``dtype`` operands (bf16 where the forward's dots did) into fp32 results,
-    the softmax and its gradient are fp32.
-
-    Queries are grouped into runs of consecutive tokens with the same key row (``kstart``: a
-    packed segment is one run); the runs, their ends and key lengths reach the host in one
-    transfer per call (not one sync per segment). Runs are processed in order and write
-    ``dk``/``dv`` slices of their own key row: deterministic, no atomics.
-    """
-    packed = _packed_runs(q, keys, kstart, pos)
-    if packed is not None:
-        return _packed_attention_backward(
-            q, keys, values, pos, out, grad, scale, window, dtype, *packed
-        )
-    _, heads, hd = q.shape
-    kv_heads = keys.shape[1]
-    group = heads // kv_heads
-    dq = torch.zeros_like(q)
-    dk = torch.zeros(keys.shape, dtype=torch.float32, device=keys.device)
-    dv = torch.zeros(values.shape, dtype=torch.float32, device=values.device)
-    starts, counts = torch.unique_consecutive(kstart, return_counts=True)
-    run = torch.repeat_interleave(torch.arange(counts.numel(), device=pos.device), counts)
-    longest = torch.zeros_like(starts).scatter_reduce(0, run, pos.to(starts.dtype), "amax")
-    table = torch.stack([starts, counts.cumsum(0), longest + 1]).tolist()  # one sync
-    begin = 0
-    for start, end, length in zip(*table, strict=True):
-        kk, vv = keys[start : start + length].to(dtype), values[start : start + length].to(dtype)
-        slots = torch.arange(length, device=q.device)
-        step = max(1, _BACKWARD_CHUNK // (heads * length))
-        for i in range(begin, end, step):
-            idx = slice(i, min(i + step, end))
-            n = idx.stop - i
-            qq = q[idx].reshape(n, kv_heads, group, hd).to(dtype)
-            do_full = grad[idx].reshape(n, kv_heads, group, hd)
-            do = do_full.to(dtype)
-            oo = out[idx].reshape(n, kv_heads, group, hd)
-            dist = pos[idx][:, None] - slots[None, :]
-            seen = dist >= 0
-            if window is not None:
-                seen = seen & (dist < window)
-            scores = torch.einsum("nkgd,lkd->nkgl", qq, kk).float() * scale
-            scores = scores.masked_fill(~seen[:, None, None, :], float("-inf"))
-            probs = torch.softmax(scores, dim=-1)
-            dv[start : start + length] += torch.einsum("nkgl,nkgd->lkd", probs.to(dtype), do)
-            dp = torch.einsum("nkgd,lkd->nkgl", do, vv).float()
-            ds = probs * (dp - (do_full * oo).sum(-1, keepdim=True)) * scale
-            ds_low = ds.to(dtype)
-            dq[idx] = torch.einsum("nkgl,lkd->nkgd", ds_low, kk).reshape(n, heads, hd)
-            dk[start : start + length] += torch.einsum("nkgl,nkgd->lkd", ds_low, qq)
-        begin = end
-    return dq, dk.to(keys.dtype), dv.to(values.dtype)
-
-
-def _packed_runs(
-    q: Tensor, keys: Tensor, kstart: Tensor, pos: Tensor
-) -> tuple[Tensor, int, int] | None:
-    """For the packed training layout -- every token's keys are its own segment's tokens, in
-    order (``kstart = t - pos``, ``keys`` the tokens themselves) -- each token's segment
-    index, the number of segments and the longest one (one host transfer); else None."""
-    t = q.shape[0]
-    if keys.shape[0] != t or t == 0:
-        return None
-    token = torch.arange(t, device=pos.device)
-    first = pos == 0
-    steps = (pos[1:] == pos[:-1] + 1) | first[1:]  # positions count up from 0 per segment
-    facts = torch.stack(
-        [
-            ((kstart.to(token.dtype) == token - pos).all() & steps.all()).to(token.dtype),
-            first[0].to(token.dtype),
-            first.sum(),
-            pos.max() + 1,
-        ]
-    ).tolist()  # one sync
-    if not (facts[0] and facts[1]):
-        return None
-    seg = torch.cumsum(first.to(token.dtype), 0) - 1
-    return seg, int(facts[2]), int(facts[3])
-
-
-def _packed_attention_backward(
-    q: Tensor,
-    keys: Tensor,
-    values: Tensor,
-    pos: Tensor,
-    out: Tensor,
-    grad: Tensor,
-    scale: float,
-    window: int | None,
-    dtype: torch.dtype,
-    seg: Tensor,
-    segments: int,
-    longest: int,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """``_row_attention_backward`` for the packed training layout in a few batched ops: the
-    segments padded at their ends to the longest (a query never sees a pad key: the pads come
-    after it; pad rows get no gradient and are dropped), in groups of segments that keep the
-    ``[segments, kv_heads, group, L, L]`` scores under ``_BACKWARD_CHUNK`` elements. Same
-    math, same precision rule (``dtype`` operands, fp32 softmax), no per-segment loop."""
-    t, heads, hd = q.shape
-    kv_heads, hd_v = keys.shape[1], values.shape[2]
-    group = heads // kv_heads
-    length = longest
-    slot = None if segments * length == t else seg * length + pos  # row in the padded batch
-
-    def padded(x: Tensor) -> Tensor:  # [T, ...] -> [S, L, ...]
-        rows = x if slot is None else x.new_zeros((segments * length, *x.shape[1:]))
-        if slot is not None:
-            rows = rows.index_copy(0, slot, x)
-        return rows.reshape(segments, length, *x.shape[1:])
-
-    def unpadded(x: Tensor) -> Tensor:  # [S, L, ...] -> [T, ...]
-        rows = x.reshape(segments * length, *x.shape[2:])
-        return rows if slot is None else rows[slot]
-
-    qp = padded(q).reshape(segments, length, kv_heads, group, hd)
-    kp, vp = padded(keys), padded(values)
-    gp = padded(grad).reshape(segments, length, kv_heads, group, hd_v)
-    op = padded(out).reshape(segments, length, kv_heads, group, hd_v)
-    slots = torch.arange(length, device=q.device)
-    dist = slots[:, None] - slots[None, :]  # query position - key position
-    seen = dist >= 0 if window is None else (dist >= 0) & (dist < window)
-    hidden = ~seen
-    dq = torch.empty((segments, length, kv_heads, group, hd), dtype=torch.float32, device=q.device)
-    dk = torch.empty((segments, length, kv_heads, hd), dtype=torch.float32, device=q.device)
-    dv = torch.empty((segments, length, kv_heads, hd_v), dtype=torch.float32, device=q.device)
-    step = max(1, _BACKWARD_CHUNK // (heads * length * length))
-    for s0 in range(0, segments, step):
-        part = slice(s0, min(s0 + step, segments))
-        qq, kk, vv = qp[part].to(dtype), kp[part].to(dtype), vp[part].to(dtype)
-        do_full, oo = gp[part], op[part]
-        do = do_full.to(dtype)
-        scores = torch.einsum("sqkgd,slkd->skgql", qq, kk).float() * scale
-        probs = torch.softmax(scores.masked_fill(hidden, float("-inf")), dim=-1)
-        dv[part] = torch.einsum("skgql,sqkgd->slkd", probs.to(dtype), do)
-        dp = torch.einsum("sqkgd,slkd->skgql", do, vv).float()
-        rowdot = (do_full * oo).sum(-1).permute(0, 2, 3, 1)[..., None]  # [s, k, g, q, 1]
-        ds = (probs * (dp - rowdot) * scale).to(dtype)
-        dq[part] = torch.einsum("skgql,slkd->sqkgd", ds, kk)
-        dk[part] = torch.einsum("skgql,sqkgd->slkd", ds, qq)
-    return (
-        unpadded(dq).reshape(t, heads, hd).to(q.dtype),
-        unpadded(dk).to(keys.dtype),
-        unpadded(dv).to(values.dtype),
-    )
-
-
 def _needs_grad(*tensors: Tensor) -> bool:
     """Whether autograd must record this op (else the kernel is called directly: decode
     skips the ``Function`` bookkeeping; the bits are the same kernel's either way)."""
@@ -317,7 +126,11 @@ def _row_softmax(x: Tensor, *, log: bool) -> Tensor:
 class CudaStrictOps(StrictOps):
     """Strict numerics on CUDA through batch-invariant Triton kernels (see the module doc)."""
 
-    fused_row_attention = True
+    @classmethod
+    def uses_row_attention(cls, q: Tensor) -> bool:
+        """Always: the Triton kernel serves training and decode."""
+        return True
+
     attention_tiling: ClassVar[kernels.AttentionTiling] = kernels.ATTENTION_TILING
     """``row_attention``'s tiling (its dots' precision): one per kernel set, so training and
     decode of one model share it."""
@@ -391,7 +204,13 @@ class CudaStrictOps(StrictOps):
             q = q.contiguous()
         tiling = cls.attention_tiling
         if _needs_grad(q, keys, values):
-            out: Tensor = _RowAttention.apply(q, keys, values, kstart, pos, scale, window, tiling)
+            run = functools.partial(
+                kernels.row_attention, scale=scale, window=window, tiling=tiling
+            )
+            dtype = torch.bfloat16 if tiling.precision == "bf16" else torch.float32
+            out: Tensor = RowAttention.apply(
+                q, keys, values, kstart, pos, scale, window, run, dtype
+            )
         else:
             out = kernels.row_attention(
                 q, keys, values, kstart, pos, scale=scale, window=window, tiling=tiling

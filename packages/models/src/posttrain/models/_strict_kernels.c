@@ -160,26 +160,160 @@ int posttrain_strict_matmul(const float *x, const int64_t *xs, const float *w, c
     return 0;
 }
 
-/* exp_strict elementwise over n values (torch's path: _ops._exp_torch). The same fp32 ops in
- * the same order as torch's (constants rounded to fp32 as torch rounds a Python float against
- * an fp32 tensor), so the same bits. */
+/* exp_strict of one value: the same fp32 ops in the same order as torch's path
+ * (_ops._exp_torch; constants rounded to fp32 as torch rounds a Python float against an fp32
+ * tensor), so the same bits. */
+static inline float exp_strict1(float v, const float *restrict coeffs) {
+    const float inv_ln2 = 1.4426950408889634f, ln2_hi = 0.693359375f, ln2_lo = -2.12194440e-4f;
+    v = v < -87.0f ? -87.0f : v > 88.0f ? 88.0f : v;
+    float k = nearbyintf(v * inv_ln2); /* ties to even, as torch.round (default mode) */
+    float r = (v - k * ln2_hi) - k * ln2_lo;
+    float p = coeffs[0];
+    for (int j = 1; j < 8; j++) p = p * r + coeffs[j];
+    /* torch's float -> int32 of a NaN gives INT32_MIN (cvttps2dq); the shift then drops its
+     * top bit (as torch's int32 shift does), so the scale is 1.0 there too */
+    int32_t ki = k == k ? (int32_t)k : INT32_MIN;
+    union {
+        uint32_t i;
+        float f;
+    } scale = {.i = (uint32_t)(ki + 127) << 23};
+    return p * scale.f;
+}
+
+/* exp_strict elementwise over n values (torch's path: _ops._exp_torch). */
 void posttrain_exp_strict(const float *restrict x, int64_t n, const float *restrict coeffs,
                           float *restrict out) {
-    const float inv_ln2 = 1.4426950408889634f, ln2_hi = 0.693359375f, ln2_lo = -2.12194440e-4f;
-    for (int64_t i = 0; i < n; i++) {
-        float v = x[i];
-        v = v < -87.0f ? -87.0f : v > 88.0f ? 88.0f : v;
-        float k = nearbyintf(v * inv_ln2); /* ties to even, as torch.round (default mode) */
-        float r = (v - k * ln2_hi) - k * ln2_lo;
-        float p = coeffs[0];
-        for (int j = 1; j < 8; j++) p = p * r + coeffs[j];
-        /* torch's float -> int32 of a NaN gives INT32_MIN (cvttps2dq); the shift then drops its
-         * top bit (as torch's int32 shift does), so the scale is 1.0 there too */
-        int32_t ki = k == k ? (int32_t)k : INT32_MIN;
-        union {
-            uint32_t i;
-            float f;
-        } scale = {.i = (uint32_t)(ki + 127) << 23};
-        out[i] = p * scale.f;
+    for (int64_t i = 0; i < n; i++) out[i] = exp_strict1(x[i], coeffs);
+}
+
+/* The pairwise tree over the first w (a power of two) rows of a[w][len] in place: level by
+ * level row i += row i + half, as _ops._tree_levels; the sums end in row 0. */
+static void tree_rows(float *restrict a, int64_t w, int64_t len) {
+    for (int64_t half = w / 2; half >= 1; half /= 2)
+        for (int64_t i = 0; i < half; i++) {
+            float *restrict dst = a + i * len;
+            const float *restrict src = a + (i + half) * len;
+            for (int64_t d = 0; d < len; d++) dst[d] = dst[d] + src[d];
+        }
+}
+
+static int64_t pow2_at_least(int64_t n) {
+    int64_t w = 1;
+    while (w < n) w <<= 1;
+    return w;
+}
+
+/* Strict attention of T queries over key rows (StrictOps.attention's ops on each query, so its
+ * bits): query t, head h (kv head h / (H / KVH)) sees slot c of its key row, key and value row
+ * kstart[t] + c, for c <= pos[t] (and pos[t] - c < window where window > 0). Over those slots:
+ * score = tree_d(q[d] * k[d], hd padded to a power of two with +0.0) * scale; z = score - the
+ * largest score; e = exp_strict(z); p = e / tree_c(e); out[d] = tree_c(p * v[d]). The trees
+ * over c run over the first W = 2**ceil(log2(pos[t] + 1)) slots with unseen slots exactly +0.0:
+ * in the pairwise tree x + 0.0 == x, so any wider power of two (the torch path's chunk width,
+ * the cache's capacity) gives the same bits. Element strides: q (t, h, d), k and v (row, kv
+ * head, d); out [T, H, hv] contiguous. Returns 0; -2 if scratch memory cannot be allocated. */
+int posttrain_row_attention(const float *q, const int64_t *qs, const float *k, const int64_t *ks,
+                            const float *v, const int64_t *vs, const int64_t *kstart,
+                            const int64_t *pos, float *out, int64_t T, int64_t H, int64_t KVH,
+                            int64_t hd, int64_t hv, float scale, int64_t window,
+                            const float *coeffs) {
+    if (T < 1 || H < 1) return 0;
+    int64_t group = H / KVH, wd = pow2_at_least(hd), wmax = 1;
+    for (int64_t t = 0; t < T; t++) {
+        int64_t w = pow2_at_least(pos[t] + 1);
+        if (w > wmax) wmax = w;
+    }
+    float *e = malloc((size_t)wmax * sizeof(float));
+    float *sum = malloc((size_t)wmax * sizeof(float));
+    float *acc = malloc((size_t)wmax * (size_t)(hv > 0 ? hv : 1) * sizeof(float));
+    float *dots = malloc((size_t)wd * sizeof(float));
+    if (!e || !sum || !acc || !dots) {
+        free(e);
+        free(sum);
+        free(acc);
+        free(dots);
+        return -2;
+    }
+    for (int64_t t = 0; t < T; t++) {
+        int64_t p = pos[t], w = pow2_at_least(p + 1);
+        int64_t first = window > 0 && p - window + 1 > 0 ? p - window + 1 : 0;
+        for (int64_t h = 0; h < H; h++) {
+            const float *qh = q + t * qs[0] + h * qs[1];
+            int64_t kv = h / group;
+            float top = -INFINITY;
+            for (int64_t c = first; c <= p; c++) {
+                const float *kc = k + (kstart[t] + c) * ks[0] + kv * ks[1];
+                for (int64_t d = 0; d < wd; d++)
+                    dots[d] = d < hd ? qh[d * qs[2]] * kc[d * ks[2]] : 0.0f;
+                tree_rows(dots, wd, 1);
+                float score = dots[0] * scale;
+                e[c] = score;
+                if (score != score)
+                    top = score; /* amax of a NaN is NaN */
+                else if (top == top && score > top)
+                    top = score;
+            }
+            for (int64_t c = 0; c < w; c++)
+                sum[c] = e[c] = c >= first && c <= p ? exp_strict1(e[c] - top, coeffs) : 0.0f;
+            tree_rows(sum, w, 1);
+            float denom = sum[0];
+            for (int64_t c = 0; c < w; c++) {
+                float *row = acc + c * hv;
+                if (c < first || c > p) {
+                    for (int64_t d = 0; d < hv; d++) row[d] = 0.0f;
+                    continue;
+                }
+                float prob = e[c] / denom;
+                const float *vc = v + (kstart[t] + c) * vs[0] + kv * vs[1];
+                for (int64_t d = 0; d < hv; d++) row[d] = prob * vc[d * vs[2]];
+            }
+            tree_rows(acc, w, hv);
+            memcpy(out + (t * H + h) * hv, acc, (size_t)hv * sizeof(float));
+        }
+    }
+    free(e);
+    free(sum);
+    free(acc);
+    free(dots);
+    return 0;
+}
+
+/* The two halves of strict RMSNorm (StrictOps.rms_norm; torch's sqrt between them, whose bits
+ * are torch's own: on some CPUs it is not the correctly rounded sqrt of C).
+ *
+ * posttrain_rms_norm_ms: ms[r] = tree_i(x[r, i] * x[r, i], H padded to a power of two with +0.0)
+ * / H + eps, for R contiguous rows of H values. The rows' trees run 16 rows side by side (one
+ * vector add per level and row block): each row is reduced alone, so the blocking never
+ * changes a bit. Returns 0; -2 if scratch memory cannot be allocated. */
+int posttrain_rms_norm_ms(const float *x, float *ms, int64_t R, int64_t H, float eps) {
+    if (R < 1 || H < 1) return 0;
+    enum { RB = 16 };
+    int64_t wh = pow2_at_least(H);
+    float *sq = malloc((size_t)wh * RB * sizeof(float));
+    if (!sq) return -2;
+    const float count = (float)H;
+    for (int64_t r0 = 0; r0 < R; r0 += RB) {
+        int64_t nr = R - r0 < RB ? R - r0 : RB;
+        for (int64_t i = 0; i < wh; i++)
+            for (int64_t r = 0; r < RB; r++) {
+                float v = r < nr && i < H ? x[(r0 + r) * H + i] : 0.0f;
+                sq[i * RB + r] = r < nr && i < H ? v * v : 0.0f;
+            }
+        tree_rows(sq, wh, RB);
+        for (int64_t r = 0; r < nr; r++) ms[r0 + r] = sq[r] / count + eps;
+    }
+    free(sq);
+    return 0;
+}
+
+/* posttrain_rms_norm_scale: out[r, i] = (x[r, i] * inv[r]) * w[r % P, i] for R contiguous rows of
+ * H values (w[P][H]: a per-head weight repeats over the tokens). */
+void posttrain_rms_norm_scale(const float *restrict x, const float *restrict inv,
+                              const float *restrict w, float *restrict out, int64_t R, int64_t H,
+                              int64_t P) {
+    for (int64_t r = 0; r < R; r++) {
+        const float *xr = x + r * H, *wr = w + (r % P) * H;
+        float *o = out + r * H, s = inv[r];
+        for (int64_t i = 0; i < H; i++) o[i] = (xr[i] * s) * wr[i];
     }
 }
