@@ -100,6 +100,28 @@ def test_strict_logprobs_do_not_depend_on_packing_or_padding() -> None:
     assert torch.equal(packed, back)
 
 
+@pytest.mark.parametrize("numerics", [Numerics.STRICT, Numerics.FAST])
+def test_forward_logits_of_rows_are_the_full_logits_rows(numerics: Numerics) -> None:
+    """``forward_logits(..., rows=)`` (the LM head on those rows only) gives the rows of the
+    full logits: bit for bit in strict numerics, to fp32 rounding in fast; differentiable."""
+    cfg = VARIANTS["tiny"]
+    model = build_model(cfg, 5)
+    model.numerics = numerics
+    segments, _ = random_batch(cfg, 5, 4, C)
+    ids = torch.tensor([t for s in segments for t in s])
+    lengths = [len(s) for s in segments]
+    rows = torch.tensor([0, 3, 3, ids.shape[0] - 1, 7])
+    full = model.forward_logits(ids, lengths)
+    picked = model.forward_logits(ids, lengths, rows=rows)
+    assert picked.shape == (rows.shape[0], cfg.vocab_size)
+    if numerics is Numerics.STRICT:
+        assert torch.equal(picked, full[rows])
+    else:
+        torch.testing.assert_close(picked, full[rows], rtol=1e-5, atol=1e-6)
+    picked.sum().backward()
+    assert model.sites["lm_head"].weight.grad is not None
+
+
 def sample_rollouts(
     engine: DecoderModel, prompts: list[list[int]], new_tokens: int, seed: int
 ) -> list[list[int]]:

@@ -60,8 +60,8 @@ def _response_logprobs(
     model: DecoderModel, batch: PackedBatch, *, with_logits: bool
 ) -> tuple[Tensor, Tensor | None]:
     """Logprob of each response token (and the logits predicting it), as the engine computes."""
-    logits = model.forward_logits(batch.ids, batch.lengths, media=batch.media)
-    picked = logits[batch.rows]
+    # the LM head reads the scored rows only: their logits are forward_logits(...)[rows]
+    picked = model.forward_logits(batch.ids, batch.lengths, media=batch.media, rows=batch.rows)
     logp = model.ops.log_softmax(picked).gather(1, batch.targets[:, None])[:, 0]
     return logp, (picked if with_logits else None)
 

@@ -159,6 +159,20 @@ def _build() -> ctypes.CDLL:
             ptr,
         ]
         lib.posttrain_row_attention.restype = ctypes.c_int
+        lib.posttrain_row_attention_backward.argtypes = [
+            *(ptr, ptr) * 3,
+            ptr,
+            ptr,
+            ptr,
+            ptr,
+            ptr,
+            ptr,
+            *(i64,) * 5,
+            ctypes.c_float,
+            i64,
+            ptr,
+        ]
+        lib.posttrain_row_attention_backward.restype = ctypes.c_int
         lib.posttrain_rms_norm_ms.argtypes = [ptr, ptr, i64, i64, ctypes.c_float]
         lib.posttrain_rms_norm_ms.restype = ctypes.c_int
         lib.posttrain_rms_norm_scale.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64]
@@ -410,6 +424,51 @@ def row_attention(
         out.data_ptr(), t, heads, kv_heads, hd, hd_v, scale, window or 0, coeffs.data_ptr(),
     )  # fmt: skip
     return None if code else out.reshape(t, -1)
+
+
+def row_attention_backward(
+    q: Tensor,
+    keys: Tensor,
+    values: Tensor,
+    kstart: Tensor,
+    pos: Tensor,
+    grad: Tensor,
+    *,
+    scale: float,
+    window: int | None,
+    coeffs: Tensor,
+) -> tuple[Tensor, Tensor, Tensor] | None:
+    """The gradients ``(dq, dkeys, dvalues)`` of ``row_attention`` for the output gradient
+    ``grad`` (``[T, heads * hd_v]``): the forward's probabilities recomputed with its own ops,
+    then sequential fp32 sums in a fixed order (run-to-run deterministic; no bit contract);
+    ``None`` where the kernel does not apply."""
+    if q.dim() != 3 or keys.dim() != 3 or values.dim() != 3:
+        return None
+    t, heads, hd = q.shape
+    kv_heads, hd_v = keys.shape[1], values.shape[2]
+    if heads % max(kv_heads, 1) or grad.numel() != t * heads * hd_v:
+        return None
+    with torch.no_grad():
+        if not _applies(q, keys, values, grad):
+            return None
+        lib = library()
+        if lib is None:
+            return None
+        g = grad.reshape(t, heads, hd_v).contiguous()
+        dq = torch.empty((t, heads, hd), dtype=torch.float32)
+        dk = torch.zeros(keys.shape, dtype=torch.float32)
+        dv = torch.zeros(values.shape, dtype=torch.float32)
+        if not t:
+            return dq, dk, dv
+        starts = kstart.to(torch.int64).contiguous()
+        positions = pos.to(torch.int64).contiguous()
+        code = lib.posttrain_row_attention_backward(
+            q.data_ptr(), _I3(*q.stride()), keys.data_ptr(), _I3(*keys.stride()),
+            values.data_ptr(), _I3(*values.stride()), starts.data_ptr(), positions.data_ptr(),
+            g.data_ptr(), dq.data_ptr(), dk.data_ptr(), dv.data_ptr(), t, heads, kv_heads, hd,
+            hd_v, scale, window or 0, coeffs.data_ptr(),
+        )  # fmt: skip
+    return None if code else (dq, dk, dv)
 
 
 _I3 = ctypes.c_int64 * 3

@@ -527,8 +527,14 @@ class DecoderModel(nn.Module):
         lora: AdapterArg = None,
         media: MediaBatch | None = None,
         inputs_embeds: Tensor | None = None,
+        rows: Tensor | None = None,
     ) -> Tensor:
         """fp32 logits ``[T, vocab]`` for packed segments (positions restart per segment).
+
+        ``rows``: only the logits of these packed positions, ``[len(rows), vocab]`` (what
+        ``forward_logits(...)[rows]`` holds: the same bits in strict numerics, where every row
+        is computed alone); the LM head then reads those rows only (a trainer scores the
+        response tokens, a small share of a packed batch).
 
         ``media``: the placeholder runs of the packed ids (``MediaBatch.pack`` of each
         sample's ``expand_media_tokens`` result); their embedding rows are the towers'
@@ -545,8 +551,8 @@ class DecoderModel(nn.Module):
                     f"inputs_embeds is {inputs_embeds.dtype} {list(inputs_embeds.shape)}, "
                     f"expected torch.float32 {list(want)}"
                 )
-            return self._forward(ids, layout, routing, embeds=inputs_embeds)
-        return self._forward(ids, layout, routing, media=media)
+            return self._forward(ids, layout, routing, embeds=inputs_embeds, rows=rows)
+        return self._forward(ids, layout, routing, media=media, rows=rows)
 
     def embed_inputs(self, input_ids: Tensor, media: MediaBatch | None = None) -> Tensor:
         """The embedding output ``[T, hidden]`` fp32 that the decoder layers see (before the
@@ -934,9 +940,15 @@ class DecoderModel(nn.Module):
         *,
         media: MediaBatch | None = None,
         embeds: Tensor | None = None,
+        rows: Tensor | None = None,
     ) -> Tensor:
         h = self._hidden(ids, layout, lora, media=media, embeds=embeds)
-        return self._head(h, lora)
+        if rows is None:
+            return self._head(h, lora)
+        rows = rows.to(h.device).long()
+        if lora.active:  # a per-request adapter on the head routes by every token's segment
+            return self._head(h, lora)[rows]
+        return self._head(h[rows], lora)
 
     def _hidden(
         self,

@@ -40,6 +40,7 @@ also to fp32 rounding. ``_CUSTOM_BACKWARD = False`` selects autograd's own (benc
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, ClassVar
 
@@ -547,8 +548,14 @@ class StrictOps(FastOps):
         if torch.is_grad_enabled() and (
             q.requires_grad or keys.requires_grad or values.requires_grad
         ):
+            own = functools.partial(
+                _ckernel.row_attention_backward,
+                scale=scale,
+                window=window,
+                coeffs=_EXP_COEFFS_F32,
+            )
             out: Tensor = RowAttention.apply(  # type: ignore[no-untyped-call]
-                q, keys, values, kstart, pos, scale, window, run, torch.float32
+                q, keys, values, kstart, pos, scale, window, run, torch.float32, own
             )
             return out
         return run(q, keys, values, kstart, pos)

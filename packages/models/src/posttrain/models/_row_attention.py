@@ -26,10 +26,17 @@ RowForward = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], Tensor]
 """A kernel set's attention forward over key rows: ``(q, keys, values, kstart, pos) -> out``."""
 
 
+RowBackward = Callable[
+    [Tensor, Tensor, Tensor, Tensor, Tensor, Tensor], "tuple[Tensor, Tensor, Tensor] | None"
+]
+"""A kernel set's own attention backward: ``(q, keys, values, kstart, pos, grad) -> (dq, dk,
+dv)``, or ``None`` where it does not apply (``row_attention_backward`` then runs)."""
+
+
 class RowAttention(torch.autograd.Function):
-    """``forward(q, keys, values, kstart, pos)`` (the kernel set's, without a graph) with
-    ``row_attention_backward``; ``dtype``: the backward matmuls' operand dtype (bf16 where the
-    forward's dots were bf16)."""
+    """``forward(q, keys, values, kstart, pos)`` (the kernel set's, without a graph) with the
+    kernel set's ``backward`` where it gives one, else ``row_attention_backward``; ``dtype``:
+    the torch backward's matmul operand dtype (bf16 where the forward's dots were bf16)."""
 
     @staticmethod
     def forward(
@@ -43,19 +50,21 @@ class RowAttention(torch.autograd.Function):
         window: int | None,
         forward: RowForward,
         dtype: torch.dtype,
+        backward: RowBackward | None = None,
     ) -> Tensor:
         out = forward(q, keys, values, kstart, pos)
         ctx.save_for_backward(q, keys, values, kstart, pos, out)
-        ctx.scale, ctx.window, ctx.dtype = scale, window, dtype
+        ctx.scale, ctx.window, ctx.dtype, ctx.backward = scale, window, dtype, backward
         return out
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
         q, keys, values, kstart, pos, out = ctx.saved_tensors
-        dq, dk, dv = row_attention_backward(
+        own = None if ctx.backward is None else ctx.backward(q, keys, values, kstart, pos, grad)
+        dq, dk, dv = own or row_attention_backward(
             q, keys, values, kstart, pos, out, grad, ctx.scale, ctx.window, ctx.dtype
         )
-        return dq, dk, dv, None, None, None, None, None, None
+        return dq.reshape(q.shape), dk, dv, None, None, None, None, None, None, None
 
 
 def row_attention_backward(

@@ -189,18 +189,115 @@ void posttrain_exp_strict(const float *restrict x, int64_t n, const float *restr
 /* The pairwise tree over the first w (a power of two) rows of a[w][len] in place: level by
  * level row i += row i + half, as _ops._tree_levels; the sums end in row 0. */
 static void tree_rows(float *restrict a, int64_t w, int64_t len) {
-    for (int64_t half = w / 2; half >= 1; half /= 2)
-        for (int64_t i = 0; i < half; i++) {
-            float *restrict dst = a + i * len;
-            const float *restrict src = a + (i + half) * len;
-            for (int64_t d = 0; d < len; d++) dst[d] = dst[d] + src[d];
-        }
+    /* rows i and i + half are the blocks [0, half * len) and [half * len, 2 * half * len):
+     * one flat, vectorisable loop per level */
+    for (int64_t half = w / 2; half >= 1; half /= 2) {
+        int64_t n = half * len;
+        float *restrict dst = a;
+        const float *restrict src = a + n;
+        for (int64_t j = 0; j < n; j++) dst[j] = dst[j] + src[j];
+    }
 }
 
 static int64_t pow2_at_least(int64_t n) {
     int64_t w = 1;
     while (w < n) w <<= 1;
     return w;
+}
+
+/* Scratch of the row attention kernels: one query's key rows transposed and its head's
+ * score products, probabilities and partial sums, sized for the longest query. */
+struct row_scratch {
+    float *kt;  /* [wd][wmax]: the query's keys of one kv head, kt[d * w + c] */
+    float *vt;  /* [hv][wmax]: its values, transposed likewise (the backward's dp) */
+    float *prod; /* [wd][wmax]: q[d] * kt[d][c], then their tree over d */
+    float *e;   /* [wmax]: probabilities */
+    float *sum; /* [wmax] */
+    float *acc; /* [wmax][hv]: p[c] * v[c][d], then their tree over c */
+};
+
+static void row_scratch_free(struct row_scratch *s) {
+    free(s->kt);
+    free(s->vt);
+    free(s->prod);
+    free(s->e);
+    free(s->sum);
+    free(s->acc);
+}
+
+static int row_scratch_alloc(struct row_scratch *s, int64_t wmax, int64_t wd, int64_t hv) {
+    size_t n = (size_t)wmax;
+    s->kt = malloc(n * (size_t)wd * sizeof(float));
+    s->vt = malloc(n * (size_t)(hv > 0 ? hv : 1) * sizeof(float));
+    s->prod = malloc(n * (size_t)wd * sizeof(float));
+    s->e = malloc(n * sizeof(float));
+    s->sum = malloc(n * sizeof(float));
+    s->acc = malloc(n * (size_t)(hv > 0 ? hv : 1) * sizeof(float));
+    if (s->kt && s->vt && s->prod && s->e && s->sum && s->acc) return 0;
+    row_scratch_free(s);
+    return -2;
+}
+
+/* kt[d * w + c] = k[row(c), kv, d] for the seen slots c in [first, p], 0 for d >= hd. */
+static void gather_keys(float *restrict kt, const float *k, const int64_t *ks, int64_t start,
+                        int64_t kv, int64_t first, int64_t p, int64_t w, int64_t hd,
+                        int64_t wd) {
+    for (int64_t c = first; c <= p; c++) {
+        const float *kc = k + (start + c) * ks[0] + kv * ks[1];
+        for (int64_t d = 0; d < hd; d++) kt[d * w + c] = kc[d * ks[2]];
+    }
+    for (int64_t d = hd; d < wd; d++)
+        for (int64_t c = first; c <= p; c++) kt[d * w + c] = 0.0f;
+}
+
+/* The probabilities p[c] of one query head over its seen slots [first, p] (0 elsewhere in
+ * [0, w)), with StrictOps.attention's ops: scores as trees over d (of wd = 2**ceil(log2 hd)
+ * products, the padded ones +0.0) times scale, minus their largest, exp_strict, over the tree
+ * over c of the exps. The trees over d run for all slots at once, level by level (each slot's
+ * pairs are its own, as in a tree per slot). */
+static void row_probs(struct row_scratch *s, const float *qh, int64_t qstride, int64_t first,
+                      int64_t p, int64_t w, int64_t hd, int64_t wd, float scale,
+                      const float *coeffs) {
+    float *restrict prod = s->prod, *restrict e = s->e, *restrict sum = s->sum;
+    const float *restrict kt = s->kt;
+    for (int64_t d = 0; d < wd; d++) {
+        float qd = d < hd ? qh[d * qstride] : 0.0f;
+        float *restrict row = prod + d * w;
+        const float *restrict krow = kt + d * w;
+        if (d < hd)
+            for (int64_t c = first; c <= p; c++) row[c] = qd * krow[c];
+        else
+            for (int64_t c = first; c <= p; c++) row[c] = 0.0f;
+    }
+    for (int64_t half = wd / 2; half >= 1; half /= 2) /* the tree over d, per slot */
+        for (int64_t d = 0; d < half; d++) {
+            float *restrict dst = prod + d * w;
+            const float *restrict src = prod + (d + half) * w;
+            for (int64_t c = first; c <= p; c++) dst[c] = dst[c] + src[c];
+        }
+    float top = -INFINITY;
+    for (int64_t c = first; c <= p; c++) {
+        float score = prod[c] * scale;
+        e[c] = score;
+        if (score != score)
+            top = score; /* amax of a NaN is NaN */
+        else if (top == top && score > top)
+            top = score;
+    }
+    for (int64_t c = 0; c < w; c++) e[c] = c >= first && c <= p ? exp_strict1(e[c] - top, coeffs) : 0.0f;
+    memcpy(sum, e, (size_t)w * sizeof(float));
+    tree_rows(sum, w, 1);
+    float denom = sum[0];
+    for (int64_t c = first; c <= p; c++) e[c] = e[c] / denom;
+}
+
+static int64_t longest_window(const int64_t *pos, int64_t T) {
+    int64_t wmax = 1;
+    for (int64_t t = 0; t < T; t++) {
+        int64_t w = pow2_at_least(pos[t] + 1);
+        if (w > wmax) wmax = w;
+    }
+    return wmax;
 }
 
 /* Strict attention of T queries over key rows (StrictOps.attention's ops on each query, so its
@@ -218,63 +315,34 @@ int posttrain_row_attention(const float *q, const int64_t *qs, const float *k, c
                             int64_t hd, int64_t hv, float scale, int64_t window,
                             const float *coeffs) {
     if (T < 1 || H < 1) return 0;
-    int64_t group = H / KVH, wd = pow2_at_least(hd), wmax = 1;
-    for (int64_t t = 0; t < T; t++) {
-        int64_t w = pow2_at_least(pos[t] + 1);
-        if (w > wmax) wmax = w;
-    }
-    float *e = malloc((size_t)wmax * sizeof(float));
-    float *sum = malloc((size_t)wmax * sizeof(float));
-    float *acc = malloc((size_t)wmax * (size_t)(hv > 0 ? hv : 1) * sizeof(float));
-    float *dots = malloc((size_t)wd * sizeof(float));
-    if (!e || !sum || !acc || !dots) {
-        free(e);
-        free(sum);
-        free(acc);
-        free(dots);
-        return -2;
-    }
+    int64_t group = H / KVH, wd = pow2_at_least(hd);
+    struct row_scratch s;
+    if (row_scratch_alloc(&s, longest_window(pos, T), wd, hv)) return -2;
     for (int64_t t = 0; t < T; t++) {
         int64_t p = pos[t], w = pow2_at_least(p + 1);
         int64_t first = window > 0 && p - window + 1 > 0 ? p - window + 1 : 0;
-        for (int64_t h = 0; h < H; h++) {
-            const float *qh = q + t * qs[0] + h * qs[1];
-            int64_t kv = h / group;
-            float top = -INFINITY;
-            for (int64_t c = first; c <= p; c++) {
-                const float *kc = k + (kstart[t] + c) * ks[0] + kv * ks[1];
-                for (int64_t d = 0; d < wd; d++)
-                    dots[d] = d < hd ? qh[d * qs[2]] * kc[d * ks[2]] : 0.0f;
-                tree_rows(dots, wd, 1);
-                float score = dots[0] * scale;
-                e[c] = score;
-                if (score != score)
-                    top = score; /* amax of a NaN is NaN */
-                else if (top == top && score > top)
-                    top = score;
-            }
-            for (int64_t c = 0; c < w; c++)
-                sum[c] = e[c] = c >= first && c <= p ? exp_strict1(e[c] - top, coeffs) : 0.0f;
-            tree_rows(sum, w, 1);
-            float denom = sum[0];
-            for (int64_t c = 0; c < w; c++) {
-                float *row = acc + c * hv;
-                if (c < first || c > p) {
-                    for (int64_t d = 0; d < hv; d++) row[d] = 0.0f;
-                    continue;
+        for (int64_t kv = 0; kv < KVH; kv++) {
+            gather_keys(s.kt, k, ks, kstart[t], kv, first, p, w, hd, wd);
+            for (int64_t h = kv * group; h < (kv + 1) * group; h++) {
+                row_probs(&s, q + t * qs[0] + h * qs[1], qs[2], first, p, w, hd, wd, scale,
+                          coeffs);
+                float *restrict acc = s.acc;
+                for (int64_t c = 0; c < w; c++) {
+                    float *restrict row = acc + c * hv;
+                    if (c < first || c > p) {
+                        for (int64_t d = 0; d < hv; d++) row[d] = 0.0f;
+                        continue;
+                    }
+                    float prob = s.e[c];
+                    const float *vc = v + (kstart[t] + c) * vs[0] + kv * vs[1];
+                    for (int64_t d = 0; d < hv; d++) row[d] = prob * vc[d * vs[2]];
                 }
-                float prob = e[c] / denom;
-                const float *vc = v + (kstart[t] + c) * vs[0] + kv * vs[1];
-                for (int64_t d = 0; d < hv; d++) row[d] = prob * vc[d * vs[2]];
+                tree_rows(acc, w, hv);
+                memcpy(out + (t * H + h) * hv, acc, (size_t)hv * sizeof(float));
             }
-            tree_rows(acc, w, hv);
-            memcpy(out + (t * H + h) * hv, acc, (size_t)hv * sizeof(float));
         }
     }
-    free(e);
-    free(sum);
-    free(acc);
-    free(dots);
+    row_scratch_free(&s);
     return 0;
 }
 
@@ -316,4 +384,66 @@ void posttrain_rms_norm_scale(const float *restrict x, const float *restrict inv
         float *o = out + r * H, s = inv[r];
         for (int64_t i = 0; i < H; i++) o[i] = (xr[i] * s) * wr[i];
     }
+}
+
+/* The gradient of posttrain_row_attention (no bit contract: the strict backwards promise run-to-
+ * run determinism only). Per query t and head h, in order: the forward's probabilities p_c
+ * recomputed with the forward's own ops (row_probs: its bits), dp_c = do . v_c (a sequential
+ * sum over d), r = sum_c p_c dp_c, ds_c = p_c (dp_c - r) scale; dq = sum_c ds_c k_c;
+ * dk_c += ds_c q and dv_c += p_c do for the key rows kstart[t] + c. Every sum runs in a fixed
+ * order and the key rows' gradients accumulate query by query: the same bits run to run.
+ * grad [T, H, hv] and dq [T, H, hd] contiguous; dk [S, KVH, hd] and dv [S, KVH, hv] contiguous,
+ * zeroed by the caller; q, k, v through element strides as in the forward. Returns 0; -2 if
+ * scratch memory cannot be allocated. */
+int posttrain_row_attention_backward(const float *q, const int64_t *qs, const float *k,
+                                     const int64_t *ks, const float *v, const int64_t *vs,
+                                     const int64_t *kstart, const int64_t *pos,
+                                     const float *grad, float *dq, float *dk, float *dv,
+                                     int64_t T, int64_t H, int64_t KVH, int64_t hd, int64_t hv,
+                                     float scale, int64_t window, const float *coeffs) {
+    if (T < 1 || H < 1) return 0;
+    int64_t group = H / KVH, wd = pow2_at_least(hd);
+    struct row_scratch s;
+    if (row_scratch_alloc(&s, longest_window(pos, T), wd, hv)) return -2;
+    for (int64_t t = 0; t < T; t++) {
+        int64_t p = pos[t], w = pow2_at_least(p + 1);
+        int64_t first = window > 0 && p - window + 1 > 0 ? p - window + 1 : 0;
+        for (int64_t kv = 0; kv < KVH; kv++) {
+            gather_keys(s.kt, k, ks, kstart[t], kv, first, p, w, hd, wd);
+            for (int64_t c = first; c <= p; c++) { /* vt[d * w + c] = v[row(c), kv, d] */
+                const float *vc = v + (kstart[t] + c) * vs[0] + kv * vs[1];
+                for (int64_t d = 0; d < hv; d++) s.vt[d * w + c] = vc[d * vs[2]];
+            }
+            for (int64_t h = kv * group; h < (kv + 1) * group; h++) {
+                const float *qh = q + t * qs[0] + h * qs[1];
+                const float *go = grad + (t * H + h) * hv;
+                float *restrict gq = dq + (t * H + h) * hd;
+                row_probs(&s, qh, qs[2], first, p, w, hd, wd, scale, coeffs);
+                float *restrict dp = s.sum, *restrict e = s.e;
+                for (int64_t c = first; c <= p; c++) dp[c] = 0.0f;
+                for (int64_t d = 0; d < hv; d++) {
+                    float g = go[d];
+                    const float *restrict vrow = s.vt + d * w;
+                    for (int64_t c = first; c <= p; c++) dp[c] += g * vrow[c];
+                }
+                float r = 0.0f;
+                for (int64_t c = first; c <= p; c++) r += e[c] * dp[c];
+                for (int64_t c = first; c <= p; c++) dp[c] = e[c] * (dp[c] - r) * scale;
+                for (int64_t d = 0; d < hd; d++) gq[d] = 0.0f;
+                for (int64_t c = first; c <= p; c++) {
+                    int64_t row = kstart[t] + c;
+                    float g = dp[c], pc = e[c];
+                    float *restrict gk = dk + (row * KVH + kv) * hd;
+                    float *restrict gv = dv + (row * KVH + kv) * hv;
+                    for (int64_t d = 0; d < hd; d++) {
+                        gq[d] += g * s.kt[d * w + c];
+                        gk[d] += g * qh[d * qs[2]];
+                    }
+                    for (int64_t d = 0; d < hv; d++) gv[d] += pc * go[d];
+                }
+            }
+        }
+    }
+    row_scratch_free(&s);
+    return 0;
 }

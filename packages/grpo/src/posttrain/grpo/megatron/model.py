@@ -330,8 +330,10 @@ class TensorParallelDecoder(DecoderModel):
         lora: AdapterArg = None,
         media: MediaBatch | None = None,
         inputs_embeds: Tensor | None = None,
+        rows: Tensor | None = None,
     ) -> Tensor:
-        """fp32 logits ``[T, vocab]`` (on every TP rank) for packed segments (text only)."""
+        """fp32 logits ``[T, vocab]`` (on every TP rank) for packed segments (text only);
+        ``rows``: only those packed positions' logits (``DecoderModel.forward_logits``)."""
         if media is not None or inputs_embeds is not None:
             raise GrpoInputError(
                 "TensorParallelDecoder: media / inputs_embeds are not taken by the megatron "
@@ -343,7 +345,7 @@ class TensorParallelDecoder(DecoderModel):
                 "adapters with lora-core (attach_lora) instead"
             )
         if not self.sequence_parallel:
-            return super().forward_logits(input_ids, segment_lengths)
+            return super().forward_logits(input_ids, segment_lengths, rows=rows)
         ids = input_ids.reshape(-1)
         n, tp = ids.shape[0], self.groups.tp_size
         pad = -n % tp
@@ -351,7 +353,8 @@ class TensorParallelDecoder(DecoderModel):
         if pad:  # one short segment of its own: it sees nothing and nothing sees it
             ids = torch.cat([ids, ids.new_zeros(pad)])
             lengths.append(pad)
-        return super().forward_logits(ids, lengths)[:n]
+        logits = super().forward_logits(ids, lengths)[:n]
+        return logits if rows is None else logits[rows.to(logits.device).long()]
 
     def scatter_sequence(self, h: Tensor) -> Tensor:
         """The decoder's seam: this rank's slice of the tokens under sequence parallel."""
