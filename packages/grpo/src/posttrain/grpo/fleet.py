@@ -496,8 +496,12 @@ class EngineFleet:
         be reached and the re-admitted ones.
         """
         if readmit is None:
-            readmit = _decided_on_lead(
-                lambda: self.answering(self.lost) if self.readmit_lost else []
+            # ``lost`` is the same on every rank (each takes it from the sync's result): with
+            # none lost there is nothing to probe, and no rank needs rank 0's word on it
+            readmit = (
+                _decided_on_lead(lambda: self.answering(self.lost))
+                if self.readmit_lost and self.lost
+                else []
             )
         synced = self._push(
             policy, version, first=first, engines_resumed=engines_resumed, readmit=readmit

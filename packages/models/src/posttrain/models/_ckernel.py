@@ -173,6 +173,8 @@ def _build() -> ctypes.CDLL:
             ptr,
         ]
         lib.posttrain_row_attention_backward.restype = ctypes.c_int
+        lib.posttrain_silu_mul.argtypes = [ptr, i64, ptr, i64, ptr, i64, i64, ptr]
+        lib.posttrain_silu_mul.restype = None
         lib.posttrain_rms_norm_ms.argtypes = [ptr, ptr, i64, i64, ctypes.c_float]
         lib.posttrain_rms_norm_ms.restype = ctypes.c_int
         lib.posttrain_rms_norm_scale.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64]
@@ -506,4 +508,28 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor | None:
         lib.posttrain_rms_norm_scale(
             xc.data_ptr(), inv.data_ptr(), wc.data_ptr(), out.data_ptr(), rows, h, wc.numel() // h
         )
+    return out
+
+
+def silu_mul(gate: Tensor, up: Tensor, coeffs: Tensor) -> Tensor | None:
+    """``StrictOps.silu_mul(gate, up)`` in one pass, bit for bit, for 2-D ``gate``/``up`` whose
+    rows are contiguous (column slices of one projection); ``None`` where the kernel does not
+    apply."""
+    if (
+        gate.dim() != 2
+        or up.shape != gate.shape
+        or not _applies(gate, up)
+        or (gate.shape[1] > 1 and (gate.stride(1) != 1 or up.stride(1) != 1))
+    ):
+        return None
+    lib = library()
+    if lib is None:
+        return None
+    rows, width = gate.shape
+    out = torch.empty((rows, width), dtype=torch.float32)
+    if out.numel():
+        lib.posttrain_silu_mul(
+            gate.data_ptr(), gate.stride(0), up.data_ptr(), up.stride(0), out.data_ptr(), rows,
+            width, coeffs.data_ptr(),
+        )  # fmt: skip
     return out

@@ -344,6 +344,31 @@ class _RmsNorm(torch.autograd.Function):
         return dx, dw, None
 
 
+def _silu_mul_torch(gate: Tensor, up: Tensor) -> Tensor:
+    """``StrictOps.silu_mul`` in torch ops (the fused C kernel's reference: the same ops)."""
+    return (gate / (1.0 + exp_strict(-gate))) * up
+
+
+class _SiluMul(torch.autograd.Function):
+    """``StrictOps.silu_mul`` (the fused kernel's bits) with SiLU's derivative in torch ops:
+    ``dgate = grad * up * s * (1 + gate * (1 - s))``, ``dup = grad * gate * s`` for
+    ``s = sigmoid(gate)``; autograd's gradient of the strict ops to fp32 rounding."""
+
+    @staticmethod
+    def forward(ctx: Any, gate: Tensor, up: Tensor) -> Tensor:
+        out = _ckernel.silu_mul(gate, up, _EXP_COEFFS_F32)
+        ctx.save_for_backward(gate, up)
+        return _silu_mul_torch(gate, up) if out is None else out
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, Tensor | None]:
+        gate, up = ctx.saved_tensors
+        s = torch.sigmoid(gate)
+        d_gate = grad * up * s * (1.0 + gate * (1.0 - s)) if ctx.needs_input_grad[0] else None
+        d_up = grad * gate * s if ctx.needs_input_grad[1] else None
+        return d_gate, d_up
+
+
 class FastOps:
     """Ordinary torch kernels (BLAS, torch softmax); fp32 activations; not batch invariant."""
 
@@ -596,8 +621,14 @@ class StrictOps(FastOps):
 
     @staticmethod
     def silu_mul(gate: Tensor, up: Tensor) -> Tensor:
-        """``gate / (1 + exp_strict(-gate)) * up``."""
-        return (gate / (1.0 + exp_strict(-gate))) * up
+        """``gate / (1 + exp_strict(-gate)) * up``; through the fused C kernel where it applies
+        (``_ckernel.silu_mul``, the same bits), under autograd with ``_SiluMul``'s backward."""
+        recording = torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad)
+        if recording and _CUSTOM_BACKWARD and gate.device.type == "cpu" and _ckernel.available():
+            out: Tensor = _SiluMul.apply(gate, up)  # type: ignore[no-untyped-call]
+            return out
+        fused = _ckernel.silu_mul(gate, up, _EXP_COEFFS_F32)
+        return _silu_mul_torch(gate, up) if fused is None else fused
 
     @staticmethod
     def sigmoid(x: Tensor) -> Tensor:

@@ -447,3 +447,16 @@ int posttrain_row_attention_backward(const float *q, const int64_t *qs, const fl
     row_scratch_free(&s);
     return 0;
 }
+
+/* Strict SiLU-and-multiply (StrictOps.silu_mul's ops, so its bits): out[r, i] =
+ * (g / (1 + exp_strict(-g))) * u for g = gate[r, i], u = up[r, i]; gate and up rows ldg and ldu
+ * floats apart (slices of one fused projection), out contiguous [R][I]. */
+void posttrain_silu_mul(const float *restrict gate, int64_t ldg, const float *restrict up,
+                        int64_t ldu, float *restrict out, int64_t R, int64_t I,
+                        const float *restrict coeffs) {
+    for (int64_t r = 0; r < R; r++) {
+        const float *g = gate + r * ldg, *u = up + r * ldu;
+        float *o = out + r * I;
+        for (int64_t i = 0; i < I; i++) o[i] = (g[i] / (1.0f + exp_strict1(-g[i], coeffs))) * u[i];
+    }
+}
