@@ -246,6 +246,9 @@ def shard_policy(
             reduce_dtype=torch.float32,
             cast_forward_inputs=False,
             forward_prefetch=True,
+            # the root alone (no layer big enough for a unit): keep its gathered parameters for
+            # the backward instead of gathering them again (small layers, by that choice)
+            reshard_after_forward=bool(layers),
         ),
         wrap=lambda module: id(module) in layers,
         ignored_params=ignored,

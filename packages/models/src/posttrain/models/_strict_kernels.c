@@ -208,9 +208,10 @@ static int64_t pow2_at_least(int64_t n) {
 /* Scratch of the row attention kernels: one query's key rows transposed and its head's
  * score products, probabilities and partial sums, sized for the longest query. */
 struct row_scratch {
-    float *kt;  /* [wd][wmax]: the query's keys of one kv head, kt[d * w + c] */
-    float *vt;  /* [hv][wmax]: its values, transposed likewise (the backward's dp) */
-    float *prod; /* [wd][wmax]: q[d] * kt[d][c], then their tree over d */
+    int64_t ld; /* the row stride of kt, vt and prod: the longest query's W */
+    float *kt;  /* [KVH][wd][ld]: the query's keys per kv head, kt[(kv * wd + d) * ld + c] */
+    float *vt;  /* [KVH][hv][ld]: its values, transposed likewise (the backward's dp) */
+    float *prod; /* [wd][ld]: q[d] * kt[d][c], then their tree over d */
     float *e;   /* [wmax]: probabilities */
     float *sum; /* [wmax] */
     float *acc; /* [wmax][hv]: p[c] * v[c][d], then their tree over c */
@@ -225,10 +226,12 @@ static void row_scratch_free(struct row_scratch *s) {
     free(s->acc);
 }
 
-static int row_scratch_alloc(struct row_scratch *s, int64_t wmax, int64_t wd, int64_t hv) {
+static int row_scratch_alloc(struct row_scratch *s, int64_t wmax, int64_t wd, int64_t hv,
+                             int64_t kvh) {
     size_t n = (size_t)wmax;
-    s->kt = malloc(n * (size_t)wd * sizeof(float));
-    s->vt = malloc(n * (size_t)(hv > 0 ? hv : 1) * sizeof(float));
+    s->ld = wmax;
+    s->kt = malloc(n * (size_t)(wd * kvh) * sizeof(float));
+    s->vt = malloc(n * (size_t)((hv > 0 ? hv : 1) * kvh) * sizeof(float));
     s->prod = malloc(n * (size_t)wd * sizeof(float));
     s->e = malloc(n * sizeof(float));
     s->sum = malloc(n * sizeof(float));
@@ -238,16 +241,24 @@ static int row_scratch_alloc(struct row_scratch *s, int64_t wmax, int64_t wd, in
     return -2;
 }
 
-/* kt[d * w + c] = k[row(c), kv, d] for the seen slots c in [first, p], 0 for d >= hd. */
+/* kt[d * ld + c] = k[row(c), kv, d] for the slots c in [lo, p], 0 for d >= hd. */
 static void gather_keys(float *restrict kt, const float *k, const int64_t *ks, int64_t start,
-                        int64_t kv, int64_t first, int64_t p, int64_t w, int64_t hd,
+                        int64_t kv, int64_t lo, int64_t p, int64_t ld, int64_t hd,
                         int64_t wd) {
-    for (int64_t c = first; c <= p; c++) {
+    for (int64_t c = lo; c <= p; c++) {
         const float *kc = k + (start + c) * ks[0] + kv * ks[1];
-        for (int64_t d = 0; d < hd; d++) kt[d * w + c] = kc[d * ks[2]];
+        for (int64_t d = 0; d < hd; d++) kt[d * ld + c] = kc[d * ks[2]];
     }
     for (int64_t d = hd; d < wd; d++)
-        for (int64_t c = first; c <= p; c++) kt[d * w + c] = 0.0f;
+        for (int64_t c = lo; c <= p; c++) kt[d * ld + c] = 0.0f;
+}
+
+/* The first slot whose key (and value) rows query t must gather: only its own slot p when the
+ * query before it read the same key row up to p - 1 (consecutive tokens of one packed segment:
+ * their rows are already in the scratch), else every slot it sees. */
+static int64_t first_to_gather(const int64_t *kstart, const int64_t *pos, int64_t t,
+                               int64_t first) {
+    return t > 0 && kstart[t] == kstart[t - 1] && pos[t] == pos[t - 1] + 1 ? pos[t] : first;
 }
 
 /* The probabilities p[c] of one query head over its seen slots [first, p] (0 elsewhere in
@@ -255,15 +266,15 @@ static void gather_keys(float *restrict kt, const float *k, const int64_t *ks, i
  * products, the padded ones +0.0) times scale, minus their largest, exp_strict, over the tree
  * over c of the exps. The trees over d run for all slots at once, level by level (each slot's
  * pairs are its own, as in a tree per slot). */
-static void row_probs(struct row_scratch *s, const float *qh, int64_t qstride, int64_t first,
-                      int64_t p, int64_t w, int64_t hd, int64_t wd, float scale,
-                      const float *coeffs) {
+static void row_probs(struct row_scratch *s, const float *restrict kt, const float *qh,
+                      int64_t qstride, int64_t first, int64_t p, int64_t w, int64_t hd,
+                      int64_t wd, float scale, const float *coeffs) {
     float *restrict prod = s->prod, *restrict e = s->e, *restrict sum = s->sum;
-    const float *restrict kt = s->kt;
+    int64_t ld = s->ld;
     for (int64_t d = 0; d < wd; d++) {
         float qd = d < hd ? qh[d * qstride] : 0.0f;
-        float *restrict row = prod + d * w;
-        const float *restrict krow = kt + d * w;
+        float *restrict row = prod + d * ld;
+        const float *restrict krow = kt + d * ld;
         if (d < hd)
             for (int64_t c = first; c <= p; c++) row[c] = qd * krow[c];
         else
@@ -271,8 +282,8 @@ static void row_probs(struct row_scratch *s, const float *qh, int64_t qstride, i
     }
     for (int64_t half = wd / 2; half >= 1; half /= 2) /* the tree over d, per slot */
         for (int64_t d = 0; d < half; d++) {
-            float *restrict dst = prod + d * w;
-            const float *restrict src = prod + (d + half) * w;
+            float *restrict dst = prod + d * ld;
+            const float *restrict src = prod + (d + half) * ld;
             for (int64_t c = first; c <= p; c++) dst[c] = dst[c] + src[c];
         }
     float top = -INFINITY;
@@ -284,7 +295,9 @@ static void row_probs(struct row_scratch *s, const float *qh, int64_t qstride, i
         else if (top == top && score > top)
             top = score;
     }
-    for (int64_t c = 0; c < w; c++) e[c] = c >= first && c <= p ? exp_strict1(e[c] - top, coeffs) : 0.0f;
+    for (int64_t c = 0; c < first; c++) e[c] = 0.0f;
+    for (int64_t c = first; c <= p; c++) e[c] = exp_strict1(e[c] - top, coeffs);
+    for (int64_t c = p + 1; c < w; c++) e[c] = 0.0f;
     memcpy(sum, e, (size_t)w * sizeof(float));
     tree_rows(sum, w, 1);
     float denom = sum[0];
@@ -317,14 +330,16 @@ int posttrain_row_attention(const float *q, const int64_t *qs, const float *k, c
     if (T < 1 || H < 1) return 0;
     int64_t group = H / KVH, wd = pow2_at_least(hd);
     struct row_scratch s;
-    if (row_scratch_alloc(&s, longest_window(pos, T), wd, hv)) return -2;
+    if (row_scratch_alloc(&s, longest_window(pos, T), wd, hv, KVH)) return -2;
     for (int64_t t = 0; t < T; t++) {
         int64_t p = pos[t], w = pow2_at_least(p + 1);
         int64_t first = window > 0 && p - window + 1 > 0 ? p - window + 1 : 0;
+        int64_t lo = first_to_gather(kstart, pos, t, first);
         for (int64_t kv = 0; kv < KVH; kv++) {
-            gather_keys(s.kt, k, ks, kstart[t], kv, first, p, w, hd, wd);
+            float *kt = s.kt + kv * wd * s.ld;
+            gather_keys(kt, k, ks, kstart[t], kv, lo, p, s.ld, hd, wd);
             for (int64_t h = kv * group; h < (kv + 1) * group; h++) {
-                row_probs(&s, q + t * qs[0] + h * qs[1], qs[2], first, p, w, hd, wd, scale,
+                row_probs(&s, kt, q + t * qs[0] + h * qs[1], qs[2], first, p, w, hd, wd, scale,
                           coeffs);
                 float *restrict acc = s.acc;
                 for (int64_t c = 0; c < w; c++) {
@@ -404,26 +419,29 @@ int posttrain_row_attention_backward(const float *q, const int64_t *qs, const fl
     if (T < 1 || H < 1) return 0;
     int64_t group = H / KVH, wd = pow2_at_least(hd);
     struct row_scratch s;
-    if (row_scratch_alloc(&s, longest_window(pos, T), wd, hv)) return -2;
+    if (row_scratch_alloc(&s, longest_window(pos, T), wd, hv, KVH)) return -2;
+    int64_t ld = s.ld;
     for (int64_t t = 0; t < T; t++) {
         int64_t p = pos[t], w = pow2_at_least(p + 1);
         int64_t first = window > 0 && p - window + 1 > 0 ? p - window + 1 : 0;
+        int64_t lo = first_to_gather(kstart, pos, t, first);
         for (int64_t kv = 0; kv < KVH; kv++) {
-            gather_keys(s.kt, k, ks, kstart[t], kv, first, p, w, hd, wd);
-            for (int64_t c = first; c <= p; c++) { /* vt[d * w + c] = v[row(c), kv, d] */
+            float *kt = s.kt + kv * wd * ld, *vt = s.vt + kv * hv * ld;
+            gather_keys(kt, k, ks, kstart[t], kv, lo, p, ld, hd, wd);
+            for (int64_t c = lo; c <= p; c++) { /* vt[d * ld + c] = v[row(c), kv, d] */
                 const float *vc = v + (kstart[t] + c) * vs[0] + kv * vs[1];
-                for (int64_t d = 0; d < hv; d++) s.vt[d * w + c] = vc[d * vs[2]];
+                for (int64_t d = 0; d < hv; d++) vt[d * ld + c] = vc[d * vs[2]];
             }
             for (int64_t h = kv * group; h < (kv + 1) * group; h++) {
                 const float *qh = q + t * qs[0] + h * qs[1];
                 const float *go = grad + (t * H + h) * hv;
                 float *restrict gq = dq + (t * H + h) * hd;
-                row_probs(&s, qh, qs[2], first, p, w, hd, wd, scale, coeffs);
+                row_probs(&s, kt, qh, qs[2], first, p, w, hd, wd, scale, coeffs);
                 float *restrict dp = s.sum, *restrict e = s.e;
                 for (int64_t c = first; c <= p; c++) dp[c] = 0.0f;
                 for (int64_t d = 0; d < hv; d++) {
                     float g = go[d];
-                    const float *restrict vrow = s.vt + d * w;
+                    const float *restrict vrow = vt + d * ld;
                     for (int64_t c = first; c <= p; c++) dp[c] += g * vrow[c];
                 }
                 float r = 0.0f;
@@ -436,7 +454,7 @@ int posttrain_row_attention_backward(const float *q, const int64_t *qs, const fl
                     float *restrict gk = dk + (row * KVH + kv) * hd;
                     float *restrict gv = dv + (row * KVH + kv) * hv;
                     for (int64_t d = 0; d < hd; d++) {
-                        gq[d] += g * s.kt[d * w + c];
+                        gq[d] += g * kt[d * ld + c];
                         gk[d] += g * qh[d * qs[2]];
                     }
                     for (int64_t d = 0; d < hv; d++) gv[d] += pc * go[d];
