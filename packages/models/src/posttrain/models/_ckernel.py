@@ -1,6 +1,9 @@
 """The strict kernels' forwards as one fused C kernel (``_strict_kernels.c``), the same bits
 as torch's: the linear (``strict_linear``), attention's product trees (``product_tree``,
-batched ``strict_matmul``), ``tree_sum`` and ``exp_strict``.
+batched ``strict_matmul``), ``tree_sum``, ``exp_strict``, whole attention over key rows
+(``row_attention``), RMSNorm (``rms_norm``) and SiLU-and-multiply (``silu_mul``); and the
+backwards of attention and RMSNorm (``row_attention_backward``, ``rms_norm_backward``:
+sequential fp32 sums, the same bits run to run, no bit contract).
 
 ``StrictOps.linear`` computes ``rows[R, K] @ w.T`` as a product tensor ``[K, R, N]`` written
 to memory and a pairwise tree of elementwise adds over ``K`` (padded with ``+0.0`` to a power
@@ -175,6 +178,8 @@ def _build() -> ctypes.CDLL:
         lib.posttrain_row_attention_backward.restype = ctypes.c_int
         lib.posttrain_silu_mul.argtypes = [ptr, i64, ptr, i64, ptr, i64, i64, ptr]
         lib.posttrain_silu_mul.restype = None
+        lib.posttrain_rms_norm_backward.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, i64, i64, i64]
+        lib.posttrain_rms_norm_backward.restype = None
         lib.posttrain_rms_norm_ms.argtypes = [ptr, ptr, i64, i64, ctypes.c_float]
         lib.posttrain_rms_norm_ms.restype = ctypes.c_int
         lib.posttrain_rms_norm_scale.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64]
@@ -533,3 +538,35 @@ def silu_mul(gate: Tensor, up: Tensor, coeffs: Tensor) -> Tensor | None:
             width, coeffs.data_ptr(),
         )  # fmt: skip
     return out
+
+
+def rms_norm_backward(
+    x: Tensor, weight: Tensor, eps: float, grad: Tensor
+) -> tuple[Tensor, Tensor] | None:
+    """The gradients ``(dx, dweight)`` of ``rms_norm(x, weight, eps)`` for ``grad``, row by row
+    in one pass (sequential fp32 sums: run-to-run deterministic, RMSNorm's gradient to fp32
+    rounding); ``dweight`` fp32 in ``weight``'s shape. ``None`` where the kernel does not
+    apply."""
+    with torch.no_grad():
+        if x.dim() == 0 or grad.shape != x.shape or not _applies(x, grad):
+            return None
+        h = x.shape[-1]
+        w = weight.float()
+        if h == 0 or tuple(w.shape) != tuple(x.shape[x.dim() - w.dim() :]) or w.dim() > x.dim():
+            return None
+        lib = library()
+        if lib is None:
+            return None
+        xc, wc, gc = x.contiguous(), w.contiguous(), grad.contiguous()
+        rows = xc.numel() // h
+        ms = torch.empty(xc.shape[:-1], dtype=torch.float32)
+        dx = torch.empty_like(xc)
+        dw = torch.zeros(wc.shape, dtype=torch.float32)
+        if rows:
+            if lib.posttrain_rms_norm_ms(xc.data_ptr(), ms.data_ptr(), rows, h, eps):
+                return None
+            lib.posttrain_rms_norm_backward(
+                xc.data_ptr(), wc.data_ptr(), ms.data_ptr(), gc.data_ptr(), dx.data_ptr(),
+                dw.data_ptr(), rows, h, wc.numel() // h,
+            )  # fmt: skip
+    return dx, dw

@@ -333,6 +333,10 @@ class _RmsNorm(torch.autograd.Function):
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, Tensor | None, None]:
         x, weight = ctx.saved_tensors
         need_x, need_w = ctx.needs_input_grad[:2]
+        fused = _ckernel.rms_norm_backward(x, weight, ctx.eps, grad)
+        if fused is not None:  # the same formulas in one pass (sequential sums)
+            dx_f, dw_f = fused
+            return (dx_f if need_x else None), (dw_f.to(weight.dtype) if need_w else None), None
         w = weight.float()
         inv = torch.rsqrt((x * x).mean(-1, keepdim=True) + ctx.eps)
         dx = dw = None

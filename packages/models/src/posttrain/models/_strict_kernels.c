@@ -1,4 +1,7 @@
-/* Fused strict linear forward for posttrain.models (see _ckernel.py).
+/* Fused strict CPU kernels for posttrain.models (see _ckernel.py): the linear's forward (this
+ * comment), exp_strict, attention over key rows, RMSNorm and SiLU-and-multiply (each the bits of
+ * its torch ops), and the backwards of attention and RMSNorm (deterministic, no bit contract).
+ *
  *
  * out[r, n] = the pairwise tree over k of x[r, k] * w[k, n], K zero-padded (+0.0) to
  * W = 2**L: level by level element i is added to element i + W/2**level, exactly as
@@ -476,5 +479,27 @@ void posttrain_silu_mul(const float *restrict gate, int64_t ldg, const float *re
         const float *g = gate + r * ldg, *u = up + r * ldu;
         float *o = out + r * I;
         for (int64_t i = 0; i < I; i++) o[i] = (g[i] / (1.0f + exp_strict1(-g[i], coeffs))) * u[i];
+    }
+}
+
+/* The gradient of strict RMSNorm (no bit contract: run-to-run determinism only), rows in
+ * order: inv = 1 / sqrt(ms + eps) from the forward's ms (posttrain_rms_norm_ms, passed in with
+ * eps added); gw = g * w; dx = inv * gw - x * inv^3 * mean(gw * x); dw[r % P] += g * x * inv,
+ * the rows summed in order. x, g, dx contiguous [R][H]; w and dw [P][H], dw zeroed by the
+ * caller. */
+void posttrain_rms_norm_backward(const float *restrict x, const float *restrict w,
+                                 const float *restrict ms, const float *restrict g,
+                                 float *restrict dx, float *restrict dw, int64_t R, int64_t H,
+                                 int64_t P) {
+    for (int64_t r = 0; r < R; r++) {
+        const float *xr = x + r * H, *gr = g + r * H, *wr = w + (r % P) * H;
+        float *dxr = dx + r * H, *dwr = dw + (r % P) * H;
+        float inv = 1.0f / sqrtf(ms[r]), dot = 0.0f;
+        for (int64_t i = 0; i < H; i++) dot += gr[i] * wr[i] * xr[i];
+        float coef = inv * inv * inv * (dot / (float)H);
+        for (int64_t i = 0; i < H; i++) {
+            dxr[i] = inv * (gr[i] * wr[i]) - xr[i] * coef;
+            dwr[i] += gr[i] * xr[i] * inv;
+        }
     }
 }
