@@ -16,6 +16,9 @@ there with two rules, both cheaper to state than to prove for library kernels:
    chunk), and the two may differ in the last bit, so where an element lands decides its
    value. ``exp_strict`` / ``log_strict`` use only ``+ - * /``, ``round`` and exponent-bit
    arithmetic, all exact or correctly rounded in both paths (about 2 ulp from libm).
+   RMSNorm's ``sqrt`` is torch's: on some CPU builds (AVX-512, torch 2.x) it is not the
+   correctly rounded square root, but its vector body and scalar tail agree, so it keeps batch
+   invariance; strict bits may then differ between CPUs.
 
 On CPU, where autograd does not record, the linear's products and tree, attention's product
 trees (and whole attention over key rows, ``attend_rows``), ``exp_strict`` and ``tree_sum``
