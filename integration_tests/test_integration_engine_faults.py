@@ -267,7 +267,15 @@ def test_a_request_alone_on_an_engine_killed_mid_generation_fails_over(model_dir
 
         async def rollouts() -> list[Sample]:
             async with SessionRolloutClient(stack.urls["session-router"], timeout_s=60) as client:
-                params = {"max_tokens": 200, "temperature": 1.0, "logprobs": True}
+                # ignore_eos: each request decodes to its cap, so it is still in flight when the
+                # striker reads sgl-router's count (an engine fast enough to answer "12+30=" and
+                # stop within one 20 ms poll left nothing to strike)
+                params = {
+                    "max_tokens": 200,
+                    "temperature": 1.0,
+                    "logprobs": True,
+                    "ignore_eos": True,
+                }
                 jobs = [client.rollout(messages, sampling_params={**params, "seed": i})
                         for i in range(2)]  # fmt: skip
                 return list(await asyncio.wait_for(asyncio.gather(*jobs), timeout=90))
