@@ -318,3 +318,106 @@ def test_fused_silu_mul_keeps_the_bits_and_its_backward_is_autograds_to_fp32_rou
     gate, up = fused[:, :24], fused[:, 24:]
     assert torch.equal(StrictOps.silu_mul(gate, up), _silu_mul_torch(gate, up))
     _same_forward_close_gradients(StrictOps.silu_mul, gate[1:].contiguous(), up[1:].contiguous())
+
+
+def _expert_loop(
+    m: torch.Tensor, ids: torch.Tensor, fc1: torch.Tensor, fc2: torch.Tensor
+) -> torch.Tensor:
+    """Routed experts expert by expert with the strict ops (the model's loop without LoRA)."""
+    k, inter = ids.shape[1], fc2.shape[2]
+    out = m.new_zeros(m.shape[0], k, fc2.shape[1])
+    for e in range(fc1.shape[0]):
+        pairs = (ids.reshape(-1) == e).nonzero().flatten()
+        tok, slot = pairs // k, pairs % k
+        gu = StrictOps.linear(m[tok], fc1[e])
+        y = StrictOps.linear(StrictOps.silu_mul(gu[:, :inter], gu[:, inter:]), fc2[e])
+        out = out.index_put((tok, slot), y)
+    return out
+
+
+@pytest.mark.parametrize(("t", "h", "inter", "e", "k"), [(1, 32, 32, 4, 2), (37, 32, 16, 4, 2),
+                                                         (60, 20, 12, 8, 3), (5, 7, 3, 3, 1)])  # fmt: skip
+def test_fused_routed_experts_keep_the_loops_bits_and_its_gradients(
+    t: int, h: int, inter: int, e: int, k: int
+) -> None:
+    """``StrictOps.routed_experts`` (one C call for a MoE layer's experts) equals the expert loop
+    of strict linears and SiLU bit for bit, idle experts and one-token batches included; its
+    backward gives autograd's gradients of the loop's torch ops to fp32 rounding, the same bits
+    run to run."""
+    from posttrain.models import _ckernel
+
+    if not _ckernel.available():
+        pytest.skip("the fused strict C kernel is not built here")
+    gen = torch.Generator().manual_seed(t * 31 + e)
+    m = torch.randn(t, h, generator=gen)
+    ids = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(t)])
+    ids[ids == e - 1] = 0  # expert e - 1 gets no token (a token may then pick one expert twice)
+    fc1 = torch.randn(e, 2 * inter, h, generator=gen) * 0.3
+    fc2 = torch.randn(e, h, inter, generator=gen) * 0.3
+    with torch.no_grad():
+        fused = StrictOps.routed_experts(m, ids, fc1, fc2)
+        assert fused is not None
+        assert torch.equal(
+            fused.view(torch.int32), _expert_loop(m, ids, fc1, fc2).view(torch.int32)
+        )
+
+    def experts(m: torch.Tensor, fc1: torch.Tensor, fc2: torch.Tensor) -> torch.Tensor:
+        out = StrictOps.routed_experts(m, ids, fc1, fc2)  # None for the reference graph
+        return _expert_loop(m, ids, fc1, fc2) if out is None else out
+
+    _same_forward_close_gradients(experts, m, fc1, fc2, exact_zeros=False)
+
+
+def test_fused_routed_experts_refuse_an_expert_id_out_of_range() -> None:
+    from posttrain.models import _ckernel
+
+    if not _ckernel.available():
+        pytest.skip("the fused strict C kernel is not built here")
+    m, fc1, fc2 = torch.randn(3, 8), torch.randn(4, 8, 8), torch.randn(4, 8, 4)
+    with pytest.raises(ValueError, match="expert id 4 outside"):
+        StrictOps.routed_experts(m, torch.tensor([[0, 1], [2, 4], [1, 3]]), fc1, fc2)
+
+
+def test_a_moe_model_gives_the_same_bits_with_and_without_the_fused_experts(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A strict MoE decoder's logits and gradients are the same with the fused routed experts
+    as with its expert loop; an adapter on the routed experts keeps the loop (the fused op takes
+    no expert LoRA) and gives the loop's bits too."""
+    from posttrain.models import LoraAdapter, ModelConfig, _ckernel, build_model
+
+    if not _ckernel.available():
+        pytest.skip("the fused strict C kernel is not built here")
+    cfg = ModelConfig.tiny()
+    gen = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, cfg.vocab_size, (23,), generator=gen)
+    name = "model.layers.2.mlp.experts.1.up_proj"
+    a = torch.randn(2, cfg.hidden_size, generator=gen)
+    b = torch.randn(cfg.moe_intermediate_size, 2, generator=gen)
+    adapter = LoraAdapter(weights={name: (a, b)}, scaling=0.5)
+    calls: list[int] = []
+    real = _ckernel.routed_experts
+
+    def counted(*args: torch.Tensor) -> _ckernel.RoutedExperts | None:
+        calls.append(1)
+        return real(*args)
+
+    def run(fused: bool, lora: LoraAdapter | None) -> list[torch.Tensor]:
+        with monkeypatch.context() as patch:
+            patch.setattr(_ckernel, "routed_experts", counted if fused else lambda *a: None)
+            model = build_model(cfg, 0)
+            logits = model.forward_logits(ids, [10, 13], lora=lora)
+            logits.square().mean().backward()
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        return [logits.detach(), *grads]
+
+    with_fused, without = run(True, None), run(False, None)
+    assert len(calls) == 3  # the tiny config's three MoE layers
+    assert torch.equal(with_fused[0], without[0])
+    for got, want in zip(with_fused[1:], without[1:], strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    calls.clear()
+    with_lora, loop_lora = run(True, adapter), run(False, adapter)
+    assert len(calls) == 2  # layer 2's experts carry the adapter: the loop runs there
+    assert torch.equal(with_lora[0], loop_lora[0])
+    assert not torch.equal(with_lora[0], with_fused[0])

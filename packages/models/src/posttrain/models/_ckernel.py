@@ -1,8 +1,8 @@
 """The strict kernels' forwards as one fused C kernel (``_strict_kernels.c``), the same bits
 as torch's: the linear (``strict_linear``), attention's product trees (``product_tree``,
 batched ``strict_matmul``), ``tree_sum``, ``exp_strict``, whole attention over key rows
-(``row_attention``), RMSNorm (``rms_norm``) and SiLU-and-multiply (``silu_mul``); and the
-backwards of attention and RMSNorm (``row_attention_backward``, ``rms_norm_backward``:
+(``row_attention``), RMSNorm (``rms_norm``), SiLU-and-multiply (``silu_mul``) and a MoE
+layer's routed experts (``routed_experts``); and the backwards of attention and RMSNorm (``row_attention_backward``, ``rms_norm_backward``:
 sequential fp32 sums, the same bits run to run, no bit contract).
 
 ``StrictOps.linear`` computes ``rows[R, K] @ w.T`` as a product tensor ``[K, R, N]`` written
@@ -43,6 +43,7 @@ import subprocess
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -184,6 +185,9 @@ def _build() -> ctypes.CDLL:
         lib.posttrain_rms_norm_ms.restype = ctypes.c_int
         lib.posttrain_rms_norm_scale.argtypes = [ptr, ptr, ptr, ptr, i64, i64, i64]
         lib.posttrain_rms_norm_scale.restype = None
+        lib.posttrain_routed_experts.argtypes = [ptr, ptr, i64, i64, i64, ptr, ptr, i64, i64,
+                                                 ptr, ptr, ptr, ptr, ptr]  # fmt: skip
+        lib.posttrain_routed_experts.restype = ctypes.c_int
         return lib
     assert failure is not None
     raise failure
@@ -570,3 +574,59 @@ def rms_norm_backward(
                 dw.data_ptr(), rows, h, wc.numel() // h,
             )  # fmt: skip
     return dx, dw
+
+
+class RoutedExperts(NamedTuple):
+    """``routed_experts``' result: ``out[T, k, H]`` and what a backward reads: the (token,
+    slot) pairs' flat indices grouped by expert (``order[P]``, ascending expert, each expert's
+    pairs in row-major order), each expert's pair count (``sizes[E]``) and the pairs'
+    intermediates in that order (``gate_up[P, 2I]``, ``act[P, I]``)."""
+
+    out: Tensor
+    order: Tensor
+    sizes: list[int]
+    gate_up: Tensor
+    act: Tensor
+
+
+def routed_experts(
+    m: Tensor, ids: Tensor, fc1: Tensor, fc2: Tensor, coeffs: Tensor
+) -> RoutedExperts | None:
+    """A MoE layer's routed experts in one pass, bit for bit the strict expert-by-expert path
+    (``strict_linear`` of ``fc1[e]``, ``silu_mul``, ``strict_linear`` of ``fc2[e]`` on each
+    (token, slot) pair's row): ``m[T, H]``, ``ids[T, k]`` (int64 expert ids), ``fc1[E, 2I, H]``,
+    ``fc2[E, H, I]``. ``None`` where the kernel does not apply (not CPU fp32, autograd
+    recording, or more products than one call should take alone:
+    ``_PARALLEL_PRODUCTS`` at more than one torch thread, where the per-expert linears split
+    over the threads). Raises ``ValueError`` for an expert id outside ``[0, E)``."""
+    if m.dim() != 2 or ids.dim() != 2 or fc1.dim() != 3 or fc2.dim() != 3:
+        return None
+    (t, h), (e, i2) = m.shape, fc1.shape[:2]
+    k, inter = ids.shape[1], fc2.shape[2]
+    shapes_fit = ids.shape[0] == t and fc1.shape[2] == h and i2 == 2 * inter
+    if not shapes_fit or tuple(fc2.shape[:2]) != (e, h) or ids.dtype != torch.int64:
+        return None
+    if not _applies(m, fc1, fc2) or ids.device.type != "cpu" or min(h, inter, k, e) < 1:
+        return None
+    if torch.get_num_threads() > 1 and t * k * 3 * inter * h >= _PARALLEL_PRODUCTS:
+        return None
+    lib = library()
+    if lib is None:
+        return None
+    pairs = t * k
+    mc, idc, w1, w2 = m.contiguous(), ids.contiguous(), fc1.contiguous(), fc2.contiguous()
+    out = torch.empty((t, k, h), dtype=torch.float32)
+    order = torch.empty(pairs, dtype=torch.int64)
+    gate_up = torch.empty((pairs, 2 * inter), dtype=torch.float32)
+    act = torch.empty((pairs, inter), dtype=torch.float32)
+    code = lib.posttrain_routed_experts(
+        mc.data_ptr(), idc.data_ptr(), t, k, h, w1.data_ptr(), w2.data_ptr(), e, inter,
+        order.data_ptr(), gate_up.data_ptr(), act.data_ptr(), out.data_ptr(), coeffs.data_ptr(),
+    )  # fmt: skip
+    if code == -1:
+        bad = idc[(idc < 0) | (idc >= e)]
+        raise ValueError(f"routed experts: expert id {int(bad[0])} outside [0, {e})")
+    if code:
+        return None
+    sizes = torch.bincount(idc.reshape(-1), minlength=e).tolist()
+    return RoutedExperts(out, order, sizes, gate_up, act)

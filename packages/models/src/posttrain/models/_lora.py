@@ -96,6 +96,10 @@ class LoraRouting:
         """Whether any token uses an adapter."""
         return bool(self.adapters)
 
+    def touches(self, prefix: str) -> bool:
+        """Whether any adapter has a delta on a module whose name starts with ``prefix``."""
+        return any(name.startswith(prefix) for a in self.adapters for name in a.weights)
+
     def apply(
         self,
         ops: type[FastOps],

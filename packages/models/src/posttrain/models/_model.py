@@ -1037,7 +1037,12 @@ class DecoderModel(nn.Module):
         logits = layer.sites["router"](m)
         logits = lora.apply(ops, m, logits, [(prefix + "mlp.gate", 0, e + ns)])
         ids, weights = moe_routing(ops, cfg, logits, getattr(layer, "expert_bias", None))
-        if not ops.batch_invariant and not lora.active:
+        fused = None
+        if not lora.touches(prefix + "mlp.experts."):  # a fused set's op takes no expert LoRA
+            fused = ops.routed_experts(m, ids, layer.experts_fc1, layer.experts_fc2)
+        if fused is not None:
+            outputs = fused
+        elif not ops.batch_invariant and not lora.active:
             outputs = grouped_experts(ops, m, ids, layer.experts_fc1, layer.experts_fc2)
         else:
             outputs = self._experts_by_id(layer, m, ids, lora, prefix)

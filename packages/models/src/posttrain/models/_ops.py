@@ -317,6 +317,53 @@ def _rms_norm_torch(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     return (x * inv[..., None]) * weight.float()
 
 
+class _RoutedExperts(torch.autograd.Function):
+    """``StrictOps.routed_experts``: the fused kernel's output (computed before, passed in) with
+    a backward in torch ops, expert by expert over the kernel's grouping of the pairs:
+    ``_StrictLinear``'s matmul gradients and ``_SiluMul``'s derivative, each pair's input
+    gradient added into its token's row in order (deterministic run to run; the expert loop's
+    gradient to fp32 rounding)."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, m: Tensor, fc1: Tensor, fc2: Tensor, k: int, fused: _ckernel.RoutedExperts
+    ) -> Tensor:
+        ctx.save_for_backward(m, fc1, fc2, fused.order, fused.gate_up, fused.act)
+        ctx.k, ctx.sizes = k, fused.sizes
+        return fused.out
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+        m, fc1, fc2, order, gate_up, act = ctx.saved_tensors
+        need_m, need_fc1, need_fc2 = ctx.needs_input_grad[:3]
+        inter = fc2.shape[2]
+        dy_all = grad.reshape(-1, grad.shape[-1])[order]  # [P, H], grouped by expert
+        tok_all = order // ctx.k
+        d_m = torch.zeros_like(m) if need_m else None
+        d_fc1 = torch.zeros_like(fc1) if need_fc1 else None
+        d_fc2 = torch.zeros_like(fc2) if need_fc2 else None
+        first = 0
+        for e, size in enumerate(ctx.sizes):
+            if size == 0:
+                continue
+            rows = slice(first, first + size)
+            first += size
+            dy, a, gu, tok = dy_all[rows], act[rows], gate_up[rows], tok_all[rows]
+            if d_fc2 is not None:
+                d_fc2[e] = dy.t() @ a
+            if d_m is None and d_fc1 is None:
+                continue
+            d_act = dy @ fc2[e].float()
+            gate, up = gu[:, :inter], gu[:, inter:]
+            s = torch.sigmoid(gate)
+            d_gu = torch.cat([d_act * up * s * (1.0 + gate * (1.0 - s)), d_act * gate * s], 1)
+            if d_fc1 is not None:
+                d_fc1[e] = d_gu.t() @ m[tok]
+            if d_m is not None:
+                d_m.index_add_(0, tok, d_gu @ fc1[e].float())
+        return d_m, d_fc1, d_fc2, None, None
+
+
 class _RmsNorm(torch.autograd.Function):
     """``StrictOps.rms_norm`` (the fused kernel's bits) with RMSNorm's gradient in a few torch
     ops: ``dx = inv * gw - x * inv**3 * mean(gw * x)`` (``gw = grad * weight``) and
@@ -489,6 +536,14 @@ class FastOps:
     def moe_combine(weights: Tensor, outputs: Tensor) -> Tensor:
         """``sum_j weights[:, j] * outputs[:, j]`` for ``weights[T, k]``, ``outputs[T, k, H]``."""
         return (weights[..., None] * outputs).sum(1)
+
+    @classmethod
+    def routed_experts(cls, m: Tensor, ids: Tensor, fc1: Tensor, fc2: Tensor) -> Tensor | None:
+        """A MoE layer's routed expert outputs ``[T, k, H]`` (slot order of ``ids[T, k]``) for
+        ``m[T, H]``, ``fc1[E, 2I, H] = [gate; up]``, ``fc2[E, H, I]`` as one fused op, or
+        ``None`` where this set has none for these operands (the model then runs its own: grouped
+        GEMMs in fast numerics, expert by expert in strict)."""
+        return None
 
 
 class Bf16FastOps(FastOps):
@@ -687,6 +742,27 @@ class StrictOps(FastOps):
         probs = e / tree_sum(e)[..., None]
         v_t = lead(values.permute(1, 0, 2, 3))[:, :, :, None, :]  # [C, T, nkv, 1, hd]
         return product_tree_sum(lead(probs.permute(3, 0, 1, 2))[..., None], v_t)  # [T, nkv, g, hd]
+
+    @classmethod
+    def routed_experts(cls, m: Tensor, ids: Tensor, fc1: Tensor, fc2: Tensor) -> Tensor | None:
+        """On CPU fp32 where the fused C kernel is built (``_ckernel.routed_experts``): every
+        (token, slot) pair through ``linear`` of its expert's ``fc1``, ``silu_mul`` and
+        ``linear`` of its ``fc2``, the bits of the expert-by-expert loop, in one call; under
+        autograd with ``_RoutedExperts``' backward (not for autograd's own reference graph,
+        ``_CUSTOM_BACKWARD = False``)."""
+        recording = torch.is_grad_enabled() and (
+            m.requires_grad or fc1.requires_grad or fc2.requires_grad
+        )
+        if (recording and not _CUSTOM_BACKWARD) or m.device.type != "cpu":
+            return None
+        with torch.no_grad():
+            fused = _ckernel.routed_experts(
+                m.detach(), ids, fc1.detach().float(), fc2.detach().float(), _EXP_COEFFS_F32
+            )
+        if fused is None or not recording:
+            return None if fused is None else fused.out
+        out: Tensor = _RoutedExperts.apply(m, fc1, fc2, ids.shape[1], fused)  # type: ignore[no-untyped-call]
+        return out
 
     @staticmethod
     def moe_combine(weights: Tensor, outputs: Tensor) -> Tensor:

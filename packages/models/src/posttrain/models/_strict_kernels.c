@@ -503,3 +503,62 @@ void posttrain_rms_norm_backward(const float *restrict x, const float *restrict 
         }
     }
 }
+
+/* Strict routed experts (the bits of the expert-by-expert strict path): (token, slot) pair
+ * p = t * k + s runs expert e = ids[p]'s SwiGLU MLP on row m[t] with the strict linear above
+ * and posttrain_silu_mul: gu = m[t] @ fc1[e]^T, act = silu_mul(gu[:I], gu[I:]), out[p] =
+ * act @ fc2[e]^T. Every output row is reduced alone, so the grouping never changes a bit. The
+ * pairs go expert by expert, ascending, each expert's in row-major order (a stable counting
+ * sort); order[P] receives that order, gu[P][2I] and act[P][I] the pairs' intermediates in it
+ * (what the backward reads). m [T][H], fc1 [E][2I][H], fc2 [E][H][I], out [T * k][H], all
+ * contiguous. Returns 0; -1 for an expert id outside [0, E) or a bad dimension; -2 if scratch
+ * memory cannot be allocated. */
+int posttrain_routed_experts(const float *m, const int64_t *ids, int64_t T, int64_t k, int64_t H,
+                             const float *fc1, const float *fc2, int64_t E, int64_t I,
+                             int64_t *order, float *gu, float *act, float *out,
+                             const float *coeffs) {
+    if (T < 0 || k < 1 || H < 1 || E < 1 || I < 1) return -1;
+    int64_t P = T * k;
+    if (P == 0) return 0;
+    int64_t *next = calloc((size_t)E + 1, sizeof(int64_t));
+    float *x = malloc((size_t)P * H * sizeof(float));
+    float *y = malloc((size_t)P * H * sizeof(float));
+    int code = 0;
+    if (!next || !x || !y) {
+        code = -2;
+        goto done;
+    }
+    for (int64_t p = 0; p < P; p++) {
+        if (ids[p] < 0 || ids[p] >= E) {
+            code = -1;
+            goto done;
+        }
+        next[ids[p] + 1]++;
+    }
+    for (int64_t e = 0; e < E; e++) next[e + 1] += next[e]; /* next[e]: expert e's first pair */
+    for (int64_t p = 0; p < P; p++) order[next[ids[p]]++] = p;
+    for (int64_t q = 0; q < P; q++) memcpy(x + q * H, m + (order[q] / k) * H, H * sizeof(float));
+    const int64_t row_major[4] = {0, 0, H, 1}, act_rows[4] = {0, 0, I, 1};
+    const int64_t fc1_t[4] = {0, 0, 1, H}, fc2_t[4] = {0, 0, 1, I}; /* the weights transposed */
+    int64_t first = 0;
+    for (int64_t e = 0; e < E; e++) {
+        int64_t n = next[e] - first; /* after the sort, next[e] is one past expert e's pairs */
+        if (n > 0) {
+            float *g = gu + first * 2 * I, *a = act + first * I;
+            code = posttrain_strict_matmul(x + first * H, row_major, fc1 + e * 2 * I * H, fc1_t,
+                                           g, 1, 1, n, H, 2 * I);
+            if (code) goto done;
+            posttrain_silu_mul(g, 2 * I, g + I, 2 * I, a, n, I, coeffs);
+            code = posttrain_strict_matmul(a, act_rows, fc2 + e * H * I, fc2_t, y + first * H, 1,
+                                           1, n, I, H);
+            if (code) goto done;
+        }
+        first = next[e];
+    }
+    for (int64_t q = 0; q < P; q++) memcpy(out + order[q] * H, y + q * H, H * sizeof(float));
+done:
+    free(next);
+    free(x);
+    free(y);
+    return code;
+}
