@@ -53,15 +53,21 @@ from posttrain.models import DecoderModel, Numerics, _ops, build_tokenizer, load
 PATHS = ("autograd", "custom")
 
 
+SAMPLES_PER_PROMPT = int(RECIPE["samples_per_prompt"])
+"""Samples of one prompt in a step (the recipe's group size)."""
+
+
 def step_samples(model: DecoderModel, step: int, count: int) -> list[TrainSample]:
-    """``count`` samples of step ``step``: recipe prompts, random 1-4 token responses, their
-    rollout logprobs from the strict decode of ``model`` (the policy before any update)."""
+    """``count`` samples of step ``step``: groups of ``SAMPLES_PER_PROMPT`` consecutive samples
+    of one recipe prompt (as a GRPO step has them), random 1-4 token responses, their rollout
+    logprobs from the strict decode of ``model`` (the policy before any update)."""
     tok = build_tokenizer()
     prompts = build_task("addition", lambda ids: "").prompts
     rng = random.Random(step)
     out = []
     for g in range(count):
-        p = prompts[rng.randrange(len(prompts))]
+        if g % SAMPLES_PER_PROMPT == 0:
+            p = prompts[rng.randrange(len(prompts))]
         text = tok.apply_chat_template(list(p.messages), add_generation_prompt=True, tokenize=False)
         ids = list(tok.encode(str(text), add_special_tokens=False))
         resp = [rng.randrange(4, model.config.vocab_size) for _ in range(rng.randint(1, 4))]

@@ -54,7 +54,9 @@ class PackedBatch:
     ``ids``/``lengths``: the sequences back to back (media sentinels expanded); ``rows``: the
     logits row predicting each response token; ``targets``, ``mask``, ``rollout``,
     ``advantages``: one entry per response token, in sample order; ``response_lengths``: the
-    response tokens of each sample; ``media``: the packed media (None: text only).
+    response tokens of each sample; ``media``: the packed media (None: text only);
+    ``shared_prefixes``: ``DecoderModel.forward_logits``' argument when samples share their
+    prompt's tokens (None: every sample packed whole).
     """
 
     ids: Tensor
@@ -66,6 +68,7 @@ class PackedBatch:
     advantages: Tensor
     response_lengths: list[int]
     media: MediaBatch | None
+    shared_prefixes: list[tuple[int, int]] | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -94,16 +97,48 @@ def expand_sample_media(
     return prompt + list(sample.tokens[sample.prompt_len :]), len(prompt), batch
 
 
-def pack(samples: Sequence[TrainSample], device: torch.device, model: DecoderModel) -> PackedBatch:
-    """``samples`` as one ``PackedBatch`` on ``device`` (media decoded and expanded)."""
+def pack(
+    samples: Sequence[TrainSample],
+    device: torch.device,
+    model: DecoderModel,
+    *,
+    share_prompts: bool = False,
+) -> PackedBatch:
+    """``samples`` as one ``PackedBatch`` on ``device`` (media decoded and expanded).
+
+    ``share_prompts`` (for a model that ``takes_shared_prefixes``; text-only batches): a sample
+    whose prompt is the prompt of the last sample packed whole (a group's samples, consecutive)
+    is packed as its response tokens only, sharing that sample's prompt tokens; its first
+    response token is scored from the shared prompt's last row. The logits are the ones of
+    every sample packed whole (in strict numerics the same bits), for each prompt's work done
+    once."""
     expanded = [expand_sample_media(s, model) for s in samples]
-    ids = torch.tensor([t for toks, _, _ in expanded for t in toks], dtype=torch.long)
-    lengths = [len(toks) for toks, _, _ in expanded]
+    share_prompts = share_prompts and all(b is None for _, _, b in expanded)  # text only
+    packed: list[list[int]] = []  # each sample's tokens in the stream
+    shared: list[tuple[int, int]] = []
     rows: list[int] = []  # logits row predicting each response token
-    start = 0
-    for toks, prompt_len, _ in expanded:
-        rows.extend(range(start + prompt_len - 1, start + len(toks) - 1))
-        start += len(toks)
+    start, root, root_start = 0, -1, 0
+    for i, ((toks, prompt_len, _), s) in enumerate(zip(expanded, samples, strict=True)):
+        prompt = toks[:prompt_len]
+        child = (
+            share_prompts and root >= 0 and s.response_len > 0
+            and prompt == expanded[root][0][: expanded[root][1]]
+        )  # fmt: skip
+        if child:
+            own = toks[prompt_len:]
+            shared.append((root, prompt_len))
+            rows.append(root_start + prompt_len - 1)
+            rows.extend(range(start, start + len(own) - 1))
+        else:
+            own = toks
+            shared.append((-1, 0))
+            rows.extend(range(start + prompt_len - 1, start + len(toks) - 1))
+            if share_prompts and prompt_len > 0:
+                root, root_start = i, start
+        packed.append(own)
+        start += len(own)
+    ids = torch.tensor([t for toks in packed for t in toks], dtype=torch.long)
+    lengths = [len(toks) for toks in packed]
     media = None
     if any(b is not None for _, _, b in expanded):
         media = MediaBatch.pack([b for _, _, b in expanded], lengths)
@@ -118,6 +153,7 @@ def pack(samples: Sequence[TrainSample], device: torch.device, model: DecoderMod
         advantages=torch.tensor([v for s in samples for v in s.advantages]).to(device),
         response_lengths=[s.response_len for s in samples],
         media=media,
+        shared_prefixes=shared if any(p >= 0 for p, _ in shared) else None,
     )
 
 

@@ -61,7 +61,12 @@ def _response_logprobs(
 ) -> tuple[Tensor, Tensor | None]:
     """Logprob of each response token (and the logits predicting it), as the engine computes."""
     # the LM head reads the scored rows only: their logits are forward_logits(...)[rows]
-    picked = model.forward_logits(batch.ids, batch.lengths, media=batch.media, rows=batch.rows)
+    if batch.shared_prefixes is None:
+        picked = model.forward_logits(batch.ids, batch.lengths, media=batch.media, rows=batch.rows)
+    else:  # the samples of one prompt share its tokens (the same logits, the prompt once)
+        picked = model.forward_logits(
+            batch.ids, batch.lengths, rows=batch.rows, shared_prefixes=batch.shared_prefixes
+        )
     logp = model.ops.log_softmax(picked).gather(1, batch.targets[:, None])[:, 0]
     return logp, (picked if with_logits else None)
 
@@ -83,8 +88,9 @@ def _micro_batch_objective(
     policy: Policy, part: Sequence[TrainSample], ctx: _StepContext
 ) -> tuple[PolicyObjective, int]:
     """The objective of one micro-batch on this rank (no context parallel), its loss tokens."""
-    batch = pack(part, policy.model.embedding.device, policy.model)
     model, settings = policy.model, ctx.settings
+    share = not ctx.rules.chunked_logprobs and model.takes_shared_prefixes()
+    batch = pack(part, model.embedding.device, model, share_prompts=share)
     if ctx.rules.chunked_logprobs:
         # logprobs and entropies chunk by chunk from the hidden states: no [T, vocab] logits
         logp, entropy = model.forward_token_logprobs(

@@ -418,6 +418,68 @@ class PackedLayout(TokenLayout):
         )
 
 
+class SharedPrefixLayout(PackedLayout):
+    """Packed training segments where a segment may begin with another's first tokens, which
+    the packed stream holds once (GRPO's samples of one prompt: the prompt once, then every
+    sample's own response tokens).
+
+    ``seg``/``pos``: each packed token's segment and its position in the segment's whole
+    sequence (a segment that shares ``n`` tokens has its own tokens at positions ``n, n+1,
+    ...``). ``key_rows``: for every segment in order, the packed rows of its whole sequence
+    (the shared tokens' rows in the segment they belong to, then its own); ``key_start[T]``:
+    where each token's segment begins in ``key_rows``; ``key_seg``/``key_pos``: the segment
+    and position of each entry. Attention reads each segment's keys through ``key_rows``, so a
+    token sees exactly the keys it would see with its segment packed whole; in strict numerics
+    every row is computed alone, so its bits are the same too.
+    """
+
+    def __init__(
+        self,
+        seg: Tensor,
+        pos: Tensor,
+        num_segments: int,
+        capacity: int,
+        *,
+        key_rows: Tensor,
+        key_start: Tensor,
+        key_seg: Tensor,
+        key_pos: Tensor,
+    ) -> None:
+        super().__init__(seg, pos, num_segments, capacity)
+        self._in_order = False  # a shared segment's own tokens do not start at position 0
+        self._longest = capacity
+        self.key_rows, self.key_start = key_rows, key_start
+        self.key_seg, self.key_pos = key_seg, key_pos
+
+    def sconv(self, ops: type[FastOps], layer: int, site: str, x: Tensor, weight: Tensor) -> Tensor:
+        raise NotImplementedError("short convolutions read a shared prefix's tokens in place")
+
+    def attend(
+        self,
+        ops: type[FastOps],
+        layer: int,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        *,
+        scale: float,
+        window: int | None,
+        rel_logits: Tensor | None,
+    ) -> Tensor:
+        if rel_logits is not None:
+            raise NotImplementedError("a relative position bias reads whole packed segments")
+        keys, values = k.index_select(0, self.key_rows), v.index_select(0, self.key_rows)
+        if ops.uses_row_attention(q):
+            return ops.attend_rows(
+                q, keys, values, self.key_start, self.pos, scale=scale, window=window
+            )
+        return attend(
+            ops, q, keys, values, q_pos=self.pos, q_seg=self.seg, k_pos=self.key_pos,
+            k_seg=self.key_seg, num_segments=self.num_segments, capacity=self.capacity,
+            scale=scale, window=window,
+        )  # fmt: skip
+
+
 class CacheLayout(TokenLayout):
     """KV-cache decode: the tokens of ``rows[j]`` are contiguous (``sizes[j]`` of them), in order.
 

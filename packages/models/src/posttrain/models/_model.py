@@ -49,6 +49,7 @@ from torch import Tensor, nn
 from posttrain.models._blocks import (
     CacheLayout,
     PackedLayout,
+    SharedPrefixLayout,
     TokenLayout,
     rel_logits_of,
 )
@@ -528,6 +529,7 @@ class DecoderModel(nn.Module):
         media: MediaBatch | None = None,
         inputs_embeds: Tensor | None = None,
         rows: Tensor | None = None,
+        shared_prefixes: Sequence[tuple[int, int]] | None = None,
     ) -> Tensor:
         """fp32 logits ``[T, vocab]`` for packed segments (positions restart per segment).
 
@@ -540,8 +542,22 @@ class DecoderModel(nn.Module):
         sample's ``expand_media_tokens`` result); their embedding rows are the towers'
         outputs. ``inputs_embeds`` (``[T, hidden]`` fp32, e.g. from ``embed_inputs``) replaces
         the embedding step altogether (``media`` must then be None).
+
+        ``shared_prefixes`` (where ``takes_shared_prefixes()``): one ``(parent, n)`` per segment;
+        ``n > 0`` says the segment begins with the first ``n`` tokens of the earlier segment
+        ``parent`` (one that shares none itself), which ``input_ids`` does not repeat: the
+        segment's ``segment_lengths`` entry counts its own tokens, at positions ``n, n+1, ...``.
+        ``(-1, 0)``: a segment packed whole. Every token's logits are the ones it gets with its
+        segment packed whole (in strict numerics the same bits), for the shared tokens' work
+        done once: the samples of one prompt share the prompt.
         """
-        ids, layout, routing = self._packed_layout(input_ids, segment_lengths, lora)
+        ids, layout, routing = self._packed_layout(
+            input_ids, segment_lengths, lora, shared_prefixes
+        )
+        if shared_prefixes is not None and media is not None:
+            raise ModelInputError(
+                "shared_prefixes: not with media (the towers read whole segments)"
+            )
         if inputs_embeds is not None:
             if media is not None:
                 raise ModelInputError("pass media or inputs_embeds, not both")
@@ -918,10 +934,23 @@ class DecoderModel(nn.Module):
         pos = torch.arange(ids.shape[0], device=dev) - starts[seg]
         return ids, seg, pos
 
+    def takes_shared_prefixes(self) -> bool:
+        """Whether ``forward_logits`` takes ``shared_prefixes``: strict numerics (where a shared
+        token's row has the bits it has in each segment alone), a config without short
+        convolutions or a relative position bias (they read whole packed segments)."""
+        cfg = self.config
+        return self.ops.batch_invariant and not cfg.sconv_kernel_size and not cfg.rel_pos_dim
+
     def _packed_layout(
-        self, input_ids: Tensor, segment_lengths: Sequence[int], lora: AdapterArg
+        self,
+        input_ids: Tensor,
+        segment_lengths: Sequence[int],
+        lora: AdapterArg,
+        shared_prefixes: Sequence[tuple[int, int]] | None = None,
     ) -> tuple[Tensor, PackedLayout, LoraRouting]:
         """Checked ids, the packed layout and the LoRA routing of a training forward."""
+        if shared_prefixes is not None:
+            return self._shared_prefix_layout(input_ids, segment_lengths, lora, shared_prefixes)
         ids, seg, pos = self._pack(input_ids, segment_lengths)
         routing = LoraRouting(lora, seg, len(segment_lengths), self._lora_targets)
         # buffers only as long as the longest segment needs (rounded up to a power of two, as
@@ -931,6 +960,62 @@ class DecoderModel(nn.Module):
         width = min(self.config.capacity, 1 << (longest - 1).bit_length())
         layout = PackedLayout(seg, pos, len(segment_lengths), width, longest=longest)
         return ids, layout, routing
+
+    def _shared_prefix_layout(
+        self,
+        input_ids: Tensor,
+        lengths: Sequence[int],
+        lora: AdapterArg,
+        shared: Sequence[tuple[int, int]],
+    ) -> tuple[Tensor, PackedLayout, LoraRouting]:
+        """``_packed_layout`` for ``forward_logits``' ``shared_prefixes`` (checked here, each
+        error naming the segment): a ``SharedPrefixLayout``."""
+        if not self.takes_shared_prefixes():
+            raise ModelInputError(
+                "shared_prefixes: this model computes a shared token differently per segment "
+                "(fast numerics, short convolutions or a relative position bias)"
+            )
+        if not isinstance(lora, LoraAdapter | None):
+            raise ModelInputError("shared_prefixes: one adapter (or none) for every segment")
+        if len(shared) != len(lengths):
+            raise ModelInputError(
+                f"shared_prefixes has {len(shared)} entries for {len(lengths)} segments"
+            )
+        ids, seg, own_pos = self._pack(input_ids, lengths)
+        cap, starts = self.config.capacity, _segment_starts(lengths)
+        rows: list[int] = []
+        key_start: list[int] = []
+        key_seg: list[int] = []
+        key_pos: list[int] = []
+        for s, ((parent, n), own) in enumerate(zip(shared, lengths, strict=True)):
+            if (parent, n) != (-1, 0):
+                if not 0 <= parent < s or shared[parent] != (-1, 0):
+                    raise ModelInputError(
+                        f"shared_prefixes[{s}]=({parent}, {n}): the parent must be an earlier "
+                        "segment that shares no prefix itself"
+                    )
+                if not 0 < n <= lengths[parent] or n + own > cap:
+                    raise ModelInputError(
+                        f"shared_prefixes[{s}]=({parent}, {n}): n must be in [1, "
+                        f"{lengths[parent]}] (segment {parent}'s tokens) with n + {own} own "
+                        f"tokens at most the capacity {cap}"
+                    )
+                rows.extend(range(starts[parent], starts[parent] + n))
+            key_start.append(len(key_seg))
+            rows.extend(range(starts[s], starts[s] + own))
+            key_seg.extend([s] * (n + own))
+            key_pos.extend(range(n + own))
+        dev = ids.device
+        base = torch.tensor([n for _, n in shared], dtype=torch.long, device=dev)
+        longest = max(n + own for (_, n), own in zip(shared, lengths, strict=True))
+        layout = SharedPrefixLayout(
+            seg, own_pos + base[seg], len(lengths), min(cap, 1 << (longest - 1).bit_length()),
+            key_rows=torch.tensor(rows, dtype=torch.long, device=dev),
+            key_start=torch.tensor(key_start, dtype=torch.long, device=dev)[seg],
+            key_seg=torch.tensor(key_seg, dtype=torch.long, device=dev),
+            key_pos=torch.tensor(key_pos, dtype=torch.long, device=dev),
+        )  # fmt: skip
+        return ids, layout, LoraRouting(lora, seg, len(lengths), self._lora_targets)
 
     def _forward(
         self,

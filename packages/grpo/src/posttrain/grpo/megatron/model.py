@@ -322,6 +322,10 @@ class TensorParallelDecoder(DecoderModel):
 
     # ------------------------------------------------------------------ forwards
 
+    def takes_shared_prefixes(self) -> bool:
+        """Never: this decoder's forwards pack every segment whole."""
+        return False
+
     def forward_logits(
         self,
         input_ids: Tensor,
@@ -331,9 +335,15 @@ class TensorParallelDecoder(DecoderModel):
         media: MediaBatch | None = None,
         inputs_embeds: Tensor | None = None,
         rows: Tensor | None = None,
+        shared_prefixes: Sequence[tuple[int, int]] | None = None,
     ) -> Tensor:
         """fp32 logits ``[T, vocab]`` (on every TP rank) for packed segments (text only);
-        ``rows``: only those packed positions' logits (``DecoderModel.forward_logits``)."""
+        ``rows``: only those packed positions' logits (``DecoderModel.forward_logits``).
+        ``shared_prefixes`` is refused (``takes_shared_prefixes``: never)."""
+        if shared_prefixes is not None:
+            raise GrpoInputError(
+                "TensorParallelDecoder: shared_prefixes are not taken (every segment packed whole)"
+            )
         if media is not None or inputs_embeds is not None:
             raise GrpoInputError(
                 "TensorParallelDecoder: media / inputs_embeds are not taken by the megatron "
