@@ -16,8 +16,13 @@ from typing import Any
 
 
 def grpo_argv(out: Path, *flags: str, trainer: tuple[str, ...] = ()) -> list[str]:
+    """``posttrain grpo`` with ``flags``, and ``trainer`` after ``--``. Without a mesh flag of
+    its own the trainer runs on two gloo ranks (``--shard 2``): the tests exercise the
+    distributed trainer, which the 2-core default (one rank) would leave out."""
     argv = [sys.executable, "-m", "posttrain.launch", "grpo", "--out", str(out), *flags]
-    return argv + (["--", *trainer] if trainer else [])
+    mesh = any(a.split("=")[0] in ("--shard", "--replicate") for a in trainer)
+    trainer = trainer if mesh else (*trainer, "--shard", "2")
+    return [*argv, "--", *trainer]
 
 
 def grpo_env(cache: Path) -> dict[str, str]:

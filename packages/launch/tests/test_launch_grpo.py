@@ -151,11 +151,11 @@ def test_stack_serves_a_pushed_adapter_and_a_teacher_outside_the_router() -> Non
     ("cores", "engines", "trainer", "expected"),
     [
         (1, None, (), (1, 1)),
-        (2, None, (), (1, 2)),  # 2 cores: one engine (docs/benchmarks/grpo.md, "Topology")
-        (3, None, (), (1, 2)),
+        (2, None, (), (1, 1)),  # 2 cores: one engine, one rank (docs/benchmarks/grpo.md)
+        (3, None, (), (1, 1)),
         (4, None, (), (2, 2)),
         (64, None, (), (2, 2)),
-        (2, 3, (), (3, 2)),  # --engines wins
+        (2, 3, (), (3, 1)),  # --engines wins
         (2, None, ("--replicate", "2", "--shard", "1"), (1, 2)),  # the trainer's mesh flags win
         (2, None, ("--shard=1", "--shard", "3"), (1, 3)),  # the last one, as the trainer reads
     ],
@@ -186,7 +186,7 @@ def test_usable_cores_are_the_affinity_capped_by_a_cgroup_quota(tmp_path: Path) 
 def test_the_topology_reaches_the_stack_the_trainer_and_the_printed_plan(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """On a 2-core machine the run starts one engine and trains on two ranks and says so;
+    """On a 2-core machine the run starts one engine and trains on one rank and says so;
     ``--engines 2`` starts two."""
     planned: list[tuple[int, list[str]]] = []
     monkeypatch.setattr("posttrain.launch.grpo.prepare_recipe", lambda *a, **k: RECIPE)
@@ -205,10 +205,10 @@ def test_the_topology_reaches_the_stack_the_trainer_and_the_printed_plan(
         result = CliRunner().invoke(app, ["grpo", "--out", str(tmp_path / "out"), *flags])
         assert result.exit_code == 0, result.output
         assert planned[-1][0] == engines
-        assert _flag(planned[-1][1], "--shard") == "2"
+        assert _flag(planned[-1][1], "--shard") == "1"
         said = " ".join(result.output.split())
         assert f"starting {engines} engine" in said, said
-        assert "2 trainer ranks, for 2 cores" in said, said
+        assert "1 trainer rank, for 2 cores" in said, said
 
 
 def test_grpo_help_lists_the_recipe_options() -> None:

@@ -130,7 +130,7 @@ _GrpoEngines = Annotated[
         min=1,
         metavar="N",
         help="policy engines behind the router [default: 1 below 4 cores, else 2; the trainer "
-        "runs 2 ranks, 1 on a single core, `-- --shard N` to change]",
+        "runs as many ranks, `-- --shard N` to change]",
     ),
 ]
 
