@@ -84,18 +84,18 @@ def adapter(policy: str) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
 
 
 def bodies(
-    tok: ChatTokenizer, prompts: Sequence[Prompt], step: int, version: int
+    tok: ChatTokenizer, prompts: Sequence[Prompt], step: int, version: int, adapter: str | None
 ) -> list[dict[str, Any]]:
     """The ``/generate`` body the session router sends for each prompt's group (``n``)."""
     cfg = SessionRouterConfig(upstream_url="http://127.0.0.1:9", tokenizer="unused",
-                              lora_adapter=ADAPTER, parallel_sampling=True)  # fmt: skip
+                              lora_adapter=adapter, parallel_sampling=True)  # fmt: skip
     n = int(RECIPE["samples_per_prompt"])
     out = []
     for p in prompts:
         ids = tok.encode(tok.render(list(p.messages), add_generation_prompt=True))
         turn = {"max_tokens": int(RECIPE["max_new_tokens"]), "logprobs": True,
                 "temperature": float(RECIPE["temperature"]), "seed": group_seed(1, step, p.index)}  # fmt: skip
-        body = build_generate_body(turn, cfg, ids, weight_version=version)
+        body = build_generate_body(turn, cfg, ids, weight_version=version if adapter else None)
         body["sampling_params"]["n"] = n
         out.append(body)
     return out
@@ -123,10 +123,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--engines", default="1,2", help="engine counts, comma-separated")
+    ap.add_argument(
+        "--train",
+        choices=("lora", "full"),
+        default="lora",
+        help="full: the engines serve no adapter and nothing is pushed (push_s 0)",
+    )
     ap.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     ap.add_argument("--baseline-src", type=Path, default=None,
                     help="another commit's checkout: its stacks run beside this one's")  # fmt: skip
     args = ap.parse_args(argv)
+    served = ADAPTER if args.train == "lora" else None
     counts = [int(x) for x in args.engines.split(",")]
     labels = [(str(e), e, None) for e in counts]
     if args.baseline_src is not None:
@@ -146,7 +153,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         stacks = {}
         for label, e, src in labels:
             plan = build_local_stack(LocalStackConfig(model_path=policy, engines=e,
-                                                      lora_adapter=ADAPTER, ready_timeout_s=300.0))  # fmt: skip
+                                                      lora_adapter=served, ready_timeout_s=300.0))  # fmt: skip
             env = {**os.environ, "OMP_NUM_THREADS": "1"}
             if src is not None:
                 env["PYTHONPATH"] = src
@@ -161,12 +168,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         for step in range(args.reps + 1):  # step 0 warms every path up, not reported
             prompts = stream.take(int(RECIPE["prompts_per_step"]))
             version = step + 1
-            groups = bodies(tok, prompts, step, version)
+            groups = bodies(tok, prompts, step, version, served)
             reference: list[list[int]] | None = None  # every stack draws the same samples
             for label, (runner, urls, clients, rollouts) in stacks.items():
                 row: dict[str, Any] = {"stack": label, "step": step, "load1": os.getloadavg()[0]}
                 t0 = time.perf_counter()
-                for client in clients:
+                for client in clients if served else ():
                     client.push(ADAPTER, tensors, config)
                 row["push_s"] = time.perf_counter() - t0
                 settings = RolloutSettings(
@@ -174,7 +181,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     samples_per_prompt=int(RECIPE["samples_per_prompt"]),
                     max_new_tokens=int(RECIPE["max_new_tokens"]),
                     temperature=float(RECIPE["temperature"]), seed=1, timeout_s=120.0,
-                    weight_version=version,
+                    weight_version=version if served else None,
                 )  # fmt: skip
                 t0 = time.perf_counter()
                 samples = rollouts.run(settings, prompts, step=step)

@@ -38,8 +38,6 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.distributed.fsdp import FSDPModule, register_fsdp_forward_method
-from torch.distributed.tensor import DTensor
 
 from posttrain.models._blocks import PackedLayout, attend
 from posttrain.models._errors import ModelInputError
@@ -171,6 +169,10 @@ def forward_context_parallel(
             )
     cp_size = 1 if group is None else dist.get_world_size(group)
     shard = bind_shard(shard_for_context_parallel(lengths, cp_size, layout), group)
+    # imported here: torch.distributed.fsdp costs ~2 s at import, which every process that
+    # imports posttrain.models (an engine, the recipe step) would otherwise pay
+    from torch.distributed.fsdp import FSDPModule, register_fsdp_forward_method
+
     if isinstance(model, FSDPModule) and "forward_with_layout" not in vars(model):
         register_fsdp_forward_method(model, "forward_with_layout")
     logits = model.forward_with_layout(
@@ -213,6 +215,8 @@ def all_reduce_gradients(model: nn.Module, group: dist.ProcessGroup | None) -> N
     """
     if group is None:
         return
+    from torch.distributed.tensor import DTensor  # lazily, as FSDPModule above
+
     trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     for name, param in trainable:  # check everything before touching any gradient
         if isinstance(param.data, DTensor):
