@@ -203,6 +203,32 @@ def test_supported_family_matches_transformers(tmp_path: Path, name: str) -> Non
     assert load_config(tmp_path / "ours") == config
 
 
+@pytest.mark.parametrize("name", sorted(SUPPORTED))
+def test_every_family_shares_a_prompt_with_the_same_bits(tmp_path: Path, name: str) -> None:
+    """``forward_logits(..., shared_prefixes=)`` (a GRPO group's samples sharing their prompt)
+    gives each token the strict bits it gets with its segment packed whole, on every family
+    (MLA's attention included)."""
+    write_hf_checkpoint(tmp_path / "hf", name)
+    model = load_pretrained(tmp_path / "hf")
+    assert model.takes_shared_prefixes()
+    gen = torch.Generator().manual_seed(2)
+    prompt = torch.randint(0, HF_TINY["vocab_size"], (13,), generator=gen).tolist()
+    answers = [torch.randint(0, HF_TINY["vocab_size"], (n,), generator=gen).tolist()
+               for n in (3, 1, 5)]  # fmt: skip
+    whole = [prompt + a for a in answers]
+    with torch.no_grad():
+        full = model.forward_logits(
+            torch.tensor([t for s in whole for t in s]), [len(s) for s in whole]
+        )
+        shared = model.forward_logits(
+            torch.tensor(whole[0] + answers[1] + answers[2]),
+            [len(whole[0]), len(answers[1]), len(answers[2])],
+            shared_prefixes=[(-1, 0), (0, 13), (0, 13)],
+        )
+    rows = [*range(16), *range(16 + 13, 16 + 14), *range(16 + 14 + 13, 16 + 14 + 18)]
+    assert torch.equal(shared, full[rows]), name
+
+
 @pytest.mark.parametrize("name", sorted(REFUSED))
 def test_unsupported_family_is_refused_by_name(tmp_path: Path, name: str) -> None:
     cls_name, extra, arch, feature = REFUSED[name]
