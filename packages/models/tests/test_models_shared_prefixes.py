@@ -87,6 +87,7 @@ def test_shared_prefixes_with_an_adapter_and_a_sliding_window() -> None:
         scaling=0.5,
     )
     whole, stream, shared, rows = _case(2)
+    shared = [list(e) for e in shared]  # as JSON gives them: the same layout
     full = model.forward_logits(
         torch.tensor([t for s in whole for t in s]), [len(s) for s in whole], lora=adapter
     )
@@ -108,6 +109,12 @@ def test_shared_prefixes_with_an_adapter_and_a_sliding_window() -> None:
         ([(-1, 0), (0, 0)], [4, 3], r"shared_prefixes\[1\]=\(0, 0\)"),
         ([(-1, 0), (0, 2), (1, 1)], [4, 1, 2], r"shared_prefixes\[2\]=\(1, 1\)"),
         ([(-1, 0), (0, 2)], [4, 63], "at most the capacity 64"),
+        (
+            [(-1, 0), (0, 2, 1)],
+            [4, 3],
+            r"shared_prefixes\[1\]=\(0, 2, 1\): not a \(parent, n\) pair",
+        ),
+        ([(-1, 0), (0, 2.0)], [4, 3], r"shared_prefixes\[1\]=\(0, 2.0\): not a"),
     ],
 )
 def test_bad_shared_prefixes_are_refused_naming_the_segment(

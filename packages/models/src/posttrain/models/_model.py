@@ -981,6 +981,12 @@ class DecoderModel(nn.Module):
             raise ModelInputError(
                 f"shared_prefixes has {len(shared)} entries for {len(lengths)} segments"
             )
+        entries = []
+        for s, entry in enumerate(shared):  # lists (from JSON) as well as tuples
+            if len(entry) != 2 or not all(isinstance(v, int) for v in entry):
+                raise ModelInputError(f"shared_prefixes[{s}]={entry!r}: not a (parent, n) pair")
+            entries.append((int(entry[0]), int(entry[1])))
+        shared = entries
         ids, seg, own_pos = self._pack(input_ids, lengths)
         cap, starts = self.config.capacity, _segment_starts(lengths)
         rows: list[int] = []
