@@ -354,9 +354,7 @@ class _RoutedExperts(torch.autograd.Function):
             if d_m is None and d_fc1 is None:
                 continue
             d_act = dy @ fc2[e].float()
-            gate, up = gu[:, :inter], gu[:, inter:]
-            s = torch.sigmoid(gate)
-            d_gu = torch.cat([d_act * up * s * (1.0 + gate * (1.0 - s)), d_act * gate * s], 1)
+            d_gu = torch.cat(_silu_mul_grads(gu[:, :inter], gu[:, inter:], d_act), 1)
             if d_fc1 is not None:
                 d_fc1[e] = d_gu.t() @ m[tok]
             if d_m is not None:
@@ -417,10 +415,16 @@ class _SiluMul(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, Tensor | None]:
         gate, up = ctx.saved_tensors
-        s = torch.sigmoid(gate)
-        d_gate = grad * up * s * (1.0 + gate * (1.0 - s)) if ctx.needs_input_grad[0] else None
-        d_up = grad * gate * s if ctx.needs_input_grad[1] else None
-        return d_gate, d_up
+        d_gate, d_up = _silu_mul_grads(gate, up, grad)
+        return (d_gate if ctx.needs_input_grad[0] else None), (
+            d_up if ctx.needs_input_grad[1] else None
+        )
+
+
+def _silu_mul_grads(gate: Tensor, up: Tensor, grad: Tensor) -> tuple[Tensor, Tensor]:
+    """The gradients of ``silu(gate) * up`` for ``grad``: ``(dgate, dup)``."""
+    s = torch.sigmoid(gate)
+    return grad * up * s * (1.0 + gate * (1.0 - s)), grad * gate * s
 
 
 class FastOps:
