@@ -239,7 +239,7 @@ def measure(rank: int, world: int, args: argparse.Namespace, train: str, numeric
             "compiled_at_end": still_compiled, "first_step_s": first, **_compile_counters(),
             "cudagraph_recorded_inputs_per_step": recorded}
            if compiled else {}),
-        **({"profile_top_kernels": profile} if profile else {}),
+        **({"profile": profile} if profile else {}),
     }  # fmt: skip
 
 
@@ -268,21 +268,52 @@ def _compile_counters() -> dict[str, Any]:
     }
 
 
-def _profile(step: Any, device: torch.device, top: int = 25) -> list[dict[str, Any]]:
-    """The ``top`` kernels of one more step by device time (CPU ops on a CPU run)."""
+def _profile(step: Any, device: torch.device, top: int = 25) -> dict[str, Any]:
+    """One more step under the profiler: its wall time, the device's busy time (the sum of its
+    kernels and copies, each counted once: where the GPU waits on the host, busy < wall), the
+    ``top`` kernels by device time, the ``top`` host ops by call count (what launches them) and
+    the host syncs (``aten::_local_scalar_dense``: ``.item()``/``.tolist()`` on device tensors).
+    A CPU run reports host ops by self CPU time as its "kernels"."""
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     cuda = device.type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    _sync(device)
+    t0 = time.perf_counter()
     with profile(activities=activities) as prof:
         step()
         _sync(device)
-    key = "self_device_time_total" if cuda else "self_cpu_time_total"
-    rows = sorted(prof.key_averages(), key=lambda e: getattr(e, key, 0.0), reverse=True)
-    total = sum(getattr(e, key, 0.0) for e in rows) or 1.0
-    return [{"name": e.key[:80], "ms": round(getattr(e, key, 0.0) / 1e3, 3),
-             "share": round(getattr(e, key, 0.0) / total, 4), "calls": e.count}
-            for e in rows[:top]]  # fmt: skip
+    wall = time.perf_counter() - t0
+    events = prof.events()
+    on_device = [e for e in events if e.device_type == DeviceType.CUDA] if cuda else []
+    busy_us = sum(e.time_range.elapsed_us() for e in on_device) if cuda else 0.0
+    kernels: dict[str, list[float]] = {}
+    for e in on_device:
+        kernels.setdefault(e.name[:90], []).append(e.time_range.elapsed_us())
+    if not cuda:
+        for e in prof.key_averages():
+            kernels[e.key[:90]] = [e.self_cpu_time_total / max(e.count, 1)] * e.count
+    ranked = sorted(kernels.items(), key=lambda kv: sum(kv[1]), reverse=True)[:top]
+    host = [e for e in prof.key_averages() if e.device_type == DeviceType.CPU]
+    by_calls = sorted(host, key=lambda e: e.count, reverse=True)[:top]
+    syncs = sum(e.count for e in host if e.key == "aten::_local_scalar_dense")
+    return {
+        "wall_ms": round(wall * 1e3, 2),
+        "device_busy_ms": round(busy_us / 1e3, 2),
+        "device_kernels": len(on_device),
+        "host_syncs": syncs,
+        "top_kernels": [
+            {
+                "name": n,
+                "ms": round(sum(t) / 1e3, 3),
+                "calls": len(t),
+                "share_of_busy": round(sum(t) / busy_us, 4) if cuda else None,
+            }
+            for n, t in ranked
+        ],
+        "top_host_ops_by_calls": [{"name": e.key[:60], "calls": e.count} for e in by_calls],
+    }
 
 
 def hf_reference(args: argparse.Namespace, precision: str,

@@ -318,6 +318,155 @@ def test_backward_matches_torch_autograd(device: str) -> None:
     near("bf16 attention", got, grads(dense, q, k, v))
 
 
+def _routing(t: int, k: int, experts: Sequence[int], gen: torch.Generator) -> Tensor:
+    """``ids[t, k]``: each token's ``k`` distinct experts from ``experts``, ascending."""
+    pool = torch.tensor(experts)
+    rows = [pool[torch.randperm(len(experts), generator=gen)[:k]].sort().values for _ in range(t)]
+    return torch.stack(rows)
+
+
+@kernel_test
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grouped_linear_rows_are_linear_rows(device: str, dtype: torch.dtype) -> None:
+    from posttrain.models import _triton_kernels as kernels
+    from posttrain.models._expert_rows import expert_rows, pair_rows, source_rows, tile_experts
+
+    gen = torch.Generator().manual_seed(6)
+    tiling = kernels.BF16_LINEAR_TILING if dtype == torch.bfloat16 else kernels.LINEAR_TILING
+    t, k, e, kdim, n = 37, 2, 5, 40, 24
+    x = torch.randn(t, kdim, generator=gen).to(device)
+    w = torch.randn(e, n, kdim, generator=gen).to(dtype).to(device)
+    ids = _routing(t, k, [0, 1, 2, 4], gen).to(device)  # expert 3 idle
+    layout = expert_rows(ids, e, tiling.block_m)
+    tiles = tile_experts(layout, tiling.block_m)
+    assert layout.rows % tiling.block_m == 0
+    assert int(tiles.min()) == -1  # a tail of dead tiles
+    out = torch.full((t * k, n), float("nan"), device=device)
+    kernels.grouped_linear(
+        x, w, tiles, rows=layout.rows, src=source_rows(layout, k), dst=pair_rows(layout),
+        out=out, tiling=tiling,
+    )  # fmt: skip
+    xp = torch.zeros(layout.rows, kdim, device=device)
+    xp.index_copy_(0, layout.dest, x[layout.order // k])  # the pairs' rows, padded
+    padded = kernels.grouped_linear(xp, w, tiles, rows=layout.rows, tiling=tiling)
+    flat = ids.reshape(-1)
+    for j in range(e):
+        pairs = (flat == j).nonzero()[:, 0]
+        if pairs.numel() == 0:
+            continue
+        ref = kernels.linear(x[pairs // k], w[j], tiling)  # the expert's rows, alone
+        assert torch.equal(out[pairs], ref), j
+        assert torch.equal(padded[layout.row_of_pair[pairs]], ref), j
+    pad = torch.ones(layout.rows, dtype=torch.bool, device=device)
+    pad[layout.row_of_pair] = False
+    assert torch.equal(padded[pad], torch.zeros_like(padded[pad]))  # pad rows stay zero
+
+
+@kernel_test
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_routed_experts_equal_the_expert_loop(device: str, dtype: torch.dtype) -> None:
+    from posttrain.models._strict_cuda import CudaStrictBf16Ops, CudaStrictOps
+
+    ops = CudaStrictBf16Ops if dtype == torch.bfloat16 else CudaStrictOps
+    gen = torch.Generator().manual_seed(7)
+    t, k, e, h, inter = 29, 2, 6, 24, 16
+    m = torch.randn(t, h, generator=gen)
+    fc1 = (torch.randn(e, 2 * inter, h, generator=gen) * 0.3).to(dtype)
+    fc2 = (torch.randn(e, h, inter, generator=gen) * 0.3).to(dtype)
+    ids = _routing(t, k, [0, 1, 3, 4, 5], gen)  # expert 2 idle
+
+    def loop(m: Tensor, fc1: Tensor, fc2: Tensor) -> Tensor:
+        out = m.new_zeros(t, k, h)
+        for j in range(e):
+            tok, slot = (ids.to(m.device) == j).nonzero(as_tuple=True)
+            if tok.numel():
+                act = ops.silu_mul_halves(ops.linear(m[tok], fc1[j]))
+                out = out.index_put((tok, slot), ops.linear(act, fc2[j]))
+        return out
+
+    def fused(m: Tensor, fc1: Tensor, fc2: Tensor) -> Tensor:
+        out = ops.routed_experts(m, ids.to(m.device), fc1, fc2)
+        assert out is not None
+        return out
+
+    args = [a.to(device) for a in (m, fc1, fc2)]
+    with torch.no_grad():
+        assert torch.equal(fused(*args), loop(*args))  # decode's call: the loop's bits
+    results = []
+    weight = torch.randn(t, k, h, generator=gen).to(device)
+    for fn in (fused, loop):
+        leaves = [a.detach().clone().requires_grad_() for a in args]
+        out = fn(*leaves)
+        (out * weight).sum().backward()
+        results.append((out.detach(), [leaf.grad for leaf in leaves]))
+    (out_f, grads_f), (out_l, grads_l) = results
+    assert torch.equal(out_f, out_l)  # training's call: the same bits
+    tolerance = 1e-2 if dtype == torch.bfloat16 else 1e-5  # bf16 operands in the backward
+    for name, a, b in zip(("m", "fc1", "fc2"), grads_f, grads_l, strict=True):
+        assert a is not None, name
+        assert b is not None, name
+        assert a.dtype == b.dtype, name
+        assert float((a.float() - b.float()).norm() / b.float().norm()) < tolerance, name
+    assert torch.equal(grads_f[1][2], torch.zeros_like(grads_f[1][2]))  # the idle expert
+
+
+@kernel_test
+def test_silu_mul_halves_backward(device: str) -> None:
+    from posttrain.models import FastOps
+    from posttrain.models._strict_cuda import CudaStrictOps as Ops
+
+    gen = torch.Generator().manual_seed(8)
+    gu = torch.randn(11, 2 * 40, generator=gen)
+    weight = torch.randn(11, 40, generator=gen)
+    grads = []
+    for fn in (Ops.silu_mul_halves, FastOps.silu_mul_halves):
+        leaf = gu.clone().to(device).requires_grad_()
+        out = fn(leaf)
+        (out * weight.to(device)).sum().backward()
+        grads.append((out.detach().cpu(), leaf.grad.cpu()))  # type: ignore[union-attr]
+    (out, grad), (ref_out, ref_grad) = grads
+    assert torch.equal(out, Ops.silu_mul(gu[:, :40].to(device), gu[:, 40:].to(device)).cpu())
+    assert float((out - ref_out).norm() / ref_out.norm()) < 1e-6
+    assert float((grad - ref_grad).norm() / ref_grad.norm()) < 1e-6
+
+
+@kernel_test
+@pytest.mark.parametrize("norm", ["none", "shared", "per_head"])
+def test_norm_rope_is_norm_then_rope(device: str, norm: str) -> None:
+    from posttrain.models import FastOps
+    from posttrain.models._strict_cuda import CudaStrictOps as Ops
+
+    gen = torch.Generator().manual_seed(9)
+    t, heads, hd = 13, 3, 16
+    qkv = torch.randn(t, heads * hd + 8, generator=gen) * 2
+    x = qkv[:, : heads * hd].reshape(t, heads, hd)  # a strided slice, as attention's q
+    weight = {
+        "none": None,
+        "shared": torch.rand(hd, generator=gen) + 0.5,
+        "per_head": torch.rand(heads, hd, generator=gen) + 0.5,
+    }[norm]
+    angle = torch.rand(t, hd // 2, generator=gen) * 6
+    cos, sin = torch.cat([angle.cos()] * 2, 1), torch.cat([angle.sin()] * 2, 1)
+    grads, outs = [], []
+    upstream = torch.randn(t, heads, hd, generator=gen)
+    for ops in (Ops, FastOps):
+        leaves = [a.clone().to(device).requires_grad_() for a in (x, *(() if weight is None else (weight,)))]  # fmt: skip
+        w = leaves[1] if weight is not None else None
+        out = ops.norm_rope(leaves[0], w, 1e-6, cos.to(device), sin.to(device))
+        (out * upstream.to(device)).sum().backward()
+        outs.append(out.detach().cpu())
+        grads.append([leaf.grad.cpu() for leaf in leaves])  # type: ignore[union-attr]
+    assert float((outs[0] - outs[1]).norm() / outs[1].norm()) < 1e-6
+    for a, b in zip(*grads, strict=True):
+        assert float((a - b).norm() / b.norm()) < 1e-5
+    with torch.no_grad():  # a row's bits are its own: one token alone, and all of them
+        dev_x, wd = x.to(device), None if weight is None else weight.to(device)
+        full = Ops.norm_rope(dev_x, wd, 1e-6, cos.to(device), sin.to(device))
+        one = Ops.norm_rope(dev_x[5:6], wd, 1e-6, cos[5:6].to(device), sin[5:6].to(device))
+        assert torch.equal(one[0], full[5])
+        assert torch.equal(full.cpu(), outs[0])
+
+
 # ------------------------------------------------------------------ the model
 
 

@@ -57,10 +57,11 @@ from posttrain.models._cache import KVCache
 from posttrain.models._compile import layers_compiled
 from posttrain.models._config import ModelConfig
 from posttrain.models._errors import CacheError, ModelInputError
+from posttrain.models._expert_rows import expert_rows
 from posttrain.models._logprobs import DEFAULT_CHUNK_TOKENS, chunked_token_logprobs
 from posttrain.models._lora import AdapterArg, LoraAdapter, LoraRouting
 from posttrain.models._media import MediaBatch, MediaKind, check_media_positions
-from posttrain.models._ops import Bf16FastOps, FastOps, StrictOps, apply_rope
+from posttrain.models._ops import Bf16FastOps, FastOps, StrictOps
 from posttrain.models._rope import rope_tables
 from posttrain.models._sites import LinearSite
 from posttrain.models._towers import MediaTower, build_towers, image_patches, mel_features
@@ -339,16 +340,10 @@ def grouped_experts(ops: type[FastOps], x: Tensor, ids: Tensor, fc1: Tensor, fc2
     """
     t, k = ids.shape
     e, inter = fc1.shape[0], fc2.shape[2]
-    flat = ids.reshape(-1)
-    order = torch.argsort(flat, stable=True)
-    xs = x[order // k]  # [T * k, H], grouped by expert
-    counts = torch.zeros(e, dtype=torch.long, device=x.device).index_add_(
-        0, flat, torch.ones_like(flat)
-    )
     dt = ops.compute_dtype
     if use_grouped_mm(x, dt, inter) and not _GROUPED_MM_FAILED:
         try:
-            return _grouped_mm_experts(xs, flat, order, counts, fc1, fc2, ops).reshape(t, k, -1)
+            return _grouped_mm_experts(x, ids, fc1, fc2, ops).reshape(t, k, -1)
         except RuntimeError as err:  # a build or device without the kernel: the loop, once told
             _GROUPED_MM_FAILED.append(str(err))
             warnings.warn(
@@ -356,6 +351,12 @@ def grouped_experts(ops: type[FastOps], x: Tensor, ids: Tensor, fc1: Tensor, fc2
                 RuntimeWarning,
                 stacklevel=2,
             )
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    xs = x[order // k]  # [T * k, H], grouped by expert
+    counts = torch.zeros(e, dtype=torch.long, device=x.device).index_add_(
+        0, flat, torch.ones_like(flat)
+    )
     ys = _experts_eager(ops, xs, counts, fc1, fc2)
     # back to (token, slot) order: row ``order[i]`` of the output is sorted row ``i`` (one
     # scatter, where ``ys[argsort(order)]`` took a sort and a gather)
@@ -369,14 +370,13 @@ def _experts_one_by_one(
 
     Its slice sizes are data (a host sync), so a compiled layer runs it eagerly (a clean graph
     break, ``_experts_eager``) instead of recompiling for every routing."""
-    inter = fc2.shape[2]
     sizes = counts.tolist()
     parts = []
     for j, (xj, size) in enumerate(zip(torch.split(xs, sizes), sizes, strict=True)):
         if size == 0:
             continue
         gu = ops.linear(xj, fc1[j])
-        parts.append(ops.linear(ops.silu_mul(gu[:, :inter], gu[:, inter:]), fc2[j]))
+        parts.append(ops.linear(ops.silu_mul_halves(gu), fc2[j]))
     return torch.cat(parts) if parts else xs.new_zeros((0, fc2.shape[1]))
 
 
@@ -400,34 +400,21 @@ _GROUPED_MM_FAILED: list[str] = []
 
 
 def _grouped_mm_experts(
-    xs: Tensor,
-    flat: Tensor,
-    order: Tensor,
-    counts: Tensor,
-    fc1: Tensor,
-    fc2: Tensor,
-    ops: type[FastOps],
+    x: Tensor, ids: Tensor, fc1: Tensor, fc2: Tensor, ops: type[FastOps]
 ) -> Tensor:
-    """``grouped_experts``' CUDA branch: the sorted rows ``xs`` through every expert in one
-    ``torch._grouped_mm`` per projection, each group padded to ``GROUPED_MM_ALIGN`` rows;
-    returns the outputs in (token, slot) order (``flat``'s), read straight from the padded
-    rows (one gather, no sort back)."""
-    e, inter, dt = fc1.shape[0], fc2.shape[2], ops.compute_dtype
-    align = GROUPED_MM_ALIGN
-    padded = (counts + align - 1) // align * align
-    ends = padded.cumsum(0)
-    starts = ends - padded
-    first = counts.cumsum(0) - counts  # each expert's first row in ``xs``
-    expert = flat[order]
-    dest = starts[expert] + torch.arange(flat.shape[0], device=xs.device) - first[expert]
-    rows = flat.shape[0] + e * (align - 1)
-    xp = xs.new_zeros((rows, xs.shape[1]), dtype=dt).index_copy(0, dest, xs.to(dt))
-    offs = ends.to(torch.int32)
+    """``grouped_experts``' CUDA branch: the pairs of ``ids`` through every expert in one
+    ``torch._grouped_mm`` per projection, each group padded to ``GROUPED_MM_ALIGN`` rows
+    (``expert_rows``); returns the outputs in (token, slot) order, read straight from the
+    padded rows (one gather, no sort back)."""
+    dt, k = ops.compute_dtype, ids.shape[1]
+    layout = expert_rows(ids, fc1.shape[0], GROUPED_MM_ALIGN)
+    xs = x[layout.order // k].to(dt)
+    xp = xs.new_zeros((layout.rows, xs.shape[1])).index_copy(0, layout.dest, xs)
+    offs = layout.ends.to(torch.int32)
     gu = torch._grouped_mm(xp, fc1.to(dt).transpose(-2, -1), offs=offs)
-    act = ops.silu_mul(gu[:, :inter], gu[:, inter:])
-    row_of_pair = torch.empty_like(dest).index_copy(0, order, dest)  # padded row of each pair
-    out: Tensor = torch._grouped_mm(act, fc2.to(dt).transpose(-2, -1), offs=offs)[row_of_pair]
-    return out
+    act = ops.silu_mul_halves(gu)
+    out = torch._grouped_mm(act, fc2.to(dt).transpose(-2, -1), offs=offs)
+    return out[layout.row_of_pair]
 
 
 class DecoderModel(nn.Module):
@@ -1200,17 +1187,17 @@ class DecoderModel(nn.Module):
             k_raw = layout.sconv(ops, i, "k", k_raw, layer.k_conv)
             v_raw = layout.sconv(ops, i, "v", v_raw, layer.v_conv)
         q, k = qkv[:, :nq].reshape(t, nh, hd), k_raw.reshape(t, nkv, hd)
+        q_w: Tensor | None = None
+        k_w: Tensor | None = None
         if cfg.qk_norm:
-            q_w: Tensor = layer.q_norm
-            k_w: Tensor = layer.k_norm
+            q_w, k_w = layer.q_norm, layer.k_norm
             if cfg.qk_norm_per_head:
                 q_w, k_w = q_w.reshape(nh, hd), k_w.reshape(nkv, hd)
-            q = ops.rms_norm(q, q_w, cfg.rms_norm_eps)
-            k = ops.rms_norm(k, k_w, cfg.rms_norm_eps)
         v = v_raw.reshape(t, nkv, hd)
         cos_t, sin_t = self._rope(hd)
         cos, sin = cos_t[layout.pos], sin_t[layout.pos]
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        eps = cfg.rms_norm_eps
+        q, k = ops.norm_rope(q, q_w, eps, cos, sin), ops.norm_rope(k, k_w, eps, cos, sin)
         rel = None
         if nr:
             r = qkv[:, nq + 2 * nk :].reshape(t, nh, cfg.rel_pos_dim)
@@ -1293,7 +1280,7 @@ class DecoderModel(nn.Module):
         gu = lora.apply(
             ops, m, gu, [(prefix + "mlp.gate_proj", 0, i), (prefix + "mlp.up_proj", i, 2 * i)]
         )
-        act = ops.silu_mul(gu[:, :i], gu[:, i:])
+        act = ops.silu_mul_halves(gu)
         y = layer.sites["fc2"](act)
         return lora.apply(ops, act, y, [(prefix + "mlp.down_proj", 0, self.config.hidden_size)])
 
@@ -1336,7 +1323,7 @@ class DecoderModel(nn.Module):
         gu = lora.apply(
             ops, x, gu, [(prefix + "gate_proj", 0, i), (prefix + "up_proj", i, 2 * i)], tok
         )
-        act = ops.silu_mul(gu[:, :i], gu[:, i:])
+        act = ops.silu_mul_halves(gu)
         y = ops.linear(act, fc2)
         return lora.apply(ops, act, y, [(prefix + "down_proj", 0, hsz)], tok)
 

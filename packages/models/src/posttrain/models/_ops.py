@@ -491,6 +491,24 @@ class FastOps:
         """``silu(gate) * up``."""
         return F.silu(gate) * up
 
+    @classmethod
+    def silu_mul_halves(cls, gu: Tensor) -> Tensor:
+        """``silu_mul(gu[..., :C], gu[..., C:])`` for ``gu[..., 2C] = [gate; up]`` (a kernel set
+        may take the whole tensor at once: one gradient instead of two slices')."""
+        c = gu.shape[-1] // 2
+        return cls.silu_mul(gu[..., :c], gu[..., c:])
+
+    @classmethod
+    def norm_rope(
+        cls, x: Tensor, weight: Tensor | None, eps: float, cos: Tensor, sin: Tensor
+    ) -> Tensor:
+        """Attention's query/key preparation for ``x[T, heads, hd]``: ``rms_norm`` by ``weight``
+        (``[hd]`` or ``[heads, hd]``; None: no norm), then ``apply_rope`` by ``cos/sin[T, hd]``
+        (a kernel set may fuse the two: one pass, one gradient)."""
+        if weight is not None:
+            x = cls.rms_norm(x, weight, eps)
+        return apply_rope(x, cos, sin)
+
     @staticmethod
     def sigmoid(x: Tensor) -> Tensor:
         """``1 / (1 + exp(-x))``."""

@@ -31,6 +31,13 @@ import torch
 from torch import Tensor
 
 from posttrain.models import _triton_kernels as kernels
+from posttrain.models._expert_rows import (
+    ExpertRows,
+    expert_rows,
+    pair_rows,
+    source_rows,
+    tile_experts,
+)
 from posttrain.models._ops import StrictOps
 from posttrain.models._row_attention import RowAttention
 
@@ -64,16 +71,14 @@ class _RmsNorm(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, Tensor | None, None]:
         x, weight = ctx.saved_tensors
-        rows, d = x.shape
-        w_rows = weight.shape[0]
-        inv = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + ctx.eps)
-        w = weight.float().repeat(rows // w_rows, 1)
-        g = grad * w
-        dx = inv * g - x * (inv**3) * (g * x).sum(-1, keepdim=True) / d
-        dw = None
-        if ctx.needs_input_grad[1]:
-            dw = (grad * x * inv).reshape(-1, w_rows, d).sum(0).to(weight.dtype)
-        return dx, dw, None
+        need_w = bool(ctx.needs_input_grad[1])
+        dx, dw = kernels.rms_norm_backward(x, weight, _dense_rows(grad), ctx.eps, need_w=need_w)
+        return dx, (None if dw is None else dw.to(weight.dtype)), None
+
+
+def _dense_rows(x: Tensor) -> Tensor:
+    """``x`` with a contiguous last dim (autograd's gradients nearly always are)."""
+    return x if x.stride(-1) == 1 else x.contiguous()
 
 
 class _SiluMul(torch.autograd.Function):
@@ -85,9 +90,28 @@ class _SiluMul(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, Tensor]:
         gate, up = ctx.saved_tensors
-        s = torch.sigmoid(gate)
-        d_gate = grad * up * s * (1.0 + gate * (1.0 - s))
-        return d_gate, grad * gate * s
+        d_gate, d_up = torch.empty_like(grad), torch.empty_like(grad)
+        kernels.silu_mul_backward(gate, up, _dense_rows(grad), d_gate, d_up)
+        return d_gate, d_up
+
+
+class _SiluMulHalves(torch.autograd.Function):
+    """``silu_mul`` of the halves of one ``[R, 2C]`` tensor with its gradient as one ``[R, 2C]``
+    tensor (two slices' gradients would each be a zero-filled ``[R, 2C]``, then added)."""
+
+    @staticmethod
+    def forward(ctx: Any, gu: Tensor) -> Tensor:
+        ctx.save_for_backward(gu)
+        c = gu.shape[1] // 2
+        return kernels.silu_mul(gu[:, :c], gu[:, c:])
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Tensor:
+        (gu,) = ctx.saved_tensors
+        c = gu.shape[1] // 2
+        d_gu = torch.empty(gu.shape, dtype=torch.float32, device=gu.device)
+        kernels.silu_mul_backward(gu[:, :c], gu[:, c:], _dense_rows(grad), d_gu[:, :c], d_gu[:, c:])
+        return d_gu
 
 
 class _Softmax(torch.autograd.Function):
@@ -106,6 +130,27 @@ class _Softmax(torch.autograd.Function):
         return out * (grad - (grad * out).sum(-1, keepdim=True)), None
 
 
+class _NormRope(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx: Any, x: Tensor, weight: Tensor | None, eps: float, cos: Tensor, sin: Tensor
+    ) -> Tensor:
+        ctx.save_for_backward(x, weight, cos, sin)
+        ctx.eps = eps
+        return kernels.norm_rope(x, weight, cos, sin, eps)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+        x, weight, cos, sin = ctx.saved_tensors
+        need_w = bool(ctx.needs_input_grad[1])
+        dx, dw = kernels.norm_rope_backward(
+            x, weight, cos, sin, grad.contiguous(), ctx.eps, need_w=need_w
+        )
+        if dw is not None and weight is not None:
+            dw = dw.to(weight.dtype)
+        return dx, dw, None, None, None
+
+
 def _needs_grad(*tensors: Tensor) -> bool:
     """Whether autograd must record this op (else the kernel is called directly: decode
     skips the ``Function`` bookkeeping; the bits are the same kernel's either way)."""
@@ -121,6 +166,121 @@ def _row_softmax(x: Tensor, *, log: bool) -> Tensor:
     else:
         out = kernels.softmax(x2, log=log)
     return out.reshape(x.shape)
+
+
+def _tiling(weight: Tensor) -> kernels.LinearTiling:
+    """``linear``'s tiling for ``weight`` (its default: by dtype)."""
+    return kernels.BF16_LINEAR_TILING if weight.dtype == torch.bfloat16 else kernels.LINEAR_TILING
+
+
+def _experts_forward(
+    m: Tensor, ids: Tensor, fc1: Tensor, fc2: Tensor, tiling: kernels.LinearTiling
+) -> tuple[Tensor, ExpertRows, Tensor, Tensor, Tensor]:
+    """``[T, k, H]`` routed outputs of ``m[T, H]`` (fp32), and what the backward reads: the
+    padded layout, ``tile_expert``, ``gate_up`` and ``act`` over the padded rows. Rows are
+    gathered from ``m`` and scattered to the output inside the GEMMs (no padded copy of
+    ``m``); pad rows are zeros all the way (``silu_mul(0, 0) = 0``)."""
+    t, k = ids.shape
+    align = tiling.block_m
+    layout = expert_rows(ids, fc1.shape[0], align)
+    tiles = tile_experts(layout, align)
+    x = _dense_rows(m.float())
+    gate_up = kernels.grouped_linear(
+        x, fc1, tiles, rows=layout.rows, src=source_rows(layout, k), tiling=tiling
+    )
+    inter = fc2.shape[2]
+    act = kernels.silu_mul(gate_up[:, :inter], gate_up[:, inter:])
+    out = torch.empty((t * k, fc2.shape[1]), dtype=torch.float32, device=m.device)
+    kernels.grouped_linear(
+        act, fc2, tiles, rows=layout.rows, dst=pair_rows(layout), out=out, tiling=tiling
+    )
+    return out.reshape(t, k, -1), layout, tiles, gate_up, act
+
+
+class _RoutedExperts(torch.autograd.Function):
+    """``CudaStrictOps.routed_experts`` with a backward over the same padded groups: the four
+    matmuls per expert as ``torch._grouped_mm`` (bf16 weights: bf16 operands, as ``_Linear``'s
+    backward; no host sync) or expert by expert (fp32, or where ``_grouped_mm`` is missing),
+    SiLU's gradient in one kernel, and each token's input gradient the sum of its ``k`` slots
+    in slot order (deterministic, no atomics)."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, m: Tensor, fc1: Tensor, fc2: Tensor, ids: Tensor, tiling: kernels.LinearTiling
+    ) -> Tensor:
+        out, layout, _, gate_up, act = _experts_forward(m, ids, fc1, fc2, tiling)
+        ctx.save_for_backward(m, fc1, fc2, layout.row_of_pair, layout.ends, gate_up, act)
+        ctx.rows, ctx.k = layout.rows, ids.shape[1]
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+        m, fc1, fc2, row_of_pair, ends, gate_up, act = ctx.saved_tensors
+        need_m, need_fc1, need_fc2 = ctx.needs_input_grad[:3]
+        t, k, h = grad.shape
+        inter = fc2.shape[2]
+        dt = torch.bfloat16 if fc1.dtype == torch.bfloat16 else torch.float32
+        offs = ends.clone()
+        offs[-1] = ctx.rows  # the tail of zero rows joins the last group (adds nothing)
+        mm = _GroupedMatmul(offs, dt)
+        dy = grad.new_zeros((ctx.rows, h), dtype=dt).index_copy_(
+            0, row_of_pair, grad.reshape(t * k, h).to(dt)
+        )
+        d_fc2 = mm.outer(dy, act).to(fc2.dtype) if need_fc2 else None
+        if not (need_m or need_fc1):
+            return None, None, d_fc2, None, None
+        d_act = mm.rows(dy, fc2)
+        d_gu = torch.empty_like(gate_up)
+        kernels.silu_mul_backward(
+            gate_up[:, :inter], gate_up[:, inter:], d_act, d_gu[:, :inter], d_gu[:, inter:]
+        )
+        d_gu_low = d_gu.to(dt)
+        d_fc1 = d_m = None
+        if need_fc1:
+            xp = m.new_zeros((ctx.rows, h), dtype=dt).index_copy_(
+                0, row_of_pair, m.to(dt).repeat_interleave(k, dim=0)
+            )
+            d_fc1 = mm.outer(d_gu_low, xp).to(fc1.dtype)
+        if need_m:
+            d_pairs = mm.rows(d_gu_low, fc1)[row_of_pair].reshape(t, k, h)
+            d_m = d_pairs[:, 0]
+            for j in range(1, k):
+                d_m = d_m + d_pairs[:, j]
+        return d_m, d_fc1, d_fc2, None, None
+
+
+class _GroupedMatmul:
+    """The routed experts' backward matmuls over padded groups (``offs``: each group's end
+    row): ``torch._grouped_mm`` for bf16 operands where torch has it, else one matmul per
+    group (the group ends reach the host once)."""
+
+    def __init__(self, offs: Tensor, dtype: torch.dtype) -> None:
+        self.offs, self.offs32, self.dtype = offs, offs.to(torch.int32), dtype
+        self.grouped = dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
+        self._ends: list[int] | None = None
+
+    def _bounds(self) -> list[tuple[int, int]]:
+        if self._ends is None:
+            self._ends = self.offs.tolist()
+        starts = [0, *self._ends[:-1]]
+        return list(zip(starts, self._ends, strict=True))
+
+    def rows(self, a: Tensor, w: Tensor) -> Tensor:
+        """fp32 ``[rows, N]``: group ``e``'s rows of ``a[rows, K]`` times ``w[e]`` (``[K, N]``)."""
+        wt = w.to(self.dtype)
+        if self.grouped:
+            return torch._grouped_mm(a, wt, offs=self.offs32).float()
+        out = torch.empty((a.shape[0], w.shape[2]), dtype=torch.float32, device=a.device)
+        for e, (lo, hi) in enumerate(self._bounds()):
+            out[lo:hi] = (a[lo:hi] @ wt[e]).float()
+        return out
+
+    def outer(self, a: Tensor, b: Tensor) -> Tensor:
+        """``[E, A, B]``: ``a[rows, A]^T @ b[rows, B]`` over each group's rows."""
+        bt = b.to(self.dtype)
+        if self.grouped:
+            return torch._grouped_mm(a.t(), bt, offs=self.offs32)
+        return torch.stack([a[lo:hi].t() @ bt[lo:hi] for lo, hi in self._bounds()])
 
 
 class CudaStrictOps(StrictOps):
@@ -172,6 +332,41 @@ class CudaStrictOps(StrictOps):
         else:
             out = kernels.silu_mul(g2, u2)
         return out.reshape(*lead, c)
+
+    @classmethod
+    def silu_mul_halves(cls, gu: Tensor) -> Tensor:
+        """``silu_mul`` of ``gu[..., :C]`` and ``gu[..., C:]`` (one kernel; one gradient)."""
+        lead, c2 = gu.shape[:-1], gu.shape[-1]
+        g2 = _dense_rows(gu.reshape(-1, c2))
+        if _needs_grad(g2):
+            out: Tensor = _SiluMulHalves.apply(g2)
+        else:
+            out = kernels.silu_mul(g2[:, : c2 // 2], g2[:, c2 // 2 :])
+        return out.reshape(*lead, c2 // 2)
+
+    @classmethod
+    def norm_rope(
+        cls, x: Tensor, weight: Tensor | None, eps: float, cos: Tensor, sin: Tensor
+    ) -> Tensor:
+        """``FastOps.norm_rope`` as one kernel per (token, head) row (and one backward)."""
+        x = _dense_rows(x.float())
+        cos, sin = cos.float().contiguous(), sin.float().contiguous()
+        if _needs_grad(x, *(() if weight is None else (weight,))):
+            out: Tensor = _NormRope.apply(x, weight, eps, cos, sin)
+            return out
+        return kernels.norm_rope(x, weight, cos, sin, eps)
+
+    @classmethod
+    def routed_experts(cls, m: Tensor, ids: Tensor, fc1: Tensor, fc2: Tensor) -> Tensor | None:
+        """A MoE layer's routed experts in a few launches and no host sync (``_experts``):
+        ``grouped_linear`` of ``fc1``, ``silu_mul``, ``grouped_linear`` of ``fc2`` over the
+        pairs grouped by expert; every row the bits ``linear``/``silu_mul`` give it alone, as
+        the expert-by-expert loop computes. Under autograd ``_RoutedExperts``' backward."""
+        tiling = _tiling(fc1)
+        if _needs_grad(m, fc1, fc2):
+            out: Tensor = _RoutedExperts.apply(m, fc1, fc2, ids, tiling)
+            return out
+        return _experts_forward(m, ids, fc1, fc2, tiling)[0]
 
     @staticmethod
     def log_softmax(x: Tensor) -> Tensor:

@@ -28,6 +28,14 @@ constants of the kernel (never a function of the number of rows):
   constexprs, so a query's keys are visited in the same blocks, in the same order, by the
   same instructions, on both paths.
 * ``silu_mul``: elementwise.
+* ``norm_rope``: one program per (token, head) row: an optional per-head RMSNorm (the fixed
+  ``tl.sum`` over the padded row) and the rotate-half rope, in one pass.
+* ``grouped_linear``: ``linear``'s loop for rows grouped by expert in whole tiles (a MoE
+  layer's routed experts in one launch, no host sync): tile ``i`` multiplies by
+  ``weight[tile_expert[i]]``; each row's reduction is the same fixed loop over ``K``.
+
+Backward kernels (``rms_norm_backward``, ``silu_mul_backward``) have no bit contract beyond run
+to run determinism (as every strict backward): they exist to replace chains of torch ops.
 
 Transcendentals are Triton's ``exp``/``log`` (on NVIDIA: the hardware approximations behind
 ``ex2``/``lg2``, deterministic); divisions and square roots are ``div_rn``/``sqrt_rn``. So CUDA
@@ -50,10 +58,15 @@ __all__ = [
     "LINEAR_TILING",
     "AttentionTiling",
     "LinearTiling",
+    "grouped_linear",
     "linear",
+    "norm_rope",
+    "norm_rope_backward",
     "rms_norm",
+    "rms_norm_backward",
     "row_attention",
     "silu_mul",
+    "silu_mul_backward",
     "softmax",
 ]
 
@@ -116,11 +129,15 @@ def _linear_kernel(
     x_ptr,
     w_ptr,
     out_ptr,
+    tile_expert_ptr,
+    src_ptr,
+    dst_ptr,
     M,
     N,
     K,
     sxm,
     sxk,
+    swe,
     swn,
     swk,
     som,
@@ -129,30 +146,50 @@ def _linear_kernel(
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
     PRECISION: tl.constexpr,
+    GROUPED: tl.constexpr,
+    GATHER: tl.constexpr,
+    SCATTER: tl.constexpr,
 ):
+    # One kernel for ``linear`` and ``grouped_linear``: the constexprs below only choose which
+    # tile a program takes, which weight it reads and where its rows come from and go; the loop
+    # over K, and so every output row's bits, is the same code for both.
     pid = tl.program_id(0)
-    grid_m = tl.cdiv(M, BLOCK_M)
     grid_n = tl.cdiv(N, BLOCK_N)
-    # grouped program order (L2 reuse of w); it only decides which tile runs when
-    width = GROUP_M * grid_n
-    group = pid // width
-    first_m = group * GROUP_M
-    size_m = tl.minimum(grid_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % width) % size_m
-    pid_n = (pid % width) // size_m
+    if GROUPED:  # tile pid_m multiplies by weight[tile_expert[pid_m]]; -1: a tile of zeros
+        pid_m = pid // grid_n
+        pid_n = pid % grid_n
+        expert = tl.load(tile_expert_ptr + pid_m)
+        k_end = tl.where(expert >= 0, K, 0)
+        w_base = w_ptr + tl.maximum(expert, 0).to(tl.int64) * swe
+    else:  # grouped program order (L2 reuse of w); it only decides which tile runs when
+        grid_m = tl.cdiv(M, BLOCK_M)
+        width = GROUP_M * grid_n
+        group = pid // width
+        first_m = group * GROUP_M
+        size_m = tl.minimum(grid_m - first_m, GROUP_M)
+        pid_m = first_m + (pid % width) % size_m
+        pid_n = (pid % width) // size_m
+        k_end = K
+        w_base = w_ptr
     rm = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     rn = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
     rk = tl.arange(0, BLOCK_K)
+    if GATHER:  # row r of the tile reads x[src[r]] (-1: a zero row)
+        a_row = tl.load(src_ptr + rm, mask=rm < M, other=-1).to(tl.int64)
+        a_ok = a_row >= 0
+    else:
+        a_row = rm
+        a_ok = rm < M
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(0, k_end, BLOCK_K):
         kk = k0 + rk
         a = tl.load(
-            x_ptr + rm[:, None] * sxm + kk[None, :] * sxk,
-            mask=(rm[:, None] < M) & (kk[None, :] < K),
+            x_ptr + a_row[:, None] * sxm + kk[None, :] * sxk,
+            mask=a_ok[:, None] & (kk[None, :] < K),
             other=0.0,
         )
         b = tl.load(
-            w_ptr + rn[None, :] * swn + kk[:, None] * swk,
+            w_base + rn[None, :] * swn + kk[:, None] * swk,
             mask=(rn[None, :] < N) & (kk[:, None] < K),
             other=0.0,
         )
@@ -164,10 +201,16 @@ def _linear_kernel(
             )
         else:
             acc = tl.dot(a, b.to(tl.float32), acc, input_precision=PRECISION)
+    if SCATTER:  # row r of the tile goes to out[dst[r]] (-1: not stored)
+        o_row = tl.load(dst_ptr + rm, mask=rm < M, other=-1).to(tl.int64)
+        o_ok = o_row >= 0
+    else:
+        o_row = rm
+        o_ok = rm < M
     tl.store(
-        out_ptr + rm[:, None] * som + rn[None, :],
+        out_ptr + o_row[:, None] * som + rn[None, :],
         acc,
-        mask=(rm[:, None] < M) & (rn[None, :] < N),
+        mask=o_ok[:, None] & (rn[None, :] < N),
     )
 
 
@@ -192,21 +235,88 @@ def linear(
         x,
         weight,
         out,
+        out,  # tile_expert, src, dst: unread (not GROUPED, GATHER or SCATTER)
+        out,
+        out,
         m,
+        n,
+        k,
+        x.stride(0),
+        x.stride(1),
+        0,
+        weight.stride(0),
+        weight.stride(1),
+        out.stride(0),
+        **_linear_constants(t, grouped=False, gather=False, scatter=False),
+    )
+    return out
+
+
+def _linear_constants(
+    t: LinearTiling, *, grouped: bool, gather: bool, scatter: bool
+) -> dict[str, object]:
+    """``_linear_kernel``'s compile-time constants for tiling ``t``: one place, so ``linear``
+    and ``grouped_linear`` of one tiling compile the same loop over K."""
+    return {
+        "BLOCK_M": t.block_m,
+        "BLOCK_N": t.block_n,
+        "BLOCK_K": t.block_k,
+        "GROUP_M": t.group_m,
+        "PRECISION": t.precision,
+        "GROUPED": grouped,
+        "GATHER": gather,
+        "SCATTER": scatter,
+        "num_warps": t.num_warps,
+        "num_stages": t.num_stages,
+    }
+
+
+def grouped_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    tile_expert: torch.Tensor,
+    *,
+    rows: int,
+    src: torch.Tensor | None = None,
+    dst: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    tiling: LinearTiling | None = None,
+) -> torch.Tensor:
+    """``linear`` for rows grouped by expert in whole tiles: ``rows`` (a multiple of the
+    tiling's ``block_m``) padded rows, tile ``i`` times ``weight[tile_expert[i]].T``
+    (``weight[E, N, K]``; ``tile_expert`` int32 on the device, -1 for a tile of no expert).
+
+    Padded row ``r`` reads ``x[src[r]]`` (``src`` int64, -1: a zero row) or, without ``src``,
+    ``x[r]``; it is written to ``out[dst[r]]`` (-1: not written) or, without ``dst``, to row
+    ``r`` of a new fp32 ``[rows, N]``. The kernel and constants are ``linear``'s, so a row's
+    bits are the ones ``linear(x_row, weight[e])`` gives, whatever rows come with it."""
+    t = tiling or (BF16_LINEAR_TILING if weight.dtype == torch.bfloat16 else LINEAR_TILING)
+    k = x.shape[1]
+    n = weight.shape[1]
+    if rows % t.block_m:
+        raise ValueError(f"grouped_linear: {rows} rows are not whole tiles of {t.block_m}")
+    if out is None:
+        out = torch.empty((rows, n), dtype=torch.float32, device=x.device)
+    if rows == 0 or n == 0:
+        return out
+    grid = ((rows // t.block_m) * triton.cdiv(n, t.block_n),)
+    _linear_kernel[grid](
+        x,
+        weight,
+        out,
+        tile_expert,
+        x if src is None else src,
+        x if dst is None else dst,
+        rows,
         n,
         k,
         x.stride(0),
         x.stride(1),
         weight.stride(0),
         weight.stride(1),
+        weight.stride(2),
         out.stride(0),
-        BLOCK_M=t.block_m,
-        BLOCK_N=t.block_n,
-        BLOCK_K=t.block_k,
-        GROUP_M=t.group_m,
-        PRECISION=t.precision,
-        num_warps=t.num_warps,
-        num_stages=t.num_stages,
+        **_linear_constants(t, grouped=True, gather=src is not None, scatter=dst is not None),
     )
     return out
 
@@ -242,6 +352,159 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         block = min(_ROW_BLOCK, triton.next_power_of_2(d))
         _rms_norm_kernel[(rows,)](x, weight, out, d, float(d), weight.shape[0], eps, BLOCK=block)
     return out
+
+
+@triton.jit
+def _rms_norm_backward_kernel(
+    x_ptr, w_ptr, g_ptr, dx_ptr, dw_rows_ptr, D, d_float, w_rows, eps, BLOCK: tl.constexpr
+):
+    row = tl.program_id(0).to(tl.int64)
+    x_row = x_ptr + row * D
+    g_row = g_ptr + row * D
+    w_row = w_ptr + (row % w_rows) * D
+    sq = tl.zeros([BLOCK], dtype=tl.float32)
+    gwx = tl.zeros([BLOCK], dtype=tl.float32)
+    for d0 in range(0, D, BLOCK):
+        offs = d0 + tl.arange(0, BLOCK)
+        x = tl.load(x_row + offs, mask=offs < D, other=0.0)
+        g = tl.load(g_row + offs, mask=offs < D, other=0.0)
+        w = tl.load(w_row + offs, mask=offs < D, other=0.0).to(tl.float32)
+        sq += x * x
+        gwx += g * w * x
+    inv = 1.0 / tl.sqrt(tl.sum(sq, axis=0) / d_float + eps)
+    c = tl.sum(gwx, axis=0) / d_float * inv * inv * inv
+    for d0 in range(0, D, BLOCK):
+        offs = d0 + tl.arange(0, BLOCK)
+        x = tl.load(x_row + offs, mask=offs < D, other=0.0)
+        g = tl.load(g_row + offs, mask=offs < D, other=0.0)
+        w = tl.load(w_row + offs, mask=offs < D, other=0.0).to(tl.float32)
+        tl.store(dx_ptr + row * D + offs, inv * (g * w) - x * c, mask=offs < D)
+        tl.store(dw_rows_ptr + row * D + offs, g * x * inv, mask=offs < D)
+
+
+def rms_norm_backward(
+    x: torch.Tensor, weight: torch.Tensor, grad: torch.Tensor, eps: float, *, need_w: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The gradients of ``rms_norm(x, weight, eps)`` for ``grad`` (contiguous ``[R, D]``):
+    ``dx = inv * g*w - x * inv**3 * mean(g*w*x)`` per row in one pass, and (``need_w``)
+    ``dweight[W, D]`` as a torch sum over the rows of ``g * x * inv`` (fixed order, no
+    atomics). fp32; the weight's dtype is the caller's to restore."""
+    rows, d = x.shape
+    dx = torch.empty_like(x)
+    dw_rows = torch.empty_like(x) if need_w else dx  # unread when the weight needs none
+    if rows:
+        block = min(_ROW_BLOCK, triton.next_power_of_2(d))
+        _rms_norm_backward_kernel[(rows,)](
+            x, weight, grad, dx, dw_rows, d, float(d), weight.shape[0], eps, BLOCK=block
+        )
+    if not need_w:
+        return dx, None
+    return dx, dw_rows.reshape(-1, weight.shape[0], d).sum(0)
+
+
+@triton.jit
+def _norm_rope_kernel(
+    x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, H, D, sxt, sxh, w_rows, eps,
+    HAS_NORM: tl.constexpr, HALF: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0).to(tl.int64)
+    t = row // H
+    h = row % H
+    offs = tl.arange(0, BLOCK)
+    ok = offs < D
+    partner = tl.where(offs < HALF, offs + HALF, offs - HALF)
+    x_row = x_ptr + t * sxt + h * sxh
+    y = tl.load(x_row + offs, mask=ok, other=0.0)
+    yp = tl.load(x_row + partner, mask=ok, other=0.0)
+    if HAS_NORM:
+        inv = tl.div_rn(1.0, tl.sqrt_rn(tl.div_rn(tl.sum(y * y, axis=0), D * 1.0) + eps))
+        w_row = w_ptr + (h % w_rows) * D
+        y = (y * inv) * tl.load(w_row + offs, mask=ok, other=0.0).to(tl.float32)
+        yp = (yp * inv) * tl.load(w_row + partner, mask=ok, other=0.0).to(tl.float32)
+    c = tl.load(cos_ptr + t * D + offs, mask=ok, other=0.0)
+    s = tl.load(sin_ptr + t * D + offs, mask=ok, other=0.0)
+    rotated = tl.where(offs < HALF, -yp, yp)
+    tl.store(out_ptr + row * D + offs, y * c + rotated * s, mask=ok)
+
+
+def norm_rope(
+    x: torch.Tensor, weight: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, eps: float
+) -> torch.Tensor:
+    """``apply_rope(rms_norm(x, weight, eps), cos, sin)`` (no norm where ``weight`` is None) for
+    ``x[T, heads, D]`` (last dim contiguous; ``weight`` ``[D]`` or one row per head
+    ``[heads, D]``; ``cos``/``sin`` contiguous fp32 ``[T, D]``) -> contiguous fp32 ``[T, heads,
+    D]``. One program per (token, head) row; its bits depend on that row alone."""
+    t, heads, d = x.shape
+    out = torch.empty((t, heads, d), dtype=torch.float32, device=x.device)
+    if t and heads:
+        w = x if weight is None else weight.reshape(-1, d)
+        _norm_rope_kernel[(t * heads,)](
+            x, w, cos, sin, out, heads, d, x.stride(0), x.stride(1), w.shape[0], eps,
+            HAS_NORM=weight is not None, HALF=d // 2, BLOCK=triton.next_power_of_2(d),
+        )  # fmt: skip
+    return out
+
+
+@triton.jit
+def _norm_rope_backward_kernel(
+    x_ptr, w_ptr, cos_ptr, sin_ptr, g_ptr, dx_ptr, dw_rows_ptr, H, D, sxt, sxh, w_rows, eps,
+    HAS_NORM: tl.constexpr, HALF: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0).to(tl.int64)
+    t = row // H
+    h = row % H
+    offs = tl.arange(0, BLOCK)
+    ok = offs < D
+    partner = tl.where(offs < HALF, offs + HALF, offs - HALF)
+    g = tl.load(g_ptr + row * D + offs, mask=ok, other=0.0)
+    gp = tl.load(g_ptr + row * D + partner, mask=ok, other=0.0)
+    c = tl.load(cos_ptr + t * D + offs, mask=ok, other=0.0)
+    sp = tl.load(sin_ptr + t * D + partner, mask=ok, other=0.0)
+    # out[j] = y[j] cos[j] -/+ y[p(j)] sin[j] (minus for j < HALF): so y[i] gets
+    # g[i] cos[i] and, through out[p(i)], +g[p(i)] sin[p(i)] for i < HALF, minus above
+    dy = g * c + tl.where(offs < HALF, gp * sp, -(gp * sp))
+    if HAS_NORM:
+        x = tl.load(x_ptr + t * sxt + h * sxh + offs, mask=ok, other=0.0)
+        w = tl.load(w_ptr + (h % w_rows) * D + offs, mask=ok, other=0.0).to(tl.float32)
+        inv = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / D + eps)
+        gw = dy * w
+        cc = tl.sum(gw * x, axis=0) / D * inv * inv * inv
+        tl.store(dx_ptr + row * D + offs, inv * gw - x * cc, mask=ok)
+        tl.store(dw_rows_ptr + row * D + offs, dy * x * inv, mask=ok)
+    else:
+        tl.store(dx_ptr + row * D + offs, dy, mask=ok)
+
+
+def norm_rope_backward(
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    grad: torch.Tensor,
+    eps: float,
+    *,
+    need_w: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The gradients ``(dx [T, heads, D], dweight)`` of ``norm_rope`` for a contiguous ``grad``;
+    ``dweight`` (fp32, ``weight``'s shape) as a torch sum over the rows (no atomics), only with
+    ``need_w`` and a weight."""
+    t, heads, d = x.shape
+    dx = torch.empty((t, heads, d), dtype=torch.float32, device=x.device)
+    with_w = need_w and weight is not None
+    dw_rows = torch.empty_like(dx) if with_w else dx  # unread without a weight gradient
+    if t and heads:
+        w = x if weight is None else weight.reshape(-1, d)
+        _norm_rope_backward_kernel[(t * heads,)](
+            x, w, cos, sin, grad, dx, dw_rows, heads, d, x.stride(0), x.stride(1), w.shape[0],
+            eps, HAS_NORM=weight is not None, HALF=d // 2, BLOCK=triton.next_power_of_2(d),
+        )  # fmt: skip
+    if not with_w:
+        return dx, None
+    assert weight is not None
+    w_rows = weight.reshape(-1, d).shape[0]
+    if w_rows == 1:
+        return dx, dw_rows.reshape(-1, d).sum(0).reshape(weight.shape)
+    return dx, dw_rows.sum(0).reshape(weight.shape)
 
 
 @triton.jit
@@ -300,6 +563,37 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         grid = (rows, triton.cdiv(c, _EW_BLOCK))
         _silu_mul_kernel[grid](gate, up, out, c, gate.stride(0), up.stride(0), BLOCK=_EW_BLOCK)
     return out
+
+
+@triton.jit
+def _silu_mul_backward_kernel(g_ptr, u_ptr, d_ptr, dg_ptr, du_ptr, C, sg, su, sd, sdg, sdu,
+                              BLOCK: tl.constexpr):  # fmt: skip
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < C
+    g = tl.load(g_ptr + row * sg + offs, mask=mask, other=0.0)
+    u = tl.load(u_ptr + row * su + offs, mask=mask, other=0.0)
+    d = tl.load(d_ptr + row * sd + offs, mask=mask, other=0.0)
+    s = 1.0 / (1.0 + tl.exp(-g))
+    tl.store(dg_ptr + row * sdg + offs, d * u * s * (1.0 + g * (1.0 - s)), mask=mask)
+    tl.store(du_ptr + row * sdu + offs, d * g * s, mask=mask)
+
+
+def silu_mul_backward(
+    gate: torch.Tensor, up: torch.Tensor, grad: torch.Tensor, d_gate: torch.Tensor,
+    d_up: torch.Tensor,
+) -> None:  # fmt: skip
+    """The gradients of ``silu(gate) * up`` for ``grad``, written into ``d_gate`` and ``d_up``
+    (all ``[R, C]`` fp32, rows may be strided, columns dense; ``d_gate``/``d_up`` may be the
+    two halves of one ``[R, 2C]`` buffer): ``dgate = grad * up * s * (1 + gate * (1 - s))``,
+    ``dup = grad * gate * s`` for ``s = sigmoid(gate)``, in one pass."""
+    rows, c = gate.shape
+    if rows and c:
+        grid = (rows, triton.cdiv(c, _EW_BLOCK))
+        _silu_mul_backward_kernel[grid](
+            gate, up, grad, d_gate, d_up, c, gate.stride(0), up.stride(0), grad.stride(0),
+            d_gate.stride(0), d_up.stride(0), BLOCK=_EW_BLOCK,
+        )  # fmt: skip
 
 
 # --------------------------------------------------------------------------- attention
