@@ -411,6 +411,42 @@ def test_routed_experts_equal_the_expert_loop(device: str, dtype: torch.dtype) -
 
 
 @kernel_test
+def test_routed_experts_backward_without_grouped_mm(
+    device: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from posttrain.models import _strict_cuda
+    from posttrain.models._strict_cuda import CudaStrictBf16Ops as Ops
+
+    gen = torch.Generator().manual_seed(10)
+    t, k, e, h, inter = 17, 2, 4, 16, 8
+    m = torch.randn(t, h, generator=gen).to(device)
+    fc1 = (torch.randn(e, 2 * inter, h, generator=gen) * 0.3).to(torch.bfloat16).to(device)
+    fc2 = (torch.randn(e, h, inter, generator=gen) * 0.3).to(torch.bfloat16).to(device)
+    ids = _routing(t, k, list(range(e)), gen).to(device)
+    weight = torch.randn(t, k, h, generator=gen).to(device)
+
+    def grads() -> list[Tensor]:
+        leaves = [a.detach().clone().requires_grad_() for a in (m, fc1, fc2)]
+        out = Ops.routed_experts(leaves[0], ids, leaves[1], leaves[2])
+        assert out is not None
+        (out * weight).sum().backward()
+        return [leaf.grad for leaf in leaves]  # type: ignore[misc]
+
+    grouped = grads()
+
+    def broken(*args: object, **kwargs: object) -> Tensor:
+        raise RuntimeError("no grouped GEMM here")
+
+    monkeypatch.setattr(_strict_cuda, "_GROUPED_MM_FAILED", [])
+    monkeypatch.setattr(torch, "_grouped_mm", broken)
+    with pytest.warns(RuntimeWarning, match="one matmul per expert"):
+        looped = grads()
+    assert _strict_cuda._GROUPED_MM_FAILED  # remembered: later calls go straight to the loop
+    for a, b in zip(grouped, looped, strict=True):
+        assert float((a.float() - b.float()).norm() / b.float().norm()) < 1e-2
+
+
+@kernel_test
 def test_silu_mul_halves_backward(device: str) -> None:
     from posttrain.models import FastOps
     from posttrain.models._strict_cuda import CudaStrictOps as Ops
@@ -633,3 +669,30 @@ def test_packed_attention_backward_equals_the_per_run_loop(
     # a layout that is not packed training (decode-style key rows) keeps the loop
     assert rows._packed_runs(q, k, kstart + 1, pos) is None
     assert rows._packed_runs(q[:-1], k, kstart[:-1], pos[:-1]) is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_attention_backward_through_sdpa(
+    dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The packed backward through torch's fused attention (what CUDA runs) gives the batched
+    einsums' gradients (pure torch: runs here with ``"cpu"`` added to its devices)."""
+    from posttrain.models import _row_attention as rows
+
+    gen = torch.Generator().manual_seed(11)
+    lengths, heads, kv_heads, hd = [5, 70, 1, 33], 4, 2, 8
+    t = sum(lengths)
+    q, k, v = (torch.randn(t, h, hd, generator=gen) for h in (heads, kv_heads, kv_heads))
+    out = _reference_attention(q, k, v, lengths, 0.3, None).float().reshape(t, heads, hd)
+    grad = torch.randn(t, heads, hd, generator=gen)
+    pos = torch.cat([torch.arange(n) for n in lengths])
+    args = (q, k, v, torch.arange(t) - pos, pos, out, grad, 0.3, None, dtype)
+    monkeypatch.setattr(rows, "SDPA_BACKWARD_DEVICES", ("cpu",))
+    fused = rows.row_attention_backward(*args)
+    monkeypatch.setattr(rows, "SDPA_BACKWARD_DEVICES", ())
+    einsums = rows.row_attention_backward(*args)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    for name, a, b in zip(("dq", "dk", "dv"), fused, einsums, strict=True):
+        assert a.dtype == b.dtype, name
+        assert a.shape == b.shape, name
+        assert float((a - b).norm() / b.norm()) < tol, name

@@ -17,7 +17,13 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
+
+SDPA_BACKWARD_DEVICES: tuple[str, ...] = ("cuda",)
+"""Devices where the packed layout's backward (no window) runs through torch's fused attention
+(``_sdpa_backward``: flash attention's backward, no ``[L, L]`` scores in memory); elsewhere
+the batched einsums below. Tests add ``"cpu"`` to run it here."""
 
 _BACKWARD_CHUNK = 1 << 26
 """Elements of the ``[n, heads, L]`` score tensor per chunk of the backward (memory only)."""
@@ -132,6 +138,27 @@ def row_attention_backward(
     return dq, dk.to(keys.dtype), dv.to(values.dtype)
 
 
+def _sdpa_backward(
+    qp: Tensor, kp: Tensor, vp: Tensor, gp: Tensor, scale: float, dtype: torch.dtype
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The packed backward through torch's fused attention (flash / memory-efficient): the
+    segments as a batch ``[S, heads, L, hd]`` (causal, so a query never sees its segment's end
+    padding), forward recomputed and differentiated with ``dtype`` operands. Returns fp32
+    ``dq [S, L, heads, hd]``, ``dk``/``dv [S, L, kv_heads, hd]``."""
+    s, length, kv_heads, group, hd = qp.shape
+    heads = kv_heads * group
+    q4 = qp.reshape(s, length, heads, hd).transpose(1, 2).to(dtype).detach().requires_grad_()
+    k4 = kp.transpose(1, 2).to(dtype).detach().requires_grad_()
+    v4 = vp.transpose(1, 2).to(dtype).detach().requires_grad_()
+    g4 = gp.reshape(s, length, heads, -1).transpose(1, 2).to(dtype)
+    with torch.enable_grad():
+        o = F.scaled_dot_product_attention(
+            q4, k4, v4, is_causal=True, scale=scale, enable_gqa=group > 1
+        )
+    dq, dk, dv = torch.autograd.grad(o, (q4, k4, v4), g4)
+    return dq.transpose(1, 2).float(), dk.transpose(1, 2).float(), dv.transpose(1, 2).float()
+
+
 def _packed_runs(
     q: Tensor, keys: Tensor, kstart: Tensor, pos: Tensor
 ) -> tuple[Tensor, int, int] | None:
@@ -196,6 +223,13 @@ def _packed_attention_backward(
     qp = padded(q).reshape(segments, length, kv_heads, group, hd)
     kp, vp = padded(keys), padded(values)
     gp = padded(grad).reshape(segments, length, kv_heads, group, hd_v)
+    if window is None and q.device.type in SDPA_BACKWARD_DEVICES:
+        dq_p, dk_p, dv_p = _sdpa_backward(qp, kp, vp, gp, scale, dtype)
+        return (
+            unpadded(dq_p).reshape(t, heads, hd).to(q.dtype),
+            unpadded(dk_p).to(keys.dtype),
+            unpadded(dv_p).to(values.dtype),
+        )
     op = padded(out).reshape(segments, length, kv_heads, group, hd_v)
     slots = torch.arange(length, device=q.device)
     dist = slots[:, None] - slots[None, :]  # query position - key position

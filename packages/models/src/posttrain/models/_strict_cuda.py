@@ -25,6 +25,7 @@ both are references of their own device.
 from __future__ import annotations
 
 import functools
+import warnings
 from typing import Any, ClassVar
 
 import torch
@@ -249,6 +250,10 @@ class _RoutedExperts(torch.autograd.Function):
         return d_m, d_fc1, d_fc2, None, None
 
 
+_GROUPED_MM_FAILED: list[str] = []
+"""The error of a failed ``torch._grouped_mm`` call in ``_GroupedMatmul``, if one failed."""
+
+
 class _GroupedMatmul:
     """The routed experts' backward matmuls over padded groups (``offs``: each group's end
     row): ``torch._grouped_mm`` for bf16 operands where torch has it, else one matmul per
@@ -256,8 +261,22 @@ class _GroupedMatmul:
 
     def __init__(self, offs: Tensor, dtype: torch.dtype) -> None:
         self.offs, self.offs32, self.dtype = offs, offs.to(torch.int32), dtype
-        self.grouped = dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
+        self.grouped = (
+            dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm") and not _GROUPED_MM_FAILED
+        )
         self._ends: list[int] | None = None
+
+    def _give_up(self, err: RuntimeError) -> None:
+        """Stop using ``torch._grouped_mm`` here and in this process (warned once)."""
+        if not _GROUPED_MM_FAILED:
+            warnings.warn(
+                f"torch._grouped_mm failed ({err}); the strict routed experts' backward runs "
+                "one matmul per expert",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+        _GROUPED_MM_FAILED.append(str(err))
+        self.grouped = False
 
     def _bounds(self) -> list[tuple[int, int]]:
         if self._ends is None:
@@ -269,7 +288,10 @@ class _GroupedMatmul:
         """fp32 ``[rows, N]``: group ``e``'s rows of ``a[rows, K]`` times ``w[e]`` (``[K, N]``)."""
         wt = w.to(self.dtype)
         if self.grouped:
-            return torch._grouped_mm(a, wt, offs=self.offs32).float()
+            try:
+                return torch._grouped_mm(a, wt, offs=self.offs32).float()
+            except RuntimeError as err:  # a build or device without the kernel: the loop
+                self._give_up(err)
         out = torch.empty((a.shape[0], w.shape[2]), dtype=torch.float32, device=a.device)
         for e, (lo, hi) in enumerate(self._bounds()):
             out[lo:hi] = (a[lo:hi] @ wt[e]).float()
@@ -279,7 +301,10 @@ class _GroupedMatmul:
         """``[E, A, B]``: ``a[rows, A]^T @ b[rows, B]`` over each group's rows."""
         bt = b.to(self.dtype)
         if self.grouped:
-            return torch._grouped_mm(a.t(), bt, offs=self.offs32)
+            try:
+                return torch._grouped_mm(a.t(), bt, offs=self.offs32)
+            except RuntimeError as err:
+                self._give_up(err)
         return torch.stack([a[lo:hi].t() @ bt[lo:hi] for lo, hi in self._bounds()])
 
 
