@@ -48,6 +48,7 @@ from torch import Tensor
 
 from posttrain.models import _ops
 from posttrain.models._ops import FastOps
+from posttrain.models._row_attention import PackedRuns
 
 if TYPE_CHECKING:
     from posttrain.models._cache import KVCache
@@ -347,10 +348,14 @@ class PackedLayout(TokenLayout):
         self.capacity = capacity
         self._in_order: bool | None = None
         self._longest: int | None = None
+        self._runs: PackedRuns | None = None
         if longest is not None:
             # the caller built seg/pos from host segment lengths (``DecoderModel._pack``): in
             # order by construction and the longest known, so no host sync is ever needed
             self._in_order, self._longest = True, longest
+            # segments 0..num_segments-1 in order, each its own key row: the facts a packed
+            # attention backward needs, known here without reading the device
+            self._runs = PackedRuns(seg, num_segments, longest)
 
     def tokens_in_order(self) -> bool:
         """Whether every segment's tokens are contiguous with positions ``0, 1, 2, ...``
@@ -400,7 +405,9 @@ class PackedLayout(TokenLayout):
         if rel_logits is None and ops.uses_row_attention(q) and self.tokens_in_order():
             # each segment's keys are its own tokens, in position order: no buffers needed
             first = torch.arange(q.shape[0], device=q.device) - self.pos
-            return ops.attend_rows(q, k, v, first, self.pos, scale=scale, window=window)
+            return ops.attend_rows(
+                q, k, v, first, self.pos, scale=scale, window=window, runs=self._runs
+            )
         return attend(
             ops,
             q,

@@ -52,7 +52,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from posttrain.models import _ckernel
-from posttrain.models._row_attention import RowAttention
+from posttrain.models._row_attention import PackedRuns, RowAttention
 
 _INV_LN2 = 1.4426950408889634
 _LN2_HI = 0.693359375  # 9 significant bits, so k * _LN2_HI is exact for |k| < 2**15
@@ -460,11 +460,13 @@ class FastOps:
         *,
         scale: float,
         window: int | None,
+        runs: PackedRuns | None = None,
     ) -> Tensor:
         """Causal attention of ``q[T, heads, hd]`` over key rows: query ``t`` sees slot
         ``c <= pos[t]`` (and ``pos[t] - c < window``) at ``keys/values[kstart[t] + c]``
-        (``[S, kv_heads, hd]``). Returns ``[T, heads * hd]``. Only where
-        ``uses_row_attention``."""
+        (``[S, kv_heads, hd]``). Returns ``[T, heads * hd]``. ``runs``: the packed training
+        layout's host facts where the caller has them (``PackedRuns``: the backward then
+        needs no host sync). Only where ``uses_row_attention``."""
         raise NotImplementedError("attend_rows needs a strict kernel set (uses_row_attention)")
 
     @staticmethod
@@ -641,6 +643,7 @@ class StrictOps(FastOps):
         *,
         scale: float,
         window: int | None,
+        runs: PackedRuns | None = None,
     ) -> Tensor:
         """``FastOps.attend_rows`` through the fused C kernel: per query, ``attention``'s
         ops over its own key rows (the bits of the torch path over any buffer width), without
@@ -664,7 +667,7 @@ class StrictOps(FastOps):
                 coeffs=_EXP_COEFFS_F32,
             )
             out: Tensor = RowAttention.apply(  # type: ignore[no-untyped-call]
-                q, keys, values, kstart, pos, scale, window, run, torch.float32, own
+                q, keys, values, kstart, pos, scale, window, run, torch.float32, own, runs
             )
             return out
         return run(q, keys, values, kstart, pos)

@@ -14,7 +14,7 @@ layouts (decode-like key rows, gathered context-parallel keys) run by runs of on
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -39,10 +39,23 @@ RowBackward = Callable[
 dv)``, or ``None`` where it does not apply (``row_attention_backward`` then runs)."""
 
 
+class PackedRuns(NamedTuple):
+    """The packed training layout's facts (every token's keys are its own segment's tokens, in
+    order) as the caller that packed the tokens knows them on the host: each token's segment
+    index, the number of segments and the longest. Given to ``attend_rows``, the backward
+    takes them instead of checking and reading them back from the device (a host sync per
+    layer)."""
+
+    seg: Tensor
+    segments: int
+    longest: int
+
+
 class RowAttention(torch.autograd.Function):
     """``forward(q, keys, values, kstart, pos)`` (the kernel set's, without a graph) with the
     kernel set's ``backward`` where it gives one, else ``row_attention_backward``; ``dtype``:
-    the torch backward's matmul operand dtype (bf16 where the forward's dots were bf16)."""
+    the torch backward's matmul operand dtype (bf16 where the forward's dots were bf16);
+    ``runs``: the packed layout's facts where the caller knows them (``PackedRuns``)."""
 
     @staticmethod
     def forward(
@@ -57,10 +70,12 @@ class RowAttention(torch.autograd.Function):
         forward: RowForward,
         dtype: torch.dtype,
         backward: RowBackward | None = None,
+        runs: PackedRuns | None = None,
     ) -> Tensor:
         out = forward(q, keys, values, kstart, pos)
         ctx.save_for_backward(q, keys, values, kstart, pos, out)
         ctx.scale, ctx.window, ctx.dtype, ctx.backward = scale, window, dtype, backward
+        ctx.runs = runs
         return out
 
     @staticmethod
@@ -68,9 +83,9 @@ class RowAttention(torch.autograd.Function):
         q, keys, values, kstart, pos, out = ctx.saved_tensors
         own = None if ctx.backward is None else ctx.backward(q, keys, values, kstart, pos, grad)
         dq, dk, dv = own or row_attention_backward(
-            q, keys, values, kstart, pos, out, grad, ctx.scale, ctx.window, ctx.dtype
+            q, keys, values, kstart, pos, out, grad, ctx.scale, ctx.window, ctx.dtype, ctx.runs
         )
-        return dq.reshape(q.shape), dk, dv, None, None, None, None, None, None, None
+        return dq.reshape(q.shape), dk, dv, None, None, None, None, None, None, None, None
 
 
 def row_attention_backward(
@@ -84,6 +99,7 @@ def row_attention_backward(
     scale: float,
     window: int | None,
     dtype: torch.dtype = torch.float32,
+    runs: PackedRuns | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Recompute each key row's probabilities in torch and form the three gradients: the
     matmuls take ``dtype`` operands (bf16 where the forward's dots did) into fp32 results,
@@ -94,7 +110,7 @@ def row_attention_backward(
     transfer per call (not one sync per segment). Runs are processed in order and write
     ``dk``/``dv`` slices of their own key row: deterministic, no atomics.
     """
-    packed = _packed_runs(q, keys, kstart, pos)
+    packed = runs if runs is not None else _packed_runs(q, keys, kstart, pos)
     if packed is not None:
         return _packed_attention_backward(
             q, keys, values, pos, out, grad, scale, window, dtype, *packed
@@ -159,9 +175,7 @@ def _sdpa_backward(
     return dq.transpose(1, 2).float(), dk.transpose(1, 2).float(), dv.transpose(1, 2).float()
 
 
-def _packed_runs(
-    q: Tensor, keys: Tensor, kstart: Tensor, pos: Tensor
-) -> tuple[Tensor, int, int] | None:
+def _packed_runs(q: Tensor, keys: Tensor, kstart: Tensor, pos: Tensor) -> PackedRuns | None:
     """For the packed training layout -- every token's keys are its own segment's tokens, in
     order (``kstart = t - pos``, ``keys`` the tokens themselves) -- each token's segment
     index, the number of segments and the longest one (one host transfer); else None."""
@@ -182,7 +196,7 @@ def _packed_runs(
     if not (facts[0] and facts[1]):
         return None
     seg = torch.cumsum(first.to(token.dtype), 0) - 1
-    return seg, int(facts[2]), int(facts[3])
+    return PackedRuns(seg, int(facts[2]), int(facts[3]))
 
 
 def _packed_attention_backward(

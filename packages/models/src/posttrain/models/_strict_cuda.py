@@ -40,7 +40,7 @@ from posttrain.models._expert_rows import (
     tile_experts,
 )
 from posttrain.models._ops import StrictOps
-from posttrain.models._row_attention import RowAttention
+from posttrain.models._row_attention import PackedRuns, RowAttention
 
 
 class _Linear(torch.autograd.Function):
@@ -414,6 +414,7 @@ class CudaStrictOps(StrictOps):
         *,
         scale: float,
         window: int | None,
+        runs: PackedRuns | None = None,
     ) -> Tensor:
         """See ``FastOps.attend_rows``: one Triton kernel for training and decode."""
         if keys.stride(-1) != 1:
@@ -429,7 +430,7 @@ class CudaStrictOps(StrictOps):
             )
             dtype = torch.bfloat16 if tiling.precision == "bf16" else torch.float32
             out: Tensor = RowAttention.apply(
-                q, keys, values, kstart, pos, scale, window, run, dtype
+                q, keys, values, kstart, pos, scale, window, run, dtype, None, runs
             )
         else:
             out = kernels.row_attention(
