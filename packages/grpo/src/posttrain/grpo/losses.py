@@ -192,16 +192,24 @@ def mismatch_metrics(train_logp: Tensor, rollout_logp: Tensor, mask: Tensor) -> 
         m = as_bool_mask(mask, train.shape, "mask")
         zero = torch.zeros_like(train)
         delta = torch.where(m, train - roll, zero)
-        count = max(int(m.sum()), 1)
         absd = delta.abs()
         x = (-delta).clamp(-LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)  # logπ_rollout − logπ_train
         k3 = (torch.exp(-x) - 1.0 + x).clamp(-LOW_VAR_KL_LIMIT, LOW_VAR_KL_LIMIT)
-        equal = ((train == roll) & m).sum()
+        stats = [
+            m.sum(),
+            absd.sum(),
+            absd.max() if absd.numel() else absd.new_zeros(()),
+            ((train == roll) & m).sum(),
+            torch.where(m, k3, zero).sum(),
+        ]
+        # one host transfer for all of them (each float() of a device tensor is a sync)
+        masked, abs_sum, abs_max, equal, kl = torch.stack([v.double() for v in stats]).tolist()
+        count = max(int(masked), 1)
         return {
-            "train_rollout_logprob_abs_diff": float(absd.sum()) / count,
-            "train_rollout_logprob_max_abs_diff": float(absd.max()) if absd.numel() else 0.0,
-            "train_rollout_logprob_equal_frac": float(equal) / count if bool(m.any()) else 1.0,
-            "train_rollout_kl": float(torch.where(m, k3, zero).sum()) / count,
+            "train_rollout_logprob_abs_diff": abs_sum / count,
+            "train_rollout_logprob_max_abs_diff": abs_max,
+            "train_rollout_logprob_equal_frac": equal / count if masked else 1.0,
+            "train_rollout_kl": kl / count,
         }
 
 
