@@ -348,7 +348,8 @@ def test_grouped_linear_rows_are_linear_rows(device: str, dtype: torch.dtype) ->
     )  # fmt: skip
     xp = torch.zeros(layout.rows, kdim, device=device)
     xp.index_copy_(0, layout.dest, x[layout.order // k])  # the pairs' rows, padded
-    padded = kernels.grouped_linear(xp, w, tiles, rows=layout.rows, tiling=tiling)
+    padded = torch.full((layout.rows, n), float("nan"), device=device)
+    kernels.grouped_linear(xp, w, tiles, rows=layout.rows, out=padded, tiling=tiling)
     flat = ids.reshape(-1)
     for j in range(e):
         pairs = (flat == j).nonzero()[:, 0]
@@ -357,9 +358,12 @@ def test_grouped_linear_rows_are_linear_rows(device: str, dtype: torch.dtype) ->
         ref = kernels.linear(x[pairs // k], w[j], tiling)  # the expert's rows, alone
         assert torch.equal(out[pairs], ref), j
         assert torch.equal(padded[layout.row_of_pair[pairs]], ref), j
+    end = int(layout.ends[-1])
     pad = torch.ones(layout.rows, dtype=torch.bool, device=device)
     pad[layout.row_of_pair] = False
-    assert torch.equal(padded[pad], torch.zeros_like(padded[pad]))  # pad rows stay zero
+    pad[end:] = False
+    assert torch.equal(padded[pad], torch.zeros_like(padded[pad]))  # a group's pad rows: zero
+    assert bool(padded[end:].isnan().all())  # the tiles past the last group: never written
 
 
 @kernel_test

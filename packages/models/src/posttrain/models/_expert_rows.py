@@ -3,8 +3,9 @@
 Grouped expert kernels (``torch._grouped_mm`` in fast numerics, the strict Triton
 ``grouped_linear``) read the pairs as one buffer of rows: expert 0's pairs, then expert 1's,
 each group padded with zero rows to a multiple of ``align``. The buffer has a static number of
-rows (``pairs + experts * (align - 1)``, rounded up to ``align``), so nothing here waits on the
-device: no host sync, whatever the routing.
+rows (``align`` times ``min(pairs, min(experts, pairs) + ceil(pairs / align))`` tiles, a bound
+on any routing's tiles), so nothing here waits on the device: no host sync, whatever the
+routing. A decode step of a few tokens over many experts gets a few tiles, not one per expert.
 """
 
 from __future__ import annotations
@@ -46,8 +47,10 @@ def expert_rows(ids: Tensor, num_experts: int, align: int) -> ExpertRows:
     expert = flat[order]
     dest = starts[expert] + torch.arange(pairs, device=flat.device) - first[expert]
     row_of_pair = torch.empty_like(dest).index_copy(0, order, dest)
-    bound = pairs + num_experts * (align - 1)
-    return ExpertRows(order, dest, row_of_pair, ends, -(-bound // align) * align)
+    # whole tiles: each group takes ceil(count / align) of them, so at most one part-filled
+    # tile per expert holding pairs, and never more tiles than pairs
+    tiles = min(pairs, min(num_experts, pairs) + -(-pairs // align))
+    return ExpertRows(order, dest, row_of_pair, ends, tiles * align)
 
 
 def tile_experts(layout: ExpertRows, align: int) -> Tensor:

@@ -180,14 +180,17 @@ def _experts_forward(
     """``[T, k, H]`` routed outputs of ``m[T, H]`` (fp32), and what the backward reads: the
     padded layout, ``tile_expert``, ``gate_up`` and ``act`` over the padded rows. Rows are
     gathered from ``m`` and scattered to the output inside the GEMMs (no padded copy of
-    ``m``); pad rows are zeros all the way (``silu_mul(0, 0) = 0``)."""
+    ``m``); pad rows are zeros all the way (``silu_mul(0, 0) = 0``), the tiles past the last
+    group too (never computed: ``gate_up`` starts as zeros)."""
     t, k = ids.shape
     align = tiling.block_m
     layout = expert_rows(ids, fc1.shape[0], align)
     tiles = tile_experts(layout, align)
     x = _dense_rows(m.float())
-    gate_up = kernels.grouped_linear(
-        x, fc1, tiles, rows=layout.rows, src=source_rows(layout, k), tiling=tiling
+    # zeros past the last group (its tiles are never written): no garbage in any row
+    gate_up = torch.zeros((layout.rows, fc1.shape[1]), dtype=torch.float32, device=m.device)
+    kernels.grouped_linear(
+        x, fc1, tiles, rows=layout.rows, src=source_rows(layout, k), out=gate_up, tiling=tiling
     )
     inter = fc2.shape[2]
     act = kernels.silu_mul(gate_up[:, :inter], gate_up[:, inter:])
@@ -221,9 +224,8 @@ class _RoutedExperts(torch.autograd.Function):
         t, k, h = grad.shape
         inter = fc2.shape[2]
         dt = torch.bfloat16 if fc1.dtype == torch.bfloat16 else torch.float32
-        offs = ends.clone()
-        offs[-1] = ctx.rows  # the tail of zero rows joins the last group (adds nothing)
-        mm = _GroupedMatmul(offs, dt)
+        # the groups end at ends[-1]: the zero rows past it are in no group
+        mm = _GroupedMatmul(ends, dt)
         dy = grad.new_zeros((ctx.rows, h), dtype=dt).index_copy_(
             0, row_of_pair, grad.reshape(t * k, h).to(dt)
         )

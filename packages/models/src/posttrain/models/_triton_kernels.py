@@ -155,13 +155,15 @@ def _linear_kernel(
     # over K, and so every output row's bits, is the same code for both.
     pid = tl.program_id(0)
     grid_n = tl.cdiv(N, BLOCK_N)
-    if GROUPED:  # tile pid_m multiplies by weight[tile_expert[pid_m]]; -1: a tile of zeros
+    if GROUPED:  # tile pid_m multiplies by weight[tile_expert[pid_m]]; -1: no work, no store
         pid_m = pid // grid_n
         pid_n = pid % grid_n
         expert = tl.load(tile_expert_ptr + pid_m)
-        k_end = tl.where(expert >= 0, K, 0)
+        live = expert >= 0
+        k_end = tl.where(live, K, 0)
         w_base = w_ptr + tl.maximum(expert, 0).to(tl.int64) * swe
     else:  # grouped program order (L2 reuse of w); it only decides which tile runs when
+        live = True
         grid_m = tl.cdiv(M, BLOCK_M)
         width = GROUP_M * grid_n
         group = pid // width
@@ -210,7 +212,7 @@ def _linear_kernel(
     tl.store(
         out_ptr + o_row[:, None] * som + rn[None, :],
         acc,
-        mask=o_ok[:, None] & (rn[None, :] < N),
+        mask=o_ok[:, None] & (rn[None, :] < N) & live,
     )
 
 
@@ -284,7 +286,8 @@ def grouped_linear(
 ) -> torch.Tensor:
     """``linear`` for rows grouped by expert in whole tiles: ``rows`` (a multiple of the
     tiling's ``block_m``) padded rows, tile ``i`` times ``weight[tile_expert[i]].T``
-    (``weight[E, N, K]``; ``tile_expert`` int32 on the device, -1 for a tile of no expert).
+    (``weight[E, N, K]``; ``tile_expert`` int32 on the device, -1 for a tile past the last
+    group: nothing computed, nothing written, so a new output's rows there are garbage).
 
     Padded row ``r`` reads ``x[src[r]]`` (``src`` int64, -1: a zero row) or, without ``src``,
     ``x[r]``; it is written to ``out[dst[r]]`` (-1: not written) or, without ``dst``, to row
