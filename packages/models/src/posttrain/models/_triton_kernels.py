@@ -406,16 +406,21 @@ def rms_norm_backward(
 
 
 @triton.jit
+def _rope_row(H, D, HALF: tl.constexpr, BLOCK: tl.constexpr):
+    """This program's (token, head) row of a norm/rope kernel: its index, token, head, the
+    row's offsets and mask, and each offset's rotate-half partner."""
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    partner = tl.where(offs < HALF, offs + HALF, offs - HALF)
+    return row, row // H, row % H, offs, offs < D, partner
+
+
+@triton.jit
 def _norm_rope_kernel(
     x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, H, D, sxt, sxh, w_rows, eps,
     HAS_NORM: tl.constexpr, HALF: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
-    row = tl.program_id(0).to(tl.int64)
-    t = row // H
-    h = row % H
-    offs = tl.arange(0, BLOCK)
-    ok = offs < D
-    partner = tl.where(offs < HALF, offs + HALF, offs - HALF)
+    row, t, h, offs, ok, partner = _rope_row(H, D, HALF, BLOCK)
     x_row = x_ptr + t * sxt + h * sxh
     y = tl.load(x_row + offs, mask=ok, other=0.0)
     yp = tl.load(x_row + partner, mask=ok, other=0.0)
@@ -453,12 +458,7 @@ def _norm_rope_backward_kernel(
     x_ptr, w_ptr, cos_ptr, sin_ptr, g_ptr, dx_ptr, dw_rows_ptr, H, D, sxt, sxh, w_rows, eps,
     HAS_NORM: tl.constexpr, HALF: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
-    row = tl.program_id(0).to(tl.int64)
-    t = row // H
-    h = row % H
-    offs = tl.arange(0, BLOCK)
-    ok = offs < D
-    partner = tl.where(offs < HALF, offs + HALF, offs - HALF)
+    row, t, h, offs, ok, partner = _rope_row(H, D, HALF, BLOCK)
     g = tl.load(g_ptr + row * D + offs, mask=ok, other=0.0)
     gp = tl.load(g_ptr + row * D + partner, mask=ok, other=0.0)
     c = tl.load(cos_ptr + t * D + offs, mask=ok, other=0.0)
