@@ -675,12 +675,14 @@ def test_packed_attention_backward_equals_the_per_run_loop(
     assert rows._packed_runs(q[:-1], k, kstart[:-1], pos[:-1]) is None
 
 
+@kernel_test  # in the interpreter's own process here: CPU SDPA starts OpenMP's thread pool,
+# and a pool started in pytest's process can hang the workers later tests fork from it
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_packed_attention_backward_through_sdpa(
     dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The packed backward through torch's fused attention (what CUDA runs) gives the batched
-    einsums' gradients (pure torch: runs here with ``"cpu"`` added to its devices)."""
+    einsums' gradients (pure torch: on CPU with ``"cpu"`` added to its devices)."""
     from posttrain.models import _row_attention as rows
 
     gen = torch.Generator().manual_seed(11)
