@@ -64,10 +64,17 @@ def _hang_on_rank_one(rank: int, world_size: int) -> int:
 
 def test_hung_rank_fails_within_timeout() -> None:
     start = time.monotonic()
-    with pytest.raises(WorkerTimeoutError, match=r"ranks \[1\] of 2 did not finish within 3 s"):
+    with pytest.raises(
+        WorkerTimeoutError, match=r"ranks \[1\] of 2 did not finish within 3 s"
+    ) as e:
         run_workers(_hang_on_rank_one, 2, timeout_s=3, backend=None)
     # The hang is cut at the harness timeout, not at pytest's (300 s).
     assert time.monotonic() - start < 30
+    # ...and the message says where the rank hung: its stack, down to the sleeping line
+    message = str(e.value)
+    assert "rank 1's Python stacks when it was killed" in message
+    assert "in _hang_on_rank_one" in message
+    assert "rank 0's" not in message
 
 
 def _hang_in_collective(rank: int, world_size: int) -> None:
@@ -81,8 +88,10 @@ def _hang_in_collective(rank: int, world_size: int) -> None:
 
 
 def test_rank_stuck_in_collective_is_killed() -> None:
-    with pytest.raises(WorkerTimeoutError, match="did not finish"):
+    with pytest.raises(WorkerTimeoutError, match="did not finish") as e:
         run_workers(_hang_in_collective, 2, timeout_s=4)
+    # both ranks hung (rank 0 in the collective, a C call): both stacks are in the message
+    assert str(e.value).count("in _hang_in_collective") == 2
 
 
 def _crash_rank_zero(rank: int, world_size: int) -> int:

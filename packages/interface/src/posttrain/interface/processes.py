@@ -29,14 +29,17 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import faulthandler
 import multiprocessing
 import os
 import pickle
 import queue as queue_module
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import traceback
 import urllib.error
@@ -174,9 +177,11 @@ def _worker_main(
     results: Any,
     threads_per_rank: int | None,
     pg_timeout_s: float,
+    stacks_dir: str,
 ) -> None:
     try:
         _die_with_parent()
+        _dump_stacks_on_request(stacks_dir, rank)
         os.environ.update(
             MASTER_ADDR=_LOOPBACK,
             MASTER_PORT=str(port),
@@ -220,6 +225,65 @@ def _worker_main(
         results.close()
         results.join_thread()
         os._exit(1)
+
+
+_STACKS_SIGNAL = signal.SIGUSR1
+_STACKS_WAIT_S = 2.0
+_STACKS_CHARS = 6000
+
+
+def _stacks_file(stacks_dir: str, rank: int) -> str:
+    return os.path.join(stacks_dir, f"rank{rank}.txt")
+
+
+def _dump_stacks_on_request(stacks_dir: str, rank: int) -> None:
+    """On ``SIGUSR1`` this rank writes every thread's Python stack to its file in
+    ``stacks_dir`` (faulthandler: works while the rank is stuck in C code too)."""
+    stacks = open(_stacks_file(stacks_dir, rank), "w")  # noqa: SIM115 (open for the rank's life)
+    faulthandler.register(_STACKS_SIGNAL, file=stacks, all_threads=True, chain=False)
+
+
+def _size(path: str) -> int:
+    try:
+        return os.path.getsize(path)
+    except OSError:
+        return 0
+
+
+def _hung_stacks(
+    processes: Sequence[multiprocessing.process.BaseProcess], ranks: Sequence[int], stacks_dir: str
+) -> str:
+    """Ask the hung ``ranks`` for their Python stacks (before they are killed); the text to
+    append to the timeout's message, naming the rank of each stack."""
+    asked = []
+    for rank in ranks:
+        pid = processes[rank].pid
+        if pid is not None and processes[rank].is_alive():
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, _STACKS_SIGNAL)
+                asked.append(rank)
+    sizes: dict[int, int] = {}
+    until = time.monotonic() + _STACKS_WAIT_S
+    while asked and time.monotonic() < until:  # until every dump is written and stopped growing
+        time.sleep(0.1)
+        now = {r: _size(_stacks_file(stacks_dir, r)) for r in asked}
+        if all(now[r] > 0 and now[r] == sizes.get(r) for r in asked):
+            break
+        sizes = now
+    texts = {}
+    for rank in asked:
+        with contextlib.suppress(OSError), open(_stacks_file(stacks_dir, rank)) as f:
+            texts[rank] = f.read()
+    parts = []
+    for rank in ranks:
+        text = texts.get(rank, "").strip()
+        if not text:
+            parts.append(f"rank {rank}: no stack (it did not answer {_STACKS_SIGNAL.name})")
+            continue
+        if len(text) > _STACKS_CHARS:
+            text = "...\n" + text[-_STACKS_CHARS:]
+        parts.append(f"rank {rank}'s Python stacks when it was killed:\n{text}")
+    return "\n".join(parts)
 
 
 def _die_with_parent() -> None:
@@ -298,7 +362,9 @@ def run_workers(
     keep a thread count or start with ``forkserver`` there. ``collective_timeout_s`` bounds one collective (the process
     group's timeout; default ``timeout_s``), so a rank left waiting on a hung peer fails long
     before the whole group's deadline. Results must be picklable. Raises ``WorkerTimeoutError``,
-    ``WorkerCrashedError`` or ``WorkerFailedError`` (naming the rank) after killing every rank.
+    ``WorkerCrashedError`` or ``WorkerFailedError`` (naming the rank) after killing every rank;
+    a timeout's message carries each hung rank's Python stacks (asked for with ``SIGUSR1`` just
+    before the kill), so a hang in CI says where it hung.
     """
     if world_size < 1:
         raise ConfigError(f"world_size must be at least 1, got {world_size}")
@@ -318,7 +384,8 @@ def run_workers(
     pg_timeout_s = timeout_s if collective_timeout_s is None else collective_timeout_s
     if not pg_timeout_s > 0:
         raise ConfigError(f"collective_timeout_s must be positive, got {pg_timeout_s}")
-    worker_args = (backend, tuple(args), results, threads_per_rank, pg_timeout_s)
+    stacks_dir = tempfile.mkdtemp(prefix="posttrain-ranks-")
+    worker_args = (backend, tuple(args), results, threads_per_rank, pg_timeout_s, stacks_dir)
     processes = [
         context.Process(
             target=_worker_main,
@@ -338,9 +405,10 @@ def run_workers(
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 missing = sorted(set(range(world_size)) - set(collected))
+                stacks = _hung_stacks(processes, missing, stacks_dir)
                 raise WorkerTimeoutError(
                     f"ranks {missing} of {world_size} did not finish within {timeout_s:g} s "
-                    "(hung or waiting on a hung peer); killed the group",
+                    f"(hung or waiting on a hung peer); killed the group\n{stacks}",
                     rank=missing[0],
                 )
             try:
@@ -365,4 +433,5 @@ def run_workers(
         _kill_all(processes)
         results.close()
         results.join_thread()
+        shutil.rmtree(stacks_dir, ignore_errors=True)
     return [collected[rank] for rank in range(world_size)]
