@@ -77,6 +77,23 @@ def test_hung_rank_fails_within_timeout() -> None:
     assert "rank 0's" not in message
 
 
+def test_a_fork_from_a_process_with_a_live_store_is_named_in_the_timeout() -> None:
+    dist = pytest.importorskip("torch.distributed")
+    # a store left serving in this process (as an in-process run's default group can leave one)
+    store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False)
+    try:
+        with pytest.raises(WorkerTimeoutError) as e:
+            run_workers(_hang_on_rank_one, 2, timeout_s=3, backend=None)
+    finally:
+        del store
+    assert "forked from a process with torch.distributed threads running (pt_tcpstore" in str(
+        e.value
+    )
+    with pytest.raises(WorkerTimeoutError) as e:  # the store gone: nothing to name
+        run_workers(_hang_on_rank_one, 2, timeout_s=3, backend=None)
+    assert "torch.distributed threads" not in str(e.value)
+
+
 def _hang_in_collective(rank: int, world_size: int) -> None:
     import torch
     import torch.distributed as dist

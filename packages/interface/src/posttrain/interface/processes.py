@@ -286,6 +286,23 @@ def _hung_stacks(
     return "\n".join(parts)
 
 
+_FORK_HAZARDS = ("pt_tcpstore", "pt_gloo", "gloo_", "pt_nccl")
+"""Thread names (Linux ``comm``) of torch.distributed's stores and backends: a rank forked while
+such threads run inherits whatever locks they held at that instant."""
+
+
+def _fork_hazards() -> list[str]:
+    """The torch.distributed threads alive in this process now (Linux; [] elsewhere)."""
+    names = []
+    with contextlib.suppress(OSError):
+        for task in os.listdir("/proc/self/task"):
+            with contextlib.suppress(OSError), open(f"/proc/self/task/{task}/comm") as f:
+                name = f.read().strip()
+                if name.startswith(_FORK_HAZARDS):
+                    names.append(name)
+    return sorted(set(names))
+
+
 def _die_with_parent() -> None:
     """Linux: SIGKILL this process when its parent dies (a forked rank outlives nothing)."""
     if sys.platform.startswith("linux"):
@@ -364,7 +381,8 @@ def run_workers(
     before the whole group's deadline. Results must be picklable. Raises ``WorkerTimeoutError``,
     ``WorkerCrashedError`` or ``WorkerFailedError`` (naming the rank) after killing every rank;
     a timeout's message carries each hung rank's Python stacks (asked for with ``SIGUSR1`` just
-    before the kill), so a hang in CI says where it hung.
+    before the kill), so a hang in CI says where it hung, and, for ``fork``, names the
+    torch.distributed threads (a TCPStore's, gloo's) that were running here when the ranks forked.
     """
     if world_size < 1:
         raise ConfigError(f"world_size must be at least 1, got {world_size}")
@@ -395,6 +413,7 @@ def run_workers(
         )
         for rank in range(world_size)
     ]
+    hazards = _fork_hazards() if start_method == "fork" else []
     deadline = time.monotonic() + timeout_s
     collected: dict[int, Any] = {}
     exited_at: dict[int, float] = {}
@@ -406,9 +425,16 @@ def run_workers(
             if remaining <= 0:
                 missing = sorted(set(range(world_size)) - set(collected))
                 stacks = _hung_stacks(processes, missing, stacks_dir)
+                forked = (
+                    f"; forked from a process with torch.distributed threads running "
+                    f"({', '.join(hazards)}), which a forked rank can hang on: start the ranks "
+                    "with spawn or forkserver"
+                    if hazards
+                    else ""
+                )
                 raise WorkerTimeoutError(
                     f"ranks {missing} of {world_size} did not finish within {timeout_s:g} s "
-                    f"(hung or waiting on a hung peer); killed the group\n{stacks}",
+                    f"(hung or waiting on a hung peer){forked}; killed the group\n{stacks}",
                     rank=missing[0],
                 )
             try:
