@@ -34,17 +34,22 @@ def records(out: Path) -> list[dict[str, Any]]:
     return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x.strip()]
 
 
-def reward_rise(steps: list[dict[str, Any]], k: int) -> float:
-    """The mean ``reward_mean`` of the last ``k`` steps minus that of the first ``k``.
+def reward_rise(steps: list[dict[str, Any]], k: int, *, first: int | None = None) -> float:
+    """The mean ``reward_mean`` of the last ``k`` steps minus that of the first ``first``
+    (default ``k``).
 
     A step's mean is over 8 prompts drawn afresh, so it moves by ~0.08 from step to step with no
     learning at all (the recipe at ``--lr 1e-12``: 0.11..0.39 over 10 steps); averaging ``k``
     steps at each end is what lets a learning check hold across draws, where one step against
-    another is a coin toss near the margin."""
+    another is a coin toss near the margin. ``first=1`` compares with the untrained model's step
+    alone: a run that learns within its first update has already risen at step 1, and averaging
+    that step into the "before" side hides the rise it shows."""
     assert k > 0, k
-    assert 2 * k <= len(steps), (k, len(steps))
+    before = k if first is None else first
+    assert before > 0, before
+    assert k + before <= len(steps), (k, before, len(steps))
     rewards = [float(r["reward_mean"]) for r in steps]
-    return (sum(rewards[-k:]) - sum(rewards[:k])) / k
+    return sum(rewards[-k:]) / k - sum(rewards[:before]) / before
 
 
 def run_grpo(cache: Path, out: Path, *flags: str, trainer: tuple[str, ...] = ()) -> dict[str, Any]:

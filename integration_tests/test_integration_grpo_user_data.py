@@ -40,10 +40,13 @@ from posttrain.grpo.rewards import PromptStream
 pytestmark = [pytest.mark.slow, pytest.mark.multiproc, pytest.mark.timeout(600)]
 
 STEPS, PROMPTS, SAMPLES = 6, 8, 8
-# steps 4-5 over steps 0-1 on the base + j draws (reward_rise): +0.30 for this run (0.28 0.28
-# 0.53 0.56 0.69 0.47); -0.12 at --lr 1e-12, no learning (one step's mean moves by ~0.08 from
-# draw to draw). With --seed 1 and 2 (other prompts and draws) +0.53 and +0.14: a check of this
-# seed's run, not of every seed's in six steps.
+# The mean of steps 3-5 over step 0, the untrained model's (reward_rise(first=1)). Measured on
+# the base + j draws at seed 0: +0.31 on one machine (0.36 0.66 0.70 0.70 0.66 0.66: it learns in
+# its first update), +0.29 on another (0.28 0.28 0.53 0.56 0.69 0.47), and -0.09 at --lr 1e-12,
+# no learning (0.36 0.45 0.23 0.23 0.23 0.33; one step's mean moves by ~0.08 from draw to
+# draw). The fast warm-up's bits follow the machine's CPU kernels, so the recipe's base model,
+# and with it the run, differ from machine to machine: steps 4-5 over steps 0-1 was +0.30 on the
+# second machine and +0.15 on the first, a fast learner's step 1 counted as "before".
 LEARN_RISE = 0.15
 REWARD = """
 import json, os
@@ -128,7 +131,7 @@ def test_a_base_model_learns_on_user_data_and_reward_evaluates_and_resumes_mid_e
     got = records(out)
     assert [r["step"] for r in got] == list(range(STEPS))
     assert summary["train_rollout_logprob_abs_diff_all_zero"] is True
-    rise = reward_rise(got, 2)  # the base model learns
+    rise = reward_rise(got, 3, first=1)  # the base model learns
     assert rise >= LEARN_RISE, ([r["reward_mean"] for r in got], rise, summary)
     calls = [json.loads(line) for line in log_path.read_text().splitlines()]
     # --dry-run's reward check (the launcher's and the trainer's) calls the reward once per
