@@ -169,16 +169,11 @@ def _row_softmax(x: Tensor, *, log: bool) -> Tensor:
     return out.reshape(x.shape)
 
 
-def _tiling(weight: Tensor) -> kernels.LinearTiling:
-    """``linear``'s tiling for ``weight`` (its default: by dtype)."""
-    return kernels.BF16_LINEAR_TILING if weight.dtype == torch.bfloat16 else kernels.LINEAR_TILING
-
-
 def _experts_forward(
     m: Tensor, ids: Tensor, fc1: Tensor, fc2: Tensor, tiling: kernels.LinearTiling
-) -> tuple[Tensor, ExpertRows, Tensor, Tensor, Tensor]:
+) -> tuple[Tensor, ExpertRows, Tensor, Tensor]:
     """``[T, k, H]`` routed outputs of ``m[T, H]`` (fp32), and what the backward reads: the
-    padded layout, ``tile_expert``, ``gate_up`` and ``act`` over the padded rows. Rows are
+    padded layout, ``gate_up`` and ``act`` over the padded rows. Rows are
     gathered from ``m`` and scattered to the output inside the GEMMs (no padded copy of
     ``m``); pad rows are zeros all the way (``silu_mul(0, 0) = 0``), the tiles past the last
     group too (never computed: ``gate_up`` starts as zeros)."""
@@ -198,7 +193,7 @@ def _experts_forward(
     kernels.grouped_linear(
         act, fc2, tiles, rows=layout.rows, dst=pair_rows(layout), out=out, tiling=tiling
     )
-    return out.reshape(t, k, -1), layout, tiles, gate_up, act
+    return out.reshape(t, k, -1), layout, gate_up, act
 
 
 class _RoutedExperts(torch.autograd.Function):
@@ -212,9 +207,9 @@ class _RoutedExperts(torch.autograd.Function):
     def forward(
         ctx: Any, m: Tensor, fc1: Tensor, fc2: Tensor, ids: Tensor, tiling: kernels.LinearTiling
     ) -> Tensor:
-        out, layout, _, gate_up, act = _experts_forward(m, ids, fc1, fc2, tiling)
+        out, layout, gate_up, act = _experts_forward(m, ids, fc1, fc2, tiling)
         ctx.save_for_backward(m, fc1, fc2, layout.row_of_pair, layout.ends, gate_up, act)
-        ctx.rows, ctx.k = layout.rows, ids.shape[1]
+        ctx.rows = layout.rows
         return out
 
     @staticmethod
@@ -389,7 +384,7 @@ class CudaStrictOps(StrictOps):
         ``grouped_linear`` of ``fc1``, ``silu_mul``, ``grouped_linear`` of ``fc2`` over the
         pairs grouped by expert; every row the bits ``linear``/``silu_mul`` give it alone, as
         the expert-by-expert loop computes. Under autograd ``_RoutedExperts``' backward."""
-        tiling = _tiling(fc1)
+        tiling = kernels.tiling_for(fc1)
         if _needs_grad(m, fc1, fc2):
             out: Tensor = _RoutedExperts.apply(m, fc1, fc2, ids, tiling)
             return out

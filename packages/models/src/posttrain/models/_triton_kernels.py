@@ -216,6 +216,12 @@ def _linear_kernel(
     )
 
 
+def tiling_for(weight: torch.Tensor) -> LinearTiling:
+    """``linear``'s default tiling for ``weight``: by its dtype (``BF16_LINEAR_TILING`` for
+    bf16, ``LINEAR_TILING`` otherwise)."""
+    return BF16_LINEAR_TILING if weight.dtype == torch.bfloat16 else LINEAR_TILING
+
+
 def linear(
     x: torch.Tensor, weight: torch.Tensor, tiling: LinearTiling | None = None
 ) -> torch.Tensor:
@@ -224,7 +230,7 @@ def linear(
     The default tiling follows the weight's dtype: ``BF16_LINEAR_TILING`` for bf16 weights,
     ``LINEAR_TILING`` (``tf32x3``) otherwise. A row's bits depend on its own inputs and the
     weight, never on ``M``."""
-    t = tiling or (BF16_LINEAR_TILING if weight.dtype == torch.bfloat16 else LINEAR_TILING)
+    t = tiling or tiling_for(weight)
     m, k = x.shape
     n = weight.shape[0]
     out = torch.empty((m, n), dtype=torch.float32, device=x.device)
@@ -293,7 +299,7 @@ def grouped_linear(
     ``x[r]``; it is written to ``out[dst[r]]`` (-1: not written) or, without ``dst``, to row
     ``r`` of a new fp32 ``[rows, N]``. The kernel and constants are ``linear``'s, so a row's
     bits are the ones ``linear(x_row, weight[e])`` gives, whatever rows come with it."""
-    t = tiling or (BF16_LINEAR_TILING if weight.dtype == torch.bfloat16 else LINEAR_TILING)
+    t = tiling or tiling_for(weight)
     k = x.shape[1]
     n = weight.shape[1]
     if rows % t.block_m:
