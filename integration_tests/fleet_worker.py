@@ -1,9 +1,9 @@
 """The trainer side of ``test_integration_engine_fleet``, importable so its rank is spawned.
 
 ``fleet_run`` runs in a fresh interpreter (``run_workers(..., start_method="spawn")``): the
-tests before it in the suite can leave threads in pytest's process (an in-process GRPO run keeps
-the default group's TCPStore and gloo's loop threads alive through DTensor's caches), and a rank
-forked from that process hung there in CI. ``conftest.py`` puts this directory on ``sys.path``,
+tests before it in the suite can leave threads in pytest's process (after an in-process GRPO run
+the sharded model's device meshes stay alive, and with them the default group's TCPStore and
+gloo's loop threads), and a rank forked from that process hung there in CI. ``conftest.py`` puts this directory on ``sys.path``,
 which spawn passes to the child.
 """
 

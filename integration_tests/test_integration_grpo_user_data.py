@@ -44,9 +44,10 @@ STEPS, PROMPTS, SAMPLES = 6, 8, 8
 # the base + j draws at seed 0: +0.31 on one machine (0.36 0.66 0.70 0.70 0.66 0.66: it learns in
 # its first update), +0.29 on another (0.28 0.28 0.53 0.56 0.69 0.47), and -0.09 at --lr 1e-12,
 # no learning (0.36 0.45 0.23 0.23 0.23 0.33; one step's mean moves by ~0.08 from draw to
-# draw). The fast warm-up's bits follow the machine's CPU kernels, so the recipe's base model,
-# and with it the run, differ from machine to machine: steps 4-5 over steps 0-1 was +0.30 on the
-# second machine and +0.15 on the first, a fast learner's step 1 counted as "before".
+# draw). The same commit gave both runs, most likely because the fast warm-up's bits follow the
+# machine's CPU kernels (not proven), so the base model and the run differ between machines:
+# steps 4-5 over steps 0-1 was +0.30 on the second machine and +0.148 on the first, a fast
+# learner's step 1 counted as "before".
 LEARN_RISE = 0.15
 REWARD = """
 import json, os

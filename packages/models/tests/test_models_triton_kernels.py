@@ -675,8 +675,9 @@ def test_packed_attention_backward_equals_the_per_run_loop(
     assert rows._packed_runs(q[:-1], k, kstart[:-1], pos[:-1]) is None
 
 
-@kernel_test  # in the interpreter's own process here: CPU SDPA starts OpenMP's thread pool,
-# and a pool started in pytest's process can hang the workers later tests fork from it
+@kernel_test  # in the interpreter's own process here: CPU SDPA starts OpenMP's thread pool, kept
+# out of pytest's process, which later tests fork ranks from (not the fleet test's hang: that was
+# an in-process run's leftover TCPStore and gloo threads)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_packed_attention_backward_through_sdpa(
     dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
